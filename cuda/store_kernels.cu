@@ -1,0 +1,171 @@
+/*
+ * libkvinject — store copy kernels: dense K/V view <-> fact pages.
+ * SPDX-License-Identifier: Apache-2.0
+ *
+ * Memory traffic: each element is read once and written once, so a launch
+ * moves tokens * L * 2 * H * D * (sizeof(src) + sizeof(dst)) bytes; the bound
+ * is the device copy rate. Each thread moves one 8-element vector of one
+ * (layer, plane, head, token) row; consecutive threads walk d, then tokens,
+ * so page writes (contiguous per layer/plane/head) coalesce. When every row
+ * start is 16-byte aligned the vector moves as 16-byte loads and stores.
+ */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "kernels.h"
+
+namespace {
+
+constexpr int VEC = 8;
+
+template <typename T> struct elem;
+template <> struct elem<float> {
+  static __device__ float to_f32(float x) { return x; }
+  static __device__ float from_f32(float x) { return x; }
+};
+template <> struct elem<__half> {
+  static __device__ float to_f32(__half x) { return __half2float(x); }
+  static __device__ __half from_f32(float x) { return __float2half_rn(x); }
+};
+template <> struct elem<__nv_bfloat16> {
+  static __device__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __nv_bfloat16 from_f32(float x) { return __float2bfloat16_rn(x); }
+};
+
+template <typename S, typename D> __device__ inline D convert(S x) {
+  return elem<D>::from_f32(elem<S>::to_f32(x));
+}
+template <> __device__ inline float convert<float, float>(float x) { return x; }
+template <> __device__ inline __half convert<__half, __half>(__half x) { return x; }
+template <> __device__ inline __nv_bfloat16 convert<__nv_bfloat16, __nv_bfloat16>(__nv_bfloat16 x) {
+  return x;
+}
+
+/* A vector of VEC elements of T, moved as 16-byte words when aligned. */
+template <typename T> struct alignas(16) vec_t {
+  T e[VEC];
+};
+
+template <typename T, bool ALIGNED>
+__device__ inline void load_vec(vec_t<T> &r, const T *p, int n) {
+  if (ALIGNED) {
+    const uint4 *q = reinterpret_cast<const uint4 *>(p);
+    uint4 *o = reinterpret_cast<uint4 *>(&r);
+#pragma unroll
+    for (int i = 0; i < (int)(sizeof(vec_t<T>) / 16); i++) o[i] = q[i];
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; i++)
+      if (i < n) r.e[i] = p[i];
+  }
+}
+
+template <typename T, bool ALIGNED>
+__device__ inline void store_vec(T *p, const vec_t<T> &r, int n) {
+  if (ALIGNED) {
+    uint4 *q = reinterpret_cast<uint4 *>(p);
+    const uint4 *o = reinterpret_cast<const uint4 *>(&r);
+#pragma unroll
+    for (int i = 0; i < (int)(sizeof(vec_t<T>) / 16); i++) q[i] = o[i];
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; i++)
+      if (i < n) p[i] = r.e[i];
+  }
+}
+
+/* TO_PAGES: view -> pages; otherwise pages -> view. V is the view's element
+ * type, G the page's. */
+template <typename V, typename G, bool TO_PAGES, bool ALIGNED>
+__global__ void copy_kernel(const kvi__copy_args a) {
+  const int nvec = (a.D + VEC - 1) / VEC;
+  const int64_t total = (int64_t)a.L * 2 * a.H * a.num_tokens * nvec;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    int64_t r = i;
+    const int dv = (int)(r % nvec);
+    r /= nvec;
+    const int t = (int)(r % a.num_tokens); /* token within this launch */
+    r /= a.num_tokens;
+    const int h = (int)(r % a.H);
+    r /= a.H;
+    const int kv = (int)(r % 2);
+    const int l = (int)(r / 2);
+    const int d0 = dv * VEC;
+    const int n = min(VEC, a.D - d0);
+
+    const int tok = a.token_first + t;                  /* token within the fact */
+    const int pi = t / a.P;                             /* launches start on a page boundary */
+    const int tp = tok % a.P;
+    G *page = static_cast<G *>(a.pool) + (int64_t)a.pages[pi] * a.page_elems;
+    G *g = page + ((((int64_t)l * 2 + kv) * a.H + h) * a.P + tp) * a.D + d0;
+    const V *vbase = static_cast<const V *>(kv ? a.vv : a.vk);
+    V *v = const_cast<V *>(vbase) + (int64_t)l * a.layer_stride + (int64_t)tok * a.token_stride +
+           (int64_t)h * a.head_stride + d0;
+
+    if (TO_PAGES) {
+      vec_t<V> in;
+      vec_t<G> out;
+      load_vec<V, ALIGNED>(in, v, n);
+#pragma unroll
+      for (int e = 0; e < VEC; e++) out.e[e] = convert<V, G>(in.e[e]);
+      store_vec<G, ALIGNED>(g, out, n);
+    } else {
+      vec_t<G> in;
+      vec_t<V> out;
+      load_vec<G, ALIGNED>(in, g, n);
+#pragma unroll
+      for (int e = 0; e < VEC; e++) out.e[e] = convert<G, V>(in.e[e]);
+      store_vec<V, ALIGNED>(v, out, n);
+    }
+  }
+}
+
+template <typename V, typename G, bool TO_PAGES>
+int launch3(const kvi__copy_args *a, cudaStream_t s) {
+  const int nvec = (a->D + VEC - 1) / VEC;
+  const int64_t total = (int64_t)a->L * 2 * a->H * a->num_tokens * nvec;
+  const int threads = 256;
+  int64_t blocks = (total + threads - 1) / threads;
+  if (blocks > 65535) blocks = 65535; /* grid-stride beyond this */
+  /* 16-byte moves need every row start aligned: bases, strides and D. */
+  const uintptr_t vb = (uintptr_t)a->vk | (uintptr_t)a->vv;
+  const bool aligned = a->D % VEC == 0 && vb % 16 == 0 && (uintptr_t)a->pool % 16 == 0 &&
+                       (a->layer_stride * (int64_t)sizeof(V)) % 16 == 0 &&
+                       (a->token_stride * (int64_t)sizeof(V)) % 16 == 0 &&
+                       (a->head_stride * (int64_t)sizeof(V)) % 16 == 0;
+  if (aligned)
+    copy_kernel<V, G, TO_PAGES, true><<<(unsigned)blocks, threads, 0, s>>>(*a);
+  else
+    copy_kernel<V, G, TO_PAGES, false><<<(unsigned)blocks, threads, 0, s>>>(*a);
+  return (int)cudaGetLastError();
+}
+
+template <typename V, bool TO_PAGES> int launch2(const kvi__copy_args *a, cudaStream_t s) {
+  switch (a->page_dtype) {
+  case KVI_DTYPE_FP32: return launch3<V, float, TO_PAGES>(a, s);
+  case KVI_DTYPE_FP16: return launch3<V, __half, TO_PAGES>(a, s);
+  case KVI_DTYPE_BF16: return launch3<V, __nv_bfloat16, TO_PAGES>(a, s);
+  }
+  return (int)cudaErrorInvalidValue;
+}
+
+template <bool TO_PAGES> int launch(const kvi__copy_args *a, cudaStream_t s) {
+  switch (a->view_dtype) {
+  case KVI_DTYPE_FP32: return launch2<float, TO_PAGES>(a, s);
+  case KVI_DTYPE_FP16: return launch2<__half, TO_PAGES>(a, s);
+  case KVI_DTYPE_BF16: return launch2<__nv_bfloat16, TO_PAGES>(a, s);
+  }
+  return (int)cudaErrorInvalidValue;
+}
+
+} // namespace
+
+extern "C" int kvi__cuda_view_to_pages(const kvi__copy_args *a, struct CUstream_st *stream) {
+  return launch<true>(a, (cudaStream_t)stream);
+}
+
+extern "C" int kvi__cuda_pages_to_view(const kvi__copy_args *a, struct CUstream_st *stream) {
+  return launch<false>(a, (cudaStream_t)stream);
+}

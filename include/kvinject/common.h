@@ -1,0 +1,164 @@
+/*
+ * libkvinject — common definitions: export macro, status codes, errors,
+ * version and feature queries, element types, memory kinds and backends.
+ *
+ * SPDX-License-Identifier: Apache-2.0
+ *
+ * Include <kvinject.h> rather than this file.
+ */
+#ifndef KVINJECT_COMMON_H
+#define KVINJECT_COMMON_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvinject/version.h"
+
+#if defined(__GNUC__) || defined(__clang__)
+#define KVI_API __attribute__((visibility("default")))
+#else
+#define KVI_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* A CUDA stream, as `cudaStream_t` / `CUstream`. Declared here so that this
+ * header needs no CUDA header; pass a `cudaStream_t` as it is, or NULL for the
+ * default stream. Backends that do not use streams ignore it. */
+struct CUstream_st;
+
+/* ------------------------------------------------------------------------ */
+/* Status codes                                                             */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * Every call that can fail returns a kvi_status. 0 is success; errors are
+ * negative. The values are part of the ABI: they are never renumbered and a
+ * value is never reused for another meaning. New codes are appended.
+ *
+ * Unless a function says otherwise, a call that returns an error has changed
+ * nothing: no handle state, no stored fact, no output parameter.
+ */
+typedef enum kvi_status {
+  KVI_OK = 0,
+  /* A NULL pointer, a value out of range, an unknown enum value or flag. */
+  KVI_ERR_INVALID_ARGUMENT = -1,
+  /* An options/view/output struct whose struct_size is smaller than the first
+   * published version of it, or that has non-zero bytes past the fields this
+   * version of the library knows. */
+  KVI_ERR_STRUCT_SIZE = -2,
+  /* A host allocation failed, or the memory a store reserves at creation
+   * could not be reserved. */
+  KVI_ERR_OUT_OF_MEMORY = -3,
+  /* The store's reserved memory has too few free pages for the request. */
+  KVI_ERR_CAPACITY = -4,
+  /* The (tenant, fact id) is already stored and no replace flag was given. */
+  KVI_ERR_EXISTS = -5,
+  /* No fact with that (tenant, fact id). */
+  KVI_ERR_NOT_FOUND = -6,
+  /* A buffer's shape (layers, heads, head size) or element type does not
+   * match what the handle was created for. */
+  KVI_ERR_MISMATCH = -7,
+  /* A pointer declared as host memory is device memory or the reverse, or
+   * device memory on another device than the handle's, or memory the
+   * chosen backend cannot reach (device memory given to a CPU store). */
+  KVI_ERR_MEMORY_KIND = -8,
+  /* The call needs a component (CUDA, cuBLASLt, NCCL) that this build of the
+   * library does not contain. See kvi_features(). */
+  KVI_ERR_NOT_BUILT = -9,
+  /* CUDA was asked for, the library has it, but no usable device answers
+   * (no driver, no device, or the ordinal is out of range). */
+  KVI_ERR_NO_DEVICE = -10,
+  /* A CUDA runtime call failed; kvi_last_error() names the call and the
+   * CUDA error. */
+  KVI_ERR_CUDA = -11,
+  /* A valid request that this version does not implement. */
+  KVI_ERR_UNSUPPORTED = -12,
+  /* A bug in the library: please report it with kvi_last_error(). */
+  KVI_ERR_INTERNAL = -13
+} kvi_status;
+
+/* Static English text for a status ("invalid argument", ...). Never NULL;
+ * unknown values give "unknown status". Thread-safe. */
+KVI_API const char *kvi_status_string(kvi_status status);
+
+/*
+ * The message of the last call that failed on the calling thread, naming what
+ * was wrong and the offending value (for example "kvi_store_put: kv->num_heads
+ * is 4, the store holds 8 local heads"). Never NULL: "" when no call on this
+ * thread has failed. Successful calls do not clear it. The text stays valid
+ * until the next failing call on the same thread.
+ */
+KVI_API const char *kvi_last_error(void);
+
+/* ------------------------------------------------------------------------ */
+/* Version and features                                                     */
+/* ------------------------------------------------------------------------ */
+
+/* KVI_VERSION_NUMBER of the library loaded at run time
+ * (major * 10000 + minor * 100 + patch). */
+KVI_API unsigned kvi_version_number(void);
+
+/* KVI_VERSION_STRING of the library loaded at run time, e.g. "0.1.0". */
+KVI_API const char *kvi_version_string(void);
+
+/* Bits returned by kvi_features(): what this build of the library contains. */
+#define KVI_FEATURE_CUDA 0x1u     /* CUDA backend (kernels for KVI_CUDA_ARCHS) */
+#define KVI_FEATURE_CUBLASLT 0x2u /* cuBLASLt-based retrieval */
+#define KVI_FEATURE_NCCL 0x4u     /* NCCL communicators for tensor parallelism */
+
+/* The KVI_FEATURE_* bits this build contains. Built-in does not mean usable:
+ * CUDA also needs a driver and a device at run time (kvi_cuda_device_count). */
+KVI_API unsigned kvi_features(void);
+
+/*
+ * Number of CUDA devices usable by this library.
+ * out_count: host memory, receives the count; 0 when there is no driver or no
+ *            device (that is not an error: the CPU backend still works).
+ * Returns KVI_ERR_NOT_BUILT (and sets *out_count to 0) when the library was
+ * built without CUDA, KVI_ERR_INVALID_ARGUMENT when out_count is NULL.
+ * Thread-safe.
+ */
+KVI_API kvi_status kvi_cuda_device_count(int *out_count);
+
+/* ------------------------------------------------------------------------ */
+/* Element types, memory kinds, backends                                    */
+/* ------------------------------------------------------------------------ */
+
+/* Element types. 0 is deliberately not a type, so an unset field is caught. */
+typedef enum kvi_dtype {
+  KVI_DTYPE_FP32 = 1,
+  KVI_DTYPE_FP16 = 2,     /* IEEE binary16 */
+  KVI_DTYPE_BF16 = 3,     /* bfloat16 */
+  KVI_DTYPE_FP8_E4M3 = 4, /* OCP e4m3fn (max 448); caches only, not yet stores */
+  KVI_DTYPE_FP8_E5M2 = 5  /* OCP e5m2; caches only, not yet stores */
+} kvi_dtype;
+
+/* Bytes per element of a dtype; 0 for a value that is not a kvi_dtype. */
+KVI_API size_t kvi_dtype_size(kvi_dtype dtype);
+
+/* Where a pointer points. 0 is deliberately not a kind: every buffer the
+ * caller passes must say where it lives. */
+typedef enum kvi_memory {
+  KVI_MEMORY_HOST = 1,  /* ordinary or pinned host memory */
+  KVI_MEMORY_DEVICE = 2 /* device memory of the handle's CUDA device (managed
+                           memory also qualifies) */
+} kvi_memory;
+
+/* Which implementation a handle uses; chosen once, at creation. */
+typedef enum kvi_backend {
+  /* CUDA if the library has it and a device answers, else the CPU. */
+  KVI_BACKEND_AUTO = 0,
+  /* Plain C on the host: the reference implementation. */
+  KVI_BACKEND_CPU = 1,
+  /* CUDA on a given device ordinal. */
+  KVI_BACKEND_CUDA = 2
+} kvi_backend;
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVINJECT_COMMON_H */

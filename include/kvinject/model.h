@@ -1,0 +1,129 @@
+/*
+ * libkvinject — model geometry (kvi_model) and its RoPE slot.
+ *
+ * SPDX-License-Identifier: Apache-2.0
+ *
+ * A kvi_model describes the attention KV of one model as this process sees
+ * it: layers, KV heads, head size, the tensor-parallel slice this process
+ * holds, and a RoPE spec per layer. Every other handle is created from a
+ * model and checks what it is given against it.
+ *
+ * Tensor parallelism follows vLLM/SGLang/TensorRT-LLM: with H total KV heads
+ * and tp ranks, rank r holds heads [r*H/tp, (r+1)*H/tp) when tp <= H (tp must
+ * divide H), and head r / (tp/H) when tp > H (H must divide tp; each head is
+ * then replicated on tp/H ranks).
+ *
+ * Thread rules: a kvi_model may be read (kvi_model_info, kvi_model_get_rope,
+ * handle creation) from any number of threads at once; kvi_model_set_rope
+ * must not run concurrently with any other call on the same model. Handles
+ * created from a model copy what they need: the model may be changed or
+ * destroyed afterwards without affecting them.
+ */
+#ifndef KVINJECT_MODEL_H
+#define KVINJECT_MODEL_H
+
+#include "kvinject/common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kvi_model kvi_model;
+
+/* Options for kvi_model_create. Initialize with KVI_MODEL_OPTIONS_INIT or
+ * kvi_model_options_init(); fields may only be appended in later versions. */
+typedef struct kvi_model_options {
+  size_t struct_size;   /* sizeof(kvi_model_options) */
+  int32_t num_layers;   /* attention layers, >= 1 (required) */
+  int32_t num_kv_heads; /* KV heads of the whole model, before TP, >= 1 (required) */
+  int32_t head_size;    /* elements per head, 1..1024 (required) */
+  int32_t tp_rank;      /* this process's tensor-parallel rank, default 0 */
+  int32_t tp_size;      /* tensor-parallel size, default 1 */
+} kvi_model_options;
+
+#define KVI_MODEL_OPTIONS_INIT {sizeof(kvi_model_options), 0, 0, 0, 0, 1}
+
+/* Fills *opts with KVI_MODEL_OPTIONS_INIT. NULL is ignored. */
+KVI_API void kvi_model_options_init(kvi_model_options *opts);
+
+/*
+ * Creates a model.
+ * out:  host memory; receives the new model, owned by the caller (free it
+ *       with kvi_model_destroy). Unchanged on error.
+ * opts: host memory, required (the geometry has no defaults).
+ * Every layer starts with RoPE style KVI_ROPE_NONE; set it with
+ * kvi_model_set_rope.
+ * Errors: KVI_ERR_INVALID_ARGUMENT (NULL, a field out of range, tp_rank not
+ * in [0, tp_size), tp_size and num_kv_heads where neither divides the other),
+ * KVI_ERR_STRUCT_SIZE, KVI_ERR_OUT_OF_MEMORY.
+ */
+KVI_API kvi_status kvi_model_create(kvi_model **out, const kvi_model_options *opts);
+
+/* Frees a model. NULL is a no-op. */
+KVI_API void kvi_model_destroy(kvi_model *model);
+
+/* What a model resolves to. An output struct: set struct_size (use
+ * KVI_MODEL_INFO_INIT); the library writes only the first struct_size bytes. */
+typedef struct kvi_model_info {
+  size_t struct_size;
+  int32_t num_layers;
+  int32_t num_kv_heads;     /* whole model */
+  int32_t head_size;
+  int32_t tp_rank;
+  int32_t tp_size;
+  int32_t local_head_first; /* first KV head (global index) this rank holds */
+  int32_t local_heads;      /* how many consecutive heads it holds */
+  int32_t head_replicas;    /* ranks holding each of these heads (1 unless tp > H) */
+} kvi_model_info;
+
+#define KVI_MODEL_INFO_INIT {sizeof(kvi_model_info), 0, 0, 0, 0, 0, 0, 0, 0}
+
+/* Fills *out. host memory. Errors: KVI_ERR_INVALID_ARGUMENT, KVI_ERR_STRUCT_SIZE. */
+KVI_API kvi_status kvi_model_info_get(const kvi_model *model, kvi_model_info *out);
+
+/* ------------------------------------------------------------------------ */
+/* RoPE slot                                                                */
+/* ------------------------------------------------------------------------ */
+
+/* How a layer's keys are rotated. */
+typedef enum kvi_rope_style {
+  KVI_ROPE_NONE = 0, /* no rotary embedding on this layer (NoPE) */
+  KVI_ROPE_NEOX = 1, /* half split: pairs (x_i, x_{i + rotary_dim/2}) */
+  KVI_ROPE_GPTJ = 2  /* interleaved: pairs (x_{2i}, x_{2i+1}) */
+} kvi_rope_style;
+
+/* A layer's RoPE. This version records the spec (it travels with the model
+ * into every handle); rotation itself arrives with the encoder/injector.
+ * Fields are only ever appended (scaling variants come next). */
+typedef struct kvi_rope_spec {
+  size_t struct_size;   /* sizeof(kvi_rope_spec) */
+  kvi_rope_style style; /* default KVI_ROPE_NEOX */
+  int32_t rotary_dim;   /* rotated leading dims, even, 2..head_size; 0 = head_size (default) */
+  double theta;         /* base, > 0; default 10000 */
+} kvi_rope_spec;
+
+#define KVI_ROPE_SPEC_INIT {sizeof(kvi_rope_spec), KVI_ROPE_NEOX, 0, 10000.0}
+
+/* Fills *spec with KVI_ROPE_SPEC_INIT. NULL is ignored. */
+KVI_API void kvi_rope_spec_init(kvi_rope_spec *spec);
+
+/*
+ * Sets the RoPE of one layer (0 <= layer < num_layers) or of every layer
+ * (layer = -1). spec: host memory. With style KVI_ROPE_NONE the other fields
+ * are ignored.
+ * Errors: KVI_ERR_INVALID_ARGUMENT (NULL, layer out of range, unknown style,
+ * rotary_dim odd or > head_size, theta not finite and > 0),
+ * KVI_ERR_STRUCT_SIZE. On error no layer is changed.
+ */
+KVI_API kvi_status kvi_model_set_rope(kvi_model *model, int32_t layer, const kvi_rope_spec *spec);
+
+/* Reads one layer's RoPE into *out (host memory; set out->struct_size). A
+ * resolved spec: rotary_dim is never 0 here for a rotated layer.
+ * Errors: KVI_ERR_INVALID_ARGUMENT, KVI_ERR_STRUCT_SIZE. */
+KVI_API kvi_status kvi_model_get_rope(const kvi_model *model, int32_t layer, kvi_rope_spec *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVINJECT_MODEL_H */

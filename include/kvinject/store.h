@@ -1,0 +1,265 @@
+/*
+ * libkvinject — the fact store (kvi_store).
+ *
+ * SPDX-License-Identifier: Apache-2.0
+ *
+ * A store keeps facts keyed by (tenant, fact id). A fact is T tokens of
+ * pre-RoPE K and V for every layer and every local KV head of the model it
+ * was created for, plus an optional embedding. Tenants are namespaces: no
+ * call made for tenant A reads, lists or counts tenant B's facts.
+ *
+ * Memory. A store reserves its whole budget once, at creation, and cuts it
+ * into pages of a fixed number of tokens (page_tokens). A fact occupies
+ * ceil(T / page_tokens) pages anywhere in the pool, so puts and removes never
+ * allocate or free device memory and the budget never fragments: a put fails
+ * with KVI_ERR_CAPACITY only when fewer pages are free than it needs. The
+ * layout of a page is internal; read facts back with kvi_store_read.
+ *
+ * Backends. A CPU store keeps its pages in host memory and only accepts host
+ * buffers. A CUDA store keeps them in device memory of its device and accepts
+ * host or device buffers. The handle is bound to its device at creation; the
+ * library switches the calling thread's current device only for the duration
+ * of a call and restores it before returning.
+ *
+ * Streams. Calls on a CUDA store that read or write device buffers enqueue
+ * their copy on the stream given as last argument (NULL: the default stream)
+ * and return once it is enqueued. The caller keeps device source buffers
+ * valid and unchanged until the stream has passed the copy, and orders work
+ * on other streams that reads a fact after the stream that wrote it. Calls
+ * with a host buffer return only after the data has been copied (the host
+ * buffer may be reused at once). A CPU store ignores the stream.
+ *
+ * In this version removing or replacing a fact frees its pages at once: the
+ * caller must not remove a fact while work enqueued on a stream still reads
+ * it (kvi_store_read into device memory). Stream-ordered deferred freeing
+ * comes with the injector.
+ *
+ * Thread rules: every function below may be called from several threads at
+ * once on the same store, except kvi_store_destroy, which must not overlap
+ * any other call on it. Calls are serialized by a lock in the store.
+ *
+ * Failed calls change nothing: a put that fails leaves any existing fact with
+ * that key as it was, a remove that fails removes nothing.
+ */
+#ifndef KVINJECT_STORE_H
+#define KVINJECT_STORE_H
+
+#include "kvinject/common.h"
+#include "kvinject/model.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kvi_store kvi_store;
+
+/* ------------------------------------------------------------------------ */
+/* Dense K/V buffers                                                        */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * A dense K/V buffer with shape [num_layers][num_tokens][num_heads][head_size]
+ * for K and the same for V. Element (l, t, h, d) of K is at
+ *   k + (l * layer_stride + t * token_stride + h * head_stride + d) * elem_size
+ * and likewise for V with the same strides: head vectors are contiguous.
+ * Strides are in elements and >= 0. This covers the usual engine buffers:
+ * a per-layer [T, H, D] tensor stacked over layers, [L, T, H*D], K and V
+ * halves of one [T, 2, H, D] buffer (v = k + H*D), and so on.
+ *
+ * Used as a source (kvi_store_put) it may alias itself (a stride of 0
+ * repeats data); used as a destination (kvi_store_read) no two elements
+ * may share an address.
+ */
+typedef struct kvi_kv_view {
+  size_t struct_size;  /* sizeof(kvi_kv_view) */
+  kvi_memory memory;   /* where k and v point (required) */
+  kvi_dtype dtype;     /* FP32, FP16 or BF16 (required) */
+  int32_t num_layers;  /* must equal the model's layers */
+  int32_t num_tokens;  /* >= 1 */
+  int32_t num_heads;   /* must equal the model's local heads */
+  int32_t head_size;   /* must equal the model's head size */
+  int64_t layer_stride;
+  int64_t token_stride;
+  int64_t head_stride;
+  void *k;             /* K data; read-only when used as a source */
+  void *v;             /* V data; read-only when used as a source */
+} kvi_kv_view;
+
+#define KVI_KV_VIEW_INIT {sizeof(kvi_kv_view), (kvi_memory)0, (kvi_dtype)0, 0, 0, 0, 0, 0, 0, 0, NULL, NULL}
+
+/* Fills *view with KVI_KV_VIEW_INIT. NULL is ignored. */
+KVI_API void kvi_kv_view_init(kvi_kv_view *view);
+
+/*
+ * Fills *view for contiguous buffers of shape [layers][tokens][heads][head_size]
+ * (row-major): layer_stride = tokens*heads*head_size, token_stride =
+ * heads*head_size, head_stride = head_size. Checks nothing beyond view != NULL;
+ * the call that uses the view checks the rest.
+ */
+KVI_API void kvi_kv_view_contiguous(kvi_kv_view *view, kvi_memory memory, kvi_dtype dtype,
+                                    int32_t num_layers, int32_t num_tokens, int32_t num_heads,
+                                    int32_t head_size, void *k, void *v);
+
+/* ------------------------------------------------------------------------ */
+/* Creation                                                                 */
+/* ------------------------------------------------------------------------ */
+
+typedef struct kvi_store_options {
+  size_t struct_size;     /* sizeof(kvi_store_options) */
+  kvi_backend backend;    /* default KVI_BACKEND_AUTO */
+  int32_t device;         /* CUDA ordinal; -1 (default) = the calling thread's
+                             current device. Ignored by the CPU backend. */
+  kvi_dtype dtype;        /* storage type: BF16 (default), FP16 or FP32 */
+  int32_t page_tokens;    /* tokens per page, 1..4096, default 16 */
+  uint64_t budget_bytes;  /* memory to reserve for pages (required, >= one page);
+                             rounded down to whole pages */
+  int32_t embedding_dim;  /* elements per fact embedding, 0..65536; 0 (default)
+                             = the store keeps no embeddings */
+} kvi_store_options;
+
+#define KVI_STORE_OPTIONS_INIT {sizeof(kvi_store_options), KVI_BACKEND_AUTO, -1, KVI_DTYPE_BF16, 16, 0, 0}
+
+/* Fills *opts with KVI_STORE_OPTIONS_INIT. NULL is ignored. */
+KVI_API void kvi_store_options_init(kvi_store_options *opts);
+
+/*
+ * Creates a store for `model` (host memory; the store copies the geometry and
+ * RoPE specs it needs, so the model may be destroyed afterwards) and reserves
+ * opts->budget_bytes of page memory: device memory for a CUDA store (plus a
+ * pinned host staging buffer of a few MiB for host-memory puts and reads),
+ * host memory for a CPU store.
+ * out: host memory; receives the store, owned by the caller (kvi_store_destroy).
+ * opts: host memory, required (the budget has no default).
+ * Backend choice: KVI_BACKEND_AUTO takes CUDA when the library has it and a
+ * device answers, else the CPU; KVI_BACKEND_CUDA fails rather than falling
+ * back.
+ * Errors: KVI_ERR_INVALID_ARGUMENT (NULL, a field out of range, a budget
+ * smaller than one page), KVI_ERR_STRUCT_SIZE, KVI_ERR_NOT_BUILT (CUDA asked
+ * for, not built), KVI_ERR_NO_DEVICE, KVI_ERR_OUT_OF_MEMORY (the budget could
+ * not be reserved), KVI_ERR_CUDA.
+ */
+KVI_API kvi_status kvi_store_create(kvi_store **out, const kvi_model *model,
+                                    const kvi_store_options *opts);
+
+/* Frees the store and all its memory. NULL is a no-op. Work enqueued on
+ * streams that reads or writes the store must be complete. */
+KVI_API void kvi_store_destroy(kvi_store *store);
+
+/* ------------------------------------------------------------------------ */
+/* Facts                                                                    */
+/* ------------------------------------------------------------------------ */
+
+/* kvi_put_options.flags */
+#define KVI_PUT_REPLACE 0x1u /* replace an existing (tenant, fact id) */
+
+typedef struct kvi_put_options {
+  size_t struct_size;          /* sizeof(kvi_put_options) */
+  uint32_t flags;              /* KVI_PUT_* bits, default 0 */
+  const void *embedding;       /* embedding_dim elements; required when the
+                                  store keeps embeddings, else must be NULL */
+  kvi_dtype embedding_dtype;   /* FP32 (default), FP16 or BF16 */
+  kvi_memory embedding_memory; /* default KVI_MEMORY_HOST */
+} kvi_put_options;
+
+#define KVI_PUT_OPTIONS_INIT {sizeof(kvi_put_options), 0u, NULL, KVI_DTYPE_FP32, KVI_MEMORY_HOST}
+
+/* Fills *opts with KVI_PUT_OPTIONS_INIT. NULL is ignored. */
+KVI_API void kvi_put_options_init(kvi_put_options *opts);
+
+/*
+ * Stores a fact: kv->num_tokens tokens of pre-RoPE K and V for every layer and
+ * local head, converted to the store's dtype (round to nearest even), and the
+ * embedding (kept as fp32).
+ * kv:   the source (host memory struct; kv->k/kv->v in kv->memory). Its
+ *       num_layers, num_heads and head_size must equal the model's layers,
+ *       local heads and head size. dtype FP32, FP16 or BF16.
+ * opts: host memory, or NULL for KVI_PUT_OPTIONS_INIT.
+ * stream: used by a CUDA store for a device source (see Streams above).
+ * The fact is visible to every other call as soon as this returns.
+ * Errors: KVI_ERR_INVALID_ARGUMENT (NULL, num_tokens < 1, negative strides, a
+ * view whose extent overflows, unknown flags, an embedding containing NaN or
+ * infinity, an embedding given to a store without embeddings or missing from
+ * one with), KVI_ERR_STRUCT_SIZE, KVI_ERR_MISMATCH (layers, heads, head size,
+ * or an FP8/unknown dtype), KVI_ERR_MEMORY_KIND (device memory declared as
+ * host or the reverse, where detectable; device memory given to a CPU store;
+ * memory of another device), KVI_ERR_EXISTS (key present, no
+ * KVI_PUT_REPLACE), KVI_ERR_CAPACITY (not enough free pages; with
+ * KVI_PUT_REPLACE the new copy is written before the old one is freed, so it
+ * needs room for both), KVI_ERR_OUT_OF_MEMORY, KVI_ERR_CUDA.
+ */
+KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant, uint64_t fact_id,
+                                 const kvi_kv_view *kv, const kvi_put_options *opts,
+                                 struct CUstream_st *stream);
+
+/*
+ * Copies a stored fact's K and V into `dst`, converted to dst->dtype (FP32,
+ * FP16 or BF16). dst->num_tokens must equal the fact's token count and its
+ * other dimensions the model's. A device destination (CUDA store only) is
+ * written on `stream`; a host destination is written before the call returns.
+ * Errors: KVI_ERR_INVALID_ARGUMENT (NULL, strides that overlap),
+ * KVI_ERR_STRUCT_SIZE, KVI_ERR_NOT_FOUND, KVI_ERR_MISMATCH,
+ * KVI_ERR_MEMORY_KIND, KVI_ERR_CUDA.
+ */
+KVI_API kvi_status kvi_store_read(const kvi_store *store, uint64_t tenant, uint64_t fact_id,
+                                  const kvi_kv_view *dst, struct CUstream_st *stream);
+
+/* A fact's token count into *out_tokens (host memory).
+ * Errors: KVI_ERR_INVALID_ARGUMENT, KVI_ERR_NOT_FOUND. */
+KVI_API kvi_status kvi_store_fact_tokens(const kvi_store *store, uint64_t tenant,
+                                         uint64_t fact_id, int32_t *out_tokens);
+
+/* A fact's embedding, as fp32, into out (host memory, embedding_dim floats).
+ * Errors: KVI_ERR_INVALID_ARGUMENT (NULL, or the store keeps no embeddings),
+ * KVI_ERR_NOT_FOUND. */
+KVI_API kvi_status kvi_store_get_embedding(const kvi_store *store, uint64_t tenant,
+                                           uint64_t fact_id, float *out);
+
+/* Removes a fact and returns its pages to the pool (see the note on in-flight
+ * work above). Errors: KVI_ERR_INVALID_ARGUMENT, KVI_ERR_NOT_FOUND. */
+KVI_API kvi_status kvi_store_remove(kvi_store *store, uint64_t tenant, uint64_t fact_id);
+
+/* Number of facts of `tenant` into *out_count (host memory); 0 for a tenant
+ * the store has never seen. Errors: KVI_ERR_INVALID_ARGUMENT. */
+KVI_API kvi_status kvi_store_count(const kvi_store *store, uint64_t tenant, size_t *out_count);
+
+/*
+ * Lists `tenant`'s fact ids in ascending order: writes the first
+ * min(capacity, n) of them to ids (host memory; may be NULL when capacity is
+ * 0) and n to *out_total (host memory). Call with capacity 0 to size the
+ * array; compare *out_total with capacity to see whether the list was cut
+ * (facts may be added between two calls by other threads).
+ * Errors: KVI_ERR_INVALID_ARGUMENT.
+ */
+KVI_API kvi_status kvi_store_list(const kvi_store *store, uint64_t tenant, uint64_t *ids,
+                                  size_t capacity, size_t *out_total);
+
+/* Store statistics. An output struct: set struct_size (KVI_STORE_STATS_INIT);
+ * the library writes only the first struct_size bytes. */
+typedef struct kvi_store_stats {
+  size_t struct_size;
+  kvi_backend backend;     /* resolved: KVI_BACKEND_CPU or KVI_BACKEND_CUDA */
+  int32_t device;          /* CUDA ordinal, -1 for the CPU backend */
+  kvi_dtype dtype;         /* storage dtype */
+  int32_t page_tokens;
+  int32_t embedding_dim;
+  uint64_t page_bytes;     /* bytes of one page (K and V, all layers, local heads) */
+  uint64_t pages_total;
+  uint64_t pages_used;
+  uint64_t bytes_reserved; /* pages_total * page_bytes */
+  uint64_t bytes_used;     /* pages_used * page_bytes */
+  uint64_t bytes_payload;  /* tokens stored * bytes per token (bytes_used minus
+                              the unused tails of last pages) */
+  uint64_t facts;
+  uint64_t tenants;        /* tenants with at least one fact */
+} kvi_store_stats;
+
+#define KVI_STORE_STATS_INIT {sizeof(kvi_store_stats), KVI_BACKEND_AUTO, 0, (kvi_dtype)0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+
+/* Fills *out (host memory). Errors: KVI_ERR_INVALID_ARGUMENT, KVI_ERR_STRUCT_SIZE. */
+KVI_API kvi_status kvi_store_stats_get(const kvi_store *store, kvi_store_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVINJECT_STORE_H */

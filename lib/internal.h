@@ -1,0 +1,141 @@
+/*
+ * libkvinject — internal declarations shared across lib/ and cuda/.
+ * SPDX-License-Identifier: Apache-2.0
+ */
+#ifndef KVI_INTERNAL_H
+#define KVI_INTERNAL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvinject.h"
+
+/* ---- errors (error.c) ---------------------------------------------------- */
+
+/* Records "fn: message" as the thread's last error and returns status. */
+kvi_status kvi__fail(kvi_status status, const char *fn, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Copies a caller's size-versioned struct into `local` (already holding the
+ * defaults, `known` bytes). Rejects a struct smaller than `min_size` and one
+ * with non-zero bytes past `known`. */
+kvi_status kvi__read_struct(void *local, size_t known, const void *user, size_t min_size,
+                            const char *fn, const char *what);
+
+/* Checks an output struct's struct_size (>= min_size) and copies the first
+ * min(struct_size, known) bytes of `full` into it, keeping its struct_size. */
+kvi_status kvi__write_struct(void *user, const void *full, size_t known, size_t min_size,
+                             const char *fn, const char *what);
+
+/* ---- element conversion (convert.c) --------------------------------------- */
+
+float kvi__bf16_to_f32(uint16_t h);
+uint16_t kvi__f32_to_bf16(float f); /* round to nearest even; NaN stays NaN */
+float kvi__f16_to_f32(uint16_t h);
+uint16_t kvi__f32_to_f16(float f);  /* round to nearest even; overflow -> inf */
+
+bool kvi__dtype_is_float(kvi_dtype t); /* FP32, FP16, BF16 */
+const char *kvi__dtype_name(kvi_dtype t);
+
+/* Loads element i of a buffer of type t as float. */
+float kvi__load(const void *p, kvi_dtype t, int64_t i);
+/* Converts n contiguous elements. */
+void kvi__convert(void *dst, kvi_dtype dt, const void *src, kvi_dtype st, int64_t n);
+
+/* ---- model (model.c) ------------------------------------------------------ */
+
+typedef struct kvi__rope {
+  kvi_rope_style style;
+  int32_t rotary_dim;
+  double theta;
+} kvi__rope;
+
+/* Resolved geometry, copied into every handle. */
+typedef struct kvi__geom {
+  int32_t num_layers;
+  int32_t num_kv_heads;
+  int32_t head_size;
+  int32_t tp_rank;
+  int32_t tp_size;
+  int32_t head_first;
+  int32_t local_heads;
+  int32_t head_replicas;
+} kvi__geom;
+
+struct kvi_model {
+  kvi__geom geom;
+  kvi__rope *rope; /* num_layers entries */
+};
+
+/* ---- views (view.c) ------------------------------------------------------- */
+
+/* Validates a kv view against the geometry (layers, local heads, head size),
+ * copies it into *out (a full-size local struct), and checks extents for
+ * overflow; `dst` also requires non-overlapping strides. */
+kvi_status kvi__view_check(kvi_kv_view *out, const kvi_kv_view *user, const kvi__geom *g,
+                           bool dst, const char *fn);
+
+/* ---- CUDA runtime glue (cuda_rt.c) ------------------------------------------ */
+
+/* What a pointer is, as far as the CUDA driver can tell. */
+typedef enum kvi__ptr_kind {
+  KVI__PTR_UNKNOWN = 0, /* no CUDA here, or no driver: cannot tell */
+  KVI__PTR_HOST,        /* host memory (pageable or pinned) */
+  KVI__PTR_DEVICE,      /* device memory */
+  KVI__PTR_MANAGED      /* managed memory, reachable from both */
+} kvi__ptr_kind;
+
+typedef struct kvi__devguard {
+  int prev;
+  bool switched;
+} kvi__devguard;
+
+int kvi__cuda_count(void);  /* usable devices; 0 without CUDA/driver/device */
+kvi__ptr_kind kvi__cuda_ptr_kind(const void *p, int *device);
+kvi_status kvi__cuda_current_device(int *dev, const char *fn);
+kvi_status kvi__cuda_enter(int device, kvi__devguard *g, const char *fn);
+void kvi__cuda_leave(kvi__devguard *g);
+kvi_status kvi__cuda_malloc(void **p, size_t bytes, const char *fn);
+kvi_status kvi__cuda_host_alloc(void **p, size_t bytes, const char *fn);
+void kvi__cuda_free(void *p);
+void kvi__cuda_host_free(void *p);
+kvi_status kvi__cuda_h2d(void *dst, const void *src, size_t bytes, struct CUstream_st *s,
+                         const char *fn);
+kvi_status kvi__cuda_d2h(void *dst, const void *src, size_t bytes, struct CUstream_st *s,
+                         const char *fn);
+kvi_status kvi__cuda_sync(struct CUstream_st *s, const char *fn);
+kvi_status kvi__cuda_stream_create(struct CUstream_st **s, const char *fn); /* non-blocking */
+void kvi__cuda_stream_destroy(struct CUstream_st *s);
+kvi_status kvi__cuda_last_launch(const char *fn, const char *kernel);
+
+/* Checks that a buffer declared as `declared` memory really is, and that a
+ * device buffer is on `device`. `cuda_store` says whether device memory is
+ * acceptable at all. */
+kvi_status kvi__check_memory(const void *p, kvi_memory declared, bool cuda_store, int device,
+                             const char *fn, const char *what);
+
+/* ---- hash map (hashmap.c) --------------------------------------------------- */
+
+/* Open addressing, linear probing, backward-shift deletion: no tombstones.
+ * Keys are pairs of 64-bit integers; values are non-NULL pointers. */
+typedef struct kvi__map_slot {
+  uint64_t k1, k2;
+  void *val; /* NULL = empty */
+} kvi__map_slot;
+
+typedef struct kvi__map {
+  kvi__map_slot *slots;
+  size_t cap; /* power of two, or 0 */
+  size_t len;
+} kvi__map;
+
+void *kvi__map_get(const kvi__map *m, uint64_t k1, uint64_t k2);
+/* Makes room for one more entry; call before kvi__map_put so that a put
+ * never fails after other state has changed. */
+kvi_status kvi__map_reserve(kvi__map *m, size_t extra, const char *fn);
+void kvi__map_put(kvi__map *m, uint64_t k1, uint64_t k2, void *val); /* key absent, room reserved */
+void *kvi__map_del(kvi__map *m, uint64_t k1, uint64_t k2);
+void kvi__map_free(kvi__map *m);
+
+#endif /* KVI_INTERNAL_H */

@@ -1,0 +1,704 @@
+/*
+ * kvi_store: facts keyed by (tenant, fact id), stored in fixed-size pages
+ * cut from memory reserved once at creation.
+ * SPDX-License-Identifier: Apache-2.0
+ *
+ * Page ids are global 32-bit indices into the store's page pools. Today a
+ * store has one pool (device memory for a CUDA store, host memory for a CPU
+ * store); the pool records its tier so that a pinned-host pool can be added
+ * beside it, with page ids past the first pool's, and facts moved between
+ * tiers by swapping page ids.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+#include "kernels.h"
+#include "kvi_build_config.h"
+
+#define STORE_OPTIONS_V1 sizeof(kvi_store_options)
+#define PUT_OPTIONS_V1 sizeof(kvi_put_options)
+#define STORE_STATS_V1 sizeof(kvi_store_stats)
+
+/* Pinned staging for host-memory puts and reads on a CUDA store. */
+#define STAGING_TARGET_BYTES (8u << 20)
+
+typedef enum tier { TIER_HOST = 0, TIER_DEVICE = 1 } tier;
+
+typedef struct pool {
+  tier tier;
+  char *base;
+  uint32_t npages;
+  uint32_t nfree;
+  uint32_t *free; /* stack of free page ids */
+} pool;
+
+typedef struct tenant tenant;
+
+typedef struct fact {
+  uint64_t tenant_id, id;
+  int32_t tokens;
+  uint32_t npages;
+  uint32_t *pages;
+  float *embedding; /* embedding_dim floats or NULL */
+  struct fact *prev, *next; /* the tenant's list */
+  tenant *owner;
+} fact;
+
+struct tenant {
+  uint64_t id;
+  size_t count;
+  fact *head;
+};
+
+struct kvi_store {
+  pthread_mutex_t lock;
+  kvi__geom geom;
+  kvi__rope *rope; /* per layer, copied from the model */
+  kvi_backend backend;
+  int device;
+  kvi_dtype dtype;
+  int32_t P;
+  int32_t emb_dim;
+  uint64_t page_bytes;
+  uint64_t page_elems;
+  pool pool;
+  /* CUDA stores: pinned staging and a private stream for host copies */
+  char *staging;
+  uint32_t staging_pages;
+  struct CUstream_st *copy_stream;
+  kvi__map facts;   /* (tenant, id) -> fact */
+  kvi__map tenants; /* (tenant, 0) -> tenant */
+  uint64_t tokens_stored;
+};
+
+/* ------------------------------------------------------------------------ */
+/* small helpers                                                            */
+/* ------------------------------------------------------------------------ */
+
+static inline char *page_addr(const kvi_store *s, uint32_t page) {
+  return s->pool.base + (uint64_t)page * s->page_bytes;
+}
+
+static inline uint32_t pages_for(const kvi_store *s, int32_t tokens) {
+  return (uint32_t)((tokens + s->P - 1) / s->P);
+}
+
+static void lock(const kvi_store *s) { pthread_mutex_lock((pthread_mutex_t *)&s->lock); }
+static void unlock(const kvi_store *s) { pthread_mutex_unlock((pthread_mutex_t *)&s->lock); }
+
+/* Runs `call` with the store's device current; restores the caller's. */
+#define WITH_DEVICE(s, fn, st, call)                                                                      \
+  do {                                                                                                    \
+    kvi__devguard g_;                                                                                     \
+    if ((s)->backend == KVI_BACKEND_CUDA) {                                                               \
+      (st) = kvi__cuda_enter((s)->device, &g_, (fn));                                                     \
+      if ((st) == KVI_OK) {                                                                               \
+        (st) = (call);                                                                                    \
+        kvi__cuda_leave(&g_);                                                                             \
+      }                                                                                                   \
+    } else {                                                                                              \
+      (st) = (call);                                                                                      \
+    }                                                                                                     \
+  } while (0)
+
+/* ------------------------------------------------------------------------ */
+/* CPU copies between a dense view and pages (the reference)                 */
+/* ------------------------------------------------------------------------ */
+
+/* Copies tokens [tok0, tok0 + ntok) (tok0 on a page boundary) between the
+ * view and the pages whose addresses are pages[0..]. */
+static void cpu_copy(const kvi_store *s, const kvi_kv_view *v, int32_t tok0, int32_t ntok,
+                     char *const *pages, bool to_pages) {
+  const kvi__geom *g = &s->geom;
+  const int32_t L = g->num_layers, H = g->local_heads, D = g->head_size, P = s->P;
+  const size_t ve = kvi_dtype_size(v->dtype), pe = kvi_dtype_size(s->dtype);
+  for (int32_t l = 0; l < L; l++)
+    for (int kv = 0; kv < 2; kv++) {
+      char *base = (char *)(kv ? v->v : v->k);
+      for (int32_t h = 0; h < H; h++)
+        for (int32_t t = 0; t < ntok; t++) {
+          const int32_t tok = tok0 + t;
+          char *row = base + (size_t)(l * v->layer_stride + tok * v->token_stride + h * v->head_stride) * ve;
+          char *pg = pages[t / P] + (size_t)((((int64_t)l * 2 + kv) * H + h) * P + tok % P) * D * pe;
+          if (to_pages)
+            kvi__convert(pg, s->dtype, row, v->dtype, D);
+          else
+            kvi__convert(row, v->dtype, pg, s->dtype, D);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* CUDA copies                                                               */
+/* ------------------------------------------------------------------------ */
+
+/* Device view <-> pages, in launches of KVI__LAUNCH_PAGES pages. */
+static kvi_status cuda_copy_device(const kvi_store *s, const kvi_kv_view *v, const uint32_t *pages,
+                                   int32_t tokens, bool to_pages, struct CUstream_st *stream,
+                                   const char *fn) {
+  kvi__copy_args a;
+  memset(&a, 0, sizeof a);
+  a.vk = v->k;
+  a.vv = v->v;
+  a.view_dtype = (int32_t)v->dtype;
+  a.layer_stride = v->layer_stride;
+  a.token_stride = v->token_stride;
+  a.head_stride = v->head_stride;
+  a.L = s->geom.num_layers;
+  a.H = s->geom.local_heads;
+  a.D = s->geom.head_size;
+  a.pool = s->pool.base;
+  a.page_dtype = (int32_t)s->dtype;
+  a.P = s->P;
+  a.page_elems = (int64_t)s->page_elems;
+  const uint32_t npages = pages_for(s, tokens);
+  for (uint32_t p0 = 0; p0 < npages; p0 += KVI__LAUNCH_PAGES) {
+    const uint32_t n = npages - p0 < KVI__LAUNCH_PAGES ? npages - p0 : KVI__LAUNCH_PAGES;
+    a.count = (int32_t)n;
+    a.token_first = (int32_t)p0 * s->P;
+    a.num_tokens = tokens - a.token_first < (int32_t)n * s->P ? tokens - a.token_first : (int32_t)n * s->P;
+    memcpy(a.pages, pages + p0, n * sizeof *pages);
+#ifdef KVI_HAVE_CUDA
+    int e = to_pages ? kvi__cuda_view_to_pages(&a, stream) : kvi__cuda_pages_to_view(&a, stream);
+    if (e) return kvi__cuda_last_launch(fn, to_pages ? "view-to-pages kernel" : "pages-to-view kernel");
+#else
+    (void)stream, (void)to_pages;
+    return kvi__fail(KVI_ERR_NOT_BUILT, fn, "libkvinject was built without CUDA");
+#endif
+  }
+  return KVI_OK;
+}
+
+/* Host view <-> device pages through the pinned staging buffer, on the
+ * store's copy stream; complete when this returns. Runs of consecutive page
+ * ids move as one copy. */
+static kvi_status cuda_copy_host(const kvi_store *s, const kvi_kv_view *v, const uint32_t *pages,
+                                 int32_t tokens, bool to_pages, const char *fn) {
+  const uint32_t npages = pages_for(s, tokens);
+  char *stage[KVI__LAUNCH_PAGES];
+  kvi_status st = KVI_OK;
+  for (uint32_t p0 = 0; p0 < npages && st == KVI_OK; p0 += s->staging_pages) {
+    const uint32_t n = npages - p0 < s->staging_pages ? npages - p0 : s->staging_pages;
+    const int32_t tok0 = (int32_t)p0 * s->P;
+    const int32_t ntok = tokens - tok0 < (int32_t)n * s->P ? tokens - tok0 : (int32_t)n * s->P;
+    for (uint32_t i = 0; i < n; i++) stage[i] = s->staging + (uint64_t)i * s->page_bytes;
+    if (to_pages) cpu_copy(s, v, tok0, ntok, stage, true);
+    for (uint32_t i = 0; i < n && st == KVI_OK;) {
+      uint32_t run = 1;
+      while (i + run < n && pages[p0 + i + run] == pages[p0 + i] + run) run++;
+      char *dev = page_addr(s, pages[p0 + i]);
+      size_t bytes = (size_t)run * s->page_bytes;
+      st = to_pages ? kvi__cuda_h2d(dev, stage[i], bytes, s->copy_stream, fn)
+                    : kvi__cuda_d2h(stage[i], dev, bytes, s->copy_stream, fn);
+      i += run;
+    }
+    kvi_status st2 = kvi__cuda_sync(s->copy_stream, fn); /* staging is reused next round */
+    if (st == KVI_OK) st = st2;
+    if (st == KVI_OK && !to_pages) cpu_copy(s, v, tok0, ntok, stage, false);
+  }
+  return st;
+}
+
+static kvi_status copy_fact(const kvi_store *s, const kvi_kv_view *v, const uint32_t *pages,
+                            int32_t tokens, bool to_pages, struct CUstream_st *stream, const char *fn) {
+  if (s->backend == KVI_BACKEND_CPU) {
+    uint32_t npages = pages_for(s, tokens);
+    char **addr = malloc(npages * sizeof *addr);
+    if (!addr) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %u page addresses", npages);
+    for (uint32_t i = 0; i < npages; i++) addr[i] = page_addr(s, pages[i]);
+    cpu_copy(s, v, 0, tokens, addr, to_pages);
+    free(addr);
+    return KVI_OK;
+  }
+  if (v->memory == KVI_MEMORY_DEVICE) return cuda_copy_device(s, v, pages, tokens, to_pages, stream, fn);
+  return cuda_copy_host(s, v, pages, tokens, to_pages, fn);
+}
+
+/* ------------------------------------------------------------------------ */
+/* creation                                                                  */
+/* ------------------------------------------------------------------------ */
+
+KVI_API void kvi_store_options_init(kvi_store_options *opts) {
+  if (opts) {
+    kvi_store_options d = KVI_STORE_OPTIONS_INIT;
+    *opts = d;
+  }
+}
+
+KVI_API void kvi_put_options_init(kvi_put_options *opts) {
+  if (opts) {
+    kvi_put_options d = KVI_PUT_OPTIONS_INIT;
+    *opts = d;
+  }
+}
+
+static kvi_status resolve_backend(kvi_store *s, const kvi_store_options *o, const char *fn) {
+  const bool built = (kvi_features() & KVI_FEATURE_CUDA) != 0;
+  switch (o->backend) {
+  case KVI_BACKEND_CPU:
+    s->backend = KVI_BACKEND_CPU;
+    s->device = -1;
+    return KVI_OK;
+  case KVI_BACKEND_AUTO:
+  case KVI_BACKEND_CUDA: break;
+  default:
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->backend is %d, not a kvi_backend", (int)o->backend);
+  }
+  const int count = kvi__cuda_count();
+  if (o->backend == KVI_BACKEND_AUTO && count == 0) {
+    s->backend = KVI_BACKEND_CPU;
+    s->device = -1;
+    return KVI_OK;
+  }
+  if (!built) return kvi__fail(KVI_ERR_NOT_BUILT, fn, "KVI_BACKEND_CUDA asked for, but libkvinject was built without CUDA");
+  if (count == 0) return kvi__fail(KVI_ERR_NO_DEVICE, fn, "KVI_BACKEND_CUDA asked for, but no CUDA device or driver answers");
+  int dev = o->device;
+  if (dev < -1 || dev >= count)
+    return kvi__fail(o->backend == KVI_BACKEND_CUDA ? KVI_ERR_NO_DEVICE : KVI_ERR_INVALID_ARGUMENT, fn,
+                     "opts->device is %d, this machine has CUDA devices 0..%d (-1: current)", dev, count - 1);
+  if (dev == -1) {
+    kvi_status st = kvi__cuda_current_device(&dev, fn);
+    if (st) return st;
+  }
+  s->backend = KVI_BACKEND_CUDA;
+  s->device = dev;
+  return KVI_OK;
+}
+
+static void release_memory(kvi_store *s) {
+  if (s->backend == KVI_BACKEND_CUDA) {
+    kvi__devguard g;
+    if (kvi__cuda_enter(s->device, &g, "kvi_store_destroy") == KVI_OK) {
+      kvi__cuda_free(s->pool.base);
+      kvi__cuda_host_free(s->staging);
+      kvi__cuda_stream_destroy(s->copy_stream);
+      kvi__cuda_leave(&g);
+    }
+  } else {
+    free(s->pool.base);
+  }
+  s->pool.base = NULL;
+  s->staging = NULL;
+  s->copy_stream = NULL;
+}
+
+static kvi_status reserve_memory(kvi_store *s, const char *fn) {
+  const uint64_t bytes = (uint64_t)s->pool.npages * s->page_bytes;
+  if (s->backend == KVI_BACKEND_CPU) {
+    void *p = NULL;
+    if (bytes > SIZE_MAX || posix_memalign(&p, 256, (size_t)bytes) != 0)
+      return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "reserving %llu bytes of host memory for %u pages",
+                       (unsigned long long)bytes, s->pool.npages);
+    s->pool.base = p;
+    return KVI_OK;
+  }
+  s->staging_pages = (uint32_t)(STAGING_TARGET_BYTES / s->page_bytes);
+  if (s->staging_pages < 1) s->staging_pages = 1;
+  if (s->staging_pages > KVI__LAUNCH_PAGES) s->staging_pages = KVI__LAUNCH_PAGES;
+  if (s->staging_pages > s->pool.npages) s->staging_pages = s->pool.npages;
+  kvi_status st;
+  WITH_DEVICE(s, fn, st, kvi__cuda_malloc((void **)&s->pool.base, (size_t)bytes, fn));
+  if (st == KVI_OK)
+    WITH_DEVICE(s, fn, st,
+                kvi__cuda_host_alloc((void **)&s->staging, (size_t)s->staging_pages * s->page_bytes, fn));
+  if (st == KVI_OK) WITH_DEVICE(s, fn, st, kvi__cuda_stream_create(&s->copy_stream, fn));
+  if (st != KVI_OK) {
+    if (st == KVI_ERR_OUT_OF_MEMORY)
+      kvi__fail(st, fn, "reserving %llu bytes of device memory on device %d for %u pages",
+                (unsigned long long)bytes, s->device, s->pool.npages);
+    release_memory(s);
+  }
+  return st;
+}
+
+KVI_API kvi_status kvi_store_create(kvi_store **out, const kvi_model *model, const kvi_store_options *opts) {
+  static const char fn[] = "kvi_store_create";
+  if (!out || !model || !opts)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", !out ? "out" : !model ? "model" : "opts");
+  kvi_store_options o = KVI_STORE_OPTIONS_INIT;
+  kvi_status st = kvi__read_struct(&o, sizeof o, opts, STORE_OPTIONS_V1, fn, "opts");
+  if (st) return st;
+
+  if (o.dtype == KVI_DTYPE_FP8_E4M3 || o.dtype == KVI_DTYPE_FP8_E5M2)
+    return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "fp8 fact storage is not supported in this version; use bf16 or fp16");
+  if (!kvi__dtype_is_float(o.dtype))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->dtype is %d, expected KVI_DTYPE_BF16, FP16 or FP32", (int)o.dtype);
+  if (o.page_tokens < 1 || o.page_tokens > 4096)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->page_tokens is %d, expected 1..4096", (int)o.page_tokens);
+  if (o.embedding_dim < 0 || o.embedding_dim > 65536)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->embedding_dim is %d, expected 0..65536", (int)o.embedding_dim);
+
+  const kvi__geom *g = &model->geom;
+  /* page_elems = L * 2 * H * P * D; each factor is bounded, the product fits in 64 bits */
+  const uint64_t page_elems = (uint64_t)g->num_layers * 2u * (uint64_t)g->local_heads * (uint64_t)o.page_tokens *
+                              (uint64_t)g->head_size;
+  const uint64_t page_bytes = page_elems * kvi_dtype_size(o.dtype);
+  if (o.budget_bytes < page_bytes)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                     "opts->budget_bytes is %llu, smaller than one page (%llu bytes: %d tokens x %d layers x 2 x "
+                     "%d heads x %d x %zu bytes)",
+                     (unsigned long long)o.budget_bytes, (unsigned long long)page_bytes, (int)o.page_tokens,
+                     (int)g->num_layers, (int)g->local_heads, (int)g->head_size, kvi_dtype_size(o.dtype));
+  const uint64_t npages = o.budget_bytes / page_bytes;
+  if (npages >= UINT32_MAX)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->budget_bytes gives %llu pages, more than 2^32 - 1; use larger pages",
+                     (unsigned long long)npages);
+
+  kvi_store *s = calloc(1, sizeof *s);
+  if (!s) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the store");
+  if ((st = resolve_backend(s, &o, fn))) {
+    free(s);
+    return st;
+  }
+  s->geom = *g;
+  s->dtype = o.dtype;
+  s->P = o.page_tokens;
+  s->emb_dim = o.embedding_dim;
+  s->page_elems = page_elems;
+  s->page_bytes = page_bytes;
+  s->pool.tier = s->backend == KVI_BACKEND_CUDA ? TIER_DEVICE : TIER_HOST;
+  s->pool.npages = (uint32_t)npages;
+  s->pool.nfree = (uint32_t)npages;
+  s->pool.free = malloc(npages * sizeof *s->pool.free);
+  s->rope = malloc((size_t)g->num_layers * sizeof *s->rope);
+  if (!s->pool.free || !s->rope) {
+    st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the page table for %llu pages", (unsigned long long)npages);
+    goto fail;
+  }
+  memcpy(s->rope, model->rope, (size_t)g->num_layers * sizeof *s->rope);
+  for (uint32_t i = 0; i < s->pool.npages; i++) s->pool.free[i] = s->pool.npages - 1 - i; /* pops 0, 1, 2, ... */
+  if ((st = reserve_memory(s, fn))) goto fail;
+  if (pthread_mutex_init(&s->lock, NULL) != 0) {
+    release_memory(s);
+    st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "initializing the store's lock");
+    goto fail;
+  }
+  *out = s;
+  return KVI_OK;
+fail:
+  free(s->pool.free);
+  free(s->rope);
+  free(s);
+  return st;
+}
+
+static void free_fact(fact *f) {
+  free(f->pages);
+  free(f->embedding);
+  free(f);
+}
+
+KVI_API void kvi_store_destroy(kvi_store *store) {
+  if (!store) return;
+  for (size_t i = 0; i < store->facts.cap; i++)
+    if (store->facts.slots[i].val) free_fact(store->facts.slots[i].val);
+  for (size_t i = 0; i < store->tenants.cap; i++) free(store->tenants.slots[i].val);
+  kvi__map_free(&store->facts);
+  kvi__map_free(&store->tenants);
+  release_memory(store);
+  pthread_mutex_destroy(&store->lock);
+  free(store->pool.free);
+  free(store->rope);
+  free(store);
+}
+
+/* ------------------------------------------------------------------------ */
+/* put / remove                                                              */
+/* ------------------------------------------------------------------------ */
+
+/* Reads and checks the embedding into a fresh host fp32 array. */
+static kvi_status read_embedding(const kvi_store *s, const kvi_put_options *o, struct CUstream_st *stream,
+                                 float **out, const char *fn) {
+  *out = NULL;
+  if (!o->embedding) {
+    if (s->emb_dim > 0)
+      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                       "the store keeps %d-element embeddings and opts->embedding is NULL", (int)s->emb_dim);
+    return KVI_OK;
+  }
+  if (s->emb_dim == 0)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                     "opts->embedding is set but the store was created with embedding_dim 0");
+  if (!kvi__dtype_is_float(o->embedding_dtype))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->embedding_dtype is %d, expected FP32, FP16 or BF16",
+                     (int)o->embedding_dtype);
+  if (o->embedding_memory != KVI_MEMORY_HOST && o->embedding_memory != KVI_MEMORY_DEVICE)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->embedding_memory is %d, expected KVI_MEMORY_HOST or DEVICE",
+                     (int)o->embedding_memory);
+  kvi_status st = kvi__check_memory(o->embedding, o->embedding_memory, s->backend == KVI_BACKEND_CUDA, s->device,
+                                    fn, "opts->embedding");
+  if (st) return st;
+  const size_t n = (size_t)s->emb_dim, bytes = n * kvi_dtype_size(o->embedding_dtype);
+  float *e = malloc(n * sizeof *e);
+  void *raw = o->embedding_memory == KVI_MEMORY_DEVICE ? malloc(bytes) : NULL;
+  if (!e || (o->embedding_memory == KVI_MEMORY_DEVICE && !raw)) {
+    free(e);
+    free(raw);
+    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a %zu-element embedding", n);
+  }
+  const void *src = o->embedding;
+  if (raw) {
+    /* ordered after the caller's work on `stream`, which may have produced it */
+    WITH_DEVICE(s, fn, st, kvi__cuda_d2h(raw, o->embedding, bytes, stream, fn));
+    if (st == KVI_OK) WITH_DEVICE(s, fn, st, kvi__cuda_sync(stream, fn));
+    src = raw;
+  }
+  if (st == KVI_OK) {
+    kvi__convert(e, KVI_DTYPE_FP32, src, o->embedding_dtype, (int64_t)n);
+    for (size_t i = 0; i < n; i++)
+      if (!isfinite(e[i])) {
+        st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->embedding[%zu] is %g; embeddings must be finite", i,
+                       (double)e[i]);
+        break;
+      }
+  }
+  free(raw);
+  if (st) {
+    free(e);
+    return st;
+  }
+  *out = e;
+  return KVI_OK;
+}
+
+static kvi_status check_view_memory(const kvi_store *s, const kvi_kv_view *v, const char *fn, const char *name) {
+  char what[32];
+  kvi_status st;
+  snprintf(what, sizeof what, "%s->k", name);
+  if ((st = kvi__check_memory(v->k, v->memory, s->backend == KVI_BACKEND_CUDA, s->device, fn, what))) return st;
+  snprintf(what, sizeof what, "%s->v", name);
+  return kvi__check_memory(v->v, v->memory, s->backend == KVI_BACKEND_CUDA, s->device, fn, what);
+}
+
+static void unlink_fact(kvi_store *s, fact *f) {
+  tenant *t = f->owner;
+  if (f->prev) f->prev->next = f->next;
+  else t->head = f->next;
+  if (f->next) f->next->prev = f->prev;
+  t->count--;
+  if (t->count == 0) {
+    kvi__map_del(&s->tenants, t->id, 0);
+    free(t);
+  }
+  kvi__map_del(&s->facts, f->tenant_id, f->id);
+  for (uint32_t i = 0; i < f->npages; i++) s->pool.free[s->pool.nfree++] = f->pages[i];
+  s->tokens_stored -= (uint64_t)f->tokens;
+}
+
+KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *kv,
+                                 const kvi_put_options *opts, struct CUstream_st *stream) {
+  static const char fn[] = "kvi_store_put";
+  if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
+  kvi_kv_view v;
+  kvi_status st = kvi__view_check(&v, kv, &store->geom, false, fn);
+  if (st) return st;
+  kvi_put_options o = KVI_PUT_OPTIONS_INIT;
+  if (opts && (st = kvi__read_struct(&o, sizeof o, opts, PUT_OPTIONS_V1, fn, "opts"))) return st;
+  if (o.flags & ~KVI_PUT_REPLACE)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->flags has unknown bits 0x%x", o.flags & ~KVI_PUT_REPLACE);
+  if ((st = check_view_memory(store, &v, fn, "kv"))) return st;
+
+  /* Everything that can fail without touching the store happens first. */
+  float *emb = NULL;
+  if ((st = read_embedding(store, &o, stream, &emb, fn))) return st;
+  const uint32_t need = pages_for(store, v.num_tokens);
+  fact *f = calloc(1, sizeof *f);
+  uint32_t *pages = malloc(need * sizeof *pages);
+  tenant *fresh = calloc(1, sizeof *fresh);
+  if (!f || !pages || !fresh) {
+    st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating fact metadata");
+    goto out_free;
+  }
+
+  lock(store);
+  fact *old = kvi__map_get(&store->facts, tenant_id, fact_id);
+  if (old && !(o.flags & KVI_PUT_REPLACE)) {
+    st = kvi__fail(KVI_ERR_EXISTS, fn, "fact %llu of tenant %llu is already stored (pass KVI_PUT_REPLACE to replace it)",
+                   (unsigned long long)fact_id, (unsigned long long)tenant_id);
+    goto out_unlock;
+  }
+  if (store->pool.nfree < need) {
+    st = kvi__fail(KVI_ERR_CAPACITY, fn, "%d tokens need %u pages of %d tokens; %u of %u pages are free%s",
+                   (int)v.num_tokens, need, (int)store->P, store->pool.nfree, store->pool.npages,
+                   old ? " (a replacement is written before the old copy is freed)" : "");
+    goto out_unlock;
+  }
+  if ((st = kvi__map_reserve(&store->facts, 1, fn)) || (st = kvi__map_reserve(&store->tenants, 1, fn)))
+    goto out_unlock;
+  for (uint32_t i = 0; i < need; i++) pages[i] = store->pool.free[store->pool.nfree - 1 - i];
+  WITH_DEVICE(store, fn, st, copy_fact(store, &v, pages, v.num_tokens, true, stream, fn));
+  if (st) goto out_unlock; /* pages were not taken off the free stack */
+  store->pool.nfree -= need;
+  if (old) {
+    unlink_fact(store, old);
+    free_fact(old);
+  }
+  tenant *t = kvi__map_get(&store->tenants, tenant_id, 0);
+  if (!t) {
+    t = fresh;
+    fresh = NULL;
+    t->id = tenant_id;
+    kvi__map_put(&store->tenants, tenant_id, 0, t);
+  }
+  f->tenant_id = tenant_id;
+  f->id = fact_id;
+  f->tokens = v.num_tokens;
+  f->npages = need;
+  f->pages = pages;
+  f->embedding = emb;
+  f->owner = t;
+  f->next = t->head;
+  if (t->head) t->head->prev = f;
+  t->head = f;
+  t->count++;
+  kvi__map_put(&store->facts, tenant_id, fact_id, f);
+  store->tokens_stored += (uint64_t)v.num_tokens;
+  unlock(store);
+  free(fresh);
+  return KVI_OK;
+
+out_unlock:
+  unlock(store);
+out_free:
+  free(f);
+  free(pages);
+  free(fresh);
+  free(emb);
+  return st;
+}
+
+KVI_API kvi_status kvi_store_remove(kvi_store *store, uint64_t tenant_id, uint64_t fact_id) {
+  static const char fn[] = "kvi_store_remove";
+  if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
+  lock(store);
+  fact *f = kvi__map_get(&store->facts, tenant_id, fact_id);
+  if (f) unlink_fact(store, f);
+  unlock(store);
+  if (!f)
+    return kvi__fail(KVI_ERR_NOT_FOUND, fn, "no fact %llu for tenant %llu", (unsigned long long)fact_id,
+                     (unsigned long long)tenant_id);
+  free_fact(f);
+  return KVI_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* reads and queries                                                         */
+/* ------------------------------------------------------------------------ */
+
+static kvi_status not_found(const char *fn, uint64_t tenant_id, uint64_t fact_id) {
+  return kvi__fail(KVI_ERR_NOT_FOUND, fn, "no fact %llu for tenant %llu", (unsigned long long)fact_id,
+                   (unsigned long long)tenant_id);
+}
+
+KVI_API kvi_status kvi_store_read(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *dst,
+                                  struct CUstream_st *stream) {
+  static const char fn[] = "kvi_store_read";
+  if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
+  kvi_kv_view v;
+  kvi_status st = kvi__view_check(&v, dst, &store->geom, true, fn);
+  if (st) return st;
+  if ((st = check_view_memory(store, &v, fn, "dst"))) return st;
+  lock(store);
+  const fact *f = kvi__map_get(&store->facts, tenant_id, fact_id);
+  if (!f) st = not_found(fn, tenant_id, fact_id);
+  else if (f->tokens != v.num_tokens)
+    st = kvi__fail(KVI_ERR_MISMATCH, fn, "dst->num_tokens is %d, the fact has %d tokens", (int)v.num_tokens,
+                   (int)f->tokens);
+  else
+    WITH_DEVICE(store, fn, st, copy_fact(store, &v, f->pages, f->tokens, false, stream, fn));
+  unlock(store);
+  return st;
+}
+
+KVI_API kvi_status kvi_store_fact_tokens(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id,
+                                         int32_t *out_tokens) {
+  static const char fn[] = "kvi_store_fact_tokens";
+  if (!store || !out_tokens)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_tokens" : "store");
+  lock(store);
+  const fact *f = kvi__map_get(&store->facts, tenant_id, fact_id);
+  if (f) *out_tokens = f->tokens;
+  unlock(store);
+  return f ? KVI_OK : not_found(fn, tenant_id, fact_id);
+}
+
+KVI_API kvi_status kvi_store_get_embedding(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, float *out) {
+  static const char fn[] = "kvi_store_get_embedding";
+  if (!store || !out) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out" : "store");
+  if (store->emb_dim == 0)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "the store was created with embedding_dim 0");
+  lock(store);
+  const fact *f = kvi__map_get(&store->facts, tenant_id, fact_id);
+  if (f) memcpy(out, f->embedding, (size_t)store->emb_dim * sizeof *out);
+  unlock(store);
+  return f ? KVI_OK : not_found(fn, tenant_id, fact_id);
+}
+
+KVI_API kvi_status kvi_store_count(const kvi_store *store, uint64_t tenant_id, size_t *out_count) {
+  static const char fn[] = "kvi_store_count";
+  if (!store || !out_count)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_count" : "store");
+  lock(store);
+  const tenant *t = kvi__map_get(&store->tenants, tenant_id, 0);
+  *out_count = t ? t->count : 0;
+  unlock(store);
+  return KVI_OK;
+}
+
+static int cmp_u64(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return (x > y) - (x < y);
+}
+
+KVI_API kvi_status kvi_store_list(const kvi_store *store, uint64_t tenant_id, uint64_t *ids, size_t capacity,
+                                  size_t *out_total) {
+  static const char fn[] = "kvi_store_list";
+  if (!store || !out_total)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_total" : "store");
+  if (capacity > 0 && !ids) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "ids is NULL and capacity is %zu", capacity);
+  kvi_status st = KVI_OK;
+  lock(store);
+  const tenant *t = kvi__map_get(&store->tenants, tenant_id, 0);
+  const size_t n = t ? t->count : 0;
+  if (capacity > 0 && n > 0) {
+    uint64_t *all = malloc(n * sizeof *all);
+    if (!all) {
+      st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu ids", n);
+    } else {
+      size_t i = 0;
+      for (const fact *f = t->head; f; f = f->next) all[i++] = f->id;
+      qsort(all, n, sizeof *all, cmp_u64);
+      memcpy(ids, all, (capacity < n ? capacity : n) * sizeof *ids);
+      free(all);
+    }
+  }
+  unlock(store);
+  if (st == KVI_OK) *out_total = n;
+  return st;
+}
+
+KVI_API kvi_status kvi_store_stats_get(const kvi_store *store, kvi_store_stats *out) {
+  static const char fn[] = "kvi_store_stats_get";
+  if (!store || !out) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out" : "store");
+  kvi_store_stats s = KVI_STORE_STATS_INIT;
+  s.backend = store->backend;
+  s.device = store->device;
+  s.dtype = store->dtype;
+  s.page_tokens = store->P;
+  s.embedding_dim = store->emb_dim;
+  s.page_bytes = store->page_bytes;
+  lock(store);
+  s.pages_total = store->pool.npages;
+  s.pages_used = store->pool.npages - store->pool.nfree;
+  s.facts = store->facts.len;
+  s.tenants = store->tenants.len;
+  s.bytes_payload = store->tokens_stored * (store->page_bytes / (uint64_t)store->P);
+  unlock(store);
+  s.bytes_reserved = s.pages_total * s.page_bytes;
+  s.bytes_used = s.pages_used * s.page_bytes;
+  return kvi__write_struct(out, &s, sizeof s, STORE_STATS_V1, fn, "out");
+}

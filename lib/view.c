@@ -1,0 +1,110 @@
+/*
+ * Dense K/V views: initializers and validation.
+ * SPDX-License-Identifier: Apache-2.0
+ */
+#include <stdlib.h>
+
+#include "internal.h"
+
+#define KV_VIEW_V1 sizeof(kvi_kv_view)
+
+KVI_API void kvi_kv_view_init(kvi_kv_view *view) {
+  if (view) {
+    kvi_kv_view d = KVI_KV_VIEW_INIT;
+    *view = d;
+  }
+}
+
+KVI_API void kvi_kv_view_contiguous(kvi_kv_view *view, kvi_memory memory, kvi_dtype dtype,
+                                    int32_t num_layers, int32_t num_tokens, int32_t num_heads,
+                                    int32_t head_size, void *k, void *v) {
+  if (!view) return;
+  kvi_kv_view_init(view);
+  view->memory = memory;
+  view->dtype = dtype;
+  view->num_layers = num_layers;
+  view->num_tokens = num_tokens;
+  view->num_heads = num_heads;
+  view->head_size = head_size;
+  view->head_stride = head_size;
+  view->token_stride = (int64_t)num_heads * head_size;
+  view->layer_stride = (int64_t)num_tokens * num_heads * head_size;
+  view->k = k;
+  view->v = v;
+}
+
+typedef struct dim {
+  int64_t extent, stride;
+} dim;
+
+static int cmp_dim(const void *a, const void *b) {
+  const dim *x = a, *y = b;
+  return (x->stride > y->stride) - (x->stride < y->stride);
+}
+
+kvi_status kvi__view_check(kvi_kv_view *out, const kvi_kv_view *user, const kvi__geom *g,
+                           bool dst, const char *fn) {
+  const char *name = dst ? "dst" : "kv";
+  if (!user) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", name);
+  kvi_kv_view v = KVI_KV_VIEW_INIT;
+  kvi_status st = kvi__read_struct(&v, sizeof v, user, KV_VIEW_V1, fn, name);
+  if (st) return st;
+  if (v.memory != KVI_MEMORY_HOST && v.memory != KVI_MEMORY_DEVICE)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                     "%s->memory is %d: set KVI_MEMORY_HOST or KVI_MEMORY_DEVICE", name, (int)v.memory);
+  if (!kvi__dtype_is_float(v.dtype))
+    return kvi__fail(v.dtype == KVI_DTYPE_FP8_E4M3 || v.dtype == KVI_DTYPE_FP8_E5M2 ? KVI_ERR_MISMATCH
+                                                                                  : KVI_ERR_INVALID_ARGUMENT,
+                     fn, "%s->dtype is %s (%d); dense K/V buffers are fp32, fp16 or bf16", name,
+                     kvi__dtype_name(v.dtype), (int)v.dtype);
+  if (!v.k || !v.v) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s->%s is NULL", name, v.k ? "v" : "k");
+  if (v.num_tokens < 1)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s->num_tokens is %d; a fact has at least one token",
+                     name, (int)v.num_tokens);
+  if (v.num_layers != g->num_layers)
+    return kvi__fail(KVI_ERR_MISMATCH, fn, "%s->num_layers is %d, the model has %d layers", name,
+                     (int)v.num_layers, (int)g->num_layers);
+  if (v.num_heads != g->local_heads)
+    return kvi__fail(KVI_ERR_MISMATCH, fn, "%s->num_heads is %d, the model holds %d local KV heads", name,
+                     (int)v.num_heads, (int)g->local_heads);
+  if (v.head_size != g->head_size)
+    return kvi__fail(KVI_ERR_MISMATCH, fn, "%s->head_size is %d, the model's head size is %d", name,
+                     (int)v.head_size, (int)g->head_size);
+  if (v.layer_stride < 0 || v.token_stride < 0 || v.head_stride < 0)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                     "%s has a negative stride (layer %lld, token %lld, head %lld)", name,
+                     (long long)v.layer_stride, (long long)v.token_stride, (long long)v.head_stride);
+  /* Largest element offset, with overflow checks: the byte extent must fit. */
+  dim d[4] = {{v.num_layers, v.layer_stride},
+              {v.num_tokens, v.token_stride},
+              {v.num_heads, v.head_stride},
+              {v.head_size, 1}};
+  int64_t last = 0;
+  for (int i = 0; i < 4; i++) {
+    int64_t t;
+    if (__builtin_mul_overflow(d[i].extent - 1, d[i].stride, &t) || __builtin_add_overflow(last, t, &last))
+      goto overflow;
+  }
+  int64_t bytes;
+  if (__builtin_mul_overflow(last + 1, (int64_t)kvi_dtype_size(v.dtype), &bytes)) goto overflow;
+  if (dst) {
+    /* Sufficient condition for no two elements sharing an address: ordered by
+     * stride, each dimension steps past everything the smaller ones reach. */
+    qsort(d, 4, sizeof d[0], cmp_dim);
+    int64_t reach = 0; /* largest offset reached by the dimensions so far */
+    for (int i = 0; i < 4; i++) {
+      if (d[i].extent == 1) continue;
+      if (d[i].stride <= reach)
+        return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                         "%s strides overlap (layer %lld, token %lld, head %lld, head_size %d): "
+                         "a destination must not write one address twice",
+                         name, (long long)v.layer_stride, (long long)v.token_stride,
+                         (long long)v.head_stride, (int)v.head_size);
+      reach += (d[i].extent - 1) * d[i].stride;
+    }
+  }
+  *out = v;
+  return KVI_OK;
+overflow:
+  return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s's extent overflows 64-bit byte offsets", name);
+}
