@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Builds libkvinject for Hopper on the GPU machine and runs every test suite
+# there (the gpu suite for real), then the benchmarks. Run from the
+# repository root. cmocka is not installed there: its Debian packages travel
+# in .debs/ (see README.md, "GPU machine") and are unpacked into a sysroot.
+set -euo pipefail
+out=${OUT:-/tmp/kvi-out}
+mkdir -p "$out"
+sysroot=/tmp/sysroot
+mkdir -p "$sysroot"
+for f in .debs/*.deb; do dpkg -x "$f" "$sysroot"; done
+pcdir=$sysroot/usr/lib/x86_64-linux-gnu/pkgconfig
+sed -i "s|^prefix=.*|prefix=$sysroot/usr|" "$pcdir"/cmocka.pc
+export PKG_CONFIG_PATH=$pcdir
+export LD_LIBRARY_PATH=$sysroot/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+build=/tmp/kvi-build
+meson setup "$build" -Dcuda=enabled -Dcublaslt=enabled -Dnccl=enabled -Dtests=enabled \
+  -Dcuda-arch=sm_90 --buildtype=release >"$out/setup.log" 2>&1 || { tail -40 "$out/setup.log"; exit 1; }
+grep -A8 '^libkvinject' "$out/setup.log" || true
+ninja -C "$build" >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+set +e
+meson test -C "$build" --print-errorlogs --num-processes 4 2>&1 | tee "$out/test.log"
+rc=${PIPESTATUS[0]}
+# the gpu suite's own per-test lines
+"$build"/tests/gpu/test_gpu_store 2>&1 | tee "$out/gpu-suite.log"
+grc=${PIPESTATUS[0]}
+if [ -n "$(meson introspect "$build" --benchmarks 2>/dev/null | tr -d '[] \n')" ]; then
+  meson test -C "$build" --benchmark --verbose 2>&1 | tee "$out/bench.log"
+fi
+echo "meson test rc=$rc, gpu suite rc=$grc"
+[ "$rc" -eq 0 ] && [ "$grc" -eq 0 ]
