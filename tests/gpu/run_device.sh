@@ -10,12 +10,14 @@ sysroot=/tmp/sysroot
 mkdir -p "$sysroot"
 for f in .debs/*.deb; do dpkg -x "$f" "$sysroot"; done
 pcdir=$sysroot/usr/lib/x86_64-linux-gnu/pkgconfig
-sed -i "s|^prefix=.*|prefix=$sysroot/usr|" "$pcdir"/cmocka.pc
+# the packaged .pc names absolute /usr paths: point them into the sysroot
+sed -i "s| -L/usr| -L$sysroot/usr|; s| -I/usr| -I$sysroot/usr|" "$pcdir"/cmocka.pc
 export PKG_CONFIG_PATH=$pcdir
 export LD_LIBRARY_PATH=$sysroot/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 build=/tmp/kvi-build
+rm -rf "$build"
 meson setup "$build" -Dcuda=enabled -Dcublaslt=enabled -Dnccl=enabled -Dtests=enabled \
   -Dcuda-arch=sm_90 --buildtype=release >"$out/setup.log" 2>&1 || { tail -40 "$out/setup.log"; exit 1; }
 grep -A8 '^libkvinject' "$out/setup.log" || true

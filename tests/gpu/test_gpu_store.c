@@ -395,6 +395,7 @@ static void test_capacity_and_replace(void **state) {
   assert_int_equal(kvi_store_put(f->gpu, 3, 1, &b.view, &po, NULL), KVI_ERR_CAPACITY);
   assert_same_fact(f, 3, 1, T, KVI_DTYPE_FP32); /* unchanged */
   CHECK_OK(kvi_store_remove(f->gpu, 3, 1));
+  CHECK_OK(kvi_store_remove(f->cpu, 3, 1));
   CHECK_OK(kvi_store_put(f->gpu, 3, 1, &b.view, &po, NULL)); /* replace of an absent key is a put */
   CHECK_OK(kvi_store_put(f->cpu, 3, 1, &b.view, &po, NULL));
   assert_same_fact(f, 3, 1, 2 * page, KVI_DTYPE_FP32);
