@@ -45,11 +45,36 @@ void kvi__convert(void *dst, kvi_dtype dt, const void *src, kvi_dtype st, int64_
 
 /* ---- model (model.c) ------------------------------------------------------ */
 
-typedef struct kvi__rope {
-  kvi_rope_style style;
+/* An engine's cos/sin table, converted to fp32, shared (refcounted) by every
+ * layer and handle that uses it. */
+typedef struct kvi__table {
+  _Atomic long refs;
+  int32_t positions;
   int32_t rotary_dim;
-  double theta;
+  float data[]; /* positions x rotary_dim: cos half, then sin half */
+} kvi__table;
+
+/* A layer's resolved RoPE. */
+typedef struct kvi__rope {
+  kvi_rope_style style;   /* NONE: nothing else is used */
+  int32_t rotary_dim;
+  float attn;             /* attention factor applied with the formula */
+  float *inv_freq;        /* rotary_dim/2 values (formula), or NULL with a table */
+  kvi__table *table;      /* or NULL */
+  kvi_rope_spec spec;     /* as resolved, for kvi_model_get_rope; cos_sin_table NULL */
 } kvi__rope;
+
+kvi_status kvi__rope_resolve(kvi__rope *out, const kvi_rope_spec *spec, int32_t head_size, const char *fn);
+kvi_status kvi__rope_copy(kvi__rope *dst, const kvi__rope *src, const char *fn); /* shares the table */
+void kvi__rope_release(kvi__rope *r);
+/* cos/sin (attention factor included) of pair i at position pos; pos must be
+ * valid (>= 0, below a table's rows). */
+void kvi__rope_cs(const kvi__rope *r, int32_t pos, int32_t i, float *c, float *s);
+/* Rotates the first rotary_dim elements of a head vector (fp32) at pos;
+ * inverse undoes a forward rotation (dividing by cos^2 + sin^2). */
+void kvi__rope_rotate(const kvi__rope *r, float *x, int32_t pos, bool inverse);
+/* Largest valid position + 1 for the layer (INT32_MAX without a table). */
+int32_t kvi__rope_max_positions(const kvi__rope *r);
 
 /* Resolved geometry, copied into every handle. */
 typedef struct kvi__geom {

@@ -83,7 +83,9 @@ KVI_API kvi_status kvi_model_create(kvi_model **out, const kvi_model_options *op
     free(rope);
     return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a model of %d layers", (int)g.num_layers);
   }
-  for (int32_t l = 0; l < g.num_layers; l++) rope[l].style = KVI_ROPE_NONE;
+  kvi_rope_spec none = KVI_ROPE_SPEC_INIT;
+  none.style = KVI_ROPE_NONE;
+  for (int32_t l = 0; l < g.num_layers; l++) kvi__rope_resolve(&rope[l], &none, g.head_size, fn);
   m->geom = g;
   m->rope = rope;
   *out = m;
@@ -92,6 +94,7 @@ KVI_API kvi_status kvi_model_create(kvi_model **out, const kvi_model_options *op
 
 KVI_API void kvi_model_destroy(kvi_model *model) {
   if (!model) return;
+  for (int32_t l = 0; l < model->geom.num_layers; l++) kvi__rope_release(&model->rope[l]);
   free(model->rope);
   free(model);
 }
@@ -113,28 +116,29 @@ KVI_API kvi_status kvi_model_set_rope(kvi_model *model, int32_t layer, const kvi
   if (layer < -1 || layer >= g->num_layers)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layer is %d, expected -1 (all) or 0..%d",
                      (int)layer, (int)g->num_layers - 1);
-  kvi_rope_spec s = KVI_ROPE_SPEC_INIT;
-  kvi_status st = kvi__read_struct(&s, sizeof s, spec, ROPE_SPEC_V1, fn, "spec");
+  const int32_t lo = layer < 0 ? 0 : layer, hi = layer < 0 ? g->num_layers : layer + 1;
+  /* Resolve once, then give each layer its own copy (tables are shared);
+   * every allocation happens before any layer changes. */
+  kvi__rope r;
+  kvi_status st = kvi__rope_resolve(&r, spec, g->head_size, fn);
   if (st) return st;
-  kvi__rope r = {s.style, 0, 0.0};
-  switch (s.style) {
-  case KVI_ROPE_NONE: break;
-  case KVI_ROPE_NEOX:
-  case KVI_ROPE_GPTJ:
-    r.rotary_dim = s.rotary_dim ? s.rotary_dim : g->head_size;
-    if (r.rotary_dim < 2 || r.rotary_dim > g->head_size || r.rotary_dim % 2)
-      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
-                       "rotary_dim is %d, expected an even number in 2..head_size (%d), or 0",
-                       (int)s.rotary_dim, (int)g->head_size);
-    if (!isfinite(s.theta) || !(s.theta > 0.0))
-      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "theta is %g, expected a finite value > 0", s.theta);
-    r.theta = s.theta;
-    break;
-  default:
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "unknown RoPE style %d", (int)s.style);
+  kvi__rope *copies = calloc((size_t)(hi - lo), sizeof *copies);
+  if (!copies) {
+    kvi__rope_release(&r);
+    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating RoPE for %d layers", (int)(hi - lo));
   }
-  int32_t lo = layer < 0 ? 0 : layer, hi = layer < 0 ? g->num_layers : layer + 1;
-  for (int32_t l = lo; l < hi; l++) model->rope[l] = r;
+  for (int32_t l = lo; l < hi && st == KVI_OK; l++) st = kvi__rope_copy(&copies[l - lo], &r, fn);
+  kvi__rope_release(&r);
+  if (st) {
+    for (int32_t l = lo; l < hi; l++) kvi__rope_release(&copies[l - lo]);
+    free(copies);
+    return st;
+  }
+  for (int32_t l = lo; l < hi; l++) {
+    kvi__rope_release(&model->rope[l]);
+    model->rope[l] = copies[l - lo];
+  }
+  free(copies);
   return KVI_OK;
 }
 
@@ -145,6 +149,31 @@ KVI_API kvi_status kvi_model_get_rope(const kvi_model *model, int32_t layer, kvi
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layer is %d, expected 0..%d", (int)layer,
                      (int)model->geom.num_layers - 1);
   const kvi__rope *r = &model->rope[layer];
-  kvi_rope_spec full = {sizeof full, r->style, r->rotary_dim, r->theta};
+  kvi_rope_spec full = r->spec;
+  full.struct_size = sizeof full;
+  if (r->table) {
+    full.cos_sin_table = r->table->data;
+    full.table_dtype = KVI_DTYPE_FP32;
+    full.table_positions = r->table->positions;
+  }
   return kvi__write_struct(out, &full, sizeof full, ROPE_SPEC_V1, fn, "out");
+}
+
+KVI_API kvi_status kvi_model_rope_cos_sin(const kvi_model *model, int32_t layer, int32_t pos, int32_t pair,
+                                          float *out_cos, float *out_sin) {
+  static const char fn[] = "kvi_model_rope_cos_sin";
+  if (!model || !out_cos || !out_sin)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", !model ? "model" : !out_cos ? "out_cos" : "out_sin");
+  if (layer < 0 || layer >= model->geom.num_layers)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layer is %d, expected 0..%d", (int)layer,
+                     (int)model->geom.num_layers - 1);
+  const kvi__rope *r = &model->rope[layer];
+  if (r->style == KVI_ROPE_NONE) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layer %d has no RoPE", (int)layer);
+  if (pair < 0 || pair >= r->rotary_dim / 2)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "pair is %d, expected 0..%d", (int)pair, (int)r->rotary_dim / 2 - 1);
+  if (pos < 0 || pos >= kvi__rope_max_positions(r))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "position %d is outside 0..%d", (int)pos,
+                     (int)kvi__rope_max_positions(r) - 1);
+  kvi__rope_cs(r, pos, pair, out_cos, out_sin);
+  return KVI_OK;
 }

@@ -92,35 +92,94 @@ typedef enum kvi_rope_style {
   KVI_ROPE_GPTJ = 2  /* interleaved: pairs (x_{2i}, x_{2i+1}) */
 } kvi_rope_style;
 
-/* A layer's RoPE. This version records the spec (it travels with the model
- * into every handle); rotation itself arrives with the encoder/injector.
- * Fields are only ever appended (scaling variants come next). */
+/* Frequency scaling of a layer's RoPE (Hugging Face `rope_scaling` types). */
+typedef enum kvi_rope_scaling {
+  KVI_ROPE_SCALING_NONE = 0,   /* inv_freq_i = theta^(-2i/rotary_dim) */
+  KVI_ROPE_SCALING_LINEAR = 1, /* inv_freq_i / factor */
+  KVI_ROPE_SCALING_LLAMA3 = 2, /* Llama 3.1: factor, low/high_freq_factor, original_max_position */
+  KVI_ROPE_SCALING_YARN = 3,   /* factor, beta_fast/slow, original_max_position, attention_factor */
+  KVI_ROPE_SCALING_NTK = 4     /* fixed NTK: theta * factor^(rotary_dim / (rotary_dim - 2)) */
+} kvi_rope_scaling;
+
+/*
+ * A layer's RoPE. Keys are stored before rotation and rotated at the
+ * positions where they land; capture from an engine's cache un-rotates them
+ * at the positions they were written with.
+ *
+ * Rotation of the pair (x, y) at position p by angle a = p * inv_freq_i:
+ *   x' = (x cos a - y sin a) * m,  y' = (y cos a + x sin a) * m
+ * with m = attention_factor (YaRN's mscale; 1 otherwise), applied exactly
+ * once. The angle is computed as an fp32 product of the fp32 position and the
+ * fp32 inv_freq_i (what Hugging Face and vLLM do), cos/sin and the rotation in
+ * fp32 on every backend. Pairs: NEOX (x_i, x_{i+rotary_dim/2}), GPTJ
+ * (x_{2i}, x_{2i+1}); elements past rotary_dim pass through unchanged.
+ *
+ * Instead of the frequency fields, a layer may take the engine's own table
+ * (cos_sin_table): row p holds rotary_dim/2 cosines then rotary_dim/2 sines
+ * (vLLM's, SGLang's and FlashInfer's cos_sin_cache), already including any
+ * attention factor. The values are used as given (converted exactly to
+ * fp32), which gives parity with that engine's cache.
+ *
+ * Fields are only ever appended.
+ */
 typedef struct kvi_rope_spec {
-  size_t struct_size;   /* sizeof(kvi_rope_spec) */
-  kvi_rope_style style; /* default KVI_ROPE_NEOX */
-  int32_t rotary_dim;   /* rotated leading dims, even, 2..head_size; 0 = head_size (default) */
-  double theta;         /* base, > 0; default 10000 */
+  size_t struct_size;             /* sizeof(kvi_rope_spec) */
+  kvi_rope_style style;           /* default KVI_ROPE_NEOX */
+  int32_t rotary_dim;             /* rotated leading dims, even, 2..head_size; 0 = head_size (default) */
+  double theta;                   /* base, > 0; default 10000 */
+  kvi_rope_scaling scaling;       /* default KVI_ROPE_SCALING_NONE */
+  double factor;                  /* LINEAR, LLAMA3, YARN, NTK: > 0, default 1 */
+  double low_freq_factor;         /* LLAMA3, default 1 */
+  double high_freq_factor;        /* LLAMA3, > low_freq_factor, default 4 */
+  int32_t original_max_position;  /* LLAMA3 and YARN: the pre-scaling context, default 8192 */
+  double beta_fast;               /* YARN, default 32 */
+  double beta_slow;               /* YARN, default 1 */
+  double attention_factor;        /* multiplies cos and sin; 0 (default) = YARN's
+                                     0.1 * ln(factor) + 1 for YARN, 1 otherwise */
+  int32_t yarn_truncate;          /* YARN: 1 (default) rounds the ramp ends down/up as
+                                     Hugging Face does; 0 keeps them fractional (gpt-oss) */
+  const void *cos_sin_table;      /* host memory, or NULL (default): see above. Copied. */
+  kvi_dtype table_dtype;          /* FP32 (default), FP16 or BF16 */
+  int32_t table_positions;        /* rows of the table; positions must be below it */
 } kvi_rope_spec;
 
-#define KVI_ROPE_SPEC_INIT {sizeof(kvi_rope_spec), KVI_ROPE_NEOX, 0, 10000.0}
+#define KVI_ROPE_SPEC_INIT                                                                       \
+  {sizeof(kvi_rope_spec), KVI_ROPE_NEOX, 0, 10000.0, KVI_ROPE_SCALING_NONE, 1.0, 1.0, 4.0, 8192, \
+   32.0, 1.0, 0.0, 1, NULL, KVI_DTYPE_FP32, 0}
 
 /* Fills *spec with KVI_ROPE_SPEC_INIT. NULL is ignored. */
 KVI_API void kvi_rope_spec_init(kvi_rope_spec *spec);
 
 /*
  * Sets the RoPE of one layer (0 <= layer < num_layers) or of every layer
- * (layer = -1). spec: host memory. With style KVI_ROPE_NONE the other fields
- * are ignored.
- * Errors: KVI_ERR_INVALID_ARGUMENT (NULL, layer out of range, unknown style,
- * rotary_dim odd or > head_size, theta not finite and > 0),
- * KVI_ERR_STRUCT_SIZE. On error no layer is changed.
+ * (layer = -1): per-layer overrides are later calls for single layers (a NoPE
+ * layer, a layer with its own theta). spec: host memory; a cos/sin table is
+ * copied. With style KVI_ROPE_NONE the other fields are ignored.
+ * Errors: KVI_ERR_INVALID_ARGUMENT (NULL, layer out of range, unknown style or
+ * scaling, rotary_dim odd or > head_size, theta/factor not finite and > 0,
+ * high_freq_factor <= low_freq_factor, original_max_position < 1, a table
+ * with table_positions < 1 or a non-float dtype), KVI_ERR_STRUCT_SIZE,
+ * KVI_ERR_OUT_OF_MEMORY. On error no layer is changed.
  */
 KVI_API kvi_status kvi_model_set_rope(kvi_model *model, int32_t layer, const kvi_rope_spec *spec);
 
 /* Reads one layer's RoPE into *out (host memory; set out->struct_size). A
- * resolved spec: rotary_dim is never 0 here for a rotated layer.
+ * resolved spec: rotary_dim is never 0 for a rotated layer, attention_factor
+ * is the one applied. cos_sin_table points to the model's own fp32 copy
+ * (table_dtype FP32), valid while the model lives and its RoPE is unchanged.
  * Errors: KVI_ERR_INVALID_ARGUMENT, KVI_ERR_STRUCT_SIZE. */
 KVI_API kvi_status kvi_model_get_rope(const kvi_model *model, int32_t layer, kvi_rope_spec *out);
+
+/*
+ * The rotation the model applies to layer `layer` at position `pos`, for
+ * pair i (0 <= i < rotary_dim/2): writes cos and sin, attention factor
+ * included, to *out_cos / *out_sin (host memory). What the encoder and
+ * injector use, exposed so engines and tests can check their own tables.
+ * Errors: KVI_ERR_INVALID_ARGUMENT (NULL, layer/pair out of range, a NoPE
+ * layer, pos < 0 or past a table's rows).
+ */
+KVI_API kvi_status kvi_model_rope_cos_sin(const kvi_model *model, int32_t layer, int32_t pos, int32_t pair,
+                                          float *out_cos, float *out_sin);
 
 #ifdef __cplusplus
 }
