@@ -116,3 +116,54 @@ void kvi__convert(void *dst, kvi_dtype dt, const void *src, kvi_dtype st, int64_
   default: break;
   }
 }
+
+/* ---- fp8 (OCP e4m3fn and e5m2), saturating like __NV_SATFINITE ---------- */
+
+typedef struct fp8_fmt {
+  int mbits, bias;
+  float max;       /* largest finite value */
+  uint8_t max_bits;
+  uint8_t nan_bits;
+  bool has_inf;
+} fp8_fmt;
+
+static const fp8_fmt E4M3 = {3, 7, 448.0f, 0x7e, 0x7f, false};
+static const fp8_fmt E5M2 = {2, 15, 57344.0f, 0x7b, 0x7f, true};
+
+static uint8_t to_fp8(float x, const fp8_fmt *f) {
+  if (isnan(x)) return f->nan_bits;
+  const uint8_t sign = signbit(x) ? 0x80 : 0;
+  float a = fabsf(x);
+  if (a >= f->max) return sign | f->max_bits; /* saturate, infinities too */
+  const int emin = 1 - f->bias;
+  int e;
+  frexpf(a, &e); /* a = m * 2^e, m in [0.5, 1) */
+  e -= 1;        /* a = m' * 2^e, m' in [1, 2) */
+  if (a == 0.0f) return sign;
+  if (e < emin) { /* subnormal: multiples of 2^(emin - mbits) */
+    const float q = rintf(ldexpf(a, f->mbits - emin));
+    return sign | (uint8_t)q; /* q == 2^mbits encodes the smallest normal */
+  }
+  float q = rintf(ldexpf(a, f->mbits - e)) - ldexpf(1.0f, f->mbits); /* mantissa, rounded */
+  if (q >= ldexpf(1.0f, f->mbits)) {
+    q = 0;
+    e++;
+  }
+  uint8_t bits = (uint8_t)(((e + f->bias) << f->mbits) | (int)q);
+  if (bits > f->max_bits) bits = f->max_bits;
+  return sign | bits;
+}
+
+static float from_fp8(uint8_t b, const fp8_fmt *f) {
+  const float sign = (b & 0x80) ? -1.0f : 1.0f;
+  const int e = (b & 0x7f) >> f->mbits, m = b & ((1 << f->mbits) - 1);
+  const int emax_field = (1 << (7 - f->mbits)) - 1;
+  if (f->has_inf && e == emax_field) return m ? NAN : sign * INFINITY;
+  if (!f->has_inf && (b & 0x7f) == 0x7f) return NAN;
+  if (e == 0) return sign * ldexpf((float)m, 1 - f->bias - f->mbits);
+  return sign * ldexpf(1.0f + (float)m / (float)(1 << f->mbits), e - f->bias);
+}
+
+uint8_t kvi__f32_to_fp8(float x, kvi_dtype t) { return to_fp8(x, t == KVI_DTYPE_FP8_E5M2 ? &E5M2 : &E4M3); }
+
+float kvi__fp8_to_f32(uint8_t b, kvi_dtype t) { return from_fp8(b, t == KVI_DTYPE_FP8_E5M2 ? &E5M2 : &E4M3); }

@@ -109,6 +109,46 @@ void kvi__cuda_stream_destroy(struct CUstream_st *s) {
   if (s) cudaStreamDestroy((cudaStream_t)s);
 }
 
+kvi_status kvi__cuda_event_create(struct CUevent_st **e, const char *fn) {
+  cudaEvent_t ev;
+  cudaError_t r = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+  if (r != cudaSuccess) return cuda_fail(r, fn, "cudaEventCreateWithFlags");
+  *e = (struct CUevent_st *)ev;
+  return KVI_OK;
+}
+
+void kvi__cuda_event_destroy(struct CUevent_st *e) {
+  if (e) cudaEventDestroy((cudaEvent_t)e);
+}
+
+kvi_status kvi__cuda_event_record(struct CUevent_st *e, struct CUstream_st *s, const char *fn) {
+  cudaError_t r = cudaEventRecord((cudaEvent_t)e, (cudaStream_t)s);
+  return r == cudaSuccess ? KVI_OK : cuda_fail(r, fn, "cudaEventRecord");
+}
+
+bool kvi__cuda_event_done(struct CUevent_st *e) {
+  cudaError_t r = cudaEventQuery((cudaEvent_t)e);
+  if (r == cudaErrorNotReady) return false;
+  if (r != cudaSuccess) cudaGetLastError();
+  return true;
+}
+
+kvi_status kvi__cuda_event_sync(struct CUevent_st *e, const char *fn) {
+  cudaError_t r = cudaEventSynchronize((cudaEvent_t)e);
+  return r == cudaSuccess ? KVI_OK : cuda_fail(r, fn, "cudaEventSynchronize");
+}
+
+kvi_status kvi__cuda_host_alloc_mapped(void **host, void **dev, size_t bytes, const char *fn) {
+  cudaError_t r = cudaHostAlloc(host, bytes, cudaHostAllocMapped);
+  if (r != cudaSuccess) return cuda_fail(r, fn, "cudaHostAlloc (mapped)");
+  r = cudaHostGetDevicePointer(dev, *host, 0);
+  if (r != cudaSuccess) {
+    cudaFreeHost(*host);
+    return cuda_fail(r, fn, "cudaHostGetDevicePointer");
+  }
+  return KVI_OK;
+}
+
 kvi_status kvi__cuda_last_launch(const char *fn, const char *kernel) {
   cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? KVI_OK : cuda_fail(e, fn, kernel);
@@ -163,6 +203,27 @@ kvi_status kvi__cuda_stream_create(struct CUstream_st **s, const char *fn) {
   return not_built(fn);
 }
 void kvi__cuda_stream_destroy(struct CUstream_st *s) { (void)s; }
+kvi_status kvi__cuda_event_create(struct CUevent_st **e, const char *fn) {
+  (void)e;
+  return not_built(fn);
+}
+void kvi__cuda_event_destroy(struct CUevent_st *e) { (void)e; }
+kvi_status kvi__cuda_event_record(struct CUevent_st *e, struct CUstream_st *s, const char *fn) {
+  (void)e, (void)s;
+  return not_built(fn);
+}
+bool kvi__cuda_event_done(struct CUevent_st *e) {
+  (void)e;
+  return true;
+}
+kvi_status kvi__cuda_event_sync(struct CUevent_st *e, const char *fn) {
+  (void)e;
+  return not_built(fn);
+}
+kvi_status kvi__cuda_host_alloc_mapped(void **host, void **dev, size_t bytes, const char *fn) {
+  (void)host, (void)dev, (void)bytes;
+  return not_built(fn);
+}
 kvi_status kvi__cuda_last_launch(const char *fn, const char *kernel) {
   (void)kernel;
   return not_built(fn);

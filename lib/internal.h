@@ -11,6 +11,8 @@
 
 #include "kvinject.h"
 
+struct CUevent_st; /* cudaEvent_t */
+
 /* ---- errors (error.c) ---------------------------------------------------- */
 
 /* Records "fn: message" as the thread's last error and returns status. */
@@ -34,6 +36,9 @@ float kvi__bf16_to_f32(uint16_t h);
 uint16_t kvi__f32_to_bf16(float f); /* round to nearest even; NaN stays NaN */
 float kvi__f16_to_f32(uint16_t h);
 uint16_t kvi__f32_to_f16(float f);  /* round to nearest even; overflow -> inf */
+
+uint8_t kvi__f32_to_fp8(float x, kvi_dtype t); /* E4M3/E5M2: nearest even, saturating, NaN kept */
+float kvi__fp8_to_f32(uint8_t b, kvi_dtype t);
 
 bool kvi__dtype_is_float(kvi_dtype t); /* FP32, FP16, BF16 */
 const char *kvi__dtype_name(kvi_dtype t);
@@ -132,6 +137,12 @@ kvi_status kvi__cuda_d2h(void *dst, const void *src, size_t bytes, struct CUstre
 kvi_status kvi__cuda_sync(struct CUstream_st *s, const char *fn);
 kvi_status kvi__cuda_stream_create(struct CUstream_st **s, const char *fn); /* non-blocking */
 void kvi__cuda_stream_destroy(struct CUstream_st *s);
+kvi_status kvi__cuda_event_create(struct CUevent_st **e, const char *fn); /* timing disabled */
+void kvi__cuda_event_destroy(struct CUevent_st *e);
+kvi_status kvi__cuda_event_record(struct CUevent_st *e, struct CUstream_st *s, const char *fn);
+bool kvi__cuda_event_done(struct CUevent_st *e); /* completed (or failed: never blocks forever) */
+kvi_status kvi__cuda_event_sync(struct CUevent_st *e, const char *fn);
+kvi_status kvi__cuda_host_alloc_mapped(void **host, void **dev, size_t bytes, const char *fn);
 kvi_status kvi__cuda_last_launch(const char *fn, const char *kernel);
 
 /* Checks that a buffer declared as `declared` memory really is, and that a

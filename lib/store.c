@@ -17,6 +17,7 @@
 
 #include "internal.h"
 #include "kernels.h"
+#include "store_internal.h"
 #include "kvi_build_config.h"
 
 #define STORE_OPTIONS_V1 sizeof(kvi_store_options)
@@ -26,69 +27,12 @@
 /* Pinned staging for host-memory puts and reads on a CUDA store. */
 #define STAGING_TARGET_BYTES (8u << 20)
 
-typedef enum tier { TIER_HOST = 0, TIER_DEVICE = 1 } tier;
-
-typedef struct pool {
-  tier tier;
-  char *base;
-  uint32_t npages;
-  uint32_t nfree;
-  uint32_t *free; /* stack of free page ids */
-} pool;
-
-typedef struct tenant tenant;
-
-typedef struct fact {
-  uint64_t tenant_id, id;
-  int32_t tokens;
-  uint32_t npages;
-  uint32_t *pages;
-  float *embedding; /* embedding_dim floats or NULL */
-  struct fact *prev, *next; /* the tenant's list */
-  tenant *owner;
-} fact;
-
-struct tenant {
-  uint64_t id;
-  size_t count;
-  fact *head;
-};
-
-struct kvi_store {
-  pthread_mutex_t lock;
-  kvi__geom geom;
-  kvi__rope *rope; /* per layer, copied from the model */
-  kvi_backend backend;
-  int device;
-  kvi_dtype dtype;
-  int32_t P;
-  int32_t emb_dim;
-  uint64_t page_bytes;
-  uint64_t page_elems;
-  pool pool;
-  /* CUDA stores: pinned staging and a private stream for host copies */
-  char *staging;
-  uint32_t staging_pages;
-  struct CUstream_st *copy_stream;
-  kvi__map facts;   /* (tenant, id) -> fact */
-  kvi__map tenants; /* (tenant, 0) -> tenant */
-  uint64_t tokens_stored;
-};
-
 /* ------------------------------------------------------------------------ */
 /* small helpers                                                            */
 /* ------------------------------------------------------------------------ */
 
-static inline char *page_addr(const kvi_store *s, uint32_t page) {
-  return s->pool.base + (uint64_t)page * s->page_bytes;
-}
-
-static inline uint32_t pages_for(const kvi_store *s, int32_t tokens) {
-  return (uint32_t)((tokens + s->P - 1) / s->P);
-}
-
-static void lock(const kvi_store *s) { pthread_mutex_lock((pthread_mutex_t *)&s->lock); }
-static void unlock(const kvi_store *s) { pthread_mutex_unlock((pthread_mutex_t *)&s->lock); }
+void kvi__store_lock(const kvi_store *s) { pthread_mutex_lock((pthread_mutex_t *)&s->lock); }
+void kvi__store_unlock(const kvi_store *s) { pthread_mutex_unlock((pthread_mutex_t *)&s->lock); }
 
 /* Runs `call` with the store's device current; restores the caller's. */
 #define WITH_DEVICE(s, fn, st, call)                                                                      \
@@ -364,21 +308,28 @@ KVI_API kvi_status kvi_store_create(kvi_store **out, const kvi_model *model, con
   s->pool.npages = (uint32_t)npages;
   s->pool.nfree = (uint32_t)npages;
   s->pool.free = malloc(npages * sizeof *s->pool.free);
-  s->rope = malloc((size_t)g->num_layers * sizeof *s->rope);
+  s->rope = calloc((size_t)g->num_layers, sizeof *s->rope);
   if (!s->pool.free || !s->rope) {
     st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the page table for %llu pages", (unsigned long long)npages);
     goto fail;
   }
-  memcpy(s->rope, model->rope, (size_t)g->num_layers * sizeof *s->rope);
+  for (int32_t l = 0; l < g->num_layers; l++) {
+    if ((st = kvi__rope_copy(&s->rope[l], &model->rope[l], fn))) {
+      while (l-- > 0) kvi__rope_release(&s->rope[l]);
+      goto fail;
+    }
+  }
   for (uint32_t i = 0; i < s->pool.npages; i++) s->pool.free[i] = s->pool.npages - 1 - i; /* pops 0, 1, 2, ... */
-  if ((st = reserve_memory(s, fn))) goto fail;
+  if ((st = reserve_memory(s, fn))) goto fail_rope;
   if (pthread_mutex_init(&s->lock, NULL) != 0) {
     release_memory(s);
     st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "initializing the store's lock");
-    goto fail;
+    goto fail_rope;
   }
   *out = s;
   return KVI_OK;
+fail_rope:
+  for (int32_t l = 0; l < g->num_layers; l++) kvi__rope_release(&s->rope[l]);
 fail:
   free(s->pool.free);
   free(s->rope);
@@ -402,6 +353,7 @@ KVI_API void kvi_store_destroy(kvi_store *store) {
   release_memory(store);
   pthread_mutex_destroy(&store->lock);
   free(store->pool.free);
+  for (int32_t l = 0; l < store->geom.num_layers; l++) kvi__rope_release(&store->rope[l]);
   free(store->rope);
   free(store);
 }
@@ -410,49 +362,45 @@ KVI_API void kvi_store_destroy(kvi_store *store) {
 /* put / remove                                                              */
 /* ------------------------------------------------------------------------ */
 
-/* Reads and checks the embedding into a fresh host fp32 array. */
-static kvi_status read_embedding(const kvi_store *s, const kvi_put_options *o, struct CUstream_st *stream,
-                                 float **out, const char *fn) {
+/* Reads and checks an embedding into a fresh host fp32 array. */
+kvi_status kvi__store_read_embedding(const kvi_store *s, const void *embedding, kvi_dtype dtype, kvi_memory memory,
+                                     struct CUstream_st *stream, float **out, const char *fn) {
   *out = NULL;
-  if (!o->embedding) {
+  if (!embedding) {
     if (s->emb_dim > 0)
-      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
-                       "the store keeps %d-element embeddings and opts->embedding is NULL", (int)s->emb_dim);
+      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "the store keeps %d-element embeddings and the embedding is NULL",
+                       (int)s->emb_dim);
     return KVI_OK;
   }
   if (s->emb_dim == 0)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
-                     "opts->embedding is set but the store was created with embedding_dim 0");
-  if (!kvi__dtype_is_float(o->embedding_dtype))
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->embedding_dtype is %d, expected FP32, FP16 or BF16",
-                     (int)o->embedding_dtype);
-  if (o->embedding_memory != KVI_MEMORY_HOST && o->embedding_memory != KVI_MEMORY_DEVICE)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->embedding_memory is %d, expected KVI_MEMORY_HOST or DEVICE",
-                     (int)o->embedding_memory);
-  kvi_status st = kvi__check_memory(o->embedding, o->embedding_memory, s->backend == KVI_BACKEND_CUDA, s->device,
-                                    fn, "opts->embedding");
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "an embedding is given but the store was created with embedding_dim 0");
+  if (!kvi__dtype_is_float(dtype))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "embedding_dtype is %d, expected FP32, FP16 or BF16", (int)dtype);
+  if (memory != KVI_MEMORY_HOST && memory != KVI_MEMORY_DEVICE)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "embedding_memory is %d, expected KVI_MEMORY_HOST or DEVICE",
+                     (int)memory);
+  kvi_status st = kvi__check_memory(embedding, memory, s->backend == KVI_BACKEND_CUDA, s->device, fn, "embedding");
   if (st) return st;
-  const size_t n = (size_t)s->emb_dim, bytes = n * kvi_dtype_size(o->embedding_dtype);
+  const size_t n = (size_t)s->emb_dim, bytes = n * kvi_dtype_size(dtype);
   float *e = malloc(n * sizeof *e);
-  void *raw = o->embedding_memory == KVI_MEMORY_DEVICE ? malloc(bytes) : NULL;
-  if (!e || (o->embedding_memory == KVI_MEMORY_DEVICE && !raw)) {
+  void *raw = memory == KVI_MEMORY_DEVICE ? malloc(bytes) : NULL;
+  if (!e || (memory == KVI_MEMORY_DEVICE && !raw)) {
     free(e);
     free(raw);
     return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a %zu-element embedding", n);
   }
-  const void *src = o->embedding;
+  const void *src = embedding;
   if (raw) {
     /* ordered after the caller's work on `stream`, which may have produced it */
-    WITH_DEVICE(s, fn, st, kvi__cuda_d2h(raw, o->embedding, bytes, stream, fn));
+    WITH_DEVICE(s, fn, st, kvi__cuda_d2h(raw, embedding, bytes, stream, fn));
     if (st == KVI_OK) WITH_DEVICE(s, fn, st, kvi__cuda_sync(stream, fn));
     src = raw;
   }
   if (st == KVI_OK) {
-    kvi__convert(e, KVI_DTYPE_FP32, src, o->embedding_dtype, (int64_t)n);
+    kvi__convert(e, KVI_DTYPE_FP32, src, dtype, (int64_t)n);
     for (size_t i = 0; i < n; i++)
       if (!isfinite(e[i])) {
-        st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->embedding[%zu] is %g; embeddings must be finite", i,
-                       (double)e[i]);
+        st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "embedding[%zu] is %g; embeddings must be finite", i, (double)e[i]);
         break;
       }
   }
@@ -474,6 +422,74 @@ static kvi_status check_view_memory(const kvi_store *s, const kvi_kv_view *v, co
   return kvi__check_memory(v->v, v->memory, s->backend == KVI_BACKEND_CUDA, s->device, fn, what);
 }
 
+/* ---- deferred frees ------------------------------------------------------ */
+
+/* Advances track_done past completed events and frees the deferred pages
+ * that were only waiting for them. `wait`: block for every outstanding event. */
+static kvi_status reap(kvi_store *s, bool wait, const char *fn) {
+  while (s->track_done < s->track_next) {
+    struct CUevent_st *e = s->track_ev[s->track_done % KVI__TRACK_EVENTS];
+    if (wait) {
+      kvi_status st;
+      WITH_DEVICE(s, fn, st, kvi__cuda_event_sync(e, fn));
+      if (st) return st;
+    } else if (!kvi__cuda_event_done(e)) {
+      break;
+    }
+    s->track_done++;
+  }
+  uint32_t keep = 0;
+  for (uint32_t i = 0; i < s->ndeferred; i++) {
+    if (s->deferred_tag[i] <= s->track_done) {
+      s->pool.free[s->pool.nfree++] = s->deferred_page[i];
+    } else {
+      s->deferred_page[keep] = s->deferred_page[i];
+      s->deferred_tag[keep++] = s->deferred_tag[i];
+    }
+  }
+  s->ndeferred = keep;
+  return KVI_OK;
+}
+
+kvi_status kvi__store_track(kvi_store *s, struct CUstream_st *stream, const char *fn) {
+  if (s->backend != KVI_BACKEND_CUDA) return KVI_OK;
+  kvi_status st;
+  if (s->track_next - s->track_done == KVI__TRACK_EVENTS) { /* ring full: wait for the oldest */
+    WITH_DEVICE(s, fn, st, kvi__cuda_event_sync(s->track_ev[s->track_done % KVI__TRACK_EVENTS], fn));
+    if (st) return st;
+    s->track_done++;
+  }
+  WITH_DEVICE(s, fn, st, kvi__cuda_event_record(s->track_ev[s->track_next % KVI__TRACK_EVENTS], stream, fn));
+  if (st == KVI_OK) s->track_next++;
+  return st;
+}
+
+static void release_pages(kvi_store *s, const uint32_t *pages, uint32_t n) {
+  const bool defer = s->backend == KVI_BACKEND_CUDA && s->track_done < s->track_next;
+  for (uint32_t i = 0; i < n; i++) {
+    if (defer) {
+      s->deferred_page[s->ndeferred] = pages[i];
+      s->deferred_tag[s->ndeferred++] = s->track_next;
+    } else {
+      s->pool.free[s->pool.nfree++] = pages[i];
+    }
+  }
+}
+
+kvi_status kvi__store_reserve(kvi_store *s, uint32_t need, size_t new_facts, const char *fn) {
+  kvi_status st = KVI_OK;
+  if (s->pool.nfree < need && s->ndeferred > 0) st = reap(s, false, fn);
+  if (st == KVI_OK && s->pool.nfree < need && s->pool.nfree + s->ndeferred >= need) st = reap(s, true, fn);
+  if (st) return st;
+  if (s->pool.nfree < need)
+    return kvi__fail(KVI_ERR_CAPACITY, fn, "%u pages of %d tokens are needed; %u of %u pages are free", need,
+                     (int)s->P, s->pool.nfree, s->pool.npages);
+  if ((st = kvi__map_reserve(&s->facts, new_facts, fn))) return st;
+  return kvi__map_reserve(&s->tenants, new_facts, fn);
+}
+
+/* ---- put / remove --------------------------------------------------------- */
+
 static void unlink_fact(kvi_store *s, fact *f) {
   tenant *t = f->owner;
   if (f->prev) f->prev->next = f->next;
@@ -485,8 +501,42 @@ static void unlink_fact(kvi_store *s, fact *f) {
     free(t);
   }
   kvi__map_del(&s->facts, f->tenant_id, f->id);
-  for (uint32_t i = 0; i < f->npages; i++) s->pool.free[s->pool.nfree++] = f->pages[i];
+  release_pages(s, f->pages, f->npages);
   s->tokens_stored -= (uint64_t)f->tokens;
+}
+
+void kvi__store_commit(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, tenant *fresh, float **emb,
+                       uint64_t tenant_id, uint64_t fact_id, int32_t tokens) {
+  s->pool.nfree -= need; /* the pages were chosen from the top of the stack */
+  fact *old = kvi__store_find(s, tenant_id, fact_id);
+  if (old) {
+    unlink_fact(s, old);
+    free_fact(old);
+  }
+  tenant *t = kvi__map_get(&s->tenants, tenant_id, 0);
+  if (!t) {
+    t = fresh;
+    memset(t, 0, sizeof *t);
+    t->id = tenant_id;
+    kvi__map_put(&s->tenants, tenant_id, 0, t);
+  } else {
+    free(fresh);
+  }
+  f->tenant_id = tenant_id;
+  f->id = fact_id;
+  f->tokens = tokens;
+  f->npages = need;
+  f->pages = pages;
+  f->embedding = *emb;
+  *emb = NULL;
+  f->owner = t;
+  f->prev = NULL;
+  f->next = t->head;
+  if (t->head) t->head->prev = f;
+  t->head = f;
+  t->count++;
+  kvi__map_put(&s->facts, tenant_id, fact_id, f);
+  s->tokens_stored += (uint64_t)tokens;
 }
 
 KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *kv,
@@ -504,7 +554,8 @@ KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant_id, uint64_t 
 
   /* Everything that can fail without touching the store happens first. */
   float *emb = NULL;
-  if ((st = read_embedding(store, &o, stream, &emb, fn))) return st;
+  if ((st = kvi__store_read_embedding(store, o.embedding, o.embedding_dtype, o.embedding_memory, stream, &emb, fn)))
+    return st;
   const uint32_t need = pages_for(store, v.num_tokens);
   fact *f = calloc(1, sizeof *f);
   uint32_t *pages = malloc(need * sizeof *pages);
@@ -514,55 +565,25 @@ KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant_id, uint64_t 
     goto out_free;
   }
 
-  lock(store);
-  fact *old = kvi__map_get(&store->facts, tenant_id, fact_id);
+  kvi__store_lock(store);
+  fact *old = kvi__store_find(store, tenant_id, fact_id);
   if (old && !(o.flags & KVI_PUT_REPLACE)) {
     st = kvi__fail(KVI_ERR_EXISTS, fn, "fact %llu of tenant %llu is already stored (pass KVI_PUT_REPLACE to replace it)",
                    (unsigned long long)fact_id, (unsigned long long)tenant_id);
     goto out_unlock;
   }
-  if (store->pool.nfree < need) {
-    st = kvi__fail(KVI_ERR_CAPACITY, fn, "%d tokens need %u pages of %d tokens; %u of %u pages are free%s",
-                   (int)v.num_tokens, need, (int)store->P, store->pool.nfree, store->pool.npages,
-                   old ? " (a replacement is written before the old copy is freed)" : "");
-    goto out_unlock;
-  }
-  if ((st = kvi__map_reserve(&store->facts, 1, fn)) || (st = kvi__map_reserve(&store->tenants, 1, fn)))
-    goto out_unlock;
+  if ((st = kvi__store_reserve(store, need, 1, fn))) goto out_unlock; /* a replacement needs room for both */
   for (uint32_t i = 0; i < need; i++) pages[i] = store->pool.free[store->pool.nfree - 1 - i];
   WITH_DEVICE(store, fn, st, copy_fact(store, &v, pages, v.num_tokens, true, stream, fn));
-  if (st) goto out_unlock; /* pages were not taken off the free stack */
-  store->pool.nfree -= need;
-  if (old) {
-    unlink_fact(store, old);
-    free_fact(old);
-  }
-  tenant *t = kvi__map_get(&store->tenants, tenant_id, 0);
-  if (!t) {
-    t = fresh;
-    fresh = NULL;
-    t->id = tenant_id;
-    kvi__map_put(&store->tenants, tenant_id, 0, t);
-  }
-  f->tenant_id = tenant_id;
-  f->id = fact_id;
-  f->tokens = v.num_tokens;
-  f->npages = need;
-  f->pages = pages;
-  f->embedding = emb;
-  f->owner = t;
-  f->next = t->head;
-  if (t->head) t->head->prev = f;
-  t->head = f;
-  t->count++;
-  kvi__map_put(&store->facts, tenant_id, fact_id, f);
-  store->tokens_stored += (uint64_t)v.num_tokens;
-  unlock(store);
-  free(fresh);
+  if (st == KVI_OK && store->backend == KVI_BACKEND_CUDA && v.memory == KVI_MEMORY_DEVICE)
+    st = kvi__store_track(store, stream, fn);
+  if (st) goto out_unlock; /* the pages were not taken off the free stack */
+  kvi__store_commit(store, f, pages, need, fresh, &emb, tenant_id, fact_id, v.num_tokens);
+  kvi__store_unlock(store);
   return KVI_OK;
 
 out_unlock:
-  unlock(store);
+  kvi__store_unlock(store);
 out_free:
   free(f);
   free(pages);
@@ -574,10 +595,10 @@ out_free:
 KVI_API kvi_status kvi_store_remove(kvi_store *store, uint64_t tenant_id, uint64_t fact_id) {
   static const char fn[] = "kvi_store_remove";
   if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
-  lock(store);
-  fact *f = kvi__map_get(&store->facts, tenant_id, fact_id);
+  kvi__store_lock(store);
+  fact *f = kvi__store_find(store, tenant_id, fact_id);
   if (f) unlink_fact(store, f);
-  unlock(store);
+  kvi__store_unlock(store);
   if (!f)
     return kvi__fail(KVI_ERR_NOT_FOUND, fn, "no fact %llu for tenant %llu", (unsigned long long)fact_id,
                      (unsigned long long)tenant_id);
@@ -602,7 +623,7 @@ KVI_API kvi_status kvi_store_read(const kvi_store *store, uint64_t tenant_id, ui
   kvi_status st = kvi__view_check(&v, dst, &store->geom, true, fn);
   if (st) return st;
   if ((st = check_view_memory(store, &v, fn, "dst"))) return st;
-  lock(store);
+  kvi__store_lock(store);
   const fact *f = kvi__map_get(&store->facts, tenant_id, fact_id);
   if (!f) st = not_found(fn, tenant_id, fact_id);
   else if (f->tokens != v.num_tokens)
@@ -610,7 +631,9 @@ KVI_API kvi_status kvi_store_read(const kvi_store *store, uint64_t tenant_id, ui
                    (int)f->tokens);
   else
     WITH_DEVICE(store, fn, st, copy_fact(store, &v, f->pages, f->tokens, false, stream, fn));
-  unlock(store);
+  if (st == KVI_OK && f && store->backend == KVI_BACKEND_CUDA && v.memory == KVI_MEMORY_DEVICE)
+    st = kvi__store_track((kvi_store *)store, stream, fn);
+  kvi__store_unlock(store);
   return st;
 }
 
@@ -619,10 +642,10 @@ KVI_API kvi_status kvi_store_fact_tokens(const kvi_store *store, uint64_t tenant
   static const char fn[] = "kvi_store_fact_tokens";
   if (!store || !out_tokens)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_tokens" : "store");
-  lock(store);
+  kvi__store_lock(store);
   const fact *f = kvi__map_get(&store->facts, tenant_id, fact_id);
   if (f) *out_tokens = f->tokens;
-  unlock(store);
+  kvi__store_unlock(store);
   return f ? KVI_OK : not_found(fn, tenant_id, fact_id);
 }
 
@@ -631,10 +654,10 @@ KVI_API kvi_status kvi_store_get_embedding(const kvi_store *store, uint64_t tena
   if (!store || !out) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out" : "store");
   if (store->emb_dim == 0)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "the store was created with embedding_dim 0");
-  lock(store);
+  kvi__store_lock(store);
   const fact *f = kvi__map_get(&store->facts, tenant_id, fact_id);
   if (f) memcpy(out, f->embedding, (size_t)store->emb_dim * sizeof *out);
-  unlock(store);
+  kvi__store_unlock(store);
   return f ? KVI_OK : not_found(fn, tenant_id, fact_id);
 }
 
@@ -642,10 +665,10 @@ KVI_API kvi_status kvi_store_count(const kvi_store *store, uint64_t tenant_id, s
   static const char fn[] = "kvi_store_count";
   if (!store || !out_count)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_count" : "store");
-  lock(store);
+  kvi__store_lock(store);
   const tenant *t = kvi__map_get(&store->tenants, tenant_id, 0);
   *out_count = t ? t->count : 0;
-  unlock(store);
+  kvi__store_unlock(store);
   return KVI_OK;
 }
 
@@ -661,7 +684,7 @@ KVI_API kvi_status kvi_store_list(const kvi_store *store, uint64_t tenant_id, ui
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_total" : "store");
   if (capacity > 0 && !ids) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "ids is NULL and capacity is %zu", capacity);
   kvi_status st = KVI_OK;
-  lock(store);
+  kvi__store_lock(store);
   const tenant *t = kvi__map_get(&store->tenants, tenant_id, 0);
   const size_t n = t ? t->count : 0;
   if (capacity > 0 && n > 0) {
@@ -676,7 +699,7 @@ KVI_API kvi_status kvi_store_list(const kvi_store *store, uint64_t tenant_id, ui
       free(all);
     }
   }
-  unlock(store);
+  kvi__store_unlock(store);
   if (st == KVI_OK) *out_total = n;
   return st;
 }
@@ -691,13 +714,13 @@ KVI_API kvi_status kvi_store_stats_get(const kvi_store *store, kvi_store_stats *
   s.page_tokens = store->P;
   s.embedding_dim = store->emb_dim;
   s.page_bytes = store->page_bytes;
-  lock(store);
+  kvi__store_lock(store);
   s.pages_total = store->pool.npages;
   s.pages_used = store->pool.npages - store->pool.nfree;
   s.facts = store->facts.len;
   s.tenants = store->tenants.len;
   s.bytes_payload = store->tokens_stored * (store->page_bytes / (uint64_t)store->P);
-  unlock(store);
+  kvi__store_unlock(store);
   s.bytes_reserved = s.pages_total * s.page_bytes;
   s.bytes_used = s.pages_used * s.page_bytes;
   return kvi__write_struct(out, &s, sizeof s, STORE_STATS_V1, fn, "out");

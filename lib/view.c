@@ -89,18 +89,31 @@ kvi_status kvi__view_check(kvi_kv_view *out, const kvi_kv_view *user, const kvi_
   if (__builtin_mul_overflow(last + 1, (int64_t)kvi_dtype_size(v.dtype), &bytes)) goto overflow;
   if (dst) {
     /* Sufficient condition for no two elements sharing an address: ordered by
-     * stride, each dimension steps past everything the smaller ones reach. */
-    qsort(d, 4, sizeof d[0], cmp_dim);
+     * stride, each dimension steps past everything the smaller ones reach.
+     * K and V are a fifth dimension of extent 2 whose stride is their
+     * distance (interleaved K|V buffers pass; K == V does not). */
+    const size_t es = kvi_dtype_size(v.dtype);
+    const intptr_t gap = (intptr_t)((const char *)v.v - (const char *)v.k);
+    const int64_t agap = gap < 0 ? -(int64_t)gap : (int64_t)gap;
+    dim e[5] = {d[0], d[1], d[2], d[3], {2, agap / (int64_t)es}};
+    int nd = 5;
+    if (agap % (int64_t)es != 0) {
+      /* not element-aligned to each other: require disjoint byte ranges */
+      if (agap < bytes)
+        return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s->k and %s->v overlap and are not element-aligned", name, name);
+      nd = 4;
+    }
+    qsort(e, (size_t)nd, sizeof e[0], cmp_dim);
     int64_t reach = 0; /* largest offset reached by the dimensions so far */
-    for (int i = 0; i < 4; i++) {
-      if (d[i].extent == 1) continue;
-      if (d[i].stride <= reach)
+    for (int i = 0; i < nd; i++) {
+      if (e[i].extent == 1) continue;
+      if (e[i].stride <= reach)
         return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
-                         "%s strides overlap (layer %lld, token %lld, head %lld, head_size %d): "
-                         "a destination must not write one address twice",
-                         name, (long long)v.layer_stride, (long long)v.token_stride,
-                         (long long)v.head_stride, (int)v.head_size);
-      reach += (d[i].extent - 1) * d[i].stride;
+                         "%s overlaps itself (layer stride %lld, token %lld, head %lld, head_size %d, v - k = %lld "
+                         "elements): a destination must not write one address twice",
+                         name, (long long)v.layer_stride, (long long)v.token_stride, (long long)v.head_stride,
+                         (int)v.head_size, (long long)(gap / (intptr_t)es));
+      reach += (e[i].extent - 1) * e[i].stride;
     }
   }
   *out = v;

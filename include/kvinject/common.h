@@ -20,6 +20,14 @@
 #define KVI_API
 #endif
 
+/* An enum value of 0 in an _INIT macro, valid in C and in C++ without an
+ * old-style cast. */
+#ifdef __cplusplus
+#define KVI_ENUM_ZERO(type) type()
+#else
+#define KVI_ENUM_ZERO(type) ((type)0)
+#endif
+
 #ifdef __cplusplus
 extern "C" {
 #endif

@@ -128,24 +128,24 @@ typedef struct kvi_rope_spec {
   int32_t rotary_dim;             /* rotated leading dims, even, 2..head_size; 0 = head_size (default) */
   double theta;                   /* base, > 0; default 10000 */
   kvi_rope_scaling scaling;       /* default KVI_ROPE_SCALING_NONE */
+  int32_t original_max_position;  /* LLAMA3 and YARN: the pre-scaling context, default 8192 */
   double factor;                  /* LINEAR, LLAMA3, YARN, NTK: > 0, default 1 */
   double low_freq_factor;         /* LLAMA3, default 1 */
   double high_freq_factor;        /* LLAMA3, > low_freq_factor, default 4 */
-  int32_t original_max_position;  /* LLAMA3 and YARN: the pre-scaling context, default 8192 */
   double beta_fast;               /* YARN, default 32 */
   double beta_slow;               /* YARN, default 1 */
   double attention_factor;        /* multiplies cos and sin; 0 (default) = YARN's
                                      0.1 * ln(factor) + 1 for YARN, 1 otherwise */
   int32_t yarn_truncate;          /* YARN: 1 (default) rounds the ramp ends down/up as
                                      Hugging Face does; 0 keeps them fractional (gpt-oss) */
-  const void *cos_sin_table;      /* host memory, or NULL (default): see above. Copied. */
   kvi_dtype table_dtype;          /* FP32 (default), FP16 or BF16 */
+  const void *cos_sin_table;      /* host memory, or NULL (default): see above. Copied. */
   int32_t table_positions;        /* rows of the table; positions must be below it */
 } kvi_rope_spec;
 
-#define KVI_ROPE_SPEC_INIT                                                                       \
-  {sizeof(kvi_rope_spec), KVI_ROPE_NEOX, 0, 10000.0, KVI_ROPE_SCALING_NONE, 1.0, 1.0, 4.0, 8192, \
-   32.0, 1.0, 0.0, 1, NULL, KVI_DTYPE_FP32, 0}
+#define KVI_ROPE_SPEC_INIT                                                                          \
+  {sizeof(kvi_rope_spec), KVI_ROPE_NEOX, 0, 10000.0, KVI_ROPE_SCALING_NONE, 8192, 1.0, 1.0, 4.0, 32.0, \
+   1.0, 0.0, 1, KVI_DTYPE_FP32, NULL, 0}
 
 /* Fills *spec with KVI_ROPE_SPEC_INIT. NULL is ignored. */
 KVI_API void kvi_rope_spec_init(kvi_rope_spec *spec);

@@ -85,7 +85,7 @@ typedef struct kvi_kv_view {
   void *v;             /* V data; read-only when used as a source */
 } kvi_kv_view;
 
-#define KVI_KV_VIEW_INIT {sizeof(kvi_kv_view), (kvi_memory)0, (kvi_dtype)0, 0, 0, 0, 0, 0, 0, 0, NULL, NULL}
+#define KVI_KV_VIEW_INIT {sizeof(kvi_kv_view), KVI_ENUM_ZERO(kvi_memory), KVI_ENUM_ZERO(kvi_dtype), 0, 0, 0, 0, 0, 0, 0, NULL, NULL}
 
 /* Fills *view with KVI_KV_VIEW_INIT. NULL is ignored. */
 KVI_API void kvi_kv_view_init(kvi_kv_view *view);
@@ -253,7 +253,7 @@ typedef struct kvi_store_stats {
   uint64_t tenants;        /* tenants with at least one fact */
 } kvi_store_stats;
 
-#define KVI_STORE_STATS_INIT {sizeof(kvi_store_stats), KVI_BACKEND_AUTO, 0, (kvi_dtype)0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+#define KVI_STORE_STATS_INIT {sizeof(kvi_store_stats), KVI_BACKEND_AUTO, 0, KVI_ENUM_ZERO(kvi_dtype), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
 
 /* Fills *out (host memory). Errors: KVI_ERR_INVALID_ARGUMENT, KVI_ERR_STRUCT_SIZE. */
 KVI_API kvi_status kvi_store_stats_get(const kvi_store *store, kvi_store_stats *out);

@@ -1,0 +1,124 @@
+/*
+ * libkvinject — the engine's paged KV cache, described by strides
+ * (kvi_cache_layout), with presets for the common engines.
+ *
+ * SPDX-License-Identifier: Apache-2.0
+ *
+ * Engines change their cache layouts often, so the library never hard-codes
+ * one. A layout says, for every layer, where element (block b, token t of the
+ * block, local head h, dim d) of K and of V is:
+ *
+ *   K: kbase(l) + b * block_stride + t * token_stride + h * head_stride + d
+ *   V: vbase(l) + (same offsets)
+ *
+ * in elements of `dtype`, with
+ *   kbase(l) = k_layers ? k_layers[l] : k_base + l * layer_stride
+ *   vbase(l) = v_layers ? v_layers[l] : v_base ? v_base + l * layer_stride
+ *                                              : kbase(l) + v_offset
+ * (the last form covers caches that keep K and V in one tensor: vLLM's
+ * [2, blocks, ...] and packed K|V layouts, TensorRT-LLM's pool). Head vectors
+ * are contiguous (the dim stride is 1). A sequence's token s lives in block
+ * block_table[s / block_size] at t = s % block_size.
+ *
+ * fp8 caches (KVI_DTYPE_FP8_E4M3 / E5M2, stored as bytes) use the divide
+ * convention of vLLM and SGLang: stored = saturate(x / scale), x = stored *
+ * scale, with one scale per layer (per tensor) or per layer and head.
+ * (FlashInfer's fused kernels multiply by a scale: pass its reciprocal.)
+ */
+#ifndef KVINJECT_CACHE_H
+#define KVINJECT_CACHE_H
+
+#include "kvinject/common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* How fp8 scales are given. */
+typedef enum kvi_scale_mode {
+  KVI_SCALE_NONE = 0,       /* no scales: 1.0 (also for non-fp8 caches) */
+  KVI_SCALE_PER_TENSOR = 1, /* k_scales / v_scales hold num_layers values */
+  KVI_SCALE_PER_HEAD = 2    /* they hold num_layers * num_heads values, layer-major */
+} kvi_scale_mode;
+
+typedef struct kvi_cache_layout {
+  size_t struct_size;        /* sizeof(kvi_cache_layout) */
+  kvi_memory memory;         /* where the cache lives: DEVICE for a CUDA store,
+                                HOST for a CPU store (required) */
+  kvi_dtype dtype;           /* any kvi_dtype (required) */
+  int32_t num_layers;        /* must equal the model's layers */
+  int32_t num_heads;         /* heads this rank's cache holds: the model's local heads */
+  int32_t head_size;         /* must equal the model's head size */
+  int32_t block_size;        /* tokens per block, >= 1 */
+  int64_t num_blocks;        /* valid block ids are 0..num_blocks-1 */
+  int64_t block_stride;      /* elements; all strides >= 0 */
+  int64_t token_stride;
+  int64_t head_stride;
+  int64_t layer_stride;      /* with k_base / v_base */
+  int64_t v_offset;          /* with neither v_layers nor v_base */
+  void *const *k_layers;     /* host array of num_layers pointers, or NULL */
+  void *const *v_layers;     /* host array of num_layers pointers, or NULL */
+  void *k_base;              /* with k_layers NULL */
+  void *v_base;              /* with v_layers NULL; NULL: V = K + v_offset */
+  kvi_scale_mode scale_mode; /* fp8 only; default KVI_SCALE_NONE */
+  const float *k_scales;     /* host memory, see kvi_scale_mode; values > 0 */
+  const float *v_scales;
+} kvi_cache_layout;
+
+#define KVI_CACHE_LAYOUT_INIT                                                                         \
+  {sizeof(kvi_cache_layout), KVI_ENUM_ZERO(kvi_memory), KVI_ENUM_ZERO(kvi_dtype), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, NULL, \
+   NULL, NULL, KVI_SCALE_NONE, NULL, NULL}
+
+/* Fills *layout with KVI_CACHE_LAYOUT_INIT. NULL is ignored. */
+KVI_API void kvi_cache_layout_init(kvi_cache_layout *layout);
+
+/*
+ * Engine layouts. H = local KV heads, D = head size, NB = blocks, BS = block
+ * size, L = layers. "Per layer" presets take one pointer per layer in
+ * `k_layers` (and `v_layers` where K and V are separate tensors); "pool"
+ * presets take one base pointer in `base`.
+ */
+typedef enum kvi_cache_preset {
+  /* vLLM FlashAttention, per layer [2, NB, BS, H, D] (K = [0], V = [1]) */
+  KVI_CACHE_VLLM_FLASH_ATTN = 1,
+  /* the same with the HND stride order: physical [2, NB, H, BS, D] */
+  KVI_CACHE_VLLM_FLASH_ATTN_HND = 2,
+  /* vLLM FlashInfer / Triton (and FlashAttention from mid-2026), per layer [NB, 2, BS, H, D] */
+  KVI_CACHE_VLLM_FLASHINFER = 3,
+  /* the same, HND: physical [NB, 2, H, BS, D] */
+  KVI_CACHE_VLLM_FLASHINFER_HND = 4,
+  /* vLLM K|V packed in the content dimension (PR #44455), per layer physical
+   * [NB, BS, H, 2D]: per token and head, D K elements then D V elements */
+  KVI_CACHE_VLLM_PACKED = 5,
+  /* the same, HND: physical [NB, H, BS, 2D] */
+  KVI_CACHE_VLLM_PACKED_HND = 6,
+  /* SGLang MHATokenToKVPool: per layer k_buffer and v_buffer, [slots, H, D],
+   * token-granular (BS = the engine's page size, 1 by default) */
+  KVI_CACHE_SGLANG = 7,
+  /* TensorRT-LLM: one pool [NB, L, 2, H, BS, D] (every layer inside a block) */
+  KVI_CACHE_TRTLLM = 8,
+  /* contiguous per-sequence cache (Hugging Face DynamicCache/StaticCache):
+   * per layer key and value tensors [batch, H, S, D]. Blocks are batch rows:
+   * NB = batch, BS = S (the capacity), and a request's block table is
+   * {its batch row}. */
+  KVI_CACHE_HF_CONTIGUOUS = 9
+} kvi_cache_preset;
+
+/*
+ * Fills *out for an engine's layout: every field but memory, scale_mode and
+ * the scales, which the caller sets. The pointer arrays are referenced, not
+ * copied, until the layout is given to an injector or encoder (which copy
+ * what they need).
+ * Errors: KVI_ERR_INVALID_ARGUMENT (NULL out, unknown preset, a size < 1, a
+ * pointer the preset needs is NULL).
+ */
+KVI_API kvi_status kvi_cache_layout_preset(kvi_cache_layout *out, kvi_cache_preset preset, kvi_dtype dtype,
+                                           int32_t num_layers, int32_t num_heads, int32_t head_size,
+                                           int32_t block_size, int64_t num_blocks, void *const *k_layers,
+                                           void *const *v_layers, void *base);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVINJECT_CACHE_H */

@@ -1,0 +1,204 @@
+/*
+ * libkvinject — the Chunked-RoPE encoder (kvi_encoder: capture facts from an
+ * engine's paged cache) and the block-table injector (kvi_injector: write
+ * stored facts into it).
+ *
+ * SPDX-License-Identifier: Apache-2.0
+ *
+ * Both are bound at creation to a store (its backend, device, model and RoPE)
+ * and to one engine cache (kvi_cache_layout). The store must outlive them.
+ *
+ * Sequences and slots. An engine sequence is addressed through its block
+ * table (int32 block ids): sequence index s is block block_table[s / BS],
+ * token s % BS. Positions are the RoPE positions of tokens (often, but not
+ * always, equal to s).
+ *
+ * Validation. Everything checkable on the host is checked before anything is
+ * written: unknown fact ids (a fact of another tenant is unknown), sequence
+ * ranges past a block table, block ids outside the cache (host block
+ * tables), negative positions or positions past a cos/sin table. A call that
+ * fails this way writes nothing. Block tables in device memory are checked
+ * by the kernel: a token whose block id is out of range is skipped (never
+ * written out of bounds) and counted; read the count with
+ * kvi_injector_async_errors. Requests must not write the same cache slot
+ * twice in one call (the result is then unspecified, never out of bounds).
+ *
+ * Streams. Calls enqueue their work on `stream` (a CUDA handle; NULL: the
+ * default stream; a CPU handle ignores it and has finished on return) and
+ * return once it is enqueued. Host arrays passed to a call (fact ids,
+ * positions, host block tables) may be reused as soon as it returns. A fact
+ * removed or replaced while an injection that reads it is in flight keeps
+ * its pages until that work has completed.
+ *
+ * Thread rules: one injector or encoder may be used from several threads at
+ * once; calls on it are serialized by its lock (and the store's).
+ */
+#ifndef KVINJECT_INJECT_H
+#define KVINJECT_INJECT_H
+
+#include "kvinject/cache.h"
+#include "kvinject/common.h"
+#include "kvinject/store.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kvi_injector kvi_injector;
+typedef struct kvi_encoder kvi_encoder;
+
+/* Sizing of the per-call descriptor buffers; a call larger than this fails
+ * with KVI_ERR_CAPACITY (nothing written). */
+typedef struct kvi_transfer_options {
+  size_t struct_size;         /* sizeof(kvi_transfer_options) */
+  int32_t max_tokens_per_call; /* tokens moved by one call, all requests; default 1 << 20 */
+  int32_t max_requests_per_call; /* requests (or captures) per call; default 4096 */
+  int32_t max_table_entries_per_call; /* host block-table entries uploaded per call; default 1 << 20 */
+} kvi_transfer_options;
+
+#define KVI_TRANSFER_OPTIONS_INIT {sizeof(kvi_transfer_options), 1 << 20, 4096, 1 << 20}
+
+/* Fills *opts with KVI_TRANSFER_OPTIONS_INIT. NULL is ignored. */
+KVI_API void kvi_transfer_options_init(kvi_transfer_options *opts);
+
+/* ------------------------------------------------------------------------ */
+/* Injector                                                                 */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * Creates an injector writing `store`'s facts into the cache `layout`
+ * describes (host memory; copied). The cache must be in the store's memory:
+ * device memory of the store's device for a CUDA store, host memory for a CPU
+ * store. opts: host memory or NULL for defaults.
+ * Errors: KVI_ERR_INVALID_ARGUMENT (NULL, layout fields out of range, a
+ * layout whose extent overflows, missing base pointers or scales),
+ * KVI_ERR_STRUCT_SIZE, KVI_ERR_MISMATCH (layers, heads or head size differ
+ * from the store's model), KVI_ERR_MEMORY_KIND, KVI_ERR_OUT_OF_MEMORY,
+ * KVI_ERR_CUDA.
+ */
+KVI_API kvi_status kvi_injector_create(kvi_injector **out, kvi_store *store, const kvi_cache_layout *layout,
+                                       const kvi_transfer_options *opts);
+
+/* Frees the injector. NULL is a no-op. Its enqueued work must be complete. */
+KVI_API void kvi_injector_destroy(kvi_injector *injector);
+
+/* One request of an injection: its facts, in order, land consecutively in
+ * its sequence from first_slot on. */
+typedef struct kvi_inject_request {
+  size_t struct_size;            /* sizeof(kvi_inject_request) */
+  uint64_t tenant;
+  const uint64_t *fact_ids;      /* host memory, num_facts ids of `tenant` */
+  int32_t num_facts;             /* >= 0 (0: the request writes nothing) */
+  const int32_t *block_table;    /* the sequence's block ids, block_table_memory */
+  int32_t block_table_len;       /* entries in block_table */
+  kvi_memory block_table_memory; /* HOST or DEVICE (default HOST) */
+  int64_t first_slot;            /* sequence index of the first injected token, >= 0 */
+  const int32_t *positions;      /* host memory: one RoPE position per injected
+                                    token, or NULL: start_position + i */
+  int32_t start_position;        /* >= 0 */
+} kvi_inject_request;
+
+#define KVI_INJECT_REQUEST_INIT {sizeof(kvi_inject_request), 0, NULL, 0, NULL, 0, KVI_MEMORY_HOST, 0, NULL, 0}
+
+/* Fills *req with KVI_INJECT_REQUEST_INIT. NULL is ignored. */
+KVI_API void kvi_inject_request_init(kvi_inject_request *req);
+
+typedef struct kvi_inject_options {
+  size_t struct_size;  /* sizeof(kvi_inject_options) */
+  int32_t layer_begin; /* write layers [layer_begin, layer_end); default 0 */
+  int32_t layer_end;   /* 0 (default) = all layers */
+} kvi_inject_options;
+
+#define KVI_INJECT_OPTIONS_INIT {sizeof(kvi_inject_options), 0, 0}
+
+/* Fills *opts with KVI_INJECT_OPTIONS_INIT. NULL is ignored. */
+KVI_API void kvi_inject_options_init(kvi_inject_options *opts);
+
+/*
+ * Writes every request's facts into the cache: keys rotated at their
+ * destination positions (fp32 math), values copied, both converted to the
+ * cache dtype (fp8: divided by the cache's scale, saturated). On a CUDA
+ * store one fused kernel launch covers all requests, facts, layers and heads.
+ * reqs: host array of num_requests requests, all with the same struct_size
+ * (the library steps through the array by it). opts: NULL for all layers; a
+ * layer range lets an engine write layer l+1 while it computes layer l.
+ * Errors: KVI_ERR_INVALID_ARGUMENT (NULL, num_requests < 0, a request field
+ * out of range, a bad layer range, a position out of range, a sequence
+ * range past its block table, a host block-table entry outside the cache),
+ * KVI_ERR_STRUCT_SIZE, KVI_ERR_NOT_FOUND (a fact id unknown for the
+ * request's tenant), KVI_ERR_MEMORY_KIND, KVI_ERR_CAPACITY (past the
+ * transfer options), KVI_ERR_CUDA.
+ */
+KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *reqs, int32_t num_requests,
+                              const kvi_inject_options *opts, struct CUstream_st *stream);
+
+/* How many tokens the facts need, in total, into *out_tokens (host memory):
+ * call before allocating blocks. Errors: KVI_ERR_INVALID_ARGUMENT,
+ * KVI_ERR_NOT_FOUND (nothing written to *out_tokens). */
+KVI_API kvi_status kvi_inject_plan(const kvi_injector *injector, uint64_t tenant, const uint64_t *fact_ids,
+                                   int32_t num_facts, int64_t *out_tokens);
+
+/* Tokens skipped since the last call because a device block table named a
+ * block outside the cache (work that has completed: synchronize the stream
+ * first to see all of it). Reads and clears the count; *out_skipped 0 means
+ * none. Errors: KVI_ERR_INVALID_ARGUMENT. */
+KVI_API kvi_status kvi_injector_async_errors(kvi_injector *injector, int64_t *out_skipped);
+
+/* ------------------------------------------------------------------------ */
+/* Encoder                                                                  */
+/* ------------------------------------------------------------------------ */
+
+/* Creates an encoder capturing facts from the cache `layout` describes into
+ * `store`. Arguments and errors as kvi_injector_create. */
+KVI_API kvi_status kvi_encoder_create(kvi_encoder **out, kvi_store *store, const kvi_cache_layout *layout,
+                                      const kvi_transfer_options *opts);
+
+/* Frees the encoder. NULL is a no-op. Its enqueued work must be complete. */
+KVI_API void kvi_encoder_destroy(kvi_encoder *encoder);
+
+/* One fact to capture: num_tokens tokens of a sequence, from first_slot on,
+ * whose keys the engine wrote rotated at `positions`. Capturing only the
+ * fact's range of a [context window | fact] prefill is Context-Window
+ * Encoding. */
+typedef struct kvi_capture {
+  size_t struct_size;          /* sizeof(kvi_capture) */
+  uint64_t tenant;
+  uint64_t fact_id;
+  const int32_t *block_table;  /* host memory: the sequence's block ids */
+  int32_t block_table_len;
+  int64_t first_slot;          /* sequence index of the fact's first token, >= 0 */
+  int32_t num_tokens;          /* >= 1 */
+  const int32_t *positions;    /* host memory, num_tokens positions, or NULL: start_position + i */
+  int32_t start_position;
+  uint32_t flags;              /* KVI_PUT_REPLACE */
+  const void *embedding;       /* as in kvi_put_options */
+  kvi_dtype embedding_dtype;   /* default FP32 */
+  kvi_memory embedding_memory; /* default HOST */
+} kvi_capture;
+
+#define KVI_CAPTURE_INIT \
+  {sizeof(kvi_capture), 0, 0, NULL, 0, 0, 0, NULL, 0, 0u, NULL, KVI_DTYPE_FP32, KVI_MEMORY_HOST}
+
+/* Fills *cap with KVI_CAPTURE_INIT. NULL is ignored. */
+KVI_API void kvi_capture_init(kvi_capture *cap);
+
+/*
+ * Captures facts from the cache into the store: reads each fact's tokens
+ * through its block table, dequantizes fp8 with the cache's scales,
+ * un-rotates keys at the positions they were written with, and stores
+ * pre-RoPE K and V in the store's dtype. All captures of a call go in one
+ * fused kernel launch on a CUDA store, and they are all-or-nothing: if one
+ * fails its checks (or the store lacks pages for all of them), none is
+ * stored. caps: host array, all with the same struct_size.
+ * Errors: as kvi_store_put and kvi_inject (KVI_ERR_EXISTS, KVI_ERR_CAPACITY,
+ * KVI_ERR_INVALID_ARGUMENT, ...); two captures of one call with the same
+ * (tenant, fact id) are KVI_ERR_INVALID_ARGUMENT.
+ */
+KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures,
+                              struct CUstream_st *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVINJECT_INJECT_H */

@@ -1,0 +1,223 @@
+/*
+ * Body of the header checks, included by header_check_c99.c (compiled as
+ * strict C99) and header_check_cxx11.cpp (strict C++11): it must stay valid
+ * in both languages. It uses every KVI_*_INIT macro (test_abi checks that)
+ * and exercises a CPU model and store through the public API only.
+ *
+ * SPDX-License-Identifier: Apache-2.0
+ */
+#ifndef HEADER_CHECK_BODY_H
+#define HEADER_CHECK_BODY_H
+
+#include <stdio.h>
+#include <string.h>
+
+static int hc_failures;
+
+#define HC_CHECK(cond)                                                         \
+  do {                                                                         \
+    if (!(cond)) {                                                             \
+      fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
+      hc_failures++;                                                           \
+    }                                                                          \
+  } while (0)
+
+#define HC_CHECK_OK(call)                                                                       \
+  do {                                                                                          \
+    kvi_status hc_st_ = (call);                                                                 \
+    if (hc_st_ != KVI_OK) {                                                                     \
+      fprintf(stderr, "%s:%d: %s returned %d (%s): %s\n", __FILE__, __LINE__, #call, (int)hc_st_, \
+              kvi_status_string(hc_st_), kvi_last_error());                                     \
+      hc_failures++;                                                                            \
+    }                                                                                           \
+  } while (0)
+
+enum {
+  HC_LAYERS = 2,
+  HC_HEADS = 2,
+  HC_DIM = 8,
+  HC_TOKENS = 3,
+  HC_PAGE = 4,
+  HC_ELEMS = HC_LAYERS * HC_TOKENS * HC_HEADS * HC_DIM
+};
+
+/* The *_INIT macros and the *_init() functions give the same values. */
+static void hc_check_init_macros(void) {
+  kvi_model_options mo = KVI_MODEL_OPTIONS_INIT, mo2;
+  kvi_model_info mi = KVI_MODEL_INFO_INIT;
+  kvi_rope_spec rs = KVI_ROPE_SPEC_INIT, rs2;
+  kvi_kv_view kv = KVI_KV_VIEW_INIT, kv2;
+  kvi_store_options so = KVI_STORE_OPTIONS_INIT, so2;
+  kvi_put_options po = KVI_PUT_OPTIONS_INIT, po2;
+  kvi_store_stats ss = KVI_STORE_STATS_INIT;
+
+  memset(&mo2, 0x5a, sizeof mo2);
+  kvi_model_options_init(&mo2);
+  HC_CHECK(mo.struct_size == sizeof(kvi_model_options) && mo2.struct_size == mo.struct_size);
+  HC_CHECK(mo2.num_layers == mo.num_layers && mo2.num_kv_heads == mo.num_kv_heads &&
+           mo2.head_size == mo.head_size && mo2.tp_rank == mo.tp_rank && mo2.tp_size == mo.tp_size);
+  HC_CHECK(mo.tp_size == 1 && mo.tp_rank == 0);
+
+  HC_CHECK(mi.struct_size == sizeof(kvi_model_info));
+
+  memset(&rs2, 0x5a, sizeof rs2);
+  kvi_rope_spec_init(&rs2);
+  HC_CHECK(rs.struct_size == sizeof(kvi_rope_spec) && rs2.struct_size == rs.struct_size);
+  HC_CHECK(rs2.style == rs.style && rs.style == KVI_ROPE_NEOX && rs2.rotary_dim == rs.rotary_dim &&
+           rs2.theta == rs.theta && rs.theta == 10000.0);
+
+  memset(&kv2, 0x5a, sizeof kv2);
+  kvi_kv_view_init(&kv2);
+  HC_CHECK(kv.struct_size == sizeof(kvi_kv_view) && kv2.struct_size == kv.struct_size);
+  HC_CHECK(kv2.memory == kv.memory && kv2.dtype == kv.dtype && kv2.num_layers == kv.num_layers &&
+           kv2.num_tokens == kv.num_tokens && kv2.num_heads == kv.num_heads && kv2.head_size == kv.head_size &&
+           kv2.layer_stride == kv.layer_stride && kv2.token_stride == kv.token_stride &&
+           kv2.head_stride == kv.head_stride && kv2.k == kv.k && kv2.v == kv.v && kv.k == NULL);
+
+  memset(&so2, 0x5a, sizeof so2);
+  kvi_store_options_init(&so2);
+  HC_CHECK(so.struct_size == sizeof(kvi_store_options) && so2.struct_size == so.struct_size);
+  HC_CHECK(so2.backend == so.backend && so2.device == so.device && so2.dtype == so.dtype &&
+           so2.page_tokens == so.page_tokens && so2.budget_bytes == so.budget_bytes &&
+           so2.embedding_dim == so.embedding_dim);
+  HC_CHECK(so.backend == KVI_BACKEND_AUTO && so.device == -1 && so.dtype == KVI_DTYPE_BF16 && so.page_tokens == 16);
+
+  memset(&po2, 0x5a, sizeof po2);
+  kvi_put_options_init(&po2);
+  HC_CHECK(po.struct_size == sizeof(kvi_put_options) && po2.struct_size == po.struct_size);
+  HC_CHECK(po2.flags == po.flags && po2.embedding == po.embedding && po2.embedding_dtype == po.embedding_dtype &&
+           po2.embedding_memory == po.embedding_memory && po.embedding_memory == KVI_MEMORY_HOST);
+
+  HC_CHECK(ss.struct_size == sizeof(kvi_store_stats));
+
+  /* NULL is ignored by every *_init() */
+  kvi_model_options_init(NULL);
+  kvi_rope_spec_init(NULL);
+  kvi_kv_view_init(NULL);
+  kvi_store_options_init(NULL);
+  kvi_put_options_init(NULL);
+}
+
+static void hc_check_common(void) {
+  HC_CHECK(strcmp(kvi_version_string(), KVI_VERSION_STRING) == 0);
+  HC_CHECK(kvi_version_number() == (unsigned)KVI_VERSION_NUMBER);
+  HC_CHECK(kvi_last_error() != NULL);
+  HC_CHECK(strcmp(kvi_status_string(KVI_OK), kvi_status_string(KVI_ERR_NOT_FOUND)) != 0);
+  HC_CHECK(strcmp(kvi_status_string((kvi_status)7), "unknown status") == 0);
+  HC_CHECK(kvi_dtype_size(KVI_DTYPE_FP32) == 4 && kvi_dtype_size(KVI_DTYPE_FP16) == 2 &&
+           kvi_dtype_size(KVI_DTYPE_BF16) == 2 && kvi_dtype_size(KVI_DTYPE_FP8_E4M3) == 1 &&
+           kvi_dtype_size(KVI_DTYPE_FP8_E5M2) == 1 && kvi_dtype_size((kvi_dtype)0) == 0);
+  {
+    const unsigned f = kvi_features();
+    int count = -1;
+    const kvi_status st = kvi_cuda_device_count(&count);
+    HC_CHECK((f & ~(KVI_FEATURE_CUDA | KVI_FEATURE_CUBLASLT | KVI_FEATURE_NCCL)) == 0);
+    if (f & KVI_FEATURE_CUDA)
+      HC_CHECK(st == KVI_OK && count >= 0);
+    else
+      HC_CHECK(st == KVI_ERR_NOT_BUILT && count == 0);
+  }
+}
+
+/* A CPU model and store: put a fact, read it back bit-exactly (fp32 store). */
+static void hc_check_store(void) {
+  kvi_model_options mo = KVI_MODEL_OPTIONS_INIT;
+  kvi_model_info info = KVI_MODEL_INFO_INIT;
+  kvi_rope_spec rope = KVI_ROPE_SPEC_INIT, rope_out = KVI_ROPE_SPEC_INIT;
+  kvi_store_options so = KVI_STORE_OPTIONS_INIT;
+  kvi_put_options po = KVI_PUT_OPTIONS_INIT;
+  kvi_kv_view src = KVI_KV_VIEW_INIT, dst = KVI_KV_VIEW_INIT;
+  kvi_store_stats stats = KVI_STORE_STATS_INIT;
+  kvi_model *model = NULL;
+  kvi_store *store = NULL;
+  const kvi_store *cstore;
+  static float k[HC_ELEMS], v[HC_ELEMS], k2[HC_ELEMS], v2[HC_ELEMS];
+  uint64_t ids[4] = {0, 0, 0, 0};
+  size_t n = 99, total = 99;
+  int32_t tokens = 0;
+  int i;
+
+  mo.num_layers = HC_LAYERS;
+  mo.num_kv_heads = HC_HEADS;
+  mo.head_size = HC_DIM;
+  HC_CHECK_OK(kvi_model_create(&model, &mo));
+  if (!model) return;
+  HC_CHECK_OK(kvi_model_info_get(model, &info));
+  HC_CHECK(info.num_layers == HC_LAYERS && info.local_heads == HC_HEADS && info.head_size == HC_DIM &&
+           info.local_head_first == 0 && info.head_replicas == 1 && info.tp_size == 1);
+
+  rope.theta = 500000.0;
+  HC_CHECK_OK(kvi_model_set_rope(model, -1, &rope));
+  HC_CHECK_OK(kvi_model_get_rope(model, HC_LAYERS - 1, &rope_out));
+  HC_CHECK(rope_out.style == KVI_ROPE_NEOX && rope_out.rotary_dim == HC_DIM && rope_out.theta == 500000.0);
+
+  so.backend = KVI_BACKEND_CPU;
+  so.dtype = KVI_DTYPE_FP32;
+  so.page_tokens = HC_PAGE;
+  so.budget_bytes = 64u * 1024u;
+  HC_CHECK_OK(kvi_store_create(&store, model, &so));
+  kvi_model_destroy(model); /* the store keeps what it needs */
+  if (!store) return;
+  cstore = store;
+
+  for (i = 0; i < HC_ELEMS; i++) {
+    k[i] = (float)i * 0.25f - 3.0f;
+    v[i] = 1.0f / (float)(i + 1);
+    k2[i] = v2[i] = -1.0f;
+  }
+  kvi_kv_view_contiguous(&src, KVI_MEMORY_HOST, KVI_DTYPE_FP32, HC_LAYERS, HC_TOKENS, HC_HEADS, HC_DIM, k, v);
+  HC_CHECK(src.struct_size == sizeof(kvi_kv_view) && src.head_stride == HC_DIM &&
+           src.token_stride == HC_HEADS * HC_DIM && src.layer_stride == HC_TOKENS * HC_HEADS * HC_DIM);
+  HC_CHECK_OK(kvi_store_put(store, 7u, 42u, &src, &po, NULL));
+  HC_CHECK(kvi_store_put(store, 7u, 42u, &src, NULL, NULL) == KVI_ERR_EXISTS);
+  HC_CHECK(kvi_last_error()[0] != '\0');
+  po.flags = KVI_PUT_REPLACE;
+  HC_CHECK_OK(kvi_store_put(store, 7u, 42u, &src, &po, NULL));
+
+  HC_CHECK_OK(kvi_store_fact_tokens(cstore, 7u, 42u, &tokens));
+  HC_CHECK(tokens == HC_TOKENS);
+  HC_CHECK_OK(kvi_store_count(cstore, 7u, &n));
+  HC_CHECK(n == 1);
+  HC_CHECK_OK(kvi_store_count(cstore, 8u, &n));
+  HC_CHECK(n == 0);
+  HC_CHECK_OK(kvi_store_list(cstore, 7u, ids, 4, &total));
+  HC_CHECK(total == 1 && ids[0] == 42u);
+
+  kvi_kv_view_contiguous(&dst, KVI_MEMORY_HOST, KVI_DTYPE_FP32, HC_LAYERS, HC_TOKENS, HC_HEADS, HC_DIM, k2, v2);
+  HC_CHECK_OK(kvi_store_read(cstore, 7u, 42u, &dst, NULL));
+  HC_CHECK(memcmp(k, k2, sizeof k) == 0);
+  HC_CHECK(memcmp(v, v2, sizeof v) == 0);
+
+  HC_CHECK_OK(kvi_store_stats_get(cstore, &stats));
+  HC_CHECK(stats.backend == KVI_BACKEND_CPU && stats.device == -1 && stats.dtype == KVI_DTYPE_FP32);
+  HC_CHECK(stats.page_tokens == HC_PAGE && stats.embedding_dim == 0);
+  HC_CHECK(stats.page_bytes == (uint64_t)2 * HC_LAYERS * HC_HEADS * HC_PAGE * HC_DIM * sizeof(float));
+  HC_CHECK(stats.pages_used == 1 && stats.facts == 1 && stats.tenants == 1);
+  HC_CHECK(stats.bytes_payload == (uint64_t)2 * HC_LAYERS * HC_HEADS * HC_TOKENS * HC_DIM * sizeof(float));
+
+  {
+    float emb[1] = {0.0f};
+    HC_CHECK(kvi_store_get_embedding(cstore, 7u, 42u, emb) == KVI_ERR_INVALID_ARGUMENT);
+  }
+  HC_CHECK_OK(kvi_store_remove(store, 7u, 42u));
+  HC_CHECK(kvi_store_remove(store, 7u, 42u) == KVI_ERR_NOT_FOUND);
+  HC_CHECK(kvi_store_read(cstore, 7u, 42u, &dst, NULL) == KVI_ERR_NOT_FOUND);
+  kvi_store_destroy(store);
+
+  kvi_store_destroy(NULL);
+  kvi_model_destroy(NULL);
+}
+
+static int hc_run(const char *lang) {
+  hc_check_init_macros();
+  hc_check_common();
+  hc_check_store();
+  if (hc_failures) {
+    fprintf(stderr, "%s header check: %d failure(s)\n", lang, hc_failures);
+    return 1;
+  }
+  printf("%s header check: kvinject %s, all checks passed\n", lang, kvi_version_string());
+  return 0;
+}
+
+#endif /* HEADER_CHECK_BODY_H */
