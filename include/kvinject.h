@@ -15,6 +15,8 @@
  *   kvinject/common.h  status codes, errors, version, features, dtypes
  *   kvinject/model.h   model geometry and RoPE spec (kvi_model)
  *   kvinject/store.h   the fact store (kvi_store)
+ *   kvinject/cache.h   an engine's paged KV cache layout (kvi_cache_layout)
+ *   kvinject/inject.h  the encoder (kvi_encoder) and injector (kvi_injector)
  *
  * Conventions (they hold for every function unless it says otherwise):
  * - Functions return kvi_status; 0 is success. A failed call changes nothing.
@@ -36,5 +38,7 @@
 #include "kvinject/common.h"
 #include "kvinject/model.h"
 #include "kvinject/store.h"
+#include "kvinject/cache.h"
+#include "kvinject/inject.h"
 
 #endif /* KVINJECT_H */

@@ -50,6 +50,65 @@ typedef struct kvi__copy_args {
 int kvi__cuda_view_to_pages(const kvi__copy_args *a, struct CUstream_st *stream);
 int kvi__cuda_pages_to_view(const kvi__copy_args *a, struct CUstream_st *stream);
 
+/* ---- injection and capture (cuda/transfer_kernels.cu) ------------------- */
+
+/* Per layer, in device memory. */
+typedef struct kvi__xlayer {
+  char *k, *v;           /* the cache's K and V base addresses for this layer */
+  const float *inv_freq; /* rot/2 frequencies, or NULL with a table */
+  const float *table;    /* cos/sin table [positions][rot], or NULL */
+  int32_t style;         /* kvi_rope_style */
+  int32_t rot;           /* rotary_dim (0 for KVI_ROPE_NONE) */
+  float attn;            /* attention factor (formula mode) */
+  int32_t pad_;
+} kvi__xlayer;
+
+/* A run of at most P tokens of one fact page, landing at consecutive
+ * sequence indices of one request. */
+typedef struct kvi__xseg {
+  int64_t seq0;   /* sequence index of the first token */
+  uint32_t page;  /* store page id */
+  int32_t req;    /* request (or capture) index */
+  int32_t pos0;   /* index of the first token's position in positions[] */
+  uint16_t tok0;  /* first token within the page */
+  uint16_t ntok;  /* tokens in the run */
+} kvi__xseg;
+
+typedef struct kvi__xreq {
+  const int32_t *table; /* block ids (device memory); entry 0 is sequence block first_block */
+  int32_t table_len;
+  int32_t first_block;
+} kvi__xreq;
+
+typedef struct kvi__xfer_args {
+  /* store pages */
+  void *pool;
+  int64_t page_elems;
+  int32_t page_dtype;
+  int32_t P;
+  int32_t L, H, D;
+  /* cache */
+  int32_t cache_dtype;
+  int32_t BS;
+  int64_t NB;
+  int64_t block_stride, token_stride, head_stride;
+  const kvi__xlayer *layers;
+  const float *k_scale; /* L * H */
+  const float *v_scale;
+  /* work */
+  const kvi__xseg *segs;
+  const kvi__xreq *reqs;
+  const int32_t *positions;
+  int32_t nsegs;
+  int32_t layer_begin, layer_end;
+  int32_t inject; /* 1: pages -> cache (rotate); 0: cache -> pages (un-rotate) */
+  int32_t vec;    /* 8: 8-element vectors (host checked alignment), else 1 */
+  unsigned long long *skipped; /* device-visible counter of skipped tokens */
+} kvi__xfer_args;
+
+/* One launch: grid (nsegs, layer_end - layer_begin). Returns a cudaError_t. */
+int kvi__cuda_transfer(const kvi__xfer_args *a, struct CUstream_st *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -507,7 +507,6 @@ static void unlink_fact(kvi_store *s, fact *f) {
 
 void kvi__store_commit(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, tenant *fresh, float **emb,
                        uint64_t tenant_id, uint64_t fact_id, int32_t tokens) {
-  s->pool.nfree -= need; /* the pages were chosen from the top of the stack */
   fact *old = kvi__store_find(s, tenant_id, fact_id);
   if (old) {
     unlink_fact(s, old);
@@ -578,6 +577,7 @@ KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant_id, uint64_t 
   if (st == KVI_OK && store->backend == KVI_BACKEND_CUDA && v.memory == KVI_MEMORY_DEVICE)
     st = kvi__store_track(store, stream, fn);
   if (st) goto out_unlock; /* the pages were not taken off the free stack */
+  store->pool.nfree -= need; /* the pages chosen from the top of the free stack */
   kvi__store_commit(store, f, pages, need, fresh, &emb, tenant_id, fact_id, v.num_tokens);
   kvi__store_unlock(store);
   return KVI_OK;

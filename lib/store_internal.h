@@ -96,10 +96,11 @@ kvi_status kvi__store_reserve(kvi_store *s, uint32_t need, size_t new_facts, con
  * pages freed from now on wait for it. */
 kvi_status kvi__store_track(kvi_store *s, struct CUstream_st *stream, const char *fn);
 
-/* Inserts a fact whose pages (taken from the top of the free stack, `need`
- * of them, in the order of s->pool.free[nfree-1], [nfree-2], ...) hold its
- * data, replacing `old` if not NULL. Takes ownership of emb. Cannot fail:
- * call kvi__store_reserve and allocate f, pages and fresh first. */
+/* Inserts a fact whose `need` pages hold its data, replacing any fact with
+ * the same key. The caller has already taken the pages off the free stack
+ * (s->pool.nfree -= need for every fact of the call). Takes ownership of f,
+ * pages, fresh and *emb. Cannot fail: call kvi__store_reserve and allocate
+ * f, pages and fresh first. */
 void kvi__store_commit(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, tenant *fresh, float **emb,
                        uint64_t tenant_id, uint64_t fact_id, int32_t tokens);
 

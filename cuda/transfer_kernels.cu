@@ -1,0 +1,282 @@
+/*
+ * libkvinject — the fused injection / capture kernel.
+ * SPDX-License-Identifier: Apache-2.0
+ *
+ * One launch moves every request's facts for a range of layers: a CTA per
+ * (segment, layer), a segment being a run of at most P tokens of one fact
+ * page. For each of its tokens and heads the CTA reads the stored K and V
+ * rows and writes them to the cache slot the request's block table names
+ * (injection), rotating K at the token's position; or the reverse
+ * (capture), un-rotating K.
+ *
+ * Memory traffic: every K and V element is read once and written once, so a
+ * launch moves tokens * layers * heads * D * 2 * (sizeof(page) + sizeof(cache))
+ * bytes: the bound is the device copy rate. Cos/sin depend on (token, pair)
+ * only, so a thread owns a (token, vector of pairs) unit and loops over heads
+ * with its cos/sin in registers. Rows are moved as 8-element vectors (16-byte
+ * accesses for 16-bit types) when the host has checked alignment; otherwise
+ * element by element. Rotation uses explicit _rn intrinsics so it is never
+ * contracted into FMAs: with an engine's cos/sin table the result is bit for
+ * bit the CPU reference's.
+ */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include "kernels.h"
+
+namespace {
+
+struct fp8e4 {
+  uint8_t b;
+};
+struct fp8e5 {
+  uint8_t b;
+};
+
+template <typename T> struct cvt;
+template <> struct cvt<float> {
+  static __device__ float to(float x) { return x; }
+  static __device__ float from(float x) { return x; }
+};
+template <> struct cvt<__half> {
+  static __device__ float to(__half x) { return __half2float(x); }
+  static __device__ __half from(float x) { return __float2half_rn(x); }
+};
+template <> struct cvt<__nv_bfloat16> {
+  static __device__ float to(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __nv_bfloat16 from(float x) { return __float2bfloat16_rn(x); }
+};
+template <> struct cvt<fp8e4> {
+  static __device__ float to(fp8e4 x) { return __half2float(__half(__nv_cvt_fp8_to_halfraw(x.b, __NV_E4M3))); }
+  static __device__ fp8e4 from(float x) { return fp8e4{__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)}; }
+};
+template <> struct cvt<fp8e5> {
+  static __device__ float to(fp8e5 x) { return __half2float(__half(__nv_cvt_fp8_to_halfraw(x.b, __NV_E5M2))); }
+  static __device__ fp8e5 from(float x) { return fp8e5{__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E5M2)}; }
+};
+
+template <typename T> struct is_fp8 {
+  static constexpr bool value = false;
+};
+template <> struct is_fp8<fp8e4> {
+  static constexpr bool value = true;
+};
+template <> struct is_fp8<fp8e5> {
+  static constexpr bool value = true;
+};
+
+/* E elements of T moved in the widest aligned accesses. */
+template <typename T, int E> __device__ inline void load(float *out, const T *p) {
+  constexpr int B = E * (int)sizeof(T);
+  if constexpr (E > 1 && B % 16 == 0) {
+    T tmp[E];
+#pragma unroll
+    for (int i = 0; i < B / 16; i++) reinterpret_cast<uint4 *>(tmp)[i] = reinterpret_cast<const uint4 *>(p)[i];
+#pragma unroll
+    for (int i = 0; i < E; i++) out[i] = cvt<T>::to(tmp[i]);
+  } else if constexpr (E > 1 && B == 8) {
+    T tmp[E];
+    *reinterpret_cast<uint2 *>(tmp) = *reinterpret_cast<const uint2 *>(p);
+#pragma unroll
+    for (int i = 0; i < E; i++) out[i] = cvt<T>::to(tmp[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < E; i++) out[i] = cvt<T>::to(p[i]);
+  }
+}
+
+template <typename T, int E> __device__ inline void store(T *p, const float *in) {
+  constexpr int B = E * (int)sizeof(T);
+  T tmp[E];
+#pragma unroll
+  for (int i = 0; i < E; i++) tmp[i] = cvt<T>::from(in[i]);
+  if constexpr (E > 1 && B % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < B / 16; i++) reinterpret_cast<uint4 *>(p)[i] = reinterpret_cast<const uint4 *>(tmp)[i];
+  } else if constexpr (E > 1 && B == 8) {
+    *reinterpret_cast<uint2 *>(p) = *reinterpret_cast<const uint2 *>(tmp);
+  } else {
+#pragma unroll
+    for (int i = 0; i < E; i++) p[i] = tmp[i];
+  }
+}
+
+/* Cache element offset of sequence index s, or -1 when its block id is
+ * outside the cache (host-checked tables never are; device tables may be). */
+__device__ inline int64_t slot_offset(const kvi__xfer_args &a, const kvi__xreq &rq, int64_t s) {
+  const int64_t bi = s / a.BS - rq.first_block;
+  if (bi < 0 || bi >= rq.table_len) return -1;
+  const int32_t b = rq.table[bi];
+  if (b < 0 || b >= a.NB) return -1;
+  return (int64_t)b * a.block_stride + (s % a.BS) * a.token_stride;
+}
+
+__device__ inline void cos_sin(const kvi__xlayer &ly, int pos, int i, float &c, float &s) {
+  if (ly.table) {
+    const float *row = ly.table + (int64_t)pos * ly.rot;
+    c = row[i];
+    s = row[(ly.rot >> 1) + i];
+  } else {
+    const float ang = __fmul_rn((float)pos, ly.inv_freq[i]);
+    float sn, cs;
+    sincosf(ang, &sn, &cs);
+    c = __fmul_rn(cs, ly.attn);
+    s = __fmul_rn(sn, ly.attn);
+  }
+}
+
+/* Rotates the E pairs held in x[0..2E): NeoX pairs (x[k], x[E+k]), GPT-J
+ * pairs (x[2k], x[2k+1]); forward or inverse, in the CPU reference's order. */
+template <int E> __device__ inline void rotate(float *x, const float *c, const float *s, bool neox, bool forward) {
+#pragma unroll
+  for (int k = 0; k < E; k++) {
+    const int ia = neox ? k : 2 * k, ib = neox ? E + k : 2 * k + 1;
+    const float xa = x[ia], xb = x[ib];
+    if (forward) {
+      x[ia] = __fsub_rn(__fmul_rn(xa, c[k]), __fmul_rn(xb, s[k]));
+      x[ib] = __fadd_rn(__fmul_rn(xb, c[k]), __fmul_rn(xa, s[k]));
+    } else {
+      const float n = __fadd_rn(__fmul_rn(c[k], c[k]), __fmul_rn(s[k], s[k]));
+      x[ia] = __fdiv_rn(__fadd_rn(__fmul_rn(xa, c[k]), __fmul_rn(xb, s[k])), n);
+      x[ib] = __fdiv_rn(__fsub_rn(__fmul_rn(xb, c[k]), __fmul_rn(xa, s[k])), n);
+    }
+  }
+}
+
+template <typename C, int E> __device__ inline void scale_for_cache(float *x, int n, float scale) {
+  if constexpr (is_fp8<C>::value)
+    for (int i = 0; i < n; i++) x[i] = __fdiv_rn(x[i], scale);
+}
+
+template <typename C, int E> __device__ inline void scale_from_cache(float *x, int n, float scale) {
+  if constexpr (is_fp8<C>::value)
+    for (int i = 0; i < n; i++) x[i] = __fmul_rn(x[i], scale);
+}
+
+template <typename G, typename C, int E, bool INJECT>
+__global__ void __launch_bounds__(128) xfer_kernel(const kvi__xfer_args a) {
+  const kvi__xseg sg = a.segs[blockIdx.x];
+  const int l = a.layer_begin + (int)blockIdx.y;
+  const kvi__xlayer ly = a.layers[l];
+  const kvi__xreq rq = a.reqs[sg.req];
+  const int H = a.H, D = a.D, P = a.P, ntok = sg.ntok;
+  G *page = static_cast<G *>(a.pool) + (int64_t)sg.page * a.page_elems;
+  const int rot = ly.style ? ly.rot : 0, half = rot >> 1;
+  const bool neox = ly.style == 1;
+  const int nrot = half / E, npass = (D - rot) / E, nunit = nrot + npass;
+  const float *ks = a.k_scale + l * H, *vs = a.v_scale + l * H;
+  const int64_t page_head = (int64_t)P * D; /* page elements between heads */
+
+  /* K: a thread owns a (token, unit) and loops over heads */
+  for (int it = threadIdx.x; it < ntok * nunit; it += blockDim.x) {
+    const int j = it / nunit, u = it - j * nunit;
+    const int64_t coff = slot_offset(a, rq, sg.seq0 + j);
+    if (coff < 0) {
+      if (u == 0 && blockIdx.y == 0) atomicAdd(a.skipped, 1ull);
+      continue;
+    }
+    C *crow = reinterpret_cast<C *>(ly.k) + coff;
+    G *prow = page + ((int64_t)(l * 2) * H * P + sg.tok0 + j) * D;
+    if (u < nrot) {
+      const int i0 = u * E;
+      const int pos = a.positions[sg.pos0 + j];
+      float c[E], s[E];
+#pragma unroll
+      for (int k = 0; k < E; k++) cos_sin(ly, pos, i0 + k, c[k], s[k]);
+      const int da = neox ? i0 : 2 * i0, db = neox ? i0 + half : 2 * i0 + E;
+      for (int h = 0; h < H; h++) {
+        G *pr = prow + h * page_head;
+        C *cr = crow + h * a.head_stride;
+        float x[2 * E];
+        if (INJECT) {
+          load<G, E>(x, pr + da);
+          load<G, E>(x + E, pr + db);
+          rotate<E>(x, c, s, neox, true);
+          scale_for_cache<C, E>(x, 2 * E, ks[h]);
+          store<C, E>(cr + da, x);
+          store<C, E>(cr + db, x + E);
+        } else {
+          load<C, E>(x, cr + da);
+          load<C, E>(x + E, cr + db);
+          scale_from_cache<C, E>(x, 2 * E, ks[h]);
+          rotate<E>(x, c, s, neox, false);
+          store<G, E>(pr + da, x);
+          store<G, E>(pr + db, x + E);
+        }
+      }
+    } else {
+      const int d = rot + (u - nrot) * E;
+      for (int h = 0; h < H; h++) {
+        float x[E];
+        if (INJECT) {
+          load<G, E>(x, prow + h * page_head + d);
+          scale_for_cache<C, E>(x, E, ks[h]);
+          store<C, E>(crow + h * a.head_stride + d, x);
+        } else {
+          load<C, E>(x, crow + h * a.head_stride + d);
+          scale_from_cache<C, E>(x, E, ks[h]);
+          store<G, E>(prow + h * page_head + d, x);
+        }
+      }
+    }
+  }
+
+  /* V: a plain converting copy */
+  const int nv = D / E, per_tok = H * nv;
+  for (int it = threadIdx.x; it < ntok * per_tok; it += blockDim.x) {
+    const int j = it / per_tok, r = it - j * per_tok, h = r / nv, d = (r - h * nv) * E;
+    const int64_t coff = slot_offset(a, rq, sg.seq0 + j);
+    if (coff < 0) continue; /* counted once per token above */
+    G *pr = page + (((int64_t)(l * 2 + 1) * H + h) * P + sg.tok0 + j) * D + d;
+    C *cr = reinterpret_cast<C *>(ly.v) + coff + h * a.head_stride + d;
+    float x[E];
+    if (INJECT) {
+      load<G, E>(x, pr);
+      scale_for_cache<C, E>(x, E, vs[h]);
+      store<C, E>(cr, x);
+    } else {
+      load<C, E>(x, cr);
+      scale_from_cache<C, E>(x, E, vs[h]);
+      store<G, E>(pr, x);
+    }
+  }
+}
+
+template <typename G, typename C, int E> int launch4(const kvi__xfer_args *a, cudaStream_t s) {
+  const dim3 grid((unsigned)a->nsegs, (unsigned)(a->layer_end - a->layer_begin));
+  if (a->inject)
+    xfer_kernel<G, C, E, true><<<grid, 128, 0, s>>>(*a);
+  else
+    xfer_kernel<G, C, E, false><<<grid, 128, 0, s>>>(*a);
+  return (int)cudaGetLastError();
+}
+
+template <typename G, typename C> int launch3(const kvi__xfer_args *a, cudaStream_t s) {
+  return a->vec == 8 ? launch4<G, C, 8>(a, s) : launch4<G, C, 1>(a, s);
+}
+
+template <typename G> int launch2(const kvi__xfer_args *a, cudaStream_t s) {
+  switch (a->cache_dtype) {
+  case KVI_DTYPE_FP32: return launch3<G, float>(a, s);
+  case KVI_DTYPE_FP16: return launch3<G, __half>(a, s);
+  case KVI_DTYPE_BF16: return launch3<G, __nv_bfloat16>(a, s);
+  case KVI_DTYPE_FP8_E4M3: return launch3<G, fp8e4>(a, s);
+  case KVI_DTYPE_FP8_E5M2: return launch3<G, fp8e5>(a, s);
+  }
+  return (int)cudaErrorInvalidValue;
+}
+
+} // namespace
+
+extern "C" int kvi__cuda_transfer(const kvi__xfer_args *a, struct CUstream_st *stream) {
+  if (a->nsegs == 0 || a->layer_end <= a->layer_begin) return 0;
+  cudaStream_t s = (cudaStream_t)stream;
+  switch (a->page_dtype) {
+  case KVI_DTYPE_FP32: return launch2<float>(a, s);
+  case KVI_DTYPE_FP16: return launch2<__half>(a, s);
+  case KVI_DTYPE_BF16: return launch2<__nv_bfloat16>(a, s);
+  }
+  return (int)cudaErrorInvalidValue;
+}

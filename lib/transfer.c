@@ -1,0 +1,820 @@
+/*
+ * Injector and encoder: moving facts between the store's pages and an
+ * engine's paged cache, rotating keys at their destination positions
+ * (inject) or un-rotating them at their source positions (capture).
+ * SPDX-License-Identifier: Apache-2.0
+ *
+ * A call is planned on the host under the store's lock: every request or
+ * capture is validated, facts are looked up, and the work is cut into
+ * segments (runs of <= P tokens of one page). The CPU backend executes the
+ * segments here (the reference); the CUDA backend uploads them with the
+ * positions and host block tables in one copy from a pinned staging slot and
+ * runs one fused kernel (cuda/transfer_kernels.cu).
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cache_internal.h"
+#include "kernels.h"
+#include "store_internal.h"
+
+#define TRANSFER_OPTIONS_V1 sizeof(kvi_transfer_options)
+#define INJECT_REQUEST_V1 sizeof(kvi_inject_request)
+#define INJECT_OPTIONS_V1 sizeof(kvi_inject_options)
+#define CAPTURE_V1 sizeof(kvi_capture)
+#define SLOTS 2
+
+typedef struct slot {
+  char *host; /* pinned */
+  char *dev;
+  struct CUevent_st *ev;
+  bool used;
+} slot;
+
+/* What an injector and an encoder share. */
+typedef struct xfer {
+  kvi_store *store;
+  kvi__cache cache;
+  pthread_mutex_t lock;
+  kvi_transfer_options lim;
+  bool cuda;
+  bool vec_ok;     /* the 8-element vector path is valid for this layout */
+  int32_t max_pos; /* positions must be below this for every rotated layer */
+  /* CUDA */
+  char *dev_tables; /* xlayer[L] | k_scale[L*H] | v_scale[L*H] | inv_freq... | tables... */
+  kvi__xlayer *d_layers;
+  float *d_kscale, *d_vscale;
+  slot slots[SLOTS];
+  size_t slot_bytes;
+  int next_slot;
+  unsigned long long *skipped_host, *skipped_dev; /* mapped pinned counter */
+  unsigned long long skipped_taken;
+} xfer;
+
+struct kvi_injector {
+  xfer x;
+};
+struct kvi_encoder {
+  xfer x;
+};
+
+KVI_API void kvi_transfer_options_init(kvi_transfer_options *opts) {
+  if (opts) {
+    kvi_transfer_options d = KVI_TRANSFER_OPTIONS_INIT;
+    *opts = d;
+  }
+}
+
+KVI_API void kvi_inject_request_init(kvi_inject_request *req) {
+  if (req) {
+    kvi_inject_request d = KVI_INJECT_REQUEST_INIT;
+    *req = d;
+  }
+}
+
+KVI_API void kvi_inject_options_init(kvi_inject_options *opts) {
+  if (opts) {
+    kvi_inject_options d = KVI_INJECT_OPTIONS_INIT;
+    *opts = d;
+  }
+}
+
+KVI_API void kvi_capture_init(kvi_capture *cap) {
+  if (cap) {
+    kvi_capture d = KVI_CAPTURE_INIT;
+    *cap = d;
+  }
+}
+
+/* ------------------------------------------------------------------------ */
+/* creation                                                                  */
+/* ------------------------------------------------------------------------ */
+
+static size_t align_up(size_t n) { return (n + 255) & ~(size_t)255; }
+
+/* Byte layout of one staging slot for the limits. */
+static size_t slot_size(const kvi_transfer_options *o) {
+  return align_up((size_t)o->max_tokens_per_call * sizeof(kvi__xseg)) +
+         align_up((size_t)o->max_requests_per_call * sizeof(kvi__xreq)) +
+         align_up((size_t)o->max_tokens_per_call * sizeof(int32_t)) +
+         align_up((size_t)o->max_table_entries_per_call * sizeof(int32_t));
+}
+
+static void xfer_release(xfer *x) {
+  if (x->cuda) {
+    kvi__devguard g;
+    if (kvi__cuda_enter(x->store->device, &g, "kvi_injector_destroy") == KVI_OK) {
+      for (int i = 0; i < SLOTS; i++) {
+        if (x->slots[i].used) kvi__cuda_event_sync(x->slots[i].ev, "kvi_injector_destroy");
+        kvi__cuda_host_free(x->slots[i].host);
+        kvi__cuda_free(x->slots[i].dev);
+        kvi__cuda_event_destroy(x->slots[i].ev);
+      }
+      kvi__cuda_free(x->dev_tables);
+      kvi__cuda_host_free(x->skipped_host);
+      kvi__cuda_leave(&g);
+    }
+  }
+  kvi__cache_release(&x->cache);
+  pthread_mutex_destroy(&x->lock);
+}
+
+/* Uploads per-layer tables: cache bases, scales, RoPE frequencies and tables. */
+static kvi_status upload_tables(xfer *x, const char *fn) {
+  const kvi_store *s = x->store;
+  const int32_t L = x->cache.L, H = x->cache.H;
+  size_t nfreq = 0, ntab = 0;
+  for (int32_t l = 0; l < L; l++) {
+    const kvi__rope *r = &s->rope[l];
+    if (r->style == KVI_ROPE_NONE) continue;
+    if (r->table) {
+      bool seen = false; /* layers share tables: upload each once */
+      for (int32_t m = 0; m < l && !seen; m++) seen = s->rope[m].table == r->table;
+      if (!seen) ntab += (size_t)r->table->positions * (size_t)r->rotary_dim;
+    } else {
+      nfreq += (size_t)(r->rotary_dim / 2);
+    }
+  }
+  const size_t o_layers = 0, o_k = align_up((size_t)L * sizeof(kvi__xlayer)),
+               o_v = o_k + align_up((size_t)L * H * sizeof(float)), o_f = o_v + align_up((size_t)L * H * sizeof(float)),
+               o_t = o_f + align_up(nfreq * sizeof(float)), total = o_t + ntab * sizeof(float);
+  char *host = malloc(total);
+  if (!host) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes of layer tables", total);
+  kvi_status st = kvi__cuda_malloc((void **)&x->dev_tables, total, fn);
+  if (st) {
+    free(host);
+    return st;
+  }
+  kvi__xlayer *ly = (kvi__xlayer *)(host + o_layers);
+  memcpy(host + o_k, x->cache.k_scale, (size_t)L * H * sizeof(float));
+  memcpy(host + o_v, x->cache.v_scale, (size_t)L * H * sizeof(float));
+  size_t fo = 0, to = 0;
+  for (int32_t l = 0; l < L; l++) {
+    const kvi__rope *r = &s->rope[l];
+    memset(&ly[l], 0, sizeof ly[l]);
+    ly[l].k = x->cache.k[l];
+    ly[l].v = x->cache.v[l];
+    ly[l].style = (int32_t)r->style;
+    ly[l].rot = r->style == KVI_ROPE_NONE ? 0 : r->rotary_dim;
+    ly[l].attn = r->attn;
+    if (r->style == KVI_ROPE_NONE) continue;
+    if (r->table) {
+      int32_t m = 0;
+      while (m < l && s->rope[m].table != r->table) m++;
+      if (m < l) {
+        ly[l].table = ly[m].table;
+      } else {
+        size_t n = (size_t)r->table->positions * (size_t)r->rotary_dim;
+        memcpy(host + o_t + to * sizeof(float), r->table->data, n * sizeof(float));
+        ly[l].table = (const float *)(x->dev_tables + o_t + to * sizeof(float));
+        to += n;
+      }
+    } else {
+      memcpy(host + o_f + fo * sizeof(float), r->inv_freq, (size_t)(r->rotary_dim / 2) * sizeof(float));
+      ly[l].inv_freq = (const float *)(x->dev_tables + o_f + fo * sizeof(float));
+      fo += (size_t)(r->rotary_dim / 2);
+    }
+  }
+  st = kvi__cuda_h2d(x->dev_tables, host, total, NULL, fn);
+  if (st == KVI_OK) st = kvi__cuda_sync(NULL, fn);
+  free(host);
+  x->d_layers = (kvi__xlayer *)(x->dev_tables + o_layers);
+  x->d_kscale = (float *)(x->dev_tables + o_k);
+  x->d_vscale = (float *)(x->dev_tables + o_v);
+  return st;
+}
+
+/* The vector path needs D % 8 == 0, rotated widths in multiples of 16, and
+ * every cache row start aligned to min(16, 8 * element size) bytes. */
+static bool vector_ok(const xfer *x) {
+  const kvi__cache *c = &x->cache;
+  if (c->D % 8) return false;
+  for (int32_t l = 0; l < c->L; l++) {
+    const kvi__rope *r = &x->store->rope[l];
+    if (r->style != KVI_ROPE_NONE && r->rotary_dim % 16) return false;
+  }
+  const size_t es = kvi_dtype_size(c->dtype), al = 8 * es < 16 ? 8 * es : 16;
+  if ((c->block_stride * (int64_t)es) % (int64_t)al || (c->token_stride * (int64_t)es) % (int64_t)al ||
+      (c->head_stride * (int64_t)es) % (int64_t)al)
+    return false;
+  for (int32_t l = 0; l < c->L; l++)
+    if ((uintptr_t)c->k[l] % al || (uintptr_t)c->v[l] % al) return false;
+  return true;
+}
+
+static kvi_status xfer_create(xfer *x, kvi_store *store, const kvi_cache_layout *layout,
+                              const kvi_transfer_options *opts, const char *fn) {
+  memset(x, 0, sizeof *x);
+  if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
+  kvi_transfer_options o = KVI_TRANSFER_OPTIONS_INIT;
+  kvi_status st;
+  if (opts && (st = kvi__read_struct(&o, sizeof o, opts, TRANSFER_OPTIONS_V1, fn, "opts"))) return st;
+  if (o.max_tokens_per_call < 1 || o.max_requests_per_call < 1 || o.max_table_entries_per_call < 0)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts limits must be >= 1 (tokens %d, requests %d, table entries %d)",
+                     (int)o.max_tokens_per_call, (int)o.max_requests_per_call, (int)o.max_table_entries_per_call);
+  x->store = store;
+  x->lim = o;
+  x->cuda = store->backend == KVI_BACKEND_CUDA;
+  if ((st = kvi__cache_resolve(&x->cache, layout, &store->geom, x->cuda, store->device, fn))) return st;
+  x->max_pos = INT32_MAX;
+  for (int32_t l = 0; l < store->geom.num_layers; l++)
+    if (store->rope[l].style != KVI_ROPE_NONE && kvi__rope_max_positions(&store->rope[l]) < x->max_pos)
+      x->max_pos = kvi__rope_max_positions(&store->rope[l]);
+  x->vec_ok = vector_ok(x);
+  if (pthread_mutex_init(&x->lock, NULL) != 0) {
+    kvi__cache_release(&x->cache);
+    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "initializing a lock");
+  }
+  if (!x->cuda) return KVI_OK;
+  kvi__devguard g;
+  if ((st = kvi__cuda_enter(store->device, &g, fn))) goto fail;
+  x->slot_bytes = slot_size(&o);
+  st = upload_tables(x, fn);
+  for (int i = 0; i < SLOTS && st == KVI_OK; i++) {
+    st = kvi__cuda_host_alloc((void **)&x->slots[i].host, x->slot_bytes, fn);
+    if (st == KVI_OK) st = kvi__cuda_malloc((void **)&x->slots[i].dev, x->slot_bytes, fn);
+    if (st == KVI_OK) st = kvi__cuda_event_create(&x->slots[i].ev, fn);
+  }
+  if (st == KVI_OK) st = kvi__cuda_host_alloc_mapped((void **)&x->skipped_host, (void **)&x->skipped_dev, 64, fn);
+  if (st == KVI_OK) *x->skipped_host = 0;
+  kvi__cuda_leave(&g);
+  if (st == KVI_OK) return KVI_OK;
+fail:
+  xfer_release(x);
+  return st;
+}
+
+KVI_API kvi_status kvi_injector_create(kvi_injector **out, kvi_store *store, const kvi_cache_layout *layout,
+                                       const kvi_transfer_options *opts) {
+  static const char fn[] = "kvi_injector_create";
+  if (!out) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "out is NULL");
+  kvi_injector *inj = calloc(1, sizeof *inj);
+  if (!inj) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the injector");
+  kvi_status st = xfer_create(&inj->x, store, layout, opts, fn);
+  if (st) {
+    free(inj);
+    return st;
+  }
+  *out = inj;
+  return KVI_OK;
+}
+
+KVI_API void kvi_injector_destroy(kvi_injector *injector) {
+  if (!injector) return;
+  xfer_release(&injector->x);
+  free(injector);
+}
+
+KVI_API kvi_status kvi_encoder_create(kvi_encoder **out, kvi_store *store, const kvi_cache_layout *layout,
+                                      const kvi_transfer_options *opts) {
+  static const char fn[] = "kvi_encoder_create";
+  if (!out) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "out is NULL");
+  kvi_encoder *enc = calloc(1, sizeof *enc);
+  if (!enc) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the encoder");
+  kvi_status st = xfer_create(&enc->x, store, layout, opts, fn);
+  if (st) {
+    free(enc);
+    return st;
+  }
+  *out = enc;
+  return KVI_OK;
+}
+
+KVI_API void kvi_encoder_destroy(kvi_encoder *encoder) {
+  if (!encoder) return;
+  xfer_release(&encoder->x);
+  free(encoder);
+}
+
+/* ------------------------------------------------------------------------ */
+/* planning                                                                  */
+/* ------------------------------------------------------------------------ */
+
+/* A request or capture, normalized. */
+typedef struct job {
+  const int32_t *table; /* host or device */
+  int32_t table_len;
+  bool table_on_host;
+  int64_t first_slot;
+  int64_t tokens;
+  const int32_t *positions; /* host or NULL */
+  int32_t start_position;
+} job;
+
+/* The plan of one call: host arrays, laid out as they are uploaded. */
+typedef struct plan {
+  kvi__xseg *segs;
+  kvi__xreq *reqs;
+  int32_t *positions;
+  int32_t *tables; /* host block-table slices */
+  int32_t nsegs, nreqs, ntok, ntables;
+  char *buf; /* one allocation (or a staging slot) holding all of it */
+  size_t o_reqs, o_pos, o_tab, bytes;
+} plan;
+
+/* Checks a job's sequence range, block ids and positions. */
+static kvi_status check_job(const xfer *x, const job *j, int32_t index, const char *what, const char *fn) {
+  const kvi__cache *c = &x->cache;
+  if (j->tokens == 0) return KVI_OK;
+  if (j->first_slot < 0)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s %d: first_slot is %lld", what, (int)index, (long long)j->first_slot);
+  if (!j->table) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s %d: block_table is NULL", what, (int)index);
+  if (j->table_len < 0)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s %d: block_table_len is %d", what, (int)index, (int)j->table_len);
+  const int64_t last = j->first_slot + j->tokens - 1;
+  if (last / c->BS >= j->table_len)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                     "%s %d: sequence slots %lld..%lld need %lld blocks of %d, the block table has %d", what, (int)index,
+                     (long long)j->first_slot, (long long)last, (long long)(last / c->BS + 1), (int)c->BS,
+                     (int)j->table_len);
+  if (j->table_on_host)
+    for (int64_t b = j->first_slot / c->BS; b <= last / c->BS; b++)
+      if (j->table[b] < 0 || j->table[b] >= c->NB)
+        return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s %d: block_table[%lld] is %d, the cache has blocks 0..%lld",
+                         what, (int)index, (long long)b, (int)j->table[b], (long long)c->NB - 1);
+  if (j->positions) {
+    for (int64_t t = 0; t < j->tokens; t++)
+      if (j->positions[t] < 0 || j->positions[t] >= x->max_pos)
+        return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s %d: positions[%lld] is %d, expected 0..%d", what, (int)index,
+                         (long long)t, (int)j->positions[t], (int)x->max_pos - 1);
+  } else if (j->start_position < 0 || (int64_t)j->start_position + j->tokens > x->max_pos) {
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s %d: positions %lld..%lld are outside 0..%d", what, (int)index,
+                     (long long)j->start_position, (long long)j->start_position + j->tokens - 1, (int)x->max_pos - 1);
+  }
+  return KVI_OK;
+}
+
+/* Sizes the plan and points its arrays into `buf` (NULL: malloc). */
+static kvi_status plan_alloc(plan *p, const xfer *x, int32_t nsegs, int32_t nreqs, int64_t ntok, int64_t ntables,
+                             char *buf, const char *fn) {
+  memset(p, 0, sizeof *p);
+  if (ntok > x->lim.max_tokens_per_call || nreqs > x->lim.max_requests_per_call ||
+      ntables > x->lim.max_table_entries_per_call)
+    return kvi__fail(KVI_ERR_CAPACITY, fn,
+                     "the call moves %lld tokens for %d requests with %lld host block-table entries; the transfer "
+                     "options allow %d, %d and %d",
+                     (long long)ntok, (int)nreqs, (long long)ntables, (int)x->lim.max_tokens_per_call,
+                     (int)x->lim.max_requests_per_call, (int)x->lim.max_table_entries_per_call);
+  p->o_reqs = align_up((size_t)nsegs * sizeof(kvi__xseg));
+  p->o_pos = p->o_reqs + align_up((size_t)nreqs * sizeof(kvi__xreq));
+  p->o_tab = p->o_pos + align_up((size_t)ntok * sizeof(int32_t));
+  p->bytes = p->o_tab + (size_t)ntables * sizeof(int32_t);
+  p->buf = buf ? buf : malloc(p->bytes ? p->bytes : 1);
+  if (!p->buf) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a %zu-byte plan", p->bytes);
+  p->segs = (kvi__xseg *)p->buf;
+  p->reqs = (kvi__xreq *)(p->buf + p->o_reqs);
+  p->positions = (int32_t *)(p->buf + p->o_pos);
+  p->tables = (int32_t *)(p->buf + p->o_tab);
+  return KVI_OK;
+}
+
+/* Adds a job's request entry: host block tables are copied into the plan
+ * (the slice the job touches), device tables referenced. `dev_base`: where
+ * the plan will live on the device (NULL: the CPU runs the host copy).
+ * Returns the request index. */
+static int32_t plan_request(plan *p, const xfer *x, const job *j, const char *dev_base) {
+  const int32_t BS = x->cache.BS;
+  const int32_t r = p->nreqs++;
+  kvi__xreq *rq = &p->reqs[r];
+  if (j->tokens > 0 && j->table_on_host) {
+    const int64_t b0 = j->first_slot / BS, b1 = (j->first_slot + j->tokens - 1) / BS;
+    memcpy(&p->tables[p->ntables], j->table + b0, (size_t)(b1 - b0 + 1) * sizeof(int32_t));
+    rq->table = dev_base ? (const int32_t *)(dev_base + p->o_tab) + p->ntables : p->tables + p->ntables;
+    rq->first_block = (int32_t)b0;
+    rq->table_len = (int32_t)(b1 - b0 + 1);
+    p->ntables += (int32_t)(b1 - b0 + 1);
+  } else {
+    rq->table = j->table;
+    rq->first_block = 0;
+    rq->table_len = j->table_len;
+  }
+  return r;
+}
+
+/* Adds `tokens` tokens held in `pages` (from the first page's start) landing
+ * at sequence indices seq0.. of request r, with their positions. */
+static void plan_run(plan *p, const xfer *x, int32_t r, int64_t seq0, int64_t tokens, const int32_t *positions,
+                     int32_t start_position, const uint32_t *pages) {
+  const int32_t P = x->store->P, pos0 = p->ntok;
+  for (int64_t t = 0; t < tokens; t++)
+    p->positions[p->ntok++] = positions ? positions[t] : start_position + (int32_t)t;
+  for (int64_t t = 0; t < tokens; t += P) {
+    kvi__xseg *sg = &p->segs[p->nsegs++];
+    sg->seq0 = seq0 + t;
+    sg->page = pages[t / P];
+    sg->req = r;
+    sg->pos0 = pos0 + (int32_t)t;
+    sg->tok0 = 0;
+    sg->ntok = (uint16_t)(tokens - t < P ? tokens - t : P);
+  }
+}
+
+/* ------------------------------------------------------------------------ */
+/* execution                                                                 */
+/* ------------------------------------------------------------------------ */
+
+static void load_row(float *dst, const char *src, kvi_dtype t, int32_t n, float scale) {
+  if (t == KVI_DTYPE_FP8_E4M3 || t == KVI_DTYPE_FP8_E5M2) {
+    for (int32_t i = 0; i < n; i++) dst[i] = kvi__fp8_to_f32((uint8_t)src[i], t) * scale;
+  } else {
+    kvi__convert(dst, KVI_DTYPE_FP32, src, t, n);
+  }
+}
+
+static void store_row(char *dst, kvi_dtype t, float *src, int32_t n, float scale) {
+  if (t == KVI_DTYPE_FP8_E4M3 || t == KVI_DTYPE_FP8_E5M2) {
+    for (int32_t i = 0; i < n; i++) ((uint8_t *)dst)[i] = kvi__f32_to_fp8(src[i] / scale, t);
+  } else {
+    kvi__convert(dst, t, src, KVI_DTYPE_FP32, n);
+  }
+}
+
+/* The CPU reference of the fused kernel. */
+static void cpu_transfer(const xfer *x, const plan *p, int32_t lb, int32_t le, bool inject) {
+  const kvi_store *s = x->store;
+  const kvi__cache *c = &x->cache;
+  const int32_t H = c->H, D = c->D, P = s->P;
+  const size_t pe = kvi_dtype_size(s->dtype), ce = kvi_dtype_size(c->dtype);
+  float row[1024];
+  for (int32_t i = 0; i < p->nsegs; i++) {
+    const kvi__xseg *sg = &p->segs[i];
+    const kvi__xreq *rq = &p->reqs[sg->req];
+    const char *page = page_addr(s, sg->page);
+    for (int32_t l = lb; l < le; l++)
+      for (int32_t j = 0; j < sg->ntok; j++) {
+        const int64_t seq = sg->seq0 + j;
+        const int32_t block = rq->table[seq / c->BS - rq->first_block];
+        const int64_t coff = (int64_t)block * c->block_stride + (seq % c->BS) * c->token_stride;
+        const int32_t pos = p->positions[sg->pos0 + j];
+        for (int kv = 0; kv < 2; kv++)
+          for (int32_t h = 0; h < H; h++) {
+            char *pr = (char *)page + (size_t)((((int64_t)l * 2 + kv) * H + h) * P + sg->tok0 + j) * D * pe;
+            char *cr = (kv ? c->v[l] : c->k[l]) + (size_t)(coff + h * c->head_stride) * ce;
+            const float scale = (kv ? c->v_scale : c->k_scale)[l * H + h];
+            if (inject) {
+              load_row(row, pr, s->dtype, D, 1.0f);
+              if (kv == 0) kvi__rope_rotate(&s->rope[l], row, pos, false);
+              store_row(cr, c->dtype, row, D, scale);
+            } else {
+              load_row(row, cr, c->dtype, D, scale);
+              if (kv == 0) kvi__rope_rotate(&s->rope[l], row, pos, true);
+              store_row(pr, s->dtype, row, D, 1.0f);
+            }
+          }
+      }
+  }
+}
+
+/* Waits for a staging slot, returning its host buffer. */
+static kvi_status take_slot(xfer *x, slot **out, const char *fn) {
+  slot *sl = &x->slots[x->next_slot];
+  x->next_slot = (x->next_slot + 1) % SLOTS;
+  if (sl->used) {
+    kvi_status st = kvi__cuda_event_sync(sl->ev, fn);
+    if (st) return st;
+  }
+  *out = sl;
+  return KVI_OK;
+}
+
+/* Runs a plan held in slot `sl` (CUDA) or in host memory (CPU). */
+static kvi_status execute(xfer *x, plan *p, slot *sl, int32_t lb, int32_t le, bool inject, struct CUstream_st *stream,
+                          const char *fn) {
+  if (!x->cuda) {
+    cpu_transfer(x, p, lb, le, inject);
+    return KVI_OK;
+  }
+  const kvi_store *s = x->store;
+  kvi_status st = kvi__cuda_h2d(sl->dev, sl->host, p->bytes, stream, fn);
+  if (st) return st;
+  kvi__xfer_args a;
+  memset(&a, 0, sizeof a);
+  a.pool = s->pool.base;
+  a.page_elems = (int64_t)s->page_elems;
+  a.page_dtype = (int32_t)s->dtype;
+  a.P = s->P;
+  a.L = x->cache.L;
+  a.H = x->cache.H;
+  a.D = x->cache.D;
+  a.cache_dtype = (int32_t)x->cache.dtype;
+  a.BS = x->cache.BS;
+  a.NB = x->cache.NB;
+  a.block_stride = x->cache.block_stride;
+  a.token_stride = x->cache.token_stride;
+  a.head_stride = x->cache.head_stride;
+  a.layers = x->d_layers;
+  a.k_scale = x->d_kscale;
+  a.v_scale = x->d_vscale;
+  a.segs = (const kvi__xseg *)sl->dev;
+  a.reqs = (const kvi__xreq *)(sl->dev + p->o_reqs);
+  a.positions = (const int32_t *)(sl->dev + p->o_pos);
+  a.nsegs = p->nsegs;
+  a.layer_begin = lb;
+  a.layer_end = le;
+  a.inject = inject;
+  a.vec = x->vec_ok ? 8 : 1;
+  a.skipped = x->skipped_dev;
+#ifdef KVI_HAVE_CUDA
+  if (kvi__cuda_transfer(&a, stream)) return kvi__cuda_last_launch(fn, inject ? "injection kernel" : "capture kernel");
+#endif
+  if ((st = kvi__cuda_event_record(sl->ev, stream, fn))) return st;
+  sl->used = true;
+  return kvi__store_track(x->store, stream, fn);
+}
+
+/* ------------------------------------------------------------------------ */
+/* inject                                                                    */
+/* ------------------------------------------------------------------------ */
+
+static void lock_both(xfer *x) {
+  pthread_mutex_lock(&x->lock);
+  kvi__store_lock(x->store);
+}
+
+static void unlock_both(xfer *x) {
+  kvi__store_unlock(x->store);
+  pthread_mutex_unlock(&x->lock);
+}
+
+/* Validates request r and sums its facts' tokens and pages (store locked). */
+static kvi_status inject_job(const xfer *x, const kvi_inject_request *rq, int32_t r, job *j, int32_t *npages,
+                             const char *fn) {
+  memset(j, 0, sizeof *j);
+  *npages = 0;
+  if (rq->num_facts < 0)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "request %d: num_facts is %d", (int)r, (int)rq->num_facts);
+  if (rq->num_facts > 0 && !rq->fact_ids)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "request %d: fact_ids is NULL", (int)r);
+  if (rq->block_table_memory != KVI_MEMORY_HOST && rq->block_table_memory != KVI_MEMORY_DEVICE)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "request %d: block_table_memory is %d", (int)r,
+                     (int)rq->block_table_memory);
+  if (rq->block_table_memory == KVI_MEMORY_DEVICE && !x->cuda)
+    return kvi__fail(KVI_ERR_MEMORY_KIND, fn, "request %d: a CPU store reads host block tables only", (int)r);
+  for (int32_t f = 0; f < rq->num_facts; f++) {
+    const fact *ft = kvi__store_find(x->store, rq->tenant, rq->fact_ids[f]);
+    if (!ft)
+      return kvi__fail(KVI_ERR_NOT_FOUND, fn, "request %d: no fact %llu for tenant %llu", (int)r,
+                       (unsigned long long)rq->fact_ids[f], (unsigned long long)rq->tenant);
+    j->tokens += ft->tokens;
+    *npages += (int32_t)ft->npages;
+  }
+  j->table = rq->block_table;
+  j->table_len = rq->block_table_len;
+  j->table_on_host = rq->block_table_memory == KVI_MEMORY_HOST;
+  j->first_slot = rq->first_slot;
+  j->positions = rq->positions;
+  j->start_position = rq->start_position;
+  kvi_status st = check_job(x, j, r, "request", fn);
+  if (st == KVI_OK && j->tokens > 0 && !j->table_on_host)
+    st = kvi__check_memory(j->table, KVI_MEMORY_DEVICE, true, x->store->device, fn, "a device block table");
+  return st;
+}
+
+KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *reqs, int32_t num_requests,
+                              const kvi_inject_options *opts, struct CUstream_st *stream) {
+  static const char fn[] = "kvi_inject";
+  if (!injector) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "injector is NULL");
+  if (num_requests < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_requests is %d", (int)num_requests);
+  if (num_requests > 0 && !reqs) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "reqs is NULL");
+  xfer *x = &injector->x;
+  kvi_inject_options o = KVI_INJECT_OPTIONS_INIT;
+  kvi_status st;
+  if (opts && (st = kvi__read_struct(&o, sizeof o, opts, INJECT_OPTIONS_V1, fn, "opts"))) return st;
+  const int32_t L = x->cache.L, lb = o.layer_begin, le = o.layer_end ? o.layer_end : L;
+  if (lb < 0 || le > L || lb >= le)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layer range [%d, %d) is not within [0, %d)", (int)lb, (int)le, (int)L);
+  if (num_requests == 0) return KVI_OK;
+  size_t rsize;
+  memcpy(&rsize, reqs, sizeof rsize);
+  job *jobs = malloc((size_t)num_requests * sizeof *jobs);
+  kvi_inject_request *rq = malloc((size_t)num_requests * sizeof *rq);
+  if (!jobs || !rq) {
+    free(jobs);
+    free(rq);
+    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d requests", (int)num_requests);
+  }
+  for (int32_t r = 0; r < num_requests; r++) {
+    const char *src = (const char *)reqs + (size_t)r * rsize;
+    size_t sz;
+    memcpy(&sz, src, sizeof sz);
+    if (sz != rsize) {
+      st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "reqs[%d].struct_size is %zu, reqs[0]'s is %zu; they must be equal", (int)r,
+                     sz, rsize);
+      goto out;
+    }
+    kvi_inject_request d = KVI_INJECT_REQUEST_INIT;
+    rq[r] = d;
+    if ((st = kvi__read_struct(&rq[r], sizeof rq[r], src, INJECT_REQUEST_V1, fn, "reqs[i]"))) goto out;
+  }
+
+  lock_both(x);
+  int64_t ntok = 0, ntables = 0;
+  int32_t nsegs = 0;
+  for (int32_t r = 0; r < num_requests; r++) {
+    int32_t np;
+    if ((st = inject_job(x, &rq[r], r, &jobs[r], &np, fn))) goto out_unlock;
+    ntok += jobs[r].tokens;
+    nsegs += np;
+    if (jobs[r].tokens > 0 && jobs[r].table_on_host)
+      ntables += (jobs[r].first_slot + jobs[r].tokens - 1) / x->cache.BS - jobs[r].first_slot / x->cache.BS + 1;
+  }
+  plan p;
+  slot *sl = NULL;
+  if (x->cuda && (st = take_slot(x, &sl, fn))) goto out_unlock;
+  if ((st = plan_alloc(&p, x, nsegs, num_requests, ntok, ntables, sl ? sl->host : NULL, fn))) goto out_unlock;
+  for (int32_t r = 0; r < num_requests; r++) {
+    const job *j = &jobs[r];
+    const int32_t ri = plan_request(&p, x, j, sl ? sl->dev : NULL);
+    int64_t done = 0; /* facts land back to back */
+    for (int32_t f = 0; f < rq[r].num_facts; f++) {
+      const fact *ft = kvi__store_find(x->store, rq[r].tenant, rq[r].fact_ids[f]);
+      plan_run(&p, x, ri, j->first_slot + done, ft->tokens, j->positions ? j->positions + done : NULL,
+               j->start_position + (int32_t)done, ft->pages);
+      done += ft->tokens;
+    }
+  }
+  st = execute(x, &p, sl, lb, le, true, stream, fn);
+  if (!sl) free(p.buf);
+out_unlock:
+  unlock_both(x);
+out:
+  free(jobs);
+  free(rq);
+  return st;
+}
+
+KVI_API kvi_status kvi_inject_plan(const kvi_injector *injector, uint64_t tenant, const uint64_t *fact_ids,
+                                   int32_t num_facts, int64_t *out_tokens) {
+  static const char fn[] = "kvi_inject_plan";
+  if (!injector || !out_tokens || (num_facts > 0 && !fact_ids) || num_facts < 0)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s", !injector ? "injector is NULL" : !out_tokens ? "out_tokens is NULL"
+                                                         : num_facts < 0 ? "num_facts is negative" : "fact_ids is NULL");
+  const kvi_store *s = injector->x.store;
+  int64_t total = 0;
+  kvi_status st = KVI_OK;
+  kvi__store_lock(s);
+  for (int32_t f = 0; f < num_facts && st == KVI_OK; f++) {
+    const fact *ft = kvi__store_find(s, tenant, fact_ids[f]);
+    if (!ft)
+      st = kvi__fail(KVI_ERR_NOT_FOUND, fn, "no fact %llu for tenant %llu", (unsigned long long)fact_ids[f],
+                     (unsigned long long)tenant);
+    else
+      total += ft->tokens;
+  }
+  kvi__store_unlock(s);
+  if (st == KVI_OK) *out_tokens = total;
+  return st;
+}
+
+KVI_API kvi_status kvi_injector_async_errors(kvi_injector *injector, int64_t *out_skipped) {
+  static const char fn[] = "kvi_injector_async_errors";
+  if (!injector || !out_skipped)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", injector ? "out_skipped" : "injector");
+  xfer *x = &injector->x;
+  pthread_mutex_lock(&x->lock);
+  unsigned long long now = x->skipped_host ? *(volatile unsigned long long *)x->skipped_host : 0;
+  *out_skipped = (int64_t)(now - x->skipped_taken);
+  x->skipped_taken = now;
+  pthread_mutex_unlock(&x->lock);
+  return KVI_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* encode                                                                    */
+/* ------------------------------------------------------------------------ */
+
+typedef struct cap_state {
+  kvi_capture c;
+  float *emb;
+  fact *f;
+  uint32_t *pages;
+  tenant *fresh;
+  uint32_t need;
+} cap_state;
+
+static void free_caps(cap_state *cs, int32_t n) {
+  for (int32_t i = 0; i < n; i++) {
+    free(cs[i].emb);
+    free(cs[i].f);
+    free(cs[i].pages);
+    free(cs[i].fresh);
+  }
+  free(cs);
+}
+
+KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures,
+                              struct CUstream_st *stream) {
+  static const char fn[] = "kvi_encode";
+  if (!encoder) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "encoder is NULL");
+  if (num_captures < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_captures is %d", (int)num_captures);
+  if (num_captures > 0 && !caps) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "caps is NULL");
+  if (num_captures == 0) return KVI_OK;
+  xfer *x = &encoder->x;
+  kvi_store *s = x->store;
+  cap_state *cs = calloc((size_t)num_captures, sizeof *cs);
+  if (!cs) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d captures", (int)num_captures);
+  kvi__map seen = {0};
+  size_t csize;
+  memcpy(&csize, caps, sizeof csize);
+  kvi_status st = kvi__map_reserve(&seen, (size_t)num_captures, fn);
+  job *jobs = malloc((size_t)num_captures * sizeof *jobs);
+  if (!jobs && st == KVI_OK) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d captures", (int)num_captures);
+  /* Everything checkable without the store's lock. */
+  int64_t ntok = 0, ntables = 0;
+  int32_t nsegs = 0;
+  uint32_t need_total = 0;
+  for (int32_t i = 0; i < num_captures && st == KVI_OK; i++) {
+    const char *src = (const char *)caps + (size_t)i * csize;
+    size_t sz;
+    memcpy(&sz, src, sizeof sz);
+    if (sz != csize) {
+      st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "caps[%d].struct_size is %zu, caps[0]'s is %zu", (int)i, sz, csize);
+      break;
+    }
+    kvi_capture d = KVI_CAPTURE_INIT;
+    cs[i].c = d;
+    if ((st = kvi__read_struct(&cs[i].c, sizeof cs[i].c, src, CAPTURE_V1, fn, "caps[i]"))) break;
+    const kvi_capture *c = &cs[i].c;
+    if (c->flags & ~KVI_PUT_REPLACE) {
+      st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "capture %d: unknown flag bits 0x%x", (int)i, c->flags & ~KVI_PUT_REPLACE);
+      break;
+    }
+    if (c->num_tokens < 1) {
+      st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "capture %d: num_tokens is %d; a fact has at least one token", (int)i,
+                     (int)c->num_tokens);
+      break;
+    }
+    if (kvi__map_get(&seen, c->tenant, c->fact_id)) {
+      st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "capture %d repeats fact %llu of tenant %llu", (int)i,
+                     (unsigned long long)c->fact_id, (unsigned long long)c->tenant);
+      break;
+    }
+    kvi__map_put(&seen, c->tenant, c->fact_id, (void *)1);
+    job *j = &jobs[i];
+    memset(j, 0, sizeof *j);
+    j->table = c->block_table;
+    j->table_len = c->block_table_len;
+    j->table_on_host = true;
+    j->first_slot = c->first_slot;
+    j->tokens = c->num_tokens;
+    j->positions = c->positions;
+    j->start_position = c->start_position;
+    if ((st = check_job(x, j, i, "capture", fn))) break;
+    if ((st = kvi__check_memory(c->block_table, KVI_MEMORY_HOST, x->cuda, s->device, fn, "a capture's block table")))
+      break;
+    if ((st = kvi__store_read_embedding(s, c->embedding, c->embedding_dtype, c->embedding_memory, stream, &cs[i].emb,
+                                        fn)))
+      break;
+    cs[i].need = pages_for(s, c->num_tokens);
+    cs[i].f = calloc(1, sizeof(fact));
+    cs[i].pages = malloc(cs[i].need * sizeof(uint32_t));
+    cs[i].fresh = calloc(1, sizeof(tenant));
+    if (!cs[i].f || !cs[i].pages || !cs[i].fresh) {
+      st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating fact metadata");
+      break;
+    }
+    ntok += c->num_tokens;
+    nsegs += (int32_t)cs[i].need;
+    need_total += cs[i].need;
+    ntables += (c->first_slot + c->num_tokens - 1) / x->cache.BS - c->first_slot / x->cache.BS + 1;
+  }
+  kvi__map_free(&seen);
+  if (st) goto out;
+
+  lock_both(x);
+  for (int32_t i = 0; i < num_captures && st == KVI_OK; i++)
+    if (!(cs[i].c.flags & KVI_PUT_REPLACE) && kvi__store_find(s, cs[i].c.tenant, cs[i].c.fact_id))
+      st = kvi__fail(KVI_ERR_EXISTS, fn, "capture %d: fact %llu of tenant %llu is already stored (KVI_PUT_REPLACE replaces it)",
+                     (int)i, (unsigned long long)cs[i].c.fact_id, (unsigned long long)cs[i].c.tenant);
+  if (st == KVI_OK) st = kvi__store_reserve(s, need_total, (size_t)num_captures, fn);
+  plan p;
+  slot *sl = NULL;
+  if (st == KVI_OK && x->cuda) st = take_slot(x, &sl, fn);
+  if (st == KVI_OK) st = plan_alloc(&p, x, nsegs, num_captures, ntok, ntables, sl ? sl->host : NULL, fn);
+  if (st == KVI_OK) {
+    /* pages from the top of the free stack, in commit order */
+    uint32_t top = s->pool.nfree;
+    for (int32_t i = 0; i < num_captures; i++) {
+      for (uint32_t k = 0; k < cs[i].need; k++) cs[i].pages[k] = s->pool.free[--top];
+      const int32_t ri = plan_request(&p, x, &jobs[i], sl ? sl->dev : NULL);
+      plan_run(&p, x, ri, jobs[i].first_slot, jobs[i].tokens, jobs[i].positions, jobs[i].start_position, cs[i].pages);
+    }
+    st = execute(x, &p, sl, 0, x->cache.L, false, stream, fn);
+    if (!sl) free(p.buf);
+  }
+  if (st == KVI_OK) {
+    s->pool.nfree -= need_total;
+    for (int32_t i = 0; i < num_captures; i++) {
+      kvi__store_commit(s, cs[i].f, cs[i].pages, cs[i].need, cs[i].fresh, &cs[i].emb, cs[i].c.tenant, cs[i].c.fact_id,
+                        cs[i].c.num_tokens);
+      cs[i].f = NULL, cs[i].pages = NULL, cs[i].fresh = NULL; /* owned by the store now */
+    }
+  }
+  unlock_both(x);
+out:
+  free(jobs);
+  free_caps(cs, num_captures);
+  return st;
+}
