@@ -90,6 +90,42 @@ static void hc_check_init_macros(void) {
 
   HC_CHECK(ss.struct_size == sizeof(kvi_store_stats));
 
+  {
+    kvi_cache_layout cl = KVI_CACHE_LAYOUT_INIT, cl2;
+    kvi_transfer_options to = KVI_TRANSFER_OPTIONS_INIT, to2;
+    kvi_inject_request rq = KVI_INJECT_REQUEST_INIT, rq2;
+    kvi_inject_options io = KVI_INJECT_OPTIONS_INIT, io2;
+    kvi_capture cp = KVI_CAPTURE_INIT, cp2;
+    memset(&cl2, 0x5a, sizeof cl2);
+    kvi_cache_layout_init(&cl2);
+    HC_CHECK(cl.struct_size == sizeof(kvi_cache_layout) && cl2.struct_size == cl.struct_size &&
+             cl2.scale_mode == cl.scale_mode && cl.scale_mode == KVI_SCALE_NONE && cl2.k_layers == NULL &&
+             cl2.dtype == cl.dtype && cl2.memory == cl.memory && cl2.v_offset == 0);
+    memset(&to2, 0x5a, sizeof to2);
+    kvi_transfer_options_init(&to2);
+    HC_CHECK(to.struct_size == sizeof(kvi_transfer_options) && to2.max_tokens_per_call == to.max_tokens_per_call &&
+             to2.max_requests_per_call == to.max_requests_per_call &&
+             to2.max_table_entries_per_call == to.max_table_entries_per_call && to.max_tokens_per_call > 0);
+    memset(&rq2, 0x5a, sizeof rq2);
+    kvi_inject_request_init(&rq2);
+    HC_CHECK(rq.struct_size == sizeof(kvi_inject_request) && rq2.struct_size == rq.struct_size &&
+             rq2.block_table_memory == rq.block_table_memory && rq.block_table_memory == KVI_MEMORY_HOST &&
+             rq2.fact_ids == NULL && rq2.positions == NULL && rq2.num_facts == 0);
+    memset(&io2, 0x5a, sizeof io2);
+    kvi_inject_options_init(&io2);
+    HC_CHECK(io.struct_size == sizeof(kvi_inject_options) && io2.layer_begin == 0 && io2.layer_end == 0);
+    memset(&cp2, 0x5a, sizeof cp2);
+    kvi_capture_init(&cp2);
+    HC_CHECK(cp.struct_size == sizeof(kvi_capture) && cp2.struct_size == cp.struct_size && cp2.flags == 0 &&
+             cp2.embedding == NULL && cp2.embedding_dtype == cp.embedding_dtype && cp.embedding_dtype == KVI_DTYPE_FP32 &&
+             cp2.embedding_memory == KVI_MEMORY_HOST);
+    kvi_cache_layout_init(NULL);
+    kvi_transfer_options_init(NULL);
+    kvi_inject_request_init(NULL);
+    kvi_inject_options_init(NULL);
+    kvi_capture_init(NULL);
+  }
+
   /* NULL is ignored by every *_init() */
   kvi_model_options_init(NULL);
   kvi_rope_spec_init(NULL);

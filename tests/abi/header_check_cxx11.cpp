@@ -96,6 +96,17 @@ int cxx_checks() {
     fail("kvi_store_stats_get");
   kvi_rope_spec rope = KVI_ROPE_SPEC_INIT;
   if (rope.style != KVI_ROPE_NEOX) fail("KVI_ROPE_SPEC_INIT");
+  /* the transfer structs' INIT macros in C++ (no narrowing, no old-style casts) */
+  const kvi_cache_layout layout = KVI_CACHE_LAYOUT_INIT;
+  const kvi_transfer_options topts = KVI_TRANSFER_OPTIONS_INIT;
+  const kvi_inject_request req = KVI_INJECT_REQUEST_INIT;
+  const kvi_inject_options iopts = KVI_INJECT_OPTIONS_INIT;
+  const kvi_capture cap = KVI_CAPTURE_INIT;
+  if (layout.struct_size != sizeof layout || layout.scale_mode != KVI_SCALE_NONE) fail("KVI_CACHE_LAYOUT_INIT");
+  if (topts.max_requests_per_call < 1) fail("KVI_TRANSFER_OPTIONS_INIT");
+  if (req.block_table_memory != KVI_MEMORY_HOST) fail("KVI_INJECT_REQUEST_INIT");
+  if (iopts.layer_end != 0) fail("KVI_INJECT_OPTIONS_INIT");
+  if (cap.embedding_dtype != KVI_DTYPE_FP32) fail("KVI_CAPTURE_INIT");
   return failures;
 }
 
