@@ -478,7 +478,7 @@ static void release_pages(kvi_store *s, const uint32_t *pages, uint32_t n) {
 
 kvi_status kvi__store_reserve(kvi_store *s, uint32_t need, size_t new_facts, const char *fn) {
   kvi_status st = KVI_OK;
-  if (s->pool.nfree < need && s->ndeferred > 0) st = reap(s, false, fn);
+  if (s->ndeferred > 0) st = reap(s, false, fn); /* cheap: queries events */
   if (st == KVI_OK && s->pool.nfree < need && s->pool.nfree + s->ndeferred >= need) st = reap(s, true, fn);
   if (st) return st;
   if (s->pool.nfree < need)

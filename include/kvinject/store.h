@@ -29,10 +29,10 @@
  * with a host buffer return only after the data has been copied (the host
  * buffer may be reused at once). A CPU store ignores the stream.
  *
- * In this version removing or replacing a fact frees its pages at once: the
- * caller must not remove a fact while work enqueued on a stream still reads
- * it (kvi_store_read into device memory). Stream-ordered deferred freeing
- * comes with the injector.
+ * Removing or replacing a fact is stream-ordered: pages that device work
+ * already enqueued (an injection, a read into device memory, a put from
+ * device memory) still reads or writes return to the pool only once that
+ * work has completed; a later put that needs them waits for it.
  *
  * Thread rules: every function below may be called from several threads at
  * once on the same store, except kvi_store_destroy, which must not overlap
@@ -244,7 +244,8 @@ typedef struct kvi_store_stats {
   int32_t embedding_dim;
   uint64_t page_bytes;     /* bytes of one page (K and V, all layers, local heads) */
   uint64_t pages_total;
-  uint64_t pages_used;
+  uint64_t pages_used;     /* includes pages of removed facts that wait for
+                              in-flight device work before they are reused */
   uint64_t bytes_reserved; /* pages_total * page_bytes */
   uint64_t bytes_used;     /* pages_used * page_bytes */
   uint64_t bytes_payload;  /* tokens stored * bytes per token (bytes_used minus

@@ -28,8 +28,16 @@ rc=${PIPESTATUS[0]}
 # the gpu suite's own per-test lines
 "$build"/tests/gpu/test_gpu_store 2>&1 | tee "$out/gpu-suite.log"
 grc=${PIPESTATUS[0]}
-if [ -n "$(meson introspect "$build" --benchmarks 2>/dev/null | tr -d '[] \n')" ]; then
-  meson test -C "$build" --benchmark --verbose 2>&1 | tee "$out/bench.log"
+"$build"/tests/gpu/test_gpu_transfer 2>&1 | tee "$out/gpu-transfer.log"
+trc=${PIPESTATUS[0]}
+# memcheck: no out-of-bounds or misaligned device accesses in the kernels
+src=0
+if command -v compute-sanitizer >/dev/null; then
+  for t in test_gpu_transfer test_gpu_store; do
+    timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 "$build"/tests/gpu/$t >"$out/memcheck-$t.log" 2>&1
+    r=$?; echo "memcheck $t: rc=$r"; tail -3 "$out/memcheck-$t.log"; [ $r -eq 0 ] || src=1
+  done
 fi
-echo "meson test rc=$rc, gpu suite rc=$grc"
-[ "$rc" -eq 0 ] && [ "$grc" -eq 0 ]
+meson test -C "$build" --benchmark --verbose 2>&1 | tee "$out/bench.log" | grep -E '^\||device:|GB/s counts'
+echo "meson test rc=$rc, gpu suite rc=$grc, gpu-transfer rc=$trc, memcheck rc=$src"
+[ "$rc" -eq 0 ] && [ "$grc" -eq 0 ] && [ "$trc" -eq 0 ] && [ "$src" -eq 0 ]

@@ -1,0 +1,218 @@
+/*
+ * bench_inject — injection and capture throughput against the device's copy
+ * rate, measured in the same run.
+ *
+ * Llama-3.1-8B geometry (32 layers, 8 KV heads, head size 128, llama3 RoPE),
+ * bf16 store -> bf16 vLLM FlashAttention cache with blocks of 16 tokens,
+ * facts of 24 tokens. For each case: the median time of the call (CUDA
+ * events around kvi_inject / kvi_encode, so the plan upload is included),
+ * the bytes it must move (every K and V element read once and written once),
+ * their rate, and the time of a device-to-device cudaMemcpy of the same
+ * bytes (the ceiling). Inputs rotate among sets larger than the L2 cache so
+ * that repeated runs do not measure the cache.
+ *
+ * SPDX-License-Identifier: Apache-2.0
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include <kvinject.h>
+
+#define CK(call)                                                                                    \
+  do {                                                                                              \
+    kvi_status st_ = (call);                                                                        \
+    if (st_ != KVI_OK) {                                                                            \
+      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, kvi_last_error());               \
+      exit(1);                                                                                      \
+    }                                                                                               \
+  } while (0)
+#define CU(call)                                                                                    \
+  do {                                                                                              \
+    cudaError_t e_ = (call);                                                                        \
+    if (e_ != cudaSuccess) {                                                                        \
+      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));         \
+      exit(1);                                                                                      \
+    }                                                                                               \
+  } while (0)
+
+enum { L = 32, H = 8, D = 128, BS = 16, FACT_T = 24, POOL = 1024, WARM = 5, ITERS = 60 };
+static const size_t TOKEN_BYTES = (size_t)L * H * D * 2 * 2; /* K and V, bf16 */
+
+static int cmp_f(const void *a, const void *b) {
+  float x = *(const float *)a, y = *(const float *)b;
+  return (x > y) - (x < y);
+}
+
+static float median(float *v, int n) {
+  qsort(v, (size_t)n, sizeof *v, cmp_f);
+  return v[n / 2];
+}
+
+/* Median time of a device-to-device copy of `bytes`, rotating over a buffer
+ * of `span` bytes. */
+static float copy_ms(char *src, char *dst, size_t bytes, size_t span, cudaEvent_t e0, cudaEvent_t e1) {
+  float t[ITERS];
+  size_t sets = span / bytes < 1 ? 1 : span / bytes;
+  for (int i = -WARM; i < ITERS; i++) {
+    size_t off = (size_t)((i + WARM) % (int)sets) * bytes;
+    CU(cudaEventRecord(e0, 0));
+    CU(cudaMemcpyAsync(dst + off, src + off, bytes, cudaMemcpyDeviceToDevice, 0));
+    CU(cudaEventRecord(e1, 0));
+    CU(cudaEventSynchronize(e1));
+    if (i >= 0) CU(cudaEventElapsedTime(&t[i], e0, e1));
+  }
+  return median(t, ITERS);
+}
+
+static void row(const char *what, int requests, int k, float ms, float cms) {
+  const double tokens = (double)requests * k * FACT_T, bytes = tokens * TOKEN_BYTES * 2; /* read + write */
+  printf("| %-8s | %4d | %3d | %8.0f | %9.1f | %8.3f | %7.0f | %8.3f | %6.1f%% |\n", what, requests, k, tokens,
+         bytes / 1048576.0, ms, bytes / (ms * 1e-3) / 1e9, cms, 100.0 * cms / ms);
+}
+
+int main(void) {
+  int ndev = 0;
+  if (kvi_cuda_device_count(&ndev) != KVI_OK || ndev == 0) {
+    fprintf(stderr, "bench_inject: no CUDA device\n");
+    return 77;
+  }
+  struct cudaDeviceProp prop;
+  CU(cudaGetDeviceProperties(&prop, 0));
+  printf("device: %s, libkvinject %s\n\n", prop.name, kvi_version_string());
+
+  kvi_model_options mo = KVI_MODEL_OPTIONS_INIT;
+  mo.num_layers = L;
+  mo.num_kv_heads = H;
+  mo.head_size = D;
+  kvi_model *model;
+  CK(kvi_model_create(&model, &mo));
+  kvi_rope_spec rope = KVI_ROPE_SPEC_INIT;
+  rope.theta = 500000;
+  rope.scaling = KVI_ROPE_SCALING_LLAMA3;
+  rope.factor = 8;
+  CK(kvi_model_set_rope(model, -1, &rope));
+
+  kvi_store_options so = KVI_STORE_OPTIONS_INIT;
+  so.backend = KVI_BACKEND_CUDA;
+  so.device = 0;
+  so.budget_bytes = (uint64_t)(2 * POOL + 4 * 64 * 50) * 16 * TOKEN_BYTES; /* pages: pool + capture churn */
+  kvi_store *store;
+  CK(kvi_store_create(&store, model, &so));
+
+  /* facts: random bf16 from a device buffer */
+  const size_t fact_elems = (size_t)L * FACT_T * H * D;
+  uint16_t *hbuf = malloc(fact_elems * 2 * sizeof *hbuf);
+  for (size_t i = 0; i < fact_elems * 2; i++) hbuf[i] = (uint16_t)(0x3c00 + (rand() & 0x3ff)) ^ (rand() & 0x8000);
+  void *dsrc;
+  CU(cudaMalloc(&dsrc, fact_elems * 2 * 2));
+  CU(cudaMemcpy(dsrc, hbuf, fact_elems * 2 * 2, cudaMemcpyHostToDevice));
+  for (int f = 0; f < POOL; f++) {
+    kvi_kv_view kv;
+    kvi_kv_view_contiguous(&kv, KVI_MEMORY_DEVICE, KVI_DTYPE_BF16, L, FACT_T, H, D, dsrc, (uint16_t *)dsrc + fact_elems);
+    CK(kvi_store_put(store, 1, (uint64_t)f, &kv, NULL, NULL));
+  }
+  CU(cudaDeviceSynchronize());
+
+  /* the cache: one [2, NB, BS, H, D] tensor per layer, room for 64 x 50 facts */
+  const int64_t max_tokens = 64 * 50 * FACT_T, NB = max_tokens / BS + 64;
+  const size_t layer_bytes = (size_t)2 * NB * BS * H * D * 2;
+  void *layers[L];
+  for (int l = 0; l < L; l++) {
+    CU(cudaMalloc(&layers[l], layer_bytes));
+    CU(cudaMemset(layers[l], 0, layer_bytes));
+  }
+  kvi_cache_layout cl;
+  CK(kvi_cache_layout_preset(&cl, KVI_CACHE_VLLM_FLASH_ATTN, KVI_DTYPE_BF16, L, H, D, BS, NB, layers, NULL, NULL));
+  cl.memory = KVI_MEMORY_DEVICE;
+  kvi_injector *inj;
+  kvi_encoder *enc;
+  CK(kvi_injector_create(&inj, store, &cl, NULL));
+  CK(kvi_encoder_create(&enc, store, &cl, NULL));
+
+  /* copy baseline buffers: 2 GiB, well past the 60 MB L2 */
+  const size_t span = (size_t)2 << 30;
+  char *csrc, *cdst;
+  CU(cudaMalloc((void **)&csrc, span));
+  CU(cudaMalloc((void **)&cdst, span));
+  CU(cudaMemset(csrc, 1, span));
+  cudaEvent_t e0, e1;
+  CU(cudaEventCreate(&e0));
+  CU(cudaEventCreate(&e1));
+
+  int32_t *table = malloc((size_t)NB * sizeof *table);
+  for (int64_t b = 0; b < NB; b++) table[b] = (int32_t)((b * 7919) % NB); /* scattered blocks */
+  static uint64_t ids[64][50];
+  static kvi_inject_request reqs[64];
+
+  printf("| case     | reqs |   k |   tokens | MiB moved | call ms  |  GB/s   | copy ms  | of copy |\n");
+  printf("|----------|------|-----|----------|-----------|----------|---------|----------|---------|\n");
+  const int ks[] = {5, 10, 20, 50};
+  for (int c = 0; c < 5; c++) {
+    const int R = c < 4 ? 1 : 64, k = c < 4 ? ks[c] : 50;
+    float t[ITERS];
+    for (int i = -WARM; i < ITERS; i++) {
+      /* fresh facts and destinations every iteration */
+      for (int r = 0; r < R; r++) {
+        kvi_inject_request_init(&reqs[r]);
+        for (int f = 0; f < k; f++) ids[r][f] = (uint64_t)((i + WARM) * 131 + r * 50 + f) % POOL;
+        reqs[r].tenant = 1;
+        reqs[r].fact_ids = ids[r];
+        reqs[r].num_facts = k;
+        /* each request its own slice of blocks, moving every iteration */
+        reqs[r].block_table = table + (int64_t)((r + i + WARM) % 64) * (NB / 64);
+        reqs[r].block_table_len = (int32_t)(NB / 64);
+        reqs[r].first_slot = 0;
+        reqs[r].start_position = 100;
+      }
+      CU(cudaEventRecord(e0, 0));
+      CK(kvi_inject(inj, reqs, R, NULL, NULL));
+      CU(cudaEventRecord(e1, 0));
+      CU(cudaEventSynchronize(e1));
+      if (i >= 0) CU(cudaEventElapsedTime(&t[i], e0, e1));
+    }
+    const size_t bytes = (size_t)R * k * FACT_T * TOKEN_BYTES;
+    row("inject", R, k, median(t, ITERS), copy_ms(csrc, cdst, bytes, span, e0, e1));
+  }
+
+  static kvi_capture caps[64 * 50];
+  for (int c = 0; c < 5; c++) {
+    const int n = c < 4 ? ks[c] : 64 * 50;
+    float t[ITERS];
+    for (int i = -WARM; i < ITERS; i++) {
+      for (int f = 0; f < n; f++) {
+        kvi_capture_init(&caps[f]);
+        caps[f].tenant = 2;
+        caps[f].fact_id = (uint64_t)f;
+        caps[f].flags = KVI_PUT_REPLACE;
+        caps[f].block_table = table;
+        caps[f].block_table_len = (int32_t)NB;
+        caps[f].first_slot = (int64_t)f * FACT_T + (int64_t)((i + WARM) % 4) * 7;
+        caps[f].num_tokens = FACT_T;
+        caps[f].start_position = 100 + f * FACT_T;
+      }
+      CU(cudaEventRecord(e0, 0));
+      CK(kvi_encode(enc, caps, n, NULL));
+      CU(cudaEventRecord(e1, 0));
+      CU(cudaEventSynchronize(e1));
+      if (i >= 0) CU(cudaEventElapsedTime(&t[i], e0, e1));
+    }
+    const size_t bytes = (size_t)n * FACT_T * TOKEN_BYTES;
+    row("capture", 1, n, median(t, ITERS), copy_ms(csrc, cdst, bytes, span, e0, e1));
+  }
+
+  printf("\nGB/s counts bytes read + written; 'of copy' is copy time / call time for the same bytes.\n");
+  kvi_encoder_destroy(enc);
+  kvi_injector_destroy(inj);
+  kvi_store_destroy(store);
+  kvi_model_destroy(model);
+  for (int l = 0; l < L; l++) cudaFree(layers[l]);
+  cudaFree(csrc);
+  cudaFree(cdst);
+  cudaFree(dsrc);
+  free(table);
+  free(hbuf);
+  return 0;
+}

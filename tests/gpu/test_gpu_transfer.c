@@ -1,0 +1,471 @@
+/*
+ * gpu suite: injection and capture through the CUDA backend compared with
+ * the CPU backend (the reference) on the same facts, layouts, dtypes and
+ * RoPE variants. Caches are poisoned first, so an unwritten element (or one
+ * written out of place) shows up. Skips, and exits 77, with no device.
+ * SPDX-License-Identifier: Apache-2.0
+ */
+#include <math.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include <kvinject.h>
+
+#ifdef KVI_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+static int g_devices;
+
+#define CHECK_OK(call)                                                                                          \
+  do {                                                                                                          \
+    kvi_status st_ = (call);                                                                                    \
+    if (st_ != KVI_OK) fail_msg("%s -> %d (%s): %s", #call, (int)st_, kvi_status_string(st_), kvi_last_error()); \
+  } while (0)
+
+#ifdef KVI_HAVE_CUDA
+#define CUDA_OK(call)                                                                                           \
+  do {                                                                                                          \
+    cudaError_t e_ = (call);                                                                                    \
+    if (e_ != cudaSuccess) fail_msg("%s -> %s", #call, cudaGetErrorString(e_));                                 \
+  } while (0)
+
+static uint64_t g_rng = 0x243f6a8885a308d3ull;
+static uint64_t rnd(void) {
+  g_rng ^= g_rng << 13;
+  g_rng ^= g_rng >> 7;
+  g_rng ^= g_rng << 17;
+  return g_rng;
+}
+static float rndf(void) { return (float)((double)(rnd() >> 11) * 0x1p-53 * 4.0 - 2.0); }
+
+/* One scenario: a model, a CPU and a CUDA store holding the same facts, and
+ * the same cache layout in host and device memory. */
+typedef struct scen {
+  int32_t L, H, D, BS, NB, T, nfacts;
+  kvi_dtype store_dtype, cache_dtype;
+  kvi_cache_preset preset;
+  int rope; /* 0 llama3 NeoX, 1 GPT-J partial + NoPE layer, 2 cos/sin table, 3 YaRN partial (scalar path) */
+  kvi_scale_mode scales;
+} scen;
+
+typedef struct world {
+  scen sc;
+  kvi_model *model;
+  kvi_store *cpu, *gpu;
+  size_t layer_bytes; /* bytes of one per-layer tensor (or the pool) */
+  int ntensors;       /* tensors: per layer (1 or 2 each) or 1 pool */
+  void *host[64], *dev[64];
+  kvi_cache_layout hl, dl;
+  float kscale[256], vscale[256];
+  float *table;
+} world;
+
+static void set_rope(world *w) {
+  kvi_rope_spec r = KVI_ROPE_SPEC_INIT;
+  switch (w->sc.rope) {
+  case 0:
+    r.theta = 500000;
+    r.scaling = KVI_ROPE_SCALING_LLAMA3;
+    r.factor = 8;
+    CHECK_OK(kvi_model_set_rope(w->model, -1, &r));
+    break;
+  case 1:
+    r.style = KVI_ROPE_GPTJ;
+    r.rotary_dim = w->sc.D / 2;
+    CHECK_OK(kvi_model_set_rope(w->model, -1, &r));
+    r.style = KVI_ROPE_NONE;
+    CHECK_OK(kvi_model_set_rope(w->model, 1, &r));
+    break;
+  case 2: {
+    const int32_t rot = w->sc.D, npos = 4096;
+    w->table = malloc((size_t)npos * rot * sizeof(float));
+    for (int32_t p = 0; p < npos; p++)
+      for (int32_t i = 0; i < rot / 2; i++) {
+        double a = p * pow(1e6, -2.0 * i / rot);
+        w->table[p * rot + i] = (float)cos(a);
+        w->table[p * rot + rot / 2 + i] = (float)sin(a);
+      }
+    r.cos_sin_table = w->table;
+    r.table_positions = npos;
+    CHECK_OK(kvi_model_set_rope(w->model, -1, &r));
+    break;
+  }
+  case 3:
+    r.scaling = KVI_ROPE_SCALING_YARN;
+    r.factor = 4;
+    r.original_max_position = 2048;
+    r.rotary_dim = w->sc.D - 8;
+    CHECK_OK(kvi_model_set_rope(w->model, -1, &r));
+    break;
+  }
+}
+
+static void make_world(world *w, const scen *sc) {
+  memset(w, 0, sizeof *w);
+  w->sc = *sc;
+  kvi_model_options mo = KVI_MODEL_OPTIONS_INIT;
+  mo.num_layers = sc->L;
+  mo.num_kv_heads = sc->H;
+  mo.head_size = sc->D;
+  CHECK_OK(kvi_model_create(&w->model, &mo));
+  set_rope(w);
+  kvi_store_options so = KVI_STORE_OPTIONS_INIT;
+  so.dtype = sc->store_dtype;
+  so.page_tokens = 16;
+  so.budget_bytes = 64u << 20;
+  so.backend = KVI_BACKEND_CPU;
+  CHECK_OK(kvi_store_create(&w->cpu, w->model, &so));
+  so.backend = KVI_BACKEND_CUDA;
+  so.device = 0;
+  CHECK_OK(kvi_store_create(&w->gpu, w->model, &so));
+  /* facts: same host data into both stores */
+  for (int32_t f = 0; f < sc->nfacts; f++) {
+    const int32_t T = sc->T + f % 3;
+    size_t n = (size_t)sc->L * T * sc->H * sc->D;
+    float *k = malloc(n * sizeof *k), *v = malloc(n * sizeof *v);
+    for (size_t i = 0; i < n; i++) k[i] = rndf(), v[i] = rndf();
+    kvi_kv_view kv;
+    kvi_kv_view_contiguous(&kv, KVI_MEMORY_HOST, KVI_DTYPE_FP32, sc->L, T, sc->H, sc->D, k, v);
+    CHECK_OK(kvi_store_put(w->cpu, 1, 100 + (uint64_t)f, &kv, NULL, NULL));
+    CHECK_OK(kvi_store_put(w->gpu, 1, 100 + (uint64_t)f, &kv, NULL, NULL));
+    free(k);
+    free(v);
+  }
+  /* cache tensors, poisoned with 0xFF bytes (NaN in every float type) */
+  const size_t es = kvi_dtype_size(sc->cache_dtype);
+  const size_t HBD = (size_t)sc->H * sc->BS * sc->D * (size_t)sc->NB;
+  bool pool = sc->preset == KVI_CACHE_TRTLLM, separate = sc->preset == KVI_CACHE_SGLANG || sc->preset == KVI_CACHE_HF_CONTIGUOUS;
+  w->layer_bytes = pool ? HBD * 2 * sc->L * es : separate ? HBD * es : HBD * 2 * es;
+  w->ntensors = pool ? 1 : separate ? 2 * sc->L : sc->L;
+  for (int i = 0; i < w->ntensors; i++) {
+    w->host[i] = malloc(w->layer_bytes);
+    memset(w->host[i], 0xFF, w->layer_bytes);
+    CUDA_OK(cudaMalloc(&w->dev[i], w->layer_bytes));
+    CUDA_OK(cudaMemset(w->dev[i], 0xFF, w->layer_bytes));
+  }
+  void *const *hk = w->host, *const *dk = w->dev;
+  void *const *hv = separate ? w->host + sc->L : NULL, *const *dv = separate ? w->dev + sc->L : NULL;
+  CHECK_OK(kvi_cache_layout_preset(&w->hl, sc->preset, sc->cache_dtype, sc->L, sc->H, sc->D, sc->BS, sc->NB,
+                                   pool ? NULL : hk, hv, pool ? w->host[0] : NULL));
+  CHECK_OK(kvi_cache_layout_preset(&w->dl, sc->preset, sc->cache_dtype, sc->L, sc->H, sc->D, sc->BS, sc->NB,
+                                   pool ? NULL : dk, dv, pool ? w->dev[0] : NULL));
+  w->hl.memory = KVI_MEMORY_HOST;
+  w->dl.memory = KVI_MEMORY_DEVICE;
+  if (sc->scales != KVI_SCALE_NONE) {
+    for (int i = 0; i < sc->L * sc->H; i++) w->kscale[i] = 0.01f + 0.003f * i, w->vscale[i] = 0.02f + 0.001f * i;
+    w->hl.scale_mode = w->dl.scale_mode = sc->scales;
+    w->hl.k_scales = w->dl.k_scales = w->kscale;
+    w->hl.v_scales = w->dl.v_scales = w->vscale;
+  }
+}
+
+static void free_world(world *w) {
+  kvi_store_destroy(w->cpu);
+  kvi_store_destroy(w->gpu);
+  kvi_model_destroy(w->model);
+  for (int i = 0; i < w->ntensors; i++) {
+    free(w->host[i]);
+    cudaFree(w->dev[i]);
+  }
+  free(w->table);
+}
+
+/* Compares the device cache with the host one: bytes equal, or (exact=false)
+ * floats within rel_tol (NaN poison must match exactly). Returns mismatches. */
+static size_t compare_caches(const world *w, bool exact, double rel_tol, double *worst) {
+  size_t bad = 0;
+  *worst = 0;
+  unsigned char *d = malloc(w->layer_bytes);
+  for (int i = 0; i < w->ntensors; i++) {
+    CUDA_OK(cudaMemcpy(d, w->dev[i], w->layer_bytes, cudaMemcpyDeviceToHost));
+    const unsigned char *h = w->host[i];
+    const kvi_dtype t = w->sc.cache_dtype;
+    const size_t es = kvi_dtype_size(t), n = w->layer_bytes / es;
+    for (size_t e = 0; e < n; e++) {
+      if (!memcmp(d + e * es, h + e * es, es)) continue;
+      if (exact || t == KVI_DTYPE_FP8_E4M3 || t == KVI_DTYPE_FP8_E5M2) {
+        /* fp8: one step of the 8-bit grid is the only allowed difference */
+        if (!exact && abs((int)d[e] - (int)h[e]) == 1 && ((d[e] ^ h[e]) & 0x80) == 0) continue;
+        bad++;
+        continue;
+      }
+      double a, b;
+      if (t == KVI_DTYPE_FP32) {
+        float x, y;
+        memcpy(&x, d + e * 4, 4);
+        memcpy(&y, h + e * 4, 4);
+        a = x, b = y;
+      } else { /* 16-bit: a difference of one unit in the last place */
+        uint16_t x, y;
+        memcpy(&x, d + e * 2, 2);
+        memcpy(&y, h + e * 2, 2);
+        if (abs((int)x - (int)y) == 1 && ((x ^ y) & 0x8000) == 0) continue;
+        bad++;
+        continue;
+      }
+      if (isnan(a) || isnan(b)) {
+        bad++;
+        continue;
+      }
+      double r = fabs(a - b) / fmax(fabs(b), 1e-3);
+      if (r > *worst) *worst = r;
+      if (r > rel_tol) bad++;
+    }
+  }
+  free(d);
+  return bad;
+}
+
+/* Injects the same batch into both caches and compares. */
+static void run_inject(const scen *sc) {
+  world w;
+  make_world(&w, sc);
+  kvi_injector *hi, *di;
+  CHECK_OK(kvi_injector_create(&hi, w.cpu, &w.hl, NULL));
+  CHECK_OK(kvi_injector_create(&di, w.gpu, &w.dl, NULL));
+  /* three requests: shuffled block tables, first slots mid-block, explicit
+   * and default positions; one with a device block table */
+  enum { R = 3 };
+  enum { TL = 512 };
+  static int32_t tables[R][TL];
+  int32_t *dtable;
+  /* each request owns a third of the blocks, visited in descending order */
+  const int32_t third = sc->NB / 3;
+  for (int r = 0; r < R; r++)
+    for (int b = 0; b < TL; b++) tables[r][b] = r * third + (third - 1 - b % third);
+  CUDA_OK(cudaMalloc((void **)&dtable, sizeof tables[2]));
+  CUDA_OK(cudaMemcpy(dtable, tables[2], sizeof tables[2], cudaMemcpyHostToDevice));
+  uint64_t ids[R][8];
+  int32_t nf[R] = {sc->nfacts < 5 ? sc->nfacts : 5, 2, sc->nfacts < 3 ? sc->nfacts : 3};
+  for (int r = 0; r < R; r++)
+    for (int f = 0; f < nf[r]; f++) ids[r][f] = 100 + (uint64_t)((f * 3 + r) % sc->nfacts);
+  int32_t positions[4096];
+  for (int i = 0; i < 4096; i++) positions[i] = 7 + 3 * i;
+  kvi_inject_request hq[R], dq[R];
+  for (int r = 0; r < R; r++) {
+    kvi_inject_request_init(&hq[r]);
+    hq[r].tenant = 1;
+    hq[r].fact_ids = ids[r];
+    hq[r].num_facts = nf[r];
+    hq[r].block_table = tables[r];
+    hq[r].block_table_len = TL;
+    hq[r].first_slot = 5 + r;
+    hq[r].start_position = 40 * r;
+    if (r == 1) hq[r].positions = positions;
+    dq[r] = hq[r];
+  }
+  dq[2].block_table = dtable;
+  dq[2].block_table_memory = KVI_MEMORY_DEVICE;
+  CHECK_OK(kvi_inject(hi, hq, R, NULL, NULL));
+  CHECK_OK(kvi_inject(di, dq, R, NULL, NULL));
+  CUDA_OK(cudaDeviceSynchronize());
+  int64_t skipped = -1;
+  CHECK_OK(kvi_injector_async_errors(di, &skipped));
+  assert_int_equal(skipped, 0);
+  double worst;
+  const bool exact = sc->rope == 2; /* same cos/sin: bit for bit */
+  size_t bad = compare_caches(&w, exact, 2e-6, &worst);
+  if (bad) fail_msg("inject: %zu elements differ (worst relative %.3g)", bad, worst);
+
+  /* capture back: both stores capture the same range from their caches */
+  kvi_encoder *he, *de;
+  CHECK_OK(kvi_encoder_create(&he, w.cpu, &w.hl, NULL));
+  CHECK_OK(kvi_encoder_create(&de, w.gpu, &w.dl, NULL));
+  kvi_capture c = KVI_CAPTURE_INIT;
+  c.tenant = 2;
+  c.fact_id = 1;
+  c.block_table = tables[1];
+  c.block_table_len = TL;
+  c.first_slot = hq[1].first_slot;
+  c.num_tokens = (int32_t)(2 * sc->T);
+  c.positions = positions;
+  CHECK_OK(kvi_encode(he, &c, 1, NULL));
+  CHECK_OK(kvi_encode(de, &c, 1, NULL));
+  size_t n = (size_t)sc->L * c.num_tokens * sc->H * sc->D;
+  float *a = malloc(n * 8), *b = malloc(n * 8);
+  kvi_kv_view va, vb;
+  kvi_kv_view_contiguous(&va, KVI_MEMORY_HOST, KVI_DTYPE_FP32, sc->L, c.num_tokens, sc->H, sc->D, a, a + n);
+  kvi_kv_view_contiguous(&vb, KVI_MEMORY_HOST, KVI_DTYPE_FP32, sc->L, c.num_tokens, sc->H, sc->D, b, b + n);
+  CUDA_OK(cudaDeviceSynchronize());
+  CHECK_OK(kvi_store_read(w.cpu, 2, 1, &va, NULL));
+  CHECK_OK(kvi_store_read(w.gpu, 2, 1, &vb, NULL));
+  size_t cbad = 0;
+  for (size_t i = 0; i < 2 * n; i++) {
+    /* one unit of the store dtype, or fp32 rounding of the rotation */
+    double tol = (sc->store_dtype == KVI_DTYPE_FP32 ? 1e-5 : 1.0 / 64) * fmax(fabs(a[i]), 1e-2);
+    if (!(fabs(a[i] - b[i]) <= tol) && !(exact && a[i] == b[i])) cbad++;
+  }
+  /* fp8 caches: a one-step rounding difference in the cache becomes a whole
+   * fp8 step after capture; allow it on a small fraction of elements */
+  const bool fp8 = sc->cache_dtype == KVI_DTYPE_FP8_E4M3 || sc->cache_dtype == KVI_DTYPE_FP8_E5M2;
+  if (fp8 ? cbad * 100 > 2 * n : cbad != 0) fail_msg("capture: %zu of %zu elements differ", cbad, 2 * n);
+  free(a);
+  free(b);
+  kvi_encoder_destroy(he);
+  kvi_encoder_destroy(de);
+  kvi_injector_destroy(hi);
+  kvi_injector_destroy(di);
+  cudaFree(dtable);
+  free_world(&w);
+}
+#endif
+
+#define SCEN(name, ...)                                                                                         \
+  static void name(void **state) {                                                                              \
+    (void)state;                                                                                                \
+    if (g_devices == 0) skip();                                                                                 \
+    SCEN_BODY(__VA_ARGS__)                                                                                      \
+  }
+#ifdef KVI_HAVE_CUDA
+#define SCEN_BODY(...)                                                                                          \
+  const scen sc = {__VA_ARGS__};                                                                                \
+  run_inject(&sc);
+#else
+#define SCEN_BODY(...)
+#endif
+
+/*            L  H  D    BS NB   T  n  store            cache              preset                         rope scales */
+SCEN(t_fa_bf16, 4, 4, 128, 16, 256, 24, 6, KVI_DTYPE_BF16, KVI_DTYPE_BF16, KVI_CACHE_VLLM_FLASH_ATTN, 0, KVI_SCALE_NONE)
+SCEN(t_fi_hnd_fp16, 3, 2, 128, 16, 128, 20, 5, KVI_DTYPE_FP16, KVI_DTYPE_FP16, KVI_CACHE_VLLM_FLASHINFER_HND, 1, KVI_SCALE_NONE)
+SCEN(t_packed_fp32, 2, 2, 64, 32, 64, 17, 4, KVI_DTYPE_FP32, KVI_DTYPE_FP32, KVI_CACHE_VLLM_PACKED, 0, KVI_SCALE_NONE)
+SCEN(t_table_exact, 2, 4, 128, 16, 128, 24, 5, KVI_DTYPE_FP32, KVI_DTYPE_FP32, KVI_CACHE_VLLM_FLASH_ATTN_HND, 2, KVI_SCALE_NONE)
+SCEN(t_table_bf16, 2, 2, 128, 16, 128, 24, 5, KVI_DTYPE_BF16, KVI_DTYPE_BF16, KVI_CACHE_VLLM_PACKED_HND, 2, KVI_SCALE_NONE)
+SCEN(t_trtllm_fp8, 3, 2, 128, 32, 64, 24, 5, KVI_DTYPE_BF16, KVI_DTYPE_FP8_E4M3, KVI_CACHE_TRTLLM, 0, KVI_SCALE_PER_HEAD)
+SCEN(t_sglang_e5m2, 2, 2, 64, 1, 2048, 12, 4, KVI_DTYPE_FP16, KVI_DTYPE_FP8_E5M2, KVI_CACHE_SGLANG, 1, KVI_SCALE_PER_TENSOR)
+SCEN(t_hf_scalar, 2, 3, 40, 512, 4, 9, 4, KVI_DTYPE_FP32, KVI_DTYPE_BF16, KVI_CACHE_HF_CONTIGUOUS, 3, KVI_SCALE_NONE)
+SCEN(t_fi_yarn_vec, 2, 2, 128, 16, 128, 24, 4, KVI_DTYPE_BF16, KVI_DTYPE_FP32, KVI_CACHE_VLLM_FLASHINFER, 3, KVI_SCALE_NONE)
+
+#ifdef KVI_HAVE_CUDA
+/* A device block table naming blocks outside the cache: those tokens are
+ * skipped and counted, nothing is written out of bounds. */
+static void t_bad_device_table(void **state) {
+  (void)state;
+  if (g_devices == 0) skip();
+  const scen sc = {2, 2, 64, 16, 32, 16, 2, KVI_DTYPE_BF16, KVI_DTYPE_BF16, KVI_CACHE_VLLM_FLASH_ATTN, 0, KVI_SCALE_NONE};
+  world w;
+  make_world(&w, &sc);
+  kvi_injector *di;
+  CHECK_OK(kvi_injector_create(&di, w.gpu, &w.dl, NULL));
+  int32_t table[4] = {3, 1000, -5, 7}, *dtable;
+  CUDA_OK(cudaMalloc((void **)&dtable, sizeof table));
+  CUDA_OK(cudaMemcpy(dtable, table, sizeof table, cudaMemcpyHostToDevice));
+  uint64_t ids[2] = {100, 101};
+  kvi_inject_request rq = KVI_INJECT_REQUEST_INIT;
+  rq.tenant = 1;
+  rq.fact_ids = ids;
+  rq.num_facts = 2;
+  rq.block_table = dtable;
+  rq.block_table_len = 4;
+  rq.block_table_memory = KVI_MEMORY_DEVICE;
+  rq.first_slot = 8; /* 16 + 17 tokens: 8 in block 3, 16 in block 1000 (bad), 9 in block -5 (bad) */
+  CHECK_OK(kvi_inject(di, &rq, 1, NULL, NULL));
+  CUDA_OK(cudaDeviceSynchronize());
+  int64_t skipped = 0;
+  CHECK_OK(kvi_injector_async_errors(di, &skipped));
+  assert_int_equal(skipped, 25);
+  CHECK_OK(kvi_injector_async_errors(di, &skipped));
+  assert_int_equal(skipped, 0); /* read and cleared */
+  /* only the second half of block 3 was written */
+  unsigned char *d = malloc(w.layer_bytes);
+  CUDA_OK(cudaMemcpy(d, w.dev[0], w.layer_bytes, cudaMemcpyDeviceToHost));
+  const size_t tok = (size_t)sc.H * sc.D * 2, blk = tok * sc.BS;
+  size_t written = 0;
+  for (size_t i = 0; i < w.layer_bytes / 2; i += 2) /* K plane */
+    if (d[i] != 0xFF || d[i + 1] != 0xFF) written++;
+  assert_int_equal(written, 8 * (tok / 2));
+  for (size_t i = 3 * blk + 8 * tok; i < 4 * blk; i += 2) assert_false(d[i] == 0xFF && d[i + 1] == 0xFF);
+  free(d);
+  cudaFree(dtable);
+  kvi_injector_destroy(di);
+  free_world(&w);
+}
+
+/* The stream is held by a host callback until released: an injection is in
+ * flight for certain, so a removed fact's pages must not return to the pool. */
+static volatile int g_release;
+static void CUDART_CB hold(void *arg) {
+  (void)arg;
+  while (!g_release) {
+  }
+}
+
+static void t_deferred_free(void **state) {
+  (void)state;
+  if (g_devices == 0) skip();
+  const scen sc = {2, 2, 64, 16, 64, 32, 3, KVI_DTYPE_BF16, KVI_DTYPE_BF16, KVI_CACHE_VLLM_FLASH_ATTN, 0, KVI_SCALE_NONE};
+  world w;
+  make_world(&w, &sc);
+  kvi_injector *di;
+  CHECK_OK(kvi_injector_create(&di, w.gpu, &w.dl, NULL));
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  g_release = 0;
+  CUDA_OK(cudaLaunchHostFunc(s, hold, NULL));
+  int32_t table[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+  uint64_t ids[1] = {100};
+  kvi_inject_request rq = KVI_INJECT_REQUEST_INIT;
+  rq.tenant = 1;
+  rq.fact_ids = ids;
+  rq.num_facts = 1;
+  rq.block_table = table;
+  rq.block_table_len = 8;
+  CHECK_OK(kvi_inject(di, &rq, 1, NULL, (struct CUstream_st *)s));
+  kvi_store_stats before = KVI_STORE_STATS_INIT, after = KVI_STORE_STATS_INIT;
+  CHECK_OK(kvi_store_stats_get(w.gpu, &before));
+  CHECK_OK(kvi_store_remove(w.gpu, 1, 100));
+  CHECK_OK(kvi_store_stats_get(w.gpu, &after));
+  assert_int_equal(after.facts, before.facts - 1);
+  assert_int_equal(after.pages_used, before.pages_used); /* deferred: the kernel has not run */
+  g_release = 1;
+  CUDA_OK(cudaStreamSynchronize(s));
+  /* the cache holds fact 100 as the CPU computes it */
+  kvi_injector *hi;
+  CHECK_OK(kvi_injector_create(&hi, w.cpu, &w.hl, NULL));
+  CHECK_OK(kvi_inject(hi, &rq, 1, NULL, NULL));
+  double worst;
+  assert_int_equal(compare_caches(&w, false, 2e-6, &worst), 0);
+  /* a put reaps the deferred pages */
+  float k[2 * 2 * 64 * 2] = {1.0f}, v[2 * 2 * 64 * 2] = {2.0f};
+  kvi_kv_view kv;
+  kvi_kv_view_contiguous(&kv, KVI_MEMORY_HOST, KVI_DTYPE_FP32, 2, 2, 2, 64, k, v);
+  CHECK_OK(kvi_store_put(w.gpu, 1, 999, &kv, NULL, NULL));
+  CHECK_OK(kvi_store_stats_get(w.gpu, &after));
+  assert_int_equal(after.pages_used, before.pages_used - 2 + 1);
+  cudaStreamDestroy(s);
+  kvi_injector_destroy(hi);
+  kvi_injector_destroy(di);
+  free_world(&w);
+}
+#else
+static void t_bad_device_table(void **state) {
+  (void)state;
+  skip();
+}
+static void t_deferred_free(void **state) {
+  (void)state;
+  skip();
+}
+#endif
+
+int main(void) {
+  if (kvi_cuda_device_count(&g_devices) != KVI_OK) g_devices = 0;
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(t_fa_bf16),       cmocka_unit_test(t_fi_hnd_fp16),  cmocka_unit_test(t_packed_fp32),
+      cmocka_unit_test(t_table_exact),   cmocka_unit_test(t_table_bf16),   cmocka_unit_test(t_trtllm_fp8),
+      cmocka_unit_test(t_sglang_e5m2),   cmocka_unit_test(t_hf_scalar),    cmocka_unit_test(t_fi_yarn_vec),
+      cmocka_unit_test(t_bad_device_table), cmocka_unit_test(t_deferred_free),
+  };
+  int failed = cmocka_run_group_tests_name("gpu-transfer", tests, NULL, NULL);
+  if (failed) return 1;
+  return g_devices == 0 ? 77 : 0;
+}
