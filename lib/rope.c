@@ -114,6 +114,7 @@ kvi_status kvi__rope_resolve(kvi__rope *out, const kvi_rope_spec *spec, int32_t 
     kvi__convert(t->data, KVI_DTYPE_FP32, s.cos_sin_table, s.table_dtype, (int64_t)n);
     r.table = t;
     r.attn = 1.0f;
+    s.rotary_dim = rot;
     s.cos_sin_table = NULL;
     s.table_dtype = KVI_DTYPE_FP32;
     s.attention_factor = 1.0;

@@ -220,11 +220,17 @@ static void release_memory(kvi_store *s) {
       kvi__cuda_free(s->pool.base);
       kvi__cuda_host_free(s->staging);
       kvi__cuda_stream_destroy(s->copy_stream);
+      for (int i = 0; i < KVI__TRACK_EVENTS; i++) kvi__cuda_event_destroy(s->track_ev[i]);
       kvi__cuda_leave(&g);
     }
   } else {
     free(s->pool.base);
   }
+  free(s->deferred_page);
+  free(s->deferred_tag);
+  s->deferred_page = NULL;
+  s->deferred_tag = NULL;
+  memset(s->track_ev, 0, sizeof s->track_ev);
   s->pool.base = NULL;
   s->staging = NULL;
   s->copy_stream = NULL;
@@ -250,6 +256,14 @@ static kvi_status reserve_memory(kvi_store *s, const char *fn) {
     WITH_DEVICE(s, fn, st,
                 kvi__cuda_host_alloc((void **)&s->staging, (size_t)s->staging_pages * s->page_bytes, fn));
   if (st == KVI_OK) WITH_DEVICE(s, fn, st, kvi__cuda_stream_create(&s->copy_stream, fn));
+  for (int i = 0; i < KVI__TRACK_EVENTS && st == KVI_OK; i++)
+    WITH_DEVICE(s, fn, st, kvi__cuda_event_create(&s->track_ev[i], fn));
+  if (st == KVI_OK) {
+    s->deferred_page = malloc((size_t)s->pool.npages * sizeof *s->deferred_page);
+    s->deferred_tag = malloc((size_t)s->pool.npages * sizeof *s->deferred_tag);
+    if (!s->deferred_page || !s->deferred_tag)
+      st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the deferred-free list for %u pages", s->pool.npages);
+  }
   if (st != KVI_OK) {
     if (st == KVI_ERR_OUT_OF_MEMORY)
       kvi__fail(st, fn, "reserving %llu bytes of device memory on device %d for %u pages",
@@ -307,10 +321,9 @@ KVI_API kvi_status kvi_store_create(kvi_store **out, const kvi_model *model, con
   s->pool.tier = s->backend == KVI_BACKEND_CUDA ? TIER_DEVICE : TIER_HOST;
   s->pool.npages = (uint32_t)npages;
   s->pool.nfree = (uint32_t)npages;
-  s->pool.free = malloc(npages * sizeof *s->pool.free);
   s->rope = calloc((size_t)g->num_layers, sizeof *s->rope);
-  if (!s->pool.free || !s->rope) {
-    st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the page table for %llu pages", (unsigned long long)npages);
+  if (!s->rope) {
+    st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating RoPE tables");
     goto fail;
   }
   for (int32_t l = 0; l < g->num_layers; l++) {
@@ -319,8 +332,15 @@ KVI_API kvi_status kvi_store_create(kvi_store **out, const kvi_model *model, con
       goto fail;
     }
   }
-  for (uint32_t i = 0; i < s->pool.npages; i++) s->pool.free[i] = s->pool.npages - 1 - i; /* pops 0, 1, 2, ... */
+  /* the page memory first: an impossible budget fails before anything large is built */
   if ((st = reserve_memory(s, fn))) goto fail_rope;
+  s->pool.free = malloc(npages * sizeof *s->pool.free);
+  if (!s->pool.free) {
+    release_memory(s);
+    st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the page table for %llu pages", (unsigned long long)npages);
+    goto fail_rope;
+  }
+  for (uint32_t i = 0; i < s->pool.npages; i++) s->pool.free[i] = s->pool.npages - 1 - i; /* pops 0, 1, 2, ... */
   if (pthread_mutex_init(&s->lock, NULL) != 0) {
     release_memory(s);
     st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "initializing the store's lock");
@@ -556,6 +576,11 @@ KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant_id, uint64_t 
   if ((st = kvi__store_read_embedding(store, o.embedding, o.embedding_dtype, o.embedding_memory, stream, &emb, fn)))
     return st;
   const uint32_t need = pages_for(store, v.num_tokens);
+  if (need > store->pool.npages) {
+    free(emb);
+    return kvi__fail(KVI_ERR_CAPACITY, fn, "%d tokens need %u pages of %d tokens; the store has %u pages in all",
+                     (int)v.num_tokens, need, (int)store->P, store->pool.npages);
+  }
   fact *f = calloc(1, sizeof *f);
   uint32_t *pages = malloc(need * sizeof *pages);
   tenant *fresh = calloc(1, sizeof *fresh);

@@ -75,7 +75,7 @@ static inline char *page_addr(const kvi_store *s, uint32_t page) {
 }
 
 static inline uint32_t pages_for(const kvi_store *s, int32_t tokens) {
-  return (uint32_t)((tokens + s->P - 1) / s->P);
+  return (uint32_t)(((int64_t)tokens + s->P - 1) / s->P);
 }
 
 void kvi__store_lock(const kvi_store *s);

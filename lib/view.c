@@ -86,7 +86,7 @@ kvi_status kvi__view_check(kvi_kv_view *out, const kvi_kv_view *user, const kvi_
       goto overflow;
   }
   int64_t bytes;
-  if (__builtin_mul_overflow(last + 1, (int64_t)kvi_dtype_size(v.dtype), &bytes)) goto overflow;
+  if (last == INT64_MAX || __builtin_mul_overflow(last + 1, (int64_t)kvi_dtype_size(v.dtype), &bytes)) goto overflow;
   if (dst) {
     /* Sufficient condition for no two elements sharing an address: ordered by
      * stride, each dimension steps past everything the smaller ones reach.

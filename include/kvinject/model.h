@@ -34,11 +34,11 @@ typedef struct kvi_model kvi_model;
  * kvi_model_options_init(); fields may only be appended in later versions. */
 typedef struct kvi_model_options {
   size_t struct_size;   /* sizeof(kvi_model_options) */
-  int32_t num_layers;   /* attention layers, >= 1 (required) */
-  int32_t num_kv_heads; /* KV heads of the whole model, before TP, >= 1 (required) */
+  int32_t num_layers;   /* attention layers, 1..65536 (required) */
+  int32_t num_kv_heads; /* KV heads of the whole model, before TP, 1..65536 (required) */
   int32_t head_size;    /* elements per head, 1..1024 (required) */
   int32_t tp_rank;      /* this process's tensor-parallel rank, default 0 */
-  int32_t tp_size;      /* tensor-parallel size, default 1 */
+  int32_t tp_size;      /* tensor-parallel size, 1..65536, default 1 */
 } kvi_model_options;
 
 #define KVI_MODEL_OPTIONS_INIT {sizeof(kvi_model_options), 0, 0, 0, 0, 1}

@@ -180,7 +180,8 @@ KVI_API void kvi_put_options_init(kvi_put_options *opts);
  * view whose extent overflows, unknown flags, an embedding containing NaN or
  * infinity, an embedding given to a store without embeddings or missing from
  * one with), KVI_ERR_STRUCT_SIZE, KVI_ERR_MISMATCH (layers, heads, head size,
- * or an FP8/unknown dtype), KVI_ERR_MEMORY_KIND (device memory declared as
+ * or an FP8 dtype; a value that is no kvi_dtype is KVI_ERR_INVALID_ARGUMENT),
+ * KVI_ERR_MEMORY_KIND (device memory declared as
  * host or the reverse, where detectable; device memory given to a CPU store;
  * memory of another device), KVI_ERR_EXISTS (key present, no
  * KVI_PUT_REPLACE), KVI_ERR_CAPACITY (not enough free pages; with

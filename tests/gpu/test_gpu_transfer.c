@@ -419,14 +419,19 @@ static void t_deferred_free(void **state) {
   rq.num_facts = 1;
   rq.block_table = table;
   rq.block_table_len = 8;
-  CHECK_OK(kvi_inject(di, &rq, 1, NULL, (struct CUstream_st *)s));
   kvi_store_stats before = KVI_STORE_STATS_INIT, after = KVI_STORE_STATS_INIT;
-  CHECK_OK(kvi_store_stats_get(w.gpu, &before));
-  CHECK_OK(kvi_store_remove(w.gpu, 1, 100));
-  CHECK_OK(kvi_store_stats_get(w.gpu, &after));
+  kvi_status st1 = kvi_inject(di, &rq, 1, NULL, (struct CUstream_st *)s);
+  kvi_status st2 = kvi_store_stats_get(w.gpu, &before);
+  kvi_status st3 = kvi_store_remove(w.gpu, 1, 100);
+  kvi_status st4 = kvi_store_stats_get(w.gpu, &after);
+  const uint64_t used_in_flight = after.pages_used;
+  g_release = 1; /* never leave the stream held, whatever failed */
+  CHECK_OK(st1);
+  CHECK_OK(st2);
+  CHECK_OK(st3);
+  CHECK_OK(st4);
   assert_int_equal(after.facts, before.facts - 1);
-  assert_int_equal(after.pages_used, before.pages_used); /* deferred: the kernel has not run */
-  g_release = 1;
+  assert_int_equal(used_in_flight, before.pages_used); /* deferred: the kernel had not run */
   CUDA_OK(cudaStreamSynchronize(s));
   /* the cache holds fact 100 as the CPU computes it */
   kvi_injector *hi;

@@ -1,0 +1,2 @@
+#include "ref64.h"
+int main(void) { return 0; }

@@ -1,0 +1,312 @@
+/*
+ * unit-layouts: injection into (and capture from) every engine preset of
+ * kvi_cache_preset and hand-made generic layouts. Each cache is allocated as
+ * the engine's tensor(s), poisoned with 0x7f bytes, and checked element by
+ * element at indices computed here from the engine's shape (ref64.h), never
+ * through the library's strides; every byte no injected token lives in must
+ * still be poison. Cache dtypes fp32, fp16, bf16, fp8 e4m3 (per-tensor and
+ * per-head scales) and e5m2; block tables of shuffled block ids; first slots
+ * in the middle of a block, so facts straddle blocks.
+ * SPDX-License-Identifier: Apache-2.0
+ */
+#include "ref64.h"
+
+#define L 3
+#define HT 4 /* KV heads of the model; tp 2, rank 1: 2 local heads */
+#define H 2
+#define D 16
+#define P 4 /* store page tokens */
+
+typedef struct fixture {
+  kvi_model *m;
+  kvi_store *s;
+  kvi_rope_spec spec[L];
+  ref_rope rr[L];
+  rfact a, b, c; /* tenant 7: a (5 tokens), b (7); tenant 9: c (3) */
+  rng r;
+} fixture;
+
+static kvi_rope_spec rope(kvi_rope_style style, int32_t rot, double theta) {
+  kvi_rope_spec s = KVI_ROPE_SPEC_INIT;
+  s.style = style;
+  s.rotary_dim = rot;
+  s.theta = theta;
+  return s;
+}
+
+static int setup(void **state) {
+  fixture *f = calloc(1, sizeof *f);
+  assert_non_null(f);
+  rng_seed(&f->r, "unit-layouts fixture");
+  f->m = make_model(L, HT, D, 1, 2);
+  /* layer 0 NoPE (K bit-exact), layer 1 NeoX, layer 2 GPT-J partial with linear scaling */
+  f->spec[0] = rope(KVI_ROPE_NONE, 0, 0.0);
+  f->spec[1] = rope(KVI_ROPE_NEOX, 0, 10000.0);
+  f->spec[2] = rope(KVI_ROPE_GPTJ, 8, 1e6);
+  f->spec[2].scaling = KVI_ROPE_SCALING_LINEAR;
+  f->spec[2].factor = 2.0;
+  for (int l = 0; l < L; l++) {
+    assert_ok(kvi_model_set_rope(f->m, l, &f->spec[l]));
+    ref_rope_init(&f->rr[l], &f->spec[l], D);
+  }
+  const uint64_t page_bytes = (uint64_t)P * L * 2 * H * D * 4;
+  kvi_store_options o = cpu_store_options(KVI_DTYPE_FP32, P, 16 * page_bytes);
+  assert_ok(kvi_store_create(&f->s, f->m, &o));
+  /* magnitudes below 8: rotated below 11.3, below 226 after the smallest fp8 scale (0.05) */
+  rfact_make(&f->a, &f->r, 7, 1, L, 5, H, D, -4, 2);
+  rfact_make(&f->b, &f->r, 7, 2, L, 7, H, D, -4, 2);
+  rfact_make(&f->c, &f->r, 9, 1, L, 3, H, D, -4, 2);
+  rfact_put(f->s, &f->a, 0);
+  rfact_put(f->s, &f->b, 0);
+  rfact_put(f->s, &f->c, 0);
+  *state = f;
+  return 0;
+}
+
+static int teardown(void **state) {
+  fixture *f = *state;
+  for (int l = 0; l < L; l++) ref_rope_free(&f->rr[l]);
+  rfact_free(&f->a);
+  rfact_free(&f->b);
+  rfact_free(&f->c);
+  kvi_store_destroy(f->s);
+  kvi_model_destroy(f->m);
+  free(f);
+  return 0;
+}
+
+typedef struct cfg {
+  int preset;
+  int32_t BS;
+  int64_t NB;
+  int64_t fs0, fs1; /* first slots of the two requests */
+  int extra;        /* spare table entries past the ones used */
+} cfg;
+
+typedef struct dcase {
+  kvi_dtype dt;
+  kvi_scale_mode sm;
+} dcase;
+
+static const dcase dcases[] = {
+    {KVI_DTYPE_FP32, KVI_SCALE_NONE},         {KVI_DTYPE_FP16, KVI_SCALE_NONE},
+    {KVI_DTYPE_BF16, KVI_SCALE_NONE},         {KVI_DTYPE_FP8_E4M3, KVI_SCALE_PER_TENSOR},
+    {KVI_DTYPE_FP8_E4M3, KVI_SCALE_PER_HEAD}, {KVI_DTYPE_FP8_E5M2, KVI_SCALE_PER_HEAD},
+    {KVI_DTYPE_FP8_E5M2, KVI_SCALE_NONE},
+};
+#define N_DCASES (sizeof dcases / sizeof dcases[0])
+
+/* One cache: two requests (tenant 7: facts a then b, explicit shuffled
+ * positions; tenant 9: fact c, start_position), checked in the engine's
+ * tensors; then both regions captured back in one kvi_encode call. */
+static void run(fixture *f, const cfg *g, const dcase *dc) {
+  char what[256];
+  snprintf(what, sizeof what, "%s, %s cache, scales %d, BS %d, NB %lld", preset_name((kvi_cache_preset)g->preset),
+           cache_dtype_name(dc->dt), (int)dc->sm, g->BS, (long long)g->NB);
+  ecache c;
+  ec_make(&c, (kvi_cache_preset)g->preset, dc->dt, L, H, D, g->BS, g->NB, dc->sm, &f->r);
+  kvi_injector *inj = NULL;
+  kvi_encoder *enc = NULL;
+  assert_ok(kvi_injector_create(&inj, f->s, &c.lay, NULL));
+  assert_ok(kvi_encoder_create(&enc, f->s, &c.lay, NULL));
+
+  /* shuffled block ids; request 0 takes the first, request 1 the next */
+  int32_t *perm = malloc((size_t)g->NB * sizeof *perm);
+  assert_non_null(perm);
+  rand_perm(&f->r, perm, (int32_t)g->NB);
+  const int32_t T0 = f->a.T + f->b.T, T1 = f->c.T;
+  const int32_t len0 = (int32_t)((g->fs0 + T0 - 1) / g->BS + 1) + g->extra;
+  const int32_t len1 = (int32_t)((g->fs1 + T1 - 1) / g->BS + 1) + g->extra;
+  assert_true(len0 + len1 <= g->NB);
+  const int32_t *table0 = perm, *table1 = perm + len0;
+  int32_t pos0[32];
+  rand_positions(&f->r, pos0, T0, 0, 6000, true);
+  const int32_t start1 = (int32_t)rng_range(&f->r, 0, 7000);
+
+  const uint64_t ids0[] = {f->a.id, f->b.id}, ids1[] = {f->c.id};
+  kvi_inject_request rq[2];
+  kvi_inject_request_init(&rq[0]);
+  kvi_inject_request_init(&rq[1]);
+  rq[0].tenant = 7, rq[0].fact_ids = ids0, rq[0].num_facts = 2, rq[0].block_table = table0;
+  rq[0].block_table_len = len0, rq[0].first_slot = g->fs0, rq[0].positions = pos0;
+  rq[1].tenant = 9, rq[1].fact_ids = ids1, rq[1].num_facts = 1, rq[1].block_table = table1;
+  rq[1].block_table_len = len1, rq[1].first_slot = g->fs1, rq[1].start_position = start1;
+  assert_ok(kvi_inject(inj, rq, 2, NULL, NULL));
+
+  ecmask mask;
+  ecmask_make(&mask, &c);
+  const rfact *facts0[] = {&f->a, &f->b}, *facts1[] = {&f->c};
+  ec_check_request(&c, f->rr, facts0, 2, table0, g->fs0, pos0, 0, 0, L, &mask, what);
+  ec_check_request(&c, f->rr, facts1, 1, table1, g->fs1, NULL, start1, 0, L, &mask, what);
+  ecmask_check_poison(&mask, &c, what);
+  ecmask_free(&mask);
+
+  /* capture both back: fact b's range of request 0 (from the middle of the
+   * sequence) and request 1's c */
+  kvi_capture cap[2];
+  kvi_capture_init(&cap[0]);
+  kvi_capture_init(&cap[1]);
+  cap[0].tenant = 7, cap[0].fact_id = 100, cap[0].block_table = table0, cap[0].block_table_len = len0;
+  cap[0].first_slot = g->fs0 + f->a.T, cap[0].num_tokens = f->b.T, cap[0].positions = pos0 + f->a.T;
+  cap[1].tenant = 9, cap[1].fact_id = 100, cap[1].block_table = table1, cap[1].block_table_len = len1;
+  cap[1].first_slot = g->fs1, cap[1].num_tokens = f->c.T, cap[1].start_position = start1;
+  const uint64_t hash = ec_hash(&c);
+  assert_ok(kvi_encode(enc, cap, 2, NULL));
+  assert_true(ec_hash(&c) == hash); /* capture only reads the cache */
+  rfact got;
+  rfact_read(f->s, 7, 100, L, H, D, &got);
+  assert_int_equal(got.T, f->b.T);
+  check_captured(&got, &f->b, 0, f->rr, &c, pos0 + f->a.T, 0, what);
+  rfact_free(&got);
+  rfact_read(f->s, 9, 100, L, H, D, &got);
+  assert_int_equal(got.T, f->c.T);
+  check_captured(&got, &f->c, 0, f->rr, &c, NULL, start1, what);
+  rfact_free(&got);
+  assert_ok(kvi_store_remove(f->s, 7, 100));
+  assert_ok(kvi_store_remove(f->s, 9, 100));
+
+  free(perm);
+  kvi_encoder_destroy(enc);
+  kvi_injector_destroy(inj);
+  ec_free(&c);
+}
+
+static void run_all_dtypes(fixture *f, const cfg *g) {
+  for (size_t i = 0; i < N_DCASES; i++) run(f, g, &dcases[i]);
+}
+
+static void test_vllm_flash_attn(void **state) {
+  const cfg g = {KVI_CACHE_VLLM_FLASH_ATTN, 4, 9, 2, 3, 1};
+  run_all_dtypes(*state, &g);
+}
+
+static void test_vllm_flash_attn_hnd(void **state) {
+  const cfg g = {KVI_CACHE_VLLM_FLASH_ATTN_HND, 4, 9, 3, 1, 1};
+  run_all_dtypes(*state, &g);
+}
+
+static void test_vllm_flashinfer(void **state) {
+  const cfg g = {KVI_CACHE_VLLM_FLASHINFER, 4, 10, 1, 2, 1};
+  run_all_dtypes(*state, &g);
+}
+
+static void test_vllm_flashinfer_hnd(void **state) {
+  const cfg g = {KVI_CACHE_VLLM_FLASHINFER_HND, 8, 8, 5, 6, 1};
+  run_all_dtypes(*state, &g);
+}
+
+static void test_vllm_packed(void **state) {
+  const cfg g = {KVI_CACHE_VLLM_PACKED, 4, 9, 2, 3, 1};
+  run_all_dtypes(*state, &g);
+}
+
+static void test_vllm_packed_hnd(void **state) {
+  const cfg g = {KVI_CACHE_VLLM_PACKED_HND, 4, 9, 3, 2, 1};
+  run_all_dtypes(*state, &g);
+}
+
+static void test_sglang_token_granular(void **state) {
+  const cfg g = {KVI_CACHE_SGLANG, 1, 26, 3, 2, 1};
+  run_all_dtypes(*state, &g);
+}
+
+static void test_sglang_paged(void **state) {
+  const cfg g = {KVI_CACHE_SGLANG, 4, 9, 2, 3, 1};
+  run_all_dtypes(*state, &g);
+}
+
+static void test_trtllm(void **state) {
+  const cfg g = {KVI_CACHE_TRTLLM, 4, 9, 1, 3, 1};
+  run_all_dtypes(*state, &g);
+}
+
+static void test_hf_contiguous(void **state) {
+  /* blocks are batch rows (NB = batch 3), BS = capacity 20; a table is {row} */
+  const cfg g = {KVI_CACHE_HF_CONTIGUOUS, 20, 3, 3, 11, 0};
+  run_all_dtypes(*state, &g);
+}
+
+static void test_generic_kv_bases(void **state) {
+  const cfg g = {EC_GENERIC_KV_BASES, 4, 9, 2, 1, 1};
+  run_all_dtypes(*state, &g);
+}
+
+static void test_generic_v_offset(void **state) {
+  const cfg g = {EC_GENERIC_V_OFFSET, 4, 9, 3, 2, 1};
+  run_all_dtypes(*state, &g);
+}
+
+static void test_generic_pool(void **state) {
+  const cfg g = {EC_GENERIC_POOL, 2, 16, 1, 1, 1};
+  run_all_dtypes(*state, &g);
+}
+
+static void test_generic_gaps(void **state) {
+  const cfg g = {EC_GENERIC_GAPS, 4, 9, 2, 3, 1};
+  run_all_dtypes(*state, &g);
+}
+
+/* The preset fills what it documents and asks for what it needs. */
+static void test_preset_arguments(void **state) {
+  (void)state;
+  char k0[64], k1[64], v0[64], v1[64];
+  void *kl[2] = {k0, k1}, *vl[2] = {v0, v1};
+  kvi_cache_layout lay;
+  for (int p = KVI_CACHE_VLLM_FLASH_ATTN; p <= KVI_CACHE_HF_CONTIGUOUS; p++) {
+    const bool pool = p == KVI_CACHE_TRTLLM, sep = p == KVI_CACHE_SGLANG || p == KVI_CACHE_HF_CONTIGUOUS;
+    memset(&lay, 0x33, sizeof lay);
+    assert_ok(kvi_cache_layout_preset(&lay, (kvi_cache_preset)p, KVI_DTYPE_BF16, 2, 2, 4, 4, 3, pool ? NULL : kl,
+                                      sep ? vl : NULL, pool ? k0 : NULL));
+    assert_int_equal(lay.struct_size, sizeof lay);
+    assert_int_equal(lay.dtype, KVI_DTYPE_BF16);
+    assert_int_equal(lay.num_layers, 2);
+    assert_int_equal(lay.num_heads, 2);
+    assert_int_equal(lay.head_size, 4);
+    assert_int_equal(lay.block_size, 4);
+    assert_int_equal(lay.num_blocks, 3);
+    assert_int_equal(lay.scale_mode, KVI_SCALE_NONE);
+    assert_null(lay.k_scales);
+    if (pool) assert_ptr_equal(lay.k_base, k0);
+    else assert_ptr_equal(lay.k_layers, kl);
+    if (sep) assert_ptr_equal(lay.v_layers, vl);
+    /* missing pointers */
+    const kvi_cache_layout keep = lay;
+    if (pool) {
+      assert_status(kvi_cache_layout_preset(&lay, (kvi_cache_preset)p, KVI_DTYPE_BF16, 2, 2, 4, 4, 3, kl, vl, NULL),
+                    KVI_ERR_INVALID_ARGUMENT);
+    } else {
+      assert_status(kvi_cache_layout_preset(&lay, (kvi_cache_preset)p, KVI_DTYPE_BF16, 2, 2, 4, 4, 3, NULL, vl, k0),
+                    KVI_ERR_INVALID_ARGUMENT);
+      if (sep)
+        assert_status(kvi_cache_layout_preset(&lay, (kvi_cache_preset)p, KVI_DTYPE_BF16, 2, 2, 4, 4, 3, kl, NULL, k0),
+                      KVI_ERR_INVALID_ARGUMENT);
+    }
+    /* sizes < 1 */
+    assert_status(kvi_cache_layout_preset(&lay, (kvi_cache_preset)p, KVI_DTYPE_BF16, 0, 2, 4, 4, 3, kl, vl, k0),
+                  KVI_ERR_INVALID_ARGUMENT);
+    assert_status(kvi_cache_layout_preset(&lay, (kvi_cache_preset)p, KVI_DTYPE_BF16, 2, 2, 4, 0, 3, kl, vl, k0),
+                  KVI_ERR_INVALID_ARGUMENT);
+    assert_status(kvi_cache_layout_preset(&lay, (kvi_cache_preset)p, KVI_DTYPE_BF16, 2, 2, 4, 4, 0, kl, vl, k0),
+                  KVI_ERR_INVALID_ARGUMENT);
+    assert_memory_equal(&lay, &keep, sizeof lay); /* unchanged on error */
+  }
+  assert_status(kvi_cache_layout_preset(&lay, (kvi_cache_preset)0, KVI_DTYPE_BF16, 2, 2, 4, 4, 3, kl, vl, k0),
+                KVI_ERR_INVALID_ARGUMENT);
+  assert_status(kvi_cache_layout_preset(&lay, (kvi_cache_preset)10, KVI_DTYPE_BF16, 2, 2, 4, 4, 3, kl, vl, k0),
+                KVI_ERR_INVALID_ARGUMENT);
+  assert_status(kvi_cache_layout_preset(NULL, KVI_CACHE_VLLM_FLASHINFER, KVI_DTYPE_BF16, 2, 2, 4, 4, 3, kl, vl, k0),
+                KVI_ERR_INVALID_ARGUMENT);
+}
+
+#define T(name) cmocka_unit_test_setup_teardown(name, setup, teardown)
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      T(test_vllm_flash_attn),    T(test_vllm_flash_attn_hnd),    T(test_vllm_flashinfer),
+      T(test_vllm_flashinfer_hnd), T(test_vllm_packed),           T(test_vllm_packed_hnd),
+      T(test_sglang_token_granular), T(test_sglang_paged),        T(test_trtllm),
+      T(test_hf_contiguous),      T(test_generic_kv_bases),       T(test_generic_v_offset),
+      T(test_generic_pool),       T(test_generic_gaps),           cmocka_unit_test(test_preset_arguments),
+  };
+  return cmocka_run_group_tests_name("unit-layouts", tests, NULL, NULL);
+}
