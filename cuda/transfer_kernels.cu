@@ -155,101 +155,154 @@ template <typename C, int E> __device__ inline void scale_from_cache(float *x, i
     for (int i = 0; i < n; i++) x[i] = __fmul_rn(x[i], scale);
 }
 
+/* Moves one vector of E elements between a page and the cache, with the
+ * fp8 scale, in the given direction. */
 template <typename G, typename C, int E, bool INJECT>
-__global__ void __launch_bounds__(128) xfer_kernel(const kvi__xfer_args a) {
+__device__ inline void move_vec(G *pg, C *cv, float scale) {
+  float x[E];
+  if (INJECT) {
+    load<G, E>(x, pg);
+    scale_for_cache<C, E>(x, E, scale);
+    store<C, E>(cv, x);
+  } else {
+    load<C, E>(x, cv);
+    scale_from_cache<C, E>(x, E, scale);
+    store<G, E>(pg, x);
+  }
+}
+
+constexpr int THREADS = 128;
+constexpr int BATCH = 4; /* independent vectors a thread keeps in flight */
+
+template <typename G, typename C, int E, bool INJECT>
+__global__ void __launch_bounds__(THREADS) xfer_kernel(const kvi__xfer_args a) {
+  /* per-token cache offsets (-1: skipped) and positions, computed once */
+  extern __shared__ int64_t s_coff[];
+  int32_t *s_pos = reinterpret_cast<int32_t *>(s_coff + a.P);
   const kvi__xseg sg = a.segs[blockIdx.x];
   const int l = a.layer_begin + (int)blockIdx.y;
   const kvi__xlayer ly = a.layers[l];
-  const kvi__xreq rq = a.reqs[sg.req];
-  const int H = a.H, D = a.D, P = a.P, ntok = sg.ntok;
-  G *page = static_cast<G *>(a.pool) + (int64_t)sg.page * a.page_elems;
-  const int rot = ly.style ? ly.rot : 0, half = rot >> 1;
-  const bool neox = ly.style == 1;
-  const int nrot = half / E, npass = (D - rot) / E, nunit = nrot + npass;
-  const float *ks = a.k_scale + l * H, *vs = a.v_scale + l * H;
-  const int64_t page_head = (int64_t)P * D; /* page elements between heads */
+  const unsigned H = (unsigned)a.H, D = (unsigned)a.D, P = (unsigned)a.P, ntok = sg.ntok;
+  if (threadIdx.x < ntok) {
+    const kvi__xreq rq = a.reqs[sg.req];
+    const int64_t c = slot_offset(a, rq, sg.seq0 + threadIdx.x);
+    s_coff[threadIdx.x] = c;
+    s_pos[threadIdx.x] = a.positions[sg.pos0 + threadIdx.x];
+    if (c < 0 && blockIdx.y == 0) atomicAdd(a.skipped, 1ull);
+  }
+  for (unsigned j = threadIdx.x + THREADS; j < ntok; j += THREADS) { /* pages longer than a block */
+    const kvi__xreq rq = a.reqs[sg.req];
+    const int64_t c = slot_offset(a, rq, sg.seq0 + j);
+    s_coff[j] = c;
+    s_pos[j] = a.positions[sg.pos0 + j];
+    if (c < 0 && blockIdx.y == 0) atomicAdd(a.skipped, 1ull);
+  }
+  __syncthreads();
 
-  /* K: a thread owns a (token, unit) and loops over heads */
-  for (int it = threadIdx.x; it < ntok * nunit; it += blockDim.x) {
-    const int j = it / nunit, u = it - j * nunit;
-    const int64_t coff = slot_offset(a, rq, sg.seq0 + j);
-    if (coff < 0) {
-      if (u == 0 && blockIdx.y == 0) atomicAdd(a.skipped, 1ull);
-      continue;
-    }
-    C *crow = reinterpret_cast<C *>(ly.k) + coff;
+  G *page = static_cast<G *>(a.pool) + (int64_t)sg.page * a.page_elems;
+  const unsigned rot = ly.style ? (unsigned)ly.rot : 0u, half = rot >> 1;
+  const bool neox = ly.style == 1;
+  const unsigned nrot = half / E, npass = (D - rot) / E, nunit = nrot + npass;
+  const float *ks = a.k_scale + l * (int)H, *vs = a.v_scale + l * (int)H;
+  const int64_t page_head = (int64_t)P * D; /* page elements between heads */
+  C *kbase = reinterpret_cast<C *>(ly.k), *vbase = reinterpret_cast<C *>(ly.v);
+
+  /* K: a thread owns a (token, unit), keeps its cos/sin in registers and
+   * walks the heads BATCH at a time, all loads before any store */
+  for (unsigned it = threadIdx.x; it < ntok * nunit; it += THREADS) {
+    const unsigned j = it / nunit, u = it - j * nunit;
+    const int64_t coff = s_coff[j];
+    if (coff < 0) continue;
+    C *crow = kbase + coff;
     G *prow = page + ((int64_t)(l * 2) * H * P + sg.tok0 + j) * D;
     if (u < nrot) {
-      const int i0 = u * E;
-      const int pos = a.positions[sg.pos0 + j];
+      const unsigned i0 = u * E;
       float c[E], s[E];
 #pragma unroll
-      for (int k = 0; k < E; k++) cos_sin(ly, pos, i0 + k, c[k], s[k]);
-      const int da = neox ? i0 : 2 * i0, db = neox ? i0 + half : 2 * i0 + E;
-      for (int h = 0; h < H; h++) {
-        G *pr = prow + h * page_head;
-        C *cr = crow + h * a.head_stride;
-        float x[2 * E];
-        if (INJECT) {
-          load<G, E>(x, pr + da);
-          load<G, E>(x + E, pr + db);
-          rotate<E>(x, c, s, neox, true);
-          scale_for_cache<C, E>(x, 2 * E, ks[h]);
-          store<C, E>(cr + da, x);
-          store<C, E>(cr + db, x + E);
-        } else {
-          load<C, E>(x, cr + da);
-          load<C, E>(x + E, cr + db);
-          scale_from_cache<C, E>(x, 2 * E, ks[h]);
-          rotate<E>(x, c, s, neox, false);
-          store<G, E>(pr + da, x);
-          store<G, E>(pr + db, x + E);
+      for (int k = 0; k < E; k++) cos_sin(ly, s_pos[j], (int)i0 + k, c[k], s[k]);
+      const unsigned da = neox ? i0 : 2 * i0, db = neox ? i0 + half : 2 * i0 + E;
+      for (unsigned h0 = 0; h0 < H; h0 += BATCH) {
+        float x[BATCH][2 * E];
+#pragma unroll
+        for (int b = 0; b < BATCH; b++) {
+          const unsigned h = h0 + b;
+          if (h >= H) break;
+          if (INJECT) {
+            load<G, E>(x[b], prow + h * page_head + da);
+            load<G, E>(x[b] + E, prow + h * page_head + db);
+          } else {
+            load<C, E>(x[b], crow + h * a.head_stride + da);
+            load<C, E>(x[b] + E, crow + h * a.head_stride + db);
+          }
+        }
+#pragma unroll
+        for (int b = 0; b < BATCH; b++) {
+          const unsigned h = h0 + b;
+          if (h >= H) break;
+          if (INJECT) {
+            rotate<E>(x[b], c, s, neox, true);
+            scale_for_cache<C, E>(x[b], 2 * E, ks[h]);
+            store<C, E>(crow + h * a.head_stride + da, x[b]);
+            store<C, E>(crow + h * a.head_stride + db, x[b] + E);
+          } else {
+            scale_from_cache<C, E>(x[b], 2 * E, ks[h]);
+            rotate<E>(x[b], c, s, neox, false);
+            store<G, E>(prow + h * page_head + da, x[b]);
+            store<G, E>(prow + h * page_head + db, x[b] + E);
+          }
         }
       }
     } else {
-      const int d = rot + (u - nrot) * E;
-      for (int h = 0; h < H; h++) {
-        float x[E];
-        if (INJECT) {
-          load<G, E>(x, prow + h * page_head + d);
-          scale_for_cache<C, E>(x, E, ks[h]);
-          store<C, E>(crow + h * a.head_stride + d, x);
-        } else {
-          load<C, E>(x, crow + h * a.head_stride + d);
-          scale_from_cache<C, E>(x, E, ks[h]);
-          store<G, E>(prow + h * page_head + d, x);
-        }
-      }
+      const unsigned d = rot + (u - nrot) * E;
+      for (unsigned h = 0; h < H; h++)
+        move_vec<G, C, E, INJECT>(prow + h * page_head + d, crow + h * a.head_stride + d, ks[h]);
     }
   }
 
-  /* V: a plain converting copy */
-  const int nv = D / E, per_tok = H * nv;
-  for (int it = threadIdx.x; it < ntok * per_tok; it += blockDim.x) {
-    const int j = it / per_tok, r = it - j * per_tok, h = r / nv, d = (r - h * nv) * E;
-    const int64_t coff = slot_offset(a, rq, sg.seq0 + j);
-    if (coff < 0) continue; /* counted once per token above */
-    G *pr = page + (((int64_t)(l * 2 + 1) * H + h) * P + sg.tok0 + j) * D + d;
-    C *cr = reinterpret_cast<C *>(ly.v) + coff + h * a.head_stride + d;
-    float x[E];
-    if (INJECT) {
-      load<G, E>(x, pr);
-      scale_for_cache<C, E>(x, E, vs[h]);
-      store<C, E>(cr, x);
-    } else {
-      load<C, E>(x, cr);
-      scale_from_cache<C, E>(x, E, vs[h]);
-      store<G, E>(pr, x);
+  /* V: a plain converting copy, BATCH vectors in flight per thread */
+  const unsigned nv = D / E, per_tok = H * nv, n = ntok * per_tok;
+  for (unsigned base = threadIdx.x; base < n; base += THREADS * BATCH) {
+    float x[BATCH][E];
+    G *pg[BATCH];
+    C *cv[BATCH];
+    float sc[BATCH];
+#pragma unroll
+    for (int b = 0; b < BATCH; b++) {
+      const unsigned it = base + b * THREADS;
+      pg[b] = nullptr;
+      if (it >= n) continue;
+      const unsigned j = it / per_tok, r = it - j * per_tok, h = r / nv, d = (r - h * nv) * E;
+      const int64_t coff = s_coff[j];
+      if (coff < 0) continue;
+      pg[b] = page + (((int64_t)(l * 2 + 1) * H + h) * P + sg.tok0 + j) * D + d;
+      cv[b] = vbase + coff + h * a.head_stride + d;
+      sc[b] = vs[h];
+      if (INJECT)
+        load<G, E>(x[b], pg[b]);
+      else
+        load<C, E>(x[b], cv[b]);
+    }
+#pragma unroll
+    for (int b = 0; b < BATCH; b++) {
+      if (!pg[b]) continue;
+      if (INJECT) {
+        scale_for_cache<C, E>(x[b], E, sc[b]);
+        store<C, E>(cv[b], x[b]);
+      } else {
+        scale_from_cache<C, E>(x[b], E, sc[b]);
+        store<G, E>(pg[b], x[b]);
+      }
     }
   }
 }
 
 template <typename G, typename C, int E> int launch4(const kvi__xfer_args *a, cudaStream_t s) {
   const dim3 grid((unsigned)a->nsegs, (unsigned)(a->layer_end - a->layer_begin));
+  const size_t smem = (size_t)a->P * (sizeof(int64_t) + sizeof(int32_t));
   if (a->inject)
-    xfer_kernel<G, C, E, true><<<grid, 128, 0, s>>>(*a);
+    xfer_kernel<G, C, E, true><<<grid, THREADS, smem, s>>>(*a);
   else
-    xfer_kernel<G, C, E, false><<<grid, 128, 0, s>>>(*a);
+    xfer_kernel<G, C, E, false><<<grid, THREADS, smem, s>>>(*a);
   return (int)cudaGetLastError();
 }
 

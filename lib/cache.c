@@ -123,8 +123,10 @@ kvi_status kvi__cache_resolve(kvi__cache *c, const kvi_cache_layout *user, const
   for (int i = 0; i < 4; i++)
     if (__builtin_mul_overflow(ds[i][0] - 1, ds[i][1], &t) || __builtin_add_overflow(ext, t, &ext))
       return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout's extent overflows 64-bit offsets");
-  if (__builtin_add_overflow(ext, l.v_offset, &t) || __builtin_mul_overflow(ext + l.v_offset, (int64_t)l.num_layers, &t) ||
-      __builtin_mul_overflow(t, (int64_t)8, &t))
+  /* the farthest element of any layer, K or V, from a base, in bytes */
+  int64_t far;
+  if (__builtin_mul_overflow((int64_t)(l.num_layers - 1), l.layer_stride, &far) || __builtin_add_overflow(far, ext, &far) ||
+      __builtin_add_overflow(far, l.v_offset, &far) || __builtin_mul_overflow(far, (int64_t)8, &t))
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout's extent overflows 64-bit offsets");
   const size_t es = kvi_dtype_size(l.dtype);
   const bool fp8 = l.dtype == KVI_DTYPE_FP8_E4M3 || l.dtype == KVI_DTYPE_FP8_E5M2;

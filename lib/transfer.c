@@ -479,6 +479,9 @@ static kvi_status take_slot(xfer *x, slot **out, const char *fn) {
   return KVI_OK;
 }
 
+static kvi_status launch(xfer *x, plan *p, slot *sl, int32_t lb, int32_t le, bool inject, struct CUstream_st *stream,
+                         const char *fn);
+
 /* Runs a plan held in slot `sl` (CUDA) or in host memory (CPU). */
 static kvi_status execute(xfer *x, plan *p, slot *sl, int32_t lb, int32_t le, bool inject, struct CUstream_st *stream,
                           const char *fn) {
@@ -486,6 +489,16 @@ static kvi_status execute(xfer *x, plan *p, slot *sl, int32_t lb, int32_t le, bo
     cpu_transfer(x, p, lb, le, inject);
     return KVI_OK;
   }
+  kvi__devguard g;
+  kvi_status st = kvi__cuda_enter(x->store->device, &g, fn);
+  if (st) return st;
+  st = launch(x, p, sl, lb, le, inject, stream, fn);
+  kvi__cuda_leave(&g);
+  return st;
+}
+
+static kvi_status launch(xfer *x, plan *p, slot *sl, int32_t lb, int32_t le, bool inject, struct CUstream_st *stream,
+                         const char *fn) {
   const kvi_store *s = x->store;
   kvi_status st = kvi__cuda_h2d(sl->dev, sl->host, p->bytes, stream, fn);
   if (st) return st;

@@ -133,7 +133,7 @@ int main(void) {
   CK(kvi_encoder_create(&enc, store, &cl, NULL));
 
   /* copy baseline buffers: 2 GiB, well past the 60 MB L2 */
-  const size_t span = (size_t)2 << 30;
+  const size_t span = (size_t)64 * 50 * FACT_T * TOKEN_BYTES; /* the largest case, 9.4 GiB */
   char *csrc, *cdst;
   CU(cudaMalloc((void **)&csrc, span));
   CU(cudaMalloc((void **)&cdst, span));
