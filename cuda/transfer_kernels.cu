@@ -127,12 +127,24 @@ __device__ inline void cos_sin(const kvi__xlayer &ly, int pos, int i, float &c, 
   }
 }
 
+template <typename C, int E> __device__ inline void scale_for_cache(float *x, int n, float scale) {
+  if constexpr (is_fp8<C>::value)
+    for (int i = 0; i < n; i++) x[i] = __fdiv_rn(x[i], scale);
+}
+
+template <typename C, int E> __device__ inline void scale_from_cache(float *x, int n, float scale) {
+  if constexpr (is_fp8<C>::value)
+    for (int i = 0; i < n; i++) x[i] = __fmul_rn(x[i], scale);
+}
+
 /* Rotates the E pairs held in x[0..2E): NeoX pairs (x[k], x[E+k]), GPT-J
- * pairs (x[2k], x[2k+1]); forward or inverse, in the CPU reference's order. */
-template <int E> __device__ inline void rotate(float *x, const float *c, const float *s, bool neox, bool forward) {
+ * pairs (x[2k], x[2k+1]); forward or inverse, in the CPU reference's order.
+ * NEOX is a template parameter so every index is a compile-time constant
+ * and x stays in registers. */
+template <int E, bool NEOX> __device__ inline void rotate(float *x, const float *c, const float *s, bool forward) {
 #pragma unroll
   for (int k = 0; k < E; k++) {
-    const int ia = neox ? k : 2 * k, ib = neox ? E + k : 2 * k + 1;
+    const int ia = NEOX ? k : 2 * k, ib = NEOX ? E + k : 2 * k + 1;
     const float xa = x[ia], xb = x[ib];
     if (forward) {
       x[ia] = __fsub_rn(__fmul_rn(xa, c[k]), __fmul_rn(xb, s[k]));
@@ -145,14 +157,44 @@ template <int E> __device__ inline void rotate(float *x, const float *c, const f
   }
 }
 
-template <typename C, int E> __device__ inline void scale_for_cache(float *x, int n, float scale) {
-  if constexpr (is_fp8<C>::value)
-    for (int i = 0; i < n; i++) x[i] = __fdiv_rn(x[i], scale);
-}
-
-template <typename C, int E> __device__ inline void scale_from_cache(float *x, int n, float scale) {
-  if constexpr (is_fp8<C>::value)
-    for (int i = 0; i < n; i++) x[i] = __fmul_rn(x[i], scale);
+/* One rotated unit (E pairs at da/db) of one token for every head, BATCH
+ * heads at a time with all loads before any store. */
+template <typename G, typename C, int E, bool INJECT, bool NEOX, int BATCH>
+__device__ inline void rotated_unit(G *prow, C *crow, int64_t page_head, int64_t head_stride, unsigned H, unsigned da,
+                                    unsigned db, const float *c, const float *s, const float *ks) {
+  for (unsigned h0 = 0; h0 < H; h0 += BATCH) {
+    float x[BATCH][2 * E];
+#pragma unroll
+    for (int b = 0; b < BATCH; b++) {
+      const unsigned h = h0 + b;
+      if (h < H) {
+        if (INJECT) {
+          load<G, E>(x[b], prow + h * page_head + da);
+          load<G, E>(x[b] + E, prow + h * page_head + db);
+        } else {
+          load<C, E>(x[b], crow + h * head_stride + da);
+          load<C, E>(x[b] + E, crow + h * head_stride + db);
+        }
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < BATCH; b++) {
+      const unsigned h = h0 + b;
+      if (h < H) {
+        if (INJECT) {
+          rotate<E, NEOX>(x[b], c, s, true);
+          scale_for_cache<C, E>(x[b], 2 * E, ks[h]);
+          store<C, E>(crow + h * head_stride + da, x[b]);
+          store<C, E>(crow + h * head_stride + db, x[b] + E);
+        } else {
+          scale_from_cache<C, E>(x[b], 2 * E, ks[h]);
+          rotate<E, NEOX>(x[b], c, s, false);
+          store<G, E>(prow + h * page_head + da, x[b]);
+          store<G, E>(prow + h * page_head + db, x[b] + E);
+        }
+      }
+    }
+  }
 }
 
 /* Moves one vector of E elements between a page and the cache, with the
@@ -172,7 +214,8 @@ __device__ inline void move_vec(G *pg, C *cv, float scale) {
 }
 
 constexpr int THREADS = 128;
-constexpr int BATCH = 4; /* independent vectors a thread keeps in flight */
+constexpr int BATCH = 4;   /* independent V vectors a thread keeps in flight */
+constexpr int BATCH_K = 2; /* heads per K batch: 2 x 2 vectors, fewer registers */
 
 template <typename G, typename C, int E, bool INJECT>
 __global__ void __launch_bounds__(THREADS) xfer_kernel(const kvi__xfer_args a) {
@@ -221,37 +264,10 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const kvi__xfer_args a) {
 #pragma unroll
       for (int k = 0; k < E; k++) cos_sin(ly, s_pos[j], (int)i0 + k, c[k], s[k]);
       const unsigned da = neox ? i0 : 2 * i0, db = neox ? i0 + half : 2 * i0 + E;
-      for (unsigned h0 = 0; h0 < H; h0 += BATCH) {
-        float x[BATCH][2 * E];
-#pragma unroll
-        for (int b = 0; b < BATCH; b++) {
-          const unsigned h = h0 + b;
-          if (h >= H) break;
-          if (INJECT) {
-            load<G, E>(x[b], prow + h * page_head + da);
-            load<G, E>(x[b] + E, prow + h * page_head + db);
-          } else {
-            load<C, E>(x[b], crow + h * a.head_stride + da);
-            load<C, E>(x[b] + E, crow + h * a.head_stride + db);
-          }
-        }
-#pragma unroll
-        for (int b = 0; b < BATCH; b++) {
-          const unsigned h = h0 + b;
-          if (h >= H) break;
-          if (INJECT) {
-            rotate<E>(x[b], c, s, neox, true);
-            scale_for_cache<C, E>(x[b], 2 * E, ks[h]);
-            store<C, E>(crow + h * a.head_stride + da, x[b]);
-            store<C, E>(crow + h * a.head_stride + db, x[b] + E);
-          } else {
-            scale_from_cache<C, E>(x[b], 2 * E, ks[h]);
-            rotate<E>(x[b], c, s, neox, false);
-            store<G, E>(prow + h * page_head + da, x[b]);
-            store<G, E>(prow + h * page_head + db, x[b] + E);
-          }
-        }
-      }
+      if (neox)
+        rotated_unit<G, C, E, INJECT, true, BATCH_K>(prow, crow, page_head, a.head_stride, H, da, db, c, s, ks);
+      else
+        rotated_unit<G, C, E, INJECT, false, BATCH_K>(prow, crow, page_head, a.head_stride, H, da, db, c, s, ks);
     } else {
       const unsigned d = rot + (u - nrot) * E;
       for (unsigned h = 0; h < H; h++)
