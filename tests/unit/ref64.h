@@ -779,7 +779,8 @@ static inline void rfact_read(const kvi_store *s, uint64_t tenant, uint64_t id, 
  */
 static inline void ec_check_request(const ecache *c, const ref_rope *rr, const rfact *const *facts, int nfacts,
                                     const int32_t *table, int64_t first_slot, const int32_t *positions,
-                                    int32_t start_position, int lb, int le, ecmask *mask, const char *what) {
+                                    int32_t start_position, int lb, int le, double extra_rel, ecmask *mask,
+                                    const char *what) {
   const int32_t D = c->D;
   const size_t es = kvi_dtype_size(c->dt);
   double *y = malloc((size_t)D * sizeof *y), *tol = malloc((size_t)D * sizeof *tol);
@@ -802,6 +803,15 @@ static inline void ec_check_request(const ecache *c, const ref_rope *rr, const r
             if (rotated) {
               ref_rotate(&rr[l], x, D, pos, y);
               ref_rot_tols(&rr[l], x, D, pos, false, tol);
+              /* extra_rel: a relative error of the fact's K itself (e.g. a capture into a bf16 store) */
+              for (int32_t i = 0; i < rr[l].rot / 2 && extra_rel > 0; i++) {
+                int32_t ea, eb;
+                ref_pair(&rr[l], i, &ea, &eb);
+                double cs, sn;
+                ref_cs(&rr[l], pos, i, &cs, &sn);
+                const double add = extra_rel * hypot(cs, sn) * hypot((double)x[ea], (double)x[eb]);
+                tol[ea] += add, tol[eb] += add;
+              }
             }
             for (int d = 0; d < D; d++) {
               int w;
@@ -837,13 +847,15 @@ static inline void ec_check_request(const ecache *c, const ref_rope *rr, const r
 /*
  * Checks a captured fact `got` against tokens [t0, t0 + got->T) of `orig`,
  * which the cache held rotated at `positions` (or start_position + i) and
- * encoded in the cache's dtype with its scales. V and unrotated K: exactly
- * the decoded encoding. Rotated K: the pair's encoding error (one step of the
- * dtype each) divided by the attention factor, plus the rotation bounds.
+ * encoded in the cache's dtype with its scales; the store keeps store_dt.
+ * V and unrotated K: exactly the decoded encoding rounded to store_dt.
+ * Rotated K: the pair's encoding error (one step of the dtype each) divided
+ * by the attention factor, plus the rotation bounds, plus one step of
+ * store_dt.
  */
 static inline void check_captured(const rfact *got, const rfact *orig, int32_t t0, const ref_rope *rr,
                                   const ecache *c, const int32_t *positions, int32_t start_position,
-                                  const char *what) {
+                                  kvi_dtype store_dt, const char *what) {
   const int32_t D = got->D;
   double *y = malloc((size_t)D * sizeof *y);
   assert_non_null(y);
@@ -861,7 +873,7 @@ static inline void check_captured(const rfact *got, const rfact *orig, int32_t t
             if (!rotated || d >= rr[l].rot) {
               unsigned char enc[4];
               ref_encode(enc, c->dt, x[d], sc);
-              const float want = ref_decode(enc, c->dt, sc);
+              const float want = ref_round(ref_decode(enc, c->dt, sc), store_dt);
               if (f2u(want) != f2u(g[d]))
                 fail_msg("%s: captured fact %llu token %d layer %d head %d %s[%d] is %a, expected %a (%a through the %s "
                          "cache, scale %g)",
@@ -881,7 +893,7 @@ static inline void check_captured(const rfact *got, const rfact *orig, int32_t t
                                ref_rot_tol(&rr[l], pos, i, rin, true);
             const int32_t e[2] = {a, b};
             for (int k = 0; k < 2; k++)
-              if (!(fabs((double)g[e[k]] - (double)x[e[k]]) <= lim))
+              if (!(fabs((double)g[e[k]] - (double)x[e[k]]) <= lim + ref_quant_tol(store_dt, x[e[k]], 1.0f)))
                 fail_msg("%s: captured fact %llu token %d (position %d) layer %d head %d K[%d] is %.9g, expected "
                          "%.9g, |diff| %.3g > %.3g (%s cache)",
                          what, (unsigned long long)got->id, t, pos, l, h, e[k], (double)g[e[k]], (double)x[e[k]],

@@ -1,2 +1,1353 @@
+/*
+ * unit-inject: the Chunked-RoPE encoder and the block-table injector on the
+ * CPU backend, against the float64 reference of ref64.h:
+ *   - capture at positions P, inject at Q == direct rotation at Q (every
+ *     scaling, NeoX/GPT-J, partial rotary, NoPE, cos/sin tables; fp32 and
+ *     bf16 stores);
+ *   - Context-Window Encoding: sub-ranges of longer sequences, many captures
+ *     in one call;
+ *   - batched injection (tenants, fact lists, tables, first slots, positions),
+ *     kvi_inject_plan, layer ranges, fp8 round trips and saturation;
+ *   - every rejected call leaves cache and store as they were (FNV-1a of
+ *     every cache byte, the store's statistics, and every fact read back);
+ *   - creation errors, transfer limits, frees on the CPU backend.
+ * SPDX-License-Identifier: Apache-2.0
+ */
 #include "ref64.h"
-int main(void) { return 0; }
+
+/* ------------------------------------------------------------------------ */
+/* an environment: model, store, cache, injector, encoder                   */
+/* ------------------------------------------------------------------------ */
+
+typedef struct env {
+  int32_t L, H, D;
+  kvi_model *m;
+  kvi_store *s;
+  kvi_dtype store_dt;
+  ref_rope rr[EC_MAXL];
+  ecache c;
+  kvi_injector *inj;
+  kvi_encoder *enc;
+} env;
+
+typedef struct env_cfg {
+  int32_t L, HT, tp, rank, D;
+  const kvi_rope_spec *specs; /* L specs */
+  kvi_dtype store_dt;
+  int32_t P;
+  uint32_t pages;
+  kvi_cache_preset preset;
+  kvi_dtype cache_dt;
+  kvi_scale_mode sm;
+  int32_t BS;
+  int64_t NB;
+  const kvi_transfer_options *to;
+} env_cfg;
+
+static void env_open(env *e, const env_cfg *g, rng *r) {
+  memset(e, 0, sizeof *e);
+  e->L = g->L, e->D = g->D, e->H = g->HT / (g->tp > g->HT ? g->HT : g->tp);
+  if (g->tp > g->HT) e->H = 1;
+  e->store_dt = g->store_dt;
+  e->m = make_model(g->L, g->HT, g->D, g->rank, g->tp);
+  for (int l = 0; l < g->L; l++) {
+    assert_ok(kvi_model_set_rope(e->m, l, &g->specs[l]));
+    ref_rope_init(&e->rr[l], &g->specs[l], g->D);
+  }
+  const uint64_t page_bytes = (uint64_t)g->P * g->L * 2 * e->H * g->D * kvi_dtype_size(g->store_dt);
+  kvi_store_options o = cpu_store_options(g->store_dt, g->P, page_bytes * g->pages);
+  assert_ok(kvi_store_create(&e->s, e->m, &o));
+  ec_make(&e->c, g->preset, g->cache_dt, g->L, e->H, g->D, g->BS, g->NB, g->sm, r);
+  assert_ok(kvi_injector_create(&e->inj, e->s, &e->c.lay, g->to));
+  assert_ok(kvi_encoder_create(&e->enc, e->s, &e->c.lay, g->to));
+}
+
+static void env_close(env *e) {
+  kvi_encoder_destroy(e->enc);
+  kvi_injector_destroy(e->inj);
+  kvi_store_destroy(e->s);
+  kvi_model_destroy(e->m);
+  for (int l = 0; l < e->L; l++) ref_rope_free(&e->rr[l]);
+  ec_free(&e->c);
+}
+
+static kvi_rope_spec rope(kvi_rope_style style, int32_t rot, double theta) {
+  kvi_rope_spec s = KVI_ROPE_SPEC_INIT;
+  s.style = style;
+  s.rotary_dim = rot;
+  s.theta = theta;
+  return s;
+}
+
+static kvi_rope_spec nope(void) { return rope(KVI_ROPE_NONE, 0, 0.0); }
+
+/* A copy of f with values rounded to dt (what a dt store keeps). */
+static void rfact_rounded(const rfact *f, kvi_dtype dt, rfact *out) {
+  *out = *f;
+  const size_t n = (size_t)f->L * f->T * f->H * f->D;
+  out->k = malloc(n * sizeof(float));
+  out->v = malloc(n * sizeof(float));
+  assert_non_null(out->k);
+  assert_non_null(out->v);
+  for (size_t i = 0; i < n; i++) out->k[i] = ref_round(f->k[i], dt), out->v[i] = ref_round(f->v[i], dt);
+}
+
+static kvi_inject_request request(uint64_t tenant, const uint64_t *ids, int32_t n, const int32_t *table, int32_t len,
+                                  int64_t first_slot, const int32_t *positions, int32_t start_position) {
+  kvi_inject_request q;
+  kvi_inject_request_init(&q);
+  q.tenant = tenant, q.fact_ids = ids, q.num_facts = n, q.block_table = table, q.block_table_len = len;
+  q.first_slot = first_slot, q.positions = positions, q.start_position = start_position;
+  return q;
+}
+
+static kvi_capture capture(uint64_t tenant, uint64_t id, const int32_t *table, int32_t len, int64_t first_slot,
+                           int32_t n, const int32_t *positions, int32_t start_position) {
+  kvi_capture c;
+  kvi_capture_init(&c);
+  c.tenant = tenant, c.fact_id = id, c.block_table = table, c.block_table_len = len, c.first_slot = first_slot;
+  c.num_tokens = n, c.positions = positions, c.start_position = start_position;
+  return c;
+}
+
+
+/* A cos/sin table of `positions` rows for NeoX/GPT-J rot, from theta, times
+ * `m` (an attention factor the engine folded in), in dtype dt. */
+static void *make_table(kvi_dtype dt, int32_t positions, int32_t rot, double theta, double m) {
+  const size_t es = kvi_dtype_size(dt);
+  unsigned char *t = malloc((size_t)positions * (size_t)rot * es);
+  assert_non_null(t);
+  for (int32_t p = 0; p < positions; p++)
+    for (int32_t i = 0; i < rot / 2; i++) {
+      const double a = (double)p * pow(theta, -(2.0 * i) / rot);
+      ref_store_bits(t, dt, (int64_t)p * rot + i, ref_bits((float)(m * cos(a)), dt));
+      ref_store_bits(t, dt, (int64_t)p * rot + rot / 2 + i, ref_bits((float)(m * sin(a)), dt));
+    }
+  return t;
+}
+
+/* ------------------------------------------------------------------------ */
+/* "nothing changed": cache bytes, store statistics, every fact's bytes     */
+/* ------------------------------------------------------------------------ */
+
+static const uint64_t snap_tenants[] = {0, 1, 2, 3, 9, 77};
+
+static uint64_t snapshot(const env *e) {
+  uint64_t h = ec_hash(&e->c);
+  const kvi_store_stats st = store_stats(e->s);
+  const uint64_t f[] = {(uint64_t)st.backend, (uint64_t)st.device,       (uint64_t)st.dtype,  (uint64_t)st.page_tokens,
+                        (uint64_t)st.embedding_dim, st.page_bytes,        st.pages_total,      st.pages_used,
+                        st.bytes_reserved,          st.bytes_used,        st.bytes_payload,    st.facts,
+                        st.tenants};
+  for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) h = fnv_u64(h, f[i]);
+  for (size_t t = 0; t < sizeof snap_tenants / sizeof snap_tenants[0]; t++) {
+    size_t total = 0, count = 0;
+    assert_ok(kvi_store_list(e->s, snap_tenants[t], NULL, 0, &total));
+    assert_ok(kvi_store_count(e->s, snap_tenants[t], &count));
+    assert_int_equal(total, count);
+    h = fnv_u64(fnv_u64(h, snap_tenants[t]), total);
+    if (!total) continue;
+    uint64_t *ids = malloc(total * sizeof *ids);
+    assert_non_null(ids);
+    size_t again = 0;
+    assert_ok(kvi_store_list(e->s, snap_tenants[t], ids, total, &again));
+    assert_int_equal(again, total);
+    for (size_t i = 0; i < total; i++) {
+      rfact g;
+      rfact_read(e->s, snap_tenants[t], ids[i], e->L, e->H, e->D, &g);
+      const size_t n = (size_t)g.L * g.T * g.H * g.D * sizeof(float);
+      h = fnv_u64(fnv_u64(h, ids[i]), (uint64_t)g.T);
+      h = fnv1a(fnv1a(h, g.k, n), g.v, n);
+      rfact_free(&g);
+    }
+    free(ids);
+  }
+  return h;
+}
+
+#define EXPECT_UNCHANGED(e, call, want)                                                                          \
+  do {                                                                                                           \
+    const uint64_t before_ = snapshot(e);                                                                        \
+    assert_status((call), (want));                                                                               \
+    if (snapshot(e) != before_)                                                                                  \
+      fail_msg("%s:%d: %s was rejected but changed the cache or the store", __FILE__, __LINE__, #call);          \
+  } while (0)
+
+/* ------------------------------------------------------------------------ */
+/* capture at P, inject at Q                                                 */
+/* ------------------------------------------------------------------------ */
+
+typedef struct rcfg {
+  const char *name;
+  kvi_rope_spec s;
+  void *table; /* owned */
+} rcfg;
+
+static int rope_configs(rcfg *c, int32_t D) {
+  int n = 0;
+  memset(c, 0, 16 * sizeof *c);
+  c[n].name = "NeoX";
+  c[n++].s = rope(KVI_ROPE_NEOX, 0, 10000.0);
+  c[n].name = "GPT-J";
+  c[n++].s = rope(KVI_ROPE_GPTJ, 0, 10000.0);
+  c[n].name = "NeoX partial rotary 12";
+  c[n++].s = rope(KVI_ROPE_NEOX, 12, 1e5);
+  c[n].name = "GPT-J partial rotary 20";
+  c[n++].s = rope(KVI_ROPE_GPTJ, 20, 5e5);
+  c[n].name = "linear x4";
+  c[n].s = rope(KVI_ROPE_NEOX, 0, 1e6);
+  c[n].s.scaling = KVI_ROPE_SCALING_LINEAR;
+  c[n++].s.factor = 4.0;
+  c[n].name = "llama3";
+  c[n].s = rope(KVI_ROPE_NEOX, 0, 5e5);
+  c[n].s.scaling = KVI_ROPE_SCALING_LLAMA3;
+  c[n++].s.factor = 8.0;
+  c[n].name = "yarn x4, default attention factor";
+  c[n].s = rope(KVI_ROPE_NEOX, 0, 10000.0);
+  c[n].s.scaling = KVI_ROPE_SCALING_YARN;
+  c[n].s.factor = 4.0;
+  c[n++].s.original_max_position = 4096;
+  c[n].name = "yarn x16 GPT-J, no truncation, attention factor 1.25, beta 24/2";
+  c[n].s = rope(KVI_ROPE_GPTJ, 0, 10000.0);
+  c[n].s.scaling = KVI_ROPE_SCALING_YARN;
+  c[n].s.factor = 16.0;
+  c[n].s.original_max_position = 2048;
+  c[n].s.yarn_truncate = 0;
+  c[n].s.beta_fast = 24.0;
+  c[n].s.beta_slow = 2.0;
+  c[n++].s.attention_factor = 1.25;
+  c[n].name = "fixed NTK x3";
+  c[n].s = rope(KVI_ROPE_NEOX, 0, 10000.0);
+  c[n].s.scaling = KVI_ROPE_SCALING_NTK;
+  c[n++].s.factor = 3.0;
+  c[n].name = "fp32 cos/sin table (attention factor 1.1 folded in), NeoX rotary 16";
+  c[n].s = rope(KVI_ROPE_NEOX, 16, 10000.0);
+  c[n].table = make_table(KVI_DTYPE_FP32, 4096, 16, 10000.0, 1.1);
+  c[n].s.cos_sin_table = c[n].table;
+  c[n].s.attention_factor = 1.3; /* the table includes it already: never applied on top */
+  c[n++].s.table_positions = 4096;
+  c[n].name = "bf16 cos/sin table, GPT-J";
+  c[n].s = rope(KVI_ROPE_GPTJ, 0, 10000.0);
+  c[n].table = make_table(KVI_DTYPE_BF16, 4096, D, 5e5, 1.0);
+  c[n].s.cos_sin_table = c[n].table;
+  c[n].s.table_dtype = KVI_DTYPE_BF16;
+  c[n++].s.table_positions = 4096;
+  c[n].name = "fp16 cos/sin table, NeoX";
+  c[n].s = rope(KVI_ROPE_NEOX, 0, 10000.0);
+  c[n].table = make_table(KVI_DTYPE_FP16, 4096, D, 10000.0, 1.0);
+  c[n].s.cos_sin_table = c[n].table;
+  c[n].s.table_dtype = KVI_DTYPE_FP16;
+  c[n++].s.table_positions = 4096;
+  return n;
+}
+
+static void free_rope_configs(rcfg *c, int n) {
+  for (int i = 0; i < n; i++) free(c[i].table);
+}
+
+/* Layers: config a, NoPE, config b. Put F, inject at P, capture at P into G,
+ * inject G at Q; K at Q must be F's K rotated at Q, V bit-exact. */
+static void invariant_case(rng *r, const rcfg *a, const rcfg *b, kvi_dtype store_dt) {
+  enum { L = 3, D = 32, T = 11, BS = 8 };
+  const kvi_rope_spec specs[L] = {a->s, nope(), b->s};
+  const env_cfg g = {L, 2, 1, 0, D, specs, store_dt, 4, 16, KVI_CACHE_VLLM_FLASH_ATTN_HND, KVI_DTYPE_FP32,
+                     KVI_SCALE_NONE, BS, 12, NULL};
+  env e;
+  env_open(&e, &g, r);
+  char what[300];
+  snprintf(what, sizeof what, "layer 0 %s, layer 2 %s, %s store", a->name, b->name, dtype_name(store_dt));
+  rfact f, fq;
+  rfact_make(&f, r, 3, 100, L, T, e.H, D, -3, 3);
+  rfact_put(e.s, &f, 0);
+  rfact_rounded(&f, store_dt, &fq); /* what the store keeps */
+  const int32_t maxpos = (a->table || b->table) ? 4096 : 8000;
+  int32_t perm[12], P[T], Q[T];
+  rand_perm(r, perm, 12);
+  const int32_t *t1 = perm, *t2 = perm + 3;
+  rand_positions(r, P, T, 0, maxpos, true);
+  rand_positions(r, Q, T, 0, maxpos, true);
+
+  const uint64_t id_f = 100, id_g = 200;
+  kvi_inject_request q = request(3, &id_f, 1, t1, 3, 5, P, 0);
+  assert_ok(kvi_inject(e.inj, &q, 1, NULL, NULL));
+  const rfact *ff[] = {&fq};
+  ec_check_request(&e.c, e.rr, ff, 1, t1, 5, P, 0, 0, L, 0.0, NULL, what);
+
+  kvi_capture cp = capture(3, id_g, t1, 3, 5, T, P, 0);
+  assert_ok(kvi_encode(e.enc, &cp, 1, NULL));
+  rfact gf;
+  rfact_read(e.s, 3, id_g, L, e.H, D, &gf);
+  assert_int_equal(gf.T, T);
+  check_captured(&gf, &fq, 0, e.rr, &e.c, P, 0, store_dt, what);
+  rfact_free(&gf);
+
+  q = request(3, &id_g, 1, t2, 3, 2, Q, 0);
+  assert_ok(kvi_inject(e.inj, &q, 1, NULL, NULL));
+  /* against the original (rounded to the store's dtype): the capture adds at
+   * most one step of the store dtype to each element of K */
+  ec_check_request(&e.c, e.rr, ff, 1, t2, 2, Q, 0, 0, L, store_dt == KVI_DTYPE_FP32 ? 0.0 : 0x1p-7, NULL, what);
+  rfact_free(&f);
+  rfact_free(&fq);
+  env_close(&e);
+}
+
+static void test_capture_inject_invariant(void **state) {
+  (void)state;
+  rng r;
+  rng_seed(&r, __func__);
+  rcfg c[16];
+  const int n = rope_configs(c, 32);
+  for (int i = 0; i < n; i++) invariant_case(&r, &c[i], &c[(i + 5) % n], KVI_DTYPE_FP32);
+  free_rope_configs(c, n);
+}
+
+static void test_capture_inject_invariant_bf16_store(void **state) {
+  (void)state;
+  rng r;
+  rng_seed(&r, __func__);
+  rcfg c[16];
+  const int n = rope_configs(c, 32);
+  for (int i = 0; i < n; i++) invariant_case(&r, &c[i], &c[(i + 3) % n], KVI_DTYPE_BF16);
+  free_rope_configs(c, n);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Context-Window Encoding                                                   */
+/* ------------------------------------------------------------------------ */
+
+/* Writes a sequence into the cache as an engine's prefill would (keys
+ * rotated by the reference), from first_slot through `table`. */
+static void engine_prefill(env *e, const rfact *s, const int32_t *table, int64_t first_slot, const int32_t *positions,
+                           int32_t start) {
+  double y[64];
+  for (int32_t t = 0; t < s->T; t++) {
+    const int64_t slot = first_slot + t;
+    const int32_t pos = positions ? positions[t] : start + t;
+    for (int l = 0; l < e->L; l++)
+      for (int h = 0; h < e->H; h++)
+        for (int kv = 0; kv < 2; kv++) {
+          const float *x = rfact_row(s, kv, l, t, h);
+          if (kv == 0) ref_rotate(&e->rr[l], x, e->D, pos, y);
+          else
+            for (int d = 0; d < e->D; d++) y[d] = x[d];
+          for (int d = 0; d < e->D; d++)
+            ref_encode(ec_elem(&e->c, kv, l, table[slot / e->c.BS], (int)(slot % e->c.BS), h, d, NULL), e->c.dt,
+                       (float)y[d], ec_scale(&e->c, kv, l, h));
+        }
+  }
+}
+
+static void test_context_window_encoding(void **state) {
+  (void)state;
+  rng r;
+  rng_seed(&r, __func__);
+  enum { L = 3, D = 32 };
+  kvi_rope_spec specs[L];
+  specs[0] = rope(KVI_ROPE_NEOX, 0, 5e5);
+  specs[0].scaling = KVI_ROPE_SCALING_LLAMA3;
+  specs[0].factor = 8.0;
+  specs[1] = rope(KVI_ROPE_GPTJ, 16, 10000.0);
+  specs[1].scaling = KVI_ROPE_SCALING_YARN;
+  specs[1].factor = 8.0;
+  specs[1].original_max_position = 2048;
+  specs[2] = nope();
+  const env_cfg g = {L, 4, 2, 1, D, specs, KVI_DTYPE_FP32, 4, 64, KVI_CACHE_VLLM_FLASHINFER_HND, KVI_DTYPE_FP32,
+                     KVI_SCALE_NONE, 4, 40, NULL};
+  env e;
+  env_open(&e, &g, &r);
+  /* three engine sequences: [context | fact | context | fact ...] */
+  rfact s1, s2, s3;
+  rfact_make(&s1, &r, 0, 0, L, 30, e.H, D, -3, 3);
+  rfact_make(&s2, &r, 0, 0, L, 25, e.H, D, -3, 3);
+  rfact_make(&s3, &r, 0, 0, L, 12, e.H, D, -3, 3);
+  int32_t perm[40], p1[30];
+  rand_perm(&r, perm, 40);
+  const int32_t *tb1 = perm, *tb2 = perm + 8, *tb3 = perm + 16;
+  rand_positions(&r, p1, 30, 0, 6000, false); /* positions jump (e.g. after an image) */
+  engine_prefill(&e, &s1, tb1, 0, p1, 0);
+  engine_prefill(&e, &s2, tb2, 3, NULL, 100);
+  engine_prefill(&e, &s3, tb3, 1, NULL, 7000);
+  const uint64_t cache_before = ec_hash(&e.c);
+
+  kvi_capture caps[5];
+  caps[0] = capture(1, 10, tb1, 8, 3, 7, p1 + 3, 0);    /* s1 [3, 10) */
+  caps[1] = capture(1, 11, tb1, 8, 12, 9, p1 + 12, 0);  /* s1 [12, 21) */
+  caps[2] = capture(1, 12, tb2, 7, 3, 5, NULL, 100);    /* s2 [0, 5) */
+  caps[3] = capture(1, 13, tb2, 7, 23, 5, NULL, 120);   /* s2 [20, 25) */
+  caps[4] = capture(2, 10, tb3, 4, 1, 12, NULL, 7000);  /* s3, another tenant, the same id */
+  assert_ok(kvi_encode(e.enc, caps, 5, NULL));
+  assert_true(ec_hash(&e.c) == cache_before);
+  const kvi_store_stats st = store_stats(e.s);
+  assert_int_equal(st.facts, 5);
+  assert_int_equal(st.tenants, 2);
+  assert_int_equal(st.pages_used, 2 + 3 + 2 + 2 + 3);
+  const struct {
+    const rfact *seq;
+    int32_t w;
+    const int32_t *pos;
+    int32_t start;
+  } want[5] = {{&s1, 3, p1 + 3, 0}, {&s1, 12, p1 + 12, 0}, {&s2, 0, NULL, 100}, {&s2, 20, NULL, 120},
+               {&s3, 0, NULL, 7000}};
+  for (int i = 0; i < 5; i++) {
+    rfact got;
+    rfact_read(e.s, caps[i].tenant, caps[i].fact_id, L, e.H, D, &got);
+    assert_int_equal(got.T, caps[i].num_tokens);
+    char what[100];
+    snprintf(what, sizeof what, "context-window capture %d", i);
+    check_captured(&got, want[i].seq, want[i].w, e.rr, &e.c, want[i].pos, want[i].start, KVI_DTYPE_FP32, what);
+    rfact_free(&got);
+  }
+  rfact_free(&s1);
+  rfact_free(&s2);
+  rfact_free(&s3);
+  env_close(&e);
+}
+
+/* ------------------------------------------------------------------------ */
+/* batched injection, plan                                                   */
+/* ------------------------------------------------------------------------ */
+
+static void test_batched_inject(void **state) {
+  (void)state;
+  rng r;
+  rng_seed(&r, __func__);
+  enum { L = 2, D = 16, NB = 24, BS = 4 };
+  const kvi_rope_spec specs[L] = {rope(KVI_ROPE_NEOX, 0, 10000.0), rope(KVI_ROPE_GPTJ, 8, 1e6)};
+  const env_cfg g = {L, 4, 2, 0, D, specs, KVI_DTYPE_FP32, 4, 32, KVI_CACHE_VLLM_FLASHINFER, KVI_DTYPE_FP16,
+                     KVI_SCALE_NONE, BS, NB, NULL};
+  env e;
+  env_open(&e, &g, &r);
+  rfact a1, b1, c1, a2, d2;
+  rfact_make(&a1, &r, 1, 1, L, 3, e.H, D, -3, 3);
+  rfact_make(&b1, &r, 1, 2, L, 6, e.H, D, -3, 3);
+  rfact_make(&c1, &r, 1, 3, L, 9, e.H, D, -3, 3);
+  rfact_make(&a2, &r, 2, 1, L, 4, e.H, D, -3, 3); /* tenant 2's fact 1: other data */
+  rfact_make(&d2, &r, 2, 4, L, 2, e.H, D, -3, 3);
+  const rfact *all[] = {&a1, &b1, &c1, &a2, &d2};
+  for (int i = 0; i < 5; i++) rfact_put(e.s, all[i], 0);
+
+  int32_t perm[NB];
+  rand_perm(&r, perm, NB);
+  int32_t pos0[12], pos4[6];
+  rand_positions(&r, pos0, 12, 0, 5000, true);
+  rand_positions(&r, pos4, 6, 100, 300, false);
+  const uint64_t ids0[] = {3, 1}, ids1[] = {1, 4}, ids3[] = {4, 1, 4}, ids4[] = {2};
+  const int32_t *tb0 = perm, *tb1 = perm + 5, *tb2 = perm + 7, *tb3 = perm + 9, *tb4 = perm + 15;
+  kvi_inject_request rq[5];
+  rq[0] = request(1, ids0, 2, tb0, 5, 6, pos0, 0);    /* slots 6..17: 5 blocks */
+  rq[1] = request(2, ids1, 2, tb1, 2, 0, NULL, 50);   /* slots 0..5 */
+  rq[2] = request(1, NULL, 0, tb2, 2, 3, NULL, 0);    /* nothing */
+  rq[3] = request(2, ids3, 3, tb3, 6, 13, NULL, 0);   /* slots 13..20, default start 0 */
+  rq[4] = request(1, ids4, 1, tb4, 3, 1, pos4, 0);    /* slots 1..6 */
+  int64_t planned = -1;
+  assert_ok(kvi_inject_plan(e.inj, 1, ids0, 2, &planned));
+  assert_int_equal(planned, 12);
+  assert_ok(kvi_inject(e.inj, rq, 5, NULL, NULL));
+
+  ecmask mask;
+  ecmask_make(&mask, &e.c);
+  const rfact *f0[] = {&c1, &a1}, *f1[] = {&a2, &d2}, *f3[] = {&d2, &a2, &d2}, *f4[] = {&b1};
+  ec_check_request(&e.c, e.rr, f0, 2, tb0, 6, pos0, 0, 0, L, 0.0, &mask, "request 0");
+  ec_check_request(&e.c, e.rr, f1, 2, tb1, 0, NULL, 50, 0, L, 0.0, &mask, "request 1");
+  ec_check_request(&e.c, e.rr, f3, 3, tb3, 13, NULL, 0, 0, L, 0.0, &mask, "request 3");
+  ec_check_request(&e.c, e.rr, f4, 1, tb4, 1, pos4, 0, 0, L, 0.0, &mask, "request 4");
+  ecmask_check_poison(&mask, &e.c, "batched injection (request 2 has no facts)");
+  ecmask_free(&mask);
+
+  /* empty calls write nothing */
+  const uint64_t h = ec_hash(&e.c);
+  assert_ok(kvi_inject(e.inj, rq, 0, NULL, NULL));
+  assert_ok(kvi_inject(e.inj, NULL, 0, NULL, NULL));
+  kvi_inject_request empty[2] = {request(1, NULL, 0, NULL, 0, 0, NULL, 0), request(2, ids1, 0, tb1, 2, 0, NULL, 0)};
+  assert_ok(kvi_inject(e.inj, empty, 2, NULL, NULL));
+  assert_true(ec_hash(&e.c) == h);
+  for (int i = 0; i < 5; i++) rfact_free((rfact *)all[i]);
+  env_close(&e);
+}
+
+static void test_inject_plan(void **state) {
+  (void)state;
+  rng r;
+  rng_seed(&r, __func__);
+  const kvi_rope_spec specs[2] = {rope(KVI_ROPE_NEOX, 0, 10000.0), nope()};
+  const env_cfg g = {2, 2, 1, 0, 8, specs, KVI_DTYPE_BF16, 4, 16, KVI_CACHE_VLLM_FLASHINFER, KVI_DTYPE_BF16,
+                     KVI_SCALE_NONE, 4, 4, NULL};
+  env e;
+  env_open(&e, &g, &r);
+  rfact f[4];
+  rfact_make(&f[0], &r, 1, 1, 2, 3, e.H, 8, -2, 2);
+  rfact_make(&f[1], &r, 1, 2, 2, 6, e.H, 8, -2, 2);
+  rfact_make(&f[2], &r, 1, 3, 2, 9, e.H, 8, -2, 2);
+  rfact_make(&f[3], &r, 2, 4, 2, 2, e.H, 8, -2, 2);
+  for (int i = 0; i < 4; i++) rfact_put(e.s, &f[i], 0);
+  int64_t n = -77;
+  const uint64_t all1[] = {3, 1, 2, 2}, one4[] = {4}, mixed[] = {1, 99}, cross[] = {1, 4};
+  assert_ok(kvi_inject_plan(e.inj, 1, all1, 4, &n));
+  assert_int_equal(n, 9 + 3 + 6 + 6);
+  assert_ok(kvi_inject_plan(e.inj, 2, one4, 1, &n));
+  assert_int_equal(n, 2);
+  assert_ok(kvi_inject_plan(e.inj, 1, NULL, 0, &n));
+  assert_int_equal(n, 0);
+  n = -77;
+  /* tenant 2's fact 4 is unknown to tenant 1, tenant 1's fact 1 to tenant 2 */
+  assert_status(kvi_inject_plan(e.inj, 1, one4, 1, &n), KVI_ERR_NOT_FOUND);
+  assert_status(kvi_inject_plan(e.inj, 2, all1, 1, &n), KVI_ERR_NOT_FOUND);
+  assert_status(kvi_inject_plan(e.inj, 1, mixed, 2, &n), KVI_ERR_NOT_FOUND);
+  assert_status(kvi_inject_plan(e.inj, 1, cross, 2, &n), KVI_ERR_NOT_FOUND);
+  assert_status(kvi_inject_plan(e.inj, 3, all1, 1, &n), KVI_ERR_NOT_FOUND);
+  assert_status(kvi_inject_plan(e.inj, 1, all1, -1, &n), KVI_ERR_INVALID_ARGUMENT);
+  assert_status(kvi_inject_plan(e.inj, 1, NULL, 1, &n), KVI_ERR_INVALID_ARGUMENT);
+  assert_status(kvi_inject_plan(NULL, 1, all1, 1, &n), KVI_ERR_INVALID_ARGUMENT);
+  assert_int_equal(n, -77);
+  assert_status(kvi_inject_plan(e.inj, 1, all1, 1, NULL), KVI_ERR_INVALID_ARGUMENT);
+  /* isolation in kvi_inject too */
+  const int32_t tb[] = {0, 1, 2, 3};
+  kvi_inject_request q = request(1, one4, 1, tb, 4, 0, NULL, 0);
+  EXPECT_UNCHANGED(&e, kvi_inject(e.inj, &q, 1, NULL, NULL), KVI_ERR_NOT_FOUND);
+  for (int i = 0; i < 4; i++) rfact_free(&f[i]);
+  env_close(&e);
+}
+
+/* ------------------------------------------------------------------------ */
+/* layer ranges                                                              */
+/* ------------------------------------------------------------------------ */
+
+static void test_layer_range(void **state) {
+  (void)state;
+  rng r;
+  rng_seed(&r, __func__);
+  enum { L = 4, D = 16 };
+  const kvi_rope_spec specs[L] = {rope(KVI_ROPE_NEOX, 0, 10000.0), nope(), rope(KVI_ROPE_GPTJ, 0, 5e5),
+                                  rope(KVI_ROPE_NEOX, 6, 1e4)};
+  const env_cfg g = {L, 2, 1, 0, D, specs, KVI_DTYPE_FP32, 4, 8, KVI_CACHE_VLLM_FLASH_ATTN, KVI_DTYPE_BF16,
+                     KVI_SCALE_NONE, 4, 6, NULL};
+  env e;
+  env_open(&e, &g, &r);
+  rfact f;
+  rfact_make(&f, &r, 5, 5, L, 6, e.H, D, -3, 3);
+  rfact_put(e.s, &f, 0);
+  const int32_t tb[] = {4, 1, 3};
+  int32_t pos[6];
+  rand_positions(&r, pos, 6, 0, 3000, true);
+  const uint64_t id = 5;
+  const kvi_inject_request q = request(5, &id, 1, tb, 3, 3, pos, 0);
+  const int32_t ranges[][2] = {{1, 2}, {0, 1}, {2, 0}, {0, 0}, {3, 4}, {1, 3}, {0, 4}};
+  for (size_t i = 0; i < sizeof ranges / sizeof ranges[0]; i++) {
+    ec_poison(&e.c);
+    kvi_inject_options o;
+    kvi_inject_options_init(&o);
+    o.layer_begin = ranges[i][0];
+    o.layer_end = ranges[i][1];
+    assert_ok(kvi_inject(e.inj, &q, 1, &o, NULL));
+    const int le = ranges[i][1] ? ranges[i][1] : L;
+    char what[80];
+    snprintf(what, sizeof what, "layers [%d, %d) (layer_end %d)", ranges[i][0], le, ranges[i][1]);
+    ecmask mask;
+    ecmask_make(&mask, &e.c);
+    const rfact *ff[] = {&f};
+    ec_check_request(&e.c, e.rr, ff, 1, tb, 3, pos, 0, ranges[i][0], le, 0.0, &mask, what);
+    ecmask_check_poison(&mask, &e.c, what);
+    ecmask_free(&mask);
+  }
+  /* NULL options: every layer */
+  ec_poison(&e.c);
+  assert_ok(kvi_inject(e.inj, &q, 1, NULL, NULL));
+  const rfact *ff[] = {&f};
+  ec_check_request(&e.c, e.rr, ff, 1, tb, 3, pos, 0, 0, L, 0.0, NULL, "NULL options");
+  /* bad ranges */
+  const int32_t bad[][2] = {{-1, 0}, {-1, 2}, {0, 5}, {2, 1}, {1, 1}, {4, 0}, {5, 0}, {0, -1}, {3, 3}};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    kvi_inject_options o = KVI_INJECT_OPTIONS_INIT;
+    o.layer_begin = bad[i][0];
+    o.layer_end = bad[i][1];
+    EXPECT_UNCHANGED(&e, kvi_inject(e.inj, &q, 1, &o, NULL), KVI_ERR_INVALID_ARGUMENT);
+  }
+  kvi_inject_options o = KVI_INJECT_OPTIONS_INIT;
+  o.struct_size = sizeof(size_t);
+  EXPECT_UNCHANGED(&e, kvi_inject(e.inj, &q, 1, &o, NULL), KVI_ERR_STRUCT_SIZE);
+  struct {
+    kvi_inject_options o;
+    int32_t later[4];
+  } big;
+  memset(&big, 0, sizeof big);
+  big.o.struct_size = sizeof big;
+  big.later[2] = 1;
+  EXPECT_UNCHANGED(&e, kvi_inject(e.inj, &q, 1, &big.o, NULL), KVI_ERR_STRUCT_SIZE);
+  rfact_free(&f);
+  env_close(&e);
+}
+
+/* ------------------------------------------------------------------------ */
+/* fp8                                                                       */
+/* ------------------------------------------------------------------------ */
+
+static void fp8_case(rng *r, kvi_dtype dt, kvi_scale_mode sm) {
+  enum { L = 3, D = 16 };
+  kvi_rope_spec specs[L] = {rope(KVI_ROPE_NEOX, 0, 10000.0), nope(), rope(KVI_ROPE_GPTJ, 0, 10000.0)};
+  specs[2].scaling = KVI_ROPE_SCALING_YARN;
+  specs[2].factor = 4.0;
+  specs[2].original_max_position = 1024;
+  const env_cfg g = {L, 4, 1, 0, D, specs, KVI_DTYPE_FP32, 4, 16, KVI_CACHE_VLLM_FLASH_ATTN, dt, sm, 4, 8, NULL};
+  env e;
+  env_open(&e, &g, r);
+  char what[120];
+  snprintf(what, sizeof what, "%s cache, scale mode %d", cache_dtype_name(dt), (int)sm);
+  /* round trip: magnitudes that fit (below 8, scales >= 0.05) */
+  rfact f;
+  rfact_make(&f, r, 1, 1, L, 7, e.H, D, -6, 2);
+  rfact_put(e.s, &f, 0);
+  const int32_t t1[] = {6, 2, 7};
+  int32_t P[7];
+  rand_positions(r, P, 7, 0, 4000, true);
+  const uint64_t id = 1;
+  kvi_inject_request q = request(1, &id, 1, t1, 3, 2, P, 0);
+  assert_ok(kvi_inject(e.inj, &q, 1, NULL, NULL));
+  const rfact *ff[] = {&f};
+  ec_check_request(&e.c, e.rr, ff, 1, t1, 2, P, 0, 0, L, 0.0, NULL, what);
+  kvi_capture cp = capture(1, 2, t1, 3, 2, 7, P, 0);
+  assert_ok(kvi_encode(e.enc, &cp, 1, NULL));
+  rfact got;
+  rfact_read(e.s, 1, 2, L, e.H, D, &got);
+  check_captured(&got, &f, 0, e.rr, &e.c, P, 0, KVI_DTYPE_FP32, what);
+  rfact_free(&got);
+
+  /* saturation: half of the values far beyond the fp8 range */
+  rfact s;
+  rfact_make(&s, r, 1, 3, L, 5, e.H, D, -6, 2);
+  const int hlo = dt == KVI_DTYPE_FP8_E4M3 ? 10 : 17, hhi = dt == KVI_DTYPE_FP8_E4M3 ? 20 : 24;
+  const size_t n = (size_t)L * 5 * e.H * D;
+  for (size_t i = 0; i < n; i++) {
+    if (rng_next(r) & 1) s.k[i] = rand_val(r, hlo, hhi);
+    if (rng_next(r) & 1) s.v[i] = rand_val(r, hlo, hhi);
+  }
+  rfact_put(e.s, &s, 0);
+  const int32_t t2[] = {0, 4, 5};
+  const uint64_t ids = 3;
+  q = request(1, &ids, 1, t2, 3, 3, NULL, 900);
+  assert_ok(kvi_inject(e.inj, &q, 1, NULL, NULL));
+  const uint8_t maxc = ref_fp8_max_code(dt);
+  const double fmax = ref_fp8_decode(maxc, dt);
+  double y[D];
+  int saturated = 0;
+  for (int t = 0; t < 5; t++) {
+    const int64_t slot = 3 + t;
+    for (int l = 0; l < L; l++)
+      for (int h = 0; h < e.H; h++)
+        for (int kv = 0; kv < 2; kv++) {
+          const float *x = rfact_row(&s, kv, l, t, h);
+          const float sc = ec_scale(&e.c, kv, l, h);
+          const bool rotated = kv == 0 && e.rr[l].style != KVI_ROPE_NONE;
+          if (rotated) ref_rotate(&e.rr[l], x, D, 900 + t, y);
+          for (int d = 0; d < D; d++) {
+            const uint8_t code = *ec_elem(&e.c, kv, l, t2[slot / 4], (int)(slot % 4), h, d, NULL);
+            if (ref_fp8_nonfinite(code, dt))
+              fail_msg("%s: saturation: token %d layer %d head %d %s[%d] holds a non-finite code 0x%02x", what, t, l,
+                       h, kv ? "V" : "K", d, code);
+            const double want = rotated ? y[d] : (double)x[d];
+            const double scaled = want / sc;
+            if (fabs(scaled) >= fmax * (1.0 + 1.0 / 64.0)) {
+              saturated++;
+              const uint8_t wc = (uint8_t)((scaled < 0 ? 0x80 : 0) | maxc);
+              if (code != wc)
+                fail_msg("%s: token %d layer %d head %d %s[%d] = %.6g (scale %g) holds 0x%02x, expected the saturated "
+                         "0x%02x",
+                         what, t, l, h, kv ? "V" : "K", d, want, (double)sc, code, wc);
+            } else if (!rotated) {
+              if (code != ref_fp8_encode(x[d] / sc, dt))
+                fail_msg("%s: token %d layer %d head %d %s[%d]: 0x%02x, expected 0x%02x", what, t, l, h,
+                         kv ? "V" : "K", d, code, ref_fp8_encode(x[d] / sc, dt));
+            }
+          }
+        }
+  }
+  assert_true(saturated > 100);
+  /* captured back: saturated values come back as +-max * scale, never inf */
+  cp = capture(1, 4, t2, 3, 3, 5, NULL, 900);
+  assert_ok(kvi_encode(e.enc, &cp, 1, NULL));
+  rfact_read(e.s, 1, 4, L, e.H, D, &got);
+  for (int t = 0; t < 5; t++)
+    for (int l = 0; l < L; l++)
+      for (int h = 0; h < e.H; h++) {
+        const float *gv = rfact_row(&got, 1, l, t, h), *gk = rfact_row(&got, 0, l, t, h);
+        const float *xv = rfact_row(&s, 1, l, t, h);
+        const float sc = ec_scale(&e.c, 1, l, h);
+        for (int d = 0; d < D; d++) {
+          if (!isfinite(gv[d]) || !isfinite(gk[d]))
+            fail_msg("%s: captured saturated fact: token %d layer %d head %d dim %d: K %g V %g", what, t, l, h, d,
+                     (double)gk[d], (double)gv[d]);
+          if (fabs(xv[d] / sc) >= fmax * (1.0 + 1.0 / 64.0) && gv[d] != copysignf((float)fmax * sc, xv[d]))
+            fail_msg("%s: captured V %a, expected %a", what, (double)gv[d], (double)copysignf((float)fmax * sc, xv[d]));
+        }
+      }
+  rfact_free(&got);
+  rfact_free(&s);
+  rfact_free(&f);
+  env_close(&e);
+}
+
+static void test_fp8_roundtrip_and_saturation(void **state) {
+  (void)state;
+  rng r;
+  rng_seed(&r, __func__);
+  fp8_case(&r, KVI_DTYPE_FP8_E4M3, KVI_SCALE_PER_HEAD);
+  fp8_case(&r, KVI_DTYPE_FP8_E4M3, KVI_SCALE_PER_TENSOR);
+  fp8_case(&r, KVI_DTYPE_FP8_E4M3, KVI_SCALE_NONE);
+  fp8_case(&r, KVI_DTYPE_FP8_E5M2, KVI_SCALE_PER_TENSOR);
+  fp8_case(&r, KVI_DTYPE_FP8_E5M2, KVI_SCALE_PER_HEAD);
+}
+
+/* ------------------------------------------------------------------------ */
+/* rejected calls change nothing                                             */
+/* ------------------------------------------------------------------------ */
+
+enum { EL = 3, ED = 16, EBS = 4, ENB = 12, ETAB = 512 };
+
+typedef struct errenv {
+  env e;
+  rfact f1, f2, f7; /* tenant 1: ids 1 (5 tokens), 2 (3); tenant 2: id 7 (4) */
+  int32_t ta[3], tb[3]; /* table A holds a pre-injected request; table B is poison */
+  int32_t posa[8], posb[8];
+} errenv;
+
+static void errenv_open(errenv *x, rng *r, uint32_t pages) {
+  kvi_rope_spec specs[EL] = {rope(KVI_ROPE_NEOX, 0, 10000.0), nope(), rope(KVI_ROPE_GPTJ, 0, 10000.0)};
+  void *tab = make_table(KVI_DTYPE_BF16, ETAB, ED, 10000.0, 1.0);
+  specs[2].cos_sin_table = tab;
+  specs[2].table_dtype = KVI_DTYPE_BF16;
+  specs[2].table_positions = ETAB;
+  const env_cfg g = {EL, 2, 1, 0, ED, specs, KVI_DTYPE_FP32, 4, pages, KVI_CACHE_VLLM_PACKED, KVI_DTYPE_FP16,
+                     KVI_SCALE_NONE, EBS, ENB, NULL};
+  env_open(&x->e, &g, r);
+  free(tab);
+  rfact_make(&x->f1, r, 1, 1, EL, 5, x->e.H, ED, -3, 3);
+  rfact_make(&x->f2, r, 1, 2, EL, 3, x->e.H, ED, -3, 3);
+  rfact_make(&x->f7, r, 2, 7, EL, 4, x->e.H, ED, -3, 3);
+  rfact_put(x->e.s, &x->f1, 0);
+  rfact_put(x->e.s, &x->f2, 0);
+  rfact_put(x->e.s, &x->f7, 0);
+  int32_t perm[ENB];
+  rand_perm(r, perm, ENB);
+  memcpy(x->ta, perm, sizeof x->ta);
+  memcpy(x->tb, perm + 3, sizeof x->tb);
+  rand_positions(r, x->posa, 8, 0, ETAB, true);
+  rand_positions(r, x->posb, 8, 0, ETAB, true);
+  const uint64_t ids[] = {1, 2};
+  kvi_inject_request q = request(1, ids, 2, x->ta, 3, 2, x->posa, 0); /* slots 2..9 */
+  assert_ok(kvi_inject(x->e.inj, &q, 1, NULL, NULL));
+}
+
+static void errenv_close(errenv *x) {
+  rfact_free(&x->f1);
+  rfact_free(&x->f2);
+  rfact_free(&x->f7);
+  env_close(&x->e);
+}
+
+static void test_rejected_inject_changes_nothing(void **state) {
+  (void)state;
+  rng r;
+  rng_seed(&r, __func__);
+  errenv x;
+  errenv_open(&x, &r, 40);
+  env *e = &x.e;
+  const uint64_t ids[] = {1, 2}, unknown[] = {1, 99}, other[] = {7}, again[] = {2, 1};
+  /* a valid request into table B (poison there), and the bad ones */
+  const kvi_inject_request ok = request(1, ids, 2, x.tb, 3, 1, x.posb, 0); /* slots 1..8 */
+  kvi_inject_request rq[2];
+#define BAD_PAIR(want, ...)                                                                                      \
+  do {                                                                                                           \
+    kvi_inject_request bad_ = ok;                                                                                \
+    __VA_ARGS__;                                                                                                 \
+    rq[0] = ok, rq[1] = bad_;                                                                                    \
+    EXPECT_UNCHANGED(e, kvi_inject(e->inj, rq, 2, NULL, NULL), want);                                            \
+    rq[0] = bad_, rq[1] = ok;                                                                                    \
+    EXPECT_UNCHANGED(e, kvi_inject(e->inj, rq, 2, NULL, NULL), want);                                            \
+    EXPECT_UNCHANGED(e, kvi_inject(e->inj, &bad_, 1, NULL, NULL), want);                                         \
+  } while (0)
+  int32_t tneg[3], tbig[3], pneg[8], pbig[8];
+  memcpy(tneg, x.tb, sizeof tneg);
+  tneg[1] = -1;
+  memcpy(tbig, x.tb, sizeof tbig);
+  tbig[2] = ENB;
+  memcpy(pneg, x.posb, sizeof pneg);
+  pneg[5] = -1;
+  memcpy(pbig, x.posb, sizeof pbig);
+  pbig[7] = ETAB;
+  BAD_PAIR(KVI_ERR_NOT_FOUND, bad_.fact_ids = unknown);
+  BAD_PAIR(KVI_ERR_NOT_FOUND, bad_.fact_ids = other, bad_.num_facts = 1);
+  BAD_PAIR(KVI_ERR_NOT_FOUND, bad_.tenant = 2);
+  BAD_PAIR(KVI_ERR_NOT_FOUND, bad_.tenant = 3, bad_.fact_ids = again);
+  BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.block_table = tneg);
+  BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.block_table = tbig);
+  BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.first_slot = 5); /* slots 5..12 need 4 blocks */
+  BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.block_table_len = 2);
+  BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.block_table_len = -1);
+  BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.first_slot = -1);
+  BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.positions = pneg);
+  BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.positions = NULL, bad_.start_position = -1);
+  BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.positions = pbig);                                      /* past the table */
+  BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.positions = NULL, bad_.start_position = ETAB - 7);     /* last = ETAB */
+  BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.positions = NULL, bad_.start_position = INT32_MAX - 3); /* overflows */
+  BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.num_facts = -1);
+  BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.fact_ids = NULL);
+  BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.block_table = NULL);
+  BAD_PAIR(KVI_ERR_MEMORY_KIND, bad_.block_table_memory = KVI_MEMORY_DEVICE);
+  BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.block_table_memory = (kvi_memory)0);
+  BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.block_table_memory = (kvi_memory)3);
+#undef BAD_PAIR
+  /* the last valid position is fine */
+  {
+    kvi_inject_request q = ok;
+    q.positions = NULL, q.start_position = ETAB - 8;
+    const uint64_t h = snapshot(e);
+    assert_ok(kvi_inject(e->inj, &q, 1, NULL, NULL));
+    assert_true(snapshot(e) != h);
+    ec_poison(&e->c); /* back to poison except table A: re-inject A */
+    const kvi_inject_request qa = request(1, ids, 2, x.ta, 3, 2, x.posa, 0);
+    assert_ok(kvi_inject(e->inj, &qa, 1, NULL, NULL));
+  }
+  /* struct sizes */
+  kvi_inject_request small = ok;
+  small.struct_size = offsetof(kvi_inject_request, positions);
+  EXPECT_UNCHANGED(e, kvi_inject(e->inj, &small, 1, NULL, NULL), KVI_ERR_STRUCT_SIZE);
+  small.struct_size = 0;
+  EXPECT_UNCHANGED(e, kvi_inject(e->inj, &small, 1, NULL, NULL), KVI_ERR_STRUCT_SIZE);
+  /* differing sizes in one array; the 8 bytes past rq3[1] (rq3[2]) are zero,
+   * so only the equal-sizes rule rejects it */
+  kvi_inject_request rq3[3];
+  memset(rq3, 0, sizeof rq3);
+  rq3[0] = ok, rq3[1] = ok;
+  rq3[1].struct_size = sizeof(kvi_inject_request) + 8;
+  EXPECT_UNCHANGED(e, kvi_inject(e->inj, rq3, 2, NULL, NULL), KVI_ERR_STRUCT_SIZE);
+  rq3[1].struct_size = sizeof(kvi_inject_request) - 8;
+  EXPECT_UNCHANGED(e, kvi_inject(e->inj, rq3, 2, NULL, NULL), KVI_ERR_STRUCT_SIZE);
+  struct bigreq {
+    kvi_inject_request q;
+    uint64_t later[2];
+  } big[2];
+  memset(big, 0, sizeof big);
+  big[0].q = ok, big[1].q = ok;
+  big[0].q.struct_size = big[1].q.struct_size = sizeof big[0];
+  big[1].later[1] = 5; /* a set byte past the known fields */
+  EXPECT_UNCHANGED(e, kvi_inject(e->inj, &big[0].q, 2, NULL, NULL), KVI_ERR_STRUCT_SIZE);
+  /* arguments */
+  EXPECT_UNCHANGED(e, kvi_inject(e->inj, &ok, -1, NULL, NULL), KVI_ERR_INVALID_ARGUMENT);
+  EXPECT_UNCHANGED(e, kvi_inject(e->inj, NULL, 1, NULL, NULL), KVI_ERR_INVALID_ARGUMENT);
+  EXPECT_UNCHANGED(e, kvi_inject(NULL, &ok, 1, NULL, NULL), KVI_ERR_INVALID_ARGUMENT);
+  /* finally the valid request does write (in an array stepped by a larger
+   * struct_size with zero tails, next to a request without facts) */
+  big[1].later[1] = 0;
+  big[1].q = request(2, NULL, 0, NULL, 0, 0, NULL, 0);
+  big[1].q.struct_size = sizeof big[0];
+  const uint64_t h = snapshot(e);
+  assert_ok(kvi_inject(e->inj, &big[0].q, 2, NULL, NULL));
+  assert_true(snapshot(e) != h);
+  const rfact *fb[] = {&x.f1, &x.f2};
+  ec_check_request(&e->c, e->rr, fb, 2, x.tb, 1, x.posb, 0, 0, EL, 0.0, NULL, "the valid request");
+  errenv_close(&x);
+}
+
+static void test_rejected_capture_changes_nothing(void **state) {
+  (void)state;
+  rng r;
+  rng_seed(&r, __func__);
+  errenv x;
+  errenv_open(&x, &r, 40);
+  env *e = &x.e;
+  /* table A holds facts 1 and 2 of tenant 1 at slots 2..9, positions posa */
+  const kvi_capture ok = capture(1, 50, x.ta, 3, 2, 8, x.posa, 0);
+  const kvi_capture ok2 = capture(1, 51, x.ta, 3, 4, 3, x.posa + 2, 0);
+  kvi_capture cs[3];
+  int32_t tneg[3], tbig[3], pneg[8], pbig[8];
+  memcpy(tneg, x.ta, sizeof tneg);
+  tneg[1] = -3; /* block 1 holds slots 4..7 */
+  memcpy(tbig, x.ta, sizeof tbig);
+  tbig[0] = ENB + 100;
+  memcpy(pneg, x.posa, sizeof pneg);
+  pneg[0] = -1;
+  memcpy(pbig, x.posa, sizeof pbig);
+  pbig[3] = ETAB + 1;
+  float emb[4] = {1, 2, 3, 4};
+#define BAD_LAST(want, ...)                                                                                      \
+  do {                                                                                                           \
+    kvi_capture bad_ = capture(1, 52, x.ta, 3, 3, 4, x.posa + 1, 0);                                             \
+    __VA_ARGS__;                                                                                                 \
+    cs[0] = ok, cs[1] = ok2, cs[2] = bad_;                                                                       \
+    EXPECT_UNCHANGED(e, kvi_encode(e->enc, cs, 3, NULL), want);                                                  \
+    EXPECT_UNCHANGED(e, kvi_encode(e->enc, &bad_, 1, NULL), want);                                               \
+  } while (0)
+  BAD_LAST(KVI_ERR_INVALID_ARGUMENT, bad_.flags = 0x2u);
+  BAD_LAST(KVI_ERR_INVALID_ARGUMENT, bad_.flags = KVI_PUT_REPLACE | 0x80000000u);
+  BAD_LAST(KVI_ERR_INVALID_ARGUMENT, bad_.block_table = tneg);
+  BAD_LAST(KVI_ERR_INVALID_ARGUMENT, bad_.block_table = tbig);
+  BAD_LAST(KVI_ERR_INVALID_ARGUMENT, bad_.first_slot = 10); /* slots 10..13: a 4th block */
+  BAD_LAST(KVI_ERR_INVALID_ARGUMENT, bad_.block_table_len = 1);
+  BAD_LAST(KVI_ERR_INVALID_ARGUMENT, bad_.first_slot = -2);
+  BAD_LAST(KVI_ERR_INVALID_ARGUMENT, bad_.positions = pneg);
+  BAD_LAST(KVI_ERR_INVALID_ARGUMENT, bad_.positions = pbig);
+  BAD_LAST(KVI_ERR_INVALID_ARGUMENT, bad_.positions = NULL, bad_.start_position = -5);
+  BAD_LAST(KVI_ERR_INVALID_ARGUMENT, bad_.positions = NULL, bad_.start_position = ETAB - 3);
+  BAD_LAST(KVI_ERR_INVALID_ARGUMENT, bad_.block_table = NULL);
+  BAD_LAST(KVI_ERR_INVALID_ARGUMENT, bad_.num_tokens = 0);
+  BAD_LAST(KVI_ERR_INVALID_ARGUMENT, bad_.num_tokens = -4);
+  BAD_LAST(KVI_ERR_INVALID_ARGUMENT, bad_.embedding = emb); /* the store keeps no embeddings */
+  BAD_LAST(KVI_ERR_EXISTS, bad_.fact_id = 1);               /* tenant 1's fact 1 exists */
+  BAD_LAST(KVI_ERR_EXISTS, bad_.tenant = 2, bad_.fact_id = 7);
+#undef BAD_LAST
+  /* duplicates in one call */
+  cs[0] = ok, cs[1] = ok2, cs[2] = ok;
+  cs[2].first_slot = 5, cs[2].num_tokens = 2;
+  EXPECT_UNCHANGED(e, kvi_encode(e->enc, cs, 3, NULL), KVI_ERR_INVALID_ARGUMENT);
+  cs[0] = ok, cs[1] = ok;
+  EXPECT_UNCHANGED(e, kvi_encode(e->enc, cs, 2, NULL), KVI_ERR_INVALID_ARGUMENT);
+  cs[1].flags = KVI_PUT_REPLACE; /* replace does not make a duplicate fine */
+  EXPECT_UNCHANGED(e, kvi_encode(e->enc, cs, 2, NULL), KVI_ERR_INVALID_ARGUMENT);
+  /* the same id for another tenant is not a duplicate (checked at the end) */
+  /* struct sizes */
+  memset(cs, 0, sizeof cs); /* the bytes past cs[1] are zero: only the equal-sizes rule rejects */
+  cs[0] = ok, cs[1] = ok2;
+  cs[1].struct_size = sizeof(kvi_capture) - 8;
+  EXPECT_UNCHANGED(e, kvi_encode(e->enc, cs, 2, NULL), KVI_ERR_STRUCT_SIZE);
+  cs[1].struct_size = sizeof(kvi_capture) + 8;
+  EXPECT_UNCHANGED(e, kvi_encode(e->enc, cs, 2, NULL), KVI_ERR_STRUCT_SIZE);
+  cs[0].struct_size = offsetof(kvi_capture, flags);
+  EXPECT_UNCHANGED(e, kvi_encode(e->enc, cs, 1, NULL), KVI_ERR_STRUCT_SIZE);
+  struct {
+    kvi_capture c;
+    uint32_t later[4];
+  } big;
+  memset(&big, 0, sizeof big);
+  big.c = ok;
+  big.c.struct_size = sizeof big;
+  big.later[3] = 9;
+  EXPECT_UNCHANGED(e, kvi_encode(e->enc, &big.c, 1, NULL), KVI_ERR_STRUCT_SIZE);
+  /* arguments */
+  EXPECT_UNCHANGED(e, kvi_encode(e->enc, &ok, -1, NULL), KVI_ERR_INVALID_ARGUMENT);
+  EXPECT_UNCHANGED(e, kvi_encode(e->enc, NULL, 1, NULL), KVI_ERR_INVALID_ARGUMENT);
+  EXPECT_UNCHANGED(e, kvi_encode(NULL, &ok, 1, NULL), KVI_ERR_INVALID_ARGUMENT);
+  EXPECT_UNCHANGED(e, kvi_encode(e->enc, NULL, 0, NULL), KVI_OK);
+
+  /* capacity: fill the store to one free page */
+  const kvi_store_stats st0 = store_stats(e->s);
+  const uint64_t free_pages = st0.pages_total - st0.pages_used;
+  rfact filler;
+  rfact_make(&filler, &r, 77, 1, EL, (int32_t)(free_pages - 1) * 4, e->H, ED, -2, 2);
+  rfact_put(e->s, &filler, 0);
+  assert_int_equal(store_stats(e->s).pages_total - store_stats(e->s).pages_used, 1);
+  cs[0] = ok; /* 8 tokens: 2 pages */
+  EXPECT_UNCHANGED(e, kvi_encode(e->enc, cs, 1, NULL), KVI_ERR_CAPACITY);
+  cs[0] = capture(1, 60, x.ta, 3, 2, 4, x.posa, 0); /* 1 page each: fits alone, not both */
+  cs[1] = capture(1, 61, x.ta, 3, 6, 4, x.posa + 4, 0);
+  EXPECT_UNCHANGED(e, kvi_encode(e->enc, cs, 2, NULL), KVI_ERR_CAPACITY);
+  cs[0] = capture(1, 1, x.ta, 3, 2, 5, x.posa, 0); /* a replacement needs room for both copies */
+  cs[0].flags = KVI_PUT_REPLACE;
+  EXPECT_UNCHANGED(e, kvi_encode(e->enc, cs, 1, NULL), KVI_ERR_CAPACITY);
+  cs[0] = capture(1, 60, x.ta, 3, 2, 4, x.posa, 0);
+  assert_ok(kvi_encode(e->enc, cs, 1, NULL)); /* one page: fits */
+  assert_ok(kvi_store_remove(e->s, 1, 60));
+  assert_ok(kvi_store_remove(e->s, 77, 1));
+  rfact_free(&filler);
+
+  /* every capture of a good call is stored: two tenants, the same id */
+  cs[0] = ok, cs[1] = ok2;
+  cs[2] = capture(2, 50, x.ta, 3, 2, 5, x.posa, 0); /* tenant 2 may capture tenant 1's cache slots too */
+  assert_ok(kvi_encode(e->enc, cs, 3, NULL));
+  rfact got;
+  rfact_read(e->s, 1, 50, EL, e->H, ED, &got);
+  rfact both;
+  {
+    /* facts 1 and 2 back to back, as they lie in the cache */
+    both = x.f1;
+    both.T = 8;
+    const size_t row = (size_t)e->H * ED;
+    both.k = malloc((size_t)EL * 8 * row * sizeof(float));
+    both.v = malloc((size_t)EL * 8 * row * sizeof(float));
+    assert_non_null(both.k);
+    assert_non_null(both.v);
+    for (int l = 0; l < EL; l++)
+      for (int t = 0; t < 8; t++)
+        for (int kv = 0; kv < 2; kv++) {
+          const rfact *src = t < 5 ? &x.f1 : &x.f2;
+          memcpy((kv ? both.v : both.k) + ((size_t)l * 8 + t) * row, rfact_row(src, kv, l, t < 5 ? t : t - 5, 0),
+                 row * sizeof(float));
+        }
+  }
+  check_captured(&got, &both, 0, e->rr, &e->c, x.posa, 0, KVI_DTYPE_FP32, "capture 50");
+  rfact_free(&got);
+  rfact_read(e->s, 1, 51, EL, e->H, ED, &got);
+  check_captured(&got, &both, 2, e->rr, &e->c, x.posa + 2, 0, KVI_DTYPE_FP32, "capture 51");
+  rfact_free(&got);
+  rfact_read(e->s, 2, 50, EL, e->H, ED, &got);
+  check_captured(&got, &both, 0, e->rr, &e->c, x.posa, 0, KVI_DTYPE_FP32, "tenant 2's capture 50");
+  rfact_free(&got);
+  /* replacing an existing fact with a capture */
+  cs[0] = capture(1, 2, x.ta, 3, 4, 2, x.posa + 2, 0);
+  cs[0].flags = KVI_PUT_REPLACE;
+  assert_ok(kvi_encode(e->enc, cs, 1, NULL));
+  rfact_read(e->s, 1, 2, EL, e->H, ED, &got);
+  assert_int_equal(got.T, 2);
+  check_captured(&got, &both, 2, e->rr, &e->c, x.posa + 2, 0, KVI_DTYPE_FP32, "replaced fact 2");
+  rfact_free(&got);
+  rfact_free(&both);
+  errenv_close(&x);
+}
+
+/* ------------------------------------------------------------------------ */
+/* transfer limits                                                           */
+/* ------------------------------------------------------------------------ */
+
+static void test_transfer_limits(void **state) {
+  (void)state;
+  rng r;
+  rng_seed(&r, __func__);
+  errenv x;
+  errenv_open(&x, &r, 40);
+  env *e = &x.e;
+  kvi_transfer_options to;
+  kvi_transfer_options_init(&to);
+  assert_int_equal(to.struct_size, sizeof to);
+  assert_int_equal(to.max_tokens_per_call, 1 << 20);
+  assert_int_equal(to.max_requests_per_call, 4096);
+  assert_int_equal(to.max_table_entries_per_call, 1 << 20);
+  to.max_tokens_per_call = 8;
+  to.max_requests_per_call = 2;
+  to.max_table_entries_per_call = 3;
+  kvi_injector *inj = NULL;
+  kvi_encoder *enc = NULL;
+  assert_ok(kvi_injector_create(&inj, e->s, &e->c.lay, &to));
+  assert_ok(kvi_encoder_create(&enc, e->s, &e->c.lay, &to));
+  int32_t tb5[5];
+  memcpy(tb5, x.tb, sizeof x.tb);
+  {
+    /* two more unused blocks for table B */
+    int n = 3;
+    for (int32_t b = 0; b < ENB && n < 5; b++) {
+      bool used = false;
+      for (int i = 0; i < 3; i++) used = used || x.ta[i] == b || x.tb[i] == b;
+      if (!used) tb5[n++] = b;
+    }
+  }
+  const uint64_t ids12[] = {1, 2}, ids122[] = {1, 2, 2}, id2[] = {2}, id1[] = {1};
+  /* limits exceeded: tokens, requests, table entries */
+  kvi_inject_request q = request(1, ids122, 3, tb5, 5, 0, NULL, 0); /* 11 tokens */
+  EXPECT_UNCHANGED(e, kvi_inject(inj, &q, 1, NULL, NULL), KVI_ERR_CAPACITY);
+  kvi_inject_request three[3] = {request(1, id2, 1, tb5, 5, 0, NULL, 0), request(1, NULL, 0, NULL, 0, 0, NULL, 0),
+                                 request(1, NULL, 0, NULL, 0, 0, NULL, 0)};
+  EXPECT_UNCHANGED(e, kvi_inject(inj, three, 3, NULL, NULL), KVI_ERR_CAPACITY);
+  kvi_inject_request two[2] = {request(1, id1, 1, tb5, 2, 3, NULL, 0),      /* slots 3..7: 2 entries */
+                               request(1, id2, 1, tb5 + 2, 3, 3, NULL, 0)}; /* slots 3..5: 2 entries */
+  EXPECT_UNCHANGED(e, kvi_inject(inj, two, 2, NULL, NULL), KVI_ERR_CAPACITY);
+  /* at the limits: fine */
+  q = request(1, ids12, 2, tb5, 3, 3, NULL, 0); /* 8 tokens, slots 3..10: 3 entries */
+  uint64_t h = snapshot(e);
+  assert_ok(kvi_inject(inj, &q, 1, NULL, NULL));
+  assert_true(snapshot(e) != h);
+  const rfact *f12[] = {&x.f1, &x.f2};
+  ec_check_request(&e->c, e->rr, f12, 2, tb5, 3, NULL, 0, 0, EL, 0.0, NULL, "at the transfer limits");
+  /* encoder */
+  kvi_capture c1[3] = {capture(1, 90, x.ta, 3, 1, 9, NULL, 0), capture(1, 91, x.ta, 3, 2, 1, NULL, 0),
+                       capture(1, 92, x.ta, 3, 3, 1, NULL, 0)};
+  EXPECT_UNCHANGED(e, kvi_encode(enc, c1, 1, NULL), KVI_ERR_CAPACITY);     /* 9 tokens */
+  assert_ok(kvi_encode(enc, c1 + 1, 2, NULL)); /* 2 captures, 2 tokens: fine */
+  assert_ok(kvi_store_remove(e->s, 1, 91));
+  assert_ok(kvi_store_remove(e->s, 1, 92));
+  c1[0] = capture(1, 90, x.ta, 3, 2, 1, NULL, 0);
+  EXPECT_UNCHANGED(e, kvi_encode(enc, c1, 3, NULL), KVI_ERR_CAPACITY);     /* 3 captures */
+  kvi_capture c2[2] = {capture(1, 93, x.ta, 3, 3, 2, NULL, 0), capture(1, 94, x.ta, 3, 7, 2, NULL, 0)};
+  EXPECT_UNCHANGED(e, kvi_encode(enc, c2, 2, NULL), KVI_ERR_CAPACITY);     /* 4 table entries */
+  kvi_encoder_destroy(enc);
+  kvi_injector_destroy(inj);
+
+  /* bad options at creation */
+  kvi_transfer_options bad = KVI_TRANSFER_OPTIONS_INIT;
+  inj = (kvi_injector *)&bad;
+  bad.max_tokens_per_call = 0;
+  assert_status(kvi_injector_create(&inj, e->s, &e->c.lay, &bad), KVI_ERR_INVALID_ARGUMENT);
+  bad = (kvi_transfer_options)KVI_TRANSFER_OPTIONS_INIT;
+  bad.max_requests_per_call = -1;
+  assert_status(kvi_encoder_create(&enc, e->s, &e->c.lay, &bad), KVI_ERR_INVALID_ARGUMENT);
+  bad = (kvi_transfer_options)KVI_TRANSFER_OPTIONS_INIT;
+  bad.max_table_entries_per_call = -1;
+  assert_status(kvi_injector_create(&inj, e->s, &e->c.lay, &bad), KVI_ERR_INVALID_ARGUMENT);
+  bad = (kvi_transfer_options)KVI_TRANSFER_OPTIONS_INIT;
+  bad.struct_size = sizeof(size_t);
+  assert_status(kvi_injector_create(&inj, e->s, &e->c.lay, &bad), KVI_ERR_STRUCT_SIZE);
+  assert_status(kvi_encoder_create(&enc, e->s, &e->c.lay, &bad), KVI_ERR_STRUCT_SIZE);
+  struct {
+    kvi_transfer_options o;
+    int32_t later[3];
+  } big;
+  memset(&big, 0, sizeof big);
+  big.o = (kvi_transfer_options)KVI_TRANSFER_OPTIONS_INIT;
+  big.o.struct_size = sizeof big;
+  big.later[0] = 1;
+  assert_status(kvi_injector_create(&inj, e->s, &e->c.lay, &big.o), KVI_ERR_STRUCT_SIZE);
+  assert_ptr_equal(inj, (kvi_injector *)&bad); /* unchanged on error */
+  big.later[0] = 0;
+  inj = NULL;
+  assert_ok(kvi_injector_create(&inj, e->s, &e->c.lay, &big.o));
+  kvi_injector_destroy(inj);
+  errenv_close(&x);
+}
+
+/* ------------------------------------------------------------------------ */
+/* creation errors                                                           */
+/* ------------------------------------------------------------------------ */
+
+static void expect_create(kvi_store *s, const kvi_cache_layout *lay, kvi_status want, const char *what) {
+  kvi_injector *inj = (kvi_injector *)(uintptr_t)0x1234;
+  kvi_encoder *enc = (kvi_encoder *)(uintptr_t)0x5678;
+  const kvi_status a = kvi_injector_create(&inj, s, lay, NULL);
+  const kvi_status b = kvi_encoder_create(&enc, s, lay, NULL);
+  if (a != want || b != want) {
+    if (a == KVI_OK) kvi_injector_destroy(inj);
+    if (b == KVI_OK) kvi_encoder_destroy(enc);
+    fail_msg("%s: kvi_injector_create gave %d, kvi_encoder_create %d, expected %d (%s)", what, (int)a, (int)b,
+             (int)want, kvi_last_error());
+  }
+  if (want == KVI_OK) {
+    kvi_injector_destroy(inj);
+    kvi_encoder_destroy(enc);
+    return;
+  }
+  if (inj != (kvi_injector *)(uintptr_t)0x1234 || enc != (kvi_encoder *)(uintptr_t)0x5678)
+    fail_msg("%s: the output handle was written on error", what);
+}
+
+static void test_create_errors(void **state) {
+  (void)state;
+  rng r;
+  rng_seed(&r, __func__);
+  kvi_model *m = make_model(2, 2, 8, 0, 1);
+  kvi_store *s = NULL;
+  kvi_store_options so = cpu_store_options(KVI_DTYPE_FP32, 4, 1u << 16);
+  assert_ok(kvi_store_create(&s, m, &so));
+  ecache c, c8;
+  ec_make(&c, KVI_CACHE_VLLM_FLASHINFER, KVI_DTYPE_FP16, 2, 2, 8, 4, 4, KVI_SCALE_NONE, &r);
+  ec_make(&c8, KVI_CACHE_VLLM_FLASH_ATTN, KVI_DTYPE_FP8_E4M3, 2, 2, 8, 4, 4, KVI_SCALE_PER_HEAD, &r);
+  ecache cg;
+  ec_make(&cg, (kvi_cache_preset)EC_GENERIC_KV_BASES, KVI_DTYPE_BF16, 2, 2, 8, 4, 4, KVI_SCALE_NONE, &r);
+  expect_create(s, &c.lay, KVI_OK, "the valid layout");
+  expect_create(s, &c8.lay, KVI_OK, "the valid fp8 layout");
+  expect_create(s, &cg.lay, KVI_OK, "the valid generic layout");
+  kvi_cache_layout l;
+#define BAD(want, base, ...)                                                                                     \
+  do {                                                                                                           \
+    l = (base);                                                                                                  \
+    __VA_ARGS__;                                                                                                 \
+    expect_create(s, &l, want, #__VA_ARGS__);                                                                    \
+  } while (0)
+  BAD(KVI_ERR_MEMORY_KIND, c.lay, l.memory = KVI_MEMORY_DEVICE);
+  BAD(KVI_ERR_INVALID_ARGUMENT, c.lay, l.memory = (kvi_memory)0);
+  BAD(KVI_ERR_INVALID_ARGUMENT, c.lay, l.memory = (kvi_memory)3);
+  BAD(KVI_ERR_MISMATCH, c.lay, l.num_layers = 3);
+  BAD(KVI_ERR_MISMATCH, c.lay, l.num_layers = 1);
+  BAD(KVI_ERR_MISMATCH, c.lay, l.num_heads = 1);
+  BAD(KVI_ERR_MISMATCH, c.lay, l.num_heads = 4);
+  BAD(KVI_ERR_MISMATCH, c.lay, l.head_size = 16);
+  BAD(KVI_ERR_INVALID_ARGUMENT, c.lay, l.dtype = (kvi_dtype)0);
+  BAD(KVI_ERR_INVALID_ARGUMENT, c.lay, l.dtype = (kvi_dtype)6);
+  BAD(KVI_ERR_INVALID_ARGUMENT, c.lay, l.block_size = 0);
+  BAD(KVI_ERR_INVALID_ARGUMENT, c.lay, l.num_blocks = 0);
+  BAD(KVI_ERR_INVALID_ARGUMENT, c.lay, l.num_blocks = -4);
+  BAD(KVI_ERR_INVALID_ARGUMENT, c.lay, l.block_stride = -1);
+  BAD(KVI_ERR_INVALID_ARGUMENT, c.lay, l.token_stride = -8);
+  BAD(KVI_ERR_INVALID_ARGUMENT, c.lay, l.head_stride = -8);
+  BAD(KVI_ERR_INVALID_ARGUMENT, c.lay, l.v_offset = -1);
+  BAD(KVI_ERR_INVALID_ARGUMENT, cg.lay, l.layer_stride = -1);
+  /* missing base pointers */
+  void *kl_hole[2] = {c.kl[0], NULL};
+  BAD(KVI_ERR_INVALID_ARGUMENT, c.lay, l.k_layers = NULL);
+  BAD(KVI_ERR_INVALID_ARGUMENT, c.lay, l.k_layers = kl_hole);
+  BAD(KVI_ERR_INVALID_ARGUMENT, cg.lay, l.k_base = NULL);
+  BAD(KVI_ERR_INVALID_ARGUMENT, cg.lay, l.v_layers = kl_hole);
+  /* scales */
+  const float ks[4] = {1, 1, 1, 1}, zero[4] = {1, 0, 1, 1}, neg[4] = {1, 1, -2, 1}, nan4[4] = {1, 1, 1, NAN},
+              inf4[4] = {INFINITY, 1, 1, 1};
+  BAD(KVI_ERR_INVALID_ARGUMENT, c.lay, l.scale_mode = KVI_SCALE_PER_TENSOR, l.k_scales = ks, l.v_scales = ks);
+  BAD(KVI_ERR_INVALID_ARGUMENT, cg.lay, l.scale_mode = KVI_SCALE_PER_HEAD, l.k_scales = ks, l.v_scales = ks);
+  BAD(KVI_ERR_INVALID_ARGUMENT, c8.lay, l.k_scales = NULL);
+  BAD(KVI_ERR_INVALID_ARGUMENT, c8.lay, l.v_scales = NULL);
+  BAD(KVI_ERR_INVALID_ARGUMENT, c8.lay, l.scale_mode = (kvi_scale_mode)3);
+  BAD(KVI_ERR_INVALID_ARGUMENT, c8.lay, l.k_scales = zero);
+  BAD(KVI_ERR_INVALID_ARGUMENT, c8.lay, l.v_scales = neg);
+  BAD(KVI_ERR_INVALID_ARGUMENT, c8.lay, l.k_scales = nan4);
+  BAD(KVI_ERR_INVALID_ARGUMENT, c8.lay, l.v_scales = inf4);
+  BAD(KVI_ERR_INVALID_ARGUMENT, c8.lay, l.scale_mode = KVI_SCALE_PER_TENSOR, l.k_scales = zero + 1); /* layer 0: 0 */
+  BAD(KVI_ERR_INVALID_ARGUMENT, c8.lay, l.scale_mode = KVI_SCALE_PER_TENSOR, l.v_scales = neg + 1);  /* layer 1: -2 */
+  /* extents that overflow 64-bit offsets */
+  BAD(KVI_ERR_INVALID_ARGUMENT, c.lay, l.block_stride = INT64_MAX / 2);
+  BAD(KVI_ERR_INVALID_ARGUMENT, c.lay, l.num_blocks = INT64_MAX / 4);
+  BAD(KVI_ERR_INVALID_ARGUMENT, c.lay, l.v_offset = INT64_MAX - 8);
+  BAD(KVI_ERR_INVALID_ARGUMENT, c.lay, l.token_stride = INT64_MAX / 3, l.head_stride = INT64_MAX / 3);
+  BAD(KVI_ERR_INVALID_ARGUMENT, cg.lay, l.layer_stride = INT64_MAX / 2 + 1);
+  /* struct sizes */
+  BAD(KVI_ERR_STRUCT_SIZE, c.lay, l.struct_size = offsetof(kvi_cache_layout, k_layers));
+  BAD(KVI_ERR_STRUCT_SIZE, c.lay, l.struct_size = 0);
+#undef BAD
+  struct {
+    kvi_cache_layout l;
+    uint64_t later[2];
+  } big;
+  memset(&big, 0, sizeof big);
+  big.l = c.lay;
+  big.l.struct_size = sizeof big;
+  big.later[1] = 1;
+  expect_create(s, &big.l, KVI_ERR_STRUCT_SIZE, "a larger layout with a set byte past the known fields");
+  big.later[1] = 0;
+  expect_create(s, &big.l, KVI_OK, "a larger layout with zeros past the known fields");
+  /* NULLs */
+  kvi_injector *inj = NULL;
+  kvi_encoder *enc = NULL;
+  assert_status(kvi_injector_create(NULL, s, &c.lay, NULL), KVI_ERR_INVALID_ARGUMENT);
+  assert_status(kvi_encoder_create(NULL, s, &c.lay, NULL), KVI_ERR_INVALID_ARGUMENT);
+  expect_create(NULL, &c.lay, KVI_ERR_INVALID_ARGUMENT, "NULL store");
+  expect_create(s, NULL, KVI_ERR_INVALID_ARGUMENT, "NULL layout");
+  assert_null(inj);
+  assert_null(enc);
+  kvi_injector_destroy(NULL);
+  kvi_encoder_destroy(NULL);
+  /* the layout is copied: changing it after creation changes nothing */
+  assert_ok(kvi_injector_create(&inj, s, &c.lay, NULL));
+  kvi_cache_layout copy = c.lay;
+  void *kl_saved[2] = {c.kl[0], c.kl[1]};
+  c.lay.block_stride = 1;
+  c.kl[0] = NULL; /* the preset's pointer array is copied too */
+  rfact f;
+  rfact_make(&f, &r, 1, 1, 2, 3, 2, 8, -2, 2);
+  rfact_put(s, &f, 0);
+  const int32_t tb[] = {3};
+  const uint64_t id = 1;
+  kvi_inject_request q = request(1, &id, 1, tb, 1, 1, NULL, 7);
+  assert_ok(kvi_inject(inj, &q, 1, NULL, NULL));
+  c.kl[0] = kl_saved[0], c.kl[1] = kl_saved[1];
+  c.lay = copy;
+  ref_rope rr[2];
+  const kvi_rope_spec none = nope();
+  ref_rope_init(&rr[0], &none, 8);
+  ref_rope_init(&rr[1], &none, 8);
+  const rfact *ff[] = {&f};
+  ecmask mask;
+  ecmask_make(&mask, &c);
+  ec_check_request(&c, rr, ff, 1, tb, 1, NULL, 7, 0, 2, 0.0, &mask, "layout changed after creation");
+  ecmask_check_poison(&mask, &c, "layout changed after creation");
+  ecmask_free(&mask);
+  kvi_injector_destroy(inj);
+  rfact_free(&f);
+  ec_free(&c);
+  ec_free(&c8);
+  ec_free(&cg);
+  kvi_store_destroy(s);
+  kvi_model_destroy(m);
+}
+
+/* ------------------------------------------------------------------------ */
+/* frees on the CPU backend                                                  */
+/* ------------------------------------------------------------------------ */
+
+static void test_cpu_frees(void **state) {
+  (void)state;
+  rng r;
+  rng_seed(&r, __func__);
+  enum { L = 2, D = 8 };
+  const kvi_rope_spec specs[L] = {rope(KVI_ROPE_NEOX, 0, 10000.0), rope(KVI_ROPE_GPTJ, 4, 500.0)};
+  const env_cfg g = {L, 2, 1, 0, D, specs, KVI_DTYPE_FP32, 4, 4, KVI_CACHE_VLLM_FLASHINFER, KVI_DTYPE_FP32,
+                     KVI_SCALE_NONE, 4, 8, NULL};
+  env e;
+  env_open(&e, &g, &r);
+  assert_int_equal(store_stats(e.s).pages_total, 4);
+  rfact a, a2, b, c;
+  rfact_make(&a, &r, 1, 1, L, 8, e.H, D, -2, 2);
+  rfact_make(&a2, &r, 1, 1, L, 7, e.H, D, -2, 2);
+  rfact_make(&b, &r, 1, 2, L, 16, e.H, D, -2, 2);
+  rfact_make(&c, &r, 1, 3, L, 8, e.H, D, -2, 2);
+  const int32_t tb[] = {5, 0, 3, 6};
+  const uint64_t id1 = 1;
+  /* inject, then remove at once: the CPU has finished, the pages are free */
+  rfact_put(e.s, &a, 0);
+  kvi_inject_request q = request(1, &id1, 1, tb, 4, 2, NULL, 30);
+  assert_ok(kvi_inject(e.inj, &q, 1, NULL, NULL));
+  assert_ok(kvi_store_remove(e.s, 1, 1));
+  kvi_store_stats st = store_stats(e.s);
+  assert_int_equal(st.pages_used, 0);
+  assert_int_equal(st.facts, 0);
+  const rfact *fa[] = {&a};
+  ec_check_request(&e.c, e.rr, fa, 1, tb, 2, NULL, 30, 0, L, 0.0, NULL, "injected, then removed");
+  assert_status(kvi_inject(e.inj, &q, 1, NULL, NULL), KVI_ERR_NOT_FOUND);
+  rfact_put(e.s, &b, 0); /* every page */
+  assert_int_equal(store_stats(e.s).pages_used, 4);
+  assert_ok(kvi_store_remove(e.s, 1, 2));
+
+  /* a replaced fact's pages are reused */
+  rfact_put(e.s, &a, 0);
+  assert_ok(kvi_inject(e.inj, &q, 1, NULL, NULL));
+  rfact_put(e.s, &a2, KVI_PUT_REPLACE); /* needs room for both: 4 pages */
+  st = store_stats(e.s);
+  assert_int_equal(st.pages_used, 2);
+  assert_int_equal(st.facts, 1);
+  ec_poison(&e.c);
+  assert_ok(kvi_inject(e.inj, &q, 1, NULL, NULL));
+  const rfact *fa2[] = {&a2};
+  ecmask mask;
+  ecmask_make(&mask, &e.c);
+  ec_check_request(&e.c, e.rr, fa2, 1, tb, 2, NULL, 30, 0, L, 0.0, &mask, "the replacement");
+  ecmask_check_poison(&mask, &e.c, "the replacement");
+  ecmask_free(&mask);
+  rfact_put(e.s, &c, 0); /* the two pages the old copy had */
+  assert_int_equal(store_stats(e.s).pages_used, 4);
+  rfact one;
+  rfact_make(&one, &r, 1, 9, L, 1, e.H, D, -2, 2);
+  kvi_kv_view v;
+  kvi_kv_view_contiguous(&v, KVI_MEMORY_HOST, KVI_DTYPE_FP32, L, 1, e.H, D, one.k, one.v);
+  assert_status(kvi_store_put(e.s, 1, 9, &v, NULL, NULL), KVI_ERR_CAPACITY);
+
+  /* replacing by capture: needs room for both, then frees the old copy */
+  kvi_capture cp = capture(1, 3, tb, 4, 2, 7, NULL, 30);
+  cp.flags = KVI_PUT_REPLACE;
+  EXPECT_UNCHANGED(&e, kvi_encode(e.enc, &cp, 1, NULL), KVI_ERR_CAPACITY);
+  assert_ok(kvi_store_remove(e.s, 1, 1));
+  assert_ok(kvi_encode(e.enc, &cp, 1, NULL));
+  st = store_stats(e.s);
+  assert_int_equal(st.pages_used, 2);
+  assert_int_equal(st.facts, 1);
+  rfact got;
+  rfact_read(e.s, 1, 3, L, e.H, D, &got);
+  assert_int_equal(got.T, 7);
+  check_captured(&got, &a2, 0, e.rr, &e.c, NULL, 30, KVI_DTYPE_FP32, "fact 3 replaced by a capture");
+  rfact_free(&got);
+  rfact_put(e.s, &a, 0); /* and the freed pages serve a new fact */
+  assert_int_equal(store_stats(e.s).pages_used, 4);
+  /* an injection reading a fact, then that fact replaced and removed */
+  ec_poison(&e.c);
+  const uint64_t both[] = {3, 1};
+  const int32_t tb2[] = {1, 2, 4, 7};
+  q = request(1, both, 2, tb2, 4, 0, NULL, 0);
+  assert_ok(kvi_inject(e.inj, &q, 1, NULL, NULL));
+  assert_ok(kvi_store_remove(e.s, 1, 3));
+  assert_ok(kvi_store_remove(e.s, 1, 1));
+  assert_int_equal(store_stats(e.s).pages_used, 0);
+  rfact_free(&one);
+  rfact_free(&a);
+  rfact_free(&a2);
+  rfact_free(&b);
+  rfact_free(&c);
+  env_close(&e);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_capture_inject_invariant),
+      cmocka_unit_test(test_capture_inject_invariant_bf16_store),
+      cmocka_unit_test(test_context_window_encoding),
+      cmocka_unit_test(test_batched_inject),
+      cmocka_unit_test(test_inject_plan),
+      cmocka_unit_test(test_layer_range),
+      cmocka_unit_test(test_fp8_roundtrip_and_saturation),
+      cmocka_unit_test(test_rejected_inject_changes_nothing),
+      cmocka_unit_test(test_rejected_capture_changes_nothing),
+      cmocka_unit_test(test_transfer_limits),
+      cmocka_unit_test(test_create_errors),
+      cmocka_unit_test(test_cpu_frees),
+  };
+  return cmocka_run_group_tests_name("unit-inject", tests, NULL, NULL);
+}

@@ -136,8 +136,8 @@ static void run(fixture *f, const cfg *g, const dcase *dc) {
   ecmask mask;
   ecmask_make(&mask, &c);
   const rfact *facts0[] = {&f->a, &f->b}, *facts1[] = {&f->c};
-  ec_check_request(&c, f->rr, facts0, 2, table0, g->fs0, pos0, 0, 0, L, &mask, what);
-  ec_check_request(&c, f->rr, facts1, 1, table1, g->fs1, NULL, start1, 0, L, &mask, what);
+  ec_check_request(&c, f->rr, facts0, 2, table0, g->fs0, pos0, 0, 0, L, 0.0, &mask, what);
+  ec_check_request(&c, f->rr, facts1, 1, table1, g->fs1, NULL, start1, 0, L, 0.0, &mask, what);
   ecmask_check_poison(&mask, &c, what);
   ecmask_free(&mask);
 
@@ -156,11 +156,11 @@ static void run(fixture *f, const cfg *g, const dcase *dc) {
   rfact got;
   rfact_read(f->s, 7, 100, L, H, D, &got);
   assert_int_equal(got.T, f->b.T);
-  check_captured(&got, &f->b, 0, f->rr, &c, pos0 + f->a.T, 0, what);
+  check_captured(&got, &f->b, 0, f->rr, &c, pos0 + f->a.T, 0, KVI_DTYPE_FP32, what);
   rfact_free(&got);
   rfact_read(f->s, 9, 100, L, H, D, &got);
   assert_int_equal(got.T, f->c.T);
-  check_captured(&got, &f->c, 0, f->rr, &c, NULL, start1, what);
+  check_captured(&got, &f->c, 0, f->rr, &c, NULL, start1, KVI_DTYPE_FP32, what);
   rfact_free(&got);
   assert_ok(kvi_store_remove(f->s, 7, 100));
   assert_ok(kvi_store_remove(f->s, 9, 100));
