@@ -149,10 +149,9 @@ template <int E, bool NEOX> __device__ inline void rotate(float *x, const float 
     if (forward) {
       x[ia] = __fsub_rn(__fmul_rn(xa, c[k]), __fmul_rn(xb, s[k]));
       x[ib] = __fadd_rn(__fmul_rn(xb, c[k]), __fmul_rn(xa, s[k]));
-    } else {
-      const float n = __fadd_rn(__fmul_rn(c[k], c[k]), __fmul_rn(s[k], s[k]));
-      x[ia] = __fdiv_rn(__fadd_rn(__fmul_rn(xa, c[k]), __fmul_rn(xb, s[k])), n);
-      x[ib] = __fdiv_rn(__fsub_rn(__fmul_rn(xb, c[k]), __fmul_rn(xa, s[k])), n);
+    } else { /* c and s arrive pre-divided by cos^2 + sin^2 (see unrotate_cs) */
+      x[ia] = __fadd_rn(__fmul_rn(xa, c[k]), __fmul_rn(xb, s[k]));
+      x[ib] = __fsub_rn(__fmul_rn(xb, c[k]), __fmul_rn(xa, s[k]));
     }
   }
 }
@@ -262,7 +261,14 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const kvi__xfer_args a) {
       const unsigned i0 = u * E;
       float c[E], s[E];
 #pragma unroll
-      for (int k = 0; k < E; k++) cos_sin(ly, s_pos[j], (int)i0 + k, c[k], s[k]);
+      for (int k = 0; k < E; k++) {
+        cos_sin(ly, s_pos[j], (int)i0 + k, c[k], s[k]);
+        if (!INJECT) { /* the inverse of a rotation scaled by m is R^T / m^2: one division per pair, not per head */
+          const float r = __fdiv_rn(1.0f, __fadd_rn(__fmul_rn(c[k], c[k]), __fmul_rn(s[k], s[k])));
+          c[k] = __fmul_rn(c[k], r);
+          s[k] = __fmul_rn(s[k], r);
+        }
+      }
       const unsigned da = neox ? i0 : 2 * i0, db = neox ? i0 + half : 2 * i0 + E;
       if (neox)
         rotated_unit<G, C, E, INJECT, true, BATCH_K>(prow, crow, page_head, a.head_stride, H, da, db, c, s, ks);

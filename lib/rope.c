@@ -214,9 +214,11 @@ void kvi__rope_rotate(const kvi__rope *r, float *x, int32_t pos, bool inverse) {
       *a = xa * c - xb * s;
       *b = xb * c + xa * s;
     } else {
-      const float n = c * c + s * s;
-      *a = (xa * c + xb * s) / n;
-      *b = (xb * c - xa * s) / n;
+      /* R^T / (cos^2 + sin^2), the reciprocal folded into cos and sin once
+       * (the CUDA kernel does the same, per pair rather than per head) */
+      const float r = 1.0f / (c * c + s * s), ci = c * r, si = s * r;
+      *a = xa * ci + xb * si;
+      *b = xb * ci - xa * si;
     }
   }
 }
