@@ -304,8 +304,14 @@ static void run_inject(const scen *sc) {
   CHECK_OK(kvi_store_read(w.gpu, 2, 1, &vb, NULL));
   size_t cbad = 0;
   for (size_t i = 0; i < 2 * n; i++) {
-    /* one unit of the store dtype, or fp32 rounding of the rotation */
-    double tol = (sc->store_dtype == KVI_DTYPE_FP32 ? 1e-5 : 1.0 / 64) * fmax(fabs(a[i]), 1e-2);
+    /* one unit of the store dtype or of the cache dtype (the injection
+     * comparison above allows caches to differ by one unit), or fp32
+     * rounding of the rotation */
+    const double store_unit = sc->store_dtype == KVI_DTYPE_FP32 ? 1e-5 : 1.0 / 64;
+    const double cache_unit = sc->cache_dtype == KVI_DTYPE_BF16   ? 1.0 / 64
+                              : sc->cache_dtype == KVI_DTYPE_FP16 ? 1.0 / 512
+                                                                  : 1e-5;
+    double tol = fmax(store_unit, cache_unit) * fmax(fabs(a[i]), 1e-2);
     if (!(fabs(a[i] - b[i]) <= tol) && !(exact && a[i] == b[i])) cbad++;
   }
   /* fp8 caches: a one-step rounding difference in the cache becomes a whole
