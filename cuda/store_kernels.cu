@@ -13,28 +13,15 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "convert.cuh"
 #include "kernels.h"
 
 namespace {
 
 constexpr int VEC = 8;
 
-template <typename T> struct elem;
-template <> struct elem<float> {
-  static __device__ float to_f32(float x) { return x; }
-  static __device__ float from_f32(float x) { return x; }
-};
-template <> struct elem<__half> {
-  static __device__ float to_f32(__half x) { return __half2float(x); }
-  static __device__ __half from_f32(float x) { return __float2half_rn(x); }
-};
-template <> struct elem<__nv_bfloat16> {
-  static __device__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-  static __device__ __nv_bfloat16 from_f32(float x) { return __float2bfloat16_rn(x); }
-};
-
 template <typename S, typename D> __device__ inline D convert(S x) {
-  return elem<D>::from_f32(elem<S>::to_f32(x));
+  return kvi::cvt<D>::from(kvi::cvt<S>::to(x));
 }
 template <> __device__ inline float convert<float, float>(float x) { return x; }
 template <> __device__ inline __half convert<__half, __half>(__half x) { return x; }
