@@ -16,11 +16,7 @@
 
 #include <cmocka.h>
 
-#include <kvinject.h>
-
-#ifdef KVI_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#endif
+#include "gpu_test.h"
 
 static int g_devices;
 
@@ -28,20 +24,6 @@ static int g_devices;
   do {                                                                                                         \
     if (g_devices == 0) skip();                                                                                \
   } while (0)
-
-#define CHECK_OK(call)                                                                                         \
-  do {                                                                                                         \
-    kvi_status st_ = (call);                                                                                   \
-    if (st_ != KVI_OK) fail_msg("%s -> %d (%s): %s", #call, (int)st_, kvi_status_string(st_), kvi_last_error()); \
-  } while (0)
-
-#ifdef KVI_HAVE_CUDA
-#define CUDA_OK(call)                                                                                          \
-  do {                                                                                                         \
-    cudaError_t e_ = (call);                                                                                   \
-    if (e_ != cudaSuccess) fail_msg("%s -> %s", #call, cudaGetErrorString(e_));                                \
-  } while (0)
-#endif
 
 /* ---------------------------------------------------------------- fixtures */
 
@@ -51,18 +33,6 @@ typedef struct fixture {
   kvi_store *cpu;
   int32_t L, H, D;
 } fixture;
-
-static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
-
-static uint64_t rnd(void) {
-  g_rng ^= g_rng << 13;
-  g_rng ^= g_rng >> 7;
-  g_rng ^= g_rng << 17;
-  return g_rng;
-}
-
-/* uniform in [-2, 2), never all zeros */
-static float rndf(void) { return (float)((double)(rnd() >> 11) * 0x1p-53 * 4.0 - 2.0); }
 
 static void fill_random(void *p, kvi_dtype t, size_t n) {
   for (size_t i = 0; i < n; i++) {
@@ -114,6 +84,7 @@ static int make_fixture(void **state, int32_t L, int32_t H, int32_t D, int32_t t
 
 static int teardown(void **state) {
   fixture *f = *state;
+  (void)f; /* unused where CUDA is not built */
   if (f) {
     kvi_store_destroy(f->gpu);
     kvi_store_destroy(f->cpu);
@@ -208,6 +179,7 @@ static void assert_same_fact(const fixture *f, uint64_t tenant, uint64_t id, int
 
 static void test_backend_choice(void **state) {
   fixture *f = *state;
+  (void)f; /* unused where CUDA is not built */
   REQUIRE_GPU();
   kvi_store_stats s = KVI_STORE_STATS_INIT;
   CHECK_OK(kvi_store_stats_get(f->gpu, &s));
@@ -237,6 +209,7 @@ static void test_backend_choice(void **state) {
 /* Host sources of every dtype, strided, into both stores; reads of every dtype agree bit for bit. */
 static void test_host_put_matches_cpu(void **state) {
   fixture *f = *state;
+  (void)f; /* unused where CUDA is not built */
   REQUIRE_GPU();
   const kvi_dtype dts[] = {KVI_DTYPE_FP32, KVI_DTYPE_FP16, KVI_DTYPE_BF16};
   const int32_t lens[] = {1, 7, 16, 33, 200};
@@ -261,6 +234,7 @@ static void test_host_put_matches_cpu(void **state) {
 /* Device sources (aligned and misaligned, strided) through the kernels equal the CPU path. */
 static void test_device_put_and_read(void **state) {
   fixture *f = *state;
+  (void)f; /* unused where CUDA is not built */
   REQUIRE_GPU();
 #ifdef KVI_HAVE_CUDA
   const kvi_dtype dts[] = {KVI_DTYPE_FP32, KVI_DTYPE_FP16, KVI_DTYPE_BF16};
@@ -313,6 +287,7 @@ static void test_device_put_and_read(void **state) {
 /* A fact larger than one launch (256 pages) and than the staging buffer. */
 static void test_large_fact(void **state) {
   fixture *f = *state;
+  (void)f; /* unused where CUDA is not built */
   REQUIRE_GPU();
 #ifdef KVI_HAVE_CUDA
   const int32_t T = 16 * 300 + 5;
@@ -336,6 +311,7 @@ static void test_large_fact(void **state) {
 
 static void test_memory_kind_errors(void **state) {
   fixture *f = *state;
+  (void)f; /* unused where CUDA is not built */
   REQUIRE_GPU();
 #ifdef KVI_HAVE_CUDA
   strided s;
@@ -379,6 +355,7 @@ static void test_memory_kind_errors(void **state) {
 
 static void test_capacity_and_replace(void **state) {
   fixture *f = *state;
+  (void)f; /* unused where CUDA is not built */
   REQUIRE_GPU();
   kvi_store_stats st = KVI_STORE_STATS_INIT;
   CHECK_OK(kvi_store_stats_get(f->gpu, &st));
@@ -407,6 +384,7 @@ static void test_capacity_and_replace(void **state) {
 
 static void test_device_embedding(void **state) {
   fixture *f = *state;
+  (void)f; /* unused where CUDA is not built */
   REQUIRE_GPU();
 #ifdef KVI_HAVE_CUDA
   float e[96], back[96];
@@ -442,6 +420,7 @@ static void test_device_embedding(void **state) {
 /* The caller's current device is the same before and after every call. */
 static void test_current_device_kept(void **state) {
   fixture *f = *state;
+  (void)f; /* unused where CUDA is not built */
   REQUIRE_GPU();
 #ifdef KVI_HAVE_CUDA
   int before = -1, after = -2;
@@ -490,6 +469,7 @@ static void *thread_main(void *arg) {
 
 static void test_threads(void **state) {
   fixture *f = *state;
+  (void)f; /* unused where CUDA is not built */
   REQUIRE_GPU();
   enum { N = 6 };
   pthread_t th[N];

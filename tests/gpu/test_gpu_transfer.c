@@ -18,35 +18,12 @@
 
 #include <cmocka.h>
 
-#include <kvinject.h>
-
-#ifdef KVI_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#endif
+#define GPU_TEST_SEED 0x243f6a8885a308d3ull
+#include "gpu_test.h"
 
 static int g_devices;
 
-#define CHECK_OK(call)                                                                                          \
-  do {                                                                                                          \
-    kvi_status st_ = (call);                                                                                    \
-    if (st_ != KVI_OK) fail_msg("%s -> %d (%s): %s", #call, (int)st_, kvi_status_string(st_), kvi_last_error()); \
-  } while (0)
-
 #ifdef KVI_HAVE_CUDA
-#define CUDA_OK(call)                                                                                           \
-  do {                                                                                                          \
-    cudaError_t e_ = (call);                                                                                    \
-    if (e_ != cudaSuccess) fail_msg("%s -> %s", #call, cudaGetErrorString(e_));                                 \
-  } while (0)
-
-static uint64_t g_rng = 0x243f6a8885a308d3ull;
-static uint64_t rnd(void) {
-  g_rng ^= g_rng << 13;
-  g_rng ^= g_rng >> 7;
-  g_rng ^= g_rng << 17;
-  return g_rng;
-}
-static float rndf(void) { return (float)((double)(rnd() >> 11) * 0x1p-53 * 4.0 - 2.0); }
 
 /* One scenario: a model, a CPU and a CUDA store holding the same facts, and
  * the same cache layout in host and device memory. */
