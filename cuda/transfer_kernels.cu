@@ -2,27 +2,40 @@
  * libkvinject — the fused injection / capture kernel.
  * SPDX-License-Identifier: Apache-2.0
  *
- * One launch moves every request's facts for a range of layers: a CTA per
- * (segment, layer), a segment being a run of at most P tokens of one fact
- * page. For each of its tokens and heads the CTA reads the stored K and V
- * rows and writes them to the cache slot the request's block table names
+ * One launch moves every request's facts for a range of layers. A CTA owns
+ * one segment (a run of at most seg_tokens tokens of one fact page, landing
+ * at consecutive sequence slots of one request) for a chunk of consecutive
+ * layers. For each token and head it reads the stored K and V rows and
+ * writes them to the cache slot the request's block table names
  * (injection), rotating K at the token's position; or the reverse
  * (capture), un-rotating K.
  *
  * Memory traffic: every K and V element is read once and written once, so a
- * launch moves tokens * layers * heads * D * 2 * (sizeof(page) + sizeof(cache))
- * bytes: the bound is the device copy rate. Cos/sin depend on (token, pair)
- * only, so a thread owns a (token, vector of pairs) unit and loops over heads
- * with its cos/sin in registers. Rows are moved as 8-element vectors (16-byte
- * accesses for 16-bit types) when the host has checked alignment; otherwise
- * element by element. Rotation uses explicit _rn intrinsics so it is never
- * contracted into FMAs: with an engine's cos/sin table the result is bit for
- * bit the CPU reference's.
+ * launch moves tokens * layers * heads * D * 2 * (sizeof(page) +
+ * sizeof(cache)) bytes: the bound is the device copy rate. What keeps the
+ * kernel at it:
+ *  - the per-CTA prologue (segment -> request -> block table -> slot
+ *    offsets, positions, cos/sin) is a chain of dependent loads; it runs once
+ *    per CTA and is amortized over its chunk of layers (the host sizes the
+ *    chunks so the grid still has many CTAs per SM);
+ *  - cos/sin depend on (token, pair) only: they are computed once per CTA
+ *    (again only when a layer's RoPE differs) into shared memory, not per
+ *    head and layer;
+ *  - every thread issues all loads of a batch (8 16-byte vectors) before
+ *    it converts or stores anything, so each SM keeps enough bytes in flight
+ *    to cover DRAM latency;
+ *  - small plans travel in the kernel parameters, so a call costs one launch
+ *    and no upload.
+ * Rotation uses explicit _rn intrinsics so it is never contracted into FMAs:
+ * with an engine's cos/sin table the result is bit for bit the CPU
+ * reference's.
  */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
+
+#include <type_traits>
 
 #include "convert.cuh"
 #include "kernels.h"
@@ -34,260 +47,285 @@ using kvi::fp8e4;
 using kvi::fp8e5;
 using kvi::is_fp8;
 
-/* E elements of T moved in the widest aligned accesses. */
-template <typename T, int E> __device__ inline void load(float *out, const T *p) {
+/* E raw elements of T, loaded and stored in the widest aligned accesses. */
+template <typename T, int E> struct alignas(E * sizeof(T) >= 16 ? 16 : E * sizeof(T) >= 8 ? 8 : sizeof(T)) Vec {
+  T v[E];
+};
+
+template <typename T, int E> __device__ inline void ld(Vec<T, E> &r, const T *p) {
   constexpr int B = E * (int)sizeof(T);
   if constexpr (E > 1 && B % 16 == 0) {
-    T tmp[E];
 #pragma unroll
-    for (int i = 0; i < B / 16; i++) reinterpret_cast<uint4 *>(tmp)[i] = reinterpret_cast<const uint4 *>(p)[i];
-#pragma unroll
-    for (int i = 0; i < E; i++) out[i] = cvt<T>::to(tmp[i]);
+    for (int i = 0; i < B / 16; i++) reinterpret_cast<uint4 *>(r.v)[i] = reinterpret_cast<const uint4 *>(p)[i];
   } else if constexpr (E > 1 && B == 8) {
-    T tmp[E];
-    *reinterpret_cast<uint2 *>(tmp) = *reinterpret_cast<const uint2 *>(p);
-#pragma unroll
-    for (int i = 0; i < E; i++) out[i] = cvt<T>::to(tmp[i]);
+    *reinterpret_cast<uint2 *>(r.v) = *reinterpret_cast<const uint2 *>(p);
   } else {
 #pragma unroll
-    for (int i = 0; i < E; i++) out[i] = cvt<T>::to(p[i]);
+    for (int i = 0; i < E; i++) r.v[i] = p[i];
   }
 }
 
-template <typename T, int E> __device__ inline void store(T *p, const float *in) {
+template <typename T, int E> __device__ inline void st(T *p, const float *in) {
   constexpr int B = E * (int)sizeof(T);
-  T tmp[E];
+  Vec<T, E> r;
 #pragma unroll
-  for (int i = 0; i < E; i++) tmp[i] = cvt<T>::from(in[i]);
+  for (int i = 0; i < E; i++) r.v[i] = cvt<T>::from(in[i]);
   if constexpr (E > 1 && B % 16 == 0) {
 #pragma unroll
-    for (int i = 0; i < B / 16; i++) reinterpret_cast<uint4 *>(p)[i] = reinterpret_cast<const uint4 *>(tmp)[i];
+    for (int i = 0; i < B / 16; i++) reinterpret_cast<uint4 *>(p)[i] = reinterpret_cast<const uint4 *>(r.v)[i];
   } else if constexpr (E > 1 && B == 8) {
-    *reinterpret_cast<uint2 *>(p) = *reinterpret_cast<const uint2 *>(tmp);
+    *reinterpret_cast<uint2 *>(p) = *reinterpret_cast<const uint2 *>(r.v);
   } else {
 #pragma unroll
-    for (int i = 0; i < E; i++) p[i] = tmp[i];
+    for (int i = 0; i < E; i++) p[i] = r.v[i];
   }
 }
 
-/* Cache element offset of sequence index s, or -1 when its block id is
- * outside the cache (host-checked tables never are; device tables may be). */
-__device__ inline int64_t slot_offset(const kvi__xfer_args &a, const kvi__xreq &rq, int64_t s) {
-  const int64_t bi = s / a.BS - rq.first_block;
-  if (bi < 0 || bi >= rq.table_len) return -1;
-  const int32_t b = rq.table[bi];
-  if (b < 0 || b >= a.NB) return -1;
-  return (int64_t)b * a.block_stride + (s % a.BS) * a.token_stride;
+template <typename T, int E> __device__ inline void to_f32(float *x, const Vec<T, E> &r) {
+#pragma unroll
+  for (int i = 0; i < E; i++) x[i] = cvt<T>::to(r.v[i]);
 }
 
-__device__ inline void cos_sin(const kvi__xlayer &ly, int pos, int i, float &c, float &s) {
-  if (ly.table) {
-    const float *row = ly.table + (int64_t)pos * ly.rot;
-    c = row[i];
-    s = row[(ly.rot >> 1) + i];
-  } else {
-    const float ang = __fmul_rn((float)pos, ly.inv_freq[i]);
-    float sn, cs;
-    sincosf(ang, &sn, &cs);
-    c = __fmul_rn(cs, ly.attn);
-    s = __fmul_rn(sn, ly.attn);
-  }
-}
-
-template <typename C, int E> __device__ inline void scale_for_cache(float *x, int n, float scale) {
+/* fp8 caches hold value / scale (the divide convention). */
+template <typename C> __device__ inline void scale_for_cache(float *x, int n, float scale) {
   if constexpr (is_fp8<C>::value)
     for (int i = 0; i < n; i++) x[i] = __fdiv_rn(x[i], scale);
 }
 
-template <typename C, int E> __device__ inline void scale_from_cache(float *x, int n, float scale) {
+template <typename C> __device__ inline void scale_from_cache(float *x, int n, float scale) {
   if constexpr (is_fp8<C>::value)
     for (int i = 0; i < n; i++) x[i] = __fmul_rn(x[i], scale);
+}
+
+/* Cos/sin of pair i at position pos, attention factor included. */
+__device__ inline float2 cos_sin(const kvi__xlayer &ly, int pos, int i) {
+  if (ly.table) {
+    const float *row = ly.table + (int64_t)pos * ly.rot;
+    return make_float2(row[i], row[(ly.rot >> 1) + i]);
+  }
+  const float ang = __fmul_rn((float)pos, ly.inv_freq[i]);
+  float sn, cs;
+  sincosf(ang, &sn, &cs);
+  return make_float2(__fmul_rn(cs, ly.attn), __fmul_rn(sn, ly.attn));
 }
 
 /* Rotates the E pairs held in x[0..2E): NeoX pairs (x[k], x[E+k]), GPT-J
  * pairs (x[2k], x[2k+1]); forward or inverse, in the CPU reference's order.
  * NEOX is a template parameter so every index is a compile-time constant
  * and x stays in registers. */
-template <int E, bool NEOX> __device__ inline void rotate(float *x, const float *c, const float *s, bool forward) {
+template <int E, bool NEOX, bool FORWARD> __device__ inline void rotate(float *x, const float2 *cs) {
 #pragma unroll
   for (int k = 0; k < E; k++) {
     const int ia = NEOX ? k : 2 * k, ib = NEOX ? E + k : 2 * k + 1;
-    const float xa = x[ia], xb = x[ib];
-    if (forward) {
-      x[ia] = __fsub_rn(__fmul_rn(xa, c[k]), __fmul_rn(xb, s[k]));
-      x[ib] = __fadd_rn(__fmul_rn(xb, c[k]), __fmul_rn(xa, s[k]));
-    } else { /* c and s arrive pre-divided by cos^2 + sin^2 (see unrotate_cs) */
-      x[ia] = __fadd_rn(__fmul_rn(xa, c[k]), __fmul_rn(xb, s[k]));
-      x[ib] = __fsub_rn(__fmul_rn(xb, c[k]), __fmul_rn(xa, s[k]));
+    const float xa = x[ia], xb = x[ib], c = cs[k].x, s = cs[k].y;
+    if (FORWARD) {
+      x[ia] = __fsub_rn(__fmul_rn(xa, c), __fmul_rn(xb, s));
+      x[ib] = __fadd_rn(__fmul_rn(xb, c), __fmul_rn(xa, s));
+    } else { /* cos/sin arrive pre-divided by cos^2 + sin^2 (see fill_cos_sin) */
+      x[ia] = __fadd_rn(__fmul_rn(xa, c), __fmul_rn(xb, s));
+      x[ib] = __fsub_rn(__fmul_rn(xb, c), __fmul_rn(xa, s));
     }
-  }
-}
-
-/* One rotated unit (E pairs at da/db) of one token for every head, BATCH
- * heads at a time with all loads before any store. */
-template <typename G, typename C, int E, bool INJECT, bool NEOX, int BATCH>
-__device__ inline void rotated_unit(G *prow, C *crow, int64_t page_head, int64_t head_stride, unsigned H, unsigned da,
-                                    unsigned db, const float *c, const float *s, const float *ks) {
-  for (unsigned h0 = 0; h0 < H; h0 += BATCH) {
-    float x[BATCH][2 * E];
-#pragma unroll
-    for (int b = 0; b < BATCH; b++) {
-      const unsigned h = h0 + b;
-      if (h < H) {
-        if (INJECT) {
-          load<G, E>(x[b], prow + h * page_head + da);
-          load<G, E>(x[b] + E, prow + h * page_head + db);
-        } else {
-          load<C, E>(x[b], crow + h * head_stride + da);
-          load<C, E>(x[b] + E, crow + h * head_stride + db);
-        }
-      }
-    }
-#pragma unroll
-    for (int b = 0; b < BATCH; b++) {
-      const unsigned h = h0 + b;
-      if (h < H) {
-        if (INJECT) {
-          rotate<E, NEOX>(x[b], c, s, true);
-          scale_for_cache<C, E>(x[b], 2 * E, ks[h]);
-          store<C, E>(crow + h * head_stride + da, x[b]);
-          store<C, E>(crow + h * head_stride + db, x[b] + E);
-        } else {
-          scale_from_cache<C, E>(x[b], 2 * E, ks[h]);
-          rotate<E, NEOX>(x[b], c, s, false);
-          store<G, E>(prow + h * page_head + da, x[b]);
-          store<G, E>(prow + h * page_head + db, x[b] + E);
-        }
-      }
-    }
-  }
-}
-
-/* Moves one vector of E elements between a page and the cache, with the
- * fp8 scale, in the given direction. */
-template <typename G, typename C, int E, bool INJECT>
-__device__ inline void move_vec(G *pg, C *cv, float scale) {
-  float x[E];
-  if (INJECT) {
-    load<G, E>(x, pg);
-    scale_for_cache<C, E>(x, E, scale);
-    store<C, E>(cv, x);
-  } else {
-    load<C, E>(x, cv);
-    scale_from_cache<C, E>(x, E, scale);
-    store<G, E>(pg, x);
   }
 }
 
 constexpr int THREADS = 128;
-constexpr int BATCH = 4;   /* independent V vectors a thread keeps in flight */
-constexpr int BATCH_K = 2; /* heads per K batch: 2 x 2 vectors, fewer registers */
+constexpr int BR = 4; /* rotated units (2 vectors each) a thread keeps in flight */
+constexpr int BP = 8; /* plain vectors a thread keeps in flight */
 
-template <typename G, typename C, int E, bool INJECT>
-__global__ void __launch_bounds__(THREADS) xfer_kernel(const kvi__xfer_args a) {
-  /* per-token cache offsets (-1: skipped) and positions, computed once */
-  extern __shared__ int64_t s_coff[];
-  int32_t *s_pos = reinterpret_cast<int32_t *>(s_coff + a.P);
-  const kvi__xseg sg = a.segs[blockIdx.x];
-  const int l = a.layer_begin + (int)blockIdx.y;
-  const kvi__xlayer ly = a.layers[l];
-  const unsigned H = (unsigned)a.H, D = (unsigned)a.D, P = (unsigned)a.P, ntok = sg.ntok;
-  if (threadIdx.x < ntok) {
-    const kvi__xreq rq = a.reqs[sg.req];
-    const int64_t c = slot_offset(a, rq, sg.seq0 + threadIdx.x);
-    s_coff[threadIdx.x] = c;
-    s_pos[threadIdx.x] = a.positions[sg.pos0 + threadIdx.x];
-    if (c < 0 && blockIdx.y == 0) atomicAdd(a.skipped, 1ull);
-  }
-  for (unsigned j = threadIdx.x + THREADS; j < ntok; j += THREADS) { /* pages longer than a block */
-    const kvi__xreq rq = a.reqs[sg.req];
-    const int64_t c = slot_offset(a, rq, sg.seq0 + j);
-    s_coff[j] = c;
-    s_pos[j] = a.positions[sg.pos0 + j];
-    if (c < 0 && blockIdx.y == 0) atomicAdd(a.skipped, 1ull);
-  }
-  __syncthreads();
+/* What a CTA knows about its segment and current layer. */
+struct Ctx {
+  const int64_t *coff; /* per token: cache element offset, -1 = skipped */
+  const float2 *cs;    /* [token][half_max] cos/sin */
+  unsigned ntok, H, D, HM;
+  int64_t page_row0;   /* page element offset of (layer, plane 0, head 0, first token) */
+  int64_t page_head;   /* page elements between heads: P * D */
+  int64_t head_stride; /* cache elements between heads */
+};
 
-  G *page = static_cast<G *>(a.pool) + (int64_t)sg.page * a.page_elems;
-  const unsigned rot = ly.style ? (unsigned)ly.rot : 0u, half = rot >> 1;
-  const bool neox = ly.style == 1;
-  const unsigned nrot = half / E, npass = (D - rot) / E, nunit = nrot + npass;
-  const float *ks = a.k_scale + l * (int)H, *vs = a.v_scale + l * (int)H;
-  const int64_t page_head = (int64_t)P * D; /* page elements between heads */
-  C *kbase = reinterpret_cast<C *>(ly.k), *vbase = reinterpret_cast<C *>(ly.v);
-
-  /* K: a thread owns a (token, unit), keeps its cos/sin in registers and
-   * walks the heads BATCH at a time, all loads before any store */
-  for (unsigned it = threadIdx.x; it < ntok * nunit; it += THREADS) {
-    const unsigned j = it / nunit, u = it - j * nunit;
-    const int64_t coff = s_coff[j];
-    if (coff < 0) continue;
-    C *crow = kbase + coff;
-    G *prow = page + ((int64_t)(l * 2) * H * P + sg.tok0 + j) * D;
-    if (u < nrot) {
-      const unsigned i0 = u * E;
-      float c[E], s[E];
+/* K's rotated part: a unit is E pairs of one (head, token), read as two
+ * vectors at da and db. Units run fastest, then tokens, then heads, so
+ * neighbouring threads touch neighbouring bytes on the page side. */
+template <typename G, typename C, int E, bool INJECT, bool NEOX>
+__device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, const float *ks) {
+  using S = typename std::conditional<INJECT, G, C>::type; /* source element */
+  const unsigned nrot = half / E, per_h = x.ntok * nrot, n = x.H * per_h;
+  for (unsigned base = threadIdx.x; base < n; base += THREADS * BR) {
+    Vec<S, E> va[BR], vb[BR];
+    G *pg[BR];
+    C *cr[BR];
+    unsigned ci[BR], hh[BR];
 #pragma unroll
-      for (int k = 0; k < E; k++) {
-        cos_sin(ly, s_pos[j], (int)i0 + k, c[k], s[k]);
-        if (!INJECT) { /* the inverse of a rotation scaled by m is R^T / m^2: one division per pair, not per head */
-          const float r = __fdiv_rn(1.0f, __fadd_rn(__fmul_rn(c[k], c[k]), __fmul_rn(s[k], s[k])));
-          c[k] = __fmul_rn(c[k], r);
-          s[k] = __fmul_rn(s[k], r);
-        }
-      }
-      const unsigned da = neox ? i0 : 2 * i0, db = neox ? i0 + half : 2 * i0 + E;
-      if (neox)
-        rotated_unit<G, C, E, INJECT, true, BATCH_K>(prow, crow, page_head, a.head_stride, H, da, db, c, s, ks);
-      else
-        rotated_unit<G, C, E, INJECT, false, BATCH_K>(prow, crow, page_head, a.head_stride, H, da, db, c, s, ks);
-    } else {
-      const unsigned d = rot + (u - nrot) * E;
-      for (unsigned h = 0; h < H; h++)
-        move_vec<G, C, E, INJECT>(prow + h * page_head + d, crow + h * a.head_stride + d, ks[h]);
-    }
-  }
-
-  /* V: a plain converting copy, BATCH vectors in flight per thread */
-  const unsigned nv = D / E, per_tok = H * nv, n = ntok * per_tok;
-  for (unsigned base = threadIdx.x; base < n; base += THREADS * BATCH) {
-    float x[BATCH][E];
-    G *pg[BATCH];
-    C *cv[BATCH];
-    float sc[BATCH];
-#pragma unroll
-    for (int b = 0; b < BATCH; b++) {
+    for (int b = 0; b < BR; b++) {
       const unsigned it = base + b * THREADS;
       pg[b] = nullptr;
       if (it >= n) continue;
-      const unsigned j = it / per_tok, r = it - j * per_tok, h = r / nv, d = (r - h * nv) * E;
-      const int64_t coff = s_coff[j];
+      const unsigned h = it / per_h, r = it - h * per_h, j = r / nrot, u = r - j * nrot;
+      const int64_t coff = x.coff[j];
       if (coff < 0) continue;
-      pg[b] = page + (((int64_t)(l * 2 + 1) * H + h) * P + sg.tok0 + j) * D + d;
-      cv[b] = vbase + coff + h * a.head_stride + d;
-      sc[b] = vs[h];
-      if (INJECT)
-        load<G, E>(x[b], pg[b]);
-      else
-        load<C, E>(x[b], cv[b]);
+      const unsigned da = NEOX ? u * E : 2 * u * E;
+      pg[b] = page + x.page_row0 + h * x.page_head + (int64_t)j * x.D + da;
+      cr[b] = kc + coff + h * x.head_stride + da;
+      ci[b] = j * x.HM + u * E; /* first cos/sin of the unit */
+      hh[b] = h;
+      const S *src = INJECT ? (const S *)pg[b] : (const S *)cr[b];
+      const unsigned off_b = NEOX ? half : E;
+      ld<S, E>(va[b], src);
+      ld<S, E>(vb[b], src + off_b);
     }
 #pragma unroll
-    for (int b = 0; b < BATCH; b++) {
+    for (int b = 0; b < BR; b++) {
       if (!pg[b]) continue;
+      const unsigned off_b = NEOX ? half : E, h = hh[b];
+      const float2 *cs = x.cs + ci[b];
+      float2 c[E];
+#pragma unroll
+      for (int k = 0; k < E; k++) c[k] = cs[k];
+      float v[2 * E];
+      to_f32<S, E>(v, va[b]);
+      to_f32<S, E>(v + E, vb[b]);
       if (INJECT) {
-        scale_for_cache<C, E>(x[b], E, sc[b]);
-        store<C, E>(cv[b], x[b]);
+        rotate<E, NEOX, true>(v, c);
+        scale_for_cache<C>(v, 2 * E, is_fp8<C>::value ? ks[h] : 1.0f);
+        st<C, E>(cr[b], v);
+        st<C, E>(cr[b] + off_b, v + E);
       } else {
-        scale_from_cache<C, E>(x[b], E, sc[b]);
-        store<G, E>(pg[b], x[b]);
+        scale_from_cache<C>(v, 2 * E, is_fp8<C>::value ? ks[h] : 1.0f);
+        rotate<E, NEOX, false>(v, c);
+        st<G, E>(pg[b], v);
+        st<G, E>(pg[b] + off_b, v + E);
       }
     }
   }
 }
 
+/* Everything else is a converting copy: K's pass-through tail [rot, D) and
+ * all of V, vector by vector. */
+template <typename G, typename C, int E, bool INJECT>
+__device__ inline void plain(const Ctx &x, G *page, C *kc, C *vc, unsigned rot, const float *ks, const float *vs) {
+  using S = typename std::conditional<INJECT, G, C>::type;
+  const unsigned npass = (x.D - rot) / E, nv = x.D / E;
+  const unsigned per_hk = x.ntok * npass, nk = x.H * per_hk, per_hv = x.ntok * nv, n = nk + x.H * per_hv;
+  const int64_t plane = (int64_t)x.H * x.page_head; /* page elements between K and V */
+  for (unsigned base = threadIdx.x; base < n; base += THREADS * BP) {
+    Vec<S, E> v[BP];
+    G *pg[BP];
+    C *cr[BP];
+    float sc[BP];
+#pragma unroll
+    for (int b = 0; b < BP; b++) {
+      unsigned it = base + b * THREADS;
+      pg[b] = nullptr;
+      if (it >= n) continue;
+      const bool isv = it >= nk;
+      unsigned h, j, d;
+      if (!isv) {
+        h = it / per_hk;
+        const unsigned r = it - h * per_hk;
+        j = r / npass;
+        d = rot + (r - j * npass) * E;
+      } else {
+        it -= nk;
+        h = it / per_hv;
+        const unsigned r = it - h * per_hv;
+        j = r / nv;
+        d = (r - j * nv) * E;
+      }
+      const int64_t coff = x.coff[j];
+      if (coff < 0) continue;
+      pg[b] = page + x.page_row0 + (isv ? plane : 0) + h * x.page_head + (int64_t)j * x.D + d;
+      cr[b] = (isv ? vc : kc) + coff + h * x.head_stride + d;
+      sc[b] = is_fp8<C>::value ? (isv ? vs : ks)[h] : 1.0f;
+      ld<S, E>(v[b], INJECT ? (const S *)pg[b] : (const S *)cr[b]);
+    }
+#pragma unroll
+    for (int b = 0; b < BP; b++) {
+      if (!pg[b]) continue;
+      float f[E];
+      to_f32<S, E>(f, v[b]);
+      if (INJECT) {
+        scale_for_cache<C>(f, E, sc[b]);
+        st<C, E>(cr[b], f);
+      } else {
+        scale_from_cache<C>(f, E, sc[b]);
+        st<G, E>(pg[b], f);
+      }
+    }
+  }
+}
+
+template <typename G, typename C, int E, bool INJECT>
+__global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ kvi__xfer_args a) {
+  extern __shared__ float2 s_cs[]; /* [seg_tokens][half_max], then offsets and positions */
+  const unsigned T = (unsigned)a.seg_tokens, HM = (unsigned)a.half_max;
+  int64_t *s_coff = reinterpret_cast<int64_t *>(s_cs + T * HM);
+  int32_t *s_pos = reinterpret_cast<int32_t *>(s_coff + T);
+
+  /* the plan: in the parameters (generic addresses into the constant bank) or uploaded */
+  const char *plan = a.inline_bytes ? reinterpret_cast<const char *>(a.inline_plan) : a.plan_dev;
+  const kvi__xseg sg = reinterpret_cast<const kvi__xseg *>(plan)[blockIdx.x];
+  const unsigned ntok = sg.ntok;
+  for (unsigned j = threadIdx.x; j < ntok; j += THREADS) {
+    const kvi__xreq rq = reinterpret_cast<const kvi__xreq *>(plan + a.o_reqs)[sg.req];
+    const int32_t *table = rq.table ? rq.table : reinterpret_cast<const int32_t *>(plan + rq.table_off);
+    const int64_t s = sg.seq0 + j, bi = s / a.BS - rq.first_block;
+    int64_t c = -1; /* block ids outside the cache (only device tables can have them) are skipped */
+    if (bi >= 0 && bi < rq.table_len) {
+      const int32_t b = table[bi];
+      if (b >= 0 && b < a.NB) c = (int64_t)b * a.block_stride + (s % a.BS) * a.token_stride;
+    }
+    s_coff[j] = c;
+    s_pos[j] = reinterpret_cast<const int32_t *>(plan + a.o_pos)[sg.pos0 + j];
+    if (c < 0 && blockIdx.y == 0) atomicAdd(a.skipped, 1ull);
+  }
+  __syncthreads();
+
+  Ctx x;
+  x.coff = s_coff;
+  x.cs = s_cs;
+  x.ntok = ntok;
+  x.H = (unsigned)a.H;
+  x.D = (unsigned)a.D;
+  x.HM = HM;
+  x.page_head = (int64_t)a.P * a.D;
+  x.head_stride = a.head_stride;
+  G *page = static_cast<G *>(a.pool) + (int64_t)sg.page * a.page_elems;
+  const int l0 = a.layer_begin + (int)blockIdx.y * a.layers_per_cta;
+  const int l1 = min(l0 + a.layers_per_cta, a.layer_end);
+  int cur = -1; /* rope_id whose cos/sin are in shared memory */
+  for (int l = l0; l < l1; l++) {
+    const kvi__xlayer ly = a.layers[l];
+    const unsigned rot = ly.style ? (unsigned)ly.rot : 0u, half = rot >> 1;
+    if (rot && ly.rope_id != cur) {
+      if (cur >= 0) __syncthreads(); /* (uniform) everyone is done with the previous table */
+      for (unsigned i = threadIdx.x; i < ntok * half; i += THREADS) {
+        const unsigned j = i / half, k = i - j * half;
+        float2 c = cos_sin(ly, s_pos[j], (int)k);
+        if (!INJECT) { /* the inverse of a rotation scaled by m is R^T / m^2 */
+          const float r = __fdiv_rn(1.0f, __fadd_rn(__fmul_rn(c.x, c.x), __fmul_rn(c.y, c.y)));
+          c = make_float2(__fmul_rn(c.x, r), __fmul_rn(c.y, r));
+        }
+        s_cs[j * HM + k] = c;
+      }
+      __syncthreads();
+      cur = ly.rope_id;
+    }
+    x.page_row0 = ((int64_t)l * 2 * a.H * a.P + sg.tok0) * a.D;
+    const float *ks = a.k_scale + l * a.H, *vs = a.v_scale + l * a.H;
+    C *kc = reinterpret_cast<C *>(ly.k), *vc = reinterpret_cast<C *>(ly.v);
+    if (rot) {
+      if (ly.style == 1)
+        rotated<G, C, E, INJECT, true>(x, page, kc, half, ks);
+      else
+        rotated<G, C, E, INJECT, false>(x, page, kc, half, ks);
+    }
+    plain<G, C, E, INJECT>(x, page, kc, vc, rot, ks, vs);
+  }
+}
+
 template <typename G, typename C, int E> int launch4(const kvi__xfer_args *a, cudaStream_t s) {
-  const dim3 grid((unsigned)a->nsegs, (unsigned)(a->layer_end - a->layer_begin));
-  const size_t smem = (size_t)a->P * (sizeof(int64_t) + sizeof(int32_t));
+  const unsigned chunks = (unsigned)((a->layer_end - a->layer_begin + a->layers_per_cta - 1) / a->layers_per_cta);
+  const dim3 grid((unsigned)a->nsegs, chunks);
+  const size_t smem = KVI__XFER_SMEM(a->seg_tokens, a->half_max);
   if (a->inject)
     xfer_kernel<G, C, E, true><<<grid, THREADS, smem, s>>>(*a);
   else

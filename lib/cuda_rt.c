@@ -24,6 +24,15 @@ int kvi__cuda_count(void) {
   return n;
 }
 
+int kvi__cuda_sm_count(int device) {
+  int n = 0;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
 kvi__ptr_kind kvi__cuda_ptr_kind(const void *p, int *device) {
   struct cudaPointerAttributes a;
   if (kvi__cuda_count() == 0) return KVI__PTR_UNKNOWN;
@@ -161,6 +170,10 @@ static kvi_status not_built(const char *fn) {
 }
 
 int kvi__cuda_count(void) { return 0; }
+int kvi__cuda_sm_count(int device) {
+  (void)device;
+  return 0;
+}
 kvi__ptr_kind kvi__cuda_ptr_kind(const void *p, int *device) {
   (void)p, (void)device;
   return KVI__PTR_UNKNOWN;

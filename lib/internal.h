@@ -122,6 +122,7 @@ typedef struct kvi__devguard {
 } kvi__devguard;
 
 int kvi__cuda_count(void);  /* usable devices; 0 without CUDA/driver/device */
+int kvi__cuda_sm_count(int device); /* multiprocessors of a device; 0 when unknown */
 kvi__ptr_kind kvi__cuda_ptr_kind(const void *p, int *device);
 kvi_status kvi__cuda_current_device(int *dev, const char *fn);
 kvi_status kvi__cuda_enter(int device, kvi__devguard *g, const char *fn);

@@ -60,11 +60,11 @@ typedef struct kvi__xlayer {
   int32_t style;         /* kvi_rope_style */
   int32_t rot;           /* rotary_dim (0 for KVI_ROPE_NONE) */
   float attn;            /* attention factor (formula mode) */
-  int32_t pad_;
+  int32_t rope_id;       /* layers with equal RoPE share an id (the first such layer) */
 } kvi__xlayer;
 
-/* A run of at most P tokens of one fact page, landing at consecutive
- * sequence indices of one request. */
+/* A run of at most seg_tokens tokens of one fact page, landing at
+ * consecutive sequence indices of one request. */
 typedef struct kvi__xseg {
   int64_t seq0;   /* sequence index of the first token */
   uint32_t page;  /* store page id */
@@ -75,10 +75,15 @@ typedef struct kvi__xseg {
 } kvi__xseg;
 
 typedef struct kvi__xreq {
-  const int32_t *table; /* block ids (device memory); entry 0 is sequence block first_block */
+  const int32_t *table; /* block ids in device memory, or NULL: they are in the plan at table_off */
+  int64_t table_off;    /* byte offset of a host table copied into the plan */
   int32_t table_len;
-  int32_t first_block;
+  int32_t first_block;  /* entry 0 is sequence block first_block */
 } kvi__xreq;
+
+/* Plans up to this many bytes travel inside the kernel's parameters (no
+ * upload, no staging slot); larger ones are uploaded. */
+#define KVI__INLINE_PLAN 12288
 
 typedef struct kvi__xfer_args {
   /* store pages */
@@ -95,18 +100,28 @@ typedef struct kvi__xfer_args {
   const kvi__xlayer *layers;
   const float *k_scale; /* L * H */
   const float *v_scale;
-  /* work */
-  const kvi__xseg *segs;
-  const kvi__xreq *reqs;
-  const int32_t *positions;
+  /* work: the plan is xseg[nsegs] at 0, xreq[] at o_reqs, int32 positions[]
+   * at o_pos, host block tables after; in inline_plan when inline_bytes > 0,
+   * else at plan_dev */
+  const char *plan_dev;
+  int64_t o_reqs, o_pos;
+  int32_t inline_bytes;
   int32_t nsegs;
   int32_t layer_begin, layer_end;
-  int32_t inject; /* 1: pages -> cache (rotate); 0: cache -> pages (un-rotate) */
-  int32_t vec;    /* 8: 8-element vectors (host checked alignment), else 1 */
+  int32_t layers_per_cta; /* grid.y covers [layer_begin, layer_end) in chunks of this many */
+  int32_t seg_tokens;     /* no segment is longer */
+  int32_t half_max;       /* largest rot/2 over the layers */
+  int32_t inject;         /* 1: pages -> cache (rotate); 0: cache -> pages (un-rotate) */
+  int32_t vec;            /* 8: 8-element vectors (host checked alignment), else 1 */
   unsigned long long *skipped; /* device-visible counter of skipped tokens */
+  uint64_t inline_plan[KVI__INLINE_PLAN / 8];
 } kvi__xfer_args;
 
-/* One launch: grid (nsegs, layer_end - layer_begin). Returns a cudaError_t. */
+/* Bytes of shared memory a launch needs: cos/sin of seg_tokens x half_max
+ * pairs, then per-token cache offsets and positions. */
+#define KVI__XFER_SMEM(seg_tokens, half_max) ((size_t)(seg_tokens) * ((size_t)(half_max) * 8u + 12u))
+
+/* One launch: grid (nsegs, layer chunks). Returns a cudaError_t. */
 int kvi__cuda_transfer(const kvi__xfer_args *a, struct CUstream_st *stream);
 
 #ifdef __cplusplus

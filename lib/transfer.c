@@ -6,12 +6,15 @@
  *
  * A call is planned on the host under the store's lock: every request or
  * capture is validated, facts are looked up, and the work is cut into
- * segments (runs of <= P tokens of one page). The CPU backend executes the
- * segments here (the reference); the CUDA backend uploads them with the
- * positions and host block tables in one copy from a pinned staging slot and
- * runs one fused kernel (cuda/transfer_kernels.cu).
+ * segments (runs of at most seg_tokens tokens of one page). The CPU backend
+ * executes the segments here (the reference); the CUDA backend runs one fused
+ * kernel (cuda/transfer_kernels.cu) that finds the plan (segments, positions,
+ * host block tables) in its parameters when it is small (up to
+ * KVI__INLINE_PLAN bytes, the common single-request case: no upload) and
+ * otherwise uploads it in one copy from a pinned staging slot.
  */
 #include <math.h>
+#include <stddef.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,6 +45,9 @@ typedef struct xfer {
   bool cuda;
   bool vec_ok;     /* the 8-element vector path is valid for this layout */
   int32_t max_pos; /* positions must be below this for every rotated layer */
+  int32_t seg_tokens; /* longest segment: bounds the kernel's shared memory */
+  int32_t half_max;   /* largest rotary_dim / 2 over the layers */
+  int32_t sms;        /* multiprocessors of the store's device */
   /* CUDA */
   char *dev_tables; /* xlayer[L] | k_scale[L*H] | v_scale[L*H] | inv_freq... | tables... */
   kvi__xlayer *d_layers;
@@ -51,6 +57,7 @@ typedef struct xfer {
   int next_slot;
   unsigned long long *skipped_host, *skipped_dev; /* mapped pinned counter */
   unsigned long long skipped_taken;
+  uint64_t small[KVI__INLINE_PLAN / 8]; /* host buffer of plans that travel in the kernel parameters */
 } xfer;
 
 struct kvi_injector {
@@ -92,7 +99,7 @@ KVI_API void kvi_capture_init(kvi_capture *cap) {
 /* creation                                                                  */
 /* ------------------------------------------------------------------------ */
 
-static size_t align_up(size_t n) { return (n + 255) & ~(size_t)255; }
+static size_t align_up(size_t n) { return (n + 15) & ~(size_t)15; }
 
 /* Byte layout of one staging slot for the limits. */
 static size_t slot_size(const kvi_transfer_options *o) {
@@ -119,6 +126,13 @@ static void xfer_release(xfer *x) {
   }
   kvi__cache_release(&x->cache);
   pthread_mutex_destroy(&x->lock);
+}
+
+/* Whether two layers rotate identically (the kernel then keeps its cos/sin). */
+static bool same_rope(const kvi__rope *a, const kvi__rope *b) {
+  if (a->style != b->style || a->rotary_dim != b->rotary_dim || a->attn != b->attn || a->table != b->table) return false;
+  if (a->style == KVI_ROPE_NONE || a->table) return true;
+  return memcmp(a->inv_freq, b->inv_freq, (size_t)(a->rotary_dim / 2) * sizeof(float)) == 0;
 }
 
 /* Uploads per-layer tables: cache bases, scales, RoPE frequencies and tables. */
@@ -159,6 +173,12 @@ static kvi_status upload_tables(xfer *x, const char *fn) {
     ly[l].style = (int32_t)r->style;
     ly[l].rot = r->style == KVI_ROPE_NONE ? 0 : r->rotary_dim;
     ly[l].attn = r->attn;
+    ly[l].rope_id = l;
+    for (int32_t m = 0; m < l; m++)
+      if (same_rope(r, &s->rope[m])) {
+        ly[l].rope_id = m;
+        break;
+      }
     if (r->style == KVI_ROPE_NONE) continue;
     if (r->table) {
       int32_t m = 0;
@@ -223,6 +243,15 @@ static kvi_status xfer_create(xfer *x, kvi_store *store, const kvi_cache_layout 
     if (store->rope[l].style != KVI_ROPE_NONE && kvi__rope_max_positions(&store->rope[l]) < x->max_pos)
       x->max_pos = kvi__rope_max_positions(&store->rope[l]);
   x->vec_ok = vector_ok(x);
+  x->half_max = 0;
+  for (int32_t l = 0; l < store->geom.num_layers; l++)
+    if (store->rope[l].style != KVI_ROPE_NONE && store->rope[l].rotary_dim / 2 > x->half_max)
+      x->half_max = store->rope[l].rotary_dim / 2;
+  /* segments of a power of two tokens, at most 64, whose cos/sin and slot
+   * offsets fit in 24 KiB of shared memory (eight CTAs per SM) */
+  x->seg_tokens = 64;
+  while (x->seg_tokens > 1 && KVI__XFER_SMEM(x->seg_tokens, x->half_max) > 24576) x->seg_tokens /= 2;
+  if (x->seg_tokens > store->P) x->seg_tokens = store->P;
   if (pthread_mutex_init(&x->lock, NULL) != 0) {
     kvi__cache_release(&x->cache);
     return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "initializing a lock");
@@ -231,6 +260,7 @@ static kvi_status xfer_create(xfer *x, kvi_store *store, const kvi_cache_layout 
   kvi__devguard g;
   if ((st = kvi__cuda_enter(store->device, &g, fn))) goto fail;
   x->slot_bytes = slot_size(&o);
+  x->sms = kvi__cuda_sm_count(store->device);
   st = upload_tables(x, fn);
   for (int i = 0; i < SLOTS && st == KVI_OK; i++) {
     st = kvi__cuda_host_alloc((void **)&x->slots[i].host, x->slot_bytes, fn);
@@ -310,9 +340,15 @@ typedef struct plan {
   int32_t *positions;
   int32_t *tables; /* host block-table slices */
   int32_t nsegs, nreqs, ntok, ntables;
-  char *buf; /* one allocation (or a staging slot) holding all of it */
+  char *buf;  /* holds all of it: malloc'd (CPU), x->small (inline) or a staging slot's pinned buffer */
+  slot *sl;   /* the staging slot, or NULL */
   size_t o_reqs, o_pos, o_tab, bytes;
 } plan;
+
+/* Segments a fact of `npages` pages can need, at most. */
+static int32_t segs_for(const xfer *x, uint32_t npages) {
+  return (int32_t)npages * ((x->store->P + x->seg_tokens - 1) / x->seg_tokens);
+}
 
 /* Checks a job's sequence range, block ids and positions. */
 static kvi_status check_job(const xfer *x, const job *j, int32_t index, const char *what, const char *fn) {
@@ -346,9 +382,12 @@ static kvi_status check_job(const xfer *x, const job *j, int32_t index, const ch
   return KVI_OK;
 }
 
-/* Sizes the plan and points its arrays into `buf` (NULL: malloc). */
-static kvi_status plan_alloc(plan *p, const xfer *x, int32_t nsegs, int32_t nreqs, int64_t ntok, int64_t ntables,
-                             char *buf, const char *fn) {
+static kvi_status take_slot(xfer *x, slot **out, const char *fn);
+
+/* Sizes the plan and finds it a buffer: on the host for the CPU, in the
+ * kernel parameters when small, else in a staging slot. */
+static kvi_status plan_alloc(plan *p, xfer *x, int32_t nsegs, int32_t nreqs, int64_t ntok, int64_t ntables,
+                             const char *fn) {
   memset(p, 0, sizeof *p);
   if (ntok > x->lim.max_tokens_per_call || nreqs > x->lim.max_requests_per_call ||
       ntables > x->lim.max_table_entries_per_call)
@@ -357,12 +396,21 @@ static kvi_status plan_alloc(plan *p, const xfer *x, int32_t nsegs, int32_t nreq
                      "options allow %d, %d and %d",
                      (long long)ntok, (int)nreqs, (long long)ntables, (int)x->lim.max_tokens_per_call,
                      (int)x->lim.max_requests_per_call, (int)x->lim.max_table_entries_per_call);
+  if (nsegs > ntok) nsegs = (int32_t)ntok; /* every segment has a token */
   p->o_reqs = align_up((size_t)nsegs * sizeof(kvi__xseg));
   p->o_pos = p->o_reqs + align_up((size_t)nreqs * sizeof(kvi__xreq));
   p->o_tab = p->o_pos + align_up((size_t)ntok * sizeof(int32_t));
   p->bytes = p->o_tab + (size_t)ntables * sizeof(int32_t);
-  p->buf = buf ? buf : malloc(p->bytes ? p->bytes : 1);
-  if (!p->buf) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a %zu-byte plan", p->bytes);
+  if (!x->cuda) {
+    p->buf = malloc(p->bytes ? p->bytes : 1);
+    if (!p->buf) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a %zu-byte plan", p->bytes);
+  } else if (p->bytes <= KVI__INLINE_PLAN) {
+    p->buf = (char *)x->small;
+  } else {
+    kvi_status st = take_slot(x, &p->sl, fn);
+    if (st) return st;
+    p->buf = p->sl->host;
+  }
   p->segs = (kvi__xseg *)p->buf;
   p->reqs = (kvi__xreq *)(p->buf + p->o_reqs);
   p->positions = (int32_t *)(p->buf + p->o_pos);
@@ -370,23 +418,28 @@ static kvi_status plan_alloc(plan *p, const xfer *x, int32_t nsegs, int32_t nreq
   return KVI_OK;
 }
 
+static void plan_free(const xfer *x, plan *p) {
+  if (!x->cuda) free(p->buf);
+}
+
 /* Adds a job's request entry: host block tables are copied into the plan
- * (the slice the job touches), device tables referenced. `dev_base`: where
- * the plan will live on the device (NULL: the CPU runs the host copy).
- * Returns the request index. */
-static int32_t plan_request(plan *p, const xfer *x, const job *j, const char *dev_base) {
+ * (the slice the job touches, found by its offset wherever the plan lives),
+ * device tables referenced. Returns the request index. */
+static int32_t plan_request(plan *p, const xfer *x, const job *j) {
   const int32_t BS = x->cache.BS;
   const int32_t r = p->nreqs++;
   kvi__xreq *rq = &p->reqs[r];
   if (j->tokens > 0 && j->table_on_host) {
     const int64_t b0 = j->first_slot / BS, b1 = (j->first_slot + j->tokens - 1) / BS;
     memcpy(&p->tables[p->ntables], j->table + b0, (size_t)(b1 - b0 + 1) * sizeof(int32_t));
-    rq->table = dev_base ? (const int32_t *)(dev_base + p->o_tab) + p->ntables : p->tables + p->ntables;
+    rq->table = NULL;
+    rq->table_off = (int64_t)(p->o_tab + (size_t)p->ntables * sizeof(int32_t));
     rq->first_block = (int32_t)b0;
     rq->table_len = (int32_t)(b1 - b0 + 1);
     p->ntables += (int32_t)(b1 - b0 + 1);
   } else {
     rq->table = j->table;
+    rq->table_off = 0;
     rq->first_block = 0;
     rq->table_len = j->table_len;
   }
@@ -394,20 +447,26 @@ static int32_t plan_request(plan *p, const xfer *x, const job *j, const char *de
 }
 
 /* Adds `tokens` tokens held in `pages` (from the first page's start) landing
- * at sequence indices seq0.. of request r, with their positions. */
+ * at sequence indices seq0.. of request r, with their positions, in
+ * segments that neither cross a page nor exceed seg_tokens. */
 static void plan_run(plan *p, const xfer *x, int32_t r, int64_t seq0, int64_t tokens, const int32_t *positions,
                      int32_t start_position, const uint32_t *pages) {
   const int32_t P = x->store->P, pos0 = p->ntok;
   for (int64_t t = 0; t < tokens; t++)
     p->positions[p->ntok++] = positions ? positions[t] : start_position + (int32_t)t;
-  for (int64_t t = 0; t < tokens; t += P) {
+  for (int64_t t = 0; t < tokens;) {
+    const int32_t in_page = (int32_t)(t % P);
+    int64_t n = tokens - t;
+    if (n > P - in_page) n = P - in_page;
+    if (n > x->seg_tokens) n = x->seg_tokens;
     kvi__xseg *sg = &p->segs[p->nsegs++];
     sg->seq0 = seq0 + t;
     sg->page = pages[t / P];
     sg->req = r;
     sg->pos0 = pos0 + (int32_t)t;
-    sg->tok0 = 0;
-    sg->ntok = (uint16_t)(tokens - t < P ? tokens - t : P);
+    sg->tok0 = (uint16_t)in_page;
+    sg->ntok = (uint16_t)n;
+    t += n;
   }
 }
 
@@ -441,11 +500,12 @@ static void cpu_transfer(const xfer *x, const plan *p, int32_t lb, int32_t le, b
   for (int32_t i = 0; i < p->nsegs; i++) {
     const kvi__xseg *sg = &p->segs[i];
     const kvi__xreq *rq = &p->reqs[sg->req];
+    const int32_t *table = rq->table ? rq->table : (const int32_t *)(p->buf + rq->table_off);
     const char *page = page_addr(s, sg->page);
     for (int32_t l = lb; l < le; l++)
       for (int32_t j = 0; j < sg->ntok; j++) {
         const int64_t seq = sg->seq0 + j;
-        const int32_t block = rq->table[seq / c->BS - rq->first_block];
+        const int32_t block = table[seq / c->BS - rq->first_block];
         const int64_t coff = (int64_t)block * c->block_stride + (seq % c->BS) * c->token_stride;
         const int32_t pos = p->positions[sg->pos0 + j];
         for (int kv = 0; kv < 2; kv++)
@@ -479,11 +539,11 @@ static kvi_status take_slot(xfer *x, slot **out, const char *fn) {
   return KVI_OK;
 }
 
-static kvi_status launch(xfer *x, plan *p, slot *sl, int32_t lb, int32_t le, bool inject, struct CUstream_st *stream,
+static kvi_status launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool inject, struct CUstream_st *stream,
                          const char *fn);
 
-/* Runs a plan held in slot `sl` (CUDA) or in host memory (CPU). */
-static kvi_status execute(xfer *x, plan *p, slot *sl, int32_t lb, int32_t le, bool inject, struct CUstream_st *stream,
+/* Runs a plan: here (CPU) or in one kernel launch (CUDA). */
+static kvi_status execute(xfer *x, const plan *p, int32_t lb, int32_t le, bool inject, struct CUstream_st *stream,
                           const char *fn) {
   if (!x->cuda) {
     cpu_transfer(x, p, lb, le, inject);
@@ -492,18 +552,35 @@ static kvi_status execute(xfer *x, plan *p, slot *sl, int32_t lb, int32_t le, bo
   kvi__devguard g;
   kvi_status st = kvi__cuda_enter(x->store->device, &g, fn);
   if (st) return st;
-  st = launch(x, p, sl, lb, le, inject, stream, fn);
+  st = launch(x, p, lb, le, inject, stream, fn);
   kvi__cuda_leave(&g);
   return st;
 }
 
-static kvi_status launch(xfer *x, plan *p, slot *sl, int32_t lb, int32_t le, bool inject, struct CUstream_st *stream,
+/* Layers per CTA: enough (segment, layer) pairs per CTA to amortize its
+ * prologue, while leaving about 128 CTAs per SM so the tail stays short. */
+static int32_t layers_per_cta(const xfer *x, int32_t nsegs, int32_t nl) {
+  const int64_t target = (int64_t)(x->sms > 0 ? x->sms : 132) * 128;
+  int64_t per = (int64_t)nsegs * nl / target;
+  if (per < 1) per = 1;
+  if (per > nl) per = nl;
+  const int64_t chunks = (nl + per - 1) / per;
+  return (int32_t)((nl + chunks - 1) / chunks);
+}
+
+static kvi_status launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool inject, struct CUstream_st *stream,
                          const char *fn) {
   const kvi_store *s = x->store;
-  kvi_status st = kvi__cuda_h2d(sl->dev, sl->host, p->bytes, stream, fn);
-  if (st) return st;
+  kvi_status st;
   kvi__xfer_args a;
-  memset(&a, 0, sizeof a);
+  memset(&a, 0, offsetof(kvi__xfer_args, inline_plan));
+  if (p->sl) {
+    if ((st = kvi__cuda_h2d(p->sl->dev, p->sl->host, p->bytes, stream, fn))) return st;
+    a.plan_dev = p->sl->dev;
+  } else {
+    memcpy(a.inline_plan, p->buf, p->bytes);
+    a.inline_bytes = (int32_t)(p->bytes ? p->bytes : 1);
+  }
   a.pool = s->pool.base;
   a.page_elems = (int64_t)s->page_elems;
   a.page_dtype = (int32_t)s->dtype;
@@ -520,20 +597,24 @@ static kvi_status launch(xfer *x, plan *p, slot *sl, int32_t lb, int32_t le, boo
   a.layers = x->d_layers;
   a.k_scale = x->d_kscale;
   a.v_scale = x->d_vscale;
-  a.segs = (const kvi__xseg *)sl->dev;
-  a.reqs = (const kvi__xreq *)(sl->dev + p->o_reqs);
-  a.positions = (const int32_t *)(sl->dev + p->o_pos);
+  a.o_reqs = (int64_t)p->o_reqs;
+  a.o_pos = (int64_t)p->o_pos;
   a.nsegs = p->nsegs;
   a.layer_begin = lb;
   a.layer_end = le;
+  a.layers_per_cta = layers_per_cta(x, p->nsegs, le - lb);
+  a.seg_tokens = x->seg_tokens;
+  a.half_max = x->half_max;
   a.inject = inject;
   a.vec = x->vec_ok ? 8 : 1;
   a.skipped = x->skipped_dev;
 #ifdef KVI_HAVE_CUDA
   if (kvi__cuda_transfer(&a, stream)) return kvi__cuda_last_launch(fn, inject ? "injection kernel" : "capture kernel");
 #endif
-  if ((st = kvi__cuda_event_record(sl->ev, stream, fn))) return st;
-  sl->used = true;
+  if (p->sl) {
+    if ((st = kvi__cuda_event_record(p->sl->ev, stream, fn))) return st;
+    p->sl->used = true;
+  }
   return kvi__store_track(x->store, stream, fn);
 }
 
@@ -629,17 +710,15 @@ KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *
     int32_t np;
     if ((st = inject_job(x, &rq[r], r, &jobs[r], &np, fn))) goto out_unlock;
     ntok += jobs[r].tokens;
-    nsegs += np;
+    nsegs += segs_for(x, (uint32_t)np);
     if (jobs[r].tokens > 0 && jobs[r].table_on_host)
       ntables += (jobs[r].first_slot + jobs[r].tokens - 1) / x->cache.BS - jobs[r].first_slot / x->cache.BS + 1;
   }
   plan p;
-  slot *sl = NULL;
-  if (x->cuda && (st = take_slot(x, &sl, fn))) goto out_unlock;
-  if ((st = plan_alloc(&p, x, nsegs, num_requests, ntok, ntables, sl ? sl->host : NULL, fn))) goto out_unlock;
+  if ((st = plan_alloc(&p, x, nsegs, num_requests, ntok, ntables, fn))) goto out_unlock;
   for (int32_t r = 0; r < num_requests; r++) {
     const job *j = &jobs[r];
-    const int32_t ri = plan_request(&p, x, j, sl ? sl->dev : NULL);
+    const int32_t ri = plan_request(&p, x, j);
     int64_t done = 0; /* facts land back to back */
     for (int32_t f = 0; f < rq[r].num_facts; f++) {
       const fact *ft = kvi__store_find(x->store, rq[r].tenant, rq[r].fact_ids[f]);
@@ -648,8 +727,8 @@ KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *
       done += ft->tokens;
     }
   }
-  st = execute(x, &p, sl, lb, le, true, stream, fn);
-  if (!sl) free(p.buf);
+  st = execute(x, &p, lb, le, true, stream, fn);
+  plan_free(x, &p);
 out_unlock:
   unlock_both(x);
 out:
@@ -789,7 +868,7 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
       break;
     }
     ntok += c->num_tokens;
-    nsegs += (int32_t)cs[i].need;
+    nsegs += segs_for(x, cs[i].need);
     need_total += cs[i].need;
     ntables += (c->first_slot + c->num_tokens - 1) / x->cache.BS - c->first_slot / x->cache.BS + 1;
   }
@@ -803,19 +882,17 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
                      (int)i, (unsigned long long)cs[i].c.fact_id, (unsigned long long)cs[i].c.tenant);
   if (st == KVI_OK) st = kvi__store_reserve(s, need_total, (size_t)num_captures, fn);
   plan p;
-  slot *sl = NULL;
-  if (st == KVI_OK && x->cuda) st = take_slot(x, &sl, fn);
-  if (st == KVI_OK) st = plan_alloc(&p, x, nsegs, num_captures, ntok, ntables, sl ? sl->host : NULL, fn);
+  if (st == KVI_OK) st = plan_alloc(&p, x, nsegs, num_captures, ntok, ntables, fn);
   if (st == KVI_OK) {
     /* pages from the top of the free stack, in commit order */
     uint32_t top = s->pool.nfree;
     for (int32_t i = 0; i < num_captures; i++) {
       for (uint32_t k = 0; k < cs[i].need; k++) cs[i].pages[k] = s->pool.free[--top];
-      const int32_t ri = plan_request(&p, x, &jobs[i], sl ? sl->dev : NULL);
+      const int32_t ri = plan_request(&p, x, &jobs[i]);
       plan_run(&p, x, ri, jobs[i].first_slot, jobs[i].tokens, jobs[i].positions, jobs[i].start_position, cs[i].pages);
     }
-    st = execute(x, &p, sl, 0, x->cache.L, false, stream, fn);
-    if (!sl) free(p.buf);
+    st = execute(x, &p, 0, x->cache.L, false, stream, fn);
+    plan_free(x, &p);
   }
   if (st == KVI_OK) {
     s->pool.nfree -= need_total;
