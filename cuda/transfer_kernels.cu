@@ -35,7 +35,6 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <type_traits>
 
 #include "convert.cuh"
@@ -66,7 +65,7 @@ template <typename T, int E> __device__ inline void ld(Vec<T, E> &r, const T *p)
   }
 }
 
-template <typename T, int E> __device__ inline void stv(T *p, const float *in) {
+template <typename T, int E> __device__ inline void st(T *p, const float *in) {
   constexpr int B = E * (int)sizeof(T);
   Vec<T, E> r;
 #pragma unroll
@@ -130,218 +129,175 @@ template <int E, bool NEOX, bool FORWARD> __device__ inline void rotate(float *x
 }
 
 constexpr int THREADS = 128;
-constexpr int NSTAGE = KVI__XFER_STAGES;
-constexpr int STAGE_BYTES = KVI__XFER_STAGE_BYTES;
+constexpr int BR = 2; /* rotated units (2 vectors each) a thread keeps in flight */
+constexpr int BP = 8; /* plain vectors a thread keeps in flight */
 
-/* Asynchronous global -> shared copies (sm_80+): they hold no registers
- * while in flight, which is what lets a few CTAs per SM keep the DRAM
- * pipe full. */
-template <int GR> __device__ inline void cp_async(void *smem, const void *g) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  if constexpr (GR == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(g));
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(g), "n"(GR));
-}
-__device__ inline void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ inline void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-/* A CTA's view of its work: segment, layer chunk, and where a stage's rows
- * come from and go to. A stage is (layer, plane, group of heads): its rows,
- * [head][token][D] in the source's dtype, fit STAGE_BYTES. */
-struct Work {
-  const kvi__xfer_args *a;
+/* What a CTA knows about its segment and current layer. */
+struct Ctx {
   const int64_t *coff; /* per token: cache element offset, -1 = skipped */
-  const float2 *cs;    /* [token][half_max] cos/sin of the current RoPE */
-  char *buf;           /* NSTAGE stage buffers */
-  unsigned ntok, H, D, HM, hs, ngroups, nstages;
-  int l0;
-  uint32_t page;
-  unsigned tok0;
+  const float2 *cs;    /* [token][half_max] cos/sin */
+  unsigned ntok, H, D, HM;
+  int64_t page_row0;   /* page element offset of (layer, plane 0, head 0, first token) */
+  int64_t page_head;   /* page elements between heads: P * D */
+  int64_t head_stride; /* cache elements between heads */
 };
 
-struct Stage {
-  int l;          /* layer */
-  int kv;         /* plane: 0 = K, 1 = V */
-  unsigned h0, nh; /* heads [h0, h0 + nh) */
-};
-
-__device__ inline Stage stage_of(const Work &w, unsigned s) {
-  Stage st;
-  const unsigned per_layer = 2 * w.ngroups, li = s / per_layer, r = s - li * per_layer;
-  st.l = w.l0 + (int)li;
-  st.kv = (int)(r / w.ngroups);
-  st.h0 = (r - (unsigned)st.kv * w.ngroups) * w.hs;
-  st.nh = min(w.hs, w.H - st.h0);
-  return st;
-}
-
-template <typename G> __device__ inline G *page_row(const Work &w, const Stage &st, unsigned h, unsigned j) {
-  const kvi__xfer_args &a = *w.a;
-  return static_cast<G *>(a.pool) + (int64_t)w.page * a.page_elems +
-         ((((int64_t)st.l * 2 + st.kv) * a.H + h) * a.P + w.tok0 + j) * a.D;
-}
-
-template <typename C> __device__ inline C *cache_row(const Work &w, const Stage &st, unsigned h, unsigned j) {
-  const kvi__xlayer &ly = w.a->layers[st.l];
-  return reinterpret_cast<C *>(st.kv ? ly.v : ly.k) + w.coff[j] + h * w.a->head_stride;
-}
-
-/* Issues the copies of stage s into its buffer: GR-byte asynchronous
- * chunks, or (GR == 0, layouts without 16-byte alignment) plain element
- * copies. Skipped tokens of a capture have no source and are not read. */
-template <typename G, typename C, int GR, bool INJECT> __device__ inline void fill(const Work &w, unsigned s) {
-  using S = typename std::conditional<INJECT, G, C>::type;
-  if (s >= w.nstages) return;
-  const Stage st = stage_of(w, s);
-  S *dst = reinterpret_cast<S *>(w.buf + (size_t)(s % NSTAGE) * STAGE_BYTES);
-  constexpr int EPC = GR ? GR / (int)sizeof(S) : 1; /* elements per chunk */
-  const unsigned cpr = w.D / EPC, n = st.nh * w.ntok * cpr;
-  for (unsigned it = threadIdx.x; it < n; it += THREADS) {
-    const unsigned row = it / cpr, c = it - row * cpr, h = st.h0 + row / w.ntok, j = row % w.ntok;
-    const S *src;
-    if constexpr (INJECT) {
-      src = page_row<G>(w, st, h, j);
-    } else {
-      if (w.coff[j] < 0) continue;
-      src = cache_row<C>(w, st, h, j);
-    }
-    if constexpr (GR > 0)
-      cp_async<GR>(dst + (size_t)row * w.D + c * EPC, src + c * EPC);
-    else
-      dst[(size_t)row * w.D + c] = src[c];
-  }
-}
-
-/* Writes stage s from its buffer: K's rotated part as units of E pairs
- * (two vectors), everything else (K's pass-through tail, all of V) as
- * converting vector copies. */
+/* K's rotated part: a unit is E pairs of one (head, token), read as two
+ * vectors at da and db. Units run fastest, then tokens, then heads, so
+ * neighbouring threads touch neighbouring bytes on the page side. */
 template <typename G, typename C, int E, bool INJECT, bool NEOX>
-__device__ inline void drain(const Work &w, unsigned s, unsigned rot) {
-  using S = typename std::conditional<INJECT, G, C>::type;
-  const Stage st = stage_of(w, s);
-  const S *buf = reinterpret_cast<const S *>(w.buf + (size_t)(s % NSTAGE) * STAGE_BYTES);
-  const kvi__xfer_args &a = *w.a;
-  const float *scales = (st.kv ? a.v_scale : a.k_scale) + st.l * a.H;
-  const unsigned r0 = st.kv ? 0u : rot, half = r0 >> 1;
-  if (r0) {
-    const unsigned nrot = half / E, per_row = nrot, n = st.nh * w.ntok * per_row;
-    for (unsigned it = threadIdx.x; it < n; it += THREADS) {
-      const unsigned row = it / per_row, u = it - row * per_row, j = row % w.ntok, h = st.h0 + row / w.ntok;
-      if (w.coff[j] < 0) continue;
-      const unsigned da = NEOX ? u * E : 2 * u * E, db = NEOX ? da + half : da + E;
-      Vec<S, E> va, vb;
-      ld<S, E>(va, buf + (size_t)row * w.D + da);
-      ld<S, E>(vb, buf + (size_t)row * w.D + db);
-      float v[2 * E];
-      to_f32<S, E>(v, va);
-      to_f32<S, E>(v + E, vb);
+__device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, const float *ks) {
+  using S = typename std::conditional<INJECT, G, C>::type; /* source element */
+  const unsigned nrot = half / E, per_h = x.ntok * nrot, n = x.H * per_h;
+  for (unsigned base = threadIdx.x; base < n; base += THREADS * BR) {
+    Vec<S, E> va[BR], vb[BR];
+    G *pg[BR];
+    C *cr[BR];
+    unsigned ci[BR], hh[BR];
+#pragma unroll
+    for (int b = 0; b < BR; b++) {
+      const unsigned it = base + b * THREADS;
+      pg[b] = nullptr;
+      if (it >= n) continue;
+      const unsigned h = it / per_h, r = it - h * per_h, j = r / nrot, u = r - j * nrot;
+      const int64_t coff = x.coff[j];
+      if (coff < 0) continue;
+      const unsigned da = NEOX ? u * E : 2 * u * E;
+      pg[b] = page + x.page_row0 + h * x.page_head + (int64_t)j * x.D + da;
+      cr[b] = kc + coff + h * x.head_stride + da;
+      ci[b] = j * x.HM + u * E; /* first cos/sin of the unit */
+      hh[b] = h;
+      const S *src = INJECT ? (const S *)pg[b] : (const S *)cr[b];
+      const unsigned off_b = NEOX ? half : E;
+      ld<S, E>(va[b], src);
+      ld<S, E>(vb[b], src + off_b);
+    }
+#pragma unroll
+    for (int b = 0; b < BR; b++) {
+      if (!pg[b]) continue;
+      const unsigned off_b = NEOX ? half : E, h = hh[b];
+      const float2 *cs = x.cs + ci[b];
       float2 c[E];
-      const float2 *cs = w.cs + j * w.HM + u * E;
 #pragma unroll
       for (int k = 0; k < E; k++) c[k] = cs[k];
-      const float sc = is_fp8<C>::value ? scales[h] : 1.0f;
-      if constexpr (INJECT) {
+      float v[2 * E];
+      to_f32<S, E>(v, va[b]);
+      to_f32<S, E>(v + E, vb[b]);
+      if (INJECT) {
         rotate<E, NEOX, true>(v, c);
-        scale_for_cache<C>(v, 2 * E, sc);
-        C *cr = cache_row<C>(w, st, h, j);
-        stv<C, E>(cr + da, v);
-        stv<C, E>(cr + db, v + E);
+        scale_for_cache<C>(v, 2 * E, is_fp8<C>::value ? ks[h] : 1.0f);
+        st<C, E>(cr[b], v);
+        st<C, E>(cr[b] + off_b, v + E);
       } else {
-        scale_from_cache<C>(v, 2 * E, sc);
+        scale_from_cache<C>(v, 2 * E, is_fp8<C>::value ? ks[h] : 1.0f);
         rotate<E, NEOX, false>(v, c);
-        G *pr = page_row<G>(w, st, h, j);
-        stv<G, E>(pr + da, v);
-        stv<G, E>(pr + db, v + E);
+        st<G, E>(pg[b], v);
+        st<G, E>(pg[b] + off_b, v + E);
       }
     }
   }
-  const unsigned per_row = (w.D - r0) / E, n = st.nh * w.ntok * per_row;
-  for (unsigned it = threadIdx.x; it < n; it += THREADS) {
-    const unsigned row = it / per_row, d = r0 + (it - row * per_row) * E, j = row % w.ntok, h = st.h0 + row / w.ntok;
-    if (w.coff[j] < 0) continue;
-    Vec<S, E> vv;
-    ld<S, E>(vv, buf + (size_t)row * w.D + d);
-    float f[E];
-    to_f32<S, E>(f, vv);
-    const float sc = is_fp8<C>::value ? scales[h] : 1.0f;
-    if constexpr (INJECT) {
-      scale_for_cache<C>(f, E, sc);
-      stv<C, E>(cache_row<C>(w, st, h, j) + d, f);
-    } else {
-      scale_from_cache<C>(f, E, sc);
-      stv<G, E>(page_row<G>(w, st, h, j) + d, f);
+}
+
+/* Everything else is a converting copy: K's pass-through tail [rot, D) and
+ * all of V, vector by vector. */
+template <typename G, typename C, int E, bool INJECT>
+__device__ inline void plain(const Ctx &x, G *page, C *kc, C *vc, unsigned rot, const float *ks, const float *vs) {
+  using S = typename std::conditional<INJECT, G, C>::type;
+  const unsigned npass = (x.D - rot) / E, nv = x.D / E;
+  const unsigned per_hk = x.ntok * npass, nk = x.H * per_hk, per_hv = x.ntok * nv, n = nk + x.H * per_hv;
+  const int64_t plane = (int64_t)x.H * x.page_head; /* page elements between K and V */
+  for (unsigned base = threadIdx.x; base < n; base += THREADS * BP) {
+    Vec<S, E> v[BP];
+    G *pg[BP];
+    C *cr[BP];
+    float sc[BP];
+#pragma unroll
+    for (int b = 0; b < BP; b++) {
+      unsigned it = base + b * THREADS;
+      pg[b] = nullptr;
+      if (it >= n) continue;
+      const bool isv = it >= nk;
+      unsigned h, j, d;
+      if (!isv) {
+        h = it / per_hk;
+        const unsigned r = it - h * per_hk;
+        j = r / npass;
+        d = rot + (r - j * npass) * E;
+      } else {
+        it -= nk;
+        h = it / per_hv;
+        const unsigned r = it - h * per_hv;
+        j = r / nv;
+        d = (r - j * nv) * E;
+      }
+      const int64_t coff = x.coff[j];
+      if (coff < 0) continue;
+      pg[b] = page + x.page_row0 + (isv ? plane : 0) + h * x.page_head + (int64_t)j * x.D + d;
+      cr[b] = (isv ? vc : kc) + coff + h * x.head_stride + d;
+      sc[b] = is_fp8<C>::value ? (isv ? vs : ks)[h] : 1.0f;
+      ld<S, E>(v[b], INJECT ? (const S *)pg[b] : (const S *)cr[b]);
+    }
+#pragma unroll
+    for (int b = 0; b < BP; b++) {
+      if (!pg[b]) continue;
+      float f[E];
+      to_f32<S, E>(f, v[b]);
+      if (INJECT) {
+        scale_for_cache<C>(f, E, sc[b]);
+        st<C, E>(cr[b], f);
+      } else {
+        scale_from_cache<C>(f, E, sc[b]);
+        st<G, E>(pg[b], f);
+      }
     }
   }
 }
 
 template <typename G, typename C, int E, bool INJECT>
 __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ kvi__xfer_args a) {
-  using S = typename std::conditional<INJECT, G, C>::type;
-  constexpr int GR = E == 8 ? (8 * (int)sizeof(S) < 16 ? 8 * (int)sizeof(S) : 16) : 0;
-  extern __shared__ __align__(16) char smem[]; /* stages | cos/sin | offsets | positions */
+  extern __shared__ float2 s_cs[]; /* [seg_tokens][half_max], then offsets and positions */
   const unsigned T = (unsigned)a.seg_tokens, HM = (unsigned)a.half_max;
-  float2 *s_cs = reinterpret_cast<float2 *>(smem + NSTAGE * STAGE_BYTES);
   int64_t *s_coff = reinterpret_cast<int64_t *>(s_cs + T * HM);
   int32_t *s_pos = reinterpret_cast<int32_t *>(s_coff + T);
 
   /* the plan: in the parameters (generic addresses into the constant bank) or uploaded */
   const char *plan = a.inline_bytes ? reinterpret_cast<const char *>(a.inline_plan) : a.plan_dev;
   const kvi__xseg sg = reinterpret_cast<const kvi__xseg *>(plan)[blockIdx.x];
-  Work w;
-  w.a = &a;
-  w.coff = s_coff;
-  w.cs = s_cs;
-  w.buf = smem;
-  w.ntok = sg.ntok;
-  w.H = (unsigned)a.H;
-  w.D = (unsigned)a.D;
-  w.HM = HM;
-  w.hs = (unsigned)a.stage_heads;
-  w.ngroups = (w.H + w.hs - 1) / w.hs;
-  w.l0 = a.layer_begin + (int)blockIdx.y * a.layers_per_cta;
-  w.nstages = (unsigned)(min(w.l0 + a.layers_per_cta, a.layer_end) - w.l0) * 2 * w.ngroups;
-  w.page = sg.page;
-  w.tok0 = sg.tok0;
-
-  /* injection reads pages, whose addresses need nothing else: start the
-   * first stages before the dependent loads of the prologue */
-  if (INJECT)
-    for (int s = 0; s < NSTAGE - 1; s++) {
-      fill<G, C, GR, INJECT>(w, (unsigned)s);
-      cp_commit();
-    }
-  for (unsigned j = threadIdx.x; j < w.ntok; j += THREADS) {
+  const unsigned ntok = sg.ntok;
+  for (unsigned j = threadIdx.x; j < ntok; j += THREADS) {
     const kvi__xreq rq = reinterpret_cast<const kvi__xreq *>(plan + a.o_reqs)[sg.req];
     const int32_t *table = rq.table ? rq.table : reinterpret_cast<const int32_t *>(plan + rq.table_off);
-    const int64_t sq = sg.seq0 + j, bi = sq / a.BS - rq.first_block;
+    const int64_t s = sg.seq0 + j, bi = s / a.BS - rq.first_block;
     int64_t c = -1; /* block ids outside the cache (only device tables can have them) are skipped */
     if (bi >= 0 && bi < rq.table_len) {
       const int32_t b = table[bi];
-      if (b >= 0 && b < a.NB) c = (int64_t)b * a.block_stride + (sq % a.BS) * a.token_stride;
+      if (b >= 0 && b < a.NB) c = (int64_t)b * a.block_stride + (s % a.BS) * a.token_stride;
     }
     s_coff[j] = c;
     s_pos[j] = reinterpret_cast<const int32_t *>(plan + a.o_pos)[sg.pos0 + j];
     if (c < 0 && blockIdx.y == 0) atomicAdd(a.skipped, 1ull);
   }
   __syncthreads();
-  if (!INJECT)
-    for (int s = 0; s < NSTAGE - 1; s++) {
-      fill<G, C, GR, INJECT>(w, (unsigned)s);
-      cp_commit();
-    }
 
+  Ctx x;
+  x.coff = s_coff;
+  x.cs = s_cs;
+  x.ntok = ntok;
+  x.H = (unsigned)a.H;
+  x.D = (unsigned)a.D;
+  x.HM = HM;
+  x.page_head = (int64_t)a.P * a.D;
+  x.head_stride = a.head_stride;
+  G *page = static_cast<G *>(a.pool) + (int64_t)sg.page * a.page_elems;
+  const int l0 = a.layer_begin + (int)blockIdx.y * a.layers_per_cta;
+  const int l1 = min(l0 + a.layers_per_cta, a.layer_end);
   int cur = -1; /* rope_id whose cos/sin are in shared memory */
-  for (unsigned s = 0; s < w.nstages; s++) {
-    fill<G, C, GR, INJECT>(w, s + NSTAGE - 1);
-    cp_commit();
-    cp_wait<NSTAGE - 1>(); /* this thread's copies of stage s have landed */
-    const Stage st = stage_of(w, s);
-    const kvi__xlayer &ly = a.layers[st.l];
-    const unsigned rot = ly.style ? (unsigned)ly.rot : 0u;
-    if (rot && st.kv == 0 && ly.rope_id != cur) { /* (uniform) */
-      const unsigned half = rot >> 1;
-      for (unsigned i = threadIdx.x; i < w.ntok * half; i += THREADS) {
+  for (int l = l0; l < l1; l++) {
+    const kvi__xlayer ly = a.layers[l];
+    const unsigned rot = ly.style ? (unsigned)ly.rot : 0u, half = rot >> 1;
+    if (rot && ly.rope_id != cur) {
+      if (cur >= 0) __syncthreads(); /* (uniform) everyone is done with the previous table */
+      for (unsigned i = threadIdx.x; i < ntok * half; i += THREADS) {
         const unsigned j = i / half, k = i - j * half;
         float2 c = cos_sin(ly, s_pos[j], (int)k);
         if (!INJECT) { /* the inverse of a rotation scaled by m is R^T / m^2 */
@@ -350,40 +306,31 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
         }
         s_cs[j * HM + k] = c;
       }
+      __syncthreads();
       cur = ly.rope_id;
     }
-    __syncthreads(); /* every thread's copies (and the cos/sin) are visible */
-    if (ly.style == 1)
-      drain<G, C, E, INJECT, true>(w, s, rot);
-    else
-      drain<G, C, E, INJECT, false>(w, s, rot);
-    __syncthreads(); /* the buffer is free for the fill of the next iteration */
+    x.page_row0 = ((int64_t)l * 2 * a.H * a.P + sg.tok0) * a.D;
+    const float *ks = a.k_scale + l * a.H, *vs = a.v_scale + l * a.H;
+    C *kc = reinterpret_cast<C *>(ly.k), *vc = reinterpret_cast<C *>(ly.v);
+    if (rot) {
+      if (ly.style == 1)
+        rotated<G, C, E, INJECT, true>(x, page, kc, half, ks);
+      else
+        rotated<G, C, E, INJECT, false>(x, page, kc, half, ks);
+    }
+    plain<G, C, E, INJECT>(x, page, kc, vc, rot, ks, vs);
   }
-  cp_wait<0>();
-}
-
-template <typename G, typename C, int E, bool INJECT> int launch5(const kvi__xfer_args *a, cudaStream_t s) {
-  const unsigned chunks = (unsigned)((a->layer_end - a->layer_begin + a->layers_per_cta - 1) / a->layers_per_cta);
-  const dim3 grid((unsigned)a->nsegs, chunks);
-  const size_t smem = KVI__XFER_SMEM(a->seg_tokens, a->half_max);
-  /* more than 48 KiB of shared memory is opt-in, per device */
-  static std::atomic<unsigned long long> opted{0};
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return (int)e;
-  const unsigned long long bit = 1ull << (dev & 63);
-  if (!(opted.load(std::memory_order_relaxed) & bit)) {
-    e = cudaFuncSetAttribute(xfer_kernel<G, C, E, INJECT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             (int)KVI__XFER_SMEM_MAX);
-    if (e != cudaSuccess) return (int)e;
-    opted.fetch_or(bit, std::memory_order_relaxed);
-  }
-  xfer_kernel<G, C, E, INJECT><<<grid, THREADS, smem, s>>>(*a);
-  return (int)cudaGetLastError();
 }
 
 template <typename G, typename C, int E> int launch4(const kvi__xfer_args *a, cudaStream_t s) {
-  return a->inject ? launch5<G, C, E, true>(a, s) : launch5<G, C, E, false>(a, s);
+  const unsigned chunks = (unsigned)((a->layer_end - a->layer_begin + a->layers_per_cta - 1) / a->layers_per_cta);
+  const dim3 grid((unsigned)a->nsegs, chunks);
+  const size_t smem = KVI__XFER_SMEM(a->seg_tokens, a->half_max);
+  if (a->inject)
+    xfer_kernel<G, C, E, true><<<grid, THREADS, smem, s>>>(*a);
+  else
+    xfer_kernel<G, C, E, false><<<grid, THREADS, smem, s>>>(*a);
+  return (int)cudaGetLastError();
 }
 
 template <typename G, typename C> int launch3(const kvi__xfer_args *a, cudaStream_t s) {

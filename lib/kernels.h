@@ -111,24 +111,15 @@ typedef struct kvi__xfer_args {
   int32_t layers_per_cta; /* grid.y covers [layer_begin, layer_end) in chunks of this many */
   int32_t seg_tokens;     /* no segment is longer */
   int32_t half_max;       /* largest rot/2 over the layers */
-  int32_t stage_heads;    /* heads per stage: seg_tokens * D * source element size * stage_heads fits a stage */
   int32_t inject;         /* 1: pages -> cache (rotate); 0: cache -> pages (un-rotate) */
   int32_t vec;            /* 8: 8-element vectors (host checked alignment), else 1 */
   unsigned long long *skipped; /* device-visible counter of skipped tokens */
   uint64_t inline_plan[KVI__INLINE_PLAN / 8];
 } kvi__xfer_args;
 
-/* Shared memory of a launch: KVI__XFER_STAGES stage buffers of
- * KVI__XFER_STAGE_BYTES (the source rows of one layer, plane and group of
- * heads), then cos/sin of seg_tokens x half_max pairs, per-token cache
- * offsets and positions. The host keeps the per-token part within
- * KVI__XFER_TOKEN_BYTES. */
-#define KVI__XFER_STAGES 3
-#define KVI__XFER_STAGE_BYTES 16384
-#define KVI__XFER_TOKEN_BYTES 16384
-#define KVI__XFER_SMEM(seg_tokens, half_max)                                                                   \
-  ((size_t)KVI__XFER_STAGES * KVI__XFER_STAGE_BYTES + (size_t)(seg_tokens) * ((size_t)(half_max) * 8u + 12u))
-#define KVI__XFER_SMEM_MAX ((size_t)KVI__XFER_STAGES * KVI__XFER_STAGE_BYTES + KVI__XFER_TOKEN_BYTES)
+/* Bytes of shared memory a launch needs: cos/sin of seg_tokens x half_max
+ * pairs, then per-token cache offsets and positions. */
+#define KVI__XFER_SMEM(seg_tokens, half_max) ((size_t)(seg_tokens) * ((size_t)(half_max) * 8u + 12u))
 
 /* One launch: grid (nsegs, layer chunks). Returns a cudaError_t. */
 int kvi__cuda_transfer(const kvi__xfer_args *a, struct CUstream_st *stream);

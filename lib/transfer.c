@@ -247,16 +247,10 @@ static kvi_status xfer_create(xfer *x, kvi_store *store, const kvi_cache_layout 
   for (int32_t l = 0; l < store->geom.num_layers; l++)
     if (store->rope[l].style != KVI_ROPE_NONE && store->rope[l].rotary_dim / 2 > x->half_max)
       x->half_max = store->rope[l].rotary_dim / 2;
-  /* segments of a power of two tokens, at most 64, whose rows of one head
-   * fit a kernel stage and whose cos/sin and slot offsets fit the kernel's
-   * per-token shared memory */
-  const size_t row = (size_t)x->cache.D * (kvi_dtype_size(store->dtype) > kvi_dtype_size(x->cache.dtype)
-                                               ? kvi_dtype_size(store->dtype)
-                                               : kvi_dtype_size(x->cache.dtype));
+  /* segments of a power of two tokens, at most 64, whose cos/sin and slot
+   * offsets fit in 24 KiB of shared memory (eight CTAs per SM) */
   x->seg_tokens = 64;
-  while (x->seg_tokens > 1 && ((size_t)x->seg_tokens * row > KVI__XFER_STAGE_BYTES ||
-                               KVI__XFER_SMEM(x->seg_tokens, x->half_max) > KVI__XFER_SMEM_MAX))
-    x->seg_tokens /= 2;
+  while (x->seg_tokens > 1 && KVI__XFER_SMEM(x->seg_tokens, x->half_max) > 24576) x->seg_tokens /= 2;
   if (x->seg_tokens > store->P) x->seg_tokens = store->P;
   if (pthread_mutex_init(&x->lock, NULL) != 0) {
     kvi__cache_release(&x->cache);
@@ -611,11 +605,6 @@ static kvi_status launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool in
   a.layers_per_cta = layers_per_cta(x, p->nsegs, le - lb);
   a.seg_tokens = x->seg_tokens;
   a.half_max = x->half_max;
-  {
-    const size_t es = kvi_dtype_size(inject ? s->dtype : x->cache.dtype);
-    a.stage_heads = (int32_t)(KVI__XFER_STAGE_BYTES / ((size_t)x->seg_tokens * (size_t)a.D * es));
-    if (a.stage_heads > a.H) a.stage_heads = a.H;
-  }
   a.inject = inject;
   a.vec = x->vec_ok ? 8 : 1;
   a.skipped = x->skipped_dev;
