@@ -274,7 +274,7 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
       if (b >= 0 && b < a.NB) c = (int64_t)b * a.block_stride + (s % a.BS) * a.token_stride;
     }
     s_coff[j] = c;
-    s_pos[j] = reinterpret_cast<const int32_t *>(plan + a.o_pos)[sg.pos0 + j];
+    s_pos[j] = sg.explicit_pos ? reinterpret_cast<const int32_t *>(plan + a.o_pos)[sg.pos0 + j] : sg.pos0 + (int32_t)j;
     if (c < 0 && blockIdx.y == 0) atomicAdd(a.skipped, 1ull);
   }
   __syncthreads();

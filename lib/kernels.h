@@ -69,9 +69,10 @@ typedef struct kvi__xseg {
   int64_t seq0;   /* sequence index of the first token */
   uint32_t page;  /* store page id */
   int32_t req;    /* request (or capture) index */
-  int32_t pos0;   /* index of the first token's position in positions[] */
+  int32_t pos0;   /* explicit: index of the first token's position in positions[]; else the position itself */
   uint16_t tok0;  /* first token within the page */
   uint16_t ntok;  /* tokens in the run */
+  int32_t explicit_pos; /* 1: positions[pos0 + j]; 0: consecutive from pos0 */
 } kvi__xseg;
 
 typedef struct kvi__xreq {

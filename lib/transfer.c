@@ -386,8 +386,8 @@ static kvi_status take_slot(xfer *x, slot **out, const char *fn);
 
 /* Sizes the plan and finds it a buffer: on the host for the CPU, in the
  * kernel parameters when small, else in a staging slot. */
-static kvi_status plan_alloc(plan *p, xfer *x, int32_t nsegs, int32_t nreqs, int64_t ntok, int64_t ntables,
-                             const char *fn) {
+static kvi_status plan_alloc(plan *p, xfer *x, int32_t nsegs, int32_t nreqs, int64_t ntok, int64_t npos,
+                             int64_t ntables, const char *fn) {
   memset(p, 0, sizeof *p);
   if (ntok > x->lim.max_tokens_per_call || nreqs > x->lim.max_requests_per_call ||
       ntables > x->lim.max_table_entries_per_call)
@@ -399,7 +399,7 @@ static kvi_status plan_alloc(plan *p, xfer *x, int32_t nsegs, int32_t nreqs, int
   if (nsegs > ntok) nsegs = (int32_t)ntok; /* every segment has a token */
   p->o_reqs = align_up((size_t)nsegs * sizeof(kvi__xseg));
   p->o_pos = p->o_reqs + align_up((size_t)nreqs * sizeof(kvi__xreq));
-  p->o_tab = p->o_pos + align_up((size_t)ntok * sizeof(int32_t));
+  p->o_tab = p->o_pos + align_up((size_t)npos * sizeof(int32_t));
   p->bytes = p->o_tab + (size_t)ntables * sizeof(int32_t);
   if (!x->cuda) {
     p->buf = malloc(p->bytes ? p->bytes : 1);
@@ -451,9 +451,9 @@ static int32_t plan_request(plan *p, const xfer *x, const job *j) {
  * segments that neither cross a page nor exceed seg_tokens. */
 static void plan_run(plan *p, const xfer *x, int32_t r, int64_t seq0, int64_t tokens, const int32_t *positions,
                      int32_t start_position, const uint32_t *pages) {
-  const int32_t P = x->store->P, pos0 = p->ntok;
-  for (int64_t t = 0; t < tokens; t++)
-    p->positions[p->ntok++] = positions ? positions[t] : start_position + (int32_t)t;
+  const int32_t P = x->store->P, pos0 = positions ? p->ntok : start_position;
+  if (positions) /* consecutive positions need no array */
+    for (int64_t t = 0; t < tokens; t++) p->positions[p->ntok++] = positions[t];
   for (int64_t t = 0; t < tokens;) {
     const int32_t in_page = (int32_t)(t % P);
     int64_t n = tokens - t;
@@ -464,6 +464,7 @@ static void plan_run(plan *p, const xfer *x, int32_t r, int64_t seq0, int64_t to
     sg->page = pages[t / P];
     sg->req = r;
     sg->pos0 = pos0 + (int32_t)t;
+    sg->explicit_pos = positions != NULL;
     sg->tok0 = (uint16_t)in_page;
     sg->ntok = (uint16_t)n;
     t += n;
@@ -507,7 +508,7 @@ static void cpu_transfer(const xfer *x, const plan *p, int32_t lb, int32_t le, b
         const int64_t seq = sg->seq0 + j;
         const int32_t block = table[seq / c->BS - rq->first_block];
         const int64_t coff = (int64_t)block * c->block_stride + (seq % c->BS) * c->token_stride;
-        const int32_t pos = p->positions[sg->pos0 + j];
+        const int32_t pos = sg->explicit_pos ? p->positions[sg->pos0 + j] : sg->pos0 + j;
         for (int kv = 0; kv < 2; kv++)
           for (int32_t h = 0; h < H; h++) {
             char *pr = (char *)page + (size_t)((((int64_t)l * 2 + kv) * H + h) * P + sg->tok0 + j) * D * pe;
@@ -634,7 +635,7 @@ static void unlock_both(xfer *x) {
 
 /* Validates request r and sums its facts' tokens and pages (store locked). */
 static kvi_status inject_job(const xfer *x, const kvi_inject_request *rq, int32_t r, job *j, int32_t *npages,
-                             const char *fn) {
+                             const fact **found, const char *fn) {
   memset(j, 0, sizeof *j);
   *npages = 0;
   if (rq->num_facts < 0)
@@ -651,6 +652,7 @@ static kvi_status inject_job(const xfer *x, const kvi_inject_request *rq, int32_
     if (!ft)
       return kvi__fail(KVI_ERR_NOT_FOUND, fn, "request %d: no fact %llu for tenant %llu", (int)r,
                        (unsigned long long)rq->fact_ids[f], (unsigned long long)rq->tenant);
+    found[f] = ft;
     j->tokens += ft->tokens;
     *npages += (int32_t)ft->npages;
   }
@@ -682,6 +684,8 @@ KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *
   if (num_requests == 0) return KVI_OK;
   size_t rsize;
   memcpy(&rsize, reqs, sizeof rsize);
+  int64_t nfacts = 0;
+  const fact **found = NULL;
   job *jobs = malloc((size_t)num_requests * sizeof *jobs);
   kvi_inject_request *rq = malloc((size_t)num_requests * sizeof *rq);
   if (!jobs || !rq) {
@@ -701,27 +705,36 @@ KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *
     kvi_inject_request d = KVI_INJECT_REQUEST_INIT;
     rq[r] = d;
     if ((st = kvi__read_struct(&rq[r], sizeof rq[r], src, INJECT_REQUEST_V1, fn, "reqs[i]"))) goto out;
+    if (rq[r].num_facts > 0) nfacts += rq[r].num_facts;
+  }
+  /* the facts each request names, looked up once */
+  if (!(found = malloc((size_t)(nfacts ? nfacts : 1) * sizeof *found))) {
+    st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %lld fact references", (long long)nfacts);
+    goto out;
   }
 
   lock_both(x);
-  int64_t ntok = 0, ntables = 0;
+  int64_t ntok = 0, npos = 0, ntables = 0, first = 0;
   int32_t nsegs = 0;
   for (int32_t r = 0; r < num_requests; r++) {
     int32_t np;
-    if ((st = inject_job(x, &rq[r], r, &jobs[r], &np, fn))) goto out_unlock;
+    if ((st = inject_job(x, &rq[r], r, &jobs[r], &np, found + first, fn))) goto out_unlock;
+    first += rq[r].num_facts;
     ntok += jobs[r].tokens;
+    if (jobs[r].positions) npos += jobs[r].tokens;
     nsegs += segs_for(x, (uint32_t)np);
     if (jobs[r].tokens > 0 && jobs[r].table_on_host)
       ntables += (jobs[r].first_slot + jobs[r].tokens - 1) / x->cache.BS - jobs[r].first_slot / x->cache.BS + 1;
   }
   plan p;
-  if ((st = plan_alloc(&p, x, nsegs, num_requests, ntok, ntables, fn))) goto out_unlock;
+  if ((st = plan_alloc(&p, x, nsegs, num_requests, ntok, npos, ntables, fn))) goto out_unlock;
+  first = 0;
   for (int32_t r = 0; r < num_requests; r++) {
     const job *j = &jobs[r];
     const int32_t ri = plan_request(&p, x, j);
     int64_t done = 0; /* facts land back to back */
     for (int32_t f = 0; f < rq[r].num_facts; f++) {
-      const fact *ft = kvi__store_find(x->store, rq[r].tenant, rq[r].fact_ids[f]);
+      const fact *ft = found[first++];
       plan_run(&p, x, ri, j->first_slot + done, ft->tokens, j->positions ? j->positions + done : NULL,
                j->start_position + (int32_t)done, ft->pages);
       done += ft->tokens;
@@ -732,6 +745,7 @@ KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *
 out_unlock:
   unlock_both(x);
 out:
+  free(found);
   free(jobs);
   free(rq);
   return st;
@@ -814,7 +828,7 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
   job *jobs = malloc((size_t)num_captures * sizeof *jobs);
   if (!jobs && st == KVI_OK) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d captures", (int)num_captures);
   /* Everything checkable without the store's lock. */
-  int64_t ntok = 0, ntables = 0;
+  int64_t ntok = 0, npos = 0, ntables = 0;
   int32_t nsegs = 0;
   uint32_t need_total = 0;
   for (int32_t i = 0; i < num_captures && st == KVI_OK; i++) {
@@ -868,6 +882,7 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
       break;
     }
     ntok += c->num_tokens;
+    if (c->positions) npos += c->num_tokens;
     nsegs += segs_for(x, cs[i].need);
     need_total += cs[i].need;
     ntables += (c->first_slot + c->num_tokens - 1) / x->cache.BS - c->first_slot / x->cache.BS + 1;
@@ -882,7 +897,7 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
                      (int)i, (unsigned long long)cs[i].c.fact_id, (unsigned long long)cs[i].c.tenant);
   if (st == KVI_OK) st = kvi__store_reserve(s, need_total, (size_t)num_captures, fn);
   plan p;
-  if (st == KVI_OK) st = plan_alloc(&p, x, nsegs, num_captures, ntok, ntables, fn);
+  if (st == KVI_OK) st = plan_alloc(&p, x, nsegs, num_captures, ntok, npos, ntables, fn);
   if (st == KVI_OK) {
     /* pages from the top of the free stack, in commit order */
     uint32_t top = s->pool.nfree;

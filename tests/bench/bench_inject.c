@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cuda_runtime_api.h>
 
@@ -40,6 +41,12 @@
 
 enum { L = 32, H = 8, D = 128, BS = 16, FACT_T = 24, POOL = 1024, WARM = 5, ITERS = 60 };
 static const size_t TOKEN_BYTES = (size_t)L * H * D * 2 * 2; /* K and V, bf16 */
+
+static float now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (float)((double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6);
+}
 
 static int cmp_f(const void *a, const void *b) {
   float x = *(const float *)a, y = *(const float *)b;
@@ -67,10 +74,10 @@ static float copy_ms(char *src, char *dst, size_t bytes, size_t span, cudaEvent_
   return median(t, ITERS);
 }
 
-static void row(const char *what, int requests, int k, float ms, float cms) {
+static void row(const char *what, int requests, int k, float ms, float hms, float cms) {
   const double tokens = (double)requests * k * FACT_T, bytes = tokens * TOKEN_BYTES * 2; /* read + write */
-  printf("| %-8s | %4d | %3d | %8.0f | %9.1f | %8.3f | %7.0f | %8.3f | %6.1f%% |\n", what, requests, k, tokens,
-         bytes / 1048576.0, ms, bytes / (ms * 1e-3) / 1e9, cms, 100.0 * cms / ms);
+  printf("| %-8s | %4d | %4d | %8.0f | %9.1f | %8.3f | %8.3f | %7.0f | %8.3f | %6.1f%% |\n", what, requests, k, tokens,
+         bytes / 1048576.0, ms, hms, bytes / (ms * 1e-3) / 1e9, cms, 100.0 * cms / ms);
 }
 
 int main(void) {
@@ -147,12 +154,12 @@ int main(void) {
   static uint64_t ids[64][50];
   static kvi_inject_request reqs[64];
 
-  printf("| case     | reqs |   k |   tokens | MiB moved | call ms  |  GB/s   | copy ms  | of copy |\n");
-  printf("|----------|------|-----|----------|-----------|----------|---------|----------|---------|\n");
+  printf("| case     | reqs |    k |   tokens | MiB moved | call ms  |  host ms |  GB/s   | copy ms  | of copy |\n");
+  printf("|----------|------|------|----------|-----------|----------|----------|---------|----------|---------|\n");
   const int ks[] = {5, 10, 20, 50};
   for (int c = 0; c < 5; c++) {
     const int R = c < 4 ? 1 : 64, k = c < 4 ? ks[c] : 50;
-    float t[ITERS];
+    float t[ITERS], th[ITERS];
     for (int i = -WARM; i < ITERS; i++) {
       /* fresh facts and destinations every iteration */
       for (int r = 0; r < R; r++) {
@@ -168,19 +175,22 @@ int main(void) {
         reqs[r].start_position = 100;
       }
       CU(cudaEventRecord(e0, 0));
+      const float h0 = now_ms();
       CK(kvi_inject(inj, reqs, R, NULL, NULL));
+      const float h1 = now_ms();
       CU(cudaEventRecord(e1, 0));
       CU(cudaEventSynchronize(e1));
       if (i >= 0) CU(cudaEventElapsedTime(&t[i], e0, e1));
+      if (i >= 0) th[i] = h1 - h0;
     }
     const size_t bytes = (size_t)R * k * FACT_T * TOKEN_BYTES;
-    row("inject", R, k, median(t, ITERS), copy_ms(csrc, cdst, bytes, span, e0, e1));
+    row("inject", R, k, median(t, ITERS), median(th, ITERS), copy_ms(csrc, cdst, bytes, span, e0, e1));
   }
 
   static kvi_capture caps[64 * 50];
   for (int c = 0; c < 5; c++) {
     const int n = c < 4 ? ks[c] : 64 * 50;
-    float t[ITERS];
+    float t[ITERS], th[ITERS];
     for (int i = -WARM; i < ITERS; i++) {
       for (int f = 0; f < n; f++) {
         kvi_capture_init(&caps[f]);
@@ -194,16 +204,20 @@ int main(void) {
         caps[f].start_position = 100 + f * FACT_T;
       }
       CU(cudaEventRecord(e0, 0));
+      const float h0 = now_ms();
       CK(kvi_encode(enc, caps, n, NULL));
+      const float h1 = now_ms();
       CU(cudaEventRecord(e1, 0));
       CU(cudaEventSynchronize(e1));
       if (i >= 0) CU(cudaEventElapsedTime(&t[i], e0, e1));
+      if (i >= 0) th[i] = h1 - h0;
     }
     const size_t bytes = (size_t)n * FACT_T * TOKEN_BYTES;
-    row("capture", 1, n, median(t, ITERS), copy_ms(csrc, cdst, bytes, span, e0, e1));
+    row("capture", 1, n, median(t, ITERS), median(th, ITERS), copy_ms(csrc, cdst, bytes, span, e0, e1));
   }
 
-  printf("\nGB/s counts bytes read + written; 'of copy' is copy time / call time for the same bytes.\n");
+  printf("\nGB/s counts bytes read + written; 'of copy' is copy time / call time for the same bytes; 'host ms' is\n"
+         "the time the call took to return (validation, planning, launch), part of 'call ms'.\n");
   kvi_encoder_destroy(enc);
   kvi_injector_destroy(inj);
   kvi_store_destroy(store);
