@@ -13,6 +13,7 @@
  *
  * SPDX-License-Identifier: Apache-2.0
  */
+#define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,10 +43,10 @@
 enum { L = 32, H = 8, D = 128, BS = 16, FACT_T = 24, POOL = 1024, WARM = 5, ITERS = 60 };
 static const size_t TOKEN_BYTES = (size_t)L * H * D * 2 * 2; /* K and V, bf16 */
 
-static float now_ms(void) {
+static double now_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (float)((double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6);
+  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
 }
 
 static int cmp_f(const void *a, const void *b) {
@@ -175,13 +176,13 @@ int main(void) {
         reqs[r].start_position = 100;
       }
       CU(cudaEventRecord(e0, 0));
-      const float h0 = now_ms();
+      const double h0 = now_ms();
       CK(kvi_inject(inj, reqs, R, NULL, NULL));
-      const float h1 = now_ms();
+      const double h1 = now_ms();
       CU(cudaEventRecord(e1, 0));
       CU(cudaEventSynchronize(e1));
       if (i >= 0) CU(cudaEventElapsedTime(&t[i], e0, e1));
-      if (i >= 0) th[i] = h1 - h0;
+      if (i >= 0) th[i] = (float)(h1 - h0);
     }
     const size_t bytes = (size_t)R * k * FACT_T * TOKEN_BYTES;
     row("inject", R, k, median(t, ITERS), median(th, ITERS), copy_ms(csrc, cdst, bytes, span, e0, e1));
@@ -204,13 +205,13 @@ int main(void) {
         caps[f].start_position = 100 + f * FACT_T;
       }
       CU(cudaEventRecord(e0, 0));
-      const float h0 = now_ms();
+      const double h0 = now_ms();
       CK(kvi_encode(enc, caps, n, NULL));
-      const float h1 = now_ms();
+      const double h1 = now_ms();
       CU(cudaEventRecord(e1, 0));
       CU(cudaEventSynchronize(e1));
       if (i >= 0) CU(cudaEventElapsedTime(&t[i], e0, e1));
-      if (i >= 0) th[i] = h1 - h0;
+      if (i >= 0) th[i] = (float)(h1 - h0);
     }
     const size_t bytes = (size_t)n * FACT_T * TOKEN_BYTES;
     row("capture", 1, n, median(t, ITERS), median(th, ITERS), copy_ms(csrc, cdst, bytes, span, e0, e1));
