@@ -662,9 +662,13 @@ static kvi_status inject_job(const xfer *x, const kvi_inject_request *rq, int32_
   j->first_slot = rq->first_slot;
   j->positions = rq->positions;
   j->start_position = rq->start_position;
-  kvi_status st = check_job(x, j, r, "request", fn);
-  if (st == KVI_OK && j->tokens > 0 && !j->table_on_host)
-    st = kvi__check_memory(j->table, KVI_MEMORY_DEVICE, true, x->store->device, fn, "a device block table");
+  /* a host table is read here: it must not be device memory (the driver
+   * tells, in about a microsecond), nor a device table host memory */
+  kvi_status st = KVI_OK;
+  if (j->tokens > 0 && j->table && x->cuda)
+    st = kvi__check_memory(j->table, j->table_on_host ? KVI_MEMORY_HOST : KVI_MEMORY_DEVICE, true, x->store->device, fn,
+                           j->table_on_host ? "a host block table" : "a device block table");
+  if (st == KVI_OK) st = check_job(x, j, r, "request", fn);
   return st;
 }
 
@@ -831,6 +835,7 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
   int64_t ntok = 0, npos = 0, ntables = 0;
   int32_t nsegs = 0;
   uint32_t need_total = 0;
+  const int32_t *checked_table = NULL;
   for (int32_t i = 0; i < num_captures && st == KVI_OK; i++) {
     const char *src = (const char *)caps + (size_t)i * csize;
     size_t sz;
@@ -867,9 +872,14 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
     j->tokens = c->num_tokens;
     j->positions = c->positions;
     j->start_position = c->start_position;
+    /* the table is read here, so it must be host memory; captures of one
+     * batched prefill share it, and asking the driver costs a microsecond */
+    if (c->block_table != checked_table) {
+      if ((st = kvi__check_memory(c->block_table, KVI_MEMORY_HOST, x->cuda, s->device, fn, "a capture's block table")))
+        break;
+      checked_table = c->block_table;
+    }
     if ((st = check_job(x, j, i, "capture", fn))) break;
-    if ((st = kvi__check_memory(c->block_table, KVI_MEMORY_HOST, x->cuda, s->device, fn, "a capture's block table")))
-      break;
     if ((st = kvi__store_read_embedding(s, c->embedding, c->embedding_dtype, c->embedding_memory, stream, &cs[i].emb,
                                         fn)))
       break;

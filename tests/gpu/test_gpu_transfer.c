@@ -376,6 +376,55 @@ static void t_bad_device_table(void **state) {
   free_world(&w);
 }
 
+/* Block tables declared in the wrong memory: a device pointer given as a
+ * host table (the library would read it on the host) and a host pointer
+ * given as a device table are refused before anything is written. */
+static void t_table_memory_kind(void **state) {
+  (void)state;
+  if (g_devices == 0) skip();
+  const scen sc = {2, 2, 64, 16, 32, 16, 2, KVI_DTYPE_BF16, KVI_DTYPE_BF16, KVI_CACHE_VLLM_FLASH_ATTN, 0, KVI_SCALE_NONE};
+  world w;
+  make_world(&w, &sc);
+  kvi_injector *di;
+  kvi_encoder *de;
+  CHECK_OK(kvi_injector_create(&di, w.gpu, &w.dl, NULL));
+  CHECK_OK(kvi_encoder_create(&de, w.gpu, &w.dl, NULL));
+  int32_t table[4] = {3, 1, 2, 7}, *dtable;
+  CUDA_OK(cudaMalloc((void **)&dtable, sizeof table));
+  CUDA_OK(cudaMemcpy(dtable, table, sizeof table, cudaMemcpyHostToDevice));
+  uint64_t ids[2] = {100, 101};
+  kvi_inject_request rq = KVI_INJECT_REQUEST_INIT;
+  rq.tenant = 1;
+  rq.fact_ids = ids;
+  rq.num_facts = 2;
+  rq.block_table = dtable;
+  rq.block_table_len = 4;
+  rq.block_table_memory = KVI_MEMORY_HOST;
+  assert_int_equal(kvi_inject(di, &rq, 1, NULL, NULL), KVI_ERR_MEMORY_KIND);
+  rq.block_table = table;
+  rq.block_table_memory = KVI_MEMORY_DEVICE;
+  assert_int_equal(kvi_inject(di, &rq, 1, NULL, NULL), KVI_ERR_MEMORY_KIND);
+  kvi_capture cap = KVI_CAPTURE_INIT;
+  cap.tenant = 9;
+  cap.fact_id = 1;
+  cap.block_table = dtable;
+  cap.block_table_len = 4;
+  cap.num_tokens = 5;
+  assert_int_equal(kvi_encode(de, &cap, 1, NULL), KVI_ERR_MEMORY_KIND);
+  size_t n = 1;
+  CHECK_OK(kvi_store_count(w.gpu, 9, &n));
+  assert_int_equal(n, 0);
+  /* the cache was not touched */
+  unsigned char *d = malloc(w.layer_bytes);
+  CUDA_OK(cudaMemcpy(d, w.dev[0], w.layer_bytes, cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < w.layer_bytes; i++) assert_int_equal(d[i], 0xFF);
+  free(d);
+  cudaFree(dtable);
+  kvi_encoder_destroy(de);
+  kvi_injector_destroy(di);
+  free_world(&w);
+}
+
 /* The stream is held by a host callback until released: an injection is in
  * flight for certain, so a removed fact's pages must not return to the pool. */
 static volatile int g_release;
@@ -438,6 +487,10 @@ static void t_deferred_free(void **state) {
   free_world(&w);
 }
 #else
+static void t_table_memory_kind(void **state) {
+  (void)state;
+  skip();
+}
 static void t_bad_device_table(void **state) {
   (void)state;
   skip();
@@ -454,7 +507,7 @@ int main(void) {
       cmocka_unit_test(t_fa_bf16),       cmocka_unit_test(t_fi_hnd_fp16),  cmocka_unit_test(t_packed_fp32),
       cmocka_unit_test(t_table_exact),   cmocka_unit_test(t_table_bf16),   cmocka_unit_test(t_trtllm_fp8),
       cmocka_unit_test(t_sglang_e5m2),   cmocka_unit_test(t_hf_scalar),    cmocka_unit_test(t_fi_yarn_vec),
-      cmocka_unit_test(t_bad_device_table), cmocka_unit_test(t_deferred_free),
+      cmocka_unit_test(t_bad_device_table), cmocka_unit_test(t_table_memory_kind), cmocka_unit_test(t_deferred_free),
   };
   int failed = cmocka_run_group_tests_name("gpu-transfer", tests, NULL, NULL);
   if (failed) return 1;
