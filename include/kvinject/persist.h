@@ -33,9 +33,10 @@
  * Locking and cost: save and journal_open hold the store's lock while they
  * write the file, so other calls on the store wait for about the time it
  * takes to write the store's facts. A journaled put, remove or encode holds
- * the lock while it writes and flushes its change (one fsync per call); on a
- * CUDA store it first waits for its own device work (a put from device
- * memory, an encode) so that the data it writes is complete.
+ * the lock while it writes and flushes its change (one fdatasync per call).
+ * On a CUDA store a journaled put from device memory, or encode, first waits
+ * for the stream it was given (its copy must be complete to be written), so
+ * it returns only when that stream has drained.
  *
  * Files are created with mode 0600 (owner only: facts are user data). Saving
  * writes "<path>.tmp.<pid>.<n>" in the same directory and renames it; a
@@ -82,8 +83,10 @@ KVI_API void kvi_save_options_init(kvi_save_options *opts);
  * Writes a snapshot of `store` (every fact, or one tenant's) to the file
  * `path` (host memory, a NUL-terminated path): to "<path>.tmp.<pid>.<n>"
  * first, flushed (fsync), then renamed over `path`, then the directory
- * flushed. When this returns KVI_OK the file is durable; on any error `path`
- * is as it was and the temporary file is removed.
+ * flushed. When this returns KVI_OK the file is durable. On an error `path`
+ * is as it was and the temporary file is removed, except when only the
+ * final directory flush failed (KVI_ERR_IO naming the directory): `path` then
+ * already is the new, complete file, which a crash may still undo.
  * The snapshot is of one moment: the store's lock is held throughout. On a
  * CUDA store, device work that writes facts (puts from device memory,
  * kvi_encode) is waited for before the facts are read.
