@@ -1023,11 +1023,9 @@ static kvi_status read_entries(loader *ld, uint64_t start, uint64_t *valid_end, 
       ok = entry_ok(ld, h, pos, seq, &e, why, sizeof why, &hard);
     }
     if (!ok) {
-      if (!in_log || hard) {
-        st = corrupt(ld, pos, "%s%s", why, in_log ? "" : " (inside the snapshot)");
-      } else if ((st = check_tail(ld, pos, seq, why)) == KVI_OK) {
-        break; /* a torn final entry: ignored */
-      }
+      /* in the log, a torn final entry is ignored (check_tail leaves st KVI_OK) */
+      if (!in_log || hard) st = corrupt(ld, pos, "%s%s", why, in_log ? "" : " (inside the snapshot)");
+      else st = check_tail(ld, pos, seq, why);
       break;
     }
     free(body);

@@ -30,6 +30,11 @@
  * Memory: every function here takes and returns host memory only; CUDA
  * stores are read and written through host buffers (pinned staging).
  *
+ * Thread rules: every function here may run on several threads at once, on
+ * the same store too (they take the store's lock), but not concurrently with
+ * kvi_store_destroy of that store. kvi_store_load creates a new store that no
+ * other thread can see before it returns.
+ *
  * Locking and cost: save and journal_open hold the store's lock while they
  * write the file, so other calls on the store wait for about the time it
  * takes to write the store's facts. A journaled put, remove or encode holds
@@ -162,8 +167,9 @@ KVI_API kvi_status kvi_store_load(kvi_store **out, const kvi_model *model, const
  * all-or-nothing group) and flushes it before returning KVI_OK. If appending
  * or flushing fails, that call fails with KVI_ERR_IO and changes nothing in
  * the store (the change may still be in the file when the flush itself
- * failed); after a failed flush the journal refuses further changes with
- * KVI_ERR_IO until it is opened again.
+ * failed); after a failed flush (or a failed write that could not be cut
+ * back off the file) the journal refuses further changes with KVI_ERR_IO
+ * until it is opened again.
  * A store already journaling (to this path or another) switches to the new
  * file; calling this again with the same path compacts the file. The store's
  * lock is held throughout (see the top of this header).
