@@ -17,6 +17,7 @@
  *   kvinject/store.h   the fact store (kvi_store)
  *   kvinject/cache.h   an engine's paged KV cache layout (kvi_cache_layout)
  *   kvinject/inject.h  the encoder (kvi_encoder) and injector (kvi_injector)
+ *   kvinject/persist.h store files: save, load, journal
  *
  * Conventions (they hold for every function unless it says otherwise):
  * - Functions return kvi_status; 0 is success. A failed call changes nothing.
@@ -40,5 +41,6 @@
 #include "kvinject/store.h"
 #include "kvinject/cache.h"
 #include "kvinject/inject.h"
+#include "kvinject/persist.h"
 
 #endif /* KVINJECT_H */

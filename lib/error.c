@@ -26,6 +26,9 @@ KVI_API const char *kvi_status_string(kvi_status status) {
   case KVI_ERR_CUDA: return "CUDA error";
   case KVI_ERR_UNSUPPORTED: return "not supported";
   case KVI_ERR_INTERNAL: return "internal error";
+  case KVI_ERR_CORRUPT: return "corrupt store file";
+  case KVI_ERR_INCOMPATIBLE: return "incompatible store file";
+  case KVI_ERR_IO: return "I/O error";
   }
   return "unknown status";
 }

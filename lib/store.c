@@ -17,6 +17,7 @@
 
 #include "internal.h"
 #include "kernels.h"
+#include "persist_internal.h"
 #include "store_internal.h"
 #include "kvi_build_config.h"
 
@@ -375,6 +376,7 @@ KVI_API void kvi_store_destroy(kvi_store *store) {
   free(store->pool.free);
   for (int32_t l = 0; l < store->geom.num_layers; l++) kvi__rope_release(&store->rope[l]);
   free(store->rope);
+  kvi__journal_free(store->journal);
   free(store);
 }
 
@@ -601,6 +603,10 @@ KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant_id, uint64_t 
   WITH_DEVICE(store, fn, st, copy_fact(store, &v, pages, v.num_tokens, true, stream, fn));
   if (st == KVI_OK && store->backend == KVI_BACKEND_CUDA && v.memory == KVI_MEMORY_DEVICE)
     st = kvi__store_track(store, stream, fn);
+  if (st == KVI_OK && store->journal) { /* durable before it is visible */
+    const kvi__jfact jf = {tenant_id, fact_id, v.num_tokens, pages, emb};
+    st = kvi__journal_put(store, &jf, 1, stream, v.memory == KVI_MEMORY_DEVICE, fn);
+  }
   if (st) goto out_unlock; /* the pages were not taken off the free stack */
   store->pool.nfree -= need; /* the pages chosen from the top of the free stack */
   kvi__store_commit(store, f, pages, need, fresh, &emb, tenant_id, fact_id, v.num_tokens);
@@ -622,8 +628,10 @@ KVI_API kvi_status kvi_store_remove(kvi_store *store, uint64_t tenant_id, uint64
   if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
   kvi__store_lock(store);
   fact *f = kvi__store_find(store, tenant_id, fact_id);
-  if (f) unlink_fact(store, f);
+  const kvi_status st = f && store->journal ? kvi__journal_remove(store, tenant_id, fact_id, fn) : KVI_OK;
+  if (f && st == KVI_OK) unlink_fact(store, f);
   kvi__store_unlock(store);
+  if (st) return st;
   if (!f)
     return kvi__fail(KVI_ERR_NOT_FOUND, fn, "no fact %llu for tenant %llu", (unsigned long long)fact_id,
                      (unsigned long long)tenant_id);
@@ -685,6 +693,20 @@ KVI_API kvi_status kvi_store_get_embedding(const kvi_store *store, uint64_t tena
   kvi__store_unlock(store);
   return f ? KVI_OK : not_found(fn, tenant_id, fact_id);
 }
+
+/* for persist.c, the lock held */
+void kvi__store_fact_embedding(const kvi_store *s, const struct fact *f, float *out) {
+  memcpy(out, f->embedding, (size_t)s->emb_dim * sizeof *out);
+}
+
+kvi_status kvi__store_read_pages(const kvi_store *s, const uint32_t *pages, int32_t tokens, const kvi_kv_view *host,
+                                 const char *fn) {
+  kvi_status st;
+  WITH_DEVICE(s, fn, st, copy_fact(s, host, pages, tokens, false, NULL, fn));
+  return st;
+}
+
+kvi_status kvi__store_wait_device(kvi_store *s, const char *fn) { return reap(s, true, fn); }
 
 KVI_API kvi_status kvi_store_count(const kvi_store *store, uint64_t tenant_id, size_t *out_count) {
   static const char fn[] = "kvi_store_count";

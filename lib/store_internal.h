@@ -68,6 +68,7 @@ struct kvi_store {
   uint32_t *deferred_page;
   uint64_t *deferred_tag;
   uint32_t ndeferred;
+  struct kvi__journal *journal; /* persist.c: the append log, or NULL */
 };
 
 static inline char *page_addr(const kvi_store *s, uint32_t page) {

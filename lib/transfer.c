@@ -21,6 +21,7 @@
 
 #include "cache_internal.h"
 #include "kernels.h"
+#include "persist_internal.h"
 #include "store_internal.h"
 
 #define TRANSFER_OPTIONS_V1 sizeof(kvi_transfer_options)
@@ -814,6 +815,21 @@ static void free_caps(cap_state *cs, int32_t n) {
   free(cs);
 }
 
+/* Appends the captures to the store's journal as one group, before they are
+ * committed (persist.c). */
+static kvi_status journal_captures(kvi_store *s, const cap_state *cs, int32_t n, bool cuda, struct CUstream_st *stream,
+                                   const char *fn) {
+  kvi__jfact *jf = malloc((size_t)n * sizeof *jf);
+  if (!jf) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d journal records", (int)n);
+  for (int32_t i = 0; i < n; i++) {
+    const kvi__jfact f = {cs[i].c.tenant, cs[i].c.fact_id, cs[i].c.num_tokens, cs[i].pages, cs[i].emb};
+    jf[i] = f;
+  }
+  const kvi_status st = kvi__journal_put(s, jf, n, stream, cuda, fn);
+  free(jf);
+  return st;
+}
+
 KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures,
                               struct CUstream_st *stream) {
   static const char fn[] = "kvi_encode";
@@ -919,6 +935,7 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
     st = execute(x, &p, 0, x->cache.L, false, stream, fn);
     plan_free(x, &p);
   }
+  if (st == KVI_OK && s->journal) st = journal_captures(s, cs, num_captures, x->cuda, stream, fn);
   if (st == KVI_OK) {
     s->pool.nfree -= need_total;
     for (int32_t i = 0; i < num_captures; i++) {

@@ -64,7 +64,8 @@ typedef enum kvi_status {
   KVI_ERR_CAPACITY = -4,
   /* The (tenant, fact id) is already stored and no replace flag was given. */
   KVI_ERR_EXISTS = -5,
-  /* No fact with that (tenant, fact id). */
+  /* No fact with that (tenant, fact id); for kvi_store_load, no file at the
+   * path. */
   KVI_ERR_NOT_FOUND = -6,
   /* A buffer's shape (layers, heads, head size) or element type does not
    * match what the handle was created for. */
@@ -85,7 +86,19 @@ typedef enum kvi_status {
   /* A valid request that this version does not implement. */
   KVI_ERR_UNSUPPORTED = -12,
   /* A bug in the library: please report it with kvi_last_error(). */
-  KVI_ERR_INTERNAL = -13
+  KVI_ERR_INTERNAL = -13,
+  /* A store file that is not one, is truncated, fails a checksum or is
+   * inconsistent (kvi_store_load); kvi_last_error() names the offset and the
+   * check. Nothing was loaded. */
+  KVI_ERR_CORRUPT = -14,
+  /* A valid store file made for another model geometry, tensor-parallel
+   * slice, RoPE, storage dtype or embedding size than the one given, or
+   * written in a format version or byte order this library does not read. */
+  KVI_ERR_INCOMPATIBLE = -15,
+  /* A file system call failed (open, write, fsync, rename, ...), or a file is
+   * in use as another store's journal; kvi_last_error() names the call, the
+   * path and the system's error. */
+  KVI_ERR_IO = -16
 } kvi_status;
 
 /* Static English text for a status ("invalid argument", ...). Never NULL;

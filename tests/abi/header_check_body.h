@@ -244,10 +244,93 @@ static void hc_check_store(void) {
   kvi_model_destroy(NULL);
 }
 
+/* Save a CPU store's tenant to a file and load it back (persist.h). */
+static void hc_check_persist(const char *lang) {
+  kvi_save_options sv = KVI_SAVE_OPTIONS_INIT, sv2;
+  kvi_load_options lo = KVI_LOAD_OPTIONS_INIT, lo2;
+  kvi_model_options mo = KVI_MODEL_OPTIONS_INIT;
+  kvi_store_options so = KVI_STORE_OPTIONS_INIT;
+  kvi_kv_view src = KVI_KV_VIEW_INIT, dst = KVI_KV_VIEW_INIT;
+  kvi_model *model = NULL, *other = NULL;
+  kvi_store *store = NULL, *loaded = NULL;
+  static float k[HC_ELEMS], v[HC_ELEMS], k2[HC_ELEMS], v2[HC_ELEMS];
+  char path[64];
+  size_t n = 99;
+  int i;
+
+  memset(&sv2, 0x5a, sizeof sv2);
+  kvi_save_options_init(&sv2);
+  HC_CHECK(sv.struct_size == sizeof(kvi_save_options) && sv2.struct_size == sv.struct_size && sv2.flags == 0 &&
+           sv.flags == 0 && sv2.tenant == 0);
+  memset(&lo2, 0x5a, sizeof lo2);
+  kvi_load_options_init(&lo2);
+  HC_CHECK(lo.struct_size == sizeof(kvi_load_options) && lo2.struct_size == lo.struct_size && lo2.flags == 0);
+  kvi_save_options_init(NULL);
+  kvi_load_options_init(NULL);
+  HC_CHECK(KVI_ERR_CORRUPT == -14 && KVI_ERR_INCOMPATIBLE == -15 && KVI_ERR_IO == -16);
+  HC_CHECK(strcmp(kvi_status_string(KVI_ERR_CORRUPT), kvi_status_string(KVI_ERR_INCOMPATIBLE)) != 0);
+
+  mo.num_layers = HC_LAYERS;
+  mo.num_kv_heads = HC_HEADS;
+  mo.head_size = HC_DIM;
+  HC_CHECK_OK(kvi_model_create(&model, &mo));
+  mo.head_size = HC_DIM * 2;
+  HC_CHECK_OK(kvi_model_create(&other, &mo));
+  so.backend = KVI_BACKEND_CPU;
+  so.dtype = KVI_DTYPE_FP32;
+  so.page_tokens = HC_PAGE;
+  so.budget_bytes = 64u * 1024u;
+  if (model) HC_CHECK_OK(kvi_store_create(&store, model, &so));
+  if (!store || !other) {
+    kvi_model_destroy(model);
+    kvi_model_destroy(other);
+    return;
+  }
+  for (i = 0; i < HC_ELEMS; i++) {
+    k[i] = (float)i * 0.5f - 7.0f;
+    v[i] = (float)(i % 5) - 2.0f;
+  }
+  kvi_kv_view_contiguous(&src, KVI_MEMORY_HOST, KVI_DTYPE_FP32, HC_LAYERS, HC_TOKENS, HC_HEADS, HC_DIM, k, v);
+  HC_CHECK_OK(kvi_store_put(store, 3u, 30u, &src, NULL, NULL));
+  HC_CHECK_OK(kvi_store_put(store, 4u, 40u, &src, NULL, NULL));
+
+  snprintf(path, sizeof path, "hc-persist-%s.kvi", lang);
+  sv.flags = KVI_SAVE_ONE_TENANT;
+  sv.tenant = 3u;
+  HC_CHECK_OK(kvi_store_save(store, path, &sv));
+  HC_CHECK_OK(kvi_store_load(&loaded, model, &so, path, &lo));
+  if (loaded) {
+    kvi_kv_view_contiguous(&dst, KVI_MEMORY_HOST, KVI_DTYPE_FP32, HC_LAYERS, HC_TOKENS, HC_HEADS, HC_DIM, k2, v2);
+    HC_CHECK_OK(kvi_store_read(loaded, 3u, 30u, &dst, NULL));
+    HC_CHECK(memcmp(k, k2, sizeof k) == 0 && memcmp(v, v2, sizeof v) == 0);
+    HC_CHECK_OK(kvi_store_count(loaded, 4u, &n));
+    HC_CHECK(n == 0);
+    kvi_store_destroy(loaded);
+    loaded = NULL;
+  }
+  HC_CHECK(kvi_store_load(&loaded, other, &so, path, NULL) == KVI_ERR_INCOMPATIBLE && loaded == NULL);
+  HC_CHECK_OK(kvi_store_journal_open(store, path, 0u));
+  HC_CHECK_OK(kvi_store_remove(store, 4u, 40u));
+  HC_CHECK_OK(kvi_store_journal_close(store));
+  HC_CHECK_OK(kvi_store_load(&loaded, model, &so, path, NULL));
+  if (loaded) {
+    HC_CHECK_OK(kvi_store_count(loaded, 3u, &n));
+    HC_CHECK(n == 1);
+    HC_CHECK_OK(kvi_store_count(loaded, 4u, &n));
+    HC_CHECK(n == 0);
+  }
+  kvi_store_destroy(loaded);
+  kvi_store_destroy(store);
+  kvi_model_destroy(model);
+  kvi_model_destroy(other);
+  HC_CHECK(remove(path) == 0);
+}
+
 static int hc_run(const char *lang) {
   hc_check_init_macros();
   hc_check_common();
   hc_check_store();
+  hc_check_persist(lang);
   if (hc_failures) {
     fprintf(stderr, "%s header check: %d failure(s)\n", lang, hc_failures);
     return 1;

@@ -19,6 +19,9 @@ typedef char hc_version_number_ok[(KVI_VERSION_NUMBER ==
                                    KVI_VERSION_MAJOR * 10000 + KVI_VERSION_MINOR * 100 + KVI_VERSION_PATCH)
                                       ? 1
                                       : -1];
-typedef char hc_status_values_ok[(KVI_OK == 0 && KVI_ERR_INVALID_ARGUMENT == -1 && KVI_ERR_INTERNAL == -13) ? 1 : -1];
+typedef char hc_status_values_ok[(KVI_OK == 0 && KVI_ERR_INVALID_ARGUMENT == -1 && KVI_ERR_INTERNAL == -13 &&
+                                  KVI_ERR_IO == -16)
+                                     ? 1
+                                     : -1];
 
 int main(void) { return hc_run("C99"); }

@@ -18,7 +18,7 @@
 
 static_assert(KVI_VERSION_NUMBER == KVI_VERSION_MAJOR * 10000 + KVI_VERSION_MINOR * 100 + KVI_VERSION_PATCH,
               "KVI_VERSION_NUMBER");
-static_assert(KVI_OK == 0 && KVI_ERR_INTERNAL == -13, "status values are fixed");
+static_assert(KVI_OK == 0 && KVI_ERR_INTERNAL == -13 && KVI_ERR_IO == -16, "status values are fixed");
 static_assert(std::is_standard_layout<kvi_model_options>::value && std::is_trivial<kvi_model_options>::value,
               "options structs are plain C structs");
 static_assert(std::is_standard_layout<kvi_kv_view>::value && std::is_trivial<kvi_kv_view>::value, "kvi_kv_view");
@@ -102,11 +102,15 @@ int cxx_checks() {
   const kvi_inject_request req = KVI_INJECT_REQUEST_INIT;
   const kvi_inject_options iopts = KVI_INJECT_OPTIONS_INIT;
   const kvi_capture cap = KVI_CAPTURE_INIT;
+  const kvi_save_options sopts = KVI_SAVE_OPTIONS_INIT;
+  const kvi_load_options lopts = KVI_LOAD_OPTIONS_INIT;
   if (layout.struct_size != sizeof layout || layout.scale_mode != KVI_SCALE_NONE) fail("KVI_CACHE_LAYOUT_INIT");
   if (topts.max_requests_per_call < 1) fail("KVI_TRANSFER_OPTIONS_INIT");
   if (req.block_table_memory != KVI_MEMORY_HOST) fail("KVI_INJECT_REQUEST_INIT");
   if (iopts.layer_end != 0) fail("KVI_INJECT_OPTIONS_INIT");
   if (cap.embedding_dtype != KVI_DTYPE_FP32) fail("KVI_CAPTURE_INIT");
+  if (sopts.struct_size != sizeof sopts || sopts.flags != 0) fail("KVI_SAVE_OPTIONS_INIT");
+  if (lopts.struct_size != sizeof lopts || lopts.flags != 0) fail("KVI_LOAD_OPTIONS_INIT");
   return failures;
 }
 

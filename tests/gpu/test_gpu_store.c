@@ -5,6 +5,7 @@
  * same on every machine.
  * SPDX-License-Identifier: Apache-2.0
  */
+#define _GNU_SOURCE /* mkdtemp */
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -13,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -493,6 +495,109 @@ static void test_threads(void **state) {
   assert_int_equal(st.pages_used, pages);
 }
 
+#ifdef KVI_HAVE_CUDA
+/* Reads fact (tenant, id) from stores a and b in dtype dt; bit-identical. */
+static void assert_same_in(const fixture *f, const kvi_store *a, const kvi_store *b, uint64_t tenant, uint64_t id,
+                           int32_t T, kvi_dtype dt) {
+  void *ak, *av, *bk, *bv;
+  read_host(f, a, tenant, id, T, dt, &ak, &av);
+  read_host(f, b, tenant, id, T, dt, &bk, &bv);
+  const size_t bytes = (size_t)f->L * T * f->H * f->D * kvi_dtype_size(dt);
+  assert_memory_equal(ak, bk, bytes);
+  assert_memory_equal(av, bv, bytes);
+  free(ak);
+  free(av);
+  free(bk);
+  free(bv);
+}
+#endif
+
+/* Store files of a CUDA store: journaled puts from device memory on a stream
+ * the test never synchronizes (the journal waits for it), host puts, a
+ * removal, then a save right after a device put; both files load into a CUDA
+ * and a CPU store that read back bit for bit what the CPU reference holds. */
+static void test_persist(void **state) {
+  fixture *f = *state;
+  (void)f; /* unused where CUDA is not built */
+  REQUIRE_GPU();
+#ifdef KVI_HAVE_CUDA
+  char dir[] = "/tmp/kvi-gpu-persist-XXXXXX";
+  assert_non_null(mkdtemp(dir));
+  char jpath[64], spath[64];
+  snprintf(jpath, sizeof jpath, "%s/journal.kvi", dir);
+  snprintf(spath, sizeof spath, "%s/snapshot.kvi", dir);
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CHECK_OK(kvi_store_journal_open(f->gpu, jpath, 0));
+  const int32_t lens[] = {1, 16, 45, 300, 33, 7};
+  void *dbuf[12];
+  int nd = 0;
+  for (int j = 0; j < 6; j++) {
+    strided s;
+    strided_make(&s, f, lens[j], KVI_DTYPE_FP32, j % 2 ? 3 : 0, 0, j % 2);
+    if (j % 2 == 0) {
+      kvi_kv_view dv;
+      to_device(&s, &dv, &dbuf[nd], &dbuf[nd + 1]);
+      nd += 2;
+      CHECK_OK(kvi_store_put(f->gpu, 4, (uint64_t)j, &dv, NULL, (struct CUstream_st *)stream));
+    } else {
+      CHECK_OK(kvi_store_put(f->gpu, 4, (uint64_t)j, &s.view, NULL, NULL));
+    }
+    CHECK_OK(kvi_store_put(f->cpu, 4, (uint64_t)j, &s.view, NULL, NULL));
+    strided_free(&s);
+  }
+  CHECK_OK(kvi_store_remove(f->gpu, 4, 1));
+  CHECK_OK(kvi_store_remove(f->cpu, 4, 1));
+  CHECK_OK(kvi_store_journal_close(f->gpu));
+  {
+    /* a device put not yet complete when the save starts: the save waits for it */
+    strided s;
+    strided_make(&s, f, 500, KVI_DTYPE_FP32, 0, 0, 0);
+    kvi_kv_view dv;
+    to_device(&s, &dv, &dbuf[nd], &dbuf[nd + 1]);
+    nd += 2;
+    CHECK_OK(kvi_store_put(f->gpu, 5, 1, &dv, NULL, (struct CUstream_st *)stream));
+    CHECK_OK(kvi_store_put(f->cpu, 5, 1, &s.view, NULL, NULL));
+    CHECK_OK(kvi_store_save(f->gpu, spath, NULL));
+    strided_free(&s);
+  }
+  CUDA_OK(cudaStreamSynchronize(stream));
+  for (int i = 0; i < nd; i++) CUDA_OK(cudaFree(dbuf[i]));
+  kvi_store_stats st = KVI_STORE_STATS_INIT;
+  CHECK_OK(kvi_store_stats_get(f->gpu, &st));
+  for (int file = 0; file < 2; file++)
+    for (int be = 0; be < 2; be++) {
+      kvi_store_options so = KVI_STORE_OPTIONS_INIT;
+      so.backend = be ? KVI_BACKEND_CUDA : KVI_BACKEND_CPU;
+      so.device = 0;
+      so.dtype = st.dtype;
+      so.page_tokens = st.page_tokens + 3;
+      so.budget_bytes = st.bytes_reserved * 2;
+      kvi_store *l = NULL;
+      CHECK_OK(kvi_store_load(&l, f->model, &so, file ? spath : jpath, NULL));
+      for (int j = 0; j < 6; j++) {
+        int32_t T = -1;
+        if (j == 1) {
+          assert_int_equal(kvi_store_fact_tokens(l, 4, 1, &T), KVI_ERR_NOT_FOUND);
+          continue;
+        }
+        CHECK_OK(kvi_store_fact_tokens(l, 4, (uint64_t)j, &T));
+        assert_int_equal(T, lens[j]);
+        assert_same_in(f, l, f->cpu, 4, (uint64_t)j, T, st.dtype);
+      }
+      size_t n = 0;
+      CHECK_OK(kvi_store_count(l, 5, &n));
+      assert_int_equal(n, (size_t)file);
+      if (file) assert_same_in(f, l, f->cpu, 5, 1, 500, st.dtype);
+      kvi_store_destroy(l);
+    }
+  CUDA_OK(cudaStreamDestroy(stream));
+  unlink(jpath);
+  unlink(spath);
+  rmdir(dir);
+#endif
+}
+
 int main(void) {
   if (kvi_cuda_device_count(&g_devices) != KVI_OK) g_devices = 0;
   if (g_devices == 0) fprintf(stderr, "gpu suite: no CUDA device (%s); every test skips\n", kvi_last_error());
@@ -510,6 +615,8 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_device_embedding, setup_emb, teardown),
       cmocka_unit_test_setup_teardown(test_current_device_kept, setup_fp16_odd, teardown),
       cmocka_unit_test_setup_teardown(test_threads, setup_fp16_odd, teardown),
+      cmocka_unit_test_setup_teardown(test_persist, setup_bf16, teardown),
+      cmocka_unit_test_setup_teardown(test_persist, setup_fp16_odd, teardown),
   };
   int failed = cmocka_run_group_tests_name("gpu", bf16_tests, NULL, NULL);
   if (failed) return 1;

@@ -5,6 +5,7 @@
  * written out of place) shows up. Skips, and exits 77, with no device.
  * SPDX-License-Identifier: Apache-2.0
  */
+#define _GNU_SOURCE /* mkdtemp */
 #include <math.h>
 #include <pthread.h>
 #include <setjmp.h>
@@ -15,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -486,12 +488,89 @@ static void t_deferred_free(void **state) {
   kvi_injector_destroy(di);
   free_world(&w);
 }
+
+/* kvi_encode on a journaled CUDA store, on a stream the test does not
+ * synchronize: the journal waits for the capture kernel before it reads the
+ * pages, so the file, loaded into a CPU store, holds the captured facts bit
+ * for bit. */
+static void t_journal_encode(void **state) {
+  (void)state;
+  if (g_devices == 0) skip();
+  const scen sc = {2, 2, 64, 16, 64, 16, 2, KVI_DTYPE_BF16, KVI_DTYPE_BF16, KVI_CACHE_VLLM_FLASH_ATTN, 0, KVI_SCALE_NONE};
+  world w;
+  make_world(&w, &sc);
+  for (int i = 0; i < w.ntensors; i++) {
+    uint16_t *h = w.host[i];
+    for (size_t k = 0; k < w.layer_bytes / 2; k++) {
+      uint16_t b = (uint16_t)rnd();
+      if (((b >> 7) & 0xff) == 0xff) b &= 0xbfff;
+      h[k] = b;
+    }
+    CUDA_OK(cudaMemcpy(w.dev[i], w.host[i], w.layer_bytes, cudaMemcpyHostToDevice));
+  }
+  char dir[] = "/tmp/kvi-gpu-journal-XXXXXX";
+  assert_non_null(mkdtemp(dir));
+  char path[64];
+  snprintf(path, sizeof path, "%s/journal.kvi", dir);
+  CHECK_OK(kvi_store_journal_open(w.gpu, path, 0));
+  kvi_encoder *de;
+  CHECK_OK(kvi_encoder_create(&de, w.gpu, &w.dl, NULL));
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  int32_t table[64];
+  for (int i = 0; i < 64; i++) table[i] = (i * 7) % 64;
+  kvi_capture caps[3];
+  for (int i = 0; i < 3; i++) {
+    kvi_capture_init(&caps[i]);
+    caps[i].tenant = 3;
+    caps[i].fact_id = 1 + (uint64_t)i;
+    caps[i].block_table = table;
+    caps[i].block_table_len = 64;
+    caps[i].first_slot = 300 * i + 5;
+    caps[i].num_tokens = 290;
+    caps[i].start_position = 1000 * i;
+  }
+  CHECK_OK(kvi_encode(de, caps, 3, (struct CUstream_st *)s));
+  kvi_store_options so = KVI_STORE_OPTIONS_INIT;
+  so.backend = KVI_BACKEND_CPU;
+  so.dtype = sc.store_dtype;
+  so.budget_bytes = 64u << 20;
+  kvi_store *l = NULL;
+  CHECK_OK(kvi_store_load(&l, w.model, &so, path, NULL));
+  CUDA_OK(cudaStreamSynchronize(s));
+  const int32_t T = 290;
+  const size_t n = (size_t)sc.L * T * sc.H * sc.D;
+  uint16_t *a = malloc(n * 4), *b = malloc(n * 4);
+  for (int i = 0; i < 3; i++) {
+    kvi_kv_view va, vb;
+    kvi_kv_view_contiguous(&va, KVI_MEMORY_HOST, KVI_DTYPE_BF16, sc.L, T, sc.H, sc.D, a, a + n);
+    kvi_kv_view_contiguous(&vb, KVI_MEMORY_HOST, KVI_DTYPE_BF16, sc.L, T, sc.H, sc.D, b, b + n);
+    CHECK_OK(kvi_store_read(w.gpu, 3, caps[i].fact_id, &va, NULL));
+    CHECK_OK(kvi_store_read(l, 3, caps[i].fact_id, &vb, NULL));
+    assert_memory_equal(a, b, n * 4);
+  }
+  size_t count = 0;
+  CHECK_OK(kvi_store_count(l, 1, &count));
+  assert_int_equal(count, (size_t)sc.nfacts);
+  free(a);
+  free(b);
+  kvi_store_destroy(l);
+  kvi_encoder_destroy(de);
+  CUDA_OK(cudaStreamDestroy(s));
+  unlink(path);
+  rmdir(dir);
+  free_world(&w);
+}
 #else
 static void t_table_memory_kind(void **state) {
   (void)state;
   skip();
 }
 static void t_bad_device_table(void **state) {
+  (void)state;
+  skip();
+}
+static void t_journal_encode(void **state) {
   (void)state;
   skip();
 }
@@ -508,6 +587,7 @@ int main(void) {
       cmocka_unit_test(t_table_exact),   cmocka_unit_test(t_table_bf16),   cmocka_unit_test(t_trtllm_fp8),
       cmocka_unit_test(t_sglang_e5m2),   cmocka_unit_test(t_hf_scalar),    cmocka_unit_test(t_fi_yarn_vec),
       cmocka_unit_test(t_bad_device_table), cmocka_unit_test(t_table_memory_kind), cmocka_unit_test(t_deferred_free),
+      cmocka_unit_test(t_journal_encode),
   };
   int failed = cmocka_run_group_tests_name("gpu-transfer", tests, NULL, NULL);
   if (failed) return 1;

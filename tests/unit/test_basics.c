@@ -11,7 +11,8 @@ static const kvi_status all_statuses[] = {
     KVI_OK,           KVI_ERR_INVALID_ARGUMENT, KVI_ERR_STRUCT_SIZE, KVI_ERR_OUT_OF_MEMORY,
     KVI_ERR_CAPACITY, KVI_ERR_EXISTS,           KVI_ERR_NOT_FOUND,   KVI_ERR_MISMATCH,
     KVI_ERR_MEMORY_KIND, KVI_ERR_NOT_BUILT,     KVI_ERR_NO_DEVICE,   KVI_ERR_CUDA,
-    KVI_ERR_UNSUPPORTED, KVI_ERR_INTERNAL,
+    KVI_ERR_UNSUPPORTED, KVI_ERR_INTERNAL,     KVI_ERR_CORRUPT,     KVI_ERR_INCOMPATIBLE,
+    KVI_ERR_IO,
 };
 #define N_STATUSES (sizeof all_statuses / sizeof all_statuses[0])
 
@@ -37,7 +38,7 @@ static void test_status_strings_distinct(void **state) {
 
 static void test_status_string_unknown(void **state) {
   (void)state;
-  const int unknown[] = {1, 2, -14, -100, 12345, INT32_MIN, INT32_MAX};
+  const int unknown[] = {1, 2, -17, -100, 12345, INT32_MIN, INT32_MAX};
   for (size_t i = 0; i < sizeof unknown / sizeof unknown[0]; i++)
     assert_string_equal(kvi_status_string((kvi_status)unknown[i]), "unknown status");
 }
