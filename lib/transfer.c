@@ -802,6 +802,11 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
       st = kvi__fail(KVI_ERR_EXISTS, fn, "capture %d: fact %llu of tenant %llu is already stored (KVI_PUT_REPLACE replaces it)",
                      (int)i, (unsigned long long)cs[i].c.fact_id, (unsigned long long)cs[i].c.tenant);
   if (st == KVI_OK) st = kvi__store_reserve(s, need_total, (size_t)num_captures, fn);
+  bool rows_reserved = false;
+  for (int32_t i = 0; i < num_captures && st == KVI_OK; i++) {
+    st = kvi__store_reserve_rows(s, cs[i].c.tenant, 1, fn);
+    rows_reserved = true;
+  }
   plan p;
   slot *sl = NULL;
   if (st == KVI_OK && x->cuda) st = take_slot(x, &sl, fn);
@@ -824,6 +829,8 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
                         cs[i].c.num_tokens);
       cs[i].f = NULL, cs[i].pages = NULL, cs[i].fresh = NULL; /* owned by the store now */
     }
+  } else if (rows_reserved) {
+    for (int32_t i = 0; i < num_captures; i++) kvi__store_unreserve_rows(s, cs[i].c.tenant);
   }
   unlock_both(x);
 out:
