@@ -15,6 +15,7 @@
  *   kvinject/common.h  status codes, errors, version, features, dtypes
  *   kvinject/model.h   model geometry and RoPE spec (kvi_model)
  *   kvinject/store.h   the fact store (kvi_store)
+ *   kvinject/search.h  retrieval: top-k facts per query (kvi_store_search)
  *   kvinject/cache.h   an engine's paged KV cache layout (kvi_cache_layout)
  *   kvinject/inject.h  the encoder (kvi_encoder) and injector (kvi_injector)
  *   kvinject/persist.h store files: save, load, journal
@@ -39,6 +40,7 @@
 #include "kvinject/common.h"
 #include "kvinject/model.h"
 #include "kvinject/store.h"
+#include "kvinject/search.h"
 #include "kvinject/cache.h"
 #include "kvinject/inject.h"
 #include "kvinject/persist.h"

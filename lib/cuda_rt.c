@@ -4,6 +4,9 @@
  * KVI_ERR_NOT_BUILT, so the rest of the library needs no #ifdefs.
  * SPDX-License-Identifier: Apache-2.0
  */
+#include <stdlib.h>
+#include <string.h>
+
 #include "internal.h"
 
 #ifdef KVI_HAVE_CUDA
@@ -18,15 +21,6 @@ static kvi_status cuda_fail(cudaError_t e, const char *fn, const char *call) {
 int kvi__cuda_count(void) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
-
-int kvi__cuda_sm_count(int device) {
-  int n = 0;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
@@ -163,6 +157,36 @@ kvi_status kvi__cuda_last_launch(const char *fn, const char *kernel) {
   return e == cudaSuccess ? KVI_OK : cuda_fail(e, fn, kernel);
 }
 
+kvi_status kvi__cuda_error(int err, const char *fn, const char *what) {
+  return err == 0 ? KVI_OK : cuda_fail((cudaError_t)err, fn, what);
+}
+
+kvi_status kvi__cuda_malloc_async(void **p, size_t bytes, struct CUstream_st *s, const char *fn) {
+  cudaError_t e = cudaMallocAsync(p, bytes, (cudaStream_t)s);
+  return e == cudaSuccess ? KVI_OK : cuda_fail(e, fn, "cudaMallocAsync");
+}
+
+kvi_status kvi__cuda_free_async(void *p, struct CUstream_st *s, const char *fn) {
+  if (!p) return KVI_OK;
+  cudaError_t e = cudaFreeAsync(p, (cudaStream_t)s);
+  return e == cudaSuccess ? KVI_OK : cuda_fail(e, fn, "cudaFreeAsync");
+}
+
+kvi_status kvi__cuda_d2d(void *dst, const void *src, size_t bytes, struct CUstream_st *s, const char *fn) {
+  cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, (cudaStream_t)s);
+  return e == cudaSuccess ? KVI_OK : cuda_fail(e, fn, "cudaMemcpyAsync (device to device)");
+}
+
+kvi_status kvi__cuda_stream_wait(struct CUstream_st *s, struct CUevent_st *ev, const char *fn) {
+  cudaError_t e = cudaStreamWaitEvent((cudaStream_t)s, (cudaEvent_t)ev, 0);
+  return e == cudaSuccess ? KVI_OK : cuda_fail(e, fn, "cudaStreamWaitEvent");
+}
+
+kvi_status kvi__cuda_sm_count(int device, int *count, const char *fn) {
+  cudaError_t e = cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device);
+  return e == cudaSuccess ? KVI_OK : cuda_fail(e, fn, "cudaDeviceGetAttribute (multiprocessors)");
+}
+
 #else /* !KVI_HAVE_CUDA */
 
 static kvi_status not_built(const char *fn) {
@@ -170,10 +194,6 @@ static kvi_status not_built(const char *fn) {
 }
 
 int kvi__cuda_count(void) { return 0; }
-int kvi__cuda_sm_count(int device) {
-  (void)device;
-  return 0;
-}
 kvi__ptr_kind kvi__cuda_ptr_kind(const void *p, int *device) {
   (void)p, (void)device;
   return KVI__PTR_UNKNOWN;
@@ -241,8 +261,172 @@ kvi_status kvi__cuda_last_launch(const char *fn, const char *kernel) {
   (void)kernel;
   return not_built(fn);
 }
+kvi_status kvi__cuda_error(int err, const char *fn, const char *what) {
+  (void)what;
+  return err == 0 ? KVI_OK : not_built(fn);
+}
+kvi_status kvi__cuda_malloc_async(void **p, size_t bytes, struct CUstream_st *s, const char *fn) {
+  (void)p, (void)bytes, (void)s;
+  return not_built(fn);
+}
+kvi_status kvi__cuda_free_async(void *p, struct CUstream_st *s, const char *fn) {
+  (void)s;
+  return p ? not_built(fn) : KVI_OK;
+}
+kvi_status kvi__cuda_d2d(void *dst, const void *src, size_t bytes, struct CUstream_st *s, const char *fn) {
+  (void)dst, (void)src, (void)bytes, (void)s;
+  return not_built(fn);
+}
+kvi_status kvi__cuda_stream_wait(struct CUstream_st *s, struct CUevent_st *e, const char *fn) {
+  (void)s, (void)e;
+  return not_built(fn);
+}
+kvi_status kvi__cuda_sm_count(int device, int *count, const char *fn) {
+  (void)device;
+  *count = 0;
+  return not_built(fn);
+}
 
 #endif /* KVI_HAVE_CUDA */
+
+/* ---- cuBLASLt ---------------------------------------------------------------- */
+
+#ifdef KVI_HAVE_CUBLASLT
+#include <cublasLt.h>
+
+#define LT_CACHE 16
+
+/* A chosen algorithm for one problem shape (and operand alignments). */
+typedef struct lt_entry {
+  int64_t key[9];
+  cublasLtMatmulAlgo_t algo;
+  size_t ws;
+  uint64_t stamp; /* 0: empty */
+} lt_entry;
+
+struct kvi__lt {
+  cublasLtHandle_t h;
+  lt_entry cache[LT_CACHE];
+  uint64_t clock;
+};
+
+static kvi_status lt_fail(cublasStatus_t e, const char *fn, const char *call) {
+  return kvi__fail(e == CUBLAS_STATUS_ALLOC_FAILED ? KVI_ERR_OUT_OF_MEMORY
+                   : e == CUBLAS_STATUS_NOT_SUPPORTED ? KVI_ERR_UNSUPPORTED
+                                                      : KVI_ERR_CUDA,
+                   fn, "%s failed: cuBLAS status %d (%s)", call, (int)e, cublasLtGetStatusName(e));
+}
+
+kvi_status kvi__lt_create(kvi__lt **out, const char *fn) {
+  kvi__lt *lt = calloc(1, sizeof *lt);
+  if (!lt) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a cuBLASLt handle");
+  cublasStatus_t e = cublasLtCreate(&lt->h);
+  if (e != CUBLAS_STATUS_SUCCESS) {
+    free(lt);
+    return lt_fail(e, fn, "cublasLtCreate");
+  }
+  *out = lt;
+  return KVI_OK;
+}
+
+void kvi__lt_destroy(kvi__lt *lt) {
+  if (!lt) return;
+  cublasLtDestroy(lt->h);
+  free(lt);
+}
+
+/* Largest power of two (<= 256) dividing the address: what cuBLASLt may assume. */
+static int64_t lt_align(const void *p) {
+  int64_t a = 256;
+  while (a > 1 && (uintptr_t)p % (uintptr_t)a) a /= 2;
+  return a;
+}
+
+kvi_status kvi__lt_scores(kvi__lt *lt, kvi_dtype t, const void *A, int64_t lda, const void *B, int64_t ldb, float *C,
+                          int64_t ldc, int64_t m, int64_t n, int64_t K, void *ws, size_t ws_bytes,
+                          struct CUstream_st *stream, const char *fn) {
+  const cudaDataType_t dt = t == KVI_DTYPE_FP16 ? CUDA_R_16F : t == KVI_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+  const int64_t aa = lt_align(A), ab = lt_align(B), ac = lt_align(C);
+  const int64_t key[9] = {(int64_t)t, m, n, K, lda, ldb, ldc, aa | ab << 16 | ac << 32, (int64_t)ws_bytes};
+  cublasLtMatmulDesc_t op = NULL;
+  cublasLtMatrixLayout_t la = NULL, lb = NULL, lc = NULL;
+  cublasLtMatmulPreference_t pref = NULL;
+  kvi_status st = KVI_OK;
+  cublasStatus_t e;
+  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+#define LT(call)                                                                                                   \
+  do {                                                                                                             \
+    if (st == KVI_OK && (e = (call)) != CUBLAS_STATUS_SUCCESS) st = lt_fail(e, fn, #call);                         \
+  } while (0)
+  LT(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  LT(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+  LT(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+  LT(cublasLtMatrixLayoutCreate(&la, dt, (uint64_t)K, (uint64_t)m, lda));
+  LT(cublasLtMatrixLayoutCreate(&lb, dt, (uint64_t)K, (uint64_t)n, ldb));
+  LT(cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, (uint64_t)m, (uint64_t)n, ldc));
+  lt_entry *hit = NULL, *victim = &lt->cache[0];
+  for (int i = 0; i < LT_CACHE && st == KVI_OK; i++) {
+    lt_entry *c = &lt->cache[i];
+    if (c->stamp && memcmp(c->key, key, sizeof key) == 0) hit = c;
+    if (c->stamp < victim->stamp) victim = c;
+  }
+  if (st == KVI_OK && !hit) {
+    const uint32_t a32 = (uint32_t)aa, b32 = (uint32_t)ab, c32 = (uint32_t)ac;
+    const uint64_t wsb = ws_bytes;
+    cublasLtMatmulHeuristicResult_t res;
+    int found = 0;
+    memset(&res, 0, sizeof res);
+    LT(cublasLtMatmulPreferenceCreate(&pref));
+    LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof wsb));
+    LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &a32, sizeof a32));
+    LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &b32, sizeof b32));
+    LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &c32, sizeof c32));
+    LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &c32, sizeof c32));
+    LT(cublasLtMatmulAlgoGetHeuristic(lt->h, op, la, lb, lc, lc, pref, 1, &res, &found));
+    if (st == KVI_OK && found < 1)
+      st = kvi__fail(KVI_ERR_UNSUPPORTED, fn, "cuBLASLt has no algorithm for scores of %lld x %lld (K %lld, %s)",
+                     (long long)m, (long long)n, (long long)K, kvi__dtype_name(t));
+    if (st == KVI_OK) {
+      hit = victim;
+      memcpy(hit->key, key, sizeof key);
+      hit->algo = res.algo;
+      hit->ws = res.workspaceSize;
+    }
+  }
+  if (st == KVI_OK) {
+    hit->stamp = ++lt->clock;
+    const float alpha = 1.0f, beta = 0.0f;
+    LT(cublasLtMatmul(lt->h, op, &alpha, A, la, B, lb, &beta, C, lc, C, lc, &hit->algo, ws, ws_bytes,
+                      (cudaStream_t)stream));
+  }
+#undef LT
+  if (pref) cublasLtMatmulPreferenceDestroy(pref);
+  if (lc) cublasLtMatrixLayoutDestroy(lc);
+  if (lb) cublasLtMatrixLayoutDestroy(lb);
+  if (la) cublasLtMatrixLayoutDestroy(la);
+  if (op) cublasLtMatmulDescDestroy(op);
+  return st;
+}
+
+#else /* !KVI_HAVE_CUBLASLT */
+
+static kvi_status lt_not_built(const char *fn) {
+  return kvi__fail(KVI_ERR_NOT_BUILT, fn, "libkvinject was built without cuBLASLt");
+}
+kvi_status kvi__lt_create(kvi__lt **out, const char *fn) {
+  *out = NULL;
+  return lt_not_built(fn);
+}
+void kvi__lt_destroy(kvi__lt *lt) { (void)lt; }
+kvi_status kvi__lt_scores(kvi__lt *lt, kvi_dtype t, const void *A, int64_t lda, const void *B, int64_t ldb, float *C,
+                          int64_t ldc, int64_t m, int64_t n, int64_t K, void *ws, size_t ws_bytes,
+                          struct CUstream_st *stream, const char *fn) {
+  (void)lt, (void)t, (void)A, (void)lda, (void)B, (void)ldb, (void)C, (void)ldc, (void)m, (void)n, (void)K, (void)ws,
+      (void)ws_bytes, (void)stream;
+  return lt_not_built(fn);
+}
+
+#endif /* KVI_HAVE_CUBLASLT */
 
 kvi_status kvi__check_memory(const void *p, kvi_memory declared, bool cuda_store, int device,
                              const char *fn, const char *what) {

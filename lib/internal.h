@@ -122,7 +122,6 @@ typedef struct kvi__devguard {
 } kvi__devguard;
 
 int kvi__cuda_count(void);  /* usable devices; 0 without CUDA/driver/device */
-int kvi__cuda_sm_count(int device); /* multiprocessors of a device; 0 when unknown */
 kvi__ptr_kind kvi__cuda_ptr_kind(const void *p, int *device);
 kvi_status kvi__cuda_current_device(int *dev, const char *fn);
 kvi_status kvi__cuda_enter(int device, kvi__devguard *g, const char *fn);
@@ -145,6 +144,32 @@ bool kvi__cuda_event_done(struct CUevent_st *e); /* completed (or failed: never 
 kvi_status kvi__cuda_event_sync(struct CUevent_st *e, const char *fn);
 kvi_status kvi__cuda_host_alloc_mapped(void **host, void **dev, size_t bytes, const char *fn);
 kvi_status kvi__cuda_last_launch(const char *fn, const char *kernel);
+/* A launch's own cudaError_t (already taken off cudaGetLastError) as a status. */
+kvi_status kvi__cuda_error(int err, const char *fn, const char *what);
+/* Stream-ordered allocation (the device's default memory pool); freeing NULL is a no-op. */
+kvi_status kvi__cuda_malloc_async(void **p, size_t bytes, struct CUstream_st *s, const char *fn);
+kvi_status kvi__cuda_free_async(void *p, struct CUstream_st *s, const char *fn);
+kvi_status kvi__cuda_d2d(void *dst, const void *src, size_t bytes, struct CUstream_st *s, const char *fn);
+kvi_status kvi__cuda_stream_wait(struct CUstream_st *s, struct CUevent_st *e, const char *fn);
+kvi_status kvi__cuda_sm_count(int device, int *count, const char *fn);
+
+/* ---- cuBLASLt (cuda_rt.c; KVI_ERR_NOT_BUILT without it) ------------------- */
+
+/* A cuBLASLt handle with a small cache of chosen algorithms. */
+typedef struct kvi__lt kvi__lt;
+kvi_status kvi__lt_create(kvi__lt **out, const char *fn);
+void kvi__lt_destroy(kvi__lt *lt);
+/*
+ * Scores of n queries against m rows: C[j * ldc + i] = sum over e < K of
+ * A[i * lda + e] * B[j * ldb + e] for i < m, j < n, with A and B of dtype t
+ * (FP16, BF16: fp32 accumulation; FP32: fp32, no TF32) and C fp32, all
+ * device memory. Column-major, that is C (m x n) = A^T (m x K) * B (K x n).
+ * Enqueued on `stream` with `ws` (ws_bytes) as cuBLASLt's workspace.
+ * KVI_ERR_UNSUPPORTED when cuBLASLt offers no algorithm for the shape.
+ */
+kvi_status kvi__lt_scores(kvi__lt *lt, kvi_dtype t, const void *A, int64_t lda, const void *B, int64_t ldb, float *C,
+                          int64_t ldc, int64_t m, int64_t n, int64_t K, void *ws, size_t ws_bytes,
+                          struct CUstream_st *stream, const char *fn);
 
 /* Checks that a buffer declared as `declared` memory really is, and that a
  * device buffer is on `device`. `cuda_store` says whether device memory is

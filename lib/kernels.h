@@ -125,6 +125,87 @@ typedef struct kvi__xfer_args {
 /* One launch: grid (nsegs, layer chunks). Returns a cudaError_t. */
 int kvi__cuda_transfer(const kvi__xfer_args *a, struct CUstream_st *stream);
 
+/* ---- retrieval (cuda/search_kernels.cu, built with cuBLASLt) ------------- */
+
+/* Queries per scan tile, and the shared memory their fp32 copy may take. */
+#define KVI__SCAN_MAX_Q 8
+#define KVI__SCAN_SMEM (48 * 1024)
+/* Rows one scan CTA handles are a multiple of this (8 warps x 4 rows). */
+#define KVI__SCAN_ROWS 32
+
+/* A score tile: the scores of workspace query slots [q0, q0 + qn) against
+ * rows [0, nf) of `mat` (device memory, ld elements a row), at
+ * scores[off + j * sld + i] for query q0 + j and row i. */
+typedef struct kvi__stile {
+  const void *mat;
+  int64_t off;
+  int32_t q0, qn;
+  int32_t nf, sld;
+} kvi__stile;
+
+/* A scan CTA's share of a tile: rows [r0, r0 + nr). */
+typedef struct kvi__sblock {
+  int32_t tile;
+  int32_t r0, nr;
+  int32_t pad_;
+} kvi__sblock;
+
+/* One top-k selection (a CTA), writing min(k, na + nb) (score, id) pairs
+ * sorted (score descending, id ascending) to pairs[dst...]. Stage 1
+ * (ids != NULL): the nb scores at scores[a...] of the score area, whose fact
+ * ids are ids[0...]; na = 0. Stage 2 (ids == NULL): the na pairs at
+ * pairs[a...] and the nb pairs at pairs[b...]; dst may equal a. */
+typedef struct kvi__sel {
+  const uint64_t *ids;
+  int64_t a, b, dst;
+  int32_t na, nb;
+} kvi__sel;
+
+/* Query `out`'s results: n pairs from pairs[src...] (0 for a tenant without
+ * facts), or none if its slot was found invalid (NaN in a device query). */
+typedef struct kvi__emit {
+  int64_t src;
+  int32_t n, out, slot, pad_;
+} kvi__emit;
+
+typedef struct kvi__search_args {
+  int32_t dtype;     /* the store's embedding dtype */
+  int32_t dim, ld;   /* elements per embedding, per stored row */
+  int32_t k;
+  /* prep: raw queries -> q, one CTA per slot */
+  const void *raw;   /* [queries][dim] of raw_dtype */
+  int32_t raw_dtype;
+  int32_t cosine;
+  const int32_t *perm; /* slot -> query index */
+  int32_t nq;
+  void *q;             /* [nq][ld] of dtype, padding zero */
+  int32_t *valid;      /* per slot: 1, or 0 for a query with NaN or infinity */
+  unsigned long long *bad; /* device-visible counter of invalid queries */
+  /* scan */
+  const kvi__stile *tiles;
+  const kvi__sblock *blocks;
+  int32_t nblocks;
+  int32_t qmax;        /* largest qn among the launch's tiles */
+  float *scores;       /* the score area */
+  /* selection */
+  const kvi__sel *sels;
+  int32_t nsels;
+  float *ps;           /* pairs: scores */
+  uint64_t *pi;        /* pairs: fact ids */
+  /* emit */
+  const kvi__emit *emits;
+  int32_t nemits;
+  uint64_t *out_ids;
+  float *out_scores;
+  int32_t *out_counts;
+} kvi__search_args;
+
+/* Each enqueues one launch on `stream` and returns its cudaError_t. */
+int kvi__cuda_search_prep(const kvi__search_args *a, struct CUstream_st *stream);
+int kvi__cuda_search_scan(const kvi__search_args *a, struct CUstream_st *stream);
+int kvi__cuda_search_select(const kvi__search_args *a, struct CUstream_st *stream);
+int kvi__cuda_search_emit(const kvi__search_args *a, struct CUstream_st *stream);
+
 #ifdef __cplusplus
 }
 #endif

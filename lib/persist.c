@@ -185,8 +185,8 @@ static unsigned char *make_header(const kvi_store *s, uint64_t file_id, size_t *
   for (int i = 0; i < 8; i++) put32(h + 32 + 4 * i, (uint32_t)geom[i]);
   put32(h + 64, (uint32_t)s->dtype);
   put32(h + 68, (uint32_t)s->emb_dim);
-  put32(h + 72, KVI_DTYPE_FP32); /* embeddings are kept as fp32 */
-  put32(h + 76, 0);              /* similarity metric: none recorded */
+  put32(h + 72, (uint32_t)s->emb_dtype); /* how the store keeps embeddings (payloads are fp32, exact) */
+  put32(h + 76, (uint32_t)s->metric);
   put32(h + 80, ROPE_BYTES);
   put32(h + 84, 0);
   rope_entries(h + HDR_FIXED, s->rope, g->num_layers);
@@ -380,7 +380,7 @@ static kvi_status write_snapshot(const kvi_store *s, writer *w, uint64_t file_id
       buf = nb;
       cap = (size_t)(ENTRY_HDR + body);
     }
-    if (s->emb_dim > 0) kvi__store_fact_embedding(s, f, emb);
+    if (s->emb_dim > 0 && (st = kvi__store_fact_embedding(s, f, emb, fn))) break;
     st = fill_put(s, buf + ENTRY_HDR, f->tenant_id, f->id, f->tokens, f->pages, emb, fn);
     if (st) break;
     const uint32_t crc = kvi__crc32c(0, buf + ENTRY_HDR, (size_t)body);
@@ -824,9 +824,10 @@ static kvi_status read_header(loader *ld, const kvi_model *model, const kvi_stor
                    ld->path, (int)E, (int)o->embedding_dim);
     goto out;
   }
-  if (get32(h + 72) != KVI_DTYPE_FP32 || get32(h + 76) != 0) {
-    st = kvi__fail(KVI_ERR_INCOMPATIBLE, ld->fn, "%s: embedding dtype %u / metric %u; this library keeps fp32 embeddings",
-                   ld->path, get32(h + 72), get32(h + 76));
+  if (E > 0 && (get32(h + 72) != (uint32_t)o->embedding_dtype || get32(h + 76) != (uint32_t)o->metric)) {
+    st = kvi__fail(KVI_ERR_INCOMPATIBLE, ld->fn,
+                   "%s: the file's embeddings are kept as dtype %u with metric %u, opts asks for dtype %u with metric %u",
+                   ld->path, get32(h + 72), get32(h + 76), (unsigned)o->embedding_dtype, (unsigned)o->metric);
     goto out;
   }
   unsigned char *mine = malloc((size_t)L * ROPE_BYTES);
@@ -1144,6 +1145,7 @@ KVI_API kvi_status kvi_store_load(kvi_store **out, const kvi_model *model, const
   ld.dtype = so.dtype;
   ld.token_bytes = 2u * (uint64_t)ld.L * (uint64_t)ld.H * (uint64_t)ld.D * kvi_dtype_size(so.dtype);
   if ((st = kvi_store_create(&ld.s, model, opts))) goto fail;
+  ld.s->emb_as_kept = true; /* the file's embeddings are already scaled and rounded: kept bit for bit */
   uint64_t valid_end = 0, next_seq = 0;
   if ((st = read_entries(&ld, HDR_BYTES(ld.L), &valid_end, &next_seq))) goto fail;
   if (journal) {
@@ -1162,6 +1164,7 @@ KVI_API kvi_status kvi_store_load(kvi_store **out, const kvi_model *model, const
   } else {
     close(ld.fd);
   }
+  ld.s->emb_as_kept = false;
   *out = ld.s;
   return KVI_OK;
 fail:

@@ -48,7 +48,7 @@ kvi_status kvi__store_read_pages(const kvi_store *s, const uint32_t *pages, int3
                                  const char *fn);
 
 /* A stored fact's embedding as emb_dim fp32 values. */
-void kvi__store_fact_embedding(const kvi_store *s, const struct fact *f, float *out);
+kvi_status kvi__store_fact_embedding(const kvi_store *s, const struct fact *f, float *out, const char *fn);
 
 /* Waits for every device operation the store tracks (puts from device
  * memory, encodes, injections, reads into device memory). */

@@ -222,6 +222,10 @@ static void release_memory(kvi_store *s) {
       kvi__cuda_host_free(s->staging);
       kvi__cuda_stream_destroy(s->copy_stream);
       for (int i = 0; i < KVI__TRACK_EVENTS; i++) kvi__cuda_event_destroy(s->track_ev[i]);
+      if (s->emb_stream) kvi__cuda_sync(s->emb_stream, "kvi_store_destroy");
+      kvi__cuda_host_free(s->emb_stage);
+      kvi__cuda_event_destroy(s->emb_ready);
+      kvi__cuda_stream_destroy(s->emb_stream);
       kvi__cuda_leave(&g);
     }
   } else {
@@ -235,6 +239,9 @@ static void release_memory(kvi_store *s) {
   s->pool.base = NULL;
   s->staging = NULL;
   s->copy_stream = NULL;
+  s->emb_stage = NULL;
+  s->emb_ready = NULL;
+  s->emb_stream = NULL;
 }
 
 static kvi_status reserve_memory(kvi_store *s, const char *fn) {
@@ -259,6 +266,8 @@ static kvi_status reserve_memory(kvi_store *s, const char *fn) {
   if (st == KVI_OK) WITH_DEVICE(s, fn, st, kvi__cuda_stream_create(&s->copy_stream, fn));
   for (int i = 0; i < KVI__TRACK_EVENTS && st == KVI_OK; i++)
     WITH_DEVICE(s, fn, st, kvi__cuda_event_create(&s->track_ev[i], fn));
+  if (st == KVI_OK && s->emb_dim > 0) WITH_DEVICE(s, fn, st, kvi__cuda_stream_create(&s->emb_stream, fn));
+  if (st == KVI_OK && s->emb_dim > 0) WITH_DEVICE(s, fn, st, kvi__cuda_event_create(&s->emb_ready, fn));
   if (st == KVI_OK) {
     s->deferred_page = malloc((size_t)s->pool.npages * sizeof *s->deferred_page);
     s->deferred_tag = malloc((size_t)s->pool.npages * sizeof *s->deferred_tag);
@@ -290,6 +299,12 @@ KVI_API kvi_status kvi_store_create(kvi_store **out, const kvi_model *model, con
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->page_tokens is %d, expected 1..4096", (int)o.page_tokens);
   if (o.embedding_dim < 0 || o.embedding_dim > 65536)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->embedding_dim is %d, expected 0..65536", (int)o.embedding_dim);
+  if (!kvi__dtype_is_float(o.embedding_dtype))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->embedding_dtype is %d, expected KVI_DTYPE_FP32, FP16 or BF16",
+                     (int)o.embedding_dtype);
+  if (o.metric != KVI_METRIC_INNER_PRODUCT && o.metric != KVI_METRIC_COSINE)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                     "opts->metric is %d, expected KVI_METRIC_INNER_PRODUCT (0) or KVI_METRIC_COSINE (1)", (int)o.metric);
 
   const kvi__geom *g = &model->geom;
   /* page_elems = L * 2 * H * P * D; each factor is bounded, the product fits in 64 bits */
@@ -317,6 +332,15 @@ KVI_API kvi_status kvi_store_create(kvi_store **out, const kvi_model *model, con
   s->dtype = o.dtype;
   s->P = o.page_tokens;
   s->emb_dim = o.embedding_dim;
+  s->emb_dtype = o.embedding_dtype;
+  s->metric = o.metric;
+  s->emb_ld = o.embedding_dim;
+  if (s->backend == KVI_BACKEND_CUDA) { /* rows start on 16-byte boundaries: vector loads, GEMM alignment */
+    const int32_t per16 = (int32_t)(16 / kvi_dtype_size(o.embedding_dtype));
+    s->emb_ld = (o.embedding_dim + per16 - 1) / per16 * per16;
+  }
+  /* a staged row: the row, then its fact id in the last 8 of 16 bytes */
+  s->stage_row_bytes = (size_t)s->emb_ld * kvi_dtype_size(o.embedding_dtype) + 16;
   s->page_elems = page_elems;
   s->page_bytes = page_bytes;
   s->pool.tier = s->backend == KVI_BACKEND_CUDA ? TIER_DEVICE : TIER_HOST;
@@ -360,15 +384,21 @@ fail:
 
 static void free_fact(fact *f) {
   free(f->pages);
-  free(f->embedding);
   free(f);
 }
 
+static void emb_free(kvi_store *s, tenant *t);
+
 KVI_API void kvi_store_destroy(kvi_store *store) {
   if (!store) return;
+  kvi__search_release(store);
   for (size_t i = 0; i < store->facts.cap; i++)
     if (store->facts.slots[i].val) free_fact(store->facts.slots[i].val);
-  for (size_t i = 0; i < store->tenants.cap; i++) free(store->tenants.slots[i].val);
+  for (size_t i = 0; i < store->tenants.cap; i++) {
+    tenant *t = store->tenants.slots[i].val;
+    if (t) emb_free(store, t);
+    free(t);
+  }
   kvi__map_free(&store->facts);
   kvi__map_free(&store->tenants);
   release_memory(store);
@@ -420,11 +450,15 @@ kvi_status kvi__store_read_embedding(const kvi_store *s, const void *embedding, 
   }
   if (st == KVI_OK) {
     kvi__convert(e, KVI_DTYPE_FP32, src, dtype, (int64_t)n);
-    for (size_t i = 0; i < n; i++)
-      if (!isfinite(e[i])) {
+    for (size_t i = 0; i < n && st == KVI_OK; i++)
+      if (!isfinite(e[i]))
         st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "embedding[%zu] is %g; embeddings must be finite", i, (double)e[i]);
-        break;
-      }
+    const int64_t bad =
+        st == KVI_OK ? kvi__emb_prepare(e, s->emb_dim, s->emb_dtype, s->emb_as_kept ? KVI_METRIC_INNER_PRODUCT : s->metric)
+                     : -1;
+    if (bad >= 0)
+      st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "embedding[%lld] is %g, too large for the store's %s embeddings",
+                     (long long)bad, (double)kvi__load(src, dtype, bad), kvi__dtype_name(s->emb_dtype));
   }
   free(raw);
   if (st) {
@@ -433,6 +467,225 @@ kvi_status kvi__store_read_embedding(const kvi_store *s, const void *embedding, 
   }
   *out = e;
   return KVI_OK;
+}
+
+int64_t kvi__emb_prepare(float *x, int32_t n, kvi_dtype t, kvi_metric metric) {
+  if (metric == KVI_METRIC_COSINE) {
+    double ss = 0.0;
+    for (int32_t i = 0; i < n; i++) ss += (double)x[i] * (double)x[i];
+    if (ss > 0.0) {
+      const double inv = 1.0 / sqrt(ss);
+      for (int32_t i = 0; i < n; i++) x[i] = (float)((double)x[i] * inv);
+    }
+  }
+  for (int32_t i = 0; i < n; i++) {
+    if (t == KVI_DTYPE_FP16) x[i] = kvi__f16_to_f32(kvi__f32_to_f16(x[i]));
+    else if (t == KVI_DTYPE_BF16) x[i] = kvi__bf16_to_f32(kvi__f32_to_bf16(x[i]));
+    if (!isfinite(x[i])) return i;
+  }
+  return -1;
+}
+
+/* ---- embedding matrices --------------------------------------------------- */
+
+static const char emb_fn[] = "kvi_store (device embeddings)";
+
+static size_t row_bytes(const kvi_store *s) { return (size_t)s->emb_ld * kvi_dtype_size(s->emb_dtype); }
+
+/* Keeps the first failure to change device embeddings: later searches report it. */
+static void emb_latch(kvi_store *s, kvi_status st) {
+  if (st == KVI_OK || s->emb_err != KVI_OK) return;
+  s->emb_err = st;
+  snprintf(s->emb_err_msg, sizeof s->emb_err_msg, "%s", kvi_last_error());
+}
+
+/* Enqueued changes become visible to searches enqueued from now on. */
+static kvi_status emb_publish(kvi_store *s) {
+  kvi_status st = kvi__cuda_event_record(s->emb_ready, s->emb_stream, emb_fn);
+  if (st == KVI_OK) s->emb_ready_recorded = true;
+  return st;
+}
+
+static void emb_free(kvi_store *s, tenant *t) {
+  if (s->backend == KVI_BACKEND_CUDA && (t->emb || t->ids)) {
+    /* stream-ordered: after every search that was enqueued before (emb_stream waits for them) */
+    kvi_status st;
+    WITH_DEVICE(s, emb_fn, st, kvi__cuda_free_async(t->emb, s->emb_stream, emb_fn));
+    emb_latch(s, st);
+    WITH_DEVICE(s, emb_fn, st, kvi__cuda_free_async(t->ids, s->emb_stream, emb_fn));
+    emb_latch(s, st);
+  } else {
+    free(t->emb);
+  }
+  s->emb_bytes -= (uint64_t)t->cap * (row_bytes(s) + (s->backend == KVI_BACKEND_CUDA ? sizeof(uint64_t) : 0));
+  free(t->rows);
+  t->emb = NULL;
+  t->ids = NULL;
+  t->rows = NULL;
+  t->cap = 0;
+}
+
+/* Device matrix of `cap` rows: a new allocation, the live rows copied over,
+ * the old one freed, all on emb_stream. */
+static kvi_status emb_grow_device(kvi_store *s, tenant *t, size_t cap, const char *fn) {
+  const size_t rb = row_bytes(s);
+  void *e = NULL, *ids = NULL;
+  kvi_status st = kvi__cuda_malloc_async(&e, cap * rb, s->emb_stream, fn);
+  if (st == KVI_OK) st = kvi__cuda_malloc_async(&ids, cap * sizeof(uint64_t), s->emb_stream, fn);
+  if (st == KVI_OK && t->count > 0) st = kvi__cuda_d2d(e, t->emb, t->count * rb, s->emb_stream, fn);
+  if (st == KVI_OK && t->count > 0) st = kvi__cuda_d2d(ids, t->ids, t->count * sizeof(uint64_t), s->emb_stream, fn);
+  if (st != KVI_OK) {
+    if (st == KVI_ERR_OUT_OF_MEMORY)
+      kvi__fail(st, fn, "growing tenant %llu's embeddings to %zu rows (%zu bytes of device memory)",
+                (unsigned long long)t->id, cap, cap * (rb + sizeof(uint64_t)));
+    kvi_status st2 = kvi__cuda_free_async(e, s->emb_stream, fn);
+    if (st2 == KVI_OK) st2 = kvi__cuda_free_async(ids, s->emb_stream, fn);
+    emb_latch(s, st2);
+    return st;
+  }
+  st = kvi__cuda_free_async(t->emb, s->emb_stream, fn);
+  if (st == KVI_OK) st = kvi__cuda_free_async(t->ids, s->emb_stream, fn);
+  if (st == KVI_OK) st = emb_publish(s);
+  emb_latch(s, st); /* the new matrix holds the rows either way */
+  t->emb = e;
+  t->ids = ids;
+  return KVI_OK;
+}
+
+static kvi_status emb_grow(kvi_store *s, tenant *t, size_t need, const char *fn) {
+  size_t cap = t->cap ? t->cap : 16;
+  while (cap < need) cap *= 2;
+  const size_t rb = row_bytes(s);
+  fact **rows = realloc(t->rows, cap * sizeof *rows); /* a larger array changes nothing else */
+  if (!rows) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu embedding rows", cap);
+  t->rows = rows;
+  kvi_status st = KVI_OK;
+  if (s->backend == KVI_BACKEND_CUDA) {
+    WITH_DEVICE(s, fn, st, emb_grow_device(s, t, cap, fn));
+    if (st) return st;
+  } else {
+    if (cap * rb / rb != cap) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "%zu embedding rows overflow", cap);
+    void *e = realloc(t->emb, cap * rb);
+    if (!e)
+      return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "growing tenant %llu's embeddings to %zu rows (%zu bytes)",
+                       (unsigned long long)t->id, cap, cap * rb);
+    t->emb = e;
+  }
+  s->emb_bytes += (uint64_t)(cap - t->cap) * (rb + (s->backend == KVI_BACKEND_CUDA ? sizeof(uint64_t) : 0));
+  t->cap = cap;
+  return KVI_OK;
+}
+
+/* Promises n rows of the pinned staging ring to the current call. */
+static kvi_status stage_reserve(kvi_store *s, size_t n, const char *fn) {
+  if ((size_t)s->stage_used + s->stage_reserved + n <= s->stage_cap) {
+    s->stage_reserved += (uint32_t)n;
+    return KVI_OK;
+  }
+  kvi_status st = KVI_OK;
+  if (s->stage_used > 0) WITH_DEVICE(s, fn, st, kvi__cuda_sync(s->emb_stream, fn)); /* its copies are done */
+  if (st) return st;
+  s->stage_used = 0;
+  const size_t want = s->stage_reserved + n;
+  if (want > s->stage_cap) {
+    if (want > UINT32_MAX / 2) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%zu embeddings in one call", want);
+    size_t cap = (1u << 20) / s->stage_row_bytes;
+    cap = cap < 4 ? 4 : cap > 256 ? 256 : cap;
+    if (cap < 2 * want) cap = 2 * want;
+    char *p = NULL;
+    WITH_DEVICE(s, fn, st, kvi__cuda_host_alloc((void **)&p, cap * s->stage_row_bytes, fn));
+    if (st) return st;
+    kvi__cuda_host_free(s->emb_stage);
+    s->emb_stage = p;
+    s->stage_cap = (uint32_t)cap;
+  }
+  s->stage_reserved += (uint32_t)n;
+  return KVI_OK;
+}
+
+kvi_status kvi__store_reserve_rows(kvi_store *s, uint64_t tenant_id, size_t n, const char *fn) {
+  if (s->emb_dim == 0 || n == 0) return KVI_OK;
+  if (s->emb_err)
+    return kvi__fail(s->emb_err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb_err_msg);
+  tenant *t = kvi__map_get(&s->tenants, tenant_id, 0);
+  kvi_status st;
+  if (!t) {
+    if ((st = kvi__map_reserve(&s->tenants, 1, fn))) return st;
+    if (!(t = calloc(1, sizeof *t))) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a tenant");
+    t->id = tenant_id;
+    kvi__map_put(&s->tenants, tenant_id, 0, t); /* empty until commit; kvi__store_unreserve_rows drops it */
+  }
+  if (t->count + t->pending + n > t->cap && (st = emb_grow(s, t, t->count + t->pending + n, fn))) return st;
+  if (s->backend == KVI_BACKEND_CUDA && (st = stage_reserve(s, n, fn))) return st;
+  t->pending += n;
+  return KVI_OK;
+}
+
+void kvi__store_unreserve_rows(kvi_store *s, uint64_t tenant_id) {
+  if (s->emb_dim == 0) return;
+  s->stage_reserved = 0;
+  tenant *t = kvi__map_get(&s->tenants, tenant_id, 0);
+  if (!t) return;
+  t->pending = 0;
+  if (t->count == 0) {
+    kvi__map_del(&s->tenants, tenant_id, 0);
+    emb_free(s, t);
+    free(t);
+  }
+}
+
+/* Writes f's embedding e (fp32, already what the store keeps) as row t->count. */
+static void emb_append(kvi_store *s, tenant *t, fact *f, const float *e) {
+  if (t->pending == 0 || t->count >= t->cap) { /* kvi__store_reserve_rows was not called: a bug */
+    f->row = SIZE_MAX;
+    emb_latch(s, kvi__fail(KVI_ERR_INTERNAL, emb_fn, "fact %llu committed without a reserved embedding row",
+                           (unsigned long long)f->id));
+    return;
+  }
+  t->pending--;
+  const size_t r = t->count, rb = row_bytes(s);
+  t->rows[r] = f;
+  f->row = r;
+  if (s->backend == KVI_BACKEND_CPU) {
+    kvi__convert((char *)t->emb + r * rb, s->emb_dtype, e, KVI_DTYPE_FP32, s->emb_dim);
+    return;
+  }
+  if (s->stage_reserved > 0) s->stage_reserved--;
+  char *row = s->emb_stage + (size_t)s->stage_used++ * s->stage_row_bytes;
+  memset(row, 0, rb); /* the padding elements */
+  kvi__convert(row, s->emb_dtype, e, KVI_DTYPE_FP32, s->emb_dim);
+  memcpy(row + s->stage_row_bytes - sizeof(uint64_t), &f->id, sizeof(uint64_t));
+  kvi_status st;
+  WITH_DEVICE(s, emb_fn, st, kvi__cuda_h2d((char *)t->emb + r * rb, row, rb, s->emb_stream, emb_fn));
+  if (st == KVI_OK)
+    WITH_DEVICE(s, emb_fn, st,
+                kvi__cuda_h2d(t->ids + r, row + s->stage_row_bytes - sizeof(uint64_t), sizeof(uint64_t), s->emb_stream,
+                              emb_fn));
+  if (st == KVI_OK) WITH_DEVICE(s, emb_fn, st, emb_publish(s));
+  emb_latch(s, st);
+}
+
+/* Moves the last row into f's place (t->count still counts f). */
+static void emb_remove(kvi_store *s, tenant *t, fact *f) {
+  const size_t last = t->count - 1, r = f->row;
+  if (r == SIZE_MAX) return;
+  if (r != last) {
+    const size_t rb = row_bytes(s);
+    fact *m = t->rows[last];
+    t->rows[r] = m;
+    m->row = r;
+    if (s->backend == KVI_BACKEND_CPU) {
+      memcpy((char *)t->emb + r * rb, (char *)t->emb + last * rb, rb);
+    } else {
+      kvi_status st;
+      WITH_DEVICE(s, emb_fn, st, kvi__cuda_d2d((char *)t->emb + r * rb, (char *)t->emb + last * rb, rb, s->emb_stream, emb_fn));
+      if (st == KVI_OK)
+        WITH_DEVICE(s, emb_fn, st, kvi__cuda_d2d(t->ids + r, t->ids + last, sizeof(uint64_t), s->emb_stream, emb_fn));
+      if (st == KVI_OK) WITH_DEVICE(s, emb_fn, st, emb_publish(s));
+      emb_latch(s, st);
+    }
+  }
+  t->rows[last] = NULL;
 }
 
 static kvi_status check_view_memory(const kvi_store *s, const kvi_kv_view *v, const char *fn, const char *name) {
@@ -517,9 +770,11 @@ static void unlink_fact(kvi_store *s, fact *f) {
   if (f->prev) f->prev->next = f->next;
   else t->head = f->next;
   if (f->next) f->next->prev = f->prev;
+  if (s->emb_dim > 0) emb_remove(s, t, f);
   t->count--;
-  if (t->count == 0) {
+  if (t->count == 0 && t->pending == 0) { /* a replace keeps the tenant: its new fact is pending */
     kvi__map_del(&s->tenants, t->id, 0);
+    emb_free(s, t);
     free(t);
   }
   kvi__map_del(&s->facts, f->tenant_id, f->id);
@@ -548,7 +803,9 @@ void kvi__store_commit(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, te
   f->tokens = tokens;
   f->npages = need;
   f->pages = pages;
-  f->embedding = *emb;
+  f->row = SIZE_MAX;
+  if (s->emb_dim > 0 && *emb) emb_append(s, t, f, *emb);
+  free(*emb);
   *emb = NULL;
   f->owner = t;
   f->prev = NULL;
@@ -599,6 +856,7 @@ KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant_id, uint64_t 
     goto out_unlock;
   }
   if ((st = kvi__store_reserve(store, need, 1, fn))) goto out_unlock; /* a replacement needs room for both */
+  if ((st = kvi__store_reserve_rows(store, tenant_id, 1, fn))) goto out_unreserve;
   for (uint32_t i = 0; i < need; i++) pages[i] = store->pool.free[store->pool.nfree - 1 - i];
   WITH_DEVICE(store, fn, st, copy_fact(store, &v, pages, v.num_tokens, true, stream, fn));
   if (st == KVI_OK && store->backend == KVI_BACKEND_CUDA && v.memory == KVI_MEMORY_DEVICE)
@@ -607,12 +865,14 @@ KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant_id, uint64_t 
     const kvi__jfact jf = {tenant_id, fact_id, v.num_tokens, pages, emb};
     st = kvi__journal_put(store, &jf, 1, stream, v.memory == KVI_MEMORY_DEVICE, fn);
   }
-  if (st) goto out_unlock; /* the pages were not taken off the free stack */
+  if (st) goto out_unreserve; /* the pages were not taken off the free stack */
   store->pool.nfree -= need; /* the pages chosen from the top of the free stack */
   kvi__store_commit(store, f, pages, need, fresh, &emb, tenant_id, fact_id, v.num_tokens);
   kvi__store_unlock(store);
   return KVI_OK;
 
+out_unreserve:
+  kvi__store_unreserve_rows(store, tenant_id);
 out_unlock:
   kvi__store_unlock(store);
 out_free:
@@ -687,16 +947,49 @@ KVI_API kvi_status kvi_store_get_embedding(const kvi_store *store, uint64_t tena
   if (!store || !out) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out" : "store");
   if (store->emb_dim == 0)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "the store was created with embedding_dim 0");
-  kvi__store_lock(store);
-  const fact *f = kvi__map_get(&store->facts, tenant_id, fact_id);
-  if (f) memcpy(out, f->embedding, (size_t)store->emb_dim * sizeof *out);
-  kvi__store_unlock(store);
-  return f ? KVI_OK : not_found(fn, tenant_id, fact_id);
+  kvi_store *s = (kvi_store *)store; /* a CUDA store waits on its embedding stream */
+  const size_t rb = row_bytes(s);
+  void *tmp = s->backend == KVI_BACKEND_CUDA ? malloc(rb) : NULL;
+  if (s->backend == KVI_BACKEND_CUDA && !tmp) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes", rb);
+  kvi_status st = KVI_OK;
+  kvi__store_lock(s);
+  const fact *f = kvi__map_get(&s->facts, tenant_id, fact_id);
+  if (!f) {
+    st = not_found(fn, tenant_id, fact_id);
+  } else if (f->row == SIZE_MAX) {
+    st = kvi__fail(KVI_ERR_INTERNAL, fn, "fact %llu has no embedding row", (unsigned long long)fact_id);
+  } else if (s->backend == KVI_BACKEND_CPU) {
+    kvi__convert(out, KVI_DTYPE_FP32, (const char *)f->owner->emb + f->row * rb, s->emb_dtype, s->emb_dim);
+  } else if (s->emb_err) {
+    st = kvi__fail(s->emb_err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb_err_msg);
+  } else {
+    WITH_DEVICE(s, fn, st, kvi__cuda_d2h(tmp, (const char *)f->owner->emb + f->row * rb, rb, s->emb_stream, fn));
+    if (st == KVI_OK) WITH_DEVICE(s, fn, st, kvi__cuda_sync(s->emb_stream, fn));
+    if (st == KVI_OK) kvi__convert(out, KVI_DTYPE_FP32, tmp, s->emb_dtype, s->emb_dim);
+  }
+  kvi__store_unlock(s);
+  free(tmp);
+  return st;
 }
 
-/* for persist.c, the lock held */
-void kvi__store_fact_embedding(const kvi_store *s, const struct fact *f, float *out) {
-  memcpy(out, f->embedding, (size_t)s->emb_dim * sizeof *out);
+/* for persist.c, the lock held: the row as kept, in fp32 (exact) */
+kvi_status kvi__store_fact_embedding(const kvi_store *s, const struct fact *f, float *out, const char *fn) {
+  const size_t rb = row_bytes(s);
+  const char *row = (const char *)f->owner->emb + f->row * rb;
+  if (s->backend == KVI_BACKEND_CPU) {
+    kvi__convert(out, KVI_DTYPE_FP32, row, s->emb_dtype, s->emb_dim);
+    return KVI_OK;
+  }
+  if (s->emb_err)
+    return kvi__fail(s->emb_err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb_err_msg);
+  void *tmp = malloc(rb);
+  if (!tmp) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes", rb);
+  kvi_status st;
+  WITH_DEVICE(s, fn, st, kvi__cuda_d2h(tmp, row, rb, s->emb_stream, fn));
+  if (st == KVI_OK) WITH_DEVICE(s, fn, st, kvi__cuda_sync(s->emb_stream, fn));
+  if (st == KVI_OK) kvi__convert(out, KVI_DTYPE_FP32, tmp, s->emb_dtype, s->emb_dim);
+  free(tmp);
+  return st;
 }
 
 kvi_status kvi__store_read_pages(const kvi_store *s, const uint32_t *pages, int32_t tokens, const kvi_kv_view *host,
@@ -767,6 +1060,7 @@ KVI_API kvi_status kvi_store_stats_get(const kvi_store *store, kvi_store_stats *
   s.facts = store->facts.len;
   s.tenants = store->tenants.len;
   s.bytes_payload = store->tokens_stored * (store->page_bytes / (uint64_t)store->P);
+  s.bytes_embeddings = store->emb_bytes;
   kvi__store_unlock(store);
   s.bytes_reserved = s.pages_total * s.page_bytes;
   s.bytes_used = s.pages_used * s.page_bytes;

@@ -29,15 +29,26 @@ typedef struct fact {
   int32_t tokens;
   uint32_t npages;
   uint32_t *pages;
-  float *embedding; /* embedding_dim floats or NULL */
+  size_t row; /* its row of the tenant's embedding matrix (stores with embeddings) */
   struct fact *prev, *next; /* the tenant's list */
   tenant *owner;
 } fact;
 
+/* A tenant's embeddings (stores with embedding_dim > 0): row r < count of the
+ * [cap][emb_ld] matrix `emb` (emb_dtype, padding elements zero) is the
+ * embedding of fact rows[r], and ids[r] == rows[r]->id. A CUDA store keeps
+ * emb and ids in device memory, changed only on the store's emb_stream; a
+ * CPU store keeps emb in host memory and no ids (rows[r]->id). Removing a
+ * fact moves the last row into its place. */
 struct tenant {
   uint64_t id;
   size_t count;
   fact *head;
+  void *emb;
+  uint64_t *ids;  /* device memory, CUDA stores only */
+  fact **rows;    /* host memory */
+  size_t cap;     /* rows allocated */
+  size_t pending; /* rows reserved by the call holding the lock (kvi__store_reserve_rows) */
 };
 
 struct kvi_store {
@@ -56,6 +67,29 @@ struct kvi_store {
   char *staging;
   uint32_t staging_pages;
   struct CUstream_st *copy_stream;
+  /* Embeddings (see struct tenant). emb_ld is emb_dim rounded up to 16 bytes
+   * on a CUDA store. On a CUDA store every change to a device matrix is
+   * enqueued on emb_stream, which first waits for every search enqueued
+   * before it (search.c), and emb_ready is recorded after it; a search waits
+   * for emb_ready. Rows put from the host go through emb_stage, a pinned
+   * ring of stage_cap rows (stage_used in flight, stage_reserved promised to
+   * the call holding the lock). A failure to enqueue such a change (a dead
+   * context, in practice) is latched in emb_err and fails every later
+   * search. */
+  kvi_dtype emb_dtype;
+  kvi_metric metric;
+  bool emb_as_kept; /* kvi_store_load: incoming embeddings are already scaled and rounded */
+  int32_t emb_ld;
+  uint64_t emb_bytes; /* capacity of every matrix and id array */
+  struct CUstream_st *emb_stream;
+  struct CUevent_st *emb_ready;
+  bool emb_ready_recorded;
+  char *emb_stage;
+  size_t stage_row_bytes;
+  uint32_t stage_cap, stage_used, stage_reserved;
+  kvi_status emb_err;
+  char emb_err_msg[256];
+  struct kvi__search *search; /* search workspace (search.c), made by the first search */
   kvi__map facts;   /* (tenant, id) -> fact */
   kvi__map tenants; /* (tenant, 0) -> tenant */
   uint64_t tokens_stored;
@@ -97,16 +131,37 @@ kvi_status kvi__store_reserve(kvi_store *s, uint32_t need, size_t new_facts, con
  * pages freed from now on wait for it. */
 kvi_status kvi__store_track(kvi_store *s, struct CUstream_st *stream, const char *fn);
 
+/* Makes room for `n` more embedding rows in tenant_id's matrix (and, on a
+ * CUDA store, n rows of staging), creating the tenant without facts if it is
+ * new. No-op for a store without embeddings. Call after kvi__store_reserve,
+ * for every fact the call will commit; if the call then fails, call
+ * kvi__store_unreserve_rows for each of those tenants, so that no empty
+ * tenant stays behind. The room that was made stays (as a hash map's). */
+kvi_status kvi__store_reserve_rows(kvi_store *s, uint64_t tenant_id, size_t n, const char *fn);
+void kvi__store_unreserve_rows(kvi_store *s, uint64_t tenant_id);
+
 /* Inserts a fact whose `need` pages hold its data, replacing any fact with
  * the same key. The caller has already taken the pages off the free stack
  * (s->pool.nfree -= need for every fact of the call). Takes ownership of f,
- * pages, fresh and *emb. Cannot fail: call kvi__store_reserve and allocate
- * f, pages and fresh first. */
+ * pages and fresh; copies *emb (from kvi__store_read_embedding) into the
+ * tenant's matrix and frees it. Cannot fail: call kvi__store_reserve and
+ * kvi__store_reserve_rows and allocate f, pages and fresh first. */
 void kvi__store_commit(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, tenant *fresh, float **emb,
                        uint64_t tenant_id, uint64_t fact_id, int32_t tokens);
 
-/* Reads and checks an embedding into a fresh fp32 array (see kvi_put_options). */
+/* Reads and checks an embedding into a fresh fp32 array holding the values
+ * the store will keep (kvi__emb_prepare applied; see kvi_put_options). */
 kvi_status kvi__store_read_embedding(const kvi_store *s, const void *embedding, kvi_dtype dtype, kvi_memory memory,
                                      struct CUstream_st *stream, float **out, const char *fn);
+
+/* What the store keeps of an fp32 vector of n elements, in place: for
+ * cosine, each element times 1/sqrt(sum of squares), in double, a zero
+ * vector left as it is; then rounded to t (nearest even) and back to fp32.
+ * Returns the index of the first element that is not finite afterwards, or
+ * -1. Queries (search.c) go through the same function. */
+int64_t kvi__emb_prepare(float *x, int32_t n, kvi_dtype t, kvi_metric metric);
+
+/* Frees the search workspace (search.c); the store's device is current. */
+void kvi__search_release(kvi_store *s);
 
 #endif /* KVI_STORE_INTERNAL_H */

@@ -261,8 +261,8 @@ static kvi_status xfer_create(xfer *x, kvi_store *store, const kvi_cache_layout 
   kvi__devguard g;
   if ((st = kvi__cuda_enter(store->device, &g, fn))) goto fail;
   x->slot_bytes = slot_size(&o);
-  x->sms = kvi__cuda_sm_count(store->device);
-  st = upload_tables(x, fn);
+  st = kvi__cuda_sm_count(store->device, &x->sms, fn);
+  if (st == KVI_OK) st = upload_tables(x, fn);
   for (int i = 0; i < SLOTS && st == KVI_OK; i++) {
     st = kvi__cuda_host_alloc((void **)&x->slots[i].host, x->slot_bytes, fn);
     if (st == KVI_OK) st = kvi__cuda_malloc((void **)&x->slots[i].dev, x->slot_bytes, fn);
@@ -922,6 +922,11 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
       st = kvi__fail(KVI_ERR_EXISTS, fn, "capture %d: fact %llu of tenant %llu is already stored (KVI_PUT_REPLACE replaces it)",
                      (int)i, (unsigned long long)cs[i].c.fact_id, (unsigned long long)cs[i].c.tenant);
   if (st == KVI_OK) st = kvi__store_reserve(s, need_total, (size_t)num_captures, fn);
+  bool rows_reserved = false;
+  for (int32_t i = 0; i < num_captures && st == KVI_OK; i++) {
+    st = kvi__store_reserve_rows(s, cs[i].c.tenant, 1, fn);
+    rows_reserved = true;
+  }
   plan p;
   if (st == KVI_OK) st = plan_alloc(&p, x, nsegs, num_captures, ntok, npos, ntables, fn);
   if (st == KVI_OK) {
@@ -943,6 +948,8 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
                         cs[i].c.num_tokens);
       cs[i].f = NULL, cs[i].pages = NULL, cs[i].fresh = NULL; /* owned by the store now */
     }
+  } else if (rows_reserved) {
+    for (int32_t i = 0; i < num_captures; i++) kvi__store_unreserve_rows(s, cs[i].c.tenant);
   }
   unlock_both(x);
 out:

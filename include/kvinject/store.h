@@ -11,9 +11,13 @@
  * Memory. A store reserves its whole budget once, at creation, and cuts it
  * into pages of a fixed number of tokens (page_tokens). A fact occupies
  * ceil(T / page_tokens) pages anywhere in the pool, so puts and removes never
- * allocate or free device memory and the budget never fragments: a put fails
+ * allocate or free page memory and the budget never fragments: a put fails
  * with KVI_ERR_CAPACITY only when fewer pages are free than it needs. The
  * layout of a page is internal; read facts back with kvi_store_read.
+ * Embeddings are kept apart from the pages, outside the budget: one
+ * contiguous matrix per tenant (device memory on a CUDA store) that grows by
+ * doubling, so that search reads it in one pass (kvinject/search.h,
+ * kvi_store_stats.bytes_embeddings).
  *
  * Backends. A CPU store keeps its pages in host memory and only accepts host
  * buffers. A CUDA store keeps them in device memory of its device and accepts
@@ -104,6 +108,17 @@ KVI_API void kvi_kv_view_contiguous(kvi_kv_view *view, kvi_memory memory, kvi_dt
 /* Creation                                                                 */
 /* ------------------------------------------------------------------------ */
 
+/* How a store scores a query against its fact embeddings
+ * (kvi_store_options.metric; see kvinject/search.h). */
+typedef enum kvi_metric {
+  /* score = sum over i of q[i] * e[i] */
+  KVI_METRIC_INNER_PRODUCT = 0,
+  /* embeddings are scaled to unit length when they are put, queries when
+   * they are searched; the score is then their inner product. A vector of
+   * zeros stays zero (it scores 0 against everything). */
+  KVI_METRIC_COSINE = 1
+} kvi_metric;
+
 typedef struct kvi_store_options {
   size_t struct_size;     /* sizeof(kvi_store_options) */
   kvi_backend backend;    /* default KVI_BACKEND_AUTO */
@@ -115,9 +130,14 @@ typedef struct kvi_store_options {
                              rounded down to whole pages */
   int32_t embedding_dim;  /* elements per fact embedding, 0..65536; 0 (default)
                              = the store keeps no embeddings */
+  kvi_dtype embedding_dtype; /* how embeddings are kept: FP32 (default), FP16 or
+                                BF16. Each value is rounded to nearest even when
+                                it is put; search scores the rounded values. */
+  kvi_metric metric;      /* KVI_METRIC_INNER_PRODUCT (default) or KVI_METRIC_COSINE */
 } kvi_store_options;
 
-#define KVI_STORE_OPTIONS_INIT {sizeof(kvi_store_options), KVI_BACKEND_AUTO, -1, KVI_DTYPE_BF16, 16, 0, 0}
+#define KVI_STORE_OPTIONS_INIT \
+  {sizeof(kvi_store_options), KVI_BACKEND_AUTO, -1, KVI_DTYPE_BF16, 16, 0, 0, KVI_DTYPE_FP32, KVI_METRIC_INNER_PRODUCT}
 
 /* Fills *opts with KVI_STORE_OPTIONS_INIT. NULL is ignored. */
 KVI_API void kvi_store_options_init(kvi_store_options *opts);
@@ -169,7 +189,9 @@ KVI_API void kvi_put_options_init(kvi_put_options *opts);
 /*
  * Stores a fact: kv->num_tokens tokens of pre-RoPE K and V for every layer and
  * local head, converted to the store's dtype (round to nearest even), and the
- * embedding (kept as fp32).
+ * embedding: converted to fp32, scaled to unit length for KVI_METRIC_COSINE
+ * (in double precision), then rounded to the store's embedding_dtype. It is
+ * searchable (kvi_store_search) as soon as this returns.
  * kv:   the source (host memory struct; kv->k/kv->v in kv->memory). Its
  *       num_layers, num_heads and head_size must equal the model's layers,
  *       local heads and head size. dtype FP32, FP16 or BF16.
@@ -178,15 +200,17 @@ KVI_API void kvi_put_options_init(kvi_put_options *opts);
  * The fact is visible to every other call as soon as this returns.
  * Errors: KVI_ERR_INVALID_ARGUMENT (NULL, num_tokens < 1, negative strides, a
  * view whose extent overflows, unknown flags, an embedding containing NaN or
- * infinity, an embedding given to a store without embeddings or missing from
- * one with), KVI_ERR_STRUCT_SIZE, KVI_ERR_MISMATCH (layers, heads, head size,
+ * infinity or a value too large for the store's embedding_dtype, an embedding
+ * given to a store without embeddings or missing from one with),
+ * KVI_ERR_STRUCT_SIZE, KVI_ERR_MISMATCH (layers, heads, head size,
  * or an FP8 dtype; a value that is no kvi_dtype is KVI_ERR_INVALID_ARGUMENT),
  * KVI_ERR_MEMORY_KIND (device memory declared as
  * host or the reverse, where detectable; device memory given to a CPU store;
  * memory of another device), KVI_ERR_EXISTS (key present, no
  * KVI_PUT_REPLACE), KVI_ERR_CAPACITY (not enough free pages; with
  * KVI_PUT_REPLACE the new copy is written before the old one is freed, so it
- * needs room for both), KVI_ERR_OUT_OF_MEMORY, KVI_ERR_CUDA.
+ * needs room for both), KVI_ERR_OUT_OF_MEMORY (including the tenant's
+ * embedding matrix that could not grow), KVI_ERR_CUDA.
  */
 KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant, uint64_t fact_id,
                                  const kvi_kv_view *kv, const kvi_put_options *opts,
@@ -209,9 +233,12 @@ KVI_API kvi_status kvi_store_read(const kvi_store *store, uint64_t tenant, uint6
 KVI_API kvi_status kvi_store_fact_tokens(const kvi_store *store, uint64_t tenant,
                                          uint64_t fact_id, int32_t *out_tokens);
 
-/* A fact's embedding, as fp32, into out (host memory, embedding_dim floats).
- * Errors: KVI_ERR_INVALID_ARGUMENT (NULL, or the store keeps no embeddings),
- * KVI_ERR_NOT_FOUND. */
+/* A fact's embedding as the store keeps it (scaled for KVI_METRIC_COSINE and
+ * rounded to embedding_dtype), converted exactly to fp32, into out (host
+ * memory, embedding_dim floats). On a CUDA store this waits for the store's
+ * pending changes to its device embeddings, which are ordered after searches
+ * already enqueued. Errors: KVI_ERR_INVALID_ARGUMENT (NULL, or the store keeps
+ * no embeddings), KVI_ERR_NOT_FOUND, KVI_ERR_CUDA. */
 KVI_API kvi_status kvi_store_get_embedding(const kvi_store *store, uint64_t tenant,
                                            uint64_t fact_id, float *out);
 
@@ -253,9 +280,13 @@ typedef struct kvi_store_stats {
                               the unused tails of last pages) */
   uint64_t facts;
   uint64_t tenants;        /* tenants with at least one fact */
+  uint64_t bytes_embeddings; /* memory the embedding matrices hold (device
+                                memory for a CUDA store, host for a CPU one):
+                                each tenant's rows and fact ids, with room to
+                                grow; outside budget_bytes */
 } kvi_store_stats;
 
-#define KVI_STORE_STATS_INIT {sizeof(kvi_store_stats), KVI_BACKEND_AUTO, 0, KVI_ENUM_ZERO(kvi_dtype), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+#define KVI_STORE_STATS_INIT {sizeof(kvi_store_stats), KVI_BACKEND_AUTO, 0, KVI_ENUM_ZERO(kvi_dtype), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
 
 /* Fills *out (host memory). Errors: KVI_ERR_INVALID_ARGUMENT, KVI_ERR_STRUCT_SIZE. */
 KVI_API kvi_status kvi_store_stats_get(const kvi_store *store, kvi_store_stats *out);

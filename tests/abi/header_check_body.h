@@ -50,6 +50,7 @@ static void hc_check_init_macros(void) {
   kvi_store_options so = KVI_STORE_OPTIONS_INIT, so2;
   kvi_put_options po = KVI_PUT_OPTIONS_INIT, po2;
   kvi_store_stats ss = KVI_STORE_STATS_INIT;
+  kvi_search_options sr = KVI_SEARCH_OPTIONS_INIT, sr2;
 
   memset(&mo2, 0x5a, sizeof mo2);
   kvi_model_options_init(&mo2);
@@ -81,6 +82,16 @@ static void hc_check_init_macros(void) {
            so2.page_tokens == so.page_tokens && so2.budget_bytes == so.budget_bytes &&
            so2.embedding_dim == so.embedding_dim);
   HC_CHECK(so.backend == KVI_BACKEND_AUTO && so.device == -1 && so.dtype == KVI_DTYPE_BF16 && so.page_tokens == 16);
+  HC_CHECK(so2.embedding_dtype == so.embedding_dtype && so.embedding_dtype == KVI_DTYPE_FP32 &&
+           so2.metric == so.metric && so.metric == KVI_METRIC_INNER_PRODUCT);
+
+  memset(&sr2, 0x5a, sizeof sr2);
+  kvi_search_options_init(&sr2);
+  HC_CHECK(sr.struct_size == sizeof(kvi_search_options) && sr2.struct_size == sr.struct_size);
+  HC_CHECK(sr2.query_dtype == sr.query_dtype && sr.query_dtype == KVI_DTYPE_FP32 &&
+           sr2.query_memory == sr.query_memory && sr.query_memory == KVI_MEMORY_HOST &&
+           sr2.out_memory == sr.out_memory && sr.out_memory == KVI_MEMORY_HOST &&
+           sr2.workspace_bytes == sr.workspace_bytes && sr.workspace_bytes == KVI_SEARCH_DEFAULT_WORKSPACE);
 
   memset(&po2, 0x5a, sizeof po2);
   kvi_put_options_init(&po2);
@@ -132,6 +143,7 @@ static void hc_check_init_macros(void) {
   kvi_kv_view_init(NULL);
   kvi_store_options_init(NULL);
   kvi_put_options_init(NULL);
+  kvi_search_options_init(NULL);
 }
 
 static void hc_check_common(void) {
@@ -326,11 +338,62 @@ static void hc_check_persist(const char *lang) {
   HC_CHECK(remove(path) == 0);
 }
 
+/* A CPU store with 3-element embeddings: put three facts, search two tenants. */
+static void hc_check_search(void) {
+  kvi_model_options mo = KVI_MODEL_OPTIONS_INIT;
+  kvi_store_options so = KVI_STORE_OPTIONS_INIT;
+  kvi_put_options po = KVI_PUT_OPTIONS_INIT;
+  kvi_search_options sr = KVI_SEARCH_OPTIONS_INIT;
+  kvi_kv_view src = KVI_KV_VIEW_INIT;
+  kvi_model *model = NULL;
+  kvi_store *store = NULL;
+  static float k[HC_ELEMS], v[HC_ELEMS];
+  const float emb[3][3] = {{1.0f, 0.0f, 0.0f}, {0.0f, 2.0f, 0.0f}, {1.0f, 1.0f, 1.0f}};
+  const float queries[2][3] = {{1.0f, 1.0f, 0.0f}, {0.0f, 0.0f, 1.0f}};
+  const uint64_t tenants[2] = {5u, 6u};
+  uint64_t ids[2][2];
+  float scores[2][2];
+  int32_t counts[2] = {-1, -1};
+  int64_t bad = -1;
+  int i;
+
+  mo.num_layers = HC_LAYERS;
+  mo.num_kv_heads = HC_HEADS;
+  mo.head_size = HC_DIM;
+  HC_CHECK_OK(kvi_model_create(&model, &mo));
+  if (!model) return;
+  so.backend = KVI_BACKEND_CPU;
+  so.budget_bytes = 64u * 1024u;
+  so.embedding_dim = 3;
+  so.embedding_dtype = KVI_DTYPE_FP16;
+  HC_CHECK_OK(kvi_store_create(&store, model, &so));
+  kvi_model_destroy(model);
+  if (!store) return;
+  kvi_kv_view_contiguous(&src, KVI_MEMORY_HOST, KVI_DTYPE_FP32, HC_LAYERS, HC_TOKENS, HC_HEADS, HC_DIM, k, v);
+  for (i = 0; i < 3; i++) {
+    po.embedding = emb[i];
+    HC_CHECK_OK(kvi_store_put(store, 5u, (uint64_t)(10 + i), &src, &po, NULL));
+  }
+  HC_CHECK_OK(kvi_store_search(store, queries, 2, 3, tenants, 2, &ids[0][0], &scores[0][0], counts, &sr, NULL));
+  /* query 0 scores 1, 2, 2: facts 11 and 12 tie at 2, the smaller id first */
+  HC_CHECK(counts[0] == 2 && ids[0][0] == 11u && ids[0][1] == 12u && scores[0][0] == 2.0f && scores[0][1] == 2.0f);
+  /* tenant 6 has no facts */
+  HC_CHECK(counts[1] == 0 && ids[1][0] == KVI_SEARCH_NO_ID && ids[1][1] == KVI_SEARCH_NO_ID && scores[1][0] < -1e38f);
+  HC_CHECK(kvi_store_search(store, queries, 2, 4, tenants, 2, &ids[0][0], &scores[0][0], counts, NULL, NULL) ==
+           KVI_ERR_MISMATCH);
+  HC_CHECK(kvi_store_search(store, queries, 2, 3, tenants, 0, &ids[0][0], &scores[0][0], counts, NULL, NULL) ==
+           KVI_ERR_INVALID_ARGUMENT);
+  HC_CHECK_OK(kvi_store_search_async_errors(store, &bad));
+  HC_CHECK(bad == 0);
+  kvi_store_destroy(store);
+}
+
 static int hc_run(const char *lang) {
   hc_check_init_macros();
   hc_check_common();
   hc_check_store();
   hc_check_persist(lang);
+  hc_check_search();
   if (hc_failures) {
     fprintf(stderr, "%s header check: %d failure(s)\n", lang, hc_failures);
     return 1;

@@ -102,15 +102,50 @@ int cxx_checks() {
   const kvi_inject_request req = KVI_INJECT_REQUEST_INIT;
   const kvi_inject_options iopts = KVI_INJECT_OPTIONS_INIT;
   const kvi_capture cap = KVI_CAPTURE_INIT;
-  const kvi_save_options sopts = KVI_SAVE_OPTIONS_INIT;
+  const kvi_save_options svopts = KVI_SAVE_OPTIONS_INIT;
   const kvi_load_options lopts = KVI_LOAD_OPTIONS_INIT;
+  const kvi_search_options sopts = KVI_SEARCH_OPTIONS_INIT;
   if (layout.struct_size != sizeof layout || layout.scale_mode != KVI_SCALE_NONE) fail("KVI_CACHE_LAYOUT_INIT");
   if (topts.max_requests_per_call < 1) fail("KVI_TRANSFER_OPTIONS_INIT");
   if (req.block_table_memory != KVI_MEMORY_HOST) fail("KVI_INJECT_REQUEST_INIT");
   if (iopts.layer_end != 0) fail("KVI_INJECT_OPTIONS_INIT");
   if (cap.embedding_dtype != KVI_DTYPE_FP32) fail("KVI_CAPTURE_INIT");
-  if (sopts.struct_size != sizeof sopts || sopts.flags != 0) fail("KVI_SAVE_OPTIONS_INIT");
+  if (svopts.struct_size != sizeof svopts || svopts.flags != 0) fail("KVI_SAVE_OPTIONS_INIT");
   if (lopts.struct_size != sizeof lopts || lopts.flags != 0) fail("KVI_LOAD_OPTIONS_INIT");
+  if (sopts.out_memory != KVI_MEMORY_HOST || sopts.workspace_bytes != KVI_SEARCH_DEFAULT_WORKSPACE)
+    fail("KVI_SEARCH_OPTIONS_INIT");
+  {
+    std::vector<float> emb(4, 0.5f), q(4, 1.0f);
+    kvi_store_options so = KVI_STORE_OPTIONS_INIT;
+    so.backend = KVI_BACKEND_CPU;
+    so.budget_bytes = 1u << 20;
+    so.embedding_dim = 4;
+    so.metric = KVI_METRIC_COSINE;
+    model_ptr m2;
+    kvi_model_options mo = KVI_MODEL_OPTIONS_INIT;
+    mo.num_layers = 1;
+    mo.num_kv_heads = 2;
+    mo.head_size = 16;
+    kvi_model *rawm = nullptr;
+    if (kvi_model_create(&rawm, &mo) != KVI_OK) fail("kvi_model_create (search)");
+    m2.reset(rawm);
+    kvi_store *raws = nullptr;
+    if (m2 && kvi_store_create(&raws, m2.get(), &so) != KVI_OK) fail("kvi_store_create (search)");
+    store_ptr s2(raws);
+    kvi_put_options po2 = KVI_PUT_OPTIONS_INIT;
+    po2.embedding = emb.data();
+    if (s2 && kvi_store_put(s2.get(), 3, 77, &src, &po2, nullptr) != KVI_OK) fail("kvi_store_put (search)");
+    std::vector<uint64_t> ids(3);
+    std::vector<float> scores(3);
+    int32_t count = -1;
+    const uint64_t tenant = 3;
+    if (s2 && kvi_store_search(s2.get(), q.data(), 1, 4, &tenant, 3, ids.data(), scores.data(), &count, &sopts,
+                               nullptr) != KVI_OK)
+      fail("kvi_store_search");
+    /* cosine of two parallel vectors: 1 */
+    if (s2 && (count != 1 || ids[0] != 77 || scores[0] < 0.999f || scores[0] > 1.001f || ids[1] != KVI_SEARCH_NO_ID))
+      fail("kvi_store_search results");
+  }
   return failures;
 }
 

@@ -1545,6 +1545,46 @@ static void crash_test(fx *f, bool journal, const char *name) {
 static void test_crash_journal(void **state) { crash_test(*state, true, __func__); }
 static void test_crash_save(void **state) { crash_test(*state, false, __func__); }
 
+/* Embeddings kept as bf16 with the cosine metric come back bit for bit (a
+ * load must not scale them a second time), and a load asking for another
+ * embedding dtype or metric is refused. */
+static void test_embedding_dtype_metric(void **state) {
+  fx *f = *state;
+  geo g = small_geo();
+  g.E = 16; /* long enough that scaling a rounded unit vector again moves some bf16 values */
+  kvi_model *m = geo_model(&g);
+  kvi_store_options o = geo_opts(&g);
+  o.embedding_dtype = KVI_DTYPE_BF16;
+  o.metric = KVI_METRIC_COSINE;
+  kvi_store *s = NULL;
+  assert_ok(kvi_store_create(&s, m, &o));
+  for (uint64_t id = 1; id <= 40; id++) assert_ok(put_tag(s, &g, 7, id, 1 + (int32_t)(id % 5), 0x100 + id, 0));
+  assert_ok(kvi_store_save(s, f->path, NULL));
+  kvi_store *t = NULL;
+  assert_ok(kvi_store_load(&t, m, &o, f->path, NULL));
+  for (uint64_t id = 1; id <= 40; id++) {
+    float a[16], b[16];
+    assert_ok(kvi_store_get_embedding(s, 7, id, a));
+    assert_ok(kvi_store_get_embedding(t, 7, id, b));
+    assert_memory_equal(a, b, (size_t)g.E * sizeof(float));
+    double n2 = 0;
+    for (int i = 0; i < g.E; i++) n2 += (double)a[i] * a[i];
+    assert_true(fabs(n2 - 1.0) < 2e-2); /* unit length, to bf16 rounding */
+  }
+  kvi_store_destroy(t);
+  t = NULL;
+  kvi_store_options o2 = o;
+  o2.metric = KVI_METRIC_INNER_PRODUCT;
+  assert_int_equal(kvi_store_load(&t, m, &o2, f->path, NULL), KVI_ERR_INCOMPATIBLE);
+  assert_null(t);
+  o2 = o;
+  o2.embedding_dtype = KVI_DTYPE_FP16;
+  assert_int_equal(kvi_store_load(&t, m, &o2, f->path, NULL), KVI_ERR_INCOMPATIBLE);
+  assert_null(t);
+  kvi_store_destroy(s);
+  kvi_model_destroy(m);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_crc32c_reference),
@@ -1552,6 +1592,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_record_payload_bytes, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_save_one_tenant_and_empty, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_incompatible, fx_setup, fx_teardown),
+      cmocka_unit_test_setup_teardown(test_embedding_dtype_metric, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_load_errors, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_save_errors, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_truncated_everywhere, fx_setup, fx_teardown),

@@ -1,0 +1,374 @@
+/*
+ * libkvinject — retrieval kernels: query preparation, the scan (scores of a
+ * few queries against a tenant's embedding rows), top-k selection and the
+ * results. The GEMM for larger batches is cuBLASLt's (lib/cuda_rt.c).
+ * SPDX-License-Identifier: Apache-2.0
+ *
+ * Memory traffic and bounds:
+ * - scan: reads each row of a tile once (rows x ld x element bytes) and
+ *   writes qn fp32 scores per row, so with qn <= KVI__SCAN_MAX_Q it is bound
+ *   by the device's read bandwidth. A warp owns 4 rows at a time and reads
+ *   them as 16-byte vectors, two vectors per row in flight per lane (8
+ *   loads); the queries sit in shared memory as fp32, laid out so that a
+ *   warp's float4 reads are conflict-free, and each query value is reused
+ *   for 4 rows. fp32 accumulation (fmaf), then a warp reduction.
+ * - selection: reads its scores once (and the fact id of a score only when
+ *   it passes the running threshold) and writes min(k, n) pairs. A CTA keeps
+ *   its best k at the front of a 2048-pair shared buffer and appends
+ *   candidates that beat the k-th best; when the buffer could overflow it
+ *   bitonic-sorts the occupied prefix. On random scores few candidates pass
+ *   after the first round, so it runs near the read rate.
+ * - prep and emit touch num_queries x dim and num_queries x k elements.
+ */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "convert.cuh"
+#include "kernels.h"
+#include "kvinject/search.h"
+
+namespace {
+
+using kvi::cvt;
+
+constexpr int THREADS = 256;
+constexpr int WARPS = THREADS / 32;
+constexpr int ROWS = 4;     /* rows a scan warp handles at once; WARPS * ROWS == KVI__SCAN_ROWS */
+constexpr int SEL_N = 2048; /* pairs a selection CTA holds: k <= 1024 kept + candidates */
+constexpr int SEL_R = 1024; /* inputs read per round: 4 per thread */
+static_assert(WARPS * ROWS == KVI__SCAN_ROWS, "scan rows per CTA step");
+static_assert(SEL_N - KVI_SEARCH_MAX_K >= SEL_R, "a round always fits the candidate buffer");
+
+typedef unsigned long long u64;
+
+/* ---------------------------------------------------------------- prep */
+
+/* One CTA per slot: query perm[slot] -> row `slot` of q, scaled (cosine) and
+ * rounded exactly as kvi__emb_prepare does on the host (double sum of
+ * squares, x * (1 / sqrt(sum)) in double, rounded to fp32 then to S). A query
+ * with a NaN or infinity, or a value that overflows S, becomes zeros, is
+ * marked invalid and counted. */
+template <typename R, typename S> __global__ void __launch_bounds__(THREADS) prep_kernel(const kvi__search_args a) {
+  __shared__ double part[WARPS];
+  const int slot = blockIdx.x;
+  const R *src = static_cast<const R *>(a.raw) + (int64_t)a.perm[slot] * a.dim;
+  S *dst = static_cast<S *>(a.q) + (int64_t)slot * a.ld;
+  bool bad = false;
+  double ss = 0.0;
+  for (int i = threadIdx.x; i < a.dim; i += THREADS) {
+    const float x = cvt<R>::to(src[i]);
+    bad |= !isfinite(x);
+    ss += (double)x * (double)x; /* exact product: contraction cannot change it */
+  }
+  bad = __syncthreads_or(bad);
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  double sum = 0.0;
+  for (int w = 0; w < WARPS; w++) sum += part[w];
+  const double inv = a.cosine && sum > 0.0 ? 1.0 / sqrt(sum) : 1.0;
+  if (!bad) { /* uniform */
+    for (int i = threadIdx.x; i < a.ld; i += THREADS) {
+      float v = 0.0f;
+      if (i < a.dim) {
+        const float x = cvt<R>::to(src[i]);
+        v = a.cosine ? (float)((double)x * inv) : x;
+      }
+      const S r = cvt<S>::from(v);
+      bad |= !isfinite(cvt<S>::to(r));
+      dst[i] = r;
+    }
+    bad = __syncthreads_or(bad);
+  }
+  if (bad) {
+    for (int i = threadIdx.x; i < a.ld; i += THREADS) dst[i] = cvt<S>::from(0.0f);
+    if (threadIdx.x == 0) atomicAdd_system(a.bad, 1ull);
+  }
+  if (threadIdx.x == 0) a.valid[slot] = bad ? 0 : 1;
+}
+
+/* ---------------------------------------------------------------- scan */
+
+template <typename S> struct unpack;
+template <> struct unpack<float> {
+  static __device__ void to(const uint4 &w, float *f) {
+    f[0] = __uint_as_float(w.x), f[1] = __uint_as_float(w.y), f[2] = __uint_as_float(w.z), f[3] = __uint_as_float(w.w);
+  }
+};
+template <> struct unpack<__half> {
+  static __device__ void to(const uint4 &w, float *f) {
+    const __half2 *h = reinterpret_cast<const __half2 *>(&w);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const float2 t = __half22float2(h[i]);
+      f[2 * i] = t.x, f[2 * i + 1] = t.y;
+    }
+  }
+};
+template <> struct unpack<__nv_bfloat16> {
+  static __device__ void to(const uint4 &w, float *f) {
+    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&w);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const float2 t = __bfloat1622float2(h[i]);
+      f[2 * i] = t.x, f[2 * i + 1] = t.y;
+    }
+  }
+};
+
+/* acc[r][q] += row r's vector v . query q's vector v */
+template <typename S, int QB>
+__device__ inline void accumulate(float (&acc)[ROWS][QB], const uint4 (&w)[ROWS], const float4 *qs, int nvec, int v,
+                                  int qn) {
+  constexpr int EPV = 16 / (int)sizeof(S), H = EPV / 4;
+  float x[ROWS][EPV];
+#pragma unroll
+  for (int r = 0; r < ROWS; r++) unpack<S>::to(w[r], x[r]);
+#pragma unroll
+  for (int q = 0; q < QB; q++) {
+    if (q < qn) {
+#pragma unroll
+      for (int h = 0; h < H; h++) {
+        const float4 y = qs[(q * H + h) * nvec + v];
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+          acc[r][q] = fmaf(x[r][4 * h + 0], y.x, acc[r][q]);
+          acc[r][q] = fmaf(x[r][4 * h + 1], y.y, acc[r][q]);
+          acc[r][q] = fmaf(x[r][4 * h + 2], y.z, acc[r][q]);
+          acc[r][q] = fmaf(x[r][4 * h + 3], y.w, acc[r][q]);
+        }
+      }
+    }
+  }
+}
+
+/* One CTA per kvi__sblock: scores of its tile's qn (<= QB) queries against
+ * rows [r0, r0 + nr) of the tile. Rows are ld elements, ld * sizeof(S) a
+ * multiple of 16 bytes (padding is zero in rows and queries). */
+template <typename S, int QB> __global__ void __launch_bounds__(THREADS) scan_kernel(const kvi__search_args a) {
+  extern __shared__ float4 qs[]; /* element j of vector v of query q: qs[(q * H + j / 4) * nvec + v], lane j % 4 */
+  constexpr int EPV = 16 / (int)sizeof(S), H = EPV / 4;
+  const kvi__sblock b = a.blocks[blockIdx.x];
+  const kvi__stile t = a.tiles[b.tile];
+  const int nvec = a.ld / EPV, qn = t.qn;
+  float *qf = reinterpret_cast<float *>(qs);
+  const S *qsrc = static_cast<const S *>(a.q) + (int64_t)t.q0 * a.ld;
+  for (int i = threadIdx.x; i < qn * a.ld; i += THREADS) {
+    const int q = i / a.ld, e = i - q * a.ld, v = e / EPV, j = e - v * EPV;
+    qf[((q * H + j / 4) * nvec + v) * 4 + (j & 3)] = cvt<S>::to(qsrc[i]);
+  }
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, end = b.r0 + b.nr;
+  const S *mat = static_cast<const S *>(t.mat);
+  for (int r0 = b.r0 + warp * ROWS; r0 < end; r0 += WARPS * ROWS) {
+    const uint4 *row[ROWS];
+    bool ok[ROWS];
+    float acc[ROWS][QB];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+      ok[r] = r0 + r < end;
+      row[r] = reinterpret_cast<const uint4 *>(mat + (int64_t)(ok[r] ? r0 + r : r0) * a.ld);
+#pragma unroll
+      for (int q = 0; q < QB; q++) acc[r][q] = 0.0f;
+    }
+    int v = lane;
+    for (; v + 32 < nvec; v += 64) { /* two vectors of each row in flight */
+      uint4 w0[ROWS], w1[ROWS];
+#pragma unroll
+      for (int r = 0; r < ROWS; r++) {
+        w0[r] = ok[r] ? __ldg(row[r] + v) : make_uint4(0u, 0u, 0u, 0u);
+        w1[r] = ok[r] ? __ldg(row[r] + v + 32) : make_uint4(0u, 0u, 0u, 0u);
+      }
+      accumulate<S, QB>(acc, w0, qs, nvec, v, qn);
+      accumulate<S, QB>(acc, w1, qs, nvec, v + 32, qn);
+    }
+    if (v < nvec) {
+      uint4 w0[ROWS];
+#pragma unroll
+      for (int r = 0; r < ROWS; r++) w0[r] = ok[r] ? __ldg(row[r] + v) : make_uint4(0u, 0u, 0u, 0u);
+      accumulate<S, QB>(acc, w0, qs, nvec, v, qn);
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; r++)
+#pragma unroll
+      for (int q = 0; q < QB; q++) {
+        float s = acc[r][q];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (lane == 0 && ok[r] && q < qn) a.scores[t.off + (int64_t)q * t.sld + r0 + r] = s;
+      }
+  }
+}
+
+/* ---------------------------------------------------------------- selection */
+
+/* The order of results: higher score first, then smaller id. */
+__device__ inline bool better(float as, u64 ai, float bs, u64 bi) { return as > bs || (as == bs && ai < bi); }
+
+/* Sorts the first m pairs best first (m <= SEL_N; pairs from m on are
+ * sentinels), keeps the best k, and sets the threshold to the k-th. */
+__device__ void sort_trim(float *ss, u64 *si, int m, int k, int *ncand, int *have_thr, float *thr_s, u64 *thr_i) {
+  int M = 2;
+  while (M < m) M <<= 1;
+  for (int size = 2; size <= M; size <<= 1)
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      for (int p = threadIdx.x; p < M / 2; p += THREADS) {
+        const int i = 2 * p - (p & (stride - 1)), j = i + stride;
+        const float as = ss[i], bs = ss[j];
+        const u64 ai = si[i], bi = si[j];
+        const bool swap = (i & size) == 0 ? better(bs, bi, as, ai) : better(as, ai, bs, bi);
+        if (swap) {
+          ss[i] = bs, ss[j] = as;
+          si[i] = bi, si[j] = ai;
+        }
+      }
+      __syncthreads();
+    }
+  for (int i = k + threadIdx.x; i < M; i += THREADS) {
+    ss[i] = -INFINITY;
+    si[i] = ~0ull;
+  }
+  if (threadIdx.x == 0) {
+    *ncand = 0;
+    *thr_s = ss[k - 1];
+    *thr_i = si[k - 1];
+    *have_thr = !(ss[k - 1] == -INFINITY && si[k - 1] == ~0ull);
+  }
+  __syncthreads();
+}
+
+/* One CTA per kvi__sel. */
+__global__ void __launch_bounds__(THREADS) select_kernel(const kvi__search_args a) {
+  __shared__ float ss[SEL_N];
+  __shared__ u64 si[SEL_N];
+  __shared__ int ncand, have_thr;
+  __shared__ float thr_s;
+  __shared__ u64 thr_i;
+  const kvi__sel sel = a.sels[blockIdx.x];
+  const int k = a.k;
+  const int64_t total = (int64_t)sel.na + sel.nb;
+  for (int i = threadIdx.x; i < SEL_N; i += THREADS) {
+    ss[i] = -INFINITY;
+    si[i] = ~0ull;
+  }
+  if (threadIdx.x == 0) ncand = 0, have_thr = 0;
+  __syncthreads();
+  for (int64_t base = 0; base < total; base += SEL_R) {
+    const bool ht = have_thr;
+    const float ts = thr_s;
+    const u64 ti = thr_i;
+#pragma unroll
+    for (int j = 0; j < SEL_R / THREADS; j++) {
+      const int64_t idx = base + j * THREADS + threadIdx.x;
+      if (idx >= total) continue;
+      float s;
+      u64 id;
+      if (sel.ids) {
+        s = a.scores[sel.a + idx];
+        if (s != s) s = -INFINITY; /* NaN ranks as -infinity */
+        if (ht && s < ts) continue;
+        id = sel.ids[idx];
+      } else {
+        const int64_t p = idx < sel.na ? sel.a + idx : sel.b + (idx - sel.na);
+        s = a.ps[p];
+        id = a.pi[p];
+      }
+      if (!ht || better(s, id, ts, ti)) {
+        const int pos = k + atomicAdd(&ncand, 1);
+        ss[pos] = s;
+        si[pos] = id;
+      }
+    }
+    __syncthreads();
+    const int nc = ncand;
+    __syncthreads(); /* every thread has read ncand before the next round changes it */
+    if (nc > SEL_N - k - SEL_R) sort_trim(ss, si, k + nc, k, &ncand, &have_thr, &thr_s, &thr_i);
+  }
+  if (ncand > 0) sort_trim(ss, si, k + ncand, k, &ncand, &have_thr, &thr_s, &thr_i);
+  const int nout = total < k ? (int)total : k;
+  for (int i = threadIdx.x; i < nout; i += THREADS) {
+    a.ps[sel.dst + i] = ss[i];
+    a.pi[sel.dst + i] = si[i];
+  }
+}
+
+/* ---------------------------------------------------------------- emit */
+
+__global__ void __launch_bounds__(THREADS) emit_kernel(const kvi__search_args a) {
+  const kvi__emit e = a.emits[blockIdx.x];
+  const int n = a.valid[e.slot] ? e.n : 0;
+  uint64_t *ids = a.out_ids + (int64_t)e.out * a.k;
+  float *scores = a.out_scores + (int64_t)e.out * a.k;
+  for (int j = threadIdx.x; j < a.k; j += THREADS) {
+    ids[j] = j < n ? a.pi[e.src + j] : ~0ull;
+    scores[j] = j < n ? a.ps[e.src + j] : -INFINITY;
+  }
+  if (threadIdx.x == 0) a.out_counts[e.out] = n;
+}
+
+/* ---------------------------------------------------------------- launches */
+
+template <typename R, typename S> int prep2(const kvi__search_args *a, cudaStream_t s) {
+  prep_kernel<R, S><<<(unsigned)a->nq, THREADS, 0, s>>>(*a);
+  return (int)cudaGetLastError();
+}
+
+template <typename R> int prep1(const kvi__search_args *a, cudaStream_t s) {
+  switch (a->dtype) {
+  case KVI_DTYPE_FP32: return prep2<R, float>(a, s);
+  case KVI_DTYPE_FP16: return prep2<R, __half>(a, s);
+  case KVI_DTYPE_BF16: return prep2<R, __nv_bfloat16>(a, s);
+  }
+  return (int)cudaErrorInvalidValue;
+}
+
+template <typename S, int QB> int scan2(const kvi__search_args *a, cudaStream_t s) {
+  const size_t smem = (size_t)a->qmax * a->ld * sizeof(float); /* <= KVI__SCAN_SMEM, checked by the planner */
+  scan_kernel<S, QB><<<(unsigned)a->nblocks, THREADS, smem, s>>>(*a);
+  return (int)cudaGetLastError();
+}
+
+template <typename S> int scan1(const kvi__search_args *a, cudaStream_t s) {
+  if (a->qmax <= 1) return scan2<S, 1>(a, s);
+  if (a->qmax <= 2) return scan2<S, 2>(a, s);
+  if (a->qmax <= 4) return scan2<S, 4>(a, s);
+  return scan2<S, KVI__SCAN_MAX_Q>(a, s);
+}
+
+} // namespace
+
+extern "C" int kvi__cuda_search_prep(const kvi__search_args *a, struct CUstream_st *stream) {
+  cudaStream_t s = (cudaStream_t)stream;
+  switch (a->raw_dtype) {
+  case KVI_DTYPE_FP32: return prep1<float>(a, s);
+  case KVI_DTYPE_FP16: return prep1<__half>(a, s);
+  case KVI_DTYPE_BF16: return prep1<__nv_bfloat16>(a, s);
+  }
+  return (int)cudaErrorInvalidValue;
+}
+
+extern "C" int kvi__cuda_search_scan(const kvi__search_args *a, struct CUstream_st *stream) {
+  cudaStream_t s = (cudaStream_t)stream;
+  if (a->qmax < 1 || a->qmax > KVI__SCAN_MAX_Q || (size_t)a->qmax * a->ld * sizeof(float) > KVI__SCAN_SMEM)
+    return (int)cudaErrorInvalidValue;
+  switch (a->dtype) {
+  case KVI_DTYPE_FP32: return scan1<float>(a, s);
+  case KVI_DTYPE_FP16: return scan1<__half>(a, s);
+  case KVI_DTYPE_BF16: return scan1<__nv_bfloat16>(a, s);
+  }
+  return (int)cudaErrorInvalidValue;
+}
+
+extern "C" int kvi__cuda_search_select(const kvi__search_args *a, struct CUstream_st *stream) {
+  if (a->k < 1 || a->k > KVI_SEARCH_MAX_K) return (int)cudaErrorInvalidValue;
+  select_kernel<<<(unsigned)a->nsels, THREADS, 0, (cudaStream_t)stream>>>(*a);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int kvi__cuda_search_emit(const kvi__search_args *a, struct CUstream_st *stream) {
+  emit_kernel<<<(unsigned)a->nemits, THREADS, 0, (cudaStream_t)stream>>>(*a);
+  return (int)cudaGetLastError();
+}

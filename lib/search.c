@@ -1,0 +1,827 @@
+/*
+ * Retrieval: the top-k facts of each query's tenant, by the inner product of
+ * the query with the tenant's embedding matrix (see kvinject/search.h).
+ * SPDX-License-Identifier: Apache-2.0
+ *
+ * CPU store (the reference): each query is prepared as a stored embedding is
+ * (kvi__emb_prepare), every row of its tenant is scored in double and
+ * rounded once to fp32, and a bounded heap keeps the best k by (score
+ * descending, id ascending).
+ *
+ * CUDA store: planned on the host under the store's lock, enqueued on the
+ * caller's stream without waiting for it:
+ *   1. the plan (and host queries) go up in one copy from a pinned staging
+ *      slot; a prep kernel checks, scales and rounds every query into the
+ *      workspace, grouped by tenant;
+ *   2. the work is cut into score tiles (queries of one tenant x a range of
+ *      its rows) packed into rounds whose scores and candidates fit in
+ *      opts->workspace_bytes. A round computes its tiles' scores (a scan
+ *      kernel for up to KVI__SCAN_MAX_Q queries of a tenant, cuBLASLt for
+ *      more), selects the top k of every segment of every query's scores
+ *      (stage 1), and merges them into each query's running top k (stage 2);
+ *   3. an emit kernel writes the results (or sentinels) to the outputs.
+ * Ordering: the stream first waits for the store's last change to device
+ * embeddings (emb_ready) and for the previous search (`done`, as searches
+ * share the workspace); at the end it records `done`, and the embedding
+ * stream waits for it, so a later put or remove cannot change rows this
+ * search still reads.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "store_internal.h"
+
+#define SEARCH_OPTIONS_V1 sizeof(kvi_search_options)
+#define MIN_WORKSPACE (1u << 20)
+#define SLOTS 4
+#define LT_WS (32u << 20) /* cuBLASLt's workspace, when a GEMM is planned */
+#define SEG 4096          /* scores per stage-1 selection */
+#define GEMM_QT 256       /* queries per GEMM tile */
+#define PAIR_BYTES 12     /* a candidate: fp32 score + 64-bit id */
+
+KVI_API void kvi_search_options_init(kvi_search_options *opts) {
+  if (opts) {
+    kvi_search_options d = KVI_SEARCH_OPTIONS_INIT;
+    *opts = d;
+  }
+}
+
+/* ------------------------------------------------------------------------ */
+/* argument checks                                                          */
+/* ------------------------------------------------------------------------ */
+
+/* Host queries: every element finite and, scaled and rounded, still finite.
+ * Scaling (cosine) cannot make a value larger than 1; rounding to a narrower
+ * range overflows exactly above a threshold on the fp32 value. */
+static kvi_status check_host_queries(const kvi_store *s, const void *q, kvi_dtype t, int32_t nq, int32_t dim,
+                                     const char *fn) {
+  uint32_t limit = 0x7f800000u; /* |x| below: finite */
+  if (s->metric == KVI_METRIC_INNER_PRODUCT && t != KVI_DTYPE_FP16) {
+    if (s->emb_dtype == KVI_DTYPE_FP16) limit = 0x477ff000u; /* 65520 rounds to fp16 infinity */
+    if (s->emb_dtype == KVI_DTYPE_BF16 && t == KVI_DTYPE_FP32) limit = 0x7f7f8000u; /* rounds to bf16 infinity */
+  }
+  const int64_t n = (int64_t)nq * dim;
+  for (int64_t i = 0; i < n; i++) {
+    uint32_t u;
+    if (t == KVI_DTYPE_FP32) memcpy(&u, (const char *)q + i * 4, 4);
+    else if (t == KVI_DTYPE_BF16) u = (uint32_t)((const uint16_t *)q)[i] << 16;
+    else u = (((const uint16_t *)q)[i] & 0x7c00u) == 0x7c00u ? 0x7f800000u : 0; /* fp16: only inf/NaN */
+    if ((u & 0x7fffffffu) >= limit) {
+      const float x = kvi__load(q, t, i);
+      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "queries[%lld][%lld] is %g; %s", (long long)(i / dim),
+                       (long long)(i % dim), (double)x,
+                       isfinite(x) ? (s->emb_dtype == KVI_DTYPE_FP16 ? "too large for the store's fp16 embeddings"
+                                                                     : "too large for the store's bf16 embeddings")
+                                   : "queries must be finite");
+    }
+  }
+  return KVI_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* CPU: the reference                                                       */
+/* ------------------------------------------------------------------------ */
+
+static bool better(float as, uint64_t ai, float bs, uint64_t bi) { return as > bs || (as == bs && ai < bi); }
+
+/* A heap of at most cap (score, id) pairs with the worst at the root. */
+typedef struct heap {
+  float *s;
+  uint64_t *id;
+  int32_t n, cap;
+} heap;
+
+static void heap_swap(heap *h, int32_t a, int32_t b) {
+  float s = h->s[a];
+  uint64_t id = h->id[a];
+  h->s[a] = h->s[b], h->id[a] = h->id[b];
+  h->s[b] = s, h->id[b] = id;
+}
+
+static void heap_down(heap *h, int32_t i) {
+  for (;;) {
+    int32_t w = i;
+    const int32_t l = 2 * i + 1, r = l + 1;
+    if (l < h->n && better(h->s[w], h->id[w], h->s[l], h->id[l])) w = l;
+    if (r < h->n && better(h->s[w], h->id[w], h->s[r], h->id[r])) w = r;
+    if (w == i) return;
+    heap_swap(h, i, w);
+    i = w;
+  }
+}
+
+static void heap_offer(heap *h, float s, uint64_t id) {
+  if (h->n < h->cap) {
+    int32_t i = h->n++;
+    h->s[i] = s, h->id[i] = id;
+    while (i > 0 && better(h->s[(i - 1) / 2], h->id[(i - 1) / 2], h->s[i], h->id[i])) {
+      heap_swap(h, i, (i - 1) / 2);
+      i = (i - 1) / 2;
+    }
+  } else if (h->cap > 0 && better(s, id, h->s[0], h->id[0])) {
+    h->s[0] = s, h->id[0] = id;
+    heap_down(h, 0);
+  }
+}
+
+static kvi_status cpu_search(kvi_store *s, const void *queries, kvi_dtype qt, int32_t nq, const uint64_t *tenants,
+                             int32_t k, uint64_t *out_ids, float *out_scores, int32_t *out_counts, const char *fn) {
+  const int32_t dim = s->emb_dim;
+  const size_t rb = (size_t)s->emb_ld * kvi_dtype_size(s->emb_dtype);
+  float *q = malloc((size_t)nq * dim * sizeof *q), *row = malloc((size_t)dim * sizeof *row);
+  heap h = {malloc((size_t)k * sizeof(float)), malloc((size_t)k * sizeof(uint64_t)), 0, 0};
+  kvi_status st = KVI_OK;
+  if (!q || !row || !h.s || !h.id) {
+    st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d prepared queries", (int)nq);
+    goto out;
+  }
+  for (int32_t i = 0; i < nq; i++) {
+    float *qi = q + (size_t)i * dim;
+    kvi__convert(qi, KVI_DTYPE_FP32, (const char *)queries + (size_t)i * dim * kvi_dtype_size(qt), qt, dim);
+    if (kvi__emb_prepare(qi, dim, s->emb_dtype, s->metric) >= 0) {
+      st = kvi__fail(KVI_ERR_INTERNAL, fn, "query %d passed the checks but does not fit the store's embeddings", (int)i);
+      goto out;
+    }
+  }
+  /* nothing can fail from here on */
+  kvi__store_lock(s);
+  for (int32_t i = 0; i < nq; i++) {
+    const float *qi = q + (size_t)i * dim;
+    const tenant *t = kvi__map_get(&s->tenants, tenants[i], 0);
+    const size_t n = t ? t->count : 0;
+    h.n = 0;
+    h.cap = n < (size_t)k ? (int32_t)n : k;
+    for (size_t r = 0; r < n; r++) {
+      kvi__convert(row, KVI_DTYPE_FP32, (const char *)t->emb + r * rb, s->emb_dtype, dim);
+      double d = 0.0;
+      for (int32_t e = 0; e < dim; e++) d += (double)qi[e] * (double)row[e];
+      float sc = (float)d;
+      if (sc != sc) sc = -INFINITY;
+      heap_offer(&h, sc, t->rows[r]->id);
+    }
+    const int32_t cnt = h.n;
+    while (h.n > 0) { /* the worst goes last */
+      heap_swap(&h, 0, --h.n);
+      heap_down(&h, 0);
+    }
+    for (int32_t j = 0; j < k; j++) {
+      out_ids[(size_t)i * k + j] = j < cnt ? h.id[j] : KVI_SEARCH_NO_ID;
+      out_scores[(size_t)i * k + j] = j < cnt ? h.s[j] : -INFINITY;
+    }
+    out_counts[i] = cnt;
+  }
+  kvi__store_unlock(s);
+out:
+  free(q);
+  free(row);
+  free(h.s);
+  free(h.id);
+  return st;
+}
+
+/* ------------------------------------------------------------------------ */
+/* CUDA: state                                                              */
+/* ------------------------------------------------------------------------ */
+
+typedef struct sslot {
+  char *host; /* pinned: upload (plan, host queries), then results for host outputs */
+  size_t bytes;
+  struct CUevent_st *ev; /* recorded after the slot's last copy */
+  bool used;
+  bool busy; /* a call is still copying host results out of it */
+} sslot;
+
+typedef struct kvi__search kvi__search;
+
+struct kvi__search {
+  kvi__lt *lt;
+  char *ws; /* device workspace, stream-ordered allocation */
+  size_t ws_bytes;
+  struct CUevent_st *done; /* end of the last search */
+  bool done_recorded;
+  sslot slot[SLOTS];
+  int next;
+  pthread_cond_t cond; /* a slot stopped being busy */
+  unsigned long long *bad_host, *bad_dev;
+  unsigned long long bad_taken;
+  int sms;
+};
+
+void kvi__search_release(kvi_store *s) {
+  kvi__search *x = s->search;
+  if (!x) return;
+  kvi__devguard g;
+  if (kvi__cuda_enter(s->device, &g, "kvi_store_destroy") == KVI_OK) {
+    for (int i = 0; i < SLOTS; i++) {
+      if (x->slot[i].used) kvi__cuda_event_sync(x->slot[i].ev, "kvi_store_destroy");
+      kvi__cuda_host_free(x->slot[i].host);
+      kvi__cuda_event_destroy(x->slot[i].ev);
+    }
+    if (x->done_recorded) kvi__cuda_event_sync(x->done, "kvi_store_destroy");
+    kvi__cuda_event_destroy(x->done);
+    kvi__cuda_free(x->ws);
+    kvi__cuda_host_free(x->bad_host);
+    kvi__lt_destroy(x->lt);
+    kvi__cuda_leave(&g);
+  }
+  pthread_cond_destroy(&x->cond);
+  free(x);
+  s->search = NULL;
+}
+
+/* Made by the first search of a CUDA store (store locked, device current). */
+static kvi_status search_state(kvi_store *s, const char *fn) {
+  if (s->search) return KVI_OK;
+  kvi__search *x = calloc(1, sizeof *x);
+  if (!x) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the search state");
+  if (pthread_cond_init(&x->cond, NULL) != 0) {
+    free(x);
+    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "initializing a condition variable");
+  }
+  s->search = x;
+  kvi_status st = kvi__cuda_event_create(&x->done, fn);
+  for (int i = 0; i < SLOTS && st == KVI_OK; i++) st = kvi__cuda_event_create(&x->slot[i].ev, fn);
+  if (st == KVI_OK) st = kvi__cuda_host_alloc_mapped((void **)&x->bad_host, (void **)&x->bad_dev, 64, fn);
+  if (st == KVI_OK) *x->bad_host = 0;
+  if (st == KVI_OK) st = kvi__cuda_sm_count(s->device, &x->sms, fn);
+  if (st) kvi__search_release(s);
+  return st;
+}
+
+KVI_API kvi_status kvi_store_search_async_errors(kvi_store *store, int64_t *out_bad_queries) {
+  static const char fn[] = "kvi_store_search_async_errors";
+  if (!store || !out_bad_queries)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_bad_queries" : "store");
+  kvi__store_lock(store);
+  kvi__search *x = store->search;
+  const unsigned long long now = x && x->bad_host ? *(volatile unsigned long long *)x->bad_host : 0;
+  *out_bad_queries = x ? (int64_t)(now - x->bad_taken) : 0;
+  if (x) x->bad_taken = now;
+  kvi__store_unlock(store);
+  return KVI_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* CUDA: the plan                                                           */
+/* ------------------------------------------------------------------------ */
+
+typedef struct ptile {
+  kvi__stile d;        /* as uploaded */
+  const uint64_t *ids; /* fact id of the tile's row 0 (device) */
+  int32_t seg;         /* scores per stage-1 selection */
+  bool gemm;
+} ptile;
+
+typedef struct pround {
+  size_t t0, t1, b0, b1, s0, s1, s2; /* tiles, scan blocks, stage-1 sels, stage-2 sels */
+  int32_t qmax;                      /* largest qn of its scan tiles */
+} pround;
+
+typedef struct plan {
+  int32_t *perm; /* slot -> query */
+  kvi__emit *emits;
+  ptile *tiles;
+  size_t ntiles, ctiles;
+  kvi__sblock *blocks;
+  size_t nblocks, cblocks;
+  kvi__sel *sels;
+  size_t nsels, csels;
+  pround *rounds;
+  size_t nrounds, crounds;
+  size_t score_floats; /* the largest round's */
+  size_t cand_pairs;   /* the largest round's stage-1 outputs */
+  bool any_gemm;
+} plan;
+
+static void plan_free(plan *p) {
+  free(p->perm);
+  free(p->emits);
+  free(p->tiles);
+  free(p->blocks);
+  free(p->sels);
+  free(p->rounds);
+}
+
+/* Room for one more element in a growable array. */
+static bool more(void **a, size_t n, size_t *cap, size_t elem) {
+  if (n < *cap) return true;
+  size_t c = *cap ? *cap * 2 : 64;
+  void *p = realloc(*a, c * elem);
+  if (!p) return false;
+  *a = p;
+  *cap = c;
+  return true;
+}
+#define MORE(arr, n, cap) more((void **)&(arr), (n), &(cap), sizeof *(arr))
+
+typedef struct qref {
+  const tenant *t;
+  uint64_t tenant_id;
+  int32_t q;
+} qref;
+
+static int cmp_qref(const void *a, const void *b) {
+  const qref *x = a, *y = b;
+  if (x->tenant_id != y->tenant_id) return x->tenant_id < y->tenant_id ? -1 : 1;
+  return (x->q > y->q) - (x->q < y->q);
+}
+
+typedef struct selq {
+  kvi__sel *sel;
+  int32_t slot;
+  int32_t order;
+} selq;
+
+static int cmp_selq(const void *a, const void *b) {
+  const selq *x = a, *y = b;
+  if (x->slot != y->slot) return x->slot < y->slot ? -1 : 1;
+  return (x->order > y->order) - (x->order < y->order);
+}
+
+static size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+/* Bytes of the score area a tile takes in its round: scores and candidates. */
+static size_t tile_bytes(const ptile *t, int32_t k) {
+  size_t cands = 0;
+  for (int32_t f0 = 0; f0 < t->d.nf; f0 += t->seg) {
+    const int32_t len = t->d.nf - f0 < t->seg ? t->d.nf - f0 : t->seg;
+    cands += (size_t)(len < k ? len : k);
+  }
+  return (size_t)t->d.qn * ((size_t)t->d.sld * sizeof(float) + cands * PAIR_BYTES);
+}
+
+/* Cuts the call into tiles and rounds (store locked: reads tenants). */
+static kvi_status build_plan(const kvi_store *s, plan *p, const uint64_t *tenants, int32_t nq, int32_t k,
+                             uint64_t area, int sms, const char *fn) {
+  memset(p, 0, sizeof *p);
+  const int32_t ld = s->emb_ld;
+  const size_t es = kvi_dtype_size(s->emb_dtype);
+  qref *qs = malloc((size_t)nq * sizeof *qs);
+  int32_t *items = calloc((size_t)nq, sizeof *items);  /* stage-1 selections per slot, whole call */
+  int32_t *have = calloc((size_t)nq, sizeof *have);   /* pairs in a slot's running top k */
+  selq *sq = NULL;
+  size_t csq = 0;
+  p->perm = malloc((size_t)nq * sizeof *p->perm);
+  p->emits = malloc((size_t)nq * sizeof *p->emits);
+  kvi_status st = KVI_OK;
+  if (!qs || !items || !have || !p->perm || !p->emits) goto oom;
+
+  /* slots: queries grouped by tenant, in query order within a tenant */
+  for (int32_t i = 0; i < nq; i++) {
+    qs[i].tenant_id = tenants[i];
+    qs[i].t = kvi__map_get(&s->tenants, tenants[i], 0);
+    qs[i].q = i;
+  }
+  qsort(qs, (size_t)nq, sizeof *qs, cmp_qref);
+  for (int32_t i = 0; i < nq; i++) {
+    p->perm[i] = qs[i].q;
+    const size_t n = qs[i].t ? qs[i].t->count : 0;
+    kvi__emit e = {(int64_t)i * k, n < (size_t)k ? (int32_t)n : k, qs[i].q, i, 0};
+    p->emits[i] = e;
+  }
+
+  /* tiles, group by group */
+  for (int32_t g0 = 0; g0 < nq;) {
+    int32_t g1 = g0 + 1;
+    while (g1 < nq && qs[g1].tenant_id == qs[g0].tenant_id) g1++;
+    const tenant *t = qs[g0].t;
+    const int64_t n = t ? (int64_t)t->count : 0;
+    const int32_t g = g1 - g0;
+    const bool scan = g <= KVI__SCAN_MAX_Q && (size_t)g * ld * sizeof(float) <= KVI__SCAN_SMEM;
+    const int32_t qt = scan ? g : (g < GEMM_QT ? g : GEMM_QT);
+    for (int32_t q0 = g0; n > 0 && q0 < g1; q0 += qt) {
+      const int32_t qn = g1 - q0 < qt ? g1 - q0 : qt;
+      /* rows per tile: whole segments of SEG while scores and candidates fit the area */
+      const size_t per_seg = (size_t)qn * (SEG * sizeof(float) + (size_t)(k < SEG ? k : SEG) * PAIR_BYTES);
+      int64_t ft = (int64_t)(area / per_seg) * SEG;
+      int32_t seg = SEG;
+      if (ft == 0) { /* a small area: one segment per tile; 16 bytes per (query, row) bound both parts */
+        ft = (int64_t)(area / ((size_t)qn * 16)) / 64 * 64;
+        if (ft < 64) ft = 64;
+        seg = (int32_t)ft;
+      }
+      if (ft > INT32_MAX / 2) ft = INT32_MAX / 2 / SEG * SEG;
+      for (int64_t f0 = 0; f0 < n; f0 += ft) {
+        if (!MORE(p->tiles, p->ntiles, p->ctiles)) goto oom;
+        ptile *pt = &p->tiles[p->ntiles++];
+        memset(pt, 0, sizeof *pt);
+        pt->d.mat = (const char *)t->emb + (size_t)f0 * ld * es;
+        pt->d.q0 = q0;
+        pt->d.qn = qn;
+        pt->d.nf = (int32_t)(n - f0 < ft ? n - f0 : ft);
+        pt->d.sld = (int32_t)round_up((size_t)pt->d.nf, 4);
+        pt->ids = t->ids + f0;
+        pt->seg = seg;
+        pt->gemm = !scan;
+        p->any_gemm |= !scan;
+        const int32_t nseg = (pt->d.nf + seg - 1) / seg;
+        for (int32_t j = q0; j < q0 + qn; j++) items[j] += nseg;
+      }
+    }
+    g0 = g1;
+  }
+
+  /* rounds: tiles in order while they fit the area */
+  for (size_t t0 = 0; t0 < p->ntiles;) {
+    size_t t1 = t0, bytes = 0, floats = 0;
+    while (t1 < p->ntiles && (t1 == t0 || bytes + tile_bytes(&p->tiles[t1], k) <= area)) {
+      ptile *pt = &p->tiles[t1];
+      pt->d.off = (int64_t)floats;
+      floats += (size_t)pt->d.qn * pt->d.sld;
+      bytes += tile_bytes(pt, k);
+      t1++;
+    }
+    if (!MORE(p->rounds, p->nrounds, p->crounds)) goto oom;
+    pround *r = &p->rounds[p->nrounds++];
+    memset(r, 0, sizeof *r);
+    r->t0 = t0, r->t1 = t1;
+    if (floats > p->score_floats) p->score_floats = floats;
+    /* scan blocks: about two CTAs per SM for the round's largest tile */
+    r->b0 = p->nblocks;
+    for (size_t i = t0; i < t1; i++) {
+      const ptile *pt = &p->tiles[i];
+      if (pt->gemm) continue;
+      if (pt->d.qn > r->qmax) r->qmax = pt->d.qn;
+      int32_t nr = (int32_t)round_up((size_t)pt->d.nf / (size_t)(2 * (sms > 0 ? sms : 1)) + 1, KVI__SCAN_ROWS);
+      if (nr > 1024) nr = 1024;
+      for (int32_t r0 = 0; r0 < pt->d.nf; r0 += nr) {
+        if (!MORE(p->blocks, p->nblocks, p->cblocks)) goto oom;
+        kvi__sblock b = {(int32_t)i, r0, pt->d.nf - r0 < nr ? pt->d.nf - r0 : nr, 0};
+        p->blocks[p->nblocks++] = b;
+      }
+    }
+    r->b1 = p->nblocks;
+    /* stage 1: every (tile, query, segment) */
+    r->s0 = p->nsels;
+    size_t nsq = 0;
+    for (size_t i = t0; i < t1; i++) {
+      const ptile *pt = &p->tiles[i];
+      for (int32_t j = 0; j < pt->d.qn; j++)
+        for (int32_t f0 = 0; f0 < pt->d.nf; f0 += pt->seg) {
+          if (!MORE(p->sels, p->nsels, p->csels)) goto oom;
+          kvi__sel *sl = &p->sels[p->nsels++];
+          memset(sl, 0, sizeof *sl);
+          sl->ids = pt->ids + f0;
+          sl->a = pt->d.off + (int64_t)j * pt->d.sld + f0;
+          sl->nb = pt->d.nf - f0 < pt->seg ? pt->d.nf - f0 : pt->seg;
+          if (!MORE(sq, nsq, csq)) goto oom;
+          selq e = {NULL, pt->d.q0 + j, (int32_t)nsq};
+          sq[nsq++] = e;
+        }
+    }
+    r->s1 = p->nsels;
+    /* candidates of one query are contiguous: offsets assigned in slot order */
+    for (size_t i = 0; i < nsq; i++) sq[i].sel = &p->sels[r->s0 + i];
+    qsort(sq, nsq, sizeof *sq, cmp_selq);
+    const int64_t cand0 = (int64_t)nq * k;
+    int64_t cursor = 0;
+    for (size_t i = 0; i < nsq;) {
+      const int32_t slot = sq[i].slot;
+      size_t j = i;
+      const int64_t first = cursor;
+      for (; j < nsq && sq[j].slot == slot; j++) {
+        kvi__sel *sl = sq[j].sel;
+        const int32_t out = sl->nb < k ? sl->nb : k;
+        if (items[slot] == 1) { /* the only selection of this query: straight into its results */
+          sl->dst = (int64_t)slot * k;
+        } else {
+          sl->dst = cand0 + cursor;
+          cursor += out;
+        }
+      }
+      if (items[slot] > 1) { /* stage 2: merge into the running top k */
+        if (!MORE(p->sels, p->nsels, p->csels)) goto oom;
+        kvi__sel *m = &p->sels[p->nsels++];
+        memset(m, 0, sizeof *m);
+        m->a = (int64_t)slot * k;
+        m->na = have[slot];
+        m->b = cand0 + first;
+        m->nb = (int32_t)(cursor - first);
+        m->dst = (int64_t)slot * k;
+        have[slot] = have[slot] + m->nb < k ? have[slot] + m->nb : k;
+      }
+      i = j;
+    }
+    r->s2 = p->nsels;
+    if ((size_t)cursor > p->cand_pairs) p->cand_pairs = (size_t)cursor;
+    t0 = t1;
+  }
+  goto out;
+oom:
+  st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the plan of %d queries", (int)nq);
+  plan_free(p);
+out:
+  free(qs);
+  free(items);
+  free(have);
+  free(sq);
+  return st;
+}
+
+/* ------------------------------------------------------------------------ */
+/* CUDA: execution                                                          */
+/* ------------------------------------------------------------------------ */
+
+static size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
+
+/* A free staging slot of at least `bytes` (store locked; may wait for the
+ * slot's previous copies, or for a call copying results out of it). */
+static kvi_status take_slot(kvi_store *s, size_t bytes, sslot **out, const char *fn) {
+  kvi__search *x = s->search;
+  sslot *sl = NULL;
+  for (;;) {
+    for (int i = 0; i < SLOTS && !sl; i++) {
+      sslot *c = &x->slot[(x->next + i) % SLOTS];
+      if (!c->busy) {
+        sl = c;
+        x->next = (int)((c - x->slot) + 1) % SLOTS;
+      }
+    }
+    if (sl) break;
+    pthread_cond_wait(&x->cond, &s->lock);
+  }
+  if (sl->used) {
+    kvi_status st = kvi__cuda_event_sync(sl->ev, fn);
+    if (st) return st;
+    sl->used = false;
+  }
+  if (sl->bytes < bytes) {
+    size_t want = bytes > 2 * sl->bytes ? bytes : 2 * sl->bytes;
+    char *h = NULL;
+    kvi_status st = kvi__cuda_host_alloc((void **)&h, want, fn);
+    if (st) return st;
+    kvi__cuda_host_free(sl->host);
+    sl->host = h;
+    sl->bytes = want;
+  }
+  *out = sl;
+  return KVI_OK;
+}
+
+/* Byte layout of a call's upload (plan, host queries), workspace and results. */
+typedef struct layout {
+  size_t o_perm, o_tiles, o_blocks, o_sels, o_emits, o_raw, upload; /* in the upload */
+  size_t o_q, o_valid, o_ps, o_pi, o_scores, o_lt, o_out_ids, o_out_scores, o_out_counts, ws; /* in the workspace */
+  size_t out; /* host results, in the slot after the upload */
+  size_t pairs;
+} layout;
+
+static void make_layout(layout *l, const kvi_store *s, const plan *p, int32_t nq, int32_t k, kvi_dtype qt,
+                        bool host_queries, bool host_out) {
+  memset(l, 0, sizeof *l);
+  size_t o = 0;
+  l->o_perm = o, o = align256(o + (size_t)nq * sizeof(int32_t));
+  l->o_tiles = o, o = align256(o + p->ntiles * sizeof(kvi__stile));
+  l->o_blocks = o, o = align256(o + p->nblocks * sizeof(kvi__sblock));
+  l->o_sels = o, o = align256(o + p->nsels * sizeof(kvi__sel));
+  l->o_emits = o, o = align256(o + (size_t)nq * sizeof(kvi__emit));
+  l->o_raw = o;
+  if (host_queries) o = align256(o + (size_t)nq * s->emb_dim * kvi_dtype_size(qt));
+  l->upload = o;
+  l->pairs = (size_t)nq * k + p->cand_pairs;
+  l->o_q = o, o = align256(o + (size_t)nq * s->emb_ld * kvi_dtype_size(s->emb_dtype));
+  l->o_valid = o, o = align256(o + (size_t)nq * sizeof(int32_t));
+  l->o_ps = o, o = align256(o + l->pairs * sizeof(float));
+  l->o_pi = o, o = align256(o + l->pairs * sizeof(uint64_t));
+  l->o_scores = o, o = align256(o + p->score_floats * sizeof(float));
+  l->o_lt = o;
+  if (p->any_gemm) o = align256(o + LT_WS);
+  const size_t no = (size_t)nq * k;
+  if (host_out) {
+    l->out = align256(no * sizeof(uint64_t)) + align256(no * sizeof(float)) + align256((size_t)nq * sizeof(int32_t));
+    l->o_out_ids = o, o = align256(o + no * sizeof(uint64_t));
+    l->o_out_scores = o, o = align256(o + no * sizeof(float));
+    l->o_out_counts = o, o = align256(o + (size_t)nq * sizeof(int32_t));
+  }
+  l->ws = o;
+}
+
+/* Copies the plan into the upload area of the slot. */
+static void write_upload(char *u, const layout *l, const plan *p, int32_t nq) {
+  memcpy(u + l->o_perm, p->perm, (size_t)nq * sizeof(int32_t));
+  kvi__stile *t = (kvi__stile *)(u + l->o_tiles);
+  for (size_t i = 0; i < p->ntiles; i++) t[i] = p->tiles[i].d;
+  memcpy(u + l->o_blocks, p->blocks, p->nblocks * sizeof(kvi__sblock));
+  memcpy(u + l->o_sels, p->sels, p->nsels * sizeof(kvi__sel));
+  memcpy(u + l->o_emits, p->emits, (size_t)nq * sizeof(kvi__emit));
+}
+
+#ifdef KVI_HAVE_CUBLASLT
+#define LAUNCH(call, what)                                                                                          \
+  do {                                                                                                              \
+    if (st == KVI_OK) st = kvi__cuda_error((call), fn, what);                                                       \
+  } while (0)
+#else
+#define LAUNCH(call, what)                                                                                          \
+  do {                                                                                                              \
+    if (st == KVI_OK) st = kvi__fail(KVI_ERR_NOT_BUILT, fn, "libkvinject was built without cuBLASLt");              \
+  } while (0)
+#endif
+
+/* Enqueues everything after the upload (store locked, device current). */
+static kvi_status enqueue(kvi_store *s, const plan *p, const layout *l, const void *raw, kvi_dtype qt, int32_t nq,
+                          int32_t k, uint64_t *out_ids, float *out_scores, int32_t *out_counts,
+                          struct CUstream_st *stream, const char *fn) {
+  kvi__search *x = s->search;
+  char *ws = x->ws;
+  kvi__search_args a;
+  memset(&a, 0, sizeof a);
+  a.dtype = (int32_t)s->emb_dtype;
+  a.dim = s->emb_dim;
+  a.ld = s->emb_ld;
+  a.k = k;
+  a.raw = raw;
+  a.raw_dtype = (int32_t)qt;
+  a.cosine = s->metric == KVI_METRIC_COSINE;
+  a.perm = (const int32_t *)(ws + l->o_perm);
+  a.nq = nq;
+  a.q = ws + l->o_q;
+  a.valid = (int32_t *)(ws + l->o_valid);
+  a.bad = x->bad_dev;
+  a.scores = (float *)(ws + l->o_scores);
+  a.ps = (float *)(ws + l->o_ps);
+  a.pi = (uint64_t *)(ws + l->o_pi);
+  a.out_ids = out_ids;
+  a.out_scores = out_scores;
+  a.out_counts = out_counts;
+  const kvi__stile *tiles = (const kvi__stile *)(ws + l->o_tiles);
+  const kvi__sblock *blocks = (const kvi__sblock *)(ws + l->o_blocks);
+  const kvi__sel *sels = (const kvi__sel *)(ws + l->o_sels);
+  const size_t es = kvi_dtype_size(s->emb_dtype);
+  kvi_status st = KVI_OK;
+  LAUNCH(kvi__cuda_search_prep(&a, stream), "search prep kernel");
+  for (size_t r = 0; r < p->nrounds && st == KVI_OK; r++) {
+    const pround *rd = &p->rounds[r];
+    if (rd->b1 > rd->b0) {
+      a.tiles = tiles;
+      a.blocks = blocks + rd->b0;
+      a.nblocks = (int32_t)(rd->b1 - rd->b0);
+      a.qmax = rd->qmax;
+      LAUNCH(kvi__cuda_search_scan(&a, stream), "search scan kernel");
+    }
+    for (size_t i = rd->t0; i < rd->t1 && st == KVI_OK; i++) {
+      const ptile *pt = &p->tiles[i];
+      if (!pt->gemm) continue;
+      st = kvi__lt_scores(x->lt, s->emb_dtype, pt->d.mat, s->emb_ld, ws + l->o_q + (size_t)pt->d.q0 * s->emb_ld * es,
+                          s->emb_ld, a.scores + pt->d.off, pt->d.sld, pt->d.nf, pt->d.qn, s->emb_ld, ws + l->o_lt,
+                          LT_WS, stream, fn);
+    }
+    a.sels = sels + rd->s0;
+    a.nsels = (int32_t)(rd->s1 - rd->s0);
+    if (a.nsels > 0) LAUNCH(kvi__cuda_search_select(&a, stream), "search selection kernel (stage 1)");
+    a.sels = sels + rd->s1;
+    a.nsels = (int32_t)(rd->s2 - rd->s1);
+    if (a.nsels > 0) LAUNCH(kvi__cuda_search_select(&a, stream), "search selection kernel (stage 2)");
+  }
+  a.emits = (const kvi__emit *)(ws + l->o_emits);
+  a.nemits = nq;
+  LAUNCH(kvi__cuda_search_emit(&a, stream), "search emit kernel");
+  return st;
+}
+
+static kvi_status cuda_search(kvi_store *s, const void *queries, kvi_dtype qt, kvi_memory qm, int32_t nq,
+                              const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
+                              int32_t *out_counts, kvi_memory om, uint64_t area, struct CUstream_st *stream,
+                              const char *fn) {
+  if (!(kvi_features() & KVI_FEATURE_CUBLASLT))
+    return kvi__fail(KVI_ERR_NOT_BUILT, fn, "searching a CUDA store needs cuBLASLt, and libkvinject was built without it");
+  const bool host_q = qm == KVI_MEMORY_HOST, host_out = om == KVI_MEMORY_HOST;
+  kvi__devguard g;
+  kvi_status st = KVI_OK;
+  plan p;
+  memset(&p, 0, sizeof p);
+  layout l;
+  sslot *sl = NULL;
+  bool enqueued = false;
+  kvi__store_lock(s);
+  if (s->emb_err) {
+    st = kvi__fail(s->emb_err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb_err_msg);
+    goto out_unlock;
+  }
+  if ((st = kvi__cuda_enter(s->device, &g, fn))) goto out_unlock;
+  if ((st = search_state(s, fn))) goto out_leave;
+  kvi__search *x = s->search;
+  if ((st = build_plan(s, &p, tenants, nq, k, area, x->sms, fn))) goto out_leave;
+  make_layout(&l, s, &p, nq, k, qt, host_q, host_out);
+  if (p.any_gemm && !x->lt && (st = kvi__lt_create(&x->lt, fn))) goto out_leave;
+  if ((st = take_slot(s, l.upload + l.out, &sl, fn))) goto out_leave;
+  sl->busy = true;
+  write_upload(sl->host, &l, &p, nq);
+  if (host_q) memcpy(sl->host + l.o_raw, queries, (size_t)nq * s->emb_dim * kvi_dtype_size(qt));
+
+  /* enqueue: after the last change to the embeddings and the previous search */
+  enqueued = true;
+  if (s->emb_ready_recorded) st = kvi__cuda_stream_wait(stream, s->emb_ready, fn);
+  if (st == KVI_OK && x->done_recorded) st = kvi__cuda_stream_wait(stream, x->done, fn);
+  if (st == KVI_OK && l.ws > x->ws_bytes) { /* the previous search is done with the old one in stream order */
+    st = kvi__cuda_free_async(x->ws, stream, fn);
+    x->ws = NULL;
+    x->ws_bytes = 0;
+    const size_t want = l.ws + l.ws / 4;
+    if (st == KVI_OK) st = kvi__cuda_malloc_async((void **)&x->ws, want, stream, fn);
+    if (st == KVI_OK) x->ws_bytes = want;
+    else if (st == KVI_ERR_OUT_OF_MEMORY)
+      kvi__fail(st, fn, "allocating a %zu-byte search workspace (workspace_bytes %llu)", want, (unsigned long long)area);
+  }
+  if (st == KVI_OK) st = kvi__cuda_h2d(x->ws, sl->host, l.upload, stream, fn);
+  if (st == KVI_OK)
+    st = enqueue(s, &p, &l, host_q ? (const void *)(x->ws + l.o_raw) : queries, qt, nq, k,
+                 host_out ? (uint64_t *)(x->ws + l.o_out_ids) : out_ids,
+                 host_out ? (float *)(x->ws + l.o_out_scores) : out_scores,
+                 host_out ? (int32_t *)(x->ws + l.o_out_counts) : out_counts, stream, fn);
+  if (st == KVI_OK && host_out) /* ids, scores and counts sit back to back in both places */
+    st = kvi__cuda_d2h(sl->host + l.upload, x->ws + l.o_out_ids, l.out, stream, fn);
+
+out_leave:
+  if (enqueued) { /* ordering is kept even for a failed call: what was enqueued may run */
+    kvi__search *x2 = s->search;
+    kvi_status s1 = kvi__cuda_event_record(sl->ev, stream, fn);
+    if (s1 == KVI_OK) sl->used = true;
+    kvi_status s2 = kvi__cuda_event_record(x2->done, stream, fn);
+    if (s2 == KVI_OK) {
+      x2->done_recorded = true;
+      s2 = kvi__cuda_stream_wait(s->emb_stream, x2->done, fn);
+    }
+    if (st == KVI_OK) st = s1 ? s1 : s2;
+  }
+  kvi__cuda_leave(&g);
+out_unlock:
+  if (sl && !(st == KVI_OK && host_out)) {
+    sl->busy = false;
+    pthread_cond_broadcast(&s->search->cond);
+  }
+  kvi__store_unlock(s);
+  if (sl && st == KVI_OK && host_out) {
+    /* wait for this search's results only, outside the lock; the slot stays ours */
+    st = kvi__cuda_event_sync(sl->ev, fn);
+    if (st == KVI_OK) {
+      const size_t no = (size_t)nq * k;
+      const char *r = sl->host + l.upload;
+      memcpy(out_ids, r, no * sizeof(uint64_t));
+      memcpy(out_scores, r + align256(no * sizeof(uint64_t)), no * sizeof(float));
+      memcpy(out_counts, r + align256(no * sizeof(uint64_t)) + align256(no * sizeof(float)),
+             (size_t)nq * sizeof(int32_t));
+    }
+    kvi__store_lock(s);
+    sl->busy = false;
+    pthread_cond_broadcast(&s->search->cond);
+    kvi__store_unlock(s);
+  }
+  plan_free(&p);
+  return st;
+}
+
+/* ------------------------------------------------------------------------ */
+/* the entry point                                                          */
+/* ------------------------------------------------------------------------ */
+
+KVI_API kvi_status kvi_store_search(kvi_store *store, const void *queries, int32_t num_queries, int32_t dim,
+                                    const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
+                                    int32_t *out_counts, const kvi_search_options *opts, struct CUstream_st *stream) {
+  static const char fn[] = "kvi_store_search";
+  if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
+  kvi_search_options o = KVI_SEARCH_OPTIONS_INIT;
+  kvi_status st;
+  if (opts && (st = kvi__read_struct(&o, sizeof o, opts, SEARCH_OPTIONS_V1, fn, "opts"))) return st;
+  if (!kvi__dtype_is_float(o.query_dtype))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->query_dtype is %d, expected KVI_DTYPE_FP32, FP16 or BF16",
+                     (int)o.query_dtype);
+  if (o.query_memory != KVI_MEMORY_HOST && o.query_memory != KVI_MEMORY_DEVICE)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->query_memory is %d, expected KVI_MEMORY_HOST or DEVICE",
+                     (int)o.query_memory);
+  if (o.out_memory != KVI_MEMORY_HOST && o.out_memory != KVI_MEMORY_DEVICE)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->out_memory is %d, expected KVI_MEMORY_HOST or DEVICE",
+                     (int)o.out_memory);
+  if (o.workspace_bytes < MIN_WORKSPACE)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->workspace_bytes is %llu, expected at least %u (1 MiB)",
+                     (unsigned long long)o.workspace_bytes, MIN_WORKSPACE);
+  if (num_queries < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_queries is %d", (int)num_queries);
+  if (store->emb_dim == 0)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "the store keeps no embeddings (created with embedding_dim 0)");
+  if (dim != store->emb_dim)
+    return kvi__fail(KVI_ERR_MISMATCH, fn, "dim is %d, the store's embeddings have %d elements", (int)dim,
+                     (int)store->emb_dim);
+  if (k < 1 || k > KVI_SEARCH_MAX_K)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "k is %d, expected 1..%d", (int)k, KVI_SEARCH_MAX_K);
+  if (num_queries == 0) return KVI_OK;
+  if (!queries || !tenants || !out_ids || !out_scores || !out_counts)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL",
+                     !queries ? "queries" : !tenants ? "tenants" : !out_ids ? "out_ids" : !out_scores ? "out_scores"
+                                                                                           : "out_counts");
+  const bool cuda = store->backend == KVI_BACKEND_CUDA;
+  if ((st = kvi__check_memory(queries, o.query_memory, cuda, store->device, fn, "queries")) ||
+      (st = kvi__check_memory(tenants, KVI_MEMORY_HOST, cuda, store->device, fn, "tenants")) ||
+      (st = kvi__check_memory(out_ids, o.out_memory, cuda, store->device, fn, "out_ids")) ||
+      (st = kvi__check_memory(out_scores, o.out_memory, cuda, store->device, fn, "out_scores")) ||
+      (st = kvi__check_memory(out_counts, o.out_memory, cuda, store->device, fn, "out_counts")))
+    return st;
+  if (o.query_memory == KVI_MEMORY_HOST &&
+      (st = check_host_queries(store, queries, o.query_dtype, num_queries, dim, fn)))
+    return st;
+  if (!cuda) return cpu_search(store, queries, o.query_dtype, num_queries, tenants, k, out_ids, out_scores, out_counts, fn);
+  return cuda_search(store, queries, o.query_dtype, o.query_memory, num_queries, tenants, k, out_ids, out_scores,
+                     out_counts, o.out_memory, o.workspace_bytes, stream, fn);
+}
