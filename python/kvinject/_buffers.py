@@ -19,7 +19,7 @@ object with ``cuda_stream`` (torch.cuda.Stream) or ``ptr`` (cupy).
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 from .enums import DType, Memory
 
@@ -329,6 +329,3 @@ def stream_handle(stream) -> Optional[int]:
 def shape_str(shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(int(s)) for s in shape) + "]"
 
-
-def keep_alive(*objs: Any) -> Tuple[Any, ...]:
-    return objs

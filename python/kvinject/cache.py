@@ -261,7 +261,8 @@ def _same_geometry(arrays, ndim, what, expected):
     first = arrays[0]
     for i, a in enumerate(arrays):
         if len(a.shape) != ndim:
-            raise ValueError("%s: tensor %d has shape %s; expected %s" % (what, i, _buffers.shape_str(a.shape), expected))
+            raise ValueError("%s: tensor %d has shape %s; expected %s"
+                             % (what, i, _buffers.shape_str(a.shape), expected))
         if a.shape != first.shape:
             raise ValueError("%s: tensor %d has shape %s, tensor 0 %s; every layer's K and V must have one shape"
                              % (what, i, _buffers.shape_str(a.shape), _buffers.shape_str(first.shape)))

@@ -22,8 +22,6 @@ class KviError(Exception):
     binding itself refused the call) and ``message`` (``kvi_last_error()``).
     """
 
-    status: "Status | int" = None  # type: ignore[assignment]
-
     def __init__(self, status: "Status | int", message: str, function: Optional[str] = None):
         try:
             status = Status(status)

@@ -5,7 +5,7 @@ import array
 import ctypes
 import dataclasses
 import weakref
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 from . import _buffers
 from ._buffers import Array

@@ -41,6 +41,18 @@ class TestArrays(unittest.TestCase):
         with self.assertRaises(ValueError):
             B.as_array(memoryview(ba).cast("f", (4, 4))[::2], "x")  # not contiguous
 
+    def test_numpy_arrays(self):
+        try:
+            import numpy as np
+        except ImportError:
+            self.skipTest("numpy is not installed")
+        a = np.arange(24, dtype=np.float16).reshape(2, 3, 4)
+        r = B.as_array(a, "x")
+        self.assertEqual((r.kind, r.shape, r.strides, r.ptr), ("f16", (2, 3, 4), (12, 4, 1), a.ctypes.data))
+        self.assertEqual(B.as_array(np.zeros(3, dtype=np.int32), "x").kind, "i32")
+        with self.assertRaises(ValueError):
+            B.as_array(a[:, ::2], "x")
+
     def test_read_only_buffers_are_inputs_only(self):
         data = array.array("f", [1.5, 2.5]).tobytes()
         r = B.as_array(data, "x", dtype=DType.FP32)
@@ -83,7 +95,8 @@ class TestArrays(unittest.TestCase):
         with self.assertRaises(TypeError):
             B.int_array(array.array("q", [1]), ctypes.c_int32, "x")  # int64 for an int32 table
         with self.assertRaises(ValueError):
-            B.int_array(FakeTensor(array.array("i", [0]), (1,), dtype="torch.int32", device="cuda"), ctypes.c_int32, "x")
+            B.int_array(FakeTensor(array.array("i", [0]), (1,), dtype="torch.int32", device="cuda"),
+                        ctypes.c_int32, "x")
         d = B.int_array(FakeTensor(array.array("i", [0]), (1,), dtype="torch.int32", device="cuda"), ctypes.c_int32,
                         "x", allow_device=True)
         self.assertEqual(d.memory, Memory.DEVICE)

@@ -7,8 +7,7 @@ from __future__ import annotations
 import array
 import unittest
 
-from kvi_testutil import (FakeTensor, RefRope, bits_of, decode, empty, encode, f32, rand_values, rng, round_to,
-                          unit_roundoff)
+from kvi_testutil import FakeTensor, RefRope, bits_of, empty, encode, rand_values, rng, round_to, unit_roundoff
 import kvinject as kvi
 from kvinject import DType, RopeScaling, RopeStyle
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import array
 import unittest
 
-from kvi_testutil import (FakeTensor, RefRope, bf16_bits, bits_of, empty, encode, f16_bits, f32_bits,
-                          fp8_e4m3_value, rand_values, rng, round_to, unit_roundoff)
+from kvi_testutil import (FakeTensor, RefRope, bits_of, empty, encode, f32_bits, fp8_e4m3_value, rand_values, rng,
+                          unit_roundoff)
 import kvinject as kvi
 from kvinject import DType, RopeScaling, RopeStyle
 
@@ -122,7 +122,7 @@ class TestHuggingFace(InjectCase):
         n = self.B * H * self.S * D
         keys = [poisoned(n, dtype) for _ in range(L)]
         values = [poisoned(n, dtype) for _ in range(L)]
-        B, S = self.B, self.S
+        S = self.S
 
         def index(l, kv, blk, tok, h, d):  # [batch, heads, seq, dim]
             return (keys if kv == 0 else values)[l], ((blk * H + h) * S + tok) * D + d

@@ -23,7 +23,8 @@ class TestGeometry(unittest.TestCase):
                     else:
                         first, n, rep = r // (tp // H), 1, tp // H
                     i = m.info()
-                    self.assertEqual((i.num_layers, i.num_kv_heads, i.head_size, i.tp_rank, i.tp_size), (3, H, 64, r, tp))
+                    self.assertEqual((i.num_layers, i.num_kv_heads, i.head_size, i.tp_rank, i.tp_size),
+                                     (3, H, 64, r, tp))
                     self.assertEqual((m.local_head_first, m.local_heads, m.head_replicas), (first, n, rep))
                     m.close()
 

@@ -171,7 +171,8 @@ class TestForms(SearchCase):
         ids, scores, counts = array.array("Q", [0] * 16), array.array("f", [0.0] * 16), array.array("i", [0] * 2)
         out = store.search(qs, [1, 2], 8, out=(ids, scores, counts))
         self.assertIs(out[0], ids)
-        self.assertEqual((list(ids), list(scores), list(counts)), (list(base.ids), list(base.scores), list(base.counts)))
+        self.assertEqual((list(ids), list(scores), list(counts)),
+                         (list(base.ids), list(base.scores), list(base.counts)))
         # torch-style int64 ids: KVI_SEARCH_NO_ID reads as -1
         i64 = array.array("q", [0] * 16)
         store.search(qs, [1, 2], 8, out=(FakeTensor(i64, (2, 8), dtype="torch.int64"), scores, counts))

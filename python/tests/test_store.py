@@ -8,7 +8,7 @@ import ctypes
 import math
 import unittest
 
-from kvi_testutil import (FakeTensor, bits_of, decode, encode, f32, rand_values, rng, round_to, f16_bits, bf16_bits)
+from kvi_testutil import FakeTensor, bits_of, encode, f32, rand_values, rng, round_to
 import kvinject as kvi
 from kvinject import DType
 
@@ -117,7 +117,8 @@ class TestRoundTrip(StoreCase):
         store = self.make(dtype=DType.FP32)
         buf = array.array("f", [0.0] * self.n(2))
         with self.assertRaises(ValueError):  # 3-D tensor
-            store.put(1, 1, FakeTensor(buf, (self.L, 2, self.H * self.D)), FakeTensor(buf, (self.L, 2, self.H * self.D)))
+            t = FakeTensor(buf, (self.L, 2, self.H * self.D))
+            store.put(1, 1, t, t)
         with self.assertRaises(ValueError):  # K and V strides differ
             store.put(1, 1, FakeTensor(buf, (self.L, 2, self.H, self.D)),
                       FakeTensor(buf, (self.L, 2, self.H, self.D), (2 * self.H * self.D, self.H * self.D, 1, self.H)))

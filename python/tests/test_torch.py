@@ -467,7 +467,8 @@ class TestTorchCUDA(TorchCase):
             # bf16 storage of values that were bf16 before rotation: the un-rotation lands within
             # fp32 error of them, so storage rounds back to them (one bf16 unit allowed)
             err = (k.double() - want).abs() - (2.0 ** -8 * want.abs() + 1e-6)
-            self.assertFalse(bool((err > 0).any()), "fact %d: max error %g" % (fid, float((k.double() - want).abs().max())))
+            self.assertFalse(bool((err > 0).any()),
+                             "fact %d: max error %g" % (fid, float((k.double() - want).abs().max())))
             self.assertTrue(torch.equal(v, pre_v[:, row, :, first:first + n].transpose(1, 2).float()))
 
     def test_memory_kinds(self):
