@@ -11,16 +11,31 @@ import sys
 import unittest
 
 
+class _Result(unittest.TextTestResult):
+    """Counts passed tests: testsRun alone cannot tell "all skipped" (Python 3.12
+    leaves tests of a skipped class out of testsRun)."""
+
+    passed = 0
+
+    def addSuccess(self, test):
+        super().addSuccess(test)
+        self.passed += 1
+
+
 def main(argv):
     if len(argv) < 2:
         print(__doc__, file=sys.stderr)
         return 2
     suite = unittest.defaultTestLoader.loadTestsFromNames(argv[1:])
-    result = unittest.TextTestRunner(verbosity=2, stream=sys.stdout).run(suite)
+    runner = unittest.TextTestRunner(verbosity=2, stream=sys.stdout, resultclass=_Result)
+    result = runner.run(suite)
     if not result.wasSuccessful():
         return 1
-    if result.testsRun and len(result.skipped) == result.testsRun:
-        return 77
+    if result.passed == 0:
+        if result.skipped:
+            return 77
+        print("no test ran", file=sys.stderr)
+        return 1
     return 0
 
 
