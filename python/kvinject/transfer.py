@@ -110,6 +110,9 @@ class Injector(_Transfer):
     ``Injector(store, layout, max_tokens_per_call=None, max_requests_per_call=None,
     max_table_entries_per_call=None)``. Keeps the store and the layout (and so
     the cache tensors) alive. Usable from several threads (calls serialize).
+    close() (or garbage collection) frees the C handle, whose enqueued work must
+    be complete (kvinject/inject.h): keep the injector until the stream has
+    passed it.
     """
 
     _create, _destroy = "kvi_injector_create", "kvi_injector_destroy"
