@@ -30,6 +30,10 @@ rc=${PIPESTATUS[0]}
 grc=${PIPESTATUS[0]}
 "$build"/tests/gpu/test_gpu_transfer 2>&1 | tee "$out/gpu-transfer.log"
 trc=${PIPESTATUS[0]}
+# the Python binding with torch on the device: skips become failures here
+KVINJECT_REQUIRE_CUDA=1 meson test -C "$build" --suite python --no-rebuild --verbose 2>&1 | tee "$out/python.log" |
+  grep -E '^test_|Ran |^OK|FAILED|libkvinject:python'
+prc=${PIPESTATUS[0]}
 # memcheck: no out-of-bounds or misaligned device accesses in the kernels
 src=0
 if command -v compute-sanitizer >/dev/null; then
@@ -39,5 +43,5 @@ if command -v compute-sanitizer >/dev/null; then
   done
 fi
 meson test -C "$build" --benchmark --verbose 2>&1 | tee "$out/bench.log" | grep -E '^\||device:|GB/s counts'
-echo "meson test rc=$rc, gpu suite rc=$grc, gpu-transfer rc=$trc, memcheck rc=$src"
-[ "$rc" -eq 0 ] && [ "$grc" -eq 0 ] && [ "$trc" -eq 0 ] && [ "$src" -eq 0 ]
+echo "meson test rc=$rc, gpu suite rc=$grc, gpu-transfer rc=$trc, python rc=$prc, memcheck rc=$src"
+[ "$rc" -eq 0 ] && [ "$grc" -eq 0 ] && [ "$trc" -eq 0 ] && [ "$prc" -eq 0 ] && [ "$src" -eq 0 ]

@@ -1,0 +1,97 @@
+"""kvinject: Python binding of libkvinject (ctypes over libkvinject.so).
+
+Stores precomputed KV caches of facts and injects them into an engine's paged
+KV cache, keys rotated at their destination positions. The C headers
+(include/kvinject/*.h) are the manual; this package mirrors them:
+
+    Model          kvi_model        geometry, tensor-parallel slice, RoPE per layer
+    Store          kvi_store        put / read / remove / count / list / stats / search
+    CacheLayout    kvi_cache_layout engine caches: hf(), vllm(), sglang(), preset()
+    Injector       kvi_injector     inject(InjectRequest...), plan()
+    Encoder        kvi_encoder      encode(Capture...)
+
+Arrays are torch tensors (CPU or CUDA; read through data_ptr(), shape,
+stride(), dtype and device, so torch is never imported here) or host buffers
+(ctypes arrays, bytearray, array.array, memoryview). Streams are None (the
+default stream), an int handle, or a torch.cuda.Stream. Failures raise a
+KviError subclass carrying the status and kvi_last_error().
+
+The library is found through KVINJECT_LIBRARY (a path), else the build tree
+of the repository this package sits in (build/lib), else
+ctypes.util.find_library("kvinject"), else "libkvinject.so.0" through the
+dynamic loader.
+"""
+from __future__ import annotations
+
+from ._lib import lib as _lib_loader
+from .cache import CacheLayout
+from .enums import (FEATURE_CUBLASLT, FEATURE_CUDA, FEATURE_NCCL, PUT_REPLACE, SEARCH_DEFAULT_WORKSPACE,
+                    SEARCH_MAX_K, SEARCH_NO_ID, Backend, CachePreset, DType, Memory, Metric, RopeScaling,
+                    RopeStyle, ScaleMode, Status)
+from .errors import (CapacityError, CudaError, ExistsError, InternalError, InvalidArgumentError, KviError,
+                     MemoryKindError, MismatchError, NoDeviceError, NotBuiltError, NotFoundError,
+                     OutOfMemoryError, StructSizeError, UnsupportedError, error_class)
+from .model import Model, ModelInfoData, RopeSpec
+from .store import KVView, SearchResults, Store, StoreStats
+from .transfer import Capture, Encoder, InjectRequest, Injector
+
+_L = _lib_loader()  # load at import: a missing library is an ImportError naming what was tried
+
+__version__ = "0.1.0"
+
+
+def library_path() -> str:
+    """The path (or name) the library was loaded from."""
+    return _L.path
+
+
+def version() -> str:
+    """kvi_version_string of the loaded library."""
+    return _L.kvi_version_string().decode()
+
+
+def version_number() -> int:
+    """kvi_version_number: major * 10000 + minor * 100 + patch."""
+    return int(_L.kvi_version_number())
+
+
+def features() -> int:
+    """kvi_features: FEATURE_CUDA | FEATURE_CUBLASLT | FEATURE_NCCL bits of this build."""
+    return int(_L.kvi_features())
+
+
+def cuda_device_count() -> int:
+    """kvi_cuda_device_count: usable CUDA devices; 0 without a driver, device or CUDA build."""
+    import ctypes
+    n = ctypes.c_int()
+    st = _L.kvi_cuda_device_count(ctypes.byref(n))
+    if st not in (0, Status.ERR_NOT_BUILT):
+        _L.check(st, "kvi_cuda_device_count")
+    return n.value
+
+
+def dtype_size(dtype: DType) -> int:
+    """kvi_dtype_size: bytes per element (0 for a value that is not a DType)."""
+    return int(_L.kvi_dtype_size(int(dtype)))
+
+
+def status_string(status: int) -> str:
+    """kvi_status_string."""
+    return _L.kvi_status_string(int(status)).decode()
+
+
+def last_error() -> str:
+    """kvi_last_error: the calling thread's last failure message ("" if none)."""
+    return _L.last_error()
+
+
+__all__ = [
+    "Backend", "CacheLayout", "CachePreset", "Capture", "CapacityError", "CudaError", "DType", "Encoder",
+    "ExistsError", "FEATURE_CUBLASLT", "FEATURE_CUDA", "FEATURE_NCCL", "InjectRequest", "Injector",
+    "InternalError", "InvalidArgumentError", "KVView", "KviError", "Memory", "MemoryKindError", "Metric",
+    "MismatchError", "Model", "ModelInfoData", "NoDeviceError", "NotBuiltError", "NotFoundError",
+    "OutOfMemoryError", "PUT_REPLACE", "RopeScaling", "RopeSpec", "RopeStyle", "SEARCH_DEFAULT_WORKSPACE",
+    "SEARCH_MAX_K", "SEARCH_NO_ID", "ScaleMode", "SearchResults", "Status", "Store", "StoreStats",
+    "StructSizeError", "UnsupportedError", "cuda_device_count", "dtype_size", "error_class", "features",
+    "last_error", "library_path", "status_string", "version", "version_number",
+]

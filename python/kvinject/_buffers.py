@@ -1,0 +1,331 @@
+"""Turning tensors, buffers and Python sequences into what the C API takes:
+a data pointer, a shape and element strides, an element type, and where the
+memory is (host or a CUDA device).
+
+Accepted array objects:
+- torch tensors, or anything with the same attributes: ``data_ptr()``,
+  ``shape``, ``stride()``, ``dtype`` and ``device`` (``.type`` "cpu" or
+  "cuda", ``.index``). torch is never imported: the tensor is read through
+  these attributes, its dtype by name ("torch.bfloat16", ...).
+- host buffers: ctypes arrays, bytearray, array.array, memoryview, bytes
+  (read-only: inputs only) and anything with the buffer protocol (numpy
+  arrays included). They must be C-contiguous; the element type comes from
+  the buffer's format ("f" fp32, "e" fp16, integers by width), or from an
+  explicit ``dtype`` for raw 16-bit or byte buffers (bf16 has no buffer
+  format).
+Streams: None (the default stream), an int handle (cudaStream_t), or an
+object with ``cuda_stream`` (torch.cuda.Stream) or ``ptr`` (cupy).
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional, Sequence, Tuple
+
+from .enums import DType, Memory
+
+# element kinds: names for every type the API reads or writes
+_ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2, "f8e4m3": 1, "f8e5m2": 1, "f64": 8,
+             "i8": 1, "u8": 1, "i16": 2, "u16": 2, "i32": 4, "u32": 4, "i64": 8, "u64": 8}
+
+_KVI_TO_KIND = {DType.FP32: "f32", DType.FP16: "f16", DType.BF16: "bf16",
+                DType.FP8_E4M3: "f8e4m3", DType.FP8_E5M2: "f8e5m2"}
+_KIND_TO_KVI = {v: k for k, v in _KVI_TO_KIND.items()}
+
+_TORCH_DTYPES = {
+    "torch.float32": "f32", "torch.float": "f32", "torch.float16": "f16", "torch.half": "f16",
+    "torch.bfloat16": "bf16", "torch.float8_e4m3fn": "f8e4m3", "torch.float8_e5m2": "f8e5m2",
+    "torch.float64": "f64", "torch.double": "f64",
+    "torch.int8": "i8", "torch.uint8": "u8", "torch.int16": "i16", "torch.uint16": "u16",
+    "torch.int32": "i32", "torch.int": "i32", "torch.uint32": "u32",
+    "torch.int64": "i64", "torch.long": "i64", "torch.uint64": "u64",
+}
+
+_CTYPES_KINDS = {
+    ctypes.c_float: "f32", ctypes.c_double: "f64",
+    ctypes.c_int8: "i8", ctypes.c_uint8: "u8", ctypes.c_int16: "i16", ctypes.c_uint16: "u16",
+    ctypes.c_int32: "i32", ctypes.c_uint32: "u32", ctypes.c_int64: "i64", ctypes.c_uint64: "u64",
+    ctypes.c_char: "u8", ctypes.c_byte: "i8", ctypes.c_ubyte: "u8",
+}
+
+# kinds a raw container may be read as (same width, no numeric meaning of its own)
+_RAW = {"u8", "i8", "u16", "i16"}
+
+
+def dtype_kind(dtype) -> str:
+    """The element kind of a DType (or an int value of one)."""
+    try:
+        return _KVI_TO_KIND[DType(dtype)]
+    except (ValueError, KeyError):
+        raise ValueError("%r is not a kvinject.DType" % (dtype,)) from None
+
+
+def kind_dtype(kind: str, what: str) -> DType:
+    try:
+        return _KIND_TO_KVI[kind]
+    except KeyError:
+        raise TypeError("%s has elements of type %s; expected fp32, fp16, bf16 (or fp8 for caches)"
+                        % (what, kind)) from None
+
+
+class Array:
+    """A resolved array argument.
+
+    ptr: address; shape, strides: tuples (strides in elements; None where the
+    object has none); kind: element kind (see _ITEMSIZE) or None for raw
+    bytes; memory: Memory.HOST or DEVICE; device: CUDA ordinal or -1; nbytes:
+    bytes from ptr to the end of the object's memory; keep: what must stay
+    alive while the pointer is used.
+    """
+
+    __slots__ = ("ptr", "shape", "strides", "kind", "memory", "device", "nbytes", "keep", "is_tensor")
+
+    def __init__(self, ptr, shape, strides, kind, memory, device, nbytes, keep, is_tensor):
+        self.ptr = ptr
+        self.shape = shape
+        self.strides = strides
+        self.kind = kind
+        self.memory = memory
+        self.device = device
+        self.nbytes = nbytes
+        self.keep = keep
+        self.is_tensor = is_tensor
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self.kind] if self.kind else 1
+
+    @property
+    def numel(self) -> int:
+        return self.nbytes // self.itemsize
+
+    def c_ptr(self) -> ctypes.c_void_p:
+        return ctypes.c_void_p(self.ptr)
+
+
+def is_tensor(obj) -> bool:
+    """Whether obj looks like a torch tensor (the attributes this module reads)."""
+    return (hasattr(obj, "data_ptr") and hasattr(obj, "stride") and hasattr(obj, "shape")
+            and hasattr(obj, "dtype") and hasattr(obj, "device"))
+
+
+def _tensor(obj, what: str) -> Array:
+    kind = _TORCH_DTYPES.get(str(obj.dtype))
+    if kind is None:
+        raise TypeError("%s: tensor dtype %s is not supported" % (what, obj.dtype))
+    dev = obj.device
+    dtype_name = getattr(dev, "type", str(dev))
+    if dtype_name == "cuda":
+        memory, device = Memory.DEVICE, (dev.index if dev.index is not None else -1)
+    elif dtype_name == "cpu":
+        memory, device = Memory.HOST, -1
+    else:
+        raise ValueError("%s: a tensor on device %s; libkvinject takes CPU or CUDA tensors" % (what, dev))
+    if getattr(obj, "is_sparse", False) or str(getattr(obj, "layout", "torch.strided")) != "torch.strided":
+        raise ValueError("%s: a non-strided (sparse) tensor" % what)
+    shape = tuple(int(s) for s in obj.shape)
+    strides = tuple(int(s) for s in obj.stride())
+    if any(s < 0 for s in strides):
+        raise ValueError("%s: negative strides %s" % (what, strides))
+    # extent in elements from data_ptr to the last element
+    extent = 1
+    for n, s in zip(shape, strides):
+        if n == 0:
+            extent = 0
+            break
+        extent += (n - 1) * s
+    return Array(int(obj.data_ptr()), shape, strides, kind, memory, device, extent * _ITEMSIZE[kind],
+                 obj, True)
+
+
+def _format_kind(fmt: str, itemsize: int) -> Optional[str]:
+    f = fmt.lstrip("@=<")
+    if fmt.startswith(">") or fmt.startswith("!"):
+        return None
+    if f == "f":
+        return "f32"
+    if f == "e":
+        return "f16"
+    if f == "d":
+        return "f64"
+    if f in ("B", "c"):
+        return "u8"
+    if len(f) == 1 and f in "bhilqBHILQ":
+        signed = f.islower()
+        bits = {1: "8", 2: "16", 4: "32", 8: "64"}.get(itemsize)
+        if bits:
+            return ("i" if signed else "u") + bits
+    return None
+
+
+def _buffer(obj, what: str, writable: bool) -> Array:
+    if isinstance(obj, ctypes.Array) or isinstance(obj, ctypes._SimpleCData):
+        t = obj._type_ if isinstance(obj, ctypes.Array) else type(obj)
+        while isinstance(t, type) and issubclass(t, ctypes.Array):  # nested ctypes arrays
+            t = t._type_
+        kind = _CTYPES_KINDS.get(t)
+        if kind is None:
+            raise TypeError("%s: ctypes element type %s is not supported" % (what, getattr(t, "__name__", t)))
+        n = ctypes.sizeof(obj)
+        return Array(ctypes.addressof(obj), (n // _ITEMSIZE[kind],), (1,), kind, Memory.HOST, -1, n, obj, False)
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        raise TypeError("%s: expected a tensor or a host buffer (ctypes array, bytearray, array.array, "
+                        "memoryview), got %s" % (what, type(obj).__name__)) from None
+    if not mv.c_contiguous:
+        raise ValueError("%s: the buffer is not C-contiguous" % what)
+    kind = _format_kind(mv.format, mv.itemsize)
+    if kind is None:
+        raise TypeError("%s: buffer format %r is not supported" % (what, mv.format))
+    shape = tuple(mv.shape) if mv.ndim > 0 else (1,)
+    strides = []
+    acc = 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    strides = tuple(reversed(strides))
+    nbytes = mv.nbytes
+    raw = mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv
+    if mv.readonly:
+        if writable:
+            raise TypeError("%s: the buffer is read-only" % what)
+        keep = (ctypes.c_char * max(nbytes, 1)).from_buffer_copy(bytes(raw) or b"\0")
+    else:
+        if nbytes == 0:
+            keep = (ctypes.c_char * 1)()
+        else:
+            keep = (ctypes.c_char * nbytes).from_buffer(raw)
+    return Array(ctypes.addressof(keep), shape, strides, kind, Memory.HOST, -1, nbytes, (keep, obj), False)
+
+
+def as_array(obj, what: str, *, writable: bool = False, dtype=None) -> Array:
+    """Resolves a tensor or buffer. With ``dtype`` (a DType), its elements are read
+    as that type: the object's own type must be the same, or a raw container of
+    the same width (uint8/uint16 buffers, bytes)."""
+    a = _tensor(obj, what) if is_tensor(obj) else _buffer(obj, what, writable)
+    if dtype is not None:
+        want = dtype_kind(dtype)
+        if a.kind != want:
+            if a.kind in _RAW and a.nbytes % _ITEMSIZE[want] == 0 and \
+                    (a.itemsize == _ITEMSIZE[want] or not a.is_tensor):
+                if a.itemsize != _ITEMSIZE[want]:  # a byte buffer read as wider elements
+                    n = a.nbytes // _ITEMSIZE[want]
+                    a.shape, a.strides = (n,), (1,)
+                a.kind = want
+            else:
+                raise TypeError("%s has elements of type %s, not %s" % (what, a.kind, DType(dtype).name))
+    return a
+
+
+def check_host(a: Array, what: str) -> None:
+    if a.memory != Memory.HOST:
+        raise ValueError("%s must be in host memory (the C API reads it on the host); got a CUDA tensor" % what)
+
+
+def int_array(values, ctype, what: str, *, allow_device: bool = False, writable: bool = False):
+    """A sequence of Python ints, or a buffer/tensor of the matching integer width, as
+    an Array of `ctype` elements (int32, int64, uint64). Int64 and uint64 are
+    interchangeable (a tensor of fact ids is int64 in torch)."""
+    if isinstance(values, Array):  # already resolved
+        return values
+    want = {ctypes.c_int32: ("i32",), ctypes.c_uint64: ("u64", "i64"),
+            ctypes.c_int64: ("i64", "u64")}[ctype]
+    if is_tensor(values) or _has_buffer(values):
+        a = as_array(values, what, writable=writable)
+        if a.kind not in want:
+            raise TypeError("%s: elements of type %s; expected %s" % (what, a.kind, want[0]))
+        if not allow_device:
+            check_host(a, what)
+        if not _contiguous(a):
+            raise ValueError("%s must be contiguous" % what)
+        return a
+    try:
+        seq = list(values)
+    except TypeError:
+        raise TypeError("%s: expected a sequence of ints, a buffer or a tensor, got %s"
+                        % (what, type(values).__name__)) from None
+    arr = (ctype * max(len(seq), 1))()
+    for i, v in enumerate(seq):
+        if isinstance(v, bool) or not isinstance(v, int):
+            try:
+                v = int(v.__index__())
+            except AttributeError:
+                raise TypeError("%s[%d] is %r, not an int" % (what, i, v)) from None
+        arr[i] = v
+        if arr[i] != v:
+            raise OverflowError("%s[%d] = %d does not fit in %s" % (what, i, v, ctype.__name__))
+    kind = {ctypes.c_int32: "i32", ctypes.c_uint64: "u64", ctypes.c_int64: "i64"}[ctype]
+    return Array(ctypes.addressof(arr), (len(seq),), (1,), kind, Memory.HOST, -1,
+                 len(seq) * ctypes.sizeof(ctype), arr, False)
+
+
+def float_array(values, what: str, *, dtype=None, allow_device: bool = True) -> Tuple[Array, DType]:
+    """Floats: a sequence of Python numbers (sent as fp32), or a buffer/tensor of
+    fp32/fp16/bf16 (bf16 from a uint16 buffer needs dtype=DType.BF16). Returns the
+    Array and its DType."""
+    if is_tensor(values) or _has_buffer(values):
+        a = as_array(values, what, dtype=dtype)
+        if not allow_device:
+            check_host(a, what)
+        if a.is_tensor and not _contiguous(a):
+            raise ValueError("%s must be contiguous" % what)
+        return a, kind_dtype(a.kind, what)
+    if dtype is not None and DType(dtype) != DType.FP32:
+        raise TypeError("%s: a Python sequence is sent as fp32; pass a buffer for %s" % (what, DType(dtype).name))
+    try:
+        seq = [float(x) for x in values]
+    except TypeError:
+        raise TypeError("%s: expected a sequence of floats, a buffer or a tensor, got %s"
+                        % (what, type(values).__name__)) from None
+    arr = (ctypes.c_float * max(len(seq), 1))(*seq)
+    return Array(ctypes.addressof(arr), (len(seq),), (1,), "f32", Memory.HOST, -1, 4 * len(seq), arr,
+                 False), DType.FP32
+
+
+def _has_buffer(obj) -> bool:
+    if isinstance(obj, (ctypes.Array, ctypes._SimpleCData)):
+        return True
+    if isinstance(obj, (list, tuple, range)):
+        return False
+    try:
+        memoryview(obj)
+        return True
+    except TypeError:
+        return False
+
+
+def _contiguous(a: Array) -> bool:
+    acc = 1
+    for n, s in zip(reversed(a.shape), reversed(a.strides)):
+        if n != 1 and s != acc:
+            return False
+        acc *= n
+    return True
+
+
+def contiguous(a: Array) -> bool:
+    """Whether a resolved array is C-contiguous (size-1 dimensions ignored)."""
+    return _contiguous(a)
+
+
+def stream_handle(stream) -> Optional[int]:
+    """A CUDA stream argument as an int handle, or None for the default stream."""
+    if stream is None:
+        return None
+    if isinstance(stream, bool):
+        raise TypeError("stream: expected None, an int handle or a stream object, got a bool")
+    if isinstance(stream, int):
+        return stream or None
+    for attr in ("cuda_stream", "ptr"):
+        h = getattr(stream, attr, None)
+        if isinstance(h, int):
+            return h or None
+    if isinstance(stream, ctypes.c_void_p):
+        return stream.value
+    raise TypeError("stream: expected None, an int (cudaStream_t), a torch.cuda.Stream or an object "
+                    "with .cuda_stream, got %s" % type(stream).__name__)
+
+
+def shape_str(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
+

@@ -1,0 +1,433 @@
+"""Loading libkvinject.so and declaring its C API for ctypes.
+
+Library lookup, first match wins:
+  1. the environment variable KVINJECT_LIBRARY: a path to the library file;
+  2. the build tree of the repository this package sits in
+     (<repo>/build/lib/libkvinject.so, the README's build directory), when
+     the package is imported from <repo>/python;
+  3. ctypes.util.find_library("kvinject") (the linker cache, e.g. an
+     installed /usr/local/lib/libkvinject.so after ldconfig);
+  4. "libkvinject.so.0" through the dynamic loader (LD_LIBRARY_PATH, rpath).
+
+Every struct below mirrors the C struct of the same name field for field;
+python/tests/test_abi.py compares sizes and offsets with a C program compiled
+against the headers.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from ctypes import (POINTER, c_char_p, c_double, c_float, c_int, c_int32, c_int64, c_size_t, c_uint,
+                    c_uint32, c_uint64, c_void_p)
+from typing import Optional
+
+from .errors import make_error
+
+c_enum = c_int  # every kvi_ enum is an int-sized C enum
+
+# ABI this binding is written for: soname libkvinject.so.0, version 0.x.
+ABI_MAJOR = 0
+
+
+class ModelOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("num_layers", c_int32),
+        ("num_kv_heads", c_int32),
+        ("head_size", c_int32),
+        ("tp_rank", c_int32),
+        ("tp_size", c_int32),
+    ]
+
+
+class ModelInfo(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("num_layers", c_int32),
+        ("num_kv_heads", c_int32),
+        ("head_size", c_int32),
+        ("tp_rank", c_int32),
+        ("tp_size", c_int32),
+        ("local_head_first", c_int32),
+        ("local_heads", c_int32),
+        ("head_replicas", c_int32),
+    ]
+
+
+class RopeSpecC(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("style", c_enum),
+        ("rotary_dim", c_int32),
+        ("theta", c_double),
+        ("scaling", c_enum),
+        ("original_max_position", c_int32),
+        ("factor", c_double),
+        ("low_freq_factor", c_double),
+        ("high_freq_factor", c_double),
+        ("beta_fast", c_double),
+        ("beta_slow", c_double),
+        ("attention_factor", c_double),
+        ("yarn_truncate", c_int32),
+        ("table_dtype", c_enum),
+        ("cos_sin_table", c_void_p),
+        ("table_positions", c_int32),
+    ]
+
+
+class KVViewC(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("memory", c_enum),
+        ("dtype", c_enum),
+        ("num_layers", c_int32),
+        ("num_tokens", c_int32),
+        ("num_heads", c_int32),
+        ("head_size", c_int32),
+        ("layer_stride", c_int64),
+        ("token_stride", c_int64),
+        ("head_stride", c_int64),
+        ("k", c_void_p),
+        ("v", c_void_p),
+    ]
+
+
+class StoreOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("backend", c_enum),
+        ("device", c_int32),
+        ("dtype", c_enum),
+        ("page_tokens", c_int32),
+        ("budget_bytes", c_uint64),
+        ("embedding_dim", c_int32),
+        ("embedding_dtype", c_enum),
+        ("metric", c_enum),
+    ]
+
+
+class PutOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("flags", c_uint32),
+        ("embedding", c_void_p),
+        ("embedding_dtype", c_enum),
+        ("embedding_memory", c_enum),
+    ]
+
+
+class StoreStatsC(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("backend", c_enum),
+        ("device", c_int32),
+        ("dtype", c_enum),
+        ("page_tokens", c_int32),
+        ("embedding_dim", c_int32),
+        ("page_bytes", c_uint64),
+        ("pages_total", c_uint64),
+        ("pages_used", c_uint64),
+        ("bytes_reserved", c_uint64),
+        ("bytes_used", c_uint64),
+        ("bytes_payload", c_uint64),
+        ("facts", c_uint64),
+        ("tenants", c_uint64),
+        ("bytes_embeddings", c_uint64),
+    ]
+
+
+class SearchOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("query_dtype", c_enum),
+        ("query_memory", c_enum),
+        ("out_memory", c_enum),
+        ("workspace_bytes", c_uint64),
+    ]
+
+
+class CacheLayoutC(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("memory", c_enum),
+        ("dtype", c_enum),
+        ("num_layers", c_int32),
+        ("num_heads", c_int32),
+        ("head_size", c_int32),
+        ("block_size", c_int32),
+        ("num_blocks", c_int64),
+        ("block_stride", c_int64),
+        ("token_stride", c_int64),
+        ("head_stride", c_int64),
+        ("layer_stride", c_int64),
+        ("v_offset", c_int64),
+        ("k_layers", c_void_p),
+        ("v_layers", c_void_p),
+        ("k_base", c_void_p),
+        ("v_base", c_void_p),
+        ("scale_mode", c_enum),
+        ("k_scales", c_void_p),
+        ("v_scales", c_void_p),
+    ]
+
+
+class TransferOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("max_tokens_per_call", c_int32),
+        ("max_requests_per_call", c_int32),
+        ("max_table_entries_per_call", c_int32),
+    ]
+
+
+class InjectRequestC(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("tenant", c_uint64),
+        ("fact_ids", c_void_p),
+        ("num_facts", c_int32),
+        ("block_table", c_void_p),
+        ("block_table_len", c_int32),
+        ("block_table_memory", c_enum),
+        ("first_slot", c_int64),
+        ("positions", c_void_p),
+        ("start_position", c_int32),
+    ]
+
+
+class InjectOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("layer_begin", c_int32),
+        ("layer_end", c_int32),
+    ]
+
+
+class CaptureC(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("tenant", c_uint64),
+        ("fact_id", c_uint64),
+        ("block_table", c_void_p),
+        ("block_table_len", c_int32),
+        ("first_slot", c_int64),
+        ("num_tokens", c_int32),
+        ("positions", c_void_p),
+        ("start_position", c_int32),
+        ("flags", c_uint32),
+        ("embedding", c_void_p),
+        ("embedding_dtype", c_enum),
+        ("embedding_memory", c_enum),
+    ]
+
+
+# ctypes struct -> the C name (for messages and the ABI test)
+STRUCTS = {
+    "kvi_model_options": ModelOptions,
+    "kvi_model_info": ModelInfo,
+    "kvi_rope_spec": RopeSpecC,
+    "kvi_kv_view": KVViewC,
+    "kvi_store_options": StoreOptions,
+    "kvi_put_options": PutOptions,
+    "kvi_store_stats": StoreStatsC,
+    "kvi_search_options": SearchOptions,
+    "kvi_cache_layout": CacheLayoutC,
+    "kvi_transfer_options": TransferOptions,
+    "kvi_inject_request": InjectRequestC,
+    "kvi_inject_options": InjectOptions,
+    "kvi_capture": CaptureC,
+}
+
+P = c_void_p
+_PROTOTYPES = {
+    # common.h
+    "kvi_status_string": (c_char_p, [c_int]),
+    "kvi_last_error": (c_char_p, []),
+    "kvi_version_number": (c_uint, []),
+    "kvi_version_string": (c_char_p, []),
+    "kvi_features": (c_uint, []),
+    "kvi_cuda_device_count": (c_int, [POINTER(c_int)]),
+    "kvi_dtype_size": (c_size_t, [c_int]),
+    # model.h
+    "kvi_model_options_init": (None, [P]),
+    "kvi_model_create": (c_int, [POINTER(c_void_p), P]),
+    "kvi_model_destroy": (None, [P]),
+    "kvi_model_info_get": (c_int, [P, P]),
+    "kvi_rope_spec_init": (None, [P]),
+    "kvi_model_set_rope": (c_int, [P, c_int32, P]),
+    "kvi_model_get_rope": (c_int, [P, c_int32, P]),
+    "kvi_model_rope_cos_sin": (c_int, [P, c_int32, c_int32, c_int32, POINTER(c_float), POINTER(c_float)]),
+    # store.h
+    "kvi_kv_view_init": (None, [P]),
+    "kvi_kv_view_contiguous": (None, [P, c_int, c_int, c_int32, c_int32, c_int32, c_int32, P, P]),
+    "kvi_store_options_init": (None, [P]),
+    "kvi_store_create": (c_int, [POINTER(c_void_p), P, P]),
+    "kvi_store_destroy": (None, [P]),
+    "kvi_put_options_init": (None, [P]),
+    "kvi_store_put": (c_int, [P, c_uint64, c_uint64, P, P, P]),
+    "kvi_store_read": (c_int, [P, c_uint64, c_uint64, P, P]),
+    "kvi_store_fact_tokens": (c_int, [P, c_uint64, c_uint64, POINTER(c_int32)]),
+    "kvi_store_get_embedding": (c_int, [P, c_uint64, c_uint64, P]),
+    "kvi_store_remove": (c_int, [P, c_uint64, c_uint64]),
+    "kvi_store_count": (c_int, [P, c_uint64, POINTER(c_size_t)]),
+    "kvi_store_list": (c_int, [P, c_uint64, P, c_size_t, POINTER(c_size_t)]),
+    "kvi_store_stats_get": (c_int, [P, P]),
+    # search.h
+    "kvi_search_options_init": (None, [P]),
+    "kvi_store_search": (c_int, [P, P, c_int32, c_int32, P, c_int32, P, P, P, P, P]),
+    "kvi_store_search_async_errors": (c_int, [P, POINTER(c_int64)]),
+    # cache.h
+    "kvi_cache_layout_init": (None, [P]),
+    "kvi_cache_layout_preset": (c_int, [P, c_int, c_int, c_int32, c_int32, c_int32, c_int32, c_int64, P, P, P]),
+    # inject.h
+    "kvi_transfer_options_init": (None, [P]),
+    "kvi_injector_create": (c_int, [POINTER(c_void_p), P, P, P]),
+    "kvi_injector_destroy": (None, [P]),
+    "kvi_inject_request_init": (None, [P]),
+    "kvi_inject_options_init": (None, [P]),
+    "kvi_inject": (c_int, [P, P, c_int32, P, P]),
+    "kvi_inject_plan": (c_int, [P, c_uint64, P, c_int32, POINTER(c_int64)]),
+    "kvi_injector_async_errors": (c_int, [P, POINTER(c_int64)]),
+    "kvi_encoder_create": (c_int, [POINTER(c_void_p), P, P, P]),
+    "kvi_encoder_destroy": (None, [P]),
+    "kvi_capture_init": (None, [P]),
+    "kvi_encode": (c_int, [P, P, c_int32, P]),
+}
+
+# the _init function of each struct that has one
+_INIT_FUNCTIONS = {
+    ModelOptions: "kvi_model_options_init",
+    RopeSpecC: "kvi_rope_spec_init",
+    KVViewC: "kvi_kv_view_init",
+    StoreOptions: "kvi_store_options_init",
+    PutOptions: "kvi_put_options_init",
+    SearchOptions: "kvi_search_options_init",
+    CacheLayoutC: "kvi_cache_layout_init",
+    TransferOptions: "kvi_transfer_options_init",
+    InjectRequestC: "kvi_inject_request_init",
+    InjectOptions: "kvi_inject_options_init",
+    CaptureC: "kvi_capture_init",
+}
+
+
+def _candidates():
+    env = os.environ.get("KVINJECT_LIBRARY")
+    if env:
+        # an explicit choice is never second-guessed: it loads or the import fails
+        yield "KVINJECT_LIBRARY", env
+        return
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for name in ("libkvinject.so", "libkvinject.so.0"):
+        path = os.path.join(repo, "build", "lib", name)
+        if os.path.isfile(os.path.join(repo, "meson.build")) and os.path.exists(path):
+            yield "the repository's build tree", path
+            break
+    found = ctypes.util.find_library("kvinject")
+    if found:
+        yield 'ctypes.util.find_library("kvinject")', found
+    yield "the dynamic loader", "libkvinject.so.0"
+
+
+class _Lib:
+    """The loaded library: its ctypes functions as attributes, and its path."""
+
+    def __init__(self):
+        errors = []
+        self.dll = None
+        for how, path in _candidates():
+            try:
+                self.dll = ctypes.CDLL(path)
+                self.path = path
+                self.found_by = how
+                break
+            except OSError as e:
+                errors.append("%s (%s): %s" % (path, how, e))
+        if self.dll is None:
+            raise ImportError("kvinject: cannot load libkvinject. Set KVINJECT_LIBRARY to the library file "
+                              "(e.g. build/lib/libkvinject.so) or install the library. Tried: " + "; ".join(errors))
+        for name, (restype, argtypes) in _PROTOTYPES.items():
+            try:
+                fn = getattr(self.dll, name)
+            except AttributeError:
+                raise ImportError("kvinject: %s (%s) does not export %s: it is not a libkvinject this binding "
+                                  "supports" % (self.path, self.found_by, name)) from None
+            fn.restype = restype
+            fn.argtypes = argtypes
+            setattr(self, name, fn)
+        major = self.kvi_version_number() // 10000
+        if major != ABI_MAJOR:
+            raise ImportError("kvinject: %s is libkvinject %s; this binding supports %d.x"
+                              % (self.path, self.kvi_version_string().decode(), ABI_MAJOR))
+
+    def last_error(self) -> str:
+        return self.kvi_last_error().decode("utf-8", "replace")
+
+    def check(self, status: int, function: str) -> None:
+        """Raises the exception for a failed call's status (reading kvi_last_error at once,
+        on the calling thread, where the library keeps it)."""
+        if status != 0:
+            raise make_error(status, self.last_error(), function)
+
+    def call(self, function: str, *args) -> None:
+        """Calls a kvi_ function that returns a kvi_status and raises on failure."""
+        st = getattr(self, function)(*args)
+        if st != 0:
+            raise make_error(st, self.last_error(), function)
+
+    def new(self, cls):
+        """A struct initialized by the library's own _init function (the _INIT macro's
+        values), or with only struct_size set for output structs. A library with a
+        larger (newer) struct writes more: it writes into a scratch buffer and the
+        struct keeps the fields this binding knows, with struct_size its own size,
+        which every library version accepts."""
+        size = ctypes.sizeof(cls)
+        fn = _INIT_FUNCTIONS.get(cls)
+        if fn is None:
+            s = cls()
+            s.struct_size = size
+            return s
+        scratch = ctypes.create_string_buffer(max(4096, 2 * size))
+        getattr(self, fn)(scratch)
+        s = cls.from_buffer_copy(scratch.raw[:size])
+        s.struct_size = size
+        return s
+
+
+def assign(s, **fields) -> None:
+    """Sets struct fields, refusing values the C field cannot hold (ctypes would wrap
+    them silently: a tenant of 2**64 would become 0)."""
+    for name, value in fields.items():
+        if value is not None and not isinstance(value, (int, float)):
+            try:
+                value = value.__index__()
+            except AttributeError:
+                raise TypeError("%s: expected a number, got %s" % (name, type(value).__name__)) from None
+        setattr(s, name, value)
+        if isinstance(value, int):
+            got = getattr(s, name)
+            if (got or 0) != value:
+                raise OverflowError("%s = %d does not fit in the C field" % (name, value))
+
+
+def fit(value, ctype, what: str) -> int:
+    """An int argument checked to fit a C integer type (c_int32, c_uint64, ...)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            value = value.__index__()
+        except AttributeError:
+            raise TypeError("%s: expected an int, got %s" % (what, type(value).__name__)) from None
+    if ctype(value).value != value:
+        raise OverflowError("%s = %d does not fit in %s" % (what, value, ctype.__name__))
+    return value
+
+
+_lib: Optional[_Lib] = None
+
+
+def lib() -> _Lib:
+    """The loaded library (loaded at the first call)."""
+    global _lib
+    if _lib is None:
+        _lib = _Lib()
+    return _lib

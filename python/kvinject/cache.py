@@ -1,0 +1,283 @@
+"""Engine cache layouts (kvinject/cache.h).
+
+A :class:`CacheLayout` wraps a kvi_cache_layout and keeps alive every object it
+points into (the cache tensors or buffers, the per-layer pointer arrays, the
+fp8 scales). Ways to make one:
+
+- :meth:`CacheLayout.hf`: Hugging Face per-layer key and value tensors of
+  [batch, heads, seq, head_size] (DynamicCache/StaticCache layers); strides
+  are read from the tensors, so a permuted or sliced view works too. Block
+  ids are batch rows; a request's block table is ``[row]``.
+- :meth:`CacheLayout.vllm`: vLLM per-layer cache tensors, [2, NB, BS, H, D]
+  (FlashAttention, kv-first) or [NB, 2, BS, H, D] (FlashInfer/Triton,
+  blocks-first); strides from the tensors, so the HND variants (a stride
+  permutation of the same logical shape) come out right by themselves.
+- :meth:`CacheLayout.sglang`: SGLang per-layer k_buffer/v_buffer [slots, H, D].
+- :meth:`CacheLayout.preset`: kvi_cache_layout_preset with explicit sizes, for
+  buffers without a shape and for the pool presets (TensorRT-LLM).
+- ``CacheLayout(...)``: every field by hand (pointers as ints).
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Any, List, Optional, Sequence
+
+from . import _buffers
+from ._lib import CacheLayoutC, assign, fit, lib
+from .enums import CachePreset, DType, Memory, ScaleMode
+
+
+class CacheLayout:
+    """kvi_cache_layout. Fields are readable as attributes (``layout.block_stride``);
+    :attr:`c` is the ctypes struct handed to the C API."""
+
+    def __init__(self, *, memory: Memory, dtype: DType, num_layers: int, num_heads: int, head_size: int,
+                 block_size: int, num_blocks: int, block_stride: int, token_stride: int, head_stride: int,
+                 layer_stride: int = 0, v_offset: int = 0, k_layers: Optional[Sequence] = None,
+                 v_layers: Optional[Sequence] = None, k_base=None, v_base=None,
+                 scale_mode: ScaleMode = ScaleMode.NONE, k_scales=None, v_scales=None, keep: Any = None):
+        c = lib().new(CacheLayoutC)
+        self._keep: List[Any] = [keep] if keep is not None else []
+        c.memory, c.dtype = int(Memory(memory)), int(DType(dtype))
+        assign(c, num_layers=num_layers, num_heads=num_heads, head_size=head_size, block_size=block_size,
+               num_blocks=num_blocks, block_stride=block_stride, token_stride=token_stride, head_stride=head_stride,
+               layer_stride=layer_stride, v_offset=v_offset)
+        if k_layers is not None:
+            c.k_layers = self._pointer_array(k_layers, "k_layers")
+        if v_layers is not None:
+            c.v_layers = self._pointer_array(v_layers, "v_layers")
+        if k_base is not None:
+            c.k_base = self._pointer(k_base, "k_base")
+        if v_base is not None:
+            c.v_base = self._pointer(v_base, "v_base")
+        self.c = c
+        self.set_scales(scale_mode, k_scales, v_scales)
+
+    # ------------------------------------------------------------ pointers
+    def _pointer(self, obj, what: str) -> int:
+        if obj is None:
+            return 0
+        if isinstance(obj, int):
+            return fit(obj, ctypes.c_uint64, what)
+        a = _buffers.as_array(obj, what, writable=True)
+        self._keep.append(a)
+        return a.ptr
+
+    def _pointer_array(self, objs: Sequence, what: str) -> int:
+        ptrs = [self._pointer(o, "%s[%d]" % (what, i)) for i, o in enumerate(objs)]
+        arr = (ctypes.c_void_p * max(len(ptrs), 1))(*ptrs)
+        self._keep.append(arr)
+        return ctypes.addressof(arr)
+
+    def set_scales(self, mode: ScaleMode, k_scales=None, v_scales=None) -> "CacheLayout":
+        """fp8 scales (divide convention: stored = x / scale): PER_TENSOR takes num_layers
+        values, PER_HEAD num_layers * num_heads (layer-major); sequences of floats
+        or fp32 host buffers / CPU tensors."""
+        self.c.scale_mode = int(ScaleMode(mode))
+        for name, vals in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if vals is None:
+                setattr(self.c, name, None)
+                continue
+            a, dt = _buffers.float_array(vals, name, allow_device=False)
+            if dt != DType.FP32:
+                raise TypeError("%s must be fp32" % name)
+            need = self.c.num_layers * (self.c.num_heads if mode == ScaleMode.PER_HEAD else 1)
+            if a.numel < need:
+                raise ValueError("%s has %d values; %s scales of %d layers x %d heads need %d"
+                                 % (name, a.numel, ScaleMode(mode).name, self.c.num_layers, self.c.num_heads, need))
+            self._keep.append(a)
+            setattr(self.c, name, a.ptr)
+        return self
+
+    def __getattr__(self, name):
+        c = self.__dict__.get("c")
+        if c is not None and name in dict(CacheLayoutC._fields_):
+            return getattr(c, name)
+        raise AttributeError(name)
+
+    @property
+    def memory(self) -> Memory:
+        return Memory(self.c.memory)
+
+    @property
+    def dtype(self) -> DType:
+        return DType(self.c.dtype)
+
+    def __repr__(self):
+        c = self.c
+        return ("CacheLayout(%s %s, %d layers x %d heads x %d, %d blocks of %d, strides block %d token %d head %d)"
+                % (Memory(c.memory).name, DType(c.dtype).name, c.num_layers, c.num_heads, c.head_size,
+                   c.num_blocks, c.block_size, c.block_stride, c.token_stride, c.head_stride))
+
+    # -------------------------------------------------------------- presets
+    @classmethod
+    def preset(cls, preset: CachePreset, dtype: DType, num_layers: int, num_heads: int, head_size: int,
+               block_size: int, num_blocks: int, *, k_layers: Optional[Sequence] = None,
+               v_layers: Optional[Sequence] = None, base=None, memory: Optional[Memory] = None) -> "CacheLayout":
+        """kvi_cache_layout_preset. k_layers / v_layers: per-layer tensors, buffers or int
+        pointers; base: the pool (TensorRT-LLM). memory: HOST or DEVICE; by default
+        taken from the tensors (HOST for plain buffers)."""
+        self = cls.__new__(cls)
+        self._keep = []
+        mems = set()
+        for objs in (k_layers or []), (v_layers or []), ([base] if base is not None else []):
+            for o in objs:
+                if not isinstance(o, int):
+                    a = _buffers.as_array(o, "cache tensor", writable=True)
+                    mems.add(a.memory)
+        if memory is None:
+            if len(mems) > 1:
+                raise ValueError("the cache tensors are in host and device memory")
+            memory = mems.pop() if mems else None
+            if memory is None:
+                raise ValueError("pass memory= (the cache is given by int pointers only)")
+        c = lib().new(CacheLayoutC)
+        kp = self._pointer_array(k_layers, "k_layers") if k_layers is not None else None
+        vp = self._pointer_array(v_layers, "v_layers") if v_layers is not None else None
+        bp = self._pointer(base, "base") if base is not None else None
+        i32 = ctypes.c_int32
+        lib().call("kvi_cache_layout_preset", ctypes.byref(c), int(CachePreset(preset)), int(DType(dtype)),
+                   fit(num_layers, i32, "num_layers"), fit(num_heads, i32, "num_heads"),
+                   fit(head_size, i32, "head_size"), fit(block_size, i32, "block_size"),
+                   fit(num_blocks, ctypes.c_int64, "num_blocks"), kp, vp, bp)
+        c.memory = int(Memory(memory))
+        self.c = c
+        return self
+
+    @classmethod
+    def hf(cls, keys: Sequence, values: Sequence, *, shape: Optional[Sequence[int]] = None,
+           dtype: Optional[DType] = None) -> "CacheLayout":
+        """Hugging Face per-layer caches: ``keys[l]`` and ``values[l]`` of
+        [batch, heads, seq, head_size] (e.g. ``[layer.keys for layer in cache.layers]``).
+
+        Tensors: shape and strides are read from them; every key and value must
+        have the same shape, strides, dtype and device, with contiguous head
+        vectors. Host buffers (no shape): pass ``shape=(batch, heads, seq,
+        head_size)`` and, for raw uint16/uint8 buffers, ``dtype``; they are taken
+        as contiguous (the KVI_CACHE_HF_CONTIGUOUS preset). Block ids are batch
+        rows (num_blocks = batch, block_size = seq, the capacity)."""
+        keys, values = list(keys), list(values)
+        if not keys or len(keys) != len(values):
+            raise ValueError("hf: %d key and %d value tensors; expected one of each per layer (>= 1)"
+                             % (len(keys), len(values)))
+        arrays = _layer_arrays(keys, values, dtype, "hf")
+        first = arrays[0]
+        if first.is_tensor or len(first.shape) == 4:
+            _same_geometry(arrays, 4, "hf", "[batch, heads, seq, head_size]")
+            B, H, S, D = first.shape
+            if shape is not None and tuple(shape) != first.shape:
+                raise ValueError("hf: shape=%s but the tensors are %s"
+                                 % (_buffers.shape_str(shape), _buffers.shape_str(first.shape)))
+            st = first.strides
+            return cls(memory=first.memory, dtype=_buffers.kind_dtype(first.kind, "hf cache"),
+                       num_layers=len(keys), num_heads=H, head_size=D, block_size=S, num_blocks=B,
+                       block_stride=st[0], token_stride=st[2], head_stride=st[1],
+                       k_layers=[a.ptr for a in arrays[:len(keys)]], v_layers=[a.ptr for a in arrays[len(keys):]],
+                       keep=arrays)
+        if shape is None or len(shape) != 4:
+            raise ValueError("hf: host buffers carry no shape; pass shape=(batch, heads, seq, head_size)")
+        B, H, S, D = shape
+        _check_sizes(arrays, B * H * S * D, "hf")
+        lay = cls.preset(CachePreset.HF_CONTIGUOUS, _buffers.kind_dtype(first.kind, "hf cache"), len(keys), H, D,
+                         S, B, k_layers=[a.ptr for a in arrays[:len(keys)]],
+                         v_layers=[a.ptr for a in arrays[len(keys):]], memory=first.memory)
+        lay._keep.append(arrays)
+        return lay
+
+    @classmethod
+    def vllm(cls, kv_caches: Sequence, *, kv_first: bool = True, shape: Optional[Sequence[int]] = None,
+             dtype: Optional[DType] = None) -> "CacheLayout":
+        """vLLM per-layer cache tensors (``register_kv_caches``' values, in layer order).
+
+        kv_first=True: [2, NB, BS, H, D] (FlashAttention); False: [NB, 2, BS, H,
+        D] (FlashInfer, Triton). The shape is the logical one; the HND variants
+        differ only in strides, which are read from the tensors. fp8 caches are
+        uint8 tensors: pass dtype=DType.FP8_E4M3 (or E5M2) and set scales with
+        :meth:`set_scales`. Host buffers: pass ``shape`` (the logical 5-D shape,
+        contiguous NHD)."""
+        kv_caches = list(kv_caches)
+        if not kv_caches:
+            raise ValueError("vllm: no cache tensors")
+        arrays = [_buffers.as_array(t, "kv_caches[%d]" % i, writable=True, dtype=dtype)
+                  for i, t in enumerate(kv_caches)]
+        first = arrays[0]
+        if first.is_tensor or len(first.shape) == 5:
+            _same_geometry(arrays, 5, "vllm", "[2, NB, BS, H, D]" if kv_first else "[NB, 2, BS, H, D]")
+            shp, st = first.shape, first.strides
+        else:
+            if shape is None or len(shape) != 5:
+                raise ValueError("vllm: host buffers carry no shape; pass the logical 5-D shape")
+            shp = tuple(shape)
+            n = 1
+            for s in shp:
+                n *= s
+            _check_sizes(arrays, n, "vllm")
+            st, acc = [], 1
+            for s in reversed(shp):
+                st.append(acc)
+                acc *= s
+            st = tuple(reversed(st))
+        if kv_first:
+            two, NB, BS, H, D = shp
+            v_off, blk = st[0], st[1]
+        else:
+            NB, two, BS, H, D = shp
+            blk, v_off = st[0], st[1]
+        if two != 2:
+            raise ValueError("vllm: the K/V dimension has size %d, expected 2 (is kv_first right?)" % two)
+        return cls(memory=first.memory, dtype=_buffers.kind_dtype(first.kind, "vllm cache"),
+                   num_layers=len(arrays), num_heads=H, head_size=D, block_size=BS, num_blocks=NB,
+                   block_stride=blk, token_stride=st[2], head_stride=st[3], v_offset=v_off,
+                   k_layers=[a.ptr for a in arrays], keep=arrays)
+
+    @classmethod
+    def sglang(cls, k_buffers: Sequence, v_buffers: Sequence, *, page_size: int = 1,
+               dtype: Optional[DType] = None) -> "CacheLayout":
+        """SGLang MHATokenToKVPool per-layer k_buffer / v_buffer tensors of [slots, H, D].
+        Block ids are pages of ``page_size`` slots (1: slot ids)."""
+        k_buffers, v_buffers = list(k_buffers), list(v_buffers)
+        if not k_buffers or len(k_buffers) != len(v_buffers):
+            raise ValueError("sglang: expected one k and one v buffer per layer")
+        arrays = _layer_arrays(k_buffers, v_buffers, dtype, "sglang")
+        _same_geometry(arrays, 3, "sglang", "[slots, H, D]")
+        slots, H, D = arrays[0].shape
+        st = arrays[0].strides
+        if slots % page_size:
+            raise ValueError("sglang: %d slots is not a whole number of pages of %d" % (slots, page_size))
+        n = len(k_buffers)
+        return cls(memory=arrays[0].memory, dtype=_buffers.kind_dtype(arrays[0].kind, "sglang cache"),
+                   num_layers=n, num_heads=H, head_size=D, block_size=page_size, num_blocks=slots // page_size,
+                   block_stride=page_size * st[0], token_stride=st[0], head_stride=st[1],
+                   k_layers=[a.ptr for a in arrays[:n]], v_layers=[a.ptr for a in arrays[n:]], keep=arrays)
+
+
+def _layer_arrays(keys, values, dtype, what):
+    return ([_buffers.as_array(t, "%s keys[%d]" % (what, i), writable=True, dtype=dtype) for i, t in enumerate(keys)]
+            + [_buffers.as_array(t, "%s values[%d]" % (what, i), writable=True, dtype=dtype)
+               for i, t in enumerate(values)])
+
+
+def _same_geometry(arrays, ndim, what, expected):
+    first = arrays[0]
+    for i, a in enumerate(arrays):
+        if len(a.shape) != ndim:
+            raise ValueError("%s: tensor %d has shape %s; expected %s"
+                             % (what, i, _buffers.shape_str(a.shape), expected))
+        if a.shape != first.shape:
+            raise ValueError("%s: tensor %d has shape %s, tensor 0 %s; every layer's K and V must have one shape"
+                             % (what, i, _buffers.shape_str(a.shape), _buffers.shape_str(first.shape)))
+        if a.strides != first.strides:
+            raise ValueError("%s: tensor %d has strides %s, tensor 0 %s; a layout has one set of strides"
+                             % (what, i, a.strides, first.strides))
+        if a.kind != first.kind:
+            raise TypeError("%s: tensor %d is %s, tensor 0 %s" % (what, i, a.kind, first.kind))
+        if (a.memory, a.device) != (first.memory, first.device):
+            raise ValueError("%s: tensor %d is on another device than tensor 0" % (what, i))
+    if first.strides[-1] != 1 and first.shape[-1] != 1:
+        raise ValueError("%s: head vectors must be contiguous (last stride %d)" % (what, first.strides[-1]))
+
+
+def _check_sizes(arrays, n, what):
+    for i, a in enumerate(arrays):
+        if a.numel < n:
+            raise ValueError("%s: buffer %d holds %d elements; the shape needs %d" % (what, i, a.numel, n))

@@ -1,0 +1,439 @@
+"""The fact store (kvinject/store.h) and retrieval (kvinject/search.h)."""
+from __future__ import annotations
+
+import array
+import ctypes
+import dataclasses
+import weakref
+from typing import Any, List, Optional, Tuple
+
+from . import _buffers
+from ._buffers import Array
+from ._lib import KVViewC, PutOptions, SearchOptions, StoreOptions, StoreStatsC, assign, fit, lib
+
+U64 = ctypes.c_uint64
+from .enums import PUT_REPLACE, SEARCH_NO_ID, Backend, DType, Memory, Metric
+from .model import Model
+
+
+@dataclasses.dataclass
+class KVView:
+    """kvi_kv_view with raw pointers, for buffers the array forms do not cover.
+
+    Element (l, t, h, d) of K is at ``k + (l*layer_stride + t*token_stride +
+    h*head_stride + d) * elem_size``, V likewise with the same strides. ``keep``
+    holds objects that must stay alive while the view is used.
+    """
+
+    memory: Memory
+    dtype: DType
+    num_layers: int
+    num_tokens: int
+    num_heads: int
+    head_size: int
+    layer_stride: int
+    token_stride: int
+    head_stride: int
+    k: int
+    v: int
+    keep: Any = None
+
+    def to_c(self) -> KVViewC:
+        c = lib().new(KVViewC)
+        c.memory, c.dtype = int(self.memory), int(self.dtype)
+        assign(c, num_layers=self.num_layers, num_tokens=self.num_tokens, num_heads=self.num_heads,
+               head_size=self.head_size, layer_stride=self.layer_stride, token_stride=self.token_stride,
+               head_stride=self.head_stride, k=self.k, v=self.v)
+        return c
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreStats:
+    """kvi_store_stats."""
+
+    backend: Backend
+    device: int
+    dtype: DType
+    page_tokens: int
+    embedding_dim: int
+    page_bytes: int
+    pages_total: int
+    pages_used: int
+    bytes_reserved: int
+    bytes_used: int
+    bytes_payload: int
+    facts: int
+    tenants: int
+    bytes_embeddings: int
+
+
+class SearchResults:
+    """Host results of :meth:`Store.search`: ``ids`` (array('Q')), ``scores``
+    (array('f')) and ``counts`` (array('i')), row-major [num_queries, k].
+    ``results[i]`` is query i's list of (fact_id, score), best first."""
+
+    def __init__(self, ids, scores, counts, k: int):
+        self.ids, self.scores, self.counts, self.k = ids, scores, counts, k
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    def __getitem__(self, i: int) -> List[Tuple[int, float]]:
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        base = i * self.k
+        return [(self.ids[base + j], self.scores[base + j]) for j in range(self.counts[i])]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __repr__(self):
+        return "SearchResults(%r)" % [self[i] for i in range(len(self))]
+
+
+def _alloc(kind: DType, n: int):
+    """A zeroed host buffer of n elements: array('f') for fp32, array('H') (raw bits)
+    for fp16 and bf16."""
+    if DType(kind) == DType.FP32:
+        return array.array("f", bytes(4 * n))
+    if DType(kind) in (DType.FP16, DType.BF16):
+        return array.array("H", bytes(2 * n))
+    raise ValueError("cannot allocate %s host arrays; pass output buffers" % DType(kind).name)
+
+
+class Store:
+    """kvi_store: facts keyed by (tenant, fact id), each T tokens of pre-RoPE K and V
+    for every layer and local head, plus an optional embedding.
+
+    ``Store(model, budget_bytes, backend=..., device=..., dtype=..., page_tokens=...,
+    embedding_dim=..., embedding_dtype=..., metric=...)``; options left None take
+    the library's defaults (KVI_STORE_OPTIONS_INIT: AUTO backend, the current
+    device, BF16 storage, 16-token pages, no embeddings, FP32 embeddings, inner
+    product). Every method may be called from several threads at once (the C
+    store has a lock); close() must not overlap them.
+    """
+
+    def __init__(self, model: Model, budget_bytes: int, *, backend: Optional[Backend] = None,
+                 device: Optional[int] = None, dtype: Optional[DType] = None, page_tokens: Optional[int] = None,
+                 embedding_dim: Optional[int] = None, embedding_dtype: Optional[DType] = None,
+                 metric: Optional[Metric] = None):
+        L = lib()
+        o = L.new(StoreOptions)
+        assign(o, budget_bytes=budget_bytes)
+        if backend is not None:
+            o.backend = int(Backend(backend))
+        if device is not None:
+            assign(o, device=device)
+        if dtype is not None:
+            o.dtype = int(DType(dtype))
+        if page_tokens is not None:
+            assign(o, page_tokens=page_tokens)
+        if embedding_dim is not None:
+            assign(o, embedding_dim=embedding_dim)
+        if embedding_dtype is not None:
+            o.embedding_dtype = int(DType(embedding_dtype))
+        if metric is not None:
+            o.metric = int(Metric(metric))
+        h = ctypes.c_void_p()
+        L.call("kvi_store_create", ctypes.byref(h), model.handle, ctypes.byref(o))
+        self._h = h
+        self._dependents = weakref.WeakSet()
+        self.num_layers = model.num_layers
+        self.num_heads = model.local_heads
+        self.head_size = model.head_size
+        st = self.stats()
+        self.backend, self.device, self.dtype = st.backend, st.device, st.dtype
+        self.page_tokens, self.embedding_dim = st.page_tokens, st.embedding_dim
+
+    # -------------------------------------------------------------- lifetime
+    @property
+    def handle(self) -> ctypes.c_void_p:
+        """The kvi_store pointer."""
+        if not self._h:
+            raise ValueError("the store is closed")
+        return self._h
+
+    def close(self) -> None:
+        """Frees the store; injectors and encoders made from it are closed first
+        (the C store must outlive them). Work enqueued on streams that touches the
+        store must be complete. Idempotent."""
+        if getattr(self, "_h", None):
+            for d in list(self._dependents):
+                d.close()
+            lib().kvi_store_destroy(self._h)
+            self._h = ctypes.c_void_p()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _add_dependent(self, obj) -> None:
+        self._dependents.add(obj)
+
+    # ---------------------------------------------------------------- views
+    def _view(self, k, v, what: str, *, writable: bool, dtype, num_tokens: Optional[int]):
+        if isinstance(k, KVView):
+            if v is not None:
+                raise TypeError("%s: pass either a KVView or k and v arrays" % what)
+            return k.to_c(), k.keep
+        if k is None or v is None:
+            raise TypeError("%s: both k and v are needed" % what)
+        a = _buffers.as_array(k, what + " k", writable=writable, dtype=dtype)
+        b = _buffers.as_array(v, what + " v", writable=writable, dtype=dtype)
+        if a.kind != b.kind:
+            raise TypeError("%s: k is %s and v is %s; they must have the same dtype" % (what, a.kind, b.kind))
+        if (a.memory, a.device) != (b.memory, b.device):
+            raise ValueError("%s: k and v are on different devices" % what)
+        kvi_dtype = _buffers.kind_dtype(a.kind, what)
+        L, H, D = self.num_layers, self.num_heads, self.head_size
+        if len(a.shape) == 4 or a.is_tensor:
+            if len(a.shape) != 4:
+                raise ValueError("%s: k has shape %s; expected [layers, tokens, heads, head_size] (4 dims)"
+                                 % (what, _buffers.shape_str(a.shape)))
+            if a.shape != b.shape:
+                raise ValueError("%s: k has shape %s and v %s; they must be equal"
+                                 % (what, _buffers.shape_str(a.shape), _buffers.shape_str(b.shape)))
+            if a.strides != b.strides:
+                raise ValueError("%s: k has strides %s and v %s; a view has one set of strides for both"
+                                 % (what, a.strides, b.strides))
+            if a.strides[3] != 1 and a.shape[3] != 1:
+                raise ValueError("%s: head vectors must be contiguous (the last stride is %d, not 1)"
+                                 % (what, a.strides[3]))
+            shape, strides = a.shape, a.strides
+            if num_tokens is not None and num_tokens != shape[1]:
+                raise ValueError("%s: num_tokens is %d but the arrays hold %d tokens" % (what, num_tokens, shape[1]))
+        else:
+            n = a.numel
+            if b.numel != n:
+                raise ValueError("%s: k has %d elements and v %d; they must be equal" % (what, n, b.numel))
+            per_token = L * H * D
+            if num_tokens is None:
+                if n % per_token or n == 0:
+                    raise ValueError("%s: %d elements is not a whole number of tokens of %d layers x %d heads "
+                                     "x %d (pass num_tokens, or [L, T, H, D] arrays)" % (what, n, L, H, D))
+                num_tokens = n // per_token
+            elif num_tokens * per_token > n:
+                raise ValueError("%s: %d tokens need %d elements, the buffers hold %d"
+                                 % (what, num_tokens, num_tokens * per_token, n))
+            shape = (L, num_tokens, H, D)
+            strides = (num_tokens * H * D, H * D, D, 1)
+        c = lib().new(KVViewC)
+        c.memory, c.dtype = int(a.memory), int(kvi_dtype)
+        assign(c, num_layers=shape[0], num_tokens=shape[1], num_heads=shape[2], head_size=shape[3],
+               layer_stride=strides[0], token_stride=strides[1], head_stride=strides[2], k=a.ptr, v=b.ptr)
+        return c, (a, b)
+
+    # ---------------------------------------------------------------- facts
+    def put(self, tenant: int, fact_id: int, k, v=None, *, embedding=None, embedding_dtype: Optional[DType] = None,
+            replace: bool = False, dtype: Optional[DType] = None, num_tokens: Optional[int] = None,
+            stream=None) -> None:
+        """kvi_store_put: stores a fact's pre-RoPE K and V.
+
+        k, v: tensors of shape [layers, tokens, heads, head_size] (any strides
+        with contiguous head vectors; the same strides for both), or host
+        buffers holding that shape contiguously (the token count is inferred,
+        or ``num_tokens``), or ``k`` a :class:`KVView` and ``v`` omitted.
+        ``dtype`` names the element type of raw buffers (bf16 in a uint16
+        buffer). embedding: required when the store keeps embeddings: a
+        sequence of floats, or a buffer/tensor (host or device) of fp32, fp16
+        or bf16. replace: KVI_PUT_REPLACE. stream: see :func:`stream` rules
+        (None = the default stream).
+        """
+        view, keep = self._view(k, v, "put", writable=False, dtype=dtype, num_tokens=num_tokens)
+        L = lib()
+        po = L.new(PutOptions)
+        po.flags = PUT_REPLACE if replace else 0
+        emb = None
+        if embedding is not None:
+            emb, edt = _buffers.float_array(embedding, "embedding", dtype=embedding_dtype)
+            _check_embedding(emb, self.embedding_dim, "embedding")
+            po.embedding = emb.ptr
+            po.embedding_dtype = int(edt)
+            po.embedding_memory = int(emb.memory)
+        L.call("kvi_store_put", self.handle, fit(tenant, U64, "tenant"), fit(fact_id, U64, "fact_id"),
+               ctypes.byref(view), ctypes.byref(po), _buffers.stream_handle(stream))
+        del keep, emb
+
+    def read(self, tenant: int, fact_id: int, k=None, v=None, *, dtype: Optional[DType] = None, stream=None):
+        """kvi_store_read: copies a fact's K and V into k and v (tensors or writable
+        buffers shaped as for :meth:`put`, or a KVView as k) and returns (k, v).
+        Without outputs it allocates host arrays of [layers, tokens, heads,
+        head_size] elements, flat: array('f') for fp32 (the default dtype),
+        array('H') holding the raw bits for fp16/bf16."""
+        if k is None and v is None:
+            dtype = DType.FP32 if dtype is None else DType(dtype)
+            t = self.fact_tokens(tenant, fact_id)
+            n = self.num_layers * t * self.num_heads * self.head_size
+            k, v = _alloc(dtype, n), _alloc(dtype, n)
+        view, keep = self._view(k, v, "read", writable=True, dtype=dtype, num_tokens=None)
+        lib().call("kvi_store_read", self.handle, fit(tenant, U64, "tenant"), fit(fact_id, U64, "fact_id"),
+                   ctypes.byref(view), _buffers.stream_handle(stream))
+        del keep
+        return k, v
+
+    def fact_tokens(self, tenant: int, fact_id: int) -> int:
+        """kvi_store_fact_tokens."""
+        n = ctypes.c_int32()
+        lib().call("kvi_store_fact_tokens", self.handle, fit(tenant, U64, "tenant"), fit(fact_id, U64, "fact_id"),
+                   ctypes.byref(n))
+        return n.value
+
+    def get_embedding(self, tenant: int, fact_id: int) -> "array.array":
+        """kvi_store_get_embedding: the embedding as kept (scaled for cosine, rounded to
+        embedding_dtype), as array('f') of embedding_dim values."""
+        n = max(self.embedding_dim, 1)
+        out = (ctypes.c_float * n)()
+        lib().call("kvi_store_get_embedding", self.handle, fit(tenant, U64, "tenant"),
+                   fit(fact_id, U64, "fact_id"), out)
+        return array.array("f", out[:self.embedding_dim])
+
+    def remove(self, tenant: int, fact_id: int) -> None:
+        """kvi_store_remove."""
+        lib().call("kvi_store_remove", self.handle, fit(tenant, U64, "tenant"), fit(fact_id, U64, "fact_id"))
+
+    def count(self, tenant: int) -> int:
+        """kvi_store_count: facts of a tenant (0 for one never seen)."""
+        n = ctypes.c_size_t()
+        lib().call("kvi_store_count", self.handle, fit(tenant, U64, "tenant"), ctypes.byref(n))
+        return n.value
+
+    def list(self, tenant: int) -> List[int]:
+        """kvi_store_list: the tenant's fact ids, ascending."""
+        total = ctypes.c_size_t()
+        cap = 0
+        buf = None
+        while True:
+            lib().call("kvi_store_list", self.handle, fit(tenant, U64, "tenant"), buf, cap, ctypes.byref(total))
+            if total.value <= cap:
+                return list(buf[:total.value]) if buf is not None else []
+            cap = total.value + 16  # facts may be added by other threads in between
+            buf = (ctypes.c_uint64 * cap)()
+
+    def stats(self) -> StoreStats:
+        """kvi_store_stats_get."""
+        s = lib().new(StoreStatsC)
+        lib().call("kvi_store_stats_get", self.handle, ctypes.byref(s))
+        vals = {f: getattr(s, f) for f, _ in StoreStatsC._fields_[1:]}
+        vals["backend"] = Backend(vals["backend"])
+        vals["dtype"] = DType(vals["dtype"])
+        return StoreStats(**vals)
+
+    # --------------------------------------------------------------- search
+    def search(self, queries, tenants, k: int, *, query_dtype: Optional[DType] = None, out=None,
+               workspace_bytes: Optional[int] = None, stream=None):
+        """kvi_store_search: the top-k facts of each query's tenant.
+
+        queries: a sequence of query vectors (sequences of floats, sent as
+        fp32), or a tensor/buffer of [num_queries, dim] (or [dim] for one
+        query; a flat buffer is cut into rows of the store's embedding_dim) in
+        host or device memory, fp32, fp16 or bf16 (``query_dtype`` for a raw
+        uint16 buffer). tenants: one tenant for every query, or one per query.
+        out: None returns :class:`SearchResults` (host memory); or a tuple
+        (ids, scores, counts) of tensors/buffers of [num_queries, k] uint64 or
+        int64, [num_queries, k] fp32 and [num_queries] int32, all host or all
+        device memory, which the search fills (device outputs are written on
+        ``stream``; read them after it) and which are returned.
+        """
+        k = fit(k, ctypes.c_int32, "k")
+        dim = self.embedding_dim
+        if _buffers.is_tensor(queries) or _buffers._has_buffer(queries):
+            q, qdt = _buffers.float_array(queries, "queries", dtype=query_dtype)
+            if q.is_tensor or len(q.shape) > 1:
+                if len(q.shape) not in (1, 2):
+                    raise ValueError("queries has shape %s; expected [num_queries, dim] or [dim]"
+                                     % _buffers.shape_str(q.shape))
+                dim = q.shape[-1]
+                nq = q.shape[0] if len(q.shape) == 2 else 1
+            else:
+                if dim <= 0:
+                    nq = 0 if q.numel == 0 else 1
+                    dim = q.numel
+                elif q.numel % dim:
+                    raise ValueError("queries has %d values, not a whole number of rows of embedding_dim %d"
+                                     % (q.numel, dim))
+                else:
+                    nq = q.numel // dim
+        else:
+            rows = [list(r) for r in queries] if not _is_flat(queries) else [list(queries)]
+            nq = len(rows)
+            if nq:
+                dim = len(rows[0])
+                if any(len(r) != dim for r in rows):
+                    raise ValueError("queries: rows of different lengths")
+            q, qdt = _buffers.float_array([x for r in rows for x in r], "queries")
+        if isinstance(tenants, int):
+            t = _buffers.int_array([tenants] * nq, ctypes.c_uint64, "tenants")
+        else:
+            t = _buffers.int_array(tenants, ctypes.c_uint64, "tenants")
+            if t.numel != nq:
+                raise ValueError("%d tenants for %d queries" % (t.numel, nq))
+        L = lib()
+        so = L.new(SearchOptions)
+        so.query_dtype = int(qdt)
+        so.query_memory = int(q.memory)
+        if workspace_bytes is not None:
+            assign(so, workspace_bytes=workspace_bytes)
+        if out is None:
+            n = max(nq * k, 1) if k > 0 else 1
+            ids, scores, counts = (ctypes.c_uint64 * n)(), (ctypes.c_float * n)(), (ctypes.c_int32 * max(nq, 1))()
+            ptrs = (ids, scores, counts)
+            so.out_memory = int(Memory.HOST)
+        else:
+            oi, os_, oc = out
+            a_ids = _buffers.int_array(oi, ctypes.c_uint64, "out ids", allow_device=True, writable=True)
+            a_sc = _buffers.as_array(os_, "out scores", writable=True, dtype=DType.FP32)
+            a_ct = _buffers.int_array(oc, ctypes.c_int32, "out counts", allow_device=True, writable=True)
+            mems = {(a.memory, a.device) for a in (a_ids, a_sc, a_ct)}
+            if len(mems) != 1:
+                raise ValueError("search outputs must all be host memory or all on one device")
+            if k > 0 and (a_ids.numel < nq * k or a_sc.numel < nq * k or a_ct.numel < nq):
+                raise ValueError("search outputs hold %d ids, %d scores, %d counts; %d queries x k %d need "
+                                 "%d, %d, %d" % (a_ids.numel, a_sc.numel, a_ct.numel, nq, k, nq * k, nq * k, nq))
+            ptrs = (a_ids.c_ptr(), a_sc.c_ptr(), a_ct.c_ptr())
+            so.out_memory = int(a_ids.memory)
+        i32 = ctypes.c_int32
+        L.call("kvi_store_search", self.handle, q.c_ptr(), fit(nq, i32, "num_queries"), fit(dim, i32, "dim"),
+               t.c_ptr(), fit(k, i32, "k"), ptrs[0], ptrs[1], ptrs[2],
+               ctypes.byref(so), _buffers.stream_handle(stream))
+        if out is not None:
+            return out
+        return SearchResults(array.array("Q", ids[:nq * k]), array.array("f", scores[:nq * k]),
+                             array.array("i", counts[:nq]), k)
+
+    def search_async_errors(self) -> int:
+        """kvi_store_search_async_errors: device queries found non-finite since the last call."""
+        n = ctypes.c_int64()
+        lib().call("kvi_store_search_async_errors", self.handle, ctypes.byref(n))
+        return n.value
+
+    def __repr__(self):
+        if not getattr(self, "_h", None):
+            return "Store(closed)"
+        return "Store(%s, device %d, %s, %d-token pages, embedding_dim %d)" % (
+            self.backend.name, self.device, self.dtype.name, self.page_tokens, self.embedding_dim)
+
+
+def _check_embedding(emb: Array, dim: int, what: str) -> None:
+    # the C call reads embedding_dim values; a store without embeddings rejects one itself
+    if dim > 0 and emb.numel != dim:
+        raise ValueError("%s has %d values; the store's embedding_dim is %d" % (what, emb.numel, dim))
+
+
+def _is_flat(seq) -> bool:
+    """Whether a Python sequence is one vector of numbers rather than a list of rows."""
+    for x in seq:
+        return isinstance(x, (int, float))
+    return False
+
+
+NO_ID = SEARCH_NO_ID

@@ -1,0 +1,215 @@
+"""The injector and the encoder (kvinject/inject.h)."""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from typing import Any, List, Optional, Sequence, Union
+
+from . import _buffers
+from ._lib import CaptureC, InjectOptions, InjectRequestC, TransferOptions, assign, fit, lib
+from .cache import CacheLayout
+from .enums import PUT_REPLACE, DType
+from .store import Store, _check_embedding
+
+
+@dataclasses.dataclass
+class InjectRequest:
+    """kvi_inject_request: a request's facts, in order, land consecutively in its
+    sequence from ``first_slot`` on.
+
+    fact_ids: ints (or a host uint64/int64 buffer). block_table: the sequence's
+    int32 block ids: a sequence of ints, a host buffer, or an int32 tensor on
+    the CPU or on the store's CUDA device (checked by the kernel: see
+    :meth:`Injector.async_errors`). positions: one RoPE position per injected
+    token (host), or None for start_position + i.
+    """
+
+    tenant: int
+    fact_ids: Any
+    block_table: Any
+    first_slot: int = 0
+    positions: Any = None
+    start_position: int = 0
+
+
+@dataclasses.dataclass
+class Capture:
+    """kvi_capture: one fact to capture: ``num_tokens`` tokens of a sequence from
+    ``first_slot`` on, whose keys the engine wrote rotated at ``positions``
+    (None: start_position + i). block_table: host int32 (ints, a buffer or a
+    CPU tensor). embedding: as :meth:`Store.put`."""
+
+    tenant: int
+    fact_id: int
+    block_table: Any
+    num_tokens: int
+    first_slot: int = 0
+    positions: Any = None
+    start_position: int = 0
+    replace: bool = False
+    embedding: Any = None
+    embedding_dtype: Optional[DType] = None
+
+
+def _transfer_options(max_tokens_per_call, max_requests_per_call, max_table_entries_per_call):
+    o = lib().new(TransferOptions)
+    if max_tokens_per_call is not None:
+        assign(o, max_tokens_per_call=max_tokens_per_call)
+    if max_requests_per_call is not None:
+        assign(o, max_requests_per_call=max_requests_per_call)
+    if max_table_entries_per_call is not None:
+        assign(o, max_table_entries_per_call=max_table_entries_per_call)
+    return o
+
+
+class _Transfer:
+    _create = _destroy = ""
+
+    def __init__(self, store: Store, layout: CacheLayout, *, max_tokens_per_call: Optional[int] = None,
+                 max_requests_per_call: Optional[int] = None, max_table_entries_per_call: Optional[int] = None):
+        if not isinstance(layout, CacheLayout):
+            raise TypeError("layout: expected a kvinject.CacheLayout, got %s" % type(layout).__name__)
+        o = _transfer_options(max_tokens_per_call, max_requests_per_call, max_table_entries_per_call)
+        h = ctypes.c_void_p()
+        lib().call(self._create, ctypes.byref(h), store.handle, ctypes.byref(layout.c), ctypes.byref(o))
+        self._h = h
+        # the C handle needs the store, and the cache memory the layout points into
+        self.store = store
+        self.layout = layout
+        store._add_dependent(self)
+
+    @property
+    def handle(self) -> ctypes.c_void_p:
+        if not self._h:
+            raise ValueError("the %s is closed" % type(self).__name__.lower())
+        return self._h
+
+    def close(self) -> None:
+        """Frees the handle (idempotent). Its enqueued work must be complete."""
+        if getattr(self, "_h", None):
+            getattr(lib(), self._destroy)(self._h)
+            self._h = ctypes.c_void_p()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Injector(_Transfer):
+    """kvi_injector: writes a store's facts into the cache a :class:`CacheLayout`
+    describes, keys rotated at their destination positions.
+
+    ``Injector(store, layout, max_tokens_per_call=None, max_requests_per_call=None,
+    max_table_entries_per_call=None)``. Keeps the store and the layout (and so
+    the cache tensors) alive. Usable from several threads (calls serialize).
+    close() (or garbage collection) frees the C handle, whose enqueued work must
+    be complete (kvinject/inject.h): keep the injector until the stream has
+    passed it.
+    """
+
+    _create, _destroy = "kvi_injector_create", "kvi_injector_destroy"
+
+    def inject(self, requests: Union[InjectRequest, Sequence[InjectRequest]], *, layer_begin: int = 0,
+               layer_end: int = 0, stream=None) -> None:
+        """kvi_inject: writes every request's facts (one fused launch on a CUDA store).
+        layer_begin/layer_end: write layers [begin, end) (end 0 = all). stream:
+        None (default stream), an int handle or a torch.cuda.Stream; host arrays
+        may be reused when this returns."""
+        if isinstance(requests, InjectRequest):
+            requests = [requests]
+        requests = list(requests)
+        L = lib()
+        arr = (InjectRequestC * max(len(requests), 1))()
+        keep: List[Any] = []
+        for i, r in enumerate(requests):
+            if not isinstance(r, InjectRequest):
+                raise TypeError("requests[%d]: expected a kvinject.InjectRequest, got %s" % (i, type(r).__name__))
+            c = L.new(InjectRequestC)
+            assign(c, tenant=r.tenant)
+            ids = _buffers.int_array(r.fact_ids, ctypes.c_uint64, "requests[%d].fact_ids" % i)
+            assign(c, fact_ids=ids.ptr, num_facts=ids.numel)
+            bt = _buffers.int_array(r.block_table, ctypes.c_int32, "requests[%d].block_table" % i,
+                                    allow_device=True)
+            assign(c, block_table=bt.ptr, block_table_len=bt.numel, block_table_memory=int(bt.memory),
+                   first_slot=r.first_slot, start_position=r.start_position)
+            if r.positions is not None:
+                pos = _buffers.int_array(r.positions, ctypes.c_int32, "requests[%d].positions" % i)
+                # the C request has no length for positions: it reads one per token
+                tokens = self.plan(r.tenant, ids) if ids.numel else 0
+                if pos.numel < tokens:
+                    raise ValueError("requests[%d]: %d positions for %d tokens" % (i, pos.numel, tokens))
+                c.positions = pos.ptr
+                keep.append(pos)
+            keep += [ids, bt]
+            arr[i] = c
+        o = L.new(InjectOptions)
+        assign(o, layer_begin=layer_begin, layer_end=layer_end)
+        L.call("kvi_inject", self.handle, arr, fit(len(requests), ctypes.c_int32, "num_requests"), ctypes.byref(o),
+               _buffers.stream_handle(stream))
+        del keep
+
+    def plan(self, tenant: int, fact_ids) -> int:
+        """kvi_inject_plan: tokens the facts need in total (allocate blocks for them first)."""
+        ids = _buffers.int_array(fact_ids, ctypes.c_uint64, "fact_ids")
+        n = ctypes.c_int64()
+        lib().call("kvi_inject_plan", self.handle, fit(tenant, ctypes.c_uint64, "tenant"), ids.c_ptr(),
+                   fit(ids.numel, ctypes.c_int32, "num_facts"), ctypes.byref(n))
+        return n.value
+
+    def async_errors(self) -> int:
+        """kvi_injector_async_errors: tokens skipped since the last call because a device
+        block table named a block outside the cache (synchronize the stream first)."""
+        n = ctypes.c_int64()
+        lib().call("kvi_injector_async_errors", self.handle, ctypes.byref(n))
+        return n.value
+
+
+class Encoder(_Transfer):
+    """kvi_encoder: captures facts from the cache a :class:`CacheLayout` describes into
+    a store, un-rotating keys at the positions they were written with.
+    Arguments as :class:`Injector`."""
+
+    _create, _destroy = "kvi_encoder_create", "kvi_encoder_destroy"
+
+    def encode(self, captures: Union[Capture, Sequence[Capture]], *, stream=None) -> None:
+        """kvi_encode: all captures in one launch, all-or-nothing."""
+        if isinstance(captures, Capture):
+            captures = [captures]
+        captures = list(captures)
+        L = lib()
+        arr = (CaptureC * max(len(captures), 1))()
+        keep: List[Any] = []
+        for i, cp in enumerate(captures):
+            if not isinstance(cp, Capture):
+                raise TypeError("captures[%d]: expected a kvinject.Capture, got %s" % (i, type(cp).__name__))
+            c = L.new(CaptureC)
+            assign(c, tenant=cp.tenant, fact_id=cp.fact_id)
+            bt = _buffers.int_array(cp.block_table, ctypes.c_int32, "captures[%d].block_table" % i)
+            assign(c, block_table=bt.ptr, block_table_len=bt.numel, first_slot=cp.first_slot,
+                   num_tokens=cp.num_tokens, start_position=cp.start_position)
+            if cp.positions is not None:
+                pos = _buffers.int_array(cp.positions, ctypes.c_int32, "captures[%d].positions" % i)
+                if pos.numel < cp.num_tokens:
+                    raise ValueError("captures[%d]: %d positions for %d tokens" % (i, pos.numel, cp.num_tokens))
+                c.positions = pos.ptr
+                keep.append(pos)
+            c.flags = PUT_REPLACE if cp.replace else 0
+            if cp.embedding is not None:
+                emb, edt = _buffers.float_array(cp.embedding, "captures[%d].embedding" % i,
+                                                dtype=cp.embedding_dtype)
+                _check_embedding(emb, self.store.embedding_dim, "captures[%d].embedding" % i)
+                c.embedding, c.embedding_dtype, c.embedding_memory = emb.ptr, int(edt), int(emb.memory)
+                keep.append(emb)
+            keep.append(bt)
+            arr[i] = c
+        L.call("kvi_encode", self.handle, arr, fit(len(captures), ctypes.c_int32, "num_captures"),
+               _buffers.stream_handle(stream))
+        del keep

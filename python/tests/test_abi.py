@@ -1,0 +1,183 @@
+"""The binding's ctypes declarations against the C headers: every public struct's
+size and field offsets, enum sizes and constant values, as a C program compiled
+against the headers prints them (struct_layout.c; Meson passes its path in
+KVINJECT_STRUCT_LAYOUT). Also library lookup and the init-function path."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import subprocess
+import sys
+import unittest
+
+import kvi_testutil  # noqa: F401  (puts kvinject on the path)
+import kvinject as kvi
+from kvinject import _lib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _layout_program():
+    path = os.environ.get("KVINJECT_STRUCT_LAYOUT")
+    if path:
+        return path
+    repo = os.path.dirname(os.path.dirname(HERE))
+    guess = os.path.join(repo, "build", "python", "kvi_struct_layout")
+    return guess if os.path.exists(guess) else None
+
+
+class CLayout:
+    def __init__(self, text: str):
+        self.sizes, self.fields, self.consts, self.enum_sizes = {}, {}, {}, {}
+        self.version = None
+        for line in text.splitlines():
+            w = line.split()
+            if w[0] == "size":
+                self.sizes[w[1]] = int(w[2])
+            elif w[0] == "field":
+                self.fields.setdefault(w[1], []).append((w[2], int(w[3]), int(w[4])))
+            elif w[0] == "const":
+                self.consts[w[1]] = int(w[2])
+            elif w[0] == "enumsize":
+                self.enum_sizes[w[1]] = int(w[2])
+            elif w[0] == "version":
+                self.version = w[1]
+
+
+class TestStructs(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        prog = _layout_program()
+        if not prog:
+            raise unittest.SkipTest("KVINJECT_STRUCT_LAYOUT is not set and no build/python/kvi_struct_layout "
+                                    "exists (Meson sets it: meson test --suite python)")
+        out = subprocess.run([prog], check=True, stdout=subprocess.PIPE, universal_newlines=True).stdout
+        cls.c = CLayout(out)
+
+    def test_every_struct_matches_c(self):
+        self.assertEqual(sorted(self.c.sizes), sorted(_lib.STRUCTS),
+                         "the C program and the binding list different structs")
+        for name, cls in _lib.STRUCTS.items():
+            with self.subTest(struct=name):
+                self.assertEqual(ctypes.sizeof(cls), self.c.sizes[name], "sizeof(%s)" % name)
+                py = [(f, getattr(cls, f).offset, getattr(cls, f).size) for f, _ in cls._fields_]
+                self.assertEqual(py, self.c.fields[name], "fields of %s (name, offset, size)" % name)
+                self.assertEqual(cls._fields_[0][0], "struct_size")
+
+    def test_enums_are_int_sized(self):
+        self.assertTrue(self.c.enum_sizes)
+        for name, size in self.c.enum_sizes.items():
+            self.assertEqual(size, ctypes.sizeof(_lib.c_enum), name)
+
+    def test_constants(self):
+        groups = [("KVI_ERR_", kvi.Status, "ERR_"), ("KVI_DTYPE_", kvi.DType, ""), ("KVI_MEMORY_", kvi.Memory, ""),
+                  ("KVI_BACKEND_", kvi.Backend, ""), ("KVI_ROPE_SCALING_", kvi.RopeScaling, ""),
+                  ("KVI_METRIC_", kvi.Metric, ""), ("KVI_SCALE_", kvi.ScaleMode, ""),
+                  ("KVI_CACHE_", kvi.CachePreset, "")]
+        seen = set()
+        for prefix, enum, pyprefix in groups:
+            members = {m.name: m.value for m in enum}
+            if enum is kvi.Status:
+                self.assertEqual(self.c.consts["KVI_OK"], kvi.Status.OK)
+                seen.add("KVI_OK")
+                members.pop("OK")
+            cnames = {n[len(prefix):]: v for n, v in self.c.consts.items() if n.startswith(prefix)}
+            self.assertEqual({pyprefix + k: v for k, v in cnames.items()}, members, enum.__name__)
+            seen.update(prefix + k for k in cnames)
+        styles = {n[len("KVI_ROPE_"):]: v for n, v in self.c.consts.items()
+                  if n.startswith("KVI_ROPE_") and not n.startswith("KVI_ROPE_SCALING_")}
+        self.assertEqual(styles, {m.name: m.value for m in kvi.RopeStyle})
+        seen.update("KVI_ROPE_" + k for k in styles)
+        singles = {"KVI_FEATURE_CUDA": kvi.FEATURE_CUDA, "KVI_FEATURE_CUBLASLT": kvi.FEATURE_CUBLASLT,
+                   "KVI_FEATURE_NCCL": kvi.FEATURE_NCCL, "KVI_PUT_REPLACE": kvi.PUT_REPLACE,
+                   "KVI_SEARCH_MAX_K": kvi.SEARCH_MAX_K, "KVI_SEARCH_NO_ID": kvi.SEARCH_NO_ID,
+                   "KVI_SEARCH_DEFAULT_WORKSPACE": kvi.SEARCH_DEFAULT_WORKSPACE}
+        for n, v in singles.items():
+            self.assertEqual(self.c.consts[n], v, n)
+        seen.update(singles)
+        seen.add("KVI_VERSION_NUMBER")
+        self.assertEqual(sorted(set(self.c.consts) - seen), [], "C constants the binding does not mirror")
+
+    def test_runtime_version_is_the_headers(self):
+        self.assertEqual(kvi.version(), self.c.version)
+        self.assertEqual(kvi.version_number(), self.c.consts["KVI_VERSION_NUMBER"])
+
+
+class TestInitPath(unittest.TestCase):
+    def test_structs_take_the_libraries_init_values(self):
+        L = _lib.lib()
+        o = L.new(_lib.StoreOptions)
+        self.assertEqual(o.struct_size, ctypes.sizeof(_lib.StoreOptions))
+        # KVI_STORE_OPTIONS_INIT (include/kvinject/store.h)
+        self.assertEqual((o.backend, o.device, o.dtype, o.page_tokens, o.budget_bytes, o.embedding_dim,
+                          o.embedding_dtype, o.metric),
+                         (kvi.Backend.AUTO, -1, kvi.DType.BF16, 16, 0, 0, kvi.DType.FP32, kvi.Metric.INNER_PRODUCT))
+        r = L.new(_lib.RopeSpecC)
+        self.assertEqual((r.style, r.theta, r.original_max_position, r.high_freq_factor, r.beta_fast, r.yarn_truncate,
+                          r.table_dtype), (kvi.RopeStyle.NEOX, 10000.0, 8192, 4.0, 32.0, 1, kvi.DType.FP32))
+        t = L.new(_lib.TransferOptions)
+        self.assertEqual((t.max_tokens_per_call, t.max_requests_per_call, t.max_table_entries_per_call),
+                         (1 << 20, 4096, 1 << 20))
+        s = L.new(_lib.SearchOptions)
+        self.assertEqual((s.query_dtype, s.query_memory, s.out_memory, s.workspace_bytes),
+                         (kvi.DType.FP32, kvi.Memory.HOST, kvi.Memory.HOST, 64 << 20))
+        for cls in _lib.STRUCTS.values():
+            self.assertEqual(L.new(cls).struct_size, ctypes.sizeof(cls), cls.__name__)
+
+    def test_struct_size_errors_map(self):
+        L = _lib.lib()
+        m = kvi.Model(1, 1, 8)
+        o = L.new(_lib.StoreOptions)
+        o.budget_bytes = 1 << 20
+        o.struct_size = 4  # smaller than the first version
+        h = ctypes.c_void_p()
+        with self.assertRaises(kvi.StructSizeError) as cm:
+            L.call("kvi_store_create", ctypes.byref(h), m.handle, ctypes.byref(o))
+        self.assertEqual(cm.exception.status, kvi.Status.ERR_STRUCT_SIZE)
+        self.assertIn("struct_size", cm.exception.message)
+        # a larger struct with a non-zero byte past the known fields
+        big = ctypes.create_string_buffer(ctypes.sizeof(o) + 8)
+        o.struct_size = ctypes.sizeof(o) + 8
+        ctypes.memmove(big, ctypes.addressof(o), ctypes.sizeof(o))
+        big[ctypes.sizeof(o) + 3] = b"\x01"
+        with self.assertRaises(kvi.StructSizeError):
+            L.call("kvi_store_create", ctypes.byref(h), m.handle, big)
+        self.assertFalse(h.value)
+
+
+class TestLibraryLookup(unittest.TestCase):
+    def _run(self, env_lib):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE)] + sys.path)
+        if env_lib is None:
+            env.pop("KVINJECT_LIBRARY", None)
+        else:
+            env["KVINJECT_LIBRARY"] = env_lib
+        return subprocess.run([sys.executable, "-c", "import kvinject; print(kvinject.library_path())"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
+
+    def test_env_var_is_used(self):
+        path = kvi.library_path()
+        r = self._run(os.path.abspath(path) if os.path.exists(path) else path)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout.strip(), os.path.abspath(path) if os.path.exists(path) else path)
+
+    def test_env_var_that_does_not_load_fails_clearly(self):
+        r = self._run("/nonexistent/libkvinject.so")
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("ImportError", r.stderr)
+        self.assertIn("KVINJECT_LIBRARY", r.stderr)
+        self.assertIn("/nonexistent/libkvinject.so", r.stderr)
+
+    def test_library_that_is_not_libkvinject(self):
+        libc = ctypes.util.find_library("c")
+        if not libc:
+            self.skipTest("no libc to load")
+        r = self._run(libc)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("does not export kvi_", r.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,345 @@
+"""Injection into CPU caches of several engine layouts, compared with a float64
+RoPE written in this test suite (kvi_testutil.RefRope: NeoX and GPT-J, partial
+rotary, llama3 scaling, per-layer overrides). Caches are poisoned first: every
+element the injection should not write must keep its poison bits. The caches
+are indexed with the engines' own shapes, never with the library's strides."""
+from __future__ import annotations
+
+import array
+import unittest
+
+from kvi_testutil import (FakeTensor, RefRope, bits_of, empty, encode, f32_bits, fp8_e4m3_value, rand_values, rng,
+                          unit_roundoff)
+import kvinject as kvi
+from kvinject import DType, RopeScaling, RopeStyle
+
+POISON = {DType.FP32: f32_bits(-1234.5), DType.FP16: 0xDEAD, DType.BF16: 0xDEAD, DType.FP8_E4M3: 0xA5}
+L, H, D = 3, 2, 16
+
+LLAMA3 = dict(style=RopeStyle.NEOX, rotary_dim=12, theta=500000.0, scaling=RopeScaling.LLAMA3, factor=8.0,
+              low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
+GPTJ_LAYER = dict(style=RopeStyle.GPTJ, theta=10000.0)
+
+
+class Facts:
+    """A store with three facts of tenant 1 and their pre-RoPE values here, [l][t][h][d]."""
+
+    def __init__(self, test, store_dtype=DType.BF16, seed=1, ropes=None):
+        self.model = kvi.Model(L, H, D)
+        ropes = ropes or {-1: LLAMA3, 1: GPTJ_LAYER}
+        for layer, spec in ropes.items():
+            self.model.set_rope(layer=layer, **spec)
+        self.ref = [RefRope(D, **ropes.get(layer, ropes[-1])) for layer in range(L)]
+        self.store = kvi.Store(self.model, 1 << 20, backend=kvi.Backend.CPU, dtype=store_dtype, page_tokens=4)
+        test.addCleanup(self.store.close)
+        r = rng(seed)
+        self.k, self.v = {}, {}
+        for fid, T in ((10, 5), (11, 9), (12, 3)):
+            kv = rand_values(r, L * T * H * D), rand_values(r, L * T * H * D)  # bf16-exact: stored exactly
+            self.store.put(1, fid, encode(kv[0], DType.FP32), encode(kv[1], DType.FP32))
+            self.k[fid] = [[[kv[0][((l * T + t) * H + h) * D:((l * T + t) * H + h + 1) * D] for h in range(H)]
+                            for t in range(T)] for l in range(L)]
+            self.v[fid] = [[[kv[1][((l * T + t) * H + h) * D:((l * T + t) * H + h + 1) * D] for h in range(H)]
+                            for t in range(T)] for l in range(L)]
+
+    def tokens(self, fid):
+        return len(self.k[fid][0])
+
+
+def expected_writes(facts, requests, layers=range(L)):
+    """{(layer, block, token_in_block, head): (k_ref, k_tol, v_ref)} for a list of
+    (fact_ids, block_table, first_slot, positions-or-None, start_position, block_size)."""
+    out = {}
+    for fids, table, first, positions, start, bs in requests:
+        i = 0
+        for fid in fids:
+            for t in range(facts.tokens(fid)):
+                s = first + i
+                p = positions[i] if positions is not None else start + i
+                blk, tok = table[s // bs], s % bs
+                for l in layers:
+                    ref = facts.ref[l]
+                    for h in range(H):
+                        x = facts.k[fid][l][t][h]
+                        out[(l, blk, tok, h)] = (ref.rotate(x, p), ref.tol(x, p), facts.v[fid][l][t][h])
+                i += 1
+    return out
+
+
+class InjectCase(unittest.TestCase):
+    def assert_cache(self, cache_index, dtype, bufs, writes, nblocks, bs, scale=1.0):
+        """Every element of every layer/plane: written ones within tolerance of the
+        reference rotated at their position, the others still poison."""
+        u = unit_roundoff(dtype) if dtype != DType.FP8_E4M3 else 2.0 ** -4
+        value = _decoder(dtype)
+        written = 0
+        for l in range(L):
+            for blk in range(nblocks):
+                for tok in range(bs):
+                    for h in range(H):
+                        w = writes.get((l, blk, tok, h))
+                        for kv in (0, 1):
+                            for d in range(D):
+                                buf, i = cache_index(l, kv, blk, tok, h, d)
+                                if w is None:
+                                    self.assertEqual(_raw(buf, i, dtype), POISON[dtype],
+                                                     "layer %d plane %d block %d token %d head %d dim %d was written"
+                                                     % (l, kv, blk, tok, h, d))
+                                    continue
+                                got = value(buf[i]) * scale
+                                if kv == 0:
+                                    ref, tol = w[0][d], w[1][d]
+                                else:
+                                    ref, tol = w[2][d], 0.0
+                                bound = tol + 2 * u * abs(ref) + (2.0 ** -9 * scale if dtype == DType.FP8_E4M3 else 0)
+                                self.assertLessEqual(abs(got - ref), bound,
+                                                     "%s layer %d block %d token %d head %d dim %d: %r, reference %r"
+                                                     % ("KV"[kv], l, blk, tok, h, d, got, ref))
+                                written += 1
+        self.assertEqual(written, 2 * D * len(writes))
+        return written
+
+
+def _decoder(dtype):
+    from kvi_testutil import bf16_value, f16_value
+    return {DType.FP32: float, DType.FP16: f16_value, DType.BF16: bf16_value, DType.FP8_E4M3: fp8_e4m3_value}[dtype]
+
+
+def _raw(buf, i, dtype):
+    return f32_bits(buf[i]) if dtype == DType.FP32 else buf[i]
+
+
+def poisoned(n, dtype):
+    if dtype == DType.FP8_E4M3:
+        return array.array("B", [POISON[dtype]] * n)
+    return empty(n, dtype, POISON[dtype])
+
+
+class TestHuggingFace(InjectCase):
+    B, S = 3, 40
+
+    def hf_cache(self, dtype):
+        n = self.B * H * self.S * D
+        keys = [poisoned(n, dtype) for _ in range(L)]
+        values = [poisoned(n, dtype) for _ in range(L)]
+        S = self.S
+
+        def index(l, kv, blk, tok, h, d):  # [batch, heads, seq, dim]
+            return (keys if kv == 0 else values)[l], ((blk * H + h) * S + tok) * D + d
+
+        return keys, values, index
+
+    REQS = [([11, 10], [2], 3, None, 100), ([12], [0], 30, [7, 500, 9000], 0)]
+
+    def run_requests(self, facts, inj, reqs):
+        inj.inject([kvi.InjectRequest(1, f, t, first_slot=fs, positions=p, start_position=sp)
+                    for f, t, fs, p, sp in reqs])
+        return expected_writes(facts, [(f, t, fs, p, sp, self.S) for f, t, fs, p, sp in reqs])
+
+    def test_every_cache_dtype(self):
+        for cdt in (DType.FP32, DType.FP16, DType.BF16):
+            with self.subTest(cache=cdt.name):
+                facts = Facts(self, DType.BF16, seed=int(cdt))
+                keys, values, index = self.hf_cache(cdt)
+                layout = kvi.CacheLayout.hf(keys, values, shape=(self.B, H, self.S, D),
+                                            dtype=None if cdt == DType.FP32 else cdt)
+                self.assertEqual((layout.num_blocks, layout.block_size, layout.dtype), (self.B, self.S, cdt))
+                inj = kvi.Injector(facts.store, layout)
+                self.assertEqual(inj.plan(1, [11, 10]), 14)
+                writes = self.run_requests(facts, inj, self.REQS)
+                self.assert_cache(index, cdt, None, writes, self.B, self.S)
+
+    def test_gptj_everywhere_and_fp32_store(self):
+        facts = Facts(self, DType.FP32, seed=5, ropes={-1: dict(style=RopeStyle.GPTJ, theta=10000.0)})
+        keys, values, index = self.hf_cache(DType.FP32)
+        inj = kvi.Injector(facts.store, kvi.CacheLayout.hf(keys, values, shape=(self.B, H, self.S, D)))
+        writes = self.run_requests(facts, inj, [([10, 12, 11], [1], 0, None, 0)])
+        self.assert_cache(index, DType.FP32, None, writes, self.B, self.S)
+
+    def test_permuted_tensor_strides(self):
+        """Tensors whose storage is [batch, seq, heads, dim] seen as [batch, heads, seq,
+        dim] (a transpose view): the layout must take the tensors' strides."""
+        facts = Facts(self, DType.BF16, seed=6)
+        n = self.B * self.S * H * D
+        kst = [poisoned(n, DType.BF16) for _ in range(L)]
+        vst = [poisoned(n, DType.BF16) for _ in range(L)]
+        strides = (self.S * H * D, D, H * D, 1)
+        keys = [FakeTensor(b, (self.B, H, self.S, D), strides, dtype="torch.bfloat16") for b in kst]
+        values = [FakeTensor(b, (self.B, H, self.S, D), strides, dtype="torch.bfloat16") for b in vst]
+        layout = kvi.CacheLayout.hf(keys, values)
+        self.assertEqual((layout.block_stride, layout.head_stride, layout.token_stride), strides[:3])
+        inj = kvi.Injector(facts.store, layout)
+        writes = self.run_requests(facts, inj, self.REQS)
+        S = self.S
+
+        def index(l, kv, blk, tok, h, d):
+            return (kst if kv == 0 else vst)[l], ((blk * S + tok) * H + h) * D + d
+
+        self.assert_cache(index, DType.BF16, None, writes, self.B, self.S)
+
+    def test_layer_range(self):
+        facts = Facts(self, DType.BF16, seed=7)
+        keys, values, index = self.hf_cache(DType.FP32)
+        inj = kvi.Injector(facts.store, kvi.CacheLayout.hf(keys, values, shape=(self.B, H, self.S, D)))
+        inj.inject(kvi.InjectRequest(1, [12], [1], first_slot=4), layer_begin=1, layer_end=2)
+        writes = expected_writes(facts, [([12], [1], 4, None, 0, self.S)], layers=[1])
+        self.assert_cache(index, DType.FP32, None, writes, self.B, self.S)
+
+    def test_refused_requests_write_nothing(self):
+        facts = Facts(self, DType.BF16, seed=8)
+        keys, values, index = self.hf_cache(DType.FP32)
+        inj = kvi.Injector(facts.store, kvi.CacheLayout.hf(keys, values, shape=(self.B, H, self.S, D)))
+        before = b"".join(bits_of(b) for b in keys + values)
+        good = kvi.InjectRequest(1, [10], [0])
+        cases = [
+            (kvi.NotFoundError, [good, kvi.InjectRequest(1, [10, 77], [1])]),  # unknown fact
+            (kvi.NotFoundError, [kvi.InjectRequest(2, [10], [1])]),  # tenant 2 does not have fact 10
+            (kvi.InvalidArgumentError, [good, kvi.InjectRequest(1, [10], [self.B])]),  # block outside the cache
+            (kvi.InvalidArgumentError, [kvi.InjectRequest(1, [11], [0], first_slot=self.S - 3)]),  # past the table
+            (kvi.InvalidArgumentError, [kvi.InjectRequest(1, [10], [0], start_position=-1)]),
+            (kvi.InvalidArgumentError, [good]),  # layer range below
+        ]
+        for i, (exc, reqs) in enumerate(cases):
+            with self.subTest(case=i):
+                kw = dict(layer_begin=2, layer_end=1) if i == len(cases) - 1 else {}
+                with self.assertRaises(exc):
+                    inj.inject(reqs, **kw)
+                self.assertEqual(b"".join(bits_of(b) for b in keys + values), before)
+        with self.assertRaises(ValueError):  # 5 tokens, 4 positions: refused before the C call
+            inj.inject(kvi.InjectRequest(1, [10], [0], positions=[1, 2, 3, 4]))
+        with self.assertRaises(kvi.NotFoundError):
+            inj.plan(1, [10, 77])
+        with self.assertRaises(kvi.MemoryKindError):  # a device block table on a CPU store
+            inj.inject(kvi.InjectRequest(1, [10], FakeTensor(array.array("i", [0]), (1,), dtype="torch.int32",
+                                                                device="cuda")))
+        self.assertEqual(b"".join(bits_of(b) for b in keys + values), before)
+        inj.inject([])  # nothing to do
+
+    def test_layout_checks(self):
+        facts = Facts(self, DType.BF16, seed=9)
+        keys, values, _ = self.hf_cache(DType.FP32)
+        with self.assertRaises(kvi.MismatchError):  # 3 heads in the cache, 2 in the model
+            kvi.Injector(facts.store, kvi.CacheLayout.hf(keys, values, shape=(2, 3, self.S, D)))
+        with self.assertRaises(kvi.MemoryKindError):  # a device cache for a CPU store
+            t = [FakeTensor(b, (self.B, H, self.S, D), device="cuda") for b in keys]
+            kvi.Injector(facts.store, kvi.CacheLayout.hf(t, t))
+        with self.assertRaises(ValueError):  # no shape for plain buffers
+            kvi.CacheLayout.hf(keys, values)
+        with self.assertRaises(ValueError):  # buffers smaller than the shape
+            kvi.CacheLayout.hf(keys, values, shape=(self.B + 1, H, self.S, D))
+        with self.assertRaises(ValueError):  # layers of different shapes
+            t = [FakeTensor(keys[0], (self.B, H, self.S, D)), FakeTensor(keys[1], (self.B, H, self.S - 1, D))]
+            kvi.CacheLayout.hf(t, t)
+        with self.assertRaises(ValueError):
+            kvi.CacheLayout.hf(keys, values[:2], shape=(self.B, H, self.S, D))
+
+
+class TestVllm(InjectCase):
+    NB, BS = 8, 4
+
+    def test_flash_attn_buffers(self):
+        """[2, NB, BS, H, D] per layer, a scattered block table crossing blocks."""
+        facts = Facts(self, DType.BF16, seed=20)
+        NB, BS = self.NB, self.BS
+        caches = [poisoned(2 * NB * BS * H * D, DType.BF16) for _ in range(L)]
+        layout = kvi.CacheLayout.vllm(caches, shape=(2, NB, BS, H, D), dtype=DType.BF16)
+        inj = kvi.Injector(facts.store, layout)
+        table = [5, 1, 7, 2]
+        inj.inject(kvi.InjectRequest(1, [11, 12], table, first_slot=2, start_position=40))
+        writes = expected_writes(facts, [([11, 12], table, 2, None, 40, BS)])
+
+        def index(l, kv, blk, tok, h, d):
+            return caches[l], (((kv * NB + blk) * BS + tok) * H + h) * D + d
+
+        self.assert_cache(index, DType.BF16, None, writes, NB, BS)
+
+    def test_flashinfer_hnd_tensor_strides(self):
+        """Logical [NB, 2, BS, H, D] with the HND physical order [NB, 2, H, BS, D]."""
+        facts = Facts(self, DType.BF16, seed=21)
+        NB, BS = self.NB, self.BS
+        phys = [poisoned(NB * 2 * H * BS * D, DType.FP16) for _ in range(L)]
+        strides = (2 * H * BS * D, H * BS * D, D, BS * D, 1)
+        tensors = [FakeTensor(b, (NB, 2, BS, H, D), strides, dtype="torch.float16") for b in phys]
+        layout = kvi.CacheLayout.vllm(tensors, kv_first=False)
+        self.assertEqual((layout.v_offset, layout.block_stride), (H * BS * D, 2 * H * BS * D))
+        inj = kvi.Injector(facts.store, layout)
+        table = [3, 0, 6, 4, 1]
+        pos = list(range(1000, 1000 + 14 * 3, 3))
+        inj.inject(kvi.InjectRequest(1, [10, 11], table, first_slot=5, positions=pos))
+        writes = expected_writes(facts, [([10, 11], table, 5, pos, 0, BS)])
+
+        def index(l, kv, blk, tok, h, d):
+            return phys[l], (((blk * 2 + kv) * H + h) * BS + tok) * D + d
+
+        self.assert_cache(index, DType.FP16, None, writes, NB, BS)
+
+    def test_fp8_per_tensor_scales(self):
+        facts = Facts(self, DType.BF16, seed=22)
+        NB, BS = self.NB, self.BS
+        caches = [poisoned(2 * NB * BS * H * D, DType.FP8_E4M3) for _ in range(L)]
+        tensors = [FakeTensor(b, (2, NB, BS, H, D), dtype="torch.uint8") for b in caches]
+        layout = kvi.CacheLayout.vllm(tensors, dtype=DType.FP8_E4M3)
+        scales = [0.5, 0.25, 2.0]
+        layout.set_scales(kvi.ScaleMode.PER_TENSOR, scales, scales)
+        inj = kvi.Injector(facts.store, layout)
+        table = [6, 2]
+        inj.inject(kvi.InjectRequest(1, [10], table, first_slot=1, start_position=3))
+        writes = expected_writes(facts, [([10], table, 1, None, 3, BS)])
+        for l in range(L):
+            sub = {key: w for key, w in writes.items() if key[0] == l}
+
+            def index(ll, kv, blk, tok, h, d, l=l):
+                return caches[l], (((kv * NB + blk) * BS + tok) * H + h) * D + d
+
+            # check layer l alone with its scale: other layers' entries are not in `sub`
+            self._check_layer(index, sub, l, NB, BS, scales[l])
+        with self.assertRaises(ValueError):
+            layout.set_scales(kvi.ScaleMode.PER_HEAD, scales, scales)  # needs L * H values
+        with self.assertRaises(kvi.InvalidArgumentError):  # scales for a bf16 cache
+            b = [poisoned(2 * NB * BS * H * D, DType.BF16) for _ in range(L)]
+            lay = kvi.CacheLayout.vllm(b, shape=(2, NB, BS, H, D), dtype=DType.BF16)
+            lay.set_scales(kvi.ScaleMode.PER_TENSOR, scales, scales)
+            kvi.Injector(facts.store, lay)
+
+    def _check_layer(self, index, writes, l, NB, BS, scale):
+        for blk in range(NB):
+            for tok in range(BS):
+                for h in range(H):
+                    w = writes.get((l, blk, tok, h))
+                    for kv in (0, 1):
+                        for d in range(D):
+                            buf, i = index(l, kv, blk, tok, h, d)
+                            if w is None:
+                                self.assertEqual(buf[i], POISON[DType.FP8_E4M3])
+                                continue
+                            ref, tol = (w[0][d], w[1][d]) if kv == 0 else (w[2][d], 0.0)
+                            got = fp8_e4m3_value(buf[i]) * scale
+                            self.assertLessEqual(abs(got - ref), tol + 2.0 ** -4 * abs(ref) + 2.0 ** -9 * scale,
+                                                 "layer %d %s: %r vs %r" % (l, "KV"[kv], got, ref))
+
+
+class TestSglang(InjectCase):
+    def test_token_granular_memoryview_buffers(self):
+        """[slots, H, D] per layer as 3-D memoryviews; page size 1: the block table
+        is the slot of each token."""
+        facts = Facts(self, DType.BF16, seed=30)
+        slots = 32
+        kb = [poisoned(slots * H * D, DType.FP32) for _ in range(L)]
+        vb = [poisoned(slots * H * D, DType.FP32) for _ in range(L)]
+        kviews = [memoryview(b).cast("B").cast("f", (slots, H, D)) for b in kb]
+        vviews = [memoryview(b).cast("B").cast("f", (slots, H, D)) for b in vb]
+        layout = kvi.CacheLayout.sglang(kviews, vviews)
+        inj = kvi.Injector(facts.store, layout)
+        r = rng(31)
+        table = r.sample(range(slots), 12)
+        inj.inject(kvi.InjectRequest(1, [12, 11], table, start_position=17))
+        writes = expected_writes(facts, [([12, 11], table, 0, None, 17, 1)])
+
+        def index(l, kv, blk, tok, h, d):
+            return (kb if kv == 0 else vb)[l], (blk * H + h) * D + d
+
+        self.assert_cache(index, DType.FP32, None, writes, slots, 1)
+
+
+if __name__ == "__main__":
+    unittest.main()
