@@ -253,41 +253,6 @@ __device__ inline void plain(const Ctx &x, G *page, C *kc, C *vc, unsigned rot, 
   }
 }
 
-#define KVI_XFER_PREFETCH 1 /* 0: no L2 prefetches (for measuring what they bring) */
-
-/* Asks L2 to fetch [p, p + bytes) (whole 128-byte lines), cooperatively:
- * thread t takes lines t, t + THREADS, ... starting from line `first`.
- * Prefetches hold no registers, so a CTA can have the next layer's bytes on
- * their way from DRAM while its loads wait on the prologue or the current
- * layer. */
-__device__ inline void prefetch_l2(const void *p, size_t bytes) {
-  const char *c = static_cast<const char *>(p);
-  for (size_t o = (size_t)threadIdx.x * 128; o < bytes; o += (size_t)THREADS * 128)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(c + o));
-}
-
-/* Prefetches one layer's source rows of a segment: for injection the page
- * rows (contiguous per plane and head), for capture the cache rows of each
- * token (needs the slot offsets). */
-template <typename G, typename C, bool INJECT>
-__device__ inline void prefetch_layer(const kvi__xfer_args &a, const G *page, const int64_t *coff, unsigned ntok,
-                                      unsigned tok0, int l) {
-  const unsigned H = (unsigned)a.H, D = (unsigned)a.D;
-  if (INJECT) {
-    for (unsigned r = 0; r < 2 * H; r++) /* (plane, head) runs of ntok rows */
-      prefetch_l2(page + (((int64_t)l * 2 * H + r) * a.P + tok0) * D, (size_t)ntok * D * sizeof(G));
-  } else {
-    const kvi__xlayer &ly = a.layers[l];
-    const size_t row = (size_t)D * sizeof(C);
-    for (unsigned i = threadIdx.x; i < 2 * ntok * H; i += THREADS) {
-      const unsigned kv = i / (ntok * H), r = i - kv * ntok * H, j = r / H, h = r - j * H;
-      if (coff[j] < 0) continue;
-      const char *p = (kv ? ly.v : ly.k) + (coff[j] + (int64_t)h * a.head_stride) * (int64_t)sizeof(C);
-      for (size_t o = 0; o < row; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
-    }
-  }
-}
-
 template <typename G, typename C, int E, bool INJECT>
 __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ kvi__xfer_args a) {
   extern __shared__ float2 s_cs[]; /* [seg_tokens][half_max], then offsets and positions */
@@ -302,8 +267,6 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
   G *page = static_cast<G *>(a.pool) + (int64_t)sg.page * a.page_elems;
   const int l0 = a.layer_begin + (int)blockIdx.y * a.layers_per_cta;
   const int l1 = min(l0 + a.layers_per_cta, a.layer_end);
-  /* page rows need nothing from the prologue: start them now */
-  if (INJECT && KVI_XFER_PREFETCH) prefetch_layer<G, C, INJECT>(a, page, nullptr, ntok, sg.tok0, l0);
   for (unsigned j = threadIdx.x; j < ntok; j += THREADS) {
     const kvi__xreq rq = reinterpret_cast<const kvi__xreq *>(plan + a.o_reqs)[sg.req];
     const int32_t *table = rq.table ? rq.table : reinterpret_cast<const int32_t *>(plan + rq.table_off);
@@ -318,7 +281,6 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
     if (c < 0 && blockIdx.y == 0) atomicAdd(a.skipped, 1ull);
   }
   __syncthreads();
-  if (!INJECT && KVI_XFER_PREFETCH) prefetch_layer<G, C, INJECT>(a, page, s_coff, ntok, sg.tok0, l0);
 
   Ctx x;
   x.coff = s_coff;
@@ -331,7 +293,6 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
   x.head_stride = a.head_stride;
   int cur = -1; /* rope_id whose cos/sin are in shared memory */
   for (int l = l0; l < l1; l++) {
-    if (KVI_XFER_PREFETCH && l + 1 < l1) prefetch_layer<G, C, INJECT>(a, page, s_coff, ntok, sg.tok0, l + 1);
     const kvi__xlayer ly = a.layers[l];
     const unsigned rot = ly.style ? (unsigned)ly.rot : 0u, half = rot >> 1;
     if (rot && ly.rope_id != cur) {
