@@ -330,7 +330,7 @@ static int cmp_qref(const void *a, const void *b) {
 }
 
 typedef struct selq {
-  kvi__sel *sel;
+  size_t sel; /* index into plan.sels (which may move as it grows) */
   int32_t slot;
   int32_t order;
 } selq;
@@ -414,7 +414,7 @@ static kvi_status build_plan(const kvi_store *s, plan *p, const uint64_t *tenant
         pt->d.nf = (int32_t)(n - f0 < ft ? n - f0 : ft);
         pt->d.sld = (int32_t)round_up((size_t)pt->d.nf, 4);
         pt->ids = t->ids + f0;
-        pt->seg = seg;
+        pt->seg = pt->d.nf <= 4 * seg ? pt->d.nf : seg; /* a small tile: one selection, no merge */
         pt->gemm = !scan;
         p->any_gemm |= !scan;
         const int32_t nseg = (pt->d.nf + seg - 1) / seg;
@@ -468,13 +468,12 @@ static kvi_status build_plan(const kvi_store *s, plan *p, const uint64_t *tenant
           sl->a = pt->d.off + (int64_t)j * pt->d.sld + f0;
           sl->nb = pt->d.nf - f0 < pt->seg ? pt->d.nf - f0 : pt->seg;
           if (!MORE(sq, nsq, csq)) goto oom;
-          selq e = {NULL, pt->d.q0 + j, (int32_t)nsq};
+          selq e = {p->nsels - 1, pt->d.q0 + j, (int32_t)nsq};
           sq[nsq++] = e;
         }
     }
     r->s1 = p->nsels;
     /* candidates of one query are contiguous: offsets assigned in slot order */
-    for (size_t i = 0; i < nsq; i++) sq[i].sel = &p->sels[r->s0 + i];
     qsort(sq, nsq, sizeof *sq, cmp_selq);
     const int64_t cand0 = (int64_t)nq * k;
     int64_t cursor = 0;
@@ -483,7 +482,7 @@ static kvi_status build_plan(const kvi_store *s, plan *p, const uint64_t *tenant
       size_t j = i;
       const int64_t first = cursor;
       for (; j < nsq && sq[j].slot == slot; j++) {
-        kvi__sel *sl = sq[j].sel;
+        kvi__sel *sl = &p->sels[sq[j].sel];
         const int32_t out = sl->nb < k ? sl->nb : k;
         if (items[slot] == 1) { /* the only selection of this query: straight into its results */
           sl->dst = (int64_t)slot * k;

@@ -30,6 +30,8 @@ rc=${PIPESTATUS[0]}
 grc=${PIPESTATUS[0]}
 "$build"/tests/gpu/test_gpu_transfer 2>&1 | tee "$out/gpu-transfer.log"
 trc=${PIPESTATUS[0]}
+"$build"/tests/gpu/test_gpu_search 2>&1 | tee "$out/gpu-search.log"
+qrc=${PIPESTATUS[0]}
 # the Python binding with torch on the device: skips become failures here
 KVINJECT_REQUIRE_CUDA=1 meson test -C "$build" --suite python --no-rebuild --verbose 2>&1 | tee "$out/python.log" |
   grep -E '^test_|Ran |^OK|FAILED|libkvinject:python'
@@ -37,11 +39,19 @@ prc=${PIPESTATUS[0]}
 # memcheck: no out-of-bounds or misaligned device accesses in the kernels
 src=0
 if command -v compute-sanitizer >/dev/null; then
-  for t in test_gpu_transfer test_gpu_store; do
+  for t in test_gpu_transfer test_gpu_store test_gpu_search; do
+    [ $t = test_gpu_search ] && export KVI_TEST_QUICK=1 || unset KVI_TEST_QUICK
     timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 "$build"/tests/gpu/$t >"$out/memcheck-$t.log" 2>&1
     r=$?; echo "memcheck $t: rc=$r"; tail -3 "$out/memcheck-$t.log"; [ $r -eq 0 ] || src=1
   done
+  unset KVI_TEST_QUICK
+  # the search kernels' shared-memory protocol (selection) and barriers, on smaller sizes
+  for tool in racecheck synccheck; do
+    KVI_TEST_QUICK=1 timeout 600 compute-sanitizer --tool $tool --error-exitcode 9 "$build"/tests/gpu/test_gpu_search \
+      >"$out/$tool-test_gpu_search.log" 2>&1
+    r=$?; echo "$tool test_gpu_search: rc=$r"; tail -3 "$out/$tool-test_gpu_search.log"; [ $r -eq 0 ] || src=1
+  done
 fi
-meson test -C "$build" --benchmark --verbose 2>&1 | tee "$out/bench.log" | grep -E '^\||device:|GB/s counts'
-echo "meson test rc=$rc, gpu suite rc=$grc, gpu-transfer rc=$trc, python rc=$prc, memcheck rc=$src"
-[ "$rc" -eq 0 ] && [ "$grc" -eq 0 ] && [ "$trc" -eq 0 ] && [ "$prc" -eq 0 ] && [ "$src" -eq 0 ]
+meson test -C "$build" --benchmark --verbose 2>&1 | tee "$out/bench.log" | grep -E '^\||device:|GB/s counts|torch'
+echo "meson test rc=$rc, gpu suite rc=$grc, gpu-transfer rc=$trc, gpu-search rc=$qrc, python rc=$prc, memcheck rc=$src"
+[ "$rc" -eq 0 ] && [ "$grc" -eq 0 ] && [ "$trc" -eq 0 ] && [ "$qrc" -eq 0 ] && [ "$prc" -eq 0 ] && [ "$src" -eq 0 ]
