@@ -17,11 +17,12 @@
  * score of a fact is the inner product of the two rounded vectors:
  * - CPU store (the reference): products and sum in double, rounded once to
  *   fp32, so it is the exact inner product to fp32 rounding.
- * - CUDA store: fp32 accumulation (cuBLASLt with fp16/bf16 inputs and fp32
- *   accumulation for batches of more than 8 queries per tenant, a
- *   bandwidth-bound scan kernel for fewer; plain fp32 GEMM, no TF32, for fp32
- *   storage). Scores differ from the CPU's by fp32 accumulation rounding, so
- *   facts whose scores are that close may come back in another order.
+ * - CUDA store: fp32 accumulation: a bandwidth-bound scan kernel when a
+ *   tenant has at most 8 queries in the call (fewer for dim > 1536),
+ *   otherwise cuBLASLt (fp16/bf16 inputs with fp32 accumulation; plain fp32,
+ *   no TF32, for fp32 storage). Scores differ from the CPU's by fp32
+ *   accumulation rounding, so facts whose scores are that close may come back
+ *   in another order.
  * A score that overflows fp32 is +-infinity; one that is NaN (an infinite
  * sum of opposite signs, only possible with huge fp32 or bf16 values) ranks
  * as -infinity.
