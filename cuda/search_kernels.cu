@@ -85,7 +85,10 @@ template <typename R, typename S> __global__ void __launch_bounds__(THREADS) pre
   }
   if (bad) {
     for (int i = threadIdx.x; i < a.ld; i += THREADS) dst[i] = cvt<S>::from(0.0f);
-    if (threadIdx.x == 0) atomicAdd(a.bad, 1ull); /* device scope, as the injector's counter: a system-scoped atomic on mapped host memory is not allowed everywhere (compute-sanitizer flags it on the H200) */
+    /* device scope, as the injector's counter: a system-scoped atomic on
+     * mapped host memory is not allowed everywhere (memcheck refuses it on
+     * the H200); the host reads the counter after synchronizing */
+    if (threadIdx.x == 0) atomicAdd(a.bad, 1ull);
   }
   if (threadIdx.x == 0) a.valid[slot] = bad ? 0 : 1;
 }
