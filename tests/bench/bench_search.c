@@ -264,6 +264,13 @@ int main(int argc, char **argv) {
     r->queries = batches[i];
     r->ms = time_search(&b, batches[i], one_tenant, ITERS);
     r->bad = verify(&b, batches[i], one_tenant, ITERS - 1 + WARM, row_big);
+    if (i == 0) {
+      uint64_t id0;
+      float s0;
+      CU(cudaMemcpy(&id0, b.dids, sizeof id0, cudaMemcpyDeviceToHost));
+      CU(cudaMemcpy(&s0, b.dscores, sizeof s0, cudaMemcpyDeviceToHost));
+      printf("query 0: best fact %llu score %.4f\n", (unsigned long long)id0, (double)s0);
+    }
     r->mib = BIG * row_bytes / 1048576.0;
     r->copy_ms = big_copy;
   }
