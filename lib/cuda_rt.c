@@ -152,11 +152,6 @@ kvi_status kvi__cuda_host_alloc_mapped(void **host, void **dev, size_t bytes, co
   return KVI_OK;
 }
 
-kvi_status kvi__cuda_last_launch(const char *fn, const char *kernel) {
-  cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? KVI_OK : cuda_fail(e, fn, kernel);
-}
-
 kvi_status kvi__cuda_error(int err, const char *fn, const char *what) {
   return err == 0 ? KVI_OK : cuda_fail((cudaError_t)err, fn, what);
 }
@@ -255,10 +250,6 @@ kvi_status kvi__cuda_event_sync(struct CUevent_st *e, const char *fn) {
 }
 kvi_status kvi__cuda_host_alloc_mapped(void **host, void **dev, size_t bytes, const char *fn) {
   (void)host, (void)dev, (void)bytes;
-  return not_built(fn);
-}
-kvi_status kvi__cuda_last_launch(const char *fn, const char *kernel) {
-  (void)kernel;
   return not_built(fn);
 }
 kvi_status kvi__cuda_error(int err, const char *fn, const char *what) {

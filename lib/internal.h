@@ -143,7 +143,6 @@ kvi_status kvi__cuda_event_record(struct CUevent_st *e, struct CUstream_st *s, c
 bool kvi__cuda_event_done(struct CUevent_st *e); /* completed (or failed: never blocks forever) */
 kvi_status kvi__cuda_event_sync(struct CUevent_st *e, const char *fn);
 kvi_status kvi__cuda_host_alloc_mapped(void **host, void **dev, size_t bytes, const char *fn);
-kvi_status kvi__cuda_last_launch(const char *fn, const char *kernel);
 /* A launch's own cudaError_t (already taken off cudaGetLastError) as a status. */
 kvi_status kvi__cuda_error(int err, const char *fn, const char *what);
 /* Stream-ordered allocation (the device's default memory pool); freeing NULL is a no-op. */

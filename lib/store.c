@@ -109,7 +109,7 @@ static kvi_status cuda_copy_device(const kvi_store *s, const kvi_kv_view *v, con
     memcpy(a.pages, pages + p0, n * sizeof *pages);
 #ifdef KVI_HAVE_CUDA
     int e = to_pages ? kvi__cuda_view_to_pages(&a, stream) : kvi__cuda_pages_to_view(&a, stream);
-    if (e) return kvi__cuda_last_launch(fn, to_pages ? "view-to-pages kernel" : "pages-to-view kernel");
+    if (e) return kvi__cuda_error(e, fn, to_pages ? "view-to-pages kernel launch" : "pages-to-view kernel launch");
 #else
     (void)stream, (void)to_pages;
     return kvi__fail(KVI_ERR_NOT_BUILT, fn, "libkvinject was built without CUDA");

@@ -611,7 +611,9 @@ static kvi_status launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool in
   a.vec = x->vec_ok ? 8 : 1;
   a.skipped = x->skipped_dev;
 #ifdef KVI_HAVE_CUDA
-  if (kvi__cuda_transfer(&a, stream)) return kvi__cuda_last_launch(fn, inject ? "injection kernel" : "capture kernel");
+  /* the launcher returns (and so clears) the launch error: report that value */
+  const int launch_err = kvi__cuda_transfer(&a, stream);
+  if (launch_err) return kvi__cuda_error(launch_err, fn, inject ? "injection kernel launch" : "capture kernel launch");
 #endif
   if (p->sl) {
     if ((st = kvi__cuda_event_record(p->sl->ev, stream, fn))) return st;
