@@ -88,6 +88,7 @@ static void alloc_blocks(int32_t *table, int tokens) {
 /* CUDA: the library reads and writes the device copy; the engine the host one. */
 static void mirror(int to_lib) {
 #ifdef TINY_ENGINE_CUDA
+  if (on_cuda) cudaDeviceSynchronize(); /* the library's work on the default stream is done */
   for (int l = 0; l < LAYERS && on_cuda; l++) {
     cudaError_t e = to_lib ? cudaMemcpy(lib_cache[l], cache[l], CACHE_FLOATS * 4, cudaMemcpyHostToDevice)
                            : cudaMemcpy(cache[l], lib_cache[l], CACHE_FLOATS * 4, cudaMemcpyDeviceToHost);
