@@ -23,22 +23,7 @@
 
 #include <kvinject.h>
 
-#define CK(call)                                                                                    \
-  do {                                                                                              \
-    kvi_status st_ = (call);                                                                        \
-    if (st_ != KVI_OK) {                                                                            \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, kvi_last_error());               \
-      exit(1);                                                                                      \
-    }                                                                                               \
-  } while (0)
-#define CU(call)                                                                                    \
-  do {                                                                                              \
-    cudaError_t e_ = (call);                                                                        \
-    if (e_ != cudaSuccess) {                                                                        \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));         \
-      exit(1);                                                                                      \
-    }                                                                                               \
-  } while (0)
+#include "bench.h"
 
 enum { L = 32, H = 8, D = 128, BS = 16, FACT_T = 24, POOL = 1024, WARM = 5, ITERS = 60 };
 static const size_t TOKEN_BYTES = (size_t)L * H * D * 2 * 2; /* K and V, bf16 */
@@ -47,16 +32,6 @@ static double now_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
-
-static int cmp_f(const void *a, const void *b) {
-  float x = *(const float *)a, y = *(const float *)b;
-  return (x > y) - (x < y);
-}
-
-static float median(float *v, int n) {
-  qsort(v, (size_t)n, sizeof *v, cmp_f);
-  return v[n / 2];
 }
 
 /* Median time of a device-to-device copy of `bytes`, rotating over a buffer

@@ -36,22 +36,7 @@
 
 #include <kvinject.h>
 
-#define CK(call)                                                                                    \
-  do {                                                                                              \
-    kvi_status st_ = (call);                                                                        \
-    if (st_ != KVI_OK) {                                                                            \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, kvi_last_error());               \
-      exit(1);                                                                                      \
-    }                                                                                               \
-  } while (0)
-#define CU(call)                                                                                    \
-  do {                                                                                              \
-    cudaError_t e_ = (call);                                                                        \
-    if (e_ != cudaSuccess) {                                                                        \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));         \
-      exit(1);                                                                                      \
-    }                                                                                               \
-  } while (0)
+#include "bench.h"
 
 enum { DIM = 1024, K = 50, BIG = 1000000, TENANTS = 100, PER_TENANT = 10000, WARM = 5, ITERS = 60, MAXQ = 256 };
 #define QUERY_ROW0 (1u << 30)
@@ -68,16 +53,6 @@ static uint32_t kvi_bench_hash(uint32_t r, uint32_t c) {
 }
 
 static float kvi_bench_value(uint32_t r, uint32_t c) { return (float)((int)(kvi_bench_hash(r, c) % 2048u) - 1024) / 1024.0f; }
-
-static int cmp_f(const void *a, const void *b) {
-  const float x = *(const float *)a, y = *(const float *)b;
-  return (x > y) - (x < y);
-}
-
-static float median(float *v, int n) {
-  qsort(v, (size_t)n, sizeof *v, cmp_f);
-  return v[n / 2];
-}
 
 static cudaEvent_t e0, e1;
 static cudaStream_t stream;
