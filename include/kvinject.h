@@ -19,6 +19,7 @@
  *   kvinject/cache.h   an engine's paged KV cache layout (kvi_cache_layout)
  *   kvinject/inject.h  the encoder (kvi_encoder) and injector (kvi_injector)
  *   kvinject/persist.h store files: save, load, journal
+ *   kvinject/comm.h    communicators and tensor-parallel stores (kvi_comm)
  *
  * Conventions (they hold for every function unless it says otherwise):
  * - Functions return kvi_status; 0 is success. A failed call changes nothing.
@@ -44,5 +45,6 @@
 #include "kvinject/cache.h"
 #include "kvinject/inject.h"
 #include "kvinject/persist.h"
+#include "kvinject/comm.h"
 
 #endif /* KVINJECT_H */

@@ -29,6 +29,7 @@ KVI_API const char *kvi_status_string(kvi_status status) {
   case KVI_ERR_CORRUPT: return "corrupt store file";
   case KVI_ERR_INCOMPATIBLE: return "incompatible store file";
   case KVI_ERR_IO: return "I/O error";
+  case KVI_ERR_PEER: return "failed on another rank";
   }
   return "unknown status";
 }

@@ -206,6 +206,41 @@ int kvi__cuda_search_scan(const kvi__search_args *a, struct CUstream_st *stream)
 int kvi__cuda_search_select(const kvi__search_args *a, struct CUstream_st *stream);
 int kvi__cuda_search_emit(const kvi__search_args *a, struct CUstream_st *stream);
 
+/* ---- tensor-parallel stores (shard.c, cuda/shard_kernels.cu) ------------ */
+
+/* L x T x H rows of row_bytes, between two layouts with byte strides. */
+typedef struct kvi__rows_args {
+  void *dst;
+  const void *src;
+  int64_t dst_stride[3], src_stride[3]; /* layer, token, head */
+  int32_t L, T, H;
+  int64_t row_bytes;
+} kvi__rows_args;
+
+int kvi__cuda_copy_rows(const kvi__rows_args *a, struct CUstream_st *stream);
+
+/* The head of each rank's block in a sharded search. */
+typedef struct kvi__shard_hdr {
+  int32_t status; /* the rank's kvi_status for its part */
+  int32_t nq, k, pad_;
+  uint64_t digest; /* of k, nq and the tenants */
+} kvi__shard_hdr;
+
+/* Merges `size` blocks (header, nq x k ids, nq x k scores, nq counts) into
+ * each query's top k. A failed or disagreeing rank makes every count -1
+ * (failed) or -2 (disagreed), ids KVI_SEARCH_NO_ID and scores -infinity. */
+typedef struct kvi__merge_args {
+  const char *blocks;
+  int64_t block_bytes;
+  int32_t size, nq, k;
+  uint64_t digest;
+  uint64_t *out_ids;
+  float *out_scores;
+  int32_t *out_counts;
+} kvi__merge_args;
+
+int kvi__cuda_shard_merge(const kvi__merge_args *a, struct CUstream_st *stream);
+
 #ifdef __cplusplus
 }
 #endif

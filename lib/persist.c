@@ -553,6 +553,9 @@ KVI_API kvi_status kvi_store_save(const kvi_store *store, const char *path, cons
   if (opts && (st = kvi__read_struct(&o, sizeof o, opts, SAVE_OPTIONS_V1, fn, "opts"))) return st;
   if (o.flags & ~KVI_SAVE_ONE_TENANT)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->flags has unknown bits 0x%x", o.flags & ~KVI_SAVE_ONE_TENANT);
+  if (store->emb_sharded)
+    return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "saving a store whose embeddings are sharded across ranks is not supported "
+                                              "in this version");
   kvi_store *s = (kvi_store *)store; /* waiting for device work retires deferred pages */
   kvi__store_lock(s);
   st = kvi__store_wait_device(s, fn);
@@ -569,6 +572,8 @@ KVI_API kvi_status kvi_store_journal_open(kvi_store *store, const char *path, ui
   kvi_status st = check_path(path, fn);
   if (st) return st;
   if (flags) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "flags is 0x%x; no flags are defined (pass 0)", flags);
+  if (store->comm)
+    return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "a store with a communicator cannot take an append log in this version");
   kvi__journal *j = calloc(1, sizeof *j);
   char *copy = strdup(path);
   if (!j || !copy) {

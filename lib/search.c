@@ -151,7 +151,7 @@ static kvi_status cpu_search(kvi_store *s, const void *queries, kvi_dtype qt, in
   for (int32_t i = 0; i < nq; i++) {
     const float *qi = q + (size_t)i * dim;
     const tenant *t = kvi__map_get(&s->tenants, tenants[i], 0);
-    const size_t n = t ? t->count : 0;
+    const size_t n = t ? t->nrows : 0;
     h.n = 0;
     h.cap = n < (size_t)k ? (int32_t)n : k;
     for (size_t r = 0; r < n; r++) {
@@ -378,7 +378,7 @@ static kvi_status build_plan(const kvi_store *s, plan *p, const uint64_t *tenant
   qsort(qs, (size_t)nq, sizeof *qs, cmp_qref);
   for (int32_t i = 0; i < nq; i++) {
     p->perm[i] = qs[i].q;
-    const size_t n = qs[i].t ? qs[i].t->count : 0;
+    const size_t n = qs[i].t ? qs[i].t->nrows : 0;
     kvi__emit e = {(int64_t)i * k, n < (size_t)k ? (int32_t)n : k, qs[i].q, i, 0};
     p->emits[i] = e;
   }
@@ -388,7 +388,7 @@ static kvi_status build_plan(const kvi_store *s, plan *p, const uint64_t *tenant
     int32_t g1 = g0 + 1;
     while (g1 < nq && qs[g1].tenant_id == qs[g0].tenant_id) g1++;
     const tenant *t = qs[g0].t;
-    const int64_t n = t ? (int64_t)t->count : 0;
+    const int64_t n = t ? (int64_t)t->nrows : 0;
     const int32_t g = g1 - g0;
     const bool scan = g <= KVI__SCAN_MAX_Q && (size_t)g * ld * sizeof(float) <= KVI__SCAN_SMEM;
     const int32_t qt = scan ? g : (g < GEMM_QT ? g : GEMM_QT);
@@ -820,7 +820,18 @@ KVI_API kvi_status kvi_store_search(kvi_store *store, const void *queries, int32
   if (o.query_memory == KVI_MEMORY_HOST &&
       (st = check_host_queries(store, queries, o.query_dtype, num_queries, dim, fn)))
     return st;
-  if (!cuda) return cpu_search(store, queries, o.query_dtype, num_queries, tenants, k, out_ids, out_scores, out_counts, fn);
-  return cuda_search(store, queries, o.query_dtype, o.query_memory, num_queries, tenants, k, out_ids, out_scores,
-                     out_counts, o.out_memory, o.workspace_bytes, stream, fn);
+  if (store->emb_sharded)
+    return kvi__shard_search(store, queries, o.query_dtype, o.query_memory, num_queries, tenants, k, out_ids,
+                             out_scores, out_counts, o.out_memory, o.workspace_bytes, stream, fn);
+  return kvi__search_local(store, queries, o.query_dtype, o.query_memory, num_queries, tenants, k, out_ids, out_scores,
+                           out_counts, o.out_memory, o.workspace_bytes, stream, fn);
+}
+
+kvi_status kvi__search_local(kvi_store *s, const void *queries, kvi_dtype qt, kvi_memory qm, int32_t nq,
+                             const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
+                             int32_t *out_counts, kvi_memory om, uint64_t ws, struct CUstream_st *stream,
+                             const char *fn) {
+  if (s->backend != KVI_BACKEND_CUDA)
+    return cpu_search(s, queries, qt, nq, tenants, k, out_ids, out_scores, out_counts, fn);
+  return cuda_search(s, queries, qt, qm, nq, tenants, k, out_ids, out_scores, out_counts, om, ws, stream, fn);
 }

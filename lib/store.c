@@ -19,9 +19,10 @@
 #include "kernels.h"
 #include "persist_internal.h"
 #include "store_internal.h"
+#include "comm_internal.h"
 #include "kvi_build_config.h"
 
-#define STORE_OPTIONS_V1 sizeof(kvi_store_options)
+#define STORE_OPTIONS_V1 offsetof(kvi_store_options, comm) /* the fields before comm came first */
 #define PUT_OPTIONS_V1 sizeof(kvi_put_options)
 #define STORE_STATS_V1 sizeof(kvi_store_stats)
 
@@ -283,13 +284,10 @@ static kvi_status reserve_memory(kvi_store *s, const char *fn) {
   return st;
 }
 
-KVI_API kvi_status kvi_store_create(kvi_store **out, const kvi_model *model, const kvi_store_options *opts) {
-  static const char fn[] = "kvi_store_create";
-  if (!out || !model || !opts)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", !out ? "out" : !model ? "model" : "opts");
-  kvi_store_options o = KVI_STORE_OPTIONS_INIT;
-  kvi_status st = kvi__read_struct(&o, sizeof o, opts, STORE_OPTIONS_V1, fn, "opts");
-  if (st) return st;
+static kvi_status create_local(kvi_store **out, const kvi_model *model, const kvi_store_options *opts,
+                               const char *fn) {
+  const kvi_store_options o = *opts;
+  kvi_status st;
 
   if (o.dtype == KVI_DTYPE_FP8_E4M3 || o.dtype == KVI_DTYPE_FP8_E5M2)
     return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "fp8 fact storage is not supported in this version; use bf16 or fp16");
@@ -371,6 +369,7 @@ KVI_API kvi_status kvi_store_create(kvi_store **out, const kvi_model *model, con
     st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "initializing the store's lock");
     goto fail_rope;
   }
+  s->comm_size = 1;
   *out = s;
   return KVI_OK;
 fail_rope:
@@ -379,6 +378,32 @@ fail:
   free(s->pool.free);
   free(s->rope);
   free(s);
+  return st;
+}
+
+KVI_API kvi_status kvi_store_create(kvi_store **out, const kvi_model *model, const kvi_store_options *opts) {
+  static const char fn[] = "kvi_store_create";
+  if (!out || !opts) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", !out ? "out" : "opts");
+  kvi_store_options o = KVI_STORE_OPTIONS_INIT;
+  kvi_status st = kvi__read_struct(&o, sizeof o, opts, STORE_OPTIONS_V1, fn, "opts");
+  if (st) return st;
+  kvi_store *s = NULL;
+  if (!model) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "model is NULL");
+  else if (o.embedding_placement != KVI_EMBEDDINGS_REPLICATED && o.embedding_placement != KVI_EMBEDDINGS_SHARDED)
+    st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                   "opts->embedding_placement is %d, expected KVI_EMBEDDINGS_REPLICATED (0) or SHARDED (1)",
+                   (int)o.embedding_placement);
+  else if (o.embedding_placement == KVI_EMBEDDINGS_SHARDED && !o.comm)
+    st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->embedding_placement is SHARDED but opts->comm is NULL");
+  else st = create_local(&s, model, &o, fn);
+  if (o.comm) { /* collective: every rank takes part, whatever happened here */
+    st = kvi__shard_create(s, model, &o, st, fn);
+    if (st && s) {
+      kvi_store_destroy(s);
+      s = NULL;
+    }
+  }
+  if (st == KVI_OK) *out = s;
   return st;
 }
 
@@ -532,8 +557,8 @@ static kvi_status emb_grow_device(kvi_store *s, tenant *t, size_t cap, const cha
   void *e = NULL, *ids = NULL;
   kvi_status st = kvi__cuda_malloc_async(&e, cap * rb, s->emb_stream, fn);
   if (st == KVI_OK) st = kvi__cuda_malloc_async(&ids, cap * sizeof(uint64_t), s->emb_stream, fn);
-  if (st == KVI_OK && t->count > 0) st = kvi__cuda_d2d(e, t->emb, t->count * rb, s->emb_stream, fn);
-  if (st == KVI_OK && t->count > 0) st = kvi__cuda_d2d(ids, t->ids, t->count * sizeof(uint64_t), s->emb_stream, fn);
+  if (st == KVI_OK && t->nrows > 0) st = kvi__cuda_d2d(e, t->emb, t->nrows * rb, s->emb_stream, fn);
+  if (st == KVI_OK && t->nrows > 0) st = kvi__cuda_d2d(ids, t->ids, t->nrows * sizeof(uint64_t), s->emb_stream, fn);
   if (st != KVI_OK) {
     if (st == KVI_ERR_OUT_OF_MEMORY)
       kvi__fail(st, fn, "growing tenant %llu's embeddings to %zu rows (%zu bytes of device memory)",
@@ -615,7 +640,7 @@ kvi_status kvi__store_reserve_rows(kvi_store *s, uint64_t tenant_id, size_t n, c
     t->id = tenant_id;
     kvi__map_put(&s->tenants, tenant_id, 0, t); /* empty until commit; kvi__store_unreserve_rows drops it */
   }
-  if (t->count + t->pending + n > t->cap && (st = emb_grow(s, t, t->count + t->pending + n, fn))) return st;
+  if (t->nrows + t->pending + n > t->cap && (st = emb_grow(s, t, t->nrows + t->pending + n, fn))) return st;
   if (s->backend == KVI_BACKEND_CUDA && (st = stage_reserve(s, n, fn))) return st;
   t->pending += n;
   return KVI_OK;
@@ -634,16 +659,16 @@ void kvi__store_unreserve_rows(kvi_store *s, uint64_t tenant_id) {
   }
 }
 
-/* Writes f's embedding e (fp32, already what the store keeps) as row t->count. */
+/* Writes f's embedding e (fp32, already what the store keeps) as row t->nrows. */
 static void emb_append(kvi_store *s, tenant *t, fact *f, const float *e) {
-  if (t->pending == 0 || t->count >= t->cap) { /* kvi__store_reserve_rows was not called: a bug */
+  if (t->pending == 0 || t->nrows >= t->cap) { /* kvi__store_reserve_rows was not called: a bug */
     f->row = SIZE_MAX;
     emb_latch(s, kvi__fail(KVI_ERR_INTERNAL, emb_fn, "fact %llu committed without a reserved embedding row",
                            (unsigned long long)f->id));
     return;
   }
   t->pending--;
-  const size_t r = t->count, rb = row_bytes(s);
+  const size_t r = t->nrows++, rb = row_bytes(s);
   t->rows[r] = f;
   f->row = r;
   if (s->backend == KVI_BACKEND_CPU) {
@@ -665,10 +690,11 @@ static void emb_append(kvi_store *s, tenant *t, fact *f, const float *e) {
   emb_latch(s, st);
 }
 
-/* Moves the last row into f's place (t->count still counts f). */
+/* Moves the last row into f's place. */
 static void emb_remove(kvi_store *s, tenant *t, fact *f) {
-  const size_t last = t->count - 1, r = f->row;
-  if (r == SIZE_MAX) return;
+  const size_t r = f->row;
+  if (r == SIZE_MAX) return; /* a fact without a row: its embedding is held by another rank */
+  const size_t last = --t->nrows;
   if (r != last) {
     const size_t rb = row_bytes(s);
     fact *m = t->rows[last];
@@ -804,7 +830,14 @@ void kvi__store_commit(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, te
   f->npages = need;
   f->pages = pages;
   f->row = SIZE_MAX;
-  if (s->emb_dim > 0 && *emb) emb_append(s, t, f, *emb);
+  if (s->emb_dim > 0 && *emb) {
+    if (!s->emb_sharded || kvi__emb_rank(tenant_id, fact_id, s->comm_size) == s->comm_rank) {
+      emb_append(s, t, f, *emb);
+    } else { /* checked, and kept by another rank: give back the row reserved for it */
+      t->pending--;
+      if (s->stage_reserved > 0) s->stage_reserved--;
+    }
+  }
   free(*emb);
   *emb = NULL;
   f->owner = t;
@@ -817,6 +850,62 @@ void kvi__store_commit(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, te
   s->tokens_stored += (uint64_t)tokens;
 }
 
+kvi_status kvi__store_put_view(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *v,
+                               uint32_t flags, float *emb, struct CUstream_st *stream, kvi__gate *gate,
+                               const char *fn) {
+  kvi_status st = KVI_OK;
+  bool rows = false; /* embedding rows reserved */
+  const uint32_t need = pages_for(store, v->num_tokens);
+  if (need > store->pool.npages)
+    st = kvi__fail(KVI_ERR_CAPACITY, fn, "%d tokens need %u pages of %d tokens; the store has %u pages in all",
+                   (int)v->num_tokens, need, (int)store->P, store->pool.npages);
+  fact *f = st ? NULL : calloc(1, sizeof *f);
+  uint32_t *pages = st ? NULL : malloc(need * sizeof *pages);
+  tenant *fresh = st ? NULL : calloc(1, sizeof *fresh);
+  if (st == KVI_OK && (!f || !pages || !fresh)) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating fact metadata");
+
+  kvi__store_lock(store);
+  fact *old = st ? NULL : kvi__store_find(store, tenant_id, fact_id);
+  if (old && !(flags & KVI_PUT_REPLACE))
+    st = kvi__fail(KVI_ERR_EXISTS, fn, "fact %llu of tenant %llu is already stored (pass KVI_PUT_REPLACE to replace it)",
+                   (unsigned long long)fact_id, (unsigned long long)tenant_id);
+  if (st == KVI_OK) st = kvi__store_reserve(store, need, 1, fn); /* a replacement needs room for both */
+  if (st == KVI_OK) {
+    rows = true;
+    st = kvi__store_reserve_rows(store, tenant_id, emb ? 1 : 0, fn);
+  }
+  bool copied = false;
+  if (st == KVI_OK) {
+    for (uint32_t i = 0; i < need; i++) pages[i] = store->pool.free[store->pool.nfree - 1 - i];
+    WITH_DEVICE(store, fn, st, copy_fact(store, v, pages, v->num_tokens, true, stream, fn));
+    copied = st == KVI_OK && store->backend == KVI_BACKEND_CUDA && v->memory == KVI_MEMORY_DEVICE;
+    if (copied) st = kvi__store_track(store, stream, fn);
+  }
+  if (gate) st = gate->decide(gate, st); /* every rank decides together, with the pages still free */
+  if (st == KVI_OK && store->journal) { /* durable before it is visible */
+    const kvi__jfact jf = {tenant_id, fact_id, v->num_tokens, pages, emb};
+    st = kvi__journal_put(store, &jf, 1, stream, v->memory == KVI_MEMORY_DEVICE, fn);
+  }
+  if (st) { /* the pages were not taken off the free stack */
+    if (copied && gate) { /* an enqueued copy into them must end before they are handed out again */
+      kvi_status st2;
+      WITH_DEVICE(store, fn, st2, kvi__cuda_sync(stream, fn));
+      (void)st2;
+    }
+    if (rows) kvi__store_unreserve_rows(store, tenant_id);
+    kvi__store_unlock(store);
+    free(f);
+    free(pages);
+    free(fresh);
+    free(emb);
+    return st;
+  }
+  store->pool.nfree -= need; /* the pages chosen from the top of the free stack */
+  kvi__store_commit(store, f, pages, need, fresh, &emb, tenant_id, fact_id, v->num_tokens);
+  kvi__store_unlock(store);
+  return KVI_OK;
+}
+
 KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *kv,
                                  const kvi_put_options *opts, struct CUstream_st *stream) {
   static const char fn[] = "kvi_store_put";
@@ -824,63 +913,23 @@ KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant_id, uint64_t 
   kvi_kv_view v;
   kvi_status st = kvi__view_check(&v, kv, &store->geom, false, fn);
   if (st) return st;
-  kvi_put_options o = KVI_PUT_OPTIONS_INIT;
-  if (opts && (st = kvi__read_struct(&o, sizeof o, opts, PUT_OPTIONS_V1, fn, "opts"))) return st;
-  if (o.flags & ~KVI_PUT_REPLACE)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->flags has unknown bits 0x%x", o.flags & ~KVI_PUT_REPLACE);
-  if ((st = check_view_memory(store, &v, fn, "kv"))) return st;
-
-  /* Everything that can fail without touching the store happens first. */
+  kvi_put_options o;
   float *emb = NULL;
-  if ((st = kvi__store_read_embedding(store, o.embedding, o.embedding_dtype, o.embedding_memory, stream, &emb, fn)))
-    return st;
-  const uint32_t need = pages_for(store, v.num_tokens);
-  if (need > store->pool.npages) {
-    free(emb);
-    return kvi__fail(KVI_ERR_CAPACITY, fn, "%d tokens need %u pages of %d tokens; the store has %u pages in all",
-                     (int)v.num_tokens, need, (int)store->P, store->pool.npages);
-  }
-  fact *f = calloc(1, sizeof *f);
-  uint32_t *pages = malloc(need * sizeof *pages);
-  tenant *fresh = calloc(1, sizeof *fresh);
-  if (!f || !pages || !fresh) {
-    st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating fact metadata");
-    goto out_free;
-  }
+  if ((st = kvi__store_put_args(store, &v, opts, &o, &emb, stream, fn))) return st;
+  return kvi__store_put_view(store, tenant_id, fact_id, &v, o.flags, emb, stream, NULL, fn);
+}
 
-  kvi__store_lock(store);
-  fact *old = kvi__store_find(store, tenant_id, fact_id);
-  if (old && !(o.flags & KVI_PUT_REPLACE)) {
-    st = kvi__fail(KVI_ERR_EXISTS, fn, "fact %llu of tenant %llu is already stored (pass KVI_PUT_REPLACE to replace it)",
-                   (unsigned long long)fact_id, (unsigned long long)tenant_id);
-    goto out_unlock;
-  }
-  if ((st = kvi__store_reserve(store, need, 1, fn))) goto out_unlock; /* a replacement needs room for both */
-  if ((st = kvi__store_reserve_rows(store, tenant_id, 1, fn))) goto out_unreserve;
-  for (uint32_t i = 0; i < need; i++) pages[i] = store->pool.free[store->pool.nfree - 1 - i];
-  WITH_DEVICE(store, fn, st, copy_fact(store, &v, pages, v.num_tokens, true, stream, fn));
-  if (st == KVI_OK && store->backend == KVI_BACKEND_CUDA && v.memory == KVI_MEMORY_DEVICE)
-    st = kvi__store_track(store, stream, fn);
-  if (st == KVI_OK && store->journal) { /* durable before it is visible */
-    const kvi__jfact jf = {tenant_id, fact_id, v.num_tokens, pages, emb};
-    st = kvi__journal_put(store, &jf, 1, stream, v.memory == KVI_MEMORY_DEVICE, fn);
-  }
-  if (st) goto out_unreserve; /* the pages were not taken off the free stack */
-  store->pool.nfree -= need; /* the pages chosen from the top of the free stack */
-  kvi__store_commit(store, f, pages, need, fresh, &emb, tenant_id, fact_id, v.num_tokens);
-  kvi__store_unlock(store);
-  return KVI_OK;
-
-out_unreserve:
-  kvi__store_unreserve_rows(store, tenant_id);
-out_unlock:
-  kvi__store_unlock(store);
-out_free:
-  free(f);
-  free(pages);
-  free(fresh);
-  free(emb);
-  return st;
+kvi_status kvi__store_put_args(const kvi_store *store, const kvi_kv_view *v, const kvi_put_options *opts,
+                               kvi_put_options *o, float **emb, struct CUstream_st *stream, const char *fn) {
+  const kvi_put_options d = KVI_PUT_OPTIONS_INIT;
+  *o = d;
+  *emb = NULL;
+  kvi_status st;
+  if (opts && (st = kvi__read_struct(o, sizeof *o, opts, PUT_OPTIONS_V1, fn, "opts"))) return st;
+  if (o->flags & ~KVI_PUT_REPLACE)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->flags has unknown bits 0x%x", o->flags & ~KVI_PUT_REPLACE);
+  if ((st = check_view_memory(store, v, fn, "kv"))) return st;
+  return kvi__store_read_embedding(store, o->embedding, o->embedding_dtype, o->embedding_memory, stream, emb, fn);
 }
 
 KVI_API kvi_status kvi_store_remove(kvi_store *store, uint64_t tenant_id, uint64_t fact_id) {
@@ -956,6 +1005,10 @@ KVI_API kvi_status kvi_store_get_embedding(const kvi_store *store, uint64_t tena
   const fact *f = kvi__map_get(&s->facts, tenant_id, fact_id);
   if (!f) {
     st = not_found(fn, tenant_id, fact_id);
+  } else if (f->row == SIZE_MAX && s->emb_sharded) {
+    st = kvi__fail(KVI_ERR_NOT_FOUND, fn, "the embedding of fact %llu of tenant %llu is kept by rank %d, not this rank (%d)",
+                   (unsigned long long)fact_id, (unsigned long long)tenant_id,
+                   (int)kvi__emb_rank(tenant_id, fact_id, s->comm_size), (int)s->comm_rank);
   } else if (f->row == SIZE_MAX) {
     st = kvi__fail(KVI_ERR_INTERNAL, fn, "fact %llu has no embedding row", (unsigned long long)fact_id);
   } else if (s->backend == KVI_BACKEND_CPU) {

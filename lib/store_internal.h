@@ -34,7 +34,7 @@ typedef struct fact {
   tenant *owner;
 } fact;
 
-/* A tenant's embeddings (stores with embedding_dim > 0): row r < count of the
+/* A tenant's embeddings (stores with embedding_dim > 0): row r < nrows of the
  * [cap][emb_ld] matrix `emb` (emb_dtype, padding elements zero) is the
  * embedding of fact rows[r], and ids[r] == rows[r]->id. A CUDA store keeps
  * emb and ids in device memory, changed only on the store's emb_stream; a
@@ -42,8 +42,11 @@ typedef struct fact {
  * fact moves the last row into its place. */
 struct tenant {
   uint64_t id;
-  size_t count;
+  size_t count;   /* facts */
   fact *head;
+  size_t nrows;   /* embedding rows: count, or fewer where embeddings are sharded
+                     across tensor-parallel ranks (a fact whose embedding another
+                     rank holds has row SIZE_MAX) */
   void *emb;
   uint64_t *ids;  /* device memory, CUDA stores only */
   fact **rows;    /* host memory */
@@ -103,6 +106,12 @@ struct kvi_store {
   uint64_t *deferred_tag;
   uint32_t ndeferred;
   struct kvi__journal *journal; /* persist.c: the append log, or NULL */
+  /* Tensor parallelism (shard.c): the communicator given at creation (or
+   * NULL), this rank and the group's size (0 and 1 without one), and whether
+   * each embedding is kept only by rank kvi__emb_rank(tenant, id, size). */
+  struct kvi_comm *comm;
+  int32_t comm_rank, comm_size;
+  bool emb_sharded;
 };
 
 static inline char *page_addr(const kvi_store *s, uint32_t page) {
@@ -160,6 +169,44 @@ kvi_status kvi__store_read_embedding(const kvi_store *s, const void *embedding, 
  * Returns the index of the first element that is not finite afterwards, or
  * -1. Queries (search.c) go through the same function. */
 int64_t kvi__emb_prepare(float *x, int32_t n, kvi_dtype t, kvi_metric metric);
+
+/* A decision every rank of a collective call takes together: given this
+ * rank's status, returns the combined one (KVI_OK only when every rank's is). */
+typedef struct kvi__gate {
+  kvi_status (*decide)(struct kvi__gate *gate, kvi_status local);
+} kvi__gate;
+
+/* The put: stores view v (checked against the store's geometry, memory kind
+ * checked) with flags and emb (owned: freed here; NULL for a store without
+ * embeddings). With a gate, the gate decides, the lock held and the pages
+ * written but not yet taken, whether the fact is committed. */
+kvi_status kvi__store_put_view(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *v,
+                               uint32_t flags, float *emb, struct CUstream_st *stream, kvi__gate *gate,
+                               const char *fn);
+
+/* kvi_store_put's checks of opts and the view's memory; reads the embedding. */
+kvi_status kvi__store_put_args(const kvi_store *store, const kvi_kv_view *v, const kvi_put_options *opts,
+                               kvi_put_options *o, float **emb, struct CUstream_st *stream, const char *fn);
+
+/* shard.c: the collective part of kvi_store_create with a communicator.
+ * s is the store this rank made (NULL when local is an error). Checks that
+ * the ranks agree; on success sets s's comm fields. Returns the combined
+ * status; the caller destroys s when it is not KVI_OK. */
+kvi_status kvi__shard_create(kvi_store *s, const kvi_model *model, const kvi_store_options *o, kvi_status local,
+                             const char *fn);
+
+/* search.c: kvi_store_search on this rank's embeddings only (arguments
+ * already checked). */
+kvi_status kvi__search_local(kvi_store *s, const void *queries, kvi_dtype qt, kvi_memory qm, int32_t nq,
+                             const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
+                             int32_t *out_counts, kvi_memory om, uint64_t ws, struct CUstream_st *stream,
+                             const char *fn);
+
+/* shard.c: the collective search of a store with sharded embeddings. */
+kvi_status kvi__shard_search(kvi_store *s, const void *queries, kvi_dtype qt, kvi_memory qm, int32_t nq,
+                             const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
+                             int32_t *out_counts, kvi_memory om, uint64_t ws, struct CUstream_st *stream,
+                             const char *fn);
 
 /* Frees the search workspace (search.c); the store's device is current. */
 void kvi__search_release(kvi_store *s);

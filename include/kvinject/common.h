@@ -98,7 +98,11 @@ typedef enum kvi_status {
   /* A file system call failed (open, write, fsync, rename, ...), or a file is
    * in use as another store's journal; kvi_last_error() names the call, the
    * path and the system's error. */
-  KVI_ERR_IO = -16
+  KVI_ERR_IO = -16,
+  /* A collective call (kvinject/comm.h) failed on another rank of the
+   * communicator; this rank changed nothing. The failing rank returned the
+   * cause. */
+  KVI_ERR_PEER = -17
 } kvi_status;
 
 /* Static English text for a status ("invalid argument", ...). Never NULL;

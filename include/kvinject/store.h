@@ -119,6 +119,15 @@ typedef enum kvi_metric {
   KVI_METRIC_COSINE = 1
 } kvi_metric;
 
+/* Where a tensor-parallel store keeps fact embeddings
+ * (kvi_store_options.embedding_placement; see kvinject/comm.h). */
+typedef enum kvi_embedding_placement {
+  KVI_EMBEDDINGS_REPLICATED = 0, /* every rank keeps every embedding; search is rank-local */
+  KVI_EMBEDDINGS_SHARDED = 1     /* each embedding on one rank; search is collective */
+} kvi_embedding_placement;
+
+struct kvi_comm; /* kvinject/comm.h */
+
 typedef struct kvi_store_options {
   size_t struct_size;     /* sizeof(kvi_store_options) */
   kvi_backend backend;    /* default KVI_BACKEND_AUTO */
@@ -134,10 +143,15 @@ typedef struct kvi_store_options {
                                 BF16. Each value is rounded to nearest even when
                                 it is put; search scores the rounded values. */
   kvi_metric metric;      /* KVI_METRIC_INNER_PRODUCT (default) or KVI_METRIC_COSINE */
+  struct kvi_comm *comm;  /* NULL (default), or the tensor-parallel group's
+                             communicator: creation becomes collective
+                             (kvinject/comm.h). Borrowed: it must outlive the store. */
+  kvi_embedding_placement embedding_placement; /* with comm: REPLICATED (default) or SHARDED */
 } kvi_store_options;
 
-#define KVI_STORE_OPTIONS_INIT \
-  {sizeof(kvi_store_options), KVI_BACKEND_AUTO, -1, KVI_DTYPE_BF16, 16, 0, 0, KVI_DTYPE_FP32, KVI_METRIC_INNER_PRODUCT}
+#define KVI_STORE_OPTIONS_INIT                                                                                   \
+  {sizeof(kvi_store_options), KVI_BACKEND_AUTO, -1, KVI_DTYPE_BF16, 16, 0, 0, KVI_DTYPE_FP32, KVI_METRIC_INNER_PRODUCT, \
+   NULL, KVI_EMBEDDINGS_REPLICATED}
 
 /* Fills *opts with KVI_STORE_OPTIONS_INIT. NULL is ignored. */
 KVI_API void kvi_store_options_init(kvi_store_options *opts);

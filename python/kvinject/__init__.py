@@ -26,9 +26,10 @@ from __future__ import annotations
 from ._lib import lib as _lib_loader
 from .cache import CacheLayout
 from .enums import (FEATURE_CUBLASLT, FEATURE_CUDA, FEATURE_NCCL, PUT_REPLACE, SEARCH_DEFAULT_WORKSPACE,
-                    SEARCH_MAX_K, SEARCH_NO_ID, Backend, CachePreset, DType, Memory, Metric, RopeScaling,
+                    SEARCH_MAX_K, SEARCH_NO_ID, Backend, CachePreset, DType, EmbeddingPlacement, Memory, Metric,
+                    RopeScaling,
                     RopeStyle, ScaleMode, Status)
-from .errors import (CapacityError, CudaError, ExistsError, InternalError, InvalidArgumentError, KviError,
+from .errors import (CapacityError, CorruptError, CudaError, ExistsError, IncompatibleError, IOError_, PeerError, InternalError, InvalidArgumentError, KviError,
                      MemoryKindError, MismatchError, NoDeviceError, NotBuiltError, NotFoundError,
                      OutOfMemoryError, StructSizeError, UnsupportedError, error_class)
 from .model import Model, ModelInfoData, RopeSpec
@@ -86,7 +87,8 @@ def last_error() -> str:
 
 
 __all__ = [
-    "Backend", "CacheLayout", "CachePreset", "Capture", "CapacityError", "CudaError", "DType", "Encoder",
+    "Backend", "CacheLayout", "CachePreset", "Capture", "CapacityError", "CorruptError", "CudaError", "DType",
+    "EmbeddingPlacement", "Encoder", "IOError_", "IncompatibleError", "PeerError",
     "ExistsError", "FEATURE_CUBLASLT", "FEATURE_CUDA", "FEATURE_NCCL", "InjectRequest", "Injector",
     "InternalError", "InvalidArgumentError", "KVView", "KviError", "Memory", "MemoryKindError", "Metric",
     "MismatchError", "Model", "ModelInfoData", "NoDeviceError", "NotBuiltError", "NotFoundError",

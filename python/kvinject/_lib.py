@@ -104,6 +104,8 @@ class StoreOptions(ctypes.Structure):
         ("embedding_dim", c_int32),
         ("embedding_dtype", c_enum),
         ("metric", c_enum),
+        ("comm", c_void_p),
+        ("embedding_placement", c_enum),
     ]
 
 

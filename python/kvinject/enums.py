@@ -25,6 +25,10 @@ class Status(enum.IntEnum):
     ERR_CUDA = -11
     ERR_UNSUPPORTED = -12
     ERR_INTERNAL = -13
+    ERR_CORRUPT = -14
+    ERR_INCOMPATIBLE = -15
+    ERR_IO = -16
+    ERR_PEER = -17
 
 
 class DType(enum.IntEnum):
@@ -111,3 +115,10 @@ PUT_REPLACE = 0x1
 SEARCH_MAX_K = 1024
 SEARCH_NO_ID = 0xFFFFFFFFFFFFFFFF
 SEARCH_DEFAULT_WORKSPACE = 64 << 20
+
+
+class EmbeddingPlacement(enum.IntEnum):
+    """kvi_embedding_placement (kvinject/store.h, kvinject/comm.h)."""
+
+    REPLICATED = 0
+    SHARDED = 1

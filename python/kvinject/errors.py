@@ -86,6 +86,22 @@ class InternalError(KviError):
     """KVI_ERR_INTERNAL: a bug in the library; please report it with the message."""
 
 
+class CorruptError(KviError):
+    """KVI_ERR_CORRUPT: a store file that is truncated, damaged or not a store file."""
+
+
+class IncompatibleError(KviError):
+    """KVI_ERR_INCOMPATIBLE: a valid store file made for another model, slice or format."""
+
+
+class IOError_(KviError, OSError):
+    """KVI_ERR_IO: a file system call failed."""
+
+
+class PeerError(KviError):
+    """KVI_ERR_PEER: a collective call failed on another rank; nothing changed here."""
+
+
 _BY_STATUS = {
     Status.ERR_INVALID_ARGUMENT: InvalidArgumentError,
     Status.ERR_STRUCT_SIZE: StructSizeError,
@@ -100,6 +116,10 @@ _BY_STATUS = {
     Status.ERR_CUDA: CudaError,
     Status.ERR_UNSUPPORTED: UnsupportedError,
     Status.ERR_INTERNAL: InternalError,
+    Status.ERR_CORRUPT: CorruptError,
+    Status.ERR_INCOMPATIBLE: IncompatibleError,
+    Status.ERR_IO: IOError_,
+    Status.ERR_PEER: PeerError,
 }
 
 

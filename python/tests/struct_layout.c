@@ -82,6 +82,8 @@ int main(void) {
   FIELD(kvi_store_options, embedding_dim);
   FIELD(kvi_store_options, embedding_dtype);
   FIELD(kvi_store_options, metric);
+  FIELD(kvi_store_options, comm);
+  FIELD(kvi_store_options, embedding_placement);
 
   SIZE(kvi_put_options);
   FIELD(kvi_put_options, struct_size);
@@ -199,6 +201,12 @@ int main(void) {
   CONST(KVI_ERR_CUDA);
   CONST(KVI_ERR_UNSUPPORTED);
   CONST(KVI_ERR_INTERNAL);
+  CONST(KVI_ERR_CORRUPT);
+  CONST(KVI_ERR_INCOMPATIBLE);
+  CONST(KVI_ERR_IO);
+  CONST(KVI_ERR_PEER);
+  CONST(KVI_EMBEDDINGS_REPLICATED);
+  CONST(KVI_EMBEDDINGS_SHARDED);
   CONST(KVI_DTYPE_FP32);
   CONST(KVI_DTYPE_FP16);
   CONST(KVI_DTYPE_BF16);

@@ -74,7 +74,7 @@ class TestStructs(unittest.TestCase):
         groups = [("KVI_ERR_", kvi.Status, "ERR_"), ("KVI_DTYPE_", kvi.DType, ""), ("KVI_MEMORY_", kvi.Memory, ""),
                   ("KVI_BACKEND_", kvi.Backend, ""), ("KVI_ROPE_SCALING_", kvi.RopeScaling, ""),
                   ("KVI_METRIC_", kvi.Metric, ""), ("KVI_SCALE_", kvi.ScaleMode, ""),
-                  ("KVI_CACHE_", kvi.CachePreset, "")]
+                  ("KVI_CACHE_", kvi.CachePreset, ""), ("KVI_EMBEDDINGS_", kvi.EmbeddingPlacement, "")]
         seen = set()
         for prefix, enum, pyprefix in groups:
             members = {m.name: m.value for m in enum}

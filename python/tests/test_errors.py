@@ -19,7 +19,9 @@ class TestMapping(unittest.TestCase):
             kvi.Status.ERR_MISMATCH: kvi.MismatchError, kvi.Status.ERR_MEMORY_KIND: kvi.MemoryKindError,
             kvi.Status.ERR_NOT_BUILT: kvi.NotBuiltError, kvi.Status.ERR_NO_DEVICE: kvi.NoDeviceError,
             kvi.Status.ERR_CUDA: kvi.CudaError, kvi.Status.ERR_UNSUPPORTED: kvi.UnsupportedError,
-            kvi.Status.ERR_INTERNAL: kvi.InternalError,
+            kvi.Status.ERR_INTERNAL: kvi.InternalError, kvi.Status.ERR_CORRUPT: kvi.CorruptError,
+            kvi.Status.ERR_INCOMPATIBLE: kvi.IncompatibleError, kvi.Status.ERR_IO: kvi.IOError_,
+            kvi.Status.ERR_PEER: kvi.PeerError,
         }
         self.assertEqual(set(expected), set(kvi.Status) - {kvi.Status.OK})
         classes = set()

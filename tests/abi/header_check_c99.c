@@ -20,7 +20,7 @@ typedef char hc_version_number_ok[(KVI_VERSION_NUMBER ==
                                       ? 1
                                       : -1];
 typedef char hc_status_values_ok[(KVI_OK == 0 && KVI_ERR_INVALID_ARGUMENT == -1 && KVI_ERR_INTERNAL == -13 &&
-                                  KVI_ERR_IO == -16)
+                                  KVI_ERR_IO == -16 && KVI_ERR_PEER == -17)
                                      ? 1
                                      : -1];
 

@@ -138,8 +138,18 @@ typedef struct {
 static void test_create_struct_size(void **state) {
   kvi_model *m = *state;
   kvi_store_options o = cpu_store_options(KVI_DTYPE_BF16, 16, 1u << 20);
-  o.struct_size = sizeof o - 4;
+  o.struct_size = offsetof(kvi_store_options, comm) - 4; /* shorter than the first layout */
   expect_fails(m, &o, KVI_ERR_STRUCT_SIZE);
+  o.struct_size = 0;
+  expect_fails(m, &o, KVI_ERR_STRUCT_SIZE);
+  { /* the layout before comm was appended is still accepted, without a communicator */
+    kvi_store_options old = cpu_store_options(KVI_DTYPE_BF16, 16, 1u << 20);
+    old.struct_size = offsetof(kvi_store_options, comm);
+    old.comm = (kvi_comm *)&old; /* past struct_size: never read */
+    kvi_store *s0 = NULL;
+    assert_ok(kvi_store_create(&s0, m, &old));
+    kvi_store_destroy(s0);
+  }
   o.struct_size = 0;
   expect_fails(m, &o, KVI_ERR_STRUCT_SIZE);
 

@@ -1,0 +1,734 @@
+/*
+ * Tensor-parallel stores: agreement at creation, put from a full-head
+ * source (scatter), gather to one rank, agreement of the fact sets, and
+ * sharded retrieval (see kvinject/comm.h). Written once over the transport
+ * seam of comm_internal.h: data buffers live where the communicator moves
+ * them (host memory for the in-process transport, device memory for NCCL).
+ * SPDX-License-Identifier: Apache-2.0
+ *
+ * Every collective here follows one pattern: each rank does its local part,
+ * then the ranks exchange their statuses and proceed only if all succeeded.
+ * A rank that failed still joins every exchange, so no rank waits forever,
+ * and the store is changed only after the last exchange said yes.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm_internal.h"
+#include "kernels.h"
+#include "store_internal.h"
+
+/* ------------------------------------------------------------------------ */
+/* small helpers                                                            */
+/* ------------------------------------------------------------------------ */
+
+static uint64_t fnv(uint64_t h, const void *p, size_t n) {
+  const unsigned char *b = p;
+  for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
+  return h;
+}
+
+/* Heads [first, first + count) of rank r of tp (kvinject/model.h). */
+static void rank_heads(const kvi__geom *g, int32_t r, int32_t *first, int32_t *count) {
+  if (g->tp_size <= g->num_kv_heads) {
+    *count = g->num_kv_heads / g->tp_size;
+    *first = r * *count;
+  } else {
+    *count = 1;
+    *first = r / (g->tp_size / g->num_kv_heads);
+  }
+}
+
+/* After every rank reported `local`: KVI_OK when all did, else this rank's
+ * own error, or KVI_ERR_PEER naming the first rank that failed. */
+static kvi_status combine(kvi_comm *c, kvi_status local, const char *fn) {
+  int32_t *all = malloc((size_t)c->size * sizeof *all);
+  const int32_t mine = (int32_t)local;
+  kvi_status st = all ? kvi__comm_allgather_host(c, &mine, all, sizeof mine, fn)
+                      : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d statuses", (int)c->size);
+  if (!all) { /* still take part, or the others wait forever */
+    int32_t tmp[1024];
+    kvi__comm_allgather_host(c, &mine, tmp, sizeof mine, fn);
+    return st;
+  }
+  if (st == KVI_OK && local != KVI_OK) st = local;
+  for (int32_t r = 0; st == KVI_OK && r < c->size; r++)
+    if (all[r] != KVI_OK)
+      st = kvi__fail(KVI_ERR_PEER, fn, "rank %d failed: %s", (int)r, kvi_status_string((kvi_status)all[r]));
+  free(all);
+  return st == KVI_OK ? KVI_OK : (local != KVI_OK ? local : st);
+}
+
+/* Buffers in the communicator's memory. */
+static kvi_status buf_alloc(kvi_comm *c, void **p, size_t bytes, struct CUstream_st *stream, const char *fn) {
+  *p = NULL;
+  if (c->memory == KVI_MEMORY_DEVICE) return kvi__cuda_malloc_async(p, bytes ? bytes : 16, stream, fn);
+  *p = malloc(bytes ? bytes : 16);
+  return *p ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes", bytes);
+}
+
+static void buf_free(kvi_comm *c, void *p, struct CUstream_st *stream, const char *fn) {
+  if (c->memory == KVI_MEMORY_DEVICE) {
+    if (p) kvi__cuda_free_async(p, stream, fn);
+  } else {
+    free(p);
+  }
+}
+
+/* Copies L x T x H rows of row_bytes between two strided (bytes) layouts in
+ * `memory` (device: enqueued on stream). */
+static kvi_status copy_rows(void *dst, const int64_t dst_stride[3], const void *src, const int64_t src_stride[3],
+                            int32_t L, int32_t T, int32_t H, int64_t row_bytes, kvi_memory memory,
+                            struct CUstream_st *stream, const char *fn) {
+#ifdef KVI_HAVE_CUDA
+  if (memory == KVI_MEMORY_DEVICE) {
+    const kvi__rows_args a = {dst, src, {dst_stride[0], dst_stride[1], dst_stride[2]},
+                              {src_stride[0], src_stride[1], src_stride[2]}, L, T, H, row_bytes};
+    const int e = kvi__cuda_copy_rows(&a, stream);
+    return e ? kvi__cuda_error(e, fn, "the row-copy kernel") : KVI_OK;
+  }
+#else
+  (void)stream;
+  if (memory == KVI_MEMORY_DEVICE) return kvi__fail(KVI_ERR_NOT_BUILT, fn, "no CUDA in this build");
+#endif
+  for (int32_t l = 0; l < L; l++)
+    for (int32_t t = 0; t < T; t++)
+      for (int32_t h = 0; h < H; h++)
+        memcpy((char *)dst + l * dst_stride[0] + t * dst_stride[1] + h * dst_stride[2],
+               (const char *)src + l * src_stride[0] + t * src_stride[1] + h * src_stride[2], (size_t)row_bytes);
+  return KVI_OK;
+}
+
+/* A contiguous [L][T][H][D] view of `elem`-byte elements at base. */
+static kvi_kv_view packed_view(kvi_memory m, kvi_dtype t, int32_t L, int32_t T, int32_t H, int32_t D, void *k,
+                               void *v) {
+  kvi_kv_view w;
+  kvi_kv_view_contiguous(&w, m, t, L, T, H, D, k, v);
+  return w;
+}
+
+/* Byte strides of a view. */
+static void strides_of(const kvi_kv_view *v, int64_t s[3]) {
+  const int64_t e = (int64_t)kvi_dtype_size(v->dtype);
+  s[0] = v->layer_stride * e;
+  s[1] = v->token_stride * e;
+  s[2] = v->head_stride * e;
+}
+
+/* ------------------------------------------------------------------------ */
+/* creation                                                                 */
+/* ------------------------------------------------------------------------ */
+
+typedef struct agree_rec {
+  int32_t status, rank, tp_rank, tp_size;
+  int32_t layers, kv_heads, head_size, dtype;
+  int32_t page_tokens, emb_dim, emb_dtype, metric;
+  int32_t placement, pad;
+  uint64_t rope;
+} agree_rec;
+
+static uint64_t rope_digest(const kvi_model *m) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (int32_t l = 0; l < m->geom.num_layers; l++) {
+    const kvi__rope *r = &m->rope[l];
+    const int32_t head[2] = {(int32_t)r->style, r->rotary_dim};
+    h = fnv(h, head, sizeof head);
+    if (r->style == KVI_ROPE_NONE) continue;
+    h = fnv(h, &r->attn, sizeof r->attn);
+    if (r->inv_freq) h = fnv(h, r->inv_freq, (size_t)(r->rotary_dim / 2) * sizeof(float));
+    if (r->table)
+      h = fnv(h, r->table->data, (size_t)r->table->positions * (size_t)r->table->rotary_dim * sizeof(float));
+  }
+  return h;
+}
+
+kvi_status kvi__shard_create(kvi_store *s, const kvi_model *model, const kvi_store_options *o, kvi_status local,
+                             const char *fn) {
+  kvi_comm *c = o->comm;
+  const kvi__geom *g = model ? &model->geom : NULL;
+  if (local == KVI_OK) {
+    if (g->tp_size != c->size || g->tp_rank != c->rank)
+      local = kvi__fail(KVI_ERR_MISMATCH, fn,
+                        "the model is rank %d of tp %d, the communicator rank %d of %d ranks", (int)g->tp_rank,
+                        (int)g->tp_size, (int)c->rank, (int)c->size);
+    else if (c->kind == KVI__COMM_LOCAL && s->backend != KVI_BACKEND_CPU)
+      local = kvi__fail(KVI_ERR_MISMATCH, fn, "an in-process communicator carries host memory: use it with CPU stores");
+    else if (c->kind == KVI__COMM_NCCL && (s->backend != KVI_BACKEND_CUDA || s->device != c->device))
+      local = kvi__fail(KVI_ERR_MISMATCH, fn, "the NCCL communicator is on device %d; the store is %s %d", c->device,
+                        s->backend == KVI_BACKEND_CUDA ? "on device" : "a CPU store, device", (int)s->device);
+  }
+  agree_rec me = {(int32_t)local, c->rank, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  if (g) {
+    me.tp_rank = g->tp_rank;
+    me.tp_size = g->tp_size;
+    me.layers = g->num_layers;
+    me.kv_heads = g->num_kv_heads;
+    me.head_size = g->head_size;
+    me.rope = rope_digest(model);
+  }
+  me.dtype = (int32_t)o->dtype;
+  me.page_tokens = o->page_tokens;
+  me.emb_dim = o->embedding_dim;
+  me.emb_dtype = (int32_t)o->embedding_dtype;
+  me.metric = (int32_t)o->metric;
+  me.placement = (int32_t)o->embedding_placement;
+  agree_rec *all = calloc((size_t)c->size, sizeof *all);
+  agree_rec spare[8];
+  kvi_status st = kvi__comm_allgather_host(c, &me, all ? all : spare, sizeof me, fn);
+  if (!all) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d records", (int)c->size);
+  if (st == KVI_OK && local != KVI_OK) st = local;
+  for (int32_t r = 0; st == KVI_OK && r < c->size; r++)
+    if (all[r].status != KVI_OK)
+      st = kvi__fail(KVI_ERR_PEER, fn, "rank %d failed to create its store: %s", (int)r,
+                     kvi_status_string((kvi_status)all[r].status));
+  static const struct {
+    const char *name;
+    size_t off;
+  } fields[] = {
+      {"tp_size", offsetof(agree_rec, tp_size)},           {"num_layers", offsetof(agree_rec, layers)},
+      {"num_kv_heads", offsetof(agree_rec, kv_heads)},     {"head_size", offsetof(agree_rec, head_size)},
+      {"dtype", offsetof(agree_rec, dtype)},               {"page_tokens", offsetof(agree_rec, page_tokens)},
+      {"embedding_dim", offsetof(agree_rec, emb_dim)},     {"embedding_dtype", offsetof(agree_rec, emb_dtype)},
+      {"metric", offsetof(agree_rec, metric)},             {"embedding_placement", offsetof(agree_rec, placement)},
+  };
+  for (int32_t r = 1; st == KVI_OK && r < c->size; r++) {
+    for (size_t f = 0; st == KVI_OK && f < sizeof fields / sizeof fields[0]; f++) {
+      int32_t a, b;
+      memcpy(&a, (const char *)&all[0] + fields[f].off, sizeof a);
+      memcpy(&b, (const char *)&all[r] + fields[f].off, sizeof b);
+      if (a != b)
+        st = kvi__fail(KVI_ERR_MISMATCH, fn, "the ranks disagree on %s: %d on rank 0, %d on rank %d", fields[f].name,
+                       (int)a, (int)b, (int)r);
+    }
+    if (st == KVI_OK && all[r].rope != all[0].rope)
+      st = kvi__fail(KVI_ERR_MISMATCH, fn, "the ranks disagree on the RoPE of some layer (rank 0 and rank %d)", (int)r);
+    if (st == KVI_OK && all[r].tp_rank != r)
+      st = kvi__fail(KVI_ERR_MISMATCH, fn, "communicator rank %d holds model tp_rank %d", (int)r, (int)all[r].tp_rank);
+  }
+  free(all);
+  if (st == KVI_OK) {
+    s->comm = c;
+    s->comm_rank = c->rank;
+    s->comm_size = c->size;
+    s->emb_sharded = o->embedding_placement == KVI_EMBEDDINGS_SHARDED && o->embedding_dim > 0;
+  }
+  return st;
+}
+
+/* ------------------------------------------------------------------------ */
+/* put from a full-head source                                              */
+/* ------------------------------------------------------------------------ */
+
+typedef struct op_rec { /* what every rank says before a scatter or gather */
+  int32_t status, root, tokens, dtype;
+  uint64_t tenant, fact;
+  uint32_t flags, has_emb;
+} op_rec;
+
+/* Exchanges op records; checks that the ranks agree on tenant, fact and
+ * root, and that none failed. On success *root_rec is root's record. */
+static kvi_status exchange_op(kvi_comm *c, op_rec *me, op_rec *root_rec, const char *fn) {
+  op_rec *all = calloc((size_t)c->size, sizeof *all);
+  if (!all) { /* take part anyway */
+    op_rec spare[1024];
+    kvi__comm_allgather_host(c, me, spare, sizeof *me, fn);
+    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d records", (int)c->size);
+  }
+  kvi_status st = kvi__comm_allgather_host(c, me, all, sizeof *me, fn);
+  if (st == KVI_OK && me->status != KVI_OK) st = (kvi_status)me->status;
+  for (int32_t r = 0; st == KVI_OK && r < c->size; r++) {
+    if (all[r].status != KVI_OK)
+      st = kvi__fail(KVI_ERR_PEER, fn, "rank %d failed: %s", (int)r, kvi_status_string((kvi_status)all[r].status));
+    else if (all[r].tenant != me->tenant || all[r].fact != me->fact || all[r].root != me->root)
+      st = kvi__fail(KVI_ERR_MISMATCH, fn,
+                     "the ranks disagree: rank %d asks for fact %llu of tenant %llu from root %d, rank %d for fact "
+                     "%llu of tenant %llu from root %d",
+                     (int)c->rank, (unsigned long long)me->fact, (unsigned long long)me->tenant, (int)me->root, (int)r,
+                     (unsigned long long)all[r].fact, (unsigned long long)all[r].tenant, (int)all[r].root);
+  }
+  if (st == KVI_OK) *root_rec = all[me->root];
+  free(all);
+  return st;
+}
+
+typedef struct comm_gate {
+  kvi__gate gate;
+  kvi_comm *comm;
+  const char *fn;
+} comm_gate;
+
+static kvi_status comm_decide(kvi__gate *g, kvi_status local) {
+  comm_gate *cg = (comm_gate *)g;
+  return combine(cg->comm, local, cg->fn);
+}
+
+static kvi_status check_collective(const kvi_store *s, int32_t root, const char *fn) {
+  if (!s) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
+  if (!s->comm) return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "the store was created without a communicator");
+  if (root < 0 || root >= s->comm_size)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "root is %d, the communicator has %d ranks", (int)root,
+                     (int)s->comm_size);
+  return KVI_OK;
+}
+
+/* The geometry of a full-head view: every KV head. */
+static kvi__geom full_geom(const kvi_store *s) {
+  kvi__geom g = s->geom;
+  g.local_heads = g.num_kv_heads;
+  g.head_first = 0;
+  return g;
+}
+
+KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, uint64_t tenant, uint64_t fact_id, int32_t root,
+                                         const kvi_kv_view *full, const kvi_put_options *opts,
+                                         struct CUstream_st *stream) {
+  static const char fn[] = "kvi_store_put_scatter";
+  kvi_status st = check_collective(store, root, fn);
+  if (st) return st;
+  kvi_comm *c = store->comm;
+  const bool is_root = c->rank == root;
+  const kvi__geom *g = &store->geom;
+  const int32_t L = g->num_layers, D = g->head_size, E = store->emb_dim;
+
+  /* root: the checks kvi_store_put makes, on the full view */
+  kvi_kv_view v;
+  kvi_put_options o = KVI_PUT_OPTIONS_INIT;
+  float *emb = NULL;
+  op_rec me = {0, root, 0, 0, tenant, fact_id, 0, 0};
+  if (is_root) {
+    const kvi__geom fg = full_geom(store);
+    if (!full) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "full is NULL on the root rank");
+    else st = kvi__view_check(&v, full, &fg, false, fn);
+    if (st == KVI_OK) st = kvi__store_put_args(store, &v, opts, &o, &emb, stream, fn);
+    me.tokens = st ? 0 : v.num_tokens;
+    me.dtype = st ? 0 : (int32_t)v.dtype;
+    me.flags = o.flags;
+    me.has_emb = emb != NULL;
+  }
+  me.status = (int32_t)st;
+  op_rec rr;
+  if ((st = exchange_op(c, &me, &rr, fn))) {
+    free(emb);
+    return st;
+  }
+  /* the embedding, as root prepared it */
+  if (rr.has_emb) {
+    float *e = is_root ? emb : malloc((size_t)E * sizeof *e);
+    float spare = 0;
+    kvi_status st2 = e ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating an embedding");
+    const kvi_status sb = kvi__comm_bcast_host(c, e ? e : &spare, e ? (size_t)E * sizeof *e : sizeof spare, root, fn);
+    if (st2 == KVI_OK) st2 = sb;
+    if ((st = combine(c, st2, fn))) {
+      if (!is_root) free(e);
+      free(emb);
+      return st;
+    }
+    emb = e;
+  }
+
+  /* the slices: root sends each rank its heads, packed [L][T][h][D] */
+  const int32_t T = rr.tokens;
+  const kvi_dtype dt = (kvi_dtype)rr.dtype;
+  const size_t esz = kvi_dtype_size(dt);
+  kvi__p2p *ops = calloc((size_t)c->size, sizeof *ops);
+  void **bufs = calloc((size_t)c->size, sizeof *bufs);
+  void *host_pack = NULL;
+  int32_t nops = 0;
+  st = ops && bufs ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating transfer lists");
+  kvi__devguard dg = {0, false};
+  const bool cuda = c->memory == KVI_MEMORY_DEVICE;
+  if (st == KVI_OK && cuda) st = kvi__cuda_enter(c->device, &dg, fn);
+  const bool entered = st == KVI_OK && cuda;
+  for (int32_t r = 0; st == KVI_OK && r < c->size; r++) {
+    if (r == root || (!is_root && r != c->rank)) continue;
+    int32_t first, h;
+    rank_heads(g, r, &first, &h);
+    const size_t plane = (size_t)L * T * h * D * esz;
+    if ((st = buf_alloc(c, &bufs[r], 2 * plane, stream, fn))) break;
+    if (is_root) { /* pack rank r's heads of K and V */
+      const int64_t dst_s[3] = {(int64_t)T * h * D * (int64_t)esz, (int64_t)h * D * (int64_t)esz, (int64_t)D * (int64_t)esz};
+      int64_t src_s[3];
+      strides_of(&v, src_s);
+      const int64_t off = (int64_t)first * src_s[2];
+      for (int kv = 0; kv < 2 && st == KVI_OK; kv++) {
+        const char *src = (const char *)(kv ? v.v : v.k) + off;
+        char *dst = (char *)bufs[r] + kv * plane;
+        if (v.memory == c->memory) {
+          st = copy_rows(dst, dst_s, src, src_s, L, T, h, (int64_t)D * (int64_t)esz, c->memory, stream, fn);
+        } else { /* a host source for device transfers: pack on the host, then one copy up */
+          if (!host_pack && !(host_pack = malloc(plane ? plane : 1))) {
+            st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes", plane);
+            break;
+          }
+          st = copy_rows(host_pack, dst_s, src, src_s, L, T, h, (int64_t)D * (int64_t)esz, KVI_MEMORY_HOST, NULL, fn);
+          if (st == KVI_OK) st = kvi__cuda_h2d(dst, host_pack, plane, stream, fn);
+          if (st == KVI_OK) st = kvi__cuda_sync(stream, fn); /* host_pack is reused */
+        }
+      }
+    }
+    ops[nops++] = (kvi__p2p){is_root ? r : root, is_root, bufs[r], 2 * plane};
+  }
+  /* every rank joins the transfer only if every rank could prepare it */
+  st = combine(c, st, fn);
+  if (st == KVI_OK) st = combine(c, kvi__comm_p2p(c, ops, nops, stream, fn), fn);
+
+  /* each rank puts its slice; the gate commits on every rank or on none */
+  if (st == KVI_OK) {
+    int32_t first, h;
+    rank_heads(g, c->rank, &first, &h);
+    kvi_kv_view mine;
+    if (is_root) {
+      mine = v;
+      mine.num_heads = h;
+      const size_t off = (size_t)first * (size_t)v.head_stride * esz;
+      mine.k = (char *)v.k + off;
+      mine.v = (char *)v.v + off;
+    } else {
+      const size_t plane = (size_t)L * T * h * D * esz;
+      mine = packed_view(c->memory, dt, L, T, h, D, bufs[c->rank], (char *)bufs[c->rank] + plane);
+    }
+    comm_gate gate = {{comm_decide}, c, fn};
+    st = kvi__store_put_view(store, tenant, fact_id, &mine, rr.flags, emb, stream, &gate.gate, fn);
+    emb = NULL; /* owned by the put */
+  } else if (emb && !is_root) {
+    free(emb);
+    emb = NULL;
+  }
+  free(emb);
+  for (int32_t r = 0; bufs && r < c->size; r++) buf_free(c, bufs[r], stream, fn);
+  if (entered) kvi__cuda_leave(&dg);
+  free(host_pack);
+  free(ops);
+  free(bufs);
+  return st;
+}
+
+/* ------------------------------------------------------------------------ */
+/* gather to one rank                                                       */
+/* ------------------------------------------------------------------------ */
+
+/* The first rank holding each of rank r's heads sends them (replicas do not). */
+static bool first_holder(const kvi__geom *g, int32_t r) {
+  return g->tp_size <= g->num_kv_heads || r % (g->tp_size / g->num_kv_heads) == 0;
+}
+
+KVI_API kvi_status kvi_store_gather(kvi_store *store, uint64_t tenant, uint64_t fact_id, int32_t root,
+                                    const kvi_kv_view *full, struct CUstream_st *stream) {
+  static const char fn[] = "kvi_store_gather";
+  kvi_status st = check_collective(store, root, fn);
+  if (st) return st;
+  kvi_comm *c = store->comm;
+  const bool is_root = c->rank == root;
+  const kvi__geom *g = &store->geom;
+  const int32_t L = g->num_layers, D = g->head_size;
+  kvi_kv_view v;
+  op_rec me = {0, root, 0, 0, tenant, fact_id, 0, 0};
+  if (is_root) {
+    const kvi__geom fg = full_geom(store);
+    if (!full) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "full is NULL on the root rank");
+    else st = kvi__view_check(&v, full, &fg, true, fn);
+    if (st == KVI_OK)
+      st = kvi__check_memory(v.k, v.memory, store->backend == KVI_BACKEND_CUDA, store->device, fn, "full->k");
+    if (st == KVI_OK)
+      st = kvi__check_memory(v.v, v.memory, store->backend == KVI_BACKEND_CUDA, store->device, fn, "full->v");
+    me.dtype = st ? 0 : (int32_t)v.dtype;
+  }
+  if (st == KVI_OK) st = kvi_store_fact_tokens(store, tenant, fact_id, &me.tokens);
+  if (st == KVI_OK && is_root && me.tokens != v.num_tokens)
+    st = kvi__fail(KVI_ERR_MISMATCH, fn, "full->num_tokens is %d, the fact has %d tokens", (int)v.num_tokens,
+                   (int)me.tokens);
+  me.status = (int32_t)st;
+  op_rec rr;
+  if ((st = exchange_op(c, &me, &rr, fn))) return st;
+  if (me.tokens != rr.tokens) /* every rank compares with root: all see the same answer */
+    st = kvi__fail(KVI_ERR_MISMATCH, fn, "fact %llu of tenant %llu has %d tokens on rank %d and %d on root rank %d",
+                   (unsigned long long)fact_id, (unsigned long long)tenant, (int)me.tokens, (int)c->rank,
+                   (int)rr.tokens, (int)root);
+  if ((st = combine(c, st, fn))) return st;
+
+  const int32_t T = rr.tokens;
+  const kvi_dtype dt = (kvi_dtype)rr.dtype;
+  const size_t esz = kvi_dtype_size(dt);
+  kvi__p2p *ops = calloc((size_t)c->size, sizeof *ops);
+  void **bufs = calloc((size_t)c->size, sizeof *bufs);
+  int32_t nops = 0;
+  st = ops && bufs ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating transfer lists");
+  kvi__devguard dg = {0, false};
+  const bool cuda = c->memory == KVI_MEMORY_DEVICE;
+  if (st == KVI_OK && cuda) st = kvi__cuda_enter(c->device, &dg, fn);
+  const bool entered = st == KVI_OK && cuda;
+  int32_t root_first, root_h;
+  rank_heads(g, root, &root_first, &root_h);
+  for (int32_t r = 0; st == KVI_OK && r < c->size; r++) {
+    if (r == root || (!is_root && r != c->rank) || !first_holder(g, r)) continue;
+    int32_t first, h;
+    rank_heads(g, r, &first, &h);
+    if (first == root_first) continue; /* root holds these heads itself */
+    const size_t plane = (size_t)L * T * h * D * esz;
+    if ((st = buf_alloc(c, &bufs[r], 2 * plane, stream, fn))) break;
+    if (!is_root) { /* read my slice, packed, in root's dtype */
+      const kvi_kv_view w = packed_view(c->memory, dt, L, T, h, D, bufs[r], (char *)bufs[r] + plane);
+      st = kvi_store_read(store, tenant, fact_id, &w, stream);
+    }
+    ops[nops++] = (kvi__p2p){is_root ? r : root, !is_root, bufs[r], 2 * plane};
+  }
+  if (st == KVI_OK && is_root) { /* root's own heads, straight into full */
+    kvi_kv_view mine = v;
+    mine.num_heads = root_h;
+    const size_t off = (size_t)root_first * (size_t)v.head_stride * esz;
+    mine.k = (char *)v.k + off;
+    mine.v = (char *)v.v + off;
+    st = kvi_store_read(store, tenant, fact_id, &mine, stream);
+  }
+  st = combine(c, st, fn);
+  if (st == KVI_OK) st = combine(c, kvi__comm_p2p(c, ops, nops, stream, fn), fn);
+  /* root: unpack what arrived */
+  void *host_tmp = NULL;
+  for (int32_t r = 0; st == KVI_OK && is_root && r < c->size; r++) {
+    if (!bufs[r]) continue;
+    int32_t first, h;
+    rank_heads(g, r, &first, &h);
+    const size_t plane = (size_t)L * T * h * D * esz;
+    const int64_t src_s[3] = {(int64_t)T * h * D * (int64_t)esz, (int64_t)h * D * (int64_t)esz, (int64_t)D * (int64_t)esz};
+    int64_t dst_s[3];
+    strides_of(&v, dst_s);
+    const int64_t off = (int64_t)first * dst_s[2];
+    for (int kv = 0; kv < 2 && st == KVI_OK; kv++) {
+      const char *src = (const char *)bufs[r] + kv * plane;
+      char *dst = (char *)(kv ? v.v : v.k) + off;
+      if (v.memory == c->memory) {
+        st = copy_rows(dst, dst_s, src, src_s, L, T, h, (int64_t)D * (int64_t)esz, c->memory, stream, fn);
+      } else { /* device transfers into a host `full`: one copy down, unpack on the host */
+        if (!host_tmp && !(host_tmp = malloc(plane ? plane : 1))) {
+          st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes", plane);
+          break;
+        }
+        st = kvi__cuda_d2h(host_tmp, src, plane, stream, fn);
+        if (st == KVI_OK) st = kvi__cuda_sync(stream, fn);
+        if (st == KVI_OK)
+          st = copy_rows(dst, dst_s, host_tmp, src_s, L, T, h, (int64_t)D * (int64_t)esz, KVI_MEMORY_HOST, NULL, fn);
+      }
+    }
+    free(host_tmp);
+    host_tmp = NULL;
+  }
+  if (st == KVI_OK && is_root && cuda && v.memory == KVI_MEMORY_HOST) st = kvi__cuda_sync(stream, fn);
+  for (int32_t r = 0; bufs && r < c->size; r++) buf_free(c, bufs[r], stream, fn);
+  if (entered) kvi__cuda_leave(&dg);
+  free(ops);
+  free(bufs);
+  return st;
+}
+
+/* ------------------------------------------------------------------------ */
+/* agreement of the fact sets                                               */
+/* ------------------------------------------------------------------------ */
+
+static uint64_t mix(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  return x ^ (x >> 33);
+}
+
+KVI_API kvi_status kvi_store_check_agreement(kvi_store *store) {
+  static const char fn[] = "kvi_store_check_agreement";
+  if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
+  if (!store->comm) return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "the store was created without a communicator");
+  kvi_comm *c = store->comm;
+  /* an order-free digest: sums of two independent hashes of every fact */
+  uint64_t me[3] = {0, 0, 0};
+  kvi__store_lock(store);
+  for (size_t i = 0; i < store->facts.cap; i++) {
+    const fact *f = store->facts.slots[i].val;
+    if (!f) continue;
+    const uint64_t x = mix(f->tenant_id) ^ mix(f->id + 0x9e3779b97f4a7c15ull) ^ mix((uint64_t)f->tokens << 1 | 1);
+    me[0]++;
+    me[1] += mix(x);
+    me[2] += mix(x ^ 0x5851f42d4c957f2dull);
+  }
+  kvi__store_unlock(store);
+  uint64_t *all = calloc((size_t)c->size * 3, sizeof *all);
+  if (!all) {
+    uint64_t spare[3 * 1024];
+    kvi__comm_allgather_host(c, me, spare, sizeof me, fn);
+    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d digests", (int)c->size);
+  }
+  kvi_status st = kvi__comm_allgather_host(c, me, all, sizeof me, fn);
+  for (int32_t r = 1; st == KVI_OK && r < c->size; r++)
+    if (memcmp(all + 3 * r, all, sizeof me) != 0)
+      st = kvi__fail(KVI_ERR_MISMATCH, fn,
+                     "the ranks hold different facts: rank 0 has %llu, rank %d has %llu%s", (unsigned long long)all[0],
+                     (int)r, (unsigned long long)all[3 * r],
+                     all[0] == all[3 * r] ? " (same count, different ids or token counts)" : "");
+  free(all);
+  return st;
+}
+
+/* ------------------------------------------------------------------------ */
+/* sharded retrieval                                                        */
+/* ------------------------------------------------------------------------ */
+
+/* A rank's block: header, then its nq x k ids, scores and nq counts. */
+static size_t block_bytes(int32_t nq, int32_t k) {
+  const size_t n = (size_t)nq * (size_t)k;
+  const size_t b = sizeof(kvi__shard_hdr) + n * 8 + n * 4 + (size_t)nq * 4;
+  return (b + 15) / 16 * 16;
+}
+
+static uint64_t query_digest(const uint64_t *tenants, int32_t nq, int32_t k) {
+  uint64_t h = fnv(0xcbf29ce484222325ull, &k, sizeof k);
+  h = fnv(h, &nq, sizeof nq);
+  return fnv(h, tenants, (size_t)nq * sizeof *tenants);
+}
+
+/* The CPU merge (the reference for the kernel): candidate j of rank r lands
+ * at j plus the number of candidates of every other rank that rank before it
+ * (score descending, NaN as -infinity, then id ascending; ids are distinct
+ * across ranks, as each fact's embedding is on one rank). */
+static float key(float s) { return isnan(s) ? -INFINITY : s; }
+
+static bool before(float sa, uint64_t ia, float sb, uint64_t ib) {
+  sa = key(sa);
+  sb = key(sb);
+  return sa > sb || (sa == sb && ia < ib);
+}
+
+static void merge_host(const char *blocks, size_t bb, int32_t size, int32_t nq, int32_t k, uint64_t *out_ids,
+                       float *out_scores, int32_t *out_counts) {
+  const size_t n = (size_t)nq * (size_t)k;
+  for (int32_t q = 0; q < nq; q++) {
+    int64_t total = 0;
+    for (int32_t j = 0; j < k; j++) {
+      out_ids[(size_t)q * k + j] = KVI_SEARCH_NO_ID;
+      out_scores[(size_t)q * k + j] = -INFINITY;
+    }
+    for (int32_t r = 0; r < size; r++) {
+      const char *b = blocks + (size_t)r * bb + sizeof(kvi__shard_hdr);
+      const uint64_t *ids = (const uint64_t *)b + (size_t)q * k;
+      const float *sc = (const float *)(b + n * 8) + (size_t)q * k;
+      const int32_t cnt = ((const int32_t *)(b + n * 12))[q];
+      total += cnt;
+      for (int32_t j = 0; j < cnt; j++) {
+        int64_t pos = j;
+        for (int32_t o = 0; o < size; o++) {
+          if (o == r) continue;
+          const char *ob = blocks + (size_t)o * bb + sizeof(kvi__shard_hdr);
+          const uint64_t *oid = (const uint64_t *)ob + (size_t)q * k;
+          const float *osc = (const float *)(ob + n * 8) + (size_t)q * k;
+          int32_t lo = 0, hi = ((const int32_t *)(ob + n * 12))[q];
+          while (lo < hi) { /* candidates of o that rank before (sc[j], ids[j]) */
+            const int32_t mid = (lo + hi) / 2;
+            if (before(osc[mid], oid[mid], sc[j], ids[j])) lo = mid + 1;
+            else hi = mid;
+          }
+          pos += lo;
+        }
+        if (pos < k) {
+          out_ids[(size_t)q * k + pos] = ids[j];
+          out_scores[(size_t)q * k + pos] = sc[j];
+        }
+      }
+    }
+    out_counts[q] = total < k ? (int32_t)total : k;
+  }
+}
+
+kvi_status kvi__shard_search(kvi_store *s, const void *queries, kvi_dtype qt, kvi_memory qm, int32_t nq,
+                             const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
+                             int32_t *out_counts, kvi_memory om, uint64_t ws, struct CUstream_st *stream,
+                             const char *fn) {
+  kvi_comm *c = s->comm;
+  const size_t bb = block_bytes(nq, k), n = (size_t)nq * (size_t)k;
+  const kvi__shard_hdr hdr0 = {0, nq, k, 0, query_digest(tenants, nq, k)};
+  kvi_status st = KVI_OK;
+  if (c->memory == KVI_MEMORY_HOST) { /* the in-process transport: all on the host */
+    char *mine = malloc(bb), *all = malloc(bb * (size_t)c->size);
+    char spare[64];
+    if (!mine || !all) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes", bb * (size_t)c->size);
+    if (st == KVI_OK)
+      st = kvi__search_local(s, queries, qt, qm, nq, tenants, k, (uint64_t *)(mine + sizeof hdr0),
+                             (float *)(mine + sizeof hdr0 + n * 8), (int32_t *)(mine + sizeof hdr0 + n * 12),
+                             KVI_MEMORY_HOST, ws, stream, fn);
+    kvi__shard_hdr hdr = hdr0;
+    hdr.status = (int32_t)st;
+    if (mine) memcpy(mine, &hdr, sizeof hdr);
+    /* the block size follows from nq and k, which every rank passes alike */
+    kvi_status sx = mine && all ? kvi__comm_allgather(c, mine, all, bb, stream, fn)
+                                : kvi__comm_allgather_host(c, spare, spare, 0, fn);
+    if (st == KVI_OK) st = sx;
+    for (int32_t r = 0; st == KVI_OK && r < c->size; r++) {
+      kvi__shard_hdr h;
+      memcpy(&h, all + (size_t)r * bb, sizeof h);
+      if (h.status != KVI_OK)
+        st = kvi__fail(KVI_ERR_PEER, fn, "rank %d failed its part of the search: %s", (int)r,
+                       kvi_status_string((kvi_status)h.status));
+      else if (h.digest != hdr0.digest || h.nq != nq || h.k != k)
+        st = kvi__fail(KVI_ERR_MISMATCH, fn, "rank %d searched other tenants, query count or k than rank %d", (int)r,
+                       (int)c->rank);
+    }
+    if (st == KVI_OK) merge_host(all, bb, c->size, nq, k, out_ids, out_scores, out_counts);
+    free(mine);
+    free(all);
+    return st;
+  }
+
+  /* NCCL: local search, all-gather and merge, all enqueued on `stream` */
+  kvi__devguard dg;
+  if ((st = kvi__cuda_enter(c->device, &dg, fn))) return st; /* peers wait: a dead device fails them in NCCL */
+  char *mine = NULL, *all = NULL, *tmp = NULL;
+  const size_t out_bytes = n * 12 + (size_t)nq * 4 + 16;
+  st = kvi__cuda_malloc_async((void **)&mine, bb, stream, fn);
+  if (st == KVI_OK) st = kvi__cuda_malloc_async((void **)&all, bb * (size_t)c->size, stream, fn);
+  if (st == KVI_OK && om == KVI_MEMORY_HOST) st = kvi__cuda_malloc_async((void **)&tmp, out_bytes, stream, fn);
+  if (st == KVI_OK)
+    st = kvi__search_local(s, queries, qt, qm, nq, tenants, k, (uint64_t *)(mine + sizeof hdr0),
+                           (float *)(mine + sizeof hdr0 + n * 8), (int32_t *)(mine + sizeof hdr0 + n * 12),
+                           KVI_MEMORY_DEVICE, ws, stream, fn);
+  kvi__shard_hdr hdr = hdr0;
+  hdr.status = (int32_t)st;
+  if (mine) {
+    const kvi_status sh = kvi__cuda_h2d(mine, &hdr, sizeof hdr, stream, fn);
+    if (st == KVI_OK) st = sh;
+    if (sh == KVI_OK && all) { /* join the exchange whenever the block exists */
+      const kvi_status sx = kvi__comm_allgather(c, mine, all, bb, stream, fn);
+      if (st == KVI_OK) st = sx;
+    }
+  }
+  int32_t flag = 0;
+  if (st == KVI_OK) {
+    uint64_t *ids = om == KVI_MEMORY_HOST ? (uint64_t *)tmp : out_ids;
+    float *sc = om == KVI_MEMORY_HOST ? (float *)(tmp + n * 8) : out_scores;
+    int32_t *cnt = om == KVI_MEMORY_HOST ? (int32_t *)(tmp + n * 12) : out_counts;
+    const kvi__merge_args a = {all, (int64_t)bb, c->size, nq, k, hdr0.digest, ids, sc, cnt};
+#ifdef KVI_HAVE_CUDA
+    const int e = kvi__cuda_shard_merge(&a, stream);
+#else
+    (void)a;
+    const int e = 0;
+    st = kvi__fail(KVI_ERR_NOT_BUILT, fn, "no CUDA in this build");
+#endif
+    if (e) st = kvi__cuda_error(e, fn, "the merge kernel");
+    if (st == KVI_OK && om == KVI_MEMORY_HOST) {
+      st = kvi__cuda_d2h(out_ids, ids, n * 8, stream, fn);
+      if (st == KVI_OK) st = kvi__cuda_d2h(out_scores, sc, n * 4, stream, fn);
+      if (st == KVI_OK) st = kvi__cuda_d2h(out_counts, cnt, (size_t)nq * 4, stream, fn);
+      if (st == KVI_OK) st = kvi__cuda_sync(stream, fn);
+      for (int32_t q = 0; st == KVI_OK && q < nq; q++)
+        if (out_counts[q] < 0) flag = out_counts[q];
+    }
+  }
+  kvi__cuda_free_async(mine, stream, fn);
+  kvi__cuda_free_async(all, stream, fn);
+  kvi__cuda_free_async(tmp, stream, fn);
+  kvi__cuda_leave(&dg);
+  if (st == KVI_OK && flag) {
+    for (int32_t q = 0; q < nq; q++) out_counts[q] = 0;
+    st = kvi__fail(flag == -1 ? KVI_ERR_PEER : KVI_ERR_MISMATCH, fn,
+                   flag == -1 ? "another rank failed its part of the search"
+                              : "the ranks searched other tenants, query counts or k");
+  }
+  return st;
+}
