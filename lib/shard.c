@@ -40,9 +40,25 @@ static void rank_heads(const kvi__geom *g, int32_t r, int32_t *first, int32_t *c
   }
 }
 
+/* Before a control exchange on an NCCL communicator: the caller's stream
+ * has no NCCL work left running, so that two NCCL operations of one
+ * communicator never run at once on two streams. */
+static kvi_status drain(kvi_comm *c, struct CUstream_st *stream, const char *fn) {
+  if (c->memory != KVI_MEMORY_DEVICE) return KVI_OK;
+  kvi__devguard g;
+  kvi_status st = kvi__cuda_enter(c->device, &g, fn);
+  if (st) return st;
+  st = kvi__cuda_sync(stream, fn);
+  kvi__cuda_leave(&g);
+  return st;
+}
+
 /* After every rank reported `local`: KVI_OK when all did, else this rank's
- * own error, or KVI_ERR_PEER naming the first rank that failed. */
-static kvi_status combine(kvi_comm *c, kvi_status local, const char *fn) {
+ * own error, or KVI_ERR_PEER naming the first rank that failed. `stream`
+ * (NCCL) is drained first. */
+static kvi_status combine(kvi_comm *c, kvi_status local, struct CUstream_st *stream, const char *fn) {
+  const kvi_status sd = drain(c, stream, fn);
+  if (local == KVI_OK) local = sd;
   int32_t *all = malloc((size_t)c->size * sizeof *all);
   const int32_t mine = (int32_t)local;
   kvi_status st = all ? kvi__comm_allgather_host(c, &mine, all, sizeof mine, fn)
@@ -228,7 +244,10 @@ typedef struct op_rec { /* what every rank says before a scatter or gather */
 
 /* Exchanges op records; checks that the ranks agree on tenant, fact and
  * root, and that none failed. On success *root_rec is root's record. */
-static kvi_status exchange_op(kvi_comm *c, op_rec *me, op_rec *root_rec, const char *fn) {
+static kvi_status exchange_op(kvi_comm *c, op_rec *me, op_rec *root_rec, struct CUstream_st *stream,
+                              const char *fn) {
+  const kvi_status sd = drain(c, stream, fn);
+  if (me->status == KVI_OK) me->status = (int32_t)sd;
   op_rec *all = calloc((size_t)c->size, sizeof *all);
   if (!all) { /* take part anyway */
     op_rec spare[1024];
@@ -255,12 +274,13 @@ static kvi_status exchange_op(kvi_comm *c, op_rec *me, op_rec *root_rec, const c
 typedef struct comm_gate {
   kvi__gate gate;
   kvi_comm *comm;
+  struct CUstream_st *stream;
   const char *fn;
 } comm_gate;
 
 static kvi_status comm_decide(kvi__gate *g, kvi_status local) {
   comm_gate *cg = (comm_gate *)g;
-  return combine(cg->comm, local, cg->fn);
+  return combine(cg->comm, local, cg->stream, cg->fn);
 }
 
 static kvi_status check_collective(const kvi_store *s, int32_t root, const char *fn) {
@@ -308,7 +328,7 @@ KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, uint64_t tenant, uint
   }
   me.status = (int32_t)st;
   op_rec rr;
-  if ((st = exchange_op(c, &me, &rr, fn))) {
+  if ((st = exchange_op(c, &me, &rr, stream, fn))) {
     free(emb);
     return st;
   }
@@ -319,7 +339,7 @@ KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, uint64_t tenant, uint
     kvi_status st2 = e ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating an embedding");
     const kvi_status sb = kvi__comm_bcast_host(c, e ? e : &spare, e ? (size_t)E * sizeof *e : sizeof spare, root, fn);
     if (st2 == KVI_OK) st2 = sb;
-    if ((st = combine(c, st2, fn))) {
+    if ((st = combine(c, st2, stream, fn))) {
       if (!is_root) free(e);
       free(emb);
       return st;
@@ -370,8 +390,8 @@ KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, uint64_t tenant, uint
     ops[nops++] = (kvi__p2p){is_root ? r : root, is_root, bufs[r], 2 * plane};
   }
   /* every rank joins the transfer only if every rank could prepare it */
-  st = combine(c, st, fn);
-  if (st == KVI_OK) st = combine(c, kvi__comm_p2p(c, ops, nops, stream, fn), fn);
+  st = combine(c, st, stream, fn);
+  if (st == KVI_OK) st = combine(c, kvi__comm_p2p(c, ops, nops, stream, fn), stream, fn);
 
   /* each rank puts its slice; the gate commits on every rank or on none */
   if (st == KVI_OK) {
@@ -388,7 +408,7 @@ KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, uint64_t tenant, uint
       const size_t plane = (size_t)L * T * h * D * esz;
       mine = packed_view(c->memory, dt, L, T, h, D, bufs[c->rank], (char *)bufs[c->rank] + plane);
     }
-    comm_gate gate = {{comm_decide}, c, fn};
+    comm_gate gate = {{comm_decide}, c, stream, fn};
     st = kvi__store_put_view(store, tenant, fact_id, &mine, rr.flags, emb, stream, &gate.gate, fn);
     emb = NULL; /* owned by the put */
   } else if (emb && !is_root) {
@@ -440,12 +460,12 @@ KVI_API kvi_status kvi_store_gather(kvi_store *store, uint64_t tenant, uint64_t 
                    (int)me.tokens);
   me.status = (int32_t)st;
   op_rec rr;
-  if ((st = exchange_op(c, &me, &rr, fn))) return st;
+  if ((st = exchange_op(c, &me, &rr, stream, fn))) return st;
   if (me.tokens != rr.tokens) /* every rank compares with root: all see the same answer */
     st = kvi__fail(KVI_ERR_MISMATCH, fn, "fact %llu of tenant %llu has %d tokens on rank %d and %d on root rank %d",
                    (unsigned long long)fact_id, (unsigned long long)tenant, (int)me.tokens, (int)c->rank,
                    (int)rr.tokens, (int)root);
-  if ((st = combine(c, st, fn))) return st;
+  if ((st = combine(c, st, stream, fn))) return st;
 
   const int32_t T = rr.tokens;
   const kvi_dtype dt = (kvi_dtype)rr.dtype;
@@ -481,8 +501,8 @@ KVI_API kvi_status kvi_store_gather(kvi_store *store, uint64_t tenant, uint64_t 
     mine.v = (char *)v.v + off;
     st = kvi_store_read(store, tenant, fact_id, &mine, stream);
   }
-  st = combine(c, st, fn);
-  if (st == KVI_OK) st = combine(c, kvi__comm_p2p(c, ops, nops, stream, fn), fn);
+  st = combine(c, st, stream, fn);
+  if (st == KVI_OK) st = combine(c, kvi__comm_p2p(c, ops, nops, stream, fn), stream, fn);
   /* root: unpack what arrived */
   void *host_tmp = NULL;
   for (int32_t r = 0; st == KVI_OK && is_root && r < c->size; r++) {
