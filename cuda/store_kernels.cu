@@ -13,6 +13,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cfloat>
+
 #include "convert.cuh"
 #include "kernels.h"
 
@@ -129,11 +131,72 @@ int launch3(const kvi__copy_args *a, cudaStream_t s) {
   return (int)cudaGetLastError();
 }
 
+/* fp8 stores: a CTA per (page, layer, plane, head) group, the unit a scale
+ * covers. Put: amax over the group's tokens (a first read), the scale, then
+ * the e4m3 bytes (a second read, from L2); read: e4m3 * scale. The scale and
+ * the rounding are lib/convert.c's (kvi__fp8_*), operation for operation, so
+ * the bytes equal the CPU's. Not the injector's hot path: scalar accesses,
+ * coalesced along d. */
+template <typename V, bool TO_PAGES>
+__global__ void __launch_bounds__(256) fp8_kernel(const kvi__copy_args a) {
+  __shared__ float s_red[8];
+  const int groups = a.L * 2 * a.H;
+  const int64_t total = (int64_t)a.count * groups;
+  for (int64_t u = blockIdx.x; u < total; u += gridDim.x) { /* uniform over the CTA */
+    const int pi = (int)(u / groups), grp = (int)(u % groups);
+    const int h = grp % a.H, kv = (grp / a.H) % 2, l = grp / (2 * a.H);
+    const int t0 = pi * a.P; /* first token of the page, within this launch */
+    const int n = min(a.P, a.num_tokens - t0), m = n * a.D;
+    uint8_t *page = static_cast<uint8_t *>(a.pool) + (int64_t)a.pages[pi] * a.page_elems;
+    uint8_t *g = page + (int64_t)grp * a.P * a.D;
+    float *scale = reinterpret_cast<float *>(page + a.scale_off) + grp;
+    V *vb = const_cast<V *>(static_cast<const V *>(kv ? a.vv : a.vk)) + (int64_t)l * a.layer_stride +
+            (int64_t)(a.token_first + t0) * a.token_stride + (int64_t)h * a.head_stride;
+    if (TO_PAGES) {
+      float amax = 0.0f;
+      for (int i = threadIdx.x; i < m; i += blockDim.x) {
+        const int t = i / a.D, d = i - t * a.D;
+        const float ax = fabsf(kvi::cvt<V>::to(vb[(int64_t)t * a.token_stride + d]));
+        if (ax <= FLT_MAX && ax > amax) amax = ax; /* NaN and infinities skipped */
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = amax;
+      __syncthreads();
+      amax = s_red[0];
+      for (int w = 1; w < (int)(blockDim.x >> 5); w++) amax = fmaxf(amax, s_red[w]);
+      float sc = __fdiv_rn(amax, KVI__FP8_STORE_MAX);
+      if (sc < KVI__FP8_SCALE_MIN) sc = KVI__FP8_SCALE_MIN;
+      for (int i = threadIdx.x; i < m; i += blockDim.x) {
+        const int t = i / a.D, d = i - t * a.D;
+        const float x = kvi::cvt<V>::to(vb[(int64_t)t * a.token_stride + d]);
+        g[i] = kvi::cvt<kvi::fp8e4>::from(__fdiv_rn(x, sc)).b;
+      }
+      if (threadIdx.x == 0) *scale = sc;
+      __syncthreads(); /* s_red is reused by the next group */
+    } else {
+      const float sc = *scale;
+      for (int i = threadIdx.x; i < m; i += blockDim.x) {
+        const int t = i / a.D, d = i - t * a.D;
+        vb[(int64_t)t * a.token_stride + d] = kvi::cvt<V>::from(__fmul_rn(kvi::cvt<kvi::fp8e4>::to(kvi::fp8e4{g[i]}), sc));
+      }
+    }
+  }
+}
+
+template <typename V, bool TO_PAGES> int launch_fp8(const kvi__copy_args *a, cudaStream_t s) {
+  int64_t blocks = (int64_t)a->count * a->L * 2 * a->H;
+  if (blocks > 65535) blocks = 65535; /* grid-stride beyond this */
+  fp8_kernel<V, TO_PAGES><<<(unsigned)blocks, 256, 0, s>>>(*a);
+  return (int)cudaGetLastError();
+}
+
 template <typename V, bool TO_PAGES> int launch2(const kvi__copy_args *a, cudaStream_t s) {
   switch (a->page_dtype) {
   case KVI_DTYPE_FP32: return launch3<V, float, TO_PAGES>(a, s);
   case KVI_DTYPE_FP16: return launch3<V, __half, TO_PAGES>(a, s);
   case KVI_DTYPE_BF16: return launch3<V, __nv_bfloat16, TO_PAGES>(a, s);
+  case KVI_DTYPE_FP8_E4M3: return launch_fp8<V, TO_PAGES>(a, s);
   }
   return (int)cudaErrorInvalidValue;
 }

@@ -35,6 +35,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <cfloat>
 #include <type_traits>
 
 #include "convert.cuh"
@@ -82,8 +83,49 @@ template <typename T, int E> __device__ inline void st(T *p, const float *in) {
 }
 
 template <typename T, int E> __device__ inline void to_f32(float *x, const Vec<T, E> &r) {
+  if constexpr (std::is_same<T, fp8e4>::value && E % 2 == 0) { /* two per conversion instruction; exact */
 #pragma unroll
-  for (int i = 0; i < E; i++) x[i] = cvt<T>::to(r.v[i]);
+    for (int i = 0; i < E; i += 2) {
+      const __nv_fp8x2_storage_t pr = (__nv_fp8x2_storage_t)(r.v[i].b | (unsigned)r.v[i + 1].b << 8);
+      const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pr, __NV_E4M3)));
+      x[i] = f.x;
+      x[i + 1] = f.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < E; i++) x[i] = cvt<T>::to(r.v[i]);
+  }
+}
+
+/* fp8 stores (kernels.h): the scale of a group whose largest finite |x| is
+ * amax, and that largest finite |x| of n values, as lib/convert.c has them. */
+__device__ inline float fp8_scale_of(float amax) {
+  const float s = __fdiv_rn(amax, KVI__FP8_STORE_MAX);
+  return s < KVI__FP8_SCALE_MIN ? KVI__FP8_SCALE_MIN : s;
+}
+
+__device__ inline float finite_amax(const float *v, int n) {
+  float m = 0.0f;
+  for (int i = 0; i < n; i++) {
+    const float a = fabsf(v[i]);
+    if (a <= FLT_MAX && a > m) m = a; /* NaN and infinities skipped */
+  }
+  return m;
+}
+
+/* Capture into an fp8 store: phase 1 folds the group's amax into its slot
+ * (non-negative floats order as their bits), phase 2 divides by the scale
+ * that the slot's amax gives; the caller then stores (phase 2 only). */
+template <typename G> __device__ inline void to_store(float *v, int n, float *slot, int phase) {
+  if constexpr (is_fp8<G>::value) {
+    if (phase == 1) {
+      const float m = finite_amax(v, n);
+      if (m > 0.0f) atomicMax(reinterpret_cast<unsigned *>(slot), __float_as_uint(m));
+    } else {
+      const float sc = fp8_scale_of(*slot);
+      for (int i = 0; i < n; i++) v[i] = __fdiv_rn(v[i], sc);
+    }
+  }
 }
 
 /* fp8 caches hold value / scale (the divide convention). */
@@ -140,6 +182,8 @@ struct Ctx {
   int64_t page_row0;   /* page element offset of (layer, plane 0, head 0, first token) */
   int64_t page_head;   /* page elements between heads: P * D */
   int64_t head_stride; /* cache elements between heads */
+  float *gs;           /* fp8 stores: the page's scales of this layer, K heads then V heads */
+  int phase;           /* kvi__xfer_args.phase */
 };
 
 /* K's rotated part: a unit is E pairs of one (head, token), read as two
@@ -154,6 +198,7 @@ __device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, cons
     G *pg[BR];
     C *cr[BR];
     unsigned ci[BR], hh[BR];
+    float gsc[BR]; /* fp8 stores: the page scale, loaded with the data */
 #pragma unroll
     for (int b = 0; b < BR; b++) {
       const unsigned it = base + b * THREADS;
@@ -171,6 +216,7 @@ __device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, cons
       const unsigned off_b = NEOX ? half : E;
       ld<S, E>(va[b], src);
       ld<S, E>(vb[b], src + off_b);
+      if constexpr (INJECT && is_fp8<G>::value) gsc[b] = x.gs[h];
     }
 #pragma unroll
     for (int b = 0; b < BR; b++) {
@@ -184,6 +230,9 @@ __device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, cons
       to_f32<S, E>(v, va[b]);
       to_f32<S, E>(v + E, vb[b]);
       if (INJECT) {
+        if constexpr (is_fp8<G>::value)
+#pragma unroll
+          for (int i = 0; i < 2 * E; i++) v[i] = __fmul_rn(v[i], gsc[b]);
         rotate<E, NEOX, true>(v, c);
         scale_for_cache<C>(v, 2 * E, is_fp8<C>::value ? ks[h] : 1.0f);
         st<C, E>(cr[b], v);
@@ -191,6 +240,8 @@ __device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, cons
       } else {
         scale_from_cache<C>(v, 2 * E, is_fp8<C>::value ? ks[h] : 1.0f);
         rotate<E, NEOX, false>(v, c);
+        to_store<G>(v, 2 * E, is_fp8<G>::value ? x.gs + h : nullptr, x.phase);
+        if (is_fp8<G>::value && x.phase == 1) continue;
         st<G, E>(pg[b], v);
         st<G, E>(pg[b] + off_b, v + E);
       }
@@ -211,6 +262,8 @@ __device__ inline void plain(const Ctx &x, G *page, C *kc, C *vc, unsigned rot, 
     G *pg[BP];
     C *cr[BP];
     float sc[BP];
+    unsigned gi[BP]; /* fp8 stores: index of the page scale in x.gs */
+    float gsc[BP];
 #pragma unroll
     for (int b = 0; b < BP; b++) {
       unsigned it = base + b * THREADS;
@@ -235,7 +288,9 @@ __device__ inline void plain(const Ctx &x, G *page, C *kc, C *vc, unsigned rot, 
       pg[b] = page + x.page_row0 + (isv ? plane : 0) + h * x.page_head + (int64_t)j * x.D + d;
       cr[b] = (isv ? vc : kc) + coff + h * x.head_stride + d;
       sc[b] = is_fp8<C>::value ? (isv ? vs : ks)[h] : 1.0f;
+      gi[b] = (isv ? x.H : 0u) + h;
       ld<S, E>(v[b], INJECT ? (const S *)pg[b] : (const S *)cr[b]);
+      if constexpr (INJECT && is_fp8<G>::value) gsc[b] = x.gs[gi[b]];
     }
 #pragma unroll
     for (int b = 0; b < BP; b++) {
@@ -243,10 +298,15 @@ __device__ inline void plain(const Ctx &x, G *page, C *kc, C *vc, unsigned rot, 
       float f[E];
       to_f32<S, E>(f, v[b]);
       if (INJECT) {
+        if constexpr (is_fp8<G>::value)
+#pragma unroll
+          for (int i = 0; i < E; i++) f[i] = __fmul_rn(f[i], gsc[b]);
         scale_for_cache<C>(f, E, sc[b]);
         st<C, E>(cr[b], f);
       } else {
         scale_from_cache<C>(f, E, sc[b]);
+        to_store<G>(f, E, is_fp8<G>::value ? x.gs + gi[b] : nullptr, x.phase);
+        if (is_fp8<G>::value && x.phase == 1) continue;
         st<G, E>(pg[b], f);
       }
     }
@@ -267,6 +327,16 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
   G *page = static_cast<G *>(a.pool) + (int64_t)sg.page * a.page_elems;
   const int l0 = a.layer_begin + (int)blockIdx.y * a.layers_per_cta;
   const int l1 = min(l0 + a.layers_per_cta, a.layer_end);
+  float *gs = nullptr; /* fp8 stores: the page's scales, [layer][K, V][head] */
+  if constexpr (is_fp8<G>::value) {
+    gs = reinterpret_cast<float *>(reinterpret_cast<char *>(page) + a.scale_off);
+    if (!INJECT && (a.phase == 0 || a.phase == 3)) { /* a page's slots, by its first segment */
+      if (sg.tok0 == 0)
+        for (int i = l0 * 2 * a.H + (int)threadIdx.x; i < l1 * 2 * a.H; i += THREADS)
+          gs[i] = a.phase == 0 ? 0.0f : fp8_scale_of(gs[i]);
+      return;
+    }
+  }
   for (unsigned j = threadIdx.x; j < ntok; j += THREADS) {
     const kvi__xreq rq = reinterpret_cast<const kvi__xreq *>(plan + a.o_reqs)[sg.req];
     const int32_t *table = rq.table ? rq.table : reinterpret_cast<const int32_t *>(plan + rq.table_off);
@@ -291,6 +361,7 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
   x.HM = HM;
   x.page_head = (int64_t)a.P * a.D;
   x.head_stride = a.head_stride;
+  x.phase = a.phase;
   int cur = -1; /* rope_id whose cos/sin are in shared memory */
   for (int l = l0; l < l1; l++) {
     const kvi__xlayer ly = a.layers[l];
@@ -311,6 +382,7 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
     }
     x.page_row0 = ((int64_t)l * 2 * a.H * a.P + sg.tok0) * a.D;
     const float *ks = a.k_scale + l * a.H, *vs = a.v_scale + l * a.H;
+    x.gs = gs ? gs + l * 2 * a.H : nullptr;
     C *kc = reinterpret_cast<C *>(ly.k), *vc = reinterpret_cast<C *>(ly.v);
     if (rot) {
       if (ly.style == 1)
@@ -334,6 +406,8 @@ template <typename G, typename C, int E> int launch4(const kvi__xfer_args *a, cu
 }
 
 template <typename G, typename C> int launch3(const kvi__xfer_args *a, cudaStream_t s) {
+  if constexpr (is_fp8<G>::value) /* 16 e4m3 bytes: one 16-byte load */
+    if (a->vec == 16) return launch4<G, C, 16>(a, s);
   return a->vec == 8 ? launch4<G, C, 8>(a, s) : launch4<G, C, 1>(a, s);
 }
 
@@ -357,6 +431,7 @@ extern "C" int kvi__cuda_transfer(const kvi__xfer_args *a, struct CUstream_st *s
   case KVI_DTYPE_FP32: return launch2<float>(a, s);
   case KVI_DTYPE_FP16: return launch2<__half>(a, s);
   case KVI_DTYPE_BF16: return launch2<__nv_bfloat16>(a, s);
+  case KVI_DTYPE_FP8_E4M3: return launch2<fp8e4>(a, s);
   }
   return (int)cudaErrorInvalidValue;
 }

@@ -3,10 +3,12 @@
  * bit for bit on finite values (round to nearest, ties to even).
  * SPDX-License-Identifier: Apache-2.0
  */
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
 #include "internal.h"
+#include "kernels.h"
 
 static inline uint32_t f32_bits(float f) {
   uint32_t u;
@@ -167,3 +169,26 @@ static float from_fp8(uint8_t b, const fp8_fmt *f) {
 uint8_t kvi__f32_to_fp8(float x, kvi_dtype t) { return to_fp8(x, t == KVI_DTYPE_FP8_E5M2 ? &E5M2 : &E4M3); }
 
 float kvi__fp8_to_f32(uint8_t b, kvi_dtype t) { return from_fp8(b, t == KVI_DTYPE_FP8_E5M2 ? &E5M2 : &E4M3); }
+
+/* ---- fp8 fact storage: one scale per (page, layer, K/V, head) ------------- */
+
+float kvi__fp8_amax(float amax, const float *x, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    const float a = fabsf(x[i]);
+    if (a <= FLT_MAX && a > amax) amax = a; /* false for NaN and infinities */
+  }
+  return amax;
+}
+
+float kvi__fp8_scale(float amax) {
+  const float s = amax / KVI__FP8_STORE_MAX; /* one fp32 division, as the kernels do */
+  return s < KVI__FP8_SCALE_MIN ? KVI__FP8_SCALE_MIN : s;
+}
+
+void kvi__fp8_quantize(uint8_t *dst, const float *x, int64_t n, float scale) {
+  for (int64_t i = 0; i < n; i++) dst[i] = kvi__f32_to_fp8(x[i] / scale, KVI_DTYPE_FP8_E4M3);
+}
+
+void kvi__fp8_dequantize(float *dst, const uint8_t *src, int64_t n, float scale) {
+  for (int64_t i = 0; i < n; i++) dst[i] = kvi__fp8_to_f32(src[i], KVI_DTYPE_FP8_E4M3) * scale;
+}

@@ -40,6 +40,17 @@ uint16_t kvi__f32_to_f16(float f);  /* round to nearest even; overflow -> inf */
 uint8_t kvi__f32_to_fp8(float x, kvi_dtype t); /* E4M3/E5M2: nearest even, saturating, NaN kept */
 float kvi__fp8_to_f32(uint8_t b, kvi_dtype t);
 
+/* fp8 fact storage (KVI_DTYPE_FP8_E4M3 stores; the constants live in
+ * kernels.h so the kernels share them). A group is one (page, layer, K/V,
+ * head): amax is the largest finite |x| of its values in fp32 (NaN and
+ * infinities skipped), scale = max(amax / 448, 2^-126) in fp32, each value is
+ * stored as e4m3(x / scale) (nearest even, saturating: infinities become
+ * +-448, NaN stays NaN) and read back as e4m3 * scale. */
+float kvi__fp8_amax(float amax, const float *x, int64_t n); /* amax folded over n more values */
+float kvi__fp8_scale(float amax);
+void kvi__fp8_quantize(uint8_t *dst, const float *x, int64_t n, float scale);
+void kvi__fp8_dequantize(float *dst, const uint8_t *src, int64_t n, float scale);
+
 bool kvi__dtype_is_float(kvi_dtype t); /* FP32, FP16, BF16 */
 const char *kvi__dtype_name(kvi_dtype t);
 

@@ -14,6 +14,15 @@
 extern "C" {
 #endif
 
+/* fp8 fact storage (e4m3): a page holds its elements as bytes at the
+ * offsets below, then, at scale_off (16-byte aligned), one fp32 scale per
+ * (layer l, plane kv, local head h) at index (l * 2 + kv) * H + h: the scale
+ * of that head's tokens in that page. scale = max(amax / KVI__FP8_STORE_MAX,
+ * KVI__FP8_SCALE_MIN) with amax the largest finite |x| (fp32 division);
+ * stored byte = e4m3(x / scale), saturating; value = e4m3 * scale. */
+#define KVI__FP8_STORE_MAX 448.0f
+#define KVI__FP8_SCALE_MIN 0x1p-126f
+
 /* Pages handled by one launch; the list travels by value in the kernel's
  * parameters (1 KiB), so a launch needs no device-side table. */
 #define KVI__LAUNCH_PAGES 256
@@ -36,7 +45,8 @@ typedef struct kvi__copy_args {
   void *pool;         /* base of the page pool */
   int32_t page_dtype; /* storage dtype */
   int32_t P;          /* tokens per page */
-  int64_t page_elems; /* elements per page: L * 2 * H * P * D */
+  int64_t page_elems; /* page stride in elements: L * 2 * H * P * D (fp8: page bytes) */
+  int64_t scale_off;  /* fp8 stores: byte offset of the scales in a page, else 0 */
   /* this launch: `count` pages covering tokens [token_first, token_first + num_tokens) */
   int32_t count;
   int32_t token_first;
@@ -89,7 +99,8 @@ typedef struct kvi__xreq {
 typedef struct kvi__xfer_args {
   /* store pages */
   void *pool;
-  int64_t page_elems;
+  int64_t page_elems; /* page stride in elements (fp8 stores: page bytes) */
+  int64_t scale_off;  /* fp8 stores: byte offset of the scales in a page */
   int32_t page_dtype;
   int32_t P;
   int32_t L, H, D;
@@ -113,7 +124,11 @@ typedef struct kvi__xfer_args {
   int32_t seg_tokens;     /* no segment is longer */
   int32_t half_max;       /* largest rot/2 over the layers */
   int32_t inject;         /* 1: pages -> cache (rotate); 0: cache -> pages (un-rotate) */
-  int32_t vec;            /* 8: 8-element vectors (host checked alignment), else 1 */
+  int32_t vec;            /* 16 (fp8 stores only) or 8: vectors of that many elements
+                             (host checked alignment), else 1 */
+  int32_t phase;          /* capture into an fp8 store, four launches: 0 zero the
+                             pages' amax slots, 1 fold amax in (atomicMax), 2 write
+                             e4m3 bytes, 3 turn amax into scales; else 2 */
   unsigned long long *skipped; /* device-visible counter of skipped tokens */
   uint64_t inline_plan[KVI__INLINE_PLAN / 8];
 } kvi__xfer_args;

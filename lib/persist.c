@@ -24,6 +24,7 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <float.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -37,6 +38,7 @@
 #include <unistd.h>
 
 #include "internal.h"
+#include "kernels.h"
 #include "persist_internal.h"
 #include "store_internal.h"
 
@@ -188,7 +190,7 @@ static unsigned char *make_header(const kvi_store *s, uint64_t file_id, size_t *
   put32(h + 72, (uint32_t)s->emb_dtype); /* how the store keeps embeddings (payloads are fp32, exact) */
   put32(h + 76, (uint32_t)s->metric);
   put32(h + 80, ROPE_BYTES);
-  put32(h + 84, 0);
+  put32(h + 84, s->fp8 ? (uint32_t)s->P : 0u); /* fp8: scales are per page of P tokens */
   rope_entries(h + HDR_FIXED, s->rope, g->num_layers);
   put32(h + len - 4, kvi__crc32c(0, h, len - 4));
   *out_len = len;
@@ -214,9 +216,16 @@ static uint64_t token_bytes(const kvi_store *s) {
          kvi_dtype_size(s->dtype);
 }
 
-/* A stored fact's record payload: embedding, then K, then V. */
+/* fp8 stores: bytes of the scales of a fact of `tokens` tokens (one fp32 per
+ * page, layer, K/V and head); 0 for other dtypes. */
+static uint64_t scale_bytes(uint64_t tokens, int32_t P, int32_t L, int32_t H) {
+  return P > 0 ? (tokens + (uint64_t)P - 1u) / (uint64_t)P * 2u * (uint64_t)L * (uint64_t)H * 4u : 0u;
+}
+
+/* A stored fact's record payload: embedding, then K, then V, then (fp8) the scales. */
 static uint64_t put_payload(const kvi_store *s, int32_t tokens) {
-  return (uint64_t)s->emb_dim * 4u + (uint64_t)tokens * token_bytes(s);
+  return (uint64_t)s->emb_dim * 4u + (uint64_t)tokens * token_bytes(s) +
+         scale_bytes((uint64_t)tokens, s->fp8 ? s->P : 0, s->geom.num_layers, s->geom.local_heads);
 }
 
 static uint64_t put_record_bytes(const kvi_store *s, int32_t tokens) { return REC_HDR + pad8(put_payload(s, tokens)); }
@@ -239,7 +248,14 @@ static kvi_status fill_put(const kvi_store *s, unsigned char *rec, uint64_t tena
   kvi_kv_view v;
   kvi_kv_view_contiguous(&v, KVI_MEMORY_HOST, s->dtype, g->num_layers, tokens, g->local_heads, g->head_size, p,
                          p + plane);
-  return kvi__store_read_pages(s, pages, tokens, &v, fn);
+  if (!s->fp8) return kvi__store_read_pages(s, pages, tokens, &v, NULL, fn);
+  const size_t sb = (size_t)scale_bytes((uint64_t)tokens, s->P, g->num_layers, g->local_heads);
+  float *scales = malloc(sb);
+  if (!scales) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes of scales", sb);
+  const kvi_status st = kvi__store_read_pages(s, pages, tokens, &v, scales, fn);
+  if (st == KVI_OK) memcpy(p + 2 * plane, scales, sb); /* after V; not float-aligned in general */
+  free(scales);
+  return st;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -708,6 +724,7 @@ typedef struct loader {
   kvi_store *s;
   int32_t L, H, D, E;
   kvi_dtype dtype;
+  int32_t P; /* fp8 files: tokens per scale, else 0 */
   uint64_t token_bytes;
 } loader;
 
@@ -793,7 +810,10 @@ static kvi_status read_header(loader *ld, const kvi_model *model, const kvi_stor
     goto out;
   }
   const int32_t L = (int32_t)get32(h + 32);
-  if (L < 1 || L > MAX_LAYERS || hb != HDR_BYTES(L) || get32(h + 80) != ROPE_BYTES || get32(h + 84) != 0) {
+  const uint32_t fp8_P = get32(h + 84); /* page_tokens of an fp8 file, else 0 */
+  const bool fp8_file = get32(h + 64) == (uint32_t)KVI_DTYPE_FP8_E4M3;
+  if (L < 1 || L > MAX_LAYERS || hb != HDR_BYTES(L) || get32(h + 80) != ROPE_BYTES ||
+      (fp8_file ? fp8_P < 1 || fp8_P > 4096 : fp8_P != 0)) {
     st = corrupt(ld, 32, "inconsistent header (%d layers, %llu header bytes)", (int)L, (unsigned long long)hb);
     goto out;
   }
@@ -821,6 +841,12 @@ static kvi_status read_header(loader *ld, const kvi_model *model, const kvi_stor
   if (dt != o->dtype) {
     st = kvi__fail(KVI_ERR_INCOMPATIBLE, ld->fn, "%s: the file holds %s facts, opts->dtype is %s", ld->path,
                    kvi__dtype_name(dt), kvi__dtype_name(o->dtype));
+    goto out;
+  }
+  if (fp8_file && fp8_P != (uint32_t)o->page_tokens) {
+    st = kvi__fail(KVI_ERR_INCOMPATIBLE, ld->fn,
+                   "%s: the file's fp8 facts have a scale per page of %u tokens, opts->page_tokens is %d", ld->path,
+                   fp8_P, (int)o->page_tokens);
     goto out;
   }
   const int32_t E = (int32_t)get32(h + 68);
@@ -951,7 +977,8 @@ static kvi_status next_record(const loader *ld, const unsigned char *body, uint6
   if (r->op != OP_PUT) return corrupt(ld, off, "unknown record type %u", r->op);
   uint64_t want;
   if (r->tokens < 1 || __builtin_mul_overflow((uint64_t)r->tokens, ld->token_bytes, &want) ||
-      __builtin_add_overflow(want, (uint64_t)ld->E * 4u, &want))
+      __builtin_add_overflow(want, (uint64_t)ld->E * 4u, &want) ||
+      __builtin_add_overflow(want, scale_bytes((uint64_t)r->tokens, ld->P, ld->L, ld->H), &want))
     return corrupt(ld, off, "fact record with %d tokens", (int)r->tokens);
   if (r->payload != want)
     return corrupt(ld, off, "fact record of %d tokens with %llu payload bytes; the geometry needs %llu", (int)r->tokens,
@@ -964,6 +991,16 @@ static kvi_status next_record(const loader *ld, const unsigned char *body, uint6
     float x;
     memcpy(&x, r->data + 4 * (size_t)i, 4);
     if (!isfinite(x)) return corrupt(ld, off, "embedding[%d] of fact %llu is %g", (int)i, (unsigned long long)r->id, (double)x);
+  }
+  /* fp8 scales are what kvi__fp8_scale can give: 2^-126 .. FLT_MAX / 448 */
+  const uint64_t nsc = scale_bytes((uint64_t)r->tokens, ld->P, ld->L, ld->H) / 4u;
+  const unsigned char *sc = r->data + (size_t)ld->E * 4u + (size_t)r->tokens * (size_t)ld->token_bytes;
+  for (uint64_t i = 0; i < nsc; i++) {
+    float x;
+    memcpy(&x, sc + 4 * (size_t)i, 4);
+    if (!(x >= KVI__FP8_SCALE_MIN && x <= FLT_MAX / KVI__FP8_STORE_MAX))
+      return corrupt(ld, off, "fp8 scale %llu of fact %llu is %g", (unsigned long long)i, (unsigned long long)r->id,
+                     (double)x);
   }
   *at += REC_HDR + pad8(r->payload);
   return KVI_OK;
@@ -992,7 +1029,16 @@ static kvi_status apply(const loader *ld, const rec *r, bool in_log, uint64_t eo
   kvi_kv_view_contiguous(&v, KVI_MEMORY_HOST, ld->dtype, ld->L, r->tokens, ld->H, ld->D, (void *)k, (void *)(k + plane));
   kvi_put_options po = KVI_PUT_OPTIONS_INIT;
   po.embedding = ld->E ? r->data : NULL;
-  st = kvi_store_put(ld->s, r->tenant, r->id, &v, &po, NULL);
+  if (ld->P > 0) { /* fp8: bytes and scales as they were (the scales copied to aligned memory) */
+    const size_t sb = (size_t)scale_bytes((uint64_t)r->tokens, ld->P, ld->L, ld->H);
+    float *scales = malloc(sb);
+    if (!scales) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, ld->fn, "allocating %zu bytes of scales", sb);
+    memcpy(scales, k + 2 * plane, sb);
+    st = kvi__store_put_raw(ld->s, r->tenant, r->id, &v, scales, &po, ld->fn);
+    free(scales);
+  } else {
+    st = kvi_store_put(ld->s, r->tenant, r->id, &v, &po, NULL);
+  }
   if (st) {
     char msg[400];
     snprintf(msg, sizeof msg, "%s", kvi_last_error());
@@ -1148,6 +1194,7 @@ KVI_API kvi_status kvi_store_load(kvi_store **out, const kvi_model *model, const
   ld.D = model->geom.head_size;
   ld.E = so.embedding_dim;
   ld.dtype = so.dtype;
+  ld.P = so.dtype == KVI_DTYPE_FP8_E4M3 ? so.page_tokens : 0;
   ld.token_bytes = 2u * (uint64_t)ld.L * (uint64_t)ld.H * (uint64_t)ld.D * kvi_dtype_size(so.dtype);
   if ((st = kvi_store_create(&ld.s, model, opts))) goto fail;
   ld.s->emb_as_kept = true; /* the file's embeddings are already scaled and rounded: kept bit for bit */

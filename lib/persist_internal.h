@@ -43,9 +43,17 @@ void kvi__journal_free(kvi__journal *j);
 
 struct fact;
 
-/* Reads `tokens` tokens of K and V from `pages` into a host view. */
+/* Reads `tokens` tokens of K and V from `pages` into a host view. For an fp8
+ * store, `host` has the store's dtype and receives the e4m3 bytes as they
+ * are, and scales[ceil(tokens / P) * L * 2 * H] the pages' scales
+ * ([page][layer][K, V][head]); else scales is NULL. */
 kvi_status kvi__store_read_pages(const kvi_store *s, const uint32_t *pages, int32_t tokens, const kvi_kv_view *host,
-                                 const char *fn);
+                                 float *scales, const char *fn);
+
+/* kvi_store_put of what kvi__store_read_pages gave for an fp8 store: the
+ * bytes and scales are kept as they are (a store file loads bit for bit). */
+kvi_status kvi__store_put_raw(kvi_store *s, uint64_t tenant, uint64_t id, const kvi_kv_view *host, const float *scales,
+                              const kvi_put_options *opts, const char *fn);
 
 /* A stored fact's embedding as emb_dim fp32 values. */
 kvi_status kvi__store_fact_embedding(const kvi_store *s, const struct fact *f, float *out, const char *fn);

@@ -409,7 +409,7 @@ KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, uint64_t tenant, uint
       mine = packed_view(c->memory, dt, L, T, h, D, bufs[c->rank], (char *)bufs[c->rank] + plane);
     }
     comm_gate gate = {{comm_decide}, c, stream, fn};
-    st = kvi__store_put_view(store, tenant, fact_id, &mine, rr.flags, emb, stream, &gate.gate, fn);
+    st = kvi__store_put_view(store, tenant, fact_id, &mine, rr.flags, emb, NULL, stream, &gate.gate, fn);
     emb = NULL; /* owned by the put */
   } else if (emb && !is_root) {
     free(emb);

@@ -56,24 +56,53 @@ void kvi__store_unlock(const kvi_store *s) { pthread_mutex_unlock((pthread_mutex
 /* ------------------------------------------------------------------------ */
 
 /* Copies tokens [tok0, tok0 + ntok) (tok0 on a page boundary) between the
- * view and the pages whose addresses are pages[0..]. */
-static void cpu_copy(const kvi_store *s, const kvi_kv_view *v, int32_t tok0, int32_t ntok,
-                     char *const *pages, bool to_pages) {
+ * view and the pages whose addresses are pages[0..]. An fp8 store quantizes
+ * each (page, layer, plane, head) group with its own scale (kernels.h);
+ * `raw` (persist.c) moves e4m3 bytes as they are, with the pages' scales
+ * at raw[(fact page index) * L * 2 * H + ...] (a view of the store's dtype). */
+static void cpu_copy(const kvi_store *s, const kvi_kv_view *v, int32_t tok0, int32_t ntok, char *const *pages,
+                     bool to_pages, float *raw) {
   const kvi__geom *g = &s->geom;
   const int32_t L = g->num_layers, H = g->local_heads, D = g->head_size, P = s->P;
   const size_t ve = kvi_dtype_size(v->dtype), pe = kvi_dtype_size(s->dtype);
+  float row[1024]; /* head_size <= 1024 (model.c) */
   for (int32_t l = 0; l < L; l++)
     for (int kv = 0; kv < 2; kv++) {
       char *base = (char *)(kv ? v->v : v->k);
       for (int32_t h = 0; h < H; h++)
-        for (int32_t t = 0; t < ntok; t++) {
-          const int32_t tok = tok0 + t;
-          char *row = base + (size_t)(l * v->layer_stride + tok * v->token_stride + h * v->head_stride) * ve;
-          char *pg = pages[t / P] + (size_t)((((int64_t)l * 2 + kv) * H + h) * P + tok % P) * D * pe;
-          if (to_pages)
-            kvi__convert(pg, s->dtype, row, v->dtype, D);
-          else
-            kvi__convert(row, v->dtype, pg, s->dtype, D);
+        for (int32_t t0 = 0; t0 < ntok; t0 += P) { /* one page's tokens */
+          const int32_t n = ntok - t0 < P ? ntok - t0 : P, grp = (l * 2 + kv) * H + h;
+#define VR(t) (base + (size_t)(l * v->layer_stride + (tok0 + t0 + (t)) * v->token_stride + h * v->head_stride) * ve)
+#define PR(t) (pages[t0 / P] + (size_t)((int64_t)grp * P + (t)) * D * pe)
+          float *scale = s->fp8 ? (float *)(pages[t0 / P] + s->scale_off) + grp : NULL;
+          float *rscale = raw ? raw + ((size_t)(tok0 + t0) / (size_t)P * (size_t)(2 * L * H) + (size_t)grp) : NULL;
+          if (!s->fp8 || raw) { /* plain conversion, or e4m3 bytes as they are */
+            for (int32_t t = 0; t < n; t++)
+              if (to_pages)
+                kvi__convert(PR(t), s->dtype, VR(t), v->dtype, D);
+              else
+                kvi__convert(VR(t), v->dtype, PR(t), s->dtype, D);
+            if (raw && to_pages) *scale = *rscale;
+            else if (raw) *rscale = *scale;
+          } else if (to_pages) {
+            float amax = 0.0f;
+            for (int32_t t = 0; t < n; t++) {
+              kvi__convert(row, KVI_DTYPE_FP32, VR(t), v->dtype, D);
+              amax = kvi__fp8_amax(amax, row, D);
+            }
+            *scale = kvi__fp8_scale(amax);
+            for (int32_t t = 0; t < n; t++) {
+              kvi__convert(row, KVI_DTYPE_FP32, VR(t), v->dtype, D);
+              kvi__fp8_quantize((uint8_t *)PR(t), row, D, *scale);
+            }
+          } else {
+            for (int32_t t = 0; t < n; t++) {
+              kvi__fp8_dequantize(row, (const uint8_t *)PR(t), D, *scale);
+              kvi__convert(VR(t), v->dtype, row, KVI_DTYPE_FP32, D);
+            }
+          }
+#undef VR
+#undef PR
         }
     }
 }
@@ -100,7 +129,8 @@ static kvi_status cuda_copy_device(const kvi_store *s, const kvi_kv_view *v, con
   a.pool = s->pool.base;
   a.page_dtype = (int32_t)s->dtype;
   a.P = s->P;
-  a.page_elems = (int64_t)s->page_elems;
+  a.page_elems = page_stride_elems(s);
+  a.scale_off = (int64_t)s->scale_off;
   const uint32_t npages = pages_for(s, tokens);
   for (uint32_t p0 = 0; p0 < npages; p0 += KVI__LAUNCH_PAGES) {
     const uint32_t n = npages - p0 < KVI__LAUNCH_PAGES ? npages - p0 : KVI__LAUNCH_PAGES;
@@ -123,7 +153,7 @@ static kvi_status cuda_copy_device(const kvi_store *s, const kvi_kv_view *v, con
  * store's copy stream; complete when this returns. Runs of consecutive page
  * ids move as one copy. */
 static kvi_status cuda_copy_host(const kvi_store *s, const kvi_kv_view *v, const uint32_t *pages,
-                                 int32_t tokens, bool to_pages, const char *fn) {
+                                 int32_t tokens, bool to_pages, float *raw, const char *fn) {
   const uint32_t npages = pages_for(s, tokens);
   char *stage[KVI__LAUNCH_PAGES];
   kvi_status st = KVI_OK;
@@ -132,7 +162,7 @@ static kvi_status cuda_copy_host(const kvi_store *s, const kvi_kv_view *v, const
     const int32_t tok0 = (int32_t)p0 * s->P;
     const int32_t ntok = tokens - tok0 < (int32_t)n * s->P ? tokens - tok0 : (int32_t)n * s->P;
     for (uint32_t i = 0; i < n; i++) stage[i] = s->staging + (uint64_t)i * s->page_bytes;
-    if (to_pages) cpu_copy(s, v, tok0, ntok, stage, true);
+    if (to_pages) cpu_copy(s, v, tok0, ntok, stage, true, raw);
     for (uint32_t i = 0; i < n && st == KVI_OK;) {
       uint32_t run = 1;
       while (i + run < n && pages[p0 + i + run] == pages[p0 + i] + run) run++;
@@ -144,24 +174,28 @@ static kvi_status cuda_copy_host(const kvi_store *s, const kvi_kv_view *v, const
     }
     kvi_status st2 = kvi__cuda_sync(s->copy_stream, fn); /* staging is reused next round */
     if (st == KVI_OK) st = st2;
-    if (st == KVI_OK && !to_pages) cpu_copy(s, v, tok0, ntok, stage, false);
+    if (st == KVI_OK && !to_pages) cpu_copy(s, v, tok0, ntok, stage, false, raw);
   }
   return st;
 }
 
+/* raw: see cpu_copy (host views only). */
 static kvi_status copy_fact(const kvi_store *s, const kvi_kv_view *v, const uint32_t *pages,
-                            int32_t tokens, bool to_pages, struct CUstream_st *stream, const char *fn) {
+                            int32_t tokens, bool to_pages, float *raw, struct CUstream_st *stream, const char *fn) {
   if (s->backend == KVI_BACKEND_CPU) {
     uint32_t npages = pages_for(s, tokens);
     char **addr = malloc(npages * sizeof *addr);
     if (!addr) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %u page addresses", npages);
     for (uint32_t i = 0; i < npages; i++) addr[i] = page_addr(s, pages[i]);
-    cpu_copy(s, v, 0, tokens, addr, to_pages);
+    cpu_copy(s, v, 0, tokens, addr, to_pages, raw);
     free(addr);
     return KVI_OK;
   }
-  if (v->memory == KVI_MEMORY_DEVICE) return cuda_copy_device(s, v, pages, tokens, to_pages, stream, fn);
-  return cuda_copy_host(s, v, pages, tokens, to_pages, fn);
+  if (v->memory == KVI_MEMORY_DEVICE) {
+    if (raw) return kvi__fail(KVI_ERR_INTERNAL, fn, "raw fp8 copies take host views");
+    return cuda_copy_device(s, v, pages, tokens, to_pages, stream, fn);
+  }
+  return cuda_copy_host(s, v, pages, tokens, to_pages, raw, fn);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -289,10 +323,11 @@ static kvi_status create_local(kvi_store **out, const kvi_model *model, const kv
   const kvi_store_options o = *opts;
   kvi_status st;
 
-  if (o.dtype == KVI_DTYPE_FP8_E4M3 || o.dtype == KVI_DTYPE_FP8_E5M2)
-    return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "fp8 fact storage is not supported in this version; use bf16 or fp16");
-  if (!kvi__dtype_is_float(o.dtype))
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->dtype is %d, expected KVI_DTYPE_BF16, FP16 or FP32", (int)o.dtype);
+  if (o.dtype == KVI_DTYPE_FP8_E5M2)
+    return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "fp8 e5m2 fact storage is not supported; use KVI_DTYPE_FP8_E4M3");
+  if (!kvi__dtype_is_float(o.dtype) && o.dtype != KVI_DTYPE_FP8_E4M3)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->dtype is %d, expected KVI_DTYPE_BF16, FP16, FP32 or FP8_E4M3",
+                     (int)o.dtype);
   if (o.page_tokens < 1 || o.page_tokens > 4096)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->page_tokens is %d, expected 1..4096", (int)o.page_tokens);
   if (o.embedding_dim < 0 || o.embedding_dim > 65536)
@@ -308,13 +343,20 @@ static kvi_status create_local(kvi_store **out, const kvi_model *model, const kv
   /* page_elems = L * 2 * H * P * D; each factor is bounded, the product fits in 64 bits */
   const uint64_t page_elems = (uint64_t)g->num_layers * 2u * (uint64_t)g->local_heads * (uint64_t)o.page_tokens *
                               (uint64_t)g->head_size;
-  const uint64_t page_bytes = page_elems * kvi_dtype_size(o.dtype);
+  /* fp8: the e4m3 bytes, then one fp32 scale per (layer, plane, head), each
+   * part 16-byte aligned so every page keeps the kernels' vector alignment */
+  const bool fp8 = o.dtype == KVI_DTYPE_FP8_E4M3;
+  const uint64_t scale_off = fp8 ? (page_elems + 15u) & ~(uint64_t)15u : 0;
+  const uint64_t page_bytes =
+      fp8 ? scale_off + (((uint64_t)g->num_layers * 2u * (uint64_t)g->local_heads * 4u + 15u) & ~(uint64_t)15u)
+          : page_elems * kvi_dtype_size(o.dtype);
   if (o.budget_bytes < page_bytes)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
                      "opts->budget_bytes is %llu, smaller than one page (%llu bytes: %d tokens x %d layers x 2 x "
-                     "%d heads x %d x %zu bytes)",
+                     "%d heads x %d x %zu bytes%s)",
                      (unsigned long long)o.budget_bytes, (unsigned long long)page_bytes, (int)o.page_tokens,
-                     (int)g->num_layers, (int)g->local_heads, (int)g->head_size, kvi_dtype_size(o.dtype));
+                     (int)g->num_layers, (int)g->local_heads, (int)g->head_size, kvi_dtype_size(o.dtype),
+                     fp8 ? ", then the scales" : "");
   const uint64_t npages = o.budget_bytes / page_bytes;
   if (npages >= UINT32_MAX)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->budget_bytes gives %llu pages, more than 2^32 - 1; use larger pages",
@@ -341,6 +383,8 @@ static kvi_status create_local(kvi_store **out, const kvi_model *model, const kv
   s->stage_row_bytes = (size_t)s->emb_ld * kvi_dtype_size(o.embedding_dtype) + 16;
   s->page_elems = page_elems;
   s->page_bytes = page_bytes;
+  s->fp8 = fp8;
+  s->scale_off = scale_off;
   s->pool.tier = s->backend == KVI_BACKEND_CUDA ? TIER_DEVICE : TIER_HOST;
   s->pool.npages = (uint32_t)npages;
   s->pool.nfree = (uint32_t)npages;
@@ -806,6 +850,7 @@ static void unlink_fact(kvi_store *s, fact *f) {
   kvi__map_del(&s->facts, f->tenant_id, f->id);
   release_pages(s, f->pages, f->npages);
   s->tokens_stored -= (uint64_t)f->tokens;
+  s->pages_stored -= f->npages;
 }
 
 void kvi__store_commit(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, tenant *fresh, float **emb,
@@ -848,11 +893,12 @@ void kvi__store_commit(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, te
   t->count++;
   kvi__map_put(&s->facts, tenant_id, fact_id, f);
   s->tokens_stored += (uint64_t)tokens;
+  s->pages_stored += need;
 }
 
 kvi_status kvi__store_put_view(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *v,
-                               uint32_t flags, float *emb, struct CUstream_st *stream, kvi__gate *gate,
-                               const char *fn) {
+                               uint32_t flags, float *emb, const float *raw, struct CUstream_st *stream,
+                               kvi__gate *gate, const char *fn) {
   kvi_status st = KVI_OK;
   bool rows = false; /* embedding rows reserved */
   const uint32_t need = pages_for(store, v->num_tokens);
@@ -877,7 +923,7 @@ kvi_status kvi__store_put_view(kvi_store *store, uint64_t tenant_id, uint64_t fa
   bool copied = false;
   if (st == KVI_OK) {
     for (uint32_t i = 0; i < need; i++) pages[i] = store->pool.free[store->pool.nfree - 1 - i];
-    WITH_DEVICE(store, fn, st, copy_fact(store, v, pages, v->num_tokens, true, stream, fn));
+    WITH_DEVICE(store, fn, st, copy_fact(store, v, pages, v->num_tokens, true, (float *)raw, stream, fn));
     copied = st == KVI_OK && store->backend == KVI_BACKEND_CUDA && v->memory == KVI_MEMORY_DEVICE;
     if (copied) st = kvi__store_track(store, stream, fn);
   }
@@ -906,19 +952,6 @@ kvi_status kvi__store_put_view(kvi_store *store, uint64_t tenant_id, uint64_t fa
   return KVI_OK;
 }
 
-KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *kv,
-                                 const kvi_put_options *opts, struct CUstream_st *stream) {
-  static const char fn[] = "kvi_store_put";
-  if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
-  kvi_kv_view v;
-  kvi_status st = kvi__view_check(&v, kv, &store->geom, false, fn);
-  if (st) return st;
-  kvi_put_options o;
-  float *emb = NULL;
-  if ((st = kvi__store_put_args(store, &v, opts, &o, &emb, stream, fn))) return st;
-  return kvi__store_put_view(store, tenant_id, fact_id, &v, o.flags, emb, stream, NULL, fn);
-}
-
 kvi_status kvi__store_put_args(const kvi_store *store, const kvi_kv_view *v, const kvi_put_options *opts,
                                kvi_put_options *o, float **emb, struct CUstream_st *stream, const char *fn) {
   const kvi_put_options d = KVI_PUT_OPTIONS_INIT;
@@ -930,6 +963,37 @@ kvi_status kvi__store_put_args(const kvi_store *store, const kvi_kv_view *v, con
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->flags has unknown bits 0x%x", o->flags & ~KVI_PUT_REPLACE);
   if ((st = check_view_memory(store, v, fn, "kv"))) return st;
   return kvi__store_read_embedding(store, o->embedding, o->embedding_dtype, o->embedding_memory, stream, emb, fn);
+}
+
+KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *kv,
+                                 const kvi_put_options *opts, struct CUstream_st *stream) {
+  static const char fn[] = "kvi_store_put";
+  if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
+  kvi_kv_view v;
+  kvi_status st = kvi__view_check(&v, kv, &store->geom, false, fn);
+  if (st) return st;
+  kvi_put_options o;
+  float *emb = NULL;
+  if ((st = kvi__store_put_args(store, &v, opts, &o, &emb, stream, fn))) return st;
+  return kvi__store_put_view(store, tenant_id, fact_id, &v, o.flags, emb, NULL, stream, NULL, fn);
+}
+
+/* kv holds e4m3 bytes of an fp8 store and `scales` the scales of its pages
+ * (persist.c): stored as they are. */
+kvi_status kvi__store_put_raw(kvi_store *s, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *kv,
+                              const float *scales, const kvi_put_options *opts, const char *fn) {
+  if (!s) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
+  kvi_kv_view v, w = *kv;
+  w.dtype = KVI_DTYPE_BF16; /* checked as a 2-byte view (a larger extent), then given its dtype back */
+  kvi_status st = kvi__view_check(&v, &w, &s->geom, false, fn);
+  if (st) return st;
+  if (!s->fp8 || kv->dtype != s->dtype || v.memory != KVI_MEMORY_HOST)
+    return kvi__fail(KVI_ERR_INTERNAL, fn, "raw fp8 puts take host e4m3 views into fp8 stores");
+  v.dtype = kv->dtype;
+  kvi_put_options o;
+  float *emb = NULL;
+  if ((st = kvi__store_put_args(s, &v, opts, &o, &emb, NULL, fn))) return st;
+  return kvi__store_put_view(s, tenant_id, fact_id, &v, o.flags, emb, scales, NULL, NULL, fn);
 }
 
 KVI_API kvi_status kvi_store_remove(kvi_store *store, uint64_t tenant_id, uint64_t fact_id) {
@@ -972,7 +1036,7 @@ KVI_API kvi_status kvi_store_read(const kvi_store *store, uint64_t tenant_id, ui
     st = kvi__fail(KVI_ERR_MISMATCH, fn, "dst->num_tokens is %d, the fact has %d tokens", (int)v.num_tokens,
                    (int)f->tokens);
   else
-    WITH_DEVICE(store, fn, st, copy_fact(store, &v, f->pages, f->tokens, false, stream, fn));
+    WITH_DEVICE(store, fn, st, copy_fact(store, &v, f->pages, f->tokens, false, NULL, stream, fn));
   if (st == KVI_OK && f && store->backend == KVI_BACKEND_CUDA && v.memory == KVI_MEMORY_DEVICE)
     st = kvi__store_track((kvi_store *)store, stream, fn);
   kvi__store_unlock(store);
@@ -1046,9 +1110,9 @@ kvi_status kvi__store_fact_embedding(const kvi_store *s, const struct fact *f, f
 }
 
 kvi_status kvi__store_read_pages(const kvi_store *s, const uint32_t *pages, int32_t tokens, const kvi_kv_view *host,
-                                 const char *fn) {
+                                 float *scales, const char *fn) {
   kvi_status st;
-  WITH_DEVICE(s, fn, st, copy_fact(s, host, pages, tokens, false, NULL, fn));
+  WITH_DEVICE(s, fn, st, copy_fact(s, host, pages, tokens, false, scales, NULL, fn));
   return st;
 }
 
@@ -1112,7 +1176,10 @@ KVI_API kvi_status kvi_store_stats_get(const kvi_store *store, kvi_store_stats *
   s.pages_used = store->pool.npages - store->pool.nfree;
   s.facts = store->facts.len;
   s.tenants = store->tenants.len;
-  s.bytes_payload = store->tokens_stored * (store->page_bytes / (uint64_t)store->P);
+  /* the bytes of stored tokens, plus (fp8) the scales of their pages */
+  const uint64_t token_bytes = store->page_elems / (uint64_t)store->P * kvi_dtype_size(store->dtype);
+  s.bytes_payload = store->tokens_stored * token_bytes +
+                    store->pages_stored * (store->page_bytes - (uint64_t)store->P * token_bytes);
   s.bytes_embeddings = store->emb_bytes;
   kvi__store_unlock(store);
   s.bytes_reserved = s.pages_total * s.page_bytes;

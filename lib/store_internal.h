@@ -64,7 +64,10 @@ struct kvi_store {
   int32_t P;
   int32_t emb_dim;
   uint64_t page_bytes;
-  uint64_t page_elems;
+  uint64_t page_elems; /* elements (of dtype) of K and V in a page: L * 2 * H * P * D */
+  bool fp8;            /* dtype is KVI_DTYPE_FP8_E4M3: scales follow the elements (kernels.h) */
+  uint64_t scale_off;  /* fp8: byte offset of a page's scales (page_elems rounded up to 16) */
+  uint64_t pages_stored; /* pages of stored facts (kvi_store_stats.bytes_payload) */
   pool pool;
   /* CUDA stores: pinned staging and a private stream for host copies */
   char *staging;
@@ -116,6 +119,16 @@ struct kvi_store {
 
 static inline char *page_addr(const kvi_store *s, uint32_t page) {
   return s->pool.base + (uint64_t)page * s->page_bytes;
+}
+
+/* fp8 stores: the scales of a page, (l * 2 + kv) * H + h */
+static inline float *page_scales(const kvi_store *s, uint32_t page) {
+  return (float *)(page_addr(s, page) + s->scale_off);
+}
+
+/* The page stride the kernels use, in elements of the store's dtype. */
+static inline int64_t page_stride_elems(const kvi_store *s) {
+  return s->fp8 ? (int64_t)s->page_bytes : (int64_t)s->page_elems;
 }
 
 static inline uint32_t pages_for(const kvi_store *s, int32_t tokens) {
@@ -178,11 +191,11 @@ typedef struct kvi__gate {
 
 /* The put: stores view v (checked against the store's geometry, memory kind
  * checked) with flags and emb (owned: freed here; NULL for a store without
- * embeddings). With a gate, the gate decides, the lock held and the pages
+ * embeddings); raw: see kvi__store_put_raw (NULL otherwise). With a gate, the gate decides, the lock held and the pages
  * written but not yet taken, whether the fact is committed. */
 kvi_status kvi__store_put_view(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *v,
-                               uint32_t flags, float *emb, struct CUstream_st *stream, kvi__gate *gate,
-                               const char *fn);
+                               uint32_t flags, float *emb, const float *raw, struct CUstream_st *stream,
+                               kvi__gate *gate, const char *fn);
 
 /* kvi_store_put's checks of opts and the view's memory; reads the embedding. */
 kvi_status kvi__store_put_args(const kvi_store *store, const kvi_kv_view *v, const kvi_put_options *opts,

@@ -45,6 +45,7 @@ typedef struct xfer {
   kvi_transfer_options lim;
   bool cuda;
   bool vec_ok;     /* the 8-element vector path is valid for this layout */
+  bool vec16_ok;   /* fp8 stores: 16-element vectors (16-byte page loads) are valid too */
   int32_t max_pos; /* positions must be below this for every rotated layer */
   int32_t seg_tokens; /* longest segment: bounds the kernel's shared memory */
   int32_t half_max;   /* largest rotary_dim / 2 over the layers */
@@ -225,6 +226,23 @@ static bool vector_ok(const xfer *x) {
   return true;
 }
 
+/* fp8 stores read 16 e4m3 bytes (16 elements) per load: D % 16 == 0, rotated
+ * widths in multiples of 32, and every cache row start 16-byte aligned
+ * (16 cache elements are at least 16 bytes). */
+static bool vector16_ok(const xfer *x) {
+  const kvi__cache *c = &x->cache;
+  if (!x->store->fp8 || !x->vec_ok || c->D % 16) return false;
+  for (int32_t l = 0; l < c->L; l++) {
+    const kvi__rope *r = &x->store->rope[l];
+    if (r->style != KVI_ROPE_NONE && r->rotary_dim % 32) return false;
+  }
+  const int64_t es = (int64_t)kvi_dtype_size(c->dtype);
+  if ((c->block_stride * es) % 16 || (c->token_stride * es) % 16 || (c->head_stride * es) % 16) return false;
+  for (int32_t l = 0; l < c->L; l++)
+    if ((uintptr_t)c->k[l] % 16 || (uintptr_t)c->v[l] % 16) return false;
+  return true;
+}
+
 static kvi_status xfer_create(xfer *x, kvi_store *store, const kvi_cache_layout *layout,
                               const kvi_transfer_options *opts, const char *fn) {
   memset(x, 0, sizeof *x);
@@ -244,6 +262,7 @@ static kvi_status xfer_create(xfer *x, kvi_store *store, const kvi_cache_layout 
     if (store->rope[l].style != KVI_ROPE_NONE && kvi__rope_max_positions(&store->rope[l]) < x->max_pos)
       x->max_pos = kvi__rope_max_positions(&store->rope[l]);
   x->vec_ok = vector_ok(x);
+  x->vec16_ok = vector16_ok(x);
   x->half_max = 0;
   for (int32_t l = 0; l < store->geom.num_layers; l++)
     if (store->rope[l].style != KVI_ROPE_NONE && store->rope[l].rotary_dim / 2 > x->half_max)
@@ -492,8 +511,13 @@ static void store_row(char *dst, kvi_dtype t, float *src, int32_t n, float scale
   }
 }
 
-/* The CPU reference of the fused kernel. */
-static void cpu_transfer(const xfer *x, const plan *p, int32_t lb, int32_t le, bool inject) {
+/* The CPU reference of the fused kernel, one phase of it (kernels.h,
+ * kvi__xfer_args.phase): a capture into an fp8 store runs phases 0 (zero
+ * each page's amax slots), 1 (fold the un-rotated values' largest finite
+ * magnitude into them), 2 (write e4m3(x / scale), the scale derived from the
+ * slot) and 3 (turn the slots into scales), as the kernel does; everything
+ * else is phase 2 alone. */
+static void cpu_transfer(const xfer *x, const plan *p, int32_t lb, int32_t le, bool inject, int phase) {
   const kvi_store *s = x->store;
   const kvi__cache *c = &x->cache;
   const int32_t H = c->H, D = c->D, P = s->P;
@@ -504,6 +528,12 @@ static void cpu_transfer(const xfer *x, const plan *p, int32_t lb, int32_t le, b
     const kvi__xreq *rq = &p->reqs[sg->req];
     const int32_t *table = rq->table ? rq->table : (const int32_t *)(p->buf + rq->table_off);
     const char *page = page_addr(s, sg->page);
+    float *slots = s->fp8 ? page_scales(s, sg->page) : NULL;
+    if (phase == 0 || phase == 3) { /* once per page: its first segment starts at token 0 */
+      if (sg->tok0 == 0)
+        for (int32_t g = lb * 2 * H; g < le * 2 * H; g++) slots[g] = phase == 0 ? 0.0f : kvi__fp8_scale(slots[g]);
+      continue;
+    }
     for (int32_t l = lb; l < le; l++)
       for (int32_t j = 0; j < sg->ntok; j++) {
         const int64_t seq = sg->seq0 + j;
@@ -515,14 +545,18 @@ static void cpu_transfer(const xfer *x, const plan *p, int32_t lb, int32_t le, b
             char *pr = (char *)page + (size_t)((((int64_t)l * 2 + kv) * H + h) * P + sg->tok0 + j) * D * pe;
             char *cr = (kv ? c->v[l] : c->k[l]) + (size_t)(coff + h * c->head_stride) * ce;
             const float scale = (kv ? c->v_scale : c->k_scale)[l * H + h];
+            float *slot = slots ? slots + (l * 2 + kv) * H + h : NULL;
             if (inject) {
-              load_row(row, pr, s->dtype, D, 1.0f);
+              load_row(row, pr, s->dtype, D, slot ? *slot : 1.0f);
               if (kv == 0) kvi__rope_rotate(&s->rope[l], row, pos, false);
               store_row(cr, c->dtype, row, D, scale);
             } else {
               load_row(row, cr, c->dtype, D, scale);
               if (kv == 0) kvi__rope_rotate(&s->rope[l], row, pos, true);
-              store_row(pr, s->dtype, row, D, 1.0f);
+              if (phase == 1)
+                *slot = kvi__fp8_amax(*slot, row, D);
+              else
+                store_row(pr, s->dtype, row, D, slot ? kvi__fp8_scale(*slot) : 1.0f);
             }
           }
       }
@@ -548,7 +582,10 @@ static kvi_status launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool in
 static kvi_status execute(xfer *x, const plan *p, int32_t lb, int32_t le, bool inject, struct CUstream_st *stream,
                           const char *fn) {
   if (!x->cuda) {
-    cpu_transfer(x, p, lb, le, inject);
+    if (!inject && x->store->fp8)
+      for (int phase = 0; phase < 4; phase++) cpu_transfer(x, p, lb, le, false, phase);
+    else
+      cpu_transfer(x, p, lb, le, inject, 2);
     return KVI_OK;
   }
   kvi__devguard g;
@@ -584,7 +621,8 @@ static kvi_status launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool in
     a.inline_bytes = (int32_t)(p->bytes ? p->bytes : 1);
   }
   a.pool = s->pool.base;
-  a.page_elems = (int64_t)s->page_elems;
+  a.page_elems = page_stride_elems(s);
+  a.scale_off = (int64_t)s->scale_off;
   a.page_dtype = (int32_t)s->dtype;
   a.P = s->P;
   a.L = x->cache.L;
@@ -608,12 +646,17 @@ static kvi_status launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool in
   a.seg_tokens = x->seg_tokens;
   a.half_max = x->half_max;
   a.inject = inject;
-  a.vec = x->vec_ok ? 8 : 1;
+  a.vec = x->vec16_ok ? 16 : x->vec_ok ? 8 : 1;
   a.skipped = x->skipped_dev;
 #ifdef KVI_HAVE_CUDA
-  /* the launcher returns (and so clears) the launch error: report that value */
-  const int launch_err = kvi__cuda_transfer(&a, stream);
-  if (launch_err) return kvi__cuda_error(launch_err, fn, inject ? "injection kernel launch" : "capture kernel launch");
+  /* a capture into an fp8 store is four launches (kernels.h: phase), the rest one */
+  const bool phased = !inject && s->fp8;
+  for (int phase = phased ? 0 : 2; phase <= (phased ? 3 : 2); phase++) {
+    a.phase = phase;
+    /* the launcher returns (and so clears) the launch error: report that value */
+    const int launch_err = kvi__cuda_transfer(&a, stream);
+    if (launch_err) return kvi__cuda_error(launch_err, fn, inject ? "injection kernel launch" : "capture kernel launch");
+  }
 #endif
   if (p->sl) {
     if ((st = kvi__cuda_event_record(p->sl->ev, stream, fn))) return st;

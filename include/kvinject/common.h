@@ -157,8 +157,9 @@ typedef enum kvi_dtype {
   KVI_DTYPE_FP32 = 1,
   KVI_DTYPE_FP16 = 2,     /* IEEE binary16 */
   KVI_DTYPE_BF16 = 3,     /* bfloat16 */
-  KVI_DTYPE_FP8_E4M3 = 4, /* OCP e4m3fn (max 448); caches only, not yet stores */
-  KVI_DTYPE_FP8_E5M2 = 5  /* OCP e5m2; caches only, not yet stores */
+  KVI_DTYPE_FP8_E4M3 = 4, /* OCP e4m3fn (max 448); caches, and stores (scaled:
+                             kvinject/store.h), never dense K/V views */
+  KVI_DTYPE_FP8_E5M2 = 5  /* OCP e5m2; caches only */
 } kvi_dtype;
 
 /* Bytes per element of a dtype; 0 for a value that is not a kvi_dtype. */

@@ -117,7 +117,9 @@ KVI_API void kvi_inject_options_init(kvi_inject_options *opts);
 /*
  * Writes every request's facts into the cache: keys rotated at their
  * destination positions (fp32 math), values copied, both converted to the
- * cache dtype (fp8: divided by the cache's scale, saturated). On a CUDA
+ * cache dtype (fp8: divided by the cache's scale, saturated). An fp8 store's
+ * elements are first dequantized with their page's scales (kvinject/store.h),
+ * in the same kernel. On a CUDA
  * store one fused kernel launch covers all requests, facts, layers and heads.
  * reqs: host array of num_requests requests, all with the same struct_size
  * (the library steps through the array by it). opts: NULL for all layers; a
@@ -186,7 +188,9 @@ KVI_API void kvi_capture_init(kvi_capture *cap);
  * Captures facts from the cache into the store: reads each fact's tokens
  * through its block table, dequantizes fp8 with the cache's scales,
  * un-rotates keys at the positions they were written with, and stores
- * pre-RoPE K and V in the store's dtype. All captures of a call go in one
+ * pre-RoPE K and V in the store's dtype (an fp8 store: quantized with a
+ * scale per page, layer, K/V and head from the un-rotated values; on a CUDA
+ * store that is four launches: zero the scales, fold amax, write, finish). All captures of a call go in one
  * fused kernel launch on a CUDA store, and they are all-or-nothing: if one
  * fails its checks (or the store lacks pages for all of them), none is
  * stored. caps: host array, all with the same struct_size.

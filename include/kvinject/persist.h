@@ -135,7 +135,8 @@ KVI_API void kvi_load_options_init(kvi_load_options *opts);
  * opts:      host memory, required (as for kvi_store_create). opts->dtype and
  *            opts->embedding_dim must equal the file's; page_tokens, backend,
  *            device and budget_bytes are free (the budget must hold the
- *            facts).
+ *            facts), except that an fp8 file (scales per page) loads only
+ *            with the page_tokens it was saved with.
  * path:      host memory, a NUL-terminated path.
  * load_opts: host memory, or NULL for KVI_LOAD_OPTIONS_INIT.
  * The file is read with ordinary reads; nothing is allocated before the size

@@ -38,6 +38,35 @@
  * device memory) still reads or writes return to the pool only once that
  * work has completed; a later put that needs them waits for it.
  *
+ * fp8 storage (kvi_store_options.dtype = KVI_DTYPE_FP8_E4M3) halves the
+ * bytes of bf16. Every page keeps, beside its e4m3 elements, one fp32 scale
+ * per (layer, K/V, head) for that page's tokens: a group is one head's tokens
+ * of one page (at most page_tokens of them), finer than a scale per fact.
+ * Writing a group (kvi_store_put from an fp32/fp16/bf16 view, kvi_encode):
+ *   amax  = the largest |x| over the group's finite values (in fp32, after
+ *           conversion from the view's dtype or, for kvi_encode, after
+ *           un-rotation and the cache's own fp8 scale);
+ *   scale = max(amax / 448, 2^-126), one fp32 division;
+ *   byte  = e4m3(x / scale), x / scale one fp32 division, rounded to nearest
+ *           even; as amax maps to 448, only infinities saturate.
+ * Reading (kvi_store_read, kvi_inject): value = e4m3 * scale in fp32, then
+ * (inject) rotation in fp32 and conversion to the cache's dtype, in the same
+ * fused kernel. The CPU and CUDA backends produce the same bytes and scales
+ * for the same input (a capture only where the rotation itself is bit-exact:
+ * an engine cos/sin table). Error: at most 2^-4 relative for values within
+ * 2^-6 * scale .. amax (e4m3's normal range); values below are kept in steps
+ * of 2^-9 * scale; a group of zeros is exact (signed zeros kept).
+ * Non-finite input is accepted, not rejected (device sources and captures
+ * could only report it late): NaN stays NaN; +-infinity is stored as
+ * +-448 * scale, the group's largest finite magnitude rounded to e4m3; both
+ * are left out of amax. kvi_store_stats.page_bytes includes the scales
+ * (16-byte aligned), and store files keep bytes and scales as they are, so a
+ * loaded fp8 store equals the saved one bit for bit (kvinject/persist.h).
+ * page_tokens trades the error against the scales' bytes (4 bytes per group:
+ * 1/32 of a 16-token page of head size 128); 16 (the default) keeps
+ * relative K error within a few percent on LLM-shaped data
+ * (tests/bench/fp8_error.c; BENCHMARKS.md).
+ *
  * Thread rules: every function below may be called from several threads at
  * once on the same store, except kvi_store_destroy, which must not overlap
  * any other call on it. Calls are serialized by a lock in the store.
@@ -133,7 +162,9 @@ typedef struct kvi_store_options {
   kvi_backend backend;    /* default KVI_BACKEND_AUTO */
   int32_t device;         /* CUDA ordinal; -1 (default) = the calling thread's
                              current device. Ignored by the CPU backend. */
-  kvi_dtype dtype;        /* storage type: BF16 (default), FP16 or FP32 */
+  kvi_dtype dtype;        /* storage type: BF16 (default), FP16, FP32 or FP8_E4M3
+                             (scaled per page, layer, K/V and head: see above);
+                             FP8_E5M2 is KVI_ERR_UNSUPPORTED */
   int32_t page_tokens;    /* tokens per page, 1..4096, default 16 */
   uint64_t budget_bytes;  /* memory to reserve for pages (required, >= one page);
                              rounded down to whole pages */
@@ -202,7 +233,8 @@ KVI_API void kvi_put_options_init(kvi_put_options *opts);
 
 /*
  * Stores a fact: kv->num_tokens tokens of pre-RoPE K and V for every layer and
- * local head, converted to the store's dtype (round to nearest even), and the
+ * local head, converted to the store's dtype (round to nearest even; an fp8
+ * store quantizes each page's heads with their own scale, see above), and the
  * embedding: converted to fp32, scaled to unit length for KVI_METRIC_COSINE
  * (in double precision), then rounded to the store's embedding_dtype. It is
  * searchable (kvi_store_search) as soon as this returns.
@@ -232,7 +264,8 @@ KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant, uint64_t fac
 
 /*
  * Copies a stored fact's K and V into `dst`, converted to dst->dtype (FP32,
- * FP16 or BF16). dst->num_tokens must equal the fact's token count and its
+ * FP16 or BF16; an fp8 store's values are e4m3 * scale in fp32, then rounded
+ * to dst->dtype). dst->num_tokens must equal the fact's token count and its
  * other dimensions the model's. A device destination (CUDA store only) is
  * written on `stream`; a host destination is written before the call returns.
  * Errors: KVI_ERR_INVALID_ARGUMENT (NULL, strides that overlap),
@@ -284,14 +317,17 @@ typedef struct kvi_store_stats {
   kvi_dtype dtype;         /* storage dtype */
   int32_t page_tokens;
   int32_t embedding_dim;
-  uint64_t page_bytes;     /* bytes of one page (K and V, all layers, local heads) */
+  uint64_t page_bytes;     /* bytes of one page (K and V, all layers, local heads;
+                              fp8: then the page's scales, both parts rounded up
+                              to 16 bytes) */
   uint64_t pages_total;
   uint64_t pages_used;     /* includes pages of removed facts that wait for
                               in-flight device work before they are reused */
   uint64_t bytes_reserved; /* pages_total * page_bytes */
   uint64_t bytes_used;     /* pages_used * page_bytes */
-  uint64_t bytes_payload;  /* tokens stored * bytes per token (bytes_used minus
-                              the unused tails of last pages) */
+  uint64_t bytes_payload;  /* tokens stored * bytes per token, plus (fp8) the
+                              scales of their pages (bytes_used minus the
+                              unused tails of last pages) */
   uint64_t facts;
   uint64_t tenants;        /* tenants with at least one fact */
   uint64_t bytes_embeddings; /* memory the embedding matrices hold (device

@@ -111,7 +111,9 @@ class Store:
     embedding_dim=..., embedding_dtype=..., metric=...)``; options left None take
     the library's defaults (KVI_STORE_OPTIONS_INIT: AUTO backend, the current
     device, BF16 storage, 16-token pages, no embeddings, FP32 embeddings, inner
-    product). Every method may be called from several threads at once (the C
+    product). ``dtype=DType.FP8_E4M3`` keeps K and V as e4m3 with a scale per
+    (page, layer, K/V, head): half the bytes of bf16; puts and reads still take
+    fp32/fp16/bf16 tensors. Every method may be called from several threads at once (the C
     store has a lock); close() must not overlap them.
     """
 

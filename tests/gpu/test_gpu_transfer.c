@@ -100,7 +100,9 @@ static void make_world(world *w, const scen *sc) {
   set_rope(w);
   kvi_store_options so = KVI_STORE_OPTIONS_INIT;
   so.dtype = sc->store_dtype;
-  so.page_tokens = 16;
+  /* fp8 stores: pages of 64 tokens, so that a page is several capture
+   * segments (CTAs) whose amax meets in the page's scale slots */
+  so.page_tokens = sc->store_dtype == KVI_DTYPE_FP8_E4M3 ? 64 : 16;
   so.budget_bytes = 64u << 20;
   so.backend = KVI_BACKEND_CPU;
   CHECK_OK(kvi_store_create(&w->cpu, w->model, &so));
@@ -208,10 +210,57 @@ static size_t compare_caches(const world *w, bool exact, double rel_tol, double 
   return bad;
 }
 
+/* fp8 stores: a put from device memory (the quantizing kernel) and reads
+ * into device memory (the dequantizing one) equal the CPU store's bit for
+ * bit: same amax, same fp32 scale, same e4m3 bytes. */
+static void check_fp8_device_copies(const world *w) {
+  const scen *sc = &w->sc;
+  const int32_t T = 2 * sc->T + 5; /* pages of 64 tokens: a partial one */
+  const size_t n = (size_t)sc->L * T * sc->H * sc->D;
+  float *k = malloc(n * sizeof *k), *v = malloc(n * sizeof *v), *a = malloc(2 * n * 4), *b = malloc(2 * n * 4);
+  for (size_t i = 0; i < n; i++) k[i] = rndf() * (i % 13 == 5 ? 37.0f : 1.0f), v[i] = rndf();
+  k[7] = 0x1p-140f; /* a subnormal among normals */
+  for (size_t i = 0; i < (size_t)sc->D * 64; i++) v[n - 1 - i] = 0.0f; /* a zero group or more */
+  float *dk, *dv, *dout;
+  CUDA_OK(cudaMalloc((void **)&dk, n * 4));
+  CUDA_OK(cudaMalloc((void **)&dv, n * 4));
+  CUDA_OK(cudaMalloc((void **)&dout, 2 * n * 4));
+  CUDA_OK(cudaMemcpy(dk, k, n * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dv, v, n * 4, cudaMemcpyHostToDevice));
+  kvi_kv_view hv, dvw;
+  kvi_kv_view_contiguous(&hv, KVI_MEMORY_HOST, KVI_DTYPE_FP32, sc->L, T, sc->H, sc->D, k, v);
+  kvi_kv_view_contiguous(&dvw, KVI_MEMORY_DEVICE, KVI_DTYPE_FP32, sc->L, T, sc->H, sc->D, dk, dv);
+  CHECK_OK(kvi_store_put(w->cpu, 3, 1, &hv, NULL, NULL));
+  CHECK_OK(kvi_store_put(w->gpu, 3, 1, &dvw, NULL, NULL));
+  kvi_kv_view ra, rb;
+  kvi_kv_view_contiguous(&ra, KVI_MEMORY_HOST, KVI_DTYPE_FP32, sc->L, T, sc->H, sc->D, a, a + n);
+  kvi_kv_view_contiguous(&rb, KVI_MEMORY_DEVICE, KVI_DTYPE_FP32, sc->L, T, sc->H, sc->D, dout, dout + n);
+  CHECK_OK(kvi_store_read(w->cpu, 3, 1, &ra, NULL));
+  CHECK_OK(kvi_store_read(w->gpu, 3, 1, &rb, NULL));
+  CUDA_OK(cudaMemcpy(b, dout, 2 * n * 4, cudaMemcpyDeviceToHost));
+  size_t bad = 0;
+  for (size_t i = 0; i < 2 * n; i++) bad += memcmp(&a[i], &b[i], 4) != 0;
+  if (bad) fail_msg("fp8 store: device put + device read differ from the CPU store in %zu of %zu elements", bad, 2 * n);
+  /* and a host read of the device-put fact (staging path) */
+  kvi_kv_view_contiguous(&rb, KVI_MEMORY_HOST, KVI_DTYPE_FP32, sc->L, T, sc->H, sc->D, b, b + n);
+  CHECK_OK(kvi_store_read(w->gpu, 3, 1, &rb, NULL));
+  if (memcmp(a, b, 2 * n * 4)) fail_msg("fp8 store: host read of a device put differs from the CPU store");
+  CHECK_OK(kvi_store_remove(w->cpu, 3, 1));
+  CHECK_OK(kvi_store_remove(w->gpu, 3, 1));
+  cudaFree(dk);
+  cudaFree(dv);
+  cudaFree(dout);
+  free(k);
+  free(v);
+  free(a);
+  free(b);
+}
+
 /* Injects the same batch into both caches and compares. */
 static void run_inject(const scen *sc) {
   world w;
   make_world(&w, sc);
+  if (sc->store_dtype == KVI_DTYPE_FP8_E4M3) check_fp8_device_copies(&w);
   kvi_injector *hi, *di;
   CHECK_OK(kvi_injector_create(&hi, w.cpu, &w.hl, NULL));
   CHECK_OK(kvi_injector_create(&di, w.gpu, &w.dl, NULL));
@@ -286,7 +335,9 @@ static void run_inject(const scen *sc) {
     /* one unit of the store dtype or of the cache dtype (the injection
      * comparison above allows caches to differ by one unit), or fp32
      * rounding of the rotation */
-    const double store_unit = sc->store_dtype == KVI_DTYPE_FP32 ? 1e-5 : 1.0 / 64;
+    const double store_unit = sc->store_dtype == KVI_DTYPE_FP32         ? 1e-5
+                              : sc->store_dtype == KVI_DTYPE_FP8_E4M3 ? 1.0 / 8 /* one e4m3 step */
+                                                                      : 1.0 / 64;
     const double cache_unit = sc->cache_dtype == KVI_DTYPE_BF16   ? 1.0 / 64
                               : sc->cache_dtype == KVI_DTYPE_FP16 ? 1.0 / 512
                                                                   : 1e-5;
@@ -332,6 +383,12 @@ SCEN(t_trtllm_fp8, 3, 2, 128, 32, 64, 24, 5, KVI_DTYPE_BF16, KVI_DTYPE_FP8_E4M3,
 SCEN(t_sglang_e5m2, 2, 2, 64, 1, 2048, 12, 4, KVI_DTYPE_FP16, KVI_DTYPE_FP8_E5M2, KVI_CACHE_SGLANG, 1, KVI_SCALE_PER_TENSOR)
 SCEN(t_hf_scalar, 2, 3, 40, 512, 4, 9, 4, KVI_DTYPE_FP32, KVI_DTYPE_BF16, KVI_CACHE_HF_CONTIGUOUS, 3, KVI_SCALE_NONE)
 SCEN(t_fi_yarn_vec, 2, 2, 128, 16, 128, 24, 4, KVI_DTYPE_BF16, KVI_DTYPE_FP32, KVI_CACHE_VLLM_FLASHINFER, 3, KVI_SCALE_NONE)
+/* fp8 stores: exact with a cos/sin table (16-byte e4m3 loads, pages of several segments), an fp8 cache with
+ * its own scales, 8-element vectors (D 80: rotated width not a multiple of 32), the scalar path */
+SCEN(t_fp8s_table, 2, 4, 128, 16, 128, 24, 5, KVI_DTYPE_FP8_E4M3, KVI_DTYPE_BF16, KVI_CACHE_VLLM_FLASH_ATTN_HND, 2, KVI_SCALE_NONE)
+SCEN(t_fp8s_fp8cache, 3, 2, 128, 32, 64, 24, 5, KVI_DTYPE_FP8_E4M3, KVI_DTYPE_FP8_E4M3, KVI_CACHE_TRTLLM, 2, KVI_SCALE_PER_HEAD)
+SCEN(t_fp8s_vec8, 2, 2, 80, 16, 128, 20, 4, KVI_DTYPE_FP8_E4M3, KVI_DTYPE_FP16, KVI_CACHE_VLLM_FLASHINFER, 0, KVI_SCALE_NONE)
+SCEN(t_fp8s_scalar, 2, 3, 40, 512, 4, 9, 4, KVI_DTYPE_FP8_E4M3, KVI_DTYPE_BF16, KVI_CACHE_HF_CONTIGUOUS, 3, KVI_SCALE_NONE)
 
 #ifdef KVI_HAVE_CUDA
 /* A device block table naming blocks outside the cache: those tokens are
@@ -586,6 +643,8 @@ int main(void) {
       cmocka_unit_test(t_fa_bf16),       cmocka_unit_test(t_fi_hnd_fp16),  cmocka_unit_test(t_packed_fp32),
       cmocka_unit_test(t_table_exact),   cmocka_unit_test(t_table_bf16),   cmocka_unit_test(t_trtllm_fp8),
       cmocka_unit_test(t_sglang_e5m2),   cmocka_unit_test(t_hf_scalar),    cmocka_unit_test(t_fi_yarn_vec),
+      cmocka_unit_test(t_fp8s_table),    cmocka_unit_test(t_fp8s_fp8cache), cmocka_unit_test(t_fp8s_vec8),
+      cmocka_unit_test(t_fp8s_scalar),
       cmocka_unit_test(t_bad_device_table), cmocka_unit_test(t_table_memory_kind), cmocka_unit_test(t_deferred_free),
       cmocka_unit_test(t_journal_encode),
   };
