@@ -3,7 +3,10 @@
 # there (the gpu suite for real), then the benchmarks. Run from the
 # repository root. cmocka is not installed there: its Debian packages travel
 # in .debs/ (see README.md, "GPU machine") and are unpacked into a sysroot.
+# Argument: all (default), tests (build, suites, sanitizers) or bench (the
+# benchmarks, on the build a `tests` run left in /tmp/kvi-build).
 set -euo pipefail
+phase=${1:-all}
 out=${OUT:-/tmp/kvi-out}
 mkdir -p "$out"
 sysroot=/tmp/sysroot
@@ -17,6 +20,10 @@ export LD_LIBRARY_PATH=$sysroot/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 build=/tmp/kvi-build
+if [ "$phase" = bench ]; then
+  meson test -C "$build" --benchmark --verbose 2>&1 | tee "$out/bench.log" | grep -E '^\||^\(|device:|GB/s counts|torch'
+  exit "${PIPESTATUS[0]}"
+fi
 rm -rf "$build"
 meson setup "$build" -Dcuda=enabled -Dcublaslt=enabled -Dnccl=enabled -Dtests=enabled \
   -Dcuda-arch=sm_90 --buildtype=release >"$out/setup.log" 2>&1 || { tail -40 "$out/setup.log"; exit 1; }
@@ -32,6 +39,8 @@ grc=${PIPESTATUS[0]}
 trc=${PIPESTATUS[0]}
 "$build"/tests/gpu/test_gpu_search 2>&1 | tee "$out/gpu-search.log"
 qrc=${PIPESTATUS[0]}
+"$build"/tests/gpu/test_gpu_tp 2>&1 | tee "$out/gpu-tp.log"
+tprc=${PIPESTATUS[0]}
 # the Python binding with torch on the device: skips become failures here
 KVINJECT_REQUIRE_CUDA=1 meson test -C "$build" --suite python --no-rebuild --verbose 2>&1 | tee "$out/python.log" |
   grep -E '^test_|Ran |^OK|FAILED|libkvinject:python'
@@ -45,6 +54,9 @@ if command -v compute-sanitizer >/dev/null; then
     r=$?; echo "memcheck $t: rc=$r"; tail -3 "$out/memcheck-$t.log"; [ $r -eq 0 ] || src=1
   done
   unset KVI_TEST_QUICK
+  timeout 300 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 "$build"/tests/gpu/test_gpu_tp \
+    >"$out/memcheck-test_gpu_tp.log" 2>&1
+  r=$?; echo "memcheck test_gpu_tp: rc=$r"; tail -3 "$out/memcheck-test_gpu_tp.log"; [ $r -eq 0 ] || src=1
   # the search kernels' shared-memory protocol (selection) and barriers, on smaller sizes
   for tool in racecheck synccheck; do
     KVI_TEST_QUICK=1 timeout 600 compute-sanitizer --tool $tool --error-exitcode 9 "$build"/tests/gpu/test_gpu_search \
@@ -52,6 +64,7 @@ if command -v compute-sanitizer >/dev/null; then
     r=$?; echo "$tool test_gpu_search: rc=$r"; tail -3 "$out/$tool-test_gpu_search.log"; [ $r -eq 0 ] || src=1
   done
 fi
-meson test -C "$build" --benchmark --verbose 2>&1 | tee "$out/bench.log" | grep -E '^\||device:|GB/s counts|torch'
-echo "meson test rc=$rc, gpu suite rc=$grc, gpu-transfer rc=$trc, gpu-search rc=$qrc, python rc=$prc, memcheck rc=$src"
-[ "$rc" -eq 0 ] && [ "$grc" -eq 0 ] && [ "$trc" -eq 0 ] && [ "$qrc" -eq 0 ] && [ "$prc" -eq 0 ] && [ "$src" -eq 0 ]
+[ "$phase" = all ] && meson test -C "$build" --benchmark --verbose 2>&1 | tee "$out/bench.log" |
+  grep -E '^\||^\(|device:|GB/s counts|torch'
+echo "meson test rc=$rc, gpu suite rc=$grc, gpu-transfer rc=$trc, gpu-search rc=$qrc, gpu-tp rc=$tprc, python rc=$prc, memcheck rc=$src"
+[ "$rc" -eq 0 ] && [ "$grc" -eq 0 ] && [ "$trc" -eq 0 ] && [ "$qrc" -eq 0 ] && [ "$tprc" -eq 0 ] && [ "$prc" -eq 0 ] && [ "$src" -eq 0 ]
