@@ -237,15 +237,13 @@ kvi_status kvi__shard_create(kvi_store *s, const kvi_model *model, const kvi_sto
 /* ------------------------------------------------------------------------ */
 
 typedef struct op_rec { /* what every rank says before a scatter or gather */
-  int32_t status, root, tokens, dtype;
-  uint64_t tenant, fact;
-  uint32_t flags, has_emb;
+  int32_t status, root, n, pad;
+  uint64_t digest; /* of the (tenant, fact id) list */
 } op_rec;
 
-/* Exchanges op records; checks that the ranks agree on tenant, fact and
- * root, and that none failed. On success *root_rec is root's record. */
-static kvi_status exchange_op(kvi_comm *c, op_rec *me, op_rec *root_rec, struct CUstream_st *stream,
-                              const char *fn) {
+/* Exchanges op records; checks that none failed and that the ranks agree
+ * on root and on the list of facts. */
+static kvi_status exchange_op(kvi_comm *c, op_rec *me, struct CUstream_st *stream, const char *fn) {
   const kvi_status sd = drain(c, stream, fn);
   if (me->status == KVI_OK) me->status = (int32_t)sd;
   op_rec *all = calloc((size_t)c->size, sizeof *all);
@@ -259,14 +257,13 @@ static kvi_status exchange_op(kvi_comm *c, op_rec *me, op_rec *root_rec, struct 
   for (int32_t r = 0; st == KVI_OK && r < c->size; r++) {
     if (all[r].status != KVI_OK)
       st = kvi__fail(KVI_ERR_PEER, fn, "rank %d failed: %s", (int)r, kvi_status_string((kvi_status)all[r].status));
-    else if (all[r].tenant != me->tenant || all[r].fact != me->fact || all[r].root != me->root)
+    else if (all[r].n != me->n || all[r].digest != me->digest || all[r].root != me->root)
       st = kvi__fail(KVI_ERR_MISMATCH, fn,
-                     "the ranks disagree: rank %d asks for fact %llu of tenant %llu from root %d, rank %d for fact "
-                     "%llu of tenant %llu from root %d",
-                     (int)c->rank, (unsigned long long)me->fact, (unsigned long long)me->tenant, (int)me->root, (int)r,
-                     (unsigned long long)all[r].fact, (unsigned long long)all[r].tenant, (int)all[r].root);
+                     "the ranks disagree: rank %d passes %d facts (list digest %016llx) with root %d, rank %d passes "
+                     "%d (%016llx) with root %d",
+                     (int)c->rank, (int)me->n, (unsigned long long)me->digest, (int)me->root, (int)r, (int)all[r].n,
+                     (unsigned long long)all[r].digest, (int)all[r].root);
   }
-  if (st == KVI_OK) *root_rec = all[me->root];
   free(all);
   return st;
 }
@@ -283,12 +280,14 @@ static kvi_status comm_decide(kvi__gate *g, kvi_status local) {
   return combine(cg->comm, local, cg->stream, cg->fn);
 }
 
-static kvi_status check_collective(const kvi_store *s, int32_t root, const char *fn) {
+static kvi_status check_collective(const kvi_store *s, int32_t root, const void *items, int32_t n, const char *fn) {
   if (!s) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
   if (!s->comm) return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "the store was created without a communicator");
   if (root < 0 || root >= s->comm_size)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "root is %d, the communicator has %d ranks", (int)root,
                      (int)s->comm_size);
+  if (n < 0 || n > (1 << 20)) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_items is %d, expected 0..2^20", (int)n);
+  if (n > 0 && !items) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "items is NULL");
   return KVI_OK;
 }
 
@@ -300,127 +299,201 @@ static kvi__geom full_geom(const kvi_store *s) {
   return g;
 }
 
-KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, uint64_t tenant, uint64_t fact_id, int32_t root,
-                                         const kvi_kv_view *full, const kvi_put_options *opts,
-                                         struct CUstream_st *stream) {
+/* Items are read through their struct_size (arrays step by items[0]'s). */
+static const void *item_at(const void *items, size_t stride, int32_t i) { return (const char *)items + stride * (size_t)i; }
+
+static uint64_t keys_digest(const void *items, size_t stride, int32_t n) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (int32_t i = 0; i < n; i++) {
+    uint64_t k[2];
+    memcpy(k, (const char *)item_at(items, stride, i) + sizeof(size_t), sizeof k); /* tenant, fact_id */
+    h = fnv(h, k, sizeof k);
+  }
+  return h;
+}
+
+/* What root tells the others about each fact of a scatter. */
+typedef struct item_rec {
+  int32_t tokens, dtype;
+  uint32_t flags, has_emb;
+} item_rec;
+
+/* Bytes of fact i's slice for rank r (K and V), packed [2][L][T][h][D]. */
+static size_t slice_bytes(const kvi__geom *g, int32_t r, int32_t T, size_t esz) {
+  int32_t first, h;
+  rank_heads(g, r, &first, &h);
+  return 2 * (size_t)g->num_layers * (size_t)T * (size_t)h * (size_t)g->head_size * esz;
+}
+
+/* Copies fact slices between full views and packed buffers: K, then V,
+ * heads [first, first + h) of the full view. to_full: packed -> full. */
+static kvi_status pack(const kvi_kv_view *full, void *packed, int32_t first, int32_t h, bool to_full, kvi_memory mem,
+                       struct CUstream_st *stream, const char *fn) {
+  const size_t esz = kvi_dtype_size(full->dtype);
+  const int32_t L = full->num_layers, T = full->num_tokens, D = full->head_size;
+  const size_t plane = (size_t)L * T * h * D * esz;
+  const int64_t ps[3] = {(int64_t)T * h * D * (int64_t)esz, (int64_t)h * D * (int64_t)esz, (int64_t)D * (int64_t)esz};
+  int64_t fs[3];
+  strides_of(full, fs);
+  kvi_status st = KVI_OK;
+  for (int kv = 0; kv < 2 && st == KVI_OK; kv++) {
+    char *f = (char *)(kv ? full->v : full->k) + (int64_t)first * fs[2];
+    char *p = (char *)packed + kv * plane;
+    st = to_full ? copy_rows(f, fs, p, ps, L, T, h, (int64_t)D * (int64_t)esz, mem, stream, fn)
+                 : copy_rows(p, ps, f, fs, L, T, h, (int64_t)D * (int64_t)esz, mem, stream, fn);
+  }
+  return st;
+}
+
+KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, int32_t root, const kvi_scatter_item *items,
+                                         int32_t num_items, struct CUstream_st *stream) {
   static const char fn[] = "kvi_store_put_scatter";
-  kvi_status st = check_collective(store, root, fn);
+  kvi_status st = check_collective(store, root, items, num_items, fn);
   if (st) return st;
+  const size_t stride = num_items > 0 ? items[0].struct_size : sizeof(kvi_scatter_item);
+  if (num_items > 0 && stride < sizeof(kvi_scatter_item))
+    return kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "items[0].struct_size is %zu, expected %zu", stride,
+                     sizeof(kvi_scatter_item));
   kvi_comm *c = store->comm;
   const bool is_root = c->rank == root;
   const kvi__geom *g = &store->geom;
-  const int32_t L = g->num_layers, D = g->head_size, E = store->emb_dim;
+  const int32_t n = num_items, E = store->emb_dim;
 
-  /* root: the checks kvi_store_put makes, on the full view */
-  kvi_kv_view v;
-  kvi_put_options o = KVI_PUT_OPTIONS_INIT;
-  float *emb = NULL;
-  op_rec me = {0, root, 0, 0, tenant, fact_id, 0, 0};
+  /* root: kvi_store_put's checks on every full view; a block [n records][n embeddings] to broadcast */
+  kvi_kv_view *v = calloc((size_t)(n ? n : 1), sizeof *v);
+  kvi__put_item *put = calloc((size_t)(n ? n : 1), sizeof *put);
+  const size_t info_bytes = (size_t)n * sizeof(item_rec) + (size_t)n * (size_t)E * sizeof(float);
+  char *info = calloc(info_bytes ? info_bytes : 1, 1);
+  if (!v || !put || !info) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d items", (int)n);
+  item_rec *rec = (item_rec *)info;
+  float *embs = (float *)(info + (size_t)n * sizeof(item_rec));
   if (is_root) {
     const kvi__geom fg = full_geom(store);
-    if (!full) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "full is NULL on the root rank");
-    else st = kvi__view_check(&v, full, &fg, false, fn);
-    if (st == KVI_OK) st = kvi__store_put_args(store, &v, opts, &o, &emb, stream, fn);
-    me.tokens = st ? 0 : v.num_tokens;
-    me.dtype = st ? 0 : (int32_t)v.dtype;
-    me.flags = o.flags;
-    me.has_emb = emb != NULL;
+    for (int32_t i = 0; i < n && st == KVI_OK; i++) {
+      const kvi_scatter_item *it = item_at(items, stride, i);
+      kvi_put_options o;
+      float *emb = NULL;
+      if (it->struct_size != stride)
+        st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "items[%d].struct_size is %zu, items[0]'s %zu", (int)i,
+                       it->struct_size, stride);
+      else if (!it->full) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "items[%d].full is NULL on the root rank", (int)i);
+      else st = kvi__view_check(&v[i], it->full, &fg, false, fn);
+      if (st == KVI_OK) st = kvi__store_put_args(store, &v[i], it->opts, &o, &emb, stream, fn);
+      if (st) break;
+      const item_rec r = {v[i].num_tokens, (int32_t)v[i].dtype, o.flags, emb != NULL};
+      rec[i] = r;
+      if (emb) memcpy(embs + (size_t)i * E, emb, (size_t)E * sizeof(float));
+      free(emb);
+    }
   }
-  me.status = (int32_t)st;
-  op_rec rr;
-  if ((st = exchange_op(c, &me, &rr, stream, fn))) {
-    free(emb);
+  op_rec me = {(int32_t)st, root, n, 0, st ? 0 : keys_digest(items, stride, n)};
+  if ((st = exchange_op(c, &me, stream, fn)) == KVI_OK) {
+    st = kvi__comm_bcast_host(c, info, info_bytes, root, fn);
+    if (st == KVI_OK && n == 0) st = combine(c, KVI_OK, stream, fn);
+  }
+  if (st || n == 0) {
+    free(v), free(put), free(info);
     return st;
   }
-  /* the embedding, as root prepared it */
-  if (rr.has_emb) {
-    float *e = is_root ? emb : malloc((size_t)E * sizeof *e);
-    float spare = 0;
-    kvi_status st2 = e ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating an embedding");
-    const kvi_status sb = kvi__comm_bcast_host(c, e ? e : &spare, e ? (size_t)E * sizeof *e : sizeof spare, root, fn);
-    if (st2 == KVI_OK) st2 = sb;
-    if ((st = combine(c, st2, stream, fn))) {
-      if (!is_root) free(e);
-      free(emb);
-      return st;
-    }
-    emb = e;
-  }
 
-  /* the slices: root sends each rank its heads, packed [L][T][h][D] */
-  const int32_t T = rr.tokens;
-  const kvi_dtype dt = (kvi_dtype)rr.dtype;
-  const size_t esz = kvi_dtype_size(dt);
-  kvi__p2p *ops = calloc((size_t)c->size, sizeof *ops);
+  /* each rank's slices, all facts, in one buffer per peer: root packs and sends */
+  size_t *off = calloc((size_t)c->size + 1, sizeof *off); /* mine: fact i at off-list below */
+  size_t *mine_off = calloc((size_t)n, sizeof *mine_off);
   void **bufs = calloc((size_t)c->size, sizeof *bufs);
-  void *host_pack = NULL;
+  kvi__p2p *ops = calloc((size_t)c->size, sizeof *ops);
   int32_t nops = 0;
-  st = ops && bufs ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating transfer lists");
+  void *host_pack = NULL;
   kvi__devguard dg = {0, false};
   const bool cuda = c->memory == KVI_MEMORY_DEVICE;
+  st = off && mine_off && bufs && ops ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating transfer lists");
   if (st == KVI_OK && cuda) st = kvi__cuda_enter(c->device, &dg, fn);
   const bool entered = st == KVI_OK && cuda;
   for (int32_t r = 0; st == KVI_OK && r < c->size; r++) {
     if (r == root || (!is_root && r != c->rank)) continue;
+    size_t total = 0;
+    for (int32_t i = 0; i < n; i++) total += slice_bytes(g, r, rec[i].tokens, kvi_dtype_size((kvi_dtype)rec[i].dtype));
+    if ((st = buf_alloc(c, &bufs[r], total, stream, fn))) break;
+    size_t at = 0;
     int32_t first, h;
     rank_heads(g, r, &first, &h);
-    const size_t plane = (size_t)L * T * h * D * esz;
-    if ((st = buf_alloc(c, &bufs[r], 2 * plane, stream, fn))) break;
-    if (is_root) { /* pack rank r's heads of K and V */
-      const int64_t dst_s[3] = {(int64_t)T * h * D * (int64_t)esz, (int64_t)h * D * (int64_t)esz, (int64_t)D * (int64_t)esz};
-      int64_t src_s[3];
-      strides_of(&v, src_s);
-      const int64_t off = (int64_t)first * src_s[2];
-      for (int kv = 0; kv < 2 && st == KVI_OK; kv++) {
-        const char *src = (const char *)(kv ? v.v : v.k) + off;
-        char *dst = (char *)bufs[r] + kv * plane;
-        if (v.memory == c->memory) {
-          st = copy_rows(dst, dst_s, src, src_s, L, T, h, (int64_t)D * (int64_t)esz, c->memory, stream, fn);
+    for (int32_t i = 0; i < n && st == KVI_OK; i++) {
+      const size_t b = slice_bytes(g, r, rec[i].tokens, kvi_dtype_size((kvi_dtype)rec[i].dtype));
+      if (r == c->rank) mine_off[i] = at;
+      if (is_root) {
+        if (v[i].memory == c->memory) {
+          st = pack(&v[i], (char *)bufs[r] + at, first, h, false, c->memory, stream, fn);
         } else { /* a host source for device transfers: pack on the host, then one copy up */
-          if (!host_pack && !(host_pack = malloc(plane ? plane : 1))) {
-            st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes", plane);
+          void *p = realloc(host_pack, b);
+          if (!p) {
+            st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes", b);
             break;
           }
-          st = copy_rows(host_pack, dst_s, src, src_s, L, T, h, (int64_t)D * (int64_t)esz, KVI_MEMORY_HOST, NULL, fn);
-          if (st == KVI_OK) st = kvi__cuda_h2d(dst, host_pack, plane, stream, fn);
+          host_pack = p;
+          st = pack(&v[i], host_pack, first, h, false, KVI_MEMORY_HOST, NULL, fn);
+          if (st == KVI_OK) st = kvi__cuda_h2d((char *)bufs[r] + at, host_pack, b, stream, fn);
           if (st == KVI_OK) st = kvi__cuda_sync(stream, fn); /* host_pack is reused */
         }
       }
+      at += b;
     }
-    ops[nops++] = (kvi__p2p){is_root ? r : root, is_root, bufs[r], 2 * plane};
+    ops[nops++] = (kvi__p2p){is_root ? r : root, is_root, bufs[r], total};
   }
   /* every rank joins the transfer only if every rank could prepare it */
   st = combine(c, st, stream, fn);
   if (st == KVI_OK) st = combine(c, kvi__comm_p2p(c, ops, nops, stream, fn), stream, fn);
 
-  /* each rank puts its slice; the gate commits on every rank or on none */
+  /* each rank puts its slices; the gate commits on every rank or on none */
   if (st == KVI_OK) {
     int32_t first, h;
     rank_heads(g, c->rank, &first, &h);
-    kvi_kv_view mine;
-    if (is_root) {
-      mine = v;
-      mine.num_heads = h;
-      const size_t off = (size_t)first * (size_t)v.head_stride * esz;
-      mine.k = (char *)v.k + off;
-      mine.v = (char *)v.v + off;
-    } else {
-      const size_t plane = (size_t)L * T * h * D * esz;
-      mine = packed_view(c->memory, dt, L, T, h, D, bufs[c->rank], (char *)bufs[c->rank] + plane);
+    kvi_kv_view *mine = calloc((size_t)n, sizeof *mine);
+    if (!mine) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d views", (int)n);
+    for (int32_t i = 0; i < n && st == KVI_OK; i++) {
+      const kvi_dtype dt = (kvi_dtype)rec[i].dtype;
+      const size_t esz = kvi_dtype_size(dt);
+      if (is_root) {
+        mine[i] = v[i];
+        mine[i].num_heads = h;
+        const size_t o = (size_t)first * (size_t)v[i].head_stride * esz;
+        mine[i].k = (char *)v[i].k + o;
+        mine[i].v = (char *)v[i].v + o;
+      } else {
+        char *base = (char *)bufs[c->rank] + mine_off[i];
+        mine[i] = packed_view(c->memory, dt, g->num_layers, rec[i].tokens, h, g->head_size, base,
+                              base + slice_bytes(g, c->rank, rec[i].tokens, esz) / 2);
+      }
+      float *emb = NULL;
+      if (rec[i].has_emb) {
+        emb = malloc((size_t)E * sizeof *emb);
+        if (!emb) {
+          st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating an embedding");
+          break;
+        }
+        memcpy(emb, embs + (size_t)i * E, (size_t)E * sizeof *emb);
+      }
+      const kvi_scatter_item *it = item_at(items, stride, i);
+      const kvi__put_item p = {it->tenant, it->fact_id, &mine[i], rec[i].flags, emb, NULL};
+      put[i] = p;
     }
     comm_gate gate = {{comm_decide}, c, stream, fn};
-    st = kvi__store_put_view(store, tenant, fact_id, &mine, rr.flags, emb, NULL, stream, &gate.gate, fn);
-    emb = NULL; /* owned by the put */
-  } else if (emb && !is_root) {
-    free(emb);
-    emb = NULL;
+    if (st == KVI_OK) {
+      st = kvi__store_put_views(store, put, n, stream, &gate.gate, fn);
+    } else { /* still decide with the others */
+      for (int32_t i = 0; i < n; i++) free(put[i].emb);
+      combine(c, st, stream, fn);
+    }
+    free(mine);
   }
-  free(emb);
   for (int32_t r = 0; bufs && r < c->size; r++) buf_free(c, bufs[r], stream, fn);
   if (entered) kvi__cuda_leave(&dg);
   free(host_pack);
   free(ops);
   free(bufs);
+  free(off);
+  free(mine_off);
+  free(v);
+  free(put);
+  free(info);
   return st;
 }
 
@@ -433,45 +506,65 @@ static bool first_holder(const kvi__geom *g, int32_t r) {
   return g->tp_size <= g->num_kv_heads || r % (g->tp_size / g->num_kv_heads) == 0;
 }
 
-KVI_API kvi_status kvi_store_gather(kvi_store *store, uint64_t tenant, uint64_t fact_id, int32_t root,
-                                    const kvi_kv_view *full, struct CUstream_st *stream) {
+KVI_API kvi_status kvi_store_gather(kvi_store *store, int32_t root, const kvi_gather_item *items, int32_t num_items,
+                                    struct CUstream_st *stream) {
   static const char fn[] = "kvi_store_gather";
-  kvi_status st = check_collective(store, root, fn);
+  kvi_status st = check_collective(store, root, items, num_items, fn);
   if (st) return st;
+  const size_t stride = num_items > 0 ? items[0].struct_size : sizeof(kvi_gather_item);
+  if (num_items > 0 && stride < sizeof(kvi_gather_item))
+    return kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "items[0].struct_size is %zu, expected %zu", stride,
+                     sizeof(kvi_gather_item));
   kvi_comm *c = store->comm;
   const bool is_root = c->rank == root;
   const kvi__geom *g = &store->geom;
-  const int32_t L = g->num_layers, D = g->head_size;
-  kvi_kv_view v;
-  op_rec me = {0, root, 0, 0, tenant, fact_id, 0, 0};
-  if (is_root) {
-    const kvi__geom fg = full_geom(store);
-    if (!full) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "full is NULL on the root rank");
-    else st = kvi__view_check(&v, full, &fg, true, fn);
-    if (st == KVI_OK)
-      st = kvi__check_memory(v.k, v.memory, store->backend == KVI_BACKEND_CUDA, store->device, fn, "full->k");
-    if (st == KVI_OK)
-      st = kvi__check_memory(v.v, v.memory, store->backend == KVI_BACKEND_CUDA, store->device, fn, "full->v");
-    me.dtype = st ? 0 : (int32_t)v.dtype;
+  const int32_t n = num_items;
+  kvi_kv_view *v = calloc((size_t)(n ? n : 1), sizeof *v);
+  int32_t *tok = calloc((size_t)(n ? n : 1) * 2, sizeof *tok); /* mine, then root's */
+  if (!v || !tok) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d items", (int)n);
+  const kvi__geom fg = full_geom(store);
+  const bool cuda_store = store->backend == KVI_BACKEND_CUDA;
+  for (int32_t i = 0; i < n && st == KVI_OK; i++) {
+    const kvi_gather_item *it = item_at(items, stride, i);
+    if (it->struct_size != stride)
+      st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "items[%d].struct_size is %zu, items[0]'s %zu", (int)i, it->struct_size,
+                     stride);
+    if (st == KVI_OK) st = kvi_store_fact_tokens(store, it->tenant, it->fact_id, &tok[i]);
+    if (st || !is_root) continue;
+    if (!it->full) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "items[%d].full is NULL on the root rank", (int)i);
+    else st = kvi__view_check(&v[i], it->full, &fg, true, fn);
+    if (st == KVI_OK) st = kvi__check_memory(v[i].k, v[i].memory, cuda_store, store->device, fn, "full->k");
+    if (st == KVI_OK) st = kvi__check_memory(v[i].v, v[i].memory, cuda_store, store->device, fn, "full->v");
+    if (st == KVI_OK && tok[i] != v[i].num_tokens)
+      st = kvi__fail(KVI_ERR_MISMATCH, fn, "items[%d].full->num_tokens is %d, the fact has %d tokens", (int)i,
+                     (int)v[i].num_tokens, (int)tok[i]);
+    if (st == KVI_OK) tok[n + i] = (int32_t)v[i].dtype;
   }
-  if (st == KVI_OK) st = kvi_store_fact_tokens(store, tenant, fact_id, &me.tokens);
-  if (st == KVI_OK && is_root && me.tokens != v.num_tokens)
-    st = kvi__fail(KVI_ERR_MISMATCH, fn, "full->num_tokens is %d, the fact has %d tokens", (int)v.num_tokens,
-                   (int)me.tokens);
-  me.status = (int32_t)st;
-  op_rec rr;
-  if ((st = exchange_op(c, &me, &rr, stream, fn))) return st;
-  if (me.tokens != rr.tokens) /* every rank compares with root: all see the same answer */
-    st = kvi__fail(KVI_ERR_MISMATCH, fn, "fact %llu of tenant %llu has %d tokens on rank %d and %d on root rank %d",
-                   (unsigned long long)fact_id, (unsigned long long)tenant, (int)me.tokens, (int)c->rank,
-                   (int)rr.tokens, (int)root);
-  if ((st = combine(c, st, stream, fn))) return st;
+  op_rec me = {(int32_t)st, root, n, 0, st ? 0 : keys_digest(items, stride, n)};
+  if ((st = exchange_op(c, &me, stream, fn))) {
+    free(v), free(tok);
+    return st;
+  }
+  /* root's token counts and dtypes; every rank compares its own counts */
+  int32_t *rt = malloc((size_t)(n ? n : 1) * 2 * sizeof *rt);
+  if (rt && is_root) {
+    memcpy(rt, tok, (size_t)n * sizeof *rt);
+    memcpy(rt + n, tok + n, (size_t)n * sizeof *rt);
+  }
+  int32_t dummy[2];
+  st = kvi__comm_bcast_host(c, rt ? rt : dummy, rt ? (size_t)n * 2 * sizeof *rt : sizeof dummy, root, fn);
+  if (st == KVI_OK && !rt) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d counts", (int)n);
+  for (int32_t i = 0; i < n && st == KVI_OK; i++)
+    if (tok[i] != rt[i])
+      st = kvi__fail(KVI_ERR_MISMATCH, fn, "fact %d of the list has %d tokens on rank %d and %d on root rank %d", (int)i,
+                     (int)tok[i], (int)c->rank, (int)rt[i], (int)root);
+  if ((st = combine(c, st, stream, fn)) || n == 0) {
+    free(v), free(tok), free(rt);
+    return st;
+  }
 
-  const int32_t T = rr.tokens;
-  const kvi_dtype dt = (kvi_dtype)rr.dtype;
-  const size_t esz = kvi_dtype_size(dt);
-  kvi__p2p *ops = calloc((size_t)c->size, sizeof *ops);
   void **bufs = calloc((size_t)c->size, sizeof *bufs);
+  kvi__p2p *ops = calloc((size_t)c->size, sizeof *ops);
   int32_t nops = 0;
   st = ops && bufs ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating transfer lists");
   kvi__devguard dg = {0, false};
@@ -485,21 +578,31 @@ KVI_API kvi_status kvi_store_gather(kvi_store *store, uint64_t tenant, uint64_t 
     int32_t first, h;
     rank_heads(g, r, &first, &h);
     if (first == root_first) continue; /* root holds these heads itself */
-    const size_t plane = (size_t)L * T * h * D * esz;
-    if ((st = buf_alloc(c, &bufs[r], 2 * plane, stream, fn))) break;
-    if (!is_root) { /* read my slice, packed, in root's dtype */
-      const kvi_kv_view w = packed_view(c->memory, dt, L, T, h, D, bufs[r], (char *)bufs[r] + plane);
-      st = kvi_store_read(store, tenant, fact_id, &w, stream);
+    size_t total = 0;
+    for (int32_t i = 0; i < n; i++) total += slice_bytes(g, r, rt[i], kvi_dtype_size((kvi_dtype)rt[n + i]));
+    if ((st = buf_alloc(c, &bufs[r], total, stream, fn))) break;
+    size_t at = 0;
+    for (int32_t i = 0; i < n && st == KVI_OK; i++) {
+      const kvi_dtype dt = (kvi_dtype)rt[n + i];
+      const size_t b = slice_bytes(g, r, rt[i], kvi_dtype_size(dt));
+      if (!is_root) { /* read my slice, packed, in root's dtype */
+        const kvi_gather_item *it = item_at(items, stride, i);
+        char *base = (char *)bufs[r] + at;
+        const kvi_kv_view w = packed_view(c->memory, dt, g->num_layers, rt[i], h, g->head_size, base, base + b / 2);
+        st = kvi_store_read(store, it->tenant, it->fact_id, &w, stream);
+      }
+      at += b;
     }
-    ops[nops++] = (kvi__p2p){is_root ? r : root, !is_root, bufs[r], 2 * plane};
+    ops[nops++] = (kvi__p2p){is_root ? r : root, !is_root, bufs[r], total};
   }
-  if (st == KVI_OK && is_root) { /* root's own heads, straight into full */
-    kvi_kv_view mine = v;
-    mine.num_heads = root_h;
-    const size_t off = (size_t)root_first * (size_t)v.head_stride * esz;
-    mine.k = (char *)v.k + off;
-    mine.v = (char *)v.v + off;
-    st = kvi_store_read(store, tenant, fact_id, &mine, stream);
+  for (int32_t i = 0; st == KVI_OK && is_root && i < n; i++) { /* root's own heads, straight into full */
+    const kvi_gather_item *it = item_at(items, stride, i);
+    kvi_kv_view w = v[i];
+    w.num_heads = root_h;
+    const size_t o = (size_t)root_first * (size_t)v[i].head_stride * kvi_dtype_size(v[i].dtype);
+    w.k = (char *)v[i].k + o;
+    w.v = (char *)v[i].v + o;
+    st = kvi_store_read(store, it->tenant, it->fact_id, &w, stream);
   }
   st = combine(c, st, stream, fn);
   if (st == KVI_OK) st = combine(c, kvi__comm_p2p(c, ops, nops, stream, fn), stream, fn);
@@ -509,35 +612,34 @@ KVI_API kvi_status kvi_store_gather(kvi_store *store, uint64_t tenant, uint64_t 
     if (!bufs[r]) continue;
     int32_t first, h;
     rank_heads(g, r, &first, &h);
-    const size_t plane = (size_t)L * T * h * D * esz;
-    const int64_t src_s[3] = {(int64_t)T * h * D * (int64_t)esz, (int64_t)h * D * (int64_t)esz, (int64_t)D * (int64_t)esz};
-    int64_t dst_s[3];
-    strides_of(&v, dst_s);
-    const int64_t off = (int64_t)first * dst_s[2];
-    for (int kv = 0; kv < 2 && st == KVI_OK; kv++) {
-      const char *src = (const char *)bufs[r] + kv * plane;
-      char *dst = (char *)(kv ? v.v : v.k) + off;
-      if (v.memory == c->memory) {
-        st = copy_rows(dst, dst_s, src, src_s, L, T, h, (int64_t)D * (int64_t)esz, c->memory, stream, fn);
+    size_t at = 0;
+    for (int32_t i = 0; i < n && st == KVI_OK; i++) {
+      const size_t b = slice_bytes(g, r, rt[i], kvi_dtype_size(v[i].dtype));
+      const char *src = (const char *)bufs[r] + at;
+      if (v[i].memory == c->memory) {
+        st = pack(&v[i], (void *)src, first, h, true, c->memory, stream, fn);
       } else { /* device transfers into a host `full`: one copy down, unpack on the host */
-        if (!host_tmp && !(host_tmp = malloc(plane ? plane : 1))) {
-          st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes", plane);
+        void *p = realloc(host_tmp, b);
+        if (!p) {
+          st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes", b);
           break;
         }
-        st = kvi__cuda_d2h(host_tmp, src, plane, stream, fn);
+        host_tmp = p;
+        st = kvi__cuda_d2h(host_tmp, src, b, stream, fn);
         if (st == KVI_OK) st = kvi__cuda_sync(stream, fn);
-        if (st == KVI_OK)
-          st = copy_rows(dst, dst_s, host_tmp, src_s, L, T, h, (int64_t)D * (int64_t)esz, KVI_MEMORY_HOST, NULL, fn);
+        if (st == KVI_OK) st = pack(&v[i], host_tmp, first, h, true, KVI_MEMORY_HOST, NULL, fn);
       }
+      at += b;
     }
-    free(host_tmp);
-    host_tmp = NULL;
   }
-  if (st == KVI_OK && is_root && cuda && v.memory == KVI_MEMORY_HOST) st = kvi__cuda_sync(stream, fn);
+  free(host_tmp);
   for (int32_t r = 0; bufs && r < c->size; r++) buf_free(c, bufs[r], stream, fn);
   if (entered) kvi__cuda_leave(&dg);
   free(ops);
   free(bufs);
+  free(v);
+  free(tok);
+  free(rt);
   return st;
 }
 

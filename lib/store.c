@@ -896,60 +896,111 @@ void kvi__store_commit(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, te
   s->pages_stored += need;
 }
 
-kvi_status kvi__store_put_view(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *v,
-                               uint32_t flags, float *emb, const float *raw, struct CUstream_st *stream,
-                               kvi__gate *gate, const char *fn) {
+static int cmp_key(const void *a, const void *b) {
+  const uint64_t *x = a, *y = b;
+  return x[0] != y[0] ? (x[0] > y[0]) - (x[0] < y[0]) : (x[1] > y[1]) - (x[1] < y[1]);
+}
+
+kvi_status kvi__store_put_views(kvi_store *store, kvi__put_item *items, int32_t n, struct CUstream_st *stream,
+                                kvi__gate *gate, const char *fn) {
+  if (n < 1) return gate ? gate->decide(gate, KVI_OK) : KVI_OK;
   kvi_status st = KVI_OK;
-  bool rows = false; /* embedding rows reserved */
-  const uint32_t need = pages_for(store, v->num_tokens);
-  if (need > store->pool.npages)
-    st = kvi__fail(KVI_ERR_CAPACITY, fn, "%d tokens need %u pages of %d tokens; the store has %u pages in all",
-                   (int)v->num_tokens, need, (int)store->P, store->pool.npages);
-  fact *f = st ? NULL : calloc(1, sizeof *f);
-  uint32_t *pages = st ? NULL : malloc(need * sizeof *pages);
-  tenant *fresh = st ? NULL : calloc(1, sizeof *fresh);
-  if (st == KVI_OK && (!f || !pages || !fresh)) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating fact metadata");
+  uint64_t total = 0;
+  for (int32_t i = 0; i < n && st == KVI_OK; i++) {
+    const uint32_t need = pages_for(store, items[i].v->num_tokens);
+    if (need > store->pool.npages)
+      st = kvi__fail(KVI_ERR_CAPACITY, fn, "%d tokens need %u pages of %d tokens; the store has %u pages in all",
+                     (int)items[i].v->num_tokens, need, (int)store->P, store->pool.npages);
+    total += need;
+  }
+  if (st == KVI_OK && total > store->pool.npages)
+    st = kvi__fail(KVI_ERR_CAPACITY, fn, "%d facts need %llu pages; the store has %u pages in all", (int)n,
+                   (unsigned long long)total, store->pool.npages);
+  if (st == KVI_OK && n > 1) { /* a key twice in one call: which copy wins would be arbitrary */
+    uint64_t *keys = malloc((size_t)n * 2 * sizeof *keys);
+    if (!keys) {
+      st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d keys", (int)n);
+    } else {
+      for (int32_t i = 0; i < n; i++) keys[2 * i] = items[i].tenant, keys[2 * i + 1] = items[i].id;
+      qsort(keys, (size_t)n, 2 * sizeof *keys, cmp_key);
+      for (int32_t i = 1; i < n && st == KVI_OK; i++)
+        if (keys[2 * i] == keys[2 * i - 2] && keys[2 * i + 1] == keys[2 * i - 1])
+          st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "fact %llu of tenant %llu appears twice in one call",
+                         (unsigned long long)keys[2 * i + 1], (unsigned long long)keys[2 * i]);
+      free(keys);
+    }
+  }
+  const size_t un = n > 0 && n < (1 << 24) ? (size_t)n : 1; /* n >= 1 here */
+  fact **f = calloc(un, sizeof *f);
+  uint32_t **pages = calloc(un, sizeof *pages);
+  tenant **fresh = calloc(un, sizeof *fresh);
+  kvi__jfact *jf = store->journal ? calloc(un, sizeof *jf) : NULL;
+  if (st == KVI_OK && (!f || !pages || !fresh || (store->journal && !jf)))
+    st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating fact metadata");
+  for (int32_t i = 0; i < n && st == KVI_OK; i++) {
+    f[i] = calloc(1, sizeof **f);
+    pages[i] = malloc(pages_for(store, items[i].v->num_tokens) * sizeof **pages);
+    fresh[i] = calloc(1, sizeof **fresh);
+    if (!f[i] || !pages[i] || !fresh[i]) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating fact metadata");
+  }
 
   kvi__store_lock(store);
-  fact *old = st ? NULL : kvi__store_find(store, tenant_id, fact_id);
-  if (old && !(flags & KVI_PUT_REPLACE))
-    st = kvi__fail(KVI_ERR_EXISTS, fn, "fact %llu of tenant %llu is already stored (pass KVI_PUT_REPLACE to replace it)",
-                   (unsigned long long)fact_id, (unsigned long long)tenant_id);
-  if (st == KVI_OK) st = kvi__store_reserve(store, need, 1, fn); /* a replacement needs room for both */
-  if (st == KVI_OK) {
-    rows = true;
-    st = kvi__store_reserve_rows(store, tenant_id, emb ? 1 : 0, fn);
-  }
+  for (int32_t i = 0; i < n && st == KVI_OK; i++)
+    if (!(items[i].flags & KVI_PUT_REPLACE) && kvi__store_find(store, items[i].tenant, items[i].id))
+      st = kvi__fail(KVI_ERR_EXISTS, fn,
+                     "fact %llu of tenant %llu is already stored (pass KVI_PUT_REPLACE to replace it)",
+                     (unsigned long long)items[i].id, (unsigned long long)items[i].tenant);
+  if (st == KVI_OK) st = kvi__store_reserve(store, (uint32_t)total, (size_t)n, fn); /* replacements need room for both */
+  int32_t rows = 0; /* items whose embedding rows are reserved */
+  for (; rows < n && st == KVI_OK; rows++)
+    st = kvi__store_reserve_rows(store, items[rows].tenant, items[rows].emb ? 1 : 0, fn);
   bool copied = false;
-  if (st == KVI_OK) {
-    for (uint32_t i = 0; i < need; i++) pages[i] = store->pool.free[store->pool.nfree - 1 - i];
-    WITH_DEVICE(store, fn, st, copy_fact(store, v, pages, v->num_tokens, true, (float *)raw, stream, fn));
-    copied = st == KVI_OK && store->backend == KVI_BACKEND_CUDA && v->memory == KVI_MEMORY_DEVICE;
-    if (copied) st = kvi__store_track(store, stream, fn);
+  uint32_t taken = 0;
+  for (int32_t i = 0; i < n && st == KVI_OK; i++) {
+    const kvi_kv_view *v = items[i].v;
+    const uint32_t need = pages_for(store, v->num_tokens);
+    for (uint32_t j = 0; j < need; j++) pages[i][j] = store->pool.free[store->pool.nfree - 1 - taken - j];
+    taken += need;
+    WITH_DEVICE(store, fn, st, copy_fact(store, v, pages[i], v->num_tokens, true, (float *)items[i].raw, stream, fn));
+    if (st == KVI_OK && store->backend == KVI_BACKEND_CUDA && v->memory == KVI_MEMORY_DEVICE) copied = true;
   }
+  if (st == KVI_OK && copied) st = kvi__store_track(store, stream, fn);
   if (gate) st = gate->decide(gate, st); /* every rank decides together, with the pages still free */
   if (st == KVI_OK && store->journal) { /* durable before it is visible */
-    const kvi__jfact jf = {tenant_id, fact_id, v->num_tokens, pages, emb};
-    st = kvi__journal_put(store, &jf, 1, stream, v->memory == KVI_MEMORY_DEVICE, fn);
+    for (int32_t i = 0; i < n; i++) {
+      const kvi__jfact j = {items[i].tenant, items[i].id, items[i].v->num_tokens, pages[i], items[i].emb};
+      jf[i] = j;
+    }
+    st = kvi__journal_put(store, jf, n, stream, copied, fn);
   }
-  if (st) { /* the pages were not taken off the free stack */
+  if (st == KVI_OK) {
+    store->pool.nfree -= taken; /* the pages chosen from the top of the free stack */
+    for (int32_t i = 0; i < n; i++) {
+      kvi__store_commit(store, f[i], pages[i], pages_for(store, items[i].v->num_tokens), fresh[i], &items[i].emb,
+                        items[i].tenant, items[i].id, items[i].v->num_tokens);
+      f[i] = NULL, pages[i] = NULL, fresh[i] = NULL;
+    }
+  } else { /* the pages were not taken off the free stack */
     if (copied && gate) { /* an enqueued copy into them must end before they are handed out again */
       kvi_status st2;
       WITH_DEVICE(store, fn, st2, kvi__cuda_sync(stream, fn));
       (void)st2;
     }
-    if (rows) kvi__store_unreserve_rows(store, tenant_id);
-    kvi__store_unlock(store);
-    free(f);
-    free(pages);
-    free(fresh);
-    free(emb);
-    return st;
+    for (int32_t i = 0; i < rows; i++) kvi__store_unreserve_rows(store, items[i].tenant);
   }
-  store->pool.nfree -= need; /* the pages chosen from the top of the free stack */
-  kvi__store_commit(store, f, pages, need, fresh, &emb, tenant_id, fact_id, v->num_tokens);
   kvi__store_unlock(store);
-  return KVI_OK;
+  for (int32_t i = 0; i < n; i++) {
+    if (f) free(f[i]);
+    if (pages) free(pages[i]);
+    if (fresh) free(fresh[i]);
+    free(items[i].emb);
+    items[i].emb = NULL;
+  }
+  free(f);
+  free(pages);
+  free(fresh);
+  free(jf);
+  return st;
 }
 
 kvi_status kvi__store_put_args(const kvi_store *store, const kvi_kv_view *v, const kvi_put_options *opts,
@@ -975,7 +1026,8 @@ KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant_id, uint64_t 
   kvi_put_options o;
   float *emb = NULL;
   if ((st = kvi__store_put_args(store, &v, opts, &o, &emb, stream, fn))) return st;
-  return kvi__store_put_view(store, tenant_id, fact_id, &v, o.flags, emb, NULL, stream, NULL, fn);
+  kvi__put_item it = {tenant_id, fact_id, &v, o.flags, emb, NULL};
+  return kvi__store_put_views(store, &it, 1, stream, NULL, fn);
 }
 
 /* kv holds e4m3 bytes of an fp8 store and `scales` the scales of its pages
@@ -993,7 +1045,8 @@ kvi_status kvi__store_put_raw(kvi_store *s, uint64_t tenant_id, uint64_t fact_id
   kvi_put_options o;
   float *emb = NULL;
   if ((st = kvi__store_put_args(s, &v, opts, &o, &emb, NULL, fn))) return st;
-  return kvi__store_put_view(s, tenant_id, fact_id, &v, o.flags, emb, scales, NULL, NULL, fn);
+  kvi__put_item it = {tenant_id, fact_id, &v, o.flags, emb, scales};
+  return kvi__store_put_views(s, &it, 1, NULL, NULL, fn);
 }
 
 KVI_API kvi_status kvi_store_remove(kvi_store *store, uint64_t tenant_id, uint64_t fact_id) {

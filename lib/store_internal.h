@@ -189,13 +189,23 @@ typedef struct kvi__gate {
   kvi_status (*decide)(struct kvi__gate *gate, kvi_status local);
 } kvi__gate;
 
-/* The put: stores view v (checked against the store's geometry, memory kind
- * checked) with flags and emb (owned: freed here; NULL for a store without
- * embeddings); raw: see kvi__store_put_raw (NULL otherwise). With a gate, the gate decides, the lock held and the pages
- * written but not yet taken, whether the fact is committed. */
-kvi_status kvi__store_put_view(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *v,
-                               uint32_t flags, float *emb, const float *raw, struct CUstream_st *stream,
-                               kvi__gate *gate, const char *fn);
+/* One fact of a put: view v (checked against the store's geometry, memory
+ * kind checked), flags, emb (owned: freed by the put; NULL for a store
+ * without embeddings), raw: see kvi__store_put_raw (NULL otherwise). */
+typedef struct kvi__put_item {
+  uint64_t tenant, id;
+  const kvi_kv_view *v;
+  uint32_t flags;
+  float *emb;
+  const float *raw;
+} kvi__put_item;
+
+/* The put of n facts, all or none (a key twice in the list is
+ * KVI_ERR_INVALID_ARGUMENT). With a gate, the gate decides, the lock held
+ * and the pages written but not yet taken, whether they are committed.
+ * Frees every item's emb. */
+kvi_status kvi__store_put_views(kvi_store *store, kvi__put_item *items, int32_t n, struct CUstream_st *stream,
+                                kvi__gate *gate, const char *fn);
 
 /* kvi_store_put's checks of opts and the view's memory; reads the embedding. */
 kvi_status kvi__store_put_args(const kvi_store *store, const kvi_kv_view *v, const kvi_put_options *opts,

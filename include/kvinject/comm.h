@@ -19,10 +19,10 @@
  *   all-gather and merges them, so every rank gets the same top-k in the same
  *   order and injects the same facts;
  * - put from a full-head source (kvi_store_put_scatter) and its reverse
- *   (kvi_store_gather): a fact with all heads on one rank is split so that
- *   each rank keeps its slice, and a fact's slices are joined on one rank.
- *   Re-sharding a store to another tp size is gather under the old
- *   communicator then put (or put_scatter) under the new one, fact by fact.
+ *   (kvi_store_gather): facts with all heads on one rank are split so that
+ *   each rank keeps its slice, and facts' slices are joined on one rank, a
+ *   batch of facts per call. Re-sharding a store to another tp size is gather
+ *   under the old communicator then put (or put_scatter) under the new one.
  *
  * Two transports carry the same logic:
  * - NCCL (kvi_comm_create_nccl): for CUDA stores, one process or thread per
@@ -159,45 +159,71 @@ KVI_API kvi_status kvi_comm_async_error(kvi_comm *comm);
  * version and on every platform. -1 when tp_size < 1. */
 KVI_API int32_t kvi_store_embedding_rank(uint64_t tenant, uint64_t fact_id, int32_t tp_size);
 
-/*
- * Collective. Stores a fact given with all KV heads of the model on rank
- * `root`: each rank keeps its heads (the model's local head range) of every
- * layer, as kvi_store_put would from a view of those heads. The result on
- * every rank is exactly what a rank-local kvi_store_put of its slice gives.
- * root: 0..size-1, the same on every rank.
- * full: on root, the source (as for kvi_store_put, but num_heads equal to the
- *       model's num_kv_heads, all of them, in their global order); ignored
- *       (may be NULL) on the other ranks.
- * opts: on root as for kvi_store_put (flags and embedding); ignored on the
- *       other ranks, which use root's.
- * stream: on a CUDA store, the stream the transfer and the copy into the
- *       store are enqueued on (full must stay valid until it has passed them
- *       when it is device memory); the call returns once the store's pages
- *       are written or enqueued, like kvi_store_put.
- * Errors: those of kvi_store_put on any rank (its own status on the rank
- * that failed, KVI_ERR_PEER elsewhere; KVI_ERR_MISMATCH when the ranks
- * disagree on tenant, fact_id or root), KVI_ERR_INVALID_ARGUMENT (NULL
- * store, root out of range; NULL full on root), KVI_ERR_UNSUPPORTED (a store
- * without a communicator), KVI_ERR_CUDA.
- */
-KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, uint64_t tenant, uint64_t fact_id, int32_t root,
-                                         const kvi_kv_view *full, const kvi_put_options *opts,
-                                         struct CUstream_st *stream);
+/* One fact of kvi_store_put_scatter. */
+typedef struct kvi_scatter_item {
+  size_t struct_size;          /* sizeof(kvi_scatter_item); the same for every item */
+  uint64_t tenant;
+  uint64_t fact_id;
+  const kvi_kv_view *full;     /* root: the source, with every KV head (num_heads =
+                                  the model's num_kv_heads, in their global order),
+                                  otherwise as for kvi_store_put; ignored elsewhere */
+  const kvi_put_options *opts; /* root: as for kvi_store_put, or NULL; ignored elsewhere
+                                  (every rank uses root's flags and embedding) */
+} kvi_scatter_item;
+
+#define KVI_SCATTER_ITEM_INIT {sizeof(kvi_scatter_item), 0, 0, NULL, NULL}
 
 /*
- * Collective. Joins a stored fact's slices into `full` on rank `root`: every
- * KV head of the model (num_heads = num_kv_heads, global order), converted
- * to full->dtype as kvi_store_read does. With replicated heads (tp > H) the
- * first rank holding a head provides it. full is ignored (may be NULL) on
- * the other ranks. full->num_tokens must equal the fact's tokens.
- * stream: as for kvi_store_read; a host `full` is written before the call
- * returns on root.
- * Errors: KVI_ERR_NOT_FOUND (the fact is missing on any rank),
- * KVI_ERR_MISMATCH (token counts differ between ranks, or from full), those
- * of kvi_store_read, KVI_ERR_PEER, KVI_ERR_UNSUPPORTED (no communicator).
+ * Collective. Stores facts given with all KV heads on rank `root`: each rank
+ * keeps its heads (the model's local head range) of every layer, exactly as
+ * a rank-local kvi_store_put of that slice would. All items or none: on any
+ * failure on any rank, no rank's store changes.
+ * root: 0..size-1, the same on every rank.
+ * items: host memory, num_items items (0..2^20); every rank passes the same
+ *   tenants and fact ids in the same order (checked: KVI_ERR_MISMATCH);
+ *   `full` and `opts` are read on root only. A key twice in the list is
+ *   KVI_ERR_INVALID_ARGUMENT.
+ * stream: on a CUDA store, the stream the packing, the NCCL transfers and the
+ *   copies into the store are enqueued on; a device `full` must stay valid
+ *   until it has passed them. The call waits for the stream at each of its
+ *   few control exchanges (not per item), so batch items: one call moves all
+ *   of them with one send per rank.
+ * Errors: those of kvi_store_put on any rank (the failing rank returns its
+ * status, the others KVI_ERR_PEER), KVI_ERR_MISMATCH (the ranks disagree on
+ * root or on the list), KVI_ERR_INVALID_ARGUMENT (NULL store or items, root
+ * or num_items out of range, NULL full on root), KVI_ERR_STRUCT_SIZE,
+ * KVI_ERR_UNSUPPORTED (a store without a communicator), KVI_ERR_CUDA.
  */
-KVI_API kvi_status kvi_store_gather(kvi_store *store, uint64_t tenant, uint64_t fact_id, int32_t root,
-                                    const kvi_kv_view *full, struct CUstream_st *stream);
+KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, int32_t root, const kvi_scatter_item *items,
+                                         int32_t num_items, struct CUstream_st *stream);
+
+/* One fact of kvi_store_gather. */
+typedef struct kvi_gather_item {
+  size_t struct_size;      /* sizeof(kvi_gather_item); the same for every item */
+  uint64_t tenant;
+  uint64_t fact_id;
+  const kvi_kv_view *full; /* root: the destination, every KV head in global
+                              order, num_tokens = the fact's; ignored elsewhere */
+} kvi_gather_item;
+
+#define KVI_GATHER_ITEM_INIT {sizeof(kvi_gather_item), 0, 0, NULL}
+
+/*
+ * Collective. Joins stored facts' slices into their `full` views on rank
+ * `root`, converted to each view's dtype as kvi_store_read does. With
+ * replicated heads (tp > H) the first rank holding a head provides it.
+ * items: as for kvi_store_put_scatter (same list on every rank; `full` read
+ * on root only). stream: as for kvi_store_read; host views on root are
+ * written before the call returns.
+ * Errors: KVI_ERR_NOT_FOUND (a fact missing on some rank), KVI_ERR_MISMATCH
+ * (token counts differ between ranks or from a view; the ranks' lists
+ * differ), those of kvi_store_read, KVI_ERR_PEER, KVI_ERR_INVALID_ARGUMENT,
+ * KVI_ERR_STRUCT_SIZE, KVI_ERR_UNSUPPORTED (no communicator), KVI_ERR_CUDA.
+ * A gather changes no store; after an error the contents of root's views are
+ * unspecified.
+ */
+KVI_API kvi_status kvi_store_gather(kvi_store *store, int32_t root, const kvi_gather_item *items, int32_t num_items,
+                                    struct CUstream_st *stream);
 
 /*
  * Collective. Checks that every rank holds the same facts: the same

@@ -388,11 +388,69 @@ static void hc_check_search(void) {
   kvi_store_destroy(store);
 }
 
+/* A tensor-parallel store of one in-process rank (comm.h): put a fact with
+ * all heads through put_scatter, gather it back, check agreement. */
+static void hc_check_comm(void) {
+  kvi_scatter_item si = KVI_SCATTER_ITEM_INIT;
+  kvi_gather_item gi = KVI_GATHER_ITEM_INIT;
+  kvi_model_options mo = KVI_MODEL_OPTIONS_INIT;
+  kvi_store_options so = KVI_STORE_OPTIONS_INIT;
+  kvi_kv_view src = KVI_KV_VIEW_INIT, dst = KVI_KV_VIEW_INIT;
+  kvi_comm_group *group = NULL;
+  kvi_comm *comm = NULL;
+  kvi_model *model = NULL;
+  kvi_store *store = NULL;
+  static float k[HC_ELEMS], v[HC_ELEMS], k2[HC_ELEMS], v2[HC_ELEMS];
+  int32_t rank = -1, size = -1;
+  int i;
+
+  HC_CHECK(si.struct_size == sizeof(kvi_scatter_item) && si.full == NULL && si.opts == NULL);
+  HC_CHECK(gi.struct_size == sizeof(kvi_gather_item) && gi.full == NULL);
+  HC_CHECK(so.comm == NULL && so.embedding_placement == KVI_EMBEDDINGS_REPLICATED && KVI_ERR_PEER == -17);
+  HC_CHECK(kvi_store_embedding_rank(1, 2, 1) == 0 && kvi_store_embedding_rank(1, 2, 0) == -1);
+  HC_CHECK_OK(kvi_comm_group_create(&group, 1));
+  if (group) HC_CHECK_OK(kvi_comm_create_local(&comm, group, 0));
+  if (comm) HC_CHECK_OK(kvi_comm_rank(comm, &rank, &size));
+  HC_CHECK(rank == 0 && size == 1);
+  mo.num_layers = HC_LAYERS;
+  mo.num_kv_heads = HC_HEADS;
+  mo.head_size = HC_DIM;
+  HC_CHECK_OK(kvi_model_create(&model, &mo));
+  so.backend = KVI_BACKEND_CPU;
+  so.dtype = KVI_DTYPE_FP32;
+  so.page_tokens = HC_PAGE;
+  so.budget_bytes = 64u * 1024u;
+  so.comm = comm;
+  if (model && comm) HC_CHECK_OK(kvi_store_create(&store, model, &so));
+  if (store) {
+    for (i = 0; i < HC_ELEMS; i++) {
+      k[i] = (float)i * 0.25f;
+      v[i] = (float)-i;
+    }
+    kvi_kv_view_contiguous(&src, KVI_MEMORY_HOST, KVI_DTYPE_FP32, HC_LAYERS, HC_TOKENS, HC_HEADS, HC_DIM, k, v);
+    kvi_kv_view_contiguous(&dst, KVI_MEMORY_HOST, KVI_DTYPE_FP32, HC_LAYERS, HC_TOKENS, HC_HEADS, HC_DIM, k2, v2);
+    si.tenant = gi.tenant = 3;
+    si.fact_id = gi.fact_id = 4;
+    si.full = &src;
+    gi.full = &dst;
+    HC_CHECK_OK(kvi_store_put_scatter(store, 0, &si, 1, NULL));
+    HC_CHECK_OK(kvi_store_gather(store, 0, &gi, 1, NULL));
+    HC_CHECK(memcmp(k, k2, sizeof k) == 0 && memcmp(v, v2, sizeof v) == 0);
+    HC_CHECK_OK(kvi_store_check_agreement(store));
+    HC_CHECK_OK(kvi_comm_async_error(comm));
+  }
+  kvi_store_destroy(store);
+  kvi_model_destroy(model);
+  kvi_comm_destroy(comm);
+  kvi_comm_group_destroy(group);
+}
+
 static int hc_run(const char *lang) {
   hc_check_init_macros();
   hc_check_common();
   hc_check_store();
   hc_check_persist(lang);
+  hc_check_comm();
   hc_check_search();
   if (hc_failures) {
     fprintf(stderr, "%s header check: %d failure(s)\n", lang, hc_failures);

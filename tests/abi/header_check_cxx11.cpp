@@ -105,6 +105,10 @@ int cxx_checks() {
   const kvi_save_options svopts = KVI_SAVE_OPTIONS_INIT;
   const kvi_load_options lopts = KVI_LOAD_OPTIONS_INIT;
   const kvi_search_options sopts = KVI_SEARCH_OPTIONS_INIT;
+  const kvi_scatter_item sitem = KVI_SCATTER_ITEM_INIT;
+  const kvi_gather_item gitem = KVI_GATHER_ITEM_INIT;
+  if (sitem.struct_size != sizeof sitem || sitem.full != nullptr) fail("KVI_SCATTER_ITEM_INIT");
+  if (gitem.struct_size != sizeof gitem || gitem.full != nullptr) fail("KVI_GATHER_ITEM_INIT");
   if (layout.struct_size != sizeof layout || layout.scale_mode != KVI_SCALE_NONE) fail("KVI_CACHE_LAYOUT_INIT");
   if (topts.max_requests_per_call < 1) fail("KVI_TRANSFER_OPTIONS_INIT");
   if (req.block_table_memory != KVI_MEMORY_HOST) fail("KVI_INJECT_REQUEST_INIT");

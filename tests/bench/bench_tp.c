@@ -52,12 +52,13 @@ static kvi_model *model(int layers, int heads, int d, tp_rank *r) {
   return m;
 }
 
-static kvi_store *store(kvi_model *m, tp_rank *r, uint64_t budget, int emb_dim, kvi_embedding_placement pl) {
+static kvi_store *store(kvi_model *m, tp_rank *r, uint64_t budget, int page_tokens, int emb_dim,
+                        kvi_embedding_placement pl) {
   kvi_store_options so = KVI_STORE_OPTIONS_INIT;
   so.backend = KVI_BACKEND_CUDA;
   so.device = r->rank;
   so.dtype = KVI_DTYPE_BF16;
-  so.page_tokens = 16;
+  so.page_tokens = page_tokens;
   so.budget_bytes = budget;
   so.embedding_dim = emb_dim;
   so.embedding_dtype = KVI_DTYPE_FP16;
@@ -96,23 +97,40 @@ static kvi_kv_view full_view(const kv_ctx *c, int f) {
   return v;
 }
 
-static void do_scatter(tp_rank *r, cudaStream_t st, void *arg) {
-  kv_ctx *c = arg;
+/* All NF facts in one call (batch = 0), or one call per fact (batch = 1). */
+static void scatter_facts(tp_rank *r, cudaStream_t st, kv_ctx *c, int one_by_one) {
   kvi_put_options po = KVI_PUT_OPTIONS_INIT;
   po.flags = KVI_PUT_REPLACE;
+  kvi_kv_view v[NF];
+  kvi_scatter_item it[NF];
   for (int f = 0; f < NF; f++) {
-    const kvi_kv_view v = full_view(c, f);
-    CK(kvi_store_put_scatter(c->s, 1, (uint64_t)f, 0, r->rank == 0 ? &v : NULL, &po, (struct CUstream_st *)st));
+    v[f] = full_view(c, f);
+    kvi_scatter_item x = {sizeof(kvi_scatter_item), 1, (uint64_t)f, r->rank == 0 ? &v[f] : NULL, &po};
+    it[f] = x;
   }
+  if (one_by_one)
+    for (int f = 0; f < NF; f++) CK(kvi_store_put_scatter(c->s, 0, &it[f], 1, (struct CUstream_st *)st));
+  else
+    CK(kvi_store_put_scatter(c->s, 0, it, NF, (struct CUstream_st *)st));
 }
 
-static void do_gather(tp_rank *r, cudaStream_t st, void *arg) {
-  kv_ctx *c = arg;
+static void gather_facts(tp_rank *r, cudaStream_t st, kv_ctx *c, int one_by_one) {
+  kvi_kv_view v[NF];
+  kvi_gather_item it[NF];
   for (int f = 0; f < NF; f++) {
-    const kvi_kv_view v = full_view(c, f);
-    CK(kvi_store_gather(c->s, 1, (uint64_t)f, 0, r->rank == 0 ? &v : NULL, (struct CUstream_st *)st));
+    v[f] = full_view(c, f);
+    kvi_gather_item x = {sizeof(kvi_gather_item), 1, (uint64_t)f, r->rank == 0 ? &v[f] : NULL};
+    it[f] = x;
   }
+  if (one_by_one)
+    for (int f = 0; f < NF; f++) CK(kvi_store_gather(c->s, 0, &it[f], 1, (struct CUstream_st *)st));
+  else
+    CK(kvi_store_gather(c->s, 0, it, NF, (struct CUstream_st *)st));
 }
+static void do_scatter(tp_rank *r, cudaStream_t st, void *arg) { scatter_facts(r, st, arg, 0); }
+static void do_scatter1(tp_rank *r, cudaStream_t st, void *arg) { scatter_facts(r, st, arg, 1); }
+static void do_gather(tp_rank *r, cudaStream_t st, void *arg) { gather_facts(r, st, arg, 0); }
+static void do_gather1(tp_rank *r, cudaStream_t st, void *arg) { gather_facts(r, st, arg, 1); }
 
 /* NCCL alone: the messages put_scatter (to_root 0) or gather (1) exchange. */
 static void nccl_messages(tp_rank *r, cudaStream_t st, void *arg, int to_root) {
@@ -191,7 +209,7 @@ static int bench(tp_rank *r, void *arg) {
 
   /* ---- scatter and gather of KV ---- */
   kvi_model *m = model(L, H, D, r);
-  kv_ctx kc = {store(m, r, 1ull << 30, 0, KVI_EMBEDDINGS_REPLICATED), NULL, NULL, 0, 0};
+  kv_ctx kc = {store(m, r, 1ull << 30, 16, 0, KVI_EMBEDDINGS_REPLICATED), NULL, NULL, 0, 0};
   kc.fact_bytes = (size_t)2 * L * T * H * D * 2;
   kc.slice_bytes = kc.fact_bytes / (size_t)r->size;
   CU(cudaMalloc(&kc.full, kc.fact_bytes * NF));
@@ -199,17 +217,25 @@ static int bench(tp_rank *r, void *arg) {
   CU(cudaMalloc(&kc.msg, kc.slice_bytes * NF * (size_t)(r->size - 1) + 16));
   const float send_ms = timed(r, st, scratch, do_send, &kc);
   const float scatter_ms = timed(r, st, scratch, do_scatter, &kc);
+  const float scatter1_ms = timed(r, st, scratch, do_scatter1, &kc);
   const float recv_ms = timed(r, st, scratch, do_recv, &kc);
   const float gather_ms = timed(r, st, scratch, do_gather, &kc);
+  const float gather1_ms = timed(r, st, scratch, do_gather1, &kc);
   const double moved = (double)kc.slice_bytes * NF * (r->size - 1);
   if (lead) {
     printf("\n| operation (tp %d, %d facts x %d tokens, bf16) | MiB between ranks | call ms | GB/s | NCCL alone ms | "
            "GB/s | of NCCL |\n|---|---:|---:|---:|---:|---:|---:|\n",
            r->size, NF, T);
-    printf("| put_scatter from rank 0 (device source) | %.1f | %.3f | %.1f | %.3f | %.1f | %.1f%% |\n", moved / 1048576.0,
-           scatter_ms, moved / scatter_ms / 1e6, send_ms, moved / send_ms / 1e6, 100.0 * send_ms / scatter_ms);
-    printf("| gather to rank 0 (device destination) | %.1f | %.3f | %.1f | %.3f | %.1f | %.1f%% |\n", moved / 1048576.0,
-           gather_ms, moved / gather_ms / 1e6, recv_ms, moved / recv_ms / 1e6, 100.0 * recv_ms / gather_ms);
+    const struct {
+      const char *name;
+      float ms, nccl;
+    } rows[4] = {{"put_scatter from rank 0, one call for all 50", scatter_ms, send_ms},
+                 {"put_scatter from rank 0, one call per fact", scatter1_ms, send_ms},
+                 {"gather to rank 0, one call for all 50", gather_ms, recv_ms},
+                 {"gather to rank 0, one call per fact", gather1_ms, recv_ms}};
+    for (int i = 0; i < 4; i++)
+      printf("| %s | %.1f | %.3f | %.1f | %.3f | %.1f | %.1f%% |\n", rows[i].name, moved / 1048576.0, rows[i].ms,
+             moved / rows[i].ms / 1e6, rows[i].nccl, moved / rows[i].nccl / 1e6, 100.0 * rows[i].nccl / rows[i].ms);
     printf("(NCCL alone: the same messages, ncclSend/ncclRecv, one group per fact.)\n");
   }
   cudaFree(kc.full);
@@ -219,8 +245,9 @@ static int bench(tp_rank *r, void *arg) {
 
   /* ---- sharded vs replicated search ---- */
   kvi_model *ms = model(1, r->size, 8, r);
-  kvi_store *sh = store(ms, r, 256u << 20, DIM, KVI_EMBEDDINGS_SHARDED);
-  kvi_store *rep = store(ms, r, 256u << 20, DIM, KVI_EMBEDDINGS_REPLICATED);
+  /* one-token facts of one layer and one local head: 32-byte pages, so 1M facts take 32 MiB */
+  kvi_store *sh = store(ms, r, 64u << 20, 1, DIM, KVI_EMBEDDINGS_SHARDED);
+  kvi_store *rep = store(ms, r, 64u << 20, 1, DIM, KVI_EMBEDDINGS_REPLICATED);
   void *dkv;
   CU(cudaMalloc(&dkv, 64));
   CU(cudaMemset(dkv, 0, 64));

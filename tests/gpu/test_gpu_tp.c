@@ -65,6 +65,16 @@ static int g_fails;
   } while (0)
 #define CU(r, call) T_CHECK(r, (call) == cudaSuccess, "%s failed", #call)
 
+static kvi_status scatter1(kvi_store *s, uint64_t id, int root, const kvi_kv_view *full, const kvi_put_options *po,
+                           cudaStream_t st) {
+  kvi_scatter_item it = KVI_SCATTER_ITEM_INIT;
+  it.tenant = TENANT;
+  it.fact_id = id;
+  it.full = full;
+  it.opts = po;
+  return kvi_store_put_scatter(s, root, &it, 1, (struct CUstream_st *)st);
+}
+
 static kvi_model *model_for(int tp, int rank) {
   kvi_model_options mo = KVI_MODEL_OPTIONS_INIT;
   mo.num_layers = L;
@@ -207,8 +217,7 @@ static int tp_test(tp_rank *r, void *arg) {
     const kvi_kv_view full = view_of(mem, KVI_DTYPE_FP32, T, H, src);
     kvi_put_options po = KVI_PUT_OPTIONS_INIT;
     po.embedding = facts[f].emb;
-    T_OK(r, kvi_store_put_scatter(s, TENANT, (uint64_t)f, root, r->rank == root ? &full : NULL, &po,
-                                  (struct CUstream_st *)st));
+    T_OK(r, scatter1(s, (uint64_t)f, root, r->rank == root ? &full : NULL, &po, st));
     CU(r, cudaStreamSynchronize(st));
     if (mem == KVI_MEMORY_DEVICE) cudaFree(src);
     const kvi_kv_view hv = view_of(KVI_MEMORY_HOST, KVI_DTYPE_FP32, T, H, facts[f].kv);
@@ -272,35 +281,51 @@ static int tp_test(tp_rank *r, void *arg) {
     free(b);
   }
 
-  /* 4. re-shard tp -> 1 (on rank 0) -> tp */
+  /* 4. re-shard tp -> 1 (on rank 0) -> tp, every fact in one gather and one scatter */
   {
     kvi_store *one = r->rank == 0 ? store_for(m1, r->rank, NULL) : NULL, *s2 = store_for(mt, r->rank, r->comm);
     T_CHECK(r, s2 && (r->rank != 0 || one), "re-shard stores: %s", kvi_last_error());
-    for (int f = 0; s2 && f < NF; f++) {
-      const int T = facts[f].T;
-      const size_t bytes = (size_t)2 * L * T * H * D * 2;
-      void *buf = NULL;
-      CU(r, cudaMalloc(&buf, bytes));
-      const kvi_kv_view w = view_of(KVI_MEMORY_DEVICE, KVI_DTYPE_BF16, T, H, buf);
-      T_OK(r, kvi_store_gather(s, TENANT, (uint64_t)f, 0, r->rank == 0 ? &w : NULL, (struct CUstream_st *)st));
-      if (r->rank == 0) { /* into the tp-1 store, then back out of it for the scatter */
-        kvi_put_options po = KVI_PUT_OPTIONS_INIT;
-        po.embedding = facts[f].emb;
-        T_OK(r, kvi_store_put(one, TENANT, (uint64_t)f, &w, &po, (struct CUstream_st *)st));
-        CU(r, cudaStreamSynchronize(st));
-        CU(r, cudaMemset(buf, 0, bytes));
-        T_OK(r, kvi_store_read(one, TENANT, (uint64_t)f, &w, (struct CUstream_st *)st));
-      }
-      kvi_put_options po = KVI_PUT_OPTIONS_INIT;
-      po.embedding = facts[f].emb;
-      T_OK(r, kvi_store_put_scatter(s2, TENANT, (uint64_t)f, 0, r->rank == 0 ? &w : NULL, &po,
-                                    (struct CUstream_st *)st));
-      CU(r, cudaStreamSynchronize(st));
-      cudaFree(buf);
-      if (r->rank == 0) compare_slice(r, one, single, (uint64_t)f, T, 0, H, "gathered to tp 1");
-      compare_slice(r, s2, single, (uint64_t)f, T, first, hl, "re-sharded");
+    void *buf[NF];
+    kvi_kv_view w[NF];
+    kvi_gather_item gi[NF];
+    kvi_scatter_item si[NF];
+    kvi_put_options po[NF];
+    for (int f = 0; f < NF; f++) {
+      const size_t bytes = (size_t)2 * L * facts[f].T * H * D * 2;
+      CU(r, cudaMalloc(&buf[f], bytes));
+      w[f] = view_of(KVI_MEMORY_DEVICE, KVI_DTYPE_BF16, facts[f].T, H, buf[f]);
+      kvi_gather_item g = KVI_GATHER_ITEM_INIT;
+      g.tenant = TENANT;
+      g.fact_id = (uint64_t)f;
+      g.full = r->rank == 0 ? &w[f] : NULL;
+      gi[f] = g;
+      kvi_put_options_init(&po[f]);
+      po[f].embedding = facts[f].emb;
+      kvi_scatter_item it = KVI_SCATTER_ITEM_INIT;
+      it.tenant = TENANT;
+      it.fact_id = (uint64_t)f;
+      it.full = r->rank == 0 ? &w[f] : NULL;
+      it.opts = &po[f];
+      si[f] = it;
     }
-    if (s2) T_OK(r, kvi_store_check_agreement(s2));
+    if (s2) {
+      T_OK(r, kvi_store_gather(s, 0, gi, NF, (struct CUstream_st *)st));
+      if (r->rank == 0) /* into the tp-1 store, then back out of it for the scatter */
+        for (int f = 0; f < NF; f++) {
+          T_OK(r, kvi_store_put(one, TENANT, (uint64_t)f, &w[f], &po[f], (struct CUstream_st *)st));
+          CU(r, cudaStreamSynchronize(st));
+          CU(r, cudaMemset(buf[f], 0, (size_t)2 * L * facts[f].T * H * D * 2));
+          T_OK(r, kvi_store_read(one, TENANT, (uint64_t)f, &w[f], (struct CUstream_st *)st));
+        }
+      T_OK(r, kvi_store_put_scatter(s2, 0, si, NF, (struct CUstream_st *)st));
+      CU(r, cudaStreamSynchronize(st));
+      for (int f = 0; f < NF; f++) {
+        if (r->rank == 0) compare_slice(r, one, single, (uint64_t)f, facts[f].T, 0, H, "gathered to tp 1");
+        compare_slice(r, s2, single, (uint64_t)f, facts[f].T, first, hl, "re-sharded");
+      }
+      T_OK(r, kvi_store_check_agreement(s2));
+    }
+    for (int f = 0; f < NF; f++) cudaFree(buf[f]);
     kvi_store_destroy(s2);
     kvi_store_destroy(one);
   }
@@ -324,8 +349,7 @@ static int tp_test(tp_rank *r, void *arg) {
     size_t before = 0, after = 0;
     T_OK(r, kvi_store_count(s, TENANT, &before));
     const kvi_kv_view full = view_of(KVI_MEMORY_HOST, KVI_DTYPE_FP32, f->T, H, f->kv);
-    T_STATUS(r,
-             kvi_store_put_scatter(s, TENANT, 1000, 0, r->rank == 0 ? &full : NULL, &po, (struct CUstream_st *)st),
+    T_STATUS(r, scatter1(s, 1000, 0, r->rank == 0 ? &full : NULL, &po, st),
              r->rank == last ? KVI_ERR_EXISTS : KVI_ERR_PEER);
     T_OK(r, kvi_store_count(s, TENANT, &after));
     T_CHECK(r, before == after, "the failed scatter changed the fact count from %zu to %zu", before, after);

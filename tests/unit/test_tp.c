@@ -206,6 +206,25 @@ static bool slice_matches(rank_ctx *c, kvi_store *s, uint64_t tenant, uint64_t i
   return ok;
 }
 
+/* One-item forms of the collective calls. */
+static kvi_status scatter1(kvi_store *s, uint64_t tenant, uint64_t id, int root, const kvi_kv_view *full,
+                           const kvi_put_options *po) {
+  kvi_scatter_item it = KVI_SCATTER_ITEM_INIT;
+  it.tenant = tenant;
+  it.fact_id = id;
+  it.full = full;
+  it.opts = po;
+  return kvi_store_put_scatter(s, root, &it, 1, NULL);
+}
+
+static kvi_status gather1(kvi_store *s, uint64_t tenant, uint64_t id, int root, const kvi_kv_view *full) {
+  kvi_gather_item it = KVI_GATHER_ITEM_INIT;
+  it.tenant = tenant;
+  it.fact_id = id;
+  it.full = full;
+  return kvi_store_gather(s, root, &it, 1, NULL);
+}
+
 /* ------------------------------------------------------------------------ */
 /* scatter, gather, and equality with rank-local puts                       */
 /* ------------------------------------------------------------------------ */
@@ -231,11 +250,21 @@ static void scatter_rank(rank_ctx *c) {
   int first, count;
   heads_of(sh->H, c->size, c->rank, &first, &count);
   const int root = 1 % c->size;
+  /* one call for all facts but the last, then the last alone */
+  kvi_kv_view full[NFACTS];
+  kvi_scatter_item items[NFACTS];
+  for (int i = 0; i < NFACTS; i++) {
+    full[i] = fact_view(&sh->facts[i]);
+    kvi_scatter_item it = KVI_SCATTER_ITEM_INIT;
+    it.tenant = 7;
+    it.fact_id = (uint64_t)i;
+    it.full = c->rank == root ? &full[i] : NULL;
+    items[i] = it;
+  }
+  if (s) RSTATUS(c, kvi_store_put_scatter(s, root, items, NFACTS - 1, NULL), KVI_OK);
+  if (s) RSTATUS(c, scatter1(s, 7, NFACTS - 1, root, c->rank == root ? &full[NFACTS - 1] : NULL, NULL), KVI_OK);
   for (int i = 0; s && direct && i < NFACTS; i++) {
-    const full_fact *f = &sh->facts[i];
-    const kvi_kv_view full = fact_view(f);
-    RSTATUS(c, kvi_store_put_scatter(s, 7, (uint64_t)i, root, c->rank == root ? &full : NULL, NULL, NULL), KVI_OK);
-    const kvi_kv_view mine = slice_view(f, first, count);
+    const kvi_kv_view mine = slice_view(&sh->facts[i], first, count);
     RSTATUS(c, kvi_store_put(direct, 7, (uint64_t)i, &mine, NULL, NULL), KVI_OK);
   }
   for (int i = 0; s && direct && i < NFACTS; i++) {
@@ -247,7 +276,7 @@ static void scatter_rank(rank_ctx *c) {
     float *back = calloc(2 * plane, sizeof *back);
     kvi_kv_view w;
     kvi_kv_view_contiguous(&w, KVI_MEMORY_HOST, KVI_DTYPE_FP32, L, f->T, sh->H, D, back, back + plane);
-    RSTATUS(c, kvi_store_gather(s, 7, (uint64_t)i, 0, c->rank == 0 ? &w : NULL, NULL), KVI_OK);
+    RSTATUS(c, gather1(s, 7, (uint64_t)i, 0, c->rank == 0 ? &w : NULL), KVI_OK);
     if (c->rank == 0)
       for (size_t e = 0; e < 2 * plane; e++)
         if (back[e] != ref_round(f->kv[e], sh->dtype)) {
@@ -308,12 +337,12 @@ static void reshard_from2(rank_ctx *c) {
   RSTATUS(c, make_store(&s, m, &default_cfg, c->comm), KVI_OK);
   for (int i = 0; s && i < NFACTS; i++) {
     const kvi_kv_view full = fact_view(&sh->facts[i]);
-    RSTATUS(c, kvi_store_put_scatter(s, 3, (uint64_t)i, 0, c->rank == 0 ? &full : NULL, NULL, NULL), KVI_OK);
+    RSTATUS(c, scatter1(s, 3, (uint64_t)i, 0, c->rank == 0 ? &full : NULL, NULL), KVI_OK);
   }
   /* tp 2 -> 1: gather each fact to rank 0, which puts it into the tp-1 store */
   for (int i = 0; s && i < NFACTS; i++) {
     const kvi_kv_view w = fact_view(&sh->gathered[i]);
-    RSTATUS(c, kvi_store_gather(s, 3, (uint64_t)i, 0, c->rank == 0 ? &w : NULL, NULL), KVI_OK);
+    RSTATUS(c, gather1(s, 3, (uint64_t)i, 0, c->rank == 0 ? &w : NULL), KVI_OK);
     if (c->rank == 0) RSTATUS(c, kvi_store_put(sh->single, 3, (uint64_t)i, &w, NULL, NULL), KVI_OK);
   }
   kvi_store_destroy(s);
@@ -334,7 +363,7 @@ static void reshard_to4(rank_ctx *c) {
     kvi_kv_view w;
     kvi_kv_view_contiguous(&w, KVI_MEMORY_HOST, KVI_DTYPE_FP32, L, f->T, sh->H, D, buf, buf + plane);
     if (c->rank == 2) RSTATUS(c, kvi_store_read(sh->single, 3, (uint64_t)i, &w, NULL), KVI_OK);
-    RSTATUS(c, kvi_store_put_scatter(s, 3, (uint64_t)i, 2, c->rank == 2 ? &w : NULL, NULL, NULL), KVI_OK);
+    RSTATUS(c, scatter1(s, 3, (uint64_t)i, 2, c->rank == 2 ? &w : NULL, NULL), KVI_OK);
     free(buf);
     slice_matches(c, s, 3, (uint64_t)i, f, first, count, KVI_DTYPE_FP32);
   }
@@ -595,7 +624,7 @@ static void failure_rank(rank_ctx *c) {
   kvi_store_stats before = KVI_STORE_STATS_INIT, after = KVI_STORE_STATS_INIT;
   RSTATUS(c, kvi_store_stats_get(s, &before), KVI_OK);
   /* 12 tokens need 3 pages: the odd rank is full */
-  RSTATUS(c, kvi_store_put_scatter(s, 1, 10, 0, c->rank == 0 ? &vbig : NULL, NULL, NULL),
+  RSTATUS(c, scatter1(s, 1, 10, 0, c->rank == 0 ? &vbig : NULL, NULL),
           odd ? KVI_ERR_CAPACITY : KVI_ERR_PEER);
   RSTATUS(c, kvi_store_stats_get(s, &after), KVI_OK);
   RCHECK(c, after.facts == 0 && after.pages_used == before.pages_used, "the failed put left %llu facts, %llu pages",
@@ -603,7 +632,7 @@ static void failure_rank(rank_ctx *c) {
   /* the fact exists on one rank only: KVI_ERR_EXISTS there, nothing anywhere else */
   const kvi_kv_view mine = slice_view(&small, 0, 4 / c->size);
   if (odd) RSTATUS(c, kvi_store_put(s, 1, 11, &mine, NULL, NULL), KVI_OK);
-  RSTATUS(c, kvi_store_put_scatter(s, 1, 11, 0, c->rank == 0 ? &vsmall : NULL, NULL, NULL),
+  RSTATUS(c, scatter1(s, 1, 11, 0, c->rank == 0 ? &vsmall : NULL, NULL),
           odd ? KVI_ERR_EXISTS : KVI_ERR_PEER);
   size_t n = 99;
   RSTATUS(c, kvi_store_count(s, 1, &n), KVI_OK);
@@ -612,22 +641,22 @@ static void failure_rank(rank_ctx *c) {
   if (odd) RSTATUS(c, kvi_store_remove(s, 1, 11), KVI_OK);
   RSTATUS(c, kvi_store_check_agreement(s), KVI_OK);
   /* the ranks disagree on the fact id */
-  RSTATUS(c, kvi_store_put_scatter(s, 1, odd ? 13 : 12, 0, c->rank == 0 ? &vsmall : NULL, NULL, NULL),
+  RSTATUS(c, scatter1(s, 1, odd ? 13 : 12, 0, c->rank == 0 ? &vsmall : NULL, NULL),
           KVI_ERR_MISMATCH);
   /* and root's view is bad: its own status there, peers told */
   kvi_kv_view bad = vsmall;
   bad.num_heads = 3;
-  RSTATUS(c, kvi_store_put_scatter(s, 1, 12, 0, c->rank == 0 ? &bad : NULL, NULL, NULL),
+  RSTATUS(c, scatter1(s, 1, 12, 0, c->rank == 0 ? &bad : NULL, NULL),
           c->rank == 0 ? KVI_ERR_MISMATCH : KVI_ERR_PEER);
   /* then a good one works */
-  RSTATUS(c, kvi_store_put_scatter(s, 1, 12, 0, c->rank == 0 ? &vsmall : NULL, NULL, NULL), KVI_OK);
+  RSTATUS(c, scatter1(s, 1, 12, 0, c->rank == 0 ? &vsmall : NULL, NULL), KVI_OK);
   int first, count;
   heads_of(4, c->size, c->rank, &first, &count);
   slice_matches(c, s, 1, 12, &small, first, count, KVI_DTYPE_FP32);
   /* gather of a fact missing on one rank */
   if (odd) RSTATUS(c, kvi_store_remove(s, 1, 12), KVI_OK);
   const kvi_kv_view back = fact_view(&small);
-  RSTATUS(c, kvi_store_gather(s, 1, 12, 0, c->rank == 0 ? &back : NULL, NULL), odd ? KVI_ERR_NOT_FOUND : KVI_ERR_PEER);
+  RSTATUS(c, gather1(s, 1, 12, 0, c->rank == 0 ? &back : NULL), odd ? KVI_ERR_NOT_FOUND : KVI_ERR_PEER);
   kvi_store_destroy(s);
   kvi_model_destroy(m);
   free(big.kv);
@@ -678,10 +707,10 @@ static void test_comm_errors(void **state) {
   full_fact f;
   fact_make(&f, &rg, 2, 4);
   const kvi_kv_view v = fact_view(&f);
-  assert_status(kvi_store_put_scatter(s, 1, 1, 0, &v, NULL, NULL), KVI_ERR_UNSUPPORTED);
-  assert_status(kvi_store_gather(s, 1, 1, 0, &v, NULL), KVI_ERR_UNSUPPORTED);
+  assert_status(scatter1(s, 1, 1, 0, &v, NULL), KVI_ERR_UNSUPPORTED);
+  assert_status(gather1(s, 1, 1, 0, &v), KVI_ERR_UNSUPPORTED);
   assert_status(kvi_store_check_agreement(s), KVI_ERR_UNSUPPORTED);
-  assert_status(kvi_store_put_scatter(NULL, 1, 1, 0, &v, NULL, NULL), KVI_ERR_INVALID_ARGUMENT);
+  assert_status(scatter1(NULL, 1, 1, 0, &v, NULL), KVI_ERR_INVALID_ARGUMENT);
   assert_status(kvi_store_check_agreement(NULL), KVI_ERR_INVALID_ARGUMENT);
   kvi_store_destroy(s);
   /* sharded embeddings need a communicator; placement must be a known value */
@@ -701,18 +730,35 @@ static void root_rank(rank_ctx *c) {
   kvi_model *m = tp_model(4, c->size, c->rank, 10000.0);
   kvi_store *s = NULL;
   RSTATUS(c, make_store(&s, m, &default_cfg, c->comm), KVI_OK);
-  RSTATUS(c, kvi_store_put_scatter(s, 1, 1, c->size, NULL, NULL, NULL), KVI_ERR_INVALID_ARGUMENT);
-  RSTATUS(c, kvi_store_gather(s, 1, 1, -1, NULL, NULL), KVI_ERR_INVALID_ARGUMENT);
-  RSTATUS(c, kvi_store_put_scatter(s, 1, 1, 0, NULL, NULL, NULL), c->rank == 0 ? KVI_ERR_INVALID_ARGUMENT : KVI_ERR_PEER);
+  RSTATUS(c, scatter1(s, 1, 1, c->size, NULL, NULL), KVI_ERR_INVALID_ARGUMENT);
+  RSTATUS(c, gather1(s, 1, 1, -1, NULL), KVI_ERR_INVALID_ARGUMENT);
+  RSTATUS(c, kvi_store_put_scatter(s, 0, NULL, 1, NULL), KVI_ERR_INVALID_ARGUMENT);
+  RSTATUS(c, kvi_store_put_scatter(s, 0, NULL, 0, NULL), KVI_OK); /* nothing to do, on every rank */
+  RSTATUS(c, scatter1(s, 1, 1, 0, NULL, NULL), c->rank == 0 ? KVI_ERR_INVALID_ARGUMENT : KVI_ERR_PEER);
   rng g = {99};
   full_fact f;
   fact_make(&f, &g, 3, 4);
   const kvi_kv_view v = fact_view(&f);
-  RSTATUS(c, kvi_store_put_scatter(s, 1, 1, 0, c->rank == 0 ? &v : NULL, NULL, NULL), KVI_OK);
-  RSTATUS(c, kvi_store_gather(s, 1, 1, 0, NULL, NULL), c->rank == 0 ? KVI_ERR_INVALID_ARGUMENT : KVI_ERR_PEER);
+  RSTATUS(c, scatter1(s, 1, 1, 0, c->rank == 0 ? &v : NULL, NULL), KVI_OK);
+  RSTATUS(c, gather1(s, 1, 1, 0, NULL), c->rank == 0 ? KVI_ERR_INVALID_ARGUMENT : KVI_ERR_PEER);
+  { /* a key twice in one call; lists that differ between ranks */
+    kvi_scatter_item two[2] = {KVI_SCATTER_ITEM_INIT, KVI_SCATTER_ITEM_INIT};
+    two[0].tenant = two[1].tenant = 1;
+    two[0].fact_id = two[1].fact_id = 5;
+    two[0].full = two[1].full = c->rank == 0 ? &v : NULL;
+    RSTATUS(c, kvi_store_put_scatter(s, 0, two, 2, NULL), KVI_ERR_INVALID_ARGUMENT);
+    two[1].fact_id = c->rank == 0 ? 6 : 7;
+    RSTATUS(c, kvi_store_put_scatter(s, 0, two, 2, NULL), KVI_ERR_MISMATCH);
+    two[1].fact_id = 6;
+    RSTATUS(c, kvi_store_put_scatter(s, 0, two, 1, NULL), KVI_OK);
+    RSTATUS(c, kvi_store_put_scatter(s, 0, two, 2, NULL), KVI_ERR_EXISTS); /* 5 is on every rank */
+    size_t cnt = 0;
+    RSTATUS(c, kvi_store_count(s, 1, &cnt), KVI_OK);
+    RCHECK(c, cnt == 2, "tenant 1 has %zu facts after a failed batch, expected 2", cnt);
+  }
   kvi_kv_view w = v;
   w.num_tokens = 2; /* the fact has 3 */
-  RSTATUS(c, kvi_store_gather(s, 1, 1, 0, c->rank == 0 ? &w : NULL, NULL), c->rank == 0 ? KVI_ERR_MISMATCH : KVI_ERR_PEER);
+  RSTATUS(c, gather1(s, 1, 1, 0, c->rank == 0 ? &w : NULL), c->rank == 0 ? KVI_ERR_MISMATCH : KVI_ERR_PEER);
   free(f.kv);
   kvi_store_destroy(s);
   kvi_model_destroy(m);
