@@ -217,23 +217,46 @@ def check_fp32(run, args, gen, results):
     return ok
 
 
+def bf16_tie(logits):
+    """Whether the reference's top two logits are a tie at bf16 resolution: the
+    logits are bf16 numbers, and a gap of at most two units in the last place of
+    the largest magnitude is decided by rounding, not by the model."""
+    top2 = logits.topk(2).values
+    gap = float(top2[0] - top2[1])
+    ulp = 2.0 ** (math.floor(math.log2(float(logits.abs().max()))) - 7)
+    return gap <= 2 * ulp, gap
+
+
 def check_bf16(run, args, gen, results):
+    """Greedy next token on --prompts random prompts whose reference top-1 is
+    decided (not a bf16 tie, see bf16_tie); ties are drawn again (at most as many
+    extra prompts) and reported."""
     ok = True
     for variant in ("exact", "shifted"):
-        same, worst, flips = 0, 0.0, []
-        for i in range(args.prompts):
+        same, decided, worst, flips, ties, tie_same = 0, 0, 0.0, [], 0, 0
+        drawn = 0
+        while decided < args.prompts and drawn < 2 * args.prompts:
+            drawn += 1
             ref, got = parity_case(run, gen, variant)
             r, g = ref[-1], got[-1]
             worst = max(worst, rel_err(got, ref))
-            if int(r.argmax()) == int(g.argmax()):
+            match = int(r.argmax()) == int(g.argmax())
+            tie, gap = bf16_tie(r)
+            if tie:
+                ties += 1
+                tie_same += match
+                continue
+            decided += 1
+            if match:
                 same += 1
             else:
-                top2 = r.topk(2).values
-                flips.append("prompt %d: ref top-2 gap %.3g, rel %.2e" % (i, float(top2[0] - top2[1]),
-                                                                          float(top2[0] - top2[1]) / float(r.abs().max())))
-        passed = same == args.prompts and args.prompts >= 20
+                flips.append("prompt %d: ref top-2 gap %.3g" % (drawn, gap))
+        passed = same == decided and decided >= max(args.prompts, 20)
         ok &= passed
-        detail = "greedy token identical %d/%d, max rel logit err %.2e" % (same, args.prompts, worst)
+        detail = "greedy token identical %d/%d, max rel logit err %.2e" % (same, decided, worst)
+        if ties:
+            detail += "; %d bf16 ties of the reference's top two left out (%d of them identical too)" % (
+                ties, tie_same)
         if flips:
             detail += " (" + "; ".join(flips) + ")"
         results.append((run.name, "bf16", variant, detail, "PASS" if passed else "FAIL"))
