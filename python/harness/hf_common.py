@@ -116,14 +116,28 @@ def build_model(cls, kw, dtype, device, attn="sdpa", seed=0):
     last = None
     for impl in ([attn, "eager"] if attn != "eager" else ["eager"]):
         try:
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+            # the dtype at construction, as from_pretrained does: parameters in
+            # `dtype`, RoPE buffers (inv_freq, GPT-J's sin/cos table) in fp32. A
+            # model.to(dtype) afterwards would round those buffers to bf16 and
+            # shift every rotation angle (by ~0.1 rad at position 100).
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=impl)
             break
         except (ValueError, ImportError) as e:  # e.g. GPT-J has no SDPA path
             last = e
     else:
         raise last
-    model = model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device).eval()
+    check_rope_buffers(model)
     return model
+
+
+def check_rope_buffers(model):
+    """RoPE frequency buffers must be fp32, as in a model from from_pretrained."""
+    import torch
+    for name, b in model.named_buffers():
+        if ("inv_freq" in name or "embed_positions" in name) and b.dtype != torch.float32:
+            raise RuntimeError("%s is %s: the model's rotary frequencies were rounded (built with .to(dtype)?)"
+                               % (name, b.dtype))
 
 
 def model_config(model):
@@ -203,6 +217,47 @@ def kvi_rope_fields(config):
         # rotation to store keys against
         raise NotImplementedError("rope_type %r has no kvi_rope_spec mapping here" % rtype)
     return f
+
+
+def engine_rope_table(model, positions):
+    """The model's own rotation as a kvi cos/sin table: fp32 [positions, rot],
+    each row rot/2 cosines then rot/2 sines (what kvi_rope_spec.cos_sin_table
+    takes). From GPT-J's embed_positions buffer ([sin | cos] rows) or from the
+    model's rotary module (NeoX halves: the first rot/2 of its cos/sin)."""
+    import torch
+    for name, b in model.named_buffers():
+        if name.endswith("embed_positions"):  # GPT-J: one table per layer, all equal
+            half = b.shape[1] // 2
+            t = b[:positions].float().cpu()
+            return torch.cat([t[:, half:], t[:, :half]], 1).contiguous()
+    rot = None
+    for name, m in model.named_modules():
+        if name.endswith("rotary_emb"):
+            rot = m
+            break
+    if rot is None:
+        raise RuntimeError("no rotary module or table found in %s" % type(model).__name__)
+    hd = head_dim_of(model.config)
+    pos = torch.arange(positions, device=model.device).unsqueeze(0)
+    cos, sin = rot(torch.zeros((1, positions, hd), dtype=torch.float32, device=model.device), pos)
+    half = cos.shape[-1] // 2
+    return torch.cat([cos[0, :, :half], sin[0, :, :half]], 1).float().cpu().contiguous()
+
+
+def rope_mapping_error(model, kvi_model, positions=512, layer=0):
+    """max |cos/sin of the library's spec - the model's own| over positions and
+    pairs: how well kvi_rope_fields(config) reproduces what the model computes."""
+    t = engine_rope_table(model, positions)
+    half = t.shape[1] // 2
+    spec = kvi_model.get_rope(layer)
+    if spec.rotary_dim != 2 * half:
+        return float("inf")
+    worst = 0.0
+    for p in range(0, positions, max(1, positions // 64)):
+        for i in range(half):
+            c, s = kvi_model.rope_cos_sin(layer, p, i)
+            worst = max(worst, abs(c - float(t[p, i])), abs(s - float(t[p, half + i])))
+    return worst
 
 
 def kvi_model_for(config, rope_fields=None):
