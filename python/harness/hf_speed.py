@@ -82,7 +82,7 @@ def llama8b_config(layers=None):
 def tiny_config(layers=None):
     import transformers as tf
     kw = dict(vocab_size=4096, hidden_size=256, intermediate_size=896, num_hidden_layers=layers or 2,
-              num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=8192,
+              num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=16384,
               rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                "original_max_position_embeddings": 8192})
@@ -90,20 +90,38 @@ def tiny_config(layers=None):
 
 
 def build(cls, kw, device, attn, torch):
-    """The model in bf16, built directly on the device: parameters are created
-    there in bf16 (no fp32 CPU copy), then filled with small normal values
-    (norm weights 1), so they are random but finite."""
+    """The model in bf16 without a slow CPU initialization: built on the meta
+    device (no memory, no init), materialized on the target device, parameters
+    filled with small normal values there (norm weights 1: random but finite),
+    the rotary module's fp32 buffers rebuilt from the config. If meta
+    construction fails, it is built under the device context instead."""
     from transformers import AutoModelForCausalLM
     config = cls(**C._fix_legacy_config(cls, kw))
     t0 = time.time()
-    with torch.device(device):
-        try:
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attn)
-        except (ValueError, ImportError):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="eager")
-    # no-op when construction went as asked; never .to(dtype): it would round inv_freq to bf16
+
+    def construct(dev):
+        with torch.device(dev):
+            try:
+                return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attn)
+            except (ValueError, ImportError):
+                return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="eager")
+
+    try:
+        model = construct("meta").to_empty(device=device)
+        how = "meta, materialized on %s" % device
+        for name, m in list(model.named_modules()):
+            if name.endswith("rotary_emb"):  # non-persistent fp32 buffers: recompute them
+                fresh = type(m)(config=m.config)
+                for bname, buf in fresh.named_buffers(recurse=False):
+                    getattr(m, bname).copy_(buf.to(device))
+                if hasattr(fresh, "attention_scaling"):
+                    m.attention_scaling = fresh.attention_scaling
+    except Exception as e:  # noqa: BLE001 — any failure: the plain way
+        print("meta construction failed (%s: %s); building on %s" % (type(e).__name__, e, device))
+        model = construct(device)
+        how = "on %s" % device
+    # never .to(dtype): it would round inv_freq to bf16
     model = model.to(device=device).eval()
-    C.check_rope_buffers(model)
     gen = torch.Generator(device=device).manual_seed(0)
     for name, p in model.named_parameters():
         if p.dim() == 1:
@@ -111,9 +129,10 @@ def build(cls, kw, device, attn, torch):
         else:
             p.normal_(0.0, 0.02, generator=gen)
     C.sync(device)
+    C.check_rope_buffers(model)
     n = sum(p.numel() for p in model.parameters())
-    print("model: %s, %.2fB parameters, bf16, %s attention, built on %s in %.1f s" % (
-        type(model).__name__, n / 1e9, model.config._attn_implementation, device, time.time() - t0), flush=True)
+    print("model: %s, %.2fB parameters, bf16, %s attention, built (%s) in %.1f s" % (
+        type(model).__name__, n / 1e9, model.config._attn_implementation, how, time.time() - t0), flush=True)
     return model
 
 
@@ -283,7 +302,10 @@ class Bench:
         ok = vsame and kd <= 2 ** -6 * km
         print("cross-check (k = %d): V identical: %s; K max |diff| %.3g of max |K| %.3g: %s" % (
             k, vsame, kd, km, "ok" if ok else "MISMATCH"), flush=True)
-        return ok
+        merr = C.rope_mapping_error(self.model, C.kvi_model_for(self.config))
+        print("RoPE: the library's spec from the config against the model's rotary module: max |cos/sin "
+              "difference| %.2e: %s" % (merr, "ok" if merr <= 1e-4 else "MISMATCH"), flush=True)
+        return ok and merr <= 1e-4
 
     # -------------------------------------------------------------- running
     def measure(self, fn, runs, warmup):
@@ -378,7 +400,7 @@ def main(argv=None):
         inj_bytes = 2 * k * a.fact_tokens * b.kv_bytes_per_token  # read from the store + write to the cache
         rows.append([k, "re-prefill", "%.3f" % re_[0], "%.3f (paste ids)" % re_[1], "%.2f" % re_[2],
                      "%.2f" % sum(re_)])
-        rate = " (%.0f GB/s)" % (inj_bytes / kv[1] / 1e6) if k and kv[1] > 0 else ""
+        rate = " (%.3g GB/s)" % (inj_bytes / kv[1] / 1e6) if k and kv[1] > 0 else ""
         rows.append([k, "libkvinject", "%.3f" % kv[0], "%.3f%s" % (kv[1], rate), "%.2f" % kv[2], "%.2f" % sum(kv)])
         rows.append([k, "paper (torch)", "%.3f" % pp[0], "%.3f" % pp[1], "%.2f" % pp[2], "%.2f" % sum(pp)])
     print(C.table(["k", "method", "search", "inject / compose", "prefill + first token", "TTFT"], rows))
