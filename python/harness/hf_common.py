@@ -269,6 +269,20 @@ def kvi_model_for(config, rope_fields=None):
     return m
 
 
+def pick_device(requested, torch, kvi):
+    """--device as given (a cuda run then needs a CUDA build of the library and a
+    device), or by default cuda where torch has a device and the library was
+    built with CUDA, cpu otherwise."""
+    if requested:
+        if requested.startswith("cuda") and not torch.cuda.is_available():
+            print("error: --device %s but torch sees no CUDA device" % requested)
+            sys.exit(2)
+        return requested
+    if torch.cuda.is_available() and kvi.features() & kvi.FEATURE_CUDA and kvi.cuda_device_count() > 0:
+        return "cuda"
+    return "cpu"
+
+
 def kvi_dtype(torch_dtype):
     import torch
     import kvinject as kvi

@@ -48,7 +48,8 @@ TENANT = 7
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    ap.add_argument("--device", default=None,
+                    help="cuda or cpu (default: cuda when torch and the library both have it)")
     ap.add_argument("--quick", action="store_true", help="fewer quality prompts and cells (CPU smoke run)")
     ap.add_argument("--models", default="llama,qwen2,gpt_neox,gptj")
     ap.add_argument("--dtypes", default="fp32,bf16")
@@ -372,7 +373,7 @@ def main(argv=None):
     args = parse_args(argv)
     torch, transformers = C.need_torch_transformers()
     kvi = C.need_kvinject()
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = C.pick_device(args.device, torch, kvi)
     if device.startswith("cuda"):
         # fp32 parity means fp32 matmuls: no TF32 anywhere
         torch.backends.cuda.matmul.allow_tf32 = False

@@ -42,7 +42,8 @@ TENANT = 11
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    ap.add_argument("--device", default=None,
+                    help="cuda or cpu (default: cuda when torch and the library both have it)")
     ap.add_argument("--quick", action="store_true", help="fewer runs and batches")
     ap.add_argument("--model", choices=["llama8b", "tiny"], default=None,
                     help="llama8b: Llama-3.1-8B shape (default on cuda); tiny: 2 layers (default on cpu)")
@@ -327,7 +328,7 @@ def main(argv=None):
     args = parse_args(argv)
     torch, transformers = C.need_torch_transformers()
     kvi = C.need_kvinject()
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = C.pick_device(args.device, torch, kvi)
     if args.model is None:
         args.model = "llama8b" if device.startswith("cuda") else "tiny"
     torch.set_grad_enabled(False)
