@@ -26,7 +26,7 @@
 
 #define TRANSFER_OPTIONS_V1 sizeof(kvi_transfer_options)
 #define INJECT_REQUEST_V1 sizeof(kvi_inject_request)
-#define INJECT_OPTIONS_V1 sizeof(kvi_inject_options)
+#define INJECT_OPTIONS_V1 offsetof(kvi_inject_options, host_pages) /* the fields before the host tier came first */
 #define CAPTURE_V1 sizeof(kvi_capture)
 #define SLOTS 2
 
