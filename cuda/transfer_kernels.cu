@@ -324,7 +324,9 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
   const char *plan = a.inline_bytes ? reinterpret_cast<const char *>(a.inline_plan) : a.plan_dev;
   const kvi__xseg sg = reinterpret_cast<const kvi__xseg *>(plan)[blockIdx.x];
   const unsigned ntok = sg.ntok;
-  G *page = static_cast<G *>(a.pool) + (int64_t)sg.page * a.page_elems;
+  /* a host-tier page (KVI_HOST_PAGES_READ_MAPPED) is read in place through its mapped address */
+  G *page = sg.page < a.host_first ? static_cast<G *>(a.pool) + (int64_t)sg.page * a.page_elems
+                                   : static_cast<G *>(a.host_pool) + (int64_t)(sg.page - a.host_first) * a.page_elems;
   const int l0 = a.layer_begin + (int)blockIdx.y * a.layers_per_cta;
   const int l1 = min(l0 + a.layers_per_cta, a.layer_end);
   float *gs = nullptr; /* fp8 stores: the page's scales, [layer][K, V][head] */

@@ -182,6 +182,17 @@ kvi_status kvi__cuda_sm_count(int device, int *count, const char *fn) {
   return e == cudaSuccess ? KVI_OK : cuda_fail(e, fn, "cudaDeviceGetAttribute (multiprocessors)");
 }
 
+kvi_status kvi__cuda_copy(void *dst, const void *src, size_t bytes, struct CUstream_st *s, const char *fn) {
+  cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, (cudaStream_t)s);
+  return e == cudaSuccess ? KVI_OK : cuda_fail(e, fn, "cudaMemcpyAsync");
+}
+
+kvi_status kvi__cuda_copy2d(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
+                            struct CUstream_st *s, const char *fn) {
+  cudaError_t e = cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDefault, (cudaStream_t)s);
+  return e == cudaSuccess ? KVI_OK : cuda_fail(e, fn, "cudaMemcpy2DAsync");
+}
+
 #else /* !KVI_HAVE_CUDA */
 
 static kvi_status not_built(const char *fn) {
@@ -275,6 +286,15 @@ kvi_status kvi__cuda_stream_wait(struct CUstream_st *s, struct CUevent_st *e, co
 kvi_status kvi__cuda_sm_count(int device, int *count, const char *fn) {
   (void)device;
   *count = 0;
+  return not_built(fn);
+}
+kvi_status kvi__cuda_copy(void *dst, const void *src, size_t bytes, struct CUstream_st *s, const char *fn) {
+  (void)dst, (void)src, (void)bytes, (void)s;
+  return not_built(fn);
+}
+kvi_status kvi__cuda_copy2d(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
+                            struct CUstream_st *s, const char *fn) {
+  (void)dst, (void)dpitch, (void)src, (void)spitch, (void)width, (void)height, (void)s;
   return not_built(fn);
 }
 

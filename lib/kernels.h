@@ -97,8 +97,11 @@ typedef struct kvi__xreq {
 #define KVI__INLINE_PLAN 12288
 
 typedef struct kvi__xfer_args {
-  /* store pages */
+  /* store pages: ids below host_first at pool, the rest (a tiered store's
+   * host tier, read in place) at host_pool + (id - host_first) pages */
   void *pool;
+  void *host_pool;
+  uint32_t host_first;
   int64_t page_elems; /* page stride in elements (fp8 stores: page bytes) */
   int64_t scale_off;  /* fp8 stores: byte offset of the scales in a page */
   int32_t page_dtype;

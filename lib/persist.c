@@ -44,7 +44,7 @@
 
 #define SAVE_OPTIONS_V1 sizeof(kvi_save_options)
 #define LOAD_OPTIONS_V1 sizeof(kvi_load_options)
-#define STORE_OPTIONS_V1 sizeof(kvi_store_options)
+#define STORE_OPTIONS_V1 offsetof(kvi_store_options, comm) /* as kvi_store_create: older sizes are accepted */
 
 /* ------------------------------------------------------------------------ */
 /* The format                                                                */

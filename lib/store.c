@@ -3,11 +3,14 @@
  * cut from memory reserved once at creation.
  * SPDX-License-Identifier: Apache-2.0
  *
- * Page ids are global 32-bit indices into the store's page pools. Today a
- * store has one pool (device memory for a CUDA store, host memory for a CPU
- * store); the pool records its tier so that a pinned-host pool can be added
- * beside it, with page ids past the first pool's, and facts moved between
- * tiers by swapping page ids.
+ * Page ids are global 32-bit indices into the store's page pools: the
+ * first pool (device memory for a CUDA store, host memory for a CPU store)
+ * holds ids [0, pool.npages); a CUDA store with a host budget has a second,
+ * pinned and mapped host pool with the ids after them. A fact's pages are
+ * all in one pool; moving it between tiers is copying its pages and swapping
+ * its ids (the tier section below). Facts never change in place, so a fact
+ * promoted from the host keeps its host pages as a clean copy, and demoting
+ * it again is only a swap back.
  */
 #include <math.h>
 #include <pthread.h>
@@ -24,7 +27,7 @@
 
 #define STORE_OPTIONS_V1 offsetof(kvi_store_options, comm) /* the fields before comm came first */
 #define PUT_OPTIONS_V1 sizeof(kvi_put_options)
-#define STORE_STATS_V1 sizeof(kvi_store_stats)
+#define STORE_STATS_V1 offsetof(kvi_store_stats, pages_host_total) /* the fields before the host tier came first */
 
 /* Pinned staging for host-memory puts and reads on a CUDA store. */
 #define STAGING_TARGET_BYTES (8u << 20)
@@ -111,10 +114,13 @@ static void cpu_copy(const kvi_store *s, const kvi_kv_view *v, int32_t tok0, int
 /* CUDA copies                                                               */
 /* ------------------------------------------------------------------------ */
 
-/* Device view <-> pages, in launches of KVI__LAUNCH_PAGES pages. */
+/* Device view <-> pages, in launches of KVI__LAUNCH_PAGES pages. Pages of
+ * the host tier are reached through their mapped device address. */
 static kvi_status cuda_copy_device(const kvi_store *s, const kvi_kv_view *v, const uint32_t *pages,
                                    int32_t tokens, bool to_pages, struct CUstream_st *stream,
                                    const char *fn) {
+  const bool host = page_on_host_tier(s, pages[0]);
+  const uint32_t first = host ? s->pool.npages : 0;
   kvi__copy_args a;
   memset(&a, 0, sizeof a);
   a.vk = v->k;
@@ -126,7 +132,7 @@ static kvi_status cuda_copy_device(const kvi_store *s, const kvi_kv_view *v, con
   a.L = s->geom.num_layers;
   a.H = s->geom.local_heads;
   a.D = s->geom.head_size;
-  a.pool = s->pool.base;
+  a.pool = host ? s->hpool_dev : s->pool.base;
   a.page_dtype = (int32_t)s->dtype;
   a.P = s->P;
   a.page_elems = page_stride_elems(s);
@@ -137,7 +143,7 @@ static kvi_status cuda_copy_device(const kvi_store *s, const kvi_kv_view *v, con
     a.count = (int32_t)n;
     a.token_first = (int32_t)p0 * s->P;
     a.num_tokens = tokens - a.token_first < (int32_t)n * s->P ? tokens - a.token_first : (int32_t)n * s->P;
-    memcpy(a.pages, pages + p0, n * sizeof *pages);
+    for (uint32_t i = 0; i < n; i++) a.pages[i] = pages[p0 + i] - first;
 #ifdef KVI_HAVE_CUDA
     int e = to_pages ? kvi__cuda_view_to_pages(&a, stream) : kvi__cuda_pages_to_view(&a, stream);
     if (e) return kvi__cuda_error(e, fn, to_pages ? "view-to-pages kernel launch" : "pages-to-view kernel launch");
@@ -179,10 +185,19 @@ static kvi_status cuda_copy_host(const kvi_store *s, const kvi_kv_view *v, const
   return st;
 }
 
+static bool move_outstanding(const kvi_store *s);
+
 /* raw: see cpu_copy (host views only). */
 static kvi_status copy_fact(const kvi_store *s, const kvi_kv_view *v, const uint32_t *pages,
                             int32_t tokens, bool to_pages, float *raw, struct CUstream_st *stream, const char *fn) {
-  if (s->backend == KVI_BACKEND_CPU) {
+  const bool host_tier = s->backend == KVI_BACKEND_CUDA && page_on_host_tier(s, pages[0]);
+  if (host_tier && v->memory == KVI_MEMORY_HOST && !to_pages && move_outstanding(s)) {
+    /* a demotion may still be writing these pages */
+    kvi_status st = kvi__cuda_event_sync(s->track_ev[s->move_seq % KVI__TRACK_EVENTS], fn);
+    if (st) return st;
+  }
+  if (s->backend == KVI_BACKEND_CPU || (host_tier && v->memory == KVI_MEMORY_HOST)) {
+    /* host pages (a CPU store's, or a free or settled host-tier page): the CPU copies */
     uint32_t npages = pages_for(s, tokens);
     char **addr = malloc(npages * sizeof *addr);
     if (!addr) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %u page addresses", npages);
@@ -253,7 +268,10 @@ static void release_memory(kvi_store *s) {
   if (s->backend == KVI_BACKEND_CUDA) {
     kvi__devguard g;
     if (kvi__cuda_enter(s->device, &g, "kvi_store_destroy") == KVI_OK) {
+      if (s->copy_stream) kvi__cuda_sync(s->copy_stream, "kvi_store_destroy"); /* tier moves */
       kvi__cuda_free(s->pool.base);
+      kvi__cuda_host_free(s->hpool.base);
+      kvi__cuda_event_destroy(s->prefetch_ev);
       kvi__cuda_host_free(s->staging);
       kvi__cuda_stream_destroy(s->copy_stream);
       for (int i = 0; i < KVI__TRACK_EVENTS; i++) kvi__cuda_event_destroy(s->track_ev[i]);
@@ -272,6 +290,9 @@ static void release_memory(kvi_store *s) {
   s->deferred_tag = NULL;
   memset(s->track_ev, 0, sizeof s->track_ev);
   s->pool.base = NULL;
+  s->hpool.base = NULL;
+  s->hpool_dev = NULL;
+  s->prefetch_ev = NULL;
   s->staging = NULL;
   s->copy_stream = NULL;
   s->emb_stage = NULL;
@@ -303,14 +324,28 @@ static kvi_status reserve_memory(kvi_store *s, const char *fn) {
     WITH_DEVICE(s, fn, st, kvi__cuda_event_create(&s->track_ev[i], fn));
   if (st == KVI_OK && s->emb_dim > 0) WITH_DEVICE(s, fn, st, kvi__cuda_stream_create(&s->emb_stream, fn));
   if (st == KVI_OK && s->emb_dim > 0) WITH_DEVICE(s, fn, st, kvi__cuda_event_create(&s->emb_ready, fn));
+  const uint64_t hbytes = (uint64_t)s->hpool.npages * s->page_bytes;
+  if (st == KVI_OK && s->hpool.npages > 0) {
+    if (hbytes > SIZE_MAX) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "%llu bytes of host pages", (unsigned long long)hbytes);
+    if (st == KVI_OK)
+      WITH_DEVICE(s, fn, st,
+                  kvi__cuda_host_alloc_mapped((void **)&s->hpool.base, (void **)&s->hpool_dev, (size_t)hbytes, fn));
+    if (st == KVI_OK) WITH_DEVICE(s, fn, st, kvi__cuda_event_create(&s->prefetch_ev, fn));
+    if (st == KVI_OK && ((uintptr_t)s->hpool.base % 16 || (uintptr_t)s->hpool_dev % 16))
+      st = kvi__fail(KVI_ERR_INTERNAL, fn, "pinned host pages are not 16-byte aligned");
+    if (st == KVI_ERR_OUT_OF_MEMORY)
+      kvi__fail(st, fn, "reserving %llu bytes of pinned host memory for %u host-tier pages",
+                (unsigned long long)hbytes, s->hpool.npages);
+  }
   if (st == KVI_OK) {
-    s->deferred_page = malloc((size_t)s->pool.npages * sizeof *s->deferred_page);
-    s->deferred_tag = malloc((size_t)s->pool.npages * sizeof *s->deferred_tag);
+    const size_t all = (size_t)s->pool.npages + s->hpool.npages;
+    s->deferred_page = malloc(all * sizeof *s->deferred_page);
+    s->deferred_tag = malloc(all * sizeof *s->deferred_tag);
     if (!s->deferred_page || !s->deferred_tag)
       st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the deferred-free list for %u pages", s->pool.npages);
   }
   if (st != KVI_OK) {
-    if (st == KVI_ERR_OUT_OF_MEMORY)
+    if (st == KVI_ERR_OUT_OF_MEMORY && !s->hpool.base && s->pool.base == NULL)
       kvi__fail(st, fn, "reserving %llu bytes of device memory on device %d for %u pages",
                 (unsigned long long)bytes, s->device, s->pool.npages);
     release_memory(s);
@@ -368,6 +403,22 @@ static kvi_status create_local(kvi_store **out, const kvi_model *model, const kv
     free(s);
     return st;
   }
+  const uint64_t hpages = o.host_budget_bytes / page_bytes;
+  if (o.host_budget_bytes > 0 && s->backend == KVI_BACKEND_CPU)
+    st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                   "opts->host_budget_bytes is %llu, but a CPU store has a single tier (host memory): pass 0",
+                   (unsigned long long)o.host_budget_bytes);
+  else if (o.host_budget_bytes > 0 && hpages == 0)
+    st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->host_budget_bytes is %llu, smaller than one page (%llu bytes)",
+                   (unsigned long long)o.host_budget_bytes, (unsigned long long)page_bytes);
+  else if (npages + hpages >= UINT32_MAX)
+    st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                   "opts->budget_bytes and host_budget_bytes give %llu pages, more than 2^32 - 1; use larger pages",
+                   (unsigned long long)(npages + hpages));
+  if (st) {
+    free(s);
+    return st;
+  }
   s->geom = *g;
   s->dtype = o.dtype;
   s->P = o.page_tokens;
@@ -388,6 +439,9 @@ static kvi_status create_local(kvi_store **out, const kvi_model *model, const kv
   s->pool.tier = s->backend == KVI_BACKEND_CUDA ? TIER_DEVICE : TIER_HOST;
   s->pool.npages = (uint32_t)npages;
   s->pool.nfree = (uint32_t)npages;
+  s->hpool.tier = TIER_HOST;
+  s->hpool.npages = (uint32_t)hpages;
+  s->hpool.nfree = (uint32_t)hpages;
   s->rope = calloc((size_t)g->num_layers, sizeof *s->rope);
   if (!s->rope) {
     st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating RoPE tables");
@@ -402,12 +456,14 @@ static kvi_status create_local(kvi_store **out, const kvi_model *model, const kv
   /* the page memory first: an impossible budget fails before anything large is built */
   if ((st = reserve_memory(s, fn))) goto fail_rope;
   s->pool.free = malloc(npages * sizeof *s->pool.free);
-  if (!s->pool.free) {
+  s->hpool.free = hpages ? malloc(hpages * sizeof *s->hpool.free) : NULL;
+  if (!s->pool.free || (hpages && !s->hpool.free)) {
     release_memory(s);
     st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the page table for %llu pages", (unsigned long long)npages);
     goto fail_rope;
   }
   for (uint32_t i = 0; i < s->pool.npages; i++) s->pool.free[i] = s->pool.npages - 1 - i; /* pops 0, 1, 2, ... */
+  for (uint32_t i = 0; i < s->hpool.npages; i++) s->hpool.free[i] = s->pool.npages + s->hpool.npages - 1 - i;
   if (pthread_mutex_init(&s->lock, NULL) != 0) {
     release_memory(s);
     st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "initializing the store's lock");
@@ -420,6 +476,7 @@ fail_rope:
   for (int32_t l = 0; l < g->num_layers; l++) kvi__rope_release(&s->rope[l]);
 fail:
   free(s->pool.free);
+  free(s->hpool.free);
   free(s->rope);
   free(s);
   return st;
@@ -453,6 +510,7 @@ KVI_API kvi_status kvi_store_create(kvi_store **out, const kvi_model *model, con
 
 static void free_fact(fact *f) {
   free(f->pages);
+  free(f->hpages);
   free(f);
 }
 
@@ -473,6 +531,7 @@ KVI_API void kvi_store_destroy(kvi_store *store) {
   release_memory(store);
   pthread_mutex_destroy(&store->lock);
   free(store->pool.free);
+  free(store->hpool.free);
   for (int32_t l = 0; l < store->geom.num_layers; l++) kvi__rope_release(&store->rope[l]);
   free(store->rope);
   kvi__journal_free(store->journal);
@@ -769,6 +828,20 @@ static kvi_status check_view_memory(const kvi_store *s, const kvi_kv_view *v, co
 
 /* ---- deferred frees ------------------------------------------------------ */
 
+static kvi_status not_found_(const char *fn, uint64_t tenant_id, uint64_t fact_id) {
+  return kvi__fail(KVI_ERR_NOT_FOUND, fn, "no fact %llu for tenant %llu", (unsigned long long)fact_id,
+                   (unsigned long long)tenant_id);
+}
+
+static pool *pool_of(kvi_store *s, uint32_t page) { return page_on_host_tier(s, page) ? &s->hpool : &s->pool; }
+
+/* Pages of pool p that wait for in-flight work. */
+static uint32_t deferred_in(const kvi_store *s, const pool *p) {
+  uint32_t n = 0;
+  for (uint32_t i = 0; i < s->ndeferred; i++) n += (p == &s->hpool) == page_on_host_tier(s, s->deferred_page[i]);
+  return n;
+}
+
 /* Advances track_done past completed events and frees the deferred pages
  * that were only waiting for them. `wait`: block for every outstanding event. */
 static kvi_status reap(kvi_store *s, bool wait, const char *fn) {
@@ -786,7 +859,8 @@ static kvi_status reap(kvi_store *s, bool wait, const char *fn) {
   uint32_t keep = 0;
   for (uint32_t i = 0; i < s->ndeferred; i++) {
     if (s->deferred_tag[i] <= s->track_done) {
-      s->pool.free[s->pool.nfree++] = s->deferred_page[i];
+      pool *p = pool_of(s, s->deferred_page[i]);
+      p->free[p->nfree++] = s->deferred_page[i];
     } else {
       s->deferred_page[keep] = s->deferred_page[i];
       s->deferred_tag[keep++] = s->deferred_tag[i];
@@ -816,21 +890,319 @@ static void release_pages(kvi_store *s, const uint32_t *pages, uint32_t n) {
       s->deferred_page[s->ndeferred] = pages[i];
       s->deferred_tag[s->ndeferred++] = s->track_next;
     } else {
-      s->pool.free[s->pool.nfree++] = pages[i];
+      pool *p = pool_of(s, pages[i]);
+      p->free[p->nfree++] = pages[i];
     }
   }
 }
 
-kvi_status kvi__store_reserve(kvi_store *s, uint32_t need, size_t new_facts, const char *fn) {
+void kvi__store_give_back(kvi_store *s, const uint32_t *pages, uint32_t n) { release_pages(s, pages, n); }
+
+/* Frees what completed work allows in pool p, and waits for in-flight work
+ * when the pages it holds would give p `need` free pages. */
+static kvi_status pool_room(kvi_store *s, pool *p, uint64_t need, const char *fn) {
   kvi_status st = KVI_OK;
   if (s->ndeferred > 0) st = reap(s, false, fn); /* cheap: queries events */
-  if (st == KVI_OK && s->pool.nfree < need && s->pool.nfree + s->ndeferred >= need) st = reap(s, true, fn);
+  if (st == KVI_OK && p->nfree < need && p->nfree + deferred_in(s, p) >= need) st = reap(s, true, fn);
+  return st;
+}
+
+kvi_status kvi__store_reserve(kvi_store *s, uint32_t need, size_t new_facts, const char *fn) {
+  kvi_status st = pool_room(s, &s->pool, need, fn);
   if (st) return st;
   if (s->pool.nfree < need)
     return kvi__fail(KVI_ERR_CAPACITY, fn, "%u pages of %d tokens are needed; %u of %u pages are free", need,
                      (int)s->P, s->pool.nfree, s->pool.npages);
   if ((st = kvi__map_reserve(&s->facts, new_facts, fn))) return st;
   return kvi__map_reserve(&s->tenants, new_facts, fn);
+}
+
+
+/* ---- tiers ------------------------------------------------------------------ */
+
+static void lru_remove(kvi_store *s, fact *f) {
+  if (!f->in_lru) return;
+  if (f->lru_prev) f->lru_prev->lru_next = f->lru_next;
+  else s->lru_head = f->lru_next;
+  if (f->lru_next) f->lru_next->lru_prev = f->lru_prev;
+  else s->lru_tail = f->lru_prev;
+  f->lru_prev = f->lru_next = NULL;
+  f->in_lru = false;
+}
+
+void kvi__store_touch(kvi_store *s, fact *f) {
+  if (s->hpool.npages == 0 || fact_on_host(s, f)) return;
+  lru_remove(s, f);
+  f->lru_prev = NULL;
+  f->lru_next = s->lru_head;
+  if (s->lru_head) s->lru_head->lru_prev = f;
+  else s->lru_tail = f;
+  s->lru_head = f;
+  f->in_lru = true;
+}
+
+/* Whether the last tier move may still be running. Its event is still in
+ * the ring while move_seq >= track_done (kvi__store_track retires the
+ * oldest before reusing a slot). */
+static bool move_outstanding(const kvi_store *s) {
+  return s->move_pending && s->move_seq >= s->track_done &&
+         !kvi__cuda_event_done(s->track_ev[s->move_seq % KVI__TRACK_EVENTS]);
+}
+
+kvi_status kvi__store_order_moves(kvi_store *s, struct CUstream_st *stream, const char *fn) {
+  if (s->hpool.npages == 0 || !move_outstanding(s)) return KVI_OK;
+  return kvi__cuda_stream_wait(stream, s->track_ev[s->move_seq % KVI__TRACK_EVENTS], fn);
+}
+
+/* Makes `on` wait for every tracked device operation that may still run. */
+static kvi_status wait_tracked(kvi_store *s, struct CUstream_st *on, const char *fn) {
+  for (uint64_t q = s->track_done; q < s->track_next; q++) {
+    struct CUevent_st *e = s->track_ev[q % KVI__TRACK_EVENTS];
+    if (!kvi__cuda_event_done(e)) {
+      kvi_status st = kvi__cuda_stream_wait(on, e, fn);
+      if (st) return st;
+    }
+  }
+  return KVI_OK;
+}
+
+/* Makes `need` host-tier pages free if it can: completed work first, then
+ * the clean host copies of device-tier facts (most recently used first:
+ * they are the last to be demoted), except those of facts marked `keep`.
+ * Leaves the shortage, if any, to the caller, having dropped nothing. */
+static kvi_status host_room(kvi_store *s, uint64_t need, uint64_t keep, const char *fn) {
+  kvi_status st = pool_room(s, &s->hpool, need, fn);
+  if (st || s->hpool.nfree >= need) return st;
+  uint64_t have = (uint64_t)s->hpool.nfree + deferred_in(s, &s->hpool), drop = 0;
+  for (fact *f = s->lru_head; f && have + drop < need; f = f->lru_next)
+    if (f->hpages && f->mark != keep) drop += f->npages;
+  if (have + drop < need) return KVI_OK;
+  for (fact *f = s->lru_head; f && have < need; f = f->lru_next)
+    if (f->hpages && f->mark != keep) {
+      release_pages(s, f->hpages, f->npages); /* after any copy still reading them */
+      have += f->npages;
+      free(f->hpages);
+      f->hpages = NULL;
+    }
+  return pool_room(s, &s->hpool, need, fn);
+}
+
+/* Enqueues, on the copy stream, the copy of a fact of `tokens` tokens from
+ * pages src to pages dst (the other tier): runs of consecutive whole pages
+ * as one copy each; a last page that is only partly used as one pitched
+ * copy of its used rows (each (layer, K/V, head) run holds P rows of D
+ * elements, the first `used` of which are the fact's), and on an fp8 store
+ * its scales. No copy is smaller than a page's used bytes. */
+static kvi_status copy_tier(kvi_store *s, const uint32_t *dst, const uint32_t *src, uint32_t n, int32_t tokens,
+                            const char *fn) {
+  const uint32_t used = (uint32_t)(tokens - (int32_t)(n - 1) * s->P);
+  const uint32_t whole = used == (uint32_t)s->P ? n : n - 1;
+  kvi_status st = KVI_OK;
+  for (uint32_t i = 0; i < whole && st == KVI_OK;) {
+    uint32_t run = 1;
+    while (i + run < whole && dst[i + run] == dst[i] + run && src[i + run] == src[i] + run) run++;
+    st = kvi__cuda_copy(page_addr(s, dst[i]), page_addr(s, src[i]), (size_t)run * s->page_bytes, s->copy_stream, fn);
+    i += run;
+  }
+  if (st == KVI_OK && whole < n) {
+    const size_t row = (size_t)s->geom.head_size * kvi_dtype_size(s->dtype), pitch = (size_t)s->P * row;
+    char *d = page_addr(s, dst[n - 1]);
+    const char *from = page_addr(s, src[n - 1]);
+    st = kvi__cuda_copy2d(d, pitch, from, pitch, used * row, (size_t)s->geom.num_layers * 2u * (size_t)s->geom.local_heads,
+                          s->copy_stream, fn);
+    if (st == KVI_OK && s->fp8)
+      st = kvi__cuda_copy(d + s->scale_off, from + s->scale_off, (size_t)(s->page_bytes - s->scale_off), s->copy_stream,
+                          fn);
+  }
+  return st;
+}
+
+kvi_status kvi__store_tier_move(kvi_store *s, fact *const *up, size_t nup, uint32_t extra, uint32_t *extra_pages,
+                                uint64_t mark, struct CUstream_st *stream, const char *fn) {
+  uint64_t need = extra;
+  for (size_t i = 0; i < nup; i++) need += up[i]->npages;
+  if (need == 0) return KVI_OK;
+  kvi_status st = pool_room(s, &s->pool, need, fn);
+  if (st) return st;
+  /* victims: device-tier facts the call does not use, least recently used first */
+  uint64_t evictable = 0;
+  for (fact *f = s->lru_tail; f; f = f->lru_prev)
+    if (f->mark != mark) evictable += f->npages;
+  if (s->pool.nfree + evictable < need)
+    return kvi__fail(KVI_ERR_CAPACITY, fn,
+                     "%llu pages must be on the device at once; the device tier has %u pages: %u free, %llu held by "
+                     "facts that may move down, %u waiting for in-flight work, the rest held by the facts of this call",
+                     (unsigned long long)need, s->pool.npages, s->pool.nfree, (unsigned long long)evictable,
+                     deferred_in(s, &s->pool));
+  uint64_t got = 0, down = 0;
+  size_t nvict = 0;
+  for (fact *f = s->lru_tail; f && s->pool.nfree + got < need; f = f->lru_prev)
+    if (f->mark != mark) {
+      got += f->npages;
+      if (!f->hpages) down += f->npages;
+      nvict++;
+    }
+  fact **vict = malloc((nvict ? nvict : 1) * sizeof *vict);
+  uint32_t *avail = malloc((size_t)(got ? got : 1) * sizeof *avail);
+  uint32_t *hdst = malloc((size_t)(down ? down : 1) * sizeof *hdst);
+  uint32_t **newp = calloc(nup ? nup : 1, sizeof *newp);
+  if (!vict || !avail || !hdst || !newp) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a tier move");
+  for (size_t i = 0; i < nup && st == KVI_OK; i++)
+    if (!(newp[i] = malloc(up[i]->npages * sizeof **newp)))
+      st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a tier move");
+  size_t nv = 0;
+  for (fact *f = s->lru_tail; st == KVI_OK && nv < nvict; f = f->lru_prev)
+    if (f->mark != mark) {
+      vict[nv++] = f;
+      f->mark = mark; /* host_room keeps their clean copies */
+    }
+  if (st == KVI_OK && down > 0) {
+    st = host_room(s, down, mark, fn);
+    if (st == KVI_OK && s->hpool.nfree < down)
+      st = kvi__fail(KVI_ERR_CAPACITY, fn,
+                     "making room on the device means moving %llu pages to the host tier, which has %u of %u pages "
+                     "free (%u waiting for in-flight work)",
+                     (unsigned long long)down, s->hpool.nfree, s->hpool.npages, deferred_in(s, &s->hpool));
+  }
+  /* device pages for the call: the free stack's top, then the victims' */
+  const uint32_t nf = s->pool.nfree < need ? s->pool.nfree : (uint32_t)need;
+#define DEVP(k) ((k) < nf ? s->pool.free[s->pool.nfree - 1 - (k)] : avail[(k) - nf])
+  for (uint64_t j = 0; j < down && st == KVI_OK; j++) hdst[j] = s->hpool.free[s->hpool.nfree - 1 - j];
+  if (st == KVI_OK) st = wait_tracked(s, s->copy_stream, fn);
+  uint64_t a = 0, hj = 0;
+  for (size_t i = 0; i < nvict && st == KVI_OK; i++) { /* down first: the copies up may overwrite these pages */
+    fact *f = vict[i];
+    memcpy(avail + a, f->pages, f->npages * sizeof *avail);
+    a += f->npages;
+    if (!f->hpages) {
+      st = copy_tier(s, hdst + hj, f->pages, f->npages, f->tokens, fn);
+      hj += f->npages;
+    }
+  }
+  uint64_t k = 0;
+  for (size_t i = 0; i < nup && st == KVI_OK; i++) {
+    for (uint32_t q = 0; q < up[i]->npages; q++) newp[i][q] = DEVP(k + q);
+    k += up[i]->npages;
+    st = copy_tier(s, newp[i], up[i]->pages, up[i]->npages, up[i]->tokens, fn);
+  }
+  for (uint32_t q = 0; q < extra && st == KVI_OK; q++) extra_pages[q] = DEVP(k + q);
+#undef DEVP
+  const bool enqueued = st == KVI_OK && (nvict > 0 || nup > 0);
+  if (enqueued) st = kvi__store_track(s, s->copy_stream, fn);
+  if (st == KVI_OK && enqueued) {
+    s->move_seq = s->track_next - 1;
+    s->move_pending = true;
+    if (stream != s->copy_stream) st = kvi__cuda_stream_wait(stream, s->track_ev[s->move_seq % KVI__TRACK_EVENTS], fn);
+  } else if (st != KVI_OK) { /* nothing swapped; the pages written stay free once the copies are over */
+    kvi__cuda_sync(s->copy_stream, fn);
+    for (size_t i = 0; i < nup; i++) free(newp ? newp[i] : NULL);
+    free(newp);
+    free(vict);
+    free(avail);
+    free(hdst);
+    return st;
+  }
+  /* commit: the copies are enqueued and tracked (a failed stream wait is
+   * reported, but the facts have moved) */
+  s->pool.nfree -= nf;
+  s->hpool.nfree -= (uint32_t)down;
+  hj = 0;
+  for (size_t i = 0; i < nvict; i++) {
+    fact *f = vict[i];
+    if (f->hpages) {
+      free(f->pages);
+      f->pages = f->hpages;
+      f->hpages = NULL;
+    } else {
+      memcpy(f->pages, hdst + hj, f->npages * sizeof *hdst);
+      hj += f->npages;
+    }
+    lru_remove(s, f);
+    s->demotions++;
+  }
+  for (size_t i = 0; i < nup; i++) {
+    fact *f = up[i];
+    f->hpages = f->pages; /* the clean copy stays */
+    f->pages = newp[i];
+    kvi__store_touch(s, f);
+    s->promotions++;
+  }
+  if (got > need - nf) release_pages(s, avail + (need - nf), (uint32_t)(got - (need - nf))); /* after the copies */
+  if (st != KVI_OK && extra > 0) release_pages(s, extra_pages, extra); /* the caller fails: not taken */
+  free(newp);
+  free(vict);
+  free(avail);
+  free(hdst);
+  return st;
+}
+
+/* Where a put of `need` pages goes: the device tier when it has room, else
+ * the host tier; waiting for in-flight work only when nothing is free now. */
+static kvi_status put_room(kvi_store *s, uint32_t need, pool **into, const char *fn) {
+  kvi_status st = KVI_OK;
+  if (s->ndeferred > 0 && (st = reap(s, false, fn))) return st;
+  *into = &s->pool;
+  if (s->pool.nfree >= need) return KVI_OK;
+  *into = &s->hpool;
+  if (s->hpool.npages > 0 && s->hpool.nfree >= need) return KVI_OK;
+  *into = &s->pool;
+  if ((st = pool_room(s, &s->pool, need, fn)) || s->pool.nfree >= need) return st;
+  if (s->hpool.npages > 0) {
+    *into = &s->hpool;
+    if ((st = host_room(s, need, UINT64_MAX, fn)) || s->hpool.nfree >= need) return st;
+    return kvi__fail(KVI_ERR_CAPACITY, fn,
+                     "%u pages of %d tokens are needed; the device tier has %u of %u pages free, the host tier %u of %u",
+                     need, (int)s->P, s->pool.nfree, s->pool.npages, s->hpool.nfree, s->hpool.npages);
+  }
+  return kvi__fail(KVI_ERR_CAPACITY, fn, "%u pages of %d tokens are needed; %u of %u pages are free", need, (int)s->P,
+                   s->pool.nfree, s->pool.npages);
+}
+
+KVI_API kvi_status kvi_store_prefetch(kvi_store *store, uint64_t tenant_id, const uint64_t *fact_ids, int32_t count,
+                                      struct CUstream_st *stream) {
+  static const char fn[] = "kvi_store_prefetch";
+  if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
+  if (count < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "count is %d", (int)count);
+  if (count > 0 && !fact_ids) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "fact_ids is NULL and count is %d", (int)count);
+  kvi_status st = KVI_OK;
+  kvi__store_lock(store);
+  const tenant *t = kvi__map_get(&store->tenants, tenant_id, 0);
+  const size_t n = fact_ids ? (size_t)count : t ? t->count : 0;
+  fact **list = malloc((n ? n : 1) * sizeof *list);
+  if (!list) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu fact references", n);
+  size_t m = 0;
+  if (st == KVI_OK && fact_ids) {
+    for (size_t i = 0; i < n && st == KVI_OK; i++)
+      if (!(list[m++] = kvi__store_find(store, tenant_id, fact_ids[i]))) st = not_found_(fn, tenant_id, fact_ids[i]);
+  } else if (st == KVI_OK && t) {
+    for (fact *f = t->head; f; f = f->next) list[m++] = f;
+  }
+  if (st == KVI_OK && store->hpool.npages > 0 && m > 0) {
+    const uint64_t stamp = ++store->mark_clock;
+    for (size_t i = 0; i < m; i++) list[i]->mark = stamp;
+    /* the longest prefix that fits beside the facts it must not move down */
+    uint64_t room = (uint64_t)store->pool.nfree + deferred_in(store, &store->pool), need = 0;
+    for (fact *f = store->lru_tail; f; f = f->lru_prev)
+      if (f->mark != stamp) room += f->npages;
+    for (size_t i = m; i-- > 0;) /* named facts already on the device become the most recent, the first first */
+      kvi__store_touch(store, list[i]);
+    size_t nup = 0;
+    for (size_t i = 0; i < m; i++) {
+      if (!fact_on_host(store, list[i])) continue;
+      if (need + list[i]->npages > room) break;
+      need += list[i]->npages;
+      list[nup++] = list[i]; /* nup <= i: compacts in place */
+    }
+    if (nup > 0) {
+      WITH_DEVICE(store, fn, st, kvi__cuda_event_record(store->prefetch_ev, stream, fn));
+      if (st == KVI_OK) WITH_DEVICE(store, fn, st, kvi__cuda_stream_wait(store->copy_stream, store->prefetch_ev, fn));
+      if (st == KVI_OK)
+        WITH_DEVICE(store, fn, st, kvi__store_tier_move(store, list, nup, 0, NULL, stamp, store->copy_stream, fn));
+    }
+  }
+  kvi__store_unlock(store);
+  free(list);
+  return st;
 }
 
 /* ---- put / remove --------------------------------------------------------- */
@@ -848,7 +1220,9 @@ static void unlink_fact(kvi_store *s, fact *f) {
     free(t);
   }
   kvi__map_del(&s->facts, f->tenant_id, f->id);
+  lru_remove(s, f);
   release_pages(s, f->pages, f->npages);
+  if (f->hpages) release_pages(s, f->hpages, f->npages);
   s->tokens_stored -= (uint64_t)f->tokens;
   s->pages_stored -= f->npages;
 }
@@ -891,6 +1265,10 @@ void kvi__store_commit(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, te
   if (t->head) t->head->prev = f;
   t->head = f;
   t->count++;
+  f->hpages = NULL;
+  f->in_lru = false;
+  f->mark = 0;
+  kvi__store_touch(s, f); /* a new device-tier fact counts as used */
   kvi__map_put(&s->facts, tenant_id, fact_id, f);
   s->tokens_stored += (uint64_t)tokens;
   s->pages_stored += need;
@@ -905,17 +1283,14 @@ kvi_status kvi__store_put_views(kvi_store *store, kvi__put_item *items, int32_t 
                                 kvi__gate *gate, const char *fn) {
   if (n < 1) return gate ? gate->decide(gate, KVI_OK) : KVI_OK;
   kvi_status st = KVI_OK;
-  uint64_t total = 0;
+  const uint32_t largest = store->pool.npages > store->hpool.npages ? store->pool.npages : store->hpool.npages;
   for (int32_t i = 0; i < n && st == KVI_OK; i++) {
     const uint32_t need = pages_for(store, items[i].v->num_tokens);
-    if (need > store->pool.npages)
-      st = kvi__fail(KVI_ERR_CAPACITY, fn, "%d tokens need %u pages of %d tokens; the store has %u pages in all",
-                     (int)items[i].v->num_tokens, need, (int)store->P, store->pool.npages);
-    total += need;
+    if (need > largest)
+      st = kvi__fail(KVI_ERR_CAPACITY, fn,
+                     "%d tokens need %u pages of %d tokens; the store's largest tier has %u pages",
+                     (int)items[i].v->num_tokens, need, (int)store->P, largest);
   }
-  if (st == KVI_OK && total > store->pool.npages)
-    st = kvi__fail(KVI_ERR_CAPACITY, fn, "%d facts need %llu pages; the store has %u pages in all", (int)n,
-                   (unsigned long long)total, store->pool.npages);
   if (st == KVI_OK && n > 1) { /* a key twice in one call: which copy wins would be arbitrary */
     uint64_t *keys = malloc((size_t)n * 2 * sizeof *keys);
     if (!keys) {
@@ -934,8 +1309,9 @@ kvi_status kvi__store_put_views(kvi_store *store, kvi__put_item *items, int32_t 
   fact **f = calloc(un, sizeof *f);
   uint32_t **pages = calloc(un, sizeof *pages);
   tenant **fresh = calloc(un, sizeof *fresh);
+  pool **into = calloc(un, sizeof *into); /* the tier each fact's pages come from */
   kvi__jfact *jf = store->journal ? calloc(un, sizeof *jf) : NULL;
-  if (st == KVI_OK && (!f || !pages || !fresh || (store->journal && !jf)))
+  if (st == KVI_OK && (!f || !pages || !fresh || !into || (store->journal && !jf)))
     st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating fact metadata");
   for (int32_t i = 0; i < n && st == KVI_OK; i++) {
     f[i] = calloc(1, sizeof **f);
@@ -950,17 +1326,19 @@ kvi_status kvi__store_put_views(kvi_store *store, kvi__put_item *items, int32_t 
       st = kvi__fail(KVI_ERR_EXISTS, fn,
                      "fact %llu of tenant %llu is already stored (pass KVI_PUT_REPLACE to replace it)",
                      (unsigned long long)items[i].id, (unsigned long long)items[i].tenant);
-  if (st == KVI_OK) st = kvi__store_reserve(store, (uint32_t)total, (size_t)n, fn); /* replacements need room for both */
+  if (st == KVI_OK) st = kvi__map_reserve(&store->facts, (size_t)n, fn);
+  if (st == KVI_OK) st = kvi__map_reserve(&store->tenants, (size_t)n, fn);
   int32_t rows = 0; /* items whose embedding rows are reserved */
   for (; rows < n && st == KVI_OK; rows++)
     st = kvi__store_reserve_rows(store, items[rows].tenant, items[rows].emb ? 1 : 0, fn);
   bool copied = false;
-  uint32_t taken = 0;
+  int32_t got = 0; /* items whose pages are off their free stack */
   for (int32_t i = 0; i < n && st == KVI_OK; i++) {
     const kvi_kv_view *v = items[i].v;
     const uint32_t need = pages_for(store, v->num_tokens);
-    for (uint32_t j = 0; j < need; j++) pages[i][j] = store->pool.free[store->pool.nfree - 1 - taken - j];
-    taken += need;
+    if ((st = put_room(store, need, &into[i], fn))) break; /* a replacement needs room for both */
+    for (uint32_t j = 0; j < need; j++) pages[i][j] = into[i]->free[--into[i]->nfree];
+    got = i + 1;
     WITH_DEVICE(store, fn, st, copy_fact(store, v, pages[i], v->num_tokens, true, (float *)items[i].raw, stream, fn));
     if (st == KVI_OK && store->backend == KVI_BACKEND_CUDA && v->memory == KVI_MEMORY_DEVICE) copied = true;
   }
@@ -974,18 +1352,19 @@ kvi_status kvi__store_put_views(kvi_store *store, kvi__put_item *items, int32_t 
     st = kvi__journal_put(store, jf, n, stream, copied, fn);
   }
   if (st == KVI_OK) {
-    store->pool.nfree -= taken; /* the pages chosen from the top of the free stack */
     for (int32_t i = 0; i < n; i++) {
       kvi__store_commit(store, f[i], pages[i], pages_for(store, items[i].v->num_tokens), fresh[i], &items[i].emb,
                         items[i].tenant, items[i].id, items[i].v->num_tokens);
       f[i] = NULL, pages[i] = NULL, fresh[i] = NULL;
     }
-  } else { /* the pages were not taken off the free stack */
+  } else {
     if (copied && gate) { /* an enqueued copy into them must end before they are handed out again */
       kvi_status st2;
       WITH_DEVICE(store, fn, st2, kvi__cuda_sync(stream, fn));
       (void)st2;
     }
+    for (int32_t i = got - 1; i >= 0; i--) /* back onto their free stacks, as they were */
+      for (uint32_t j = pages_for(store, items[i].v->num_tokens); j-- > 0;) into[i]->free[into[i]->nfree++] = pages[i][j];
     for (int32_t i = 0; i < rows; i++) kvi__store_unreserve_rows(store, items[i].tenant);
   }
   kvi__store_unlock(store);
@@ -999,6 +1378,7 @@ kvi_status kvi__store_put_views(kvi_store *store, kvi__put_item *items, int32_t 
   free(f);
   free(pages);
   free(fresh);
+  free(into);
   free(jf);
   return st;
 }
@@ -1088,7 +1468,9 @@ KVI_API kvi_status kvi_store_read(const kvi_store *store, uint64_t tenant_id, ui
   else if (f->tokens != v.num_tokens)
     st = kvi__fail(KVI_ERR_MISMATCH, fn, "dst->num_tokens is %d, the fact has %d tokens", (int)v.num_tokens,
                    (int)f->tokens);
-  else
+  else if (store->backend == KVI_BACKEND_CUDA && v.memory == KVI_MEMORY_DEVICE)
+    WITH_DEVICE(store, fn, st, kvi__store_order_moves((kvi_store *)store, stream, fn)); /* a move may still write them */
+  if (st == KVI_OK && f)
     WITH_DEVICE(store, fn, st, copy_fact(store, &v, f->pages, f->tokens, false, NULL, stream, fn));
   if (st == KVI_OK && f && store->backend == KVI_BACKEND_CUDA && v.memory == KVI_MEMORY_DEVICE)
     st = kvi__store_track((kvi_store *)store, stream, fn);
@@ -1225,8 +1607,12 @@ KVI_API kvi_status kvi_store_stats_get(const kvi_store *store, kvi_store_stats *
   s.embedding_dim = store->emb_dim;
   s.page_bytes = store->page_bytes;
   kvi__store_lock(store);
-  s.pages_total = store->pool.npages;
-  s.pages_used = store->pool.npages - store->pool.nfree;
+  s.pages_host_total = store->hpool.npages;
+  s.pages_host_used = store->hpool.npages - store->hpool.nfree;
+  s.pages_total = store->pool.npages + s.pages_host_total;
+  s.pages_used = store->pool.npages - store->pool.nfree + s.pages_host_used;
+  s.promotions = store->promotions;
+  s.demotions = store->demotions;
   s.facts = store->facts.len;
   s.tenants = store->tenants.len;
   /* the bytes of stored tokens, plus (fp8) the scales of their pages */

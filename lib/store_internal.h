@@ -32,6 +32,16 @@ typedef struct fact {
   size_t row; /* its row of the tenant's embedding matrix (stores with embeddings) */
   struct fact *prev, *next; /* the tenant's list */
   tenant *owner;
+  /* Tiered stores: device-tier facts are on the store's LRU list (most
+   * recently injected, put or captured first); `mark` tags the facts of the
+   * call holding the lock, which must not be demoted by it. */
+  struct fact *lru_prev, *lru_next;
+  bool in_lru;
+  uint64_t mark;
+  /* A device-tier fact promoted from the host keeps its host pages as a
+   * clean copy (facts never change in place): demoting it again copies
+   * nothing. NULL when there is none; dropped when the host needs room. */
+  uint32_t *hpages;
 } fact;
 
 /* A tenant's embeddings (stores with embedding_dim > 0): row r < nrows of the
@@ -68,7 +78,21 @@ struct kvi_store {
   bool fp8;            /* dtype is KVI_DTYPE_FP8_E4M3: scales follow the elements (kernels.h) */
   uint64_t scale_off;  /* fp8: byte offset of a page's scales (page_elems rounded up to 16) */
   uint64_t pages_stored; /* pages of stored facts (kvi_store_stats.bytes_payload) */
-  pool pool;
+  pool pool;  /* page ids [0, pool.npages): device memory (CUDA) or host memory (CPU) */
+  /* The pinned-host tier of a CUDA store (hpool.npages 0 without one): page
+   * ids [pool.npages, pool.npages + hpool.npages), mapped, hpool_dev the
+   * device address of hpool.base. A fact's pages are all on one tier. */
+  pool hpool;
+  char *hpool_dev;
+  fact *lru_head, *lru_tail; /* device-tier facts of a tiered store, most recently used first */
+  uint64_t mark_clock;
+  uint64_t promotions, demotions;
+  /* The last tier move: tracked event number move_seq (valid while
+   * move_pending) recorded on copy_stream after its copies. Calls that read
+   * pages make their stream (or the host) wait for it. */
+  uint64_t move_seq;
+  bool move_pending;
+  struct CUevent_st *prefetch_ev; /* orders a prefetch after its caller's stream */
   /* CUDA stores: pinned staging and a private stream for host copies */
   char *staging;
   uint32_t staging_pages;
@@ -117,8 +141,18 @@ struct kvi_store {
   bool emb_sharded;
 };
 
+/* Whether a page id is on the pinned-host tier. */
+static inline bool page_on_host_tier(const kvi_store *s, uint32_t page) { return page >= s->pool.npages; }
+
+/* The host address of a page (a device address for a device-tier page). */
 static inline char *page_addr(const kvi_store *s, uint32_t page) {
+  if (page >= s->pool.npages) return s->hpool.base + (uint64_t)(page - s->pool.npages) * s->page_bytes;
   return s->pool.base + (uint64_t)page * s->page_bytes;
+}
+
+/* Whether a tiered store keeps f on the host (all its pages are there). */
+static inline bool fact_on_host(const kvi_store *s, const fact *f) {
+  return s->hpool.npages > 0 && f->npages > 0 && page_on_host_tier(s, f->pages[0]);
 }
 
 /* fp8 stores: the scales of a page, (l * 2 + kv) * H + h */
@@ -152,6 +186,32 @@ kvi_status kvi__store_reserve(kvi_store *s, uint32_t need, size_t new_facts, con
 /* Records, on `stream`, the end of device work that reads or writes pages:
  * pages freed from now on wait for it. */
 kvi_status kvi__store_track(kvi_store *s, struct CUstream_st *stream, const char *fn);
+
+/* ---- tiers (tiered CUDA stores; store.c) -------------------------------- */
+
+/* Makes `stream` wait for the last tier move if it may not have completed
+ * (no-op otherwise, and on stores without a host tier). */
+kvi_status kvi__store_order_moves(kvi_store *s, struct CUstream_st *stream, const char *fn);
+
+/* Moves the `nup` host-tier facts up[] to the device and takes `extra` more
+ * device pages for the caller (written into extra_pages, off the free stack:
+ * the caller commits them to facts or gives them back with
+ * kvi__store_give_back), demoting least-recently-used device facts whose
+ * mark differs from `mark` when the device pool is short. Copies run on the
+ * copy stream after every tracked device operation; `stream` then waits for
+ * them. KVI_ERR_CAPACITY, with nothing changed, when the device cannot hold
+ * them besides the marked facts or the host has no room for the demoted
+ * ones. Device is current; the lock is held. */
+kvi_status kvi__store_tier_move(kvi_store *s, fact *const *up, size_t nup, uint32_t extra, uint32_t *extra_pages,
+                                uint64_t mark, struct CUstream_st *stream, const char *fn);
+
+/* Returns pages taken by kvi__store_tier_move to their pool, after the
+ * device work already tracked. */
+void kvi__store_give_back(kvi_store *s, const uint32_t *pages, uint32_t n);
+
+/* Marks f as the most recently used device-tier fact (no-op for host-tier
+ * facts and stores without a host tier). */
+void kvi__store_touch(kvi_store *s, fact *f);
 
 /* Makes room for `n` more embedding rows in tenant_id's matrix (and, on a
  * CUDA store, n rows of staging), creating the tenant without facts if it is

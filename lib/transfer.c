@@ -26,7 +26,7 @@
 
 #define TRANSFER_OPTIONS_V1 sizeof(kvi_transfer_options)
 #define INJECT_REQUEST_V1 sizeof(kvi_inject_request)
-#define INJECT_OPTIONS_V1 sizeof(kvi_inject_options)
+#define INJECT_OPTIONS_V1 offsetof(kvi_inject_options, host_pages) /* the fields before the host tier came first */
 #define CAPTURE_V1 sizeof(kvi_capture)
 #define SLOTS 2
 
@@ -621,6 +621,8 @@ static kvi_status launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool in
     a.inline_bytes = (int32_t)(p->bytes ? p->bytes : 1);
   }
   a.pool = s->pool.base;
+  a.host_pool = s->hpool_dev; /* KVI_HOST_PAGES_READ_MAPPED: host-tier pages read in place */
+  a.host_first = s->pool.npages;
   a.page_elems = page_stride_elems(s);
   a.scale_off = (int64_t)s->scale_off;
   a.page_dtype = (int32_t)s->dtype;
@@ -718,6 +720,31 @@ static kvi_status inject_job(const xfer *x, const kvi_inject_request *rq, int32_
   return st;
 }
 
+/* A tiered store: orders `stream` after earlier tier moves and, promoting,
+ * moves the call's host-tier facts (each once) to the device, demoting
+ * facts the call does not use if needed (store.c). */
+static kvi_status bring_up(fact **found, size_t n, bool promote, xfer *x, struct CUstream_st *stream, const char *fn) {
+  kvi_store *s = x->store;
+  const uint64_t stamp = ++s->mark_clock;
+  fact **up = malloc((n ? n : 1) * sizeof *up);
+  if (!up) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu fact references", n);
+  size_t nup = 0;
+  for (size_t i = 0; i < n; i++)
+    if (found[i]->mark != stamp) {
+      found[i]->mark = stamp;
+      if (promote && fact_on_host(s, found[i])) up[nup++] = found[i];
+    }
+  kvi__devguard g;
+  kvi_status st = kvi__cuda_enter(s->device, &g, fn);
+  if (st == KVI_OK) {
+    st = kvi__store_order_moves(s, stream, fn);
+    if (st == KVI_OK && nup > 0) st = kvi__store_tier_move(s, up, nup, 0, NULL, stamp, stream, fn);
+    kvi__cuda_leave(&g);
+  }
+  free(up);
+  return st;
+}
+
 KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *reqs, int32_t num_requests,
                               const kvi_inject_options *opts, struct CUstream_st *stream) {
   static const char fn[] = "kvi_inject";
@@ -731,6 +758,10 @@ KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *
   const int32_t L = x->cache.L, lb = o.layer_begin, le = o.layer_end ? o.layer_end : L;
   if (lb < 0 || le > L || lb >= le)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layer range [%d, %d) is not within [0, %d)", (int)lb, (int)le, (int)L);
+  if (o.host_pages != KVI_HOST_PAGES_PROMOTE && o.host_pages != KVI_HOST_PAGES_READ_MAPPED)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                     "opts->host_pages is %d, expected KVI_HOST_PAGES_PROMOTE (0) or KVI_HOST_PAGES_READ_MAPPED (1)",
+                     (int)o.host_pages);
   if (num_requests == 0) return KVI_OK;
   size_t rsize;
   memcpy(&rsize, reqs, sizeof rsize);
@@ -778,6 +809,11 @@ KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *
   }
   plan p;
   if ((st = plan_alloc(&p, x, nsegs, num_requests, ntok, npos, ntables, fn))) goto out_unlock;
+  if (x->cuda && x->store->hpool.npages > 0 &&
+      (st = bring_up((fact **)found, (size_t)nfacts, o.host_pages == KVI_HOST_PAGES_PROMOTE, x, stream, fn))) {
+    plan_free(x, &p);
+    goto out_unlock;
+  }
   first = 0;
   for (int32_t r = 0; r < num_requests; r++) {
     const job *j = &jobs[r];
@@ -792,6 +828,8 @@ KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *
   }
   st = execute(x, &p, lb, le, true, stream, fn);
   plan_free(x, &p);
+  if (st == KVI_OK && x->store->hpool.npages > 0) /* the call's facts, the first named the most recent */
+    for (int64_t i = nfacts; i-- > 0;) kvi__store_touch(x->store, (fact *)found[i]);
 out_unlock:
   unlock_both(x);
 out:
@@ -966,7 +1004,26 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
     if (!(cs[i].c.flags & KVI_PUT_REPLACE) && kvi__store_find(s, cs[i].c.tenant, cs[i].c.fact_id))
       st = kvi__fail(KVI_ERR_EXISTS, fn, "capture %d: fact %llu of tenant %llu is already stored (KVI_PUT_REPLACE replaces it)",
                      (int)i, (unsigned long long)cs[i].c.fact_id, (unsigned long long)cs[i].c.tenant);
-  if (st == KVI_OK) st = kvi__store_reserve(s, need_total, (size_t)num_captures, fn);
+  /* a tiered store takes the capture's device pages at once, demoting
+   * least-recently-used facts if the device is short (store.c) */
+  const bool tiered = x->cuda && s->hpool.npages > 0;
+  uint32_t *taken = NULL;
+  if (st == KVI_OK) st = kvi__store_reserve(s, tiered ? 0 : need_total, (size_t)num_captures, fn);
+  if (st == KVI_OK && tiered) {
+    if (!(taken = malloc((need_total ? need_total : 1) * sizeof *taken))) {
+      st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %u page ids", need_total);
+    } else {
+      kvi__devguard g;
+      if ((st = kvi__cuda_enter(s->device, &g, fn)) == KVI_OK) {
+        st = kvi__store_tier_move(s, NULL, 0, need_total, taken, ++s->mark_clock, stream, fn);
+        kvi__cuda_leave(&g);
+      }
+      if (st) {
+        free(taken);
+        taken = NULL;
+      }
+    }
+  }
   bool rows_reserved = false;
   for (int32_t i = 0; i < num_captures && st == KVI_OK; i++) {
     st = kvi__store_reserve_rows(s, cs[i].c.tenant, 1, fn);
@@ -976,9 +1033,9 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
   if (st == KVI_OK) st = plan_alloc(&p, x, nsegs, num_captures, ntok, npos, ntables, fn);
   if (st == KVI_OK) {
     /* pages from the top of the free stack, in commit order */
-    uint32_t top = s->pool.nfree;
+    uint32_t top = s->pool.nfree, next = 0;
     for (int32_t i = 0; i < num_captures; i++) {
-      for (uint32_t k = 0; k < cs[i].need; k++) cs[i].pages[k] = s->pool.free[--top];
+      for (uint32_t k = 0; k < cs[i].need; k++) cs[i].pages[k] = taken ? taken[next++] : s->pool.free[--top];
       const int32_t ri = plan_request(&p, x, &jobs[i]);
       plan_run(&p, x, ri, jobs[i].first_slot, jobs[i].tokens, jobs[i].positions, jobs[i].start_position, cs[i].pages);
     }
@@ -987,16 +1044,19 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
   }
   if (st == KVI_OK && s->journal) st = journal_captures(s, cs, num_captures, x->cuda, stream, fn);
   if (st == KVI_OK) {
-    s->pool.nfree -= need_total;
+    if (!taken) s->pool.nfree -= need_total; /* else taken already */
     for (int32_t i = 0; i < num_captures; i++) {
       kvi__store_commit(s, cs[i].f, cs[i].pages, cs[i].need, cs[i].fresh, &cs[i].emb, cs[i].c.tenant, cs[i].c.fact_id,
                         cs[i].c.num_tokens);
       cs[i].f = NULL, cs[i].pages = NULL, cs[i].fresh = NULL; /* owned by the store now */
     }
-  } else if (rows_reserved) {
-    for (int32_t i = 0; i < num_captures; i++) kvi__store_unreserve_rows(s, cs[i].c.tenant);
+  } else {
+    if (rows_reserved)
+      for (int32_t i = 0; i < num_captures; i++) kvi__store_unreserve_rows(s, cs[i].c.tenant);
+    if (taken) kvi__store_give_back(s, taken, need_total); /* after the work already tracked */
   }
   unlock_both(x);
+  free(taken);
 out:
   free(jobs);
   free_caps(cs, num_captures);

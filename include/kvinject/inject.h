@@ -103,13 +103,25 @@ typedef struct kvi_inject_request {
 /* Fills *req with KVI_INJECT_REQUEST_INIT. NULL is ignored. */
 KVI_API void kvi_inject_request_init(kvi_inject_request *req);
 
+/* How kvi_inject reads facts that are on a store's host tier
+ * (kvi_inject_options.host_pages; kvinject/store.h, Tiers). */
+typedef enum kvi_host_pages {
+  /* move them to the device first (batched copies on the store's copy
+   * stream, demoting least-recently-injected facts if needed), then inject */
+  KVI_HOST_PAGES_PROMOTE = 0,
+  /* the kernel reads them in place from mapped pinned memory over the bus;
+   * nothing moves (for facts used once; BENCHMARKS.md compares the two) */
+  KVI_HOST_PAGES_READ_MAPPED = 1
+} kvi_host_pages;
+
 typedef struct kvi_inject_options {
   size_t struct_size;  /* sizeof(kvi_inject_options) */
   int32_t layer_begin; /* write layers [layer_begin, layer_end); default 0 */
   int32_t layer_end;   /* 0 (default) = all layers */
+  kvi_host_pages host_pages; /* default KVI_HOST_PAGES_PROMOTE; ignored without a host tier */
 } kvi_inject_options;
 
-#define KVI_INJECT_OPTIONS_INIT {sizeof(kvi_inject_options), 0, 0}
+#define KVI_INJECT_OPTIONS_INIT {sizeof(kvi_inject_options), 0, 0, KVI_HOST_PAGES_PROMOTE}
 
 /* Fills *opts with KVI_INJECT_OPTIONS_INIT. NULL is ignored. */
 KVI_API void kvi_inject_options_init(kvi_inject_options *opts);
@@ -129,7 +141,12 @@ KVI_API void kvi_inject_options_init(kvi_inject_options *opts);
  * range past its block table, a host block-table entry outside the cache),
  * KVI_ERR_STRUCT_SIZE, KVI_ERR_NOT_FOUND (a fact id unknown for the
  * request's tenant), KVI_ERR_MEMORY_KIND, KVI_ERR_CAPACITY (past the
- * transfer options), KVI_ERR_CUDA.
+ * transfer options; or, on a store with a host tier, the call's facts cannot
+ * all be on the device at once, or the host tier has no room for the facts
+ * that would have to move down: nothing moved, nothing written), KVI_ERR_CUDA.
+ * Host-tier facts (kvinject/store.h, Tiers): see kvi_inject_options.host_pages;
+ * the copies that bring them up run on the store's copy stream and `stream`
+ * waits for them with an event, so the call still returns once enqueued.
  */
 KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *reqs, int32_t num_requests,
                               const kvi_inject_options *opts, struct CUstream_st *stream);

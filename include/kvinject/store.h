@@ -38,6 +38,34 @@
  * device memory) still reads or writes return to the pool only once that
  * work has completed; a later put that needs them waits for it.
  *
+ * Tiers. A CUDA store created with host_budget_bytes > 0 keeps a second
+ * pool of pages in pinned (page-locked, mapped) host memory. A fact's pages
+ * are all on one tier. Placement:
+ *   - kvi_store_put puts a new fact on the device when the device pool has
+ *     room for all of it, else on the host; it demotes nothing (host-memory
+ *     sources then need no device copy at all). It fails with
+ *     KVI_ERR_CAPACITY only when neither tier has room for the fact.
+ *   - kvi_encode (kvinject/inject.h) captures into device pages; when the
+ *     device pool is short it first demotes least-recently-injected facts.
+ *   - kvi_inject brings the call's host-resident facts up before its kernel
+ *     reads them (kvi_inject_options.host_pages = KVI_HOST_PAGES_PROMOTE, the
+ *     default): one cudaMemcpyAsync per run of consecutive pages on the
+ *     store's copy stream, after demoting, if the device pool is short, the
+ *     least-recently-injected device facts that the call does not use; an
+ *     event then orders the injection after the copies. Facts injected (and
+ *     facts put or captured onto the device) become the most recently used.
+ *     Demoting needs free host pages; when the call's facts cannot all be on
+ *     the device at once, or the host has no room for what must move down,
+ *     the call fails with KVI_ERR_CAPACITY and moves and writes nothing.
+ *     With KVI_HOST_PAGES_READ_MAPPED the kernel reads host pages in place
+ *     over the bus instead, moving nothing.
+ *   - kvi_store_prefetch starts moving facts up ahead of an injection.
+ * Moves are stream-ordered like frees: a device page is overwritten only
+ * after every earlier device operation on the store's pages has completed,
+ * and every later call that reads a moved fact (inject, read, save) is
+ * ordered after the move. Tiers change no result: an injection reads the
+ * same bytes from either tier.
+ *
  * fp8 storage (kvi_store_options.dtype = KVI_DTYPE_FP8_E4M3) halves the
  * bytes of bf16. Every page keeps, beside its e4m3 elements, one fp32 scale
  * per (layer, K/V, head) for that page's tokens: a group is one head's tokens
@@ -178,11 +206,16 @@ typedef struct kvi_store_options {
                              communicator: creation becomes collective
                              (kvinject/comm.h). Borrowed: it must outlive the store. */
   kvi_embedding_placement embedding_placement; /* with comm: REPLICATED (default) or SHARDED */
+  uint64_t host_budget_bytes; /* CUDA stores: pinned host memory to reserve for a second
+                                 tier of pages (see "Tiers" above), rounded down to
+                                 whole pages; 0 (default) = device pages only. A CPU
+                                 store (also one chosen by KVI_BACKEND_AUTO) takes
+                                 only 0: anything else is KVI_ERR_INVALID_ARGUMENT. */
 } kvi_store_options;
 
 #define KVI_STORE_OPTIONS_INIT                                                                                   \
   {sizeof(kvi_store_options), KVI_BACKEND_AUTO, -1, KVI_DTYPE_BF16, 16, 0, 0, KVI_DTYPE_FP32, KVI_METRIC_INNER_PRODUCT, \
-   NULL, KVI_EMBEDDINGS_REPLICATED}
+   NULL, KVI_EMBEDDINGS_REPLICATED, 0}
 
 /* Fills *opts with KVI_STORE_OPTIONS_INIT. NULL is ignored. */
 KVI_API void kvi_store_options_init(kvi_store_options *opts);
@@ -191,7 +224,8 @@ KVI_API void kvi_store_options_init(kvi_store_options *opts);
  * Creates a store for `model` (host memory; the store copies the geometry and
  * RoPE specs it needs, so the model may be destroyed afterwards) and reserves
  * opts->budget_bytes of page memory: device memory for a CUDA store (plus a
- * pinned host staging buffer of a few MiB for host-memory puts and reads),
+ * pinned host staging buffer of a few MiB for host-memory puts and reads, and
+ * opts->host_budget_bytes of pinned, mapped host memory for the host tier),
  * host memory for a CPU store.
  * out: host memory; receives the store, owned by the caller (kvi_store_destroy).
  * opts: host memory, required (the budget has no default).
@@ -200,8 +234,10 @@ KVI_API void kvi_store_options_init(kvi_store_options *opts);
  * back.
  * Errors: KVI_ERR_INVALID_ARGUMENT (NULL, a field out of range, a budget
  * smaller than one page), KVI_ERR_STRUCT_SIZE, KVI_ERR_NOT_BUILT (CUDA asked
- * for, not built), KVI_ERR_NO_DEVICE, KVI_ERR_OUT_OF_MEMORY (the budget could
- * not be reserved), KVI_ERR_CUDA.
+ * for, not built), KVI_ERR_NO_DEVICE, KVI_ERR_OUT_OF_MEMORY (the budget or
+ * the host budget could not be reserved), KVI_ERR_CUDA. host_budget_bytes
+ * other than 0 on a CPU store, or smaller than one page, is
+ * KVI_ERR_INVALID_ARGUMENT.
  */
 KVI_API kvi_status kvi_store_create(kvi_store **out, const kvi_model *model,
                                     const kvi_store_options *opts);
@@ -308,6 +344,30 @@ KVI_API kvi_status kvi_store_count(const kvi_store *store, uint64_t tenant, size
 KVI_API kvi_status kvi_store_list(const kvi_store *store, uint64_t tenant, uint64_t *ids,
                                   size_t capacity, size_t *out_total);
 
+/*
+ * Starts moving facts of `tenant` to the device tier of a tiered store (see
+ * Tiers above) so that a coming kvi_inject finds them there, and returns
+ * without waiting for the copies.
+ * fact_ids: host memory, count ids; or NULL (count must then be 0) for all
+ *   of the tenant's facts. Facts already on the device are only marked as
+ *   recently used. Facts not named are demoted, least recently injected
+ *   first, when the device pool is short. When the named facts do not all
+ *   fit on the device, the longest prefix of the list (of the tenant's facts,
+ *   most recently put or captured first, for NULL) that fits is moved.
+ * stream: the copies start once the work enqueued on `stream` before this
+ *   call has run (NULL: the default stream), on the store's own copy stream;
+ *   later calls on any stream that read these facts wait for the copies.
+ * A CPU store, or a CUDA store without a host tier, has one tier: the call
+ * only checks its arguments and returns KVI_OK.
+ * Thread rules: as every store call (serialized by the store's lock).
+ * Errors: KVI_ERR_INVALID_ARGUMENT (NULL store, fact_ids NULL with count > 0,
+ * count < 0), KVI_ERR_NOT_FOUND (an id unknown for the tenant: nothing
+ * moves), KVI_ERR_CAPACITY (the host tier has no room for the facts that
+ * would have to move down: nothing moves), KVI_ERR_CUDA.
+ */
+KVI_API kvi_status kvi_store_prefetch(kvi_store *store, uint64_t tenant, const uint64_t *fact_ids, int32_t count,
+                                      struct CUstream_st *stream);
+
 /* Store statistics. An output struct: set struct_size (KVI_STORE_STATS_INIT);
  * the library writes only the first struct_size bytes. */
 typedef struct kvi_store_stats {
@@ -334,9 +394,17 @@ typedef struct kvi_store_stats {
                                 memory for a CUDA store, host for a CPU one):
                                 each tenant's rows and fact ids, with room to
                                 grow; outside budget_bytes */
+  /* The pinned-host tier (0 without one). pages_total, pages_used,
+   * bytes_reserved and bytes_used above count both tiers; the device tier's
+   * share is their difference with these. */
+  uint64_t pages_host_total;
+  uint64_t pages_host_used; /* includes host pages waiting for in-flight work */
+  uint64_t promotions;      /* facts moved host -> device since creation */
+  uint64_t demotions;       /* facts moved device -> host since creation */
 } kvi_store_stats;
 
-#define KVI_STORE_STATS_INIT {sizeof(kvi_store_stats), KVI_BACKEND_AUTO, 0, KVI_ENUM_ZERO(kvi_dtype), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+#define KVI_STORE_STATS_INIT                                                                                     \
+  {sizeof(kvi_store_stats), KVI_BACKEND_AUTO, 0, KVI_ENUM_ZERO(kvi_dtype), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
 
 /* Fills *out (host memory). Errors: KVI_ERR_INVALID_ARGUMENT, KVI_ERR_STRUCT_SIZE. */
 KVI_API kvi_status kvi_store_stats_get(const kvi_store *store, kvi_store_stats *out);

@@ -106,6 +106,7 @@ class StoreOptions(ctypes.Structure):
         ("metric", c_enum),
         ("comm", c_void_p),
         ("embedding_placement", c_enum),
+        ("host_budget_bytes", c_uint64),
     ]
 
 
@@ -136,6 +137,10 @@ class StoreStatsC(ctypes.Structure):
         ("facts", c_uint64),
         ("tenants", c_uint64),
         ("bytes_embeddings", c_uint64),
+        ("pages_host_total", c_uint64),
+        ("pages_host_used", c_uint64),
+        ("promotions", c_uint64),
+        ("demotions", c_uint64),
     ]
 
 
@@ -203,6 +208,7 @@ class InjectOptions(ctypes.Structure):
         ("struct_size", c_size_t),
         ("layer_begin", c_int32),
         ("layer_end", c_int32),
+        ("host_pages", c_enum),
     ]
 
 
@@ -272,6 +278,7 @@ _PROTOTYPES = {
     "kvi_store_fact_tokens": (c_int, [P, c_uint64, c_uint64, POINTER(c_int32)]),
     "kvi_store_get_embedding": (c_int, [P, c_uint64, c_uint64, P]),
     "kvi_store_remove": (c_int, [P, c_uint64, c_uint64]),
+    "kvi_store_prefetch": (c_int, [P, c_uint64, P, c_int32, P]),
     "kvi_store_count": (c_int, [P, c_uint64, POINTER(c_size_t)]),
     "kvi_store_list": (c_int, [P, c_uint64, P, c_size_t, POINTER(c_size_t)]),
     "kvi_store_stats_get": (c_int, [P, P]),

@@ -65,6 +65,10 @@ class StoreStats:
     facts: int
     tenants: int
     bytes_embeddings: int
+    pages_host_total: int
+    pages_host_used: int
+    promotions: int
+    demotions: int
 
 
 class SearchResults:
@@ -108,19 +112,20 @@ class Store:
     for every layer and local head, plus an optional embedding.
 
     ``Store(model, budget_bytes, backend=..., device=..., dtype=..., page_tokens=...,
-    embedding_dim=..., embedding_dtype=..., metric=...)``; options left None take
+    embedding_dim=..., embedding_dtype=..., metric=..., host_budget_bytes=...)``; options left None take
     the library's defaults (KVI_STORE_OPTIONS_INIT: AUTO backend, the current
     device, BF16 storage, 16-token pages, no embeddings, FP32 embeddings, inner
     product). ``dtype=DType.FP8_E4M3`` keeps K and V as e4m3 with a scale per
     (page, layer, K/V, head): half the bytes of bf16; puts and reads still take
-    fp32/fp16/bf16 tensors. Every method may be called from several threads at once (the C
+    fp32/fp16/bf16 tensors. ``host_budget_bytes`` (CUDA stores) adds a tier of pinned
+    host pages (kvinject/store.h, Tiers; :meth:`prefetch`). Every method may be called from several threads at once (the C
     store has a lock); close() must not overlap them.
     """
 
     def __init__(self, model: Model, budget_bytes: int, *, backend: Optional[Backend] = None,
                  device: Optional[int] = None, dtype: Optional[DType] = None, page_tokens: Optional[int] = None,
                  embedding_dim: Optional[int] = None, embedding_dtype: Optional[DType] = None,
-                 metric: Optional[Metric] = None):
+                 metric: Optional[Metric] = None, host_budget_bytes: Optional[int] = None):
         L = lib()
         o = L.new(StoreOptions)
         assign(o, budget_bytes=budget_bytes)
@@ -138,6 +143,8 @@ class Store:
             o.embedding_dtype = int(DType(embedding_dtype))
         if metric is not None:
             o.metric = int(Metric(metric))
+        if host_budget_bytes is not None:
+            assign(o, host_budget_bytes=host_budget_bytes)
         h = ctypes.c_void_p()
         L.call("kvi_store_create", ctypes.byref(h), model.handle, ctypes.byref(o))
         self._h = h
@@ -302,6 +309,17 @@ class Store:
     def remove(self, tenant: int, fact_id: int) -> None:
         """kvi_store_remove."""
         lib().call("kvi_store_remove", self.handle, fit(tenant, U64, "tenant"), fit(fact_id, U64, "fact_id"))
+
+    def prefetch(self, tenant: int, fact_ids=None, stream=None) -> None:
+        """kvi_store_prefetch: start moving the facts (all of the tenant's for None) to the
+        device tier; returns without waiting. A no-op for a store without a host tier."""
+        if fact_ids is None:
+            lib().call("kvi_store_prefetch", self.handle, fit(tenant, U64, "tenant"), None, 0,
+                       _buffers.stream_handle(stream))
+            return
+        ids = _buffers.int_array(fact_ids, ctypes.c_uint64, "fact_ids")
+        lib().call("kvi_store_prefetch", self.handle, fit(tenant, U64, "tenant"), ids.c_ptr(),
+                   fit(ids.numel, ctypes.c_int32, "count"), _buffers.stream_handle(stream))
 
     def count(self, tenant: int) -> int:
         """kvi_store_count: facts of a tenant (0 for one never seen)."""

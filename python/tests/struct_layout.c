@@ -84,6 +84,7 @@ int main(void) {
   FIELD(kvi_store_options, metric);
   FIELD(kvi_store_options, comm);
   FIELD(kvi_store_options, embedding_placement);
+  FIELD(kvi_store_options, host_budget_bytes);
 
   SIZE(kvi_put_options);
   FIELD(kvi_put_options, struct_size);
@@ -108,6 +109,10 @@ int main(void) {
   FIELD(kvi_store_stats, facts);
   FIELD(kvi_store_stats, tenants);
   FIELD(kvi_store_stats, bytes_embeddings);
+  FIELD(kvi_store_stats, pages_host_total);
+  FIELD(kvi_store_stats, pages_host_used);
+  FIELD(kvi_store_stats, promotions);
+  FIELD(kvi_store_stats, demotions);
 
   SIZE(kvi_search_options);
   FIELD(kvi_search_options, struct_size);
@@ -160,6 +165,7 @@ int main(void) {
   FIELD(kvi_inject_options, struct_size);
   FIELD(kvi_inject_options, layer_begin);
   FIELD(kvi_inject_options, layer_end);
+  FIELD(kvi_inject_options, host_pages);
 
   SIZE(kvi_capture);
   FIELD(kvi_capture, struct_size);

@@ -89,6 +89,9 @@ static void set_rope(world *w) {
   }
 }
 
+/* Tier tests: the CUDA store's device budget (0: 64 MiB) and host budget. */
+static uint64_t g_dev_budget, g_host_budget;
+
 static void make_world(world *w, const scen *sc) {
   memset(w, 0, sizeof *w);
   w->sc = *sc;
@@ -108,6 +111,8 @@ static void make_world(world *w, const scen *sc) {
   CHECK_OK(kvi_store_create(&w->cpu, w->model, &so));
   so.backend = KVI_BACKEND_CUDA;
   so.device = 0;
+  if (g_dev_budget) so.budget_bytes = g_dev_budget;
+  so.host_budget_bytes = g_host_budget;
   CHECK_OK(kvi_store_create(&w->gpu, w->model, &so));
   /* facts: same host data into both stores */
   for (int32_t f = 0; f < sc->nfacts; f++) {
@@ -618,7 +623,348 @@ static void t_journal_encode(void **state) {
   rmdir(dir);
   free_world(&w);
 }
+
+/* ---- the pinned-host tier ------------------------------------------------ */
+
+/* L 2, H 2, D 64, bf16, 16-token pages: a page is 16 KiB. The device tier
+ * holds 6 pages (three facts of 20..22 tokens, two pages each), the host the
+ * rest. RoPE from a cos/sin table: injection is bit for bit the CPU's. */
+static const scen tier_sc = {2, 2, 64, 16, 256, 20, 12, KVI_DTYPE_BF16, KVI_DTYPE_BF16, KVI_CACHE_VLLM_FLASH_ATTN, 2,
+                             KVI_SCALE_NONE};
+enum { TIER_PAGE = 2 * 2 * 2 * 16 * 64 * 2, TIER_TL = 256 };
+
+static void tier_world(world *w) {
+  g_dev_budget = 6 * TIER_PAGE;
+  g_host_budget = 64u << 20;
+  make_world(w, &tier_sc);
+  g_dev_budget = g_host_budget = 0;
+}
+
+static int32_t g_tier_table[TIER_TL];
+
+/* A request of n facts at sequence slots from `slot` (blocks of the shared table). */
+static kvi_inject_request tier_req(const uint64_t *ids, int32_t n, int64_t slot) {
+  for (int b = 0; b < TIER_TL; b++) g_tier_table[b] = (b * 37) % TIER_TL;
+  kvi_inject_request r = KVI_INJECT_REQUEST_INIT;
+  r.tenant = 1;
+  r.fact_ids = ids;
+  r.num_facts = n;
+  r.block_table = g_tier_table;
+  r.block_table_len = TIER_TL;
+  r.first_slot = slot;
+  r.start_position = (int32_t)slot + 3;
+  return r;
+}
+
+static kvi_store_stats tier_stats(const kvi_store *s) {
+  kvi_store_stats st = KVI_STORE_STATS_INIT;
+  CHECK_OK(kvi_store_stats_get(s, &st));
+  return st;
+}
+
+/* Every fact of tenant 1 reads back from the tiered store as from the CPU
+ * store: host views (the CPU reads host-tier pages; staging for device ones)
+ * and device views (the copy kernel, through the mapped address for host-tier
+ * pages). */
+static void tier_check_reads_except(const world *w, uint64_t except, bool device_reads) {
+  const int32_t Tmax = tier_sc.T + 2;
+  const size_t n = (size_t)tier_sc.L * Tmax * tier_sc.H * tier_sc.D;
+  uint16_t *a = malloc(n * 4), *b = malloc(n * 4), *d;
+  CUDA_OK(cudaMalloc((void **)&d, n * 4));
+  for (int f = 0; f < tier_sc.nfacts; f++) {
+    if (100 + (uint64_t)f == except) continue;
+    const int32_t T = tier_sc.T + f % 3;
+    const size_t m = (size_t)tier_sc.L * T * tier_sc.H * tier_sc.D;
+    kvi_kv_view va, vb, vd;
+    kvi_kv_view_contiguous(&va, KVI_MEMORY_HOST, KVI_DTYPE_BF16, tier_sc.L, T, tier_sc.H, tier_sc.D, a, a + m);
+    kvi_kv_view_contiguous(&vb, KVI_MEMORY_HOST, KVI_DTYPE_BF16, tier_sc.L, T, tier_sc.H, tier_sc.D, b, b + m);
+    kvi_kv_view_contiguous(&vd, KVI_MEMORY_DEVICE, KVI_DTYPE_BF16, tier_sc.L, T, tier_sc.H, tier_sc.D, d, d + m);
+    CHECK_OK(kvi_store_read(w->cpu, 1, 100 + (uint64_t)f, &va, NULL));
+    CHECK_OK(kvi_store_read(w->gpu, 1, 100 + (uint64_t)f, &vb, NULL));
+    if (memcmp(a, b, m * 4)) fail_msg("fact %d: host read from the tiered store differs", f);
+    if (!device_reads) continue;
+    memset(b, 0, m * 4);
+    CHECK_OK(kvi_store_read(w->gpu, 1, 100 + (uint64_t)f, &vd, NULL));
+    CUDA_OK(cudaMemcpy(b, d, m * 4, cudaMemcpyDeviceToHost));
+    if (memcmp(a, b, m * 4)) fail_msg("fact %d: device read from the tiered store differs", f);
+  }
+  cudaFree(d);
+  free(a);
+  free(b);
+}
+
+static void tier_check_reads(const world *w) { tier_check_reads_except(w, 0, true); }
+
+/* Puts fill the device, then the host; injections that need promotion and
+ * demotion write what the CPU store's injection writes, bit for bit; a call
+ * whose facts cannot all be on the device fails and changes nothing; the
+ * mapped-read mode moves nothing; reads and a save see both tiers. */
+static void t_tier_inject(void **state) {
+  (void)state;
+  if (g_devices == 0) skip();
+  world w;
+  tier_world(&w);
+  kvi_store_stats s0 = tier_stats(w.gpu);
+  assert_int_equal(s0.pages_total - s0.pages_host_total, 6);
+  assert_true(s0.pages_host_total >= 1000);
+  assert_int_equal(s0.pages_used - s0.pages_host_used, 6); /* facts 100..102 */
+  assert_int_equal(s0.pages_host_used, 18);                /* facts 103..111 */
+  assert_int_equal(s0.promotions, 0);
+  assert_int_equal(s0.demotions, 0);
+  kvi_injector *hi, *di;
+  CHECK_OK(kvi_injector_create(&hi, w.cpu, &w.hl, NULL));
+  CHECK_OK(kvi_injector_create(&di, w.gpu, &w.dl, NULL));
+  /* rounds: a mix (100 stays, 101 and 102 go down), all on the host, two
+   * requests sharing a fact, a repeat of the first */
+  static const uint64_t r1[] = {105, 100, 111}, r2[] = {103, 104, 106}, r3a[] = {107}, r3b[] = {108, 107},
+                        r4[] = {105, 100, 111};
+  kvi_inject_request q[2];
+  int64_t slot = 0;
+#define ROUND(...)                                                                                              \
+  do {                                                                                                          \
+    const kvi_inject_request rr[] = {__VA_ARGS__};                                                              \
+    const int32_t nr = (int32_t)(sizeof rr / sizeof rr[0]);                                                     \
+    memcpy(q, rr, sizeof rr);                                                                                   \
+    CHECK_OK(kvi_inject(hi, q, nr, NULL, NULL));                                                                \
+    CHECK_OK(kvi_inject(di, q, nr, NULL, NULL));                                                                \
+    CUDA_OK(cudaDeviceSynchronize());                                                                           \
+    double worst_;                                                                                              \
+    assert_int_equal(compare_caches(&w, true, 0, &worst_), 0);                                                  \
+    kvi_store_stats st_ = tier_stats(w.gpu);                                                                    \
+    assert_true(st_.pages_used - st_.pages_host_used <= 6);                                                     \
+  } while (0)
+  ROUND(tier_req(r1, 3, slot));
+  kvi_store_stats s1 = tier_stats(w.gpu);
+  assert_int_equal(s1.promotions, 2);
+  assert_int_equal(s1.demotions, 2);
+  slot += 100;
+  ROUND(tier_req(r2, 3, slot));
+  kvi_store_stats s2 = tier_stats(w.gpu);
+  assert_int_equal(s2.promotions, 5);
+  assert_int_equal(s2.demotions, 5);
+  slot += 100;
+  ROUND(tier_req(r3a, 1, slot), tier_req(r3b, 2, slot + 30));
+  kvi_store_stats s3 = tier_stats(w.gpu);
+  assert_int_equal(s3.promotions, 7); /* 107 once */
+  slot += 100;
+  ROUND(tier_req(r4, 3, slot));
+  slot += 100;
+  /* four facts (eight pages) cannot be on a six-page device at once */
+  static const uint64_t big[] = {101, 102, 109, 110};
+  const kvi_store_stats sb = tier_stats(w.gpu);
+  q[0] = tier_req(big, 4, slot);
+  assert_int_equal(kvi_inject(di, q, 1, NULL, NULL), KVI_ERR_CAPACITY);
+  CUDA_OK(cudaDeviceSynchronize());
+  const kvi_store_stats sa = tier_stats(w.gpu);
+  assert_int_equal(sa.promotions, sb.promotions);
+  assert_int_equal(sa.demotions, sb.demotions);
+  assert_int_equal(sa.pages_used, sb.pages_used);
+  double worst;
+  assert_int_equal(compare_caches(&w, true, 0, &worst), 0); /* nothing written */
+  /* mapped reads: host-tier facts injected in place, nothing moves */
+  static const uint64_t rm[] = {101, 109, 110, 102};
+  kvi_inject_options io = KVI_INJECT_OPTIONS_INIT;
+  io.host_pages = KVI_HOST_PAGES_READ_MAPPED;
+  q[0] = tier_req(rm, 4, slot);
+  CHECK_OK(kvi_inject(hi, q, 1, NULL, NULL));
+  CHECK_OK(kvi_inject(di, q, 1, &io, NULL));
+  CUDA_OK(cudaDeviceSynchronize());
+  assert_int_equal(compare_caches(&w, true, 0, &worst), 0);
+  const kvi_store_stats sm = tier_stats(w.gpu);
+  assert_int_equal(sm.promotions, sa.promotions);
+  assert_int_equal(sm.demotions, sa.demotions);
+  io.host_pages = (kvi_host_pages)7;
+  assert_int_equal(kvi_inject(di, q, 1, &io, NULL), KVI_ERR_INVALID_ARGUMENT);
+  tier_check_reads(&w);
+  /* a save reads pages from both tiers; loaded into a CPU store it equals the CPU store */
+  char dir[] = "/tmp/kvi-gpu-tier-XXXXXX";
+  assert_non_null(mkdtemp(dir));
+  char path[64];
+  snprintf(path, sizeof path, "%s/tier.kvi", dir);
+  CHECK_OK(kvi_store_save(w.gpu, path, NULL));
+  kvi_store_options so = KVI_STORE_OPTIONS_INIT;
+  so.backend = KVI_BACKEND_CPU;
+  so.budget_bytes = 64u << 20;
+  kvi_store *l = NULL;
+  CHECK_OK(kvi_store_load(&l, w.model, &so, path, NULL));
+  kvi_store *keep = w.gpu;
+  w.gpu = l; /* compares w.gpu with w.cpu: the loaded store now (host reads only) */
+  tier_check_reads_except(&w, 0, false);
+  w.gpu = keep;
+  kvi_store_destroy(l);
+  unlink(path);
+  rmdir(dir);
+  kvi_injector_destroy(hi);
+  kvi_injector_destroy(di);
+  free_world(&w);
+#undef ROUND
+}
+
+/* An injection in flight (its stream held by a host callback) reads facts
+ * that the next call, on another stream, demotes and whose device pages it
+ * reuses for promotions; one of them is also removed meanwhile. The
+ * demotion's copies must wait for the held injection: once released, both
+ * caches equal the CPU's. */
+static void t_tier_inflight(void **state) {
+  (void)state;
+  if (g_devices == 0) skip();
+  world w;
+  tier_world(&w);
+  kvi_injector *hi, *di;
+  CHECK_OK(kvi_injector_create(&hi, w.cpu, &w.hl, NULL));
+  CHECK_OK(kvi_injector_create(&di, w.gpu, &w.dl, NULL));
+  cudaStream_t s1, s2;
+  CUDA_OK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  static const uint64_t a[] = {100, 104}, b[] = {105, 106};
+  kvi_inject_request qa = tier_req(a, 2, 0), qb = tier_req(b, 2, 64);
+  CHECK_OK(kvi_inject(hi, &qa, 1, NULL, NULL));
+  CHECK_OK(kvi_inject(hi, &qb, 1, NULL, NULL));
+  g_release = 0;
+  CUDA_OK(cudaLaunchHostFunc(s1, hold, NULL));
+  /* a: 104 comes up (101, least recently used of the others, goes down); held on s1 */
+  kvi_status st1 = kvi_inject(di, &qa, 1, NULL, (struct CUstream_st *)s1);
+  kvi_status st2 = kvi_store_remove(w.gpu, 1, 104); /* in flight: its pages wait */
+  /* b: 105 and 106 come up; 102 and 100 (read by the held call) go down */
+  kvi_status st3 = kvi_inject(di, &qb, 1, NULL, (struct CUstream_st *)s2);
+  kvi_store_stats mid = KVI_STORE_STATS_INIT;
+  kvi_status st4 = kvi_store_stats_get(w.gpu, &mid);
+  g_release = 1; /* never leave the stream held, whatever failed */
+  CHECK_OK(st1);
+  CHECK_OK(st2);
+  CHECK_OK(st3);
+  CHECK_OK(st4);
+  CUDA_OK(cudaStreamSynchronize(s1));
+  CUDA_OK(cudaStreamSynchronize(s2));
+  double worst;
+  assert_int_equal(compare_caches(&w, true, 0, &worst), 0);
+  assert_int_equal(mid.promotions, 3);
+  assert_true(mid.demotions >= 2);
+  CHECK_OK(kvi_store_remove(w.cpu, 1, 104));
+  tier_check_reads_except(&w, 104, true);
+  cudaStreamDestroy(s1);
+  cudaStreamDestroy(s2);
+  kvi_injector_destroy(hi);
+  kvi_injector_destroy(di);
+  free_world(&w);
+}
+
+/* Prefetch then inject: the facts are up before the call, which moves
+ * nothing more; NULL prefetches what fits of the tenant; errors. */
+static void t_tier_prefetch(void **state) {
+  (void)state;
+  if (g_devices == 0) skip();
+  world w;
+  tier_world(&w);
+  kvi_injector *hi, *di;
+  CHECK_OK(kvi_injector_create(&hi, w.cpu, &w.hl, NULL));
+  CHECK_OK(kvi_injector_create(&di, w.gpu, &w.dl, NULL));
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  static const uint64_t ids[] = {109, 103, 110};
+  CHECK_OK(kvi_store_prefetch(w.gpu, 1, ids, 3, (struct CUstream_st *)s));
+  const kvi_store_stats p = tier_stats(w.gpu);
+  assert_int_equal(p.promotions, 3);
+  assert_int_equal(p.demotions, 3);
+  kvi_inject_request q = tier_req(ids, 3, 0);
+  CHECK_OK(kvi_inject(hi, &q, 1, NULL, NULL));
+  CHECK_OK(kvi_inject(di, &q, 1, NULL, (struct CUstream_st *)s)); /* waits for the copies on the GPU */
+  CUDA_OK(cudaStreamSynchronize(s));
+  double worst;
+  assert_int_equal(compare_caches(&w, true, 0, &worst), 0);
+  const kvi_store_stats p2 = tier_stats(w.gpu);
+  assert_int_equal(p2.promotions, 3);
+  /* too many to fit: the prefix that fits (three facts of the four) comes up */
+  static const uint64_t many[] = {100, 101, 102, 111};
+  CHECK_OK(kvi_store_prefetch(w.gpu, 1, many, 4, NULL));
+  const kvi_store_stats p3 = tier_stats(w.gpu);
+  assert_int_equal(p3.promotions, 3 + 3);
+  CHECK_OK(kvi_store_prefetch(w.gpu, 1, NULL, 0, NULL));
+  CHECK_OK(kvi_store_prefetch(w.gpu, 9, NULL, 0, NULL)); /* a tenant without facts */
+  static const uint64_t unknown[] = {100, 4242};
+  assert_int_equal(kvi_store_prefetch(w.gpu, 1, unknown, 2, NULL), KVI_ERR_NOT_FOUND);
+  assert_int_equal(kvi_store_prefetch(w.gpu, 1, NULL, 2, NULL), KVI_ERR_INVALID_ARGUMENT);
+  CUDA_OK(cudaDeviceSynchronize());
+  tier_check_reads(&w);
+  cudaStreamDestroy(s);
+  kvi_injector_destroy(hi);
+  kvi_injector_destroy(di);
+  free_world(&w);
+}
+
+/* kvi_encode into a tiered store whose device tier is full demotes facts to
+ * make room; the captured facts equal the CPU store's captures. */
+static void t_tier_encode(void **state) {
+  (void)state;
+  if (g_devices == 0) skip();
+  world w;
+  tier_world(&w);
+  kvi_injector *hi, *di;
+  kvi_encoder *he, *de;
+  CHECK_OK(kvi_injector_create(&hi, w.cpu, &w.hl, NULL));
+  CHECK_OK(kvi_injector_create(&di, w.gpu, &w.dl, NULL));
+  CHECK_OK(kvi_encoder_create(&he, w.cpu, &w.hl, NULL));
+  CHECK_OK(kvi_encoder_create(&de, w.gpu, &w.dl, NULL));
+  static const uint64_t ids[] = {103, 104, 105, 106, 107};
+  kvi_inject_request q = tier_req(ids, 5, 0); /* five facts: not at once: */
+  assert_int_equal(kvi_inject(di, &q, 1, NULL, NULL), KVI_ERR_CAPACITY);
+  q.num_facts = 3;
+  CHECK_OK(kvi_inject(hi, &q, 1, NULL, NULL));
+  CHECK_OK(kvi_inject(di, &q, 1, NULL, NULL));
+  kvi_capture c[2];
+  for (int i = 0; i < 2; i++) {
+    kvi_capture_init(&c[i]);
+    c[i].tenant = 2;
+    c[i].fact_id = (uint64_t)i;
+    c[i].block_table = g_tier_table;
+    c[i].block_table_len = TIER_TL;
+    c[i].first_slot = 21 * i;
+    c[i].num_tokens = 21;
+    c[i].start_position = 3 + 21 * i;
+  }
+  const kvi_store_stats e0 = tier_stats(w.gpu);
+  CHECK_OK(kvi_encode(he, c, 2, NULL));
+  CHECK_OK(kvi_encode(de, c, 2, NULL));
+  CUDA_OK(cudaDeviceSynchronize()); /* host reads go through the store's copy stream: the capture first */
+  const kvi_store_stats e1 = tier_stats(w.gpu);
+  assert_int_equal(e1.demotions, e0.demotions + 2); /* four pages made free */
+  assert_int_equal(e1.pages_used - e1.pages_host_used, 6);
+  const size_t n = (size_t)tier_sc.L * 21 * tier_sc.H * tier_sc.D;
+  uint16_t *a = malloc(n * 4), *b = malloc(n * 4);
+  for (int i = 0; i < 2; i++) {
+    kvi_kv_view va, vb;
+    kvi_kv_view_contiguous(&va, KVI_MEMORY_HOST, KVI_DTYPE_BF16, tier_sc.L, 21, tier_sc.H, tier_sc.D, a, a + n);
+    kvi_kv_view_contiguous(&vb, KVI_MEMORY_HOST, KVI_DTYPE_BF16, tier_sc.L, 21, tier_sc.H, tier_sc.D, b, b + n);
+    CHECK_OK(kvi_store_read(w.cpu, 2, (uint64_t)i, &va, NULL));
+    CHECK_OK(kvi_store_read(w.gpu, 2, (uint64_t)i, &vb, NULL));
+    if (memcmp(a, b, n * 4)) fail_msg("capture %d differs from the CPU store's", i);
+  }
+  free(a);
+  free(b);
+  tier_check_reads(&w);
+  kvi_encoder_destroy(he);
+  kvi_encoder_destroy(de);
+  kvi_injector_destroy(hi);
+  kvi_injector_destroy(di);
+  free_world(&w);
+}
 #else
+static void t_tier_inject(void **state) {
+  (void)state;
+  skip();
+}
+static void t_tier_inflight(void **state) {
+  (void)state;
+  skip();
+}
+static void t_tier_prefetch(void **state) {
+  (void)state;
+  skip();
+}
+static void t_tier_encode(void **state) {
+  (void)state;
+  skip();
+}
 static void t_table_memory_kind(void **state) {
   (void)state;
   skip();
@@ -647,6 +993,8 @@ int main(void) {
       cmocka_unit_test(t_fp8s_scalar),
       cmocka_unit_test(t_bad_device_table), cmocka_unit_test(t_table_memory_kind), cmocka_unit_test(t_deferred_free),
       cmocka_unit_test(t_journal_encode),
+      cmocka_unit_test(t_tier_inject),   cmocka_unit_test(t_tier_inflight), cmocka_unit_test(t_tier_prefetch),
+      cmocka_unit_test(t_tier_encode),
   };
   int failed = cmocka_run_group_tests_name("gpu-transfer", tests, NULL, NULL);
   if (failed) return 1;

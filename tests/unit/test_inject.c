@@ -563,6 +563,19 @@ static void test_layer_range(void **state) {
     EXPECT_UNCHANGED(&e, kvi_inject(e.inj, &q, 1, &o, NULL), KVI_ERR_INVALID_ARGUMENT);
   }
   kvi_inject_options o = KVI_INJECT_OPTIONS_INIT;
+  o.host_pages = (kvi_host_pages)2;
+  EXPECT_UNCHANGED(&e, kvi_inject(e.inj, &q, 1, &o, NULL), KVI_ERR_INVALID_ARGUMENT);
+  /* a store without a host tier ignores host_pages; the layout before it is accepted */
+  o.host_pages = KVI_HOST_PAGES_READ_MAPPED;
+  ec_poison(&e.c);
+  assert_ok(kvi_inject(e.inj, &q, 1, &o, NULL));
+  ec_check_request(&e.c, e.rr, ff, 1, tb, 3, pos, 0, 0, L, 0.0, NULL, "READ_MAPPED on a CPU store");
+  o = (kvi_inject_options)KVI_INJECT_OPTIONS_INIT;
+  o.struct_size = offsetof(kvi_inject_options, host_pages);
+  o.host_pages = (kvi_host_pages)9; /* past struct_size: never read */
+  ec_poison(&e.c);
+  assert_ok(kvi_inject(e.inj, &q, 1, &o, NULL));
+  ec_check_request(&e.c, e.rr, ff, 1, tb, 3, pos, 0, 0, L, 0.0, NULL, "first layout of kvi_inject_options");
   o.struct_size = sizeof(size_t);
   EXPECT_UNCHANGED(&e, kvi_inject(e.inj, &q, 1, &o, NULL), KVI_ERR_STRUCT_SIZE);
   struct {

@@ -148,6 +148,15 @@ static void test_create_struct_size(void **state) {
     assert_ok(kvi_store_create(&s0, m, &old));
     kvi_store_destroy(s0);
   }
+  { /* the layout before host_budget_bytes: a value past struct_size is never read */
+    kvi_store_options old = cpu_store_options(KVI_DTYPE_BF16, 16, 1u << 20);
+    old.struct_size = offsetof(kvi_store_options, host_budget_bytes);
+    old.host_budget_bytes = 1u << 30;
+    kvi_store *s0 = NULL;
+    assert_ok(kvi_store_create(&s0, m, &old));
+    assert_int_equal(store_stats(s0).pages_host_total, 0);
+    kvi_store_destroy(s0);
+  }
   o.struct_size = 0;
   expect_fails(m, &o, KVI_ERR_STRUCT_SIZE);
 
@@ -224,6 +233,59 @@ static void test_create_cpu_ignores_device(void **state) {
   }
 }
 
+/* A CPU store has one tier: host_budget_bytes must be 0 (also when AUTO
+ * resolves to the CPU); prefetch on it only checks its arguments. */
+static void test_create_host_budget_cpu(void **state) {
+  kvi_model *m = *state;
+  kvi_store_options o = cpu_store_options(KVI_DTYPE_BF16, 16, 1u << 20);
+  o.host_budget_bytes = 1u << 20;
+  expect_fails(m, &o, KVI_ERR_INVALID_ARGUMENT);
+  assert_last_error_has("kvi_store_create", "host_budget_bytes");
+  if (cuda_devices() == 0) {
+    o.backend = KVI_BACKEND_AUTO;
+    expect_fails(m, &o, KVI_ERR_INVALID_ARGUMENT);
+  }
+  o.backend = KVI_BACKEND_CPU;
+  o.host_budget_bytes = 0;
+  kvi_store *s = NULL;
+  assert_ok(kvi_store_create(&s, m, &o));
+  const kvi_store_stats st = store_stats(s);
+  assert_int_equal(st.pages_host_total, 0);
+  assert_int_equal(st.pages_host_used, 0);
+  assert_int_equal(st.promotions, 0);
+  assert_int_equal(st.demotions, 0);
+  kvi_kv_view kv;
+  const size_t n = (size_t)L * 3 * LOCAL_H * D;
+  float *k = calloc(n, sizeof *k), *v = calloc(n, sizeof *v);
+  kvi_kv_view_contiguous(&kv, KVI_MEMORY_HOST, KVI_DTYPE_FP32, L, 3, LOCAL_H, D, k, v);
+  assert_ok(kvi_store_put(s, 4, 40, &kv, NULL, NULL));
+  const uint64_t ids[] = {40};
+  assert_ok(kvi_store_prefetch(s, 4, ids, 1, NULL));
+  assert_ok(kvi_store_prefetch(s, 4, NULL, 0, NULL));
+  assert_ok(kvi_store_prefetch(s, 5, NULL, 0, NULL)); /* a tenant never seen */
+  assert_ok(kvi_store_prefetch(s, 4, ids, 0, NULL));
+  const uint64_t bad[] = {40, 41};
+  assert_status(kvi_store_prefetch(s, 4, bad, 2, NULL), KVI_ERR_NOT_FOUND);
+  assert_status(kvi_store_prefetch(s, 4, NULL, 1, NULL), KVI_ERR_INVALID_ARGUMENT);
+  assert_status(kvi_store_prefetch(s, 4, ids, -1, NULL), KVI_ERR_INVALID_ARGUMENT);
+  assert_status(kvi_store_prefetch(NULL, 4, ids, 1, NULL), KVI_ERR_INVALID_ARGUMENT);
+  assert_int_equal(store_stats(s).promotions, 0);
+  /* stats into the layout before the tier fields: nothing written past it */
+  struct {
+    kvi_store_stats st;
+    char guard[8];
+  } old;
+  memset(&old, 0x5a, sizeof old);
+  old.st.struct_size = offsetof(kvi_store_stats, pages_host_total);
+  assert_ok(kvi_store_stats_get(s, &old.st));
+  assert_int_equal(old.st.facts, 1);
+  const unsigned char *tail = (const unsigned char *)&old.st + offsetof(kvi_store_stats, pages_host_total);
+  for (size_t i = 0; i < sizeof old - offsetof(kvi_store_stats, pages_host_total); i++) assert_int_equal(tail[i], 0x5a);
+  free(k);
+  free(v);
+  kvi_store_destroy(s);
+}
+
 static void test_fresh_store_stats(void **state) {
   kvi_model *m = *state;
   for (size_t i = 0; i < 3; i++) {
@@ -266,6 +328,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_create_auto_resolves_to_cpu, setup, teardown),
       cmocka_unit_test_setup_teardown(test_create_cpu_ignores_device, setup, teardown),
       cmocka_unit_test_setup_teardown(test_fresh_store_stats, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_create_host_budget_cpu, setup, teardown),
   };
   return cmocka_run_group_tests_name("unit-store-create", tests, NULL, NULL);
 }
