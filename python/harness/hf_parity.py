@@ -77,6 +77,9 @@ def parse_args(argv=None):
     ap.add_argument("--windows", default="0,16,64")
     ap.add_argument("--quality-prompts", type=int, default=None, help="prompts per cell (default 16, quick 4)")
     ap.add_argument("--fact-tokens", type=int, default=24, help="fact length of the quality table")
+    ap.add_argument("--quality-store", default="model", choices=["model", "fp32", "bf16", "fp16", "fp8"],
+                    help="storage dtype of the quality table's stores (default: the model's dtype); fp8 = e4m3 "
+                         "with per-page scales")
     ap.add_argument("--attn", default="sdpa", help="attention implementation (falls back to eager)")
     ap.add_argument("--seed", type=int, default=1234)
     a = ap.parse_args(argv)
@@ -126,7 +129,8 @@ class Run:
 
     def store(self, rope_fields=None, store_dtype=None):
         km = C.kvi_model_for(self.config, rope_fields if rope_fields is not None else self.rope_fields)
-        sd = store_dtype if store_dtype is not None else C.kvi_dtype(self.dtype)
+        sd = store_dtype if store_dtype is not None else getattr(self, "quality_store", None)
+        sd = sd if sd is not None else C.kvi_dtype(self.dtype)
         return self.kvi.Store(km, 32 << 20, backend=self.backend, dtype=sd)
 
     def forward(self, ids, **kw):
@@ -330,6 +334,8 @@ def check_bf16(run, args, gen, results):
 def quality(run, args, gen):
     """Rows of the independent-encoding table for one model (fp32)."""
     torch = run.torch
+    names = {"fp32": "FP32", "bf16": "BF16", "fp16": "FP16", "fp8": "FP8_E4M3"}
+    run.quality_store = None if args.quality_store == "model" else getattr(run.kvi.DType, names[args.quality_store])
     ks = [int(x) for x in args.ks.split(",")]
     ws = [int(x) for x in args.windows.split(",")]
     T, question = args.fact_tokens, 16
@@ -431,8 +437,9 @@ def main(argv=None):
         print("Random-weight models (no trained weights offline): KL(full || injected) in nats of the question's "
               "next-token distribution, mean over %d random prompts, and top-1 agreement; facts of %d tokens, "
               "each encoded after only the w = %s tokens before it (w = 0: alone at position 0); "
-              "\"exact context\" captures each fact from the full prefill's own cache.\n"
-              % (args.quality_prompts, args.fact_tokens, ws))
+              "\"exact context\" captures each fact from the full prefill's own cache. Fact storage: %s.\n"
+              % (args.quality_prompts, args.fact_tokens, ws,
+                 "the model's dtype" if args.quality_store == "model" else args.quality_store))
         header = quality_tables[0][0]
         print(C.table(header, [r for _, rows in quality_tables for r in rows]))
     print("\nparity: %s (%.0f s)" % ("PASS" if ok else "FAIL", time.time() - t_start))
