@@ -25,7 +25,7 @@
 #include "store_internal.h"
 
 #define TRANSFER_OPTIONS_V1 sizeof(kvi_transfer_options)
-#define INJECT_REQUEST_V1 sizeof(kvi_inject_request)
+#define INJECT_REQUEST_V1 offsetof(kvi_inject_request, num_positions) /* the first layout */
 #define INJECT_OPTIONS_V1 offsetof(kvi_inject_options, host_pages) /* the fields before the host tier came first */
 #define CAPTURE_V1 sizeof(kvi_capture)
 #define SLOTS 2
@@ -704,6 +704,13 @@ static kvi_status inject_job(const xfer *x, const kvi_inject_request *rq, int32_
     j->tokens += ft->tokens;
     *npages += (int32_t)ft->npages;
   }
+  if (rq->num_positions < 0 || (rq->num_positions > 0 && !rq->positions))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "request %d: num_positions is %d with positions %s", (int)r,
+                     (int)rq->num_positions, rq->positions ? "given" : "NULL");
+  if (rq->num_positions > 0 && rq->num_positions != j->tokens)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                     "request %d: num_positions is %d, its facts have %lld tokens (one position per token)", (int)r,
+                     (int)rq->num_positions, (long long)j->tokens);
   j->table = rq->block_table;
   j->table_len = rq->block_table_len;
   j->table_on_host = rq->block_table_memory == KVI_MEMORY_HOST;

@@ -96,9 +96,14 @@ typedef struct kvi_inject_request {
   const int32_t *positions;      /* host memory: one RoPE position per injected
                                     token, or NULL: start_position + i */
   int32_t start_position;        /* >= 0 */
+  int32_t num_positions;         /* entries in positions: checked against the
+                                    request's injected tokens (the sum of its facts'
+                                    tokens, kvi_inject_plan) when > 0; 0 (default)
+                                    trusts positions to hold one per token. Must be
+                                    0 when positions is NULL. */
 } kvi_inject_request;
 
-#define KVI_INJECT_REQUEST_INIT {sizeof(kvi_inject_request), 0, NULL, 0, NULL, 0, KVI_MEMORY_HOST, 0, NULL, 0}
+#define KVI_INJECT_REQUEST_INIT {sizeof(kvi_inject_request), 0, NULL, 0, NULL, 0, KVI_MEMORY_HOST, 0, NULL, 0, 0}
 
 /* Fills *req with KVI_INJECT_REQUEST_INIT. NULL is ignored. */
 KVI_API void kvi_inject_request_init(kvi_inject_request *req);

@@ -200,6 +200,7 @@ class InjectRequestC(ctypes.Structure):
         ("first_slot", c_int64),
         ("positions", c_void_p),
         ("start_position", c_int32),
+        ("num_positions", c_int32),
     ]
 
 

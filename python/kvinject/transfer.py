@@ -142,11 +142,9 @@ class Injector(_Transfer):
                    first_slot=r.first_slot, start_position=r.start_position)
             if r.positions is not None:
                 pos = _buffers.int_array(r.positions, ctypes.c_int32, "requests[%d].positions" % i)
-                # the C request has no length for positions: it reads one per token
-                tokens = self.plan(r.tenant, ids) if ids.numel else 0
-                if pos.numel < tokens:
-                    raise ValueError("requests[%d]: %d positions for %d tokens" % (i, pos.numel, tokens))
+                # the library checks the count against the request's tokens
                 c.positions = pos.ptr
+                c.num_positions = fit(pos.numel, ctypes.c_int32, "requests[%d].positions" % i)
                 keep.append(pos)
             keep += [ids, bt]
             arr[i] = c

@@ -160,6 +160,7 @@ int main(void) {
   FIELD(kvi_inject_request, first_slot);
   FIELD(kvi_inject_request, positions);
   FIELD(kvi_inject_request, start_position);
+  FIELD(kvi_inject_request, num_positions);
 
   SIZE(kvi_inject_options);
   FIELD(kvi_inject_options, struct_size);

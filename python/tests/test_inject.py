@@ -205,7 +205,7 @@ class TestHuggingFace(InjectCase):
                 with self.assertRaises(exc):
                     inj.inject(reqs, **kw)
                 self.assertEqual(b"".join(bits_of(b) for b in keys + values), before)
-        with self.assertRaises(ValueError):  # 5 tokens, 4 positions: refused before the C call
+        with self.assertRaises(ValueError):  # 5 tokens, 4 positions: refused by the library (num_positions)
             inj.inject(kvi.InjectRequest(1, [10], [0], positions=[1, 2, 3, 4]))
         with self.assertRaises(kvi.NotFoundError):
             inj.plan(1, [10, 77])

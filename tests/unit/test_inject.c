@@ -797,6 +797,10 @@ static void test_rejected_inject_changes_nothing(void **state) {
   BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.block_table_len = -1);
   BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.first_slot = -1);
   BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.positions = pneg);
+  BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.positions = x.posb, bad_.num_positions = 7);  /* the facts have 8 tokens */
+  BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.positions = x.posb, bad_.num_positions = 9);
+  BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.positions = x.posb, bad_.num_positions = -1);
+  BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.positions = NULL, bad_.num_positions = 8);
   BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.positions = NULL, bad_.start_position = -1);
   BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.positions = pbig);                                      /* past the table */
   BAD_PAIR(KVI_ERR_INVALID_ARGUMENT, bad_.positions = NULL, bad_.start_position = ETAB - 7);     /* last = ETAB */
@@ -816,8 +820,14 @@ static void test_rejected_inject_changes_nothing(void **state) {
     assert_ok(kvi_inject(e->inj, &q, 1, NULL, NULL));
     assert_true(snapshot(e) != h);
     ec_poison(&e->c); /* back to poison except table A: re-inject A */
-    const kvi_inject_request qa = request(1, ids, 2, x.ta, 3, 2, x.posa, 0);
+    kvi_inject_request qa = request(1, ids, 2, x.ta, 3, 2, x.posa, 0);
+    qa.num_positions = 8; /* stated, and right */
     assert_ok(kvi_inject(e->inj, &qa, 1, NULL, NULL));
+    /* the first layout (no num_positions) is still read, its positions trusted */
+    kvi_inject_request old = qa;
+    old.struct_size = offsetof(kvi_inject_request, num_positions);
+    old.num_positions = 3; /* past struct_size: not read */
+    assert_ok(kvi_inject(e->inj, &old, 1, NULL, NULL));
   }
   /* struct sizes */
   kvi_inject_request small = ok;
