@@ -340,17 +340,8 @@ kvi_status kvi__comm_bcast_host(kvi_comm *c, void *buf, size_t bytes, int32_t ro
 #endif
 }
 
-/* splitmix64's finalizer: a fixed, well-mixed hash of the key. */
-static uint64_t mix64(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 int32_t kvi__emb_rank(uint64_t tenant, uint64_t fact_id, int32_t size) {
-  return (int32_t)(mix64(mix64(tenant) ^ fact_id) % (uint64_t)size);
+  return (int32_t)(kvi__mix64(kvi__mix64(tenant) ^ fact_id) % (uint64_t)size);
 }
 
 KVI_API int32_t kvi_store_embedding_rank(uint64_t tenant, uint64_t fact_id, int32_t tp_size) {

@@ -51,6 +51,15 @@ kvi_status kvi__comm_allgather_host(kvi_comm *c, const void *send, void *recv, s
 /* Synchronous broadcast of a host buffer from root. */
 kvi_status kvi__comm_bcast_host(kvi_comm *c, void *buf, size_t bytes, int32_t root, const char *fn);
 
+/* splitmix64's finalizer: a fixed, well-mixed hash of a 64-bit key. */
+static inline uint64_t kvi__mix64(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
 /* The rank that keeps a fact's embedding (kvi_store_embedding_rank). */
 int32_t kvi__emb_rank(uint64_t tenant, uint64_t fact_id, int32_t size);
 

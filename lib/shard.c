@@ -302,6 +302,15 @@ static kvi__geom full_geom(const kvi_store *s) {
 /* Items are read through their struct_size (arrays step by items[0]'s). */
 static const void *item_at(const void *items, size_t stride, int32_t i) { return (const char *)items + stride * (size_t)i; }
 
+/* The stride of an item array: items[0].struct_size, at least `known`. */
+static kvi_status item_stride(const void *items, int32_t n, size_t known, size_t *stride, const char *fn) {
+  *stride = known;
+  if (n > 0) memcpy(stride, items, sizeof *stride);
+  if (*stride < known)
+    return kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "items[0].struct_size is %zu, expected %zu", *stride, known);
+  return KVI_OK;
+}
+
 static uint64_t keys_digest(const void *items, size_t stride, int32_t n) {
   uint64_t h = 0xcbf29ce484222325ull;
   for (int32_t i = 0; i < n; i++) {
@@ -348,12 +357,9 @@ static kvi_status pack(const kvi_kv_view *full, void *packed, int32_t first, int
 KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, int32_t root, const kvi_scatter_item *items,
                                          int32_t num_items, struct CUstream_st *stream) {
   static const char fn[] = "kvi_store_put_scatter";
+  size_t stride;
   kvi_status st = check_collective(store, root, items, num_items, fn);
-  if (st) return st;
-  const size_t stride = num_items > 0 ? items[0].struct_size : sizeof(kvi_scatter_item);
-  if (num_items > 0 && stride < sizeof(kvi_scatter_item))
-    return kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "items[0].struct_size is %zu, expected %zu", stride,
-                     sizeof(kvi_scatter_item));
+  if (st || (st = item_stride(items, num_items, sizeof *items, &stride, fn))) return st;
   kvi_comm *c = store->comm;
   const bool is_root = c->rank == root;
   const kvi__geom *g = &store->geom;
@@ -509,12 +515,9 @@ static bool first_holder(const kvi__geom *g, int32_t r) {
 KVI_API kvi_status kvi_store_gather(kvi_store *store, int32_t root, const kvi_gather_item *items, int32_t num_items,
                                     struct CUstream_st *stream) {
   static const char fn[] = "kvi_store_gather";
+  size_t stride;
   kvi_status st = check_collective(store, root, items, num_items, fn);
-  if (st) return st;
-  const size_t stride = num_items > 0 ? items[0].struct_size : sizeof(kvi_gather_item);
-  if (num_items > 0 && stride < sizeof(kvi_gather_item))
-    return kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "items[0].struct_size is %zu, expected %zu", stride,
-                     sizeof(kvi_gather_item));
+  if (st || (st = item_stride(items, num_items, sizeof *items, &stride, fn))) return st;
   kvi_comm *c = store->comm;
   const bool is_root = c->rank == root;
   const kvi__geom *g = &store->geom;
@@ -647,14 +650,6 @@ KVI_API kvi_status kvi_store_gather(kvi_store *store, int32_t root, const kvi_ga
 /* agreement of the fact sets                                               */
 /* ------------------------------------------------------------------------ */
 
-static uint64_t mix(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  return x ^ (x >> 33);
-}
-
 KVI_API kvi_status kvi_store_check_agreement(kvi_store *store) {
   static const char fn[] = "kvi_store_check_agreement";
   if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
@@ -666,10 +661,11 @@ KVI_API kvi_status kvi_store_check_agreement(kvi_store *store) {
   for (size_t i = 0; i < store->facts.cap; i++) {
     const fact *f = store->facts.slots[i].val;
     if (!f) continue;
-    const uint64_t x = mix(f->tenant_id) ^ mix(f->id + 0x9e3779b97f4a7c15ull) ^ mix((uint64_t)f->tokens << 1 | 1);
+    const uint64_t x = kvi__mix64(f->tenant_id) ^ kvi__mix64(f->id + 0x9e3779b97f4a7c15ull) ^
+                       kvi__mix64((uint64_t)f->tokens << 1 | 1);
     me[0]++;
-    me[1] += mix(x);
-    me[2] += mix(x ^ 0x5851f42d4c957f2dull);
+    me[1] += kvi__mix64(x);
+    me[2] += kvi__mix64(x ^ 0x5851f42d4c957f2dull);
   }
   kvi__store_unlock(store);
   uint64_t *all = calloc((size_t)c->size * 3, sizeof *all);

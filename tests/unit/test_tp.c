@@ -734,6 +734,13 @@ static void root_rank(rank_ctx *c) {
   RSTATUS(c, gather1(s, 1, 1, -1, NULL), KVI_ERR_INVALID_ARGUMENT);
   RSTATUS(c, kvi_store_put_scatter(s, 0, NULL, 1, NULL), KVI_ERR_INVALID_ARGUMENT);
   RSTATUS(c, kvi_store_put_scatter(s, 0, NULL, 0, NULL), KVI_OK); /* nothing to do, on every rank */
+  {
+    kvi_scatter_item tiny = KVI_SCATTER_ITEM_INIT;
+    kvi_gather_item gtiny = KVI_GATHER_ITEM_INIT;
+    tiny.struct_size = gtiny.struct_size = sizeof(size_t);
+    RSTATUS(c, kvi_store_put_scatter(s, 0, &tiny, 1, NULL), KVI_ERR_STRUCT_SIZE);
+    RSTATUS(c, kvi_store_gather(s, 0, &gtiny, 1, NULL), KVI_ERR_STRUCT_SIZE);
+  }
   RSTATUS(c, scatter1(s, 1, 1, 0, NULL, NULL), c->rank == 0 ? KVI_ERR_INVALID_ARGUMENT : KVI_ERR_PEER);
   rng g = {99};
   full_fact f;
