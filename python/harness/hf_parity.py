@@ -341,6 +341,7 @@ def quality(run, args, gen):
     T, question = args.fact_tokens, 16
     prefix = max(ws) + 8  # every window lies inside the prompt
     rows = []
+    kv_roundtrip = []  # relative Frobenius error of each fact's K, then V, against fp32 storage
     for k in ks:
         kl = {w: [] for w in ws + ["exact"]}
         agree = {w: 0 for w in ws + ["exact"]}
@@ -357,6 +358,19 @@ def quality(run, args, gen):
             enc = run.kvi.Encoder(store, run.kvi.CacheLayout.hf(keys, values))
             enc.encode([run.kvi.Capture(TENANT, 1000 + i, block_table=[0], num_tokens=T, first_slot=s,
                                         start_position=s) for i, s in enumerate(starts)], stream=run.stream)
+            if run.quality_store is not None and run.quality_store != run.kvi.DType.FP32:
+                # the storage's round-trip error on these activations: the same captures into an fp32 store
+                ref_store = run.store(store_dtype=run.kvi.DType.FP32)
+                enc32 = run.kvi.Encoder(ref_store, run.kvi.CacheLayout.hf(keys, values))
+                enc32.encode([run.kvi.Capture(TENANT, 1000 + i, block_table=[0], num_tokens=T, first_slot=s,
+                                              start_position=s) for i, s in enumerate(starts)], stream=run.stream)
+                C.sync(run.device)
+                for i in range(k):
+                    for a, b in zip(store.read(TENANT, 1000 + i), ref_store.read(TENANT, 1000 + i)):
+                        a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+                        kv_roundtrip.append(float((a - b).norm() / b.norm().clamp_min(1e-30)))
+                del enc32
+                ref_store.close()
             C.sync(run.device)
             del out, keys, values, enc
             cases["exact"] = run.injected_logits(store, ids_dev, prefix, [1000 + i for i in range(k)], question,
@@ -381,6 +395,11 @@ def quality(run, args, gen):
             row.append("%s / %d%%" % (C.fmt(sum(kl[w]) / n, ".2e"), round(100 * agree[w] / n)))
         rows.append(row)
     header = ["model", "k"] + ["w = %d: KL / top-1" % w for w in ws] + ["exact context: KL / top-1"]
+    if kv_roundtrip:
+        ks_, vs_ = kv_roundtrip[0::2], kv_roundtrip[1::2]
+        print("%s: %s storage round trip on the model's own K/V (%d facts): relative error K mean %.3e max %.3e, "
+              "V mean %.3e max %.3e" % (run.name, args.quality_store, len(ks_), sum(ks_) / len(ks_), max(ks_),
+                                        sum(vs_) / len(vs_), max(vs_)), flush=True)
     return header, rows
 
 
