@@ -30,6 +30,19 @@
  * Order. Results are sorted by score, highest first; equal scores by fact
  * id, smallest first. A tenant with fewer than k facts returns all of them.
  *
+ * Tensor-parallel stores (kvinject/comm.h). On a store created with
+ * KVI_EMBEDDINGS_SHARDED the call is collective: every rank of the
+ * communicator calls it with the same queries' tenants, num_queries and k
+ * (equal counts are required, as for any NCCL collective; the tenants and k
+ * are checked). Each rank scores the embeddings it keeps, the candidates are
+ * exchanged with one all-gather, and every rank gets the same merged results,
+ * identical to one store holding every embedding (the CPU reference bit for
+ * bit). A rank that fails its part, or ranks that disagree, give host
+ * outputs KVI_ERR_PEER or KVI_ERR_MISMATCH; with device outputs the call
+ * cannot report it and writes every count as -1 (a rank failed) or -2 (the
+ * ranks disagree), ids KVI_SEARCH_NO_ID and scores -INFINITY. With replicated
+ * embeddings (the default) the call is rank-local, as on any store.
+ *
  * Isolation and freshness. A query scores only its own tenant's facts. A
  * search sees every put and remove that returned before it was called; on a
  * CUDA store, changes made after it was called wait, on the device, for it
