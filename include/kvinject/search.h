@@ -35,9 +35,9 @@
  * communicator calls it with the same queries' tenants, num_queries and k
  * (equal counts are required, as for any NCCL collective; the tenants and k
  * are checked). Each rank scores the embeddings it keeps, the candidates are
- * exchanged with one all-gather, and every rank gets the same merged results,
- * identical to one store holding every embedding (the CPU reference bit for
- * bit). A rank that fails its part, or ranks that disagree, give host
+ * exchanged with one all-gather, and every rank gets the same merged results:
+ * those of one store holding every embedding (tested bit for bit on CPU
+ * stores). A rank that fails its part, or ranks that disagree, give host
  * outputs KVI_ERR_PEER or KVI_ERR_MISMATCH; with device outputs the call
  * cannot report it and writes every count as -1 (a rank failed) or -2 (the
  * ranks disagree), ids KVI_SEARCH_NO_ID and scores -INFINITY. With replicated
