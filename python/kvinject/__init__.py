@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from ._lib import lib as _lib_loader
 from .cache import CacheLayout
+from .comm import Comm, CommGroup, embedding_rank
 from .enums import (FEATURE_CUBLASLT, FEATURE_CUDA, FEATURE_NCCL, PUT_REPLACE, SEARCH_DEFAULT_WORKSPACE,
                     SEARCH_MAX_K, SEARCH_NO_ID, Backend, CachePreset, DType, EmbeddingPlacement, Memory, Metric,
                     RopeScaling,
@@ -87,13 +88,13 @@ def last_error() -> str:
 
 
 __all__ = [
-    "Backend", "CacheLayout", "CachePreset", "Capture", "CapacityError", "CorruptError", "CudaError", "DType",
+    "Backend", "CacheLayout", "CachePreset", "Comm", "CommGroup", "Capture", "CapacityError", "CorruptError", "CudaError", "DType",
     "EmbeddingPlacement", "Encoder", "IOError_", "IncompatibleError", "PeerError",
     "ExistsError", "FEATURE_CUBLASLT", "FEATURE_CUDA", "FEATURE_NCCL", "InjectRequest", "Injector",
     "InternalError", "InvalidArgumentError", "KVView", "KviError", "Memory", "MemoryKindError", "Metric",
     "MismatchError", "Model", "ModelInfoData", "NoDeviceError", "NotBuiltError", "NotFoundError",
     "OutOfMemoryError", "PUT_REPLACE", "RopeScaling", "RopeSpec", "RopeStyle", "SEARCH_DEFAULT_WORKSPACE",
     "SEARCH_MAX_K", "SEARCH_NO_ID", "ScaleMode", "SearchResults", "Status", "Store", "StoreStats",
-    "StructSizeError", "UnsupportedError", "cuda_device_count", "dtype_size", "error_class", "features",
+    "StructSizeError", "UnsupportedError", "cuda_device_count", "dtype_size", "embedding_rank", "error_class", "features",
     "last_error", "library_path", "status_string", "version", "version_number",
 ]

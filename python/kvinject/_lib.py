@@ -231,6 +231,25 @@ class CaptureC(ctypes.Structure):
     ]
 
 
+class ScatterItemC(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("tenant", c_uint64),
+        ("fact_id", c_uint64),
+        ("full", c_void_p),
+        ("opts", c_void_p),
+    ]
+
+
+class GatherItemC(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("tenant", c_uint64),
+        ("fact_id", c_uint64),
+        ("full", c_void_p),
+    ]
+
+
 # ctypes struct -> the C name (for messages and the ABI test)
 STRUCTS = {
     "kvi_model_options": ModelOptions,
@@ -246,6 +265,8 @@ STRUCTS = {
     "kvi_inject_request": InjectRequestC,
     "kvi_inject_options": InjectOptions,
     "kvi_capture": CaptureC,
+    "kvi_scatter_item": ScatterItemC,
+    "kvi_gather_item": GatherItemC,
 }
 
 P = c_void_p
@@ -303,6 +324,18 @@ _PROTOTYPES = {
     "kvi_encoder_destroy": (None, [P]),
     "kvi_capture_init": (None, [P]),
     "kvi_encode": (c_int, [P, P, c_int32, P]),
+    # comm.h
+    "kvi_comm_create_nccl": (c_int, [POINTER(c_void_p), P]),
+    "kvi_comm_group_create": (c_int, [POINTER(c_void_p), c_int32]),
+    "kvi_comm_group_destroy": (None, [P]),
+    "kvi_comm_create_local": (c_int, [POINTER(c_void_p), P, c_int32]),
+    "kvi_comm_destroy": (None, [P]),
+    "kvi_comm_rank": (c_int, [P, POINTER(c_int32), POINTER(c_int32)]),
+    "kvi_comm_async_error": (c_int, [P]),
+    "kvi_store_embedding_rank": (c_int32, [c_uint64, c_uint64, c_int32]),
+    "kvi_store_put_scatter": (c_int, [P, c_int32, P, c_int32, P]),
+    "kvi_store_gather": (c_int, [P, c_int32, P, c_int32, P]),
+    "kvi_store_check_agreement": (c_int, [P]),
 }
 
 # the _init function of each struct that has one

@@ -5,14 +5,15 @@ import array
 import ctypes
 import dataclasses
 import weakref
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from . import _buffers
 from ._buffers import Array
-from ._lib import KVViewC, PutOptions, SearchOptions, StoreOptions, StoreStatsC, assign, fit, lib
+from ._lib import (GatherItemC, KVViewC, PutOptions, ScatterItemC, SearchOptions, StoreOptions, StoreStatsC, assign,
+                   fit, lib)
 
 U64 = ctypes.c_uint64
-from .enums import PUT_REPLACE, SEARCH_NO_ID, Backend, DType, Memory, Metric
+from .enums import PUT_REPLACE, SEARCH_NO_ID, Backend, DType, EmbeddingPlacement, Memory, Metric
 from .model import Model
 
 
@@ -125,7 +126,8 @@ class Store:
     def __init__(self, model: Model, budget_bytes: int, *, backend: Optional[Backend] = None,
                  device: Optional[int] = None, dtype: Optional[DType] = None, page_tokens: Optional[int] = None,
                  embedding_dim: Optional[int] = None, embedding_dtype: Optional[DType] = None,
-                 metric: Optional[Metric] = None, host_budget_bytes: Optional[int] = None):
+                 metric: Optional[Metric] = None, host_budget_bytes: Optional[int] = None, comm=None,
+                 embedding_placement: Optional[EmbeddingPlacement] = None):
         L = lib()
         o = L.new(StoreOptions)
         assign(o, budget_bytes=budget_bytes)
@@ -145,11 +147,17 @@ class Store:
             o.metric = int(Metric(metric))
         if host_budget_bytes is not None:
             assign(o, host_budget_bytes=host_budget_bytes)
+        if comm is not None:
+            o.comm = comm.handle
+        if embedding_placement is not None:
+            o.embedding_placement = int(EmbeddingPlacement(embedding_placement))
         h = ctypes.c_void_p()
         L.call("kvi_store_create", ctypes.byref(h), model.handle, ctypes.byref(o))
         self._h = h
         self._dependents = weakref.WeakSet()
+        self.comm = comm  # the C store borrows it: it must stay alive
         self.num_layers = model.num_layers
+        self.num_kv_heads = model.num_kv_heads
         self.num_heads = model.local_heads
         self.head_size = model.head_size
         st = self.stats()
@@ -190,7 +198,7 @@ class Store:
         self._dependents.add(obj)
 
     # ---------------------------------------------------------------- views
-    def _view(self, k, v, what: str, *, writable: bool, dtype, num_tokens: Optional[int]):
+    def _view(self, k, v, what: str, *, writable: bool, dtype, num_tokens: Optional[int], heads: Optional[int] = None):
         if isinstance(k, KVView):
             if v is not None:
                 raise TypeError("%s: pass either a KVView or k and v arrays" % what)
@@ -204,7 +212,7 @@ class Store:
         if (a.memory, a.device) != (b.memory, b.device):
             raise ValueError("%s: k and v are on different devices" % what)
         kvi_dtype = _buffers.kind_dtype(a.kind, what)
-        L, H, D = self.num_layers, self.num_heads, self.head_size
+        L, H, D = self.num_layers, self.num_heads if heads is None else heads, self.head_size
         if len(a.shape) == 4 or a.is_tensor:
             if len(a.shape) != 4:
                 raise ValueError("%s: k has shape %s; expected [layers, tokens, heads, head_size] (4 dims)"
@@ -289,6 +297,70 @@ class Store:
                    ctypes.byref(view), _buffers.stream_handle(stream))
         del keep
         return k, v
+
+    # ------------------------------------------------- tensor parallelism
+    def put_scatter(self, root: int, items: Sequence, *, stream=None) -> None:
+        """kvi_store_put_scatter (collective, kvinject/comm.h): every rank passes the
+        same (tenant, fact_id) list; on ``root`` each item is (tenant, fact_id, k, v)
+        or (tenant, fact_id, k, v, embedding) with every KV head ([layers, tokens,
+        num_kv_heads, head_size]); elsewhere (tenant, fact_id). Each rank keeps its
+        heads. All items or none."""
+        L = lib()
+        arr = (ScatterItemC * max(len(items), 1))()
+        views, opts, keep = [], [], []
+        for i, it in enumerate(items):
+            c = L.new(ScatterItemC)
+            assign(c, tenant=it[0], fact_id=it[1])
+            if len(it) > 2:
+                view, kp = self._view(it[2], it[3], "put_scatter", writable=False, dtype=None, num_tokens=None,
+                                      heads=self.num_kv_heads)
+                views.append(view)
+                keep.append(kp)
+                c.full = ctypes.cast(ctypes.pointer(view), ctypes.c_void_p)
+                if len(it) > 4 and it[4] is not None:
+                    po = L.new(PutOptions)
+                    emb, edt = _buffers.float_array(it[4], "items[%d] embedding" % i)
+                    _check_embedding(emb, self.embedding_dim, "embedding")
+                    po.embedding, po.embedding_dtype, po.embedding_memory = emb.ptr, int(edt), int(emb.memory)
+                    opts.append(po)
+                    keep.append(emb)
+                    c.opts = ctypes.cast(ctypes.pointer(po), ctypes.c_void_p)
+            arr[i] = c
+        L.call("kvi_store_put_scatter", self.handle, fit(root, ctypes.c_int32, "root"), arr, len(items),
+               _buffers.stream_handle(stream))
+        del views, opts, keep
+
+    def gather(self, root: int, items: Sequence, *, dtype: Optional[DType] = None, stream=None) -> list:
+        """kvi_store_gather (collective): every rank passes the same (tenant, fact_id)
+        list; returns, on ``root``, one (k, v) pair per item with every KV head (flat
+        host arrays as :meth:`read` allocates, fp32 by default), and on the other ranks
+        an empty list."""
+        L = lib()
+        dtype = DType.FP32 if dtype is None else DType(dtype)
+        is_root = self.comm is not None and self.comm.rank == root
+        arr = (GatherItemC * max(len(items), 1))()
+        views, out = [], []
+        for i, (tenant, fact_id) in enumerate(items):
+            c = L.new(GatherItemC)
+            assign(c, tenant=tenant, fact_id=fact_id)
+            if is_root:
+                n = self.num_layers * self.fact_tokens(tenant, fact_id) * self.num_kv_heads * self.head_size
+                k, v = _alloc(dtype, n), _alloc(dtype, n)
+                view, _ = self._view(k, v, "gather", writable=True, dtype=dtype, num_tokens=None,
+                                     heads=self.num_kv_heads)
+                views.append(view)
+                out.append((k, v))
+                c.full = ctypes.cast(ctypes.pointer(view), ctypes.c_void_p)
+            arr[i] = c
+        L.call("kvi_store_gather", self.handle, fit(root, ctypes.c_int32, "root"), arr, len(items),
+               _buffers.stream_handle(stream))
+        del views
+        return out
+
+    def check_agreement(self) -> None:
+        """kvi_store_check_agreement (collective): raises MismatchError when the ranks
+        hold different facts."""
+        lib().call("kvi_store_check_agreement", self.handle)
 
     def fact_tokens(self, tenant: int, fact_id: int) -> int:
         """kvi_store_fact_tokens."""

@@ -149,6 +149,17 @@ int main(void) {
   FIELD(kvi_transfer_options, max_requests_per_call);
   FIELD(kvi_transfer_options, max_table_entries_per_call);
 
+  SIZE(kvi_scatter_item);
+  FIELD(kvi_scatter_item, struct_size);
+  FIELD(kvi_scatter_item, tenant);
+  FIELD(kvi_scatter_item, fact_id);
+  FIELD(kvi_scatter_item, full);
+  FIELD(kvi_scatter_item, opts);
+  SIZE(kvi_gather_item);
+  FIELD(kvi_gather_item, struct_size);
+  FIELD(kvi_gather_item, tenant);
+  FIELD(kvi_gather_item, fact_id);
+  FIELD(kvi_gather_item, full);
   SIZE(kvi_inject_request);
   FIELD(kvi_inject_request, struct_size);
   FIELD(kvi_inject_request, tenant);
