@@ -1069,3 +1069,103 @@ out:
   free_caps(cs, num_captures);
   return st;
 }
+
+/* ------------------------------------------------------------------------ */
+/* retrieve and inject                                                       */
+/* ------------------------------------------------------------------------ */
+
+#define RETRIEVE_REQUEST_V1 sizeof(kvi_retrieve_request)
+
+KVI_API void kvi_retrieve_request_init(kvi_retrieve_request *req) {
+  if (req) {
+    kvi_retrieve_request d = KVI_RETRIEVE_REQUEST_INIT;
+    *req = d;
+  }
+}
+
+KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queries, int32_t num_queries, int32_t dim,
+                                       const kvi_retrieve_request *reqs, int32_t k, const kvi_search_options *opts,
+                                       uint64_t *out_ids, int32_t *out_counts, int32_t *out_tokens,
+                                       struct CUstream_st *stream) {
+  static const char fn[] = "kvi_retrieve_inject";
+  if (!injector) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "injector is NULL");
+  if (num_queries < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_queries is %d", (int)num_queries);
+  if (num_queries > 0 && (!reqs || !out_ids || !out_counts || !out_tokens))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL",
+                     !reqs ? "reqs" : !out_ids ? "out_ids" : !out_counts ? "out_counts" : "out_tokens");
+  xfer *x = &injector->x;
+  if (x->cuda)
+    return kvi__fail(KVI_ERR_UNSUPPORTED, fn,
+                     "retrieve-and-inject on a CUDA store is not implemented yet: call kvi_store_search with host "
+                     "outputs, then kvi_inject");
+  kvi_search_options so = KVI_SEARCH_OPTIONS_INIT;
+  kvi_status st;
+  if (opts && (st = kvi__read_struct(&so, sizeof so, opts, sizeof so, fn, "opts"))) return st;
+  if (so.out_memory != KVI_MEMORY_HOST)
+    return kvi__fail(so.out_memory == KVI_MEMORY_DEVICE ? KVI_ERR_MEMORY_KIND : KVI_ERR_INVALID_ARGUMENT, fn,
+                     "opts->out_memory is %d; a CPU store writes host memory only", (int)so.out_memory);
+  if (k < 1 || k > KVI_SEARCH_MAX_K)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "k is %d, expected 1..%d", (int)k, KVI_SEARCH_MAX_K);
+  if (num_queries == 0) return KVI_OK;
+  size_t rsize;
+  memcpy(&rsize, reqs, sizeof rsize);
+  const size_t n = (size_t)num_queries;
+  kvi_retrieve_request *rq = malloc(n * sizeof *rq);
+  kvi_inject_request *ir = malloc(n * sizeof *ir);
+  uint64_t *tenants = malloc(n * sizeof *tenants), *ids = malloc(n * (size_t)k * sizeof *ids);
+  uint64_t *order = malloc(n * (size_t)k * sizeof *order);
+  float *scores = malloc(n * (size_t)k * sizeof *scores);
+  int32_t *counts = malloc(n * sizeof *counts), *tokens = malloc(n * sizeof *tokens);
+  st = rq && ir && tenants && ids && order && scores && counts && tokens
+           ? KVI_OK
+           : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d requests of %d facts", (int)num_queries, (int)k);
+  for (size_t i = 0; i < n && st == KVI_OK; i++) {
+    const char *src = (const char *)reqs + i * rsize;
+    size_t sz;
+    memcpy(&sz, src, sizeof sz);
+    if (sz != rsize)
+      st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "reqs[%zu].struct_size is %zu, reqs[0]'s is %zu; they must be equal", i,
+                     sz, rsize);
+    else if (!(st = kvi__read_struct(&rq[i], sizeof rq[i], src, RETRIEVE_REQUEST_V1, fn, "reqs[i]")) &&
+             (rq[i].flags & ~KVI_RETRIEVE_BEST_LAST))
+      st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "reqs[%zu].flags has unknown bits 0x%x", i,
+                     rq[i].flags & ~KVI_RETRIEVE_BEST_LAST);
+    if (st == KVI_OK) tenants[i] = rq[i].tenant;
+  }
+  so.out_memory = KVI_MEMORY_HOST;
+  if (st == KVI_OK) st = kvi_store_search(x->store, queries, num_queries, dim, tenants, k, ids, scores, counts, &so, stream);
+  for (size_t i = 0; i < n && st == KVI_OK; i++) {
+    uint64_t *o = order + i * (size_t)k;
+    for (int32_t j = 0; j < counts[i]; j++)
+      o[j] = ids[i * (size_t)k + (size_t)((rq[i].flags & KVI_RETRIEVE_BEST_LAST) ? counts[i] - 1 - j : j)];
+    int64_t t = 0;
+    if (counts[i] > 0 && (st = kvi_inject_plan(injector, rq[i].tenant, o, counts[i], &t))) break;
+    if (t > INT32_MAX) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "query %zu's facts have %lld tokens", i, (long long)t);
+    tokens[i] = (int32_t)t;
+    kvi_inject_request q = KVI_INJECT_REQUEST_INIT;
+    q.tenant = rq[i].tenant;
+    q.fact_ids = o;
+    q.num_facts = counts[i];
+    q.block_table = rq[i].block_table;
+    q.block_table_len = rq[i].block_table_len;
+    q.block_table_memory = rq[i].block_table_memory;
+    q.first_slot = rq[i].first_slot;
+    q.start_position = rq[i].start_position;
+    ir[i] = q;
+  }
+  if (st == KVI_OK) st = kvi_inject(injector, ir, num_queries, NULL, stream); /* checks everything before writing */
+  if (st == KVI_OK) {
+    memcpy(out_ids, ids, n * (size_t)k * sizeof *ids);
+    memcpy(out_counts, counts, n * sizeof *counts);
+    memcpy(out_tokens, tokens, n * sizeof *tokens);
+  }
+  free(rq);
+  free(ir);
+  free(tenants);
+  free(ids);
+  free(order);
+  free(scores);
+  free(counts);
+  free(tokens);
+  return st;
+}

@@ -38,6 +38,7 @@
 
 #include "kvinject/cache.h"
 #include "kvinject/common.h"
+#include "kvinject/search.h"
 #include "kvinject/store.h"
 
 #ifdef __cplusplus
@@ -161,6 +162,63 @@ KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *
  * KVI_ERR_NOT_FOUND (nothing written to *out_tokens). */
 KVI_API kvi_status kvi_inject_plan(const kvi_injector *injector, uint64_t tenant, const uint64_t *fact_ids,
                                    int32_t num_facts, int64_t *out_tokens);
+
+/* ------------------------------------------------------------------------ */
+/* Retrieve and inject                                                      */
+/* ------------------------------------------------------------------------ */
+
+/* kvi_retrieve_request.flags */
+#define KVI_RETRIEVE_BEST_LAST 0x1u /* inject the best fact last (next to what
+                                       follows), not first */
+
+/* Where one query's retrieved facts go. */
+typedef struct kvi_retrieve_request {
+  size_t struct_size;            /* sizeof(kvi_retrieve_request) */
+  uint64_t tenant;               /* the tenant searched, and whose facts are injected */
+  const int32_t *block_table;    /* the sequence's block ids, block_table_memory; it
+                                    must cover first_slot + the injected tokens */
+  int32_t block_table_len;
+  kvi_memory block_table_memory; /* HOST or DEVICE (default HOST) */
+  int64_t first_slot;            /* sequence index of the first injected token */
+  int32_t start_position;        /* RoPE position of that token; the rest follow */
+  uint32_t flags;                /* KVI_RETRIEVE_* bits, default 0 */
+} kvi_retrieve_request;
+
+#define KVI_RETRIEVE_REQUEST_INIT {sizeof(kvi_retrieve_request), 0, NULL, 0, KVI_MEMORY_HOST, 0, 0, 0u}
+
+/* Fills *req with KVI_RETRIEVE_REQUEST_INIT. NULL is ignored. */
+KVI_API void kvi_retrieve_request_init(kvi_retrieve_request *req);
+
+/*
+ * Searches and injects in one call: for each query i, the top
+ * min(k, facts of reqs[i].tenant) facts of that tenant (as kvi_store_search
+ * ranks them) are injected, in rank order (best first, or best last with
+ * KVI_RETRIEVE_BEST_LAST), consecutively from reqs[i].first_slot at
+ * consecutive positions from reqs[i].start_position, as kvi_inject would.
+ * queries, num_queries, dim, k, opts: as for kvi_store_search on the
+ *   injector's store (opts->query_memory and out_memory apply).
+ * reqs: host memory, num_queries requests (stepped through by reqs[0]'s
+ *   struct_size, which every request must share).
+ * out_ids: num_queries x k: query i's facts in score order (the search's
+ *   row, KVI_SEARCH_NO_ID past the count); out_counts: facts injected per
+ *   query; out_tokens: tokens injected per query (the engine's sequence grows
+ *   by this). All three in opts->out_memory.
+ * Reserve blocks for k facts of the largest size the tenant stores: a block
+ * table too short for what the winners need fails the call.
+ * Failed calls write nothing (neither the cache nor the outputs). A fact
+ * removed between the search and the injection by another thread fails the
+ * call with KVI_ERR_NOT_FOUND.
+ * This version serves CPU stores; on a CUDA store it returns
+ * KVI_ERR_UNSUPPORTED (call kvi_store_search with host outputs, then
+ * kvi_inject) until the device path, without a host round trip, lands.
+ * Errors: those of kvi_store_search and kvi_inject; KVI_ERR_INVALID_ARGUMENT
+ * (NULL injector, reqs or output, unknown flags), KVI_ERR_STRUCT_SIZE,
+ * KVI_ERR_UNSUPPORTED.
+ */
+KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queries, int32_t num_queries, int32_t dim,
+                                       const kvi_retrieve_request *reqs, int32_t k, const kvi_search_options *opts,
+                                       uint64_t *out_ids, int32_t *out_counts, int32_t *out_tokens,
+                                       struct CUstream_st *stream);
 
 /* Tokens skipped since the last call because a device block table named a
  * block outside the cache (work that has completed: synchronize the stream

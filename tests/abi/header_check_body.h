@@ -405,6 +405,14 @@ static void hc_check_comm(void) {
   int i;
 
   HC_CHECK(si.struct_size == sizeof(kvi_scatter_item) && si.full == NULL && si.opts == NULL);
+  {
+    kvi_retrieve_request rr = KVI_RETRIEVE_REQUEST_INIT, rr2;
+    memset(&rr2, 0x5a, sizeof rr2);
+    kvi_retrieve_request_init(&rr2);
+    HC_CHECK(rr.struct_size == sizeof(kvi_retrieve_request) && rr2.struct_size == rr.struct_size &&
+             rr2.flags == 0 && rr.flags == 0 && rr2.block_table_memory == KVI_MEMORY_HOST && rr2.block_table == NULL);
+    kvi_retrieve_request_init(NULL);
+  }
   HC_CHECK(gi.struct_size == sizeof(kvi_gather_item) && gi.full == NULL);
   HC_CHECK(so.comm == NULL && so.embedding_placement == KVI_EMBEDDINGS_REPLICATED && KVI_ERR_PEER == -17);
   HC_CHECK(kvi_store_embedding_rank(1, 2, 1) == 0 && kvi_store_embedding_rank(1, 2, 0) == -1);

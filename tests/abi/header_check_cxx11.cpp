@@ -107,6 +107,8 @@ int cxx_checks() {
   const kvi_search_options sopts = KVI_SEARCH_OPTIONS_INIT;
   const kvi_scatter_item sitem = KVI_SCATTER_ITEM_INIT;
   const kvi_gather_item gitem = KVI_GATHER_ITEM_INIT;
+  const kvi_retrieve_request rreq = KVI_RETRIEVE_REQUEST_INIT;
+  if (rreq.struct_size != sizeof rreq || rreq.flags != 0u) fail("KVI_RETRIEVE_REQUEST_INIT");
   if (sitem.struct_size != sizeof sitem || sitem.full != nullptr) fail("KVI_SCATTER_ITEM_INIT");
   if (gitem.struct_size != sizeof gitem || gitem.full != nullptr) fail("KVI_GATHER_ITEM_INIT");
   if (layout.struct_size != sizeof layout || layout.scale_mode != KVI_SCALE_NONE) fail("KVI_CACHE_LAYOUT_INIT");
