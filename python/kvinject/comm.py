@@ -22,23 +22,22 @@ from typing import Optional
 from ._lib import fit, lib
 
 
-class CommGroup:
-    """kvi_comm_group: ``size`` in-process ranks. Close it after its communicators."""
+class _Handle:
+    """A library handle freed by ``_destroy`` on close(), on garbage collection or
+    at the end of a ``with`` block."""
 
-    def __init__(self, size: int):
-        h = ctypes.c_void_p()
-        lib().call("kvi_comm_group_create", ctypes.byref(h), fit(size, ctypes.c_int32, "size"))
-        self._h, self.size = h, size
+    _destroy = ""
+    _what = "handle"
 
     @property
     def handle(self) -> ctypes.c_void_p:
-        if not self._h:
-            raise ValueError("the group is closed")
+        if not getattr(self, "_h", None):
+            raise ValueError("the %s is closed" % self._what)
         return self._h
 
     def close(self) -> None:
         if getattr(self, "_h", None):
-            lib().kvi_comm_group_destroy(self._h)
+            getattr(lib(), self._destroy)(self._h)
             self._h = None
 
     __del__ = close
@@ -50,8 +49,21 @@ class CommGroup:
         self.close()
 
 
-class Comm:
+class CommGroup(_Handle):
+    """kvi_comm_group: ``size`` in-process ranks. Close it after its communicators."""
+
+    _destroy, _what = "kvi_comm_group_destroy", "group"
+
+    def __init__(self, size: int):
+        h = ctypes.c_void_p()
+        lib().call("kvi_comm_group_create", ctypes.byref(h), fit(size, ctypes.c_int32, "size"))
+        self._h, self.size = h, size
+
+
+class Comm(_Handle):
     """kvi_comm. Stores made with it must be closed before it."""
+
+    _destroy, _what = "kvi_comm_destroy", "communicator"
 
     def __init__(self, handle: ctypes.c_void_p, keep=None):
         self._h, self._keep = handle, keep
@@ -71,28 +83,9 @@ class Comm:
         lib().call("kvi_comm_create_nccl", ctypes.byref(h), ctypes.c_void_p(nccl_comm))
         return cls(h)
 
-    @property
-    def handle(self) -> ctypes.c_void_p:
-        if not self._h:
-            raise ValueError("the communicator is closed")
-        return self._h
-
     def async_error(self) -> None:
         """kvi_comm_async_error: raises CudaError when NCCL reports an asynchronous error."""
         lib().call("kvi_comm_async_error", self.handle)
-
-    def close(self) -> None:
-        if getattr(self, "_h", None):
-            lib().kvi_comm_destroy(self._h)
-            self._h = None
-
-    __del__ = close
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def embedding_rank(tenant: int, fact_id: int, tp_size: int) -> Optional[int]:
