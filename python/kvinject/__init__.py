@@ -7,7 +7,7 @@ KV cache, keys rotated at their destination positions. The C headers
     Model          kvi_model        geometry, tensor-parallel slice, RoPE per layer
     Store          kvi_store        put / read / remove / count / list / stats / search
     CacheLayout    kvi_cache_layout engine caches: hf(), vllm(), sglang(), preset()
-    Injector       kvi_injector     inject(InjectRequest...), plan()
+    Injector       kvi_injector     inject(InjectRequest...), plan(), retrieve_inject(queries, RetrieveRequest...)
     Encoder        kvi_encoder      encode(Capture...)
 
 Arrays are torch tensors (CPU or CUDA; read through data_ptr(), shape,
@@ -26,7 +26,7 @@ from __future__ import annotations
 from ._lib import lib as _lib_loader
 from .cache import CacheLayout
 from .comm import Comm, CommGroup, embedding_rank
-from .enums import (FEATURE_CUBLASLT, FEATURE_CUDA, FEATURE_NCCL, PUT_REPLACE, SEARCH_DEFAULT_WORKSPACE,
+from .enums import (FEATURE_CUBLASLT, FEATURE_CUDA, FEATURE_NCCL, PUT_REPLACE, RETRIEVE_BEST_LAST, SEARCH_DEFAULT_WORKSPACE,
                     SEARCH_MAX_K, SEARCH_NO_ID, Backend, CachePreset, DType, EmbeddingPlacement, Memory, Metric,
                     RopeScaling,
                     RopeStyle, ScaleMode, Status)
@@ -35,7 +35,7 @@ from .errors import (CapacityError, CorruptError, CudaError, ExistsError, Incomp
                      OutOfMemoryError, StructSizeError, UnsupportedError, error_class)
 from .model import Model, ModelInfoData, RopeSpec
 from .store import KVView, SearchResults, Store, StoreStats
-from .transfer import Capture, Encoder, InjectRequest, Injector
+from .transfer import Capture, Encoder, InjectRequest, Injector, RetrieveRequest
 
 _L = _lib_loader()  # load at import: a missing library is an ImportError naming what was tried
 
@@ -90,10 +90,10 @@ def last_error() -> str:
 __all__ = [
     "Backend", "CacheLayout", "CachePreset", "Comm", "CommGroup", "Capture", "CapacityError", "CorruptError", "CudaError", "DType",
     "EmbeddingPlacement", "Encoder", "IOError_", "IncompatibleError", "PeerError",
-    "ExistsError", "FEATURE_CUBLASLT", "FEATURE_CUDA", "FEATURE_NCCL", "InjectRequest", "Injector",
+    "ExistsError", "FEATURE_CUBLASLT", "FEATURE_CUDA", "FEATURE_NCCL", "InjectRequest", "Injector", "RetrieveRequest",
     "InternalError", "InvalidArgumentError", "KVView", "KviError", "Memory", "MemoryKindError", "Metric",
     "MismatchError", "Model", "ModelInfoData", "NoDeviceError", "NotBuiltError", "NotFoundError",
-    "OutOfMemoryError", "PUT_REPLACE", "RopeScaling", "RopeSpec", "RopeStyle", "SEARCH_DEFAULT_WORKSPACE",
+    "OutOfMemoryError", "PUT_REPLACE", "RETRIEVE_BEST_LAST", "RopeScaling", "RopeSpec", "RopeStyle", "SEARCH_DEFAULT_WORKSPACE",
     "SEARCH_MAX_K", "SEARCH_NO_ID", "ScaleMode", "SearchResults", "Status", "Store", "StoreStats",
     "StructSizeError", "UnsupportedError", "cuda_device_count", "dtype_size", "embedding_rank", "error_class", "features",
     "last_error", "library_path", "status_string", "version", "version_number",

@@ -231,6 +231,19 @@ class CaptureC(ctypes.Structure):
     ]
 
 
+class RetrieveRequestC(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("tenant", c_uint64),
+        ("block_table", c_void_p),
+        ("block_table_len", c_int32),
+        ("block_table_memory", c_enum),
+        ("first_slot", c_int64),
+        ("start_position", c_int32),
+        ("flags", c_uint32),
+    ]
+
+
 class ScatterItemC(ctypes.Structure):
     _fields_ = [
         ("struct_size", c_size_t),
@@ -265,6 +278,7 @@ STRUCTS = {
     "kvi_inject_request": InjectRequestC,
     "kvi_inject_options": InjectOptions,
     "kvi_capture": CaptureC,
+    "kvi_retrieve_request": RetrieveRequestC,
     "kvi_scatter_item": ScatterItemC,
     "kvi_gather_item": GatherItemC,
 }
@@ -324,6 +338,8 @@ _PROTOTYPES = {
     "kvi_encoder_destroy": (None, [P]),
     "kvi_capture_init": (None, [P]),
     "kvi_encode": (c_int, [P, P, c_int32, P]),
+    "kvi_retrieve_request_init": (None, [P]),
+    "kvi_retrieve_inject": (c_int, [P, P, c_int32, c_int32, P, c_int32, P, P, P, P, P]),
     # comm.h
     "kvi_comm_create_nccl": (c_int, [POINTER(c_void_p), P]),
     "kvi_comm_group_create": (c_int, [POINTER(c_void_p), c_int32]),
@@ -351,6 +367,7 @@ _INIT_FUNCTIONS = {
     InjectRequestC: "kvi_inject_request_init",
     InjectOptions: "kvi_inject_options_init",
     CaptureC: "kvi_capture_init",
+    RetrieveRequestC: "kvi_retrieve_request_init",
 }
 
 

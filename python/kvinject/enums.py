@@ -110,6 +110,8 @@ FEATURE_NCCL = 0x4
 
 # kvi_put_options.flags / kvi_capture.flags
 PUT_REPLACE = 0x1
+#: kvi_retrieve_request.flags: inject the best fact last
+RETRIEVE_BEST_LAST = 0x1
 
 # kvinject/search.h
 SEARCH_MAX_K = 1024

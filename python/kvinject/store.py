@@ -108,6 +108,34 @@ def _alloc(kind: DType, n: int):
     raise ValueError("cannot allocate %s host arrays; pass output buffers" % DType(kind).name)
 
 
+def query_array(queries, dim: int, query_dtype: Optional[DType] = None):
+    """Queries as :meth:`Store.search` takes them -> (array, dtype, num_queries, dim)."""
+    if _buffers.is_tensor(queries) or _buffers._has_buffer(queries):
+        q, qdt = _buffers.float_array(queries, "queries", dtype=query_dtype)
+        if q.is_tensor or len(q.shape) > 1:
+            if len(q.shape) not in (1, 2):
+                raise ValueError("queries has shape %s; expected [num_queries, dim] or [dim]"
+                                 % _buffers.shape_str(q.shape))
+            dim = q.shape[-1]
+            nq = q.shape[0] if len(q.shape) == 2 else 1
+        elif dim <= 0:
+            nq = 0 if q.numel == 0 else 1
+            dim = q.numel
+        elif q.numel % dim:
+            raise ValueError("queries has %d values, not a whole number of rows of embedding_dim %d" % (q.numel, dim))
+        else:
+            nq = q.numel // dim
+    else:
+        rows = [list(r) for r in queries] if not _is_flat(queries) else [list(queries)]
+        nq = len(rows)
+        if nq:
+            dim = len(rows[0])
+            if any(len(r) != dim for r in rows):
+                raise ValueError("queries: rows of different lengths")
+        q, qdt = _buffers.float_array([x for r in rows for x in r], "queries")
+    return q, qdt, nq, dim
+
+
 class Store:
     """kvi_store: facts keyed by (tenant, fact id), each T tokens of pre-RoPE K and V
     for every layer and local head, plus an optional embedding.
@@ -437,32 +465,7 @@ class Store:
         ``stream``; read them after it) and which are returned.
         """
         k = fit(k, ctypes.c_int32, "k")
-        dim = self.embedding_dim
-        if _buffers.is_tensor(queries) or _buffers._has_buffer(queries):
-            q, qdt = _buffers.float_array(queries, "queries", dtype=query_dtype)
-            if q.is_tensor or len(q.shape) > 1:
-                if len(q.shape) not in (1, 2):
-                    raise ValueError("queries has shape %s; expected [num_queries, dim] or [dim]"
-                                     % _buffers.shape_str(q.shape))
-                dim = q.shape[-1]
-                nq = q.shape[0] if len(q.shape) == 2 else 1
-            else:
-                if dim <= 0:
-                    nq = 0 if q.numel == 0 else 1
-                    dim = q.numel
-                elif q.numel % dim:
-                    raise ValueError("queries has %d values, not a whole number of rows of embedding_dim %d"
-                                     % (q.numel, dim))
-                else:
-                    nq = q.numel // dim
-        else:
-            rows = [list(r) for r in queries] if not _is_flat(queries) else [list(queries)]
-            nq = len(rows)
-            if nq:
-                dim = len(rows[0])
-                if any(len(r) != dim for r in rows):
-                    raise ValueError("queries: rows of different lengths")
-            q, qdt = _buffers.float_array([x for r in rows for x in r], "queries")
+        q, qdt, nq, dim = query_array(queries, self.embedding_dim, query_dtype)
         if isinstance(tenants, int):
             t = _buffers.int_array([tenants] * nq, ctypes.c_uint64, "tenants")
         else:

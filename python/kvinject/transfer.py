@@ -6,10 +6,11 @@ import dataclasses
 from typing import Any, List, Optional, Sequence, Union
 
 from . import _buffers
-from ._lib import CaptureC, InjectOptions, InjectRequestC, TransferOptions, assign, fit, lib
+from ._lib import (CaptureC, InjectOptions, InjectRequestC, RetrieveRequestC, SearchOptions, TransferOptions, assign,
+                   fit, lib)
 from .cache import CacheLayout
 from .enums import PUT_REPLACE, DType
-from .store import Store, _check_embedding
+from .store import Store, _check_embedding, query_array
 
 
 @dataclasses.dataclass
@@ -30,6 +31,18 @@ class InjectRequest:
     first_slot: int = 0
     positions: Any = None
     start_position: int = 0
+
+
+@dataclasses.dataclass
+class RetrieveRequest:
+    """kvi_retrieve_request: where one query's retrieved facts go (see
+    :meth:`Injector.retrieve_inject`). best_last: KVI_RETRIEVE_BEST_LAST."""
+
+    tenant: int
+    block_table: Any
+    first_slot: int = 0
+    start_position: int = 0
+    best_last: bool = False
 
 
 @dataclasses.dataclass
@@ -153,6 +166,40 @@ class Injector(_Transfer):
         L.call("kvi_inject", self.handle, arr, fit(len(requests), ctypes.c_int32, "num_requests"), ctypes.byref(o),
                _buffers.stream_handle(stream))
         del keep
+
+    def retrieve_inject(self, queries, requests: Sequence[RetrieveRequest], k: int, *,
+                        query_dtype: Optional[DType] = None, stream=None):
+        """kvi_retrieve_inject: searches each query's tenant and injects its top k facts
+        (CPU stores in this version). queries: as for :meth:`Store.search`; one
+        request per query. Returns, per query, (fact ids in score order, tokens
+        injected)."""
+        requests = list(requests)
+        k = fit(k, ctypes.c_int32, "k")
+        q, qdt, nq, dim = query_array(queries, self.store.embedding_dim, query_dtype)
+        if len(requests) != nq:
+            raise ValueError("%d requests for %d queries" % (len(requests), nq))
+        L = lib()
+        arr = (RetrieveRequestC * max(nq, 1))()
+        keep: List[Any] = []
+        for i, r in enumerate(requests):
+            if not isinstance(r, RetrieveRequest):
+                raise TypeError("requests[%d]: expected a kvinject.RetrieveRequest, got %s" % (i, type(r).__name__))
+            c = L.new(RetrieveRequestC)
+            bt = _buffers.int_array(r.block_table, ctypes.c_int32, "requests[%d].block_table" % i, allow_device=True)
+            assign(c, tenant=r.tenant, block_table=bt.ptr, block_table_len=bt.numel,
+                   block_table_memory=int(bt.memory), first_slot=r.first_slot, start_position=r.start_position,
+                   flags=1 if r.best_last else 0)
+            keep.append(bt)
+            arr[i] = c
+        so = L.new(SearchOptions)
+        so.query_dtype, so.query_memory = int(qdt), int(q.memory)
+        n = max(nq * k, 1)
+        ids, counts, tokens = (ctypes.c_uint64 * n)(), (ctypes.c_int32 * max(nq, 1))(), (ctypes.c_int32 * max(nq, 1))()
+        i32 = ctypes.c_int32
+        L.call("kvi_retrieve_inject", self.handle, q.c_ptr(), fit(nq, i32, "num_queries"), fit(dim, i32, "dim"), arr,
+               k, ctypes.byref(so), ids, counts, tokens, _buffers.stream_handle(stream))
+        del keep
+        return [([ids[i * k + j] for j in range(counts[i])], tokens[i]) for i in range(nq)]
 
     def plan(self, tenant: int, fact_ids) -> int:
         """kvi_inject_plan: tokens the facts need in total (allocate blocks for them first)."""

@@ -149,6 +149,15 @@ int main(void) {
   FIELD(kvi_transfer_options, max_requests_per_call);
   FIELD(kvi_transfer_options, max_table_entries_per_call);
 
+  SIZE(kvi_retrieve_request);
+  FIELD(kvi_retrieve_request, struct_size);
+  FIELD(kvi_retrieve_request, tenant);
+  FIELD(kvi_retrieve_request, block_table);
+  FIELD(kvi_retrieve_request, block_table_len);
+  FIELD(kvi_retrieve_request, block_table_memory);
+  FIELD(kvi_retrieve_request, first_slot);
+  FIELD(kvi_retrieve_request, start_position);
+  FIELD(kvi_retrieve_request, flags);
   SIZE(kvi_scatter_item);
   FIELD(kvi_scatter_item, struct_size);
   FIELD(kvi_scatter_item, tenant);
@@ -225,6 +234,7 @@ int main(void) {
   CONST(KVI_ERR_PEER);
   CONST(KVI_EMBEDDINGS_REPLICATED);
   CONST(KVI_EMBEDDINGS_SHARDED);
+  CONST(KVI_RETRIEVE_BEST_LAST);
   CONST(KVI_DTYPE_FP32);
   CONST(KVI_DTYPE_FP16);
   CONST(KVI_DTYPE_BF16);

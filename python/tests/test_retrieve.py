@@ -1,0 +1,68 @@
+"""Injector.retrieve_inject (kvi_retrieve_inject, CPU store): the same cache bytes and
+ids as Store.search followed by Injector.inject of the winners, in both orders."""
+from __future__ import annotations
+
+import array
+import unittest
+
+from kvi_testutil import f32, rng
+import kvinject as kvi
+from kvinject import DType
+
+L, H, D, E, BS, NB = 2, 2, 8, 8, 4, 32
+
+
+class Retrieve(unittest.TestCase):
+    def setUp(self):
+        r = rng(77)
+        self.model = kvi.Model(L, H, D)
+        self.store = kvi.Store(self.model, 1 << 20, backend=kvi.Backend.CPU, dtype=DType.FP32, page_tokens=4,
+                               embedding_dim=E)
+        self.addCleanup(self.store.close)
+        for i in range(20):
+            T = r.randint(1, 4)
+            n = L * T * H * D
+            k = array.array("f", [f32(r.uniform(-2, 2)) for _ in range(n)])
+            v = array.array("f", [f32(r.uniform(-2, 2)) for _ in range(n)])
+            self.store.put(1 + i % 2, 100 + i, k, v, embedding=[f32(r.uniform(-1, 1)) for _ in range(E)])
+        self.q = [[f32(r.uniform(-1, 1)) for _ in range(E)] for _ in range(2)]
+
+    def injector(self):
+        cache = [array.array("f", bytes(4 * NB * 2 * BS * H * D)) for _ in range(L)]
+        layout = kvi.CacheLayout.preset(kvi.CachePreset.VLLM_FLASHINFER, DType.FP32, L, H, D, BS, NB,
+                                        k_layers=cache, memory=kvi.Memory.HOST)
+        return kvi.Injector(self.store, layout), cache
+
+    def test_equals_search_then_inject(self):
+        for best_last in (False, True):
+            inj_a, cache_a = self.injector()
+            inj_b, cache_b = self.injector()
+            tables = [list(range(0, 16)), list(range(16, 32))]
+            reqs = [kvi.RetrieveRequest(1, tables[0], first_slot=1, start_position=3, best_last=best_last),
+                    kvi.RetrieveRequest(2, tables[1], start_position=50, best_last=best_last)]
+            got = inj_a.retrieve_inject(self.q, reqs, 6)
+            res = self.store.search(self.q, [1, 2], 6)
+            want = []
+            for i, rr in enumerate(reqs):
+                ids = [f for f, _ in res[i]]
+                order = list(reversed(ids)) if best_last else ids
+                inj_b.inject(kvi.InjectRequest(rr.tenant, order, rr.block_table, first_slot=rr.first_slot,
+                                               start_position=rr.start_position))
+                want.append((ids, inj_b.plan(rr.tenant, ids)))
+            self.assertEqual(got, want)
+            self.assertEqual([bytes(c) for c in cache_a], [bytes(c) for c in cache_b])
+            self.assertTrue(any(x != 0 for x in cache_a[0]))
+            inj_a.close()
+            inj_b.close()
+
+    def test_errors(self):
+        inj, _ = self.injector()
+        self.addCleanup(inj.close)
+        with self.assertRaises(ValueError):
+            inj.retrieve_inject(self.q, [kvi.RetrieveRequest(1, [0])], 2)  # 2 queries, 1 request
+        with self.assertRaises(kvi.InvalidArgumentError):  # 6 facts of up to 4 tokens need more than 4 slots
+            inj.retrieve_inject(self.q[:1], [kvi.RetrieveRequest(1, [0])], 6)
+
+
+if __name__ == "__main__":
+    unittest.main()
