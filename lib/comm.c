@@ -113,8 +113,11 @@ static kvi_status local_allgather(kvi_comm *c, const void *send, void *recv, siz
   kvi_comm_group *g = c->group;
   g->slots[c->rank].send = send;
   barrier(g);
-  for (int32_t r = 0; r < c->size; r++)
-    if (bytes) memcpy((char *)recv + (size_t)r * bytes, g->slots[r].send, bytes);
+  for (int32_t r = 0; recv && bytes && r < c->size; r++) {
+    char *dst = (char *)recv + (size_t)r * bytes;
+    if (g->slots[r].send) memcpy(dst, g->slots[r].send, bytes);
+    else memset(dst, 0xff, bytes); /* a rank that had nothing to send */
+  }
   barrier(g);
   return KVI_OK;
 }
@@ -199,14 +202,17 @@ static kvi_status nccl_control(kvi_comm *c, const void *send, void *recv, size_t
   const size_t total = gather ? bytes * (size_t)c->size : bytes;
   if ((st = scratch_reserve(c, bytes + total, fn))) goto out;
   char *in = c->scratch, *res = (char *)c->scratch + bytes;
-  if ((st = kvi__cuda_h2d(in, send, bytes, c->stream, fn))) goto out;
+  if (send) st = kvi__cuda_h2d(in, send, bytes, c->stream, fn);
+  else if (cudaMemsetAsync(in, 0xff, bytes, (cudaStream_t)c->stream) != cudaSuccess) /* nothing to send: all ones */
+    st = kvi__cuda_error((int)cudaGetLastError(), fn, "cudaMemsetAsync");
+  if (st) goto out;
   ncclResult_t r = gather ? ncclAllGather(in, res, bytes, ncclUint8, c->nccl, c->stream)
                           : ncclBroadcast(in, res, bytes, ncclUint8, root, c->nccl, c->stream);
   if (r != ncclSuccess) {
     st = nccl_fail(r, c->nccl, fn, gather ? "ncclAllGather" : "ncclBroadcast");
     goto out;
   }
-  if ((st = kvi__cuda_d2h(recv, res, total, c->stream, fn))) goto out;
+  if (recv && (st = kvi__cuda_d2h(recv, res, total, c->stream, fn))) goto out;
   st = kvi__cuda_sync(c->stream, fn);
 out:
   kvi__cuda_leave(&g);

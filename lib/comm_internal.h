@@ -37,7 +37,10 @@ typedef struct kvi__p2p {
 } kvi__p2p;
 
 /* Every rank contributes `bytes` from send; recv (size * bytes) receives
- * them in rank order. Buffers in comm->memory; NCCL enqueues on stream. */
+ * them in rank order. Buffers in comm->memory; NCCL enqueues on stream.
+ * In-process transport only: a NULL send contributes bytes of all ones (a
+ * rank that could not build its part still takes part; a status field then
+ * reads as -1), a NULL recv takes part without receiving. */
 kvi_status kvi__comm_allgather(kvi_comm *c, const void *send, void *recv, size_t bytes, struct CUstream_st *stream,
                                const char *fn);
 
@@ -45,7 +48,8 @@ kvi_status kvi__comm_allgather(kvi_comm *c, const void *send, void *recv, size_t
  * Buffers in comm->memory; NCCL enqueues on stream. */
 kvi_status kvi__comm_p2p(kvi_comm *c, const kvi__p2p *ops, int32_t n, struct CUstream_st *stream, const char *fn);
 
-/* Synchronous all-gather of small host buffers (control data). */
+/* Synchronous all-gather of small host buffers (control data); NULL send
+ * and recv as for kvi__comm_allgather, on every transport. */
 kvi_status kvi__comm_allgather_host(kvi_comm *c, const void *send, void *recv, size_t bytes, const char *fn);
 
 /* Synchronous broadcast of a host buffer from root. */

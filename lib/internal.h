@@ -104,6 +104,10 @@ typedef struct kvi__geom {
   int32_t head_replicas;
 } kvi__geom;
 
+/* The KV heads [*first, *first + *count) that rank `rank` of g's tp group
+ * holds (kvinject/model.h's rule; model.c). */
+void kvi__geom_rank_heads(const kvi__geom *g, int32_t rank, int32_t *first, int32_t *count);
+
 struct kvi_model {
   kvi__geom geom;
   kvi__rope *rope; /* num_layers entries */

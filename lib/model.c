@@ -49,22 +49,23 @@ static kvi_status geom_from_options(kvi__geom *g, const kvi_model_options *o, co
   g->head_size = o->head_size;
   g->tp_rank = r;
   g->tp_size = tp;
-  if (tp <= H) {
-    if (H % tp != 0)
-      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
-                       "tp_size %d does not divide num_kv_heads %d", (int)tp, (int)H);
-    g->local_heads = H / tp;
-    g->head_first = r * g->local_heads;
-    g->head_replicas = 1;
-  } else {
-    if (tp % H != 0)
-      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
-                       "num_kv_heads %d does not divide tp_size %d", (int)H, (int)tp);
-    g->head_replicas = tp / H;
-    g->local_heads = 1;
-    g->head_first = r / g->head_replicas;
-  }
+  if (tp <= H && H % tp != 0)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "tp_size %d does not divide num_kv_heads %d", (int)tp, (int)H);
+  if (tp > H && tp % H != 0)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_kv_heads %d does not divide tp_size %d", (int)H, (int)tp);
+  g->head_replicas = tp <= H ? 1 : tp / H;
+  kvi__geom_rank_heads(g, r, &g->head_first, &g->local_heads);
   return KVI_OK;
+}
+
+void kvi__geom_rank_heads(const kvi__geom *g, int32_t rank, int32_t *first, int32_t *count) {
+  if (g->tp_size <= g->num_kv_heads) {
+    *count = g->num_kv_heads / g->tp_size;
+    *first = rank * *count;
+  } else {
+    *count = 1;
+    *first = rank / (g->tp_size / g->num_kv_heads);
+  }
 }
 
 KVI_API kvi_status kvi_model_create(kvi_model **out, const kvi_model_options *opts) {

@@ -29,17 +29,6 @@ static uint64_t fnv(uint64_t h, const void *p, size_t n) {
   return h;
 }
 
-/* Heads [first, first + count) of rank r of tp (kvinject/model.h). */
-static void rank_heads(const kvi__geom *g, int32_t r, int32_t *first, int32_t *count) {
-  if (g->tp_size <= g->num_kv_heads) {
-    *count = g->num_kv_heads / g->tp_size;
-    *first = r * *count;
-  } else {
-    *count = 1;
-    *first = r / (g->tp_size / g->num_kv_heads);
-  }
-}
-
 /* Before a control exchange on an NCCL communicator: the caller's stream
  * has no NCCL work left running, so that two NCCL operations of one
  * communicator never run at once on two streams. */
@@ -61,13 +50,11 @@ static kvi_status combine(kvi_comm *c, kvi_status local, struct CUstream_st *str
   if (local == KVI_OK) local = sd;
   int32_t *all = malloc((size_t)c->size * sizeof *all);
   const int32_t mine = (int32_t)local;
-  kvi_status st = all ? kvi__comm_allgather_host(c, &mine, all, sizeof mine, fn)
-                      : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d statuses", (int)c->size);
   if (!all) { /* still take part, or the others wait forever */
-    int32_t tmp[1024];
-    kvi__comm_allgather_host(c, &mine, tmp, sizeof mine, fn);
-    return st;
+    kvi__comm_allgather_host(c, &mine, NULL, sizeof mine, fn);
+    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d statuses", (int)c->size);
   }
+  kvi_status st = kvi__comm_allgather_host(c, &mine, all, sizeof mine, fn);
   if (st == KVI_OK && local != KVI_OK) st = local;
   for (int32_t r = 0; st == KVI_OK && r < c->size; r++)
     if (all[r] != KVI_OK)
@@ -190,8 +177,8 @@ kvi_status kvi__shard_create(kvi_store *s, const kvi_model *model, const kvi_sto
   me.metric = (int32_t)o->metric;
   me.placement = (int32_t)o->embedding_placement;
   agree_rec *all = calloc((size_t)c->size, sizeof *all);
-  agree_rec spare[8];
-  kvi_status st = kvi__comm_allgather_host(c, &me, all ? all : spare, sizeof me, fn);
+  if (!all) me.status = KVI_ERR_OUT_OF_MEMORY;
+  kvi_status st = kvi__comm_allgather_host(c, &me, all, sizeof me, fn); /* NULL: taking part only */
   if (!all) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d records", (int)c->size);
   if (st == KVI_OK && local != KVI_OK) st = local;
   for (int32_t r = 0; st == KVI_OK && r < c->size; r++)
@@ -248,8 +235,8 @@ static kvi_status exchange_op(kvi_comm *c, op_rec *me, struct CUstream_st *strea
   if (me->status == KVI_OK) me->status = (int32_t)sd;
   op_rec *all = calloc((size_t)c->size, sizeof *all);
   if (!all) { /* take part anyway */
-    op_rec spare[1024];
-    kvi__comm_allgather_host(c, me, spare, sizeof *me, fn);
+    me->status = KVI_ERR_OUT_OF_MEMORY;
+    kvi__comm_allgather_host(c, me, NULL, sizeof *me, fn);
     return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d records", (int)c->size);
   }
   kvi_status st = kvi__comm_allgather_host(c, me, all, sizeof *me, fn);
@@ -330,7 +317,7 @@ typedef struct item_rec {
 /* Bytes of fact i's slice for rank r (K and V), packed [2][L][T][h][D]. */
 static size_t slice_bytes(const kvi__geom *g, int32_t r, int32_t T, size_t esz) {
   int32_t first, h;
-  rank_heads(g, r, &first, &h);
+  kvi__geom_rank_heads(g, r, &first, &h);
   return 2 * (size_t)g->num_layers * (size_t)T * (size_t)h * (size_t)g->head_size * esz;
 }
 
@@ -393,25 +380,22 @@ KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, int32_t root, const k
     }
   }
   op_rec me = {(int32_t)st, root, n, 0, st ? 0 : keys_digest(items, stride, n)};
-  if ((st = exchange_op(c, &me, stream, fn)) == KVI_OK) {
+  if ((st = exchange_op(c, &me, stream, fn)) == KVI_OK && n > 0) /* every rank knows n: all skip alike */
     st = kvi__comm_bcast_host(c, info, info_bytes, root, fn);
-    if (st == KVI_OK && n == 0) st = combine(c, KVI_OK, stream, fn);
-  }
   if (st || n == 0) {
     free(v), free(put), free(info);
     return st;
   }
 
   /* each rank's slices, all facts, in one buffer per peer: root packs and sends */
-  size_t *off = calloc((size_t)c->size + 1, sizeof *off); /* mine: fact i at off-list below */
-  size_t *mine_off = calloc((size_t)n, sizeof *mine_off);
+  size_t *mine_off = calloc((size_t)n, sizeof *mine_off); /* where my slice of fact i arrives */
   void **bufs = calloc((size_t)c->size, sizeof *bufs);
   kvi__p2p *ops = calloc((size_t)c->size, sizeof *ops);
   int32_t nops = 0;
   void *host_pack = NULL;
   kvi__devguard dg = {0, false};
   const bool cuda = c->memory == KVI_MEMORY_DEVICE;
-  st = off && mine_off && bufs && ops ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating transfer lists");
+  st = mine_off && bufs && ops ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating transfer lists");
   if (st == KVI_OK && cuda) st = kvi__cuda_enter(c->device, &dg, fn);
   const bool entered = st == KVI_OK && cuda;
   for (int32_t r = 0; st == KVI_OK && r < c->size; r++) {
@@ -421,7 +405,7 @@ KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, int32_t root, const k
     if ((st = buf_alloc(c, &bufs[r], total, stream, fn))) break;
     size_t at = 0;
     int32_t first, h;
-    rank_heads(g, r, &first, &h);
+    kvi__geom_rank_heads(g, r, &first, &h);
     for (int32_t i = 0; i < n && st == KVI_OK; i++) {
       const size_t b = slice_bytes(g, r, rec[i].tokens, kvi_dtype_size((kvi_dtype)rec[i].dtype));
       if (r == c->rank) mine_off[i] = at;
@@ -451,7 +435,7 @@ KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, int32_t root, const k
   /* each rank puts its slices; the gate commits on every rank or on none */
   if (st == KVI_OK) {
     int32_t first, h;
-    rank_heads(g, c->rank, &first, &h);
+    kvi__geom_rank_heads(g, c->rank, &first, &h);
     kvi_kv_view *mine = calloc((size_t)n, sizeof *mine);
     if (!mine) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d views", (int)n);
     for (int32_t i = 0; i < n && st == KVI_OK; i++) {
@@ -495,7 +479,6 @@ KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, int32_t root, const k
   free(host_pack);
   free(ops);
   free(bufs);
-  free(off);
   free(mine_off);
   free(v);
   free(put);
@@ -508,9 +491,7 @@ KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, int32_t root, const k
 /* ------------------------------------------------------------------------ */
 
 /* The first rank holding each of rank r's heads sends them (replicas do not). */
-static bool first_holder(const kvi__geom *g, int32_t r) {
-  return g->tp_size <= g->num_kv_heads || r % (g->tp_size / g->num_kv_heads) == 0;
-}
+static bool first_holder(const kvi__geom *g, int32_t r) { return r % g->head_replicas == 0; }
 
 KVI_API kvi_status kvi_store_gather(kvi_store *store, int32_t root, const kvi_gather_item *items, int32_t num_items,
                                     struct CUstream_st *stream) {
@@ -575,11 +556,11 @@ KVI_API kvi_status kvi_store_gather(kvi_store *store, int32_t root, const kvi_ga
   if (st == KVI_OK && cuda) st = kvi__cuda_enter(c->device, &dg, fn);
   const bool entered = st == KVI_OK && cuda;
   int32_t root_first, root_h;
-  rank_heads(g, root, &root_first, &root_h);
+  kvi__geom_rank_heads(g, root, &root_first, &root_h);
   for (int32_t r = 0; st == KVI_OK && r < c->size; r++) {
     if (r == root || (!is_root && r != c->rank) || !first_holder(g, r)) continue;
     int32_t first, h;
-    rank_heads(g, r, &first, &h);
+    kvi__geom_rank_heads(g, r, &first, &h);
     if (first == root_first) continue; /* root holds these heads itself */
     size_t total = 0;
     for (int32_t i = 0; i < n; i++) total += slice_bytes(g, r, rt[i], kvi_dtype_size((kvi_dtype)rt[n + i]));
@@ -614,7 +595,7 @@ KVI_API kvi_status kvi_store_gather(kvi_store *store, int32_t root, const kvi_ga
   for (int32_t r = 0; st == KVI_OK && is_root && r < c->size; r++) {
     if (!bufs[r]) continue;
     int32_t first, h;
-    rank_heads(g, r, &first, &h);
+    kvi__geom_rank_heads(g, r, &first, &h);
     size_t at = 0;
     for (int32_t i = 0; i < n && st == KVI_OK; i++) {
       const size_t b = slice_bytes(g, r, rt[i], kvi_dtype_size(v[i].dtype));
@@ -670,8 +651,7 @@ KVI_API kvi_status kvi_store_check_agreement(kvi_store *store) {
   kvi__store_unlock(store);
   uint64_t *all = calloc((size_t)c->size * 3, sizeof *all);
   if (!all) {
-    uint64_t spare[3 * 1024];
-    kvi__comm_allgather_host(c, me, spare, sizeof me, fn);
+    kvi__comm_allgather_host(c, me, NULL, sizeof me, fn);
     return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d digests", (int)c->size);
   }
   kvi_status st = kvi__comm_allgather_host(c, me, all, sizeof me, fn);
@@ -764,7 +744,6 @@ kvi_status kvi__shard_search(kvi_store *s, const void *queries, kvi_dtype qt, kv
   kvi_status st = KVI_OK;
   if (c->memory == KVI_MEMORY_HOST) { /* the in-process transport: all on the host */
     char *mine = malloc(bb), *all = malloc(bb * (size_t)c->size);
-    char spare[64];
     if (!mine || !all) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes", bb * (size_t)c->size);
     if (st == KVI_OK)
       st = kvi__search_local(s, queries, qt, qm, nq, tenants, k, (uint64_t *)(mine + sizeof hdr0),
@@ -773,9 +752,9 @@ kvi_status kvi__shard_search(kvi_store *s, const void *queries, kvi_dtype qt, kv
     kvi__shard_hdr hdr = hdr0;
     hdr.status = (int32_t)st;
     if (mine) memcpy(mine, &hdr, sizeof hdr);
-    /* the block size follows from nq and k, which every rank passes alike */
-    kvi_status sx = mine && all ? kvi__comm_allgather(c, mine, all, bb, stream, fn)
-                                : kvi__comm_allgather_host(c, spare, spare, 0, fn);
+    /* the block size follows from nq and k, which every rank passes alike; without a
+     * block, this rank's reads as all ones to the others: a failed status */
+    kvi_status sx = kvi__comm_allgather(c, mine, all, bb, stream, fn);
     if (st == KVI_OK) st = sx;
     for (int32_t r = 0; st == KVI_OK && r < c->size; r++) {
       kvi__shard_hdr h;

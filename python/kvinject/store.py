@@ -108,7 +108,7 @@ def _alloc(kind: DType, n: int):
     raise ValueError("cannot allocate %s host arrays; pass output buffers" % DType(kind).name)
 
 
-def query_array(queries, dim: int, query_dtype: Optional[DType] = None):
+def _query_array(queries, dim: int, query_dtype: Optional[DType] = None):
     """Queries as :meth:`Store.search` takes them -> (array, dtype, num_queries, dim)."""
     if _buffers.is_tensor(queries) or _buffers._has_buffer(queries):
         q, qdt = _buffers.float_array(queries, "queries", dtype=query_dtype)
@@ -465,7 +465,7 @@ class Store:
         ``stream``; read them after it) and which are returned.
         """
         k = fit(k, ctypes.c_int32, "k")
-        q, qdt, nq, dim = query_array(queries, self.embedding_dim, query_dtype)
+        q, qdt, nq, dim = _query_array(queries, self.embedding_dim, query_dtype)
         if isinstance(tenants, int):
             t = _buffers.int_array([tenants] * nq, ctypes.c_uint64, "tenants")
         else:

@@ -10,7 +10,7 @@ from ._lib import (CaptureC, InjectOptions, InjectRequestC, RetrieveRequestC, Se
                    fit, lib)
 from .cache import CacheLayout
 from .enums import PUT_REPLACE, DType
-from .store import Store, _check_embedding, query_array
+from .store import Store, _check_embedding, _query_array
 
 
 @dataclasses.dataclass
@@ -175,7 +175,7 @@ class Injector(_Transfer):
         injected)."""
         requests = list(requests)
         k = fit(k, ctypes.c_int32, "k")
-        q, qdt, nq, dim = query_array(queries, self.store.embedding_dim, query_dtype)
+        q, qdt, nq, dim = _query_array(queries, self.store.embedding_dim, query_dtype)
         if len(requests) != nq:
             raise ValueError("%d requests for %d queries" % (len(requests), nq))
         L = lib()
