@@ -41,4 +41,14 @@ static inline float median(float *v, int n) {
   return v[n / 2];
 }
 
+/* Timed calls per case (and warm-ups before them): `full` (and 5), or
+ * KVI_BENCH_ITERS (and 1) for a quick run under a profiler. */
+static int bench_iters = 0, bench_warm = 5;
+static inline void bench_runs(int full) {
+  const char *e = getenv("KVI_BENCH_ITERS");
+  const int n = e ? atoi(e) : 0;
+  bench_iters = n > 0 && n < full ? n : full;
+  bench_warm = n > 0 && n < full ? 1 : 5;
+}
+
 #endif /* KVI_BENCH_H */

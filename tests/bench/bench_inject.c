@@ -25,7 +25,7 @@
 
 #include "bench.h"
 
-enum { L = 32, H = 8, D = 128, BS = 16, FACT_T = 24, POOL = 1024, WARM = 5, ITERS = 60 };
+enum { L = 32, H = 8, D = 128, BS = 16, FACT_T = 24, POOL = 1024, ITERS = 60 };
 static const size_t TOKEN_BYTES = (size_t)L * H * D * 2 * 2; /* K and V, bf16 */
 
 static double now_ms(void) {
@@ -39,15 +39,15 @@ static double now_ms(void) {
 static float copy_ms(char *src, char *dst, size_t bytes, size_t span, cudaEvent_t e0, cudaEvent_t e1) {
   float t[ITERS];
   size_t sets = span / bytes < 1 ? 1 : span / bytes;
-  for (int i = -WARM; i < ITERS; i++) {
-    size_t off = (size_t)((i + WARM) % (int)sets) * bytes;
+  for (int i = -bench_warm; i < bench_iters; i++) {
+    size_t off = (size_t)((i + bench_warm) % (int)sets) * bytes;
     CU(cudaEventRecord(e0, 0));
     CU(cudaMemcpyAsync(dst + off, src + off, bytes, cudaMemcpyDeviceToDevice, 0));
     CU(cudaEventRecord(e1, 0));
     CU(cudaEventSynchronize(e1));
     if (i >= 0) CU(cudaEventElapsedTime(&t[i], e0, e1));
   }
-  return median(t, ITERS);
+  return median(t, bench_iters);
 }
 
 static void row(const char *what, int requests, int k, float ms, float hms, float cms) {
@@ -57,6 +57,7 @@ static void row(const char *what, int requests, int k, float ms, float hms, floa
 }
 
 int main(void) {
+  bench_runs(ITERS);
   int ndev = 0;
   if (kvi_cuda_device_count(&ndev) != KVI_OK || ndev == 0) {
     fprintf(stderr, "bench_inject: no CUDA device\n");
@@ -136,16 +137,16 @@ int main(void) {
   for (int c = 0; c < 5; c++) {
     const int R = c < 4 ? 1 : 64, k = c < 4 ? ks[c] : 50;
     float t[ITERS], th[ITERS];
-    for (int i = -WARM; i < ITERS; i++) {
+    for (int i = -bench_warm; i < bench_iters; i++) {
       /* fresh facts and destinations every iteration */
       for (int r = 0; r < R; r++) {
         kvi_inject_request_init(&reqs[r]);
-        for (int f = 0; f < k; f++) ids[r][f] = (uint64_t)((i + WARM) * 131 + r * 50 + f) % POOL;
+        for (int f = 0; f < k; f++) ids[r][f] = (uint64_t)((i + bench_warm) * 131 + r * 50 + f) % POOL;
         reqs[r].tenant = 1;
         reqs[r].fact_ids = ids[r];
         reqs[r].num_facts = k;
         /* each request its own slice of blocks, moving every iteration */
-        reqs[r].block_table = table + (int64_t)((r + i + WARM) % 64) * (NB / 64);
+        reqs[r].block_table = table + (int64_t)((r + i + bench_warm) % 64) * (NB / 64);
         reqs[r].block_table_len = (int32_t)(NB / 64);
         reqs[r].first_slot = 0;
         reqs[r].start_position = 100;
@@ -160,14 +161,14 @@ int main(void) {
       if (i >= 0) th[i] = (float)(h1 - h0);
     }
     const size_t bytes = (size_t)R * k * FACT_T * TOKEN_BYTES;
-    row("inject", R, k, median(t, ITERS), median(th, ITERS), copy_ms(csrc, cdst, bytes, span, e0, e1));
+    row("inject", R, k, median(t, bench_iters), median(th, bench_iters), copy_ms(csrc, cdst, bytes, span, e0, e1));
   }
 
   static kvi_capture caps[64 * 50];
   for (int c = 0; c < 5; c++) {
     const int n = c < 4 ? ks[c] : 64 * 50;
     float t[ITERS], th[ITERS];
-    for (int i = -WARM; i < ITERS; i++) {
+    for (int i = -bench_warm; i < bench_iters; i++) {
       for (int f = 0; f < n; f++) {
         kvi_capture_init(&caps[f]);
         caps[f].tenant = 2;
@@ -175,7 +176,7 @@ int main(void) {
         caps[f].flags = KVI_PUT_REPLACE;
         caps[f].block_table = table;
         caps[f].block_table_len = (int32_t)NB;
-        caps[f].first_slot = (int64_t)f * FACT_T + (int64_t)((i + WARM) % 4) * 7;
+        caps[f].first_slot = (int64_t)f * FACT_T + (int64_t)((i + bench_warm) % 4) * 7;
         caps[f].num_tokens = FACT_T;
         caps[f].start_position = 100 + f * FACT_T;
       }
@@ -189,7 +190,7 @@ int main(void) {
       if (i >= 0) th[i] = (float)(h1 - h0);
     }
     const size_t bytes = (size_t)n * FACT_T * TOKEN_BYTES;
-    row("capture", 1, n, median(t, ITERS), median(th, ITERS), copy_ms(csrc, cdst, bytes, span, e0, e1));
+    row("capture", 1, n, median(t, bench_iters), median(th, bench_iters), copy_ms(csrc, cdst, bytes, span, e0, e1));
   }
 
   printf("\nGB/s counts bytes read + written; 'of copy' is copy time / call time for the same bytes; 'host ms' is\n"
