@@ -12,12 +12,12 @@
  *   loads); the queries sit in shared memory as fp32, laid out so that a
  *   warp's float4 reads are conflict-free, and each query value is reused
  *   for 4 rows. fp32 accumulation (fmaf), then a warp reduction.
- * - selection: reads its scores once (and the fact id of a score only when
- *   it passes the running threshold) and writes min(k, n) pairs. A CTA keeps
- *   its best k at the front of a 2048-pair shared buffer and appends
- *   candidates that beat the k-th best; when the buffer could overflow it
- *   bitonic-sorts the occupied prefix. On random scores few candidates pass
- *   after the first round, so it runs near the read rate.
+ * - selection: a CTA per run of scores (or of candidate pairs) finds the
+ *   score range, a histogram of it and the bin holding the k-th best, then
+ *   gathers only the inputs from that bin up (about k of them on real
+ *   scores) and sorts those: three reads of its inputs (two from cache)
+ *   and one small sort. Inputs the histogram cannot split (ties over the
+ *   whole run, infinities) take an exact running-threshold loop instead.
  * - prep and emit touch num_queries x dim and num_queries x k elements.
  */
 #include <cuda_bf16.h>
@@ -39,6 +39,7 @@ constexpr int WARPS = THREADS / 32;
 constexpr int ROWS = 4;     /* rows a scan warp handles at once; WARPS * ROWS == KVI__SCAN_ROWS */
 constexpr int SEL_N = 2048; /* pairs a selection CTA holds: k <= 1024 kept + candidates */
 constexpr int SEL_R = 1024; /* inputs read per round: 4 per thread */
+constexpr int SEL_BINS = 1024; /* histogram bins of the selection's fast path */
 static_assert(WARPS * ROWS == KVI__SCAN_ROWS, "scan rows per CTA step");
 static_assert(SEL_N - KVI_SEARCH_MAX_K >= SEL_R, "a round always fits the candidate buffer");
 
@@ -243,22 +244,121 @@ __device__ void sort_trim(float *ss, u64 *si, int m, int k, int *ncand, int *hav
   __syncthreads();
 }
 
-/* One CTA per kvi__sel. */
+/* Input idx of a selection: its score (NaN as -infinity) and, when asked, its id. */
+__device__ inline float sel_score(const kvi__search_args &a, const kvi__sel &sel, int64_t idx) {
+  float s;
+  if (sel.ids) s = __ldg(a.scores + sel.a + idx);
+  else s = __ldg(a.ps + (idx < sel.na ? sel.a + idx : sel.b + (idx - sel.na)));
+  return s != s ? -INFINITY : s;
+}
+__device__ inline u64 sel_id(const kvi__search_args &a, const kvi__sel &sel, int64_t idx) {
+  if (sel.ids) return __ldg(reinterpret_cast<const unsigned long long *>(sel.ids) + idx);
+  return __ldg(reinterpret_cast<const unsigned long long *>(a.pi) + (idx < sel.na ? sel.a + idx : sel.b + (idx - sel.na)));
+}
+
+/* Histogram bin of a finite score: monotone non-decreasing in s. */
+__device__ inline int bin_of(float s, float lo, float scale) {
+  const float f = (s - lo) * scale;
+  if (!(f > 0.0f)) return 0; /* also NaN, from an overflowing range */
+  return f >= (float)(SEL_BINS - 1) ? SEL_BINS - 1 : (int)f;
+}
+
+/* One CTA per kvi__sel.
+ *
+ * Fast path (finite scores spread over a range, as real similarities are):
+ * their minimum and maximum, a histogram of SEL_BINS equal bins between
+ * them, the highest bin b such that bins >= b hold at least k inputs; those
+ * inputs (C of them) are gathered and sorted. Bins are monotone in the
+ * score, so an input in a bin below b has k inputs strictly better and is
+ * not in the top k. Three reads of the inputs (the second and third from
+ * L1/L2) and one small sort, whatever the input length.
+ *
+ * General path (fewer than k inputs above -infinity, any +infinity, all
+ * equal, or C > SEL_N): the
+ * running-threshold loop below, exact for any input. */
 __global__ void __launch_bounds__(THREADS) select_kernel(const kvi__search_args a) {
   __shared__ float ss[SEL_N];
   __shared__ u64 si[SEL_N];
-  __shared__ int ncand, have_thr;
-  __shared__ float thr_s;
+  __shared__ int hist[SEL_BINS];
+  __shared__ int ncand, have_thr, cut, ccount;
+  __shared__ float thr_s, red_lo[WARPS], red_hi[WARPS];
   __shared__ u64 thr_i;
   const kvi__sel sel = a.sels[blockIdx.x];
   const int k = a.k;
   const int64_t total = (int64_t)sel.na + sel.nb;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int i = threadIdx.x; i < SEL_N; i += THREADS) {
     ss[i] = -INFINITY;
     si[i] = ~0ull;
   }
-  if (threadIdx.x == 0) ncand = 0, have_thr = 0;
+  for (int i = threadIdx.x; i < SEL_BINS; i += THREADS) hist[i] = 0;
+  if (threadIdx.x == 0) ncand = 0, have_thr = 0, cut = -1, ccount = 0;
+
+  /* pass 1: the range of the inputs above -infinity */
+  float lo = INFINITY, hi = -INFINITY;
+  for (int64_t idx = threadIdx.x; idx < total; idx += THREADS) {
+    const float s = sel_score(a, sel, idx);
+    if (s > -INFINITY) lo = fminf(lo, s), hi = fmaxf(hi, s);
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+    hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+  }
+  if (lane == 0) red_lo[warp] = lo, red_hi[warp] = hi;
   __syncthreads();
+  lo = red_lo[0], hi = red_hi[0];
+  for (int w = 1; w < WARPS; w++) lo = fminf(lo, red_lo[w]), hi = fmaxf(hi, red_hi[w]);
+  if (total > k && isfinite(lo) && isfinite(hi) && hi > lo) { /* uniform; no +infinity */
+    const float scale = (float)SEL_BINS / (hi - lo); /* 0 if the range overflows: one bin */
+    /* pass 2: the histogram */
+    for (int64_t idx = threadIdx.x; idx < total; idx += THREADS) {
+      const float s = sel_score(a, sel, idx);
+      if (isfinite(s)) atomicAdd(&hist[bin_of(s, lo, scale)], 1);
+    }
+    __syncthreads();
+    if (warp == 0) { /* lane l sums bins [l * 32, l * 32 + 32); suffix sums from the top */
+      constexpr int PER = SEL_BINS / 32;
+      int mine = 0;
+      for (int j = 0; j < PER; j++) mine += hist[lane * PER + j];
+      int above = 0; /* inputs in lanes > lane */
+      for (int l = 31; l > 0; l--) {
+        const int v = __shfl_sync(0xffffffffu, mine, l);
+        if (l > lane) above += v;
+      }
+      /* the lane whose range holds the cut: above < k <= above + mine */
+      if (above < k && above + mine >= k) {
+        int c = above, j = PER - 1;
+        for (; j >= 0; j--) {
+          c += hist[lane * PER + j];
+          if (c >= k) break;
+        }
+        cut = lane * PER + j;
+        ccount = c;
+      }
+    }
+    __syncthreads();
+    if (cut >= 0 && ccount <= SEL_N) { /* uniform */
+      const int b = cut;
+      /* pass 3: gather the inputs of bins >= b */
+      for (int64_t idx = threadIdx.x; idx < total; idx += THREADS) {
+        const float s = sel_score(a, sel, idx);
+        if (isfinite(s) && bin_of(s, lo, scale) >= b) {
+          const int pos = atomicAdd(&ncand, 1);
+          ss[pos] = s;
+          si[pos] = sel_id(a, sel, idx);
+        }
+      }
+      __syncthreads();
+      sort_trim(ss, si, ncand, k, &ncand, &have_thr, &thr_s, &thr_i);
+      for (int i = threadIdx.x; i < k; i += THREADS) {
+        a.ps[sel.dst + i] = ss[i];
+        a.pi[sel.dst + i] = si[i];
+      }
+      return;
+    }
+  }
+
+  /* the general path */
   for (int64_t base = 0; base < total; base += SEL_R) {
     const bool ht = have_thr;
     const float ts = thr_s;
@@ -267,18 +367,9 @@ __global__ void __launch_bounds__(THREADS) select_kernel(const kvi__search_args 
     for (int j = 0; j < SEL_R / THREADS; j++) {
       const int64_t idx = base + j * THREADS + threadIdx.x;
       if (idx >= total) continue;
-      float s;
-      u64 id;
-      if (sel.ids) {
-        s = a.scores[sel.a + idx];
-        if (s != s) s = -INFINITY; /* NaN ranks as -infinity */
-        if (ht && s < ts) continue;
-        id = sel.ids[idx];
-      } else {
-        const int64_t p = idx < sel.na ? sel.a + idx : sel.b + (idx - sel.na);
-        s = a.ps[p];
-        id = a.pi[p];
-      }
+      const float s = sel_score(a, sel, idx);
+      if (sel.ids && ht && s < ts) continue;
+      const u64 id = sel_id(a, sel, idx);
       if (!ht || better(s, id, ts, ti)) {
         const int pos = k + atomicAdd(&ncand, 1);
         ss[pos] = s;

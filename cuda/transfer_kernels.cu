@@ -171,7 +171,7 @@ template <int E, bool NEOX, bool FORWARD> __device__ inline void rotate(float *x
 }
 
 constexpr int THREADS = 128;
-constexpr int BR = 2; /* rotated units (2 vectors each) a thread keeps in flight */
+constexpr int BR = 4; /* rotated units (2 vectors each) a thread keeps in flight */
 constexpr int BP = 8; /* plain vectors a thread keeps in flight */
 
 /* What a CTA knows about its segment and current layer. */
@@ -186,6 +186,23 @@ struct Ctx {
   int phase;           /* kvi__xfer_args.phase */
 };
 
+/* A work item's coordinates, packed in 64 bits between a batch's loads and
+ * its stores so that a thread keeps many loads in flight on few registers:
+ * head (< 2^17) in the high word, then token (< 2^20) and column (< 2^11,
+ * an element index or a rotation unit) and a V flag. ~0 marks a skipped
+ * item. */
+constexpr unsigned long long SKIP = ~0ull;
+__device__ inline unsigned long long pack(unsigned h, unsigned j, unsigned d, bool isv) {
+  return (unsigned long long)h << 32 | j << 12 | d << 1 | (isv ? 1u : 0u);
+}
+__device__ inline void unpack(unsigned long long p, unsigned &h, unsigned &j, unsigned &d, bool &isv) {
+  h = (unsigned)(p >> 32);
+  const unsigned lo = (unsigned)p;
+  j = lo >> 12;
+  d = (lo >> 1) & 2047u;
+  isv = lo & 1u;
+}
+
 /* K's rotated part: a unit is E pairs of one (head, token), read as two
  * vectors at da and db. Units run fastest, then tokens, then heads, so
  * neighbouring threads touch neighbouring bytes on the page side. */
@@ -193,36 +210,37 @@ template <typename G, typename C, int E, bool INJECT, bool NEOX>
 __device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, const float *ks) {
   using S = typename std::conditional<INJECT, G, C>::type; /* source element */
   const unsigned nrot = half / E, per_h = x.ntok * nrot, n = x.H * per_h;
+  const unsigned off_b = NEOX ? half : E;
   for (unsigned base = threadIdx.x; base < n; base += THREADS * BR) {
     Vec<S, E> va[BR], vb[BR];
-    G *pg[BR];
-    C *cr[BR];
-    unsigned ci[BR], hh[BR];
+    unsigned long long pk[BR];
     float gsc[BR]; /* fp8 stores: the page scale, loaded with the data */
 #pragma unroll
     for (int b = 0; b < BR; b++) {
       const unsigned it = base + b * THREADS;
-      pg[b] = nullptr;
+      pk[b] = SKIP;
       if (it >= n) continue;
       const unsigned h = it / per_h, r = it - h * per_h, j = r / nrot, u = r - j * nrot;
       const int64_t coff = x.coff[j];
       if (coff < 0) continue;
+      pk[b] = pack(h, j, u, false);
       const unsigned da = NEOX ? u * E : 2 * u * E;
-      pg[b] = page + x.page_row0 + h * x.page_head + (int64_t)j * x.D + da;
-      cr[b] = kc + coff + h * x.head_stride + da;
-      ci[b] = j * x.HM + u * E; /* first cos/sin of the unit */
-      hh[b] = h;
-      const S *src = INJECT ? (const S *)pg[b] : (const S *)cr[b];
-      const unsigned off_b = NEOX ? half : E;
+      const S *src = INJECT ? (const S *)(page + x.page_row0 + h * x.page_head + (int64_t)j * x.D + da)
+                            : (const S *)(kc + coff + h * x.head_stride + da);
       ld<S, E>(va[b], src);
       ld<S, E>(vb[b], src + off_b);
       if constexpr (INJECT && is_fp8<G>::value) gsc[b] = x.gs[h];
     }
 #pragma unroll
     for (int b = 0; b < BR; b++) {
-      if (!pg[b]) continue;
-      const unsigned off_b = NEOX ? half : E, h = hh[b];
-      const float2 *cs = x.cs + ci[b];
+      if (pk[b] == SKIP) continue;
+      unsigned h, j, u;
+      bool isv_;
+      unpack(pk[b], h, j, u, isv_);
+      const unsigned da = NEOX ? u * E : 2 * u * E;
+      G *pg = page + x.page_row0 + h * x.page_head + (int64_t)j * x.D + da;
+      C *cr = kc + x.coff[j] + h * x.head_stride + da;
+      const float2 *cs = x.cs + j * x.HM + u * E;
       float2 c[E];
 #pragma unroll
       for (int k = 0; k < E; k++) c[k] = cs[k];
@@ -235,15 +253,15 @@ __device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, cons
           for (int i = 0; i < 2 * E; i++) v[i] = __fmul_rn(v[i], gsc[b]);
         rotate<E, NEOX, true>(v, c);
         scale_for_cache<C>(v, 2 * E, is_fp8<C>::value ? ks[h] : 1.0f);
-        st<C, E>(cr[b], v);
-        st<C, E>(cr[b] + off_b, v + E);
+        st<C, E>(cr, v);
+        st<C, E>(cr + off_b, v + E);
       } else {
         scale_from_cache<C>(v, 2 * E, is_fp8<C>::value ? ks[h] : 1.0f);
         rotate<E, NEOX, false>(v, c);
         to_store<G>(v, 2 * E, is_fp8<G>::value ? x.gs + h : nullptr, x.phase);
         if (is_fp8<G>::value && x.phase == 1) continue;
-        st<G, E>(pg[b], v);
-        st<G, E>(pg[b] + off_b, v + E);
+        st<G, E>(pg, v);
+        st<G, E>(pg + off_b, v + E);
       }
     }
   }
@@ -259,15 +277,13 @@ __device__ inline void plain(const Ctx &x, G *page, C *kc, C *vc, unsigned rot, 
   const int64_t plane = (int64_t)x.H * x.page_head; /* page elements between K and V */
   for (unsigned base = threadIdx.x; base < n; base += THREADS * BP) {
     Vec<S, E> v[BP];
-    G *pg[BP];
-    C *cr[BP];
-    float sc[BP];
-    unsigned gi[BP]; /* fp8 stores: index of the page scale in x.gs */
-    float gsc[BP];
+    unsigned long long pk[BP];
+    float sc[BP];  /* fp8 caches: the cache scale */
+    float gsc[BP]; /* fp8 stores: the page scale */
 #pragma unroll
     for (int b = 0; b < BP; b++) {
       unsigned it = base + b * THREADS;
-      pg[b] = nullptr;
+      pk[b] = SKIP;
       if (it >= n) continue;
       const bool isv = it >= nk;
       unsigned h, j, d;
@@ -285,29 +301,32 @@ __device__ inline void plain(const Ctx &x, G *page, C *kc, C *vc, unsigned rot, 
       }
       const int64_t coff = x.coff[j];
       if (coff < 0) continue;
-      pg[b] = page + x.page_row0 + (isv ? plane : 0) + h * x.page_head + (int64_t)j * x.D + d;
-      cr[b] = (isv ? vc : kc) + coff + h * x.head_stride + d;
-      sc[b] = is_fp8<C>::value ? (isv ? vs : ks)[h] : 1.0f;
-      gi[b] = (isv ? x.H : 0u) + h;
-      ld<S, E>(v[b], INJECT ? (const S *)pg[b] : (const S *)cr[b]);
-      if constexpr (INJECT && is_fp8<G>::value) gsc[b] = x.gs[gi[b]];
+      pk[b] = pack(h, j, d, isv);
+      const S *src = INJECT ? (const S *)(page + x.page_row0 + (isv ? plane : 0) + h * x.page_head + (int64_t)j * x.D + d)
+                            : (const S *)((isv ? vc : kc) + coff + h * x.head_stride + d);
+      ld<S, E>(v[b], src);
+      if constexpr (is_fp8<C>::value) sc[b] = (isv ? vs : ks)[h];
+      if constexpr (INJECT && is_fp8<G>::value) gsc[b] = x.gs[(isv ? x.H : 0u) + h];
     }
 #pragma unroll
     for (int b = 0; b < BP; b++) {
-      if (!pg[b]) continue;
+      if (pk[b] == SKIP) continue;
+      unsigned h, j, d;
+      bool isv;
+      unpack(pk[b], h, j, d, isv);
       float f[E];
       to_f32<S, E>(f, v[b]);
       if (INJECT) {
         if constexpr (is_fp8<G>::value)
 #pragma unroll
           for (int i = 0; i < E; i++) f[i] = __fmul_rn(f[i], gsc[b]);
-        scale_for_cache<C>(f, E, sc[b]);
-        st<C, E>(cr[b], f);
+        scale_for_cache<C>(f, E, is_fp8<C>::value ? sc[b] : 1.0f);
+        st<C, E>((isv ? vc : kc) + x.coff[j] + h * x.head_stride + d, f);
       } else {
-        scale_from_cache<C>(f, E, sc[b]);
-        to_store<G>(f, E, is_fp8<G>::value ? x.gs + gi[b] : nullptr, x.phase);
+        scale_from_cache<C>(f, E, is_fp8<C>::value ? sc[b] : 1.0f);
+        to_store<G>(f, E, is_fp8<G>::value ? x.gs + (isv ? x.H : 0u) + h : nullptr, x.phase);
         if (is_fp8<G>::value && x.phase == 1) continue;
-        st<G, E>(pg[b], f);
+        st<G, E>(page + x.page_row0 + (isv ? plane : 0) + h * x.page_head + (int64_t)j * x.D + d, f);
       }
     }
   }

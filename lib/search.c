@@ -417,7 +417,7 @@ static kvi_status build_plan(const kvi_store *s, plan *p, const uint64_t *tenant
         pt->seg = pt->d.nf <= 4 * seg ? pt->d.nf : seg; /* a small tile: one selection, no merge */
         pt->gemm = !scan;
         p->any_gemm |= !scan;
-        const int32_t nseg = (pt->d.nf + seg - 1) / seg;
+        const int32_t nseg = (pt->d.nf + pt->seg - 1) / pt->seg; /* its stage-1 selections */
         for (int32_t j = q0; j < q0 + qn; j++) items[j] += nseg;
       }
     }
