@@ -4,8 +4,10 @@
 # repository root. cmocka is not installed there: its Debian packages travel
 # in .debs/ (see README.md, "GPU machine") and are unpacked into a sysroot.
 # Argument: all (default), tests (build, suites, sanitizers), build (only
-# that) or bench (the benchmarks, on the build a `tests` or `build` run left
-# in /tmp/kvi-build).
+# that), bench (the benchmarks, on the build a `tests` or `build` run left
+# in /tmp/kvi-build) or perf (build, the transfer and retrieval GPU suites,
+# their benchmarks and an Nsight Compute report of two injection launches:
+# a short loop for kernel work, few files in $OUT).
 set -euo pipefail
 phase=${1:-all}
 out=${OUT:-/tmp/kvi-out}
@@ -31,6 +33,26 @@ meson setup "$build" -Dcuda=enabled -Dcublaslt=enabled -Dnccl=enabled -Dtests=en
 grep -A8 '^libkvinject' "$out/setup.log" || true
 ninja -C "$build" >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
 [ "$phase" = build ] && exit 0
+if [ "$phase" = perf ]; then
+  set +e
+  for t in test_gpu_transfer test_gpu_search; do
+    timeout 300 "$build"/tests/gpu/$t >>"$out/gpu-tests.log" 2>&1
+    echo "$t: rc=$?" | tee -a "$out/gpu-tests.log"
+  done
+  grep -E "FAILED|PASSED" "$out/gpu-tests.log" | tail -6
+  for b in bench_inject bench_search; do
+    args=()
+    [ $b = bench_search ] && args=(tests/bench/torch_search.py)
+    timeout 400 "$build"/tests/bench/$b "${args[@]}" >>"$out/bench.log" 2>&1
+    echo "$b: rc=$?"
+  done
+  grep -E '^\|' "$out/bench.log"
+  KVI_BENCH_ITERS=3 timeout 200 ncu --clock-control none --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis -k regex:xfer_kernel \
+    --launch-skip 13 --launch-count 5 "$build"/tests/bench/bench_inject >"$out/ncu-xfer.txt" 2>&1
+  echo "ncu: rc=$?"
+  exit 0
+fi
 set +e
 meson test -C "$build" --print-errorlogs --num-processes 4 2>&1 | tee "$out/test.log"
 rc=${PIPESTATUS[0]}
