@@ -266,7 +266,8 @@ __device__ inline int bin_of(float s, float lo, float scale) {
 /* One CTA per kvi__sel.
  *
  * Fast path (finite scores spread over a range, as real similarities are):
- * their minimum and maximum, a histogram of SEL_BINS equal bins between
+ * their minimum and maximum (of a sample of a long run; inputs outside it
+ * fall in the end bins), a histogram of SEL_BINS equal bins between
  * them, the highest bin b such that bins >= b hold at least k inputs; those
  * inputs (C of them) are gathered and sorted. Bins are monotone in the
  * score, so an input in a bin below b has k inputs strictly better and is
@@ -294,9 +295,11 @@ __global__ void __launch_bounds__(THREADS) select_kernel(const kvi__search_args 
   for (int i = threadIdx.x; i < SEL_BINS; i += THREADS) hist[i] = 0;
   if (threadIdx.x == 0) ncand = 0, have_thr = 0, cut = -1, ccount = 0;
 
-  /* pass 1: the range of the inputs above -infinity */
+  /* pass 1: the range of the inputs above -infinity; of every 8th input
+   * of a long run (inputs outside the range land in the end bins) */
   float lo = INFINITY, hi = -INFINITY;
-  for (int64_t idx = threadIdx.x; idx < total; idx += THREADS) {
+  const int64_t step = total >= 16 * SEL_N ? 8 : 1;
+  for (int64_t idx = threadIdx.x * step; idx < total; idx += THREADS * step) {
     const float s = sel_score(a, sel, idx);
     if (s > -INFINITY) lo = fminf(lo, s), hi = fmaxf(hi, s);
   }
@@ -311,11 +314,13 @@ __global__ void __launch_bounds__(THREADS) select_kernel(const kvi__search_args 
   if (total > k && isfinite(lo) && isfinite(hi) && hi > lo) { /* uniform; no +infinity */
     const float scale = (float)SEL_BINS / (hi - lo); /* 0 if the range overflows: one bin */
     /* pass 2: the histogram */
+    bool inf = false; /* a +infinity outside the sample */
     for (int64_t idx = threadIdx.x; idx < total; idx += THREADS) {
       const float s = sel_score(a, sel, idx);
       if (isfinite(s)) atomicAdd(&hist[bin_of(s, lo, scale)], 1);
+      else inf |= s > 0.0f;
     }
-    __syncthreads();
+    if (__syncthreads_or(inf)) goto general; /* uniform */
     if (warp == 0) { /* lane l sums bins [l * 32, l * 32 + 32); suffix sums from the top */
       constexpr int PER = SEL_BINS / 32;
       int mine = 0;
@@ -358,6 +363,7 @@ __global__ void __launch_bounds__(THREADS) select_kernel(const kvi__search_args 
     }
   }
 
+general:
   /* the general path */
   for (int64_t base = 0; base < total; base += SEL_R) {
     const bool ht = have_thr;

@@ -38,7 +38,8 @@
 #define MIN_WORKSPACE (1u << 20)
 #define SLOTS 4
 #define LT_WS (32u << 20) /* cuBLASLt's workspace, when a GEMM is planned */
-#define SEG 4096          /* scores per stage-1 selection */
+#define SEG 4096          /* scores per stage-1 selection, at least */
+#define SEG_MAX 65536     /* and at most */
 #define GEMM_QT 256       /* queries per GEMM tile */
 #define PAIR_BYTES 12     /* a candidate: fp32 score + 64-bit id */
 
@@ -414,7 +415,11 @@ static kvi_status build_plan(const kvi_store *s, plan *p, const uint64_t *tenant
         pt->d.nf = (int32_t)(n - f0 < ft ? n - f0 : ft);
         pt->d.sld = (int32_t)round_up((size_t)pt->d.nf, 4);
         pt->ids = t->ids + f0;
-        pt->seg = pt->d.nf <= 4 * seg ? pt->d.nf : seg; /* a small tile: one selection, no merge */
+        /* stage-1 runs: about four selections per SM over the tile's queries
+         * (a selection reads its run about twice, whatever its length) */
+        int64_t run = (int64_t)pt->d.nf * qn / (4 * (sms > 0 ? sms : 132));
+        run = run < seg ? seg : run > SEG_MAX ? SEG_MAX : (int64_t)round_up((size_t)run, 1024);
+        pt->seg = pt->d.nf <= 4 * run ? pt->d.nf : (int32_t)run; /* a small tile: one selection, no merge */
         pt->gemm = !scan;
         p->any_gemm |= !scan;
         const int32_t nseg = (pt->d.nf + pt->seg - 1) / pt->seg; /* its stage-1 selections */
@@ -439,14 +444,17 @@ static kvi_status build_plan(const kvi_store *s, plan *p, const uint64_t *tenant
     memset(r, 0, sizeof *r);
     r->t0 = t0, r->t1 = t1;
     if (floats > p->score_floats) p->score_floats = floats;
-    /* scan blocks: about two CTAs per SM for the round's largest tile */
+    /* scan blocks: about two CTAs per SM over the round's scan rows */
     r->b0 = p->nblocks;
+    size_t scan_rows = 0;
+    for (size_t i = t0; i < t1; i++)
+      if (!p->tiles[i].gemm) scan_rows += (size_t)p->tiles[i].d.nf;
+    int32_t nr = (int32_t)round_up(scan_rows / (size_t)(2 * (sms > 0 ? sms : 1)) + 1, KVI__SCAN_ROWS);
+    if (nr > 1024) nr = 1024;
     for (size_t i = t0; i < t1; i++) {
       const ptile *pt = &p->tiles[i];
       if (pt->gemm) continue;
       if (pt->d.qn > r->qmax) r->qmax = pt->d.qn;
-      int32_t nr = (int32_t)round_up((size_t)pt->d.nf / (size_t)(2 * (sms > 0 ? sms : 1)) + 1, KVI__SCAN_ROWS);
-      if (nr > 1024) nr = 1024;
       for (int32_t r0 = 0; r0 < pt->d.nf; r0 += nr) {
         if (!MORE(p->blocks, p->nblocks, p->cblocks)) goto oom;
         kvi__sblock b = {(int32_t)i, r0, pt->d.nf - r0 < nr ? pt->d.nf - r0 : nr, 0};
