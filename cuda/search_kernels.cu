@@ -12,12 +12,13 @@
  *   loads); the queries sit in shared memory as fp32, laid out so that a
  *   warp's float4 reads are conflict-free, and each query value is reused
  *   for 4 rows. fp32 accumulation (fmaf), then a warp reduction.
- * - selection: a CTA per run of scores (or of candidate pairs) finds the
- *   score range, a histogram of it and the bin holding the k-th best, then
- *   gathers only the inputs from that bin up (about k of them on real
- *   scores) and sorts those: three reads of its inputs (two from cache)
- *   and one small sort. Inputs the histogram cannot split (ties over the
- *   whole run, infinities) take an exact running-threshold loop instead.
+ * - selection: a CTA per run of scores (or of candidate pairs) finds, on
+ *   a sample of the run (every 8th input of a long run, for k <= 128), the
+ *   range, a histogram of it and the bin holding the sample's k-th best;
+ *   then it reads the whole run once, gathers the inputs from that bin up
+ *   (about 8k of them on real scores) and sorts only those. Inputs the
+ *   histogram cannot split (ties over the whole run, infinities) take an
+ *   exact running-threshold loop instead.
  * - prep and emit touch num_queries x dim and num_queries x k elements.
  */
 #include <cuda_bf16.h>
@@ -40,6 +41,7 @@ constexpr int ROWS = 4;     /* rows a scan warp handles at once; WARPS * ROWS ==
 constexpr int SEL_N = 2048; /* pairs a selection CTA holds: k <= 1024 kept + candidates */
 constexpr int SEL_R = 1024; /* inputs read per round: 4 per thread */
 constexpr int SEL_BINS = 1024; /* histogram bins of the selection's fast path */
+constexpr int STEP = 8;        /* the fast path samples every STEP-th input of a long run */
 static_assert(WARPS * ROWS == KVI__SCAN_ROWS, "scan rows per CTA step");
 static_assert(SEL_N - KVI_SEARCH_MAX_K >= SEL_R, "a round always fits the candidate buffer");
 
@@ -266,22 +268,23 @@ __device__ inline int bin_of(float s, float lo, float scale) {
 /* One CTA per kvi__sel.
  *
  * Fast path (finite scores spread over a range, as real similarities are):
- * their minimum and maximum (of a sample of a long run; inputs outside it
- * fall in the end bins), a histogram of SEL_BINS equal bins between
- * them, the highest bin b such that bins >= b hold at least k inputs; those
- * inputs (C of them) are gathered and sorted. Bins are monotone in the
- * score, so an input in a bin below b has k inputs strictly better and is
- * not in the top k. Three reads of the inputs (the second and third from
- * L1/L2) and one small sort, whatever the input length.
+ * a sample of the inputs (every STEP-th of a long run, else all of them)
+ * gives a range and a histogram of SEL_BINS equal bins over it (inputs
+ * outside it fall in the end bins), and the highest bin b such that the
+ * sample's bins >= b hold at least k inputs. Bins are monotone in the score
+ * and the sample is part of the run, so an input in a bin below b has k
+ * inputs strictly better and is not in the top k: the inputs of bins >= b
+ * (about k * STEP) are gathered and sorted. One full read of the run, and
+ * a small sort, whatever its length.
  *
- * General path (fewer than k inputs above -infinity, any +infinity, all
- * equal, or C > SEL_N): the
+ * General path (fewer than k sampled inputs above -infinity, any +infinity,
+ * a sample all equal, or more than SEL_N inputs gathered): the
  * running-threshold loop below, exact for any input. */
 __global__ void __launch_bounds__(THREADS) select_kernel(const kvi__search_args a) {
   __shared__ float ss[SEL_N];
   __shared__ u64 si[SEL_N];
   __shared__ int hist[SEL_BINS];
-  __shared__ int ncand, have_thr, cut, ccount;
+  __shared__ int ncand, have_thr, cut;
   __shared__ float thr_s, red_lo[WARPS], red_hi[WARPS];
   __shared__ u64 thr_i;
   const kvi__sel sel = a.sels[blockIdx.x];
@@ -293,12 +296,13 @@ __global__ void __launch_bounds__(THREADS) select_kernel(const kvi__search_args 
     si[i] = ~0ull;
   }
   for (int i = threadIdx.x; i < SEL_BINS; i += THREADS) hist[i] = 0;
-  if (threadIdx.x == 0) ncand = 0, have_thr = 0, cut = -1, ccount = 0;
+  if (threadIdx.x == 0) ncand = 0, have_thr = 0, cut = -1;
 
-  /* pass 1: the range of the inputs above -infinity; of every 8th input
-   * of a long run (inputs outside the range land in the end bins) */
+  /* sample: every STEP-th input when the run has at least SEL_N of them and
+   * about k * STEP gathered inputs fit the buffer twice over */
+  const int64_t step = total / STEP >= SEL_N && 2 * STEP * k <= SEL_N ? STEP : 1;
+  /* pass 1: the sample's range above -infinity */
   float lo = INFINITY, hi = -INFINITY;
-  const int64_t step = total >= 16 * SEL_N ? 8 : 1;
   for (int64_t idx = threadIdx.x * step; idx < total; idx += THREADS * step) {
     const float s = sel_score(a, sel, idx);
     if (s > -INFINITY) lo = fminf(lo, s), hi = fmaxf(hi, s);
@@ -311,55 +315,73 @@ __global__ void __launch_bounds__(THREADS) select_kernel(const kvi__search_args 
   __syncthreads();
   lo = red_lo[0], hi = red_hi[0];
   for (int w = 1; w < WARPS; w++) lo = fminf(lo, red_lo[w]), hi = fmaxf(hi, red_hi[w]);
-  if (total > k && isfinite(lo) && isfinite(hi) && hi > lo) { /* uniform; no +infinity */
+  if (total > k && isfinite(lo) && isfinite(hi) && hi > lo) { /* uniform */
     const float scale = (float)SEL_BINS / (hi - lo); /* 0 if the range overflows: one bin */
-    /* pass 2: the histogram */
-    bool inf = false; /* a +infinity outside the sample */
-    for (int64_t idx = threadIdx.x; idx < total; idx += THREADS) {
+    /* pass 2: the sample's histogram (a +infinity in it ends the fast path) */
+    bool inf = false;
+    for (int64_t idx = threadIdx.x * step; idx < total; idx += THREADS * step) {
       const float s = sel_score(a, sel, idx);
       if (isfinite(s)) atomicAdd(&hist[bin_of(s, lo, scale)], 1);
       else inf |= s > 0.0f;
     }
     if (__syncthreads_or(inf)) goto general; /* uniform */
-    if (warp == 0) { /* lane l sums bins [l * 32, l * 32 + 32); suffix sums from the top */
+    if (warp == 0) { /* lane l sums bins [l * PER, l * PER + PER); the cut from the top */
       constexpr int PER = SEL_BINS / 32;
       int mine = 0;
       for (int j = 0; j < PER; j++) mine += hist[lane * PER + j];
-      int above = 0; /* inputs in lanes > lane */
+      int above = 0; /* sampled inputs in the bins of lanes > lane */
       for (int l = 31; l > 0; l--) {
         const int v = __shfl_sync(0xffffffffu, mine, l);
         if (l > lane) above += v;
       }
-      /* the lane whose range holds the cut: above < k <= above + mine */
-      if (above < k && above + mine >= k) {
+      if (above < k && above + mine >= k) { /* the lane whose bins hold the k-th */
         int c = above, j = PER - 1;
         for (; j >= 0; j--) {
           c += hist[lane * PER + j];
           if (c >= k) break;
         }
-        cut = lane * PER + j;
-        ccount = c;
+        /* with every input sampled, c inputs are gathered: skip a gather that cannot fit */
+        cut = step == 1 && c > SEL_N ? -1 : lane * PER + j;
       }
     }
     __syncthreads();
-    if (cut >= 0 && ccount <= SEL_N) { /* uniform */
+    if (cut >= 0) { /* uniform */
       const int b = cut;
-      /* pass 3: gather the inputs of bins >= b */
+      /* pass 3: gather every input of bins >= b (counting past the buffer) */
+      bool inf3 = false;
+#pragma unroll 4
       for (int64_t idx = threadIdx.x; idx < total; idx += THREADS) {
         const float s = sel_score(a, sel, idx);
-        if (isfinite(s) && bin_of(s, lo, scale) >= b) {
-          const int pos = atomicAdd(&ncand, 1);
-          ss[pos] = s;
-          si[pos] = sel_id(a, sel, idx);
+        if (isfinite(s)) {
+          if (bin_of(s, lo, scale) >= b) {
+            const int pos = atomicAdd(&ncand, 1);
+            if (pos < SEL_N) {
+              ss[pos] = s;
+              si[pos] = sel_id(a, sel, idx);
+            }
+          }
+        } else {
+          inf3 |= s > 0.0f;
         }
       }
-      __syncthreads();
-      sort_trim(ss, si, ncand, k, &ncand, &have_thr, &thr_s, &thr_i);
-      for (int i = threadIdx.x; i < k; i += THREADS) {
-        a.ps[sel.dst + i] = ss[i];
-        a.pi[sel.dst + i] = si[i];
+      inf3 = __syncthreads_or(inf3);
+      const int m = ncand;
+      if (!inf3 && m <= SEL_N) { /* uniform */
+        sort_trim(ss, si, m, k, &ncand, &have_thr, &thr_s, &thr_i);
+        for (int i = threadIdx.x; i < k; i += THREADS) {
+          a.ps[sel.dst + i] = ss[i];
+          a.pi[sel.dst + i] = si[i];
+        }
+        return;
       }
-      return;
+      /* too many (or a +infinity outside the sample): start over on the general path */
+      __syncthreads(); /* everyone has read ncand */
+      for (int i = threadIdx.x; i < SEL_N; i += THREADS) {
+        ss[i] = -INFINITY;
+        si[i] = ~0ull;
+      }
+      if (threadIdx.x == 0) ncand = 0;
+      __syncthreads();
     }
   }
 

@@ -332,14 +332,8 @@ __device__ inline void plain(const Ctx &x, G *page, C *kc, C *vc, unsigned rot, 
   }
 }
 
-/* CTAs per SM the register budget is set for: 5 (<= 102 registers) for the
- * 16-byte paths between 16-bit types (bf16, fp16), where that costs no spills and
- * lifts occupancy from 4 CTAs; the compiler's choice elsewhere. */
-template <typename G, typename C, int E>
-constexpr int MINB = E >= 8 && sizeof(G) == 2 && sizeof(C) == 2 ? 5 : 1;
-
 template <typename G, typename C, int E, bool INJECT>
-__global__ void __launch_bounds__(THREADS, MINB<G, C, E>) xfer_kernel(const __grid_constant__ kvi__xfer_args a) {
+__global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ kvi__xfer_args a) {
   extern __shared__ float2 s_cs[]; /* [seg_tokens][half_max], then offsets and positions */
   const unsigned T = (unsigned)a.seg_tokens, HM = (unsigned)a.half_max;
   int64_t *s_coff = reinterpret_cast<int64_t *>(s_cs + T * HM);

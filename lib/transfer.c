@@ -599,12 +599,7 @@ static kvi_status execute(xfer *x, const plan *p, int32_t lb, int32_t le, bool i
 /* Layers per CTA: enough (segment, layer) pairs per CTA to amortize its
  * prologue, while leaving about 128 CTAs per SM so the tail stays short. */
 static int32_t layers_per_cta(const xfer *x, int32_t nsegs, int32_t nl) {
-  static int per_sm = 0; /* TEMPORARY tuning experiment: KVI_XFER_TARGET_PER_SM */
-  if (per_sm == 0) {
-    const char *e = getenv("KVI_XFER_TARGET_PER_SM");
-    per_sm = e && atoi(e) > 0 ? atoi(e) : 128;
-  }
-  const int64_t target = (int64_t)(x->sms > 0 ? x->sms : 132) * per_sm;
+  const int64_t target = (int64_t)(x->sms > 0 ? x->sms : 132) * 128;
   int64_t per = (int64_t)nsegs * nl / target;
   if (per < 1) per = 1;
   if (per > nl) per = nl;

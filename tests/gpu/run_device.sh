@@ -40,17 +40,13 @@ if [ "$phase" = perf ]; then
     echo "$t: rc=$?" | tee -a "$out/gpu-tests.log"
   done
   grep -E "FAILED|PASSED" "$out/gpu-tests.log" | tail -6
-  for t in 10 20 40; do
-    echo "KVI_XFER_TARGET_PER_SM=$t" >>"$out/bench.log"
-    KVI_XFER_TARGET_PER_SM=$t KVI_BENCH_ITERS=30 timeout 100 "$build"/tests/bench/bench_inject >>"$out/bench.log" 2>&1
-  done
   for b in bench_inject bench_search; do
     args=()
     [ $b = bench_search ] && args=(tests/bench/torch_search.py)
     timeout 400 "$build"/tests/bench/$b "${args[@]}" >>"$out/bench.log" 2>&1
     echo "$b: rc=$?"
   done
-  grep -E '^\||^KVI_' "$out/bench.log"
+  grep -E '^\|' "$out/bench.log"
   KVI_BENCH_ITERS=3 timeout 200 ncu --clock-control none --section SpeedOfLight --section Occupancy \
     --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis -k regex:xfer_kernel \
     --launch-skip 13 --launch-count 1 "$build"/tests/bench/bench_inject >"$out/ncu-xfer.txt" 2>&1
