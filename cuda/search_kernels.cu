@@ -13,7 +13,8 @@
  *   warp's float4 reads are conflict-free, and each query value is reused
  *   for 4 rows. fp32 accumulation (fmaf), then a warp reduction.
  * - selection: a CTA per run of scores (or of candidate pairs) finds, on
- *   a sample of the run (every 8th input of a long run, for k <= 128), the
+ *   a sample of the run (every 8th input, when that is >= 8k inputs and
+ *   k <= 128), the
  *   range, a histogram of it and the bin holding the sample's k-th best;
  *   then it reads the whole run once, gathers the inputs from that bin up
  *   (about 8k of them on real scores) and sorts only those. Inputs the
@@ -298,9 +299,9 @@ __global__ void __launch_bounds__(THREADS) select_kernel(const kvi__search_args 
   for (int i = threadIdx.x; i < SEL_BINS; i += THREADS) hist[i] = 0;
   if (threadIdx.x == 0) ncand = 0, have_thr = 0, cut = -1;
 
-  /* sample: every STEP-th input when the run has at least SEL_N of them and
+  /* sample: every STEP-th input when that gives at least 8k of them and
    * about k * STEP gathered inputs fit the buffer twice over */
-  const int64_t step = total / STEP >= SEL_N && 2 * STEP * k <= SEL_N ? STEP : 1;
+  const int64_t step = total / STEP >= 8 * k && 2 * STEP * k <= SEL_N ? STEP : 1;
   /* pass 1: the sample's range above -infinity */
   float lo = INFINITY, hi = -INFINITY;
   for (int64_t idx = threadIdx.x * step; idx < total; idx += THREADS * step) {
