@@ -13,7 +13,7 @@
  *   warp's float4 reads are conflict-free, and each query value is reused
  *   for 4 rows. fp32 accumulation (fmaf), then a warp reduction.
  * - selection: a CTA per run of scores (or of candidate pairs) finds, on
- *   a sample of the run (one input in 8, when that is >= 8k inputs and
+ *   a sample of the run (every 8th input, when that is >= 8k inputs and
  *   k <= 128), the
  *   range, a histogram of it and the bin holding the sample's k-th best;
  *   then it reads the whole run once, gathers the inputs from that bin up
@@ -266,16 +266,10 @@ __device__ inline int bin_of(float s, float lo, float scale) {
   return f >= (float)(SEL_BINS - 1) ? SEL_BINS - 1 : (int)f;
 }
 
-/* Input j of a sample of one input in `step`: runs of 8 consecutive inputs
- * (a 32-byte sector of scores) every 8 * step, so that the sample reads
- * 1/step of the bytes; increasing in j. */
-__device__ inline int64_t sample_index(int64_t j, int64_t step) { return (j >> 3) * (8 * step) + (j & 7); }
-
 /* One CTA per kvi__sel.
  *
  * Fast path (finite scores spread over a range, as real similarities are):
- * a sample of the inputs (one in STEP of a long run, in runs of 8, else
- * all of them)
+ * a sample of the inputs (every STEP-th of a long run, else all of them)
  * gives a range and a histogram of SEL_BINS equal bins over it (inputs
  * outside it fall in the end bins), and the highest bin b such that the
  * sample's bins >= b hold at least k inputs. Bins are monotone in the score
@@ -305,14 +299,12 @@ __global__ void __launch_bounds__(THREADS) select_kernel(const kvi__search_args 
   for (int i = threadIdx.x; i < SEL_BINS; i += THREADS) hist[i] = 0;
   if (threadIdx.x == 0) ncand = 0, have_thr = 0, cut = -1;
 
-  /* sample: one input in STEP when that gives at least 8k of them and
+  /* sample: every STEP-th input when that gives at least 8k of them and
    * about k * STEP gathered inputs fit the buffer twice over */
   const int64_t step = total / STEP >= 8 * k && 2 * STEP * k <= SEL_N ? STEP : 1;
   /* pass 1: the sample's range above -infinity */
   float lo = INFINITY, hi = -INFINITY;
-  for (int64_t j = threadIdx.x;; j += THREADS) {
-    const int64_t idx = sample_index(j, step);
-    if (idx >= total) break;
+  for (int64_t idx = threadIdx.x * step; idx < total; idx += THREADS * step) {
     const float s = sel_score(a, sel, idx);
     if (s > -INFINITY) lo = fminf(lo, s), hi = fmaxf(hi, s);
   }
@@ -328,9 +320,7 @@ __global__ void __launch_bounds__(THREADS) select_kernel(const kvi__search_args 
     const float scale = (float)SEL_BINS / (hi - lo); /* 0 if the range overflows: one bin */
     /* pass 2: the sample's histogram (a +infinity in it ends the fast path) */
     bool inf = false;
-    for (int64_t j = threadIdx.x;; j += THREADS) {
-      const int64_t idx = sample_index(j, step);
-      if (idx >= total) break;
+    for (int64_t idx = threadIdx.x * step; idx < total; idx += THREADS * step) {
       const float s = sel_score(a, sel, idx);
       if (isfinite(s)) atomicAdd(&hist[bin_of(s, lo, scale)], 1);
       else inf |= s > 0.0f;

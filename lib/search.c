@@ -415,9 +415,9 @@ static kvi_status build_plan(const kvi_store *s, plan *p, const uint64_t *tenant
         pt->d.nf = (int32_t)(n - f0 < ft ? n - f0 : ft);
         pt->d.sld = (int32_t)round_up((size_t)pt->d.nf, 4);
         pt->ids = t->ids + f0;
-        /* stage-1 runs: about eight selections per SM over the tile's queries
-         * (a selection reads its run once and a sample of it twice) */
-        int64_t run = (int64_t)pt->d.nf * qn / (8 * (sms > 0 ? sms : 132));
+        /* stage-1 runs: about four selections per SM over the tile's queries
+         * (a selection reads its run about twice, whatever its length) */
+        int64_t run = (int64_t)pt->d.nf * qn / (4 * (sms > 0 ? sms : 132));
         run = run < seg ? seg : run > SEG_MAX ? SEG_MAX : (int64_t)round_up((size_t)run, 1024);
         pt->seg = pt->d.nf <= 4 * run ? pt->d.nf : (int32_t)run; /* a small tile: one selection, no merge */
         pt->gemm = !scan;
