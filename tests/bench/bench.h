@@ -51,4 +51,35 @@ static inline void bench_runs(int full) {
   bench_warm = n > 0 && n < full ? 1 : 5;
 }
 
+/* Prints the device banner; false (after saying why) when no CUDA device
+ * answers, and the program should exit 77 (Meson's skip). */
+static inline int bench_device(const char *prog) {
+  int ndev = 0;
+  if (kvi_cuda_device_count(&ndev) != KVI_OK || ndev == 0) {
+    fprintf(stderr, "%s: no CUDA device\n", prog);
+    return 0;
+  }
+  struct cudaDeviceProp prop;
+  CU(cudaGetDeviceProperties(&prop, 0));
+  printf("device: %s, libkvinject %s\n\n", prop.name, kvi_version_string());
+  return 1;
+}
+
+/* A model of layers x heads x head_size with Llama-3.1-8B's RoPE (theta
+ * 500,000, llama3 scaling, factor 8) on every layer. */
+static inline kvi_model *bench_llama_model(int32_t layers, int32_t heads, int32_t head_size) {
+  kvi_model_options mo = KVI_MODEL_OPTIONS_INIT;
+  mo.num_layers = layers;
+  mo.num_kv_heads = heads;
+  mo.head_size = head_size;
+  kvi_model *model;
+  CK(kvi_model_create(&model, &mo));
+  kvi_rope_spec rope = KVI_ROPE_SPEC_INIT;
+  rope.theta = 500000;
+  rope.scaling = KVI_ROPE_SCALING_LLAMA3;
+  rope.factor = 8;
+  CK(kvi_model_set_rope(model, -1, &rope));
+  return model;
+}
+
 #endif /* KVI_BENCH_H */

@@ -58,26 +58,9 @@ static void row(const char *what, int requests, int k, float ms, float hms, floa
 
 int main(void) {
   bench_runs(ITERS);
-  int ndev = 0;
-  if (kvi_cuda_device_count(&ndev) != KVI_OK || ndev == 0) {
-    fprintf(stderr, "bench_inject: no CUDA device\n");
-    return 77;
-  }
-  struct cudaDeviceProp prop;
-  CU(cudaGetDeviceProperties(&prop, 0));
-  printf("device: %s, libkvinject %s\n\n", prop.name, kvi_version_string());
+  if (!bench_device("bench_inject")) return 77;
 
-  kvi_model_options mo = KVI_MODEL_OPTIONS_INIT;
-  mo.num_layers = L;
-  mo.num_kv_heads = H;
-  mo.head_size = D;
-  kvi_model *model;
-  CK(kvi_model_create(&model, &mo));
-  kvi_rope_spec rope = KVI_ROPE_SPEC_INIT;
-  rope.theta = 500000;
-  rope.scaling = KVI_ROPE_SCALING_LLAMA3;
-  rope.factor = 8;
-  CK(kvi_model_set_rope(model, -1, &rope));
+  kvi_model *model = bench_llama_model(L, H, D);
 
   kvi_store_options so = KVI_STORE_OPTIONS_INIT;
   so.backend = KVI_BACKEND_CUDA;

@@ -186,18 +186,11 @@ typedef struct row {
 
 int main(int argc, char **argv) {
   bench_runs(ITERS);
-  int ndev = 0;
-  if (kvi_cuda_device_count(&ndev) != KVI_OK || ndev == 0) {
-    fprintf(stderr, "bench_search: no CUDA device\n");
-    return 77;
-  }
   if (!(kvi_features() & KVI_FEATURE_CUBLASLT)) {
     fprintf(stderr, "bench_search: libkvinject was built without cuBLASLt\n");
     return 77;
   }
-  struct cudaDeviceProp prop;
-  CU(cudaGetDeviceProperties(&prop, 0));
-  printf("device: %s, libkvinject %s\n\n", prop.name, kvi_version_string());
+  if (!bench_device("bench_search")) return 77;
   CU(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   CU(cudaEventCreate(&e0));
   CU(cudaEventCreate(&e1));
