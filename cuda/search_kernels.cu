@@ -42,6 +42,7 @@ constexpr int ROWS = 4;     /* rows a scan warp handles at once; WARPS * ROWS ==
 constexpr int SEL_N = 2048; /* pairs a selection CTA holds: k <= 1024 kept + candidates */
 constexpr int SEL_R = 1024; /* inputs read per round: 4 per thread */
 constexpr int SEL_BINS = 1024; /* histogram bins of the selection's fast path */
+constexpr int ILP = 8;         /* loads a selection thread keeps in flight */
 constexpr int STEP = 8;        /* the fast path samples every STEP-th input of a long run */
 static_assert(WARPS * ROWS == KVI__SCAN_ROWS, "scan rows per CTA step");
 static_assert(SEL_N - KVI_SEARCH_MAX_K >= SEL_R, "a round always fits the candidate buffer");
@@ -304,9 +305,16 @@ __global__ void __launch_bounds__(THREADS) select_kernel(const kvi__search_args 
   const int64_t step = total / STEP >= 8 * k && 2 * STEP * k <= SEL_N ? STEP : 1;
   /* pass 1: the sample's range above -infinity */
   float lo = INFINITY, hi = -INFINITY;
-  for (int64_t idx = threadIdx.x * step; idx < total; idx += THREADS * step) {
-    const float s = sel_score(a, sel, idx);
-    if (s > -INFINITY) lo = fminf(lo, s), hi = fmaxf(hi, s);
+  for (int64_t base = threadIdx.x * step; base < total; base += THREADS * step * ILP) {
+    float v[ILP]; /* ILP independent loads in flight: the loop is latency-bound otherwise */
+#pragma unroll
+    for (int u = 0; u < ILP; u++) {
+      const int64_t idx = base + (int64_t)u * THREADS * step;
+      v[u] = idx < total ? sel_score(a, sel, idx) : -INFINITY;
+    }
+#pragma unroll
+    for (int u = 0; u < ILP; u++)
+      if (v[u] > -INFINITY) lo = fminf(lo, v[u]), hi = fmaxf(hi, v[u]);
   }
   for (int o = 16; o > 0; o >>= 1) {
     lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
@@ -320,10 +328,18 @@ __global__ void __launch_bounds__(THREADS) select_kernel(const kvi__search_args 
     const float scale = (float)SEL_BINS / (hi - lo); /* 0 if the range overflows: one bin */
     /* pass 2: the sample's histogram (a +infinity in it ends the fast path) */
     bool inf = false;
-    for (int64_t idx = threadIdx.x * step; idx < total; idx += THREADS * step) {
-      const float s = sel_score(a, sel, idx);
-      if (isfinite(s)) atomicAdd(&hist[bin_of(s, lo, scale)], 1);
-      else inf |= s > 0.0f;
+    for (int64_t base = threadIdx.x * step; base < total; base += THREADS * step * ILP) {
+      float v[ILP];
+#pragma unroll
+      for (int u = 0; u < ILP; u++) {
+        const int64_t idx = base + (int64_t)u * THREADS * step;
+        v[u] = idx < total ? sel_score(a, sel, idx) : -INFINITY;
+      }
+#pragma unroll
+      for (int u = 0; u < ILP; u++) {
+        if (isfinite(v[u])) atomicAdd(&hist[bin_of(v[u], lo, scale)], 1);
+        else inf |= v[u] > 0.0f;
+      }
     }
     if (__syncthreads_or(inf)) goto general; /* uniform */
     if (warp == 0) { /* lane l sums bins [l * PER, l * PER + PER); the cut from the top */
@@ -350,19 +366,27 @@ __global__ void __launch_bounds__(THREADS) select_kernel(const kvi__search_args 
       const int b = cut;
       /* pass 3: gather every input of bins >= b (counting past the buffer) */
       bool inf3 = false;
-#pragma unroll 4
-      for (int64_t idx = threadIdx.x; idx < total; idx += THREADS) {
-        const float s = sel_score(a, sel, idx);
-        if (isfinite(s)) {
-          if (bin_of(s, lo, scale) >= b) {
-            const int pos = atomicAdd(&ncand, 1);
-            if (pos < SEL_N) {
-              ss[pos] = s;
-              si[pos] = sel_id(a, sel, idx);
+      for (int64_t base = threadIdx.x; base < total; base += THREADS * ILP) {
+        float v[ILP];
+#pragma unroll
+        for (int u = 0; u < ILP; u++) {
+          const int64_t idx = base + (int64_t)u * THREADS;
+          v[u] = idx < total ? sel_score(a, sel, idx) : -INFINITY;
+        }
+#pragma unroll
+        for (int u = 0; u < ILP; u++) {
+          const float s = v[u];
+          if (isfinite(s)) {
+            if (bin_of(s, lo, scale) >= b) {
+              const int pos = atomicAdd(&ncand, 1);
+              if (pos < SEL_N) {
+                ss[pos] = s;
+                si[pos] = sel_id(a, sel, base + (int64_t)u * THREADS);
+              }
             }
+          } else {
+            inf3 |= s > 0.0f;
           }
-        } else {
-          inf3 |= s > 0.0f;
         }
       }
       inf3 = __syncthreads_or(inf3);

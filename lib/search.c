@@ -419,7 +419,7 @@ static kvi_status build_plan(const kvi_store *s, plan *p, const uint64_t *tenant
          * (a selection reads its run about twice, whatever its length) */
         int64_t run = (int64_t)pt->d.nf * qn / (4 * (sms > 0 ? sms : 132));
         run = run < seg ? seg : run > SEG_MAX ? SEG_MAX : (int64_t)round_up((size_t)run, 1024);
-        pt->seg = pt->d.nf <= 4 * run ? pt->d.nf : (int32_t)run; /* a small tile: one selection, no merge */
+        pt->seg = pt->d.nf <= 4 * seg ? pt->d.nf : (int32_t)run; /* a small tile: one selection, no merge */
         pt->gemm = !scan;
         p->any_gemm |= !scan;
         const int32_t nseg = (pt->d.nf + pt->seg - 1) / pt->seg; /* its stage-1 selections */
