@@ -48,6 +48,7 @@ static_assert(WARPS * ROWS == KVI__SCAN_ROWS, "scan rows per CTA step");
 static_assert(SEL_N - KVI_SEARCH_MAX_K >= SEL_R, "a round always fits the candidate buffer");
 
 typedef unsigned long long u64;
+typedef unsigned int u32;
 
 /* ---------------------------------------------------------------- prep */
 
@@ -218,7 +219,9 @@ __device__ inline bool better(float as, u64 ai, float bs, u64 bi) { return as > 
 
 /* Sorts the first m pairs best first (m <= SEL_N; pairs from m on are
  * sentinels), keeps the best k, and sets the threshold to the k-th. */
-__device__ void sort_trim(float *ss, u64 *si, int m, int k, int *ncand, int *have_thr, float *thr_s, u64 *thr_i) {
+template <bool R>
+__device__ void sort_trim(float *ss, u64 *si, u32 *sr, int m, int k, int *ncand, int *have_thr, float *thr_s,
+                          u64 *thr_i) {
   int M = 2;
   while (M < m) M <<= 1;
   for (int size = 2; size <= M; size <<= 1)
@@ -231,6 +234,10 @@ __device__ void sort_trim(float *ss, u64 *si, int m, int k, int *ncand, int *hav
         if (swap) {
           ss[i] = bs, ss[j] = as;
           si[i] = bi, si[j] = ai;
+          if constexpr (R) {
+            const u32 t = sr[i];
+            sr[i] = sr[j], sr[j] = t;
+          }
         }
       }
       __syncthreads();
@@ -238,6 +245,7 @@ __device__ void sort_trim(float *ss, u64 *si, int m, int k, int *ncand, int *hav
   for (int i = k + threadIdx.x; i < M; i += THREADS) {
     ss[i] = -INFINITY;
     si[i] = ~0ull;
+    if constexpr (R) sr[i] = ~0u;
   }
   if (threadIdx.x == 0) {
     *ncand = 0;
@@ -258,6 +266,10 @@ __device__ inline float sel_score(const kvi__search_args &a, const kvi__sel &sel
 __device__ inline u64 sel_id(const kvi__search_args &a, const kvi__sel &sel, int64_t idx) {
   if (sel.ids) return __ldg(reinterpret_cast<const unsigned long long *>(sel.ids) + idx);
   return __ldg(reinterpret_cast<const unsigned long long *>(a.pi) + (idx < sel.na ? sel.a + idx : sel.b + (idx - sel.na)));
+}
+__device__ inline u32 sel_row(const kvi__search_args &a, const kvi__sel &sel, int64_t idx) {
+  if (sel.ids) return (u32)sel.row0 + (u32)idx;
+  return __ldg(a.pr + (idx < sel.na ? sel.a + idx : sel.b + (idx - sel.na)));
 }
 
 /* Histogram bin of a finite score: monotone non-decreasing in s. */
@@ -282,9 +294,10 @@ __device__ inline int bin_of(float s, float lo, float scale) {
  * General path (fewer than k sampled inputs above -infinity, any +infinity,
  * a sample all equal, or more than SEL_N inputs gathered): the
  * running-threshold loop below, exact for any input. */
-__global__ void __launch_bounds__(THREADS) select_kernel(const kvi__search_args a) {
+template <bool R> __global__ void __launch_bounds__(THREADS) select_kernel(const kvi__search_args a) {
   __shared__ float ss[SEL_N];
   __shared__ u64 si[SEL_N];
+  __shared__ u32 sr[R ? SEL_N : 1]; /* R: each pair's tenant row */
   __shared__ int hist[SEL_BINS];
   __shared__ int ncand, have_thr, cut;
   __shared__ float thr_s, red_lo[WARPS], red_hi[WARPS];
@@ -296,6 +309,7 @@ __global__ void __launch_bounds__(THREADS) select_kernel(const kvi__search_args 
   for (int i = threadIdx.x; i < SEL_N; i += THREADS) {
     ss[i] = -INFINITY;
     si[i] = ~0ull;
+    if constexpr (R) sr[i] = ~0u;
   }
   for (int i = threadIdx.x; i < SEL_BINS; i += THREADS) hist[i] = 0;
   if (threadIdx.x == 0) ncand = 0, have_thr = 0, cut = -1;
@@ -382,6 +396,7 @@ __global__ void __launch_bounds__(THREADS) select_kernel(const kvi__search_args 
               if (pos < SEL_N) {
                 ss[pos] = s;
                 si[pos] = sel_id(a, sel, base + (int64_t)u * THREADS);
+                if constexpr (R) sr[pos] = sel_row(a, sel, base + (int64_t)u * THREADS);
               }
             }
           } else {
@@ -392,10 +407,11 @@ __global__ void __launch_bounds__(THREADS) select_kernel(const kvi__search_args 
       inf3 = __syncthreads_or(inf3);
       const int m = ncand;
       if (!inf3 && m <= SEL_N) { /* uniform */
-        sort_trim(ss, si, m, k, &ncand, &have_thr, &thr_s, &thr_i);
+        sort_trim<R>(ss, si, sr, m, k, &ncand, &have_thr, &thr_s, &thr_i);
         for (int i = threadIdx.x; i < k; i += THREADS) {
           a.ps[sel.dst + i] = ss[i];
           a.pi[sel.dst + i] = si[i];
+          if constexpr (R) a.pr[sel.dst + i] = sr[i];
         }
         return;
       }
@@ -404,6 +420,7 @@ __global__ void __launch_bounds__(THREADS) select_kernel(const kvi__search_args 
       for (int i = threadIdx.x; i < SEL_N; i += THREADS) {
         ss[i] = -INFINITY;
         si[i] = ~0ull;
+        if constexpr (R) sr[i] = ~0u;
       }
       if (threadIdx.x == 0) ncand = 0;
       __syncthreads();
@@ -427,18 +444,20 @@ general:
         const int pos = k + atomicAdd(&ncand, 1);
         ss[pos] = s;
         si[pos] = id;
+        if constexpr (R) sr[pos] = sel_row(a, sel, idx);
       }
     }
     __syncthreads();
     const int nc = ncand;
     __syncthreads(); /* every thread has read ncand before the next round changes it */
-    if (nc > SEL_N - k - SEL_R) sort_trim(ss, si, k + nc, k, &ncand, &have_thr, &thr_s, &thr_i);
+    if (nc > SEL_N - k - SEL_R) sort_trim<R>(ss, si, sr, k + nc, k, &ncand, &have_thr, &thr_s, &thr_i);
   }
-  if (ncand > 0) sort_trim(ss, si, k + ncand, k, &ncand, &have_thr, &thr_s, &thr_i);
+  if (ncand > 0) sort_trim<R>(ss, si, sr, k + ncand, k, &ncand, &have_thr, &thr_s, &thr_i);
   const int nout = total < k ? (int)total : k;
   for (int i = threadIdx.x; i < nout; i += THREADS) {
     a.ps[sel.dst + i] = ss[i];
     a.pi[sel.dst + i] = si[i];
+    if constexpr (R) a.pr[sel.dst + i] = sr[i];
   }
 }
 
@@ -452,6 +471,7 @@ __global__ void __launch_bounds__(THREADS) emit_kernel(const kvi__search_args a)
   for (int j = threadIdx.x; j < a.k; j += THREADS) {
     ids[j] = j < n ? a.pi[e.src + j] : ~0ull;
     scores[j] = j < n ? a.ps[e.src + j] : -INFINITY;
+    if (a.out_rows) a.out_rows[(int64_t)e.out * a.k + j] = j < n ? (int32_t)a.pr[e.src + j] : -1;
   }
   if (threadIdx.x == 0) a.out_counts[e.out] = n;
 }
@@ -511,7 +531,10 @@ extern "C" int kvi__cuda_search_scan(const kvi__search_args *a, struct CUstream_
 
 extern "C" int kvi__cuda_search_select(const kvi__search_args *a, struct CUstream_st *stream) {
   if (a->k < 1 || a->k > KVI_SEARCH_MAX_K) return (int)cudaErrorInvalidValue;
-  select_kernel<<<(unsigned)a->nsels, THREADS, 0, (cudaStream_t)stream>>>(*a);
+  if (a->pr)
+    select_kernel<true><<<(unsigned)a->nsels, THREADS, 0, (cudaStream_t)stream>>>(*a);
+  else
+    select_kernel<false><<<(unsigned)a->nsels, THREADS, 0, (cudaStream_t)stream>>>(*a);
   return (int)cudaGetLastError();
 }
 

@@ -219,3 +219,18 @@ extern "C" int kvi__cuda_view_to_pages(const kvi__copy_args *a, struct CUstream_
 extern "C" int kvi__cuda_pages_to_view(const kvi__copy_args *a, struct CUstream_st *stream) {
   return launch<false>(a, (cudaStream_t)stream);
 }
+
+namespace {
+
+/* A directory row and an id, from the parameters (kernels.h, kvi__dir_args). */
+__global__ void dir_kernel(const __grid_constant__ kvi__dir_args a) {
+  for (int i = (int)threadIdx.x; i < a.n; i += (int)blockDim.x) a.dir[i] = a.words[i];
+  if (threadIdx.x == 0 && a.ids) *a.ids = a.id;
+}
+
+} // namespace
+
+extern "C" int kvi__cuda_dir_set(const kvi__dir_args *a, struct CUstream_st *stream) {
+  dir_kernel<<<1, 128, 0, (cudaStream_t)stream>>>(*a);
+  return (int)cudaGetLastError();
+}

@@ -143,6 +143,55 @@ typedef struct kvi__xfer_args {
 /* One launch: grid (nsegs, layer chunks). Returns a cudaError_t. */
 int kvi__cuda_transfer(const kvi__xfer_args *a, struct CUstream_st *stream);
 
+/* ---- retrieve-and-inject on the device (cuda/transfer_kernels.cu) ------- */
+
+/* A tenant's directory (CUDA stores without a host tier): row r of its
+ * embedding matrix is the fact whose token count is dir[r * stride] and
+ * whose page ids follow, one word each. */
+
+/* One query of a retrieve-and-inject call. */
+typedef struct kvi__rquery {
+  const uint32_t *dir;  /* its tenant's directory (device), or NULL: no facts */
+  int64_t first_slot;   /* sequence index of the first injected token */
+  int64_t cap;          /* tokens its block table holds from first_slot on */
+  int32_t stride;       /* words per directory row */
+  int32_t spf;          /* segments reserved per fact */
+  int32_t nres;         /* facts reserved: the search finds at most this many */
+  int32_t seg0;         /* its first segment: nres * spf of them */
+  int32_t start_position;
+  int32_t best_last;    /* 1: inject the best fact last */
+} kvi__rquery;
+
+/* Writes the injection plan's segments from the search's results: one CTA
+ * per query; a query's facts land back to back in rank order. Unused
+ * segments get ntok 0. A query whose winners need more than `cap` tokens
+ * injects nothing (count 0, its tokens added to *skipped). */
+typedef struct kvi__rplan_args {
+  const kvi__rquery *queries; /* device */
+  int32_t nq, k, P, seg_tokens;
+  const int32_t *rows;        /* nq x k tenant rows (search output, device) */
+  const int32_t *counts;      /* nq facts found (device) */
+  kvi__xseg *segs;            /* the plan's segments (device) */
+  int32_t *out_counts;        /* nq facts injected (device) */
+  int32_t *out_tokens;        /* nq tokens injected (device) */
+  unsigned long long *skipped;
+} kvi__rplan_args;
+
+int kvi__cuda_retrieve_plan(const kvi__rplan_args *a, struct CUstream_st *stream);
+
+/* A directory row and an id written by one launch (the values travel in the
+ * parameters): ids[0] = id; dir[i] = words[i] for i < n. */
+#define KVI__DIR_WORDS 1024
+typedef struct kvi__dir_args {
+  uint64_t *ids;
+  uint64_t id;
+  uint32_t *dir;
+  int32_t n;
+  uint32_t words[KVI__DIR_WORDS];
+} kvi__dir_args;
+
+int kvi__cuda_dir_set(const kvi__dir_args *a, struct CUstream_st *stream);
+
 /* ---- retrieval (cuda/search_kernels.cu, built with cuBLASLt) ------------- */
 
 /* Queries per scan tile, and the shared memory their fp32 copy may take. */
@@ -171,12 +220,14 @@ typedef struct kvi__sblock {
 /* One top-k selection (a CTA), writing min(k, na + nb) (score, id) pairs
  * sorted (score descending, id ascending) to pairs[dst...]. Stage 1
  * (ids != NULL): the nb scores at scores[a...] of the score area, whose fact
- * ids are ids[0...]; na = 0. Stage 2 (ids == NULL): the na pairs at
- * pairs[a...] and the nb pairs at pairs[b...]; dst may equal a. */
+ * ids are ids[0...] and tenant rows row0...; na = 0. Stage 2 (ids == NULL):
+ * the na pairs at pairs[a...] and the nb pairs at pairs[b...]; dst may
+ * equal a. With pr (kvi__search_args), each pair also carries its row. */
 typedef struct kvi__sel {
   const uint64_t *ids;
   int64_t a, b, dst;
   int32_t na, nb;
+  int32_t row0, pad_;
 } kvi__sel;
 
 /* Query `out`'s results: n pairs from pairs[src...] (0 for a tenant without
@@ -210,12 +261,14 @@ typedef struct kvi__search_args {
   int32_t nsels;
   float *ps;           /* pairs: scores */
   uint64_t *pi;        /* pairs: fact ids */
+  uint32_t *pr;        /* pairs: tenant rows, or NULL (not wanted) */
   /* emit */
   const kvi__emit *emits;
   int32_t nemits;
   uint64_t *out_ids;
   float *out_scores;
   int32_t *out_counts;
+  int32_t *out_rows;   /* with pr: nq x k tenant rows (-1 past the count) */
 } kvi__search_args;
 
 /* Each enqueues one launch on `stream` and returns its cudaError_t. */

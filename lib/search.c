@@ -272,6 +272,7 @@ KVI_API kvi_status kvi_store_search_async_errors(kvi_store *store, int64_t *out_
 typedef struct ptile {
   kvi__stile d;        /* as uploaded */
   const uint64_t *ids; /* fact id of the tile's row 0 (device) */
+  int32_t row0;        /* the tenant row of the tile's row 0 */
   int32_t seg;         /* scores per stage-1 selection */
   bool gemm;
 } ptile;
@@ -415,6 +416,7 @@ static kvi_status build_plan(const kvi_store *s, plan *p, const uint64_t *tenant
         pt->d.nf = (int32_t)(n - f0 < ft ? n - f0 : ft);
         pt->d.sld = (int32_t)round_up((size_t)pt->d.nf, 4);
         pt->ids = t->ids + f0;
+        pt->row0 = (int32_t)f0;
         /* stage-1 runs: about four selections per SM over the tile's queries
          * (a selection reads its run about twice, whatever its length) */
         int64_t run = (int64_t)pt->d.nf * qn / (4 * (sms > 0 ? sms : 132));
@@ -473,6 +475,7 @@ static kvi_status build_plan(const kvi_store *s, plan *p, const uint64_t *tenant
           kvi__sel *sl = &p->sels[p->nsels++];
           memset(sl, 0, sizeof *sl);
           sl->ids = pt->ids + f0;
+          sl->row0 = pt->row0 + f0;
           sl->a = pt->d.off + (int64_t)j * pt->d.sld + f0;
           sl->nb = pt->d.nf - f0 < pt->seg ? pt->d.nf - f0 : pt->seg;
           if (!MORE(sq, nsq, csq)) goto oom;
@@ -571,13 +574,16 @@ static kvi_status take_slot(kvi_store *s, size_t bytes, sslot **out, const char 
 /* Byte layout of a call's upload (plan, host queries), workspace and results. */
 typedef struct layout {
   size_t o_perm, o_tiles, o_blocks, o_sels, o_emits, o_raw, upload; /* in the upload */
-  size_t o_q, o_valid, o_ps, o_pi, o_scores, o_lt, o_out_ids, o_out_scores, o_out_counts, ws; /* in the workspace */
+  size_t o_q, o_valid, o_ps, o_pi, o_pr, o_scores, o_lt, o_rows, ws; /* in the workspace */
+  /* results for the host (or scores nobody asked for), back to back */
+  size_t o_out_ids, o_out_scores, o_out_counts, o_out_tokens;
   size_t out; /* host results, in the slot after the upload */
   size_t pairs;
 } layout;
 
+/* rows: a retrieve-and-inject search (pairs carry rows; tokens are a result) */
 static void make_layout(layout *l, const kvi_store *s, const plan *p, int32_t nq, int32_t k, kvi_dtype qt,
-                        bool host_queries, bool host_out) {
+                        bool host_queries, bool host_out, bool rows) {
   memset(l, 0, sizeof *l);
   size_t o = 0;
   l->o_perm = o, o = align256(o + (size_t)nq * sizeof(int32_t));
@@ -593,15 +599,20 @@ static void make_layout(layout *l, const kvi_store *s, const plan *p, int32_t nq
   l->o_valid = o, o = align256(o + (size_t)nq * sizeof(int32_t));
   l->o_ps = o, o = align256(o + l->pairs * sizeof(float));
   l->o_pi = o, o = align256(o + l->pairs * sizeof(uint64_t));
+  if (rows) l->o_pr = o, o = align256(o + l->pairs * sizeof(uint32_t));
   l->o_scores = o, o = align256(o + p->score_floats * sizeof(float));
   l->o_lt = o;
   if (p->any_gemm) o = align256(o + LT_WS);
   const size_t no = (size_t)nq * k;
-  if (host_out) {
-    l->out = align256(no * sizeof(uint64_t)) + align256(no * sizeof(float)) + align256((size_t)nq * sizeof(int32_t));
+  if (rows) l->o_rows = o, o = align256(o + no * sizeof(int32_t));
+  if (host_out || rows) {
+    const size_t o0 = o;
     l->o_out_ids = o, o = align256(o + no * sizeof(uint64_t));
     l->o_out_scores = o, o = align256(o + no * sizeof(float));
     l->o_out_counts = o, o = align256(o + (size_t)nq * sizeof(int32_t));
+    l->o_out_tokens = o;
+    if (rows) o = align256(o + (size_t)nq * sizeof(int32_t));
+    if (host_out) l->out = o - o0;
   }
   l->ws = o;
 }
@@ -630,7 +641,7 @@ static void write_upload(char *u, const layout *l, const plan *p, int32_t nq) {
 
 /* Enqueues everything after the upload (store locked, device current). */
 static kvi_status enqueue(kvi_store *s, const plan *p, const layout *l, const void *raw, kvi_dtype qt, int32_t nq,
-                          int32_t k, uint64_t *out_ids, float *out_scores, int32_t *out_counts,
+                          int32_t k, uint64_t *out_ids, float *out_scores, int32_t *out_counts, int32_t *out_rows,
                           struct CUstream_st *stream, const char *fn) {
   kvi__search *x = s->search;
   char *ws = x->ws;
@@ -651,6 +662,8 @@ static kvi_status enqueue(kvi_store *s, const plan *p, const layout *l, const vo
   a.scores = (float *)(ws + l->o_scores);
   a.ps = (float *)(ws + l->o_ps);
   a.pi = (uint64_t *)(ws + l->o_pi);
+  a.pr = out_rows ? (uint32_t *)(ws + l->o_pr) : NULL;
+  a.out_rows = out_rows;
   a.out_ids = out_ids;
   a.out_scores = out_scores;
   a.out_counts = out_counts;
@@ -689,10 +702,11 @@ static kvi_status enqueue(kvi_store *s, const plan *p, const layout *l, const vo
   return st;
 }
 
+/* then: kvi__search_then (out_scores NULL, out_tokens a result), or NULL */
 static kvi_status cuda_search(kvi_store *s, const void *queries, kvi_dtype qt, kvi_memory qm, int32_t nq,
                               const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
-                              int32_t *out_counts, kvi_memory om, uint64_t area, struct CUstream_st *stream,
-                              const char *fn) {
+                              int32_t *out_counts, int32_t *out_tokens, kvi_memory om, uint64_t area,
+                              const kvi__search_then *then, struct CUstream_st *stream, const char *fn) {
   if (!(kvi_features() & KVI_FEATURE_CUBLASLT))
     return kvi__fail(KVI_ERR_NOT_BUILT, fn, "searching a CUDA store needs cuBLASLt, and libkvinject was built without it");
   const bool host_q = qm == KVI_MEMORY_HOST, host_out = om == KVI_MEMORY_HOST;
@@ -712,12 +726,13 @@ static kvi_status cuda_search(kvi_store *s, const void *queries, kvi_dtype qt, k
   if ((st = search_state(s, fn))) goto out_leave;
   kvi__search *x = s->search;
   if ((st = build_plan(s, &p, tenants, nq, k, area, x->sms, fn))) goto out_leave;
-  make_layout(&l, s, &p, nq, k, qt, host_q, host_out);
+  make_layout(&l, s, &p, nq, k, qt, host_q, host_out, then != NULL);
   if (p.any_gemm && !x->lt && (st = kvi__lt_create(&x->lt, fn))) goto out_leave;
   if ((st = take_slot(s, l.upload + l.out, &sl, fn))) goto out_leave;
   sl->busy = true;
   write_upload(sl->host, &l, &p, nq);
   if (host_q) memcpy(sl->host + l.o_raw, queries, (size_t)nq * s->emb_dim * kvi_dtype_size(qt));
+  if (then && (st = then->prepare(then->ctx, fn))) goto out_leave;
 
   /* enqueue: after the last change to the embeddings and the previous search */
   enqueued = true;
@@ -734,12 +749,17 @@ static kvi_status cuda_search(kvi_store *s, const void *queries, kvi_dtype qt, k
       kvi__fail(st, fn, "allocating a %zu-byte search workspace (workspace_bytes %llu)", want, (unsigned long long)area);
   }
   if (st == KVI_OK) st = kvi__cuda_h2d(x->ws, sl->host, l.upload, stream, fn);
+  /* results: the caller's device memory, or the workspace (host outputs, scores nobody asked for) */
+  uint64_t *d_ids = host_out ? (uint64_t *)(x->ws + l.o_out_ids) : out_ids;
+  float *d_scores = host_out || !out_scores ? (float *)(x->ws + l.o_out_scores) : out_scores;
+  int32_t *d_counts = host_out ? (int32_t *)(x->ws + l.o_out_counts) : out_counts;
+  int32_t *d_tokens = host_out ? (int32_t *)(x->ws + l.o_out_tokens) : out_tokens;
+  int32_t *d_rows = then ? (int32_t *)(x->ws + l.o_rows) : NULL;
   if (st == KVI_OK)
-    st = enqueue(s, &p, &l, host_q ? (const void *)(x->ws + l.o_raw) : queries, qt, nq, k,
-                 host_out ? (uint64_t *)(x->ws + l.o_out_ids) : out_ids,
-                 host_out ? (float *)(x->ws + l.o_out_scores) : out_scores,
-                 host_out ? (int32_t *)(x->ws + l.o_out_counts) : out_counts, stream, fn);
-  if (st == KVI_OK && host_out) /* ids, scores and counts sit back to back in both places */
+    st = enqueue(s, &p, &l, host_q ? (const void *)(x->ws + l.o_raw) : queries, qt, nq, k, d_ids, d_scores, d_counts,
+                 d_rows, stream, fn);
+  if (st == KVI_OK && then) st = then->enqueue(then->ctx, d_rows, d_counts, d_tokens, stream, fn);
+  if (st == KVI_OK && host_out) /* ids, scores, counts (and tokens) sit back to back in both places */
     st = kvi__cuda_d2h(sl->host + l.upload, x->ws + l.o_out_ids, l.out, stream, fn);
 
 out_leave:
@@ -765,12 +785,11 @@ out_unlock:
     /* wait for this search's results only, outside the lock; the slot stays ours */
     st = kvi__cuda_event_sync(sl->ev, fn);
     if (st == KVI_OK) {
-      const size_t no = (size_t)nq * k;
       const char *r = sl->host + l.upload;
-      memcpy(out_ids, r, no * sizeof(uint64_t));
-      memcpy(out_scores, r + align256(no * sizeof(uint64_t)), no * sizeof(float));
-      memcpy(out_counts, r + align256(no * sizeof(uint64_t)) + align256(no * sizeof(float)),
-             (size_t)nq * sizeof(int32_t));
+      memcpy(out_ids, r, (size_t)nq * k * sizeof(uint64_t));
+      if (out_scores) memcpy(out_scores, r + (l.o_out_scores - l.o_out_ids), (size_t)nq * k * sizeof(float));
+      memcpy(out_counts, r + (l.o_out_counts - l.o_out_ids), (size_t)nq * sizeof(int32_t));
+      if (then) memcpy(out_tokens, r + (l.o_out_tokens - l.o_out_ids), (size_t)nq * sizeof(int32_t));
     }
     kvi__store_lock(s);
     sl->busy = false;
@@ -785,26 +804,22 @@ out_unlock:
 /* the entry point                                                          */
 /* ------------------------------------------------------------------------ */
 
-KVI_API kvi_status kvi_store_search(kvi_store *store, const void *queries, int32_t num_queries, int32_t dim,
-                                    const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
-                                    int32_t *out_counts, const kvi_search_options *opts, struct CUstream_st *stream) {
-  static const char fn[] = "kvi_store_search";
-  if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
-  kvi_search_options o = KVI_SEARCH_OPTIONS_INIT;
-  kvi_status st;
-  if (opts && (st = kvi__read_struct(&o, sizeof o, opts, SEARCH_OPTIONS_V1, fn, "opts"))) return st;
-  if (!kvi__dtype_is_float(o.query_dtype))
+/* The checks kvi_store_search and kvi_retrieve_inject share: everything
+ * but the outputs. *o is the caller's options, read. */
+static kvi_status check_search(const kvi_store *store, const void *queries, int32_t num_queries, int32_t dim,
+                               const uint64_t *tenants, int32_t k, const kvi_search_options *o, const char *fn) {
+  if (!kvi__dtype_is_float(o->query_dtype))
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->query_dtype is %d, expected KVI_DTYPE_FP32, FP16 or BF16",
-                     (int)o.query_dtype);
-  if (o.query_memory != KVI_MEMORY_HOST && o.query_memory != KVI_MEMORY_DEVICE)
+                     (int)o->query_dtype);
+  if (o->query_memory != KVI_MEMORY_HOST && o->query_memory != KVI_MEMORY_DEVICE)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->query_memory is %d, expected KVI_MEMORY_HOST or DEVICE",
-                     (int)o.query_memory);
-  if (o.out_memory != KVI_MEMORY_HOST && o.out_memory != KVI_MEMORY_DEVICE)
+                     (int)o->query_memory);
+  if (o->out_memory != KVI_MEMORY_HOST && o->out_memory != KVI_MEMORY_DEVICE)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->out_memory is %d, expected KVI_MEMORY_HOST or DEVICE",
-                     (int)o.out_memory);
-  if (o.workspace_bytes < MIN_WORKSPACE)
+                     (int)o->out_memory);
+  if (o->workspace_bytes < MIN_WORKSPACE)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->workspace_bytes is %llu, expected at least %u (1 MiB)",
-                     (unsigned long long)o.workspace_bytes, MIN_WORKSPACE);
+                     (unsigned long long)o->workspace_bytes, MIN_WORKSPACE);
   if (num_queries < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_queries is %d", (int)num_queries);
   if (store->emb_dim == 0)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "the store keeps no embeddings (created with embedding_dim 0)");
@@ -814,19 +829,34 @@ KVI_API kvi_status kvi_store_search(kvi_store *store, const void *queries, int32
   if (k < 1 || k > KVI_SEARCH_MAX_K)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "k is %d, expected 1..%d", (int)k, KVI_SEARCH_MAX_K);
   if (num_queries == 0) return KVI_OK;
-  if (!queries || !tenants || !out_ids || !out_scores || !out_counts)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL",
-                     !queries ? "queries" : !tenants ? "tenants" : !out_ids ? "out_ids" : !out_scores ? "out_scores"
-                                                                                           : "out_counts");
+  if (!queries || !tenants)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", !queries ? "queries" : "tenants");
   const bool cuda = store->backend == KVI_BACKEND_CUDA;
-  if ((st = kvi__check_memory(queries, o.query_memory, cuda, store->device, fn, "queries")) ||
-      (st = kvi__check_memory(tenants, KVI_MEMORY_HOST, cuda, store->device, fn, "tenants")) ||
-      (st = kvi__check_memory(out_ids, o.out_memory, cuda, store->device, fn, "out_ids")) ||
+  kvi_status st;
+  if ((st = kvi__check_memory(queries, o->query_memory, cuda, store->device, fn, "queries")) ||
+      (st = kvi__check_memory(tenants, KVI_MEMORY_HOST, cuda, store->device, fn, "tenants")))
+    return st;
+  if (o->query_memory == KVI_MEMORY_HOST && (st = check_host_queries(store, queries, o->query_dtype, num_queries, dim, fn)))
+    return st;
+  return KVI_OK;
+}
+
+KVI_API kvi_status kvi_store_search(kvi_store *store, const void *queries, int32_t num_queries, int32_t dim,
+                                    const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
+                                    int32_t *out_counts, const kvi_search_options *opts, struct CUstream_st *stream) {
+  static const char fn[] = "kvi_store_search";
+  if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
+  kvi_search_options o = KVI_SEARCH_OPTIONS_INIT;
+  kvi_status st;
+  if (opts && (st = kvi__read_struct(&o, sizeof o, opts, SEARCH_OPTIONS_V1, fn, "opts"))) return st;
+  if (num_queries > 0 && (!out_ids || !out_scores || !out_counts))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL",
+                     !out_ids ? "out_ids" : !out_scores ? "out_scores" : "out_counts");
+  if ((st = check_search(store, queries, num_queries, dim, tenants, k, &o, fn)) || num_queries == 0) return st;
+  const bool cuda = store->backend == KVI_BACKEND_CUDA;
+  if ((st = kvi__check_memory(out_ids, o.out_memory, cuda, store->device, fn, "out_ids")) ||
       (st = kvi__check_memory(out_scores, o.out_memory, cuda, store->device, fn, "out_scores")) ||
       (st = kvi__check_memory(out_counts, o.out_memory, cuda, store->device, fn, "out_counts")))
-    return st;
-  if (o.query_memory == KVI_MEMORY_HOST &&
-      (st = check_host_queries(store, queries, o.query_dtype, num_queries, dim, fn)))
     return st;
   if (store->emb_sharded)
     return kvi__shard_search(store, queries, o.query_dtype, o.query_memory, num_queries, tenants, k, out_ids,
@@ -841,5 +871,19 @@ kvi_status kvi__search_local(kvi_store *s, const void *queries, kvi_dtype qt, kv
                              const char *fn) {
   if (s->backend != KVI_BACKEND_CUDA)
     return cpu_search(s, queries, qt, nq, tenants, k, out_ids, out_scores, out_counts, fn);
-  return cuda_search(s, queries, qt, qm, nq, tenants, k, out_ids, out_scores, out_counts, om, ws, stream, fn);
+  return cuda_search(s, queries, qt, qm, nq, tenants, k, out_ids, out_scores, out_counts, NULL, om, ws, NULL, stream,
+                     fn);
+}
+
+kvi_status kvi__search_check(const kvi_store *s, const void *queries, int32_t nq, int32_t dim, const uint64_t *tenants,
+                             int32_t k, const kvi_search_options *o, const char *fn) {
+  return check_search(s, queries, nq, dim, tenants, k, o, fn);
+}
+
+kvi_status kvi__search_then_run(kvi_store *s, const void *queries, const kvi_search_options *o, int32_t nq,
+                                const uint64_t *tenants, int32_t k, uint64_t *out_ids, int32_t *out_counts,
+                                int32_t *out_tokens, const kvi__search_then *then, struct CUstream_st *stream,
+                                const char *fn) {
+  return cuda_search(s, queries, o->query_dtype, o->query_memory, nq, tenants, k, out_ids, NULL, out_counts, out_tokens,
+                     o->out_memory, o->workspace_bytes, then, stream, fn);
 }

@@ -430,8 +430,7 @@ static kvi_status create_local(kvi_store **out, const kvi_model *model, const kv
     const int32_t per16 = (int32_t)(16 / kvi_dtype_size(o.embedding_dtype));
     s->emb_ld = (o.embedding_dim + per16 - 1) / per16 * per16;
   }
-  /* a staged row: the row, then its fact id in the last 8 of 16 bytes */
-  s->stage_row_bytes = (size_t)s->emb_ld * kvi_dtype_size(o.embedding_dtype) + 16;
+  s->stage_row_bytes = (size_t)s->emb_ld * kvi_dtype_size(o.embedding_dtype); /* a multiple of 16 on a CUDA store */
   s->page_elems = page_elems;
   s->page_bytes = page_bytes;
   s->fp8 = fp8;
@@ -441,6 +440,8 @@ static kvi_status create_local(kvi_store **out, const kvi_model *model, const kv
   s->pool.nfree = (uint32_t)npages;
   s->hpool.tier = TIER_HOST;
   s->hpool.npages = (uint32_t)hpages;
+  /* a tiered store moves facts between pools: its page ids are the host's to know */
+  s->dir_on = s->backend == KVI_BACKEND_CUDA && s->emb_dim > 0 && hpages == 0;
   s->hpool.nfree = (uint32_t)hpages;
   s->rope = calloc((size_t)g->num_layers, sizeof *s->rope);
   if (!s->rope) {
@@ -634,62 +635,82 @@ static kvi_status emb_publish(kvi_store *s) {
   return st;
 }
 
+/* Device bytes of a tenant's matrix, ids and directory per row. */
+static uint64_t row_cost(const kvi_store *s, const tenant *t) {
+  if (s->backend != KVI_BACKEND_CUDA) return row_bytes(s);
+  return row_bytes(s) + sizeof(uint64_t) + (uint64_t)t->dir_stride * sizeof(uint32_t);
+}
+
 static void emb_free(kvi_store *s, tenant *t) {
-  if (s->backend == KVI_BACKEND_CUDA && (t->emb || t->ids)) {
+  if (s->backend == KVI_BACKEND_CUDA && (t->emb || t->ids || t->dir)) {
     /* stream-ordered: after every search that was enqueued before (emb_stream waits for them) */
     kvi_status st;
     WITH_DEVICE(s, emb_fn, st, kvi__cuda_free_async(t->emb, s->emb_stream, emb_fn));
     emb_latch(s, st);
     WITH_DEVICE(s, emb_fn, st, kvi__cuda_free_async(t->ids, s->emb_stream, emb_fn));
     emb_latch(s, st);
+    WITH_DEVICE(s, emb_fn, st, kvi__cuda_free_async(t->dir, s->emb_stream, emb_fn));
+    emb_latch(s, st);
   } else {
     free(t->emb);
   }
-  s->emb_bytes -= (uint64_t)t->cap * (row_bytes(s) + (s->backend == KVI_BACKEND_CUDA ? sizeof(uint64_t) : 0));
+  s->emb_bytes -= (uint64_t)t->cap * row_cost(s, t);
   free(t->rows);
   t->emb = NULL;
   t->ids = NULL;
+  t->dir = NULL;
+  t->dir_stride = 0;
   t->rows = NULL;
   t->cap = 0;
 }
 
-/* Device matrix of `cap` rows: a new allocation, the live rows copied over,
- * the old one freed, all on emb_stream. */
-static kvi_status emb_grow_device(kvi_store *s, tenant *t, size_t cap, const char *fn) {
-  const size_t rb = row_bytes(s);
-  void *e = NULL, *ids = NULL;
-  kvi_status st = kvi__cuda_malloc_async(&e, cap * rb, s->emb_stream, fn);
-  if (st == KVI_OK) st = kvi__cuda_malloc_async(&ids, cap * sizeof(uint64_t), s->emb_stream, fn);
-  if (st == KVI_OK && t->nrows > 0) st = kvi__cuda_d2d(e, t->emb, t->nrows * rb, s->emb_stream, fn);
-  if (st == KVI_OK && t->nrows > 0) st = kvi__cuda_d2d(ids, t->ids, t->nrows * sizeof(uint64_t), s->emb_stream, fn);
+/* Device matrix of `cap` rows and directory rows of `stride` words: new
+ * allocations, the live rows copied over, the old ones freed, all on
+ * emb_stream. */
+static kvi_status emb_grow_device(kvi_store *s, tenant *t, size_t cap, int32_t stride, const char *fn) {
+  const size_t rb = row_bytes(s), db = (size_t)stride * sizeof(uint32_t), odb = (size_t)t->dir_stride * sizeof(uint32_t);
+  const bool same = cap == t->cap; /* only the directory's rows grow */
+  void *e = NULL, *ids = NULL, *dir = NULL;
+  kvi_status st = KVI_OK;
+  if (!same) st = kvi__cuda_malloc_async(&e, cap * rb, s->emb_stream, fn);
+  if (st == KVI_OK && !same) st = kvi__cuda_malloc_async(&ids, cap * sizeof(uint64_t), s->emb_stream, fn);
+  if (st == KVI_OK && db) st = kvi__cuda_malloc_async(&dir, cap * db, s->emb_stream, fn);
+  if (st == KVI_OK && !same && t->nrows > 0) st = kvi__cuda_d2d(e, t->emb, t->nrows * rb, s->emb_stream, fn);
+  if (st == KVI_OK && !same && t->nrows > 0)
+    st = kvi__cuda_d2d(ids, t->ids, t->nrows * sizeof(uint64_t), s->emb_stream, fn);
+  if (st == KVI_OK && odb && t->nrows > 0) st = kvi__cuda_copy2d(dir, db, t->dir, odb, odb, t->nrows, s->emb_stream, fn);
   if (st != KVI_OK) {
     if (st == KVI_ERR_OUT_OF_MEMORY)
       kvi__fail(st, fn, "growing tenant %llu's embeddings to %zu rows (%zu bytes of device memory)",
-                (unsigned long long)t->id, cap, cap * (rb + sizeof(uint64_t)));
+                (unsigned long long)t->id, cap, cap * (rb + sizeof(uint64_t) + db));
     kvi_status st2 = kvi__cuda_free_async(e, s->emb_stream, fn);
     if (st2 == KVI_OK) st2 = kvi__cuda_free_async(ids, s->emb_stream, fn);
+    if (st2 == KVI_OK) st2 = kvi__cuda_free_async(dir, s->emb_stream, fn);
     emb_latch(s, st2);
     return st;
   }
-  st = kvi__cuda_free_async(t->emb, s->emb_stream, fn);
-  if (st == KVI_OK) st = kvi__cuda_free_async(t->ids, s->emb_stream, fn);
+  if (!same) st = kvi__cuda_free_async(t->emb, s->emb_stream, fn);
+  if (st == KVI_OK && !same) st = kvi__cuda_free_async(t->ids, s->emb_stream, fn);
+  if (st == KVI_OK && db) st = kvi__cuda_free_async(t->dir, s->emb_stream, fn);
   if (st == KVI_OK) st = emb_publish(s);
-  emb_latch(s, st); /* the new matrix holds the rows either way */
-  t->emb = e;
-  t->ids = ids;
+  emb_latch(s, st); /* the new arrays hold the rows either way */
+  if (!same) t->emb = e, t->ids = ids;
+  if (db) t->dir = dir, t->dir_stride = stride;
   return KVI_OK;
 }
 
-static kvi_status emb_grow(kvi_store *s, tenant *t, size_t need, const char *fn) {
+/* Room for `need` rows, and directory rows of `stride` words (dir_on). */
+static kvi_status emb_grow(kvi_store *s, tenant *t, size_t need, int32_t stride, const char *fn) {
   size_t cap = t->cap ? t->cap : 16;
   while (cap < need) cap *= 2;
   const size_t rb = row_bytes(s);
+  const uint64_t cost0 = (uint64_t)t->cap * row_cost(s, t);
   fact **rows = realloc(t->rows, cap * sizeof *rows); /* a larger array changes nothing else */
   if (!rows) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu embedding rows", cap);
   t->rows = rows;
   kvi_status st = KVI_OK;
   if (s->backend == KVI_BACKEND_CUDA) {
-    WITH_DEVICE(s, fn, st, emb_grow_device(s, t, cap, fn));
+    WITH_DEVICE(s, fn, st, emb_grow_device(s, t, cap, stride > t->dir_stride ? stride : 0, fn));
     if (st) return st;
   } else {
     if (cap * rb / rb != cap) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "%zu embedding rows overflow", cap);
@@ -699,8 +720,8 @@ static kvi_status emb_grow(kvi_store *s, tenant *t, size_t need, const char *fn)
                        (unsigned long long)t->id, cap, cap * rb);
     t->emb = e;
   }
-  s->emb_bytes += (uint64_t)(cap - t->cap) * (rb + (s->backend == KVI_BACKEND_CUDA ? sizeof(uint64_t) : 0));
   t->cap = cap;
+  s->emb_bytes += (uint64_t)cap * row_cost(s, t) - cost0;
   return KVI_OK;
 }
 
@@ -731,7 +752,7 @@ static kvi_status stage_reserve(kvi_store *s, size_t n, const char *fn) {
   return KVI_OK;
 }
 
-kvi_status kvi__store_reserve_rows(kvi_store *s, uint64_t tenant_id, size_t n, const char *fn) {
+kvi_status kvi__store_reserve_rows(kvi_store *s, uint64_t tenant_id, size_t n, int32_t tokens, const char *fn) {
   if (s->emb_dim == 0 || n == 0) return KVI_OK;
   if (s->emb_err)
     return kvi__fail(s->emb_err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb_err_msg);
@@ -743,7 +764,11 @@ kvi_status kvi__store_reserve_rows(kvi_store *s, uint64_t tenant_id, size_t n, c
     t->id = tenant_id;
     kvi__map_put(&s->tenants, tenant_id, 0, t); /* empty until commit; kvi__store_unreserve_rows drops it */
   }
-  if (t->nrows + t->pending + n > t->cap && (st = emb_grow(s, t, t->nrows + t->pending + n, fn))) return st;
+  /* a directory row: the token count, then the page ids */
+  const int32_t stride = s->dir_on ? 1 + (int32_t)pages_for(s, tokens) : 0;
+  if ((t->nrows + t->pending + n > t->cap || stride > t->dir_stride) &&
+      (st = emb_grow(s, t, t->nrows + t->pending + n, stride, fn)))
+    return st;
   if (s->backend == KVI_BACKEND_CUDA && (st = stage_reserve(s, n, fn))) return st;
   t->pending += n;
   return KVI_OK;
@@ -760,6 +785,32 @@ void kvi__store_unreserve_rows(kvi_store *s, uint64_t tenant_id) {
     emb_free(s, t);
     free(t);
   }
+}
+
+/* Row r's id and (dir_on) directory row, from the launch parameters. */
+static kvi_status dir_write(kvi_store *s, tenant *t, const fact *f, size_t r) {
+#ifdef KVI_HAVE_CUDA
+  kvi__dir_args a;
+  a.ids = t->ids + r;
+  a.id = f->id;
+  uint32_t done = 0; /* page ids written */
+  do {
+    a.dir = NULL;
+    a.n = 0;
+    if (s->dir_on) {
+      a.dir = t->dir + r * (size_t)t->dir_stride + (done ? 1 + done : 0);
+      if (!done) a.words[a.n++] = (uint32_t)f->tokens;
+      while (a.n < KVI__DIR_WORDS && done < f->npages) a.words[a.n++] = f->pages[done++];
+    }
+    const int err = kvi__cuda_dir_set(&a, s->emb_stream);
+    if (err) return kvi__cuda_error(err, emb_fn, "directory kernel launch");
+    a.ids = NULL; /* written */
+  } while (s->dir_on && done < f->npages);
+  return KVI_OK;
+#else
+  (void)t, (void)f, (void)r;
+  return kvi__fail(KVI_ERR_NOT_BUILT, emb_fn, "libkvinject was built without CUDA");
+#endif
 }
 
 /* Writes f's embedding e (fp32, already what the store keeps) as row t->nrows. */
@@ -782,13 +833,9 @@ static void emb_append(kvi_store *s, tenant *t, fact *f, const float *e) {
   char *row = s->emb_stage + (size_t)s->stage_used++ * s->stage_row_bytes;
   memset(row, 0, rb); /* the padding elements */
   kvi__convert(row, s->emb_dtype, e, KVI_DTYPE_FP32, s->emb_dim);
-  memcpy(row + s->stage_row_bytes - sizeof(uint64_t), &f->id, sizeof(uint64_t));
   kvi_status st;
   WITH_DEVICE(s, emb_fn, st, kvi__cuda_h2d((char *)t->emb + r * rb, row, rb, s->emb_stream, emb_fn));
-  if (st == KVI_OK)
-    WITH_DEVICE(s, emb_fn, st,
-                kvi__cuda_h2d(t->ids + r, row + s->stage_row_bytes - sizeof(uint64_t), sizeof(uint64_t), s->emb_stream,
-                              emb_fn));
+  if (st == KVI_OK) WITH_DEVICE(s, emb_fn, st, dir_write(s, t, f, r));
   if (st == KVI_OK) WITH_DEVICE(s, emb_fn, st, emb_publish(s));
   emb_latch(s, st);
 }
@@ -810,6 +857,10 @@ static void emb_remove(kvi_store *s, tenant *t, fact *f) {
       WITH_DEVICE(s, emb_fn, st, kvi__cuda_d2d((char *)t->emb + r * rb, (char *)t->emb + last * rb, rb, s->emb_stream, emb_fn));
       if (st == KVI_OK)
         WITH_DEVICE(s, emb_fn, st, kvi__cuda_d2d(t->ids + r, t->ids + last, sizeof(uint64_t), s->emb_stream, emb_fn));
+      if (st == KVI_OK && t->dir)
+        WITH_DEVICE(s, emb_fn, st,
+                    kvi__cuda_d2d(t->dir + r * (size_t)t->dir_stride, t->dir + last * (size_t)t->dir_stride,
+                                  (size_t)t->dir_stride * sizeof(uint32_t), s->emb_stream, emb_fn));
       if (st == KVI_OK) WITH_DEVICE(s, emb_fn, st, emb_publish(s));
       emb_latch(s, st);
     }
@@ -1243,6 +1294,7 @@ void kvi__store_commit(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, te
   } else {
     free(fresh);
   }
+  if (tokens > t->max_tokens) t->max_tokens = tokens;
   f->tenant_id = tenant_id;
   f->id = fact_id;
   f->tokens = tokens;
@@ -1330,7 +1382,7 @@ kvi_status kvi__store_put_views(kvi_store *store, kvi__put_item *items, int32_t 
   if (st == KVI_OK) st = kvi__map_reserve(&store->tenants, (size_t)n, fn);
   int32_t rows = 0; /* items whose embedding rows are reserved */
   for (; rows < n && st == KVI_OK; rows++)
-    st = kvi__store_reserve_rows(store, items[rows].tenant, items[rows].emb ? 1 : 0, fn);
+    st = kvi__store_reserve_rows(store, items[rows].tenant, items[rows].emb ? 1 : 0, items[rows].v->num_tokens, fn);
   bool copied = false;
   int32_t got = 0; /* items whose pages are off their free stack */
   for (int32_t i = 0; i < n && st == KVI_OK; i++) {

@@ -62,6 +62,11 @@ struct tenant {
   fact **rows;    /* host memory */
   size_t cap;     /* rows allocated */
   size_t pending; /* rows reserved by the call holding the lock (kvi__store_reserve_rows) */
+  int32_t max_tokens; /* the largest fact it has held (never lowered) */
+  /* The directory of a store with dir_on (kernels.h, kvi__rquery): [cap] rows
+   * of dir_stride words, in device memory, changed with the matrix. */
+  uint32_t *dir;
+  int32_t dir_stride;
 };
 
 struct kvi_store {
@@ -109,6 +114,7 @@ struct kvi_store {
   kvi_dtype emb_dtype;
   kvi_metric metric;
   bool emb_as_kept; /* kvi_store_load: incoming embeddings are already scaled and rounded */
+  bool dir_on;      /* tenants keep a device directory: a CUDA store with embeddings and no host tier */
   int32_t emb_ld;
   uint64_t emb_bytes; /* capacity of every matrix and id array */
   struct CUstream_st *emb_stream;
@@ -214,12 +220,13 @@ void kvi__store_give_back(kvi_store *s, const uint32_t *pages, uint32_t n);
 void kvi__store_touch(kvi_store *s, fact *f);
 
 /* Makes room for `n` more embedding rows in tenant_id's matrix (and, on a
- * CUDA store, n rows of staging), creating the tenant without facts if it is
+ * CUDA store, n rows of staging; with dir_on, directory rows for facts of
+ * up to `tokens` tokens), creating the tenant without facts if it is
  * new. No-op for a store without embeddings. Call after kvi__store_reserve,
  * for every fact the call will commit; if the call then fails, call
  * kvi__store_unreserve_rows for each of those tenants, so that no empty
  * tenant stays behind. The room that was made stays (as a hash map's). */
-kvi_status kvi__store_reserve_rows(kvi_store *s, uint64_t tenant_id, size_t n, const char *fn);
+kvi_status kvi__store_reserve_rows(kvi_store *s, uint64_t tenant_id, size_t n, int32_t tokens, const char *fn);
 void kvi__store_unreserve_rows(kvi_store *s, uint64_t tenant_id);
 
 /* Inserts a fact whose `need` pages hold its data, replacing any fact with
@@ -290,6 +297,33 @@ kvi_status kvi__shard_search(kvi_store *s, const void *queries, kvi_dtype qt, kv
                              const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
                              int32_t *out_counts, kvi_memory om, uint64_t ws, struct CUstream_st *stream,
                              const char *fn);
+
+/* search.c: kvi_store_search's checks of everything but its outputs (opts
+ * already read into *o). */
+kvi_status kvi__search_check(const kvi_store *s, const void *queries, int32_t nq, int32_t dim, const uint64_t *tenants,
+                             int32_t k, const kvi_search_options *o, const char *fn);
+
+/* search.c: the device search of kvi_retrieve_inject (a CUDA store without
+ * sharded embeddings; arguments checked). Under the store's lock it plans
+ * the search, calls prepare (whose failure fails the call with nothing
+ * enqueued), enqueues the search and then calls enqueue with device arrays:
+ * rows (nq x k tenant rows of the results, -1 past the count), counts (the
+ * facts found, which enqueue may overwrite with the facts injected) and
+ * tokens (for enqueue to fill). Both run before the search's end is
+ * recorded, so no put or remove changes a row or directory they read
+ * before their work is done. Results land in o->out_memory: out_ids (the
+ * search's), out_counts and out_tokens (as enqueue leaves them). */
+typedef struct kvi__search_then {
+  kvi_status (*prepare)(void *ctx, const char *fn);
+  kvi_status (*enqueue)(void *ctx, const int32_t *rows, int32_t *counts, int32_t *tokens, struct CUstream_st *stream,
+                        const char *fn);
+  void *ctx;
+} kvi__search_then;
+
+kvi_status kvi__search_then_run(kvi_store *s, const void *queries, const kvi_search_options *o, int32_t nq,
+                                const uint64_t *tenants, int32_t k, uint64_t *out_ids, int32_t *out_counts,
+                                int32_t *out_tokens, const kvi__search_then *then, struct CUstream_st *stream,
+                                const char *fn);
 
 /* Frees the search workspace (search.c); the store's device is current. */
 void kvi__search_release(kvi_store *s);

@@ -362,7 +362,8 @@ typedef struct plan {
   int32_t nsegs, nreqs, ntok, ntables;
   char *buf;  /* holds all of it: malloc'd (CPU), x->small (inline) or a staging slot's pinned buffer */
   slot *sl;   /* the staging slot, or NULL */
-  size_t o_reqs, o_pos, o_tab, bytes;
+  size_t o_reqs, o_pos, o_tab, o_ext, bytes; /* o_ext: the caller's own area, after the tables */
+  bool uploaded; /* the caller copied it to the slot's device buffer already */
 } plan;
 
 /* Segments a fact of `npages` pages can need, at most. */
@@ -405,9 +406,10 @@ static kvi_status check_job(const xfer *x, const job *j, int32_t index, const ch
 static kvi_status take_slot(xfer *x, slot **out, const char *fn);
 
 /* Sizes the plan and finds it a buffer: on the host for the CPU, in the
- * kernel parameters when small, else in a staging slot. */
+ * kernel parameters when small (and the caller has no area of ext bytes),
+ * else in a staging slot. */
 static kvi_status plan_alloc(plan *p, xfer *x, int32_t nsegs, int32_t nreqs, int64_t ntok, int64_t npos,
-                             int64_t ntables, const char *fn) {
+                             int64_t ntables, size_t ext, const char *fn) {
   memset(p, 0, sizeof *p);
   if (ntok > x->lim.max_tokens_per_call || nreqs > x->lim.max_requests_per_call ||
       ntables > x->lim.max_table_entries_per_call)
@@ -420,11 +422,15 @@ static kvi_status plan_alloc(plan *p, xfer *x, int32_t nsegs, int32_t nreqs, int
   p->o_reqs = align_up((size_t)nsegs * sizeof(kvi__xseg));
   p->o_pos = p->o_reqs + align_up((size_t)nreqs * sizeof(kvi__xreq));
   p->o_tab = p->o_pos + align_up((size_t)npos * sizeof(int32_t));
-  p->bytes = p->o_tab + (size_t)ntables * sizeof(int32_t);
+  p->o_ext = align_up(p->o_tab + (size_t)ntables * sizeof(int32_t));
+  p->bytes = ext ? p->o_ext + ext : p->o_tab + (size_t)ntables * sizeof(int32_t);
+  if (x->cuda && ext && p->bytes > x->slot_bytes) /* the limits size the slots; an area on top may not fit */
+    return kvi__fail(KVI_ERR_CAPACITY, fn, "the call's plan needs %zu bytes; the transfer options' limits allow %zu",
+                     p->bytes, x->slot_bytes);
   if (!x->cuda) {
     p->buf = malloc(p->bytes ? p->bytes : 1);
     if (!p->buf) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a %zu-byte plan", p->bytes);
-  } else if (p->bytes <= KVI__INLINE_PLAN) {
+  } else if (p->bytes <= KVI__INLINE_PLAN && !ext) {
     p->buf = (char *)x->small;
   } else {
     kvi_status st = take_slot(x, &p->sl, fn);
@@ -614,7 +620,7 @@ static kvi_status launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool in
   kvi__xfer_args a;
   memset(&a, 0, offsetof(kvi__xfer_args, inline_plan));
   if (p->sl) {
-    if ((st = kvi__cuda_h2d(p->sl->dev, p->sl->host, p->bytes, stream, fn))) return st;
+    if (!p->uploaded && (st = kvi__cuda_h2d(p->sl->dev, p->sl->host, p->bytes, stream, fn))) return st;
     a.plan_dev = p->sl->dev;
   } else {
     memcpy(a.inline_plan, p->buf, p->bytes);
@@ -815,7 +821,7 @@ KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *
       ntables += (jobs[r].first_slot + jobs[r].tokens - 1) / x->cache.BS - jobs[r].first_slot / x->cache.BS + 1;
   }
   plan p;
-  if ((st = plan_alloc(&p, x, nsegs, num_requests, ntok, npos, ntables, fn))) goto out_unlock;
+  if ((st = plan_alloc(&p, x, nsegs, num_requests, ntok, npos, ntables, 0, fn))) goto out_unlock;
   if (x->cuda && x->store->hpool.npages > 0 &&
       (st = bring_up((fact **)found, (size_t)nfacts, o.host_pages == KVI_HOST_PAGES_PROMOTE, x, stream, fn))) {
     plan_free(x, &p);
@@ -1033,11 +1039,11 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
   }
   bool rows_reserved = false;
   for (int32_t i = 0; i < num_captures && st == KVI_OK; i++) {
-    st = kvi__store_reserve_rows(s, cs[i].c.tenant, 1, fn);
+    st = kvi__store_reserve_rows(s, cs[i].c.tenant, 1, cs[i].c.num_tokens, fn);
     rows_reserved = true;
   }
   plan p;
-  if (st == KVI_OK) st = plan_alloc(&p, x, nsegs, num_captures, ntok, npos, ntables, fn);
+  if (st == KVI_OK) st = plan_alloc(&p, x, nsegs, num_captures, ntok, npos, ntables, 0, fn);
   if (st == KVI_OK) {
     /* pages from the top of the free stack, in commit order */
     uint32_t top = s->pool.nfree, next = 0;
@@ -1083,57 +1089,75 @@ KVI_API void kvi_retrieve_request_init(kvi_retrieve_request *req) {
   }
 }
 
-KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queries, int32_t num_queries, int32_t dim,
-                                       const kvi_retrieve_request *reqs, int32_t k, const kvi_search_options *opts,
-                                       uint64_t *out_ids, int32_t *out_counts, int32_t *out_tokens,
-                                       struct CUstream_st *stream) {
+/* What a query of a retrieve-and-inject call may inject: its tenant's
+ * facts with embeddings, at most k of them, each no longer than the longest
+ * fact the tenant has held (store locked). */
+static void reserve_of(const kvi_store *s, uint64_t tenant_id, int32_t k, int32_t *nres, int64_t *tokens) {
+  const tenant *t = kvi__map_get(&s->tenants, tenant_id, 0);
+  const size_t n = t ? t->nrows : 0;
+  *nres = n < (size_t)k ? (int32_t)n : k;
+  *tokens = (int64_t)*nres * (t ? t->max_tokens : 0);
+}
+
+/* A request as the job its reserve makes of it. */
+static void retrieve_job(const kvi_retrieve_request *rq, int64_t tokens, job *j) {
+  memset(j, 0, sizeof *j);
+  j->table = rq->block_table;
+  j->table_len = rq->block_table_len;
+  j->table_on_host = rq->block_table_memory == KVI_MEMORY_HOST;
+  j->first_slot = rq->first_slot;
+  j->tokens = tokens;
+  j->start_position = rq->start_position;
+}
+
+/* Checks request i's reserve: its block table and positions must take k
+ * facts of the tenant's longest size (store locked). */
+static kvi_status check_reserve(const xfer *x, const kvi_retrieve_request *rq, int32_t i, int32_t k, job *j,
+                                int32_t *nres, const char *fn) {
+  int64_t tokens;
+  reserve_of(x->store, rq->tenant, k, nres, &tokens);
+  if (rq->block_table_memory != KVI_MEMORY_HOST && rq->block_table_memory != KVI_MEMORY_DEVICE)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "request %d: block_table_memory is %d", (int)i,
+                     (int)rq->block_table_memory);
+  if (rq->block_table_memory == KVI_MEMORY_DEVICE && !x->cuda)
+    return kvi__fail(KVI_ERR_MEMORY_KIND, fn, "request %d: a CPU store reads host block tables only", (int)i);
+  retrieve_job(rq, tokens, j);
+  kvi_status st = KVI_OK;
+  if (tokens > 0 && j->table && x->cuda)
+    st = kvi__check_memory(j->table, j->table_on_host ? KVI_MEMORY_HOST : KVI_MEMORY_DEVICE, true, x->store->device, fn,
+                           j->table_on_host ? "a host block table" : "a device block table");
+  if (st == KVI_OK) st = check_job(x, j, i, "request", fn);
+  return st;
+}
+
+/* The host path (CPU stores, and CUDA stores with a host tier or sharded
+ * embeddings): kvi_store_search into host memory, then kvi_inject, which
+ * checks everything again before writing. Arguments read and checked. */
+static kvi_status retrieve_on_host(kvi_injector *injector, const void *queries, int32_t nq, int32_t dim,
+                                   const kvi_retrieve_request *rq, const uint64_t *tenants, int32_t k,
+                                   const kvi_search_options *opts, uint64_t *out_ids, int32_t *out_counts,
+                                   int32_t *out_tokens, struct CUstream_st *stream) {
   static const char fn[] = "kvi_retrieve_inject";
-  if (!injector) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "injector is NULL");
-  if (num_queries < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_queries is %d", (int)num_queries);
-  if (num_queries > 0 && (!reqs || !out_ids || !out_counts || !out_tokens))
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL",
-                     !reqs ? "reqs" : !out_ids ? "out_ids" : !out_counts ? "out_counts" : "out_tokens");
   xfer *x = &injector->x;
-  if (x->cuda)
-    return kvi__fail(KVI_ERR_UNSUPPORTED, fn,
-                     "retrieve-and-inject on a CUDA store is not implemented yet: call kvi_store_search with host "
-                     "outputs, then kvi_inject");
-  kvi_search_options so = KVI_SEARCH_OPTIONS_INIT;
-  kvi_status st;
-  if (opts && (st = kvi__read_struct(&so, sizeof so, opts, sizeof so, fn, "opts"))) return st;
-  if (so.out_memory != KVI_MEMORY_HOST)
-    return kvi__fail(so.out_memory == KVI_MEMORY_DEVICE ? KVI_ERR_MEMORY_KIND : KVI_ERR_INVALID_ARGUMENT, fn,
-                     "opts->out_memory is %d; a CPU store writes host memory only", (int)so.out_memory);
-  if (k < 1 || k > KVI_SEARCH_MAX_K)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "k is %d, expected 1..%d", (int)k, KVI_SEARCH_MAX_K);
-  if (num_queries == 0) return KVI_OK;
-  size_t rsize;
-  memcpy(&rsize, reqs, sizeof rsize);
-  const size_t n = (size_t)num_queries;
-  kvi_retrieve_request *rq = malloc(n * sizeof *rq);
+  const size_t n = (size_t)nq;
   kvi_inject_request *ir = malloc(n * sizeof *ir);
-  uint64_t *tenants = malloc(n * sizeof *tenants), *ids = malloc(n * (size_t)k * sizeof *ids);
-  uint64_t *order = malloc(n * (size_t)k * sizeof *order);
+  uint64_t *ids = malloc(n * (size_t)k * sizeof *ids), *order = malloc(n * (size_t)k * sizeof *order);
   float *scores = malloc(n * (size_t)k * sizeof *scores);
   int32_t *counts = malloc(n * sizeof *counts), *tokens = malloc(n * sizeof *tokens);
-  st = rq && ir && tenants && ids && order && scores && counts && tokens
-           ? KVI_OK
-           : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d requests of %d facts", (int)num_queries, (int)k);
-  for (size_t i = 0; i < n && st == KVI_OK; i++) {
-    const char *src = (const char *)reqs + i * rsize;
-    size_t sz;
-    memcpy(&sz, src, sizeof sz);
-    if (sz != rsize)
-      st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "reqs[%zu].struct_size is %zu, reqs[0]'s is %zu; they must be equal", i,
-                     sz, rsize);
-    else if (!(st = kvi__read_struct(&rq[i], sizeof rq[i], src, RETRIEVE_REQUEST_V1, fn, "reqs[i]")) &&
-             (rq[i].flags & ~KVI_RETRIEVE_BEST_LAST))
-      st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "reqs[%zu].flags has unknown bits 0x%x", i,
-                     rq[i].flags & ~KVI_RETRIEVE_BEST_LAST);
-    if (st == KVI_OK) tenants[i] = rq[i].tenant;
+  kvi_status st = ir && ids && order && scores && counts && tokens
+                      ? KVI_OK
+                      : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d requests of %d facts", (int)nq, (int)k);
+  /* the same contract as the device path: room for k facts of the tenant's longest size */
+  kvi__store_lock(x->store);
+  for (int32_t i = 0; i < nq && st == KVI_OK; i++) {
+    job j;
+    int32_t nres;
+    st = check_reserve(x, &rq[i], i, k, &j, &nres, fn);
   }
+  kvi__store_unlock(x->store);
+  kvi_search_options so = *opts;
   so.out_memory = KVI_MEMORY_HOST;
-  if (st == KVI_OK) st = kvi_store_search(x->store, queries, num_queries, dim, tenants, k, ids, scores, counts, &so, stream);
+  if (st == KVI_OK) st = kvi_store_search(x->store, queries, nq, dim, tenants, k, ids, scores, counts, &so, stream);
   for (size_t i = 0; i < n && st == KVI_OK; i++) {
     uint64_t *o = order + i * (size_t)k;
     for (int32_t j = 0; j < counts[i]; j++)
@@ -1153,19 +1177,168 @@ KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queri
     q.start_position = rq[i].start_position;
     ir[i] = q;
   }
-  if (st == KVI_OK) st = kvi_inject(injector, ir, num_queries, NULL, stream); /* checks everything before writing */
+  if (st == KVI_OK) st = kvi_inject(injector, ir, nq, NULL, stream); /* checks everything before writing */
   if (st == KVI_OK) {
     memcpy(out_ids, ids, n * (size_t)k * sizeof *ids);
     memcpy(out_counts, counts, n * sizeof *counts);
     memcpy(out_tokens, tokens, n * sizeof *tokens);
   }
-  free(rq);
   free(ir);
-  free(tenants);
   free(ids);
   free(order);
   free(scores);
   free(counts);
   free(tokens);
+  return st;
+}
+
+/* The device path: the search's enqueue hook writes the plan's segments
+ * from its results and launches the injection, without the host. */
+typedef struct retr {
+  xfer *x;
+  const kvi_retrieve_request *rq;
+  const uint64_t *tenants;
+  int32_t nq, k;
+  plan p;
+} retr;
+
+static kvi_status retr_prepare(void *ctx, const char *fn) {
+  retr *r = ctx;
+  xfer *x = r->x;
+  const kvi_store *s = x->store;
+  job *jobs = malloc((size_t)r->nq * sizeof *jobs);
+  int32_t *nres = malloc((size_t)r->nq * sizeof *nres), *spf = malloc((size_t)r->nq * sizeof *spf);
+  kvi_status st = jobs && nres && spf ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d requests", (int)r->nq);
+  int64_t ntok = 0, ntables = 0, nsegs = 0;
+  for (int32_t i = 0; i < r->nq && st == KVI_OK; i++) {
+    if ((st = check_reserve(x, &r->rq[i], i, r->k, &jobs[i], &nres[i], fn))) break;
+    const tenant *t = kvi__map_get(&s->tenants, r->rq[i].tenant, 0);
+    const int32_t longest = t ? t->max_tokens : 0;
+    /* a fact has at most one segment per token, and per page part */
+    spf[i] = segs_for(x, pages_for(s, longest));
+    if (spf[i] > longest) spf[i] = longest;
+    ntok += jobs[i].tokens;
+    nsegs += (int64_t)nres[i] * spf[i];
+    if (jobs[i].tokens > 0 && jobs[i].table_on_host)
+      ntables += (jobs[i].first_slot + jobs[i].tokens - 1) / x->cache.BS - jobs[i].first_slot / x->cache.BS + 1;
+  }
+  if (st == KVI_OK && nsegs > ntok) st = kvi__fail(KVI_ERR_INTERNAL, fn, "%lld segments for %lld tokens", (long long)nsegs, (long long)ntok);
+  if (st == KVI_OK)
+    st = plan_alloc(&r->p, x, (int32_t)nsegs, r->nq, ntok, 0, ntables, (size_t)r->nq * sizeof(kvi__rquery), fn);
+  if (st == KVI_OK) {
+    kvi__rquery *q = (kvi__rquery *)(r->p.buf + r->p.o_ext);
+    int32_t seg0 = 0;
+    for (int32_t i = 0; i < r->nq; i++) {
+      const tenant *t = kvi__map_get(&s->tenants, r->rq[i].tenant, 0);
+      plan_request(&r->p, x, &jobs[i]);
+      memset(&q[i], 0, sizeof q[i]);
+      q[i].dir = nres[i] > 0 ? t->dir : NULL;
+      q[i].first_slot = jobs[i].first_slot;
+      q[i].cap = jobs[i].tokens;
+      q[i].stride = t ? t->dir_stride : 0;
+      q[i].spf = spf[i];
+      q[i].seg0 = seg0;
+      q[i].nres = nres[i];
+      q[i].start_position = r->rq[i].start_position;
+      q[i].best_last = (r->rq[i].flags & KVI_RETRIEVE_BEST_LAST) != 0;
+      seg0 += nres[i] * spf[i];
+    }
+    r->p.nsegs = seg0;
+  }
+  free(jobs);
+  free(nres);
+  free(spf);
+  return st;
+}
+
+static kvi_status retr_enqueue(void *ctx, const int32_t *rows, int32_t *counts, int32_t *tokens,
+                               struct CUstream_st *stream, const char *fn) {
+  retr *r = ctx;
+  xfer *x = r->x;
+  plan *p = &r->p;
+  kvi_status st = kvi__cuda_h2d(p->sl->dev, p->sl->host, p->bytes, stream, fn);
+  if (st) return st;
+  p->uploaded = true;
+  kvi__rplan_args a;
+  memset(&a, 0, sizeof a);
+  a.queries = (const kvi__rquery *)(p->sl->dev + p->o_ext);
+  a.nq = r->nq;
+  a.k = r->k;
+  a.P = x->store->P;
+  a.seg_tokens = x->seg_tokens;
+  a.rows = rows;
+  a.counts = counts;
+  a.segs = (kvi__xseg *)p->sl->dev;
+  a.out_counts = counts;
+  a.out_tokens = tokens;
+  a.skipped = x->skipped_dev;
+#ifdef KVI_HAVE_CUDA
+  const int err = kvi__cuda_retrieve_plan(&a, stream);
+  if (err) return kvi__cuda_error(err, fn, "retrieve plan kernel launch");
+#endif
+  return launch(x, p, 0, x->cache.L, true, stream, fn);
+}
+
+KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queries, int32_t num_queries, int32_t dim,
+                                       const kvi_retrieve_request *reqs, int32_t k, const kvi_search_options *opts,
+                                       uint64_t *out_ids, int32_t *out_counts, int32_t *out_tokens,
+                                       struct CUstream_st *stream) {
+  static const char fn[] = "kvi_retrieve_inject";
+  if (!injector) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "injector is NULL");
+  if (num_queries < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_queries is %d", (int)num_queries);
+  if (num_queries > 0 && (!reqs || !out_ids || !out_counts || !out_tokens))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL",
+                     !reqs ? "reqs" : !out_ids ? "out_ids" : !out_counts ? "out_counts" : "out_tokens");
+  xfer *x = &injector->x;
+  kvi_store *s = x->store;
+  kvi_search_options so = KVI_SEARCH_OPTIONS_INIT;
+  kvi_status st;
+  if (opts && (st = kvi__read_struct(&so, sizeof so, opts, sizeof so, fn, "opts"))) return st;
+  if (k < 1 || k > KVI_SEARCH_MAX_K)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "k is %d, expected 1..%d", (int)k, KVI_SEARCH_MAX_K);
+  if (num_queries == 0) return KVI_OK;
+  size_t rsize;
+  memcpy(&rsize, reqs, sizeof rsize);
+  const size_t n = (size_t)num_queries;
+  kvi_retrieve_request *rq = malloc(n * sizeof *rq);
+  uint64_t *tenants = malloc(n * sizeof *tenants);
+  st = rq && tenants ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d requests", (int)num_queries);
+  for (size_t i = 0; i < n && st == KVI_OK; i++) {
+    const char *src = (const char *)reqs + i * rsize;
+    size_t sz;
+    memcpy(&sz, src, sizeof sz);
+    if (sz != rsize)
+      st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "reqs[%zu].struct_size is %zu, reqs[0]'s is %zu; they must be equal", i,
+                     sz, rsize);
+    else if (!(st = kvi__read_struct(&rq[i], sizeof rq[i], src, RETRIEVE_REQUEST_V1, fn, "reqs[i]")) &&
+             (rq[i].flags & ~KVI_RETRIEVE_BEST_LAST))
+      st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "reqs[%zu].flags has unknown bits 0x%x", i,
+                     rq[i].flags & ~KVI_RETRIEVE_BEST_LAST);
+    if (st == KVI_OK) tenants[i] = rq[i].tenant;
+  }
+  if (st == KVI_OK) st = kvi__search_check(s, queries, num_queries, dim, tenants, k, &so, fn);
+  if (st == KVI_OK && (!x->cuda || !s->dir_on || s->emb_sharded) && so.out_memory != KVI_MEMORY_HOST)
+    st = kvi__fail(so.out_memory == KVI_MEMORY_DEVICE ? KVI_ERR_MEMORY_KIND : KVI_ERR_INVALID_ARGUMENT, fn,
+                   "opts->out_memory is %d; %s writes host memory only", (int)so.out_memory,
+                   !x->cuda ? "a CPU store" : "a store with a host tier or sharded embeddings");
+  const char *what[3] = {"out_ids", "out_counts", "out_tokens"};
+  const void *outs[3] = {out_ids, out_counts, out_tokens};
+  for (int i = 0; i < 3 && st == KVI_OK; i++)
+    st = kvi__check_memory(outs[i], so.out_memory, x->cuda, s->device, fn, what[i]);
+  if (st == KVI_OK && x->cuda && s->dir_on && !s->emb_sharded) {
+    /* the device path: search, plan and inject enqueued under one hold of both locks */
+    retr r = {x, rq, tenants, num_queries, k, {0}};
+    const kvi__search_then then = {retr_prepare, retr_enqueue, &r};
+    pthread_mutex_lock(&x->lock);
+    st = kvi__search_then_run(s, queries, &so, num_queries, tenants, k, out_ids, out_counts, out_tokens, &then, stream,
+                              fn);
+    plan_free(x, &r.p);
+    pthread_mutex_unlock(&x->lock);
+  } else if (st == KVI_OK) {
+    st = retrieve_on_host(injector, queries, num_queries, dim, rq, tenants, k, &so, out_ids, out_counts, out_tokens,
+                          stream);
+  }
+  free(rq);
+  free(tenants);
   return st;
 }
