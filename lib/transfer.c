@@ -8,7 +8,8 @@
  * capture is validated, facts are looked up, and the work is cut into
  * segments (runs of at most seg_tokens tokens of one page). The CPU backend
  * executes the segments here (the reference); the CUDA backend runs one fused
- * kernel (cuda/transfer_kernels.cu) that finds the plan (segments, positions,
+ * kernel (cuda/transfer_kernels.cu; a capture call, once per CAPTURE_CHUNK
+ * captures, every capture checked first) that finds the plan (segments, positions,
  * host block tables) in its parameters when it is small (up to
  * KVI__INLINE_PLAN bytes, the common single-request case: no upload) and
  * otherwise uploads it in one copy from a pinned staging slot.
@@ -29,6 +30,11 @@
 #define INJECT_OPTIONS_V1 offsetof(kvi_inject_options, host_pages) /* the fields before the host tier came first */
 #define CAPTURE_V1 sizeof(kvi_capture)
 #define SLOTS 2
+/* Captures per kernel launch of a large kvi_encode call: the device starts on
+ * the first chunk while the host plans the next (a chunk of facts of 24
+ * tokens of Llama-3.1-8B is about 0.8 GB of traffic, so the launch gaps are
+ * noise), and every chunk's plan lies in the call's one staging slot. */
+#define CAPTURE_CHUNK 512
 
 typedef struct slot {
   char *host; /* pinned */
@@ -103,12 +109,15 @@ KVI_API void kvi_capture_init(kvi_capture *cap) {
 
 static size_t align_up(size_t n) { return (n + 15) & ~(size_t)15; }
 
-/* Byte layout of one staging slot for the limits. */
+/* Byte layout of one staging slot for the limits, plus the alignment padding
+ * of a capture call's chunk plans (at most 4 x 15 bytes and a 16-byte start
+ * per chunk). */
 static size_t slot_size(const kvi_transfer_options *o) {
   return align_up((size_t)o->max_tokens_per_call * sizeof(kvi__xseg)) +
          align_up((size_t)o->max_requests_per_call * sizeof(kvi__xreq)) +
          align_up((size_t)o->max_tokens_per_call * sizeof(int32_t)) +
-         align_up((size_t)o->max_table_entries_per_call * sizeof(int32_t));
+         align_up((size_t)o->max_table_entries_per_call * sizeof(int32_t)) +
+         ((size_t)o->max_requests_per_call / CAPTURE_CHUNK + 1) * 80;
 }
 
 static void xfer_release(xfer *x) {
@@ -353,7 +362,8 @@ typedef struct job {
   int32_t start_position;
 } job;
 
-/* The plan of one call: host arrays, laid out as they are uploaded. */
+/* The plan of one call (or of one chunk of a call's captures): host arrays,
+ * laid out as they are uploaded. */
 typedef struct plan {
   kvi__xseg *segs;
   kvi__xreq *reqs;
@@ -362,6 +372,7 @@ typedef struct plan {
   int32_t nsegs, nreqs, ntok, ntables;
   char *buf;  /* holds all of it: malloc'd (CPU), x->small (inline) or a staging slot's pinned buffer */
   slot *sl;   /* the staging slot, or NULL */
+  size_t off; /* where buf lies in the slot (a chunk's plan shares the call's slot) */
   size_t o_reqs, o_pos, o_tab, o_ext, bytes; /* o_ext: the caller's own area, after the tables */
   bool uploaded; /* the caller copied it to the slot's device buffer already */
 } plan;
@@ -405,12 +416,9 @@ static kvi_status check_job(const xfer *x, const job *j, int32_t index, const ch
 
 static kvi_status take_slot(xfer *x, slot **out, const char *fn);
 
-/* Sizes the plan and finds it a buffer: on the host for the CPU, in the
- * kernel parameters when small (and the caller has no area of ext bytes),
- * else in a staging slot. */
-static kvi_status plan_alloc(plan *p, xfer *x, int32_t nsegs, int32_t nreqs, int64_t ntok, int64_t npos,
-                             int64_t ntables, size_t ext, const char *fn) {
-  memset(p, 0, sizeof *p);
+/* KVI_ERR_CAPACITY when a call is larger than the transfer options allow
+ * (counted for the whole call, however it is launched). */
+static kvi_status check_limits(const xfer *x, int32_t nreqs, int64_t ntok, int64_t ntables, const char *fn) {
   if (ntok > x->lim.max_tokens_per_call || nreqs > x->lim.max_requests_per_call ||
       ntables > x->lim.max_table_entries_per_call)
     return kvi__fail(KVI_ERR_CAPACITY, fn,
@@ -418,30 +426,63 @@ static kvi_status plan_alloc(plan *p, xfer *x, int32_t nsegs, int32_t nreqs, int
                      "options allow %d, %d and %d",
                      (long long)ntok, (int)nreqs, (long long)ntables, (int)x->lim.max_tokens_per_call,
                      (int)x->lim.max_requests_per_call, (int)x->lim.max_table_entries_per_call);
+  return KVI_OK;
+}
+
+/* Sets a plan's offsets and size (bytes) for the given counts; no buffer yet. */
+static void plan_layout(plan *p, int32_t nsegs, int32_t nreqs, int64_t ntok, int64_t npos, int64_t ntables) {
+  memset(p, 0, sizeof *p);
   if (nsegs > ntok) nsegs = (int32_t)ntok; /* every segment has a token */
   p->o_reqs = align_up((size_t)nsegs * sizeof(kvi__xseg));
   p->o_pos = p->o_reqs + align_up((size_t)nreqs * sizeof(kvi__xreq));
   p->o_tab = p->o_pos + align_up((size_t)npos * sizeof(int32_t));
-  p->o_ext = align_up(p->o_tab + (size_t)ntables * sizeof(int32_t));
-  p->bytes = ext ? p->o_ext + ext : p->o_tab + (size_t)ntables * sizeof(int32_t);
-  if (x->cuda && ext && p->bytes > x->slot_bytes) /* the limits size the slots; an area on top may not fit */
-    return kvi__fail(KVI_ERR_CAPACITY, fn, "the call's plan needs %zu bytes; the transfer options' limits allow %zu",
-                     p->bytes, x->slot_bytes);
-  if (!x->cuda) {
-    p->buf = malloc(p->bytes ? p->bytes : 1);
-    if (!p->buf) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a %zu-byte plan", p->bytes);
-  } else if (p->bytes <= KVI__INLINE_PLAN && !ext) {
-    p->buf = (char *)x->small;
-  } else {
-    kvi_status st = take_slot(x, &p->sl, fn);
-    if (st) return st;
-    p->buf = p->sl->host;
-  }
+  p->bytes = p->o_tab + (size_t)ntables * sizeof(int32_t);
+}
+
+/* Points a laid-out plan's arrays into buf. */
+static void plan_place(plan *p, char *buf) {
+  p->buf = buf;
   p->segs = (kvi__xseg *)p->buf;
   p->reqs = (kvi__xreq *)(p->buf + p->o_reqs);
   p->positions = (int32_t *)(p->buf + p->o_pos);
   p->tables = (int32_t *)(p->buf + p->o_tab);
+}
+
+/* Finds a laid-out plan of `bytes` bytes a buffer: on the host for the CPU,
+ * in the kernel parameters when small (`inline_ok`), else in a staging slot. */
+static kvi_status plan_buffer(plan *p, xfer *x, size_t bytes, bool inline_ok, const char *fn) {
+  if (!x->cuda) {
+    char *buf = malloc(bytes ? bytes : 1);
+    if (!buf) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a %zu-byte plan", bytes);
+    plan_place(p, buf);
+  } else if (inline_ok && bytes <= KVI__INLINE_PLAN) {
+    plan_place(p, (char *)x->small);
+  } else {
+    kvi_status st = take_slot(x, &p->sl, fn);
+    if (st) return st;
+    plan_place(p, p->sl->host);
+  }
   return KVI_OK;
+}
+
+/* Sizes the plan, with `ext` bytes of the caller's own at o_ext, and finds
+ * it a buffer (plan_buffer). */
+static kvi_status plan_alloc(plan *p, xfer *x, int32_t nsegs, int32_t nreqs, int64_t ntok, int64_t npos,
+                             int64_t ntables, size_t ext, const char *fn) {
+  kvi_status st = check_limits(x, nreqs, ntok, ntables, fn);
+  if (st) {
+    memset(p, 0, sizeof *p);
+    return st;
+  }
+  plan_layout(p, nsegs, nreqs, ntok, npos, ntables);
+  if (ext) { /* the caller's area, after the tables: the plan cannot travel inline */
+    p->o_ext = align_up(p->bytes);
+    p->bytes = p->o_ext + ext;
+    if (x->cuda && p->bytes > x->slot_bytes) /* the limits size the slots; an area on top may not fit */
+      return kvi__fail(KVI_ERR_CAPACITY, fn, "the call's plan needs %zu bytes; the transfer options' limits allow %zu",
+                       p->bytes, x->slot_bytes);
+  }
+  return plan_buffer(p, x, p->bytes, !ext, fn);
 }
 
 static void plan_free(const xfer *x, plan *p) {
@@ -620,8 +661,8 @@ static kvi_status launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool in
   kvi__xfer_args a;
   memset(&a, 0, offsetof(kvi__xfer_args, inline_plan));
   if (p->sl) {
-    if (!p->uploaded && (st = kvi__cuda_h2d(p->sl->dev, p->sl->host, p->bytes, stream, fn))) return st;
-    a.plan_dev = p->sl->dev;
+    if (!p->uploaded && (st = kvi__cuda_h2d(p->sl->dev + p->off, p->buf, p->bytes, stream, fn))) return st;
+    a.plan_dev = p->sl->dev + p->off;
   } else {
     memcpy(a.inline_plan, p->buf, p->bytes);
     a.inline_bytes = (int32_t)(p->bytes ? p->bytes : 1);
@@ -892,13 +933,16 @@ KVI_API kvi_status kvi_injector_async_errors(kvi_injector *injector, int64_t *ou
 /* encode                                                                    */
 /* ------------------------------------------------------------------------ */
 
+/* A capture, as read and checked; f, pages and fresh are allocated once the
+ * work is launched (the device need not wait for them). */
 typedef struct cap_state {
   kvi_capture c;
   float *emb;
+  uint32_t need;
+  uint32_t first;   /* its pages are pg[first, first + need) of the call */
   fact *f;
   uint32_t *pages;
   tenant *fresh;
-  uint32_t need;
 } cap_state;
 
 static void free_caps(cap_state *cs, int32_t n) {
@@ -909,6 +953,29 @@ static void free_caps(cap_state *cs, int32_t n) {
     free(cs[i].fresh);
   }
   free(cs);
+}
+
+/* A capture's job (the transfer's view of it). */
+static void capture_job(const kvi_capture *c, job *j) {
+  memset(j, 0, sizeof *j);
+  j->table = c->block_table;
+  j->table_len = c->block_table_len;
+  j->table_on_host = true;
+  j->first_slot = c->first_slot;
+  j->tokens = c->num_tokens;
+  j->positions = c->positions;
+  j->start_position = c->start_position;
+}
+
+/* The plan sizes of a run of captures (kvi_encode's chunks). */
+typedef struct chunk_size {
+  int32_t nsegs;
+  int64_t ntok, npos, ntables;
+} chunk_size;
+
+/* Whether (tenant, id) a sorts before b. */
+static bool key_less(const kvi_capture *a, const kvi_capture *b) {
+  return a->tenant != b->tenant ? a->tenant < b->tenant : a->fact_id < b->fact_id;
 }
 
 /* Appends the captures to the store's journal as one group, before they are
@@ -926,6 +993,46 @@ static kvi_status journal_captures(kvi_store *s, const cap_state *cs, int32_t n,
   return st;
 }
 
+/* Plans and runs the captures in chunks of `per`, each its own plan inside
+ * one buffer (one staging slot on a CUDA store), so that the device starts
+ * on the first chunk while the host plans the rest. *launched: whether any
+ * device work was enqueued (it may then still be writing pg's pages). */
+static kvi_status run_captures(xfer *x, const cap_state *cs, int32_t n, const uint32_t *pg, const chunk_size *sz,
+                               int32_t per, struct CUstream_st *stream, bool *launched, const char *fn) {
+  const int32_t nchunks = (n + per - 1) / per;
+  plan *cp = malloc((size_t)nchunks * sizeof *cp);
+  if (!cp) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d plans", (int)nchunks);
+  size_t total = 0;
+  for (int32_t k = 0; k < nchunks; k++) {
+    const int32_t nreq = k == nchunks - 1 ? n - k * per : per;
+    plan_layout(&cp[k], sz[k].nsegs, nreq, sz[k].ntok, sz[k].npos, sz[k].ntables);
+    cp[k].off = total;
+    total += align_up(cp[k].bytes);
+  }
+  plan whole; /* the buffer of them all */
+  memset(&whole, 0, sizeof whole);
+  kvi_status st = plan_buffer(&whole, x, total, nchunks == 1, fn);
+  if (st == KVI_OK && whole.sl && total > x->slot_bytes) /* slot_size counts the padding: cannot happen */
+    st = kvi__fail(KVI_ERR_INTERNAL, fn, "a %zu-byte capture plan in a %zu-byte staging slot", total, x->slot_bytes);
+  for (int32_t k = 0; k < nchunks && st == KVI_OK; k++) {
+    plan *p = &cp[k];
+    plan_place(p, whole.buf + p->off);
+    p->sl = whole.sl;
+    const int32_t i1 = k == nchunks - 1 ? n : (k + 1) * per;
+    for (int32_t i = k * per; i < i1; i++) {
+      job j;
+      capture_job(&cs[i].c, &j);
+      const int32_t ri = plan_request(p, x, &j);
+      plan_run(p, x, ri, j.first_slot, j.tokens, j.positions, j.start_position, pg + cs[i].first);
+    }
+    st = execute(x, p, 0, x->cache.L, false, stream, fn);
+    *launched = *launched || (st == KVI_OK && x->cuda);
+  }
+  plan_free(x, &whole);
+  free(cp);
+  return st;
+}
+
 KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures,
                               struct CUstream_st *stream) {
   static const char fn[] = "kvi_encode";
@@ -935,17 +1042,22 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
   if (num_captures == 0) return KVI_OK;
   xfer *x = &encoder->x;
   kvi_store *s = x->store;
-  cap_state *cs = calloc((size_t)num_captures, sizeof *cs);
-  if (!cs) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d captures", (int)num_captures);
+  const int32_t nchunks = (num_captures + CAPTURE_CHUNK - 1) / CAPTURE_CHUNK;
+  /* cs is filled as the captures are read (zeroing it all up front costs
+   * more than the rest of a capture's checks); cs[0, nread) need freeing */
+  cap_state *cs = malloc((size_t)num_captures * sizeof *cs);
+  int32_t nread = 0;
+  chunk_size *csz = calloc((size_t)nchunks, sizeof *csz);
+  kvi_status st = cs && csz ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d captures", (int)num_captures);
+  /* Duplicates: keys in increasing order (the usual batch, ids counting up)
+   * have none, which a comparison with the previous key shows; the first
+   * key out of order moves the check to a hash set of the keys so far. */
   kvi__map seen = {0};
+  bool ordered = true;
   size_t csize;
   memcpy(&csize, caps, sizeof csize);
-  kvi_status st = kvi__map_reserve(&seen, (size_t)num_captures, fn);
-  job *jobs = malloc((size_t)num_captures * sizeof *jobs);
-  if (!jobs && st == KVI_OK) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d captures", (int)num_captures);
   /* Everything checkable without the store's lock. */
-  int64_t ntok = 0, npos = 0, ntables = 0;
-  int32_t nsegs = 0;
+  int64_t ntok = 0, ntables = 0;
   uint32_t need_total = 0;
   const int32_t *checked_table = NULL;
   for (int32_t i = 0; i < num_captures && st == KVI_OK; i++) {
@@ -956,8 +1068,8 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
       st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "caps[%d].struct_size is %zu, caps[0]'s is %zu", (int)i, sz, csize);
       break;
     }
-    kvi_capture d = KVI_CAPTURE_INIT;
-    cs[i].c = d;
+    const cap_state blank = {KVI_CAPTURE_INIT, NULL, 0, 0, NULL, NULL, NULL};
+    cs[nread++] = blank;
     if ((st = kvi__read_struct(&cs[i].c, sizeof cs[i].c, src, CAPTURE_V1, fn, "caps[i]"))) break;
     const kvi_capture *c = &cs[i].c;
     if (c->flags & ~KVI_PUT_REPLACE) {
@@ -969,21 +1081,19 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
                      (int)c->num_tokens);
       break;
     }
-    if (kvi__map_get(&seen, c->tenant, c->fact_id)) {
-      st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "capture %d repeats fact %llu of tenant %llu", (int)i,
-                     (unsigned long long)c->fact_id, (unsigned long long)c->tenant);
-      break;
+    if (ordered && i > 0 && !key_less(&cs[i - 1].c, c)) {
+      ordered = false;
+      if ((st = kvi__map_reserve(&seen, (size_t)num_captures, fn))) break;
+      for (int32_t k = 0; k < i; k++) kvi__map_put(&seen, cs[k].c.tenant, cs[k].c.fact_id, (void *)1);
     }
-    kvi__map_put(&seen, c->tenant, c->fact_id, (void *)1);
-    job *j = &jobs[i];
-    memset(j, 0, sizeof *j);
-    j->table = c->block_table;
-    j->table_len = c->block_table_len;
-    j->table_on_host = true;
-    j->first_slot = c->first_slot;
-    j->tokens = c->num_tokens;
-    j->positions = c->positions;
-    j->start_position = c->start_position;
+    if (!ordered) {
+      if (kvi__map_get(&seen, c->tenant, c->fact_id)) {
+        st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "capture %d repeats fact %llu of tenant %llu", (int)i,
+                       (unsigned long long)c->fact_id, (unsigned long long)c->tenant);
+        break;
+      }
+      kvi__map_put(&seen, c->tenant, c->fact_id, (void *)1);
+    }
     /* the table is read here, so it must be host memory; captures of one
      * batched prefill share it, and asking the driver costs a microsecond */
     if (c->block_table != checked_table) {
@@ -991,23 +1101,23 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
         break;
       checked_table = c->block_table;
     }
-    if ((st = check_job(x, j, i, "capture", fn))) break;
+    job j;
+    capture_job(c, &j);
+    if ((st = check_job(x, &j, i, "capture", fn))) break;
     if ((st = kvi__store_read_embedding(s, c->embedding, c->embedding_dtype, c->embedding_memory, stream, &cs[i].emb,
                                         fn)))
       break;
     cs[i].need = pages_for(s, c->num_tokens);
-    cs[i].f = calloc(1, sizeof(fact));
-    cs[i].pages = malloc(cs[i].need * sizeof(uint32_t));
-    cs[i].fresh = calloc(1, sizeof(tenant));
-    if (!cs[i].f || !cs[i].pages || !cs[i].fresh) {
-      st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating fact metadata");
-      break;
-    }
+    cs[i].first = need_total;
+    const int64_t tables = (c->first_slot + c->num_tokens - 1) / x->cache.BS - c->first_slot / x->cache.BS + 1;
+    chunk_size *z = &csz[i / CAPTURE_CHUNK];
+    z->nsegs += segs_for(x, cs[i].need);
+    z->ntok += c->num_tokens;
+    if (c->positions) z->npos += c->num_tokens;
+    z->ntables += tables;
     ntok += c->num_tokens;
-    if (c->positions) npos += c->num_tokens;
-    nsegs += segs_for(x, cs[i].need);
     need_total += cs[i].need;
-    ntables += (c->first_slot + c->num_tokens - 1) / x->cache.BS - c->first_slot / x->cache.BS + 1;
+    ntables += tables;
   }
   kvi__map_free(&seen);
   if (st) goto out;
@@ -1020,40 +1130,50 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
   /* a tiered store takes the capture's device pages at once, demoting
    * least-recently-used facts if the device is short (store.c) */
   const bool tiered = x->cuda && s->hpool.npages > 0;
-  uint32_t *taken = NULL;
+  uint32_t *pg = NULL, *taken = NULL;
   if (st == KVI_OK) st = kvi__store_reserve(s, tiered ? 0 : need_total, (size_t)num_captures, fn);
+  if (st == KVI_OK && !(pg = malloc((need_total ? need_total : 1) * sizeof *pg)))
+    st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %u page ids", need_total);
   if (st == KVI_OK && tiered) {
-    if (!(taken = malloc((need_total ? need_total : 1) * sizeof *taken))) {
-      st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %u page ids", need_total);
-    } else {
-      kvi__devguard g;
-      if ((st = kvi__cuda_enter(s->device, &g, fn)) == KVI_OK) {
-        st = kvi__store_tier_move(s, NULL, 0, need_total, taken, ++s->mark_clock, stream, fn);
-        kvi__cuda_leave(&g);
-      }
-      if (st) {
-        free(taken);
-        taken = NULL;
-      }
+    kvi__devguard g;
+    if ((st = kvi__cuda_enter(s->device, &g, fn)) == KVI_OK) {
+      st = kvi__store_tier_move(s, NULL, 0, need_total, pg, ++s->mark_clock, stream, fn);
+      kvi__cuda_leave(&g);
     }
+    if (st == KVI_OK) taken = pg;
+  } else if (st == KVI_OK) {
+    /* pages from the top of the free stack, in commit order; taken off it
+     * only when the call commits */
+    for (uint32_t k = 0; k < need_total; k++) pg[k] = s->pool.free[s->pool.nfree - 1 - k];
   }
   bool rows_reserved = false;
-  for (int32_t i = 0; i < num_captures && st == KVI_OK; i++) {
+  for (int32_t i = 0; i < num_captures && st == KVI_OK && s->emb_dim > 0; i++) {
     st = kvi__store_reserve_rows(s, cs[i].c.tenant, 1, cs[i].c.num_tokens, fn);
     rows_reserved = true;
   }
-  plan p;
-  if (st == KVI_OK) st = plan_alloc(&p, x, nsegs, num_captures, ntok, npos, ntables, 0, fn);
+  bool launched = false;
+  if (st == KVI_OK) st = check_limits(x, num_captures, ntok, ntables, fn);
   if (st == KVI_OK) {
-    /* pages from the top of the free stack, in commit order */
-    uint32_t top = s->pool.nfree, next = 0;
-    for (int32_t i = 0; i < num_captures; i++) {
-      for (uint32_t k = 0; k < cs[i].need; k++) cs[i].pages[k] = taken ? taken[next++] : s->pool.free[--top];
-      const int32_t ri = plan_request(&p, x, &jobs[i]);
-      plan_run(&p, x, ri, jobs[i].first_slot, jobs[i].tokens, jobs[i].positions, jobs[i].start_position, cs[i].pages);
-    }
-    st = execute(x, &p, 0, x->cache.L, false, stream, fn);
-    plan_free(x, &p);
+    /* one chunk when the whole plan travels in the kernel parameters */
+    chunk_size all = {0, ntok, 0, ntables};
+    for (int32_t k = 0; k < nchunks; k++) all.nsegs += csz[k].nsegs, all.npos += csz[k].npos;
+    plan one;
+    plan_layout(&one, all.nsegs, num_captures, all.ntok, all.npos, all.ntables);
+    const bool single = nchunks == 1 || (x->cuda && one.bytes <= KVI__INLINE_PLAN);
+    st = run_captures(x, cs, num_captures, pg, single ? &all : csz, single ? num_captures : CAPTURE_CHUNK, stream,
+                      &launched, fn);
+  }
+  /* the facts' metadata, allocated while the device works: a spare tenant
+   * only for a capture whose tenant differs from the previous capture's (the
+   * previous one's commit leaves its tenant in the store) */
+  for (int32_t i = 0; i < num_captures && st == KVI_OK; i++) {
+    cs[i].f = calloc(1, sizeof(fact));
+    cs[i].pages = malloc(cs[i].need * sizeof(uint32_t));
+    if (i == 0 || cs[i].c.tenant != cs[i - 1].c.tenant) cs[i].fresh = calloc(1, sizeof(tenant));
+    if (!cs[i].f || !cs[i].pages || (!cs[i].fresh && (i == 0 || cs[i].c.tenant != cs[i - 1].c.tenant)))
+      st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating fact metadata");
+    else
+      memcpy(cs[i].pages, pg + cs[i].first, cs[i].need * sizeof(uint32_t));
   }
   if (st == KVI_OK && s->journal) st = journal_captures(s, cs, num_captures, x->cuda, stream, fn);
   if (st == KVI_OK) {
@@ -1066,13 +1186,19 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
   } else {
     if (rows_reserved)
       for (int32_t i = 0; i < num_captures; i++) kvi__store_unreserve_rows(s, cs[i].c.tenant);
-    if (taken) kvi__store_give_back(s, taken, need_total); /* after the work already tracked */
+    /* pages the device may still be writing go back after the work already
+     * tracked (each launch is), not straight onto the free stack */
+    if (launched && !taken) {
+      s->pool.nfree -= need_total;
+      taken = pg;
+    }
+    if (taken) kvi__store_give_back(s, taken, need_total);
   }
   unlock_both(x);
-  free(taken);
+  free(pg);
 out:
-  free(jobs);
-  free_caps(cs, num_captures);
+  free(csz);
+  if (cs) free_caps(cs, nread);
   return st;
 }
 
@@ -1256,19 +1382,20 @@ static kvi_status retr_enqueue(void *ctx, const int32_t *rows, int32_t *counts, 
   retr *r = ctx;
   xfer *x = r->x;
   plan *p = &r->p;
-  kvi_status st = kvi__cuda_h2d(p->sl->dev, p->sl->host, p->bytes, stream, fn);
+  char *dev = p->sl->dev + p->off;
+  kvi_status st = kvi__cuda_h2d(dev, p->buf, p->bytes, stream, fn);
   if (st) return st;
   p->uploaded = true;
   kvi__rplan_args a;
   memset(&a, 0, sizeof a);
-  a.queries = (const kvi__rquery *)(p->sl->dev + p->o_ext);
+  a.queries = (const kvi__rquery *)(dev + p->o_ext);
   a.nq = r->nq;
   a.k = r->k;
   a.P = x->store->P;
   a.seg_tokens = x->seg_tokens;
   a.rows = rows;
   a.counts = counts;
-  a.segs = (kvi__xseg *)p->sl->dev;
+  a.segs = (kvi__xseg *)dev;
   a.out_counts = counts;
   a.out_tokens = tokens;
   a.skipped = x->skipped_dev;

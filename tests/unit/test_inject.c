@@ -1357,6 +1357,133 @@ static void test_cpu_frees(void **state) {
   env_close(&e);
 }
 
+/* ------------------------------------------------------------------------ */
+/* calls larger than one launch                                              */
+/* ------------------------------------------------------------------------ */
+
+/* kvi_encode plans and launches a large call in chunks of captures
+ * (lib/transfer.c, CAPTURE_CHUNK = 512): a call of 1,100 captures (three
+ * chunks) stores exactly what 1,100 calls of one capture store, in bf16 and
+ * fp8 stores (whose page scales are computed per launch), with tenants
+ * interleaved, keys out of order, explicit and consecutive positions, and
+ * replacements (one of them of a tenant's only fact); a rejected call of
+ * that size, failing in its last chunk, changes nothing. */
+enum { CN = 1100, CNB = 300, CBS = 4 };
+
+static void chunk_captures(rng *r, kvi_capture *cs, int32_t *table, int32_t *pos) {
+  for (int32_t b = 0; b < CNB; b++) table[b] = b;
+  for (int32_t b = CNB - 1; b > 0; b--) { /* a scattered table */
+    const int32_t k = (int32_t)rng_range(r, 0, b), t = table[b];
+    table[b] = table[k], table[k] = t;
+  }
+  static const uint64_t tenants[] = {1, 2, 3};
+  for (int32_t i = 0; i < CN; i++) {
+    const int32_t n = (int32_t)rng_range(r, 1, 9);
+    const int64_t first = rng_range(r, 0, (int64_t)CNB * CBS - n);
+    /* ids out of order within each tenant; tenants change every few captures */
+    const uint64_t tenant = tenants[(i / 3) % 3], id = 1000 + (uint64_t)((i * 7919) % CN);
+    const bool explicit_pos = rng_range(r, 0, 3) == 0;
+    if (explicit_pos) rand_positions(r, pos + (size_t)i * 9, n, 0, 3000, true);
+    cs[i] = capture(tenant, id, table, CNB, first, n, explicit_pos ? pos + (size_t)i * 9 : NULL,
+                    (int32_t)rng_range(r, 0, 3000));
+  }
+  /* replacements: the first capture replaces tenant 9's only fact (its
+   * tenant goes and comes back), one of tenant 2's facts is replaced late */
+  cs[0].tenant = 9, cs[0].fact_id = 5, cs[0].flags = KVI_PUT_REPLACE;
+  cs[1].tenant = 9, cs[1].fact_id = 6;
+  cs[CN - 2].tenant = 2, cs[CN - 2].fact_id = 7, cs[CN - 2].flags = KVI_PUT_REPLACE;
+}
+
+static void chunk_env(env *e, kvi_dtype store_dt, const kvi_rope_spec *specs, rng *r, const rfact *pre, int npre) {
+  const env_cfg g = {2, 2, 1, 0, 16, specs, store_dt, 4, 3 * CN, KVI_CACHE_VLLM_FLASH_ATTN, KVI_DTYPE_BF16,
+                     KVI_SCALE_NONE, CBS, CNB, NULL};
+  env_open(e, &g, r);
+  for (int i = 0; i < npre; i++) rfact_put(e->s, &pre[i], 0);
+}
+
+static void test_capture_chunks(void **state) {
+  (void)state;
+  const kvi_rope_spec specs[2] = {rope(KVI_ROPE_NEOX, 0, 10000.0), rope(KVI_ROPE_GPTJ, 8, 5e5)};
+  const kvi_dtype dts[] = {KVI_DTYPE_BF16, KVI_DTYPE_FP8_E4M3};
+  for (size_t di = 0; di < sizeof dts / sizeof dts[0]; di++) {
+    rng r;
+    rng_seed(&r, __func__);
+    kvi_capture *cs = malloc(CN * sizeof *cs);
+    int32_t *table = malloc(CNB * sizeof *table), *pos = malloc((size_t)CN * 9 * sizeof *pos);
+    assert_non_null(cs);
+    assert_non_null(table);
+    assert_non_null(pos);
+    chunk_captures(&r, cs, table, pos);
+    rfact pre[2];
+    rfact_make(&pre[0], &r, 9, 5, 2, 6, 2, 16, -2, 2);
+    rfact_make(&pre[1], &r, 2, 7, 2, 3, 2, 16, -2, 2);
+    rng r2 = r; /* the same cache contents for both stores */
+    env one, many;
+    chunk_env(&one, dts[di], specs, &r, pre, 2);
+    chunk_env(&many, dts[di], specs, &r2, pre, 2);
+    assert_true(ec_hash(&one.c) == ec_hash(&many.c));
+
+    /* rejected calls of the full size, failing late, change nothing */
+    const kvi_capture keep_last = cs[CN - 1], keep_replace = cs[CN - 2];
+    cs[CN - 1].first_slot = (int64_t)CNB * CBS; /* past the table */
+    EXPECT_UNCHANGED(&one, kvi_encode(one.enc, cs, CN, NULL), KVI_ERR_INVALID_ARGUMENT);
+    assert_last_error_has("kvi_encode", "capture 1099");
+    cs[CN - 1] = cs[700]; /* a duplicate, 399 captures later */
+    EXPECT_UNCHANGED(&one, kvi_encode(one.enc, cs, CN, NULL), KVI_ERR_INVALID_ARGUMENT);
+    assert_last_error_has("kvi_encode", "capture 1099 repeats");
+    cs[CN - 1] = keep_last;
+    cs[CN - 2].flags = 0; /* tenant 2's fact 7 exists */
+    EXPECT_UNCHANGED(&one, kvi_encode(one.enc, cs, CN, NULL), KVI_ERR_EXISTS);
+    assert_last_error_has("kvi_encode", "capture 1098");
+    /* ... and a bad flag after it is reported first: checks without the lock come first */
+    cs[CN - 1].flags = 0x4u;
+    EXPECT_UNCHANGED(&one, kvi_encode(one.enc, cs, CN, NULL), KVI_ERR_INVALID_ARGUMENT);
+    assert_last_error_has("kvi_encode", "capture 1099: unknown flag");
+    cs[CN - 1] = keep_last;
+    cs[CN - 2] = keep_replace;
+    /* keys in increasing order (no hash set needed) with one repeated next to itself */
+    {
+      kvi_capture *sorted = malloc(CN * sizeof *sorted);
+      assert_non_null(sorted);
+      for (int32_t i = 0; i < CN; i++) sorted[i] = capture(3, 5000 + (uint64_t)i, table, CNB, i % 100, 2, NULL, 0);
+      sorted[900].fact_id = sorted[899].fact_id;
+      EXPECT_UNCHANGED(&one, kvi_encode(one.enc, sorted, CN, NULL), KVI_ERR_INVALID_ARGUMENT);
+      assert_last_error_has("kvi_encode", "capture 900 repeats");
+      free(sorted);
+    }
+
+    /* one call against one call per capture */
+    assert_ok(kvi_encode(one.enc, cs, CN, NULL));
+    for (int32_t i = 0; i < CN; i++) assert_ok(kvi_encode(many.enc, &cs[i], 1, NULL));
+    const kvi_store_stats a = store_stats(one.s), b = store_stats(many.s);
+    assert_int_equal(a.facts, b.facts);
+    assert_int_equal(a.facts, CN); /* two of them replaced the facts put first */
+    assert_int_equal(a.tenants, 4);
+    assert_int_equal(a.pages_used, b.pages_used);
+    assert_int_equal(a.bytes_payload, b.bytes_payload);
+    for (int32_t i = 0; i < CN; i++) {
+      rfact x, y;
+      rfact_read(one.s, cs[i].tenant, cs[i].fact_id, 2, one.H, 16, &x);
+      rfact_read(many.s, cs[i].tenant, cs[i].fact_id, 2, many.H, 16, &y);
+      assert_int_equal(x.T, cs[i].num_tokens);
+      assert_int_equal(y.T, cs[i].num_tokens);
+      const size_t n = (size_t)x.L * x.T * x.H * x.D * sizeof(float);
+      if (memcmp(x.k, y.k, n) || memcmp(x.v, y.v, n))
+        fail_msg("%s store: capture %d (tenant %llu, fact %llu) differs between one call and one call per capture",
+                 di ? "fp8" : "bf16", (int)i, (unsigned long long)cs[i].tenant, (unsigned long long)cs[i].fact_id);
+      rfact_free(&x);
+      rfact_free(&y);
+    }
+    rfact_free(&pre[0]);
+    rfact_free(&pre[1]);
+    env_close(&one);
+    env_close(&many);
+    free(cs);
+    free(table);
+    free(pos);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_capture_inject_invariant),
@@ -1369,6 +1496,7 @@ int main(void) {
       cmocka_unit_test(test_rejected_inject_changes_nothing),
       cmocka_unit_test(test_rejected_capture_changes_nothing),
       cmocka_unit_test(test_transfer_limits),
+      cmocka_unit_test(test_capture_chunks),
       cmocka_unit_test(test_create_errors),
       cmocka_unit_test(test_cpu_frees),
   };
