@@ -198,22 +198,36 @@ KVI_API void kvi_retrieve_request_init(kvi_retrieve_request *req);
  * queries, num_queries, dim, k, opts: as for kvi_store_search on the
  *   injector's store (opts->query_memory and out_memory apply).
  * reqs: host memory, num_queries requests (stepped through by reqs[0]'s
- *   struct_size, which every request must share).
+ *   struct_size, which every request must share); block tables in host or
+ *   device memory (block_table_memory), as kvi_inject reads them.
  * out_ids: num_queries x k: query i's facts in score order (the search's
  *   row, KVI_SEARCH_NO_ID past the count); out_counts: facts injected per
  *   query; out_tokens: tokens injected per query (the engine's sequence grows
  *   by this). All three in opts->out_memory.
- * Reserve blocks for k facts of the largest size the tenant stores: a block
- * table too short for what the winners need fails the call.
- * Failed calls write nothing (neither the cache nor the outputs). A fact
- * removed between the search and the injection by another thread fails the
- * call with KVI_ERR_NOT_FOUND.
- * This version serves CPU stores; on a CUDA store it returns
- * KVI_ERR_UNSUPPORTED (call kvi_store_search with host outputs, then
- * kvi_inject) until the device path, without a host round trip, lands.
+ * The reserve: each request's block table (and the positions) must have
+ *   room, from first_slot on, for min(k, facts of the tenant) facts of the
+ *   longest size the tenant has ever held (a tenant's longest size is never
+ *   lowered by removes); a request without that room fails the call with
+ *   KVI_ERR_INVALID_ARGUMENT before anything runs. The winners' actual
+ *   tokens are reported in out_tokens.
+ * On a CUDA store without a host tier and without sharded embeddings the
+ *   whole call runs on the device, enqueued on `stream` with no host
+ *   synchronization: the search, a kernel that plans the injection from its
+ *   results, and one injection launch (the same kernel as kvi_inject). With
+ *   host outputs the call waits for its results, as kvi_store_search does.
+ *   Device block-table entries outside the cache are skipped and counted by
+ *   kvi_injector_async_errors, as in kvi_inject.
+ * Elsewhere (CPU stores, CUDA stores with a host tier or with sharded
+ *   embeddings, where the call is collective like kvi_store_search) the
+ *   results come to the host and kvi_inject runs on them; there
+ *   opts->out_memory must be KVI_MEMORY_HOST (else KVI_ERR_MEMORY_KIND).
+ * Failed calls write nothing (neither the cache nor the outputs).
+ * Thread safety: as kvi_inject and kvi_store_search (both locks are held for
+ *   the call; a put or remove by another thread waits, or comes after).
  * Errors: those of kvi_store_search and kvi_inject; KVI_ERR_INVALID_ARGUMENT
- * (NULL injector, reqs or output, unknown flags), KVI_ERR_STRUCT_SIZE,
- * KVI_ERR_UNSUPPORTED.
+ * (NULL injector, reqs or output, unknown flags, too small a reserve),
+ * KVI_ERR_STRUCT_SIZE, KVI_ERR_MEMORY_KIND, KVI_ERR_CAPACITY (the reserves
+ * exceed the injector's transfer limits).
  */
 KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queries, int32_t num_queries, int32_t dim,
                                        const kvi_retrieve_request *reqs, int32_t k, const kvi_search_options *opts,

@@ -22,12 +22,19 @@
  * Results of one call per case are checked on the host (sorted, and the
  * scores of the returned facts recomputed).
  *
+ * Retrieve-and-inject (kvi_retrieve_inject, k = 50, one query per tenant of
+ * 10,000 facts, 1 and 16 queries a call, device queries, outputs and block
+ * tables) against the host round trip it replaces: kvi_store_search into
+ * host memory, then kvi_inject of the winners, in the same run.
+ *
  * argv[1] (optional): the path of torch_search.py, run after the C cases
  * with `python3`; its numbers are printed beside ours.
+ * KVI_BENCH_SCALE=n (profiling): 1/n of the big tenant, no small tenants.
  *
  * SPDX-License-Identifier: Apache-2.0
  */
 #include <math.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -175,6 +182,69 @@ static void put_rows(kvi_store *s, uint64_t tenant, uint32_t row0, uint32_t n, v
   }
 }
 
+/* Retrieve-and-inject: median call time of the device path and of the host
+ * round trip, nq queries of tenants 1 + (i + iter) % TENANTS. */
+typedef struct rbench {
+  kvi_injector *inj;
+  int32_t *dtables; /* nq x RB_BLOCKS block ids (device) */
+  int32_t *htables; /* the same on the host */
+  int32_t *dcounts, *dtokens;
+} rbench;
+enum { RB_BLOCKS = 64, RB_BS = 16 };
+
+static float time_retrieve(bench *b, rbench *r, int32_t nq, bool device, float *host_ms) {
+  kvi_search_options o = KVI_SEARCH_OPTIONS_INIT;
+  o.query_dtype = KVI_DTYPE_FP16;
+  o.query_memory = KVI_MEMORY_DEVICE;
+  static float t[ITERS], th[ITERS];
+  kvi_retrieve_request rq[MAXQ];
+  kvi_inject_request ir[MAXQ];
+  uint64_t tenants[MAXQ], ids[MAXQ * K];
+  float scores[MAXQ * K];
+  int32_t counts[MAXQ];
+  for (int it = -bench_warm; it < bench_iters; it++) {
+    for (int32_t i = 0; i < nq; i++) {
+      tenants[i] = 1 + (uint64_t)((i + it + bench_warm) % TENANTS);
+      kvi_retrieve_request_init(&rq[i]);
+      rq[i].tenant = tenants[i];
+      rq[i].block_table = r->dtables + (size_t)i * RB_BLOCKS;
+      rq[i].block_table_len = RB_BLOCKS;
+      rq[i].block_table_memory = KVI_MEMORY_DEVICE;
+      rq[i].first_slot = 3;
+      rq[i].start_position = 100;
+    }
+    CU(cudaEventRecord(e0, stream));
+    const double h0 = now_ms();
+    if (device) {
+      o.out_memory = KVI_MEMORY_DEVICE;
+      CK(kvi_retrieve_inject(r->inj, b->dq, nq, DIM, rq, K, &o, b->dids, r->dcounts, r->dtokens,
+                             (struct CUstream_st *)stream));
+    } else { /* what an engine does without it: results to the host, then inject */
+      o.out_memory = KVI_MEMORY_HOST;
+      CK(kvi_store_search(b->store, b->dq, nq, DIM, tenants, K, ids, scores, counts, &o, (struct CUstream_st *)stream));
+      for (int32_t i = 0; i < nq; i++) {
+        kvi_inject_request_init(&ir[i]);
+        ir[i].tenant = tenants[i];
+        ir[i].fact_ids = ids + (size_t)i * K;
+        ir[i].num_facts = counts[i];
+        ir[i].block_table = rq[i].block_table;
+        ir[i].block_table_len = RB_BLOCKS;
+        ir[i].block_table_memory = KVI_MEMORY_DEVICE;
+        ir[i].first_slot = 3;
+        ir[i].start_position = 100;
+      }
+      CK(kvi_inject(r->inj, ir, nq, NULL, (struct CUstream_st *)stream));
+    }
+    const double h1 = now_ms();
+    CU(cudaEventRecord(e1, stream));
+    CU(cudaEventSynchronize(e1));
+    if (it >= 0) CU(cudaEventElapsedTime(&t[it], e0, e1));
+    if (it >= 0) th[it] = (float)(h1 - h0);
+  }
+  *host_ms = median(th, bench_iters);
+  return median(t, bench_iters);
+}
+
 typedef struct row {
   const char *name;
   int32_t facts, queries;
@@ -216,9 +286,13 @@ int main(int argc, char **argv) {
   CU(cudaMalloc(&dkv, 16 * sizeof(half_bits)));
   CU(cudaMemset(dkv, 0, 16 * sizeof(half_bits)));
 
-  fprintf(stderr, "bench_search: putting %d + %d x %d facts...\n", BIG, TENANTS, PER_TENANT);
-  put_rows(b.store, 0, 0, BIG, dkv);
-  for (int t = 0; t < TENANTS; t++) put_rows(b.store, 1 + (uint64_t)t, BIG + (uint32_t)t * PER_TENANT, PER_TENANT, dkv);
+  const char *scale_env = getenv("KVI_BENCH_SCALE");
+  const int scale = scale_env && atoi(scale_env) > 1 ? atoi(scale_env) : 1;
+  const int32_t big = BIG / scale;
+  fprintf(stderr, "bench_search: putting %d + %d x %d facts...\n", big, scale > 1 ? 0 : TENANTS, PER_TENANT);
+  put_rows(b.store, 0, 0, (uint32_t)big, dkv);
+  for (int t = 0; t < TENANTS && scale == 1; t++)
+    put_rows(b.store, 1 + (uint64_t)t, BIG + (uint32_t)t * PER_TENANT, PER_TENANT, dkv);
   CU(cudaStreamSynchronize(stream));
   kvi_store_stats st = KVI_STORE_STATS_INIT;
   CK(kvi_store_stats_get(b.store, &st));
@@ -238,11 +312,11 @@ int main(int argc, char **argv) {
   row rows[6];
   int nrows = 0;
   const int32_t batches[3] = {1, 16, 256};
-  const float big_copy = copy_ms((size_t)BIG * DIM * 2);
+  const float big_copy = copy_ms((size_t)big * DIM * 2);
   for (int i = 0; i < 3; i++) {
     row *r = &rows[nrows++];
     r->name = "1 tenant";
-    r->facts = BIG;
+    r->facts = big;
     r->queries = batches[i];
     r->ms = time_search(&b, batches[i], one_tenant, bench_iters, &r->host_ms);
     r->bad = verify(&b, batches[i], one_tenant, bench_iters - 1 + bench_warm, row_big);
@@ -253,9 +327,10 @@ int main(int argc, char **argv) {
       CU(cudaMemcpy(&s0, b.dscores, sizeof s0, cudaMemcpyDeviceToHost));
       printf("query 0: best fact %llu score %.4f\n", (unsigned long long)id0, (double)s0);
     }
-    r->mib = BIG * row_bytes / 1048576.0;
+    r->mib = big * row_bytes / 1048576.0;
     r->copy_ms = big_copy;
   }
+  if (scale > 1) goto report;
   {
     row *r = &rows[nrows++];
     r->name = "1 of 100 tenants";
@@ -276,10 +351,46 @@ int main(int argc, char **argv) {
     r->mib = (double)TENANTS * PER_TENANT * row_bytes / 1048576.0;
     r->copy_ms = copy_ms((size_t)TENANTS * PER_TENANT * DIM * 2);
   }
+  {
+    /* retrieve-and-inject into a fp16 cache of the facts' geometry */
+    rbench r;
+    memset(&r, 0, sizeof r);
+    const int32_t nb = MAXQ * RB_BLOCKS;
+    void *cache;
+    CU(cudaMalloc(&cache, (size_t)2 * nb * RB_BS * 8 * 2));
+    void *layers[1] = {cache};
+    kvi_cache_layout cl;
+    CK(kvi_cache_layout_preset(&cl, KVI_CACHE_VLLM_FLASH_ATTN, KVI_DTYPE_FP16, 1, 1, 8, RB_BS, nb, layers, NULL, NULL));
+    CK(kvi_injector_create(&r.inj, b.store, &cl, NULL));
+    r.htables = malloc((size_t)nb * sizeof(int32_t));
+    for (int32_t i = 0; i < nb; i++) r.htables[i] = (int32_t)((i * 7919u) % (uint32_t)nb); /* scattered, distinct */
+    CU(cudaMalloc((void **)&r.dtables, (size_t)nb * sizeof(int32_t)));
+    CU(cudaMemcpy(r.dtables, r.htables, (size_t)nb * sizeof(int32_t), cudaMemcpyHostToDevice));
+    CU(cudaMalloc((void **)&r.dcounts, MAXQ * sizeof(int32_t)));
+    CU(cudaMalloc((void **)&r.dtokens, MAXQ * sizeof(int32_t)));
+    printf("| retrieve+inject, k 50, tenants of 10,000 | queries | device ms | host ms | round trip ms | host ms | "
+           "round trip/device |\n|---|--:|--:|--:|--:|--:|--:|\n");
+    const int32_t nqs[2] = {1, 16};
+    for (int i = 0; i < 2; i++) {
+      float hd, hr;
+      const float d = time_retrieve(&b, &r, nqs[i], true, &hd), rt = time_retrieve(&b, &r, nqs[i], false, &hr);
+      printf("| one query per tenant | %d | %.3f | %.3f | %.3f | %.3f | %.2fx |\n", nqs[i], d, hd, rt, hr, rt / d);
+    }
+    int64_t skipped = -1;
+    CK(kvi_injector_async_errors(r.inj, &skipped));
+    printf("(skipped tokens: %lld)\n\n", (long long)skipped);
+    kvi_injector_destroy(r.inj);
+    CU(cudaFree(cache));
+    CU(cudaFree(r.dtables));
+    CU(cudaFree(r.dcounts));
+    CU(cudaFree(r.dtokens));
+    free(r.htables);
+  }
+report:
   for (int i = 0; i < nrows; i++) rows[i].torch_ms = NAN;
 
   /* the torch baseline, same data, same machine, right after */
-  if (argc > 1) {
+  if (argc > 1 && scale == 1) {
     char cmd[4096];
     snprintf(cmd, sizeof cmd, "python3 '%s' 2>&1", argv[1]);
     fprintf(stderr, "bench_search: running the torch baseline: %s\n", cmd);
