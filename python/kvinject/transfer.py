@@ -170,7 +170,7 @@ class Injector(_Transfer):
     def retrieve_inject(self, queries, requests: Sequence[RetrieveRequest], k: int, *,
                         query_dtype: Optional[DType] = None, stream=None):
         """kvi_retrieve_inject: searches each query's tenant and injects its top k facts
-        (CPU stores in this version). queries: as for :meth:`Store.search`; one
+        (on the device for CUDA stores without a host tier: see the C header). queries: as for :meth:`Store.search`; one
         request per query. Returns, per query, (fact ids in score order, tokens
         injected)."""
         requests = list(requests)
