@@ -206,10 +206,12 @@ KVI_API void kvi_retrieve_request_init(kvi_retrieve_request *req);
  *   by this). All three in opts->out_memory.
  * The reserve: each request's block table (and the positions) must have
  *   room, from first_slot on, for min(k, facts of the tenant) facts of the
- *   longest size the tenant has ever held (a tenant's longest size is never
- *   lowered by removes); a request without that room fails the call with
- *   KVI_ERR_INVALID_ARGUMENT before anything runs. The winners' actual
- *   tokens are reported in out_tokens.
+ *   longest size the tenant has held since it last had no facts (removes do
+ *   not lower it); a request without that room fails the call with
+ *   KVI_ERR_INVALID_ARGUMENT before anything runs (a tenant without facts
+ *   needs no table). Positions and the injector's max_tokens_per_call are
+ *   checked against the reserve too. The winners' actual tokens are
+ *   reported in out_tokens.
  * On a CUDA store without a host tier and without sharded embeddings the
  *   whole call runs on the device, enqueued on `stream` with no host
  *   synchronization: the search, a kernel that plans the injection from its
