@@ -43,7 +43,7 @@ constexpr int SEL_N = 2048; /* pairs a selection CTA holds: k <= 1024 kept + can
 constexpr int SEL_R = 1024; /* inputs read per round: 4 per thread */
 constexpr int SEL_BINS = 1024; /* histogram bins of the selection's fast path */
 constexpr int ILP = 8;         /* loads a selection thread keeps in flight */
-constexpr int STEP = 8;        /* the fast path samples every STEP-th input of a long run */
+constexpr int STEP = 8;        /* the fast path samples one line of inputs in every STEP of a long run */
 static_assert(WARPS * ROWS == KVI__SCAN_ROWS, "scan rows per CTA step");
 static_assert(SEL_N - KVI_SEARCH_MAX_K >= SEL_R, "a round always fits the candidate buffer");
 
@@ -282,7 +282,8 @@ __device__ inline int bin_of(float s, float lo, float scale) {
 /* One CTA per kvi__sel.
  *
  * Fast path (finite scores spread over a range, as real similarities are):
- * a sample of the inputs (every STEP-th of a long run, else all of them)
+ * a sample of the inputs (one 32-input line in every STEP of a long run,
+ * else all of them)
  * gives a range and a histogram of SEL_BINS equal bins over it (inputs
  * outside it fall in the end bins), and the highest bin b such that the
  * sample's bins >= b hold at least k inputs. Bins are monotone in the score
@@ -314,17 +315,20 @@ template <bool R> __global__ void __launch_bounds__(THREADS) select_kernel(const
   for (int i = threadIdx.x; i < SEL_BINS; i += THREADS) hist[i] = 0;
   if (threadIdx.x == 0) ncand = 0, have_thr = 0, cut = -1;
 
-  /* sample: every STEP-th input when that gives at least 8k of them and
-   * about k * STEP gathered inputs fit the buffer twice over */
+  /* sample: one run of 32 inputs (a 128-byte line) in every STEP when that
+   * gives at least 8k inputs and about k * STEP gathered inputs fit the
+   * buffer twice over, else all inputs. Whole lines: a sampled pass reads
+   * 1/STEP of the bytes (every STEP-th input alone would touch every line). */
   const int64_t step = total / STEP >= 8 * k && 2 * STEP * k <= SEL_N ? STEP : 1;
+  const int64_t nsamp = (total + 32 * step - 1) / (32 * step) * 32; /* sample slots, some past the end */
   /* pass 1: the sample's range above -infinity */
   float lo = INFINITY, hi = -INFINITY;
-  for (int64_t base = threadIdx.x * step; base < total; base += THREADS * step * ILP) {
+  for (int64_t base = threadIdx.x; base < nsamp; base += THREADS * ILP) {
     float v[ILP]; /* ILP independent loads in flight: the loop is latency-bound otherwise */
 #pragma unroll
     for (int u = 0; u < ILP; u++) {
-      const int64_t idx = base + (int64_t)u * THREADS * step;
-      v[u] = idx < total ? sel_score(a, sel, idx) : -INFINITY;
+      const int64_t sm = base + (int64_t)u * THREADS, idx = (sm >> 5) * 32 * step + (sm & 31);
+      v[u] = sm < nsamp && idx < total ? sel_score(a, sel, idx) : -INFINITY;
     }
 #pragma unroll
     for (int u = 0; u < ILP; u++)
@@ -342,12 +346,12 @@ template <bool R> __global__ void __launch_bounds__(THREADS) select_kernel(const
     const float scale = (float)SEL_BINS / (hi - lo); /* 0 if the range overflows: one bin */
     /* pass 2: the sample's histogram (a +infinity in it ends the fast path) */
     bool inf = false;
-    for (int64_t base = threadIdx.x * step; base < total; base += THREADS * step * ILP) {
+    for (int64_t base = threadIdx.x; base < nsamp; base += THREADS * ILP) {
       float v[ILP];
 #pragma unroll
       for (int u = 0; u < ILP; u++) {
-        const int64_t idx = base + (int64_t)u * THREADS * step;
-        v[u] = idx < total ? sel_score(a, sel, idx) : -INFINITY;
+        const int64_t sm = base + (int64_t)u * THREADS, idx = (sm >> 5) * 32 * step + (sm & 31);
+        v[u] = sm < nsamp && idx < total ? sel_score(a, sel, idx) : -INFINITY;
       }
 #pragma unroll
       for (int u = 0; u < ILP; u++) {

@@ -668,8 +668,10 @@ static void emb_free(kvi_store *s, tenant *t) {
  * allocations, the live rows copied over, the old ones freed, all on
  * emb_stream. */
 static kvi_status emb_grow_device(kvi_store *s, tenant *t, size_t cap, int32_t stride, const char *fn) {
-  const size_t rb = row_bytes(s), db = (size_t)stride * sizeof(uint32_t), odb = (size_t)t->dir_stride * sizeof(uint32_t);
   const bool same = cap == t->cap; /* only the directory's rows grow */
+  if (stride < t->dir_stride) stride = t->dir_stride;
+  const size_t rb = row_bytes(s), odb = (size_t)t->dir_stride * sizeof(uint32_t);
+  const size_t db = same && stride == t->dir_stride ? 0 : (size_t)stride * sizeof(uint32_t); /* 0: no new directory */
   void *e = NULL, *ids = NULL, *dir = NULL;
   kvi_status st = KVI_OK;
   if (!same) st = kvi__cuda_malloc_async(&e, cap * rb, s->emb_stream, fn);
@@ -678,7 +680,7 @@ static kvi_status emb_grow_device(kvi_store *s, tenant *t, size_t cap, int32_t s
   if (st == KVI_OK && !same && t->nrows > 0) st = kvi__cuda_d2d(e, t->emb, t->nrows * rb, s->emb_stream, fn);
   if (st == KVI_OK && !same && t->nrows > 0)
     st = kvi__cuda_d2d(ids, t->ids, t->nrows * sizeof(uint64_t), s->emb_stream, fn);
-  if (st == KVI_OK && odb && t->nrows > 0) st = kvi__cuda_copy2d(dir, db, t->dir, odb, odb, t->nrows, s->emb_stream, fn);
+  if (st == KVI_OK && db && odb && t->nrows > 0) st = kvi__cuda_copy2d(dir, db, t->dir, odb, odb, t->nrows, s->emb_stream, fn);
   if (st != KVI_OK) {
     if (st == KVI_ERR_OUT_OF_MEMORY)
       kvi__fail(st, fn, "growing tenant %llu's embeddings to %zu rows (%zu bytes of device memory)",
@@ -710,7 +712,7 @@ static kvi_status emb_grow(kvi_store *s, tenant *t, size_t need, int32_t stride,
   t->rows = rows;
   kvi_status st = KVI_OK;
   if (s->backend == KVI_BACKEND_CUDA) {
-    WITH_DEVICE(s, fn, st, emb_grow_device(s, t, cap, stride > t->dir_stride ? stride : 0, fn));
+    WITH_DEVICE(s, fn, st, emb_grow_device(s, t, cap, stride, fn));
     if (st) return st;
   } else {
     if (cap * rb / rb != cap) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "%zu embedding rows overflow", cap);

@@ -361,6 +361,7 @@ int main(int argc, char **argv) {
     void *layers[1] = {cache};
     kvi_cache_layout cl;
     CK(kvi_cache_layout_preset(&cl, KVI_CACHE_VLLM_FLASH_ATTN, KVI_DTYPE_FP16, 1, 1, 8, RB_BS, nb, layers, NULL, NULL));
+    cl.memory = KVI_MEMORY_DEVICE;
     CK(kvi_injector_create(&r.inj, b.store, &cl, NULL));
     r.htables = malloc((size_t)nb * sizeof(int32_t));
     for (int32_t i = 0; i < nb; i++) r.htables[i] = (int32_t)((i * 7919u) % (uint32_t)nb); /* scattered, distinct */
