@@ -43,7 +43,7 @@ constexpr int SEL_N = 2048; /* pairs a selection CTA holds: k <= 1024 kept + can
 constexpr int SEL_R = 1024; /* inputs read per round: 4 per thread */
 constexpr int SEL_BINS = 1024; /* histogram bins of the selection's fast path */
 constexpr int ILP = 8;         /* loads a selection thread keeps in flight */
-constexpr int STEP = 8;        /* the fast path samples one line of inputs in every STEP of a long run */
+constexpr int STEP = 8;        /* the fast path samples one input in STEP of a long run */
 static_assert(WARPS * ROWS == KVI__SCAN_ROWS, "scan rows per CTA step");
 static_assert(SEL_N - KVI_SEARCH_MAX_K >= SEL_R, "a round always fits the candidate buffer");
 
@@ -282,9 +282,8 @@ __device__ inline int bin_of(float s, float lo, float scale) {
 /* One CTA per kvi__sel.
  *
  * Fast path (finite scores spread over a range, as real similarities are):
- * a sample of the inputs (one 32-input line in every STEP of a long run,
- * else all of them)
- * gives a range and a histogram of SEL_BINS equal bins over it (inputs
+ * a sample of the inputs (one in STEP of a long run, in whole lines when
+ * it is longer than 32 KiB; else all of them) gives a range and a histogram of SEL_BINS equal bins over it (inputs
  * outside it fall in the end bins), and the highest bin b such that the
  * sample's bins >= b hold at least k inputs. Bins are monotone in the score
  * and the sample is part of the run, so an input in a bin below b has k
@@ -315,19 +314,23 @@ template <bool R> __global__ void __launch_bounds__(THREADS) select_kernel(const
   for (int i = threadIdx.x; i < SEL_BINS; i += THREADS) hist[i] = 0;
   if (threadIdx.x == 0) ncand = 0, have_thr = 0, cut = -1;
 
-  /* sample: one run of 32 inputs (a 128-byte line) in every STEP when that
-   * gives at least 8k inputs and about k * STEP gathered inputs fit the
-   * buffer twice over, else all inputs. Whole lines: a sampled pass reads
-   * 1/STEP of the bytes (every STEP-th input alone would touch every line). */
+  /* sample: w inputs in every w * STEP when that gives at least 8k inputs
+   * and about k * STEP gathered inputs fit the buffer twice over, else all
+   * inputs. A long run is sampled in whole 128-byte lines (w = 32), so the
+   * sampled passes read 1/STEP of its bytes; a short one (up to 32 KiB) in
+   * single inputs (w = 1): the sample then touches every line, and pass 3
+   * finds the run in L1 (measured on the H200: lines made runs of 4,096
+   * slower, runs of 30,720 faster). */
   const int64_t step = total / STEP >= 8 * k && 2 * STEP * k <= SEL_N ? STEP : 1;
-  const int64_t nsamp = (total + 32 * step - 1) / (32 * step) * 32; /* sample slots, some past the end */
+  const int lw = total > 8192 ? 5 : 0; /* log2 w */
+  const int64_t w = 1 << lw, nsamp = (total + w * step - 1) / (w * step) * w; /* sample slots, some past the end */
   /* pass 1: the sample's range above -infinity */
   float lo = INFINITY, hi = -INFINITY;
   for (int64_t base = threadIdx.x; base < nsamp; base += THREADS * ILP) {
     float v[ILP]; /* ILP independent loads in flight: the loop is latency-bound otherwise */
 #pragma unroll
     for (int u = 0; u < ILP; u++) {
-      const int64_t sm = base + (int64_t)u * THREADS, idx = (sm >> 5) * 32 * step + (sm & 31);
+      const int64_t sm = base + (int64_t)u * THREADS, idx = (sm >> lw << lw) * step + (sm & (w - 1));
       v[u] = sm < nsamp && idx < total ? sel_score(a, sel, idx) : -INFINITY;
     }
 #pragma unroll
@@ -350,7 +353,7 @@ template <bool R> __global__ void __launch_bounds__(THREADS) select_kernel(const
       float v[ILP];
 #pragma unroll
       for (int u = 0; u < ILP; u++) {
-        const int64_t sm = base + (int64_t)u * THREADS, idx = (sm >> 5) * 32 * step + (sm & 31);
+        const int64_t sm = base + (int64_t)u * THREADS, idx = (sm >> lw << lw) * step + (sm & (w - 1));
         v[u] = sm < nsamp && idx < total ? sel_score(a, sel, idx) : -INFINITY;
       }
 #pragma unroll
