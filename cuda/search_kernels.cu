@@ -43,6 +43,7 @@ constexpr int SEL_N = 2048; /* pairs a selection CTA holds: k <= 1024 kept + can
 constexpr int SEL_R = 1024; /* inputs read per round: 4 per thread */
 constexpr int SEL_BINS = 1024; /* histogram bins of the selection's fast path */
 constexpr int ILP = 8;         /* loads a selection thread keeps in flight */
+constexpr int ILP4 = 4;        /* 16-byte loads, where the scores allow them */
 constexpr int STEP = 8;        /* the fast path samples one input in STEP of a long run */
 static_assert(WARPS * ROWS == KVI__SCAN_ROWS, "scan rows per CTA step");
 static_assert(SEL_N - KVI_SEARCH_MAX_K >= SEL_R, "a round always fits the candidate buffer");
@@ -387,7 +388,43 @@ template <bool R> __global__ void __launch_bounds__(THREADS) select_kernel(const
       const int b = cut;
       /* pass 3: gather every input of bins >= b (counting past the buffer) */
       bool inf3 = false;
-      for (int64_t base = threadIdx.x; base < total; base += THREADS * ILP) {
+      auto take = [&](float s, int64_t idx) {
+        if (isfinite(s)) {
+          if (bin_of(s, lo, scale) >= b) {
+            const int pos = atomicAdd(&ncand, 1);
+            if (pos < SEL_N) {
+              ss[pos] = s;
+              si[pos] = sel_id(a, sel, idx);
+              if constexpr (R) sr[pos] = sel_row(a, sel, idx);
+            }
+          }
+        } else {
+          inf3 |= s > 0.0f; /* NaN counts as -infinity, as sel_score has it */
+        }
+      };
+      int64_t done = 0;
+      if (sel.ids && (sel.a & 3) == 0) { /* stage 1: contiguous, 16-byte aligned scores, 4 a load */
+        const float4 *v4 = reinterpret_cast<const float4 *>(a.scores + sel.a);
+        const int64_t n4 = total >> 2;
+        for (int64_t base = threadIdx.x; base < n4; base += THREADS * ILP4) {
+          float4 v[ILP4];
+#pragma unroll
+          for (int u = 0; u < ILP4; u++) {
+            const int64_t i4 = base + (int64_t)u * THREADS;
+            v[u] = i4 < n4 ? __ldg(v4 + i4) : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+          }
+#pragma unroll
+          for (int u = 0; u < ILP4; u++) {
+            const int64_t idx = (base + (int64_t)u * THREADS) * 4;
+            take(v[u].x, idx);
+            take(v[u].y, idx + 1);
+            take(v[u].z, idx + 2);
+            take(v[u].w, idx + 3);
+          }
+        }
+        done = n4 * 4;
+      }
+      for (int64_t base = done + threadIdx.x; base < total; base += THREADS * ILP) {
         float v[ILP];
 #pragma unroll
         for (int u = 0; u < ILP; u++) {
@@ -395,21 +432,7 @@ template <bool R> __global__ void __launch_bounds__(THREADS) select_kernel(const
           v[u] = idx < total ? sel_score(a, sel, idx) : -INFINITY;
         }
 #pragma unroll
-        for (int u = 0; u < ILP; u++) {
-          const float s = v[u];
-          if (isfinite(s)) {
-            if (bin_of(s, lo, scale) >= b) {
-              const int pos = atomicAdd(&ncand, 1);
-              if (pos < SEL_N) {
-                ss[pos] = s;
-                si[pos] = sel_id(a, sel, base + (int64_t)u * THREADS);
-                if constexpr (R) sr[pos] = sel_row(a, sel, base + (int64_t)u * THREADS);
-              }
-            }
-          } else {
-            inf3 |= s > 0.0f;
-          }
-        }
+        for (int u = 0; u < ILP; u++) take(v[u], base + (int64_t)u * THREADS);
       }
       inf3 = __syncthreads_or(inf3);
       const int m = ncand;

@@ -334,14 +334,7 @@ static int cmp_qref(const void *a, const void *b) {
 typedef struct selq {
   size_t sel; /* index into plan.sels (which may move as it grows) */
   int32_t slot;
-  int32_t order;
 } selq;
-
-static int cmp_selq(const void *a, const void *b) {
-  const selq *x = a, *y = b;
-  if (x->slot != y->slot) return x->slot < y->slot ? -1 : 1;
-  return (x->order > y->order) - (x->order < y->order);
-}
 
 static size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
@@ -364,8 +357,8 @@ static kvi_status build_plan(const kvi_store *s, plan *p, const uint64_t *tenant
   qref *qs = malloc((size_t)nq * sizeof *qs);
   int32_t *items = calloc((size_t)nq, sizeof *items);  /* stage-1 selections per slot, whole call */
   int32_t *have = calloc((size_t)nq, sizeof *have);   /* pairs in a slot's running top k */
-  selq *sq = NULL;
-  size_t csq = 0;
+  selq *sq = NULL, *sorted = NULL;
+  size_t csq = 0, csorted = 0, cstart = 0, *start = NULL;
   p->perm = malloc((size_t)nq * sizeof *p->perm);
   p->emits = malloc((size_t)nq * sizeof *p->emits);
   kvi_status st = KVI_OK;
@@ -479,13 +472,35 @@ static kvi_status build_plan(const kvi_store *s, plan *p, const uint64_t *tenant
           sl->a = pt->d.off + (int64_t)j * pt->d.sld + f0;
           sl->nb = pt->d.nf - f0 < pt->seg ? pt->d.nf - f0 : pt->seg;
           if (!MORE(sq, nsq, csq)) goto oom;
-          selq e = {p->nsels - 1, pt->d.q0 + j, (int32_t)nsq};
+          selq e = {p->nsels - 1, pt->d.q0 + j};
           sq[nsq++] = e;
         }
     }
     r->s1 = p->nsels;
-    /* candidates of one query are contiguous: offsets assigned in slot order */
-    qsort(sq, nsq, sizeof *sq, cmp_selq);
+    /* candidates of one query are contiguous: offsets assigned in slot order
+     * (a stable counting sort over the round's slots; qsort of the 512
+     * selections of each of a 256-query batch's 17 rounds took most of its
+     * 0.7 ms of planning) */
+    if (nsq > 0) {
+      int32_t lo = sq[0].slot, hi = sq[0].slot;
+      for (size_t i = 1; i < nsq; i++) lo = sq[i].slot < lo ? sq[i].slot : lo, hi = sq[i].slot > hi ? sq[i].slot : hi;
+      const size_t span = (size_t)(hi - lo) + 2;
+      if (span > cstart) {
+        size_t *ns = realloc(start, span * sizeof *ns);
+        if (!ns) goto oom;
+        start = ns, cstart = span;
+      }
+      if (nsq > csorted) {
+        selq *ns = realloc(sorted, nsq * sizeof *ns);
+        if (!ns) goto oom;
+        sorted = ns, csorted = nsq;
+      }
+      memset(start, 0, span * sizeof *start);
+      for (size_t i = 0; i < nsq; i++) start[sq[i].slot - lo + 1]++;
+      for (size_t i = 1; i < span; i++) start[i] += start[i - 1];
+      for (size_t i = 0; i < nsq; i++) sorted[start[sq[i].slot - lo]++] = sq[i];
+      memcpy(sq, sorted, nsq * sizeof *sq);
+    }
     const int64_t cand0 = (int64_t)nq * k;
     int64_t cursor = 0;
     for (size_t i = 0; i < nsq;) {
@@ -528,6 +543,8 @@ out:
   free(items);
   free(have);
   free(sq);
+  free(sorted);
+  free(start);
   return st;
 }
 
