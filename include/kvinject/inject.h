@@ -288,9 +288,9 @@ KVI_API void kvi_capture_init(kvi_capture *cap);
  * scale per page, layer, K/V and head from the un-rotated values; on a CUDA
  * store that is four launches: zero the scales, fold amax, write, finish). Every
  * capture is checked before any is launched; on a CUDA store the captures of a
- * call then go in one fused kernel launch per 512 captures (the device starts
- * on the first while the host plans the next). They are all-or-nothing: if one
- * fails its checks (or the store lacks pages for all of them), or a launch
+ * call then go in one fused kernel launch (one per 65,536 captures). They are
+ * all-or-nothing: if one fails its checks (or the store lacks pages for all
+ * of them), or a launch
  * fails, none is stored. caps: host array, all with the same struct_size.
  * Errors: as kvi_store_put and kvi_inject (KVI_ERR_EXISTS, KVI_ERR_CAPACITY,
  * KVI_ERR_INVALID_ARGUMENT, ...); two captures of one call with the same
