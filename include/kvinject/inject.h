@@ -290,8 +290,7 @@ KVI_API void kvi_capture_init(kvi_capture *cap);
  * capture is checked before any is launched; on a CUDA store the captures of a
  * call then go in one fused kernel launch (one per 65,536 captures). They are
  * all-or-nothing: if one fails its checks (or the store lacks pages for all
- * of them), or a launch
- * fails, none is stored. caps: host array, all with the same struct_size.
+ * of them), or a launch fails, none is stored. caps: host array, all with the same struct_size.
  * Errors: as kvi_store_put and kvi_inject (KVI_ERR_EXISTS, KVI_ERR_CAPACITY,
  * KVI_ERR_INVALID_ARGUMENT, ...); two captures of one call with the same
  * (tenant, fact id) are KVI_ERR_INVALID_ARGUMENT.
