@@ -1216,12 +1216,14 @@ KVI_API void kvi_retrieve_request_init(kvi_retrieve_request *req) {
   }
 }
 
-/* What a query of a retrieve-and-inject call may inject: its tenant's
- * facts with embeddings, at most k of them, each no longer than the longest
- * fact the tenant has held (store locked). */
+/* What a query of a retrieve-and-inject call may inject: at most k of its
+ * tenant's facts, each no longer than the longest fact the tenant has held
+ * (store locked). Counted over facts, not embedding rows: the same on every
+ * rank of a store with sharded embeddings, so the ranks of a collective call
+ * decide alike. */
 static void reserve_of(const kvi_store *s, uint64_t tenant_id, int32_t k, int32_t *nres, int64_t *tokens) {
   const tenant *t = kvi__map_get(&s->tenants, tenant_id, 0);
-  const size_t n = t ? t->nrows : 0;
+  const size_t n = t ? t->count : 0;
   *nres = n < (size_t)k ? (int32_t)n : k;
   *tokens = (int64_t)*nres * (t ? t->max_tokens : 0);
 }
