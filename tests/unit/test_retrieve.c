@@ -232,6 +232,18 @@ static void test_reserve(void **state) {
   r.block_table_len = 5;
   assert_ok(kvi_retrieve_inject(f->ia, f->q, 1, E, &r, 2, NULL, ids, &cnt, &tok, NULL));
   assert_int_equal(tok, 6);
+  /* the transfer limits apply to the reserve (18 tokens), not to the 6 injected */
+  void *layers[L];
+  for (int l = 0; l < L; l++) layers[l] = f->cache_b + (size_t)l * 2 * NB * BS * H * D;
+  kvi_cache_layout cl;
+  assert_ok(kvi_cache_layout_preset(&cl, KVI_CACHE_VLLM_FLASHINFER, KVI_DTYPE_FP32, L, H, D, BS, NB, layers, NULL, NULL));
+  cl.memory = KVI_MEMORY_HOST;
+  kvi_transfer_options to = KVI_TRANSFER_OPTIONS_INIT;
+  to.max_tokens_per_call = 17;
+  kvi_injector *small = NULL;
+  assert_ok(kvi_injector_create(&small, f->s, &cl, &to));
+  assert_status(kvi_retrieve_inject(small, f->q, 1, E, &r, 2, NULL, ids, &cnt, &tok, NULL), KVI_ERR_CAPACITY);
+  kvi_injector_destroy(small);
 }
 
 int main(void) {
