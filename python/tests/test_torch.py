@@ -492,6 +492,18 @@ class TestTorchCUDA(TorchCase):
             self.assertTrue(torch.equal(dk[l].cpu(), hk[l]), "layer %d K: CUDA and CPU differ" % l)
             self.assertTrue(torch.equal(dv[l].cpu(), hv[l]), "layer %d V: CUDA and CPU differ" % l)
         self.assertFalse(bool((hk[0] == -7.0).all()), "nothing was injected")
+        # device outputs on a stream: no host synchronization in the call; the same again
+        ids = torch.full((2, 2), 7, dtype=torch.int64, device=self.dev)
+        counts = torch.full((2,), -1, dtype=torch.int32, device=self.dev)
+        tokens = torch.full((2,), -1, dtype=torch.int32, device=self.dev)
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            qd = q.to(self.dev)
+        dinj.retrieve_inject(qd, requests(dtables), 2, out=(ids, counts, tokens), stream=s)
+        s.synchronize()
+        self.assertEqual([(ids[i, :int(counts[i])].tolist(), int(tokens[i])) for i in range(2)], want)
+        for l in range(L):
+            self.assertTrue(torch.equal(dk[l].cpu(), hk[l]), "layer %d K: CUDA and CPU differ" % l)
         self.assertEqual(dinj.async_errors(), 0)
 
     def test_encode_on_device(self):
