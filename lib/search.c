@@ -821,10 +821,8 @@ out_unlock:
 /* the entry point                                                          */
 /* ------------------------------------------------------------------------ */
 
-/* The checks kvi_store_search and kvi_retrieve_inject share: everything
- * but the outputs. *o is the caller's options, read. */
-static kvi_status check_search(const kvi_store *store, const void *queries, int32_t num_queries, int32_t dim,
-                               const uint64_t *tenants, int32_t k, const kvi_search_options *o, const char *fn) {
+kvi_status kvi__search_check(const kvi_store *store, const void *queries, int32_t num_queries, int32_t dim,
+                             const uint64_t *tenants, int32_t k, const kvi_search_options *o, const char *fn) {
   if (!kvi__dtype_is_float(o->query_dtype))
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->query_dtype is %d, expected KVI_DTYPE_FP32, FP16 or BF16",
                      (int)o->query_dtype);
@@ -869,7 +867,7 @@ KVI_API kvi_status kvi_store_search(kvi_store *store, const void *queries, int32
   if (num_queries > 0 && (!out_ids || !out_scores || !out_counts))
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL",
                      !out_ids ? "out_ids" : !out_scores ? "out_scores" : "out_counts");
-  if ((st = check_search(store, queries, num_queries, dim, tenants, k, &o, fn)) || num_queries == 0) return st;
+  if ((st = kvi__search_check(store, queries, num_queries, dim, tenants, k, &o, fn)) || num_queries == 0) return st;
   const bool cuda = store->backend == KVI_BACKEND_CUDA;
   if ((st = kvi__check_memory(out_ids, o.out_memory, cuda, store->device, fn, "out_ids")) ||
       (st = kvi__check_memory(out_scores, o.out_memory, cuda, store->device, fn, "out_scores")) ||
@@ -890,11 +888,6 @@ kvi_status kvi__search_local(kvi_store *s, const void *queries, kvi_dtype qt, kv
     return cpu_search(s, queries, qt, nq, tenants, k, out_ids, out_scores, out_counts, fn);
   return cuda_search(s, queries, qt, qm, nq, tenants, k, out_ids, out_scores, out_counts, NULL, om, ws, NULL, stream,
                      fn);
-}
-
-kvi_status kvi__search_check(const kvi_store *s, const void *queries, int32_t nq, int32_t dim, const uint64_t *tenants,
-                             int32_t k, const kvi_search_options *o, const char *fn) {
-  return check_search(s, queries, nq, dim, tenants, k, o, fn);
 }
 
 kvi_status kvi__search_then_run(kvi_store *s, const void *queries, const kvi_search_options *o, int32_t nq,

@@ -729,6 +729,33 @@ static void unlock_both(xfer *x) {
   pthread_mutex_unlock(&x->lock);
 }
 
+/* A request's block-table memory kind: host or device, device only on a
+ * CUDA store. */
+static kvi_status check_table_kind(const xfer *x, kvi_memory memory, int32_t r, const char *fn) {
+  if (memory != KVI_MEMORY_HOST && memory != KVI_MEMORY_DEVICE)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "request %d: block_table_memory is %d", (int)r, (int)memory);
+  if (memory == KVI_MEMORY_DEVICE && !x->cuda)
+    return kvi__fail(KVI_ERR_MEMORY_KIND, fn, "request %d: a CPU store reads host block tables only", (int)r);
+  return KVI_OK;
+}
+
+/* A request's job: a host table is read here, so it must not be device
+ * memory (the driver tells, in about a microsecond), nor a device table host
+ * memory; then check_job. */
+static kvi_status check_request_job(const xfer *x, const job *j, int32_t r, const char *fn) {
+  kvi_status st = KVI_OK;
+  if (j->tokens > 0 && j->table && x->cuda)
+    st = kvi__check_memory(j->table, j->table_on_host ? KVI_MEMORY_HOST : KVI_MEMORY_DEVICE, true, x->store->device, fn,
+                           j->table_on_host ? "a host block table" : "a device block table");
+  return st ? st : check_job(x, j, r, "request", fn);
+}
+
+/* Host block-table entries a job copies into its plan (plan_request). */
+static int64_t host_table_entries(const xfer *x, const job *j) {
+  if (j->tokens == 0 || !j->table_on_host) return 0;
+  return (j->first_slot + j->tokens - 1) / x->cache.BS - j->first_slot / x->cache.BS + 1;
+}
+
 /* Validates request r and sums its facts' tokens and pages (store locked). */
 static kvi_status inject_job(const xfer *x, const kvi_inject_request *rq, int32_t r, job *j, int32_t *npages,
                              const fact **found, const char *fn) {
@@ -738,11 +765,8 @@ static kvi_status inject_job(const xfer *x, const kvi_inject_request *rq, int32_
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "request %d: num_facts is %d", (int)r, (int)rq->num_facts);
   if (rq->num_facts > 0 && !rq->fact_ids)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "request %d: fact_ids is NULL", (int)r);
-  if (rq->block_table_memory != KVI_MEMORY_HOST && rq->block_table_memory != KVI_MEMORY_DEVICE)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "request %d: block_table_memory is %d", (int)r,
-                     (int)rq->block_table_memory);
-  if (rq->block_table_memory == KVI_MEMORY_DEVICE && !x->cuda)
-    return kvi__fail(KVI_ERR_MEMORY_KIND, fn, "request %d: a CPU store reads host block tables only", (int)r);
+  kvi_status st = check_table_kind(x, rq->block_table_memory, r, fn);
+  if (st) return st;
   for (int32_t f = 0; f < rq->num_facts; f++) {
     const fact *ft = kvi__store_find(x->store, rq->tenant, rq->fact_ids[f]);
     if (!ft)
@@ -765,14 +789,7 @@ static kvi_status inject_job(const xfer *x, const kvi_inject_request *rq, int32_
   j->first_slot = rq->first_slot;
   j->positions = rq->positions;
   j->start_position = rq->start_position;
-  /* a host table is read here: it must not be device memory (the driver
-   * tells, in about a microsecond), nor a device table host memory */
-  kvi_status st = KVI_OK;
-  if (j->tokens > 0 && j->table && x->cuda)
-    st = kvi__check_memory(j->table, j->table_on_host ? KVI_MEMORY_HOST : KVI_MEMORY_DEVICE, true, x->store->device, fn,
-                           j->table_on_host ? "a host block table" : "a device block table");
-  if (st == KVI_OK) st = check_job(x, j, r, "request", fn);
-  return st;
+  return check_request_job(x, j, r, fn);
 }
 
 /* A tiered store: orders `stream` after earlier tier moves and, promoting,
@@ -859,8 +876,7 @@ KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *
     ntok += jobs[r].tokens;
     if (jobs[r].positions) npos += jobs[r].tokens;
     nsegs += segs_for(x, (uint32_t)np);
-    if (jobs[r].tokens > 0 && jobs[r].table_on_host)
-      ntables += (jobs[r].first_slot + jobs[r].tokens - 1) / x->cache.BS - jobs[r].first_slot / x->cache.BS + 1;
+    ntables += host_table_entries(x, &jobs[r]);
   }
   plan p;
   if ((st = plan_alloc(&p, x, nsegs, num_requests, ntok, npos, ntables, 0, fn))) goto out_unlock;
@@ -1216,18 +1232,6 @@ KVI_API void kvi_retrieve_request_init(kvi_retrieve_request *req) {
   }
 }
 
-/* What a query of a retrieve-and-inject call may inject: at most k of its
- * tenant's facts, each no longer than the longest fact the tenant has held
- * (store locked). Counted over facts, not embedding rows: the same on every
- * rank of a store with sharded embeddings, so the ranks of a collective call
- * decide alike. */
-static void reserve_of(const kvi_store *s, uint64_t tenant_id, int32_t k, int32_t *nres, int64_t *tokens) {
-  const tenant *t = kvi__map_get(&s->tenants, tenant_id, 0);
-  const size_t n = t ? t->count : 0;
-  *nres = n < (size_t)k ? (int32_t)n : k;
-  *tokens = (int64_t)*nres * (t ? t->max_tokens : 0);
-}
-
 /* A request as the job its reserve makes of it. */
 static void retrieve_job(const kvi_retrieve_request *rq, int64_t tokens, job *j) {
   memset(j, 0, sizeof *j);
@@ -1239,24 +1243,21 @@ static void retrieve_job(const kvi_retrieve_request *rq, int64_t tokens, job *j)
   j->start_position = rq->start_position;
 }
 
-/* Checks request i's reserve: its block table and positions must take k
- * facts of the tenant's longest size (store locked). */
+/* Checks request i's reserve (store locked): what the query may inject is
+ * at most k of its tenant's facts, each no longer than the longest fact the
+ * tenant has held, and its block table and positions must take that many
+ * tokens. Counted over facts, not embedding rows: the same on every rank of
+ * a store with sharded embeddings, so the ranks of a collective call decide
+ * alike. *t: the tenant (NULL when unknown); *nres: facts reserved. */
 static kvi_status check_reserve(const xfer *x, const kvi_retrieve_request *rq, int32_t i, int32_t k, job *j,
-                                int32_t *nres, const char *fn) {
-  int64_t tokens;
-  reserve_of(x->store, rq->tenant, k, nres, &tokens);
-  if (rq->block_table_memory != KVI_MEMORY_HOST && rq->block_table_memory != KVI_MEMORY_DEVICE)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "request %d: block_table_memory is %d", (int)i,
-                     (int)rq->block_table_memory);
-  if (rq->block_table_memory == KVI_MEMORY_DEVICE && !x->cuda)
-    return kvi__fail(KVI_ERR_MEMORY_KIND, fn, "request %d: a CPU store reads host block tables only", (int)i);
-  retrieve_job(rq, tokens, j);
-  kvi_status st = KVI_OK;
-  if (tokens > 0 && j->table && x->cuda)
-    st = kvi__check_memory(j->table, j->table_on_host ? KVI_MEMORY_HOST : KVI_MEMORY_DEVICE, true, x->store->device, fn,
-                           j->table_on_host ? "a host block table" : "a device block table");
-  if (st == KVI_OK) st = check_job(x, j, i, "request", fn);
-  return st;
+                                const tenant **t, int32_t *nres, const char *fn) {
+  *t = kvi__map_get(&x->store->tenants, rq->tenant, 0);
+  const size_t n = *t ? (*t)->count : 0;
+  *nres = n < (size_t)k ? (int32_t)n : k;
+  kvi_status st = check_table_kind(x, rq->block_table_memory, i, fn);
+  if (st) return st;
+  retrieve_job(rq, (int64_t)*nres * (*t ? (*t)->max_tokens : 0), j);
+  return check_request_job(x, j, i, fn);
 }
 
 /* The host path (CPU stores, and CUDA stores with a host tier or sharded
@@ -1282,11 +1283,11 @@ static kvi_status retrieve_on_host(kvi_injector *injector, const void *queries, 
   kvi__store_lock(x->store);
   for (int32_t i = 0; i < nq && st == KVI_OK; i++) {
     job j;
+    const tenant *t;
     int32_t nres;
-    if ((st = check_reserve(x, &rq[i], i, k, &j, &nres, fn))) break;
+    if ((st = check_reserve(x, &rq[i], i, k, &j, &t, &nres, fn))) break;
     ntok += j.tokens;
-    if (j.tokens > 0 && j.table_on_host)
-      ntables += (j.first_slot + j.tokens - 1) / x->cache.BS - j.first_slot / x->cache.BS + 1;
+    ntables += host_table_entries(x, &j);
   }
   kvi__store_unlock(x->store);
   if (st == KVI_OK) st = check_limits(x, nq, ntok, ntables, fn);
@@ -1342,20 +1343,20 @@ static kvi_status retr_prepare(void *ctx, const char *fn) {
   xfer *x = r->x;
   const kvi_store *s = x->store;
   job *jobs = malloc((size_t)r->nq * sizeof *jobs);
+  const tenant **ts = malloc((size_t)r->nq * sizeof *ts);
   int32_t *nres = malloc((size_t)r->nq * sizeof *nres), *spf = malloc((size_t)r->nq * sizeof *spf);
-  kvi_status st = jobs && nres && spf ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d requests", (int)r->nq);
+  kvi_status st =
+      jobs && ts && nres && spf ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d requests", (int)r->nq);
   int64_t ntok = 0, ntables = 0, nsegs = 0;
   for (int32_t i = 0; i < r->nq && st == KVI_OK; i++) {
-    if ((st = check_reserve(x, &r->rq[i], i, r->k, &jobs[i], &nres[i], fn))) break;
-    const tenant *t = kvi__map_get(&s->tenants, r->rq[i].tenant, 0);
-    const int32_t longest = t ? t->max_tokens : 0;
+    if ((st = check_reserve(x, &r->rq[i], i, r->k, &jobs[i], &ts[i], &nres[i], fn))) break;
+    const int32_t longest = ts[i] ? ts[i]->max_tokens : 0;
     /* a fact has at most one segment per token, and per page part */
     spf[i] = segs_for(x, pages_for(s, longest));
     if (spf[i] > longest) spf[i] = longest;
     ntok += jobs[i].tokens;
     nsegs += (int64_t)nres[i] * spf[i];
-    if (jobs[i].tokens > 0 && jobs[i].table_on_host)
-      ntables += (jobs[i].first_slot + jobs[i].tokens - 1) / x->cache.BS - jobs[i].first_slot / x->cache.BS + 1;
+    ntables += host_table_entries(x, &jobs[i]);
   }
   if (st == KVI_OK && nsegs > ntok) st = kvi__fail(KVI_ERR_INTERNAL, fn, "%lld segments for %lld tokens", (long long)nsegs, (long long)ntok);
   if (st == KVI_OK)
@@ -1364,7 +1365,7 @@ static kvi_status retr_prepare(void *ctx, const char *fn) {
     kvi__rquery *q = (kvi__rquery *)(r->p.buf + r->p.o_ext);
     int32_t seg0 = 0;
     for (int32_t i = 0; i < r->nq; i++) {
-      const tenant *t = kvi__map_get(&s->tenants, r->rq[i].tenant, 0);
+      const tenant *t = ts[i];
       plan_request(&r->p, x, &jobs[i]);
       memset(&q[i], 0, sizeof q[i]);
       q[i].dir = nres[i] > 0 ? t->dir : NULL;
@@ -1381,6 +1382,7 @@ static kvi_status retr_prepare(void *ctx, const char *fn) {
     r->p.nsegs = seg0;
   }
   free(jobs);
+  free(ts);
   free(nres);
   free(spf);
   return st;
