@@ -1216,12 +1216,14 @@ KVI_API void kvi_retrieve_request_init(kvi_retrieve_request *req) {
   }
 }
 
-/* What a query of a retrieve-and-inject call may inject: its tenant's
- * facts with embeddings, at most k of them, each no longer than the longest
- * fact the tenant has held (store locked). */
+/* What a query of a retrieve-and-inject call may inject: at most k of its
+ * tenant's facts, each no longer than the longest fact the tenant has held
+ * (store locked). Counted over facts, not embedding rows: the same on every
+ * rank of a store with sharded embeddings, so the ranks of a collective call
+ * decide alike. */
 static void reserve_of(const kvi_store *s, uint64_t tenant_id, int32_t k, int32_t *nres, int64_t *tokens) {
   const tenant *t = kvi__map_get(&s->tenants, tenant_id, 0);
-  const size_t n = t ? t->nrows : 0;
+  const size_t n = t ? t->count : 0;
   *nres = n < (size_t)k ? (int32_t)n : k;
   *tokens = (int64_t)*nres * (t ? t->max_tokens : 0);
 }
@@ -1274,14 +1276,20 @@ static kvi_status retrieve_on_host(kvi_injector *injector, const void *queries, 
   kvi_status st = ir && ids && order && scores && counts && tokens
                       ? KVI_OK
                       : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d requests of %d facts", (int)nq, (int)k);
-  /* the same contract as the device path: room for k facts of the tenant's longest size */
+  /* the same contract as the device path: room for k facts of the tenant's
+   * longest size, and the reserves within the transfer limits */
+  int64_t ntok = 0, ntables = 0;
   kvi__store_lock(x->store);
   for (int32_t i = 0; i < nq && st == KVI_OK; i++) {
     job j;
     int32_t nres;
-    st = check_reserve(x, &rq[i], i, k, &j, &nres, fn);
+    if ((st = check_reserve(x, &rq[i], i, k, &j, &nres, fn))) break;
+    ntok += j.tokens;
+    if (j.tokens > 0 && j.table_on_host)
+      ntables += (j.first_slot + j.tokens - 1) / x->cache.BS - j.first_slot / x->cache.BS + 1;
   }
   kvi__store_unlock(x->store);
+  if (st == KVI_OK) st = check_limits(x, nq, ntok, ntables, fn);
   kvi_search_options so = *opts;
   so.out_memory = KVI_MEMORY_HOST;
   if (st == KVI_OK) st = kvi_store_search(x->store, queries, nq, dim, tenants, k, ids, scores, counts, &so, stream);

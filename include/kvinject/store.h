@@ -392,8 +392,11 @@ typedef struct kvi_store_stats {
   uint64_t tenants;        /* tenants with at least one fact */
   uint64_t bytes_embeddings; /* memory the embedding matrices hold (device
                                 memory for a CUDA store, host for a CPU one):
-                                each tenant's rows and fact ids, with room to
-                                grow; outside budget_bytes */
+                                each tenant's rows and fact ids (and, on a
+                                CUDA store without a host tier, each fact's
+                                token count and page ids for
+                                kvi_retrieve_inject), with room to grow;
+                                outside budget_bytes */
   /* The pinned-host tier (0 without one). pages_total, pages_used,
    * bytes_reserved and bytes_used above count both tiers; the device tier's
    * share is their difference with these. */

@@ -9,7 +9,7 @@ from . import _buffers
 from ._lib import (CaptureC, InjectOptions, InjectRequestC, RetrieveRequestC, SearchOptions, TransferOptions, assign,
                    fit, lib)
 from .cache import CacheLayout
-from .enums import PUT_REPLACE, DType
+from .enums import PUT_REPLACE, DType, Memory
 from .store import Store, _check_embedding, _query_array
 
 
@@ -168,11 +168,15 @@ class Injector(_Transfer):
         del keep
 
     def retrieve_inject(self, queries, requests: Sequence[RetrieveRequest], k: int, *,
-                        query_dtype: Optional[DType] = None, stream=None):
+                        query_dtype: Optional[DType] = None, out=None, stream=None):
         """kvi_retrieve_inject: searches each query's tenant and injects its top k facts
-        (on the device for CUDA stores without a host tier: see the C header). queries: as for :meth:`Store.search`; one
-        request per query. Returns, per query, (fact ids in score order, tokens
-        injected)."""
+        (on the device for CUDA stores without a host tier: see the C header). queries:
+        as for :meth:`Store.search`; one request per query. out: None returns, per query,
+        (fact ids in score order, tokens injected), waiting for the call; or a tuple
+        (ids, counts, tokens) of tensors/buffers of [num_queries, k] uint64 or int64,
+        [num_queries] int32 and [num_queries] int32, all host or all device memory,
+        which the call fills (device outputs on ``stream``, with no host
+        synchronization: read them after it) and which are returned."""
         requests = list(requests)
         k = fit(k, ctypes.c_int32, "k")
         q, qdt, nq, dim = _query_array(queries, self.store.embedding_dim, query_dtype)
@@ -193,12 +197,30 @@ class Injector(_Transfer):
             arr[i] = c
         so = L.new(SearchOptions)
         so.query_dtype, so.query_memory = int(qdt), int(q.memory)
-        n = max(nq * k, 1)
-        ids, counts, tokens = (ctypes.c_uint64 * n)(), (ctypes.c_int32 * max(nq, 1))(), (ctypes.c_int32 * max(nq, 1))()
         i32 = ctypes.c_int32
+        if out is None:
+            n = max(nq * k, 1)
+            ids, counts, tokens = (ctypes.c_uint64 * n)(), (i32 * max(nq, 1))(), (i32 * max(nq, 1))()
+            ptrs = (ids, counts, tokens)
+            so.out_memory = int(Memory.HOST)
+        else:
+            oi, oc, ot = out
+            a_ids = _buffers.int_array(oi, ctypes.c_uint64, "out ids", allow_device=True, writable=True)
+            a_ct = _buffers.int_array(oc, i32, "out counts", allow_device=True, writable=True)
+            a_tk = _buffers.int_array(ot, i32, "out tokens", allow_device=True, writable=True)
+            if len({(a.memory, a.device) for a in (a_ids, a_ct, a_tk)}) != 1:
+                raise ValueError("retrieve_inject outputs must all be host memory or all on one device")
+            if k > 0 and (a_ids.numel < nq * k or a_ct.numel < nq or a_tk.numel < nq):
+                raise ValueError("retrieve_inject outputs hold %d ids, %d counts, %d tokens; %d queries x k %d need "
+                                 "%d, %d, %d" % (a_ids.numel, a_ct.numel, a_tk.numel, nq, k, nq * k, nq, nq))
+            keep += [a_ids, a_ct, a_tk]
+            ptrs = (a_ids.c_ptr(), a_ct.c_ptr(), a_tk.c_ptr())
+            so.out_memory = int(a_ids.memory)
         L.call("kvi_retrieve_inject", self.handle, q.c_ptr(), fit(nq, i32, "num_queries"), fit(dim, i32, "dim"), arr,
-               k, ctypes.byref(so), ids, counts, tokens, _buffers.stream_handle(stream))
+               k, ctypes.byref(so), ptrs[0], ptrs[1], ptrs[2], _buffers.stream_handle(stream))
         del keep
+        if out is not None:
+            return out
         return [([ids[i * k + j] for j in range(counts[i])], tokens[i]) for i in range(nq)]
 
     def plan(self, tenant: int, fact_ids) -> int:

@@ -55,6 +55,25 @@ class Retrieve(unittest.TestCase):
             inj_a.close()
             inj_b.close()
 
+    def test_out_buffers(self):
+        # the same call with caller-owned host outputs fills them with what the default returns
+        tables = [list(range(0, 16)), list(range(16, 32))]
+        reqs = [kvi.RetrieveRequest(1, tables[0], first_slot=1, start_position=3),
+                kvi.RetrieveRequest(2, tables[1], start_position=50, best_last=True)]
+        inj_a, cache_a = self.injector()
+        inj_b, cache_b = self.injector()
+        self.addCleanup(inj_a.close)
+        self.addCleanup(inj_b.close)
+        want = inj_a.retrieve_inject(self.q, reqs, 12)  # more than a tenant's 10 facts
+        ids, counts, tokens = array.array("Q", [7] * 24), array.array("i", [-1, -1]), array.array("i", [-1, -1])
+        self.assertIs(inj_b.retrieve_inject(self.q, reqs, 12, out=(ids, counts, tokens))[0], ids)
+        self.assertEqual(list(counts), [10, 10])
+        self.assertEqual([(list(ids[i * 12:i * 12 + counts[i]]), tokens[i]) for i in range(2)], want)
+        self.assertEqual([ids[i * 12 + j] for i in range(2) for j in (10, 11)], [kvi.SEARCH_NO_ID] * 4)
+        self.assertEqual([bytes(c) for c in cache_a], [bytes(c) for c in cache_b])
+        with self.assertRaises(ValueError):  # room for one query only
+            inj_b.retrieve_inject(self.q, reqs, 12, out=(array.array("Q", [0] * 12), counts, tokens))
+
     def test_errors(self):
         inj, _ = self.injector()
         self.addCleanup(inj.close)

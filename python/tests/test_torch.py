@@ -454,6 +454,58 @@ class TestTorchCUDA(TorchCase):
                             self.assertAlmostEqual(res_scores[j], ref.scores[i * 10 + j], delta=2e-4)
         self.assertEqual(cs.search_async_errors(), 0)
 
+    def test_retrieve_inject_on_device(self):
+        """kvi_retrieve_inject's device path (a CUDA store without a host tier): the same
+        ids, tokens and cache bytes as the CPU store's, with an engine cos/sin table
+        (bit parity) and integer embeddings (exact scores, ties broken by id on both)."""
+        if not kvi.features() & kvi.FEATURE_CUBLASLT:
+            skip_or_fail("libkvinject was built without cuBLASLt")
+        inv = llama3_inv_freq()
+        ang = torch.arange(10000, dtype=torch.float64)[:, None] * inv[None, :]
+        table = torch.cat((torch.cos(ang), torch.sin(ang)), dim=1).float()
+        cs, hs = self.stores(rope=dict(style=kvi.RopeStyle.NEOX, cos_sin_table=table), embedding_dim=16,
+                             embedding_dtype=DType.FP16)
+        facts = random_facts(self.gen)
+        emb = torch.randint(-4, 5, (len(facts), 16), generator=self.gen).float()
+        for i, (fid, (k, v)) in enumerate(facts.items()):
+            cs.put(1, fid, k.to(self.dev), v.to(self.dev), embedding=emb[i])
+            hs.put(1, fid, k, v, embedding=emb[i])
+        q = torch.randint(-3, 4, (2, 16), generator=self.gen).float()
+        dk, dv = self.hf_cache(DType.BF16, self.dev)
+        hk, hv = self.hf_cache(DType.BF16, "cpu")
+        dtables = [torch.tensor([r], dtype=torch.int32, device=self.dev) for r in (2, 0)]
+        htables = [torch.tensor([r], dtype=torch.int32) for r in (2, 0)]
+        torch.cuda.synchronize()
+        dinj = kvi.Injector(cs, kvi.CacheLayout.hf(dk, dv))
+        hinj = kvi.Injector(hs, kvi.CacheLayout.hf(hk, hv))
+
+        def requests(tables):  # 2 facts of up to 17 tokens each fit from slots 4 and 1 of 48
+            return [kvi.RetrieveRequest(1, tables[0], first_slot=4, start_position=100),
+                    kvi.RetrieveRequest(1, tables[1], first_slot=1, start_position=7, best_last=True)]
+
+        got = dinj.retrieve_inject(q.to(self.dev), requests(dtables), 2)
+        want = hinj.retrieve_inject(q, requests(htables), 2)
+        self.assertEqual(got, want)
+        self.assertTrue(all(len(ids) == 2 and tokens > 0 for ids, tokens in got))
+        torch.cuda.synchronize()
+        for l in range(L):
+            self.assertTrue(torch.equal(dk[l].cpu(), hk[l]), "layer %d K: CUDA and CPU differ" % l)
+            self.assertTrue(torch.equal(dv[l].cpu(), hv[l]), "layer %d V: CUDA and CPU differ" % l)
+        self.assertFalse(bool((hk[0] == -7.0).all()), "nothing was injected")
+        # device outputs on a stream: no host synchronization in the call; the same again
+        ids = torch.full((2, 2), 7, dtype=torch.int64, device=self.dev)
+        counts = torch.full((2,), -1, dtype=torch.int32, device=self.dev)
+        tokens = torch.full((2,), -1, dtype=torch.int32, device=self.dev)
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            qd = q.to(self.dev)
+        dinj.retrieve_inject(qd, requests(dtables), 2, out=(ids, counts, tokens), stream=s)
+        s.synchronize()
+        self.assertEqual([(ids[i, :int(counts[i])].tolist(), int(tokens[i])) for i in range(2)], want)
+        for l in range(L):
+            self.assertTrue(torch.equal(dk[l].cpu(), hk[l]), "layer %d K: CUDA and CPU differ" % l)
+        self.assertEqual(dinj.async_errors(), 0)
+
     def test_encode_on_device(self):
         cs, hs = self.stores()
         inv = llama3_inv_freq()

@@ -194,11 +194,64 @@ static void test_failures_write_nothing(void **state) {
   assert_ok(kvi_retrieve_inject(f->ia, f->q, 0, E, NULL, 8, NULL, NULL, NULL, NULL, NULL)); /* nothing to do */
 }
 
+/* The reserve: room for min(k, facts) facts of the longest size the tenant
+ * has held, exactly; removing its longest fact does not lower it. */
+static void test_reserve(void **state) {
+  fx *f = *state;
+  uint64_t ids[16];
+  int32_t cnt, tok;
+  /* tenant 5: two facts of 3 tokens and one of 9 (BS 4) */
+  const int sizes[3] = {3, 9, 3};
+  for (int i = 0; i < 3; i++) {
+    const int T = sizes[i];
+    const size_t n = (size_t)L * T * H * D;
+    float *k = calloc(n, sizeof *k), *v = calloc(n, sizeof *v), e[E];
+    for (int j = 0; j < E; j++) e[j] = (float)(j + i);
+    kvi_kv_view kv;
+    kvi_kv_view_contiguous(&kv, KVI_MEMORY_HOST, KVI_DTYPE_FP32, L, T, H, D, k, v);
+    kvi_put_options po = KVI_PUT_OPTIONS_INIT;
+    po.embedding = e;
+    assert_ok(kvi_store_put(f->s, 5, 500 + (uint64_t)i, &kv, &po, NULL));
+    free(k);
+    free(v);
+  }
+  /* k = 2: 2 x 9 tokens from slot 1 need slots 1..18, blocks 0..4 */
+  kvi_retrieve_request r = req(5, table0, 1, 0, 0);
+  r.block_table_len = 4;
+  for (size_t i = 0; i < cache_floats(); i++) f->cache_a[i] = -7.0f;
+  assert_status(kvi_retrieve_inject(f->ia, f->q, 1, E, &r, 2, NULL, ids, &cnt, &tok, NULL), KVI_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(kvi_last_error(), "request 0"));
+  for (size_t i = 0; i < cache_floats(); i++) assert_true(f->cache_a[i] == -7.0f);
+  r.block_table_len = 5;
+  assert_ok(kvi_retrieve_inject(f->ia, f->q, 1, E, &r, 2, NULL, ids, &cnt, &tok, NULL));
+  assert_int_equal(cnt, 2);
+  /* removing the 9-token fact leaves the reserve where it was */
+  assert_ok(kvi_store_remove(f->s, 5, 501));
+  r.block_table_len = 2; /* enough for 2 x 3 tokens, not for 2 x 9 */
+  assert_status(kvi_retrieve_inject(f->ia, f->q, 1, E, &r, 2, NULL, ids, &cnt, &tok, NULL), KVI_ERR_INVALID_ARGUMENT);
+  r.block_table_len = 5;
+  assert_ok(kvi_retrieve_inject(f->ia, f->q, 1, E, &r, 2, NULL, ids, &cnt, &tok, NULL));
+  assert_int_equal(tok, 6);
+  /* the transfer limits apply to the reserve (18 tokens), not to the 6 injected */
+  void *layers[L];
+  for (int l = 0; l < L; l++) layers[l] = f->cache_b + (size_t)l * 2 * NB * BS * H * D;
+  kvi_cache_layout cl;
+  assert_ok(kvi_cache_layout_preset(&cl, KVI_CACHE_VLLM_FLASHINFER, KVI_DTYPE_FP32, L, H, D, BS, NB, layers, NULL, NULL));
+  cl.memory = KVI_MEMORY_HOST;
+  kvi_transfer_options to = KVI_TRANSFER_OPTIONS_INIT;
+  to.max_tokens_per_call = 17;
+  kvi_injector *small = NULL;
+  assert_ok(kvi_injector_create(&small, f->s, &cl, &to));
+  assert_status(kvi_retrieve_inject(small, f->q, 1, E, &r, 2, NULL, ids, &cnt, &tok, NULL), KVI_ERR_CAPACITY);
+  kvi_injector_destroy(small);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_equals_search_then_inject, setup, teardown),
       cmocka_unit_test_setup_teardown(test_order_flag, setup, teardown),
       cmocka_unit_test_setup_teardown(test_failures_write_nothing, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_reserve, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
