@@ -273,6 +273,32 @@ __device__ inline u32 sel_row(const kvi__search_args &a, const kvi__sel &sel, in
   return __ldg(a.pr + (idx < sel.na ? sel.a + idx : sel.b + (idx - sel.na)));
 }
 
+/* A selection's best n (sorted, at the front of the buffer): as pairs at
+ * dst, or, for a query's final selection, as its results (kvi__emit's
+ * job: count, ids, scores and rows, sentinels past n, nothing for a query
+ * found invalid). */
+template <bool R>
+__device__ void put_results(const kvi__search_args &a, const kvi__sel &sel, const float *ss, const u64 *si,
+                            const u32 *sr, int n) {
+  if (sel.out < 0) {
+    for (int i = threadIdx.x; i < n; i += THREADS) {
+      a.ps[sel.dst + i] = ss[i];
+      a.pi[sel.dst + i] = si[i];
+      if constexpr (R) a.pr[sel.dst + i] = sr[i];
+    }
+    return;
+  }
+  if (!a.valid[sel.dst / a.k]) n = 0;
+  const int64_t o = (int64_t)sel.out * a.k;
+  for (int j = threadIdx.x; j < a.k; j += THREADS) {
+    a.out_ids[o + j] = j < n ? si[j] : ~0ull;
+    a.out_scores[o + j] = j < n ? ss[j] : -INFINITY;
+    if constexpr (R)
+      if (a.out_rows) a.out_rows[o + j] = j < n ? (int32_t)sr[j] : -1;
+  }
+  if (threadIdx.x == 0) a.out_counts[sel.out] = n;
+}
+
 /* Histogram bin of a finite score: monotone non-decreasing in s. */
 __device__ inline int bin_of(float s, float lo, float scale) {
   const float f = (s - lo) * scale;
@@ -438,11 +464,7 @@ template <bool R> __global__ void __launch_bounds__(THREADS) select_kernel(const
       const int m = ncand;
       if (!inf3 && m <= SEL_N) { /* uniform */
         sort_trim<R>(ss, si, sr, m, k, &ncand, &have_thr, &thr_s, &thr_i);
-        for (int i = threadIdx.x; i < k; i += THREADS) {
-          a.ps[sel.dst + i] = ss[i];
-          a.pi[sel.dst + i] = si[i];
-          if constexpr (R) a.pr[sel.dst + i] = sr[i];
-        }
+        put_results<R>(a, sel, ss, si, sr, total < k ? (int)total : k);
         return;
       }
       /* too many (or a +infinity outside the sample): start over on the general path */
@@ -483,12 +505,7 @@ general:
     if (nc > SEL_N - k - SEL_R) sort_trim<R>(ss, si, sr, k + nc, k, &ncand, &have_thr, &thr_s, &thr_i);
   }
   if (ncand > 0) sort_trim<R>(ss, si, sr, k + ncand, k, &ncand, &have_thr, &thr_s, &thr_i);
-  const int nout = total < k ? (int)total : k;
-  for (int i = threadIdx.x; i < nout; i += THREADS) {
-    a.ps[sel.dst + i] = ss[i];
-    a.pi[sel.dst + i] = si[i];
-    if constexpr (R) a.pr[sel.dst + i] = sr[i];
-  }
+  put_results<R>(a, sel, ss, si, sr, total < k ? (int)total : k);
 }
 
 /* ---------------------------------------------------------------- emit */

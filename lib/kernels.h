@@ -227,11 +227,15 @@ typedef struct kvi__sel {
   const uint64_t *ids;
   int64_t a, b, dst;
   int32_t na, nb;
-  int32_t row0, pad_;
+  int32_t row0;
+  int32_t out; /* >= 0: the last selection of query `out` (dst = slot * k): it writes
+                  that query's results to the outputs, as kvi__emit would, instead
+                  of pairs; -1: pairs */
 } kvi__sel;
 
 /* Query `out`'s results: n pairs from pairs[src...] (0 for a tenant without
- * facts), or none if its slot was found invalid (NaN in a device query). */
+ * facts), or none if its slot was found invalid (NaN in a device query).
+ * Only for queries without a final selection (kvi__sel.out). */
 typedef struct kvi__emit {
   int64_t src;
   int32_t n, out, slot, pad_;
