@@ -27,6 +27,10 @@
  * tables) against the host round trip it replaces: kvi_store_search into
  * host memory, then kvi_inject of the winners, in the same run.
  *
+ * Environment: KVI_BENCH_ITERS (timed calls per case), KVI_BENCH_SCALE=n
+ * (1/n of the big tenant and no small tenants) and KVI_BENCH_SMALL=n (only
+ * the small tenants' cases, over n of them), the last two for profiling.
+ *
  * argv[1] (optional): the path of torch_search.py, run after the C cases
  * with `python3`; its numbers are printed beside ours.
  * KVI_BENCH_SCALE=n (profiling): 1/n of the big tenant, no small tenants.
@@ -164,8 +168,9 @@ static int verify(bench *b, int32_t nq, uint64_t (*tenant_of)(int32_t, int), int
 }
 
 static uint64_t one_tenant(int32_t i, int it) { (void)i, (void)it; return 0; }
-static uint64_t rotating_tenant(int32_t i, int it) { (void)i; return 1 + (uint64_t)(it % TENANTS); }
-static uint64_t tenant_per_query(int32_t i, int it) { (void)it; return 1 + (uint64_t)(i % TENANTS); }
+static int n_tenants = TENANTS; /* KVI_BENCH_SMALL=n: n */
+static uint64_t rotating_tenant(int32_t i, int it) { (void)i; return 1 + (uint64_t)(it % n_tenants); }
+static uint64_t tenant_per_query(int32_t i, int it) { (void)it; return 1 + (uint64_t)(i % n_tenants); }
 static uint32_t row_big(uint64_t tenant, uint64_t id) { (void)tenant; return (uint32_t)id; }
 static uint32_t row_small(uint64_t tenant, uint64_t id) { return (uint32_t)(BIG + (tenant - 1) * PER_TENANT + id); }
 
@@ -204,7 +209,7 @@ static float time_retrieve(bench *b, rbench *r, int32_t nq, bool device, float *
   int32_t counts[MAXQ];
   for (int it = -bench_warm; it < bench_iters; it++) {
     for (int32_t i = 0; i < nq; i++) {
-      tenants[i] = 1 + (uint64_t)((i + it + bench_warm) % TENANTS);
+      tenants[i] = 1 + (uint64_t)((i + it + bench_warm) % n_tenants);
       kvi_retrieve_request_init(&rq[i]);
       rq[i].tenant = tenants[i];
       rq[i].block_table = r->dtables + (size_t)i * RB_BLOCKS;
@@ -288,10 +293,14 @@ int main(int argc, char **argv) {
 
   const char *scale_env = getenv("KVI_BENCH_SCALE");
   const int scale = scale_env && atoi(scale_env) > 1 ? atoi(scale_env) : 1;
-  const int32_t big = BIG / scale;
+  /* KVI_BENCH_SMALL=n: only the small tenants' cases, over n tenants (for profiling them) */
+  const char *small_env = getenv("KVI_BENCH_SMALL");
+  const bool small_only = small_env && atoi(small_env) >= 1 && atoi(small_env) <= TENANTS && scale == 1;
+  if (small_only) n_tenants = atoi(small_env);
+  const int32_t big = small_only ? 0 : BIG / scale;
   fprintf(stderr, "bench_search: putting %d + %d x %d facts...\n", big, scale > 1 ? 0 : TENANTS, PER_TENANT);
   put_rows(b.store, 0, 0, (uint32_t)big, dkv);
-  for (int t = 0; t < TENANTS && scale == 1; t++)
+  for (int t = 0; t < n_tenants && scale == 1; t++)
     put_rows(b.store, 1 + (uint64_t)t, BIG + (uint32_t)t * PER_TENANT, PER_TENANT, dkv);
   CU(cudaStreamSynchronize(stream));
   kvi_store_stats st = KVI_STORE_STATS_INIT;
@@ -312,8 +321,8 @@ int main(int argc, char **argv) {
   row rows[6];
   int nrows = 0;
   const int32_t batches[3] = {1, 16, 256};
-  const float big_copy = copy_ms((size_t)big * DIM * 2);
-  for (int i = 0; i < 3; i++) {
+  const float big_copy = small_only ? 0.0f : copy_ms((size_t)big * DIM * 2);
+  for (int i = 0; i < 3 && !small_only; i++) {
     row *r = &rows[nrows++];
     r->name = "1 tenant";
     r->facts = big;
@@ -344,12 +353,12 @@ int main(int argc, char **argv) {
   {
     row *r = &rows[nrows++];
     r->name = "100 tenants";
-    r->facts = TENANTS * PER_TENANT;
-    r->queries = TENANTS;
-    r->ms = time_search(&b, TENANTS, tenant_per_query, bench_iters, &r->host_ms);
-    r->bad = verify(&b, TENANTS, tenant_per_query, 0, row_small);
-    r->mib = (double)TENANTS * PER_TENANT * row_bytes / 1048576.0;
-    r->copy_ms = copy_ms((size_t)TENANTS * PER_TENANT * DIM * 2);
+    r->facts = n_tenants * PER_TENANT;
+    r->queries = n_tenants;
+    r->ms = time_search(&b, n_tenants, tenant_per_query, bench_iters, &r->host_ms);
+    r->bad = verify(&b, n_tenants, tenant_per_query, 0, row_small);
+    r->mib = (double)n_tenants * PER_TENANT * row_bytes / 1048576.0;
+    r->copy_ms = copy_ms((size_t)n_tenants * PER_TENANT * DIM * 2);
   }
   {
     /* retrieve-and-inject into a fp16 cache of the facts' geometry */
