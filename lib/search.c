@@ -17,9 +17,12 @@
  *      its rows) packed into rounds whose scores and candidates fit in
  *      opts->workspace_bytes. A round computes its tiles' scores (a scan
  *      kernel for up to KVI__SCAN_MAX_Q queries of a tenant, cuBLASLt for
- *      more), selects the top k of every segment of every query's scores
- *      (stage 1), and merges them into each query's running top k (stage 2);
- *   3. an emit kernel writes the results (or sentinels) to the outputs.
+ *      more) and selects the top k of every segment of every query's scores
+ *      (stage 1). Stage 2 merges a query's candidates: once after the last
+ *      round when all of the call's stage-1 outputs fit an eighth of the
+ *      area, else each round into the query's running top k;
+ *   3. a query's last selection writes its results (or sentinels) to the
+ *      outputs; an emit kernel does it for queries without any selection.
  * Ordering: the stream first waits for the store's last change to device
  * embeddings (emb_ready) and for the previous search (`done`, as searches
  * share the workspace); at the end it records `done`, and the embedding
