@@ -7,7 +7,12 @@
 # that), bench (the benchmarks, on the build a `tests` or `build` run left
 # in /tmp/kvi-build) or perf (build, the transfer and retrieval GPU suites,
 # their benchmarks and an Nsight Compute report of two injection launches:
-# a short loop for kernel work, few files in $OUT).
+# a short loop for kernel work, few files in $OUT), or ab PATCH... (a
+# same-run comparison: the tree as it is and the tree with each patch
+# applied, e.g. `git diff main some-branch > .debs/x.patch`, each built in
+# its own directory; AB_TEST (default test_gpu_transfer) runs on each, then
+# AB_ROUNDS (default 2) interleaved rounds of AB_BENCH (default
+# bench_inject), so that drift of the machine hits every variant alike).
 set -euo pipefail
 phase=${1:-all}
 out=${OUT:-/tmp/kvi-out}
@@ -27,9 +32,38 @@ if [ "$phase" = bench ]; then
   meson test -C "$build" --benchmark --verbose 2>&1 | tee "$out/bench.log" | grep -E '^\||^\(|device:|GB/s counts|torch'
   exit "${PIPESTATUS[0]}"
 fi
+setup_args=(-Dcuda=enabled -Dcublaslt=enabled -Dnccl=enabled -Dtests=enabled -Dcuda-arch=sm_90 --buildtype=release)
+if [ "$phase" = ab ]; then
+  shift
+  variants=(base "$@")
+  for i in "${!variants[@]}"; do
+    v=${variants[$i]} t=/tmp/kvi-ab-$i
+    rm -rf "$t" && mkdir -p "$t"
+    tar -C . --exclude=./.git --exclude=./.debs --exclude='./build*' -cf - . | tar -C "$t" -xf -
+    if [ "$v" != base ]; then (cd "$t" && patch -s -p1 <"$OLDPWD/$v") || { echo "ab: $v does not apply"; exit 1; }; fi
+    (cd "$t" && meson setup b "${setup_args[@]}" >/dev/null && ninja -C b) >"$out/ab-build-$i.log" 2>&1 ||
+      { echo "ab: variant $i ($v) does not build"; tail -30 "$out/ab-build-$i.log"; exit 1; }
+    echo "ab: variant $i = $v"
+  done
+  set +e
+  for i in "${!variants[@]}"; do
+    [ -n "${AB_TEST-test_gpu_transfer}" ] || break
+    timeout 300 /tmp/kvi-ab-$i/b/tests/gpu/${AB_TEST:-test_gpu_transfer} >"$out/ab-test-$i.log" 2>&1
+    echo "ab: variant $i ${AB_TEST:-test_gpu_transfer} rc=$? $(grep -E 'PASSED|FAILED' "$out/ab-test-$i.log" | tr '\n' ' ')"
+  done
+  for r in $(seq 1 "${AB_ROUNDS:-2}"); do
+    for i in "${!variants[@]}"; do
+      args=()
+      [ "${AB_BENCH:-bench_inject}" = bench_search ] && [ "$r" = 1 ] && args=(tests/bench/torch_search.py)
+      timeout 300 /tmp/kvi-ab-$i/b/tests/bench/${AB_BENCH:-bench_inject} "${args[@]}" >"$out/ab-bench-$i-$r.log" 2>&1
+      echo "ab: round $r variant $i rc=$?"
+      grep -E '^\|' "$out/ab-bench-$i-$r.log" | sed "s/^/v$i /"
+    done
+  done
+  exit 0
+fi
 rm -rf "$build"
-meson setup "$build" -Dcuda=enabled -Dcublaslt=enabled -Dnccl=enabled -Dtests=enabled \
-  -Dcuda-arch=sm_90 --buildtype=release >"$out/setup.log" 2>&1 || { tail -40 "$out/setup.log"; exit 1; }
+meson setup "$build" "${setup_args[@]}" >"$out/setup.log" 2>&1 || { tail -40 "$out/setup.log"; exit 1; }
 grep -A8 '^libkvinject' "$out/setup.log" || true
 ninja -C "$build" >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
 [ "$phase" = build ] && exit 0
