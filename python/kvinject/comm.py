@@ -19,37 +19,11 @@ from __future__ import annotations
 import ctypes
 from typing import Optional
 
+from ._handle import Handle
 from ._lib import fit, lib
 
 
-class _Handle:
-    """A library handle freed by ``_destroy`` on close(), on garbage collection or
-    at the end of a ``with`` block."""
-
-    _destroy = ""
-    _what = "handle"
-
-    @property
-    def handle(self) -> ctypes.c_void_p:
-        if not getattr(self, "_h", None):
-            raise ValueError("the %s is closed" % self._what)
-        return self._h
-
-    def close(self) -> None:
-        if getattr(self, "_h", None):
-            getattr(lib(), self._destroy)(self._h)
-            self._h = None
-
-    __del__ = close
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-class CommGroup(_Handle):
+class CommGroup(Handle):
     """kvi_comm_group: ``size`` in-process ranks. Close it after its communicators."""
 
     _destroy, _what = "kvi_comm_group_destroy", "group"
@@ -60,7 +34,7 @@ class CommGroup(_Handle):
         self._h, self.size = h, size
 
 
-class Comm(_Handle):
+class Comm(Handle):
     """kvi_comm. Stores made with it must be closed before it."""
 
     _destroy, _what = "kvi_comm_destroy", "communicator"

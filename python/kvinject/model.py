@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any, Optional, Tuple
 
 from . import _buffers
+from ._handle import Handle
 from ._lib import ModelInfo, ModelOptions, RopeSpecC, assign, fit, lib
 from .enums import DType, RopeScaling, RopeStyle
 
@@ -57,7 +58,7 @@ class ModelInfoData:
     head_replicas: int
 
 
-class Model:
+class Model(Handle):
     """kvi_model: the attention KV geometry of one model as this process sees it.
 
     ``Model(num_layers, num_kv_heads, head_size, tp_rank=0, tp_size=1)``. Every
@@ -65,6 +66,8 @@ class Model:
     copy what they need, so a model may be closed after creating them.
     Thread rules as in C: reads from many threads; set_rope alone.
     """
+
+    _destroy = "kvi_model_destroy"
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, tp_rank: int = 0, tp_size: int = 1):
         L = lib()
@@ -76,30 +79,6 @@ class Model:
         self._h = h
         self._info = self._read_info()
 
-    @property
-    def handle(self) -> ctypes.c_void_p:
-        """The kvi_model pointer (for calls through ctypes)."""
-        if not self._h:
-            raise ValueError("the model is closed")
-        return self._h
-
-    def close(self) -> None:
-        """Frees the model (idempotent)."""
-        if getattr(self, "_h", None):
-            lib().kvi_model_destroy(self._h)
-            self._h = ctypes.c_void_p()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def _read_info(self) -> ModelInfoData:
         i = lib().new(ModelInfo)

@@ -9,6 +9,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from . import _buffers
 from ._buffers import Array
+from ._handle import Handle
 from ._lib import (GatherItemC, KVViewC, PutOptions, ScatterItemC, SearchOptions, StoreOptions, StoreStatsC, assign,
                    fit, lib)
 
@@ -136,7 +137,7 @@ def _query_array(queries, dim: int, query_dtype: Optional[DType] = None):
     return q, qdt, nq, dim
 
 
-class Store:
+class Store(Handle):
     """kvi_store: facts keyed by (tenant, fact id), each T tokens of pre-RoPE K and V
     for every layer and local head, plus an optional embedding.
 
@@ -150,6 +151,8 @@ class Store:
     host pages (kvinject/store.h, Tiers; :meth:`prefetch`). Every method may be called from several threads at once (the C
     store has a lock); close() must not overlap them.
     """
+
+    _destroy = "kvi_store_destroy"
 
     def __init__(self, model: Model, budget_bytes: int, *, backend: Optional[Backend] = None,
                  device: Optional[int] = None, dtype: Optional[DType] = None, page_tokens: Optional[int] = None,
@@ -193,13 +196,6 @@ class Store:
         self.page_tokens, self.embedding_dim = st.page_tokens, st.embedding_dim
 
     # -------------------------------------------------------------- lifetime
-    @property
-    def handle(self) -> ctypes.c_void_p:
-        """The kvi_store pointer."""
-        if not self._h:
-            raise ValueError("the store is closed")
-        return self._h
-
     def close(self) -> None:
         """Frees the store; injectors and encoders made from it are closed first
         (the C store must outlive them). Work enqueued on streams that touches the
@@ -207,20 +203,7 @@ class Store:
         if getattr(self, "_h", None):
             for d in list(self._dependents):
                 d.close()
-            lib().kvi_store_destroy(self._h)
-            self._h = ctypes.c_void_p()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+        super().close()
 
     def _add_dependent(self, obj) -> None:
         self._dependents.add(obj)

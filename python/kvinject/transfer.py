@@ -8,6 +8,7 @@ from typing import Any, List, Optional, Sequence, Union
 from . import _buffers
 from ._lib import (CaptureC, InjectOptions, InjectRequestC, RetrieveRequestC, SearchOptions, TransferOptions, assign,
                    fit, lib)
+from ._handle import Handle
 from .cache import CacheLayout
 from .enums import PUT_REPLACE, DType, Memory
 from .store import Store, _check_embedding, _query_array
@@ -75,8 +76,8 @@ def _transfer_options(max_tokens_per_call, max_requests_per_call, max_table_entr
     return o
 
 
-class _Transfer:
-    _create = _destroy = ""
+class _Transfer(Handle):
+    _create = ""
 
     def __init__(self, store: Store, layout: CacheLayout, *, max_tokens_per_call: Optional[int] = None,
                  max_requests_per_call: Optional[int] = None, max_table_entries_per_call: Optional[int] = None):
@@ -91,29 +92,6 @@ class _Transfer:
         self.layout = layout
         store._add_dependent(self)
 
-    @property
-    def handle(self) -> ctypes.c_void_p:
-        if not self._h:
-            raise ValueError("the %s is closed" % type(self).__name__.lower())
-        return self._h
-
-    def close(self) -> None:
-        """Frees the handle (idempotent). Its enqueued work must be complete."""
-        if getattr(self, "_h", None):
-            getattr(lib(), self._destroy)(self._h)
-            self._h = ctypes.c_void_p()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 class Injector(_Transfer):
