@@ -36,26 +36,29 @@ setup_args=(-Dcuda=enabled -Dcublaslt=enabled -Dnccl=enabled -Dtests=enabled -Dc
 if [ "$phase" = ab ]; then
   shift
   variants=(base "$@")
+  bench=${AB_BENCH:-bench_inject} test=${AB_TEST-test_gpu_transfer}
+  targets=(tests/bench/$bench)
+  [ -n "$test" ] && targets+=(tests/gpu/$test)
   for i in "${!variants[@]}"; do
     v=${variants[$i]} t=/tmp/kvi-ab-$i
     rm -rf "$t" && mkdir -p "$t"
     tar -C . --exclude=./.git --exclude=./.debs --exclude='./build*' -cf - . | tar -C "$t" -xf -
     if [ "$v" != base ]; then (cd "$t" && patch -s -p1 <"$OLDPWD/$v") || { echo "ab: $v does not apply"; exit 1; }; fi
-    (cd "$t" && meson setup b "${setup_args[@]}" >/dev/null && ninja -C b) >"$out/ab-build-$i.log" 2>&1 ||
+    (cd "$t" && meson setup b "${setup_args[@]}" >/dev/null && ninja -C b "${targets[@]}") >"$out/ab-build-$i.log" 2>&1 ||
       { echo "ab: variant $i ($v) does not build"; tail -30 "$out/ab-build-$i.log"; exit 1; }
     echo "ab: variant $i = $v"
   done
   set +e
   for i in "${!variants[@]}"; do
-    [ -n "${AB_TEST-test_gpu_transfer}" ] || break
-    timeout 300 /tmp/kvi-ab-$i/b/tests/gpu/${AB_TEST:-test_gpu_transfer} >"$out/ab-test-$i.log" 2>&1
-    echo "ab: variant $i ${AB_TEST:-test_gpu_transfer} rc=$? $(grep -E 'PASSED|FAILED' "$out/ab-test-$i.log" | tr '\n' ' ')"
+    [ -n "$test" ] || break
+    timeout 300 /tmp/kvi-ab-$i/b/tests/gpu/$test >"$out/ab-test-$i.log" 2>&1
+    echo "ab: variant $i $test rc=$? $(grep -E 'PASSED|FAILED' "$out/ab-test-$i.log" | tr '\n' ' ')"
   done
   for r in $(seq 1 "${AB_ROUNDS:-2}"); do
     for i in "${!variants[@]}"; do
       args=()
-      [ "${AB_BENCH:-bench_inject}" = bench_search ] && [ "$r" = 1 ] && args=(tests/bench/torch_search.py)
-      timeout 300 /tmp/kvi-ab-$i/b/tests/bench/${AB_BENCH:-bench_inject} "${args[@]}" >"$out/ab-bench-$i-$r.log" 2>&1
+      [ "$bench" = bench_search ] && [ "$r" = 1 ] && args=(tests/bench/torch_search.py)
+      timeout 300 /tmp/kvi-ab-$i/b/tests/bench/$bench "${args[@]}" >"$out/ab-bench-$i-$r.log" 2>&1
       echo "ab: round $r variant $i rc=$?"
       grep -E '^\|' "$out/ab-bench-$i-$r.log" | sed "s/^/v$i /"
     done
