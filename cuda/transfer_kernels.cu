@@ -21,6 +21,8 @@
  *  - cos/sin depend on (token, pair) only: they are computed once per CTA
  *    (again only when a layer's RoPE differs) into shared memory, not per
  *    head and layer;
+ *  - a thread's items follow from its index by a few adds per item (no
+ *    division; the store half of a batch replays the walk), see Walk;
  *  - every thread issues all loads of a batch (8 16-byte vectors) before
  *    it converts or stores anything, so each SM keeps enough bytes in flight
  *    to cover DRAM latency;
@@ -186,60 +188,77 @@ struct Ctx {
   int phase;           /* kvi__xfer_args.phase */
 };
 
-/* A work item's coordinates, packed in 64 bits between a batch's loads and
- * its stores so that a thread keeps many loads in flight on few registers:
- * head (< 2^17) in the high word, then token (< 2^20) and column (< 2^11,
- * an element index or a rotation unit) and a V flag. ~0 marks a skipped
- * item. */
-constexpr unsigned long long SKIP = ~0ull;
-__device__ inline unsigned long long pack(unsigned h, unsigned j, unsigned d, bool isv) {
-  return (unsigned long long)h << 32 | j << 12 | d << 1 | (isv ? 1u : 0u);
+/* A thread's walk over the items of one pass. The items are (head, token,
+ * lane) with lanes (E-element columns or rotation units of one row) fastest,
+ * then tokens, then heads, so neighbouring threads touch neighbouring bytes
+ * on the page side. Thread t takes items t, t + THREADS, ...; the step of
+ * THREADS items is split once per pass into lanes, tokens and heads, so that
+ * moving to the next item is a few adds and compares (no division, and no
+ * coordinates held per item in flight: the store half of a batch replays
+ * the walk from the batch's first item). The walk ends when h reaches H. */
+struct Step {
+  unsigned nl, ntok, du, dj, dh;
+};
+struct Walk {
+  unsigned u, j, h;
+};
+__device__ inline Step make_step(unsigned nl, unsigned ntok) {
+  const unsigned drow = THREADS / nl;
+  return Step{nl, ntok, THREADS % nl, drow % ntok, drow / ntok};
 }
-__device__ inline void unpack(unsigned long long p, unsigned &h, unsigned &j, unsigned &d, bool &isv) {
-  h = (unsigned)(p >> 32);
-  const unsigned lo = (unsigned)p;
-  j = lo >> 12;
-  d = (lo >> 1) & 2047u;
-  isv = lo & 1u;
+__device__ inline Walk walk_start(const Step &s) {
+  const unsigned row = threadIdx.x / s.nl;
+  return Walk{threadIdx.x % s.nl, row % s.ntok, row / s.ntok};
+}
+__device__ inline void advance(Walk &w, const Step &s) {
+  w.u += s.du; /* du < nl and dj < ntok: one carry each */
+  unsigned c = w.u >= s.nl ? 1u : 0u;
+  w.u -= c * s.nl;
+  w.j += s.dj + c;
+  c = w.j >= s.ntok ? 1u : 0u;
+  w.j -= c * s.ntok;
+  w.h += s.dh + c;
 }
 
-/* K's rotated part: a unit is E pairs of one (head, token), read as two
- * vectors at da and db. Units run fastest, then tokens, then heads, so
- * neighbouring threads touch neighbouring bytes on the page side. */
+/* K's rotated part: a lane is a unit of E pairs of one (head, token), read
+ * as two vectors at da and da + off_b. */
 template <typename G, typename C, int E, bool INJECT, bool NEOX>
 __device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, const float *ks) {
   using S = typename std::conditional<INJECT, G, C>::type; /* source element */
-  const unsigned nrot = half / E, per_h = x.ntok * nrot, n = x.H * per_h;
+  if (half < E) return; /* (the host picks E so that E divides half) */
+  const Step sp = make_step(half / E, x.ntok);
   const unsigned off_b = NEOX ? half : E;
-  for (unsigned base = threadIdx.x; base < n; base += THREADS * BR) {
+  Walk w = walk_start(sp);
+  while (w.h < x.H) {
+    const Walk w0 = w;
     Vec<S, E> va[BR], vb[BR];
-    unsigned long long pk[BR];
     float gsc[BR]; /* fp8 stores: the page scale, loaded with the data */
 #pragma unroll
     for (int b = 0; b < BR; b++) {
-      const unsigned it = base + b * THREADS;
-      pk[b] = SKIP;
-      if (it >= n) continue;
-      const unsigned h = it / per_h, r = it - h * per_h, j = r / nrot, u = r - j * nrot;
-      const int64_t coff = x.coff[j];
-      if (coff < 0) continue;
-      pk[b] = pack(h, j, u, false);
-      const unsigned da = NEOX ? u * E : 2 * u * E;
-      const S *src = INJECT ? (const S *)(page + x.page_row0 + h * x.page_head + (int64_t)j * x.D + da)
-                            : (const S *)(kc + coff + h * x.head_stride + da);
-      ld<S, E>(va[b], src);
-      ld<S, E>(vb[b], src + off_b);
-      if constexpr (INJECT && is_fp8<G>::value) gsc[b] = x.gs[h];
+      if (w.h < x.H) {
+        const int64_t coff = x.coff[w.j];
+        if (coff >= 0) {
+          const unsigned da = NEOX ? w.u * E : 2 * w.u * E;
+          const S *src = INJECT ? (const S *)(page + x.page_row0 + w.h * x.page_head + (int64_t)w.j * x.D + da)
+                                : (const S *)(kc + coff + w.h * x.head_stride + da);
+          ld<S, E>(va[b], src);
+          ld<S, E>(vb[b], src + off_b);
+          if constexpr (INJECT && is_fp8<G>::value) gsc[b] = x.gs[w.h];
+        }
+      }
+      advance(w, sp);
     }
+    w = w0;
 #pragma unroll
     for (int b = 0; b < BR; b++) {
-      if (pk[b] == SKIP) continue;
-      unsigned h, j, u;
-      bool isv_;
-      unpack(pk[b], h, j, u, isv_);
+      const unsigned h = w.h, j = w.j, u = w.u;
+      advance(w, sp);
+      if (h >= x.H) continue;
+      const int64_t coff = x.coff[j];
+      if (coff < 0) continue;
       const unsigned da = NEOX ? u * E : 2 * u * E;
       G *pg = page + x.page_row0 + h * x.page_head + (int64_t)j * x.D + da;
-      C *cr = kc + x.coff[j] + h * x.head_stride + da;
+      C *cr = kc + coff + h * x.head_stride + da;
       const float2 *cs = x.cs + j * x.HM + u * E;
       float2 c[E];
 #pragma unroll
@@ -267,53 +286,46 @@ __device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, cons
   }
 }
 
-/* Everything else is a converting copy: K's pass-through tail [rot, D) and
- * all of V, vector by vector. */
+/* A converting copy of columns [col0, col0 + nl * E) of every (head, token)
+ * row of one plane: K's pass-through tail [rot, D) (plane 0) or all of V
+ * (plane 1). cscale: the cache's scales of the plane (fp8 caches); gs: the
+ * page's scales of the plane (fp8 stores). */
 template <typename G, typename C, int E, bool INJECT>
-__device__ inline void plain(const Ctx &x, G *page, C *kc, C *vc, unsigned rot, const float *ks, const float *vs) {
+__device__ inline void plain(const Ctx &x, G *page, C *cache, int64_t plane, unsigned col0, unsigned nl,
+                             const float *cscale, float *gs) {
   using S = typename std::conditional<INJECT, G, C>::type;
-  const unsigned npass = (x.D - rot) / E, nv = x.D / E;
-  const unsigned per_hk = x.ntok * npass, nk = x.H * per_hk, per_hv = x.ntok * nv, n = nk + x.H * per_hv;
-  const int64_t plane = (int64_t)x.H * x.page_head; /* page elements between K and V */
-  for (unsigned base = threadIdx.x; base < n; base += THREADS * BP) {
+  if (nl == 0) return;
+  const Step sp = make_step(nl, x.ntok);
+  Walk w = walk_start(sp);
+  while (w.h < x.H) {
+    const Walk w0 = w;
     Vec<S, E> v[BP];
-    unsigned long long pk[BP];
     float sc[BP];  /* fp8 caches: the cache scale */
     float gsc[BP]; /* fp8 stores: the page scale */
 #pragma unroll
     for (int b = 0; b < BP; b++) {
-      unsigned it = base + b * THREADS;
-      pk[b] = SKIP;
-      if (it >= n) continue;
-      const bool isv = it >= nk;
-      unsigned h, j, d;
-      if (!isv) {
-        h = it / per_hk;
-        const unsigned r = it - h * per_hk;
-        j = r / npass;
-        d = rot + (r - j * npass) * E;
-      } else {
-        it -= nk;
-        h = it / per_hv;
-        const unsigned r = it - h * per_hv;
-        j = r / nv;
-        d = (r - j * nv) * E;
+      if (w.h < x.H) {
+        const int64_t coff = x.coff[w.j];
+        if (coff >= 0) {
+          const unsigned d = col0 + w.u * E;
+          const S *src = INJECT ? (const S *)(page + x.page_row0 + plane + w.h * x.page_head + (int64_t)w.j * x.D + d)
+                                : (const S *)(cache + coff + w.h * x.head_stride + d);
+          ld<S, E>(v[b], src);
+          if constexpr (is_fp8<C>::value) sc[b] = cscale[w.h];
+          if constexpr (INJECT && is_fp8<G>::value) gsc[b] = gs[w.h];
+        }
       }
-      const int64_t coff = x.coff[j];
-      if (coff < 0) continue;
-      pk[b] = pack(h, j, d, isv);
-      const S *src = INJECT ? (const S *)(page + x.page_row0 + (isv ? plane : 0) + h * x.page_head + (int64_t)j * x.D + d)
-                            : (const S *)((isv ? vc : kc) + coff + h * x.head_stride + d);
-      ld<S, E>(v[b], src);
-      if constexpr (is_fp8<C>::value) sc[b] = (isv ? vs : ks)[h];
-      if constexpr (INJECT && is_fp8<G>::value) gsc[b] = x.gs[(isv ? x.H : 0u) + h];
+      advance(w, sp);
     }
+    w = w0;
 #pragma unroll
     for (int b = 0; b < BP; b++) {
-      if (pk[b] == SKIP) continue;
-      unsigned h, j, d;
-      bool isv;
-      unpack(pk[b], h, j, d, isv);
+      const unsigned h = w.h, j = w.j, u = w.u;
+      advance(w, sp);
+      if (h >= x.H) continue;
+      const int64_t coff = x.coff[j];
+      if (coff < 0) continue;
+      const unsigned d = col0 + u * E;
       float f[E];
       to_f32<S, E>(f, v[b]);
       if (INJECT) {
@@ -321,12 +333,12 @@ __device__ inline void plain(const Ctx &x, G *page, C *kc, C *vc, unsigned rot, 
 #pragma unroll
           for (int i = 0; i < E; i++) f[i] = __fmul_rn(f[i], gsc[b]);
         scale_for_cache<C>(f, E, is_fp8<C>::value ? sc[b] : 1.0f);
-        st<C, E>((isv ? vc : kc) + x.coff[j] + h * x.head_stride + d, f);
+        st<C, E>(cache + coff + h * x.head_stride + d, f);
       } else {
         scale_from_cache<C>(f, E, is_fp8<C>::value ? sc[b] : 1.0f);
-        to_store<G>(f, E, is_fp8<G>::value ? x.gs + (isv ? x.H : 0u) + h : nullptr, x.phase);
+        to_store<G>(f, E, is_fp8<G>::value ? gs + h : nullptr, x.phase);
         if (is_fp8<G>::value && x.phase == 1) continue;
-        st<G, E>(page + x.page_row0 + (isv ? plane : 0) + h * x.page_head + (int64_t)j * x.D + d, f);
+        st<G, E>(page + x.page_row0 + plane + h * x.page_head + (int64_t)j * x.D + d, f);
       }
     }
   }
@@ -412,7 +424,9 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
       else
         rotated<G, C, E, INJECT, false>(x, page, kc, half, ks);
     }
-    plain<G, C, E, INJECT>(x, page, kc, vc, rot, ks, vs);
+    if (rot < x.D) /* K's pass-through tail */
+      plain<G, C, E, INJECT>(x, page, kc, 0, rot, (x.D - rot) / E, ks, x.gs);
+    plain<G, C, E, INJECT>(x, page, vc, (int64_t)x.H * x.page_head, 0, x.D / E, vs, x.gs ? x.gs + x.H : nullptr);
   }
 }
 
