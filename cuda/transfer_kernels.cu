@@ -186,38 +186,45 @@ struct Ctx {
   int64_t head_stride; /* cache elements between heads */
   float *gs;           /* fp8 stores: the page's scales of this layer, K heads then V heads */
   int phase;           /* kvi__xfer_args.phase */
+  bool heads_inner;    /* the walk's row order (see Walk) */
 };
 
-/* A thread's walk over the items of one pass. The items are (head, token,
- * lane) with lanes (E-element columns or rotation units of one row) fastest,
- * then tokens, then heads, so neighbouring threads touch neighbouring bytes
- * on the page side. Thread t takes items t, t + THREADS, ...; the step of
- * THREADS items is split once per pass into lanes, tokens and heads, so that
- * moving to the next item is a few adds and compares (no division, and no
- * coordinates held per item in flight: the store half of a batch replays
- * the walk from the batch's first item). The walk ends when h reaches H. */
+/* A thread's walk over the items of one pass. The items are (row, lane),
+ * lanes (E-element columns or rotation units of one row) fastest; rows are
+ * (head, token) pairs in the order the destination keeps them: heads inside
+ * tokens when the destination holds a token's heads side by side (an NHD
+ * cache, injecting), else tokens inside heads (the store's pages, and HND
+ * caches), so that consecutive items write consecutive bytes. Thread t takes
+ * items t, t + THREADS, ...; the step of THREADS items is split once per
+ * pass into lanes, inner and outer rows, so that moving to the next item is
+ * a few adds and compares (no division, and no coordinates held per item in
+ * flight: the store half of a batch replays the walk from the batch's first
+ * item). The walk ends when the outer index reaches its count. */
 struct Step {
-  unsigned nl, ntok, du, dj, dh;
+  unsigned nl, ni, no, du, di, dout;
+  bool heads_inner;
 };
 struct Walk {
-  unsigned u, j, h;
+  unsigned u, i, o; /* lane, inner row index, outer row index */
+  __device__ unsigned h(const Step &s) const { return s.heads_inner ? i : o; }
+  __device__ unsigned j(const Step &s) const { return s.heads_inner ? o : i; }
 };
-__device__ inline Step make_step(unsigned nl, unsigned ntok) {
-  const unsigned drow = THREADS / nl;
-  return Step{nl, ntok, THREADS % nl, drow % ntok, drow / ntok};
+__device__ inline Step make_step(unsigned nl, unsigned H, unsigned ntok, bool heads_inner) {
+  const unsigned drow = THREADS / nl, ni = heads_inner ? H : ntok;
+  return Step{nl, ni, heads_inner ? ntok : H, THREADS % nl, drow % ni, drow / ni, heads_inner};
 }
 __device__ inline Walk walk_start(const Step &s) {
   const unsigned row = threadIdx.x / s.nl;
-  return Walk{threadIdx.x % s.nl, row % s.ntok, row / s.ntok};
+  return Walk{threadIdx.x % s.nl, row % s.ni, row / s.ni};
 }
 __device__ inline void advance(Walk &w, const Step &s) {
-  w.u += s.du; /* du < nl and dj < ntok: one carry each */
+  w.u += s.du; /* du < nl and di < ni: one carry each */
   unsigned c = w.u >= s.nl ? 1u : 0u;
   w.u -= c * s.nl;
-  w.j += s.dj + c;
-  c = w.j >= s.ntok ? 1u : 0u;
-  w.j -= c * s.ntok;
-  w.h += s.dh + c;
+  w.i += s.di + c;
+  c = w.i >= s.ni ? 1u : 0u;
+  w.i -= c * s.ni;
+  w.o += s.dout + c;
 }
 
 /* K's rotated part: a lane is a unit of E pairs of one (head, token), read
@@ -226,24 +233,25 @@ template <typename G, typename C, int E, bool INJECT, bool NEOX>
 __device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, const float *ks) {
   using S = typename std::conditional<INJECT, G, C>::type; /* source element */
   if (half < E) return; /* (the host picks E so that E divides half) */
-  const Step sp = make_step(half / E, x.ntok);
+  const Step sp = make_step(half / E, x.H, x.ntok, x.heads_inner);
   const unsigned off_b = NEOX ? half : E;
   Walk w = walk_start(sp);
-  while (w.h < x.H) {
+  while (w.o < sp.no) {
     const Walk w0 = w;
     Vec<S, E> va[BR], vb[BR];
     float gsc[BR]; /* fp8 stores: the page scale, loaded with the data */
 #pragma unroll
     for (int b = 0; b < BR; b++) {
-      if (w.h < x.H) {
-        const int64_t coff = x.coff[w.j];
+      if (w.o < sp.no) {
+        const unsigned wh = w.h(sp), wj = w.j(sp);
+        const int64_t coff = x.coff[wj];
         if (coff >= 0) {
           const unsigned da = NEOX ? w.u * E : 2 * w.u * E;
-          const S *src = INJECT ? (const S *)(page + x.page_row0 + w.h * x.page_head + (int64_t)w.j * x.D + da)
-                                : (const S *)(kc + coff + w.h * x.head_stride + da);
+          const S *src = INJECT ? (const S *)(page + x.page_row0 + wh * x.page_head + (int64_t)wj * x.D + da)
+                                : (const S *)(kc + coff + wh * x.head_stride + da);
           ld<S, E>(va[b], src);
           ld<S, E>(vb[b], src + off_b);
-          if constexpr (INJECT && is_fp8<G>::value) gsc[b] = x.gs[w.h];
+          if constexpr (INJECT && is_fp8<G>::value) gsc[b] = x.gs[wh];
         }
       }
       advance(w, sp);
@@ -251,9 +259,10 @@ __device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, cons
     w = w0;
 #pragma unroll
     for (int b = 0; b < BR; b++) {
-      const unsigned h = w.h, j = w.j, u = w.u;
+      const unsigned h = w.h(sp), j = w.j(sp), u = w.u;
+      const bool in = w.o < sp.no;
       advance(w, sp);
-      if (h >= x.H) continue;
+      if (!in) continue;
       const int64_t coff = x.coff[j];
       if (coff < 0) continue;
       const unsigned da = NEOX ? u * E : 2 * u * E;
@@ -295,24 +304,25 @@ __device__ inline void plain(const Ctx &x, G *page, C *cache, int64_t plane, uns
                              const float *cscale, float *gs) {
   using S = typename std::conditional<INJECT, G, C>::type;
   if (nl == 0) return;
-  const Step sp = make_step(nl, x.ntok);
+  const Step sp = make_step(nl, x.H, x.ntok, x.heads_inner);
   Walk w = walk_start(sp);
-  while (w.h < x.H) {
+  while (w.o < sp.no) {
     const Walk w0 = w;
     Vec<S, E> v[BP];
     float sc[BP];  /* fp8 caches: the cache scale */
     float gsc[BP]; /* fp8 stores: the page scale */
 #pragma unroll
     for (int b = 0; b < BP; b++) {
-      if (w.h < x.H) {
-        const int64_t coff = x.coff[w.j];
+      if (w.o < sp.no) {
+        const unsigned wh = w.h(sp), wj = w.j(sp);
+        const int64_t coff = x.coff[wj];
         if (coff >= 0) {
           const unsigned d = col0 + w.u * E;
-          const S *src = INJECT ? (const S *)(page + x.page_row0 + plane + w.h * x.page_head + (int64_t)w.j * x.D + d)
-                                : (const S *)(cache + coff + w.h * x.head_stride + d);
+          const S *src = INJECT ? (const S *)(page + x.page_row0 + plane + wh * x.page_head + (int64_t)wj * x.D + d)
+                                : (const S *)(cache + coff + wh * x.head_stride + d);
           ld<S, E>(v[b], src);
-          if constexpr (is_fp8<C>::value) sc[b] = cscale[w.h];
-          if constexpr (INJECT && is_fp8<G>::value) gsc[b] = gs[w.h];
+          if constexpr (is_fp8<C>::value) sc[b] = cscale[wh];
+          if constexpr (INJECT && is_fp8<G>::value) gsc[b] = gs[wh];
         }
       }
       advance(w, sp);
@@ -320,9 +330,10 @@ __device__ inline void plain(const Ctx &x, G *page, C *cache, int64_t plane, uns
     w = w0;
 #pragma unroll
     for (int b = 0; b < BP; b++) {
-      const unsigned h = w.h, j = w.j, u = w.u;
+      const unsigned h = w.h(sp), j = w.j(sp), u = w.u;
+      const bool in = w.o < sp.no;
       advance(w, sp);
-      if (h >= x.H) continue;
+      if (!in) continue;
       const int64_t coff = x.coff[j];
       if (coff < 0) continue;
       const unsigned d = col0 + u * E;
@@ -396,6 +407,10 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
   x.page_head = (int64_t)a.P * a.D;
   x.head_stride = a.head_stride;
   x.phase = a.phase;
+  /* rows in the destination's order: an injection into a cache whose heads
+   * of a token lie closer together than its tokens of a head (NHD) walks
+   * heads inside tokens; the pages (capture) and HND caches the other way */
+  x.heads_inner = INJECT && a.head_stride < a.token_stride;
   int cur = -1; /* rope_id whose cos/sin are in shared memory */
   for (int l = l0; l < l1; l++) {
     const kvi__xlayer ly = a.layers[l];
