@@ -227,6 +227,15 @@ __device__ inline void advance(Walk &w, const Step &s) {
   w.o += s.dout + c;
 }
 
+/* The current item's head, token and lane, then one step on; false when
+ * the walk had already ended. */
+__device__ inline bool next(Walk &w, const Step &s, unsigned &h, unsigned &j, unsigned &u) {
+  h = w.h(s), j = w.j(s), u = w.u;
+  const bool in = w.o < s.no;
+  advance(w, s);
+  return in;
+}
+
 /* K's rotated part: a lane is a unit of E pairs of one (head, token), read
  * as two vectors at da and da + off_b. */
 template <typename G, typename C, int E, bool INJECT, bool NEOX>
@@ -242,27 +251,22 @@ __device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, cons
     float gsc[BR]; /* fp8 stores: the page scale, loaded with the data */
 #pragma unroll
     for (int b = 0; b < BR; b++) {
-      if (w.o < sp.no) {
-        const unsigned wh = w.h(sp), wj = w.j(sp);
-        const int64_t coff = x.coff[wj];
-        if (coff >= 0) {
-          const unsigned da = NEOX ? w.u * E : 2 * w.u * E;
-          const S *src = INJECT ? (const S *)(page + x.page_row0 + wh * x.page_head + (int64_t)wj * x.D + da)
-                                : (const S *)(kc + coff + wh * x.head_stride + da);
-          ld<S, E>(va[b], src);
-          ld<S, E>(vb[b], src + off_b);
-          if constexpr (INJECT && is_fp8<G>::value) gsc[b] = x.gs[wh];
-        }
-      }
-      advance(w, sp);
+      unsigned h, j, u;
+      if (!next(w, sp, h, j, u)) continue;
+      const int64_t coff = x.coff[j];
+      if (coff < 0) continue;
+      const unsigned da = NEOX ? u * E : 2 * u * E;
+      const S *src = INJECT ? (const S *)(page + x.page_row0 + h * x.page_head + (int64_t)j * x.D + da)
+                            : (const S *)(kc + coff + h * x.head_stride + da);
+      ld<S, E>(va[b], src);
+      ld<S, E>(vb[b], src + off_b);
+      if constexpr (INJECT && is_fp8<G>::value) gsc[b] = x.gs[h];
     }
     w = w0;
 #pragma unroll
     for (int b = 0; b < BR; b++) {
-      const unsigned h = w.h(sp), j = w.j(sp), u = w.u;
-      const bool in = w.o < sp.no;
-      advance(w, sp);
-      if (!in) continue;
+      unsigned h, j, u;
+      if (!next(w, sp, h, j, u)) continue;
       const int64_t coff = x.coff[j];
       if (coff < 0) continue;
       const unsigned da = NEOX ? u * E : 2 * u * E;
@@ -313,27 +317,22 @@ __device__ inline void plain(const Ctx &x, G *page, C *cache, int64_t plane, uns
     float gsc[BP]; /* fp8 stores: the page scale */
 #pragma unroll
     for (int b = 0; b < BP; b++) {
-      if (w.o < sp.no) {
-        const unsigned wh = w.h(sp), wj = w.j(sp);
-        const int64_t coff = x.coff[wj];
-        if (coff >= 0) {
-          const unsigned d = col0 + w.u * E;
-          const S *src = INJECT ? (const S *)(page + x.page_row0 + plane + wh * x.page_head + (int64_t)wj * x.D + d)
-                                : (const S *)(cache + coff + wh * x.head_stride + d);
-          ld<S, E>(v[b], src);
-          if constexpr (is_fp8<C>::value) sc[b] = cscale[wh];
-          if constexpr (INJECT && is_fp8<G>::value) gsc[b] = gs[wh];
-        }
-      }
-      advance(w, sp);
+      unsigned h, j, u;
+      if (!next(w, sp, h, j, u)) continue;
+      const int64_t coff = x.coff[j];
+      if (coff < 0) continue;
+      const unsigned d = col0 + u * E;
+      const S *src = INJECT ? (const S *)(page + x.page_row0 + plane + h * x.page_head + (int64_t)j * x.D + d)
+                            : (const S *)(cache + coff + h * x.head_stride + d);
+      ld<S, E>(v[b], src);
+      if constexpr (is_fp8<C>::value) sc[b] = cscale[h];
+      if constexpr (INJECT && is_fp8<G>::value) gsc[b] = gs[h];
     }
     w = w0;
 #pragma unroll
     for (int b = 0; b < BP; b++) {
-      const unsigned h = w.h(sp), j = w.j(sp), u = w.u;
-      const bool in = w.o < sp.no;
-      advance(w, sp);
-      if (!in) continue;
+      unsigned h, j, u;
+      if (!next(w, sp, h, j, u)) continue;
       const int64_t coff = x.coff[j];
       if (coff < 0) continue;
       const unsigned d = col0 + u * E;
