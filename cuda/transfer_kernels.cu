@@ -173,7 +173,7 @@ template <int E, bool NEOX, bool FORWARD> __device__ inline void rotate(float *x
 }
 
 constexpr int THREADS = 128;
-constexpr int BR = 2; /* rotated units (2 vectors each) a thread keeps in flight */
+constexpr int BR = 4; /* rotated units (2 vectors each) a thread keeps in flight */
 constexpr int BP = 8; /* plain vectors a thread keeps in flight */
 
 /* What a CTA knows about its segment and current layer. */
