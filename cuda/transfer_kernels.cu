@@ -21,6 +21,8 @@
  *  - cos/sin depend on (token, pair) only: they are computed once per CTA
  *    (again only when a layer's RoPE differs) into shared memory, not per
  *    head and layer;
+ *  - a thread's items follow from its index by a few adds per item (no
+ *    division; the store half of a batch replays the walk), see Walk;
  *  - every thread issues all loads of a batch (8 16-byte vectors) before
  *    it converts or stores anything, so each SM keeps enough bytes in flight
  *    to cover DRAM latency;
@@ -171,7 +173,7 @@ template <int E, bool NEOX, bool FORWARD> __device__ inline void rotate(float *x
 }
 
 constexpr int THREADS = 128;
-constexpr int BR = 2; /* rotated units (2 vectors each) a thread keeps in flight */
+constexpr int BR = 4; /* rotated units (2 vectors each) a thread keeps in flight */
 constexpr int BP = 8; /* plain vectors a thread keeps in flight */
 
 /* What a CTA knows about its segment and current layer. */
@@ -184,46 +186,75 @@ struct Ctx {
   int64_t head_stride; /* cache elements between heads */
   float *gs;           /* fp8 stores: the page's scales of this layer, K heads then V heads */
   int phase;           /* kvi__xfer_args.phase */
+  bool heads_inner;    /* the walk's row order (see Walk) */
 };
 
-/* A work item's coordinates, packed in 64 bits between a batch's loads and
- * its stores so that a thread keeps many loads in flight on few registers:
- * head (< 2^17) in the high word, then token (< 2^20) and column (< 2^11,
- * an element index or a rotation unit) and a V flag. ~0 marks a skipped
- * item. */
-constexpr unsigned long long SKIP = ~0ull;
-__device__ inline unsigned long long pack(unsigned h, unsigned j, unsigned d, bool isv) {
-  return (unsigned long long)h << 32 | j << 12 | d << 1 | (isv ? 1u : 0u);
+/* A thread's walk over the items of one pass. The items are (row, lane),
+ * lanes (E-element columns or rotation units of one row) fastest; rows are
+ * (head, token) pairs in the order the destination keeps them: heads inside
+ * tokens when the destination holds a token's heads side by side (an NHD
+ * cache, injecting), else tokens inside heads (the store's pages, and HND
+ * caches), so that consecutive items write consecutive bytes. Thread t takes
+ * items t, t + THREADS, ...; the step of THREADS items is split once per
+ * pass into lanes, inner and outer rows, so that moving to the next item is
+ * a few adds and compares (no division, and no coordinates held per item in
+ * flight: the store half of a batch replays the walk from the batch's first
+ * item). The walk ends when the outer index reaches its count. */
+struct Step {
+  unsigned nl, ni, no, du, di, dout;
+  bool heads_inner;
+};
+struct Walk {
+  unsigned u, i, o; /* lane, inner row index, outer row index */
+  __device__ unsigned h(const Step &s) const { return s.heads_inner ? i : o; }
+  __device__ unsigned j(const Step &s) const { return s.heads_inner ? o : i; }
+};
+__device__ inline Step make_step(unsigned nl, unsigned H, unsigned ntok, bool heads_inner) {
+  const unsigned drow = THREADS / nl, ni = heads_inner ? H : ntok;
+  return Step{nl, ni, heads_inner ? ntok : H, THREADS % nl, drow % ni, drow / ni, heads_inner};
 }
-__device__ inline void unpack(unsigned long long p, unsigned &h, unsigned &j, unsigned &d, bool &isv) {
-  h = (unsigned)(p >> 32);
-  const unsigned lo = (unsigned)p;
-  j = lo >> 12;
-  d = (lo >> 1) & 2047u;
-  isv = lo & 1u;
+__device__ inline Walk walk_start(const Step &s) {
+  const unsigned row = threadIdx.x / s.nl;
+  return Walk{threadIdx.x % s.nl, row % s.ni, row / s.ni};
+}
+__device__ inline void advance(Walk &w, const Step &s) {
+  w.u += s.du; /* du < nl and di < ni: one carry each */
+  unsigned c = w.u >= s.nl ? 1u : 0u;
+  w.u -= c * s.nl;
+  w.i += s.di + c;
+  c = w.i >= s.ni ? 1u : 0u;
+  w.i -= c * s.ni;
+  w.o += s.dout + c;
 }
 
-/* K's rotated part: a unit is E pairs of one (head, token), read as two
- * vectors at da and db. Units run fastest, then tokens, then heads, so
- * neighbouring threads touch neighbouring bytes on the page side. */
+/* The current item's head, token and lane, then one step on; false when
+ * the walk had already ended. */
+__device__ inline bool next(Walk &w, const Step &s, unsigned &h, unsigned &j, unsigned &u) {
+  h = w.h(s), j = w.j(s), u = w.u;
+  const bool in = w.o < s.no;
+  advance(w, s);
+  return in;
+}
+
+/* K's rotated part: a lane is a unit of E pairs of one (head, token), read
+ * as two vectors at da and da + off_b. */
 template <typename G, typename C, int E, bool INJECT, bool NEOX>
 __device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, const float *ks) {
   using S = typename std::conditional<INJECT, G, C>::type; /* source element */
-  const unsigned nrot = half / E, per_h = x.ntok * nrot, n = x.H * per_h;
+  if (half < E) return; /* (the host picks E so that E divides half) */
+  const Step sp = make_step(half / E, x.H, x.ntok, x.heads_inner);
   const unsigned off_b = NEOX ? half : E;
-  for (unsigned base = threadIdx.x; base < n; base += THREADS * BR) {
+  Walk w = walk_start(sp);
+  while (w.o < sp.no) {
+    const Walk w0 = w;
     Vec<S, E> va[BR], vb[BR];
-    unsigned long long pk[BR];
     float gsc[BR]; /* fp8 stores: the page scale, loaded with the data */
 #pragma unroll
     for (int b = 0; b < BR; b++) {
-      const unsigned it = base + b * THREADS;
-      pk[b] = SKIP;
-      if (it >= n) continue;
-      const unsigned h = it / per_h, r = it - h * per_h, j = r / nrot, u = r - j * nrot;
+      unsigned h, j, u;
+      if (!next(w, sp, h, j, u)) continue;
       const int64_t coff = x.coff[j];
       if (coff < 0) continue;
-      pk[b] = pack(h, j, u, false);
       const unsigned da = NEOX ? u * E : 2 * u * E;
       const S *src = INJECT ? (const S *)(page + x.page_row0 + h * x.page_head + (int64_t)j * x.D + da)
                             : (const S *)(kc + coff + h * x.head_stride + da);
@@ -231,15 +262,16 @@ __device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, cons
       ld<S, E>(vb[b], src + off_b);
       if constexpr (INJECT && is_fp8<G>::value) gsc[b] = x.gs[h];
     }
+    w = w0;
 #pragma unroll
     for (int b = 0; b < BR; b++) {
-      if (pk[b] == SKIP) continue;
       unsigned h, j, u;
-      bool isv_;
-      unpack(pk[b], h, j, u, isv_);
+      if (!next(w, sp, h, j, u)) continue;
+      const int64_t coff = x.coff[j];
+      if (coff < 0) continue;
       const unsigned da = NEOX ? u * E : 2 * u * E;
       G *pg = page + x.page_row0 + h * x.page_head + (int64_t)j * x.D + da;
-      C *cr = kc + x.coff[j] + h * x.head_stride + da;
+      C *cr = kc + coff + h * x.head_stride + da;
       const float2 *cs = x.cs + j * x.HM + u * E;
       float2 c[E];
 #pragma unroll
@@ -267,53 +299,43 @@ __device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, cons
   }
 }
 
-/* Everything else is a converting copy: K's pass-through tail [rot, D) and
- * all of V, vector by vector. */
+/* A converting copy of columns [col0, col0 + nl * E) of every (head, token)
+ * row of one plane: K's pass-through tail [rot, D) (plane 0) or all of V
+ * (plane 1). cscale: the cache's scales of the plane (fp8 caches); gs: the
+ * page's scales of the plane (fp8 stores). */
 template <typename G, typename C, int E, bool INJECT>
-__device__ inline void plain(const Ctx &x, G *page, C *kc, C *vc, unsigned rot, const float *ks, const float *vs) {
+__device__ inline void plain(const Ctx &x, G *page, C *cache, int64_t plane, unsigned col0, unsigned nl,
+                             const float *cscale, float *gs) {
   using S = typename std::conditional<INJECT, G, C>::type;
-  const unsigned npass = (x.D - rot) / E, nv = x.D / E;
-  const unsigned per_hk = x.ntok * npass, nk = x.H * per_hk, per_hv = x.ntok * nv, n = nk + x.H * per_hv;
-  const int64_t plane = (int64_t)x.H * x.page_head; /* page elements between K and V */
-  for (unsigned base = threadIdx.x; base < n; base += THREADS * BP) {
+  if (nl == 0) return;
+  const Step sp = make_step(nl, x.H, x.ntok, x.heads_inner);
+  Walk w = walk_start(sp);
+  while (w.o < sp.no) {
+    const Walk w0 = w;
     Vec<S, E> v[BP];
-    unsigned long long pk[BP];
     float sc[BP];  /* fp8 caches: the cache scale */
     float gsc[BP]; /* fp8 stores: the page scale */
 #pragma unroll
     for (int b = 0; b < BP; b++) {
-      unsigned it = base + b * THREADS;
-      pk[b] = SKIP;
-      if (it >= n) continue;
-      const bool isv = it >= nk;
-      unsigned h, j, d;
-      if (!isv) {
-        h = it / per_hk;
-        const unsigned r = it - h * per_hk;
-        j = r / npass;
-        d = rot + (r - j * npass) * E;
-      } else {
-        it -= nk;
-        h = it / per_hv;
-        const unsigned r = it - h * per_hv;
-        j = r / nv;
-        d = (r - j * nv) * E;
-      }
+      unsigned h, j, u;
+      if (!next(w, sp, h, j, u)) continue;
       const int64_t coff = x.coff[j];
       if (coff < 0) continue;
-      pk[b] = pack(h, j, d, isv);
-      const S *src = INJECT ? (const S *)(page + x.page_row0 + (isv ? plane : 0) + h * x.page_head + (int64_t)j * x.D + d)
-                            : (const S *)((isv ? vc : kc) + coff + h * x.head_stride + d);
+      const unsigned d = col0 + u * E;
+      const S *src = INJECT ? (const S *)(page + x.page_row0 + plane + h * x.page_head + (int64_t)j * x.D + d)
+                            : (const S *)(cache + coff + h * x.head_stride + d);
       ld<S, E>(v[b], src);
-      if constexpr (is_fp8<C>::value) sc[b] = (isv ? vs : ks)[h];
-      if constexpr (INJECT && is_fp8<G>::value) gsc[b] = x.gs[(isv ? x.H : 0u) + h];
+      if constexpr (is_fp8<C>::value) sc[b] = cscale[h];
+      if constexpr (INJECT && is_fp8<G>::value) gsc[b] = gs[h];
     }
+    w = w0;
 #pragma unroll
     for (int b = 0; b < BP; b++) {
-      if (pk[b] == SKIP) continue;
-      unsigned h, j, d;
-      bool isv;
-      unpack(pk[b], h, j, d, isv);
+      unsigned h, j, u;
+      if (!next(w, sp, h, j, u)) continue;
+      const int64_t coff = x.coff[j];
+      if (coff < 0) continue;
+      const unsigned d = col0 + u * E;
       float f[E];
       to_f32<S, E>(f, v[b]);
       if (INJECT) {
@@ -321,12 +343,12 @@ __device__ inline void plain(const Ctx &x, G *page, C *kc, C *vc, unsigned rot, 
 #pragma unroll
           for (int i = 0; i < E; i++) f[i] = __fmul_rn(f[i], gsc[b]);
         scale_for_cache<C>(f, E, is_fp8<C>::value ? sc[b] : 1.0f);
-        st<C, E>((isv ? vc : kc) + x.coff[j] + h * x.head_stride + d, f);
+        st<C, E>(cache + coff + h * x.head_stride + d, f);
       } else {
         scale_from_cache<C>(f, E, is_fp8<C>::value ? sc[b] : 1.0f);
-        to_store<G>(f, E, is_fp8<G>::value ? x.gs + (isv ? x.H : 0u) + h : nullptr, x.phase);
+        to_store<G>(f, E, is_fp8<G>::value ? gs + h : nullptr, x.phase);
         if (is_fp8<G>::value && x.phase == 1) continue;
-        st<G, E>(page + x.page_row0 + (isv ? plane : 0) + h * x.page_head + (int64_t)j * x.D + d, f);
+        st<G, E>(page + x.page_row0 + plane + h * x.page_head + (int64_t)j * x.D + d, f);
       }
     }
   }
@@ -384,6 +406,10 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
   x.page_head = (int64_t)a.P * a.D;
   x.head_stride = a.head_stride;
   x.phase = a.phase;
+  /* rows in the destination's order: an injection into a cache whose heads
+   * of a token lie closer together than its tokens of a head (NHD) walks
+   * heads inside tokens; the pages (capture) and HND caches the other way */
+  x.heads_inner = INJECT && a.head_stride < a.token_stride;
   int cur = -1; /* rope_id whose cos/sin are in shared memory */
   for (int l = l0; l < l1; l++) {
     const kvi__xlayer ly = a.layers[l];
@@ -412,7 +438,9 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
       else
         rotated<G, C, E, INJECT, false>(x, page, kc, half, ks);
     }
-    plain<G, C, E, INJECT>(x, page, kc, vc, rot, ks, vs);
+    if (rot < x.D) /* K's pass-through tail */
+      plain<G, C, E, INJECT>(x, page, kc, 0, rot, (x.D - rot) / E, ks, x.gs);
+    plain<G, C, E, INJECT>(x, page, vc, (int64_t)x.H * x.page_head, 0, x.D / E, vs, x.gs ? x.gs + x.H : nullptr);
   }
 }
 
