@@ -29,7 +29,7 @@ export LD_LIBRARY_PATH=$sysroot/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 build=/tmp/kvi-build
 if [ "$phase" = bench ]; then
-  meson test -C "$build" --benchmark --verbose 2>&1 | tee "$out/bench.log" | grep -E '^\||^\(|device:|GB/s counts|torch'
+  meson test -C "$build" --benchmark --verbose 2>&1 | tee "$out/bench.log" | grep -E '^\||^\(|device:|MiB moved counts|torch'
   exit "${PIPESTATUS[0]}"
 fi
 setup_args=(-Dcuda=enabled -Dcublaslt=enabled -Dnccl=enabled -Dtests=enabled -Dcuda-arch=sm_90 --buildtype=release)
@@ -135,7 +135,7 @@ if command -v compute-sanitizer >/dev/null; then
   done
 fi
 [ "$phase" = all ] && meson test -C "$build" --benchmark --verbose 2>&1 | tee "$out/bench.log" |
-  grep -E '^\||^\(|device:|GB/s counts|torch'
+  grep -E '^\||^\(|device:|MiB moved counts|torch'
 echo "meson test rc=$rc, gpu suite rc=$grc, gpu-transfer rc=$trc, gpu-search rc=$qrc, gpu-tp rc=$tprc, gpu-retrieve rc=$rrc, python rc=$prc, memcheck rc=$src"
 [ "$rc" -eq 0 ] && [ "$grc" -eq 0 ] && [ "$trc" -eq 0 ] && [ "$qrc" -eq 0 ] && [ "$tprc" -eq 0 ] && [ "$rrc" -eq 0 ] &&
   [ "$prc" -eq 0 ] && [ "$src" -eq 0 ]
