@@ -40,7 +40,8 @@
 typedef struct slot {
   char *host; /* pinned */
   char *dev;
-  struct CUevent_st *ev;
+  struct CUevent_st *ev; /* recorded after the last launch that reads dev */
+  struct CUevent_st *up; /* recorded after dev's upload (on up_stream) */
   bool used;
 } slot;
 
@@ -62,6 +63,7 @@ typedef struct xfer {
   kvi__xlayer *d_layers;
   float *d_kscale, *d_vscale;
   slot slots[SLOTS];
+  struct CUstream_st *up_stream; /* plan uploads (see upload()) */
   size_t slot_bytes;
   int next_slot;
   unsigned long long *skipped_host, *skipped_dev; /* mapped pinned counter */
@@ -125,12 +127,15 @@ static void xfer_release(xfer *x) {
   if (x->cuda) {
     kvi__devguard g;
     if (kvi__cuda_enter(x->store->device, &g, "kvi_injector_destroy") == KVI_OK) {
+      if (x->up_stream) kvi__cuda_sync(x->up_stream, "kvi_injector_destroy"); /* uploads of failed launches */
       for (int i = 0; i < SLOTS; i++) {
         if (x->slots[i].used) kvi__cuda_event_sync(x->slots[i].ev, "kvi_injector_destroy");
         kvi__cuda_host_free(x->slots[i].host);
         kvi__cuda_free(x->slots[i].dev);
         kvi__cuda_event_destroy(x->slots[i].ev);
+        kvi__cuda_event_destroy(x->slots[i].up);
       }
+      kvi__cuda_stream_destroy(x->up_stream);
       kvi__cuda_free(x->dev_tables);
       kvi__cuda_host_free(x->skipped_host);
       kvi__cuda_leave(&g);
@@ -296,7 +301,9 @@ static kvi_status xfer_create(xfer *x, kvi_store *store, const kvi_cache_layout 
     st = kvi__cuda_host_alloc((void **)&x->slots[i].host, x->slot_bytes, fn);
     if (st == KVI_OK) st = kvi__cuda_malloc((void **)&x->slots[i].dev, x->slot_bytes, fn);
     if (st == KVI_OK) st = kvi__cuda_event_create(&x->slots[i].ev, fn);
+    if (st == KVI_OK) st = kvi__cuda_event_create(&x->slots[i].up, fn);
   }
+  if (st == KVI_OK) st = kvi__cuda_stream_create(&x->up_stream, fn);
   if (st == KVI_OK) st = kvi__cuda_host_alloc_mapped((void **)&x->skipped_host, (void **)&x->skipped_dev, 64, fn);
   if (st == KVI_OK) *x->skipped_host = 0;
   kvi__cuda_leave(&g);
@@ -655,6 +662,18 @@ static int32_t layers_per_cta(const xfer *x, int32_t nsegs, int32_t nl) {
   return (int32_t)((nl + chunks - 1) / chunks);
 }
 
+/* Uploads a plan from its slot on the injector's own stream and orders
+ * `stream` after the copy: the upload then overlaps whatever `stream` still
+ * runs before the call (an engine's previous step) instead of queueing
+ * behind it. The slot's device buffer is free: take_slot waited for the
+ * last launch that read it. */
+static kvi_status upload(xfer *x, const plan *p, struct CUstream_st *stream, const char *fn) {
+  kvi_status st = kvi__cuda_h2d(p->sl->dev + p->off, p->buf, p->bytes, x->up_stream, fn);
+  if (st == KVI_OK) st = kvi__cuda_event_record(p->sl->up, x->up_stream, fn);
+  if (st == KVI_OK) st = kvi__cuda_stream_wait(stream, p->sl->up, fn);
+  return st;
+}
+
 static kvi_status launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool inject, struct CUstream_st *stream,
                          const char *fn) {
   const kvi_store *s = x->store;
@@ -662,7 +681,7 @@ static kvi_status launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool in
   kvi__xfer_args a;
   memset(&a, 0, offsetof(kvi__xfer_args, inline_plan));
   if (p->sl) {
-    if (!p->uploaded && (st = kvi__cuda_h2d(p->sl->dev + p->off, p->buf, p->bytes, stream, fn))) return st;
+    if (!p->uploaded && (st = upload(x, p, stream, fn))) return st;
     a.plan_dev = p->sl->dev + p->off;
   } else {
     memcpy(a.inline_plan, p->buf, p->bytes);
