@@ -212,6 +212,9 @@ typedef struct kvi__map {
 } kvi__map;
 
 void *kvi__map_get(const kvi__map *m, uint64_t k1, uint64_t k2);
+/* out[i] = kvi__map_get(m, k1, k2[i]) for i < n, the cache misses of many
+ * lookups overlapped (prefetches), each found value prefetched too. */
+void kvi__map_get_many(const kvi__map *m, uint64_t k1, const uint64_t *k2, size_t n, void **out);
 /* Makes room for one more entry; call before kvi__map_put so that a put
  * never fails after other state has changed. */
 kvi_status kvi__map_reserve(kvi__map *m, size_t extra, const char *fn);

@@ -512,6 +512,65 @@ static void test_inject_plan(void **state) {
 /* layer ranges                                                              */
 /* ------------------------------------------------------------------------ */
 
+/* Long fact lists: the library looks ids up in prefetched groups, so every
+ * position of a list, on and around group boundaries, must be found (and a
+ * missing id there reported) like the first. Token counts differ per fact
+ * and per tenant, so a lookup landing on the wrong fact changes the sum. */
+static void test_inject_plan_long_lists(void **state) {
+  (void)state;
+  rng r;
+  rng_seed(&r, __func__);
+  const kvi_rope_spec specs[1] = {rope(KVI_ROPE_NEOX, 0, 10000.0)};
+  enum { N = 120, LIST = 200 };
+  const env_cfg g = {1, 1, 1, 0, 8, specs, KVI_DTYPE_BF16, 4, 2 * N * 2, KVI_CACHE_VLLM_FLASH_ATTN, KVI_DTYPE_BF16,
+                     KVI_SCALE_NONE, 4, 4, NULL};
+  env e;
+  env_open(&e, &g, &r);
+  rfact *f = calloc(2 * N, sizeof *f);
+  assert_non_null(f);
+  for (int i = 0; i < N; i++) { /* the same ids in two tenants, different lengths */
+    rfact_make(&f[i], &r, 1, 5000 + (uint64_t)i, 1, 1 + i % 5, e.H, 8, -1, 1);
+    rfact_make(&f[N + i], &r, 2, 5000 + (uint64_t)i, 1, 6 + i % 2, e.H, 8, -1, 1);
+    rfact_put(e.s, &f[i], 0);
+    rfact_put(e.s, &f[N + i], 0);
+  }
+  uint64_t ids[LIST];
+  int64_t want1 = 0, want2 = 0, n;
+  for (int k = 0; k < LIST; k++) { /* a scattered order with repeats */
+    const int i = (k * 37 + 11) % N;
+    ids[k] = 5000 + (uint64_t)i;
+    want1 += 1 + i % 5;
+    want2 += 6 + i % 2;
+  }
+  for (int len = 1; len <= LIST; len += len < 40 ? 1 : 23) {
+    int64_t w = 0;
+    for (int k = 0; k < len; k++) w += 1 + (int)((ids[k] - 5000) % 5);
+    assert_ok(kvi_inject_plan(e.inj, 1, ids, len, &n));
+    assert_int_equal(n, w);
+  }
+  assert_ok(kvi_inject_plan(e.inj, 1, ids, LIST, &n));
+  assert_int_equal(n, want1);
+  assert_ok(kvi_inject_plan(e.inj, 2, ids, LIST, &n));
+  assert_int_equal(n, want2);
+  const int bad_at[] = {0, 1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, LIST - 1};
+  const int32_t tb[] = {0, 1, 2, 3};
+  for (size_t b = 0; b < sizeof bad_at / sizeof bad_at[0]; b++) {
+    uint64_t bad[LIST];
+    memcpy(bad, ids, sizeof bad);
+    bad[bad_at[b]] = 4999; /* in neither tenant */
+    n = -77;
+    assert_status(kvi_inject_plan(e.inj, 1, bad, LIST, &n), KVI_ERR_NOT_FOUND);
+    assert_int_equal(n, -77);
+    assert_non_null(strstr(kvi_last_error(), "4999"));
+    kvi_inject_request q = request(1, bad, LIST, tb, 4, 0, NULL, 0);
+    EXPECT_UNCHANGED(&e, kvi_inject(e.inj, &q, 1, NULL, NULL), KVI_ERR_NOT_FOUND);
+    assert_non_null(strstr(kvi_last_error(), "4999"));
+  }
+  for (int i = 0; i < 2 * N; i++) rfact_free(&f[i]);
+  free(f);
+  env_close(&e);
+}
+
 static void test_layer_range(void **state) {
   (void)state;
   rng r;
@@ -1491,6 +1550,7 @@ int main(void) {
       cmocka_unit_test(test_context_window_encoding),
       cmocka_unit_test(test_batched_inject),
       cmocka_unit_test(test_inject_plan),
+      cmocka_unit_test(test_inject_plan_long_lists),
       cmocka_unit_test(test_layer_range),
       cmocka_unit_test(test_fp8_roundtrip_and_saturation),
       cmocka_unit_test(test_rejected_inject_changes_nothing),
