@@ -212,9 +212,11 @@ typedef struct kvi__map {
 } kvi__map;
 
 void *kvi__map_get(const kvi__map *m, uint64_t k1, uint64_t k2);
-/* out[i] = kvi__map_get(m, k1, k2[i]) for i < n, the cache misses of many
- * lookups overlapped (prefetches), each found value prefetched too. */
-void kvi__map_get_many(const kvi__map *m, uint64_t k1, const uint64_t *k2, size_t n, void **out);
+/* out[i] = kvi__map_get(m, k1[i * k1_step], k2[i]) for i < n (k1_step 0:
+ * one k1 for all), the cache misses of the lookups overlapped by
+ * prefetching; each value found is prefetched too. */
+void kvi__map_get_many(const kvi__map *m, const uint64_t *k1, size_t k1_step, const uint64_t *k2, size_t n,
+                       void **out);
 /* Makes room for one more entry; call before kvi__map_put so that a put
  * never fails after other state has changed. */
 kvi_status kvi__map_reserve(kvi__map *m, size_t extra, const char *fn);

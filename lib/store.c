@@ -1225,7 +1225,7 @@ KVI_API kvi_status kvi_store_prefetch(kvi_store *store, uint64_t tenant_id, cons
   if (!list) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu fact references", n);
   size_t m = 0;
   if (st == KVI_OK && fact_ids) {
-    kvi__map_get_many(&store->facts, tenant_id, fact_ids, n, (void **)list);
+    kvi__map_get_many(&store->facts, &tenant_id, 0, fact_ids, n, (void **)list);
     for (; m < n && st == KVI_OK; m++)
       if (!list[m]) st = not_found_(fn, tenant_id, fact_ids[m]);
   } else if (st == KVI_OK && t) {

@@ -786,7 +786,7 @@ static kvi_status inject_job(const xfer *x, const kvi_inject_request *rq, int32_
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "request %d: fact_ids is NULL", (int)r);
   kvi_status st = check_table_kind(x, rq->block_table_memory, r, fn);
   if (st) return st;
-  if (rq->num_facts > 0) kvi__map_get_many(&x->store->facts, rq->tenant, rq->fact_ids, (size_t)rq->num_facts, (void **)found);
+  if (rq->num_facts > 0) kvi__map_get_many(&x->store->facts, &rq->tenant, 0, rq->fact_ids, (size_t)rq->num_facts, (void **)found);
   for (int32_t f = 0; f < rq->num_facts; f++) {
     const fact *ft = found[f];
     if (!ft)
@@ -943,7 +943,7 @@ KVI_API kvi_status kvi_inject_plan(const kvi_injector *injector, uint64_t tenant
   for (int32_t f0 = 0; f0 < num_facts && st == KVI_OK; f0 += 64) { /* looked up 64 at a time */
     const fact *found[64];
     const int32_t n = num_facts - f0 < 64 ? num_facts - f0 : 64;
-    kvi__map_get_many(&s->facts, tenant, fact_ids + f0, (size_t)n, (void **)found);
+    kvi__map_get_many(&s->facts, &tenant, 0, fact_ids + f0, (size_t)n, (void **)found);
     for (int32_t f = 0; f < n && st == KVI_OK; f++) {
       if (!found[f])
         st = kvi__fail(KVI_ERR_NOT_FOUND, fn, "no fact %llu for tenant %llu", (unsigned long long)fact_ids[f0 + f],
@@ -1164,10 +1164,20 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
   if (st) goto out;
 
   lock_both(x);
-  for (int32_t i = 0; i < num_captures && st == KVI_OK; i++)
-    if (!(cs[i].c.flags & KVI_PUT_REPLACE) && kvi__store_find(s, cs[i].c.tenant, cs[i].c.fact_id))
-      st = kvi__fail(KVI_ERR_EXISTS, fn, "capture %d: fact %llu of tenant %llu is already stored (KVI_PUT_REPLACE replaces it)",
-                     (int)i, (unsigned long long)cs[i].c.fact_id, (unsigned long long)cs[i].c.tenant);
+  for (int32_t i0 = 0; i0 < num_captures && st == KVI_OK; i0 += 64) { /* captures that must be new, 64 at a time */
+    uint64_t tn[64], id[64];
+    int32_t at[64], m = 0;
+    const int32_t i1 = num_captures - i0 < 64 ? num_captures : i0 + 64;
+    for (int32_t i = i0; i < i1; i++)
+      if (!(cs[i].c.flags & KVI_PUT_REPLACE)) tn[m] = cs[i].c.tenant, id[m] = cs[i].c.fact_id, at[m++] = i;
+    void *old[64];
+    kvi__map_get_many(&s->facts, tn, 1, id, (size_t)m, old);
+    for (int32_t k = 0; k < m && st == KVI_OK; k++)
+      if (old[k])
+        st = kvi__fail(KVI_ERR_EXISTS, fn,
+                       "capture %d: fact %llu of tenant %llu is already stored (KVI_PUT_REPLACE replaces it)", (int)at[k],
+                       (unsigned long long)id[k], (unsigned long long)tn[k]);
+  }
   /* a tiered store takes the capture's device pages at once, demoting
    * least-recently-used facts if the device is short (store.c) */
   const bool tiered = x->cuda && s->hpool.npages > 0;
