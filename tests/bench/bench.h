@@ -1,6 +1,7 @@
 /*
  * What the benchmark programs share: checks that stop the program on a
- * library or CUDA error, and the median of a set of timings.
+ * library or CUDA error, and the median of a set of timings. A CPU-only
+ * program defines BENCH_CPU_ONLY first (no CUDA header, CU or device).
  * SPDX-License-Identifier: Apache-2.0
  */
 #ifndef KVI_BENCH_H
@@ -9,7 +10,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#ifndef BENCH_CPU_ONLY
 #include <cuda_runtime_api.h>
+#endif
 
 #include <kvinject.h>
 
@@ -21,6 +24,7 @@
       exit(1);                                                                                      \
     }                                                                                               \
   } while (0)
+#ifndef BENCH_CPU_ONLY
 #define CU(call)                                                                                    \
   do {                                                                                              \
     cudaError_t e_ = (call);                                                                        \
@@ -29,6 +33,7 @@
       exit(1);                                                                                      \
     }                                                                                               \
   } while (0)
+#endif
 
 static int bench_cmp_f(const void *a, const void *b) {
   const float x = *(const float *)a, y = *(const float *)b;
@@ -51,6 +56,7 @@ static inline void bench_runs(int full) {
   bench_warm = n > 0 && n < full ? 1 : 5;
 }
 
+#ifndef BENCH_CPU_ONLY
 /* Prints the device banner; false (after saying why) when no CUDA device
  * answers, and the program should exit 77 (Meson's skip). */
 static inline int bench_device(const char *prog) {
@@ -64,6 +70,7 @@ static inline int bench_device(const char *prog) {
   printf("device: %s, libkvinject %s\n\n", prop.name, kvi_version_string());
   return 1;
 }
+#endif
 
 /* A model of layers x heads x head_size with Llama-3.1-8B's RoPE (theta
  * 500,000, llama3 scaling, factor 8) on every layer. */

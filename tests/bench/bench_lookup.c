@@ -17,16 +17,8 @@
 #include <stdlib.h>
 #include <time.h>
 
-#include <kvinject.h>
-
-#define CK(call)                                                                                    \
-  do {                                                                                              \
-    kvi_status st_ = (call);                                                                        \
-    if (st_ != KVI_OK) {                                                                            \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, kvi_last_error());               \
-      exit(1);                                                                                      \
-    }                                                                                               \
-  } while (0)
+#define BENCH_CPU_ONLY
+#include "bench.h"
 
 enum { LISTS = 64, K = 50, ROUNDS = 60, WARM = 5 };
 
@@ -34,11 +26,6 @@ static double now_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
-
-static int cmp_d(const void *a, const void *b) {
-  const double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
 }
 
 static uint64_t rnd(uint64_t *s) { /* xorshift64* */
@@ -69,7 +56,7 @@ static void run(int32_t n) {
   kvi_injector *inj;
   CK(kvi_injector_create(&inj, store, &cl, NULL));
   static uint64_t ids[LISTS * K];
-  double t[ROUNDS];
+  float t[ROUNDS];
   uint64_t s = 88172645463325252ull;
   for (int r = -WARM; r < ROUNDS; r++) {
     for (int i = 0; i < LISTS * K; i++) ids[i] = (rnd(&s) % (uint64_t)n) * 0x9e3779b97f4a7c15ull;
@@ -85,10 +72,10 @@ static void run(int32_t n) {
       fprintf(stderr, "planned %lld tokens, expected %d\n", (long long)total, LISTS * K);
       exit(1);
     }
-    if (r >= 0) t[r] = t1 - t0;
+    if (r >= 0) t[r] = (float)(t1 - t0);
   }
-  qsort(t, ROUNDS, sizeof t[0], cmp_d);
-  printf("| %9d | %5d | %8.3f | %7.1f |\n", (int)n, LISTS * K, t[ROUNDS / 2], t[ROUNDS / 2] * 1e6 / (LISTS * K));
+  const float ms = median(t, ROUNDS);
+  printf("| %9d | %5d | %8.3f | %7.1f |\n", (int)n, LISTS * K, ms, ms * 1e6 / (LISTS * K));
   kvi_injector_destroy(inj);
   kvi_store_destroy(store);
   kvi_model_destroy(model);
