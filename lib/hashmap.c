@@ -33,12 +33,14 @@ void *kvi__map_get(const kvi__map *m, uint64_t k1, uint64_t k2) {
 
 /* Lookups of a large map miss the cache nearly every time, each on a slot
  * and then on the value: GET_MANY_GROUP keys' home slots are prefetched one
- * group ahead of the probes (measured faster than prefetching each key a
- * fixed distance ahead of its probe: tests/bench/bench_lookup.c), and each value found is prefetched for the
- * caller, so that the misses overlap instead of following each other. */
+ * group ahead of the probes, and each value found is prefetched for the
+ * caller, so that the misses overlap instead of following each other
+ * (faster than prefetching each key a fixed distance ahead of its probe:
+ * tests/bench/bench_lookup.c). */
 #define GET_MANY_GROUP 16
 
-void kvi__map_get_many(const kvi__map *m, const uint64_t *k1, size_t k1_step, const uint64_t *k2, size_t n, void **out) {
+void kvi__map_get_many(const kvi__map *m, const uint64_t *k1, size_t k1_step, const uint64_t *k2, size_t n,
+                       void **out) {
   enum { G = GET_MANY_GROUP };
   if (!m->cap) {
     for (size_t i = 0; i < n; i++) out[i] = NULL;

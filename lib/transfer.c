@@ -786,7 +786,7 @@ static kvi_status inject_job(const xfer *x, const kvi_inject_request *rq, int32_
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "request %d: fact_ids is NULL", (int)r);
   kvi_status st = check_table_kind(x, rq->block_table_memory, r, fn);
   if (st) return st;
-  if (rq->num_facts > 0) kvi__map_get_many(&x->store->facts, &rq->tenant, 0, rq->fact_ids, (size_t)rq->num_facts, (void **)found);
+  kvi__map_get_many(&x->store->facts, &rq->tenant, 0, rq->fact_ids, (size_t)rq->num_facts, (void **)found);
   for (int32_t f = 0; f < rq->num_facts; f++) {
     const fact *ft = found[f];
     if (!ft)
