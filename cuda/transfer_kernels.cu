@@ -84,6 +84,20 @@ template <typename T, int E> __device__ inline void st(T *p, const float *in) {
   }
 }
 
+/* Stores a loaded vector as it is (a copy between equal dtypes). */
+template <typename T, int E> __device__ inline void st_raw(T *p, const Vec<T, E> &r) {
+  constexpr int B = E * (int)sizeof(T);
+  if constexpr (E > 1 && B % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < B / 16; i++) reinterpret_cast<uint4 *>(p)[i] = reinterpret_cast<const uint4 *>(r.v)[i];
+  } else if constexpr (E > 1 && B == 8) {
+    *reinterpret_cast<uint2 *>(p) = *reinterpret_cast<const uint2 *>(r.v);
+  } else {
+#pragma unroll
+    for (int i = 0; i < E; i++) p[i] = r.v[i];
+  }
+}
+
 template <typename T, int E> __device__ inline void to_f32(float *x, const Vec<T, E> &r) {
   if constexpr (std::is_same<T, fp8e4>::value && E % 2 == 0) { /* two per conversion instruction; exact */
 #pragma unroll
@@ -307,6 +321,8 @@ template <typename G, typename C, int E, bool INJECT>
 __device__ inline void plain(const Ctx &x, G *page, C *cache, int64_t plane, unsigned col0, unsigned nl,
                              const float *cscale, float *gs) {
   using S = typename std::conditional<INJECT, G, C>::type;
+  /* equal dtypes without scales: the bits move as they are (as on the CPU) */
+  constexpr bool RAW = std::is_same<G, C>::value && !is_fp8<G>::value;
   if (nl == 0) return;
   const Step sp = make_step(nl, x.H, x.ntok, x.heads_inner);
   Walk w = walk_start(sp);
@@ -336,6 +352,13 @@ __device__ inline void plain(const Ctx &x, G *page, C *cache, int64_t plane, uns
       const int64_t coff = x.coff[j];
       if (coff < 0) continue;
       const unsigned d = col0 + u * E;
+      if constexpr (RAW) {
+        if (INJECT)
+          st_raw<S, E>(reinterpret_cast<S *>(cache + coff + h * x.head_stride + d), v[b]);
+        else
+          st_raw<S, E>(reinterpret_cast<S *>(page + x.page_row0 + plane + h * x.page_head + (int64_t)j * x.D + d), v[b]);
+        continue;
+      }
       float f[E];
       to_f32<S, E>(f, v[b]);
       if (INJECT) {

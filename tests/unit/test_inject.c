@@ -571,6 +571,61 @@ static void test_inject_plan_long_lists(void **state) {
   env_close(&e);
 }
 
+/* Between equal dtypes without scales, what is not rotated (V, and K past
+ * rotary_dim) moves bit for bit, NaN payloads, signed zeros and subnormals
+ * included, both ways; the rotated part stays finite arithmetic. */
+static void test_equal_dtypes_copy_bits(void **state) {
+  (void)state;
+  enum { L = 1, H = 1, D = 8, T = 2, BS = 4, NB = 2 };
+  kvi_model *m = make_model(L, H, D, 0, 1);
+  kvi_rope_spec rs = rope(KVI_ROPE_NEOX, 4, 10000.0); /* K's [4, 8) passes through */
+  assert_ok(kvi_model_set_rope(m, 0, &rs));
+  kvi_store_options o = cpu_store_options(KVI_DTYPE_BF16, 4, 1 << 20);
+  kvi_store *st;
+  assert_ok(kvi_store_create(&st, m, &o));
+  static const uint16_t special[8] = {0x7f81, 0xffc1, 0x7fa5, 0x8000, 0x0001, 0x8003, 0xff80, 0x7f80};
+  uint16_t k[T][H][D], v[T][H][D];
+  for (int t = 0; t < T; t++)
+    for (int d = 0; d < D; d++) {
+      k[t][0][d] = d < 4 ? (uint16_t)(0x3f80 + 0x10 * d + t) : special[(d + t) % 8]; /* 1.0, 1.125, ... */
+      v[t][0][d] = special[(d + 3 * t) % 8];
+    }
+  kvi_kv_view kv;
+  kvi_kv_view_contiguous(&kv, KVI_MEMORY_HOST, KVI_DTYPE_BF16, L, T, H, D, k, v);
+  assert_ok(kvi_store_put(st, 1, 1, &kv, NULL, NULL));
+  uint16_t cache[2][NB][BS][H][D];
+  memset(cache, 0x55, sizeof cache);
+  void *layers[1] = {cache};
+  kvi_cache_layout cl;
+  assert_ok(kvi_cache_layout_preset(&cl, KVI_CACHE_VLLM_FLASH_ATTN, KVI_DTYPE_BF16, L, H, D, BS, NB, layers, NULL, NULL));
+  cl.memory = KVI_MEMORY_HOST;
+  kvi_injector *inj;
+  kvi_encoder *enc;
+  assert_ok(kvi_injector_create(&inj, st, &cl, NULL));
+  assert_ok(kvi_encoder_create(&enc, st, &cl, NULL));
+  const int32_t table[NB] = {1, 0};
+  const uint64_t id = 1;
+  kvi_inject_request q = request(1, &id, 1, table, NB, 0, NULL, 7);
+  assert_ok(kvi_inject(inj, &q, 1, NULL, NULL));
+  for (int t = 0; t < T; t++) { /* slot t lands in block 1 */
+    assert_memory_equal(cache[1][1][t][0], v[t][0], sizeof v[t][0]);
+    assert_memory_equal(&cache[0][1][t][0][4], &k[t][0][4], 4 * sizeof(uint16_t));
+    for (int d = 0; d < 4; d++) assert_true(cache[0][1][t][0][d] != k[t][0][d]); /* rotated at 7 + t */
+  }
+  kvi_capture c = capture(1, 2, table, NB, 0, T, NULL, 7);
+  assert_ok(kvi_encode(enc, &c, 1, NULL));
+  uint16_t k2[T][H][D], v2[T][H][D];
+  kvi_kv_view out;
+  kvi_kv_view_contiguous(&out, KVI_MEMORY_HOST, KVI_DTYPE_BF16, L, T, H, D, k2, v2);
+  assert_ok(kvi_store_read(st, 1, 2, &out, NULL));
+  assert_memory_equal(v2, v, sizeof v);
+  for (int t = 0; t < T; t++) assert_memory_equal(&k2[t][0][4], &k[t][0][4], 4 * sizeof(uint16_t));
+  kvi_encoder_destroy(enc);
+  kvi_injector_destroy(inj);
+  kvi_store_destroy(st);
+  kvi_model_destroy(m);
+}
+
 static void test_layer_range(void **state) {
   (void)state;
   rng r;
@@ -1551,6 +1606,7 @@ int main(void) {
       cmocka_unit_test(test_batched_inject),
       cmocka_unit_test(test_inject_plan),
       cmocka_unit_test(test_inject_plan_long_lists),
+      cmocka_unit_test(test_equal_dtypes_copy_bits),
       cmocka_unit_test(test_layer_range),
       cmocka_unit_test(test_fp8_roundtrip_and_saturation),
       cmocka_unit_test(test_rejected_inject_changes_nothing),
