@@ -135,7 +135,10 @@ KVI_API void kvi_inject_options_init(kvi_inject_options *opts);
 /*
  * Writes every request's facts into the cache: keys rotated at their
  * destination positions (fp32 math), values copied, both converted to the
- * cache dtype (fp8: divided by the cache's scale, saturated). An fp8 store's
+ * cache dtype (fp8: divided by the cache's scale, saturated). Where the
+ * store's dtype is the cache's and neither has scales, the values and the
+ * key columns past rotary_dim are copied bit for bit (NaN payloads kept),
+ * on both backends. An fp8 store's
  * elements are first dequantized with their page's scales (kvinject/store.h),
  * in the same kernel. On a CUDA
  * store one fused kernel launch covers all requests, facts, layers and heads.
@@ -286,7 +289,9 @@ KVI_API void kvi_capture_init(kvi_capture *cap);
  * un-rotates keys at the positions they were written with, and stores
  * pre-RoPE K and V in the store's dtype (an fp8 store: quantized with a
  * scale per page, layer, K/V and head from the un-rotated values; on a CUDA
- * store that is four launches: zero the scales, fold amax, write, finish). Every
+ * store that is four launches: zero the scales, fold amax, write, finish; a
+ * store and cache of the same dtype without scales: V and the key columns
+ * past rotary_dim copied bit for bit). Every
  * capture is checked before any is launched; on a CUDA store the captures of a
  * call then go in one fused kernel launch (one per 65,536 captures). They are
  * all-or-nothing: if one fails its checks (or the store lacks pages for all
