@@ -68,22 +68,6 @@ template <typename T, int E> __device__ inline void ld(Vec<T, E> &r, const T *p)
   }
 }
 
-template <typename T, int E> __device__ inline void st(T *p, const float *in) {
-  constexpr int B = E * (int)sizeof(T);
-  Vec<T, E> r;
-#pragma unroll
-  for (int i = 0; i < E; i++) r.v[i] = cvt<T>::from(in[i]);
-  if constexpr (E > 1 && B % 16 == 0) {
-#pragma unroll
-    for (int i = 0; i < B / 16; i++) reinterpret_cast<uint4 *>(p)[i] = reinterpret_cast<const uint4 *>(r.v)[i];
-  } else if constexpr (E > 1 && B == 8) {
-    *reinterpret_cast<uint2 *>(p) = *reinterpret_cast<const uint2 *>(r.v);
-  } else {
-#pragma unroll
-    for (int i = 0; i < E; i++) p[i] = r.v[i];
-  }
-}
-
 /* Stores a loaded vector as it is (a copy between equal dtypes). */
 template <typename T, int E> __device__ inline void st_raw(T *p, const Vec<T, E> &r) {
   constexpr int B = E * (int)sizeof(T);
@@ -96,6 +80,14 @@ template <typename T, int E> __device__ inline void st_raw(T *p, const Vec<T, E>
 #pragma unroll
     for (int i = 0; i < E; i++) p[i] = r.v[i];
   }
+}
+
+/* Converts E floats to T and stores them. */
+template <typename T, int E> __device__ inline void st(T *p, const float *in) {
+  Vec<T, E> r;
+#pragma unroll
+  for (int i = 0; i < E; i++) r.v[i] = cvt<T>::from(in[i]);
+  st_raw<T, E>(p, r);
 }
 
 template <typename T, int E> __device__ inline void to_f32(float *x, const Vec<T, E> &r) {
