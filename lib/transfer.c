@@ -577,8 +577,9 @@ static void cpu_transfer(const xfer *x, const plan *p, int32_t lb, int32_t le, b
   const kvi__cache *c = &x->cache;
   const int32_t H = c->H, D = c->D, P = s->P;
   const size_t pe = kvi_dtype_size(s->dtype), ce = kvi_dtype_size(c->dtype);
-  /* equal dtypes without scales: what is not rotated moves bit for bit (as in the kernel) */
-  const bool raw = s->dtype == c->dtype && !s->fp8 && c->dtype != KVI_DTYPE_FP8_E4M3 && c->dtype != KVI_DTYPE_FP8_E5M2;
+  /* equal dtypes without scales (neither is fp8): what is not rotated moves
+   * bit for bit (as in the kernel), only the rotated columns are converted */
+  const bool raw = s->dtype == c->dtype && !s->fp8;
   float row[1024];
   for (int32_t i = 0; i < p->nsegs; i++) {
     const kvi__xseg *sg = &p->segs[i];
@@ -604,22 +605,19 @@ static void cpu_transfer(const xfer *x, const plan *p, int32_t lb, int32_t le, b
             const float scale = (kv ? c->v_scale : c->k_scale)[l * H + h];
             float *slot = slots ? slots + (l * 2 + kv) * H + h : NULL;
             const int32_t rot = kv || s->rope[l].style == KVI_ROPE_NONE ? 0 : s->rope[l].rotary_dim;
+            const int32_t n = raw ? rot : D; /* columns converted (rotation touches [0, rot) only) */
             if (inject) {
-              if (!raw || rot > 0) {
-                load_row(row, pr, s->dtype, D, slot ? *slot : 1.0f);
-                if (kv == 0) kvi__rope_rotate(&s->rope[l], row, pos, false);
-                store_row(cr, c->dtype, row, D, scale);
-              }
+              load_row(row, pr, s->dtype, n, slot ? *slot : 1.0f);
+              if (kv == 0) kvi__rope_rotate(&s->rope[l], row, pos, false);
+              store_row(cr, c->dtype, row, n, scale);
               if (raw) memcpy(cr + (size_t)rot * ce, pr + (size_t)rot * pe, (size_t)(D - rot) * pe);
             } else {
-              if (!raw || rot > 0) {
-                load_row(row, cr, c->dtype, D, scale);
-                if (kv == 0) kvi__rope_rotate(&s->rope[l], row, pos, true);
-                if (phase == 1)
-                  *slot = kvi__fp8_amax(*slot, row, D);
-                else
-                  store_row(pr, s->dtype, row, D, slot ? kvi__fp8_scale(*slot) : 1.0f);
-              }
+              load_row(row, cr, c->dtype, n, scale);
+              if (kv == 0) kvi__rope_rotate(&s->rope[l], row, pos, true);
+              if (phase == 1)
+                *slot = kvi__fp8_amax(*slot, row, n);
+              else
+                store_row(pr, s->dtype, row, n, slot ? kvi__fp8_scale(*slot) : 1.0f);
               if (raw) memcpy(pr + (size_t)rot * pe, cr + (size_t)rot * ce, (size_t)(D - rot) * ce);
             }
           }
