@@ -144,79 +144,32 @@ def model_config(model):
     return model.config
 
 
+# The config-to-kvi_rope_spec mapping lives in the package (kvinject.hf, which
+# the vLLM connector uses too). Imported when first called: importing kvinject
+# loads the library, which need_kvinject() chooses first.
 def head_dim_of(config):
-    hd = getattr(config, "head_dim", None)
-    return hd or config.hidden_size // config.num_attention_heads
+    from kvinject.hf import head_dim_of as f
+    return f(config)
 
 
 def kv_heads_of(config):
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    from kvinject.hf import kv_heads_of as f
+    return f(config)
 
 
 def rope_parameters(config):
-    """The config's RoPE parameters as one dict (transformers 5 rope_parameters;
-    4.x rope_theta + rope_scaling folded in)."""
-    rp = getattr(config, "rope_parameters", None)
-    if isinstance(rp, dict) and rp:
-        if "full_attention" in rp and isinstance(rp["full_attention"], dict):  # per-layer-type form
-            rp = rp["full_attention"]
-        return dict(rp)
-    out = dict(getattr(config, "rope_scaling", None) or {})
-    if "type" in out and "rope_type" not in out:
-        out["rope_type"] = out.pop("type")
-    theta = getattr(config, "rope_theta", None)
-    if theta is None:
-        theta = getattr(config, "rotary_emb_base", 10000.0)
-    out.setdefault("rope_theta", theta)
-    if getattr(config, "rotary_pct", None) is not None:
-        out.setdefault("partial_rotary_factor", config.rotary_pct)
-    if getattr(config, "partial_rotary_factor", None) is not None:
-        out.setdefault("partial_rotary_factor", config.partial_rotary_factor)
-    return out
+    from kvinject.hf import rope_parameters as f
+    return f(config)
 
 
 def kvi_rope_fields(config):
-    """The kvi_rope_spec fields (keyword arguments of kvinject.Model.set_rope) that
-    reproduce the RoPE of a transformers config. This mapping is what the parity
-    test proves: pairing (NeoX half split vs GPT-J interleaved), rotary_dim
-    (partial rotary), theta and the scaling fields."""
-    import kvinject as kvi
-    mt = config.model_type
-    hd = head_dim_of(config)
-    rp = rope_parameters(config)
-    if mt == "gptj":
-        # GPT-J: sin/cos table of rotary_dim dims, base 10000 hard-coded, pairs
-        # (x_2i, x_2i+1) (rotate_every_two)
-        rot = config.rotary_dim or hd
-        return dict(style=kvi.RopeStyle.GPTJ, rotary_dim=rot, theta=10000.0)
-    f = dict(style=kvi.RopeStyle.NEOX)  # rotate_half: pairs (x_i, x_i+rot/2)
-    prf = float(rp.get("partial_rotary_factor", 1.0) or 1.0)
-    rot = int(hd * prf)
-    f["rotary_dim"] = rot
-    f["theta"] = float(rp.get("rope_theta", 10000.0))
-    rtype = rp.get("rope_type", "default")
-    if rtype == "default":
-        pass
-    elif rtype == "linear":
-        f.update(scaling=kvi.RopeScaling.LINEAR, factor=float(rp["factor"]))
-    elif rtype == "llama3":
-        f.update(scaling=kvi.RopeScaling.LLAMA3, factor=float(rp["factor"]),
-                 low_freq_factor=float(rp["low_freq_factor"]), high_freq_factor=float(rp["high_freq_factor"]),
-                 original_max_position=int(rp["original_max_position_embeddings"]))
-    elif rtype == "yarn":
-        omp = rp.get("original_max_position_embeddings") or config.max_position_embeddings
-        f.update(scaling=kvi.RopeScaling.YARN, factor=float(rp["factor"]), original_max_position=int(omp),
-                 beta_fast=float(rp.get("beta_fast") or 32.0), beta_slow=float(rp.get("beta_slow") or 1.0),
-                 yarn_truncate=1 if rp.get("truncate", True) else 0)
-        if rp.get("attention_factor") is not None:
-            f["attention_factor"] = float(rp["attention_factor"])
-        elif rp.get("mscale") or rp.get("mscale_all_dim"):
-            raise NotImplementedError("yarn with mscale/mscale_all_dim: pass attention_factor explicitly")
-    else:
-        # dynamic NTK changes frequencies with the sequence length: no fixed
-        # rotation to store keys against
-        raise NotImplementedError("rope_type %r has no kvi_rope_spec mapping here" % rtype)
-    return f
+    from kvinject.hf import kvi_rope_fields as f
+    return f(config)
+
+
+def kvi_model_for(config, rope_fields=None):
+    from kvinject.hf import kvi_model_for as f
+    return f(config, rope_fields)
 
 
 def engine_rope_table(model, positions):
@@ -258,15 +211,6 @@ def rope_mapping_error(model, kvi_model, positions=512, layer=0):
             c, s = kvi_model.rope_cos_sin(layer, p, i)
             worst = max(worst, abs(c - float(t[p, i])), abs(s - float(t[p, half + i])))
     return worst
-
-
-def kvi_model_for(config, rope_fields=None):
-    """A kvinject.Model with the geometry and RoPE of a transformers config."""
-    import kvinject as kvi
-    m = kvi.Model(num_layers=config.num_hidden_layers, num_kv_heads=kv_heads_of(config),
-                  head_size=head_dim_of(config))
-    m.set_rope(**(rope_fields if rope_fields is not None else kvi_rope_fields(config)))
-    return m
 
 
 def pick_device(requested, torch, kvi):

@@ -263,6 +263,21 @@ class GatherItemC(ctypes.Structure):
     ]
 
 
+class SaveOptionsC(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("flags", c_uint32),
+        ("tenant", c_uint64),
+    ]
+
+
+class LoadOptionsC(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("flags", c_uint32),
+    ]
+
+
 # ctypes struct -> the C name (for messages and the ABI test)
 STRUCTS = {
     "kvi_model_options": ModelOptions,
@@ -281,6 +296,8 @@ STRUCTS = {
     "kvi_retrieve_request": RetrieveRequestC,
     "kvi_scatter_item": ScatterItemC,
     "kvi_gather_item": GatherItemC,
+    "kvi_save_options": SaveOptionsC,
+    "kvi_load_options": LoadOptionsC,
 }
 
 P = c_void_p
@@ -352,6 +369,13 @@ _PROTOTYPES = {
     "kvi_store_put_scatter": (c_int, [P, c_int32, P, c_int32, P]),
     "kvi_store_gather": (c_int, [P, c_int32, P, c_int32, P]),
     "kvi_store_check_agreement": (c_int, [P]),
+    # persist.h
+    "kvi_save_options_init": (None, [P]),
+    "kvi_store_save": (c_int, [P, c_char_p, P]),
+    "kvi_load_options_init": (None, [P]),
+    "kvi_store_load": (c_int, [POINTER(c_void_p), P, P, c_char_p, P]),
+    "kvi_store_journal_open": (c_int, [P, c_char_p, c_uint32]),
+    "kvi_store_journal_close": (c_int, [P]),
 }
 
 # the _init function of each struct that has one
@@ -368,6 +392,8 @@ _INIT_FUNCTIONS = {
     InjectOptions: "kvi_inject_options_init",
     CaptureC: "kvi_capture_init",
     RetrieveRequestC: "kvi_retrieve_request_init",
+    SaveOptionsC: "kvi_save_options_init",
+    LoadOptionsC: "kvi_load_options_init",
 }
 
 

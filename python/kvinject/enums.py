@@ -110,6 +110,8 @@ FEATURE_NCCL = 0x4
 
 # kvi_put_options.flags / kvi_capture.flags
 PUT_REPLACE = 0x1
+SAVE_ONE_TENANT = 0x1  # kvi_save_options.flags (Store.save(tenant=...))
+LOAD_JOURNAL = 0x1  # kvi_load_options.flags (Store.load(journal=True))
 #: kvi_retrieve_request.flags: inject the best fact last
 RETRIEVE_BEST_LAST = 0x1
 

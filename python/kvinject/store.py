@@ -4,17 +4,18 @@ from __future__ import annotations
 import array
 import ctypes
 import dataclasses
+import os
 import weakref
 from typing import Any, List, Optional, Sequence, Tuple
 
 from . import _buffers
 from ._buffers import Array
 from ._handle import Handle
-from ._lib import (GatherItemC, KVViewC, PutOptions, ScatterItemC, SearchOptions, StoreOptions, StoreStatsC, assign,
+from ._lib import (GatherItemC, KVViewC, LoadOptionsC, PutOptions, SaveOptionsC, ScatterItemC, SearchOptions, StoreOptions, StoreStatsC, assign,
                    fit, lib)
 
 U64 = ctypes.c_uint64
-from .enums import PUT_REPLACE, SEARCH_NO_ID, Backend, DType, EmbeddingPlacement, Memory, Metric
+from .enums import LOAD_JOURNAL, PUT_REPLACE, SAVE_ONE_TENANT, SEARCH_NO_ID, Backend, DType, EmbeddingPlacement, Memory, Metric
 from .model import Model
 
 
@@ -159,31 +160,13 @@ class Store(Handle):
                  embedding_dim: Optional[int] = None, embedding_dtype: Optional[DType] = None,
                  metric: Optional[Metric] = None, host_budget_bytes: Optional[int] = None, comm=None,
                  embedding_placement: Optional[EmbeddingPlacement] = None):
-        L = lib()
-        o = L.new(StoreOptions)
-        assign(o, budget_bytes=budget_bytes)
-        if backend is not None:
-            o.backend = int(Backend(backend))
-        if device is not None:
-            assign(o, device=device)
-        if dtype is not None:
-            o.dtype = int(DType(dtype))
-        if page_tokens is not None:
-            assign(o, page_tokens=page_tokens)
-        if embedding_dim is not None:
-            assign(o, embedding_dim=embedding_dim)
-        if embedding_dtype is not None:
-            o.embedding_dtype = int(DType(embedding_dtype))
-        if metric is not None:
-            o.metric = int(Metric(metric))
-        if host_budget_bytes is not None:
-            assign(o, host_budget_bytes=host_budget_bytes)
-        if comm is not None:
-            o.comm = comm.handle
-        if embedding_placement is not None:
-            o.embedding_placement = int(EmbeddingPlacement(embedding_placement))
+        o = _store_options(budget_bytes, backend, device, dtype, page_tokens, embedding_dim, embedding_dtype,
+                           metric, host_budget_bytes, comm, embedding_placement)
         h = ctypes.c_void_p()
-        L.call("kvi_store_create", ctypes.byref(h), model.handle, ctypes.byref(o))
+        lib().call("kvi_store_create", ctypes.byref(h), model.handle, ctypes.byref(o))
+        self._adopt(h, model, comm)
+
+    def _adopt(self, h, model: Model, comm) -> None:
         self._h = h
         self._dependents = weakref.WeakSet()
         self.comm = comm  # the C store borrows it: it must stay alive
@@ -194,6 +177,41 @@ class Store(Handle):
         st = self.stats()
         self.backend, self.device, self.dtype = st.backend, st.device, st.dtype
         self.page_tokens, self.embedding_dim = st.page_tokens, st.embedding_dim
+
+    @classmethod
+    def load(cls, model: Model, path: str, budget_bytes: int, *, journal: bool = False, **options) -> "Store":
+        """kvi_store_load: a new store (options as for ``Store(model, budget_bytes, ...)``)
+        filled with the facts of the store file ``path``. The model's geometry, tp slice
+        and every layer's RoPE, and the options' dtype and embedding_dim, must equal the
+        file's (IncompatibleError names the field). journal: KVI_LOAD_JOURNAL, keep the
+        file as the store's journal (each later put, remove and encode is in it before
+        it returns). NotFoundError when there is no file."""
+        comm = options.get("comm")
+        o = _store_options(budget_bytes, **options)
+        lo = lib().new(LoadOptionsC)
+        lo.flags = LOAD_JOURNAL if journal else 0
+        h = ctypes.c_void_p()
+        lib().call("kvi_store_load", ctypes.byref(h), model.handle, ctypes.byref(o), _path(path), ctypes.byref(lo))
+        self = cls.__new__(cls)
+        self._adopt(h, model, comm)
+        return self
+
+    def save(self, path: str, *, tenant: Optional[int] = None) -> None:
+        """kvi_store_save: writes a snapshot of every fact (or one tenant's) to ``path``
+        atomically (a temporary file renamed over it)."""
+        so = lib().new(SaveOptionsC)
+        if tenant is not None:
+            so.flags = SAVE_ONE_TENANT
+            assign(so, tenant=tenant)
+        lib().call("kvi_store_save", self.handle, _path(path), ctypes.byref(so))
+
+    def journal_open(self, path: str) -> None:
+        """kvi_store_journal_open: snapshot to ``path``, then keep it as the journal."""
+        lib().call("kvi_store_journal_open", self.handle, _path(path), 0)
+
+    def journal_close(self) -> None:
+        """kvi_store_journal_close."""
+        lib().call("kvi_store_journal_close", self.handle)
 
     # -------------------------------------------------------------- lifetime
     def close(self) -> None:
@@ -499,6 +517,41 @@ class Store(Handle):
             return "Store(closed)"
         return "Store(%s, device %d, %s, %d-token pages, embedding_dim %d)" % (
             self.backend.name, self.device, self.dtype.name, self.page_tokens, self.embedding_dim)
+
+
+def _store_options(budget_bytes, backend=None, device=None, dtype=None, page_tokens=None, embedding_dim=None,
+                   embedding_dtype=None, metric=None, host_budget_bytes=None, comm=None, embedding_placement=None):
+    """kvi_store_options from Store's keyword arguments (None: the library's default)."""
+    o = lib().new(StoreOptions)
+    assign(o, budget_bytes=budget_bytes)
+    if backend is not None:
+        o.backend = int(Backend(backend))
+    if device is not None:
+        assign(o, device=device)
+    if dtype is not None:
+        o.dtype = int(DType(dtype))
+    if page_tokens is not None:
+        assign(o, page_tokens=page_tokens)
+    if embedding_dim is not None:
+        assign(o, embedding_dim=embedding_dim)
+    if embedding_dtype is not None:
+        o.embedding_dtype = int(DType(embedding_dtype))
+    if metric is not None:
+        o.metric = int(Metric(metric))
+    if host_budget_bytes is not None:
+        assign(o, host_budget_bytes=host_budget_bytes)
+    if comm is not None:
+        o.comm = comm.handle
+    if embedding_placement is not None:
+        o.embedding_placement = int(EmbeddingPlacement(embedding_placement))
+    return o
+
+
+def _path(path) -> bytes:
+    p = os.fsencode(path)
+    if not p or b"\0" in p:
+        raise ValueError("path: expected a non-empty path without NUL bytes, got %r" % (path,))
+    return p
 
 
 def _check_embedding(emb: Array, dim: int, what: str) -> None:

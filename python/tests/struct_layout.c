@@ -72,6 +72,15 @@ int main(void) {
   FIELD(kvi_kv_view, k);
   FIELD(kvi_kv_view, v);
 
+  SIZE(kvi_save_options);
+  FIELD(kvi_save_options, struct_size);
+  FIELD(kvi_save_options, flags);
+  FIELD(kvi_save_options, tenant);
+
+  SIZE(kvi_load_options);
+  FIELD(kvi_load_options, struct_size);
+  FIELD(kvi_load_options, flags);
+
   SIZE(kvi_store_options);
   FIELD(kvi_store_options, struct_size);
   FIELD(kvi_store_options, backend);
@@ -271,6 +280,8 @@ int main(void) {
   CONST(KVI_FEATURE_CUBLASLT);
   CONST(KVI_FEATURE_NCCL);
   CONST(KVI_PUT_REPLACE);
+  CONST(KVI_SAVE_ONE_TENANT);
+  CONST(KVI_LOAD_JOURNAL);
   CONST(KVI_SEARCH_MAX_K);
   UCONST(KVI_SEARCH_NO_ID);
   UCONST(KVI_SEARCH_DEFAULT_WORKSPACE);

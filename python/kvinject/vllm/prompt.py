@@ -1,0 +1,231 @@
+"""Request parameters of the vLLM connector (kvinject.vllm.connector) and the
+helpers that build them with the prompt's token ids. No vLLM import here.
+
+A request carries its kvinject parameters in vLLM's per-request KV-transfer
+parameters, ``SamplingParams(extra_args={"kv_transfer_params": {"kvinject":
+{...}}})``::
+
+    {"tenant": 7,                                  # uint64
+     "inject": [[fact_id, start, length], ...],    # facts the prompt's prefix holds
+     "capture": [{"fact_id": 9, "start": 40, "length": 12,
+                  "embedding": [...],              # when the store keeps embeddings
+                  "replace": False}, ...]}
+
+- ``inject``: spans of the prompt whose KV comes from the store, in order,
+  back to back from token 0 (the prefix vLLM is told is already computed);
+  ``length`` must equal the stored fact's tokens. At least one prompt token must
+  follow the last span (vLLM prefills what follows). A request that injects
+  gets a cache salt of its own from the connector: its blocks can never be
+  handed to another request by vLLM's prefix cache.
+- ``capture``: spans of the prompt to keep as facts of ``tenant`` once vLLM has
+  prefilled them (Context-Window Encoding: each span's KV as computed after
+  everything before it). Captured keys are un-rotated at their positions.
+
+:func:`memory_prompt` builds [facts | question] and its inject spans;
+:func:`capture_prompt` builds a prompt from segments, some to be captured.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+PARAMS_KEY = "kvinject"
+
+Tokens = Sequence[int]
+
+
+@dataclasses.dataclass
+class MemoryPrompt:
+    """A prompt and its kvinject parameters. ``prompt`` is what ``LLM.generate``
+    takes (``{"prompt_token_ids": [...]}``); ``kv_transfer_params`` goes into
+    ``SamplingParams(extra_args={"kv_transfer_params": ...})`` (or use
+    :meth:`sampling_params`)."""
+
+    prompt_token_ids: List[int]
+    params: Dict[str, Any]
+
+    @property
+    def prompt(self) -> Dict[str, Any]:
+        return {"prompt_token_ids": list(self.prompt_token_ids)}
+
+    @property
+    def kv_transfer_params(self) -> Dict[str, Any]:
+        return {PARAMS_KEY: self.params}
+
+    def extra_args(self) -> Dict[str, Any]:
+        return {"kv_transfer_params": self.kv_transfer_params}
+
+    def sampling_params(self, **kw):
+        """vllm.SamplingParams(**kw) carrying these parameters (imports vLLM)."""
+        from vllm import SamplingParams
+        extra = dict(kw.pop("extra_args", None) or {})
+        extra.update(self.extra_args())
+        return SamplingParams(extra_args=extra, **kw)
+
+
+def _tokens(x, what: str) -> List[int]:
+    out = [int(t) for t in x]
+    if not out:
+        raise ValueError("%s: no tokens" % what)
+    return out
+
+
+def memory_prompt(tenant: int, facts: Sequence[Tuple[int, Union[Tokens, int]]], question: Tokens, *,
+                  filler_token: Optional[int] = None) -> MemoryPrompt:
+    """[fact 1 | fact 2 | ... | question] with the facts injected from the store.
+
+    facts: (fact_id, token_ids) in prompt order; a header (system prompt, chat
+    template opening) is a fact too: capture it once at position 0. token_ids
+    are the fact's own tokens (what a plain prefill would read); an int n instead
+    puts n copies of ``filler_token`` there (the KV comes from the store either
+    way; the tokens are what vLLM's sampler and detokenizer see). question: the
+    tokens vLLM prefills (at least one)."""
+    ids: List[int] = []
+    spans = []
+    for i, (fid, toks) in enumerate(facts):
+        if isinstance(toks, int):
+            if filler_token is None:
+                raise ValueError("facts[%d]: a token count needs filler_token" % i)
+            if toks < 1:
+                raise ValueError("facts[%d]: %d tokens" % (i, toks))
+            toks = [filler_token] * toks
+        toks = _tokens(toks, "facts[%d]" % i)
+        spans.append([int(fid), len(ids), len(toks)])
+        ids += toks
+    ids += _tokens(question, "question")
+    return MemoryPrompt(ids, {"tenant": int(tenant), "inject": spans})
+
+
+@dataclasses.dataclass
+class Keep:
+    """A segment of :func:`capture_prompt` to keep as fact ``fact_id``."""
+
+    fact_id: int
+    tokens: Tokens
+    embedding: Any = None
+    replace: bool = False
+
+
+def capture_prompt(tenant: int, segments: Sequence[Union[Tokens, Keep]]) -> MemoryPrompt:
+    """A prompt of segments in order; those given as :class:`Keep` are captured as
+    facts of ``tenant`` after vLLM prefills the prompt (each one's KV as computed
+    after the segments before it). Plain token lists are context only."""
+    ids: List[int] = []
+    caps = []
+    for i, seg in enumerate(segments):
+        if isinstance(seg, Keep):
+            toks = _tokens(seg.tokens, "segments[%d]" % i)
+            c = {"fact_id": int(seg.fact_id), "start": len(ids), "length": len(toks)}
+            if seg.embedding is not None:
+                c["embedding"] = [float(x) for x in seg.embedding]
+            if seg.replace:
+                c["replace"] = True
+            caps.append(c)
+        else:
+            toks = _tokens(seg, "segments[%d]" % i)
+        ids += toks
+    return MemoryPrompt(ids, {"tenant": int(tenant), "capture": caps})
+
+
+# ------------------------------------------------------------------ parsing
+
+@dataclasses.dataclass
+class Span:
+    fact_id: int
+    start: int
+    length: int
+
+
+@dataclasses.dataclass
+class CaptureSpec:
+    fact_id: int
+    start: int
+    length: int
+    embedding: Optional[List[float]] = None
+    replace: bool = False
+
+
+@dataclasses.dataclass
+class RequestSpec:
+    """What a request's kvinject parameters ask for, checked against its prompt."""
+
+    tenant: int
+    inject: List[Span]
+    capture: List[CaptureSpec]
+
+    @property
+    def claim_end(self) -> int:
+        """Tokens the injected facts cover (they start at 0)."""
+        return self.inject[-1].start + self.inject[-1].length if self.inject else 0
+
+    @property
+    def capture_end(self) -> int:
+        return max((c.start + c.length for c in self.capture), default=0)
+
+
+_U64 = (1 << 64) - 1
+
+
+def _uint(v, what: str, lo: int = 0, hi: int = _U64) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError("%s must be an integer, got %r" % (what, v))
+    if not lo <= v <= hi:
+        raise ValueError("%s = %d is out of range [%d, %d]" % (what, v, lo, hi))
+    return v
+
+
+def parse_params(params: Any, prompt_len: int, embedding_dim: int = 0) -> RequestSpec:
+    """Checks a request's kvinject parameters against its prompt length; raises
+    ValueError with a message naming the problem."""
+    if not isinstance(params, dict):
+        raise ValueError("kv_transfer_params[%r] must be a dict, got %s" % (PARAMS_KEY, type(params).__name__))
+    unknown = set(params) - {"tenant", "inject", "capture"}
+    if unknown:
+        raise ValueError("unknown kvinject parameters %s (known: tenant, inject, capture)" % sorted(unknown))
+    if "tenant" not in params:
+        raise ValueError("kvinject parameters need a tenant")
+    tenant = _uint(params["tenant"], "tenant")
+    inject: List[Span] = []
+    pos = 0
+    for i, s in enumerate(params.get("inject") or []):
+        if not isinstance(s, (list, tuple)) or len(s) != 3:
+            raise ValueError("inject[%d] must be [fact_id, start, length], got %r" % (i, s))
+        sp = Span(_uint(s[0], "inject[%d] fact_id" % i), _uint(s[1], "inject[%d] start" % i, hi=1 << 31),
+                  _uint(s[2], "inject[%d] length" % i, lo=1, hi=1 << 31))
+        if sp.start != pos:
+            raise ValueError("inject[%d] starts at token %d; injected facts must lie back to back from token 0 "
+                             "(expected %d)" % (i, sp.start, pos))
+        pos = sp.start + sp.length
+        inject.append(sp)
+    if inject and pos >= prompt_len:
+        raise ValueError("the injected facts cover %d tokens of a %d-token prompt; at least one prompt token "
+                         "must follow them (the facts do not fit)" % (pos, prompt_len))
+    capture: List[CaptureSpec] = []
+    seen = set()
+    for i, c in enumerate(params.get("capture") or []):
+        if not isinstance(c, dict):
+            raise ValueError("capture[%d] must be a dict {fact_id, start, length[, embedding, replace]}" % i)
+        extra = set(c) - {"fact_id", "start", "length", "embedding", "replace"}
+        if extra:
+            raise ValueError("capture[%d]: unknown keys %s" % (i, sorted(extra)))
+        cs = CaptureSpec(_uint(c.get("fact_id"), "capture[%d] fact_id" % i),
+                         _uint(c.get("start"), "capture[%d] start" % i, hi=1 << 31),
+                         _uint(c.get("length"), "capture[%d] length" % i, lo=1, hi=1 << 31),
+                         c.get("embedding"), bool(c.get("replace", False)))
+        if cs.start + cs.length > prompt_len:
+            raise ValueError("capture[%d] spans tokens %d..%d of a %d-token prompt"
+                             % (i, cs.start, cs.start + cs.length - 1, prompt_len))
+        if cs.fact_id in seen:
+            raise ValueError("capture[%d]: fact %d is captured twice" % (i, cs.fact_id))
+        seen.add(cs.fact_id)
+        if embedding_dim > 0:
+            if cs.embedding is None or len(cs.embedding) != embedding_dim:
+                raise ValueError("capture[%d]: the store keeps embeddings of %d values; got %s"
+                                 % (i, embedding_dim, "none" if cs.embedding is None else len(cs.embedding)))
+            cs.embedding = [float(x) for x in cs.embedding]
+        elif cs.embedding is not None:
+            raise ValueError("capture[%d]: an embedding, but the store keeps none (embedding_dim 0)" % i)
+        capture.append(cs)
+    if not inject and not capture:
+        raise ValueError("kvinject parameters ask for nothing (no inject, no capture)")
+    return RequestSpec(tenant, inject, capture)

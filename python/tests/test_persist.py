@@ -1,0 +1,89 @@
+"""Store files through the binding (kvinject/persist.h): save and load round trips,
+one tenant, the journal, and the errors of a missing file and another RoPE."""
+from __future__ import annotations
+
+import os
+import tempfile
+import unittest
+
+from kvi_testutil import rand_values, rng
+import kvinject as kvi
+from kvinject import DType
+
+
+class TestPersist(unittest.TestCase):
+    L, H, D = 2, 2, 8
+
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+        self.addCleanup(self.dir.cleanup)
+        self.path = os.path.join(self.dir.name, "facts.kvi")
+
+    def model(self, theta=10000.0):
+        m = kvi.Model(self.L, self.H, self.D)
+        m.set_rope(theta=theta)
+        self.addCleanup(m.close)
+        return m
+
+    def store(self, model, **kw):
+        s = kvi.Store(model, 1 << 20, backend=kvi.Backend.CPU, dtype=DType.FP32, **kw)
+        self.addCleanup(s.close)
+        return s
+
+    def fact(self, seed, tokens=3):
+        import array
+        r = rng(seed)
+        n = self.L * tokens * self.H * self.D
+        return array.array("f", rand_values(r, n)), array.array("f", rand_values(r, n))
+
+    def test_save_load_round_trip_and_one_tenant(self):
+        m = self.model()
+        s = self.store(m)
+        facts = {(1, 10): self.fact(1), (1, 11): self.fact(2, 5), (2, 10): self.fact(3)}
+        for (t, f), (k, v) in facts.items():
+            s.put(t, f, k, v)
+        s.save(self.path)
+        t = kvi.Store.load(m, self.path, 1 << 20, backend=kvi.Backend.CPU, dtype=DType.FP32)
+        self.addCleanup(t.close)
+        self.assertEqual((t.list(1), t.list(2)), ([10, 11], [10]))
+        for (tn, f), (k, v) in facts.items():
+            rk, rv = t.read(tn, f)
+            self.assertEqual((list(rk), list(rv)), (list(k), list(v)))
+        one = os.path.join(self.dir.name, "one.kvi")
+        s.save(one, tenant=2)
+        u = kvi.Store.load(m, one, 1 << 20, backend=kvi.Backend.CPU, dtype=DType.FP32)
+        self.addCleanup(u.close)
+        self.assertEqual((u.list(1), u.list(2)), ([], [10]))
+
+    def test_journal_keeps_later_puts(self):
+        m = self.model()
+        s = self.store(m)
+        s.journal_open(self.path)
+        k, v = self.fact(4)
+        s.put(3, 30, k, v)
+        s.journal_close()
+        s.put(3, 31, k, v)  # after the close: not in the file
+        t = kvi.Store.load(m, self.path, 1 << 20, backend=kvi.Backend.CPU, dtype=DType.FP32, journal=True)
+        self.addCleanup(t.close)
+        self.assertEqual(t.list(3), [30])
+        t.put(3, 32, k, v)  # journaled by the load
+        t.close()
+        w = kvi.Store.load(m, self.path, 1 << 20, backend=kvi.Backend.CPU, dtype=DType.FP32)
+        self.addCleanup(w.close)
+        self.assertEqual(w.list(3), [30, 32])
+
+    def test_errors(self):
+        m = self.model()
+        with self.assertRaises(kvi.NotFoundError):
+            kvi.Store.load(m, self.path, 1 << 20, backend=kvi.Backend.CPU, dtype=DType.FP32)
+        self.store(m).save(self.path)
+        with self.assertRaises(kvi.IncompatibleError) as e:
+            kvi.Store.load(self.model(theta=500000.0), self.path, 1 << 20, backend=kvi.Backend.CPU,
+                           dtype=DType.FP32)
+        self.assertIn("rope", e.exception.message.lower())
+        with self.assertRaises(ValueError):
+            self.store(m).save("")
+
+
+if __name__ == "__main__":
+    unittest.main()
