@@ -97,6 +97,9 @@ def derive_layout(tensors: Sequence, backend: str, *, num_kv_heads: int, head_si
     what = "%s cache %s (strides %s)" % (backend, _buffers.shape_str(shape), st)
 
     if backend == CPU_BACKEND:
+        if isa is None:
+            raise LayoutError("%s: the kernel ISA is unknown (pass isa=, the attention layer's .isa); its "
+                              "block layout depends on it" % what)
         if isa not in CPU_ISAS:
             raise LayoutError("%s with the %r kernel ISA: its tile-packed block layout is not supported "
                               "(supported: %s); run vLLM with an ISA of those, e.g. a block size that the "
