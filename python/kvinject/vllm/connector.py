@@ -166,6 +166,7 @@ class KVInjectConnector(KVConnectorBase_V1):
             self._events_path = events
             self._events = _Events(None)
             self._step = 0
+            self._layers_done = 0
 
     # ============================================================ scheduler
 
@@ -388,6 +389,7 @@ class KVInjectConnector(KVConnectorBase_V1):
         if self._layerwise:
             # layer 0 now, with every check; the rest as vLLM reaches them
             self._pending, kvi_s = self._inject(jobs, 0, 1)
+            self._layers_done = 1
         else:
             self._pending = []
             jobs, kvi_s = self._inject(jobs)
@@ -405,11 +407,15 @@ class KVInjectConnector(KVConnectorBase_V1):
         if i is None or i == 0:
             return
         self._pending, _ = self._inject(self._pending, i, i + 1)
+        self._layers_done += 1
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
         return
 
     def wait_for_save(self):
+        if self._pending:
+            self._events.write(event="inject_layers", step=self._step, layers=self._layers_done,
+                               requests=len(self._pending))
         self._pending = []
         if not self.has_connector_metadata():
             return

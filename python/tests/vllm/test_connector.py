@@ -68,6 +68,8 @@ def diff(ref, rec):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--keep", help="keep the work directory (baseline, events, store file) here")
+    ap.add_argument("--layerwise", action="store_true",
+                    help="the connector injects layer by layer; only the capture, exact and tenants checks")
     args = ap.parse_args(argv)
     work = args.keep or tempfile.mkdtemp(prefix="kvi-vllm-")
     os.makedirs(work, exist_ok=True)
@@ -100,7 +102,8 @@ def main(argv=None):
     for suffix in (".worker0.jsonl", ".scheduler.jsonl"):
         if os.path.exists(ev_path + suffix):
             os.remove(ev_path + suffix)
-    ktc = kv_transfer_config(store_dtype="fp32", store_budget_mb=256, store_path=store_path, events_path=ev_path)
+    ktc = kv_transfer_config(store_dtype="fp32", store_budget_mb=256, store_path=store_path, events_path=ev_path,
+                             layerwise=args.layerwise)
     t0 = time.time()
     llm = vllm.LLM(enable_prefix_caching=True, kv_transfer_config=ktc, **C.ENGINE)
     C.log("engine with the connector up in %.0f s" % (time.time() - t0))
@@ -157,6 +160,11 @@ def main(argv=None):
     check("tenants: answers differ between tenants", len({tuple(r_["tokens"]) for r_ in recs}) >= 4)
     for (t, q), r_ in zip(batch, recs):
         C.log("  tenant %d q%d: %r" % (t, q, r_["text"]))
+    if args.layerwise:
+        lw = [e for e in worker_events() if e["event"] == "inject_layers"]
+        check("layerwise: every layer injected as vLLM reached it (30 per step)",
+              bool(lw) and all(e["layers"] == 30 for e in lw), str(lw[-2:]))
+        return finish(args, work, t_start, t_base)
 
     # ---- (3) negative controls and another engine's facts
     recs = run([memory_prompt(tn, facts(1), sc.questions[0])
@@ -252,10 +260,14 @@ def main(argv=None):
             C.log("  overhead, %d requests in the step (%d facts, %d tokens): worker host %.0f us "
                   "(checks %.0f us, kvi_inject %.0f us); scheduler build_connector_meta %.0f us"
                   % (big["requests"], big["facts"], big["tokens"], big["host_us"], big["check_us"], big["kvi_us"],
-                     sched[-1]["host_us"] if sched else float("nan")))
+                     max(sched, key=lambda e: e["injects"])["host_us"] if sched else float("nan")))
         check("overhead: %d requests injected in one step" % n, bool(big) and big["requests"] == n,
               str([e["requests"] for e in inj]))
 
+    return finish(args, work, t_start, t_base)
+
+
+def finish(args, work, t_start, t_base):
     C.log("baseline %.0f s, total %.0f s" % (t_base, time.time() - t_start))
     C.log("%d checks failed: %s" % (len(failures), ", ".join(failures)) if failures else "all checks passed")
     if not args.keep:
