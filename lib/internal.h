@@ -78,6 +78,7 @@ typedef struct kvi__rope {
   float *inv_freq;        /* rotary_dim/2 values (formula), or NULL with a table */
   kvi__table *table;      /* or NULL */
   kvi_rope_spec spec;     /* as resolved, for kvi_model_get_rope; cos_sin_table NULL */
+  bool unset;             /* never set (style NONE meanwhile): injection and capture refuse it */
 } kvi__rope;
 
 kvi_status kvi__rope_resolve(kvi__rope *out, const kvi_rope_spec *spec, int32_t head_size, const char *fn);

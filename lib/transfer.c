@@ -745,6 +745,18 @@ static kvi_status launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool in
 /* inject                                                                    */
 /* ------------------------------------------------------------------------ */
 
+/* Every layer's RoPE must have been set (a spec, or KVI_ROPE_NONE): a layer
+ * left as the model was created would inject or capture keys unrotated. */
+static kvi_status check_rope_set(const xfer *x, const char *fn) {
+  for (int32_t l = 0; l < x->store->geom.num_layers; l++)
+    if (x->store->rope[l].unset)
+      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                       "layer %d's RoPE was never set: give it a spec, or KVI_ROPE_NONE for a layer without rotary "
+                       "embedding, with kvi_model_set_rope before creating the store",
+                       (int)l);
+  return KVI_OK;
+}
+
 static void lock_both(xfer *x) {
   pthread_mutex_lock(&x->lock);
   kvi__store_lock(x->store);
@@ -861,6 +873,7 @@ KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
                      "opts->host_pages is %d, expected KVI_HOST_PAGES_PROMOTE (0) or KVI_HOST_PAGES_READ_MAPPED (1)",
                      (int)o.host_pages);
+  if ((st = check_rope_set(x, fn))) return st;
   if (num_requests == 0) return KVI_OK;
   size_t rsize;
   memcpy(&rsize, reqs, sizeof rsize);
@@ -1087,8 +1100,9 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
   if (!encoder) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "encoder is NULL");
   if (num_captures < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_captures is %d", (int)num_captures);
   if (num_captures > 0 && !caps) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "caps is NULL");
-  if (num_captures == 0) return KVI_OK;
   xfer *x = &encoder->x;
+  kvi_status rst = check_rope_set(x, fn);
+  if (rst || num_captures == 0) return rst;
   kvi_store *s = x->store;
   const int32_t nchunks = (num_captures + CAPTURE_CHUNK - 1) / CAPTURE_CHUNK;
   /* cs is filled as the captures are read (zeroing it all up front costs
@@ -1475,6 +1489,7 @@ KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queri
   if (opts && (st = kvi__read_struct(&so, sizeof so, opts, sizeof so, fn, "opts"))) return st;
   if (k < 1 || k > KVI_SEARCH_MAX_K)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "k is %d, expected 1..%d", (int)k, KVI_SEARCH_MAX_K);
+  if ((st = check_rope_set(x, fn))) return st;
   if (num_queries == 0) return KVI_OK;
   size_t rsize;
   memcpy(&rsize, reqs, sizeof rsize);
