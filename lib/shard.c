@@ -736,8 +736,8 @@ static void merge_host(const char *blocks, size_t bb, int32_t size, int32_t nq, 
 
 kvi_status kvi__shard_search(kvi_store *s, const void *queries, kvi_dtype qt, kvi_memory qm, int32_t nq,
                              const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
-                             int32_t *out_counts, kvi_memory om, uint64_t ws, struct CUstream_st *stream,
-                             const char *fn) {
+                             int32_t *out_counts, kvi_memory om, uint64_t ws, bool locked,
+                             struct CUstream_st *stream, const char *fn) {
   kvi_comm *c = s->comm;
   const size_t bb = block_bytes(nq, k), n = (size_t)nq * (size_t)k;
   const kvi__shard_hdr hdr0 = {0, nq, k, 0, query_digest(tenants, nq, k)};
@@ -748,7 +748,7 @@ kvi_status kvi__shard_search(kvi_store *s, const void *queries, kvi_dtype qt, kv
     if (st == KVI_OK)
       st = kvi__search_local(s, queries, qt, qm, nq, tenants, k, (uint64_t *)(mine + sizeof hdr0),
                              (float *)(mine + sizeof hdr0 + n * 8), (int32_t *)(mine + sizeof hdr0 + n * 12),
-                             KVI_MEMORY_HOST, ws, stream, fn);
+                             KVI_MEMORY_HOST, ws, locked, stream, fn);
     kvi__shard_hdr hdr = hdr0;
     hdr.status = (int32_t)st;
     if (mine) memcpy(mine, &hdr, sizeof hdr);
@@ -783,7 +783,7 @@ kvi_status kvi__shard_search(kvi_store *s, const void *queries, kvi_dtype qt, kv
   if (st == KVI_OK)
     st = kvi__search_local(s, queries, qt, qm, nq, tenants, k, (uint64_t *)(mine + sizeof hdr0),
                            (float *)(mine + sizeof hdr0 + n * 8), (int32_t *)(mine + sizeof hdr0 + n * 12),
-                           KVI_MEMORY_DEVICE, ws, stream, fn);
+                           KVI_MEMORY_DEVICE, ws, locked, stream, fn);
   kvi__shard_hdr hdr = hdr0;
   hdr.status = (int32_t)st;
   if (mine) {
