@@ -445,7 +445,8 @@ static void test_journal_file_replaced(void **state) {
     assert_last_error_has("kvi_store_remove", "journal");
     const int32_t table[2] = {0, 1};
     kvi_capture c = KVI_CAPTURE_INIT;
-    c.tenant = 3, c.fact_id = 9, c.block_table = table, c.block_table_len = 2, c.num_tokens = 3;
+    const float emb[E] = {1, 0, 0, 0};
+    c.tenant = 3, c.fact_id = 9, c.block_table = table, c.block_table_len = 2, c.num_tokens = 3, c.embedding = emb;
     assert_status(kvi_encode(enc, &c, 1, NULL), KVI_ERR_IO);
     assert_int_equal(count_of(f->s, 3), 1);
     if (how == 1) assert_true(file_is(path, "not a journal"));
