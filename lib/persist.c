@@ -1067,9 +1067,10 @@ static kvi_status next_record(const loader *ld, const unsigned char *body, uint6
     return KVI_OK;
   }
   if (r->op != OP_PUT) return corrupt(ld, off, "unknown record type %u", r->op);
-  uint64_t want;
+  uint64_t want, groups; /* fp8: the scales' (page, layer, K/V, head) groups, bounded before scale_bytes multiplies */
   if (r->tokens < 1 || __builtin_mul_overflow((uint64_t)r->tokens, ld->token_bytes, &want) ||
       __builtin_add_overflow(want, (uint64_t)ld->E * 4u, &want) ||
+      __builtin_mul_overflow((uint64_t)r->tokens, 8u * (uint64_t)ld->L * (uint64_t)ld->H, &groups) ||
       __builtin_add_overflow(want, scale_bytes((uint64_t)r->tokens, ld->P, ld->L, ld->H), &want))
     return corrupt(ld, off, "fact record with %d tokens", (int)r->tokens);
   if (r->payload != want)

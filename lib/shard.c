@@ -401,8 +401,10 @@ KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, int32_t root, const k
   for (int32_t r = 0; st == KVI_OK && r < c->size; r++) {
     if (r == root || (!is_root && r != c->rank)) continue;
     size_t total = 0;
-    for (int32_t i = 0; i < n; i++) total += slice_bytes(g, r, rec[i].tokens, kvi_dtype_size((kvi_dtype)rec[i].dtype));
-    if ((st = buf_alloc(c, &bufs[r], total, stream, fn))) break;
+    for (int32_t i = 0; i < n && st == KVI_OK; i++)
+      if (__builtin_add_overflow(total, slice_bytes(g, r, rec[i].tokens, kvi_dtype_size((kvi_dtype)rec[i].dtype)), &total))
+        st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "the items' slices for rank %d pass 2^64 bytes", (int)r);
+    if (st || (st = buf_alloc(c, &bufs[r], total, stream, fn))) break;
     size_t at = 0;
     int32_t first, h;
     kvi__geom_rank_heads(g, r, &first, &h);
@@ -563,8 +565,10 @@ KVI_API kvi_status kvi_store_gather(kvi_store *store, int32_t root, const kvi_ga
     kvi__geom_rank_heads(g, r, &first, &h);
     if (first == root_first) continue; /* root holds these heads itself */
     size_t total = 0;
-    for (int32_t i = 0; i < n; i++) total += slice_bytes(g, r, rt[i], kvi_dtype_size((kvi_dtype)rt[n + i]));
-    if ((st = buf_alloc(c, &bufs[r], total, stream, fn))) break;
+    for (int32_t i = 0; i < n && st == KVI_OK; i++)
+      if (__builtin_add_overflow(total, slice_bytes(g, r, rt[i], kvi_dtype_size((kvi_dtype)rt[n + i])), &total))
+        st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "the items' slices for rank %d pass 2^64 bytes", (int)r);
+    if (st || (st = buf_alloc(c, &bufs[r], total, stream, fn))) break;
     size_t at = 0;
     for (int32_t i = 0; i < n && st == KVI_OK; i++) {
       const kvi_dtype dt = (kvi_dtype)rt[n + i];
