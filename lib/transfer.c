@@ -1199,6 +1199,9 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
     ntables += tables;
   }
   kvi__map_free(&seen);
+  /* the limits before anything is reserved: need_total <= ntok, so within
+   * them it cannot have wrapped */
+  if (st == KVI_OK) st = check_limits(x, num_captures, ntok, ntables, fn);
   if (st) goto out;
 
   lock_both(x);
@@ -1241,7 +1244,6 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
     rows_reserved = true;
   }
   bool launched = false;
-  if (st == KVI_OK) st = check_limits(x, num_captures, ntok, ntables, fn);
   if (st == KVI_OK) {
     /* one chunk when the whole plan travels in the kernel parameters */
     chunk_size all = {0, ntok, 0, ntables};
