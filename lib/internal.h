@@ -25,10 +25,20 @@ kvi_status kvi__fail(kvi_status status, const char *fn, const char *fmt, ...)
 kvi_status kvi__read_struct(void *local, size_t known, const void *user, size_t min_size,
                             const char *fn, const char *what);
 
+/* A kvi_x_init(ptr, size): NULL is KVI_ERR_INVALID_ARGUMENT, a size below
+ * min_size KVI_ERR_STRUCT_SIZE (nothing written); otherwise the first
+ * min(size, known) bytes of `defaults` are copied, bytes past `known` (up to
+ * size) zeroed, and struct_size set to `size`. Never writes past `size`. */
+kvi_status kvi__init_struct(void *user, size_t size, const void *defaults, size_t known, size_t min_size,
+                           const char *fn);
+
 /* Checks an output struct's struct_size (>= min_size) and copies the first
  * min(struct_size, known) bytes of `full` into it, keeping its struct_size. */
 kvi_status kvi__write_struct(void *user, const void *full, size_t known, size_t min_size,
                              const char *fn, const char *what);
+
+/* The first version of kvi_search_options (read by search.c and transfer.c). */
+#define KVI__SEARCH_OPTIONS_V1 sizeof(kvi_search_options)
 
 /* ---- element conversion (convert.c) --------------------------------------- */
 

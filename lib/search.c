@@ -37,7 +37,7 @@
 #include "kernels.h"
 #include "store_internal.h"
 
-#define SEARCH_OPTIONS_V1 sizeof(kvi_search_options)
+#define SEARCH_OPTIONS_V1 KVI__SEARCH_OPTIONS_V1
 #define MIN_WORKSPACE (1u << 20)
 #define SLOTS 4
 #define LT_WS (32u << 20) /* cuBLASLt's workspace, when a GEMM is planned */
@@ -46,11 +46,9 @@
 #define GEMM_QT 256       /* queries per GEMM tile */
 #define PAIR_BYTES 12     /* a candidate: fp32 score + 64-bit id */
 
-KVI_API void kvi_search_options_init(kvi_search_options *opts) {
-  if (opts) {
-    kvi_search_options d = KVI_SEARCH_OPTIONS_INIT;
-    *opts = d;
-  }
+KVI_API kvi_status kvi_search_options_init(kvi_search_options *opts, size_t size) {
+  const kvi_search_options d = KVI_SEARCH_OPTIONS_INIT;
+  return kvi__init_struct(opts, size, &d, sizeof d, SEARCH_OPTIONS_V1, "kvi_search_options_init");
 }
 
 /* ------------------------------------------------------------------------ */

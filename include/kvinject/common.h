@@ -119,6 +119,37 @@ KVI_API const char *kvi_status_string(kvi_status status);
 KVI_API const char *kvi_last_error(void);
 
 /* ------------------------------------------------------------------------ */
+/* Size-versioned structs                                                   */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * Every public struct begins with `size_t struct_size`; later versions only
+ * append fields. Each struct has a first version: the fields its 0.1.0
+ * header declared (some structs accept a shorter first version, which the
+ * header of the reading function names).
+ *
+ * Input structs (options, views, requests, layouts): set struct_size to
+ * sizeof the struct as the caller's header declares it, through the _INIT
+ * macro or kvi_x_init(ptr, sizeof *ptr). The library reads only the first
+ * struct_size bytes; fields past them take their defaults. A struct_size
+ * smaller than the first version, or non-zero bytes past the fields this
+ * library knows, is KVI_ERR_STRUCT_SIZE. Arrays of structs are stepped
+ * through by the first element's struct_size, which every element shares.
+ *
+ * Output structs (kvi_model_info, kvi_store_stats, kvi_model_get_rope's
+ * spec): set struct_size (the _INIT macro); the library writes only the first
+ * min(struct_size, its own size) bytes.
+ *
+ * kvi_x_init(ptr, size) fills a struct of `size` bytes with the _INIT
+ * defaults: it writes the first min(size, the library's size) bytes, zeroes
+ * bytes past the fields the library knows (up to size), sets struct_size to
+ * size, and never writes past size, so a program built against an older,
+ * smaller struct is safe with a newer library. Returns KVI_OK, or (writing
+ * nothing) KVI_ERR_INVALID_ARGUMENT for a NULL ptr and KVI_ERR_STRUCT_SIZE for
+ * a size smaller than the first version. Thread-safe.
+ */
+
+/* ------------------------------------------------------------------------ */
 /* Version and features                                                     */
 /* ------------------------------------------------------------------------ */
 

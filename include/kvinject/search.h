@@ -84,8 +84,9 @@ typedef struct kvi_search_options {
 #define KVI_SEARCH_OPTIONS_INIT \
   {sizeof(kvi_search_options), KVI_DTYPE_FP32, KVI_MEMORY_HOST, KVI_MEMORY_HOST, KVI_SEARCH_DEFAULT_WORKSPACE}
 
-/* Fills *opts with KVI_SEARCH_OPTIONS_INIT. NULL is ignored. */
-KVI_API void kvi_search_options_init(kvi_search_options *opts);
+/* Fills *opts with KVI_SEARCH_OPTIONS_INIT for a struct of `size` bytes (pass sizeof *opts):
+ * see "Size-versioned structs" in kvinject/common.h. */
+KVI_API kvi_status kvi_search_options_init(kvi_search_options *opts, size_t size);
 
 /*
  * Top-k facts of each query's tenant.
