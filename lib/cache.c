@@ -12,7 +12,7 @@
 #define CACHE_LAYOUT_V1 sizeof(kvi_cache_layout)
 
 KVI_API kvi_status kvi_cache_layout_init(kvi_cache_layout *layout, size_t size) {
-  const kvi_cache_layout d = KVI_CACHE_LAYOUT_INIT;
+  static const kvi_cache_layout d = KVI_CACHE_LAYOUT_INIT;
   return kvi__init_struct(layout, size, &d, sizeof d, CACHE_LAYOUT_V1, "kvi_cache_layout_init");
 }
 

@@ -14,12 +14,12 @@
 #define ROPE_SPEC_V1 sizeof(kvi_rope_spec)
 
 KVI_API kvi_status kvi_model_options_init(kvi_model_options *opts, size_t size) {
-  const kvi_model_options d = KVI_MODEL_OPTIONS_INIT;
+  static const kvi_model_options d = KVI_MODEL_OPTIONS_INIT;
   return kvi__init_struct(opts, size, &d, sizeof d, MODEL_OPTIONS_V1, "kvi_model_options_init");
 }
 
 KVI_API kvi_status kvi_rope_spec_init(kvi_rope_spec *spec, size_t size) {
-  const kvi_rope_spec d = KVI_ROPE_SPEC_INIT;
+  static const kvi_rope_spec d = KVI_ROPE_SPEC_INIT;
   return kvi__init_struct(spec, size, &d, sizeof d, ROPE_SPEC_V1, "kvi_rope_spec_init");
 }
 

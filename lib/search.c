@@ -47,7 +47,7 @@
 #define PAIR_BYTES 12     /* a candidate: fp32 score + 64-bit id */
 
 KVI_API kvi_status kvi_search_options_init(kvi_search_options *opts, size_t size) {
-  const kvi_search_options d = KVI_SEARCH_OPTIONS_INIT;
+  static const kvi_search_options d = KVI_SEARCH_OPTIONS_INIT;
   return kvi__init_struct(opts, size, &d, sizeof d, SEARCH_OPTIONS_V1, "kvi_search_options_init");
 }
 

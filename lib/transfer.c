@@ -79,22 +79,22 @@ struct kvi_encoder {
 };
 
 KVI_API kvi_status kvi_transfer_options_init(kvi_transfer_options *opts, size_t size) {
-  const kvi_transfer_options d = KVI_TRANSFER_OPTIONS_INIT;
+  static const kvi_transfer_options d = KVI_TRANSFER_OPTIONS_INIT;
   return kvi__init_struct(opts, size, &d, sizeof d, TRANSFER_OPTIONS_V1, "kvi_transfer_options_init");
 }
 
 KVI_API kvi_status kvi_inject_request_init(kvi_inject_request *req, size_t size) {
-  const kvi_inject_request d = KVI_INJECT_REQUEST_INIT;
+  static const kvi_inject_request d = KVI_INJECT_REQUEST_INIT;
   return kvi__init_struct(req, size, &d, sizeof d, INJECT_REQUEST_V1, "kvi_inject_request_init");
 }
 
 KVI_API kvi_status kvi_inject_options_init(kvi_inject_options *opts, size_t size) {
-  const kvi_inject_options d = KVI_INJECT_OPTIONS_INIT;
+  static const kvi_inject_options d = KVI_INJECT_OPTIONS_INIT;
   return kvi__init_struct(opts, size, &d, sizeof d, INJECT_OPTIONS_V1, "kvi_inject_options_init");
 }
 
 KVI_API kvi_status kvi_capture_init(kvi_capture *cap, size_t size) {
-  const kvi_capture d = KVI_CAPTURE_INIT;
+  static const kvi_capture d = KVI_CAPTURE_INIT;
   return kvi__init_struct(cap, size, &d, sizeof d, CAPTURE_V1, "kvi_capture_init");
 }
 
@@ -1259,7 +1259,7 @@ out:
 #define RETRIEVE_REQUEST_V1 sizeof(kvi_retrieve_request)
 
 KVI_API kvi_status kvi_retrieve_request_init(kvi_retrieve_request *req, size_t size) {
-  const kvi_retrieve_request d = KVI_RETRIEVE_REQUEST_INIT;
+  static const kvi_retrieve_request d = KVI_RETRIEVE_REQUEST_INIT;
   return kvi__init_struct(req, size, &d, sizeof d, RETRIEVE_REQUEST_V1, "kvi_retrieve_request_init");
 }
 

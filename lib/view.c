@@ -10,7 +10,7 @@
 #define KV_VIEW_V1 sizeof(kvi_kv_view)
 
 KVI_API kvi_status kvi_kv_view_init(kvi_kv_view *view, size_t size) {
-  const kvi_kv_view d = KVI_KV_VIEW_INIT;
+  static const kvi_kv_view d = KVI_KV_VIEW_INIT;
   return kvi__init_struct(view, size, &d, sizeof d, KV_VIEW_V1, "kvi_kv_view_init");
 }
 

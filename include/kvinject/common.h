@@ -125,8 +125,10 @@ KVI_API const char *kvi_last_error(void);
 /*
  * Every public struct begins with `size_t struct_size`; later versions only
  * append fields. Each struct has a first version: the fields its 0.1.0
- * header declared (some structs accept a shorter first version, which the
- * header of the reading function names).
+ * header declares, except four that also accept an earlier, shorter layout:
+ * kvi_store_options (the fields before comm), kvi_inject_request (before
+ * num_positions), kvi_inject_options (before host_pages) and kvi_store_stats
+ * (before pages_host_total).
  *
  * Input structs (options, views, requests, layouts): set struct_size to
  * sizeof the struct as the caller's header declares it, through the _INIT
