@@ -184,7 +184,12 @@ kvi_status kvi__cuda_copy2d(void *dst, size_t dpitch, const void *src, size_t sp
 
 /* ---- cuBLASLt (cuda_rt.c; KVI_ERR_NOT_BUILT without it) ------------------- */
 
-/* A cuBLASLt handle with a small cache of chosen algorithms. */
+/* Opens libcublasLt on the first call (lib/dynlib.c): KVI_OK, or
+ * KVI_ERR_NOT_BUILT naming the library (not built in, or it does not load). */
+kvi_status kvi__lt_load(const char *fn);
+bool kvi__lt_usable(void); /* the same, recording no error */
+/* A cuBLASLt handle with a small cache of chosen algorithms (kvi__lt_create
+ * loads the library first). */
 typedef struct kvi__lt kvi__lt;
 kvi_status kvi__lt_create(kvi__lt **out, const char *fn);
 void kvi__lt_destroy(kvi__lt *lt);
@@ -199,6 +204,9 @@ void kvi__lt_destroy(kvi__lt *lt);
 kvi_status kvi__lt_scores(kvi__lt *lt, kvi_dtype t, const void *A, int64_t lda, const void *B, int64_t ldb, float *C,
                           int64_t ldc, int64_t m, int64_t n, int64_t K, void *ws, size_t ws_bytes,
                           struct CUstream_st *stream, const char *fn);
+
+/* Whether libnccl loads (comm.c; false without NCCL in the build). */
+bool kvi__nccl_usable(void);
 
 /* Checks that a buffer declared as `declared` memory really is, and that a
  * device buffer is on `device`. `cuda_store` says whether device memory is

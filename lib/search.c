@@ -799,8 +799,8 @@ static kvi_status cuda_search(kvi_store *s, const void *queries, kvi_dtype qt, k
                               const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
                               int32_t *out_counts, int32_t *out_tokens, kvi_memory om, uint64_t area,
                               const kvi__search_then *then, struct CUstream_st *stream, const char *fn) {
-  if (!(kvi_features() & KVI_FEATURE_CUBLASLT))
-    return kvi__fail(KVI_ERR_NOT_BUILT, fn, "searching a CUDA store needs cuBLASLt, and libkvinject was built without it");
+  kvi_status lst = kvi__lt_load(fn); /* every CUDA search needs it, whichever kernels its plan picks */
+  if (lst) return lst;
   const bool host_q = qm == KVI_MEMORY_HOST, host_out = om == KVI_MEMORY_HOST;
   kvi__devguard g;
   kvi_status st = KVI_OK;

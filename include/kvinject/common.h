@@ -75,7 +75,9 @@ typedef enum kvi_status {
    * chosen backend cannot reach (device memory given to a CPU store). */
   KVI_ERR_MEMORY_KIND = -8,
   /* The call needs a component (CUDA, cuBLASLt, NCCL) that this build of the
-   * library does not contain. See kvi_features(). */
+   * library does not contain, or whose shared library (libcublasLt.so.N,
+   * libnccl.so.N, opened on first use) does not load here; kvi_last_error()
+   * then names the library and the loader's message. See kvi_features(). */
   KVI_ERR_NOT_BUILT = -9,
   /* CUDA was asked for, the library has it, but no usable device answers
    * (no driver, no device, or the ordinal is out of range). */
@@ -167,8 +169,12 @@ KVI_API const char *kvi_version_string(void);
 #define KVI_FEATURE_CUBLASLT 0x2u /* cuBLASLt-based retrieval */
 #define KVI_FEATURE_NCCL 0x4u     /* NCCL communicators for tensor parallelism */
 
-/* The KVI_FEATURE_* bits this build contains. Built-in does not mean usable:
- * CUDA also needs a driver and a device at run time (kvi_cuda_device_count). */
+/* The KVI_FEATURE_* bits this build contains and can use here. cuBLASLt and
+ * NCCL are not linked: the library opens libcublasLt.so.N and libnccl.so.N
+ * (N the major version of the headers it was built with) on first use, and
+ * reports their bit only when built in and the library loads (the first call
+ * of kvi_features tries to open them, once per process). CUDA also needs a
+ * driver and a device at run time (kvi_cuda_device_count). Thread-safe. */
 KVI_API unsigned kvi_features(void);
 
 /*
