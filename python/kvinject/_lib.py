@@ -370,9 +370,9 @@ _PROTOTYPES = {
     "kvi_store_gather": (c_int, [P, c_int32, P, c_int32, P]),
     "kvi_store_check_agreement": (c_int, [P]),
     # persist.h
-    "kvi_save_options_init": (None, [P]),
+    "kvi_save_options_init": (c_int, [P, c_size_t]),
     "kvi_store_save": (c_int, [P, c_char_p, P]),
-    "kvi_load_options_init": (None, [P]),
+    "kvi_load_options_init": (c_int, [P, c_size_t]),
     "kvi_store_load": (c_int, [POINTER(c_void_p), P, P, c_char_p, P]),
     "kvi_store_journal_open": (c_int, [P, c_char_p, c_uint32]),
     "kvi_store_journal_close": (c_int, [P]),
