@@ -164,8 +164,8 @@ class CacheLayout:
         [batch, heads, seq, head_size] (e.g. ``[layer.keys for layer in cache.layers]``).
 
         Tensors: shape and strides are read from them; every key and value must
-        have the same shape, strides, dtype and device, with contiguous head
-        vectors. Host buffers (no shape): pass ``shape=(batch, heads, seq,
+        have the same shape, strides, dtype and device (any strides, the last one
+        included). Host buffers (no shape): pass ``shape=(batch, heads, seq,
         head_size)`` and, for raw uint16/uint8 buffers, ``dtype``; they are taken
         as contiguous (the KVI_CACHE_HF_CONTIGUOUS preset). Block ids are batch
         rows (num_blocks = batch, block_size = seq, the capacity)."""

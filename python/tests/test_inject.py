@@ -368,6 +368,24 @@ class TestStridedHeads(InjectCase):
 
         self.assert_cache(index, DType.FP16, None, writes, cells, 1)
 
+    def test_tensor_dim_stride(self):
+        """HF tensors [B, H, S, D] viewed over a physical [B, H, D, S] (dims S apart): the last stride is used."""
+        facts = Facts(self, DType.BF16, seed=33)
+        B, S = 2, 12
+        phys = [poisoned(B * H * D * S, DType.FP32) for _ in range(2 * L)]
+        st = (H * D * S, D * S, 1, S)
+        t = [FakeTensor(b, (B, H, S, D), st) for b in phys]
+        layout = kvi.CacheLayout.hf(t[:L], t[L:])
+        self.assertEqual((layout.dim_stride, layout.token_stride), (S, 1))
+        inj = kvi.Injector(facts.store, layout)
+        inj.inject(kvi.InjectRequest(1, [10], [1], first_slot=4, start_position=9))
+        writes = expected_writes(facts, [([10], [1], 4, None, 9, S)])
+
+        def index(l, kv, blk, tok, h, d):
+            return phys[kv * L + l], ((blk * H + h) * D + d) * S + tok
+
+        self.assert_cache(index, DType.FP32, None, writes, B, S)
+
     def test_overlapping_planes_refused(self):
         facts = Facts(self, DType.BF16, seed=32)
         buf = poisoned(2 * self.NB * H * self.BS * D, DType.BF16)
