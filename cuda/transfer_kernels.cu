@@ -378,12 +378,25 @@ __device__ inline void plain(const Ctx &x, G *page, C *cache, int64_t plane, uns
   }
 }
 
+/* Points the context at plane kv (0 K, 1 V): its per-token offsets, head and
+ * dim strides (read from the parameters at each use, so nothing more stays
+ * live across the layer loop), and the walk's row order: an injection into a
+ * cache whose heads of a token lie closer together than its tokens of a head
+ * (NHD) walks heads inside tokens; the pages (capture) and HND caches the
+ * other way. */
+template <bool INJECT>
+__device__ inline void set_plane(Ctx &x, const kvi__xfer_args &a, const int64_t *s_coff, int kv) {
+  x.coff = kv && a.split_v ? s_coff + a.seg_tokens : s_coff; /* V's offsets follow K's (split_v) */
+  x.head_stride = kv ? a.v_head_stride : a.head_stride;
+  x.dim_stride = kv ? a.v_dim_stride : a.dim_stride;
+  x.heads_inner = INJECT && (kv ? a.v_head_stride < a.v_token_stride : a.head_stride < a.token_stride);
+}
+
 template <typename G, typename C, int E, bool INJECT>
 __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ kvi__xfer_args a) {
   extern __shared__ float2 s_cs[]; /* [seg_tokens][half_max], then offsets and positions */
   const unsigned T = (unsigned)a.seg_tokens, HM = (unsigned)a.half_max;
   int64_t *s_coff = reinterpret_cast<int64_t *>(s_cs + T * HM);
-  int64_t *s_voff = a.split_v ? s_coff + T : s_coff; /* V's offsets: K's unless V has its own strides */
   int32_t *s_pos = reinterpret_cast<int32_t *>(s_coff + (a.split_v ? 2 * T : T));
 
   /* the plan: in the parameters (generic addresses into the constant bank) or uploaded */
@@ -419,7 +432,7 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
       }
     }
     s_coff[j] = c;
-    if (a.split_v) s_voff[j] = cv;
+    if (a.split_v) s_coff[T + j] = cv; /* V's own offsets (set_plane) */
     s_pos[j] = sg.explicit_pos ? reinterpret_cast<const int32_t *>(plan + a.o_pos)[sg.pos0 + j] : sg.pos0 + (int32_t)j;
     if (c < 0 && blockIdx.y == 0) atomicAdd(a.skipped, 1ull);
   }
@@ -433,18 +446,7 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
   x.D = (unsigned)a.D;
   x.HM = HM;
   x.page_head = (int64_t)a.P * a.D;
-  x.head_stride = a.head_stride;
-  x.dim_stride = a.dim_stride;
   x.phase = a.phase;
-  /* rows in the destination's order: an injection into a cache whose heads
-   * of a token lie closer together than its tokens of a head (NHD) walks
-   * heads inside tokens; the pages (capture) and HND caches the other way */
-  x.heads_inner = INJECT && a.head_stride < a.token_stride;
-  Ctx xv = x; /* V's plane: its own offsets and strides */
-  xv.coff = s_voff;
-  xv.head_stride = a.v_head_stride;
-  xv.dim_stride = a.v_dim_stride;
-  xv.heads_inner = INJECT && a.v_head_stride < a.v_token_stride;
   int cur = -1; /* rope_id whose cos/sin are in shared memory */
   for (int l = l0; l < l1; l++) {
     const kvi__xlayer ly = a.layers[l];
@@ -463,10 +465,11 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
       __syncthreads();
       cur = ly.rope_id;
     }
-    x.page_row0 = xv.page_row0 = ((int64_t)l * 2 * a.H * a.P + sg.tok0) * a.D;
+    x.page_row0 = ((int64_t)l * 2 * a.H * a.P + sg.tok0) * a.D;
     const float *ks = a.k_scale + l * a.H, *vs = a.v_scale + l * a.H;
     x.gs = gs ? gs + l * 2 * a.H : nullptr;
     C *kc = reinterpret_cast<C *>(ly.k), *vc = reinterpret_cast<C *>(ly.v);
+    set_plane<INJECT>(x, a, s_coff, 0);
     if (rot) {
       if (ly.style == 1)
         rotated<G, C, E, INJECT, true>(x, page, kc, half, ks);
@@ -475,7 +478,8 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
     }
     if (rot < x.D) /* K's pass-through tail */
       plain<G, C, E, INJECT>(x, page, kc, 0, rot, (x.D - rot) / E, ks, x.gs);
-    plain<G, C, E, INJECT>(xv, page, vc, (int64_t)x.H * x.page_head, 0, x.D / E, vs, x.gs ? x.gs + x.H : nullptr);
+    set_plane<INJECT>(x, a, s_coff, 1);
+    plain<G, C, E, INJECT>(x, page, vc, (int64_t)x.H * x.page_head, 0, x.D / E, vs, x.gs ? x.gs + x.H : nullptr);
   }
 }
 
