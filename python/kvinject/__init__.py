@@ -26,8 +26,9 @@ from __future__ import annotations
 from ._lib import lib as _lib_loader
 from .cache import CacheLayout
 from .comm import Comm, CommGroup, embedding_rank
-from .enums import (FEATURE_CUBLASLT, FEATURE_CUDA, FEATURE_NCCL, LOAD_JOURNAL, PUT_REPLACE, RETRIEVE_BEST_LAST, SAVE_ONE_TENANT, SEARCH_DEFAULT_WORKSPACE,
-                    SEARCH_MAX_K, SEARCH_NO_ID, Backend, CachePreset, DType, EmbeddingPlacement, Memory, Metric,
+from .enums import (FEATURE_CUBLASLT, FEATURE_CUDA, FEATURE_NCCL, LOAD_JOURNAL, PUT_REPLACE, RETRIEVE_BEST_LAST,
+                    SAVE_ONE_TENANT, SEARCH_DEFAULT_WORKSPACE, SEARCH_MAX_K, SEARCH_NO_ID, STRIDE_SAME, Backend,
+                    CachePreset, DType, EmbeddingPlacement, Memory, Metric,
                     RopeScaling,
                     RopeStyle, ScaleMode, Status)
 from .errors import (CapacityError, CorruptError, CudaError, ExistsError, IncompatibleError, IOError_, PeerError, InternalError, InvalidArgumentError, KviError,
@@ -93,8 +94,9 @@ __all__ = [
     "ExistsError", "FEATURE_CUBLASLT", "FEATURE_CUDA", "FEATURE_NCCL", "InjectRequest", "Injector", "RetrieveRequest",
     "InternalError", "InvalidArgumentError", "KVView", "KviError", "Memory", "MemoryKindError", "Metric",
     "MismatchError", "Model", "ModelInfoData", "NoDeviceError", "NotBuiltError", "NotFoundError",
-    "LOAD_JOURNAL", "OutOfMemoryError", "PUT_REPLACE", "SAVE_ONE_TENANT", "RETRIEVE_BEST_LAST", "RopeScaling", "RopeSpec", "RopeStyle", "SEARCH_DEFAULT_WORKSPACE",
-    "SEARCH_MAX_K", "SEARCH_NO_ID", "ScaleMode", "SearchResults", "Status", "Store", "StoreStats",
+    "LOAD_JOURNAL", "OutOfMemoryError", "PUT_REPLACE", "SAVE_ONE_TENANT", "RETRIEVE_BEST_LAST", "RopeScaling", "RopeSpec",
+    "RopeStyle", "SEARCH_DEFAULT_WORKSPACE", "SEARCH_MAX_K", "SEARCH_NO_ID", "STRIDE_SAME", "ScaleMode", "SearchResults",
+    "Status", "Store", "StoreStats",
     "StructSizeError", "UnsupportedError", "cuda_device_count", "dtype_size", "embedding_rank", "error_class", "features",
     "last_error", "library_path", "status_string", "version", "version_number",
 ]

@@ -94,7 +94,7 @@ class TestStructs(unittest.TestCase):
                    "KVI_SEARCH_MAX_K": kvi.SEARCH_MAX_K, "KVI_SEARCH_NO_ID": kvi.SEARCH_NO_ID,
                    "KVI_SEARCH_DEFAULT_WORKSPACE": kvi.SEARCH_DEFAULT_WORKSPACE,
                    "KVI_RETRIEVE_BEST_LAST": kvi.RETRIEVE_BEST_LAST, "KVI_SAVE_ONE_TENANT": kvi.SAVE_ONE_TENANT,
-                   "KVI_LOAD_JOURNAL": kvi.LOAD_JOURNAL}
+                   "KVI_LOAD_JOURNAL": kvi.LOAD_JOURNAL, "KVI_STRIDE_SAME": kvi.STRIDE_SAME}
         for n, v in singles.items():
             self.assertEqual(self.c.consts[n], v, n)
         seen.update(singles)

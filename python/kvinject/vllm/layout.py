@@ -35,7 +35,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .. import _buffers
 from ..cache import CacheLayout
-from ..enums import CachePreset
 
 GPU_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")
 CPU_BACKEND = "CPU_ATTN"
@@ -101,23 +100,16 @@ def derive_layout(tensors: Sequence, backend: str, *, num_kv_heads: int, head_si
             raise LayoutError("%s: the kernel ISA is unknown (pass isa=, the attention layer's .isa); its "
                               "block layout depends on it" % what)
         if isa not in CPU_ISAS:
-            raise LayoutError("%s with the %r kernel ISA: its tile-packed block layout is not supported "
-                              "(supported: %s); run vLLM with an ISA of those, e.g. a block size that the "
-                              "amx kernel does not take, or dtype float32" % (what, isa, ", ".join(CPU_ISAS)))
+            raise LayoutError("%s with the %r kernel ISA: its block layout is not supported (supported ISAs: %s; "
+                              "amx packs tiles, and vLLM picks it for bf16 models on CPUs with AMX: a float16 or "
+                              "float32 model runs the vec kernels)" % (what, isa, ", ".join(CPU_ISAS)))
         if len(shape) != 4 or shape[1] != H or shape[3] != 2 * D:
             raise LayoutError("%s: expected [num_blocks, %d, block_size, %d]" % (what, H, 2 * D))
-        NB, _, BS, _ = shape
-        contiguous = (st[3], st[2], st[1], st[0]) == (1, 2 * D, BS * 2 * D, H * BS * 2 * D)
-        if not contiguous:
-            raise LayoutError("%s: the CPU cache must be contiguous" % what)
-        _check_block_size(BS, block_size, what)
-        preset = getattr(CachePreset, "VLLM_CPU", None)
-        if preset is None:
-            raise LayoutError("%s: this build of the binding has no VLLM_CPU cache preset" % what)
-        lay = CacheLayout.preset(preset, _buffers.kind_dtype(first.kind, "cache"), len(arrays), H, D, BS, NB,
-                                 k_layers=[a.ptr for a in arrays], memory=first.memory)
-        lay._keep.append(arrays)
-        return lay
+        _check_block_size(shape[2], block_size, what)
+        try:
+            return CacheLayout.vllm_cpu(tensors)
+        except ValueError as e:
+            raise LayoutError("%s: %s" % (what, e)) from None
 
     if backend not in GPU_BACKENDS:
         raise LayoutError("%s: attention backend %r is not supported (supported: %s, %s)"
