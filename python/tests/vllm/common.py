@@ -16,8 +16,9 @@ import sys
 # threads by default, so its reduction order follows the batch; and an
 # in-process engine core takes every request of a generate() call into its
 # first step (a separate core process starts on the first one alone). Batch
-# composition still changes the decode steps' numerics (the matrix products
-# follow the batch), so references are computed in the same batches.
+# composition still changes the decode steps' numerics (seen: a request alone
+# and in a batch of 9 differ from the second token on), so references are
+# computed in the same batches.
 os.environ.setdefault("VLLM_CPU_ATTN_SPLIT_KV", "0")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
