@@ -1,0 +1,65 @@
+"""kvinject.vllm's request parameters without vLLM: the prompt helpers' spans and
+parse_params' checks (every refusal names its problem)."""
+from __future__ import annotations
+
+import unittest
+
+from kvinject.vllm import PARAMS_KEY, Keep, capture_prompt, memory_prompt, parse_params
+
+
+class TestPrompts(unittest.TestCase):
+    def test_memory_prompt_spans(self):
+        mp = memory_prompt(7, [(100, [1, 2, 3]), (5, [4, 5]), (6, 3)], [9, 9], filler_token=0)
+        self.assertEqual(mp.prompt_token_ids, [1, 2, 3, 4, 5, 0, 0, 0, 9, 9])
+        self.assertEqual(mp.params, {"tenant": 7, "inject": [[100, 0, 3], [5, 3, 2], [6, 5, 3]]})
+        self.assertEqual(mp.kv_transfer_params, {PARAMS_KEY: mp.params})
+        self.assertEqual(mp.extra_args(), {"kv_transfer_params": {PARAMS_KEY: mp.params}})
+        spec = parse_params(mp.params, len(mp.prompt_token_ids))
+        self.assertEqual(spec.claim_end, 8)
+        self.assertEqual([(s.fact_id, s.start, s.length) for s in spec.inject], [(100, 0, 3), (5, 3, 2), (6, 5, 3)])
+        with self.assertRaisesRegex(ValueError, "filler_token"):
+            memory_prompt(1, [(1, 3)], [1])
+        with self.assertRaisesRegex(ValueError, "question: no tokens"):
+            memory_prompt(1, [(1, [2])], [])
+
+    def test_capture_prompt_spans(self):
+        cp = capture_prompt(3, [[1, 1], Keep(8, [2, 2, 2], embedding=[0.5, 1]), [3], Keep(9, [4], replace=True)])
+        self.assertEqual(cp.prompt_token_ids, [1, 1, 2, 2, 2, 3, 4])
+        self.assertEqual(cp.params["capture"], [{"fact_id": 8, "start": 2, "length": 3, "embedding": [0.5, 1.0]},
+                                                {"fact_id": 9, "start": 6, "length": 1, "replace": True}])
+        with self.assertRaisesRegex(ValueError, "capture\\[1\\]: the store keeps embeddings of 2"):
+            parse_params(cp.params, 7, embedding_dim=2)
+        spec = parse_params({"tenant": 3, "capture": cp.params["capture"][1:]}, 7)
+        self.assertEqual((spec.capture_end, spec.claim_end, spec.capture[0].replace), (7, 0, True))
+
+    def test_refusals_name_the_problem(self):
+        good = {"tenant": 1, "inject": [[1, 0, 2], [2, 2, 3]]}
+        parse_params(good, 6)
+        cases = [
+            ("a list", [1], "must be a dict"),
+            ("no tenant", {"inject": [[1, 0, 2]]}, "need a tenant"),
+            ("tenant as text", {"tenant": "a", "inject": [[1, 0, 2]]}, "tenant must be an integer"),
+            ("tenant too big", {"tenant": 1 << 64, "inject": [[1, 0, 2]]}, "out of range"),
+            ("unknown key", dict(good, positions=[0]), "unknown kvinject parameters \\['positions'\\]"),
+            ("a gap", {"tenant": 1, "inject": [[1, 0, 2], [2, 3, 1]]}, "inject\\[1\\] starts at token 3"),
+            ("not from 0", {"tenant": 1, "inject": [[1, 1, 2]]}, "back to back from token 0"),
+            ("a zero length", {"tenant": 1, "inject": [[1, 0, 0]]}, "length = 0 is out of range"),
+            ("a pair", {"tenant": 1, "inject": [[1, 0]]}, "must be \\[fact_id, start, length\\]"),
+            ("filling the prompt", good, "at least one prompt token"),
+            ("nothing asked", {"tenant": 1}, "ask for nothing"),
+            ("a capture past the prompt", {"tenant": 1, "capture": [{"fact_id": 1, "start": 4, "length": 2}]},
+             "spans tokens 4..5 of a 5-token prompt"),
+            ("a fact captured twice", {"tenant": 1, "capture": [{"fact_id": 1, "start": 0, "length": 1},
+                                                                 {"fact_id": 1, "start": 1, "length": 1}]},
+             "captured twice"),
+            ("an embedding for a store without", {"tenant": 1, "capture": [{"fact_id": 1, "start": 0, "length": 1,
+                                                                             "embedding": [1.0]}]}, "keeps none"),
+        ]
+        for name, params, msg in cases:
+            with self.subTest(name):
+                with self.assertRaisesRegex(ValueError, msg):
+                    parse_params(params, 5)
+
+
+if __name__ == "__main__":
+    unittest.main()
