@@ -14,7 +14,6 @@ tensors, the library's CUDA backend through torch.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 import torch
