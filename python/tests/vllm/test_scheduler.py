@@ -1,0 +1,121 @@
+"""The connector's scheduler side without an engine: vLLM's own Request objects
+(with its block hasher) and scheduler outputs built by hand, for the paths
+test_connector.py cannot reach on demand: a local prefix-cache hit before the
+claim (a preempted request resumed on its own cached blocks), a capture whose
+prompt is prefilled over two steps (chunked prefill), and the salt's effect on
+block hashes.
+
+    launch.py test_scheduler.py
+"""
+from __future__ import annotations
+
+import sys
+import types
+import unittest
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256_cbor
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.request import Request
+
+from kvinject.vllm import capture_prompt, Keep, memory_prompt
+from kvinject.vllm.connector import KVInjectConnector
+
+BS = 4
+
+
+def config():
+    ktc = types.SimpleNamespace(kv_connector_extra_config={}, is_kv_producer=True)
+    return types.SimpleNamespace(kv_transfer_config=ktc, cache_config=types.SimpleNamespace(block_size=BS))
+
+
+init_none_hash(sha256_cbor)
+HASHER = get_request_block_hasher(BS, sha256_cbor)
+
+
+def request(rid, mp=None, ids=None):
+    sp = mp.sampling_params(max_tokens=1) if mp is not None else SamplingParams(max_tokens=1)
+    return Request(request_id=rid, prompt_token_ids=list(ids if ids is not None else mp.prompt_token_ids),
+                   sampling_params=sp, pooling_params=None, block_hasher=HASHER)
+
+
+def new_req(req, blocks, computed):
+    return types.SimpleNamespace(req_id=req.request_id, block_ids=(list(blocks),), num_computed_tokens=computed)
+
+
+def output(new=(), cached=None, scheduled=None):
+    cached = cached or types.SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                             num_computed_tokens=[])
+    return types.SimpleNamespace(scheduled_new_reqs=list(new), scheduled_cached_reqs=cached,
+                                 num_scheduled_tokens=dict(scheduled or {}))
+
+
+class TestScheduler(unittest.TestCase):
+    def setUp(self):
+        self.c = KVInjectConnector(config(), KVConnectorRole.SCHEDULER, None)
+        # facts of 3, 5 and 2 tokens, then a 3-token question
+        self.mp = memory_prompt(9, [(1, [11, 12, 13]), (2, [21, 22, 23, 24, 25]), (3, [31, 32])], [41, 42, 43])
+
+    def test_salt_changes_the_block_hashes_and_is_unique(self):
+        plain = request("p", ids=self.mp.prompt_token_ids)
+        a, b = request("a", self.mp), request("b", self.mp)
+        self.assertEqual(a.block_hashes, plain.block_hashes)  # same tokens, no salt yet
+        self.c.on_new_request(a)
+        self.c.on_new_request(b)
+        self.assertTrue(a.cache_salt and a.cache_salt != b.cache_salt)
+        self.assertEqual(len(a.block_hashes), len(plain.block_hashes))
+        self.assertFalse(set(a.block_hashes) & set(plain.block_hashes))
+        self.assertFalse(set(a.block_hashes) & set(b.block_hashes))
+        self.c.on_new_request(plain)  # no kvinject parameters: untouched
+        self.assertIsNone(plain.cache_salt)
+
+    def test_claim_after_a_local_hit_injects_the_facts_past_it(self):
+        r = request("r", self.mp)
+        self.c.on_new_request(r)
+        self.assertEqual(self.c.get_num_new_matched_tokens(r, 0), (10, False))
+        # resumed on its own cached blocks: 4 tokens (one block) already computed
+        self.assertEqual(self.c.get_num_new_matched_tokens(r, 4), (6, False))
+        self.c.update_state_after_alloc(r, None, 6)
+        meta = self.c.build_connector_meta(output([new_req(r, [7, 8, 9, 5], 10)], scheduled={"r": 3}))
+        (job,) = meta.injects
+        # fact 1 (tokens 0..2) lies in the cached block; fact 2 (3..7) straddles it and is written whole
+        self.assertEqual(job.facts, [(2, 3, 5), (3, 8, 2)])
+        self.assertEqual(job.block_ids, [7, 8, 9, 5])
+        self.assertEqual(self.c.get_num_new_matched_tokens(r, 10), (0, False))
+        self.assertEqual(self.c.build_connector_meta(output()).injects, [])
+
+    def test_capture_waits_for_the_whole_span_over_chunked_steps(self):
+        cp = capture_prompt(9, [[1, 2, 3], Keep(5, [4, 5, 6, 7, 8]), [9]])
+        r = request("c", cp)
+        self.c.on_new_request(r)
+        self.assertEqual(self.c.get_num_new_matched_tokens(r, 0), (0, False))
+        self.c.update_state_after_alloc(r, None, 0)
+        m1 = self.c.build_connector_meta(output([new_req(r, [3, 4], 0)], scheduled={"c": 6}))
+        self.assertEqual(m1.captures, [])  # tokens 0..5 computed; the span ends at 8
+        cached = types.SimpleNamespace(req_ids=["c"], new_block_ids=[([6],)], resumed_req_ids=set(),
+                                       num_computed_tokens=[6])
+        m2 = self.c.build_connector_meta(output(cached=cached, scheduled={"c": 3}))
+        (job,) = m2.captures
+        self.assertEqual((job.tenant, job.captures, job.block_ids), (9, [(5, 3, 5, None, False)], [3, 4, 6]))
+        m3 = self.c.build_connector_meta(output(cached=types.SimpleNamespace(
+            req_ids=["c"], new_block_ids=[None], resumed_req_ids=set(), num_computed_tokens=[9]), scheduled={"c": 1}))
+        self.assertEqual(m3.captures, [])  # once
+
+    def test_a_bad_request_claims_one_token_and_is_reported_with_its_blocks(self):
+        bad = memory_prompt(9, [(1, [11, 12])], [41])
+        del bad.params["tenant"]
+        r = request("x", bad)
+        self.c.on_new_request(r)
+        self.assertTrue(r.cache_salt)
+        self.assertEqual(self.c.get_num_new_matched_tokens(r, 0), (1, False))
+        meta = self.c.build_connector_meta(output([new_req(r, [2], 1)], scheduled={"x": 2}))
+        (f,) = meta.failures
+        self.assertEqual((f.req_id, f.block_ids), ("x", [2]))
+        self.assertIn("need a tenant", f.message)
+        self.assertEqual(meta.injects, [])
+
+
+if __name__ == "__main__":
+    r = unittest.main(exit=False, verbosity=2).result
+    sys.exit(0 if r.wasSuccessful() else 1)
