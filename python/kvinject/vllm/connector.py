@@ -187,6 +187,10 @@ class KVInjectConnector(KVConnectorBase_V1):
             if getattr(request, "_block_hasher", None) is not None:
                 request.block_hashes = []
                 request.update_block_hashes()
+            elif request.block_hashes:  # hashed some other way: the salt would not reach them
+                raise RuntimeError("kvinject: this vLLM's requests hash their blocks without a _block_hasher; "
+                                   "the connector cannot salt them, and vLLM's prefix cache would share injected "
+                                   "blocks (vLLM 0.32 is supported)")
         self._reqs[request.request_id] = _ReqState(spec, error, capture_pending=bool(spec and spec.capture))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
