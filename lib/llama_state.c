@@ -5,6 +5,7 @@
  * SPDX-License-Identifier: Apache-2.0
  */
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "internal.h"
@@ -245,7 +246,15 @@ static kvi_status parse(const void *state, size_t size, kvi_llama_state_info *in
     if (info->num_sections == KVI_LLAMA_MAX_SECTIONS)
       return kvi__fail(KVI_ERR_CORRUPT, fn, "offset %zu: %zu bytes follow the state's %d KV cache sections", r.off,
                        left(&r), KVI_LLAMA_MAX_SECTIONS);
-    if ((st = read_section(&r, info->seq_id, info->num_sections, &info->sections[info->num_sections]))) return st;
+    const size_t at = r.off;
+    if ((st = read_section(&r, info->seq_id, info->num_sections, &info->sections[info->num_sections]))) {
+      if (info->num_sections == 0) return st;
+      /* bytes after a whole first section: a second cache (iSWA) or garbage */
+      char why[256];
+      snprintf(why, sizeof why, "%s", kvi_last_error());
+      return kvi__fail(KVI_ERR_CORRUPT, fn, "offset %zu: the %zu bytes after section 0 are not a second KV cache section (%s)",
+                       at, size - at, why);
+    }
     info->num_sections++;
   } while (left(&r) > 0);
   info->size = r.off;
