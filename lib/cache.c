@@ -84,6 +84,42 @@ KVI_API kvi_status kvi_cache_layout_preset(kvi_cache_layout *out, kvi_cache_pres
   return KVI_OK;
 }
 
+/* Refuses a layout in which two elements of one layer share an address:
+ * blocks, tokens or heads of a plane overlapping (checked on K's and V's
+ * dimensions, kd and vd, each of 4), or K overlapping V at their distance
+ * in that layer (kb, vb; es bytes an element; ext the elements a plane
+ * spans). K and V with the same dimensions may interleave (V as a fifth
+ * dimension of extent 2 at their distance, as packed K|V caches do);
+ * otherwise their byte ranges must be disjoint. */
+static kvi_status check_overlap(const kvi__dim kd[4], const kvi__dim vd[4], const char *kb, const char *vb,
+                                int64_t ext, size_t es, int32_t layer, const char *fn) {
+  kvi__dim e[5];
+  for (int plane = 0; plane < 2; plane++) {
+    memcpy(e, plane ? vd : kd, 4 * sizeof e[0]);
+    if (!kvi__dims_disjoint(e, 4))
+      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                       "layout: the %s blocks, tokens or heads overlap (block_stride %lld, token_stride %lld, "
+                       "head_stride %lld, head_size %lld): one cache element would be written twice",
+                       plane ? "V" : "K", (long long)(plane ? vd : kd)[0].stride, (long long)(plane ? vd : kd)[1].stride,
+                       (long long)(plane ? vd : kd)[2].stride, (long long)(plane ? vd : kd)[3].extent);
+  }
+  const intptr_t gap = vb - kb, agap = gap < 0 ? -gap : gap;
+  const int64_t bytes = ext * (int64_t)es; /* fits: the extent check scaled it by 8 */
+  bool disjoint;
+  if (agap % (intptr_t)es == 0 && memcmp(kd, vd, 4 * sizeof kd[0]) == 0) {
+    memcpy(e, kd, 4 * sizeof e[0]);
+    e[4].extent = 2, e[4].stride = (int64_t)(agap / (intptr_t)es);
+    disjoint = kvi__dims_disjoint(e, 5);
+  } else {
+    disjoint = (int64_t)agap >= bytes;
+  }
+  if (!disjoint)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                     "layout: layer %d's K and V overlap (V is %lld bytes from K, a plane spans %lld bytes)", (int)layer,
+                     (long long)gap, (long long)bytes);
+  return KVI_OK;
+}
+
 void kvi__cache_release(kvi__cache *c) {
   free(c->k);
   free(c->v);
@@ -160,17 +196,23 @@ kvi_status kvi__cache_resolve(kvi__cache *c, const kvi_cache_layout *user, const
     }
     c->k[i] = kb;
     c->v[i] = vb;
+    const kvi__dim dims[4] = {{l.num_blocks, l.block_stride}, {l.block_size, l.token_stride},
+                              {l.num_heads, l.head_stride}, {l.head_size, 1}};
+    if ((st = check_overlap(dims, dims, kb, vb, ext + 1, es, i, fn))) {
+      kvi__cache_release(c);
+      return st;
+    }
     for (int32_t h = 0; h < H; h++) {
       float ks = 1.0f, vs = 1.0f;
       if (l.scale_mode == KVI_SCALE_PER_TENSOR) ks = l.k_scales[i], vs = l.v_scales[i];
-      if (l.scale_mode == KVI_SCALE_PER_HEAD) ks = l.k_scales[i * H + h], vs = l.v_scales[i * H + h];
+      if (l.scale_mode == KVI_SCALE_PER_HEAD) ks = l.k_scales[(size_t)i * H + h], vs = l.v_scales[(size_t)i * H + h];
       if (!(isfinite(ks) && ks > 0 && isfinite(vs) && vs > 0)) {
         kvi__cache_release(c);
         return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layer %d head %d has scales %g / %g; scales must be finite and > 0",
                          (int)i, (int)h, (double)ks, (double)vs);
       }
-      c->k_scale[i * H + h] = ks;
-      c->v_scale[i * H + h] = vs;
+      c->k_scale[(size_t)i * H + h] = ks;
+      c->v_scale[(size_t)i * H + h] = vs;
     }
   }
   /* The cache must be where the layout says it is (checked where a driver

@@ -78,6 +78,7 @@ typedef struct kvi__rope {
   float *inv_freq;        /* rotary_dim/2 values (formula), or NULL with a table */
   kvi__table *table;      /* or NULL */
   kvi_rope_spec spec;     /* as resolved, for kvi_model_get_rope; cos_sin_table NULL */
+  bool unset;             /* never set (style NONE meanwhile): injection and capture refuse it */
 } kvi__rope;
 
 kvi_status kvi__rope_resolve(kvi__rope *out, const kvi_rope_spec *spec, int32_t head_size, const char *fn);
@@ -114,6 +115,19 @@ struct kvi_model {
 };
 
 /* ---- views (view.c) ------------------------------------------------------- */
+
+/* One dimension of a strided array: `extent` indices `stride` elements apart
+ * (both >= 0). */
+typedef struct kvi__dim {
+  int64_t extent, stride;
+} kvi__dim;
+
+/* Whether no two indices of the n dimensions reach the same element, by a
+ * sufficient condition: ordered by stride (dims is sorted in place), each
+ * dimension of extent > 1 steps past everything the smaller ones reach. The
+ * extents and strides must not overflow when combined (checked by the
+ * caller's extent computation). */
+bool kvi__dims_disjoint(kvi__dim *dims, int n);
 
 /* Validates a kv view against the geometry (layers, local heads, head size),
  * copies it into *out (a full-size local struct), and checks extents for

@@ -86,7 +86,10 @@ KVI_API kvi_status kvi_model_create(kvi_model **out, const kvi_model_options *op
   }
   kvi_rope_spec none = KVI_ROPE_SPEC_INIT;
   none.style = KVI_ROPE_NONE;
-  for (int32_t l = 0; l < g.num_layers; l++) kvi__rope_resolve(&rope[l], &none, g.head_size, fn);
+  for (int32_t l = 0; l < g.num_layers; l++) {
+    kvi__rope_resolve(&rope[l], &none, g.head_size, fn);
+    rope[l].unset = true; /* rotates as NONE would, but injection and capture refuse it */
+  }
   m->geom = g;
   m->rope = rope;
   *out = m;
@@ -152,6 +155,7 @@ KVI_API kvi_status kvi_model_get_rope(const kvi_model *model, int32_t layer, kvi
   const kvi__rope *r = &model->rope[layer];
   kvi_rope_spec full = r->spec;
   full.struct_size = sizeof full;
+  if (r->unset) full.style = KVI_ROPE_UNSET;
   if (r->table) {
     full.cos_sin_table = r->table->data;
     full.table_dtype = KVI_DTYPE_FP32;
@@ -169,7 +173,9 @@ KVI_API kvi_status kvi_model_rope_cos_sin(const kvi_model *model, int32_t layer,
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layer is %d, expected 0..%d", (int)layer,
                      (int)model->geom.num_layers - 1);
   const kvi__rope *r = &model->rope[layer];
-  if (r->style == KVI_ROPE_NONE) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layer %d has no RoPE", (int)layer);
+  if (r->style == KVI_ROPE_NONE)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layer %d has no RoPE%s", (int)layer,
+                     r->unset ? " (it was never set: kvi_model_set_rope)" : "");
   if (pair < 0 || pair >= r->rotary_dim / 2)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "pair is %d, expected 0..%d", (int)pair, (int)r->rotary_dim / 2 - 1);
   if (pos < 0 || pos >= kvi__rope_max_positions(r))

@@ -31,6 +31,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 #include <sys/file.h>
 #include <sys/random.h>
 #include <sys/stat.h>
@@ -292,10 +293,17 @@ static int pwrite_all(int fd, const void *data, size_t n, uint64_t off) {
   return 0;
 }
 
+/* The directory part of a path (a fresh string; "." for a bare name) and
+ * where its last component starts. */
+static char *path_dir(const char *path, const char **base) {
+  const char *slash = strrchr(path, '/');
+  if (base) *base = slash ? slash + 1 : path;
+  return slash ? strndup(path, slash == path ? 1 : (size_t)(slash - path)) : strdup(".");
+}
+
 /* Flushes the directory holding `path`, so that a rename in it is durable. */
 static kvi_status fsync_dir(const char *path, const char *fn) {
-  const char *slash = strrchr(path, '/');
-  char *dir = slash ? strndup(path, slash == path ? 1 : (size_t)(slash - path)) : strdup(".");
+  char *dir = path_dir(path, NULL);
   if (!dir) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "copying a path");
   kvi_status st = KVI_OK;
   const int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -431,14 +439,28 @@ struct kvi__journal {
   uint64_t end; /* file size: where the next entry goes */
   dev_t dev;
   ino_t ino;
+  int dir_fd;      /* the directory holding it (O_PATH), -1 if it could not be opened */
+  const char *base; /* its name in that directory (inside path) */
   bool failed; /* a flush failed: the file's state is unknown */
 };
 
 void kvi__journal_free(kvi__journal *j) {
   if (!j) return;
   close(j->fd); /* releases the flock */
+  if (j->dir_fd >= 0) close(j->dir_fd);
   free(j->path);
   free(j);
+}
+
+/* Completes a journal that owns `path` (a copy) and whose fd is open on the
+ * file at that path (dev, ino): remembers the directory, so that a file
+ * unlinked or replaced behind the journal's back is noticed (journal_usable)
+ * however the process's working directory changes. */
+static void journal_bind(kvi__journal *j, char *path) {
+  j->path = path;
+  char *dir = path_dir(path, &j->base);
+  j->dir_fd = dir ? open(dir, O_PATH | O_DIRECTORY | O_CLOEXEC) : -1;
+  free(dir);
 }
 
 /* Refuses `path` when the file there is locked as a store's journal (in this
@@ -470,13 +492,76 @@ typedef struct snapfile {
   ino_t ino;
 } snapfile;
 
-/* Writes a snapshot to "<path>.tmp.<pid>.<n>", flushes it, renames it over
- * `path` and flushes the directory. keep: the file stays open and locked as
- * a journal (*out). On error before the rename the temporary file is
- * removed and `path` is untouched. The store's lock is held. */
+#define TMP_TAG ".tmp."
+#define TMP_HEX 16 /* a temporary's name is "<path>.tmp." and 16 random hex digits */
+
+/* Creates "<path>.tmp.<16 random hex digits>" with O_EXCL | O_NOFOLLOW
+ * (never an existing file or a symlink planted at the name), mode 0600
+ * whatever the umask, and locks it (flock) while it is written: an unlocked
+ * temporary of this path is one a save that died left behind
+ * (remove_stale_temporaries). Returns the fd, or -1 with the error set. */
+static int create_temporary(const char *path, char *tmp, size_t tlen, const char *fn) {
+  for (int attempt = 0; attempt < 64; attempt++) {
+    snprintf(tmp, tlen, "%s" TMP_TAG "%016llx", path, (unsigned long long)new_file_id());
+    const int fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0 && errno == EEXIST) continue;
+    if (fd < 0) {
+      io_fail(fn, errno, "creating", tmp);
+      return -1;
+    }
+    struct stat a, b;
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0 || fchmod(fd, 0600) != 0 || fstat(fd, &a) != 0) {
+      io_fail(fn, errno, "locking", tmp);
+      close(fd);
+      unlink(tmp);
+      return -1;
+    }
+    /* another save's cleanup may have taken it for stale before the lock */
+    if (lstat(tmp, &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino) return fd;
+    close(fd);
+  }
+  kvi__fail(KVI_ERR_IO, fn, "creating a temporary file beside %s: 64 random names were taken", path);
+  return -1;
+}
+
+/* Removes the temporaries of `path` (its name, ".tmp." and 16 hex digits)
+ * that are regular files of this user that nobody holds locked: left by a
+ * save or journal open that died. Best effort; symlinks are never followed
+ * or removed. */
+static void remove_stale_temporaries(const char *path) {
+  const char *base;
+  char *dir = path_dir(path, &base);
+  const int dfd = dir ? open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC) : -1;
+  free(dir);
+  DIR *d = dfd >= 0 ? fdopendir(dfd) : NULL;
+  if (!d) {
+    if (dfd >= 0) close(dfd);
+    return;
+  }
+  const size_t bl = strlen(base), tl = strlen(TMP_TAG);
+  struct dirent *e;
+  while ((e = readdir(d))) {
+    const char *n = e->d_name;
+    if (strlen(n) != bl + tl + TMP_HEX || strncmp(n, base, bl) != 0 || strncmp(n + bl, TMP_TAG, tl) != 0) continue;
+    if (strspn(n + bl + tl, "0123456789abcdef") != TMP_HEX) continue;
+    const int fd = openat(dfd, n, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) continue;
+    struct stat a, b;
+    if (fstat(fd, &a) == 0 && S_ISREG(a.st_mode) && a.st_uid == geteuid() && flock(fd, LOCK_EX | LOCK_NB) == 0 &&
+        fstatat(dfd, n, &b, AT_SYMLINK_NOFOLLOW) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino)
+      unlinkat(dfd, n, 0);
+    close(fd); /* releases the lock */
+  }
+  closedir(d);
+}
+
+/* Writes a snapshot to a temporary file beside `path` (create_temporary),
+ * flushes it, renames it over `path`, flushes the directory and removes
+ * stale temporaries of `path`. keep: the file stays open and locked as a
+ * journal (*out). On error before the rename the temporary file is removed
+ * and `path` is untouched. The store's lock is held. */
 static kvi_status snapshot_file(const kvi_store *s, const char *path, bool one, uint64_t tenant, bool keep,
                                 const kvi__journal *own, snapfile *out, const char *fn) {
-  static _Atomic unsigned tmp_counter;
   kvi_status st = check_not_journal(path, own, fn);
   if (st) return st;
   const size_t tlen = strlen(path) + 64;
@@ -487,15 +572,10 @@ static kvi_status snapshot_file(const kvi_store *s, const char *path, bool one, 
     free(wbuf);
     return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a write buffer");
   }
-  snprintf(tmp, tlen, "%s.tmp.%ld.%u", path, (long)getpid(), atomic_fetch_add(&tmp_counter, 1u));
-  const int fd = open(tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  const int fd = create_temporary(path, tmp, tlen, fn);
   if (fd < 0) {
-    st = io_fail(fn, errno, "creating", tmp);
+    st = KVI_ERR_IO;
     goto out;
-  }
-  if (keep && flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    st = io_fail(fn, errno, "locking", tmp);
-    goto fail;
   }
   const uint64_t file_id = new_file_id();
   writer w = {fd, tmp, wbuf, 0};
@@ -528,6 +608,7 @@ static kvi_status snapshot_file(const kvi_store *s, const char *path, bool one, 
   out->ino = sb.st_ino;
   if (keep) out->fd = fd;
   else close(fd);
+  remove_stale_temporaries(path);
   goto out;
 fail:
   close(fd);
@@ -604,7 +685,7 @@ KVI_API kvi_status kvi_store_journal_open(kvi_store *store, const char *path, ui
   kvi__journal *old = NULL;
   if (st == KVI_OK) {
     j->fd = sf.fd;
-    j->path = copy;
+    journal_bind(j, copy);
     j->file_id = sf.file_id;
     j->seq = sf.seq;
     j->end = sf.end;
@@ -664,11 +745,22 @@ static kvi_status journal_append(kvi__journal *j, unsigned char *entry, uint64_t
   return KVI_OK;
 }
 
+/* A journaled call appends only to a journal whose flushes all succeeded and
+ * whose file is still the one at its path (appends to a file unlinked or
+ * replaced since would be durable nowhere a load looks). */
 static kvi_status journal_usable(const kvi__journal *j, const char *fn) {
-  if (!j->failed) return KVI_OK;
-  return kvi__fail(KVI_ERR_IO, fn,
-                   "the journal %s failed to flush earlier; reopen it with kvi_store_journal_open (nothing changed)",
-                   j->path);
+  if (j->failed)
+    return kvi__fail(KVI_ERR_IO, fn,
+                     "the journal %s failed to flush earlier; reopen it with kvi_store_journal_open (nothing changed)",
+                     j->path);
+  struct stat sb;
+  const int r = j->dir_fd >= 0 ? fstatat(j->dir_fd, j->base, &sb, 0) : stat(j->path, &sb);
+  if (r != 0 || sb.st_dev != j->dev || sb.st_ino != j->ino)
+    return kvi__fail(KVI_ERR_IO, fn,
+                     "the journal %s was %s since it was opened: changes appended to it would be lost; reopen it with "
+                     "kvi_store_journal_open (nothing changed)",
+                     j->path, r != 0 ? "removed" : "replaced by another file");
+  return KVI_OK;
 }
 
 kvi_status kvi__journal_put(kvi_store *s, const kvi__jfact *facts, int32_t n, struct CUstream_st *stream,
@@ -975,9 +1067,10 @@ static kvi_status next_record(const loader *ld, const unsigned char *body, uint6
     return KVI_OK;
   }
   if (r->op != OP_PUT) return corrupt(ld, off, "unknown record type %u", r->op);
-  uint64_t want;
+  uint64_t want, groups; /* fp8: the scales' (page, layer, K/V, head) groups, bounded before scale_bytes multiplies */
   if (r->tokens < 1 || __builtin_mul_overflow((uint64_t)r->tokens, ld->token_bytes, &want) ||
       __builtin_add_overflow(want, (uint64_t)ld->E * 4u, &want) ||
+      __builtin_mul_overflow((uint64_t)r->tokens, 8u * (uint64_t)ld->L * (uint64_t)ld->H, &groups) ||
       __builtin_add_overflow(want, scale_bytes((uint64_t)r->tokens, ld->P, ld->L, ld->H), &want))
     return corrupt(ld, off, "fact record with %d tokens", (int)r->tokens);
   if (r->payload != want)
@@ -1206,7 +1299,7 @@ KVI_API kvi_status kvi_store_load(kvi_store **out, const kvi_model *model, const
       goto fail;
     }
     j->fd = ld.fd;
-    j->path = jpath;
+    journal_bind(j, jpath);
     j->file_id = ld.file_id;
     j->seq = next_seq;
     j->end = valid_end;

@@ -89,6 +89,9 @@ kvi_status kvi__rope_resolve(kvi__rope *out, const kvi_rope_spec *spec, int32_t 
     *out = r;
     return KVI_OK;
   }
+  if (s.style == KVI_ROPE_UNSET)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                     "style is %d (KVI_ROPE_UNSET), the state of a new model's layers; set NEOX, GPTJ or NONE", (int)s.style);
   if (s.style != KVI_ROPE_NEOX && s.style != KVI_ROPE_GPTJ)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "unknown RoPE style %d", (int)s.style);
   const int32_t rot = s.rotary_dim ? s.rotary_dim : head_size;
@@ -112,6 +115,13 @@ kvi_status kvi__rope_resolve(kvi__rope *out, const kvi_rope_spec *spec, int32_t 
     t->positions = s.table_positions;
     t->rotary_dim = rot;
     kvi__convert(t->data, KVI_DTYPE_FP32, s.cos_sin_table, s.table_dtype, (int64_t)n);
+    for (size_t i = 0; i < n; i++)
+      if (!isfinite(t->data[i])) {
+        const float bad = t->data[i];
+        free(t);
+        return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "cos_sin_table[%zu][%zu] is %g; a table must be finite",
+                         i / (size_t)rot, i % (size_t)rot, (double)bad);
+      }
     r.table = t;
     r.attn = 1.0f;
     s.rotary_dim = rot;

@@ -132,7 +132,8 @@ static void heap_offer(heap *h, float s, uint64_t id) {
 }
 
 static kvi_status cpu_search(kvi_store *s, const void *queries, kvi_dtype qt, int32_t nq, const uint64_t *tenants,
-                             int32_t k, uint64_t *out_ids, float *out_scores, int32_t *out_counts, const char *fn) {
+                             int32_t k, uint64_t *out_ids, float *out_scores, int32_t *out_counts, bool locked,
+                             const char *fn) {
   const int32_t dim = s->emb_dim;
   const size_t rb = (size_t)s->emb_ld * kvi_dtype_size(s->emb_dtype);
   float *q = malloc((size_t)nq * dim * sizeof *q), *row = malloc((size_t)dim * sizeof *row);
@@ -151,7 +152,7 @@ static kvi_status cpu_search(kvi_store *s, const void *queries, kvi_dtype qt, in
     }
   }
   /* nothing can fail from here on */
-  kvi__store_lock(s);
+  if (!locked) kvi__store_lock(s);
   for (int32_t i = 0; i < nq; i++) {
     const float *qi = q + (size_t)i * dim;
     const tenant *t = kvi__map_get(&s->tenants, tenants[i], 0);
@@ -177,7 +178,7 @@ static kvi_status cpu_search(kvi_store *s, const void *queries, kvi_dtype qt, in
     }
     out_counts[i] = cnt;
   }
-  kvi__store_unlock(s);
+  if (!locked) kvi__store_unlock(s);
 out:
   free(q);
   free(row);
@@ -796,11 +797,13 @@ static kvi_status enqueue(kvi_store *s, const plan *p, const layout *l, const vo
   return st;
 }
 
-/* then: kvi__search_then (out_scores NULL, out_tokens a result), or NULL */
+/* then: kvi__search_then (out_scores NULL, out_tokens a result), or NULL.
+ * locked: the caller holds the store's lock, and keeps it while the call
+ * waits for host outputs. */
 static kvi_status cuda_search(kvi_store *s, const void *queries, kvi_dtype qt, kvi_memory qm, int32_t nq,
                               const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
                               int32_t *out_counts, int32_t *out_tokens, kvi_memory om, uint64_t area,
-                              const kvi__search_then *then, struct CUstream_st *stream, const char *fn) {
+                              const kvi__search_then *then, bool locked, struct CUstream_st *stream, const char *fn) {
   if (!(kvi_features() & KVI_FEATURE_CUBLASLT))
     return kvi__fail(KVI_ERR_NOT_BUILT, fn, "searching a CUDA store needs cuBLASLt, and libkvinject was built without it");
   const bool host_q = qm == KVI_MEMORY_HOST, host_out = om == KVI_MEMORY_HOST;
@@ -811,7 +814,7 @@ static kvi_status cuda_search(kvi_store *s, const void *queries, kvi_dtype qt, k
   layout l;
   sslot *sl = NULL;
   bool enqueued = false;
-  kvi__store_lock(s);
+  if (!locked) kvi__store_lock(s);
   if (s->emb_err) {
     st = kvi__fail(s->emb_err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb_err_msg);
     goto out_unlock;
@@ -874,9 +877,10 @@ out_unlock:
     sl->busy = false;
     pthread_cond_broadcast(&s->search->cond);
   }
-  kvi__store_unlock(s);
+  if (!locked) kvi__store_unlock(s);
   if (sl && st == KVI_OK && host_out) {
-    /* wait for this search's results only, outside the lock; the slot stays ours */
+    /* wait for this search's results only, outside the lock (unless the
+     * caller holds it); the slot stays ours */
     st = kvi__cuda_event_sync(sl->ev, fn);
     if (st == KVI_OK) {
       const char *r = sl->host + l.upload;
@@ -885,10 +889,10 @@ out_unlock:
       memcpy(out_counts, r + (l.o_out_counts - l.o_out_ids), (size_t)nq * sizeof(int32_t));
       if (then) memcpy(out_tokens, r + (l.o_out_tokens - l.o_out_ids), (size_t)nq * sizeof(int32_t));
     }
-    kvi__store_lock(s);
+    if (!locked) kvi__store_lock(s);
     sl->busy = false;
     pthread_cond_broadcast(&s->search->cond);
-    kvi__store_unlock(s);
+    if (!locked) kvi__store_unlock(s);
   }
   plan_free(&p);
   return st;
@@ -952,19 +956,19 @@ KVI_API kvi_status kvi_store_search(kvi_store *store, const void *queries, int32
     return st;
   if (store->emb_sharded)
     return kvi__shard_search(store, queries, o.query_dtype, o.query_memory, num_queries, tenants, k, out_ids,
-                             out_scores, out_counts, o.out_memory, o.workspace_bytes, stream, fn);
+                             out_scores, out_counts, o.out_memory, o.workspace_bytes, false, stream, fn);
   return kvi__search_local(store, queries, o.query_dtype, o.query_memory, num_queries, tenants, k, out_ids, out_scores,
-                           out_counts, o.out_memory, o.workspace_bytes, stream, fn);
+                           out_counts, o.out_memory, o.workspace_bytes, false, stream, fn);
 }
 
 kvi_status kvi__search_local(kvi_store *s, const void *queries, kvi_dtype qt, kvi_memory qm, int32_t nq,
                              const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
-                             int32_t *out_counts, kvi_memory om, uint64_t ws, struct CUstream_st *stream,
-                             const char *fn) {
+                             int32_t *out_counts, kvi_memory om, uint64_t ws, bool locked,
+                             struct CUstream_st *stream, const char *fn) {
   if (s->backend != KVI_BACKEND_CUDA)
-    return cpu_search(s, queries, qt, nq, tenants, k, out_ids, out_scores, out_counts, fn);
-  return cuda_search(s, queries, qt, qm, nq, tenants, k, out_ids, out_scores, out_counts, NULL, om, ws, NULL, stream,
-                     fn);
+    return cpu_search(s, queries, qt, nq, tenants, k, out_ids, out_scores, out_counts, locked, fn);
+  return cuda_search(s, queries, qt, qm, nq, tenants, k, out_ids, out_scores, out_counts, NULL, om, ws, NULL, locked,
+                     stream, fn);
 }
 
 kvi_status kvi__search_then_run(kvi_store *s, const void *queries, const kvi_search_options *o, int32_t nq,
@@ -972,5 +976,5 @@ kvi_status kvi__search_then_run(kvi_store *s, const void *queries, const kvi_sea
                                 int32_t *out_tokens, const kvi__search_then *then, struct CUstream_st *stream,
                                 const char *fn) {
   return cuda_search(s, queries, o->query_dtype, o->query_memory, nq, tenants, k, out_ids, NULL, out_counts, out_tokens,
-                     o->out_memory, o->workspace_bytes, then, stream, fn);
+                     o->out_memory, o->workspace_bytes, then, false, stream, fn);
 }

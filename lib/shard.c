@@ -401,8 +401,10 @@ KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, int32_t root, const k
   for (int32_t r = 0; st == KVI_OK && r < c->size; r++) {
     if (r == root || (!is_root && r != c->rank)) continue;
     size_t total = 0;
-    for (int32_t i = 0; i < n; i++) total += slice_bytes(g, r, rec[i].tokens, kvi_dtype_size((kvi_dtype)rec[i].dtype));
-    if ((st = buf_alloc(c, &bufs[r], total, stream, fn))) break;
+    for (int32_t i = 0; i < n && st == KVI_OK; i++)
+      if (__builtin_add_overflow(total, slice_bytes(g, r, rec[i].tokens, kvi_dtype_size((kvi_dtype)rec[i].dtype)), &total))
+        st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "the items' slices for rank %d pass 2^64 bytes", (int)r);
+    if (st || (st = buf_alloc(c, &bufs[r], total, stream, fn))) break;
     size_t at = 0;
     int32_t first, h;
     kvi__geom_rank_heads(g, r, &first, &h);
@@ -563,8 +565,10 @@ KVI_API kvi_status kvi_store_gather(kvi_store *store, int32_t root, const kvi_ga
     kvi__geom_rank_heads(g, r, &first, &h);
     if (first == root_first) continue; /* root holds these heads itself */
     size_t total = 0;
-    for (int32_t i = 0; i < n; i++) total += slice_bytes(g, r, rt[i], kvi_dtype_size((kvi_dtype)rt[n + i]));
-    if ((st = buf_alloc(c, &bufs[r], total, stream, fn))) break;
+    for (int32_t i = 0; i < n && st == KVI_OK; i++)
+      if (__builtin_add_overflow(total, slice_bytes(g, r, rt[i], kvi_dtype_size((kvi_dtype)rt[n + i])), &total))
+        st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "the items' slices for rank %d pass 2^64 bytes", (int)r);
+    if (st || (st = buf_alloc(c, &bufs[r], total, stream, fn))) break;
     size_t at = 0;
     for (int32_t i = 0; i < n && st == KVI_OK; i++) {
       const kvi_dtype dt = (kvi_dtype)rt[n + i];
@@ -736,8 +740,8 @@ static void merge_host(const char *blocks, size_t bb, int32_t size, int32_t nq, 
 
 kvi_status kvi__shard_search(kvi_store *s, const void *queries, kvi_dtype qt, kvi_memory qm, int32_t nq,
                              const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
-                             int32_t *out_counts, kvi_memory om, uint64_t ws, struct CUstream_st *stream,
-                             const char *fn) {
+                             int32_t *out_counts, kvi_memory om, uint64_t ws, bool locked,
+                             struct CUstream_st *stream, const char *fn) {
   kvi_comm *c = s->comm;
   const size_t bb = block_bytes(nq, k), n = (size_t)nq * (size_t)k;
   const kvi__shard_hdr hdr0 = {0, nq, k, 0, query_digest(tenants, nq, k)};
@@ -748,7 +752,7 @@ kvi_status kvi__shard_search(kvi_store *s, const void *queries, kvi_dtype qt, kv
     if (st == KVI_OK)
       st = kvi__search_local(s, queries, qt, qm, nq, tenants, k, (uint64_t *)(mine + sizeof hdr0),
                              (float *)(mine + sizeof hdr0 + n * 8), (int32_t *)(mine + sizeof hdr0 + n * 12),
-                             KVI_MEMORY_HOST, ws, stream, fn);
+                             KVI_MEMORY_HOST, ws, locked, stream, fn);
     kvi__shard_hdr hdr = hdr0;
     hdr.status = (int32_t)st;
     if (mine) memcpy(mine, &hdr, sizeof hdr);
@@ -783,7 +787,7 @@ kvi_status kvi__shard_search(kvi_store *s, const void *queries, kvi_dtype qt, kv
   if (st == KVI_OK)
     st = kvi__search_local(s, queries, qt, qm, nq, tenants, k, (uint64_t *)(mine + sizeof hdr0),
                            (float *)(mine + sizeof hdr0 + n * 8), (int32_t *)(mine + sizeof hdr0 + n * 12),
-                           KVI_MEMORY_DEVICE, ws, stream, fn);
+                           KVI_MEMORY_DEVICE, ws, locked, stream, fn);
   kvi__shard_hdr hdr = hdr0;
   hdr.status = (int32_t)st;
   if (mine) {

@@ -1365,8 +1365,10 @@ kvi_status kvi__store_put_views(kvi_store *store, kvi__put_item *items, int32_t 
   uint32_t **pages = calloc(un, sizeof *pages);
   tenant **fresh = calloc(un, sizeof *fresh);
   pool **into = calloc(un, sizeof *into); /* the tier each fact's pages come from */
-  kvi__jfact *jf = store->journal ? calloc(un, sizeof *jf) : NULL;
-  if (st == KVI_OK && (!f || !pages || !fresh || !into || (store->journal && !jf)))
+  /* journal records whatever store->journal says now: a journal may be opened
+   * by another thread before this call takes the lock, which decides */
+  kvi__jfact *jf = calloc(un, sizeof *jf);
+  if (st == KVI_OK && (!f || !pages || !fresh || !into || !jf))
     st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating fact metadata");
   for (int32_t i = 0; i < n && st == KVI_OK; i++) {
     f[i] = calloc(1, sizeof **f);

@@ -286,17 +286,19 @@ kvi_status kvi__shard_create(kvi_store *s, const kvi_model *model, const kvi_sto
                              const char *fn);
 
 /* search.c: kvi_store_search on this rank's embeddings only (arguments
- * already checked). */
+ * already checked). locked: the caller holds the store's lock (for the
+ * whole call: host outputs of a CUDA store are then waited for under it). */
 kvi_status kvi__search_local(kvi_store *s, const void *queries, kvi_dtype qt, kvi_memory qm, int32_t nq,
                              const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
-                             int32_t *out_counts, kvi_memory om, uint64_t ws, struct CUstream_st *stream,
-                             const char *fn);
+                             int32_t *out_counts, kvi_memory om, uint64_t ws, bool locked,
+                             struct CUstream_st *stream, const char *fn);
 
-/* shard.c: the collective search of a store with sharded embeddings. */
+/* shard.c: the collective search of a store with sharded embeddings
+ * (locked: as kvi__search_local). */
 kvi_status kvi__shard_search(kvi_store *s, const void *queries, kvi_dtype qt, kvi_memory qm, int32_t nq,
                              const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
-                             int32_t *out_counts, kvi_memory om, uint64_t ws, struct CUstream_st *stream,
-                             const char *fn);
+                             int32_t *out_counts, kvi_memory om, uint64_t ws, bool locked,
+                             struct CUstream_st *stream, const char *fn);
 
 /* search.c: kvi_store_search's checks of everything but its outputs (opts
  * already read into *o). */

@@ -386,8 +386,8 @@ typedef struct plan {
 } plan;
 
 /* Segments a fact of `npages` pages can need, at most. */
-static int32_t segs_for(const xfer *x, uint32_t npages) {
-  return (int32_t)npages * ((x->store->P + x->seg_tokens - 1) / x->seg_tokens);
+static int64_t segs_for(const xfer *x, int64_t npages) {
+  return npages * ((x->store->P + x->seg_tokens - 1) / x->seg_tokens);
 }
 
 /* Checks a job's sequence range, block ids and positions. */
@@ -399,6 +399,9 @@ static kvi_status check_job(const xfer *x, const job *j, int32_t index, const ch
   if (!j->table) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s %d: block_table is NULL", what, (int)index);
   if (j->table_len < 0)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s %d: block_table_len is %d", what, (int)index, (int)j->table_len);
+  if (j->tokens > INT64_MAX - j->first_slot) /* first_slot + tokens would wrap */
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s %d: first_slot %lld + %lld tokens passes the largest sequence index",
+                     what, (int)index, (long long)j->first_slot, (long long)j->tokens);
   const int64_t last = j->first_slot + j->tokens - 1;
   if (last / c->BS >= j->table_len)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
@@ -438,9 +441,9 @@ static kvi_status check_limits(const xfer *x, int32_t nreqs, int64_t ntok, int64
 }
 
 /* Sets a plan's offsets and size (bytes) for the given counts; no buffer yet. */
-static void plan_layout(plan *p, int32_t nsegs, int32_t nreqs, int64_t ntok, int64_t npos, int64_t ntables) {
+static void plan_layout(plan *p, int64_t nsegs, int32_t nreqs, int64_t ntok, int64_t npos, int64_t ntables) {
   memset(p, 0, sizeof *p);
-  if (nsegs > ntok) nsegs = (int32_t)ntok; /* every segment has a token */
+  if (nsegs > ntok) nsegs = ntok; /* every segment has a token */
   p->o_reqs = align_up((size_t)nsegs * sizeof(kvi__xseg));
   p->o_pos = p->o_reqs + align_up((size_t)nreqs * sizeof(kvi__xreq));
   p->o_tab = p->o_pos + align_up((size_t)npos * sizeof(int32_t));
@@ -475,7 +478,7 @@ static kvi_status plan_buffer(plan *p, xfer *x, size_t bytes, bool inline_ok, co
 
 /* Sizes the plan, with `ext` bytes of the caller's own at o_ext, and finds
  * it a buffer (plan_buffer). */
-static kvi_status plan_alloc(plan *p, xfer *x, int32_t nsegs, int32_t nreqs, int64_t ntok, int64_t npos,
+static kvi_status plan_alloc(plan *p, xfer *x, int64_t nsegs, int32_t nreqs, int64_t ntok, int64_t npos,
                              int64_t ntables, size_t ext, const char *fn) {
   kvi_status st = check_limits(x, nreqs, ntok, ntables, fn);
   if (st) {
@@ -745,6 +748,18 @@ static kvi_status launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool in
 /* inject                                                                    */
 /* ------------------------------------------------------------------------ */
 
+/* Every layer's RoPE must have been set (a spec, or KVI_ROPE_NONE): a layer
+ * left as the model was created would inject or capture keys unrotated. */
+static kvi_status check_rope_set(const xfer *x, const char *fn) {
+  for (int32_t l = 0; l < x->store->geom.num_layers; l++)
+    if (x->store->rope[l].unset)
+      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                       "layer %d's RoPE was never set: give it a spec, or KVI_ROPE_NONE for a layer without rotary "
+                       "embedding, with kvi_model_set_rope before creating the store",
+                       (int)l);
+  return KVI_OK;
+}
+
 static void lock_both(xfer *x) {
   pthread_mutex_lock(&x->lock);
   kvi__store_lock(x->store);
@@ -783,7 +798,7 @@ static int64_t host_table_entries(const xfer *x, const job *j) {
 }
 
 /* Validates request r and sums its facts' tokens and pages (store locked). */
-static kvi_status inject_job(const xfer *x, const kvi_inject_request *rq, int32_t r, job *j, int32_t *npages,
+static kvi_status inject_job(const xfer *x, const kvi_inject_request *rq, int32_t r, job *j, int64_t *npages,
                              const fact **found, const char *fn) {
   memset(j, 0, sizeof *j);
   *npages = 0;
@@ -801,7 +816,7 @@ static kvi_status inject_job(const xfer *x, const kvi_inject_request *rq, int32_
                        (unsigned long long)rq->fact_ids[f], (unsigned long long)rq->tenant);
     __builtin_prefetch(ft->pages); /* read when the plan is written */
     j->tokens += ft->tokens;
-    *npages += (int32_t)ft->npages;
+    *npages += ft->npages;
   }
   if (rq->num_positions < 0 || (rq->num_positions > 0 && !rq->positions))
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "request %d: num_positions is %d with positions %s", (int)r,
@@ -844,73 +859,42 @@ static kvi_status bring_up(fact **found, size_t n, bool promote, xfer *x, struct
   return st;
 }
 
-KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *reqs, int32_t num_requests,
-                              const kvi_inject_options *opts, struct CUstream_st *stream) {
-  static const char fn[] = "kvi_inject";
-  if (!injector) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "injector is NULL");
-  if (num_requests < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_requests is %d", (int)num_requests);
-  if (num_requests > 0 && !reqs) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "reqs is NULL");
-  xfer *x = &injector->x;
-  kvi_inject_options o = KVI_INJECT_OPTIONS_INIT;
-  kvi_status st;
-  if (opts && (st = kvi__read_struct(&o, sizeof o, opts, INJECT_OPTIONS_V1, fn, "opts"))) return st;
-  const int32_t L = x->cache.L, lb = o.layer_begin, le = o.layer_end ? o.layer_end : L;
-  if (lb < 0 || le > L || lb >= le)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layer range [%d, %d) is not within [0, %d)", (int)lb, (int)le, (int)L);
-  if (o.host_pages != KVI_HOST_PAGES_PROMOTE && o.host_pages != KVI_HOST_PAGES_READ_MAPPED)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
-                     "opts->host_pages is %d, expected KVI_HOST_PAGES_PROMOTE (0) or KVI_HOST_PAGES_READ_MAPPED (1)",
-                     (int)o.host_pages);
-  if (num_requests == 0) return KVI_OK;
-  size_t rsize;
-  memcpy(&rsize, reqs, sizeof rsize);
+/* a + b for counts >= 0, saturating: a sum past the transfer limits stays past them */
+static int64_t sat_add(int64_t a, int64_t b) { return a > INT64_MAX - b ? INT64_MAX : a + b; }
+
+/* kvi_inject once its requests are read (rq: full-size copies), both locks
+ * held: kvi_inject, and kvi_retrieve_inject's host path, which holds them
+ * from its search on. */
+static kvi_status inject_locked(xfer *x, const kvi_inject_request *rq, int32_t num_requests, int32_t lb, int32_t le,
+                                kvi_host_pages host_pages, struct CUstream_st *stream, const char *fn) {
   int64_t nfacts = 0;
-  const fact **found = NULL;
-  job *jobs = malloc((size_t)num_requests * sizeof *jobs);
-  kvi_inject_request *rq = malloc((size_t)num_requests * sizeof *rq);
-  if (!jobs || !rq) {
-    free(jobs);
-    free(rq);
-    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d requests", (int)num_requests);
-  }
-  for (int32_t r = 0; r < num_requests; r++) {
-    const char *src = (const char *)reqs + (size_t)r * rsize;
-    size_t sz;
-    memcpy(&sz, src, sizeof sz);
-    if (sz != rsize) {
-      st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "reqs[%d].struct_size is %zu, reqs[0]'s is %zu; they must be equal", (int)r,
-                     sz, rsize);
-      goto out;
-    }
-    kvi_inject_request d = KVI_INJECT_REQUEST_INIT;
-    rq[r] = d;
-    if ((st = kvi__read_struct(&rq[r], sizeof rq[r], src, INJECT_REQUEST_V1, fn, "reqs[i]"))) goto out;
+  for (int32_t r = 0; r < num_requests; r++)
     if (rq[r].num_facts > 0) nfacts += rq[r].num_facts;
-  }
+  job *jobs = malloc((size_t)num_requests * sizeof *jobs);
   /* the facts each request names, looked up once */
-  if (!(found = malloc((size_t)(nfacts ? nfacts : 1) * sizeof *found))) {
-    st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %lld fact references", (long long)nfacts);
+  const fact **found = malloc((size_t)(nfacts ? nfacts : 1) * sizeof *found);
+  kvi_status st = KVI_OK;
+  if (!jobs || !found) {
+    st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d requests of %lld facts", (int)num_requests,
+                   (long long)nfacts);
     goto out;
   }
-
-  lock_both(x);
-  int64_t ntok = 0, npos = 0, ntables = 0, first = 0;
-  int32_t nsegs = 0;
+  int64_t ntok = 0, npos = 0, ntables = 0, first = 0, nsegs = 0;
   for (int32_t r = 0; r < num_requests; r++) {
-    int32_t np;
-    if ((st = inject_job(x, &rq[r], r, &jobs[r], &np, found + first, fn))) goto out_unlock;
+    int64_t np;
+    if ((st = inject_job(x, &rq[r], r, &jobs[r], &np, found + first, fn))) goto out;
     first += rq[r].num_facts;
-    ntok += jobs[r].tokens;
-    if (jobs[r].positions) npos += jobs[r].tokens;
-    nsegs += segs_for(x, (uint32_t)np);
-    ntables += host_table_entries(x, &jobs[r]);
+    ntok = sat_add(ntok, jobs[r].tokens);
+    if (jobs[r].positions) npos = sat_add(npos, jobs[r].tokens);
+    nsegs = sat_add(nsegs, segs_for(x, np));
+    ntables = sat_add(ntables, host_table_entries(x, &jobs[r]));
   }
   plan p;
-  if ((st = plan_alloc(&p, x, nsegs, num_requests, ntok, npos, ntables, 0, fn))) goto out_unlock;
+  if ((st = plan_alloc(&p, x, nsegs, num_requests, ntok, npos, ntables, 0, fn))) goto out;
   if (x->cuda && x->store->hpool.npages > 0 &&
-      (st = bring_up((fact **)found, (size_t)nfacts, o.host_pages == KVI_HOST_PAGES_PROMOTE, x, stream, fn))) {
+      (st = bring_up((fact **)found, (size_t)nfacts, host_pages == KVI_HOST_PAGES_PROMOTE, x, stream, fn))) {
     plan_free(x, &p);
-    goto out_unlock;
+    goto out;
   }
   first = 0;
   for (int32_t r = 0; r < num_requests; r++) {
@@ -928,13 +912,73 @@ KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *
   plan_free(x, &p);
   if (st == KVI_OK && x->store->hpool.npages > 0) /* the call's facts, the first named the most recent */
     for (int64_t i = nfacts; i-- > 0;) kvi__store_touch(x->store, (fact *)found[i]);
-out_unlock:
-  unlock_both(x);
 out:
   free(found);
   free(jobs);
+  return st;
+}
+
+KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *reqs, int32_t num_requests,
+                              const kvi_inject_options *opts, struct CUstream_st *stream) {
+  static const char fn[] = "kvi_inject";
+  if (!injector) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "injector is NULL");
+  if (num_requests < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_requests is %d", (int)num_requests);
+  if (num_requests > 0 && !reqs) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "reqs is NULL");
+  xfer *x = &injector->x;
+  kvi_inject_options o = KVI_INJECT_OPTIONS_INIT;
+  kvi_status st;
+  if (opts && (st = kvi__read_struct(&o, sizeof o, opts, INJECT_OPTIONS_V1, fn, "opts"))) return st;
+  const int32_t L = x->cache.L, lb = o.layer_begin, le = o.layer_end ? o.layer_end : L;
+  if (lb < 0 || le > L || lb >= le)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layer range [%d, %d) is not within [0, %d)", (int)lb, (int)le, (int)L);
+  if (o.host_pages != KVI_HOST_PAGES_PROMOTE && o.host_pages != KVI_HOST_PAGES_READ_MAPPED)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                     "opts->host_pages is %d, expected KVI_HOST_PAGES_PROMOTE (0) or KVI_HOST_PAGES_READ_MAPPED (1)",
+                     (int)o.host_pages);
+  if ((st = check_rope_set(x, fn))) return st;
+  if (num_requests == 0) return KVI_OK;
+  size_t rsize;
+  memcpy(&rsize, reqs, sizeof rsize);
+  kvi_inject_request *rq = malloc((size_t)num_requests * sizeof *rq);
+  if (!rq) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d requests", (int)num_requests);
+  for (int32_t r = 0; r < num_requests; r++) {
+    const char *src = (const char *)reqs + (size_t)r * rsize;
+    size_t sz;
+    memcpy(&sz, src, sizeof sz);
+    if (sz != rsize) {
+      st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "reqs[%d].struct_size is %zu, reqs[0]'s is %zu; they must be equal", (int)r,
+                     sz, rsize);
+      goto out;
+    }
+    kvi_inject_request d = KVI_INJECT_REQUEST_INIT;
+    rq[r] = d;
+    if ((st = kvi__read_struct(&rq[r], sizeof rq[r], src, INJECT_REQUEST_V1, fn, "reqs[i]"))) goto out;
+  }
+  lock_both(x);
+  st = inject_locked(x, rq, num_requests, lb, le, o.host_pages, stream, fn);
+  unlock_both(x);
+out:
   free(rq);
   return st;
+}
+
+/* kvi_inject_plan's sum, the store's lock held; *out_tokens written on success. */
+static kvi_status plan_tokens(const kvi_store *s, uint64_t tenant, const uint64_t *fact_ids, int32_t num_facts,
+                              int64_t *out_tokens, const char *fn) {
+  int64_t total = 0;
+  for (int32_t f0 = 0; f0 < num_facts; f0 += 64) { /* looked up 64 at a time */
+    const fact *found[64];
+    const int32_t n = num_facts - f0 < 64 ? num_facts - f0 : 64;
+    kvi__map_get_many(&s->facts, &tenant, 0, fact_ids + f0, (size_t)n, (void **)found);
+    for (int32_t f = 0; f < n; f++) {
+      if (!found[f])
+        return kvi__fail(KVI_ERR_NOT_FOUND, fn, "no fact %llu for tenant %llu", (unsigned long long)fact_ids[f0 + f],
+                         (unsigned long long)tenant);
+      total += found[f]->tokens;
+    }
+  }
+  *out_tokens = total;
+  return KVI_OK;
 }
 
 KVI_API kvi_status kvi_inject_plan(const kvi_injector *injector, uint64_t tenant, const uint64_t *fact_ids,
@@ -944,23 +988,9 @@ KVI_API kvi_status kvi_inject_plan(const kvi_injector *injector, uint64_t tenant
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s", !injector ? "injector is NULL" : !out_tokens ? "out_tokens is NULL"
                                                          : num_facts < 0 ? "num_facts is negative" : "fact_ids is NULL");
   const kvi_store *s = injector->x.store;
-  int64_t total = 0;
-  kvi_status st = KVI_OK;
   kvi__store_lock(s);
-  for (int32_t f0 = 0; f0 < num_facts && st == KVI_OK; f0 += 64) { /* looked up 64 at a time */
-    const fact *found[64];
-    const int32_t n = num_facts - f0 < 64 ? num_facts - f0 : 64;
-    kvi__map_get_many(&s->facts, &tenant, 0, fact_ids + f0, (size_t)n, (void **)found);
-    for (int32_t f = 0; f < n && st == KVI_OK; f++) {
-      if (!found[f])
-        st = kvi__fail(KVI_ERR_NOT_FOUND, fn, "no fact %llu for tenant %llu", (unsigned long long)fact_ids[f0 + f],
-                       (unsigned long long)tenant);
-      else
-        total += found[f]->tokens;
-    }
-  }
+  const kvi_status st = plan_tokens(s, tenant, fact_ids, num_facts, out_tokens, fn);
   kvi__store_unlock(s);
-  if (st == KVI_OK) *out_tokens = total;
   return st;
 }
 
@@ -1017,7 +1047,7 @@ static void capture_job(const kvi_capture *c, job *j) {
 
 /* The plan sizes of a run of captures (kvi_encode's chunks). */
 typedef struct chunk_size {
-  int32_t nsegs;
+  int64_t nsegs;
   int64_t ntok, npos, ntables;
 } chunk_size;
 
@@ -1087,8 +1117,9 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
   if (!encoder) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "encoder is NULL");
   if (num_captures < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_captures is %d", (int)num_captures);
   if (num_captures > 0 && !caps) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "caps is NULL");
-  if (num_captures == 0) return KVI_OK;
   xfer *x = &encoder->x;
+  kvi_status rst = check_rope_set(x, fn);
+  if (rst || num_captures == 0) return rst;
   kvi_store *s = x->store;
   const int32_t nchunks = (num_captures + CAPTURE_CHUNK - 1) / CAPTURE_CHUNK;
   /* cs is filled as the captures are read (zeroing it all up front costs
@@ -1168,6 +1199,9 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
     ntables += tables;
   }
   kvi__map_free(&seen);
+  /* the limits before anything is reserved: need_total <= ntok, so within
+   * them it cannot have wrapped */
+  if (st == KVI_OK) st = check_limits(x, num_captures, ntok, ntables, fn);
   if (st) goto out;
 
   lock_both(x);
@@ -1210,7 +1244,6 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
     rows_reserved = true;
   }
   bool launched = false;
-  if (st == KVI_OK) st = check_limits(x, num_captures, ntok, ntables, fn);
   if (st == KVI_OK) {
     /* one chunk when the whole plan travels in the kernel parameters */
     chunk_size all = {0, ntok, 0, ntables};
@@ -1302,14 +1335,18 @@ static kvi_status check_reserve(const xfer *x, const kvi_retrieve_request *rq, i
 }
 
 /* The host path (CPU stores, and CUDA stores with a host tier or sharded
- * embeddings): kvi_store_search into host memory, then kvi_inject, which
- * checks everything again before writing. Arguments read and checked. */
+ * embeddings): the search into host memory, then the injection of its
+ * results, which checks everything again before writing; both locks held
+ * from the reserve check to the injection, so no put or remove comes in
+ * between. Arguments read and checked. */
 static kvi_status retrieve_on_host(kvi_injector *injector, const void *queries, int32_t nq, int32_t dim,
                                    const kvi_retrieve_request *rq, const uint64_t *tenants, int32_t k,
                                    const kvi_search_options *opts, uint64_t *out_ids, int32_t *out_counts,
                                    int32_t *out_tokens, struct CUstream_st *stream) {
   static const char fn[] = "kvi_retrieve_inject";
   xfer *x = &injector->x;
+  kvi_store *s = x->store;
+  (void)dim;
   const size_t n = (size_t)nq;
   kvi_inject_request *ir = malloc(n * sizeof *ir);
   uint64_t *ids = malloc(n * (size_t)k * sizeof *ids), *order = malloc(n * (size_t)k * sizeof *order);
@@ -1321,26 +1358,26 @@ static kvi_status retrieve_on_host(kvi_injector *injector, const void *queries, 
   /* the same contract as the device path: room for k facts of the tenant's
    * longest size, and the reserves within the transfer limits */
   int64_t ntok = 0, ntables = 0;
-  kvi__store_lock(x->store);
+  lock_both(x);
   for (int32_t i = 0; i < nq && st == KVI_OK; i++) {
     job j;
     const tenant *t;
     int32_t nres;
     if ((st = check_reserve(x, &rq[i], i, k, &j, &t, &nres, fn))) break;
-    ntok += j.tokens;
-    ntables += host_table_entries(x, &j);
+    ntok = sat_add(ntok, j.tokens);
+    ntables = sat_add(ntables, host_table_entries(x, &j));
   }
-  kvi__store_unlock(x->store);
   if (st == KVI_OK) st = check_limits(x, nq, ntok, ntables, fn);
-  kvi_search_options so = *opts;
-  so.out_memory = KVI_MEMORY_HOST;
-  if (st == KVI_OK) st = kvi_store_search(x->store, queries, nq, dim, tenants, k, ids, scores, counts, &so, stream);
+  if (st == KVI_OK)
+    st = (s->emb_sharded ? kvi__shard_search : kvi__search_local)(s, queries, opts->query_dtype, opts->query_memory, nq,
+                                                                  tenants, k, ids, scores, counts, KVI_MEMORY_HOST,
+                                                                  opts->workspace_bytes, true, stream, fn);
   for (size_t i = 0; i < n && st == KVI_OK; i++) {
     uint64_t *o = order + i * (size_t)k;
     for (int32_t j = 0; j < counts[i]; j++)
       o[j] = ids[i * (size_t)k + (size_t)((rq[i].flags & KVI_RETRIEVE_BEST_LAST) ? counts[i] - 1 - j : j)];
     int64_t t = 0;
-    if (counts[i] > 0 && (st = kvi_inject_plan(injector, rq[i].tenant, o, counts[i], &t))) break;
+    if (counts[i] > 0 && (st = plan_tokens(s, rq[i].tenant, o, counts[i], &t, fn))) break;
     if (t > INT32_MAX) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "query %zu's facts have %lld tokens", i, (long long)t);
     tokens[i] = (int32_t)t;
     kvi_inject_request q = KVI_INJECT_REQUEST_INIT;
@@ -1354,7 +1391,8 @@ static kvi_status retrieve_on_host(kvi_injector *injector, const void *queries, 
     q.start_position = rq[i].start_position;
     ir[i] = q;
   }
-  if (st == KVI_OK) st = kvi_inject(injector, ir, nq, NULL, stream); /* checks everything before writing */
+  if (st == KVI_OK) st = inject_locked(x, ir, nq, 0, x->cache.L, KVI_HOST_PAGES_PROMOTE, stream, fn);
+  unlock_both(x);
   if (st == KVI_OK) {
     memcpy(out_ids, ids, n * (size_t)k * sizeof *ids);
     memcpy(out_counts, counts, n * sizeof *counts);
@@ -1401,7 +1439,7 @@ static kvi_status retr_prepare(void *ctx, const char *fn) {
   }
   if (st == KVI_OK && nsegs > ntok) st = kvi__fail(KVI_ERR_INTERNAL, fn, "%lld segments for %lld tokens", (long long)nsegs, (long long)ntok);
   if (st == KVI_OK)
-    st = plan_alloc(&r->p, x, (int32_t)nsegs, r->nq, ntok, 0, ntables, (size_t)r->nq * sizeof(kvi__rquery), fn);
+    st = plan_alloc(&r->p, x, nsegs, r->nq, ntok, 0, ntables, (size_t)r->nq * sizeof(kvi__rquery), fn);
   if (st == KVI_OK) {
     kvi__rquery *q = (kvi__rquery *)(r->p.buf + r->p.o_ext);
     int32_t seg0 = 0;
@@ -1475,6 +1513,7 @@ KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queri
   if (opts && (st = kvi__read_struct(&so, sizeof so, opts, sizeof so, fn, "opts"))) return st;
   if (k < 1 || k > KVI_SEARCH_MAX_K)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "k is %d, expected 1..%d", (int)k, KVI_SEARCH_MAX_K);
+  if ((st = check_rope_set(x, fn))) return st;
   if (num_queries == 0) return KVI_OK;
   size_t rsize;
   memcpy(&rsize, reqs, sizeof rsize);

@@ -33,13 +33,22 @@ KVI_API void kvi_kv_view_contiguous(kvi_kv_view *view, kvi_memory memory, kvi_dt
   view->v = v;
 }
 
-typedef struct dim {
-  int64_t extent, stride;
-} dim;
+typedef kvi__dim dim;
 
 static int cmp_dim(const void *a, const void *b) {
   const dim *x = a, *y = b;
   return (x->stride > y->stride) - (x->stride < y->stride);
+}
+
+bool kvi__dims_disjoint(kvi__dim *dims, int n) {
+  qsort(dims, (size_t)n, sizeof dims[0], cmp_dim);
+  int64_t reach = 0; /* largest offset reached by the dimensions so far */
+  for (int i = 0; i < n; i++) {
+    if (dims[i].extent == 1) continue;
+    if (dims[i].stride <= reach) return false;
+    reach += (dims[i].extent - 1) * dims[i].stride;
+  }
+  return true;
 }
 
 kvi_status kvi__view_check(kvi_kv_view *out, const kvi_kv_view *user, const kvi__geom *g,
@@ -103,18 +112,12 @@ kvi_status kvi__view_check(kvi_kv_view *out, const kvi_kv_view *user, const kvi_
         return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s->k and %s->v overlap and are not element-aligned", name, name);
       nd = 4;
     }
-    qsort(e, (size_t)nd, sizeof e[0], cmp_dim);
-    int64_t reach = 0; /* largest offset reached by the dimensions so far */
-    for (int i = 0; i < nd; i++) {
-      if (e[i].extent == 1) continue;
-      if (e[i].stride <= reach)
-        return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
-                         "%s overlaps itself (layer stride %lld, token %lld, head %lld, head_size %d, v - k = %lld "
-                         "elements): a destination must not write one address twice",
-                         name, (long long)v.layer_stride, (long long)v.token_stride, (long long)v.head_stride,
-                         (int)v.head_size, (long long)(gap / (intptr_t)es));
-      reach += (e[i].extent - 1) * e[i].stride;
-    }
+    if (!kvi__dims_disjoint(e, nd))
+      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                       "%s overlaps itself (layer stride %lld, token %lld, head %lld, head_size %d, v - k = %lld "
+                       "elements): a destination must not write one address twice",
+                       name, (long long)v.layer_stride, (long long)v.token_stride, (long long)v.head_stride,
+                       (int)v.head_size, (long long)(gap / (intptr_t)es));
   }
   *out = v;
   return KVI_OK;

@@ -72,7 +72,10 @@ KVI_API void kvi_transfer_options_init(kvi_transfer_options *opts);
  * device memory of the store's device for a CUDA store, host memory for a CPU
  * store. opts: host memory or NULL for defaults.
  * Errors: KVI_ERR_INVALID_ARGUMENT (NULL, layout fields out of range, a
- * layout whose extent overflows, missing base pointers or scales),
+ * layout whose extent overflows, one in which two elements of a layer share
+ * an address (blocks, tokens or heads of K or V overlapping, or K
+ * overlapping V; packed K|V layouts interleave and pass), missing base
+ * pointers or scales),
  * KVI_ERR_STRUCT_SIZE, KVI_ERR_MISMATCH (layers, heads or head size differ
  * from the store's model), KVI_ERR_MEMORY_KIND, KVI_ERR_OUT_OF_MEMORY,
  * KVI_ERR_CUDA.
@@ -147,7 +150,9 @@ KVI_API void kvi_inject_options_init(kvi_inject_options *opts);
  * layer range lets an engine write layer l+1 while it computes layer l.
  * Errors: KVI_ERR_INVALID_ARGUMENT (NULL, num_requests < 0, a request field
  * out of range, a bad layer range, a position out of range, a sequence
- * range past its block table, a host block-table entry outside the cache),
+ * range past its block table or first_slot + tokens past INT64_MAX, a host
+ * block-table entry outside the cache, a layer of the store's model whose
+ * RoPE was never set (kvinject/model.h; even with num_requests 0)),
  * KVI_ERR_STRUCT_SIZE, KVI_ERR_NOT_FOUND (a fact id unknown for the
  * request's tenant), KVI_ERR_MEMORY_KIND, KVI_ERR_CAPACITY (past the
  * transfer options; or, on a store with a host tier, the call's facts cannot
@@ -227,12 +232,15 @@ KVI_API void kvi_retrieve_request_init(kvi_retrieve_request *req);
  *   results come to the host and kvi_inject runs on them; there
  *   opts->out_memory must be KVI_MEMORY_HOST (else KVI_ERR_MEMORY_KIND).
  * Failed calls write nothing (neither the cache nor the outputs).
- * Thread safety: as kvi_inject and kvi_store_search (both locks are held for
- *   the call; a put or remove by another thread waits, or comes after).
+ * Thread safety: as kvi_inject and kvi_store_search. On every path the
+ *   injector's and the store's locks are held from the reserve check through
+ *   the search to the injection, so a put or remove by another thread comes
+ *   entirely before or after (on the host path a CUDA store then waits for
+ *   its search's results under the store's lock).
  * Errors: those of kvi_store_search and kvi_inject; KVI_ERR_INVALID_ARGUMENT
  * (NULL injector, reqs or output, unknown flags, too small a reserve),
  * KVI_ERR_STRUCT_SIZE, KVI_ERR_MEMORY_KIND, KVI_ERR_CAPACITY (the reserves
- * exceed the injector's transfer limits).
+ * exceed the injector's transfer limits); an unset RoPE layer as kvi_inject.
  */
 KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queries, int32_t num_queries, int32_t dim,
                                        const kvi_retrieve_request *reqs, int32_t k, const kvi_search_options *opts,
@@ -297,8 +305,8 @@ KVI_API void kvi_capture_init(kvi_capture *cap);
  * all-or-nothing: if one fails its checks (or the store lacks pages for all
  * of them), or a launch fails, none is stored. caps: host array, all with the same struct_size.
  * Errors: as kvi_store_put and kvi_inject (KVI_ERR_EXISTS, KVI_ERR_CAPACITY,
- * KVI_ERR_INVALID_ARGUMENT, ...); two captures of one call with the same
- * (tenant, fact id) are KVI_ERR_INVALID_ARGUMENT.
+ * KVI_ERR_INVALID_ARGUMENT (an unset RoPE layer too), ...); two captures of
+ * one call with the same (tenant, fact id) are KVI_ERR_INVALID_ARGUMENT.
  */
 KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures,
                               struct CUstream_st *stream);

@@ -51,8 +51,12 @@ KVI_API void kvi_model_options_init(kvi_model_options *opts);
  * out:  host memory; receives the new model, owned by the caller (free it
  *       with kvi_model_destroy). Unchanged on error.
  * opts: host memory, required (the geometry has no defaults).
- * Every layer starts with RoPE style KVI_ROPE_NONE; set it with
- * kvi_model_set_rope.
+ * Every layer starts with its RoPE unset (KVI_ROPE_UNSET): give each layer a
+ * spec, or KVI_ROPE_NONE for a layer without rotary embedding, with
+ * kvi_model_set_rope. Stores may be made and filled from a model with unset
+ * layers (put, read, search, save), but kvi_inject, kvi_encode and
+ * kvi_retrieve_inject on such a store fail with KVI_ERR_INVALID_ARGUMENT
+ * naming the first unset layer (keys would otherwise land unrotated).
  * Errors: KVI_ERR_INVALID_ARGUMENT (NULL, a field out of range, tp_rank not
  * in [0, tp_size), tp_size and num_kv_heads where neither divides the other),
  * KVI_ERR_STRUCT_SIZE, KVI_ERR_OUT_OF_MEMORY.
@@ -87,6 +91,8 @@ KVI_API kvi_status kvi_model_info_get(const kvi_model *model, kvi_model_info *ou
 
 /* How a layer's keys are rotated. */
 typedef enum kvi_rope_style {
+  KVI_ROPE_UNSET = -1, /* never set (a new model's layers; kvi_model_get_rope reports it,
+                          kvi_model_set_rope refuses it): injection and capture fail */
   KVI_ROPE_NONE = 0, /* no rotary embedding on this layer (NoPE) */
   KVI_ROPE_NEOX = 1, /* half split: pairs (x_i, x_{i + rotary_dim/2}) */
   KVI_ROPE_GPTJ = 2  /* interleaved: pairs (x_{2i}, x_{2i+1}) */
@@ -158,14 +164,16 @@ KVI_API void kvi_rope_spec_init(kvi_rope_spec *spec);
  * Errors: KVI_ERR_INVALID_ARGUMENT (NULL, layer out of range, unknown style or
  * scaling, rotary_dim odd or > head_size, theta/factor not finite and > 0,
  * high_freq_factor <= low_freq_factor, original_max_position < 1, a table
- * with table_positions < 1 or a non-float dtype), KVI_ERR_STRUCT_SIZE,
+ * with table_positions < 1 or a non-float dtype, a table holding a NaN or an
+ * infinity; style KVI_ROPE_UNSET), KVI_ERR_STRUCT_SIZE,
  * KVI_ERR_OUT_OF_MEMORY. On error no layer is changed.
  */
 KVI_API kvi_status kvi_model_set_rope(kvi_model *model, int32_t layer, const kvi_rope_spec *spec);
 
 /* Reads one layer's RoPE into *out (host memory; set out->struct_size). A
  * resolved spec: rotary_dim is never 0 for a rotated layer, attention_factor
- * is the one applied. cos_sin_table points to the model's own fp32 copy
+ * is the one applied; a layer never set reads as KVI_ROPE_UNSET (its other
+ * fields as for KVI_ROPE_NONE). cos_sin_table points to the model's own fp32 copy
  * (table_dtype FP32), valid while the model lives and its RoPE is unchanged.
  * Errors: KVI_ERR_INVALID_ARGUMENT, KVI_ERR_STRUCT_SIZE. */
 KVI_API kvi_status kvi_model_get_rope(const kvi_model *model, int32_t layer, kvi_rope_spec *out);
@@ -176,7 +184,7 @@ KVI_API kvi_status kvi_model_get_rope(const kvi_model *model, int32_t layer, kvi
  * included, to *out_cos / *out_sin (host memory). What the encoder and
  * injector use, exposed so engines and tests can check their own tables.
  * Errors: KVI_ERR_INVALID_ARGUMENT (NULL, layer/pair out of range, a NoPE
- * layer, pos < 0 or past a table's rows).
+ * or unset layer, pos < 0 or past a table's rows).
  */
 KVI_API kvi_status kvi_model_rope_cos_sin(const kvi_model *model, int32_t layer, int32_t pos, int32_t pair,
                                           float *out_cos, float *out_sin);

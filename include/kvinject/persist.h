@@ -43,12 +43,23 @@
  * for the stream it was given (its copy must be complete to be written), so
  * it returns only when that stream has drained.
  *
- * Files are created with mode 0600 (owner only: facts are user data). Saving
- * writes "<path>.tmp.<pid>.<n>" in the same directory and renames it; a
- * process killed mid-save leaves that temporary file behind (never the path
- * itself damaged); it can be deleted. The file's byte order is the host's;
+ * Files are created with mode 0600 whatever the umask (owner only: facts are
+ * user data). Saving writes "<path>.tmp.<16 random hex digits>" in the same
+ * directory, created with O_EXCL | O_NOFOLLOW (never an existing file, nor
+ * through a symlink planted at the name) and locked (flock) while it is
+ * written, then renames it over the path. A process killed mid-save leaves
+ * that temporary behind (never the path itself damaged); the next save or
+ * journal open of the same path removes such temporaries (regular files of
+ * the caller's user that no one holds locked), and they may be deleted by
+ * hand. See docs/security.md. The file's byte order is the host's;
  * the format is defined for little-endian hosts (others get
  * KVI_ERR_UNSUPPORTED).
+ *
+ * A journal appends to the file it opened only while that file is still the
+ * one at its path: once the file was unlinked, or another file renamed over
+ * the path, every journaled call fails with KVI_ERR_IO (nothing changed)
+ * until kvi_store_journal_open writes a fresh file, so a change is never
+ * acknowledged into a file no load will read.
  *
  * A file that is some store's journal is locked (flock) by that store: saving
  * over it, opening it as another journal or loading it with KVI_LOAD_JOURNAL

@@ -94,7 +94,10 @@ KVI_API void kvi_search_options_init(kvi_search_options *opts);
  *             (query i at queries + i * dim), in opts->query_memory. Every
  *             element must be finite, and stay finite once scaled and rounded
  *             to the store's embedding_dtype (e.g. |x| < 65520 for fp16).
- * num_queries: >= 0; 0 does nothing and returns KVI_OK.
+ * num_queries: >= 0. With 0, opts, dim and k are checked as for any call
+ *             (and a store without embeddings is refused); then the call
+ *             returns KVI_OK having read and written nothing: queries,
+ *             tenants and the outputs may be NULL, stream is not used.
  * dim:        must equal the store's embedding_dim (a check that the caller's
  *             embedding model matches the store's).
  * tenants:    host memory, num_queries tenant ids: query i searches tenant

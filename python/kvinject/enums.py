@@ -57,8 +57,9 @@ class Backend(enum.IntEnum):
 
 
 class RopeStyle(enum.IntEnum):
-    """kvi_rope_style: how a layer's keys are rotated."""
+    """kvi_rope_style: how a layer's keys are rotated (UNSET: never set, a new model's state)."""
 
+    UNSET = -1
     NONE = 0
     NEOX = 1
     GPTJ = 2

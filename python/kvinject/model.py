@@ -62,7 +62,8 @@ class Model(Handle):
     """kvi_model: the attention KV geometry of one model as this process sees it.
 
     ``Model(num_layers, num_kv_heads, head_size, tp_rank=0, tp_size=1)``. Every
-    layer starts without RoPE (RopeStyle.NONE): call :meth:`set_rope`. Stores
+    layer starts with its RoPE unset (RopeStyle.UNSET; injection and capture refuse it):
+    call :meth:`set_rope` with a spec or ``style=RopeStyle.NONE``. Stores
     copy what they need, so a model may be closed after creating them.
     Thread rules as in C: reads from many threads; set_rope alone.
     """

@@ -16,6 +16,7 @@ class Retrieve(unittest.TestCase):
     def setUp(self):
         r = rng(77)
         self.model = kvi.Model(L, H, D)
+        self.model.set_rope(style=kvi.RopeStyle.NONE)  # the expected cache is an unrotated copy
         self.store = kvi.Store(self.model, 1 << 20, backend=kvi.Backend.CPU, dtype=DType.FP32, page_tokens=4,
                                embedding_dim=E)
         self.addCleanup(self.store.close)

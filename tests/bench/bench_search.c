@@ -276,6 +276,9 @@ int main(int argc, char **argv) {
   mo.head_size = 8;
   kvi_model *model;
   CK(kvi_model_create(&model, &mo));
+  kvi_rope_spec nope = KVI_ROPE_SPEC_INIT; /* retrieve-and-inject needs every layer's RoPE set */
+  nope.style = KVI_ROPE_NONE;
+  CK(kvi_model_set_rope(model, -1, &nope));
   kvi_store_options so = KVI_STORE_OPTIONS_INIT;
   so.backend = KVI_BACKEND_CUDA;
   so.device = 0;

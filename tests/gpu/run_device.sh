@@ -12,7 +12,9 @@
 # applied, e.g. `git diff main some-branch > .debs/x.patch`, each built in
 # its own directory; AB_TEST (default test_gpu_transfer) runs on each, then
 # AB_ROUNDS (default 2) interleaved rounds of AB_BENCH (default
-# bench_inject), so that drift of the machine hits every variant alike).
+# bench_inject), so that drift of the machine hits every variant alike),
+# or repeat [BIN [RUNS [PARALLEL]]] (build, then tests/gpu/repeat.sh: one gpu
+# test binary many times under parallel load, default test_gpu_store 60 x 4).
 set -euo pipefail
 phase=${1:-all}
 out=${OUT:-/tmp/kvi-out}
@@ -75,6 +77,7 @@ meson setup "$build" "${setup_args[@]}" >"$out/setup.log" 2>&1 || { tail -40 "$o
 grep -A8 '^libkvinject' "$out/setup.log" || true
 ninja -C "$build" >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
 [ "$phase" = build ] && exit 0
+[ "$phase" = repeat ] && exec tests/gpu/repeat.sh "${@:2}" # BIN RUNS PARALLEL: see repeat.sh
 if [ "$phase" = perf ]; then
   set +e
   for t in test_gpu_transfer test_gpu_search; do

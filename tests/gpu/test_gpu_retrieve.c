@@ -313,6 +313,7 @@ static void shuffle_tables(world *w) {
   }
   for (int r = 0; r < NQ; r++) memcpy(w->tables[r], perm + r * TBL, TBL * sizeof(int32_t));
   CUDA_OK(cudaMemcpy(w->dtab, w->tables, sizeof w->tables, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaDeviceSynchronize()); /* the pageable copy has landed (test_gpu_store.c, to_device) */
 }
 
 /* NQ requests over tenants {1, 2, 3, 4, 77} in a random order; first slots
@@ -374,6 +375,7 @@ static kvi_status gpu_retrieve(world *w, const float *q, const kvi_retrieve_requ
   if (qm == KVI_MEMORY_DEVICE) {
     CUDA_OK(cudaMalloc((void **)&dq, (size_t)NQ * DIM * sizeof(float)));
     CUDA_OK(cudaMemcpy(dq, q, (size_t)NQ * DIM * sizeof(float), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaDeviceSynchronize()); /* the pageable copy has landed (test_gpu_store.c, to_device) */
   }
   if (om == KVI_MEMORY_DEVICE) {
     CUDA_OK(cudaMalloc((void **)&di, sizeof o->ids));

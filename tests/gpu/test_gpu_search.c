@@ -141,6 +141,7 @@ static void search(kvi_store *s, const void *queries, kvi_dtype qdt, kvi_memory 
   if (qm == KVI_MEMORY_DEVICE) {
     CUDA_OK(cudaMalloc(&dq, qbytes));
     CUDA_OK(cudaMemcpy(dq, queries, qbytes, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaDeviceSynchronize()); /* the pageable copy has landed (test_gpu_store.c, to_device) */
   }
   if (om == KVI_MEMORY_DEVICE) {
     CUDA_OK(cudaMalloc(&di, no * sizeof(uint64_t)));
@@ -593,6 +594,7 @@ static void test_memory_kinds(void **state) {
   void *dq;
   CUDA_OK(cudaMalloc(&dq, sizeof e));
   CUDA_OK(cudaMemcpy(dq, e, sizeof e, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaDeviceSynchronize()); /* the pageable copy has landed (test_gpu_store.c, to_device) */
   const uint64_t t = 1;
   uint64_t ids[2] = {7, 7};
   float sc[2] = {7, 7};

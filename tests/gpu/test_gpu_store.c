@@ -144,6 +144,11 @@ static void to_device(const strided *s, kvi_kv_view *dv, void **dk, void **dvv) 
   CUDA_OK(cudaMalloc(dvv, bytes));
   CUDA_OK(cudaMemcpy(*dk, s->host_k, bytes, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(*dvv, s->host_v, bytes, cudaMemcpyHostToDevice));
+  /* From pageable memory cudaMemcpy returns once the data is staged, before
+   * the DMA into the buffer has completed; work on a non-blocking stream (the
+   * puts in test_persist) does not wait for the legacy stream, and read the
+   * buffer's last bytes before they landed (zeros). */
+  CUDA_OK(cudaDeviceSynchronize());
   *dv = s->view;
   dv->memory = KVI_MEMORY_DEVICE;
   dv->k = (char *)*dk + ((char *)s->view.k - (char *)s->host_k);

@@ -212,6 +212,7 @@ static int tp_test(tp_rank *r, void *arg) {
     if (r->rank == root && f % 2 == 0) {
       CU(r, cudaMalloc(&src, bytes));
       CU(r, cudaMemcpy(src, facts[f].kv, bytes, cudaMemcpyHostToDevice));
+      CU(r, cudaDeviceSynchronize()); /* the pageable copy has landed (test_gpu_store.c, to_device) */
       mem = KVI_MEMORY_DEVICE;
     }
     const kvi_kv_view full = view_of(mem, KVI_DTYPE_FP32, T, H, src);

@@ -570,6 +570,7 @@ static void t_journal_encode(void **state) {
     }
     CUDA_OK(cudaMemcpy(w.dev[i], w.host[i], w.layer_bytes, cudaMemcpyHostToDevice));
   }
+  CUDA_OK(cudaDeviceSynchronize()); /* the pageable copy has landed (test_gpu_store.c, to_device) */
   char dir[] = "/tmp/kvi-gpu-journal-XXXXXX";
   assert_non_null(mkdtemp(dir));
   char path[64];

@@ -1256,6 +1256,8 @@ static void test_create_errors(void **state) {
   rng r;
   rng_seed(&r, __func__);
   kvi_model *m = make_model(2, 2, 8, 0, 1);
+  const kvi_rope_spec unrotated = nope();
+  assert_ok(kvi_model_set_rope(m, -1, &unrotated));
   kvi_store *s = NULL;
   kvi_store_options so = cpu_store_options(KVI_DTYPE_FP32, 4, 1u << 16);
   assert_ok(kvi_store_create(&s, m, &so));

@@ -233,16 +233,23 @@ static kvi_rope_spec rope(kvi_rope_style style, int32_t rotary_dim, double theta
 
 static void assert_rope(const kvi_model *m, int32_t layer, kvi_rope_style style, int32_t rotary_dim, double theta) {
   const kvi_rope_spec s = rope_of(m, layer);
-  if (s.style != style || s.rotary_dim != rotary_dim || (style != KVI_ROPE_NONE && s.theta != theta))
+  if (s.style != style || s.rotary_dim != rotary_dim || (style != KVI_ROPE_NONE && style != KVI_ROPE_UNSET && s.theta != theta))
     fail_msg("layer %d: got style %d rotary_dim %d theta %g, expected %d %d %g", layer, (int)s.style,
              s.rotary_dim, s.theta, (int)style, rotary_dim, theta);
 }
 
-static void test_rope_default_none(void **state) {
+/* A new model's layers are unset (not NONE): injection and capture refuse
+ * them until each is given a spec or KVI_ROPE_NONE (unit-hardening). */
+static void test_rope_default_unset(void **state) {
   for (int32_t l = 0; l < L0; l++) {
     const kvi_rope_spec s = rope_of(*state, l);
-    assert_int_equal(s.style, KVI_ROPE_NONE);
+    assert_int_equal(s.style, KVI_ROPE_UNSET);
+    assert_int_equal(s.rotary_dim, 0);
   }
+  kvi_rope_spec s = rope(KVI_ROPE_UNSET, 0, 10000.0); /* a state, not a spec */
+  assert_status(kvi_model_set_rope(*state, 0, &s), KVI_ERR_INVALID_ARGUMENT);
+  assert_last_error_has("kvi_model_set_rope", "KVI_ROPE_UNSET");
+  assert_int_equal(rope_of(*state, 0).style, KVI_ROPE_UNSET);
 }
 
 static void test_rope_set_all_and_one(void **state) {
@@ -530,7 +537,7 @@ static void test_rope_table(void **state) {
   const float *ft = got.cos_sin_table;
   assert_true(ft[3 * ROT + 5] == ref_f16_to_f32(ref_f32_to_f16((float)(3 * 100 + 5) / 1024.0f - 0.25f)));
   /* the other layers are untouched */
-  assert_int_equal(rope_of(m, 1).style, KVI_ROPE_NONE);
+  assert_int_equal(rope_of(m, 1).style, KVI_ROPE_UNSET);
   assert_null(rope_of(m, 1).cos_sin_table);
 }
 
@@ -541,13 +548,13 @@ static void test_rope_zero_resolves_to_head_size(void **state) {
   kvi_rope_spec s = rope(KVI_ROPE_GPTJ, 0, 77.0);
   assert_ok(kvi_model_set_rope(m, 1, &s));
   assert_rope(m, 1, KVI_ROPE_GPTJ, 6, 77.0);
-  assert_rope(m, 0, KVI_ROPE_NONE, 0, 0.0);
+  assert_rope(m, 0, KVI_ROPE_UNSET, 0, 0.0);
   kvi_model_destroy(m);
   /* head size 1: no even rotary_dim fits, so rotation cannot be set */
   m = make_model(1, 1, 1, 0, 1);
   s = rope(KVI_ROPE_NEOX, 0, 10000.0);
   assert_status(kvi_model_set_rope(m, 0, &s), KVI_ERR_INVALID_ARGUMENT);
-  assert_rope(m, 0, KVI_ROPE_NONE, 0, 0.0);
+  assert_rope(m, 0, KVI_ROPE_UNSET, 0, 0.0);
   kvi_model_destroy(m);
 }
 
@@ -586,7 +593,7 @@ int main(void) {
       cmocka_unit_test(test_model_options_struct_size),
       cmocka_unit_test(test_model_tp_head_ranges),
       cmocka_unit_test_setup_teardown(test_model_info_struct_size, setup_model, teardown_model),
-      cmocka_unit_test_setup_teardown(test_rope_default_none, setup_model, teardown_model),
+      cmocka_unit_test_setup_teardown(test_rope_default_unset, setup_model, teardown_model),
       cmocka_unit_test_setup_teardown(test_rope_set_all_and_one, setup_model, teardown_model),
       cmocka_unit_test_setup_teardown(test_rope_invalid_changes_nothing, setup_model, teardown_model),
       cmocka_unit_test_setup_teardown(test_rope_get_errors, setup_model, teardown_model),

@@ -608,7 +608,7 @@ static void test_get_rope_resolved(void **state) {
   s = spec(KVI_ROPE_NEOX, 0, 10000.0);
   assert_ok(kvi_model_set_rope(m2, 1, &s));
   assert_int_equal(get_rope(m2, 1).rotary_dim, 10);
-  assert_int_equal(get_rope(m2, 0).style, KVI_ROPE_NONE);
+  assert_int_equal(get_rope(m2, 0).style, KVI_ROPE_UNSET); /* never set */
   /* an output struct that is too small is rejected and left alone */
   kvi_rope_spec small;
   memset(&small, 0x5A, sizeof small);

@@ -25,6 +25,9 @@ static int setup(void **state) {
   fixture *f = calloc(1, sizeof *f);
   assert_non_null(f);
   f->m = make_model(L, H, D, 0, 1);
+  kvi_rope_spec none = KVI_ROPE_SPEC_INIT;
+  none.style = KVI_ROPE_NONE; /* the encode test captures unrotated keys */
+  assert_ok(kvi_model_set_rope(f->m, -1, &none));
   for (int i = 0; i < 2 * D; i++) f->kv[i] = (float)i;
   rng_seed(&f->r, "unit-search");
   *state = f;
