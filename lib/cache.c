@@ -11,11 +11,9 @@
 
 #define CACHE_LAYOUT_V1 sizeof(kvi_cache_layout)
 
-KVI_API void kvi_cache_layout_init(kvi_cache_layout *layout) {
-  if (layout) {
-    kvi_cache_layout d = KVI_CACHE_LAYOUT_INIT;
-    *layout = d;
-  }
+KVI_API kvi_status kvi_cache_layout_init(kvi_cache_layout *layout, size_t size) {
+  static const kvi_cache_layout d = KVI_CACHE_LAYOUT_INIT;
+  return kvi__init_struct(layout, size, &d, sizeof d, CACHE_LAYOUT_V1, "kvi_cache_layout_init");
 }
 
 KVI_API kvi_status kvi_cache_layout_preset(kvi_cache_layout *out, kvi_cache_preset preset, kvi_dtype dtype,
@@ -80,7 +78,8 @@ KVI_API kvi_status kvi_cache_layout_preset(kvi_cache_layout *out, kvi_cache_pres
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "preset %d keeps V in separate tensors: pass v_layers", (int)preset);
   if (!per_layer && !base) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "preset %d takes the pool's base pointer", (int)preset);
   if (separate_v) l.v_layers = v_layers;
-  *out = l;
+  l.struct_size = CACHE_LAYOUT_V1;
+  memcpy(out, &l, CACHE_LAYOUT_V1); /* the first version only: never past an older caller's struct */
   return KVI_OK;
 }
 

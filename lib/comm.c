@@ -18,6 +18,32 @@
 #ifdef KVI_HAVE_NCCL
 #include <cuda_runtime_api.h>
 #include <nccl.h>
+
+#include "dynlib.h"
+
+/* libnccl.so.<major of the header>, opened by the first kvi_comm_create_nccl:
+ * every other NCCL call is made on a communicator it created. */
+#define NCCL_FUNCS(X)                                                                                              \
+  X(ncclGetLastError) X(ncclGetErrorString) X(ncclCommUserRank) X(ncclCommCount) X(ncclCommCuDevice)               \
+  X(ncclCommGetAsyncError) X(ncclAllGather) X(ncclBroadcast) X(ncclGroupStart) X(ncclGroupEnd) X(ncclSend)         \
+  X(ncclRecv)
+KVI__DYNLIB(nccl, "libnccl.so." KVI__STR(NCCL_MAJOR), "NCCL", NCCL_FUNCS)
+#define ncclGetLastError KVI__DYNFN(nccl, ncclGetLastError)
+#define ncclGetErrorString KVI__DYNFN(nccl, ncclGetErrorString)
+#define ncclCommUserRank KVI__DYNFN(nccl, ncclCommUserRank)
+#define ncclCommCount KVI__DYNFN(nccl, ncclCommCount)
+#define ncclCommCuDevice KVI__DYNFN(nccl, ncclCommCuDevice)
+#define ncclCommGetAsyncError KVI__DYNFN(nccl, ncclCommGetAsyncError)
+#define ncclAllGather KVI__DYNFN(nccl, ncclAllGather)
+#define ncclBroadcast KVI__DYNFN(nccl, ncclBroadcast)
+#define ncclGroupStart KVI__DYNFN(nccl, ncclGroupStart)
+#define ncclGroupEnd KVI__DYNFN(nccl, ncclGroupEnd)
+#define ncclSend KVI__DYNFN(nccl, ncclSend)
+#define ncclRecv KVI__DYNFN(nccl, ncclRecv)
+
+bool kvi__nccl_usable(void) { return kvi__dynlib_usable(&nccl_lib); }
+#else
+bool kvi__nccl_usable(void) { return false; }
 #endif
 
 /* ------------------------------------------------------------------------ */
@@ -226,6 +252,8 @@ KVI_API kvi_status kvi_comm_create_nccl(kvi_comm **out, struct ncclComm *nccl) {
 #ifndef KVI_HAVE_NCCL
   return kvi__fail(KVI_ERR_NOT_BUILT, fn, "this build of libkvinject has no NCCL (kvi_features())");
 #else
+  kvi_status lst = kvi__dynlib_get(&nccl_lib, fn);
+  if (lst) return lst;
   int rank = 0, size = 0, dev = 0;
   NCCL_CHECK(ncclCommUserRank(nccl, &rank), nccl, fn);
   NCCL_CHECK(ncclCommCount(nccl, &size), nccl, fn);

@@ -319,6 +319,32 @@ kvi_status kvi__cuda_copy2d(void *dst, size_t dpitch, const void *src, size_t sp
 #ifdef KVI_HAVE_CUBLASLT
 #include <cublasLt.h>
 
+#include "dynlib.h"
+
+/* libcublasLt.so.<major of the headers>, opened on first use. */
+#define LT_FUNCS(X)                                                                                                \
+  X(cublasLtGetStatusName) X(cublasLtCreate) X(cublasLtDestroy) X(cublasLtMatmulDescCreate)                        \
+  X(cublasLtMatmulDescSetAttribute) X(cublasLtMatmulDescDestroy) X(cublasLtMatrixLayoutCreate)                     \
+  X(cublasLtMatrixLayoutDestroy) X(cublasLtMatmulPreferenceCreate) X(cublasLtMatmulPreferenceSetAttribute)         \
+  X(cublasLtMatmulPreferenceDestroy) X(cublasLtMatmulAlgoGetHeuristic) X(cublasLtMatmul)
+KVI__DYNLIB(lt, "libcublasLt.so." KVI__STR(CUBLAS_VER_MAJOR), "cuBLASLt", LT_FUNCS)
+#define cublasLtGetStatusName KVI__DYNFN(lt, cublasLtGetStatusName)
+#define cublasLtCreate KVI__DYNFN(lt, cublasLtCreate)
+#define cublasLtDestroy KVI__DYNFN(lt, cublasLtDestroy)
+#define cublasLtMatmulDescCreate KVI__DYNFN(lt, cublasLtMatmulDescCreate)
+#define cublasLtMatmulDescSetAttribute KVI__DYNFN(lt, cublasLtMatmulDescSetAttribute)
+#define cublasLtMatmulDescDestroy KVI__DYNFN(lt, cublasLtMatmulDescDestroy)
+#define cublasLtMatrixLayoutCreate KVI__DYNFN(lt, cublasLtMatrixLayoutCreate)
+#define cublasLtMatrixLayoutDestroy KVI__DYNFN(lt, cublasLtMatrixLayoutDestroy)
+#define cublasLtMatmulPreferenceCreate KVI__DYNFN(lt, cublasLtMatmulPreferenceCreate)
+#define cublasLtMatmulPreferenceSetAttribute KVI__DYNFN(lt, cublasLtMatmulPreferenceSetAttribute)
+#define cublasLtMatmulPreferenceDestroy KVI__DYNFN(lt, cublasLtMatmulPreferenceDestroy)
+#define cublasLtMatmulAlgoGetHeuristic KVI__DYNFN(lt, cublasLtMatmulAlgoGetHeuristic)
+#define cublasLtMatmul KVI__DYNFN(lt, cublasLtMatmul)
+
+kvi_status kvi__lt_load(const char *fn) { return kvi__dynlib_get(&lt_lib, fn); }
+bool kvi__lt_usable(void) { return kvi__dynlib_usable(&lt_lib); }
+
 #define LT_CACHE 16
 
 /* A chosen algorithm for one problem shape (and operand alignments). */
@@ -343,6 +369,8 @@ static kvi_status lt_fail(cublasStatus_t e, const char *fn, const char *call) {
 }
 
 kvi_status kvi__lt_create(kvi__lt **out, const char *fn) {
+  kvi_status st = kvi__lt_load(fn);
+  if (st) return st;
   kvi__lt *lt = calloc(1, sizeof *lt);
   if (!lt) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a cuBLASLt handle");
   cublasStatus_t e = cublasLtCreate(&lt->h);
@@ -438,6 +466,8 @@ kvi_status kvi__lt_scores(kvi__lt *lt, kvi_dtype t, const void *A, int64_t lda, 
 static kvi_status lt_not_built(const char *fn) {
   return kvi__fail(KVI_ERR_NOT_BUILT, fn, "libkvinject was built without cuBLASLt");
 }
+kvi_status kvi__lt_load(const char *fn) { return lt_not_built(fn); }
+bool kvi__lt_usable(void) { return false; }
 kvi_status kvi__lt_create(kvi__lt **out, const char *fn) {
   *out = NULL;
   return lt_not_built(fn);

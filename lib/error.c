@@ -69,6 +69,20 @@ kvi_status kvi__read_struct(void *local, size_t known, const void *user, size_t 
   return KVI_OK;
 }
 
+kvi_status kvi__init_struct(void *user, size_t size, const void *defaults, size_t known, size_t min_size,
+                           const char *fn) {
+  if (!user) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "the struct pointer is NULL");
+  if (size < min_size)
+    return kvi__fail(KVI_ERR_STRUCT_SIZE, fn,
+                     "size is %zu, smaller than the first version of the struct (%zu bytes); pass sizeof *ptr",
+                     size, min_size);
+  size_t n = size < known ? size : known;
+  memcpy(user, defaults, n);
+  if (size > known) memset((char *)user + known, 0, size - known);
+  memcpy(user, &size, sizeof size);
+  return KVI_OK;
+}
+
 kvi_status kvi__write_struct(void *user, const void *full, size_t known, size_t min_size,
                              const char *fn, const char *what) {
   size_t size;

@@ -25,10 +25,20 @@ kvi_status kvi__fail(kvi_status status, const char *fn, const char *fmt, ...)
 kvi_status kvi__read_struct(void *local, size_t known, const void *user, size_t min_size,
                             const char *fn, const char *what);
 
+/* A kvi_x_init(ptr, size): NULL is KVI_ERR_INVALID_ARGUMENT, a size below
+ * min_size KVI_ERR_STRUCT_SIZE (nothing written); otherwise the first
+ * min(size, known) bytes of `defaults` are copied, bytes past `known` (up to
+ * size) zeroed, and struct_size set to `size`. Never writes past `size`. */
+kvi_status kvi__init_struct(void *user, size_t size, const void *defaults, size_t known, size_t min_size,
+                           const char *fn);
+
 /* Checks an output struct's struct_size (>= min_size) and copies the first
  * min(struct_size, known) bytes of `full` into it, keeping its struct_size. */
 kvi_status kvi__write_struct(void *user, const void *full, size_t known, size_t min_size,
                              const char *fn, const char *what);
+
+/* The first version of kvi_search_options (read by search.c and transfer.c). */
+#define KVI__SEARCH_OPTIONS_V1 sizeof(kvi_search_options)
 
 /* ---- element conversion (convert.c) --------------------------------------- */
 
@@ -191,7 +201,12 @@ kvi_status kvi__cuda_copy2d(void *dst, size_t dpitch, const void *src, size_t sp
 
 /* ---- cuBLASLt (cuda_rt.c; KVI_ERR_NOT_BUILT without it) ------------------- */
 
-/* A cuBLASLt handle with a small cache of chosen algorithms. */
+/* Opens libcublasLt on the first call (lib/dynlib.c): KVI_OK, or
+ * KVI_ERR_NOT_BUILT naming the library (not built in, or it does not load). */
+kvi_status kvi__lt_load(const char *fn);
+bool kvi__lt_usable(void); /* the same, recording no error */
+/* A cuBLASLt handle with a small cache of chosen algorithms (kvi__lt_create
+ * loads the library first). */
 typedef struct kvi__lt kvi__lt;
 kvi_status kvi__lt_create(kvi__lt **out, const char *fn);
 void kvi__lt_destroy(kvi__lt *lt);
@@ -206,6 +221,9 @@ void kvi__lt_destroy(kvi__lt *lt);
 kvi_status kvi__lt_scores(kvi__lt *lt, kvi_dtype t, const void *A, int64_t lda, const void *B, int64_t ldb, float *C,
                           int64_t ldc, int64_t m, int64_t n, int64_t K, void *ws, size_t ws_bytes,
                           struct CUstream_st *stream, const char *fn);
+
+/* Whether libnccl loads (comm.c; false without NCCL in the build). */
+bool kvi__nccl_usable(void);
 
 /* Checks that a buffer declared as `declared` memory really is, and that a
  * device buffer is on `device`. `cuda_store` says whether device memory is

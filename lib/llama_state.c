@@ -21,11 +21,9 @@
 #define MAX_STREAMS 65536u
 #define MAX_LAYERS 65536u
 
-void kvi_llama_state_spec_init(kvi_llama_state_spec *spec) {
-  if (spec) {
-    kvi_llama_state_spec d = KVI_LLAMA_STATE_SPEC_INIT;
-    *spec = d;
-  }
+kvi_status kvi_llama_state_spec_init(kvi_llama_state_spec *spec, size_t size) {
+  static const kvi_llama_state_spec d = KVI_LLAMA_STATE_SPEC_INIT;
+  return kvi__init_struct(spec, size, &d, sizeof d, SPEC_V1, "kvi_llama_state_spec_init");
 }
 
 static int32_t ggml_type_of(kvi_dtype t) {

@@ -13,18 +13,14 @@
 #define MODEL_INFO_V1 sizeof(kvi_model_info)
 #define ROPE_SPEC_V1 sizeof(kvi_rope_spec)
 
-KVI_API void kvi_model_options_init(kvi_model_options *opts) {
-  if (opts) {
-    kvi_model_options d = KVI_MODEL_OPTIONS_INIT;
-    *opts = d;
-  }
+KVI_API kvi_status kvi_model_options_init(kvi_model_options *opts, size_t size) {
+  static const kvi_model_options d = KVI_MODEL_OPTIONS_INIT;
+  return kvi__init_struct(opts, size, &d, sizeof d, MODEL_OPTIONS_V1, "kvi_model_options_init");
 }
 
-KVI_API void kvi_rope_spec_init(kvi_rope_spec *spec) {
-  if (spec) {
-    kvi_rope_spec d = KVI_ROPE_SPEC_INIT;
-    *spec = d;
-  }
+KVI_API kvi_status kvi_rope_spec_init(kvi_rope_spec *spec, size_t size) {
+  static const kvi_rope_spec d = KVI_ROPE_SPEC_INIT;
+  return kvi__init_struct(spec, size, &d, sizeof d, ROPE_SPEC_V1, "kvi_rope_spec_init");
 }
 
 static kvi_status geom_from_options(kvi__geom *g, const kvi_model_options *o, const char *fn) {

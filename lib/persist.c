@@ -627,18 +627,14 @@ static kvi_status check_path(const char *path, const char *fn) {
   return KVI_OK;
 }
 
-KVI_API void kvi_save_options_init(kvi_save_options *opts) {
-  if (opts) {
-    kvi_save_options d = KVI_SAVE_OPTIONS_INIT;
-    *opts = d;
-  }
+KVI_API kvi_status kvi_save_options_init(kvi_save_options *opts, size_t size) {
+  static const kvi_save_options d = KVI_SAVE_OPTIONS_INIT;
+  return kvi__init_struct(opts, size, &d, sizeof d, SAVE_OPTIONS_V1, "kvi_save_options_init");
 }
 
-KVI_API void kvi_load_options_init(kvi_load_options *opts) {
-  if (opts) {
-    kvi_load_options d = KVI_LOAD_OPTIONS_INIT;
-    *opts = d;
-  }
+KVI_API kvi_status kvi_load_options_init(kvi_load_options *opts, size_t size) {
+  static const kvi_load_options d = KVI_LOAD_OPTIONS_INIT;
+  return kvi__init_struct(opts, size, &d, sizeof d, LOAD_OPTIONS_V1, "kvi_load_options_init");
 }
 
 KVI_API kvi_status kvi_store_save(const kvi_store *store, const char *path, const kvi_save_options *opts) {

@@ -37,7 +37,7 @@
 #include "kernels.h"
 #include "store_internal.h"
 
-#define SEARCH_OPTIONS_V1 sizeof(kvi_search_options)
+#define SEARCH_OPTIONS_V1 KVI__SEARCH_OPTIONS_V1
 #define MIN_WORKSPACE (1u << 20)
 #define SLOTS 4
 #define LT_WS (32u << 20) /* cuBLASLt's workspace, when a GEMM is planned */
@@ -46,11 +46,9 @@
 #define GEMM_QT 256       /* queries per GEMM tile */
 #define PAIR_BYTES 12     /* a candidate: fp32 score + 64-bit id */
 
-KVI_API void kvi_search_options_init(kvi_search_options *opts) {
-  if (opts) {
-    kvi_search_options d = KVI_SEARCH_OPTIONS_INIT;
-    *opts = d;
-  }
+KVI_API kvi_status kvi_search_options_init(kvi_search_options *opts, size_t size) {
+  static const kvi_search_options d = KVI_SEARCH_OPTIONS_INIT;
+  return kvi__init_struct(opts, size, &d, sizeof d, SEARCH_OPTIONS_V1, "kvi_search_options_init");
 }
 
 /* ------------------------------------------------------------------------ */
@@ -804,8 +802,8 @@ static kvi_status cuda_search(kvi_store *s, const void *queries, kvi_dtype qt, k
                               const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
                               int32_t *out_counts, int32_t *out_tokens, kvi_memory om, uint64_t area,
                               const kvi__search_then *then, bool locked, struct CUstream_st *stream, const char *fn) {
-  if (!(kvi_features() & KVI_FEATURE_CUBLASLT))
-    return kvi__fail(KVI_ERR_NOT_BUILT, fn, "searching a CUDA store needs cuBLASLt, and libkvinject was built without it");
+  kvi_status lst = kvi__lt_load(fn); /* every CUDA search needs it, whichever kernels its plan picks */
+  if (lst) return lst;
   const bool host_q = qm == KVI_MEMORY_HOST, host_out = om == KVI_MEMORY_HOST;
   kvi__devguard g;
   kvi_status st = KVI_OK;

@@ -289,12 +289,24 @@ static kvi__geom full_geom(const kvi_store *s) {
 /* Items are read through their struct_size (arrays step by items[0]'s). */
 static const void *item_at(const void *items, size_t stride, int32_t i) { return (const char *)items + stride * (size_t)i; }
 
-/* The stride of an item array: items[0].struct_size, at least `known`. */
+/* The stride of an item array: items[0].struct_size, at least `known`; every
+ * item must have that struct_size and zeros past the `known` bytes. */
 static kvi_status item_stride(const void *items, int32_t n, size_t known, size_t *stride, const char *fn) {
   *stride = known;
   if (n > 0) memcpy(stride, items, sizeof *stride);
   if (*stride < known)
     return kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "items[0].struct_size is %zu, expected %zu", *stride, known);
+  _Static_assert(sizeof(kvi_scatter_item) <= 64 && sizeof(kvi_gather_item) <= 64, "item_stride's scratch copy");
+  unsigned char local[64];
+  for (int32_t i = 0; i < n && *stride > known; i++) {
+    const void *it = item_at(items, *stride, i);
+    size_t sz;
+    memcpy(&sz, it, sizeof sz);
+    if (sz != *stride)
+      return kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "items[%d].struct_size is %zu, items[0]'s %zu", (int)i, sz, *stride);
+    kvi_status st = kvi__read_struct(local, known, it, known, fn, "items[i]");
+    if (st) return st;
+  }
   return KVI_OK;
 }
 

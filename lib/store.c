@@ -217,18 +217,14 @@ static kvi_status copy_fact(const kvi_store *s, const kvi_kv_view *v, const uint
 /* creation                                                                  */
 /* ------------------------------------------------------------------------ */
 
-KVI_API void kvi_store_options_init(kvi_store_options *opts) {
-  if (opts) {
-    kvi_store_options d = KVI_STORE_OPTIONS_INIT;
-    *opts = d;
-  }
+KVI_API kvi_status kvi_store_options_init(kvi_store_options *opts, size_t size) {
+  static const kvi_store_options d = KVI_STORE_OPTIONS_INIT;
+  return kvi__init_struct(opts, size, &d, sizeof d, STORE_OPTIONS_V1, "kvi_store_options_init");
 }
 
-KVI_API void kvi_put_options_init(kvi_put_options *opts) {
-  if (opts) {
-    kvi_put_options d = KVI_PUT_OPTIONS_INIT;
-    *opts = d;
-  }
+KVI_API kvi_status kvi_put_options_init(kvi_put_options *opts, size_t size) {
+  static const kvi_put_options d = KVI_PUT_OPTIONS_INIT;
+  return kvi__init_struct(opts, size, &d, sizeof d, PUT_OPTIONS_V1, "kvi_put_options_init");
 }
 
 static kvi_status resolve_backend(kvi_store *s, const kvi_store_options *o, const char *fn) {

@@ -78,32 +78,24 @@ struct kvi_encoder {
   xfer x;
 };
 
-KVI_API void kvi_transfer_options_init(kvi_transfer_options *opts) {
-  if (opts) {
-    kvi_transfer_options d = KVI_TRANSFER_OPTIONS_INIT;
-    *opts = d;
-  }
+KVI_API kvi_status kvi_transfer_options_init(kvi_transfer_options *opts, size_t size) {
+  static const kvi_transfer_options d = KVI_TRANSFER_OPTIONS_INIT;
+  return kvi__init_struct(opts, size, &d, sizeof d, TRANSFER_OPTIONS_V1, "kvi_transfer_options_init");
 }
 
-KVI_API void kvi_inject_request_init(kvi_inject_request *req) {
-  if (req) {
-    kvi_inject_request d = KVI_INJECT_REQUEST_INIT;
-    *req = d;
-  }
+KVI_API kvi_status kvi_inject_request_init(kvi_inject_request *req, size_t size) {
+  static const kvi_inject_request d = KVI_INJECT_REQUEST_INIT;
+  return kvi__init_struct(req, size, &d, sizeof d, INJECT_REQUEST_V1, "kvi_inject_request_init");
 }
 
-KVI_API void kvi_inject_options_init(kvi_inject_options *opts) {
-  if (opts) {
-    kvi_inject_options d = KVI_INJECT_OPTIONS_INIT;
-    *opts = d;
-  }
+KVI_API kvi_status kvi_inject_options_init(kvi_inject_options *opts, size_t size) {
+  static const kvi_inject_options d = KVI_INJECT_OPTIONS_INIT;
+  return kvi__init_struct(opts, size, &d, sizeof d, INJECT_OPTIONS_V1, "kvi_inject_options_init");
 }
 
-KVI_API void kvi_capture_init(kvi_capture *cap) {
-  if (cap) {
-    kvi_capture d = KVI_CAPTURE_INIT;
-    *cap = d;
-  }
+KVI_API kvi_status kvi_capture_init(kvi_capture *cap, size_t size) {
+  static const kvi_capture d = KVI_CAPTURE_INIT;
+  return kvi__init_struct(cap, size, &d, sizeof d, CAPTURE_V1, "kvi_capture_init");
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1299,11 +1291,9 @@ out:
 
 #define RETRIEVE_REQUEST_V1 sizeof(kvi_retrieve_request)
 
-KVI_API void kvi_retrieve_request_init(kvi_retrieve_request *req) {
-  if (req) {
-    kvi_retrieve_request d = KVI_RETRIEVE_REQUEST_INIT;
-    *req = d;
-  }
+KVI_API kvi_status kvi_retrieve_request_init(kvi_retrieve_request *req, size_t size) {
+  static const kvi_retrieve_request d = KVI_RETRIEVE_REQUEST_INIT;
+  return kvi__init_struct(req, size, &d, sizeof d, RETRIEVE_REQUEST_V1, "kvi_retrieve_request_init");
 }
 
 /* A request as the job its reserve makes of it. */
@@ -1510,7 +1500,7 @@ KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queri
   kvi_store *s = x->store;
   kvi_search_options so = KVI_SEARCH_OPTIONS_INIT;
   kvi_status st;
-  if (opts && (st = kvi__read_struct(&so, sizeof so, opts, sizeof so, fn, "opts"))) return st;
+  if (opts && (st = kvi__read_struct(&so, sizeof so, opts, KVI__SEARCH_OPTIONS_V1, fn, "opts"))) return st;
   if (k < 1 || k > KVI_SEARCH_MAX_K)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "k is %d, expected 1..%d", (int)k, KVI_SEARCH_MAX_K);
   if ((st = check_rope_set(x, fn))) return st;

@@ -12,8 +12,8 @@ KVI_API const char *kvi_version_string(void) { return KVI_VERSION_STRING; }
 KVI_API unsigned kvi_features(void) {
   unsigned f = 0;
   if (KVI_BUILT_CUDA) f |= KVI_FEATURE_CUDA;
-  if (KVI_BUILT_CUBLASLT) f |= KVI_FEATURE_CUBLASLT;
-  if (KVI_BUILT_NCCL) f |= KVI_FEATURE_NCCL;
+  if (KVI_BUILT_CUBLASLT && kvi__lt_usable()) f |= KVI_FEATURE_CUBLASLT; /* opens the library once */
+  if (KVI_BUILT_NCCL && kvi__nccl_usable()) f |= KVI_FEATURE_NCCL;
   return f;
 }
 

@@ -3,34 +3,35 @@
  * SPDX-License-Identifier: Apache-2.0
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "internal.h"
 
 #define KV_VIEW_V1 sizeof(kvi_kv_view)
 
-KVI_API void kvi_kv_view_init(kvi_kv_view *view) {
-  if (view) {
-    kvi_kv_view d = KVI_KV_VIEW_INIT;
-    *view = d;
-  }
+KVI_API kvi_status kvi_kv_view_init(kvi_kv_view *view, size_t size) {
+  static const kvi_kv_view d = KVI_KV_VIEW_INIT;
+  return kvi__init_struct(view, size, &d, sizeof d, KV_VIEW_V1, "kvi_kv_view_init");
 }
 
 KVI_API void kvi_kv_view_contiguous(kvi_kv_view *view, kvi_memory memory, kvi_dtype dtype,
                                     int32_t num_layers, int32_t num_tokens, int32_t num_heads,
                                     int32_t head_size, void *k, void *v) {
   if (!view) return;
-  kvi_kv_view_init(view);
-  view->memory = memory;
-  view->dtype = dtype;
-  view->num_layers = num_layers;
-  view->num_tokens = num_tokens;
-  view->num_heads = num_heads;
-  view->head_size = head_size;
-  view->head_stride = head_size;
-  view->token_stride = (int64_t)num_heads * head_size;
-  view->layer_stride = (int64_t)num_tokens * num_heads * head_size;
-  view->k = k;
-  view->v = v;
+  kvi_kv_view l = KVI_KV_VIEW_INIT;
+  l.struct_size = KV_VIEW_V1;
+  l.memory = memory;
+  l.dtype = dtype;
+  l.num_layers = num_layers;
+  l.num_tokens = num_tokens;
+  l.num_heads = num_heads;
+  l.head_size = head_size;
+  l.head_stride = head_size;
+  l.token_stride = (int64_t)num_heads * head_size;
+  l.layer_stride = (int64_t)num_tokens * num_heads * head_size;
+  l.k = k;
+  l.v = v;
+  memcpy(view, &l, KV_VIEW_V1); /* the first version only: never past an older caller's struct */
 }
 
 typedef kvi__dim dim;

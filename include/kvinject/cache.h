@@ -72,8 +72,9 @@ typedef struct kvi_cache_layout {
   {sizeof(kvi_cache_layout), KVI_ENUM_ZERO(kvi_memory), KVI_ENUM_ZERO(kvi_dtype), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, NULL, \
    NULL, NULL, KVI_SCALE_NONE, NULL, NULL}
 
-/* Fills *layout with KVI_CACHE_LAYOUT_INIT. NULL is ignored. */
-KVI_API void kvi_cache_layout_init(kvi_cache_layout *layout);
+/* Fills *layout with KVI_CACHE_LAYOUT_INIT for a struct of `size` bytes (pass sizeof *layout):
+ * see "Size-versioned structs" in kvinject/common.h. */
+KVI_API kvi_status kvi_cache_layout_init(kvi_cache_layout *layout, size_t size);
 
 /*
  * Engine layouts. H = local KV heads, D = head size, NB = blocks, BS = block
@@ -111,7 +112,9 @@ typedef enum kvi_cache_preset {
  * Fills *out for an engine's layout: every field but memory, scale_mode and
  * the scales, which the caller sets. The pointer arrays are referenced, not
  * copied, until the layout is given to an injector or encoder (which copy
- * what they need).
+ * what they need). Writes the struct's first version (the fields above) and
+ * sets struct_size to its size, in this version and every later one: fields
+ * appended later keep their defaults.
  * Errors: KVI_ERR_INVALID_ARGUMENT (NULL out, unknown preset, a size < 1, a
  * pointer the preset needs is NULL).
  */

@@ -81,8 +81,10 @@ struct ncclComm;
  * CUDA device (ncclCommCuDevice). It allocates a small device buffer and a
  * stream there for the exchanges of control data.
  * out: host memory; receives the communicator, owned by the caller.
+ * The first call opens libnccl.so.N (N: NCCL's major version at build time).
  * Errors: KVI_ERR_INVALID_ARGUMENT (NULL), KVI_ERR_NOT_BUILT (library built
- * without NCCL), KVI_ERR_CUDA (an NCCL or CUDA call failed; kvi_last_error
+ * without NCCL, or libnccl does not load: kvi_last_error names it and the
+ * loader's message), KVI_ERR_CUDA (an NCCL or CUDA call failed; kvi_last_error
  * names it), KVI_ERR_OUT_OF_MEMORY.
  */
 KVI_API kvi_status kvi_comm_create_nccl(kvi_comm **out, struct ncclComm *nccl);

@@ -75,7 +75,9 @@ typedef enum kvi_status {
    * chosen backend cannot reach (device memory given to a CPU store). */
   KVI_ERR_MEMORY_KIND = -8,
   /* The call needs a component (CUDA, cuBLASLt, NCCL) that this build of the
-   * library does not contain. See kvi_features(). */
+   * library does not contain, or whose shared library (libcublasLt.so.N,
+   * libnccl.so.N, opened on first use) does not load here; kvi_last_error()
+   * then names the library and the loader's message. See kvi_features(). */
   KVI_ERR_NOT_BUILT = -9,
   /* CUDA was asked for, the library has it, but no usable device answers
    * (no driver, no device, or the ordinal is out of range). */
@@ -119,6 +121,39 @@ KVI_API const char *kvi_status_string(kvi_status status);
 KVI_API const char *kvi_last_error(void);
 
 /* ------------------------------------------------------------------------ */
+/* Size-versioned structs                                                   */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * Every public struct begins with `size_t struct_size`; later versions only
+ * append fields. Each struct has a first version: the fields its 0.1.0
+ * header declares, except four that also accept an earlier, shorter layout:
+ * kvi_store_options (the fields before comm), kvi_inject_request (before
+ * num_positions), kvi_inject_options (before host_pages) and kvi_store_stats
+ * (before pages_host_total).
+ *
+ * Input structs (options, views, requests, layouts): set struct_size to
+ * sizeof the struct as the caller's header declares it, through the _INIT
+ * macro or kvi_x_init(ptr, sizeof *ptr). The library reads only the first
+ * struct_size bytes; fields past them take their defaults. A struct_size
+ * smaller than the first version, or non-zero bytes past the fields this
+ * library knows, is KVI_ERR_STRUCT_SIZE. Arrays of structs are stepped
+ * through by the first element's struct_size, which every element shares.
+ *
+ * Output structs (kvi_model_info, kvi_store_stats, kvi_model_get_rope's
+ * spec): set struct_size (the _INIT macro); the library writes only the first
+ * min(struct_size, its own size) bytes.
+ *
+ * kvi_x_init(ptr, size) fills a struct of `size` bytes with the _INIT
+ * defaults: it writes the first min(size, the library's size) bytes, zeroes
+ * bytes past the fields the library knows (up to size), sets struct_size to
+ * size, and never writes past size, so a program built against an older,
+ * smaller struct is safe with a newer library. Returns KVI_OK, or (writing
+ * nothing) KVI_ERR_INVALID_ARGUMENT for a NULL ptr and KVI_ERR_STRUCT_SIZE for
+ * a size smaller than the first version. Thread-safe.
+ */
+
+/* ------------------------------------------------------------------------ */
 /* Version and features                                                     */
 /* ------------------------------------------------------------------------ */
 
@@ -134,8 +169,12 @@ KVI_API const char *kvi_version_string(void);
 #define KVI_FEATURE_CUBLASLT 0x2u /* cuBLASLt-based retrieval */
 #define KVI_FEATURE_NCCL 0x4u     /* NCCL communicators for tensor parallelism */
 
-/* The KVI_FEATURE_* bits this build contains. Built-in does not mean usable:
- * CUDA also needs a driver and a device at run time (kvi_cuda_device_count). */
+/* The KVI_FEATURE_* bits this build contains and can use here. cuBLASLt and
+ * NCCL are not linked: the library opens libcublasLt.so.N and libnccl.so.N
+ * (N the major version of the headers it was built with) on first use, and
+ * reports their bit only when built in and the library loads (the first call
+ * of kvi_features tries to open them, once per process). CUDA also needs a
+ * driver and a device at run time (kvi_cuda_device_count). Thread-safe. */
 KVI_API unsigned kvi_features(void);
 
 /*

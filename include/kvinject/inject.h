@@ -59,8 +59,9 @@ typedef struct kvi_transfer_options {
 
 #define KVI_TRANSFER_OPTIONS_INIT {sizeof(kvi_transfer_options), 1 << 20, 4096, 1 << 20}
 
-/* Fills *opts with KVI_TRANSFER_OPTIONS_INIT. NULL is ignored. */
-KVI_API void kvi_transfer_options_init(kvi_transfer_options *opts);
+/* Fills *opts with KVI_TRANSFER_OPTIONS_INIT for a struct of `size` bytes (pass sizeof *opts):
+ * see "Size-versioned structs" in kvinject/common.h. */
+KVI_API kvi_status kvi_transfer_options_init(kvi_transfer_options *opts, size_t size);
 
 /* ------------------------------------------------------------------------ */
 /* Injector                                                                 */
@@ -109,8 +110,9 @@ typedef struct kvi_inject_request {
 
 #define KVI_INJECT_REQUEST_INIT {sizeof(kvi_inject_request), 0, NULL, 0, NULL, 0, KVI_MEMORY_HOST, 0, NULL, 0, 0}
 
-/* Fills *req with KVI_INJECT_REQUEST_INIT. NULL is ignored. */
-KVI_API void kvi_inject_request_init(kvi_inject_request *req);
+/* Fills *req with KVI_INJECT_REQUEST_INIT for a struct of `size` bytes (pass sizeof *req):
+ * see "Size-versioned structs" in kvinject/common.h. */
+KVI_API kvi_status kvi_inject_request_init(kvi_inject_request *req, size_t size);
 
 /* How kvi_inject reads facts that are on a store's host tier
  * (kvi_inject_options.host_pages; kvinject/store.h, Tiers). */
@@ -132,8 +134,9 @@ typedef struct kvi_inject_options {
 
 #define KVI_INJECT_OPTIONS_INIT {sizeof(kvi_inject_options), 0, 0, KVI_HOST_PAGES_PROMOTE}
 
-/* Fills *opts with KVI_INJECT_OPTIONS_INIT. NULL is ignored. */
-KVI_API void kvi_inject_options_init(kvi_inject_options *opts);
+/* Fills *opts with KVI_INJECT_OPTIONS_INIT for a struct of `size` bytes (pass sizeof *opts):
+ * see "Size-versioned structs" in kvinject/common.h. */
+KVI_API kvi_status kvi_inject_options_init(kvi_inject_options *opts, size_t size);
 
 /*
  * Writes every request's facts into the cache: keys rotated at their
@@ -194,8 +197,9 @@ typedef struct kvi_retrieve_request {
 
 #define KVI_RETRIEVE_REQUEST_INIT {sizeof(kvi_retrieve_request), 0, NULL, 0, KVI_MEMORY_HOST, 0, 0, 0u}
 
-/* Fills *req with KVI_RETRIEVE_REQUEST_INIT. NULL is ignored. */
-KVI_API void kvi_retrieve_request_init(kvi_retrieve_request *req);
+/* Fills *req with KVI_RETRIEVE_REQUEST_INIT for a struct of `size` bytes (pass sizeof *req):
+ * see "Size-versioned structs" in kvinject/common.h. */
+KVI_API kvi_status kvi_retrieve_request_init(kvi_retrieve_request *req, size_t size);
 
 /*
  * Searches and injects in one call: for each query i, the top
@@ -288,8 +292,9 @@ typedef struct kvi_capture {
 #define KVI_CAPTURE_INIT \
   {sizeof(kvi_capture), 0, 0, NULL, 0, 0, 0, NULL, 0, 0u, NULL, KVI_DTYPE_FP32, KVI_MEMORY_HOST}
 
-/* Fills *cap with KVI_CAPTURE_INIT. NULL is ignored. */
-KVI_API void kvi_capture_init(kvi_capture *cap);
+/* Fills *cap with KVI_CAPTURE_INIT for a struct of `size` bytes (pass sizeof *cap):
+ * see "Size-versioned structs" in kvinject/common.h. */
+KVI_API kvi_status kvi_capture_init(kvi_capture *cap, size_t size);
 
 /*
  * Captures facts from the cache into the store: reads each fact's tokens

@@ -172,8 +172,9 @@ typedef struct kvi_llama_state_spec {
 #define KVI_LLAMA_STATE_SPEC_INIT \
   {sizeof(kvi_llama_state_spec), 0, 1, 0, 0, NULL, 0, 0, KVI_ENUM_ZERO(kvi_dtype)}
 
-/* Fills *spec with KVI_LLAMA_STATE_SPEC_INIT. NULL is ignored. */
-KVI_API void kvi_llama_state_spec_init(kvi_llama_state_spec *spec);
+/* Fills *spec with KVI_LLAMA_STATE_SPEC_INIT for a struct of `size` bytes (pass
+ * sizeof *spec): see "Size-versioned structs" in kvinject/common.h. */
+KVI_API kvi_status kvi_llama_state_spec_init(kvi_llama_state_spec *spec, size_t size);
 
 /* The bytes a state of `spec` takes for `model` (its layers, its local heads
  * x head size per row), into *out_size (host memory).

@@ -31,7 +31,8 @@ extern "C" {
 typedef struct kvi_model kvi_model;
 
 /* Options for kvi_model_create. Initialize with KVI_MODEL_OPTIONS_INIT or
- * kvi_model_options_init(); fields may only be appended in later versions. */
+ * kvi_model_options_init(&o, sizeof o); fields may only be appended in later
+ * versions. */
 typedef struct kvi_model_options {
   size_t struct_size;   /* sizeof(kvi_model_options) */
   int32_t num_layers;   /* attention layers, 1..65536 (required) */
@@ -43,8 +44,9 @@ typedef struct kvi_model_options {
 
 #define KVI_MODEL_OPTIONS_INIT {sizeof(kvi_model_options), 0, 0, 0, 0, 1}
 
-/* Fills *opts with KVI_MODEL_OPTIONS_INIT. NULL is ignored. */
-KVI_API void kvi_model_options_init(kvi_model_options *opts);
+/* Fills *opts with KVI_MODEL_OPTIONS_INIT for a struct of `size` bytes (pass sizeof *opts):
+ * see "Size-versioned structs" in kvinject/common.h. */
+KVI_API kvi_status kvi_model_options_init(kvi_model_options *opts, size_t size);
 
 /*
  * Creates a model.
@@ -153,8 +155,9 @@ typedef struct kvi_rope_spec {
   {sizeof(kvi_rope_spec), KVI_ROPE_NEOX, 0, 10000.0, KVI_ROPE_SCALING_NONE, 8192, 1.0, 1.0, 4.0, 32.0, \
    1.0, 0.0, 1, KVI_DTYPE_FP32, NULL, 0}
 
-/* Fills *spec with KVI_ROPE_SPEC_INIT. NULL is ignored. */
-KVI_API void kvi_rope_spec_init(kvi_rope_spec *spec);
+/* Fills *spec with KVI_ROPE_SPEC_INIT for a struct of `size` bytes (pass sizeof *spec):
+ * see "Size-versioned structs" in kvinject/common.h. */
+KVI_API kvi_status kvi_rope_spec_init(kvi_rope_spec *spec, size_t size);
 
 /*
  * Sets the RoPE of one layer (0 <= layer < num_layers) or of every layer

@@ -92,8 +92,9 @@ typedef struct kvi_save_options {
 
 #define KVI_SAVE_OPTIONS_INIT {sizeof(kvi_save_options), 0u, 0u}
 
-/* Fills *opts with KVI_SAVE_OPTIONS_INIT. NULL is ignored. */
-KVI_API void kvi_save_options_init(kvi_save_options *opts);
+/* Fills *opts with KVI_SAVE_OPTIONS_INIT for a struct of `size` bytes (pass sizeof *opts):
+ * see "Size-versioned structs" in kvinject/common.h. */
+KVI_API kvi_status kvi_save_options_init(kvi_save_options *opts, size_t size);
 
 /*
  * Writes a snapshot of `store` (every fact, or one tenant's) to the file
@@ -132,8 +133,9 @@ typedef struct kvi_load_options {
 
 #define KVI_LOAD_OPTIONS_INIT {sizeof(kvi_load_options), 0u}
 
-/* Fills *opts with KVI_LOAD_OPTIONS_INIT. NULL is ignored. */
-KVI_API void kvi_load_options_init(kvi_load_options *opts);
+/* Fills *opts with KVI_LOAD_OPTIONS_INIT for a struct of `size` bytes (pass sizeof *opts):
+ * see "Size-versioned structs" in kvinject/common.h. */
+KVI_API kvi_status kvi_load_options_init(kvi_load_options *opts, size_t size);
 
 /*
  * Creates a store as kvi_store_create(out, model, opts) would and fills it

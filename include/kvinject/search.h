@@ -84,8 +84,9 @@ typedef struct kvi_search_options {
 #define KVI_SEARCH_OPTIONS_INIT \
   {sizeof(kvi_search_options), KVI_DTYPE_FP32, KVI_MEMORY_HOST, KVI_MEMORY_HOST, KVI_SEARCH_DEFAULT_WORKSPACE}
 
-/* Fills *opts with KVI_SEARCH_OPTIONS_INIT. NULL is ignored. */
-KVI_API void kvi_search_options_init(kvi_search_options *opts);
+/* Fills *opts with KVI_SEARCH_OPTIONS_INIT for a struct of `size` bytes (pass sizeof *opts):
+ * see "Size-versioned structs" in kvinject/common.h. */
+KVI_API kvi_status kvi_search_options_init(kvi_search_options *opts, size_t size);
 
 /*
  * Top-k facts of each query's tenant.
@@ -131,7 +132,8 @@ KVI_API void kvi_search_options_init(kvi_search_options *opts);
  * on the device, whatever their streams; the host waits only when the
  * store's small ring of pinned staging buffers is still in use by earlier
  * calls (it never waits for the search it is enqueuing, except for host
- * outputs). Needs a build with cuBLASLt (kvi_features()).
+ * outputs). Needs a build with cuBLASLt and libcublasLt.so.N loadable
+ * (kvi_features(); the first search on a CUDA store opens it).
  *
  * Thread rules: as every store function (see kvinject/store.h).
  *
@@ -147,7 +149,8 @@ KVI_API void kvi_search_options_init(kvi_search_options *opts);
  * KVI_ERR_MEMORY_KIND: device memory given to a CPU store; a pointer whose
  *   declared kind is wrong, where the driver can tell; memory of another
  *   device.
- * KVI_ERR_NOT_BUILT: a CUDA store in a library built without cuBLASLt.
+ * KVI_ERR_NOT_BUILT: a CUDA store in a library built without cuBLASLt, or
+ *   where libcublasLt does not load (kvi_last_error names it).
  * KVI_ERR_OUT_OF_MEMORY: host or device memory for the workspace.
  * KVI_ERR_CUDA: a CUDA or cuBLASLt call failed (kvi_last_error names it),
  *   including an earlier failure to update the store's device embeddings,

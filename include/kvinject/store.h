@@ -148,14 +148,17 @@ typedef struct kvi_kv_view {
 
 #define KVI_KV_VIEW_INIT {sizeof(kvi_kv_view), KVI_ENUM_ZERO(kvi_memory), KVI_ENUM_ZERO(kvi_dtype), 0, 0, 0, 0, 0, 0, 0, NULL, NULL}
 
-/* Fills *view with KVI_KV_VIEW_INIT. NULL is ignored. */
-KVI_API void kvi_kv_view_init(kvi_kv_view *view);
+/* Fills *view with KVI_KV_VIEW_INIT for a struct of `size` bytes (pass sizeof *view):
+ * see "Size-versioned structs" in kvinject/common.h. */
+KVI_API kvi_status kvi_kv_view_init(kvi_kv_view *view, size_t size);
 
 /*
  * Fills *view for contiguous buffers of shape [layers][tokens][heads][head_size]
  * (row-major): layer_stride = tokens*heads*head_size, token_stride =
  * heads*head_size, head_stride = head_size. Checks nothing beyond view != NULL;
- * the call that uses the view checks the rest.
+ * the call that uses the view checks the rest. Writes the struct's first
+ * version (every field above) and sets struct_size to its size, in this
+ * version and every later one: fields appended later keep their defaults.
  */
 KVI_API void kvi_kv_view_contiguous(kvi_kv_view *view, kvi_memory memory, kvi_dtype dtype,
                                     int32_t num_layers, int32_t num_tokens, int32_t num_heads,
@@ -217,8 +220,9 @@ typedef struct kvi_store_options {
   {sizeof(kvi_store_options), KVI_BACKEND_AUTO, -1, KVI_DTYPE_BF16, 16, 0, 0, KVI_DTYPE_FP32, KVI_METRIC_INNER_PRODUCT, \
    NULL, KVI_EMBEDDINGS_REPLICATED, 0}
 
-/* Fills *opts with KVI_STORE_OPTIONS_INIT. NULL is ignored. */
-KVI_API void kvi_store_options_init(kvi_store_options *opts);
+/* Fills *opts with KVI_STORE_OPTIONS_INIT for a struct of `size` bytes (pass sizeof *opts):
+ * see "Size-versioned structs" in kvinject/common.h. */
+KVI_API kvi_status kvi_store_options_init(kvi_store_options *opts, size_t size);
 
 /*
  * Creates a store for `model` (host memory; the store copies the geometry and
@@ -264,8 +268,9 @@ typedef struct kvi_put_options {
 
 #define KVI_PUT_OPTIONS_INIT {sizeof(kvi_put_options), 0u, NULL, KVI_DTYPE_FP32, KVI_MEMORY_HOST}
 
-/* Fills *opts with KVI_PUT_OPTIONS_INIT. NULL is ignored. */
-KVI_API void kvi_put_options_init(kvi_put_options *opts);
+/* Fills *opts with KVI_PUT_OPTIONS_INIT for a struct of `size` bytes (pass sizeof *opts):
+ * see "Size-versioned structs" in kvinject/common.h. */
+KVI_API kvi_status kvi_put_options_init(kvi_put_options *opts, size_t size);
 
 /*
  * Stores a fact: kv->num_tokens tokens of pre-RoPE K and V for every layer and

@@ -294,21 +294,21 @@ _PROTOTYPES = {
     "kvi_cuda_device_count": (c_int, [POINTER(c_int)]),
     "kvi_dtype_size": (c_size_t, [c_int]),
     # model.h
-    "kvi_model_options_init": (None, [P]),
+    "kvi_model_options_init": (c_int, [P, c_size_t]),
     "kvi_model_create": (c_int, [POINTER(c_void_p), P]),
     "kvi_model_destroy": (None, [P]),
     "kvi_model_info_get": (c_int, [P, P]),
-    "kvi_rope_spec_init": (None, [P]),
+    "kvi_rope_spec_init": (c_int, [P, c_size_t]),
     "kvi_model_set_rope": (c_int, [P, c_int32, P]),
     "kvi_model_get_rope": (c_int, [P, c_int32, P]),
     "kvi_model_rope_cos_sin": (c_int, [P, c_int32, c_int32, c_int32, POINTER(c_float), POINTER(c_float)]),
     # store.h
-    "kvi_kv_view_init": (None, [P]),
+    "kvi_kv_view_init": (c_int, [P, c_size_t]),
     "kvi_kv_view_contiguous": (None, [P, c_int, c_int, c_int32, c_int32, c_int32, c_int32, P, P]),
-    "kvi_store_options_init": (None, [P]),
+    "kvi_store_options_init": (c_int, [P, c_size_t]),
     "kvi_store_create": (c_int, [POINTER(c_void_p), P, P]),
     "kvi_store_destroy": (None, [P]),
-    "kvi_put_options_init": (None, [P]),
+    "kvi_put_options_init": (c_int, [P, c_size_t]),
     "kvi_store_put": (c_int, [P, c_uint64, c_uint64, P, P, P]),
     "kvi_store_read": (c_int, [P, c_uint64, c_uint64, P, P]),
     "kvi_store_fact_tokens": (c_int, [P, c_uint64, c_uint64, POINTER(c_int32)]),
@@ -319,26 +319,26 @@ _PROTOTYPES = {
     "kvi_store_list": (c_int, [P, c_uint64, P, c_size_t, POINTER(c_size_t)]),
     "kvi_store_stats_get": (c_int, [P, P]),
     # search.h
-    "kvi_search_options_init": (None, [P]),
+    "kvi_search_options_init": (c_int, [P, c_size_t]),
     "kvi_store_search": (c_int, [P, P, c_int32, c_int32, P, c_int32, P, P, P, P, P]),
     "kvi_store_search_async_errors": (c_int, [P, POINTER(c_int64)]),
     # cache.h
-    "kvi_cache_layout_init": (None, [P]),
+    "kvi_cache_layout_init": (c_int, [P, c_size_t]),
     "kvi_cache_layout_preset": (c_int, [P, c_int, c_int, c_int32, c_int32, c_int32, c_int32, c_int64, P, P, P]),
     # inject.h
-    "kvi_transfer_options_init": (None, [P]),
+    "kvi_transfer_options_init": (c_int, [P, c_size_t]),
     "kvi_injector_create": (c_int, [POINTER(c_void_p), P, P, P]),
     "kvi_injector_destroy": (None, [P]),
-    "kvi_inject_request_init": (None, [P]),
-    "kvi_inject_options_init": (None, [P]),
+    "kvi_inject_request_init": (c_int, [P, c_size_t]),
+    "kvi_inject_options_init": (c_int, [P, c_size_t]),
     "kvi_inject": (c_int, [P, P, c_int32, P, P]),
     "kvi_inject_plan": (c_int, [P, c_uint64, P, c_int32, POINTER(c_int64)]),
     "kvi_injector_async_errors": (c_int, [P, POINTER(c_int64)]),
     "kvi_encoder_create": (c_int, [POINTER(c_void_p), P, P, P]),
     "kvi_encoder_destroy": (None, [P]),
-    "kvi_capture_init": (None, [P]),
+    "kvi_capture_init": (c_int, [P, c_size_t]),
     "kvi_encode": (c_int, [P, P, c_int32, P]),
-    "kvi_retrieve_request_init": (None, [P]),
+    "kvi_retrieve_request_init": (c_int, [P, c_size_t]),
     "kvi_retrieve_inject": (c_int, [P, P, c_int32, c_int32, P, c_int32, P, P, P, P, P]),
     # comm.h
     "kvi_comm_create_nccl": (c_int, [POINTER(c_void_p), P]),
@@ -437,20 +437,17 @@ class _Lib:
 
     def new(self, cls):
         """A struct initialized by the library's own _init function (the _INIT macro's
-        values), or with only struct_size set for output structs. A library with a
-        larger (newer) struct writes more: it writes into a scratch buffer and the
-        struct keeps the fields this binding knows, with struct_size its own size,
-        which every library version accepts."""
+        values) for this binding's size of it, or with only struct_size set for output
+        structs. The library writes no more than that size (a newer library with a
+        larger struct fills only the fields this binding knows), and struct_size is the
+        binding's own size, which every library version accepts."""
         size = ctypes.sizeof(cls)
+        s = cls()
         fn = _INIT_FUNCTIONS.get(cls)
         if fn is None:
-            s = cls()
             s.struct_size = size
             return s
-        scratch = ctypes.create_string_buffer(max(4096, 2 * size))
-        getattr(self, fn)(scratch)
-        s = cls.from_buffer_copy(scratch.raw[:size])
-        s.struct_size = size
+        self.call(fn, ctypes.byref(s), size)
         return s
 
 

@@ -126,6 +126,26 @@ class TestInitPath(unittest.TestCase):
         for cls in _lib.STRUCTS.values():
             self.assertEqual(L.new(cls).struct_size, ctypes.sizeof(cls), cls.__name__)
 
+    def test_init_writes_no_more_than_the_size_given(self):
+        L = _lib.lib()
+        for cls, fn in _lib._INIT_FUNCTIONS.items():
+            name, full = cls.__name__, ctypes.sizeof(cls)
+            buf = ctypes.create_string_buffer(b"\xa5" * (full + 64), full + 64)
+            # an older caller's struct, one byte short of this library's: refused,
+            # except where that is still the first version; never written past
+            small = full - 8
+            st = getattr(L, fn)(buf, small)
+            self.assertIn(st, (0, kvi.Status.ERR_STRUCT_SIZE), name)
+            self.assertEqual(buf.raw[small:], b"\xa5" * (full + 64 - small), name)
+            if st == 0:
+                self.assertEqual(ctypes.c_size_t.from_buffer(buf).value, small, name)
+            # a newer caller's larger struct: the bytes past this library's fields are zeroed
+            self.assertEqual(getattr(L, fn)(buf, full + 16), 0, name)
+            self.assertEqual(ctypes.c_size_t.from_buffer(buf).value, full + 16, name)
+            self.assertEqual(buf.raw[full:full + 16], bytes(16), name)
+            self.assertEqual(buf.raw[full + 16:], b"\xa5" * 48, name)
+            self.assertEqual(getattr(L, fn)(None, full), kvi.Status.ERR_INVALID_ARGUMENT, name)
+
     def test_struct_size_errors_map(self):
         L = _lib.lib()
         m = kvi.Model(1, 1, 8)

@@ -53,7 +53,7 @@ static void hc_check_init_macros(void) {
   kvi_search_options sr = KVI_SEARCH_OPTIONS_INIT, sr2;
 
   memset(&mo2, 0x5a, sizeof mo2);
-  kvi_model_options_init(&mo2);
+  kvi_model_options_init(&mo2, sizeof mo2);
   HC_CHECK(mo.struct_size == sizeof(kvi_model_options) && mo2.struct_size == mo.struct_size);
   HC_CHECK(mo2.num_layers == mo.num_layers && mo2.num_kv_heads == mo.num_kv_heads &&
            mo2.head_size == mo.head_size && mo2.tp_rank == mo.tp_rank && mo2.tp_size == mo.tp_size);
@@ -62,13 +62,13 @@ static void hc_check_init_macros(void) {
   HC_CHECK(mi.struct_size == sizeof(kvi_model_info));
 
   memset(&rs2, 0x5a, sizeof rs2);
-  kvi_rope_spec_init(&rs2);
+  kvi_rope_spec_init(&rs2, sizeof rs2);
   HC_CHECK(rs.struct_size == sizeof(kvi_rope_spec) && rs2.struct_size == rs.struct_size);
   HC_CHECK(rs2.style == rs.style && rs.style == KVI_ROPE_NEOX && rs2.rotary_dim == rs.rotary_dim &&
            rs2.theta == rs.theta && rs.theta == 10000.0);
 
   memset(&kv2, 0x5a, sizeof kv2);
-  kvi_kv_view_init(&kv2);
+  kvi_kv_view_init(&kv2, sizeof kv2);
   HC_CHECK(kv.struct_size == sizeof(kvi_kv_view) && kv2.struct_size == kv.struct_size);
   HC_CHECK(kv2.memory == kv.memory && kv2.dtype == kv.dtype && kv2.num_layers == kv.num_layers &&
            kv2.num_tokens == kv.num_tokens && kv2.num_heads == kv.num_heads && kv2.head_size == kv.head_size &&
@@ -76,7 +76,7 @@ static void hc_check_init_macros(void) {
            kv2.head_stride == kv.head_stride && kv2.k == kv.k && kv2.v == kv.v && kv.k == NULL);
 
   memset(&so2, 0x5a, sizeof so2);
-  kvi_store_options_init(&so2);
+  kvi_store_options_init(&so2, sizeof so2);
   HC_CHECK(so.struct_size == sizeof(kvi_store_options) && so2.struct_size == so.struct_size);
   HC_CHECK(so2.backend == so.backend && so2.device == so.device && so2.dtype == so.dtype &&
            so2.page_tokens == so.page_tokens && so2.budget_bytes == so.budget_bytes &&
@@ -86,7 +86,7 @@ static void hc_check_init_macros(void) {
            so2.metric == so.metric && so.metric == KVI_METRIC_INNER_PRODUCT);
 
   memset(&sr2, 0x5a, sizeof sr2);
-  kvi_search_options_init(&sr2);
+  kvi_search_options_init(&sr2, sizeof sr2);
   HC_CHECK(sr.struct_size == sizeof(kvi_search_options) && sr2.struct_size == sr.struct_size);
   HC_CHECK(sr2.query_dtype == sr.query_dtype && sr.query_dtype == KVI_DTYPE_FP32 &&
            sr2.query_memory == sr.query_memory && sr.query_memory == KVI_MEMORY_HOST &&
@@ -94,7 +94,7 @@ static void hc_check_init_macros(void) {
            sr2.workspace_bytes == sr.workspace_bytes && sr.workspace_bytes == KVI_SEARCH_DEFAULT_WORKSPACE);
 
   memset(&po2, 0x5a, sizeof po2);
-  kvi_put_options_init(&po2);
+  kvi_put_options_init(&po2, sizeof po2);
   HC_CHECK(po.struct_size == sizeof(kvi_put_options) && po2.struct_size == po.struct_size);
   HC_CHECK(po2.flags == po.flags && po2.embedding == po.embedding && po2.embedding_dtype == po.embedding_dtype &&
            po2.embedding_memory == po.embedding_memory && po.embedding_memory == KVI_MEMORY_HOST);
@@ -108,25 +108,25 @@ static void hc_check_init_macros(void) {
     kvi_inject_options io = KVI_INJECT_OPTIONS_INIT, io2;
     kvi_capture cp = KVI_CAPTURE_INIT, cp2;
     memset(&cl2, 0x5a, sizeof cl2);
-    kvi_cache_layout_init(&cl2);
+    kvi_cache_layout_init(&cl2, sizeof cl2);
     HC_CHECK(cl.struct_size == sizeof(kvi_cache_layout) && cl2.struct_size == cl.struct_size &&
              cl2.scale_mode == cl.scale_mode && cl.scale_mode == KVI_SCALE_NONE && cl2.k_layers == NULL &&
              cl2.dtype == cl.dtype && cl2.memory == cl.memory && cl2.v_offset == 0);
     memset(&to2, 0x5a, sizeof to2);
-    kvi_transfer_options_init(&to2);
+    kvi_transfer_options_init(&to2, sizeof to2);
     HC_CHECK(to.struct_size == sizeof(kvi_transfer_options) && to2.max_tokens_per_call == to.max_tokens_per_call &&
              to2.max_requests_per_call == to.max_requests_per_call &&
              to2.max_table_entries_per_call == to.max_table_entries_per_call && to.max_tokens_per_call > 0);
     memset(&rq2, 0x5a, sizeof rq2);
-    kvi_inject_request_init(&rq2);
+    kvi_inject_request_init(&rq2, sizeof rq2);
     HC_CHECK(rq.struct_size == sizeof(kvi_inject_request) && rq2.struct_size == rq.struct_size &&
              rq2.block_table_memory == rq.block_table_memory && rq.block_table_memory == KVI_MEMORY_HOST &&
              rq2.fact_ids == NULL && rq2.positions == NULL && rq2.num_facts == 0);
     memset(&io2, 0x5a, sizeof io2);
-    kvi_inject_options_init(&io2);
+    kvi_inject_options_init(&io2, sizeof io2);
     HC_CHECK(io.struct_size == sizeof(kvi_inject_options) && io2.layer_begin == 0 && io2.layer_end == 0);
     memset(&cp2, 0x5a, sizeof cp2);
-    kvi_capture_init(&cp2);
+    kvi_capture_init(&cp2, sizeof cp2);
     HC_CHECK(cp.struct_size == sizeof(kvi_capture) && cp2.struct_size == cp.struct_size && cp2.flags == 0 &&
              cp2.embedding == NULL && cp2.embedding_dtype == cp.embedding_dtype && cp.embedding_dtype == KVI_DTYPE_FP32 &&
              cp2.embedding_memory == KVI_MEMORY_HOST);
@@ -134,27 +134,27 @@ static void hc_check_init_macros(void) {
       kvi_llama_state_info li = KVI_LLAMA_STATE_INFO_INIT;
       kvi_llama_state_spec ls = KVI_LLAMA_STATE_SPEC_INIT, ls2;
       memset(&ls2, 0x5a, sizeof ls2);
-      kvi_llama_state_spec_init(&ls2);
+      HC_CHECK(kvi_llama_state_spec_init(&ls2, sizeof ls2) == KVI_OK);
       HC_CHECK(li.struct_size == sizeof(kvi_llama_state_info) && li.num_sections == 0 &&
                ls.struct_size == sizeof(kvi_llama_state_spec) && ls2.struct_size == ls.struct_size &&
                ls2.num_streams == 1 && ls.num_streams == 1 && ls2.positions == NULL && ls2.v_trans == 0 &&
                ls2.dtype == ls.dtype);
-      kvi_llama_state_spec_init(NULL);
+      HC_CHECK(kvi_llama_state_spec_init(NULL, 64) == KVI_ERR_INVALID_ARGUMENT);
     }
-    kvi_cache_layout_init(NULL);
-    kvi_transfer_options_init(NULL);
-    kvi_inject_request_init(NULL);
-    kvi_inject_options_init(NULL);
-    kvi_capture_init(NULL);
+    HC_CHECK(kvi_cache_layout_init(NULL, 64) == KVI_ERR_INVALID_ARGUMENT);
+    HC_CHECK(kvi_transfer_options_init(NULL, 64) == KVI_ERR_INVALID_ARGUMENT);
+    HC_CHECK(kvi_inject_request_init(NULL, 64) == KVI_ERR_INVALID_ARGUMENT);
+    HC_CHECK(kvi_inject_options_init(NULL, 64) == KVI_ERR_INVALID_ARGUMENT);
+    HC_CHECK(kvi_capture_init(NULL, 64) == KVI_ERR_INVALID_ARGUMENT);
   }
 
-  /* NULL is ignored by every *_init() */
-  kvi_model_options_init(NULL);
-  kvi_rope_spec_init(NULL);
-  kvi_kv_view_init(NULL);
-  kvi_store_options_init(NULL);
-  kvi_put_options_init(NULL);
-  kvi_search_options_init(NULL);
+  /* NULL is refused by every *_init() */
+  HC_CHECK(kvi_model_options_init(NULL, 64) == KVI_ERR_INVALID_ARGUMENT);
+  HC_CHECK(kvi_rope_spec_init(NULL, 64) == KVI_ERR_INVALID_ARGUMENT);
+  HC_CHECK(kvi_kv_view_init(NULL, 64) == KVI_ERR_INVALID_ARGUMENT);
+  HC_CHECK(kvi_store_options_init(NULL, 64) == KVI_ERR_INVALID_ARGUMENT);
+  HC_CHECK(kvi_put_options_init(NULL, 64) == KVI_ERR_INVALID_ARGUMENT);
+  HC_CHECK(kvi_search_options_init(NULL, 64) == KVI_ERR_INVALID_ARGUMENT);
 }
 
 static void hc_check_common(void) {
@@ -282,14 +282,14 @@ static void hc_check_persist(const char *lang) {
   int i;
 
   memset(&sv2, 0x5a, sizeof sv2);
-  kvi_save_options_init(&sv2);
+  kvi_save_options_init(&sv2, sizeof sv2);
   HC_CHECK(sv.struct_size == sizeof(kvi_save_options) && sv2.struct_size == sv.struct_size && sv2.flags == 0 &&
            sv.flags == 0 && sv2.tenant == 0);
   memset(&lo2, 0x5a, sizeof lo2);
-  kvi_load_options_init(&lo2);
+  kvi_load_options_init(&lo2, sizeof lo2);
   HC_CHECK(lo.struct_size == sizeof(kvi_load_options) && lo2.struct_size == lo.struct_size && lo2.flags == 0);
-  kvi_save_options_init(NULL);
-  kvi_load_options_init(NULL);
+  HC_CHECK(kvi_save_options_init(NULL, 64) == KVI_ERR_INVALID_ARGUMENT);
+  HC_CHECK(kvi_load_options_init(NULL, 64) == KVI_ERR_INVALID_ARGUMENT);
   HC_CHECK(KVI_ERR_CORRUPT == -14 && KVI_ERR_INCOMPATIBLE == -15 && KVI_ERR_IO == -16);
   HC_CHECK(strcmp(kvi_status_string(KVI_ERR_CORRUPT), kvi_status_string(KVI_ERR_INCOMPATIBLE)) != 0);
 
@@ -419,10 +419,10 @@ static void hc_check_comm(void) {
   {
     kvi_retrieve_request rr = KVI_RETRIEVE_REQUEST_INIT, rr2;
     memset(&rr2, 0x5a, sizeof rr2);
-    kvi_retrieve_request_init(&rr2);
+    kvi_retrieve_request_init(&rr2, sizeof rr2);
     HC_CHECK(rr.struct_size == sizeof(kvi_retrieve_request) && rr2.struct_size == rr.struct_size &&
              rr2.flags == 0 && rr.flags == 0 && rr2.block_table_memory == KVI_MEMORY_HOST && rr2.block_table == NULL);
-    kvi_retrieve_request_init(NULL);
+    HC_CHECK(kvi_retrieve_request_init(NULL, 64) == KVI_ERR_INVALID_ARGUMENT);
   }
   HC_CHECK(gi.struct_size == sizeof(kvi_gather_item) && gi.full == NULL);
   HC_CHECK(so.comm == NULL && so.embedding_placement == KVI_EMBEDDINGS_REPLICATED && KVI_ERR_PEER == -17);

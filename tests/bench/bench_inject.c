@@ -132,7 +132,7 @@ int main(void) {
     for (int i = -bench_warm; i < bench_iters; i++) {
       /* fresh facts and destinations every iteration */
       for (int r = 0; r < R; r++) {
-        kvi_inject_request_init(&reqs[r]);
+        kvi_inject_request_init(&reqs[r], sizeof reqs[r]);
         for (int f = 0; f < k; f++) ids[r][f] = (uint64_t)((i + bench_warm) * 131 + r * 50 + f) % POOL;
         reqs[r].tenant = 1;
         reqs[r].fact_ids = ids[r];
@@ -165,7 +165,7 @@ int main(void) {
     float t[ITERS], th[ITERS], tq[ITERS];
     for (int i = -bench_warm; i < bench_iters; i++) {
       for (int f = 0; f < n; f++) {
-        kvi_capture_init(&caps[f]);
+        kvi_capture_init(&caps[f], sizeof caps[f]);
         caps[f].tenant = 2;
         caps[f].fact_id = (uint64_t)f;
         caps[f].flags = KVI_PUT_REPLACE;

@@ -210,7 +210,7 @@ static float time_retrieve(bench *b, rbench *r, int32_t nq, bool device, float *
   for (int it = -bench_warm; it < bench_iters; it++) {
     for (int32_t i = 0; i < nq; i++) {
       tenants[i] = 1 + (uint64_t)((i + it + bench_warm) % n_tenants);
-      kvi_retrieve_request_init(&rq[i]);
+      kvi_retrieve_request_init(&rq[i], sizeof rq[i]);
       rq[i].tenant = tenants[i];
       rq[i].block_table = r->dtables + (size_t)i * RB_BLOCKS;
       rq[i].block_table_len = RB_BLOCKS;
@@ -228,7 +228,7 @@ static float time_retrieve(bench *b, rbench *r, int32_t nq, bool device, float *
       o.out_memory = KVI_MEMORY_HOST;
       CK(kvi_store_search(b->store, b->dq, nq, DIM, tenants, K, ids, scores, counts, &o, (struct CUstream_st *)stream));
       for (int32_t i = 0; i < nq; i++) {
-        kvi_inject_request_init(&ir[i]);
+        kvi_inject_request_init(&ir[i], sizeof ir[i]);
         ir[i].tenant = tenants[i];
         ir[i].fact_ids = ids + (size_t)i * K;
         ir[i].num_facts = counts[i];

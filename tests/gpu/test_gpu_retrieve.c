@@ -329,7 +329,7 @@ static void make_requests(world *w, kvi_retrieve_request *hreq, kvi_retrieve_req
   }
   shuffle_tables(w);
   for (int i = 0; i < NQ; i++) {
-    kvi_retrieve_request_init(&hreq[i]);
+    kvi_retrieve_request_init(&hreq[i], sizeof hreq[i]);
     hreq[i].tenant = tn[i];
     hreq[i].block_table = w->tables[i];
     hreq[i].block_table_len = TBL;
@@ -420,7 +420,7 @@ static void gpu_search_inject(world *w, const float *q, const kvi_retrieve_reque
     int64_t t = 0;
     if (n) CHECK_OK(kvi_inject_plan(w->dref, greq[i].tenant, order[i], n, &t));
     o->tokens[i] = (int32_t)t;
-    kvi_inject_request_init(&ir[i]);
+    kvi_inject_request_init(&ir[i], sizeof ir[i]);
     ir[i].tenant = greq[i].tenant;
     ir[i].fact_ids = order[i];
     ir[i].num_facts = n;

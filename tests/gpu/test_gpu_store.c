@@ -111,7 +111,7 @@ typedef struct strided {
 
 static void strided_make(strided *s, const fixture *f, int32_t T, kvi_dtype dt, int64_t head_pad, int64_t tok_pad,
                          int64_t offset) {
-  kvi_kv_view_init(&s->view);
+  kvi_kv_view_init(&s->view, sizeof s->view);
   s->view.dtype = dt;
   s->view.num_layers = f->L;
   s->view.num_tokens = T;

@@ -300,7 +300,7 @@ static int tp_test(tp_rank *r, void *arg) {
       g.fact_id = (uint64_t)f;
       g.full = r->rank == 0 ? &w[f] : NULL;
       gi[f] = g;
-      kvi_put_options_init(&po[f]);
+      kvi_put_options_init(&po[f], sizeof po[f]);
       po[f].embedding = facts[f].emb;
       kvi_scatter_item it = KVI_SCATTER_ITEM_INIT;
       it.tenant = TENANT;

@@ -289,7 +289,7 @@ static void run_inject(const scen *sc) {
   for (int i = 0; i < 4096; i++) positions[i] = 7 + 3 * i;
   kvi_inject_request hq[R], dq[R];
   for (int r = 0; r < R; r++) {
-    kvi_inject_request_init(&hq[r]);
+    kvi_inject_request_init(&hq[r], sizeof hq[r]);
     hq[r].tenant = 1;
     hq[r].fact_ids = ids[r];
     hq[r].num_facts = nf[r];
@@ -584,7 +584,7 @@ static void t_journal_encode(void **state) {
   for (int i = 0; i < 64; i++) table[i] = (i * 7) % 64;
   kvi_capture caps[3];
   for (int i = 0; i < 3; i++) {
-    kvi_capture_init(&caps[i]);
+    kvi_capture_init(&caps[i], sizeof caps[i]);
     caps[i].tenant = 3;
     caps[i].fact_id = 1 + (uint64_t)i;
     caps[i].block_table = table;
@@ -914,7 +914,7 @@ static void t_tier_encode(void **state) {
   CHECK_OK(kvi_inject(di, &q, 1, NULL, NULL));
   kvi_capture c[2];
   for (int i = 0; i < 2; i++) {
-    kvi_capture_init(&c[i]);
+    kvi_capture_init(&c[i], sizeof c[i]);
     c[i].tenant = 2;
     c[i].fact_id = (uint64_t)i;
     c[i].block_table = g_tier_table;

@@ -456,7 +456,7 @@ static inline int64_t ec_generic_ls(const ecache *c) {
 /* The descriptor of a hand-made layout, written from its shape. */
 static inline void ec_generic_layout(ecache *c) {
   const int64_t NB = c->NB, BS = c->BS, H = c->H, D = c->D;
-  kvi_cache_layout_init(&c->lay);
+  kvi_cache_layout_init(&c->lay, sizeof c->lay);
   c->lay.dtype = c->dt;
   c->lay.num_layers = c->L;
   c->lay.num_heads = c->H;

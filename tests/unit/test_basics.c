@@ -172,13 +172,13 @@ static void test_dtype_size(void **state) {
   assert_int_equal(KVI_BACKEND_CUDA, 2);
 }
 
-/* Each *_init() fills exactly what its _INIT macro does and ignores NULL. */
+/* Each *_init() fills exactly what its _INIT macro does and refuses NULL. */
 static void test_options_init_functions(void **state) {
   (void)state;
   {
     kvi_model_options a, b = KVI_MODEL_OPTIONS_INIT;
     memset(&a, 0x5a, sizeof a);
-    kvi_model_options_init(&a);
+    kvi_model_options_init(&a, sizeof a);
     assert_int_equal(a.struct_size, sizeof a);
     assert_int_equal(a.tp_size, 1);
     assert_int_equal(a.tp_rank, 0);
@@ -187,22 +187,22 @@ static void test_options_init_functions(void **state) {
     assert_int_equal(a.head_size, 0);
     assert_int_equal(b.struct_size, sizeof b);
     assert_int_equal(b.tp_size, 1);
-    kvi_model_options_init(NULL);
+    assert_int_equal(kvi_model_options_init(NULL, 64), KVI_ERR_INVALID_ARGUMENT);
   }
   {
     kvi_rope_spec a;
     memset(&a, 0x5a, sizeof a);
-    kvi_rope_spec_init(&a);
+    kvi_rope_spec_init(&a, sizeof a);
     assert_int_equal(a.struct_size, sizeof a);
     assert_int_equal(a.style, KVI_ROPE_NEOX);
     assert_int_equal(a.rotary_dim, 0);
     assert_true(a.theta == 10000.0);
-    kvi_rope_spec_init(NULL);
+    assert_int_equal(kvi_rope_spec_init(NULL, 64), KVI_ERR_INVALID_ARGUMENT);
   }
   {
     kvi_store_options a;
     memset(&a, 0x5a, sizeof a);
-    kvi_store_options_init(&a);
+    kvi_store_options_init(&a, sizeof a);
     assert_int_equal(a.struct_size, sizeof a);
     assert_int_equal(a.backend, KVI_BACKEND_AUTO);
     assert_int_equal(a.device, -1);
@@ -210,23 +210,23 @@ static void test_options_init_functions(void **state) {
     assert_int_equal(a.page_tokens, 16);
     assert_int_equal(a.budget_bytes, 0);
     assert_int_equal(a.embedding_dim, 0);
-    kvi_store_options_init(NULL);
+    assert_int_equal(kvi_store_options_init(NULL, 64), KVI_ERR_INVALID_ARGUMENT);
   }
   {
     kvi_put_options a;
     memset(&a, 0x5a, sizeof a);
-    kvi_put_options_init(&a);
+    kvi_put_options_init(&a, sizeof a);
     assert_int_equal(a.struct_size, sizeof a);
     assert_int_equal(a.flags, 0);
     assert_null(a.embedding);
     assert_int_equal(a.embedding_dtype, KVI_DTYPE_FP32);
     assert_int_equal(a.embedding_memory, KVI_MEMORY_HOST);
-    kvi_put_options_init(NULL);
+    assert_int_equal(kvi_put_options_init(NULL, 64), KVI_ERR_INVALID_ARGUMENT);
   }
   {
     kvi_kv_view a;
     memset(&a, 0x5a, sizeof a);
-    kvi_kv_view_init(&a);
+    kvi_kv_view_init(&a, sizeof a);
     assert_int_equal(a.struct_size, sizeof a);
     assert_int_equal(a.memory, 0);
     assert_int_equal(a.dtype, 0);
@@ -235,7 +235,7 @@ static void test_options_init_functions(void **state) {
     assert_int_equal(a.layer_stride, 0);
     assert_null(a.k);
     assert_null(a.v);
-    kvi_kv_view_init(NULL);
+    assert_int_equal(kvi_kv_view_init(NULL, 64), KVI_ERR_INVALID_ARGUMENT);
   }
 }
 

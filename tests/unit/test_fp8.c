@@ -247,7 +247,7 @@ static void inject_case(rng *r, kvi_dtype cdt, kvi_scale_mode sm, int32_t P) {
   kvi_rope_spec specs[L];
   ref_rope rr[L];
   for (int l = 0; l < L; l++) {
-    kvi_rope_spec_init(&specs[l]);
+    kvi_rope_spec_init(&specs[l], sizeof specs[l]);
     specs[l].style = l == 1 ? KVI_ROPE_NONE : l == 0 ? KVI_ROPE_NEOX : KVI_ROPE_GPTJ;
     specs[l].theta = 10000.0;
     assert_ok(kvi_model_set_rope(m, l, &specs[l]));
@@ -268,7 +268,7 @@ static void inject_case(rng *r, kvi_dtype cdt, kvi_scale_mode sm, int32_t P) {
   rand_positions(r, pos, 9, 0, 3000, true);
   const uint64_t id = 1;
   kvi_inject_request q;
-  kvi_inject_request_init(&q);
+  kvi_inject_request_init(&q, sizeof q);
   q.tenant = 1, q.fact_ids = &id, q.num_facts = 1, q.block_table = table, q.block_table_len = 4;
   q.first_slot = 3, q.positions = pos;
   assert_ok(kvi_inject(inj, &q, 1, NULL, NULL));
@@ -325,12 +325,12 @@ static void capture_case(rng *r, int32_t P, int32_t T) {
   for (int i = 0; i < nb + 2; i++) table[i] = nb + 1 - i;
   const uint64_t id = 1;
   kvi_inject_request q;
-  kvi_inject_request_init(&q);
+  kvi_inject_request_init(&q, sizeof q);
   q.tenant = 1, q.fact_ids = &id, q.num_facts = 1, q.block_table = table, q.block_table_len = nb + 2;
   q.first_slot = 2, q.start_position = 77;
   assert_ok(kvi_inject(inj, &q, 1, NULL, NULL));
   kvi_capture cp;
-  kvi_capture_init(&cp);
+  kvi_capture_init(&cp, sizeof cp);
   cp.tenant = 1, cp.fact_id = 2, cp.block_table = table, cp.block_table_len = nb + 2, cp.first_slot = 2;
   cp.num_tokens = T, cp.start_position = 77;
   assert_ok(kvi_encode(e32, &cp, 1, NULL));

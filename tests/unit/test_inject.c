@@ -95,7 +95,7 @@ static void rfact_rounded(const rfact *f, kvi_dtype dt, rfact *out) {
 static kvi_inject_request request(uint64_t tenant, const uint64_t *ids, int32_t n, const int32_t *table, int32_t len,
                                   int64_t first_slot, const int32_t *positions, int32_t start_position) {
   kvi_inject_request q;
-  kvi_inject_request_init(&q);
+  kvi_inject_request_init(&q, sizeof q);
   q.tenant = tenant, q.fact_ids = ids, q.num_facts = n, q.block_table = table, q.block_table_len = len;
   q.first_slot = first_slot, q.positions = positions, q.start_position = start_position;
   return q;
@@ -104,7 +104,7 @@ static kvi_inject_request request(uint64_t tenant, const uint64_t *ids, int32_t 
 static kvi_capture capture(uint64_t tenant, uint64_t id, const int32_t *table, int32_t len, int64_t first_slot,
                            int32_t n, const int32_t *positions, int32_t start_position) {
   kvi_capture c;
-  kvi_capture_init(&c);
+  kvi_capture_init(&c, sizeof c);
   c.tenant = tenant, c.fact_id = id, c.block_table = table, c.block_table_len = len, c.first_slot = first_slot;
   c.num_tokens = n, c.positions = positions, c.start_position = start_position;
   return c;
@@ -649,7 +649,7 @@ static void test_layer_range(void **state) {
   for (size_t i = 0; i < sizeof ranges / sizeof ranges[0]; i++) {
     ec_poison(&e.c);
     kvi_inject_options o;
-    kvi_inject_options_init(&o);
+    kvi_inject_options_init(&o, sizeof o);
     o.layer_begin = ranges[i][0];
     o.layer_end = ranges[i][1];
     assert_ok(kvi_inject(e.inj, &q, 1, &o, NULL));
@@ -1141,7 +1141,7 @@ static void test_transfer_limits(void **state) {
   errenv_open(&x, &r, 40);
   env *e = &x.e;
   kvi_transfer_options to;
-  kvi_transfer_options_init(&to);
+  kvi_transfer_options_init(&to, sizeof to);
   assert_int_equal(to.struct_size, sizeof to);
   assert_int_equal(to.max_tokens_per_call, 1 << 20);
   assert_int_equal(to.max_requests_per_call, 4096);

@@ -125,8 +125,8 @@ static void run(fixture *f, const cfg *g, const dcase *dc) {
 
   const uint64_t ids0[] = {f->a.id, f->b.id}, ids1[] = {f->c.id};
   kvi_inject_request rq[2];
-  kvi_inject_request_init(&rq[0]);
-  kvi_inject_request_init(&rq[1]);
+  kvi_inject_request_init(&rq[0], sizeof rq[0]);
+  kvi_inject_request_init(&rq[1], sizeof rq[1]);
   rq[0].tenant = 7, rq[0].fact_ids = ids0, rq[0].num_facts = 2, rq[0].block_table = table0;
   rq[0].block_table_len = len0, rq[0].first_slot = g->fs0, rq[0].positions = pos0;
   rq[1].tenant = 9, rq[1].fact_ids = ids1, rq[1].num_facts = 1, rq[1].block_table = table1;
@@ -144,8 +144,8 @@ static void run(fixture *f, const cfg *g, const dcase *dc) {
   /* capture both back: fact b's range of request 0 (from the middle of the
    * sequence) and request 1's c */
   kvi_capture cap[2];
-  kvi_capture_init(&cap[0]);
-  kvi_capture_init(&cap[1]);
+  kvi_capture_init(&cap[0], sizeof cap[0]);
+  kvi_capture_init(&cap[1], sizeof cap[1]);
   cap[0].tenant = 7, cap[0].fact_id = 100, cap[0].block_table = table0, cap[0].block_table_len = len0;
   cap[0].first_slot = g->fs0 + f->a.T, cap[0].num_tokens = f->b.T, cap[0].positions = pos0 + f->a.T;
   cap[1].tenant = 9, cap[1].fact_id = 100, cap[1].block_table = table1, cap[1].block_table_len = len1;

@@ -1207,7 +1207,7 @@ static void test_journal_encode(void **state) {
   float emb[3][3];
   kvi_capture caps[3];
   for (int i = 0; i < 3; i++) {
-    kvi_capture_init(&caps[i]);
+    kvi_capture_init(&caps[i], sizeof caps[i]);
     caps[i].tenant = 5;
     caps[i].fact_id = 10 + (uint64_t)i;
     caps[i].block_table = table;

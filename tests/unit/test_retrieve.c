@@ -92,7 +92,7 @@ static const int32_t table1[] = {50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61,
 
 static kvi_retrieve_request req(uint64_t tenant, const int32_t *table, int64_t first, int32_t pos, uint32_t flags) {
   kvi_retrieve_request r;
-  kvi_retrieve_request_init(&r);
+  kvi_retrieve_request_init(&r, sizeof r);
   r.tenant = tenant, r.block_table = table, r.block_table_len = 32, r.first_slot = first, r.start_position = pos;
   r.flags = flags;
   return r;
@@ -112,7 +112,7 @@ static void reference(fx *f, const kvi_retrieve_request *rq, int nq, int k, uint
     int64_t t = 0;
     if (cnt[i]) assert_ok(kvi_inject_plan(f->ib, rq[i].tenant, order[i], cnt[i], &t));
     tok[i] = (int32_t)t;
-    kvi_inject_request_init(&ir[i]);
+    kvi_inject_request_init(&ir[i], sizeof ir[i]);
     ir[i].tenant = rq[i].tenant, ir[i].fact_ids = order[i], ir[i].num_facts = cnt[i];
     ir[i].block_table = rq[i].block_table, ir[i].block_table_len = rq[i].block_table_len;
     ir[i].first_slot = rq[i].first_slot, ir[i].start_position = rq[i].start_position;

@@ -570,7 +570,7 @@ static void test_encode_embeddings(void **state) {
   const float e[3][DIM] = {{1, 0, 0, 0, 0}, {0, 1, 0, 0, 0}, {0, 0, 1, 0, 0}};
   kvi_capture cs[3];
   for (int i = 0; i < 3; i++) {
-    kvi_capture_init(&cs[i]);
+    kvi_capture_init(&cs[i], sizeof cs[i]);
     cs[i].tenant = i < 2 ? 40 : 41; /* two facts of one new tenant in one call */
     cs[i].fact_id = (uint64_t)(i + 1);
     cs[i].block_table = table;

@@ -209,7 +209,7 @@ static void test_create_auto_resolves_to_cpu(void **state) {
   kvi_store_destroy(s);
   /* the defaults from the initializer need only a budget */
   kvi_store_options d;
-  kvi_store_options_init(&d);
+  kvi_store_options_init(&d, sizeof d);
   d.budget_bytes = 1u << 20;
   assert_ok(kvi_store_create(&s, m, &d));
   assert_int_equal(store_stats(s).backend, KVI_BACKEND_CPU);

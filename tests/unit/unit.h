@@ -292,7 +292,7 @@ static inline void kvbuf_make(kvbuf *b, layout lay, kvi_dtype dt, int L, int T, 
   b->mem = malloc(b->bytes ? b->bytes : 1);
   assert_non_null(b->mem);
   memset(b->mem, 0xA5, b->bytes);
-  kvi_kv_view_init(&b->v);
+  kvi_kv_view_init(&b->v, sizeof b->v);
   b->v.memory = KVI_MEMORY_HOST;
   b->v.dtype = dt;
   b->v.num_layers = L;
