@@ -190,10 +190,19 @@ struct Ctx {
   int64_t page_row0;   /* page element offset of (layer, plane 0, head 0, first token) */
   int64_t page_head;   /* page elements between heads: P * D */
   int64_t head_stride; /* cache elements between heads */
+  int64_t dim_stride;  /* cache elements between dims: E == 1 only (vectors: 1) */
   float *gs;           /* fp8 stores: the page's scales of this layer, K heads then V heads */
   int phase;           /* kvi__xfer_args.phase */
   bool heads_inner;    /* the walk's row order (see Walk) */
 };
+
+/* Cache element offset of dim d in a head vector: vectors (E > 1) need
+ * contiguous ones (the host picks E 1 otherwise), so only the element-wise
+ * path multiplies. */
+template <int E> __device__ inline int64_t dim_off(const Ctx &x, unsigned d) {
+  if constexpr (E == 1) return (int64_t)d * x.dim_stride;
+  else return d;
+}
 
 /* A thread's walk over the items of one pass. The items are (row, lane),
  * lanes (E-element columns or rotation units of one row) fastest; rows are
@@ -263,9 +272,9 @@ __device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, cons
       if (coff < 0) continue;
       const unsigned da = NEOX ? u * E : 2 * u * E;
       const S *src = INJECT ? (const S *)(page + x.page_row0 + h * x.page_head + (int64_t)j * x.D + da)
-                            : (const S *)(kc + coff + h * x.head_stride + da);
+                            : (const S *)(kc + coff + h * x.head_stride + dim_off<E>(x, da));
       ld<S, E>(va[b], src);
-      ld<S, E>(vb[b], src + off_b);
+      ld<S, E>(vb[b], src + (INJECT ? (int64_t)off_b : dim_off<E>(x, off_b)));
       if constexpr (INJECT && is_fp8<G>::value) gsc[b] = x.gs[h];
     }
     w = w0;
@@ -277,7 +286,7 @@ __device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, cons
       if (coff < 0) continue;
       const unsigned da = NEOX ? u * E : 2 * u * E;
       G *pg = page + x.page_row0 + h * x.page_head + (int64_t)j * x.D + da;
-      C *cr = kc + coff + h * x.head_stride + da;
+      C *cr = kc + coff + h * x.head_stride + dim_off<E>(x, da);
       const float2 *cs = x.cs + j * x.HM + u * E;
       float2 c[E];
 #pragma unroll
@@ -292,7 +301,7 @@ __device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, cons
         rotate<E, NEOX, true>(v, c);
         scale_for_cache<C>(v, 2 * E, is_fp8<C>::value ? ks[h] : 1.0f);
         st<C, E>(cr, v);
-        st<C, E>(cr + off_b, v + E);
+        st<C, E>(cr + dim_off<E>(x, off_b), v + E);
       } else {
         scale_from_cache<C>(v, 2 * E, is_fp8<C>::value ? ks[h] : 1.0f);
         rotate<E, NEOX, false>(v, c);
@@ -331,7 +340,7 @@ __device__ inline void plain(const Ctx &x, G *page, C *cache, int64_t plane, uns
       if (coff < 0) continue;
       const unsigned d = col0 + u * E;
       const S *src = INJECT ? (const S *)(page + x.page_row0 + plane + h * x.page_head + (int64_t)j * x.D + d)
-                            : (const S *)(cache + coff + h * x.head_stride + d);
+                            : (const S *)(cache + coff + h * x.head_stride + dim_off<E>(x, d));
       ld<S, E>(v[b], src);
       if constexpr (is_fp8<C>::value) sc[b] = cscale[h];
       if constexpr (INJECT && is_fp8<G>::value) gsc[b] = gs[h];
@@ -346,7 +355,7 @@ __device__ inline void plain(const Ctx &x, G *page, C *cache, int64_t plane, uns
       const unsigned d = col0 + u * E;
       if constexpr (RAW) {
         if (INJECT)
-          st_raw<S, E>(reinterpret_cast<S *>(cache + coff + h * x.head_stride + d), v[b]);
+          st_raw<S, E>(reinterpret_cast<S *>(cache + coff + h * x.head_stride + dim_off<E>(x, d)), v[b]);
         else
           st_raw<S, E>(reinterpret_cast<S *>(page + x.page_row0 + plane + h * x.page_head + (int64_t)j * x.D + d), v[b]);
         continue;
@@ -358,7 +367,7 @@ __device__ inline void plain(const Ctx &x, G *page, C *cache, int64_t plane, uns
 #pragma unroll
           for (int i = 0; i < E; i++) f[i] = __fmul_rn(f[i], gsc[b]);
         scale_for_cache<C>(f, E, is_fp8<C>::value ? sc[b] : 1.0f);
-        st<C, E>(cache + coff + h * x.head_stride + d, f);
+        st<C, E>(cache + coff + h * x.head_stride + dim_off<E>(x, d), f);
       } else {
         scale_from_cache<C>(f, E, is_fp8<C>::value ? sc[b] : 1.0f);
         to_store<G>(f, E, is_fp8<G>::value ? gs + h : nullptr, x.phase);
@@ -369,12 +378,26 @@ __device__ inline void plain(const Ctx &x, G *page, C *cache, int64_t plane, uns
   }
 }
 
+/* Points the context at plane kv (0 K, 1 V): its per-token offsets, head and
+ * dim strides (read from the parameters at each use, so nothing more stays
+ * live across the layer loop), and the walk's row order: an injection into a
+ * cache whose heads of a token lie closer together than its tokens of a head
+ * (NHD) walks heads inside tokens; the pages (capture) and HND caches the
+ * other way. */
+template <bool INJECT>
+__device__ inline void set_plane(Ctx &x, const kvi__xfer_args &a, const int64_t *s_coff, int kv) {
+  x.coff = kv && a.split_v ? s_coff + a.seg_tokens : s_coff; /* V's offsets follow K's (split_v) */
+  x.head_stride = kv ? a.v_head_stride : a.head_stride;
+  x.dim_stride = kv ? a.v_dim_stride : a.dim_stride;
+  x.heads_inner = INJECT && (kv ? a.v_head_stride < a.v_token_stride : a.head_stride < a.token_stride);
+}
+
 template <typename G, typename C, int E, bool INJECT>
 __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ kvi__xfer_args a) {
   extern __shared__ float2 s_cs[]; /* [seg_tokens][half_max], then offsets and positions */
   const unsigned T = (unsigned)a.seg_tokens, HM = (unsigned)a.half_max;
   int64_t *s_coff = reinterpret_cast<int64_t *>(s_cs + T * HM);
-  int32_t *s_pos = reinterpret_cast<int32_t *>(s_coff + T);
+  int32_t *s_pos = reinterpret_cast<int32_t *>(s_coff + (a.split_v ? 2 * T : T));
 
   /* the plan: in the parameters (generic addresses into the constant bank) or uploaded */
   const char *plan = a.inline_bytes ? reinterpret_cast<const char *>(a.inline_plan) : a.plan_dev;
@@ -400,12 +423,16 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
     const kvi__xreq rq = reinterpret_cast<const kvi__xreq *>(plan + a.o_reqs)[sg.req];
     const int32_t *table = rq.table ? rq.table : reinterpret_cast<const int32_t *>(plan + rq.table_off);
     const int64_t s = sg.seq0 + j, bi = s / a.BS - rq.first_block;
-    int64_t c = -1; /* block ids outside the cache (only device tables can have them) are skipped */
+    int64_t c = -1, cv = -1; /* block ids outside the cache (only device tables can have them) are skipped */
     if (bi >= 0 && bi < rq.table_len) {
       const int32_t b = table[bi];
-      if (b >= 0 && b < a.NB) c = (int64_t)b * a.block_stride + (s % a.BS) * a.token_stride;
+      if (b >= 0 && b < a.NB) {
+        c = (int64_t)b * a.block_stride + (s % a.BS) * a.token_stride;
+        cv = (int64_t)b * a.v_block_stride + (s % a.BS) * a.v_token_stride;
+      }
     }
     s_coff[j] = c;
+    if (a.split_v) s_coff[T + j] = cv; /* V's own offsets (set_plane) */
     s_pos[j] = sg.explicit_pos ? reinterpret_cast<const int32_t *>(plan + a.o_pos)[sg.pos0 + j] : sg.pos0 + (int32_t)j;
     if (c < 0 && blockIdx.y == 0) atomicAdd(a.skipped, 1ull);
   }
@@ -419,12 +446,7 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
   x.D = (unsigned)a.D;
   x.HM = HM;
   x.page_head = (int64_t)a.P * a.D;
-  x.head_stride = a.head_stride;
   x.phase = a.phase;
-  /* rows in the destination's order: an injection into a cache whose heads
-   * of a token lie closer together than its tokens of a head (NHD) walks
-   * heads inside tokens; the pages (capture) and HND caches the other way */
-  x.heads_inner = INJECT && a.head_stride < a.token_stride;
   int cur = -1; /* rope_id whose cos/sin are in shared memory */
   for (int l = l0; l < l1; l++) {
     const kvi__xlayer ly = a.layers[l];
@@ -447,6 +469,7 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
     const float *ks = a.k_scale + l * a.H, *vs = a.v_scale + l * a.H;
     x.gs = gs ? gs + l * 2 * a.H : nullptr;
     C *kc = reinterpret_cast<C *>(ly.k), *vc = reinterpret_cast<C *>(ly.v);
+    set_plane<INJECT>(x, a, s_coff, 0);
     if (rot) {
       if (ly.style == 1)
         rotated<G, C, E, INJECT, true>(x, page, kc, half, ks);
@@ -455,6 +478,7 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
     }
     if (rot < x.D) /* K's pass-through tail */
       plain<G, C, E, INJECT>(x, page, kc, 0, rot, (x.D - rot) / E, ks, x.gs);
+    set_plane<INJECT>(x, a, s_coff, 1);
     plain<G, C, E, INJECT>(x, page, vc, (int64_t)x.H * x.page_head, 0, x.D / E, vs, x.gs ? x.gs + x.H : nullptr);
   }
 }
@@ -462,7 +486,7 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
 template <typename G, typename C, int E> int launch4(const kvi__xfer_args *a, cudaStream_t s) {
   const unsigned chunks = (unsigned)((a->layer_end - a->layer_begin + a->layers_per_cta - 1) / a->layers_per_cta);
   const dim3 grid((unsigned)a->nsegs, chunks);
-  const size_t smem = KVI__XFER_SMEM(a->seg_tokens, a->half_max);
+  const size_t smem = KVI__XFER_SMEM(a->seg_tokens, a->half_max, a->split_v);
   if (a->inject)
     xfer_kernel<G, C, E, true><<<grid, THREADS, smem, s>>>(*a);
   else

@@ -4,12 +4,13 @@
  * SPDX-License-Identifier: Apache-2.0
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cache_internal.h"
 
-#define CACHE_LAYOUT_V1 sizeof(kvi_cache_layout)
+#define CACHE_LAYOUT_V1 offsetof(kvi_cache_layout, dim_stride) /* before the per-plane strides */
 
 KVI_API kvi_status kvi_cache_layout_init(kvi_cache_layout *layout, size_t size) {
   static const kvi_cache_layout d = KVI_CACHE_LAYOUT_INIT;
@@ -62,6 +63,10 @@ KVI_API kvi_status kvi_cache_layout_preset(kvi_cache_layout *out, kvi_cache_pres
   case KVI_CACHE_HF_CONTIGUOUS: /* key[l], value[l]: [batch, H, S, D] */
     l.block_stride = H * BS * D, l.token_stride = D, l.head_stride = BS * D;
     separate_v = true;
+    break;
+  case KVI_CACHE_VLLM_CPU: /* per (block, head): K [D][BS], then V [BS][D] */
+    l.block_stride = H * 2 * D * BS, l.token_stride = 1, l.head_stride = 2 * D * BS, l.dim_stride = BS;
+    l.v_offset = D * BS, l.v_token_stride = D, l.v_dim_stride = 1;
     break;
   case KVI_CACHE_TRTLLM: /* pool [NB, L, 2, H, BS, D] */
     per_layer = false;
@@ -119,6 +124,67 @@ static kvi_status check_overlap(const kvi__dim kd[4], const kvi__dim vd[4], cons
   return KVI_OK;
 }
 
+static int64_t gcd64(int64_t a, int64_t b) {
+  while (b) {
+    const int64_t r = a % b;
+    a = b, b = r;
+  }
+  return a;
+}
+
+/* Whether the n1 x n2 offsets i * s1 + j * s2 (i < n1, j < n2, strides >= 0)
+ * are all distinct. Two coincide when (i - i') * s1 = (j' - j) * s2 for
+ * |i - i'| < n1, |j - j'| < n2, not both 0; with g = gcd(s1, s2) the
+ * smallest such pair is (s2 / g, s1 / g). */
+static bool distinct_2d(int64_t n1, int64_t s1, int64_t n2, int64_t s2) {
+  if (n1 == 1 || n2 == 1) return (n1 == 1 || s1 > 0) && (n2 == 1 || s2 > 0);
+  if (s1 == 0 || s2 == 0) return false;
+  const int64_t g = gcd64(s1, s2);
+  return !(s2 / g < n1 && s1 / g < n2);
+}
+
+/* Refuses a layout whose K and V can meet within one token: for each layer
+ * whose K and V address ranges meet, no K head vector's byte range [start,
+ * end) may meet a V head vector's range of the same (block, token). Their
+ * distance is affine in (block, token), so it is checked at the four corners
+ * of the blocks x tokens box: all on one side of the K range, or all on the
+ * other. (Layers with the same K-to-V distance are checked once.) */
+static kvi_status check_kv_overlap(const kvi__cache *c, const kvi_cache_layout *l, const kvi__strides *ks,
+                                   const kvi__strides *vs, const int64_t ext[2], const char *fn) {
+  const int64_t es = (int64_t)kvi_dtype_size(l->dtype), H = l->num_heads, D = l->head_size;
+  const int64_t klen = ((D - 1) * ks->dim + 1) * es, vlen = ((D - 1) * vs->dim + 1) * es;
+  bool have_prev = false;
+  int64_t prev = 0;
+  for (int32_t i = 0; i < l->num_layers; i++) {
+    const uintptr_t kb = (uintptr_t)c->k[i], vb = (uintptr_t)c->v[i];
+    const uintptr_t kend = kb + (uintptr_t)((ext[0] + 1) * es), vend = vb + (uintptr_t)((ext[1] + 1) * es);
+    if (kend <= vb || vend <= kb) continue; /* apart (also when a range wraps: kend < kb cannot be) */
+    const int64_t base = vb >= kb ? (int64_t)(vb - kb) : -(int64_t)(kb - vb); /* |base| < the extents */
+    if (have_prev && base == prev) continue;
+    have_prev = true, prev = base;
+    const int64_t bl[2] = {0, l->num_blocks - 1}, tl[2] = {0, l->block_size - 1};
+    for (int64_t hk = 0; hk < H; hk++)
+      for (int64_t hv = 0; hv < H; hv++) {
+        int above = 0, below = 0;
+        for (int cb = 0; cb < 2; cb++)
+          for (int ct = 0; ct < 2; ct++) {
+            /* V head hv's start minus K head hk's start, in bytes (bounded by the checked extents) */
+            const int64_t dist = base + es * (bl[cb] * (vs->block - ks->block) + tl[ct] * (vs->token - ks->token) +
+                                              hv * vs->head - hk * ks->head);
+            above += dist >= klen;
+            below += dist <= -vlen;
+          }
+        if (above != 4 && below != 4)
+          return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                           "layout: in layer %d, K head %lld and V head %lld of one token can overlap (V starts %lld "
+                           "bytes from K at block 0, token 0; K's head vector spans %lld bytes, V's %lld)",
+                           (int)i, (long long)hk, (long long)hv,
+                           (long long)(base + es * (hv * vs->head - hk * ks->head)), (long long)klen, (long long)vlen);
+      }
+  }
+  return KVI_OK;
+}
+
 void kvi__cache_release(kvi__cache *c) {
   free(c->k);
   free(c->v);
@@ -149,20 +215,47 @@ kvi_status kvi__cache_resolve(kvi__cache *c, const kvi_cache_layout *user, const
   if (l.block_size < 1 || l.num_blocks < 1)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout->block_size %d and num_blocks %lld must be >= 1",
                      (int)l.block_size, (long long)l.num_blocks);
-  if (l.block_stride < 0 || l.token_stride < 0 || l.head_stride < 0 || l.layer_stride < 0 || l.v_offset < 0)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout strides must be >= 0");
-  /* extent of one layer's K (or V) in elements, with overflow checks */
-  int64_t ext = 0, t;
-  const int64_t ds[4][2] = {{l.num_blocks, l.block_stride}, {l.block_size, l.token_stride},
-                            {l.num_heads, l.head_stride}, {l.head_size, 1}};
-  for (int i = 0; i < 4; i++)
-    if (__builtin_mul_overflow(ds[i][0] - 1, ds[i][1], &t) || __builtin_add_overflow(ext, t, &ext))
-      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout's extent overflows 64-bit offsets");
-  /* the farthest element of any layer, K or V, from a base, in bytes */
+  const struct {
+    const char *name;
+    int64_t v;
+  } sv[] = {{"block_stride", l.block_stride},     {"token_stride", l.token_stride},     {"head_stride", l.head_stride},
+            {"dim_stride", l.dim_stride},         {"v_block_stride", l.v_block_stride}, {"v_token_stride", l.v_token_stride},
+            {"v_head_stride", l.v_head_stride},   {"v_dim_stride", l.v_dim_stride},     {"layer_stride", l.layer_stride},
+            {"v_offset", l.v_offset}};
+  for (size_t i = 0; i < sizeof sv / sizeof sv[0]; i++)
+    if (sv[i].v < 0)
+      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout->%s is %lld; strides and offsets must be >= 0", sv[i].name,
+                       (long long)sv[i].v);
+  /* the per-plane strides, defaults applied */
+  const kvi__strides ks = {l.block_stride, l.token_stride, l.head_stride, l.dim_stride ? l.dim_stride : 1};
+  const kvi__strides vs = {l.v_block_stride ? l.v_block_stride : ks.block, l.v_token_stride ? l.v_token_stride : ks.token,
+                           l.v_head_stride ? l.v_head_stride : ks.head, l.v_dim_stride ? l.v_dim_stride : ks.dim};
+  /* extent of one layer's K and V in elements, with overflow checks */
+  int64_t ext[2] = {0, 0}, t;
+  for (int kv = 0; kv < 2; kv++) {
+    const kvi__strides *p = kv ? &vs : &ks;
+    const int64_t ds[4][2] = {{l.num_blocks, p->block}, {l.block_size, p->token}, {l.num_heads, p->head}, {l.head_size, p->dim}};
+    for (int i = 0; i < 4; i++)
+      if (__builtin_mul_overflow(ds[i][0] - 1, ds[i][1], &t) || __builtin_add_overflow(ext[kv], t, &ext[kv]))
+        return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout's %s extent overflows 64-bit offsets", kv ? "V" : "K");
+  }
+  /* the farthest element of any layer, K or V, from a base: its byte offset
+   * (and sums of a few such, in check_kv_overlap) must fit 64 bits */
   int64_t far;
-  if (__builtin_mul_overflow((int64_t)(l.num_layers - 1), l.layer_stride, &far) || __builtin_add_overflow(far, ext, &far) ||
-      __builtin_add_overflow(far, l.v_offset, &far) || __builtin_mul_overflow(far, (int64_t)8, &t))
+  if (__builtin_mul_overflow((int64_t)(l.num_layers - 1), l.layer_stride, &far) ||
+      __builtin_add_overflow(far, ext[0] > ext[1] ? ext[0] : ext[1], &far) || __builtin_add_overflow(far, l.v_offset, &far) ||
+      __builtin_add_overflow(far, (int64_t)1, &far) || __builtin_mul_overflow(far, (int64_t)64, &t))
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout's extent overflows 64-bit offsets");
+  /* within one token, every (head, dim) of a plane is its own element */
+  for (int kv = 0; kv < 2; kv++) {
+    const kvi__strides *p = kv ? &vs : &ks;
+    if (!distinct_2d(l.num_heads, p->head, l.head_size, p->dim))
+      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                       "layout: %s's %d heads x %d dims at %s %lld and %s %lld put two elements of one token at one "
+                       "place",
+                       kv ? "V" : "K", (int)l.num_heads, (int)l.head_size, kv ? "v_head_stride" : "head_stride",
+                       (long long)p->head, kv ? "v_dim_stride" : "dim_stride", (long long)p->dim);
+  }
   const size_t es = kvi_dtype_size(l.dtype);
   const bool fp8 = l.dtype == KVI_DTYPE_FP8_E4M3 || l.dtype == KVI_DTYPE_FP8_E5M2;
   if (l.scale_mode != KVI_SCALE_NONE && l.scale_mode != KVI_SCALE_PER_TENSOR && l.scale_mode != KVI_SCALE_PER_HEAD)
@@ -214,6 +307,10 @@ kvi_status kvi__cache_resolve(kvi__cache *c, const kvi_cache_layout *user, const
       c->v_scale[(size_t)i * H + h] = vs;
     }
   }
+  if ((st = check_kv_overlap(c, &l, &ks, &vs, ext, fn))) {
+    kvi__cache_release(c);
+    return st;
+  }
   /* The cache must be where the layout says it is (checked where a driver
    * answers). A device cache may also be mapped pinned host memory, which the
    * kernels write in place over the bus (a llama.cpp state: kvinject/llama.h). */
@@ -230,9 +327,8 @@ kvi_status kvi__cache_resolve(kvi__cache *c, const kvi_cache_layout *user, const
   c->D = l.head_size;
   c->BS = l.block_size;
   c->NB = l.num_blocks;
-  c->block_stride = l.block_stride;
-  c->token_stride = l.token_stride;
-  c->head_stride = l.head_stride;
+  c->ks = ks;
+  c->vs = vs;
   c->memory = l.memory;
   return KVI_OK;
 }

@@ -7,12 +7,17 @@
 
 #include "internal.h"
 
+/* One plane's strides, in elements (defaults applied). */
+typedef struct kvi__strides {
+  int64_t block, token, head, dim;
+} kvi__strides;
+
 typedef struct kvi__cache {
   kvi_dtype dtype;
   kvi_memory memory;
   int32_t L, H, D, BS;
   int64_t NB;
-  int64_t block_stride, token_stride, head_stride; /* elements */
+  kvi__strides ks, vs;      /* K's and V's */
   char **k, **v;            /* per layer base addresses (bytes) */
   float *k_scale, *v_scale; /* L * H, 1.0 without scales */
 } kvi__cache;

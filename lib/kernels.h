@@ -111,7 +111,10 @@ typedef struct kvi__xfer_args {
   int32_t cache_dtype;
   int32_t BS;
   int64_t NB;
-  int64_t block_stride, token_stride, head_stride;
+  int64_t block_stride, token_stride, head_stride, dim_stride; /* K's */
+  int64_t v_block_stride, v_token_stride, v_head_stride, v_dim_stride;
+  int32_t split_v; /* V's block, token or head stride differs from K's: V has its own
+                      per-token offsets. Dim strides other than 1 take vec 1. */
   const kvi__xlayer *layers;
   const float *k_scale; /* L * H */
   const float *v_scale;
@@ -137,8 +140,10 @@ typedef struct kvi__xfer_args {
 } kvi__xfer_args;
 
 /* Bytes of shared memory a launch needs: cos/sin of seg_tokens x half_max
- * pairs, then per-token cache offsets and positions. */
-#define KVI__XFER_SMEM(seg_tokens, half_max) ((size_t)(seg_tokens) * ((size_t)(half_max) * 8u + 12u))
+ * pairs, then per-token cache offsets (K's; V's too with split_v) and
+ * positions. */
+#define KVI__XFER_SMEM(seg_tokens, half_max, split_v) \
+  ((size_t)(seg_tokens) * ((size_t)(half_max) * 8u + 12u + ((split_v) ? 8u : 0u)))
 
 /* One launch: grid (nsegs, layer chunks). Returns a cudaError_t. */
 int kvi__cuda_transfer(const kvi__xfer_args *a, struct CUstream_st *stream);

@@ -299,17 +299,14 @@ kvi_status kvi_llama_state_layout(void *state, size_t size, int32_t section, con
                      "= %lld",
                      (int)section, (int)sec.num_layers, (int)sec.k_row_elements, (int)g->num_layers,
                      (int)g->num_kv_heads, (int)g->head_size, (long long)full_row);
-  if (sec.v_trans)
-    return kvi__fail(KVI_ERR_UNSUPPORTED, fn,
-                     "section %d has transposed V (v_trans 1, a context without flash attention); create the context "
-                     "with flash attention on",
-                     (int)section);
   const size_t es = kvi_dtype_size(sec.dtype);
   if ((uintptr_t)state % es)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "state %p is not aligned to its %zu-byte elements", state, es);
   /* Offsets and layer_bytes are multiples of 4 (all headers are 4-byte
    * words; rows are whole elements), hence of es. A rank of a tensor-parallel
-   * model addresses its heads' slice of every row. */
+   * model addresses its heads' slice of every row (of every V column group
+   * when V is transposed). */
+  const uint64_t cells = (uint64_t)sec.num_cells;
   const uint64_t head0 = (uint64_t)g->head_first * (uint64_t)g->head_size * es;
   kvi_cache_layout l = KVI_CACHE_LAYOUT_INIT;
   l.memory = memory;
@@ -324,7 +321,13 @@ kvi_status kvi_llama_state_layout(void *state, size_t size, int32_t section, con
   l.head_stride = g->head_size;
   l.layer_stride = (int64_t)(sec.layer_bytes / es);
   l.k_base = (char *)state + sec.k_offset + head0;
-  l.v_base = (char *)state + sec.v_offset + head0;
+  l.v_base = (char *)state + sec.v_offset + (sec.v_trans ? head0 * cells : head0);
+  if (sec.v_trans) { /* V element-major: [heads x head size][cells] */
+    l.v_block_stride = (int64_t)cells * full_row;
+    l.v_token_stride = 1;
+    l.v_head_stride = (int64_t)cells * g->head_size;
+    l.v_dim_stride = (int64_t)cells;
+  }
   *out = l;
   return KVI_OK;
 }

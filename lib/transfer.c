@@ -215,8 +215,16 @@ static kvi_status upload_tables(xfer *x, const char *fn) {
   return st;
 }
 
-/* The vector path needs D % 8 == 0, rotated widths in multiples of 16, and
- * every cache row start aligned to min(16, 8 * element size) bytes. */
+/* Whether a plane's block, token and head strides are multiples of `al`
+ * bytes and its dim stride is 1 (the vector paths read contiguous head
+ * vectors). */
+static bool plane_aligned(const kvi__strides *p, int64_t es, int64_t al) {
+  return p->dim == 1 && (p->block * es) % al == 0 && (p->token * es) % al == 0 && (p->head * es) % al == 0;
+}
+
+/* The vector path needs D % 8 == 0, rotated widths in multiples of 16,
+ * contiguous head vectors, and every cache row start aligned to min(16, 8 *
+ * element size) bytes. */
 static bool vector_ok(const xfer *x) {
   const kvi__cache *c = &x->cache;
   if (c->D % 8) return false;
@@ -225,9 +233,7 @@ static bool vector_ok(const xfer *x) {
     if (r->style != KVI_ROPE_NONE && r->rotary_dim % 16) return false;
   }
   const size_t es = kvi_dtype_size(c->dtype), al = 8 * es < 16 ? 8 * es : 16;
-  if ((c->block_stride * (int64_t)es) % (int64_t)al || (c->token_stride * (int64_t)es) % (int64_t)al ||
-      (c->head_stride * (int64_t)es) % (int64_t)al)
-    return false;
+  if (!plane_aligned(&c->ks, (int64_t)es, (int64_t)al) || !plane_aligned(&c->vs, (int64_t)es, (int64_t)al)) return false;
   for (int32_t l = 0; l < c->L; l++)
     if ((uintptr_t)c->k[l] % al || (uintptr_t)c->v[l] % al) return false;
   return true;
@@ -244,10 +250,17 @@ static bool vector16_ok(const xfer *x) {
     if (r->style != KVI_ROPE_NONE && r->rotary_dim % 32) return false;
   }
   const int64_t es = (int64_t)kvi_dtype_size(c->dtype);
-  if ((c->block_stride * es) % 16 || (c->token_stride * es) % 16 || (c->head_stride * es) % 16) return false;
+  if (!plane_aligned(&c->ks, es, 16) || !plane_aligned(&c->vs, es, 16)) return false;
   for (int32_t l = 0; l < c->L; l++)
     if ((uintptr_t)c->k[l] % 16 || (uintptr_t)c->v[l] % 16) return false;
   return true;
+}
+
+/* Whether V's block, token or head stride differs from K's (the kernel then
+ * keeps V's per-token offsets too). */
+static bool xfer_split_v(const xfer *x) {
+  const kvi__strides *k = &x->cache.ks, *v = &x->cache.vs;
+  return k->block != v->block || k->token != v->token || k->head != v->head;
 }
 
 static kvi_status xfer_create(xfer *x, kvi_store *store, const kvi_cache_layout *layout,
@@ -277,7 +290,7 @@ static kvi_status xfer_create(xfer *x, kvi_store *store, const kvi_cache_layout 
   /* segments of a power of two tokens, at most 64, whose cos/sin and slot
    * offsets fit in 24 KiB of shared memory (eight CTAs per SM) */
   x->seg_tokens = 64;
-  while (x->seg_tokens > 1 && KVI__XFER_SMEM(x->seg_tokens, x->half_max) > 24576) x->seg_tokens /= 2;
+  while (x->seg_tokens > 1 && KVI__XFER_SMEM(x->seg_tokens, x->half_max, xfer_split_v(x)) > 24576) x->seg_tokens /= 2;
   if (x->seg_tokens > store->P) x->seg_tokens = store->P;
   if (pthread_mutex_init(&x->lock, NULL) != 0) {
     kvi__cache_release(&x->cache);
@@ -545,7 +558,15 @@ static void plan_run(plan *p, const xfer *x, int32_t r, int64_t seq0, int64_t to
 /* execution                                                                 */
 /* ------------------------------------------------------------------------ */
 
-static void load_row(float *dst, const char *src, kvi_dtype t, int32_t n, float scale) {
+/* n elements of a row whose elements lie `stride` elements apart, as fp32
+ * (fp8: times scale). */
+static void load_row(float *dst, const char *src, kvi_dtype t, int32_t n, int64_t stride, float scale) {
+  char g[1024 * 4];
+  const size_t es = kvi_dtype_size(t);
+  if (stride != 1) { /* gathered into a contiguous row first */
+    for (int32_t i = 0; i < n; i++) memcpy(g + (size_t)i * es, src + (size_t)(i * stride) * es, es);
+    src = g;
+  }
   if (t == KVI_DTYPE_FP8_E4M3 || t == KVI_DTYPE_FP8_E5M2) {
     for (int32_t i = 0; i < n; i++) dst[i] = kvi__fp8_to_f32((uint8_t)src[i], t) * scale;
   } else {
@@ -553,12 +574,26 @@ static void load_row(float *dst, const char *src, kvi_dtype t, int32_t n, float 
   }
 }
 
-static void store_row(char *dst, kvi_dtype t, float *src, int32_t n, float scale) {
+static void store_row(char *dst, kvi_dtype t, int64_t stride, float *src, int32_t n, float scale) {
+  char g[1024 * 4];
+  char *out = stride == 1 ? dst : g; /* scattered from a contiguous row after */
   if (t == KVI_DTYPE_FP8_E4M3 || t == KVI_DTYPE_FP8_E5M2) {
-    for (int32_t i = 0; i < n; i++) ((uint8_t *)dst)[i] = kvi__f32_to_fp8(src[i] / scale, t);
+    for (int32_t i = 0; i < n; i++) ((uint8_t *)out)[i] = kvi__f32_to_fp8(src[i] / scale, t);
   } else {
-    kvi__convert(dst, t, src, KVI_DTYPE_FP32, n);
+    kvi__convert(out, t, src, KVI_DTYPE_FP32, n);
   }
+  const size_t es = kvi_dtype_size(t);
+  if (stride != 1)
+    for (int32_t i = 0; i < n; i++) memcpy(dst + (size_t)(i * stride) * es, g + (size_t)i * es, es);
+}
+
+/* n elements of es bytes each, `ds` / `ss` elements apart, copied as they are. */
+static void copy_row(char *dst, int64_t ds, const char *src, int64_t ss, int32_t n, size_t es) {
+  if (ds == 1 && ss == 1) {
+    memcpy(dst, src, (size_t)n * es);
+    return;
+  }
+  for (int32_t i = 0; i < n; i++) memcpy(dst + (size_t)(i * ds) * es, src + (size_t)(i * ss) * es, es);
 }
 
 /* The CPU reference of the fused kernel, one phase of it (kernels.h,
@@ -591,29 +626,31 @@ static void cpu_transfer(const xfer *x, const plan *p, int32_t lb, int32_t le, b
       for (int32_t j = 0; j < sg->ntok; j++) {
         const int64_t seq = sg->seq0 + j;
         const int32_t block = table[seq / c->BS - rq->first_block];
-        const int64_t coff = (int64_t)block * c->block_stride + (seq % c->BS) * c->token_stride;
+        const int64_t t = seq % c->BS;
         const int32_t pos = sg->explicit_pos ? p->positions[sg->pos0 + j] : sg->pos0 + j;
         for (int kv = 0; kv < 2; kv++)
           for (int32_t h = 0; h < H; h++) {
+            const kvi__strides *cs = kv ? &c->vs : &c->ks;
             char *pr = (char *)page + (size_t)((((int64_t)l * 2 + kv) * H + h) * P + sg->tok0 + j) * D * pe;
-            char *cr = (kv ? c->v[l] : c->k[l]) + (size_t)(coff + h * c->head_stride) * ce;
+            char *cr = (kv ? c->v[l] : c->k[l]) + (size_t)(block * cs->block + t * cs->token + h * cs->head) * ce;
+            const int64_t cd = cs->dim; /* the cache row's element stride */
             const float scale = (kv ? c->v_scale : c->k_scale)[l * H + h];
             float *slot = slots ? slots + (l * 2 + kv) * H + h : NULL;
             const int32_t rot = kv || s->rope[l].style == KVI_ROPE_NONE ? 0 : s->rope[l].rotary_dim;
             const int32_t n = raw ? rot : D; /* columns converted (rotation touches [0, rot) only) */
             if (inject) {
-              load_row(row, pr, s->dtype, n, slot ? *slot : 1.0f);
+              load_row(row, pr, s->dtype, n, 1, slot ? *slot : 1.0f);
               if (kv == 0) kvi__rope_rotate(&s->rope[l], row, pos, false);
-              store_row(cr, c->dtype, row, n, scale);
-              if (raw) memcpy(cr + (size_t)rot * ce, pr + (size_t)rot * pe, (size_t)(D - rot) * pe);
+              store_row(cr, c->dtype, cd, row, n, scale);
+              if (raw) copy_row(cr + (size_t)(rot * cd) * ce, cd, pr + (size_t)rot * pe, 1, D - rot, pe);
             } else {
-              load_row(row, cr, c->dtype, n, scale);
+              load_row(row, cr, c->dtype, n, cd, scale);
               if (kv == 0) kvi__rope_rotate(&s->rope[l], row, pos, true);
               if (phase == 1)
                 *slot = kvi__fp8_amax(*slot, row, n);
               else
-                store_row(pr, s->dtype, row, n, slot ? kvi__fp8_scale(*slot) : 1.0f);
-              if (raw) memcpy(pr + (size_t)rot * pe, cr + (size_t)rot * ce, (size_t)(D - rot) * ce);
+                store_row(pr, s->dtype, 1, row, n, slot ? kvi__fp8_scale(*slot) : 1.0f);
+              if (raw) copy_row(pr + (size_t)rot * pe, 1, cr + (size_t)(rot * cd) * ce, cd, D - rot, ce);
             }
           }
       }
@@ -702,9 +739,15 @@ static kvi_status launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool in
   a.cache_dtype = (int32_t)x->cache.dtype;
   a.BS = x->cache.BS;
   a.NB = x->cache.NB;
-  a.block_stride = x->cache.block_stride;
-  a.token_stride = x->cache.token_stride;
-  a.head_stride = x->cache.head_stride;
+  a.block_stride = x->cache.ks.block;
+  a.token_stride = x->cache.ks.token;
+  a.head_stride = x->cache.ks.head;
+  a.dim_stride = x->cache.ks.dim;
+  a.v_block_stride = x->cache.vs.block;
+  a.v_token_stride = x->cache.vs.token;
+  a.v_head_stride = x->cache.vs.head;
+  a.v_dim_stride = x->cache.vs.dim;
+  a.split_v = xfer_split_v(x);
   a.layers = x->d_layers;
   a.k_scale = x->d_kscale;
   a.v_scale = x->d_vscale;

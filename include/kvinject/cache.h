@@ -6,19 +6,46 @@
  *
  * Engines change their cache layouts often, so the library never hard-codes
  * one. A layout says, for every layer, where element (block b, token t of the
- * block, local head h, dim d) of K and of V is:
+ * block, local head h, dim d) of K and of V is, in elements of `dtype`:
  *
- *   K: kbase(l) + b * block_stride + t * token_stride + h * head_stride + d
- *   V: vbase(l) + (same offsets)
+ *   K: kbase(l) + b * block_stride   + t * token_stride   + h * head_stride   + d * dim_stride
+ *   V: vbase(l) + b * v_block_stride + t * v_token_stride + h * v_head_stride + d * v_dim_stride
  *
- * in elements of `dtype`, with
+ * with
  *   kbase(l) = k_layers ? k_layers[l] : k_base + l * layer_stride
  *   vbase(l) = v_layers ? v_layers[l] : v_base ? v_base + l * layer_stride
  *                                              : kbase(l) + v_offset
  * (the last form covers caches that keep K and V in one tensor: vLLM's
- * [2, blocks, ...] and packed K|V layouts, TensorRT-LLM's pool). Head vectors
- * are contiguous (the dim stride is 1). A sequence's token s lives in block
- * block_table[s / block_size] at t = s % block_size.
+ * [2, blocks, ...] and packed K|V layouts, TensorRT-LLM's pool). A V stride
+ * of 0 (KVI_STRIDE_SAME) means "the same as K's" (v_dim_stride: dim_stride),
+ * and a dim_stride of 0 means 1 (contiguous head vectors), so a layout that
+ * sets neither (and any caller built before these fields existed, whose
+ * smaller struct_size does not reach them) has K's strides for V and
+ * contiguous head vectors. (A stride of 0 is otherwise never useful: it
+ * would put two blocks, tokens, heads or dims at one place, unless the count
+ * is 1, when the stride does not matter.) A sequence's token s lives in
+ * block block_table[s / block_size] at t = s % block_size.
+ *
+ * Two examples of the per-plane strides (H heads, D head size, BS block size):
+ *  - vLLM's CPU attention (KVI_CACHE_VLLM_CPU): per (block, head) K as
+ *    [D][BS] (token fastest: token_stride 1, dim_stride BS), then V as
+ *    [BS][D] (v_token_stride D, v_dim_stride 1), v_offset D * BS;
+ *  - a transposed V (llama.cpp's state with flash attention off: per layer K
+ *    [cells][H * D], V [H * D][cells]), as token-granular blocks (BS 1,
+ *    NB = cells): block_stride H * D, head_stride D, dim_stride 1;
+ *    v_block_stride 1, v_head_stride D * cells, v_dim_stride cells.
+ *
+ * Checks (kvi_injector_create, kvi_encoder_create): every stride >= 0; the
+ * farthest element fits 64-bit byte offsets; within one token the H * D
+ * elements of K are distinct, and so are V's; and where K and V can share
+ * memory (one layer's K and V address ranges meet) no K head vector's
+ * address range may meet a V head vector's range of the same token, for any
+ * block and token (K and V interleaved element by element are refused;
+ * ranges of different tokens are not compared).
+ *
+ * A CUDA store moves contiguous head vectors (dim strides 1) in 16-byte
+ * vectors when D, the rotated widths and the strides allow it; other
+ * layouts (dim strides other than 1 among them) take its element-wise path.
  *
  * fp8 caches (KVI_DTYPE_FP8_E4M3 / E5M2, stored as bytes) use the divide
  * convention of vLLM and SGLang: stored = saturate(x / scale), x = stored *
@@ -54,7 +81,8 @@ typedef struct kvi_cache_layout {
   int32_t head_size;         /* must equal the model's head size */
   int32_t block_size;        /* tokens per block, >= 1 */
   int64_t num_blocks;        /* valid block ids are 0..num_blocks-1 */
-  int64_t block_stride;      /* elements; all strides >= 0 */
+  int64_t block_stride;      /* elements, all strides >= 0; these three are K's
+                                (and V's where its own are 0) */
   int64_t token_stride;
   int64_t head_stride;
   int64_t layer_stride;      /* with k_base / v_base */
@@ -66,11 +94,20 @@ typedef struct kvi_cache_layout {
   kvi_scale_mode scale_mode; /* fp8 only; default KVI_SCALE_NONE */
   const float *k_scales;     /* host memory, see kvi_scale_mode; values > 0 */
   const float *v_scales;
+  /* appended (callers whose struct_size ends before them get the defaults) */
+  int64_t dim_stride;        /* K elements between dims d and d + 1; 0 = 1 */
+  int64_t v_block_stride;    /* V's strides; 0 (KVI_STRIDE_SAME) = K's */
+  int64_t v_token_stride;
+  int64_t v_head_stride;
+  int64_t v_dim_stride;      /* 0 = dim_stride (after its default) */
 } kvi_cache_layout;
+
+/* A V stride of kvi_cache_layout equal to K's. */
+#define KVI_STRIDE_SAME 0
 
 #define KVI_CACHE_LAYOUT_INIT                                                                         \
   {sizeof(kvi_cache_layout), KVI_ENUM_ZERO(kvi_memory), KVI_ENUM_ZERO(kvi_dtype), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, NULL, \
-   NULL, NULL, KVI_SCALE_NONE, NULL, NULL}
+   NULL, NULL, KVI_SCALE_NONE, NULL, NULL, 0, 0, 0, 0, 0}
 
 /* Fills *layout with KVI_CACHE_LAYOUT_INIT for a struct of `size` bytes (pass sizeof *layout):
  * see "Size-versioned structs" in kvinject/common.h. */
@@ -105,12 +142,21 @@ typedef enum kvi_cache_preset {
    * per layer key and value tensors [batch, H, S, D]. Blocks are batch rows:
    * NB = batch, BS = S (the capacity), and a request's block table is
    * {its batch row}. */
-  KVI_CACHE_HF_CONTIGUOUS = 9
+  KVI_CACHE_HF_CONTIGUOUS = 9,
+  /* vLLM's CPU attention (CPU_ATTN, the vec / vec16 ISA), per layer one
+   * tensor [NB, H, BS, 2D] that is a container: per (block, head) a region
+   * of 2 * D * BS elements holding K as [D][BS] (token fastest) followed by
+   * V as [BS][D]. block_stride H * 2D * BS, head_stride 2D * BS,
+   * token_stride 1, dim_stride BS; V = K + v_offset D * BS with
+   * v_token_stride D, v_dim_stride 1 (V's block and head strides are K's).
+   * (The amx ISA packs tiles otherwise: not this preset.) */
+  KVI_CACHE_VLLM_CPU = 10
 } kvi_cache_preset;
 
 /*
  * Fills *out for an engine's layout: every field but memory, scale_mode and
- * the scales, which the caller sets. The pointer arrays are referenced, not
+ * the scales, which the caller sets. The whole struct of this header is
+ * written (struct_size included; the caller's struct_size is not read). The pointer arrays are referenced, not
  * copied, until the layout is given to an injector or encoder (which copy
  * what they need). Writes the struct's first version (the fields above) and
  * sets struct_size to its size, in this version and every later one: fields

@@ -38,11 +38,12 @@
  * as llama.cpp's CPU backend computes them, for kvi_rope_spec.cos_sin_table.
  *
  * Supported: K and V of one dtype among f32, f16 and bf16 (ggml types 0, 1,
- * 30), every layer of a section with the same row size, cells of one
- * sequence (what llama.cpp writes for a seq id >= 0), any number of
- * streams of which at most one holds cells. What is not supported
- * (quantized caches, per-layer row sizes, K and V of different types,
- * v_trans 1 layouts, cells of several sequences) is refused with
+ * 30), V per cell or transposed (flash attention on or off), every layer of
+ * a section with the same row size, cells of one sequence (what llama.cpp
+ * writes for a seq id >= 0), any number of streams of which at most one
+ * holds cells. What is not supported (quantized caches, per-layer row
+ * sizes, K and V of different types, cells of several sequences) is
+ * refused with
  * KVI_ERR_UNSUPPORTED; bytes that do not follow the format are
  * KVI_ERR_CORRUPT, a state for another model geometry KVI_ERR_MISMATCH.
  * Every size is checked before it is used (64-bit, overflow-checked): a call
@@ -128,7 +129,8 @@ KVI_API kvi_status kvi_llama_state_parse(const void *state, size_t size, kvi_lla
 /*
  * The cache layout of section `section`'s cells: dtype, one block of
  * num_cells tokens (num_blocks 1; block table {0}; cell i is slot i),
- * strides, base pointers into `state`, and `memory` (HOST for a CPU store;
+ * strides (transposed V: V's own token, head and dim strides), base
+ * pointers into `state`, and `memory` (HOST for a CPU store;
  * DEVICE for a CUDA store, with the state in mapped pinned memory). The
  * state is parsed as by kvi_llama_state_parse and checked against `model`:
  * the section's layers must be the model's, its row elements the model's
@@ -136,8 +138,7 @@ KVI_API kvi_status kvi_llama_state_parse(const void *state, size_t size, kvi_lla
  * while an injector or encoder made from the layout is in use.
  * Errors: those of kvi_llama_state_parse; KVI_ERR_INVALID_ARGUMENT (NULL, a
  * section out of range, a bad memory kind, a section with no cells),
- * KVI_ERR_MISMATCH (layers or row size differ from the model),
- * KVI_ERR_UNSUPPORTED (v_trans 1).
+ * KVI_ERR_MISMATCH (layers or row size differ from the model).
  */
 KVI_API kvi_status kvi_llama_state_layout(void *state, size_t size, int32_t section, const kvi_model *model,
                                           kvi_memory memory, kvi_cache_layout *out);

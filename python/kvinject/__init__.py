@@ -27,7 +27,7 @@ from ._lib import lib as _lib_loader
 from .cache import CacheLayout
 from .comm import Comm, CommGroup, embedding_rank
 from .enums import (FEATURE_CUBLASLT, FEATURE_CUDA, FEATURE_NCCL, PUT_REPLACE, RETRIEVE_BEST_LAST, SEARCH_DEFAULT_WORKSPACE,
-                    SEARCH_MAX_K, SEARCH_NO_ID, Backend, CachePreset, DType, EmbeddingPlacement, Memory, Metric,
+                    SEARCH_MAX_K, SEARCH_NO_ID, STRIDE_SAME, Backend, CachePreset, DType, EmbeddingPlacement, Memory, Metric,
                     RopeScaling,
                     RopeStyle, ScaleMode, Status)
 from .errors import (CapacityError, CorruptError, CudaError, ExistsError, IncompatibleError, IOError_, PeerError, InternalError, InvalidArgumentError, KviError,
@@ -94,7 +94,7 @@ __all__ = [
     "InternalError", "InvalidArgumentError", "KVView", "KviError", "Memory", "MemoryKindError", "Metric",
     "MismatchError", "Model", "ModelInfoData", "NoDeviceError", "NotBuiltError", "NotFoundError",
     "OutOfMemoryError", "PUT_REPLACE", "RETRIEVE_BEST_LAST", "RopeScaling", "RopeSpec", "RopeStyle", "SEARCH_DEFAULT_WORKSPACE",
-    "SEARCH_MAX_K", "SEARCH_NO_ID", "ScaleMode", "SearchResults", "Status", "Store", "StoreStats",
+    "SEARCH_MAX_K", "SEARCH_NO_ID", "STRIDE_SAME", "ScaleMode", "SearchResults", "Status", "Store", "StoreStats",
     "StructSizeError", "UnsupportedError", "cuda_device_count", "dtype_size", "embedding_rank", "error_class", "features",
     "last_error", "library_path", "status_string", "version", "version_number",
 ]

@@ -176,6 +176,11 @@ class CacheLayoutC(ctypes.Structure):
         ("scale_mode", c_enum),
         ("k_scales", c_void_p),
         ("v_scales", c_void_p),
+        ("dim_stride", c_int64),
+        ("v_block_stride", c_int64),
+        ("v_token_stride", c_int64),
+        ("v_head_stride", c_int64),
+        ("v_dim_stride", c_int64),
     ]
 
 

@@ -13,9 +13,16 @@ fp8 scales). Ways to make one:
   blocks-first); strides from the tensors, so the HND variants (a stride
   permutation of the same logical shape) come out right by themselves.
 - :meth:`CacheLayout.sglang`: SGLang per-layer k_buffer/v_buffer [slots, H, D].
+- :meth:`CacheLayout.vllm_cpu`: vLLM's CPU attention cache, per layer one
+  [NB, H, BS, 2 * D] container tensor (K as [D, BS], then V as [BS, D], per
+  block and head: the KVI_CACHE_VLLM_CPU preset).
 - :meth:`CacheLayout.preset`: kvi_cache_layout_preset with explicit sizes, for
   buffers without a shape and for the pool presets (TensorRT-LLM).
-- ``CacheLayout(...)``: every field by hand (pointers as ints).
+- ``CacheLayout(...)``: every field by hand (pointers as ints), including a K
+  dim stride and V's own block/token/head/dim strides (0, STRIDE_SAME: K's).
+
+Layouts read from tensors take their strides as they are, the last one
+(between dims) included.
 """
 from __future__ import annotations
 
@@ -35,13 +42,16 @@ class CacheLayout:
                  block_size: int, num_blocks: int, block_stride: int, token_stride: int, head_stride: int,
                  layer_stride: int = 0, v_offset: int = 0, k_layers: Optional[Sequence] = None,
                  v_layers: Optional[Sequence] = None, k_base=None, v_base=None,
-                 scale_mode: ScaleMode = ScaleMode.NONE, k_scales=None, v_scales=None, keep: Any = None):
+                 scale_mode: ScaleMode = ScaleMode.NONE, k_scales=None, v_scales=None, keep: Any = None,
+                 dim_stride: int = 0, v_block_stride: int = 0, v_token_stride: int = 0, v_head_stride: int = 0,
+                 v_dim_stride: int = 0):
         c = lib().new(CacheLayoutC)
         self._keep: List[Any] = [keep] if keep is not None else []
         c.memory, c.dtype = int(Memory(memory)), int(DType(dtype))
         assign(c, num_layers=num_layers, num_heads=num_heads, head_size=head_size, block_size=block_size,
                num_blocks=num_blocks, block_stride=block_stride, token_stride=token_stride, head_stride=head_stride,
-               layer_stride=layer_stride, v_offset=v_offset)
+               layer_stride=layer_stride, v_offset=v_offset, dim_stride=dim_stride, v_block_stride=v_block_stride,
+               v_token_stride=v_token_stride, v_head_stride=v_head_stride, v_dim_stride=v_dim_stride)
         if k_layers is not None:
             c.k_layers = self._pointer_array(k_layers, "k_layers")
         if v_layers is not None:
@@ -105,9 +115,12 @@ class CacheLayout:
 
     def __repr__(self):
         c = self.c
-        return ("CacheLayout(%s %s, %d layers x %d heads x %d, %d blocks of %d, strides block %d token %d head %d)"
+        v = [c.v_block_stride, c.v_token_stride, c.v_head_stride, c.v_dim_stride]
+        return ("CacheLayout(%s %s, %d layers x %d heads x %d, %d blocks of %d, strides block %d token %d head %d "
+                "dim %d%s)"
                 % (Memory(c.memory).name, DType(c.dtype).name, c.num_layers, c.num_heads, c.head_size,
-                   c.num_blocks, c.block_size, c.block_stride, c.token_stride, c.head_stride))
+                   c.num_blocks, c.block_size, c.block_stride, c.token_stride, c.head_stride, c.dim_stride or 1,
+                   ", V block %d token %d head %d dim %d" % tuple(v) if any(v) else ""))
 
     # -------------------------------------------------------------- presets
     @classmethod
@@ -151,8 +164,8 @@ class CacheLayout:
         [batch, heads, seq, head_size] (e.g. ``[layer.keys for layer in cache.layers]``).
 
         Tensors: shape and strides are read from them; every key and value must
-        have the same shape, strides, dtype and device, with contiguous head
-        vectors. Host buffers (no shape): pass ``shape=(batch, heads, seq,
+        have the same shape, strides, dtype and device (any strides, the last one
+        included). Host buffers (no shape): pass ``shape=(batch, heads, seq,
         head_size)`` and, for raw uint16/uint8 buffers, ``dtype``; they are taken
         as contiguous (the KVI_CACHE_HF_CONTIGUOUS preset). Block ids are batch
         rows (num_blocks = batch, block_size = seq, the capacity)."""
@@ -171,7 +184,7 @@ class CacheLayout:
             st = first.strides
             return cls(memory=first.memory, dtype=_buffers.kind_dtype(first.kind, "hf cache"),
                        num_layers=len(keys), num_heads=H, head_size=D, block_size=S, num_blocks=B,
-                       block_stride=st[0], token_stride=st[2], head_stride=st[1],
+                       block_stride=st[0], token_stride=st[2], head_stride=st[1], dim_stride=st[3],
                        k_layers=[a.ptr for a in arrays[:len(keys)]], v_layers=[a.ptr for a in arrays[len(keys):]],
                        keep=arrays)
         if shape is None or len(shape) != 4:
@@ -227,7 +240,7 @@ class CacheLayout:
             raise ValueError("vllm: the K/V dimension has size %d, expected 2 (is kv_first right?)" % two)
         return cls(memory=first.memory, dtype=_buffers.kind_dtype(first.kind, "vllm cache"),
                    num_layers=len(arrays), num_heads=H, head_size=D, block_size=BS, num_blocks=NB,
-                   block_stride=blk, token_stride=st[2], head_stride=st[3], v_offset=v_off,
+                   block_stride=blk, token_stride=st[2], head_stride=st[3], dim_stride=st[4], v_offset=v_off,
                    k_layers=[a.ptr for a in arrays], keep=arrays)
 
     @classmethod
@@ -247,8 +260,45 @@ class CacheLayout:
         n = len(k_buffers)
         return cls(memory=arrays[0].memory, dtype=_buffers.kind_dtype(arrays[0].kind, "sglang cache"),
                    num_layers=n, num_heads=H, head_size=D, block_size=page_size, num_blocks=slots // page_size,
-                   block_stride=page_size * st[0], token_stride=st[0], head_stride=st[1],
+                   block_stride=page_size * st[0], token_stride=st[0], head_stride=st[1], dim_stride=st[2],
                    k_layers=[a.ptr for a in arrays[:n]], v_layers=[a.ptr for a in arrays[n:]], keep=arrays)
+
+    @classmethod
+    def vllm_cpu(cls, kv_caches: Sequence, *, shape: Optional[Sequence[int]] = None,
+                 dtype: Optional[DType] = None) -> "CacheLayout":
+        """vLLM's CPU attention cache (CPU_ATTN, vec / vec16 ISA): ``register_kv_caches``'
+        per-layer tensors of [NB, H, BS, 2 * D], in layer order. The shape is only a
+        container: per (block, head) its 2 * D * BS elements hold K as [D, BS]
+        (token fastest) followed by V as [BS, D] (the KVI_CACHE_VLLM_CPU preset),
+        so each tensor must be contiguous. Host buffers: pass ``shape``."""
+        kv_caches = list(kv_caches)
+        if not kv_caches:
+            raise ValueError("vllm_cpu: no cache tensors")
+        arrays = [_buffers.as_array(t, "kv_caches[%d]" % i, writable=True, dtype=dtype)
+                  for i, t in enumerate(kv_caches)]
+        first = arrays[0]
+        if first.is_tensor or len(first.shape) == 4:
+            _same_geometry(arrays, 4, "vllm_cpu", "[NB, H, BS, 2 * D]")
+            shp = first.shape
+            acc, want = 1, []
+            for n in reversed(shp):
+                want.append(acc)
+                acc *= n
+            if tuple(reversed(want)) != tuple(first.strides):
+                raise ValueError("vllm_cpu: the tensors have strides %s; the CPU cache is a contiguous container "
+                                 "%s" % (first.strides, _buffers.shape_str(shp)))
+        else:
+            if shape is None or len(shape) != 4:
+                raise ValueError("vllm_cpu: host buffers carry no shape; pass shape=(NB, H, BS, 2 * D)")
+            shp = tuple(shape)
+            _check_sizes(arrays, shp[0] * shp[1] * shp[2] * shp[3], "vllm_cpu")
+        NB, H, BS, D2 = shp
+        if D2 % 2:
+            raise ValueError("vllm_cpu: the last dimension is %d, expected 2 * head_size" % D2)
+        lay = cls.preset(CachePreset.VLLM_CPU, _buffers.kind_dtype(first.kind, "vllm_cpu cache"), len(arrays), H,
+                         D2 // 2, BS, NB, k_layers=[a.ptr for a in arrays], memory=first.memory)
+        lay._keep.append(arrays)
+        return lay
 
 
 def _layer_arrays(keys, values, dtype, what):
@@ -273,8 +323,8 @@ def _same_geometry(arrays, ndim, what, expected):
             raise TypeError("%s: tensor %d is %s, tensor 0 %s" % (what, i, a.kind, first.kind))
         if (a.memory, a.device) != (first.memory, first.device):
             raise ValueError("%s: tensor %d is on another device than tensor 0" % (what, i))
-    if first.strides[-1] != 1 and first.shape[-1] != 1:
-        raise ValueError("%s: head vectors must be contiguous (last stride %d)" % (what, first.strides[-1]))
+    if first.strides[-1] == 0 and first.shape[-1] != 1:
+        raise ValueError("%s: the dims of a head vector have stride 0 (a broadcast tensor)" % what)
 
 
 def _check_sizes(arrays, n, what):

@@ -102,7 +102,11 @@ class CachePreset(enum.IntEnum):
     SGLANG = 7
     TRTLLM = 8
     HF_CONTIGUOUS = 9
+    VLLM_CPU = 10
 
+
+# kvi_cache_layout: a V stride of 0 is K's (KVI_STRIDE_SAME)
+STRIDE_SAME = 0
 
 # kvi_features() bits
 FEATURE_CUDA = 0x1

@@ -142,6 +142,11 @@ int main(void) {
   FIELD(kvi_cache_layout, scale_mode);
   FIELD(kvi_cache_layout, k_scales);
   FIELD(kvi_cache_layout, v_scales);
+  FIELD(kvi_cache_layout, dim_stride);
+  FIELD(kvi_cache_layout, v_block_stride);
+  FIELD(kvi_cache_layout, v_token_stride);
+  FIELD(kvi_cache_layout, v_head_stride);
+  FIELD(kvi_cache_layout, v_dim_stride);
 
   SIZE(kvi_transfer_options);
   FIELD(kvi_transfer_options, struct_size);
@@ -268,6 +273,8 @@ int main(void) {
   CONST(KVI_CACHE_SGLANG);
   CONST(KVI_CACHE_TRTLLM);
   CONST(KVI_CACHE_HF_CONTIGUOUS);
+  CONST(KVI_CACHE_VLLM_CPU);
+  CONST(KVI_STRIDE_SAME);
   CONST(KVI_FEATURE_CUDA);
   CONST(KVI_FEATURE_CUBLASLT);
   CONST(KVI_FEATURE_NCCL);

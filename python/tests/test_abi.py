@@ -93,7 +93,7 @@ class TestStructs(unittest.TestCase):
                    "KVI_FEATURE_NCCL": kvi.FEATURE_NCCL, "KVI_PUT_REPLACE": kvi.PUT_REPLACE,
                    "KVI_SEARCH_MAX_K": kvi.SEARCH_MAX_K, "KVI_SEARCH_NO_ID": kvi.SEARCH_NO_ID,
                    "KVI_SEARCH_DEFAULT_WORKSPACE": kvi.SEARCH_DEFAULT_WORKSPACE,
-                   "KVI_RETRIEVE_BEST_LAST": kvi.RETRIEVE_BEST_LAST}
+                   "KVI_RETRIEVE_BEST_LAST": kvi.RETRIEVE_BEST_LAST, "KVI_STRIDE_SAME": kvi.STRIDE_SAME}
         for n, v in singles.items():
             self.assertEqual(self.c.consts[n], v, n)
         seen.update(singles)

@@ -318,6 +318,91 @@ class TestVllm(InjectCase):
                                                  "layer %d %s: %r vs %r" % (l, "KV"[kv], got, ref))
 
 
+class TestStridedHeads(InjectCase):
+    """Head vectors that are not contiguous and V planes with their own strides."""
+    NB, BS = 6, 4
+
+    def test_vllm_cpu_tensors(self):
+        """vLLM's CPU cache: [NB, H, BS, 2D] containers, per (block, head) K as [D, BS] then V as [BS, D]."""
+        facts = Facts(self, DType.BF16, seed=30)
+        NB, BS = self.NB, self.BS
+        bufs = [poisoned(NB * H * BS * 2 * D, DType.BF16) for _ in range(L)]
+        tensors = [FakeTensor(b, (NB, H, BS, 2 * D), dtype="torch.bfloat16") for b in bufs]
+        layout = kvi.CacheLayout.vllm_cpu(tensors)
+        self.assertEqual((layout.token_stride, layout.dim_stride, layout.v_token_stride, layout.v_dim_stride,
+                          layout.v_offset, layout.head_stride, layout.block_stride),
+                         (1, BS, D, 1, D * BS, 2 * D * BS, H * 2 * D * BS))
+        inj = kvi.Injector(facts.store, layout)
+        table = [4, 0, 5, 2]
+        inj.inject(kvi.InjectRequest(1, [11, 10], table, first_slot=1, start_position=77))
+        writes = expected_writes(facts, [([11, 10], table, 1, None, 77, BS)])
+
+        def index(l, kv, blk, tok, h, d):
+            region = (blk * H + h) * 2 * D * BS
+            return bufs[l], region + (D * BS + tok * D + d if kv else d * BS + tok)
+
+        self.assert_cache(index, DType.BF16, None, writes, NB, BS)
+        with self.assertRaises(ValueError):  # not the contiguous container
+            kvi.CacheLayout.vllm_cpu([FakeTensor(b, (NB, H, BS, 2 * D), (H * BS * 2 * D, 2 * D, H * 2 * D, 1),
+                                                 dtype="torch.bfloat16") for b in bufs])
+
+    def test_transposed_v_by_hand(self):
+        """llama.cpp-style cells: K [cells][H * D], V [H * D][cells] (token stride 1), token-granular blocks."""
+        facts = Facts(self, DType.FP32, seed=31)
+        cells = 24
+        kb = [poisoned(cells * H * D, DType.FP16) for _ in range(L)]
+        vb = [poisoned(cells * H * D, DType.FP16) for _ in range(L)]
+        layout = kvi.CacheLayout(memory=kvi.Memory.HOST, dtype=DType.FP16, num_layers=L, num_heads=H, head_size=D,
+                                 block_size=1, num_blocks=cells, block_stride=H * D, token_stride=H * D,
+                                 head_stride=D, k_layers=kb, v_layers=vb, v_block_stride=1, v_token_stride=1,
+                                 v_head_stride=D * cells, v_dim_stride=cells)
+        self.assertIn("V block 1 token 1 head %d dim %d" % (D * cells, cells), repr(layout))
+        inj = kvi.Injector(facts.store, layout)
+        table = list(range(cells))
+        pos = [3 * i + 1 for i in range(12)]
+        inj.inject(kvi.InjectRequest(1, [12, 11], table, first_slot=7, positions=pos))
+        writes = expected_writes(facts, [([12, 11], table, 7, pos, 0, 1)])
+
+        def index(l, kv, blk, tok, h, d):
+            return (vb[l], (h * D + d) * cells + blk) if kv else (kb[l], blk * H * D + h * D + d)
+
+        self.assert_cache(index, DType.FP16, None, writes, cells, 1)
+
+    def test_tensor_dim_stride(self):
+        """HF tensors [B, H, S, D] viewed over a physical [B, H, D, S] (dims S apart): the last stride is used."""
+        facts = Facts(self, DType.BF16, seed=33)
+        B, S = 2, 12
+        phys = [poisoned(B * H * D * S, DType.FP32) for _ in range(2 * L)]
+        st = (H * D * S, D * S, 1, S)
+        t = [FakeTensor(b, (B, H, S, D), st) for b in phys]
+        layout = kvi.CacheLayout.hf(t[:L], t[L:])
+        self.assertEqual((layout.dim_stride, layout.token_stride), (S, 1))
+        inj = kvi.Injector(facts.store, layout)
+        inj.inject(kvi.InjectRequest(1, [10], [1], first_slot=4, start_position=9))
+        writes = expected_writes(facts, [([10], [1], 4, None, 9, S)])
+
+        def index(l, kv, blk, tok, h, d):
+            return phys[kv * L + l], ((blk * H + h) * D + d) * S + tok
+
+        self.assert_cache(index, DType.FP32, None, writes, B, S)
+
+    def test_overlapping_planes_refused(self):
+        facts = Facts(self, DType.BF16, seed=32)
+        buf = poisoned(2 * self.NB * H * self.BS * D, DType.BF16)
+        with self.assertRaises(kvi.InvalidArgumentError) as e:  # V's dims fall between K's
+            kvi.Injector(facts.store, kvi.CacheLayout(
+                memory=kvi.Memory.HOST, dtype=DType.BF16, num_layers=L, num_heads=H, head_size=D,
+                block_size=self.BS, num_blocks=self.NB, block_stride=2 * self.BS * H * D, token_stride=2 * H * D,
+                head_stride=2 * D, dim_stride=2, v_offset=1, k_layers=[buf] * L))
+        self.assertIn("can overlap", str(e.exception))
+        with self.assertRaises(kvi.InvalidArgumentError) as e:
+            kvi.Injector(facts.store, kvi.CacheLayout(
+                memory=kvi.Memory.HOST, dtype=DType.BF16, num_layers=L, num_heads=H, head_size=D,
+                block_size=self.BS, num_blocks=self.NB, block_stride=self.BS * H * D, token_stride=H * D,
+                head_stride=D, v_dim_stride=-2, k_layers=[buf] * L, v_offset=self.NB * self.BS * H * D))
+        self.assertIn("v_dim_stride", str(e.exception))
+
+
 class TestSglang(InjectCase):
     def test_token_granular_memoryview_buffers(self):
         """[slots, H, D] per layer as 3-D memoryviews; page size 1: the block table

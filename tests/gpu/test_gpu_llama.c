@@ -3,7 +3,8 @@
  * The state lives in pinned host memory mapped into the device (the way an
  * engine hands it to llama_state_seq_set_data); the fused kernel injects
  * into it and captures from it in place. Compared bit for bit with a CPU
- * store doing the same on an ordinary host copy. Also: pageable host memory
+ * store doing the same on an ordinary host copy, with V per cell and
+ * transposed. Also: pageable host memory
  * declared as device memory is still refused. Exits 77 without a device.
  * SPDX-License-Identifier: Apache-2.0
  */
@@ -116,10 +117,12 @@ static void test_pinned_state(void **state) {
     CHECK_OK(kvi_store_put(cpu, 5, (uint64_t)f, &kv, NULL, NULL));
     CHECK_OK(kvi_store_put(gpu, 5, (uint64_t)f, &kv, NULL, NULL));
   }
+  for (int v_trans = 0; v_trans < 2; v_trans++) {
   kvi_llama_state_spec sp = KVI_LLAMA_STATE_SPEC_INIT;
   sp.num_cells = CELLS;
   sp.dtype = KVI_DTYPE_FP16;
   sp.seq_id = 3;
+  sp.v_trans = v_trans;
   size_t size;
   CHECK_OK(kvi_llama_state_size(m, &sp, &size));
   uint8_t *host = malloc(size), *pinned;
@@ -151,8 +154,11 @@ static void test_pinned_state(void **state) {
   assert_int_equal(kvi_injector_create(&inj, gpu, &cl, NULL), KVI_ERR_MEMORY_KIND);
   assert_null(inj);
 
+  CHECK_OK(kvi_store_remove(cpu, 9, 1));
+  CHECK_OK(kvi_store_remove(gpu, 9, 1));
   cudaFreeHost(pinned);
   free(host);
+  }
   kvi_store_destroy(cpu);
   kvi_store_destroy(gpu);
   kvi_model_destroy(m);

@@ -37,6 +37,14 @@ typedef struct scen {
   kvi_scale_mode scales;
 } scen;
 
+/* Hand-made layouts (not presets), as scen.preset values. */
+enum {
+  GPU_TRANSPOSED_V = 101, /* per layer K [cells][H][D] and V [H][D][cells] tensors, cells = NB * BS (llama.cpp's
+                             state with flash attention off): V token stride 1, V dim stride cells */
+  GPU_MIXED_PLANES = 102  /* per layer K [NB][BS][H][D] and V [NB][H][BS][D]: contiguous head vectors, V's own
+                             token and head strides (the vector paths with V's own offsets) */
+};
+
 typedef struct world {
   scen sc;
   kvi_model *model;
@@ -92,6 +100,20 @@ static void set_rope(world *w) {
 /* Tier tests: the CUDA store's device budget (0: 64 MiB) and host budget. */
 static uint64_t g_dev_budget, g_host_budget;
 
+static void custom_layout(kvi_cache_layout *l, const scen *sc, void *const *k, void *const *v) {
+  const int64_t H = sc->H, D = sc->D, BS = sc->BS, cells = (int64_t)sc->NB * BS;
+  kvi_cache_layout_init(l);
+  l->dtype = sc->cache_dtype;
+  l->num_layers = sc->L, l->num_heads = sc->H, l->head_size = sc->D, l->block_size = sc->BS, l->num_blocks = sc->NB;
+  l->k_layers = k, l->v_layers = v;
+  l->block_stride = BS * H * D, l->token_stride = H * D, l->head_stride = D; /* K [NB][BS][H][D] */
+  if ((int)sc->preset == GPU_TRANSPOSED_V) {
+    l->v_block_stride = BS, l->v_token_stride = 1, l->v_head_stride = D * cells, l->v_dim_stride = cells;
+  } else {
+    l->v_token_stride = D, l->v_head_stride = BS * D; /* V [NB][H][BS][D] */
+  }
+}
+
 static void make_world(world *w, const scen *sc) {
   memset(w, 0, sizeof *w);
   w->sc = *sc;
@@ -130,7 +152,9 @@ static void make_world(world *w, const scen *sc) {
   /* cache tensors, poisoned with 0xFF bytes (NaN in every float type) */
   const size_t es = kvi_dtype_size(sc->cache_dtype);
   const size_t HBD = (size_t)sc->H * sc->BS * sc->D * (size_t)sc->NB;
-  bool pool = sc->preset == KVI_CACHE_TRTLLM, separate = sc->preset == KVI_CACHE_SGLANG || sc->preset == KVI_CACHE_HF_CONTIGUOUS;
+  const bool custom = (int)sc->preset >= GPU_TRANSPOSED_V;
+  bool pool = sc->preset == KVI_CACHE_TRTLLM,
+       separate = sc->preset == KVI_CACHE_SGLANG || sc->preset == KVI_CACHE_HF_CONTIGUOUS || custom;
   w->layer_bytes = pool ? HBD * 2 * sc->L * es : separate ? HBD * es : HBD * 2 * es;
   w->ntensors = pool ? 1 : separate ? 2 * sc->L : sc->L;
   for (int i = 0; i < w->ntensors; i++) {
@@ -141,10 +165,15 @@ static void make_world(world *w, const scen *sc) {
   }
   void *const *hk = w->host, *const *dk = w->dev;
   void *const *hv = separate ? w->host + sc->L : NULL, *const *dv = separate ? w->dev + sc->L : NULL;
-  CHECK_OK(kvi_cache_layout_preset(&w->hl, sc->preset, sc->cache_dtype, sc->L, sc->H, sc->D, sc->BS, sc->NB,
-                                   pool ? NULL : hk, hv, pool ? w->host[0] : NULL));
-  CHECK_OK(kvi_cache_layout_preset(&w->dl, sc->preset, sc->cache_dtype, sc->L, sc->H, sc->D, sc->BS, sc->NB,
-                                   pool ? NULL : dk, dv, pool ? w->dev[0] : NULL));
+  if (custom) {
+    custom_layout(&w->hl, sc, hk, hv);
+    custom_layout(&w->dl, sc, dk, dv);
+  } else {
+    CHECK_OK(kvi_cache_layout_preset(&w->hl, sc->preset, sc->cache_dtype, sc->L, sc->H, sc->D, sc->BS, sc->NB,
+                                     pool ? NULL : hk, hv, pool ? w->host[0] : NULL));
+    CHECK_OK(kvi_cache_layout_preset(&w->dl, sc->preset, sc->cache_dtype, sc->L, sc->H, sc->D, sc->BS, sc->NB,
+                                     pool ? NULL : dk, dv, pool ? w->dev[0] : NULL));
+  }
   w->hl.memory = KVI_MEMORY_HOST;
   w->dl.memory = KVI_MEMORY_DEVICE;
   if (sc->scales != KVI_SCALE_NONE) {
@@ -394,6 +423,15 @@ SCEN(t_fp8s_table, 2, 4, 128, 16, 128, 24, 5, KVI_DTYPE_FP8_E4M3, KVI_DTYPE_BF16
 SCEN(t_fp8s_fp8cache, 3, 2, 128, 32, 64, 24, 5, KVI_DTYPE_FP8_E4M3, KVI_DTYPE_FP8_E4M3, KVI_CACHE_TRTLLM, 2, KVI_SCALE_PER_HEAD)
 SCEN(t_fp8s_vec8, 2, 2, 80, 16, 128, 20, 4, KVI_DTYPE_FP8_E4M3, KVI_DTYPE_FP16, KVI_CACHE_VLLM_FLASHINFER, 0, KVI_SCALE_NONE)
 SCEN(t_fp8s_scalar, 2, 3, 40, 512, 4, 9, 4, KVI_DTYPE_FP8_E4M3, KVI_DTYPE_BF16, KVI_CACHE_HF_CONTIGUOUS, 3, KVI_SCALE_NONE)
+/* head vectors that are not contiguous (the element-wise path) and V planes with their own strides:
+ * vLLM's CPU layout, a transposed V, and NHD K with HND V (vector paths with V's own offsets) */
+SCEN(t_vllm_cpu_bf16, 3, 2, 128, 16, 128, 24, 5, KVI_DTYPE_BF16, KVI_DTYPE_BF16, KVI_CACHE_VLLM_CPU, 0, KVI_SCALE_NONE)
+SCEN(t_vllm_cpu_table, 2, 4, 64, 16, 128, 20, 4, KVI_DTYPE_FP32, KVI_DTYPE_FP32, KVI_CACHE_VLLM_CPU, 2, KVI_SCALE_NONE)
+SCEN(t_vllm_cpu_fp8, 3, 2, 128, 32, 64, 24, 5, KVI_DTYPE_FP8_E4M3, KVI_DTYPE_FP8_E4M3, KVI_CACHE_VLLM_CPU, 1, KVI_SCALE_PER_HEAD)
+SCEN(t_vt_fp16_table, 2, 2, 128, 16, 128, 24, 5, KVI_DTYPE_FP16, KVI_DTYPE_FP16, (kvi_cache_preset)GPU_TRANSPOSED_V, 2, KVI_SCALE_NONE)
+SCEN(t_vt_e5m2_gptj, 3, 2, 64, 1, 2048, 12, 4, KVI_DTYPE_BF16, KVI_DTYPE_FP8_E5M2, (kvi_cache_preset)GPU_TRANSPOSED_V, 1, KVI_SCALE_PER_TENSOR)
+SCEN(t_mixed_bf16, 4, 4, 128, 16, 256, 24, 6, KVI_DTYPE_BF16, KVI_DTYPE_BF16, (kvi_cache_preset)GPU_MIXED_PLANES, 0, KVI_SCALE_NONE)
+SCEN(t_mixed_fp8s, 2, 4, 128, 16, 128, 24, 5, KVI_DTYPE_FP8_E4M3, KVI_DTYPE_BF16, (kvi_cache_preset)GPU_MIXED_PLANES, 2, KVI_SCALE_NONE)
 
 #ifdef KVI_HAVE_CUDA
 /* A device block table naming blocks outside the cache: those tokens are
@@ -992,6 +1030,9 @@ int main(void) {
       cmocka_unit_test(t_sglang_e5m2),   cmocka_unit_test(t_hf_scalar),    cmocka_unit_test(t_fi_yarn_vec),
       cmocka_unit_test(t_fp8s_table),    cmocka_unit_test(t_fp8s_fp8cache), cmocka_unit_test(t_fp8s_vec8),
       cmocka_unit_test(t_fp8s_scalar),
+      cmocka_unit_test(t_vllm_cpu_bf16), cmocka_unit_test(t_vllm_cpu_table), cmocka_unit_test(t_vllm_cpu_fp8),
+      cmocka_unit_test(t_vt_fp16_table), cmocka_unit_test(t_vt_e5m2_gptj), cmocka_unit_test(t_mixed_bf16),
+      cmocka_unit_test(t_mixed_fp8s),
       cmocka_unit_test(t_bad_device_table), cmocka_unit_test(t_table_memory_kind), cmocka_unit_test(t_deferred_free),
       cmocka_unit_test(t_journal_encode),
       cmocka_unit_test(t_tier_inject),   cmocka_unit_test(t_tier_inflight), cmocka_unit_test(t_tier_prefetch),

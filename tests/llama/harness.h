@@ -220,15 +220,20 @@ static void h_capture(kvi_store *s, uint8_t *state, size_t size, const kvi_model
   free(pos);
 }
 
-/* A fresh f16 state of n cells at positions 0..n-1 for seq 0; *size. */
-static uint8_t *h_fresh_state(const kvi_model *m, int32_t n, kvi_dtype dtype, size_t *size) {
+/* A fresh state of n cells at positions 0..n-1 for seq 0; *size. */
+static uint8_t *h_fresh_state_v(const kvi_model *m, int32_t n, kvi_dtype dtype, int v_trans, size_t *size) {
   kvi_llama_state_spec sp = KVI_LLAMA_STATE_SPEC_INIT;
   sp.num_cells = n;
   sp.dtype = dtype;
+  sp.v_trans = v_trans;
   KVI_OK_OR_DIE(kvi_llama_state_size(m, &sp, size));
   uint8_t *p = calloc(1, *size);
   KVI_OK_OR_DIE(kvi_llama_state_write_header(p, *size, m, &sp));
   return p;
+}
+
+static uint8_t *h_fresh_state(const kvi_model *m, int32_t n, kvi_dtype dtype, size_t *size) {
+  return h_fresh_state_v(m, n, dtype, 0, size);
 }
 
 /* Injects facts ids[0..k) of tenant consecutively from cell first_cell;

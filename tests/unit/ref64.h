@@ -414,7 +414,12 @@ enum {
   EC_GENERIC_KV_BASES = 101, /* K and V tensors [L][NB][H][BS][D+3] with a gap between layers: k_base, v_base, layer_stride */
   EC_GENERIC_V_OFFSET,       /* per layer [NB][BS][2][H][D]: k_layers, V = K + v_offset */
   EC_GENERIC_POOL,           /* one pool [L][2][NB][BS][H][D]: k_base, layer_stride, V = kbase(l) + v_offset */
-  EC_GENERIC_GAPS            /* per layer K and V [NB][BS+1][H][D] (a spare row per block): k_layers, v_layers */
+  EC_GENERIC_GAPS,           /* per layer K and V [NB][BS+1][H][D] (a spare row per block): k_layers, v_layers */
+  EC_GENERIC_VT,             /* transposed V (llama.cpp's state, flash attention off): per layer one tensor holding
+                                K [cells][H][D] then V [H][D][cells], cells = NB * BS: k_layers, V = K + v_offset,
+                                V's own strides */
+  EC_GENERIC_MIXED           /* per layer K [NB][BS][H][D] and V [NB][H][BS][D] (contiguous head vectors, V's own
+                                token and head strides): k_layers, v_layers */
 };
 
 /* Row-major linear index of idx in a tensor of the given shape. */
@@ -438,12 +443,15 @@ static inline const char *preset_name(kvi_cache_preset p) {
   case KVI_CACHE_SGLANG: return "sglang k/v_buffer [slots,H,D]";
   case KVI_CACHE_TRTLLM: return "trtllm pool [NB,L,2,H,BS,D]";
   case KVI_CACHE_HF_CONTIGUOUS: return "hf key/value [B,H,S,D]";
+  case KVI_CACHE_VLLM_CPU: return "vllm-cpu [NB,H,{K [D,BS], V [BS,D]}]";
   }
   switch ((int)p) {
   case EC_GENERIC_KV_BASES: return "generic k_base/v_base + layer_stride [L][NB][H][BS][D+3]";
   case EC_GENERIC_V_OFFSET: return "generic k_layers + v_offset [NB][BS][2][H][D]";
   case EC_GENERIC_POOL: return "generic pool k_base + layer_stride + v_offset [L][2][NB][BS][H][D]";
   case EC_GENERIC_GAPS: return "generic k_layers/v_layers [NB][BS+1][H][D]";
+  case EC_GENERIC_VT: return "generic transposed V: K [cells][H][D] + V [H][D][cells]";
+  case EC_GENERIC_MIXED: return "generic K [NB][BS][H][D], V [NB][H][BS][D]";
   }
   return "?";
 }
@@ -488,6 +496,22 @@ static inline void ec_generic_layout(ecache *c) {
     c->lay.k_layers = c->kl;
     c->lay.v_layers = c->vl;
     break;
+  case EC_GENERIC_VT: { /* K [cells][H][D], then V [H][D][cells] */
+    const int64_t cells = NB * BS;
+    for (int l = 0; l < c->L; l++) c->kl[l] = c->buf[l];
+    c->lay.block_stride = BS * H * D, c->lay.token_stride = H * D, c->lay.head_stride = D;
+    c->lay.v_offset = cells * H * D;
+    c->lay.v_block_stride = BS, c->lay.v_token_stride = 1, c->lay.v_head_stride = D * cells, c->lay.v_dim_stride = cells;
+    c->lay.k_layers = c->kl;
+    break;
+  }
+  case EC_GENERIC_MIXED: /* K [NB][BS][H][D], V [NB][H][BS][D] */
+    for (int l = 0; l < c->L; l++) c->kl[l] = c->buf[2 * l], c->vl[l] = c->buf[2 * l + 1];
+    c->lay.block_stride = BS * H * D, c->lay.token_stride = H * D, c->lay.head_stride = D;
+    c->lay.v_token_stride = D, c->lay.v_head_stride = BS * D; /* V's block stride: K's (0) */
+    c->lay.k_layers = c->kl;
+    c->lay.v_layers = c->vl;
+    break;
   default: fail_msg("ec_generic_layout: %d", (int)c->preset);
   }
 }
@@ -509,6 +533,7 @@ static inline void ec_make(ecache *c, kvi_cache_preset p, kvi_dtype dt, int32_t 
   case KVI_CACHE_VLLM_FLASHINFER_HND:
   case KVI_CACHE_VLLM_PACKED:
   case KVI_CACHE_VLLM_PACKED_HND:
+  case KVI_CACHE_VLLM_CPU:
     c->nbuf = L;
     for (int l = 0; l < L; l++) c->bytes[l] = 2 * plane * es;
     break;
@@ -528,6 +553,7 @@ static inline void ec_make(ecache *c, kvi_cache_preset p, kvi_dtype dt, int32_t 
       c->bytes[0] = c->bytes[1] = (size_t)ec_generic_ls(c) * (size_t)L * es;
       break;
     case EC_GENERIC_V_OFFSET:
+    case EC_GENERIC_VT:
       c->nbuf = L;
       for (int l = 0; l < L; l++) c->bytes[l] = 2 * plane * es;
       break;
@@ -538,6 +564,10 @@ static inline void ec_make(ecache *c, kvi_cache_preset p, kvi_dtype dt, int32_t 
     case EC_GENERIC_GAPS:
       c->nbuf = 2 * L;
       for (int i = 0; i < 2 * L; i++) c->bytes[i] = (size_t)NB * (size_t)(BS + 1) * (size_t)H * (size_t)D * es;
+      break;
+    case EC_GENERIC_MIXED:
+      c->nbuf = 2 * L;
+      for (int i = 0; i < 2 * L; i++) c->bytes[i] = plane * es;
       break;
     default: fail_msg("ec_make: preset %d", (int)p);
     }
@@ -630,6 +660,11 @@ static inline unsigned char *ec_elem(const ecache *c, int kv, int l, int64_t b, 
     w = 2 * l + kv, o = lin(4, s, i);
     break;
   }
+  case KVI_CACHE_VLLM_CPU: { /* per (block, head): K [D][BS], then V [BS][D] */
+    const int64_t s[] = {NB, H, 2, BS * D}, i[] = {b, h, kv, kv ? t * D + d : d * BS + t};
+    w = l, o = lin(4, s, i);
+    break;
+  }
   default:
     switch ((int)c->preset) {
     case EC_GENERIC_KV_BASES: {
@@ -650,6 +685,17 @@ static inline unsigned char *ec_elem(const ecache *c, int kv, int l, int64_t b, 
     case EC_GENERIC_GAPS: {
       const int64_t s[] = {NB, BS + 1, H, D}, i[] = {b, t, h, d};
       w = 2 * l + kv, o = lin(4, s, i);
+      break;
+    }
+    case EC_GENERIC_VT: { /* [2][...]: K [cells][H][D], V [H][D][cells] */
+      const int64_t cells = NB * BS;
+      const int64_t s[] = {2, cells * H * D}, i[] = {kv, kv ? (h * D + d) * cells + b * BS + t : (b * BS + t) * H * D + h * D + d};
+      w = l, o = lin(2, s, i);
+      break;
+    }
+    case EC_GENERIC_MIXED: {
+      const int64_t s[] = {NB, BS, H, D}, i[] = {b, t, h, d}, sv[] = {NB, H, BS, D}, iv[] = {b, h, t, d};
+      w = 2 * l + kv, o = kv ? lin(4, sv, iv) : lin(4, s, i);
       break;
     }
     default: fail_msg("ec_elem: preset %d", (int)c->preset);

@@ -6,7 +6,10 @@
  * through the library's strides; every byte no injected token lives in must
  * still be poison. Cache dtypes fp32, fp16, bf16, fp8 e4m3 (per-tensor and
  * per-head scales) and e5m2; block tables of shuffled block ids; first slots
- * in the middle of a block, so facts straddle blocks.
+ * in the middle of a block, so facts straddle blocks. Layouts whose head
+ * vectors are not contiguous and whose V has its own strides (vLLM's CPU
+ * cache, a transposed V), callers of the first struct_size, and the
+ * layout checks.
  * SPDX-License-Identifier: Apache-2.0
  */
 #include "ref64.h"
@@ -81,6 +84,7 @@ typedef struct cfg {
   int64_t NB;
   int64_t fs0, fs1; /* first slots of the two requests */
   int extra;        /* spare table entries past the ones used */
+  bool old_size;    /* the layout as a caller of the first kvi_cache_layout passes it */
 } cfg;
 
 typedef struct dcase {
@@ -105,6 +109,10 @@ static void run(fixture *f, const cfg *g, const dcase *dc) {
            cache_dtype_name(dc->dt), (int)dc->sm, g->BS, (long long)g->NB);
   ecache c;
   ec_make(&c, (kvi_cache_preset)g->preset, dc->dt, L, H, D, g->BS, g->NB, dc->sm, &f->r);
+  if (g->old_size) { /* the struct ends before dim_stride: what follows is never read */
+    c.lay.struct_size = offsetof(kvi_cache_layout, dim_stride);
+    memset((char *)&c.lay + c.lay.struct_size, 0x55, sizeof c.lay - c.lay.struct_size);
+  }
   kvi_injector *inj = NULL;
   kvi_encoder *enc = NULL;
   assert_ok(kvi_injector_create(&inj, f->s, &c.lay, NULL));
@@ -176,74 +184,191 @@ static void run_all_dtypes(fixture *f, const cfg *g) {
 }
 
 static void test_vllm_flash_attn(void **state) {
-  const cfg g = {KVI_CACHE_VLLM_FLASH_ATTN, 4, 9, 2, 3, 1};
+  const cfg g = {KVI_CACHE_VLLM_FLASH_ATTN, 4, 9, 2, 3, 1, false};
   run_all_dtypes(*state, &g);
 }
 
 static void test_vllm_flash_attn_hnd(void **state) {
-  const cfg g = {KVI_CACHE_VLLM_FLASH_ATTN_HND, 4, 9, 3, 1, 1};
+  const cfg g = {KVI_CACHE_VLLM_FLASH_ATTN_HND, 4, 9, 3, 1, 1, false};
   run_all_dtypes(*state, &g);
 }
 
 static void test_vllm_flashinfer(void **state) {
-  const cfg g = {KVI_CACHE_VLLM_FLASHINFER, 4, 10, 1, 2, 1};
+  const cfg g = {KVI_CACHE_VLLM_FLASHINFER, 4, 10, 1, 2, 1, false};
   run_all_dtypes(*state, &g);
 }
 
 static void test_vllm_flashinfer_hnd(void **state) {
-  const cfg g = {KVI_CACHE_VLLM_FLASHINFER_HND, 8, 8, 5, 6, 1};
+  const cfg g = {KVI_CACHE_VLLM_FLASHINFER_HND, 8, 8, 5, 6, 1, false};
   run_all_dtypes(*state, &g);
 }
 
 static void test_vllm_packed(void **state) {
-  const cfg g = {KVI_CACHE_VLLM_PACKED, 4, 9, 2, 3, 1};
+  const cfg g = {KVI_CACHE_VLLM_PACKED, 4, 9, 2, 3, 1, false};
   run_all_dtypes(*state, &g);
 }
 
 static void test_vllm_packed_hnd(void **state) {
-  const cfg g = {KVI_CACHE_VLLM_PACKED_HND, 4, 9, 3, 2, 1};
+  const cfg g = {KVI_CACHE_VLLM_PACKED_HND, 4, 9, 3, 2, 1, false};
   run_all_dtypes(*state, &g);
 }
 
 static void test_sglang_token_granular(void **state) {
-  const cfg g = {KVI_CACHE_SGLANG, 1, 26, 3, 2, 1};
+  const cfg g = {KVI_CACHE_SGLANG, 1, 26, 3, 2, 1, false};
   run_all_dtypes(*state, &g);
 }
 
 static void test_sglang_paged(void **state) {
-  const cfg g = {KVI_CACHE_SGLANG, 4, 9, 2, 3, 1};
+  const cfg g = {KVI_CACHE_SGLANG, 4, 9, 2, 3, 1, false};
   run_all_dtypes(*state, &g);
 }
 
 static void test_trtllm(void **state) {
-  const cfg g = {KVI_CACHE_TRTLLM, 4, 9, 1, 3, 1};
+  const cfg g = {KVI_CACHE_TRTLLM, 4, 9, 1, 3, 1, false};
   run_all_dtypes(*state, &g);
 }
 
 static void test_hf_contiguous(void **state) {
   /* blocks are batch rows (NB = batch 3), BS = capacity 20; a table is {row} */
-  const cfg g = {KVI_CACHE_HF_CONTIGUOUS, 20, 3, 3, 11, 0};
+  const cfg g = {KVI_CACHE_HF_CONTIGUOUS, 20, 3, 3, 11, 0, false};
   run_all_dtypes(*state, &g);
 }
 
 static void test_generic_kv_bases(void **state) {
-  const cfg g = {EC_GENERIC_KV_BASES, 4, 9, 2, 1, 1};
+  const cfg g = {EC_GENERIC_KV_BASES, 4, 9, 2, 1, 1, false};
   run_all_dtypes(*state, &g);
 }
 
 static void test_generic_v_offset(void **state) {
-  const cfg g = {EC_GENERIC_V_OFFSET, 4, 9, 3, 2, 1};
+  const cfg g = {EC_GENERIC_V_OFFSET, 4, 9, 3, 2, 1, false};
   run_all_dtypes(*state, &g);
 }
 
 static void test_generic_pool(void **state) {
-  const cfg g = {EC_GENERIC_POOL, 2, 16, 1, 1, 1};
+  const cfg g = {EC_GENERIC_POOL, 2, 16, 1, 1, 1, false};
   run_all_dtypes(*state, &g);
 }
 
 static void test_generic_gaps(void **state) {
-  const cfg g = {EC_GENERIC_GAPS, 4, 9, 2, 3, 1};
+  const cfg g = {EC_GENERIC_GAPS, 4, 9, 2, 3, 1, false};
   run_all_dtypes(*state, &g);
+}
+
+/* vLLM's CPU cache: K token-fastest ([D][BS] per block and head), V [BS][D]
+ * after it in the same region. */
+static void test_vllm_cpu(void **state) {
+  const cfg g = {KVI_CACHE_VLLM_CPU, 4, 9, 2, 3, 1, false};
+  run_all_dtypes(*state, &g);
+}
+
+static void test_vllm_cpu_wide_blocks(void **state) {
+  const cfg g = {KVI_CACHE_VLLM_CPU, 16, 4, 13, 9, 0, false}; /* facts straddle 16-token blocks */
+  run_all_dtypes(*state, &g);
+}
+
+static void test_generic_transposed_v(void **state) {
+  const cfg g = {EC_GENERIC_VT, 4, 9, 3, 1, 1, false};
+  run_all_dtypes(*state, &g);
+}
+
+static void test_generic_transposed_v_token_granular(void **state) {
+  const cfg g = {EC_GENERIC_VT, 1, 30, 2, 4, 1, false}; /* llama.cpp's cells: one token per block */
+  run_all_dtypes(*state, &g);
+}
+
+static void test_generic_mixed_planes(void **state) {
+  const cfg g = {EC_GENERIC_MIXED, 4, 9, 1, 2, 1, false};
+  run_all_dtypes(*state, &g);
+}
+
+/* A caller of the first kvi_cache_layout (struct_size before dim_stride)
+ * keeps its meaning: V has K's strides, head vectors are contiguous, and
+ * the bytes past its struct (0x55 here) are never read. */
+static void test_first_struct_size(void **state) {
+  const cfg a = {KVI_CACHE_VLLM_FLASHINFER_HND, 4, 9, 3, 2, 1, true};
+  run_all_dtypes(*state, &a);
+  const cfg b = {EC_GENERIC_GAPS, 4, 9, 2, 3, 1, true};
+  run_all_dtypes(*state, &b);
+}
+
+/* Layout checks: each one refuses with a message naming the field, and the
+ * good layout still works after. */
+static void expect_refused(fixture *f, const kvi_cache_layout *lay, const char *needle) {
+  kvi_injector *inj = (kvi_injector *)(uintptr_t)1;
+  kvi_encoder *enc = (kvi_encoder *)(uintptr_t)1;
+  assert_status(kvi_injector_create(&inj, f->s, lay, NULL), KVI_ERR_INVALID_ARGUMENT);
+  assert_last_error_has("kvi_injector_create", needle);
+  assert_true(inj == (kvi_injector *)(uintptr_t)1);
+  assert_status(kvi_encoder_create(&enc, f->s, lay, NULL), KVI_ERR_INVALID_ARGUMENT);
+  assert_last_error_has("kvi_encoder_create", needle);
+  assert_true(enc == (kvi_encoder *)(uintptr_t)1);
+}
+
+static void test_layout_checks(void **state) {
+  fixture *f = *state;
+  ecache c;
+  ec_make(&c, KVI_CACHE_VLLM_CPU, KVI_DTYPE_BF16, L, H, D, 4, 9, KVI_SCALE_NONE, &f->r);
+  const kvi_cache_layout good = c.lay;
+  kvi_cache_layout l;
+  /* negative strides, each named */
+  static const char *names[] = {"dim_stride", "v_block_stride", "v_token_stride", "v_head_stride", "v_dim_stride"};
+  int64_t *fields[5];
+  for (int i = 0; i < 5; i++) {
+    l = good;
+    fields[0] = &l.dim_stride, fields[1] = &l.v_block_stride, fields[2] = &l.v_token_stride;
+    fields[3] = &l.v_head_stride, fields[4] = &l.v_dim_stride;
+    *fields[i] = -1;
+    char needle[64];
+    snprintf(needle, sizeof needle, "layout->%s is -1", names[i]);
+    expect_refused(f, &l, needle);
+  }
+  /* overflowing extents, per plane */
+  l = good;
+  l.v_dim_stride = INT64_MAX / 4;
+  expect_refused(f, &l, "V extent overflows");
+  l = good;
+  l.dim_stride = INT64_MAX / 8;
+  expect_refused(f, &l, "K extent overflows");
+  l = good;
+  l.v_block_stride = INT64_MAX / 16; /* each plane fits, the byte offsets do not */
+  expect_refused(f, &l, "extent overflows");
+  /* two elements of one token at one place: K heads over each other, V dims
+   * over the next head's */
+  l = good;
+  l.head_stride = (D - 1) * 4; /* = 60 < D * BS: head 1 dim 0 is head 0 dim 15 */
+  expect_refused(f, &l, "K's 2 heads x 16 dims at head_stride 60 and dim_stride 4");
+  l = good;
+  l.v_dim_stride = 2;
+  l.v_head_stride = D; /* head 1 dim 0 = head 0 dim 8 */
+  l.v_token_stride = 2 * D * H;
+  expect_refused(f, &l, "V's 2 heads x 16 dims at v_head_stride 16 and v_dim_stride 2");
+  /* K and V of one token overlapping: V inside K's span, V on K, K and V interleaved */
+  l = good;
+  l.v_offset = 40; /* K of token 0 spans elements 0..60 (dim stride 4) */
+  expect_refused(f, &l, "K head 0 and V head 0 of one token can overlap");
+  l = good;
+  l.v_offset = 0;
+  l.v_token_stride = 0, l.v_dim_stride = 0; /* V = K */
+  expect_refused(f, &l, "can overlap");
+  l = good;
+  l.v_offset = 1;
+  l.v_token_stride = 0, l.v_dim_stride = 0; /* V's dims between K's (dim stride 4 = BS) */
+  expect_refused(f, &l, "can overlap");
+  /* V of a block's last token lies inside the next head's K span of that
+   * token (elements 131..191): only a corner of the blocks x tokens box shows it */
+  l = good;
+  l.v_token_stride = 2 * D;
+  expect_refused(f, &l, "can overlap");
+  /* the good layout is accepted, with the same K strides spelled out and
+   * the V defaults written as KVI_STRIDE_SAME */
+  kvi_injector *inj = NULL;
+  assert_ok(kvi_injector_create(&inj, f->s, &good, NULL));
+  kvi_injector_destroy(inj);
+  l = good;
+  l.v_block_stride = KVI_STRIDE_SAME, l.v_head_stride = l.head_stride;
+  assert_ok(kvi_injector_create(&inj, f->s, &l, NULL));
+  kvi_injector_destroy(inj);
+  ec_free(&c);
 }
 
 /* The preset fills what it documents and asks for what it needs. */
@@ -252,7 +377,7 @@ static void test_preset_arguments(void **state) {
   char k0[64], k1[64], v0[64], v1[64];
   void *kl[2] = {k0, k1}, *vl[2] = {v0, v1};
   kvi_cache_layout lay;
-  for (int p = KVI_CACHE_VLLM_FLASH_ATTN; p <= KVI_CACHE_HF_CONTIGUOUS; p++) {
+  for (int p = KVI_CACHE_VLLM_FLASH_ATTN; p <= KVI_CACHE_VLLM_CPU; p++) {
     const bool pool = p == KVI_CACHE_TRTLLM, sep = p == KVI_CACHE_SGLANG || p == KVI_CACHE_HF_CONTIGUOUS;
     memset(&lay, 0x33, sizeof lay);
     assert_ok(kvi_cache_layout_preset(&lay, (kvi_cache_preset)p, KVI_DTYPE_BF16, 2, 2, 4, 4, 3, pool ? NULL : kl,
@@ -269,6 +394,23 @@ static void test_preset_arguments(void **state) {
     if (pool) assert_ptr_equal(lay.k_base, k0);
     else assert_ptr_equal(lay.k_layers, kl);
     if (sep) assert_ptr_equal(lay.v_layers, vl);
+    if (p == KVI_CACHE_VLLM_CPU) { /* H 2, D 4, BS 4: per (block, head) 32 elements, K [4][4] then V [4][4] */
+      assert_int_equal(lay.block_stride, 64);
+      assert_int_equal(lay.head_stride, 32);
+      assert_int_equal(lay.token_stride, 1);
+      assert_int_equal(lay.dim_stride, 4);
+      assert_int_equal(lay.v_offset, 16);
+      assert_int_equal(lay.v_block_stride, KVI_STRIDE_SAME);
+      assert_int_equal(lay.v_head_stride, KVI_STRIDE_SAME);
+      assert_int_equal(lay.v_token_stride, 4);
+      assert_int_equal(lay.v_dim_stride, 1);
+    } else { /* contiguous head vectors, V with K's strides */
+      assert_int_equal(lay.dim_stride, 0);
+      assert_int_equal(lay.v_block_stride, 0);
+      assert_int_equal(lay.v_token_stride, 0);
+      assert_int_equal(lay.v_head_stride, 0);
+      assert_int_equal(lay.v_dim_stride, 0);
+    }
     /* missing pointers */
     const kvi_cache_layout keep = lay;
     if (pool) {
@@ -292,7 +434,7 @@ static void test_preset_arguments(void **state) {
   }
   assert_status(kvi_cache_layout_preset(&lay, (kvi_cache_preset)0, KVI_DTYPE_BF16, 2, 2, 4, 4, 3, kl, vl, k0),
                 KVI_ERR_INVALID_ARGUMENT);
-  assert_status(kvi_cache_layout_preset(&lay, (kvi_cache_preset)10, KVI_DTYPE_BF16, 2, 2, 4, 4, 3, kl, vl, k0),
+  assert_status(kvi_cache_layout_preset(&lay, (kvi_cache_preset)11, KVI_DTYPE_BF16, 2, 2, 4, 4, 3, kl, vl, k0),
                 KVI_ERR_INVALID_ARGUMENT);
   assert_status(kvi_cache_layout_preset(NULL, KVI_CACHE_VLLM_FLASHINFER, KVI_DTYPE_BF16, 2, 2, 4, 4, 3, kl, vl, k0),
                 KVI_ERR_INVALID_ARGUMENT);
@@ -306,7 +448,10 @@ int main(void) {
       T(test_vllm_flashinfer_hnd), T(test_vllm_packed),           T(test_vllm_packed_hnd),
       T(test_sglang_token_granular), T(test_sglang_paged),        T(test_trtllm),
       T(test_hf_contiguous),      T(test_generic_kv_bases),       T(test_generic_v_offset),
-      T(test_generic_pool),       T(test_generic_gaps),           cmocka_unit_test(test_preset_arguments),
+      T(test_generic_pool),       T(test_generic_gaps),           T(test_vllm_cpu),
+      T(test_vllm_cpu_wide_blocks), T(test_generic_transposed_v), T(test_generic_transposed_v_token_granular),
+      T(test_generic_mixed_planes), T(test_first_struct_size),    T(test_layout_checks),
+      cmocka_unit_test(test_preset_arguments),
   };
   return cmocka_run_group_tests_name("unit-layouts", tests, NULL, NULL);
 }

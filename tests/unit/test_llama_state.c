@@ -409,9 +409,10 @@ static void test_layout_inject_capture(void **state) {
   kvi_kv_view_contiguous(&kv, KVI_MEMORY_HOST, KVI_DTYPE_FP32, L, 2, H, D, k, v);
   assert_ok(kvi_store_put(s, 1, 9, &kv, NULL, NULL));
 
-  for (int dt = 0; dt < 2; dt++) {
+  for (int variant = 0; variant < 4; variant++) {
     hand h = hand_default();
-    if (dt) h.ggml_type = 0, h.es = 4;
+    if (variant & 1) h.ggml_type = 0, h.es = 4;
+    h.v_trans = variant >> 1;
     buf b = hand_state(&h, 1);
     uint8_t *orig = malloc(b.n);
     memcpy(orig, b.p, b.n);
@@ -440,8 +441,9 @@ static void test_layout_inject_capture(void **state) {
       for (int l = 0; l < L; l++)
         for (int c = 0; c < 5; c++)
           for (int e = 0; e < ROW; e++) {
+            const size_t idx = plane && h.v_trans ? (size_t)e * 5 + (size_t)c : (size_t)c * ROW + (size_t)e;
             const size_t off = (plane ? info.sections[0].v_offset : info.sections[0].k_offset) +
-                               (size_t)l * info.sections[0].layer_bytes + ((size_t)c * ROW + (size_t)e) * (size_t)h.es;
+                               (size_t)l * info.sections[0].layer_bytes + idx * (size_t)h.es;
             float want = val(plane, l, c, e);
             if (c == 2 || c == 3) want = plane ? v[l][c - 2][e] : k[l][c - 2][e];
             float got;
@@ -452,8 +454,8 @@ static void test_layout_inject_capture(void **state) {
               got = (float)y;
             }
             if (got != want) {
-              print_error("plane %d layer %d cell %d elem %d: %g, expected %g\n", plane, l, c, e, (double)got,
-                          (double)want);
+              print_error("v_trans %d plane %d layer %d cell %d elem %d: %g, expected %g\n", h.v_trans, plane, l, c,
+                          e, (double)got, (double)want);
               fail();
             }
           }
@@ -523,12 +525,21 @@ static void test_layout_checks(void **state) {
   assert_status(kvi_llama_state_layout(b.p, b.n, 0, other, KVI_MEMORY_HOST, &cl), KVI_ERR_MISMATCH);
   assert_last_error_has("kvi_llama_state_layout", "3 layers of 16 K/V elements");
   kvi_model_destroy(other);
-  /* transposed V */
+  /* transposed V: V's own strides; rank 1 starts at its head's first column */
   free(b.p);
   h.v_trans = 1;
   b = hand_state(&h, 1);
-  assert_status(kvi_llama_state_layout(b.p, b.n, 0, m, KVI_MEMORY_HOST, &cl), KVI_ERR_UNSUPPORTED);
-  assert_last_error_has("kvi_llama_state_layout", "transposed V");
+  assert_ok(kvi_llama_state_parse(b.p, b.n, &info));
+  assert_ok(kvi_llama_state_layout(b.p, b.n, 0, m, KVI_MEMORY_HOST, &cl));
+  assert_int_equal(cl.token_stride, ROW);
+  assert_int_equal(cl.v_token_stride, 1);
+  assert_int_equal(cl.v_head_stride, D * 5);
+  assert_int_equal(cl.v_dim_stride, 5);
+  assert_ptr_equal(cl.v_base, b.p + info.sections[0].v_offset);
+  r1 = llama_model_of(2, 1, KVI_ROPE_GPTJ);
+  assert_ok(kvi_llama_state_layout(b.p, b.n, 0, r1, KVI_MEMORY_HOST, &cl));
+  assert_ptr_equal(cl.v_base, b.p + info.sections[0].v_offset + (size_t)D * 5 * 2);
+  kvi_model_destroy(r1);
   free(b.p);
   kvi_model_destroy(m);
 }
