@@ -11,6 +11,7 @@
 #include "cache_internal.h"
 
 #define CACHE_LAYOUT_V1 offsetof(kvi_cache_layout, dim_stride) /* before the per-plane strides */
+#define CACHE_LAYOUT_V2 (offsetof(kvi_cache_layout, v_dim_stride) + sizeof(int64_t)) /* with them */
 
 KVI_API kvi_status kvi_cache_layout_init(kvi_cache_layout *layout, size_t size) {
   static const kvi_cache_layout d = KVI_CACHE_LAYOUT_INIT;
@@ -83,106 +84,104 @@ KVI_API kvi_status kvi_cache_layout_preset(kvi_cache_layout *out, kvi_cache_pres
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "preset %d keeps V in separate tensors: pass v_layers", (int)preset);
   if (!per_layer && !base) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "preset %d takes the pool's base pointer", (int)preset);
   if (separate_v) l.v_layers = v_layers;
-  l.struct_size = CACHE_LAYOUT_V1;
-  memcpy(out, &l, CACHE_LAYOUT_V1); /* the first version only: never past an older caller's struct */
+  /* The first struct version that holds what the preset sets: a caller built
+   * against an older header knows none of the presets that need later fields,
+   * so its struct is never overrun. */
+  const size_t size = preset == KVI_CACHE_VLLM_CPU ? CACHE_LAYOUT_V2 : CACHE_LAYOUT_V1;
+  l.struct_size = size;
+  memcpy(out, &l, size);
   return KVI_OK;
 }
 
-/* Refuses a layout in which two elements of one layer share an address:
- * blocks, tokens or heads of a plane overlapping (checked on K's and V's
- * dimensions, kd and vd, each of 4), or K overlapping V at their distance
- * in that layer (kb, vb; es bytes an element; ext the elements a plane
- * spans). K and V with the same dimensions may interleave (V as a fifth
- * dimension of extent 2 at their distance, as packed K|V caches do);
- * otherwise their byte ranges must be disjoint. */
-static kvi_status check_overlap(const kvi__dim kd[4], const kvi__dim vd[4], const char *kb, const char *vb,
-                                int64_t ext, size_t es, int32_t layer, const char *fn) {
-  kvi__dim e[5];
+/* One plane's dimensions in bytes (es bytes an element): blocks, tokens,
+ * heads, dims. */
+static void plane_dims(kvi__dim d[4], const kvi_cache_layout *l, const kvi__strides *p, int64_t es) {
+  d[0] = (kvi__dim){l->num_blocks, p->block * es}, d[1] = (kvi__dim){l->block_size, p->token * es};
+  d[2] = (kvi__dim){l->num_heads, p->head * es}, d[3] = (kvi__dim){l->head_size, p->dim * es};
+}
+
+/* The largest byte offset a set of dimensions reaches, plus es: the span of
+ * the elements they address. */
+static int64_t span(const kvi__dim *d, int n, int64_t es) {
+  int64_t r = es;
+  for (int i = 0; i < n; i++) r += (d[i].extent - 1) * d[i].stride;
+  return r;
+}
+
+/*
+ * Refuses a layout in which two cache elements of one layer share a byte,
+ * for K and V given as dimensions kd and vd (plane_dims) and V starting gap
+ * bytes from K. The one rule (kvi__dims_disjoint, a sufficient test of
+ * nested dimensions) is applied three ways, the first that proves the
+ * layer's elements apart accepting it:
+ *  - K and V with the same dimensions: the plane is a fifth dimension of
+ *    extent 2 and stride |gap| (vLLM's [2, blocks, ...], FlashInfer's
+ *    [blocks, 2, ...], packed K|V, TensorRT-LLM's pool);
+ *  - dimensions that K and V share, with strides past what the others reach,
+ *    are outer; the others make one interval per plane ([0, K's span) and
+ *    [gap, gap + V's span)), which must be apart, and their union a
+ *    dimension nested inside the outer ones (vLLM's CPU layout: per block
+ *    and head, K then V in other orders);
+ *  - K's and V's whole byte ranges apart (separate tensors, anything else).
+ * Each plane on its own must pass the rule too. The check compares
+ * addresses; its sums stay far inside 64 bits (the caller's extent check).
+ */
+static kvi_status check_overlap(const kvi__dim kd[4], const kvi__dim vd[4], int64_t gap, int64_t es, int32_t layer,
+                                const char *fn) {
+  kvi__dim e[6];
   for (int plane = 0; plane < 2; plane++) {
-    memcpy(e, plane ? vd : kd, 4 * sizeof e[0]);
-    if (!kvi__dims_disjoint(e, 4))
+    const kvi__dim *d = plane ? vd : kd;
+    e[0] = (kvi__dim){es, 1};
+    memcpy(e + 1, d, 4 * sizeof e[0]);
+    if (!kvi__dims_disjoint(e, 5))
       return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
-                       "layout: the %s blocks, tokens or heads overlap (block_stride %lld, token_stride %lld, "
-                       "head_stride %lld, head_size %lld): one cache element would be written twice",
-                       plane ? "V" : "K", (long long)(plane ? vd : kd)[0].stride, (long long)(plane ? vd : kd)[1].stride,
-                       (long long)(plane ? vd : kd)[2].stride, (long long)(plane ? vd : kd)[3].extent);
+                       "layout: %s's blocks, tokens, heads or dims overlap (%sblock_stride %lld, %stoken_stride %lld, "
+                       "%shead_stride %lld, %sdim_stride %lld elements): two elements would share an address",
+                       plane ? "V" : "K", plane ? "v_" : "", (long long)(d[0].stride / es), plane ? "v_" : "",
+                       (long long)(d[1].stride / es), plane ? "v_" : "", (long long)(d[2].stride / es),
+                       plane ? "v_" : "", (long long)(d[3].stride / es));
   }
-  const intptr_t gap = vb - kb, agap = gap < 0 ? -gap : gap;
-  const int64_t bytes = ext * (int64_t)es; /* fits: the extent check scaled it by 8 */
-  bool disjoint;
-  if (agap % (intptr_t)es == 0 && memcmp(kd, vd, 4 * sizeof kd[0]) == 0) {
-    memcpy(e, kd, 4 * sizeof e[0]);
-    e[4].extent = 2, e[4].stride = (int64_t)(agap / (intptr_t)es);
-    disjoint = kvi__dims_disjoint(e, 5);
-  } else {
-    disjoint = (int64_t)agap >= bytes;
+  const int64_t agap = gap < 0 ? -gap : gap;
+  bool same[4], all = true;
+  for (int i = 0; i < 4; i++) {
+    same[i] = (kd[i].extent == vd[i].extent && kd[i].stride == vd[i].stride) || kd[i].extent == 1;
+    all = all && same[i];
   }
-  if (!disjoint)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
-                     "layout: layer %d's K and V overlap (V is %lld bytes from K, a plane spans %lld bytes)", (int)layer,
-                     (long long)gap, (long long)bytes);
-  return KVI_OK;
-}
-
-static int64_t gcd64(int64_t a, int64_t b) {
-  while (b) {
-    const int64_t r = a % b;
-    a = b, b = r;
+  if (all && gap != 0) {
+    e[0] = (kvi__dim){es, 1};
+    memcpy(e + 1, kd, 4 * sizeof e[0]);
+    e[5] = (kvi__dim){2, agap};
+    if (kvi__dims_disjoint(e, 6)) return KVI_OK;
   }
-  return a;
-}
-
-/* Whether the n1 x n2 offsets i * s1 + j * s2 (i < n1, j < n2, strides >= 0)
- * are all distinct. Two coincide when (i - i') * s1 = (j' - j) * s2 for
- * |i - i'| < n1, |j - j'| < n2, not both 0; with g = gcd(s1, s2) the
- * smallest such pair is (s2 / g, s1 / g). */
-static bool distinct_2d(int64_t n1, int64_t s1, int64_t n2, int64_t s2) {
-  if (n1 == 1 || n2 == 1) return (n1 == 1 || s1 > 0) && (n2 == 1 || s2 > 0);
-  if (s1 == 0 || s2 == 0) return false;
-  const int64_t g = gcd64(s1, s2);
-  return !(s2 / g < n1 && s1 / g < n2);
-}
-
-/* Refuses a layout whose K and V can meet within one token: for each layer
- * whose K and V address ranges meet, no K head vector's byte range [start,
- * end) may meet a V head vector's range of the same (block, token). Their
- * distance is affine in (block, token), so it is checked at the four corners
- * of the blocks x tokens box: all on one side of the K range, or all on the
- * other. (Layers with the same K-to-V distance are checked once.) */
-static kvi_status check_kv_overlap(const kvi__cache *c, const kvi_cache_layout *l, const kvi__strides *ks,
-                                   const kvi__strides *vs, const int64_t ext[2], const char *fn) {
-  const int64_t es = (int64_t)kvi_dtype_size(l->dtype), H = l->num_heads, D = l->head_size;
-  const int64_t klen = ((D - 1) * ks->dim + 1) * es, vlen = ((D - 1) * vs->dim + 1) * es;
-  bool have_prev = false;
-  int64_t prev = 0;
-  for (int32_t i = 0; i < l->num_layers; i++) {
-    const uintptr_t kb = (uintptr_t)c->k[i], vb = (uintptr_t)c->v[i];
-    const uintptr_t kend = kb + (uintptr_t)((ext[0] + 1) * es), vend = vb + (uintptr_t)((ext[1] + 1) * es);
-    if (kend <= vb || vend <= kb) continue; /* apart (also when a range wraps: kend < kb cannot be) */
-    const int64_t base = vb >= kb ? (int64_t)(vb - kb) : -(int64_t)(kb - vb); /* |base| < the extents */
-    if (have_prev && base == prev) continue;
-    have_prev = true, prev = base;
-    const int64_t bl[2] = {0, l->num_blocks - 1}, tl[2] = {0, l->block_size - 1};
-    for (int64_t hk = 0; hk < H; hk++)
-      for (int64_t hv = 0; hv < H; hv++) {
-        int above = 0, below = 0;
-        for (int cb = 0; cb < 2; cb++)
-          for (int ct = 0; ct < 2; ct++) {
-            /* V head hv's start minus K head hk's start, in bytes (bounded by the checked extents) */
-            const int64_t dist = base + es * (bl[cb] * (vs->block - ks->block) + tl[ct] * (vs->token - ks->token) +
-                                              hv * vs->head - hk * ks->head);
-            above += dist >= klen;
-            below += dist <= -vlen;
-          }
-        if (above != 4 && below != 4)
-          return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
-                           "layout: in layer %d, K head %lld and V head %lld of one token can overlap (V starts %lld "
-                           "bytes from K at block 0, token 0; K's head vector spans %lld bytes, V's %lld)",
-                           (int)i, (long long)hk, (long long)hv,
-                           (long long)(base + es * (hv * vs->head - hk * ks->head)), (long long)klen, (long long)vlen);
-      }
+  if (!all) {
+    /* outer: shared dimensions whose stride passes both inner spans (grown until stable) */
+    bool outer[4];
+    for (int i = 0; i < 4; i++) outer[i] = same[i];
+    int64_t sk = 0, sv = 0;
+    for (bool moved = true; moved;) {
+      kvi__dim ik[4], iv[4];
+      int n = 0;
+      for (int i = 0; i < 4; i++)
+        if (!outer[i]) ik[n] = kd[i], iv[n] = vd[i], n++;
+      sk = span(ik, n, es), sv = span(iv, n, es);
+      moved = false;
+      for (int i = 0; i < 4; i++)
+        if (outer[i] && kd[i].extent > 1 && kd[i].stride < (sk > sv ? sk : sv)) outer[i] = false, moved = true;
+    }
+    const int64_t lo = gap < 0 ? gap : 0, hi = sk > gap + sv ? sk : gap + sv;
+    if (gap >= sk || gap + sv <= 0) { /* the intervals are apart */
+      int n = 0;
+      for (int i = 0; i < 4; i++)
+        if (outer[i]) e[n++] = kd[i];
+      e[n++] = (kvi__dim){hi - lo, 1};
+      if (kvi__dims_disjoint(e, n)) return KVI_OK;
+    }
   }
-  return KVI_OK;
+  const int64_t kspan = span(kd, 4, es), vspan = span(vd, 4, es);
+  if (gap >= kspan || -gap >= vspan) return KVI_OK;
+  return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                   "layout: layer %d's K and V overlap (V starts %lld bytes from K; K spans %lld bytes, V %lld)",
+                   (int)layer, (long long)gap, (long long)kspan, (long long)vspan);
 }
 
 void kvi__cache_release(kvi__cache *c) {
@@ -240,22 +239,12 @@ kvi_status kvi__cache_resolve(kvi__cache *c, const kvi_cache_layout *user, const
         return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout's %s extent overflows 64-bit offsets", kv ? "V" : "K");
   }
   /* the farthest element of any layer, K or V, from a base: its byte offset
-   * (and sums of a few such, in check_kv_overlap) must fit 64 bits */
+   * (and sums of a few such, in check_overlap) must fit 64 bits */
   int64_t far;
   if (__builtin_mul_overflow((int64_t)(l.num_layers - 1), l.layer_stride, &far) ||
       __builtin_add_overflow(far, ext[0] > ext[1] ? ext[0] : ext[1], &far) || __builtin_add_overflow(far, l.v_offset, &far) ||
       __builtin_add_overflow(far, (int64_t)1, &far) || __builtin_mul_overflow(far, (int64_t)64, &t))
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout's extent overflows 64-bit offsets");
-  /* within one token, every (head, dim) of a plane is its own element */
-  for (int kv = 0; kv < 2; kv++) {
-    const kvi__strides *p = kv ? &vs : &ks;
-    if (!distinct_2d(l.num_heads, p->head, l.head_size, p->dim))
-      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
-                       "layout: %s's %d heads x %d dims at %s %lld and %s %lld put two elements of one token at one "
-                       "place",
-                       kv ? "V" : "K", (int)l.num_heads, (int)l.head_size, kv ? "v_head_stride" : "head_stride",
-                       (long long)p->head, kv ? "v_dim_stride" : "dim_stride", (long long)p->dim);
-  }
   const size_t es = kvi_dtype_size(l.dtype);
   const bool fp8 = l.dtype == KVI_DTYPE_FP8_E4M3 || l.dtype == KVI_DTYPE_FP8_E5M2;
   if (l.scale_mode != KVI_SCALE_NONE && l.scale_mode != KVI_SCALE_PER_TENSOR && l.scale_mode != KVI_SCALE_PER_HEAD)
@@ -267,6 +256,10 @@ kvi_status kvi__cache_resolve(kvi__cache *c, const kvi_cache_layout *user, const
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout->scale_mode is set but k_scales or v_scales is NULL");
 
   const int32_t L = l.num_layers, H = l.num_heads;
+  kvi__dim kdims[4], vdims[4];
+  plane_dims(kdims, &l, &ks, (int64_t)es);
+  plane_dims(vdims, &l, &vs, (int64_t)es);
+  int64_t prev_gap = 0;
   c->k = malloc((size_t)L * sizeof *c->k);
   c->v = malloc((size_t)L * sizeof *c->v);
   c->k_scale = malloc((size_t)L * (size_t)H * sizeof *c->k_scale);
@@ -288,11 +281,16 @@ kvi_status kvi__cache_resolve(kvi__cache *c, const kvi_cache_layout *user, const
     }
     c->k[i] = kb;
     c->v[i] = vb;
-    const kvi__dim dims[4] = {{l.num_blocks, l.block_stride}, {l.block_size, l.token_stride},
-                              {l.num_heads, l.head_stride}, {l.head_size, 1}};
-    if ((st = check_overlap(dims, dims, kb, vb, ext + 1, es, i, fn))) {
-      kvi__cache_release(c);
-      return st;
+    /* the gap in bytes: |gap| < 2^63 / 64 is not promised for separate tensors, so far apart counts as apart */
+    const intptr_t gp = vb - kb;
+    const int64_t lim = (int64_t)1 << 56;
+    const int64_t gap = gp > lim ? lim : gp < -lim ? -lim : (int64_t)gp;
+    if (i == 0 || gap != prev_gap) {
+      if ((st = check_overlap(kdims, vdims, gap, (int64_t)es, i, fn))) {
+        kvi__cache_release(c);
+        return st;
+      }
+      prev_gap = gap;
     }
     for (int32_t h = 0; h < H; h++) {
       float ks = 1.0f, vs = 1.0f;
@@ -306,10 +304,6 @@ kvi_status kvi__cache_resolve(kvi__cache *c, const kvi_cache_layout *user, const
       c->k_scale[(size_t)i * H + h] = ks;
       c->v_scale[(size_t)i * H + h] = vs;
     }
-  }
-  if ((st = check_kv_overlap(c, &l, &ks, &vs, ext, fn))) {
-    kvi__cache_release(c);
-    return st;
   }
   /* The cache must be where the layout says it is (checked where a driver
    * answers). A device cache may also be mapped pinned host memory, which the

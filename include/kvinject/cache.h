@@ -36,12 +36,17 @@
  *    v_block_stride 1, v_head_stride D * cells, v_dim_stride cells.
  *
  * Checks (kvi_injector_create, kvi_encoder_create): every stride >= 0; the
- * farthest element fits 64-bit byte offsets; within one token the H * D
- * elements of K are distinct, and so are V's; and where K and V can share
- * memory (one layer's K and V address ranges meet) no K head vector's
- * address range may meet a V head vector's range of the same token, for any
- * block and token (K and V interleaved element by element are refused;
- * ranges of different tokens are not compared).
+ * farthest element fits 64-bit byte offsets; and no two elements of a layer,
+ * K or V, share a byte. The last is proved with one sufficient rule: a
+ * plane's dimensions (blocks, tokens, heads, dims, by stride) must nest,
+ * each stride past everything the smaller ones reach. K and V pass together
+ * when they have the same dimensions and the plane nests as one more
+ * dimension of extent 2 (vLLM's [2, blocks, ...], FlashInfer's [blocks, 2,
+ * ...], packed K|V, K and V interleaved by element), or when the dimensions
+ * they share enclose two apart intervals, one per plane, holding the others
+ * (vLLM's CPU layout), or when their whole byte ranges are apart (separate
+ * tensors). Anything else is refused with KVI_ERR_INVALID_ARGUMENT, a message
+ * naming the plane or the layer.
  *
  * A CUDA store moves contiguous head vectors (dim strides 1) in 16-byte
  * vectors when D, the rotated widths and the strides allow it; other
@@ -155,12 +160,17 @@ typedef enum kvi_cache_preset {
 
 /*
  * Fills *out for an engine's layout: every field but memory, scale_mode and
- * the scales, which the caller sets. The whole struct of this header is
- * written (struct_size included; the caller's struct_size is not read). The pointer arrays are referenced, not
+ * the scales, which the caller sets. The pointer arrays are referenced, not
  * copied, until the layout is given to an injector or encoder (which copy
- * what they need). Writes the struct's first version (the fields above) and
- * sets struct_size to its size, in this version and every later one: fields
- * appended later keep their defaults.
+ * what they need). Writes the first struct version that holds what the
+ * preset sets, and sets struct_size to that version's size (the caller's
+ * struct_size is not read): the first version (up to the scales) for every
+ * preset but KVI_CACHE_VLLM_CPU, which needs the per-plane strides and writes
+ * the whole struct of this header. A program built against an older header
+ * therefore never has its struct overrun. Fields past the written version
+ * are not touched and not read: to set them afterwards (dim_stride, the V
+ * strides), start from KVI_CACHE_LAYOUT_INIT or kvi_cache_layout_init and set
+ * struct_size = sizeof *out after the preset.
  * Errors: KVI_ERR_INVALID_ARGUMENT (NULL out, unknown preset, a size < 1, a
  * pointer the preset needs is NULL).
  */

@@ -154,6 +154,9 @@ class CacheLayout:
                    fit(head_size, i32, "head_size"), fit(block_size, i32, "block_size"),
                    fit(num_blocks, ctypes.c_int64, "num_blocks"), kp, vp, bp)
         c.memory = int(Memory(memory))
+        # the preset writes the first struct version that holds its fields; the
+        # rest of c keeps its defaults, so the whole struct is valid
+        c.struct_size = ctypes.sizeof(c)
         self.c = c
         return self
 

@@ -389,12 +389,15 @@ class TestStridedHeads(InjectCase):
     def test_overlapping_planes_refused(self):
         facts = Facts(self, DType.BF16, seed=32)
         buf = poisoned(2 * self.NB * H * self.BS * D, DType.BF16)
-        with self.assertRaises(kvi.InvalidArgumentError) as e:  # V's dims fall between K's
-            kvi.Injector(facts.store, kvi.CacheLayout(
+        def interleaved(v_offset):  # K's dims 2 apart, V v_offset elements after K
+            return kvi.CacheLayout(
                 memory=kvi.Memory.HOST, dtype=DType.BF16, num_layers=L, num_heads=H, head_size=D,
                 block_size=self.BS, num_blocks=self.NB, block_stride=2 * self.BS * H * D, token_stride=2 * H * D,
-                head_stride=2 * D, dim_stride=2, v_offset=1, k_layers=[buf] * L))
-        self.assertIn("can overlap", str(e.exception))
+                head_stride=2 * D, dim_stride=2, v_offset=v_offset, k_layers=[buf] * L)
+        with self.assertRaises(kvi.InvalidArgumentError) as e:  # V's dims on K's next ones
+            kvi.Injector(facts.store, interleaved(2))
+        self.assertIn("K and V overlap", str(e.exception))
+        kvi.Injector(facts.store, interleaved(1)).close()  # V's dims between K's: apart, accepted
         with self.assertRaises(kvi.InvalidArgumentError) as e:
             kvi.Injector(facts.store, kvi.CacheLayout(
                 memory=kvi.Memory.HOST, dtype=DType.BF16, num_layers=L, num_heads=H, head_size=D,

@@ -200,7 +200,7 @@ static const init_case init_cases[] = {
     CASE(store_options, kvi_store_options, offsetof(kvi_store_options, comm), m_so),
     CASE(put_options, kvi_put_options, sizeof(kvi_put_options), m_po),
     CASE(search_options, kvi_search_options, sizeof(kvi_search_options), m_sr),
-    CASE(cache_layout, kvi_cache_layout, sizeof(kvi_cache_layout), m_cl),
+    CASE(cache_layout, kvi_cache_layout, offsetof(kvi_cache_layout, dim_stride), m_cl),
     CASE(transfer_options, kvi_transfer_options, sizeof(kvi_transfer_options), m_to),
     CASE(inject_request, kvi_inject_request, offsetof(kvi_inject_request, num_positions), m_ir),
     CASE(inject_options, kvi_inject_options, offsetof(kvi_inject_options, host_pages), m_io),
@@ -295,8 +295,17 @@ static void test_fillers(void **state) {
                                     1, 1, layers, NULL, NULL));
   kvi_cache_layout cl;
   memcpy(&cl, c, sizeof cl);
-  assert_int_equal(cl.struct_size, sizeof cl);
+  const size_t v1 = offsetof(kvi_cache_layout, dim_stride);
+  assert_int_equal(cl.struct_size, v1);
   assert_int_equal(cl.head_size, 2);
+  for (size_t j = v1; j < sizeof c; j++) assert_int_equal(c[j], CANARY);
+  /* a preset that needs the per-plane strides writes the version that has them */
+  memset(c, CANARY, sizeof c);
+  assert_ok(kvi_cache_layout_preset((kvi_cache_layout *)(void *)c, KVI_CACHE_VLLM_CPU, KVI_DTYPE_FP32, 1, 1, 2, 1, 1,
+                                    layers, NULL, NULL));
+  memcpy(&cl, c, sizeof cl);
+  assert_int_equal(cl.struct_size, sizeof cl);
+  assert_int_equal(cl.v_dim_stride, 1);
   for (size_t j = sizeof cl; j < sizeof c; j++) assert_int_equal(c[j], CANARY);
 }
 
@@ -504,7 +513,7 @@ static void test_readers(void **state) {
   check_reader("kvi_store_put(opts)", &F.po, sizeof F.po, sizeof F.po, 1, r_put_options, NULL);
   kvi_search_options sr = KVI_SEARCH_OPTIONS_INIT;
   check_reader("kvi_store_search(opts)", &sr, sizeof sr, sizeof sr, 1, r_search_options, NULL);
-  check_reader("kvi_injector_create/kvi_encoder_create(layout)", &F.cl, sizeof F.cl, sizeof F.cl, 1, r_cache_layout,
+  check_reader("kvi_injector_create/kvi_encoder_create(layout)", &F.cl, sizeof F.cl, offsetof(kvi_cache_layout, dim_stride), 1, r_cache_layout,
                NULL);
   kvi_transfer_options to = KVI_TRANSFER_OPTIONS_INIT;
   check_reader("kvi_injector_create(opts)", &to, sizeof to, sizeof to, 1, r_transfer_options, NULL);

@@ -336,29 +336,40 @@ static void test_layout_checks(void **state) {
    * over the next head's */
   l = good;
   l.head_stride = (D - 1) * 4; /* = 60 < D * BS: head 1 dim 0 is head 0 dim 15 */
-  expect_refused(f, &l, "K's 2 heads x 16 dims at head_stride 60 and dim_stride 4");
+  expect_refused(f, &l, "K's blocks, tokens, heads or dims overlap (block_stride 256, token_stride 1, head_stride 60, dim_stride 4");
   l = good;
   l.v_dim_stride = 2;
   l.v_head_stride = D; /* head 1 dim 0 = head 0 dim 8 */
   l.v_token_stride = 2 * D * H;
-  expect_refused(f, &l, "V's 2 heads x 16 dims at v_head_stride 16 and v_dim_stride 2");
+  expect_refused(f, &l, "V's blocks, tokens, heads or dims overlap (v_block_stride");
   /* K and V of one token overlapping: V inside K's span, V on K, K and V interleaved */
   l = good;
   l.v_offset = 40; /* K of token 0 spans elements 0..60 (dim stride 4) */
-  expect_refused(f, &l, "K head 0 and V head 0 of one token can overlap");
+  expect_refused(f, &l, "layer 0's K and V overlap");
   l = good;
   l.v_offset = 0;
   l.v_token_stride = 0, l.v_dim_stride = 0; /* V = K */
-  expect_refused(f, &l, "can overlap");
+  expect_refused(f, &l, "K and V overlap");
   l = good;
   l.v_offset = 1;
   l.v_token_stride = 0, l.v_dim_stride = 0; /* V's dims between K's (dim stride 4 = BS) */
-  expect_refused(f, &l, "can overlap");
+  expect_refused(f, &l, "K and V overlap");
   /* V of a block's last token lies inside the next head's K span of that
    * token (elements 131..191): only a corner of the blocks x tokens box shows it */
   l = good;
   l.v_token_stride = 2 * D;
-  expect_refused(f, &l, "can overlap");
+  expect_refused(f, &l, "K and V overlap");
+  /* V's token 0 on K's last element of the block's last token (another token) */
+  l = good;
+  l.v_offset = D * 4 - 1;
+  expect_refused(f, &l, "layer 0's K and V overlap");
+  /* K and V interleaved element by element never share an address: accepted */
+  l = good;
+  l.token_stride = 2 * D, l.dim_stride = 2, l.v_offset = 1, l.v_token_stride = 0, l.v_dim_stride = 0;
+  l.head_stride = 2 * D * 4, l.block_stride = 2 * D * 4 * H;
+  kvi_injector *il = NULL;
+  assert_ok(kvi_injector_create(&il, f->s, &l, NULL));
+  kvi_injector_destroy(il);
   /* the good layout is accepted, with the same K strides spelled out and
    * the V defaults written as KVI_STRIDE_SAME */
   kvi_injector *inj = NULL;
@@ -382,7 +393,8 @@ static void test_preset_arguments(void **state) {
     memset(&lay, 0x33, sizeof lay);
     assert_ok(kvi_cache_layout_preset(&lay, (kvi_cache_preset)p, KVI_DTYPE_BF16, 2, 2, 4, 4, 3, pool ? NULL : kl,
                                       sep ? vl : NULL, pool ? k0 : NULL));
-    assert_int_equal(lay.struct_size, sizeof lay);
+    /* the first struct version that holds what the preset sets */
+    assert_int_equal(lay.struct_size, p == KVI_CACHE_VLLM_CPU ? sizeof lay : offsetof(kvi_cache_layout, dim_stride));
     assert_int_equal(lay.dtype, KVI_DTYPE_BF16);
     assert_int_equal(lay.num_layers, 2);
     assert_int_equal(lay.num_heads, 2);
@@ -404,12 +416,9 @@ static void test_preset_arguments(void **state) {
       assert_int_equal(lay.v_head_stride, KVI_STRIDE_SAME);
       assert_int_equal(lay.v_token_stride, 4);
       assert_int_equal(lay.v_dim_stride, 1);
-    } else { /* contiguous head vectors, V with K's strides */
-      assert_int_equal(lay.dim_stride, 0);
-      assert_int_equal(lay.v_block_stride, 0);
-      assert_int_equal(lay.v_token_stride, 0);
-      assert_int_equal(lay.v_head_stride, 0);
-      assert_int_equal(lay.v_dim_stride, 0);
+    } else { /* the first version: nothing past it is written */
+      const unsigned char *tail = (const unsigned char *)&lay + offsetof(kvi_cache_layout, dim_stride);
+      for (size_t j = 0; j < sizeof lay - offsetof(kvi_cache_layout, dim_stride); j++) assert_int_equal(tail[j], 0x33);
     }
     /* missing pointers */
     const kvi_cache_layout keep = lay;
