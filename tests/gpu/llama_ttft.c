@@ -5,7 +5,10 @@
  * the kernel writes the state in place over the bus), handed to llama.cpp
  * with llama_state_seq_set_data, then the question decoded.
  *
- *   llama_ttft MODEL.gguf [reps]
+ *   llama_ttft MODEL.gguf [reps] [--cpu]
+ *
+ * (--cpu: a CPU store and an ordinary host buffer, llama.cpp as built; to
+ * check the program where no GPU answers.)
  *
  * Header 32 tokens, facts 24 tokens each, question 32 tokens (random token
  * ids: the model is random-weight); k = 0, 5, 10, 20, 50; median of `reps`
@@ -82,8 +85,10 @@ static double median(double *v, int n) {
 }
 
 int main(int argc, char **argv) {
-  if (argc < 2) die("usage: llama_ttft MODEL.gguf [reps]");
+  if (argc < 2) die("usage: llama_ttft MODEL.gguf [reps] [--cpu]");
   const int reps = argc > 2 ? atoi(argv[2]) : 10;
+  const int cpu = argc > 3 && strcmp(argv[3], "--cpu") == 0;
+  const kvi_memory mem = cpu ? KVI_MEMORY_HOST : KVI_MEMORY_DEVICE;
   if (reps < 1 || reps > 64) die("reps must be 1..64");
   llama_log_set(quiet, NULL);
   llama_backend_init();
@@ -124,7 +129,7 @@ int main(int argc, char **argv) {
   KVI(kvi_model_set_rope(km, -1, &rs));
   free(table);
   kvi_store_options so = KVI_STORE_OPTIONS_INIT;
-  so.backend = KVI_BACKEND_CUDA;
+  so.backend = cpu ? KVI_BACKEND_CPU : KVI_BACKEND_CUDA;
   so.dtype = KVI_DTYPE_FP16;
   so.budget_bytes = 512ull << 20;
   kvi_store *store;
@@ -137,10 +142,15 @@ int main(int argc, char **argv) {
   size_t cap;
   KVI(kvi_llama_state_size(km, &sp, &cap));
   uint8_t *pinned;
-  if (cudaHostAlloc((void **)&pinned, cap, cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess)
-    die("cudaHostAlloc failed");
-  cudaStream_t stream;
-  cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  cudaStream_t stream = NULL;
+  if (cpu) {
+    pinned = malloc(cap);
+    if (!pinned) die("out of memory");
+  } else {
+    if (cudaHostAlloc((void **)&pinned, cap, cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess)
+      die("cudaHostAlloc failed");
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  }
 
   /* random tokens: header, NFACTS facts, question */
   srand(1);
@@ -161,7 +171,7 @@ int main(int argc, char **argv) {
     n = llama_state_seq_get_data(ctx, pinned, cap, 0);
     if (!n) die("llama_state_seq_get_data failed");
     kvi_cache_layout cl;
-    KVI(kvi_llama_state_layout(pinned, n, 0, km, KVI_MEMORY_DEVICE, &cl));
+    KVI(kvi_llama_state_layout(pinned, n, 0, km, mem, &cl));
     kvi_encoder *enc;
     KVI(kvi_encoder_create(&enc, store, &cl, NULL));
     kvi_capture c = KVI_CAPTURE_INIT;
@@ -173,7 +183,7 @@ int main(int argc, char **argv) {
     c.num_tokens = f < NFACTS ? FACT : HDR;
     c.start_position = (int32_t)c.first_slot;
     KVI(kvi_encode(enc, &c, 1, stream));
-    cudaStreamSynchronize(stream);
+    if (stream) cudaStreamSynchronize(stream);
     kvi_encoder_destroy(enc);
   }
 
@@ -189,7 +199,7 @@ int main(int argc, char **argv) {
     memcpy(ref, decode(ques, QUES, cells, 0), (size_t)n_vocab * sizeof *ref);
     memcpy(pinned, host, n);
     kvi_cache_layout cl;
-    KVI(kvi_llama_state_layout(pinned, n, 0, km, KVI_MEMORY_DEVICE, &cl));
+    KVI(kvi_llama_state_layout(pinned, n, 0, km, mem, &cl));
     kvi_encoder *enc;
     KVI(kvi_encoder_create(&enc, store, &cl, NULL));
     int32_t *zeros = calloc((size_t)cells, sizeof *zeros);
@@ -201,14 +211,14 @@ int main(int argc, char **argv) {
     c.num_tokens = cells;
     c.positions = zeros;
     KVI(kvi_encode(enc, &c, 1, stream));
-    cudaStreamSynchronize(stream);
+    if (stream) cudaStreamSynchronize(stream);
     kvi_encoder_destroy(enc);
     sp.num_cells = cells;
     size_t m;
     KVI(kvi_llama_state_size(km, &sp, &m));
     memset(pinned, 0, m);
     KVI(kvi_llama_state_write_header(pinned, cap, km, &sp));
-    KVI(kvi_llama_state_layout(pinned, m, 0, km, KVI_MEMORY_DEVICE, &cl));
+    KVI(kvi_llama_state_layout(pinned, m, 0, km, mem, &cl));
     kvi_injector *inj;
     KVI(kvi_injector_create(&inj, store, &cl, NULL));
     const uint64_t id = 1;
@@ -220,7 +230,7 @@ int main(int argc, char **argv) {
     rq.block_table_len = 1;
     rq.positions = zeros;
     KVI(kvi_inject(inj, &rq, 1, NULL, stream));
-    cudaStreamSynchronize(stream);
+    if (stream) cudaStreamSynchronize(stream);
     kvi_injector_destroy(inj);
     const int same_bytes = m == n && memcmp(pinned, host, n) == 0;
     llama_memory_clear(llama_get_memory(ctx), true);
@@ -236,9 +246,9 @@ int main(int argc, char **argv) {
     KVI(kvi_store_remove(store, 2, 1));
   }
 
-  printf("\nllama.cpp CUDA, f16 KV, flash attention; header %d + k x %d fact tokens + %d-token question; medians "
+  printf("\nllama.cpp %s, f16 KV, flash attention; header %d + k x %d fact tokens + %d-token question; medians "
          "of %d\n",
-         HDR, FACT, QUES, reps);
+         cpu ? "(CPU store, host buffer)" : "CUDA (CUDA store, mapped pinned buffer)", HDR, FACT, QUES, reps);
   printf("| k | re-prefill ms | injected TTFT ms | change | inject ms | set_data ms | question ms | state MB |\n");
   printf("|---|---|---|---|---|---|---|---|\n");
   const int ks[] = {0, 5, 10, 20, 50};
@@ -259,7 +269,7 @@ int main(int argc, char **argv) {
     KVI(kvi_llama_state_size(km, &sp, &m));
     KVI(kvi_llama_state_write_header(pinned, cap, km, &sp));
     kvi_cache_layout cl;
-    KVI(kvi_llama_state_layout(pinned, m, 0, km, KVI_MEMORY_DEVICE, &cl));
+    KVI(kvi_llama_state_layout(pinned, m, 0, km, mem, &cl));
     kvi_injector *inj;
     KVI(kvi_injector_create(&inj, store, &cl, NULL));
     for (int r = -2; r < reps; r++) {
@@ -279,7 +289,7 @@ int main(int argc, char **argv) {
       rq.block_table = table0;
       rq.block_table_len = 1;
       KVI(kvi_inject(inj, &rq, 1, NULL, stream));
-      cudaStreamSynchronize(stream);
+      if (stream) cudaStreamSynchronize(stream);
       const double t1 = now_ms();
       if (llama_state_seq_set_data(ctx, pinned, m, 0) != m) die("llama.cpp refused an injected state");
       const double t2 = now_ms();
@@ -293,9 +303,13 @@ int main(int argc, char **argv) {
            median(tin, reps), median(tset, reps), median(tq, reps), m / 1e6);
     free(all);
   }
-  cudaFreeHost(pinned);
+  if (cpu) {
+    free(pinned);
+  } else {
+    cudaFreeHost(pinned);
+    cudaStreamDestroy(stream);
+  }
   free(host);
-  cudaStreamDestroy(stream);
   kvi_store_destroy(store);
   kvi_model_destroy(km);
   llama_free(ctx);

@@ -35,7 +35,9 @@ build() {
   local t0=$SECONDS
   (
     if [ ! -f "$lprefix/.complete" ]; then
-      cmake -S "$src" -B "$lbuild" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
+      gen=()
+      command -v ninja >/dev/null && gen=(-G Ninja)
+      cmake -S "$src" -B "$lbuild" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
         -DCMAKE_INSTALL_PREFIX="$lprefix" -DCMAKE_INSTALL_LIBDIR=lib -DLLAMA_BUILD_COMMON=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
         -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
