@@ -111,6 +111,7 @@ typedef struct kvi_llama_state_info {
   kvi_llama_section sections[KVI_LLAMA_MAX_SECTIONS];
 } kvi_llama_state_info;
 
+/* An all-zero kvi_llama_section initializer (used by KVI_LLAMA_STATE_INFO_INIT). */
 #define KVI_LLAMA_SECTION_ZERO {0, 0, 0, 0, 0, KVI_ENUM_ZERO(kvi_dtype), 0, 0, 0, 0, 0, 0, 0}
 #define KVI_LLAMA_STATE_INFO_INIT \
   {sizeof(kvi_llama_state_info), 0, 0, 0, {KVI_LLAMA_SECTION_ZERO, KVI_LLAMA_SECTION_ZERO}}
