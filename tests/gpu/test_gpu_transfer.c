@@ -102,7 +102,7 @@ static uint64_t g_dev_budget, g_host_budget;
 
 static void custom_layout(kvi_cache_layout *l, const scen *sc, void *const *k, void *const *v) {
   const int64_t H = sc->H, D = sc->D, BS = sc->BS, cells = (int64_t)sc->NB * BS;
-  kvi_cache_layout_init(l);
+  kvi_cache_layout_init(l, sizeof *l);
   l->dtype = sc->cache_dtype;
   l->num_layers = sc->L, l->num_heads = sc->H, l->head_size = sc->D, l->block_size = sc->BS, l->num_blocks = sc->NB;
   l->k_layers = k, l->v_layers = v;
