@@ -135,8 +135,11 @@ KVI_API kvi_status kvi_llama_state_parse(const void *state, size_t size, kvi_lla
  * DEVICE for a CUDA store, with the state in mapped pinned memory). The
  * state is parsed as by kvi_llama_state_parse and checked against `model`:
  * the section's layers must be the model's, its row elements the model's
- * local heads x head size. *out references `state`, which must stay valid
- * while an injector or encoder made from the layout is in use.
+ * KV heads (all of them, before tensor parallelism) x head size; a
+ * tensor-parallel rank's layout addresses its own heads' slice of every row.
+ * Section 1 of an iSWA state is the sliding-window cache: give a model of
+ * that cache's layers. *out references `state`, which must stay valid while
+ * an injector or encoder made from the layout is in use.
  * Errors: those of kvi_llama_state_parse; KVI_ERR_INVALID_ARGUMENT (NULL, a
  * section out of range, a bad memory kind, a section with no cells),
  * KVI_ERR_MISMATCH (layers or row size differ from the model).
