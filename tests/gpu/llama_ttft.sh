@@ -51,11 +51,12 @@ build() {
   (
     [ -d "$kbuild" ] || meson setup "$kbuild" -Dcuda=enabled -Dcuda-arch=sm_90 -Dtests=disabled -Dexamples=false \
       --buildtype=release >"$out/kvi_setup.log" 2>&1
-    ninja -C "$kbuild" lib/libkvinject.so >"$out/kvi_build.log" 2>&1
+    ninja -C "$kbuild" >"$out/kvi_build.log" 2>&1
   ) &
   local kpid=$!
   if [ ! -s "$model" ]; then
-    PYTHONPATH=$src/gguf-py python3 tests/gpu/make_llama_gguf.py "$model.part" && mv "$model.part" "$model"
+    PYTHONPATH=$src/gguf-py python3 tests/gpu/make_llama_gguf.py "$model.part" >"$out/gguf.log" 2>&1 &&
+      mv "$model.part" "$model" || { echo "llama_ttft: generating the GGUF failed" >&2; tail -20 "$out/gguf.log" >&2; }
   fi
   local st=0
   wait "$lpid" || { st=1; tail -30 "$out/llama_build.log" "$out/llama_configure.log" 2>/dev/null; }
