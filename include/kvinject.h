@@ -20,6 +20,7 @@
  *   kvinject/inject.h  the encoder (kvi_encoder) and injector (kvi_injector)
  *   kvinject/persist.h store files: save, load, journal
  *   kvinject/comm.h    communicators and tensor-parallel stores (kvi_comm)
+ *   kvinject/llama.h   llama.cpp's sequence state as a cache to inject into and capture from
  *
  * Conventions (they hold for every function unless it says otherwise):
  * - Functions return kvi_status; 0 is success. A failed call changes nothing.
@@ -46,5 +47,6 @@
 #include "kvinject/inject.h"
 #include "kvinject/persist.h"
 #include "kvinject/comm.h"
+#include "kvinject/llama.h"
 
 #endif /* KVINJECT_H */

@@ -305,9 +305,13 @@ kvi_status kvi__cache_resolve(kvi__cache *c, const kvi_cache_layout *user, const
       c->v_scale[(size_t)i * H + h] = vs;
     }
   }
-  /* The cache must be where the layout says it is (checked where a driver answers). */
-  if ((st = kvi__check_memory(c->k[0], l.memory, cuda, device, fn, "the cache's layer 0 K")) ||
-      (st = kvi__check_memory(c->v[0], l.memory, cuda, device, fn, "the cache's layer 0 V"))) {
+  /* The cache must be where the layout says it is (checked where a driver
+   * answers). A device cache may also be mapped pinned host memory, which the
+   * kernels write in place over the bus (a llama.cpp state: kvinject/llama.h). */
+  const bool mapped = l.memory == KVI_MEMORY_DEVICE && cuda && kvi__cuda_host_mapped(c->k[0]) &&
+                      kvi__cuda_host_mapped(c->v[0]);
+  if (!mapped && ((st = kvi__check_memory(c->k[0], l.memory, cuda, device, fn, "the cache's layer 0 K")) ||
+                  (st = kvi__check_memory(c->v[0], l.memory, cuda, device, fn, "the cache's layer 0 V")))) {
     kvi__cache_release(c);
     return st;
   }

@@ -43,6 +43,16 @@ kvi__ptr_kind kvi__cuda_ptr_kind(const void *p, int *device) {
   }
 }
 
+bool kvi__cuda_host_mapped(const void *p) {
+  struct cudaPointerAttributes a;
+  if (kvi__cuda_count() == 0) return false;
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return a.type == cudaMemoryTypeHost && a.devicePointer == p;
+}
+
 kvi_status kvi__cuda_current_device(int *dev, const char *fn) {
   cudaError_t e = cudaGetDevice(dev);
   return e == cudaSuccess ? KVI_OK : cuda_fail(e, fn, "cudaGetDevice");
@@ -203,6 +213,10 @@ int kvi__cuda_count(void) { return 0; }
 kvi__ptr_kind kvi__cuda_ptr_kind(const void *p, int *device) {
   (void)p, (void)device;
   return KVI__PTR_UNKNOWN;
+}
+bool kvi__cuda_host_mapped(const void *p) {
+  (void)p;
+  return false;
 }
 kvi_status kvi__cuda_current_device(int *dev, const char *fn) {
   *dev = -1;

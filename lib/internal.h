@@ -162,6 +162,9 @@ typedef struct kvi__devguard {
 
 int kvi__cuda_count(void);  /* usable devices; 0 without CUDA/driver/device */
 kvi__ptr_kind kvi__cuda_ptr_kind(const void *p, int *device);
+/* Pinned host memory that the device reaches at the same address (mapped,
+ * unified addressing): kernels may read and write it in place. */
+bool kvi__cuda_host_mapped(const void *p);
 kvi_status kvi__cuda_current_device(int *dev, const char *fn);
 kvi_status kvi__cuda_enter(int device, kvi__devguard *g, const char *fn);
 void kvi__cuda_leave(kvi__devguard *g);

@@ -75,8 +75,11 @@ typedef enum kvi_scale_mode {
 
 typedef struct kvi_cache_layout {
   size_t struct_size;        /* sizeof(kvi_cache_layout) */
-  kvi_memory memory;         /* where the cache lives: DEVICE for a CUDA store,
-                                HOST for a CPU store (required) */
+  kvi_memory memory;         /* where the cache lives: DEVICE for a CUDA store
+                                (device memory of its device, managed memory,
+                                or pinned host memory mapped at the same
+                                address, which the kernels then reach over the
+                                bus), HOST for a CPU store (required) */
   kvi_dtype dtype;           /* any kvi_dtype (required) */
   int32_t num_layers;        /* must equal the model's layers */
   int32_t num_heads;         /* heads this rank's cache holds: the model's local heads */

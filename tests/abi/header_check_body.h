@@ -130,6 +130,17 @@ static void hc_check_init_macros(void) {
     HC_CHECK(cp.struct_size == sizeof(kvi_capture) && cp2.struct_size == cp.struct_size && cp2.flags == 0 &&
              cp2.embedding == NULL && cp2.embedding_dtype == cp.embedding_dtype && cp.embedding_dtype == KVI_DTYPE_FP32 &&
              cp2.embedding_memory == KVI_MEMORY_HOST);
+    {
+      kvi_llama_state_info li = KVI_LLAMA_STATE_INFO_INIT;
+      kvi_llama_state_spec ls = KVI_LLAMA_STATE_SPEC_INIT, ls2;
+      memset(&ls2, 0x5a, sizeof ls2);
+      HC_CHECK(kvi_llama_state_spec_init(&ls2, sizeof ls2) == KVI_OK);
+      HC_CHECK(li.struct_size == sizeof(kvi_llama_state_info) && li.num_sections == 0 &&
+               ls.struct_size == sizeof(kvi_llama_state_spec) && ls2.struct_size == ls.struct_size &&
+               ls2.num_streams == 1 && ls.num_streams == 1 && ls2.positions == NULL && ls2.v_trans == 0 &&
+               ls2.dtype == ls.dtype);
+      HC_CHECK(kvi_llama_state_spec_init(NULL, 64) == KVI_ERR_INVALID_ARGUMENT);
+    }
     HC_CHECK(kvi_cache_layout_init(NULL, 64) == KVI_ERR_INVALID_ARGUMENT);
     HC_CHECK(kvi_transfer_options_init(NULL, 64) == KVI_ERR_INVALID_ARGUMENT);
     HC_CHECK(kvi_inject_request_init(NULL, 64) == KVI_ERR_INVALID_ARGUMENT);

@@ -109,6 +109,11 @@ int cxx_checks() {
   const kvi_gather_item gitem = KVI_GATHER_ITEM_INIT;
   const kvi_retrieve_request rreq = KVI_RETRIEVE_REQUEST_INIT;
   if (rreq.struct_size != sizeof rreq || rreq.flags != 0u) fail("KVI_RETRIEVE_REQUEST_INIT");
+  const kvi_llama_state_info linfo = KVI_LLAMA_STATE_INFO_INIT;
+  const kvi_llama_state_spec lspec = KVI_LLAMA_STATE_SPEC_INIT;
+  if (linfo.struct_size != sizeof linfo || linfo.sections[1].num_cells != 0) fail("KVI_LLAMA_STATE_INFO_INIT");
+  if (lspec.struct_size != sizeof lspec || lspec.num_streams != 1 || lspec.positions != nullptr)
+    fail("KVI_LLAMA_STATE_SPEC_INIT");
   if (sitem.struct_size != sizeof sitem || sitem.full != nullptr) fail("KVI_SCATTER_ITEM_INIT");
   if (gitem.struct_size != sizeof gitem || gitem.full != nullptr) fail("KVI_GATHER_ITEM_INIT");
   if (layout.struct_size != sizeof layout || layout.scale_mode != KVI_SCALE_NONE) fail("KVI_CACHE_LAYOUT_INIT");

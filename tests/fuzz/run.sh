@@ -5,6 +5,8 @@
 #   load: the store-file loader (fuzz_load.c; seeds written by fuzz_seeds.c)
 #   api:  sequences of API calls against a shadow model (fuzz_api.c; seeds
 #         committed in tests/fuzz/api-seeds/)
+#   llama: llama.cpp sequence states (fuzz_llama.c; seeds committed in
+#         tests/fuzz/llama-seeds/)
 # Exits non-zero when the fuzzer finds a crash, a leak, undefined behaviour or
 # a violated property; the input that did it is left in
 # build-fuzz/fuzz-artifacts-TARGET/.
@@ -13,7 +15,7 @@ cd "$(dirname "$0")/../.."
 secs=${1:-60}
 target=${2:-load}
 build=${KVI_FUZZ_BUILD:-build-fuzz}
-case "$target" in load | api) ;; *) echo "run.sh: unknown target $target (load, api)" >&2; exit 2 ;; esac
+case "$target" in load | api | llama) ;; *) echo "run.sh: unknown target $target (load, api, llama)" >&2; exit 2 ;; esac
 if [ -d "$build" ]; then
   meson setup --reconfigure "$build" -Dfuzz=enabled -Dcuda=disabled -Dtests=disabled -Dexamples=false >/dev/null
 else
@@ -28,9 +30,12 @@ mkdir -p "$corpus" "$artifacts"
 if [ "$target" = load ]; then
   "$build"/tests/fuzz/fuzz_seeds "$corpus"
   max_len=16384
-else
+elif [ "$target" = api ]; then
   cp tests/fuzz/api-seeds/* "$corpus"/
   max_len=1024
+else
+  cp tests/fuzz/llama-seeds/* "$corpus"/
+  max_len=4096
 fi
 "$build/tests/fuzz/fuzz_$target" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -max_len=$max_len \
   -print_final_stats=1 -artifact_prefix="$artifacts/" "$corpus" >"$log" 2>&1 || {
