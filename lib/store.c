@@ -20,6 +20,7 @@
 
 #include "internal.h"
 #include "kernels.h"
+#include "kvi_build_config.h"
 #include "persist_internal.h"
 #include "store_internal.h"
 #include "comm_internal.h"
@@ -228,7 +229,7 @@ KVI_API kvi_status kvi_put_options_init(kvi_put_options *opts, size_t size) {
 }
 
 static kvi_status resolve_backend(kvi_store *s, const kvi_store_options *o, const char *fn) {
-  const bool built = (kvi_features() & KVI_FEATURE_CUDA) != 0;
+  const bool built = KVI_BUILT_CUDA != 0; /* not kvi_features(): that opens cuBLASLt and NCCL */
   switch (o->backend) {
   case KVI_BACKEND_CPU:
     s->backend = KVI_BACKEND_CPU;
