@@ -807,7 +807,7 @@ static kvi_status dir_write(kvi_store *s, tenant *t, const fact *f, size_t r) {
   } while (s->dir_on && done < f->npages);
   return KVI_OK;
 #else
-  (void)t, (void)f, (void)r;
+  (void)s, (void)t, (void)f, (void)r;
   return kvi__fail(KVI_ERR_NOT_BUILT, emb_fn, "libkvinject was built without CUDA");
 #endif
 }
