@@ -20,6 +20,7 @@
 
 #include "internal.h"
 #include "kernels.h"
+#include "kvi_build_config.h"
 #include "persist_internal.h"
 #include "store_internal.h"
 #include "comm_internal.h"
@@ -228,7 +229,7 @@ KVI_API kvi_status kvi_put_options_init(kvi_put_options *opts, size_t size) {
 }
 
 static kvi_status resolve_backend(kvi_store *s, const kvi_store_options *o, const char *fn) {
-  const bool built = (kvi_features() & KVI_FEATURE_CUDA) != 0;
+  const bool built = KVI_BUILT_CUDA != 0; /* not kvi_features(): that opens cuBLASLt and NCCL */
   switch (o->backend) {
   case KVI_BACKEND_CPU:
     s->backend = KVI_BACKEND_CPU;
@@ -806,7 +807,7 @@ static kvi_status dir_write(kvi_store *s, tenant *t, const fact *f, size_t r) {
   } while (s->dir_on && done < f->npages);
   return KVI_OK;
 #else
-  (void)t, (void)f, (void)r;
+  (void)s, (void)t, (void)f, (void)r;
   return kvi__fail(KVI_ERR_NOT_BUILT, emb_fn, "libkvinject was built without CUDA");
 #endif
 }
