@@ -11,6 +11,7 @@
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -102,6 +103,18 @@ static void capture(kvi_store *s, const kvi_model *m, uint8_t *st, size_t size, 
 }
 #endif
 
+#ifdef KVI_HAVE_CUDA
+/* Elements of a and b that differ: bits unequal, unless both are NaN. */
+static size_t differ_nan_aware(const float *a, const float *b, size_t n) {
+  size_t bad = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (memcmp(&a[i], &b[i], sizeof a[i]) == 0 || (isnan(a[i]) && isnan(b[i]))) continue;
+    if (bad++ < 5) fprintf(stderr, "  element %zu: CPU %a, GPU %a\n", i, (double)a[i], (double)b[i]);
+  }
+  return bad;
+}
+#endif
+
 static void test_pinned_state(void **state) {
   (void)state;
   if (g_devices == 0) skip();
@@ -144,8 +157,11 @@ static void test_pinned_state(void **state) {
   CHECK_OK(kvi_store_read(cpu, 9, 1, &a, NULL));
   CHECK_OK(kvi_store_read(gpu, 9, 1, &b, NULL));
   CUDA_OK(cudaDeviceSynchronize());
-  assert_memory_equal(k1, k2, sizeof k1);
-  assert_memory_equal(v1, v2, sizeof v1);
+  /* The cells not injected hold random bytes, fp16 NaNs among them: a NaN
+   * rotated or converted keeps its payload on the CPU and becomes the
+   * canonical NaN on the GPU. Every other value must match bit for bit. */
+  assert_int_equal(differ_nan_aware((const float *)k1, (const float *)k2, sizeof k1 / sizeof(float)), 0);
+  assert_int_equal(differ_nan_aware((const float *)v1, (const float *)v2, sizeof v1 / sizeof(float)), 0);
 
   /* pageable memory declared as device memory: refused */
   kvi_cache_layout cl;
