@@ -281,9 +281,11 @@ kvi_status kvi__cache_resolve(kvi__cache *c, const kvi_cache_layout *user, const
     }
     c->k[i] = kb;
     c->v[i] = vb;
-    /* the gap in bytes: |gap| < 2^63 / 64 is not promised for separate tensors, so far apart counts as apart */
+    /* the gap in bytes, clamped: separate tensors may be any distance apart, and
+     * a plane spans < 2^60 bytes (the extent check), so beyond 2^61 is apart
+     * whatever the exact distance, and the check's sums stay inside 64 bits */
     const intptr_t gp = vb - kb;
-    const int64_t lim = (int64_t)1 << 56;
+    const int64_t lim = (int64_t)1 << 61;
     const int64_t gap = gp > lim ? lim : gp < -lim ? -lim : (int64_t)gp;
     if (i == 0 || gap != prev_gap) {
       if ((st = check_overlap(kdims, vdims, gap, (int64_t)es, i, fn))) {
