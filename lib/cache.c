@@ -284,9 +284,8 @@ kvi_status kvi__cache_resolve(kvi__cache *c, const kvi_cache_layout *user, const
     /* the gap in bytes, clamped: separate tensors may be any distance apart, and
      * a plane spans < 2^60 bytes (the extent check), so beyond 2^61 is apart
      * whatever the exact distance, and the check's sums stay inside 64 bits */
-    const intptr_t gp = vb - kb;
-    const int64_t lim = (int64_t)1 << 61;
-    const int64_t gap = gp > lim ? lim : gp < -lim ? -lim : (int64_t)gp;
+    const uintptr_t ka = (uintptr_t)kb, va = (uintptr_t)vb, lim = (uintptr_t)1 << 61;
+    const int64_t gap = va >= ka ? (int64_t)(va - ka < lim ? va - ka : lim) : -(int64_t)(ka - va < lim ? ka - va : lim);
     if (i == 0 || gap != prev_gap) {
       if ((st = check_overlap(kdims, vdims, gap, (int64_t)es, i, fn))) {
         kvi__cache_release(c);
