@@ -464,9 +464,7 @@ static void journal_bind(kvi__journal *j, char *path) {
 }
 
 /* Refuses `path` when the file there is locked as a store's journal (in this
- * process or another), unless it is `own`. The probe is a shared lock: it
- * conflicts with a journal's exclusive lock only, not with another probe or
- * with a save that has just renamed its (shared-locked) file there. */
+ * process or another), unless it is `own`. */
 static kvi_status check_not_journal(const char *path, const kvi__journal *own, const char *fn) {
   const int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return KVI_OK; /* absent; other problems show at the rename */
@@ -474,7 +472,7 @@ static kvi_status check_not_journal(const char *path, const kvi__journal *own, c
   kvi_status st = KVI_OK;
   if (own && fstat(fd, &sb) == 0 && sb.st_dev == own->dev && sb.st_ino == own->ino) {
     /* the store's own journal: rewriting it is compaction */
-  } else if (flock(fd, LOCK_SH | LOCK_NB) != 0) {
+  } else if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
     if (errno == EWOULDBLOCK)
       st = kvi__fail(KVI_ERR_IO, fn,
                      "%s is the journal of an open store (in this process or another); close that journal "
@@ -501,10 +499,8 @@ typedef struct snapfile {
  * (never an existing file or a symlink planted at the name), mode 0600
  * whatever the umask, and locks it (flock) while it is written: an unlocked
  * temporary of this path is one a save that died left behind
- * (remove_stale_temporaries). The lock is exclusive for a file that becomes
- * a journal (journal), else shared (check_not_journal). Returns the fd, or
- * -1 with the error set. */
-static int create_temporary(const char *path, bool journal, char *tmp, size_t tlen, const char *fn) {
+ * (remove_stale_temporaries). Returns the fd, or -1 with the error set. */
+static int create_temporary(const char *path, char *tmp, size_t tlen, const char *fn) {
   for (int attempt = 0; attempt < 64; attempt++) {
     snprintf(tmp, tlen, "%s" TMP_TAG "%016llx", path, (unsigned long long)new_file_id());
     const int fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
@@ -514,12 +510,7 @@ static int create_temporary(const char *path, bool journal, char *tmp, size_t tl
       return -1;
     }
     struct stat a, b;
-    const int locked = flock(fd, (journal ? LOCK_EX : LOCK_SH) | LOCK_NB);
-    if (locked != 0 && errno == EWOULDBLOCK) { /* another save's cleanup took it for stale: it removes it */
-      close(fd);
-      continue;
-    }
-    if (locked != 0 || fchmod(fd, 0600) != 0 || fstat(fd, &a) != 0) {
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0 || fchmod(fd, 0600) != 0 || fstat(fd, &a) != 0) {
       io_fail(fn, errno, "locking", tmp);
       close(fd);
       unlink(tmp);
@@ -581,7 +572,7 @@ static kvi_status snapshot_file(const kvi_store *s, const char *path, bool one, 
     free(wbuf);
     return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a write buffer");
   }
-  const int fd = create_temporary(path, keep, tmp, tlen, fn);
+  const int fd = create_temporary(path, tmp, tlen, fn);
   if (fd < 0) {
     st = KVI_ERR_IO;
     goto out;

@@ -46,12 +46,8 @@
  * Files are created with mode 0600 whatever the umask (owner only: facts are
  * user data). Saving writes "<path>.tmp.<16 random hex digits>" in the same
  * directory, created with O_EXCL | O_NOFOLLOW (never an existing file, nor
- * through a symlink planted at the name) and locked (flock: shared while a
- * save writes it, exclusive for a journal's file) while it is written, then
- * renames it over the path. Saves of several stores to one path may run at
- * once (threads or processes; the last rename wins, each file whole); a path
- * that is a journal of an open store (its exclusive lock) is refused. A
- * process killed mid-save leaves
+ * through a symlink planted at the name) and locked (flock) while it is
+ * written, then renames it over the path. A process killed mid-save leaves
  * that temporary behind (never the path itself damaged); the next save or
  * journal open of the same path removes such temporaries (regular files of
  * the caller's user that no one holds locked), and they may be deleted by

