@@ -33,7 +33,11 @@
  * Thread rules: every function here may run on several threads at once, on
  * the same store too (they take the store's lock), but not concurrently with
  * kvi_store_destroy of that store. kvi_store_load creates a new store that no
- * other thread can see before it returns.
+ * other thread can see before it returns. Known limit: two different stores
+ * saving to one path at the same moment can make one save fail with
+ * KVI_ERR_IO ("... is the journal of an open store": another save's
+ * temporary, renamed over the path, is still locked by a stale-temporary
+ * check); the file is then whole from the other save, and a retry succeeds.
  *
  * Locking and cost: save and journal_open hold the store's lock while they
  * write the file, so other calls on the store wait for about the time it
