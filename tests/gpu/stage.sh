@@ -4,7 +4,7 @@
 #
 #   tests/gpu/stage.sh pack NAME PATH...  (here) tar PATHs (relative to the
 #       current directory) into .stage/NAME.00, .stage/NAME.01, ... each one
-#       part of at most STAGE_PART_MIB (default 60) MiB plus NAME.manifest
+#       part of at most STAGE_PART_MIB (default 56) MiB plus NAME.manifest
 #       (part count and SHA-256 of the whole archive). Prints the part folders.
 #   tests/gpu/stage.sh take               (there) moves every carried part under
 #       .stage/ into /tmp/kvi-stage/NAME/ (kept while the machine is held).
@@ -26,7 +26,7 @@ case "$cmd" in
     [ $# -ge 3 ] || die "usage: stage.sh pack NAME PATH..."
     name=$2; shift 2
     [[ "$name" =~ ^[A-Za-z0-9_-]+$ ]] || die "NAME must be letters, digits, _ or -"
-    mib=${STAGE_PART_MIB:-60}
+    mib=${STAGE_PART_MIB:-56}
     rm -rf .stage/"$name".[0-9][0-9]
     mkdir -p .stage
     tmp=$(mktemp -d)
