@@ -13,6 +13,7 @@ This package imports neither vLLM nor torch; only the connector module does.
 """
 from .layout import LayoutError, derive_layout
 from .prompt import PARAMS_KEY, Keep, MemoryPrompt, capture_prompt, memory_prompt, parse_params
+from .retrieval import MemoryIndex
 
 CONNECTOR = "KVInjectConnector"
 MODULE = "kvinject.vllm.connector"
@@ -26,5 +27,5 @@ def kv_transfer_config(**extra):
                             kv_connector_extra_config=dict(extra))
 
 
-__all__ = ["CONNECTOR", "MODULE", "Keep", "LayoutError", "MemoryPrompt", "PARAMS_KEY", "capture_prompt",
+__all__ = ["CONNECTOR", "MODULE", "Keep", "LayoutError", "MemoryIndex", "MemoryPrompt", "PARAMS_KEY", "capture_prompt",
            "derive_layout", "kv_transfer_config", "memory_prompt", "parse_params"]

@@ -60,14 +60,13 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole)
 
-from ..enums import Backend, DType, RopeScaling, RopeStyle
+from ..enums import Backend
 from ..errors import KviError
-from ..hf import kvi_rope_fields
-from ..model import Model
 from ..store import Store
 from ..transfer import Capture, Encoder, InjectRequest, Injector
 from .layout import CPU_BACKEND, LayoutError, derive_layout, ordered_layers
 from .prompt import PARAMS_KEY, RequestSpec, parse_params
+from .retrieval import STORE_DTYPES, store_model
 
 try:
     from vllm.logger import init_logger
@@ -75,7 +74,6 @@ try:
 except Exception:  # pragma: no cover
     logger = logging.getLogger(__name__)
 
-_DTYPES = {"fp32": DType.FP32, "bf16": DType.BF16, "fp16": DType.FP16, "fp8_e4m3": DType.FP8_E4M3}
 
 
 # ------------------------------------------------------------------ metadata
@@ -275,19 +273,13 @@ class KVInjectConnector(KVConnectorBase_V1):
                                 vc.cache_config.cache_dtype)
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
         tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        hf = vc.model_config.hf_config
-        model = Model(num_layers=len(names), num_kv_heads=vc.model_config.get_total_num_kv_heads(),
-                      head_size=vc.model_config.get_head_size(), tp_rank=tp_rank, tp_size=tp_size)
-        rope = kvi_rope_fields(hf)
-        rope.update({k: (RopeStyle[v] if k == "style" and isinstance(v, str) else
-                         RopeScaling[v] if k == "scaling" and isinstance(v, str) else v)
-                     for k, v in (self._cfg.get("rope") or {}).items()})
-        model.set_rope(**rope)  # always explicit, every layer
+        model = store_model(vc.model_config.hf_config, self._cfg.get("rope"), num_layers=len(names),
+                            tp_rank=tp_rank, tp_size=tp_size)  # RoPE always explicit, every layer
         layout = derive_layout(tensors, backend, num_kv_heads=model.local_heads, head_size=model.head_size,
                                block_size=self._block_size, isa=isa)
         first = tensors[0]
         on_cpu = first.device.type == "cpu"
-        dtype = _DTYPES[self._cfg.get("store_dtype", "fp32")]
+        dtype = STORE_DTYPES[self._cfg.get("store_dtype", "fp32")]
         opts = dict(backend=Backend.CPU if on_cpu else Backend.CUDA, device=None if on_cpu else first.device.index,
                     dtype=dtype, page_tokens=int(self._cfg.get("page_tokens", 16)),
                     embedding_dim=self._embedding_dim or None)

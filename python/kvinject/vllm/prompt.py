@@ -43,6 +43,8 @@ class MemoryPrompt:
 
     prompt_token_ids: List[int]
     params: Dict[str, Any]
+    #: facts a MemoryIndex retrieved for it, best first: (fact id, tokens, score)
+    retrieved: List[Tuple[int, int, float]] = dataclasses.field(default_factory=list)
 
     @property
     def prompt(self) -> Dict[str, Any]:

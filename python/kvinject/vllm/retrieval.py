@@ -1,0 +1,185 @@
+"""Retrieval for the vLLM connector: which facts a request injects, found by a
+query embedding and k on the store (kvi_store_search), where the prompt is made.
+
+vLLM fixes a request's prompt when it is submitted, and the connector can claim
+only the prompt's prefix as already computed, so the facts a request injects
+(and their token counts) must be known before it is submitted. The connector's
+stores live in vLLM's worker processes; :class:`MemoryIndex` opens the same
+store file in the client's process (the connector's ``store_path``, which the
+worker keeps as its journal: every captured fact is in it once its step has
+ended) without taking its journal, searches it with the library's own search,
+and builds the prompt and its ``inject`` spans (:func:`kvinject.vllm.memory_prompt`).
+:meth:`MemoryIndex.refresh` reloads the file when it has changed, so facts
+captured since are found. No vLLM import here.
+
+The index holds a CPU copy of the file's facts (KV and embeddings): memory of
+the order of the file's size.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+from ..enums import Backend, DType, RopeScaling, RopeStyle
+from ..hf import kvi_model_for, kvi_rope_fields
+from ..model import Model
+from ..store import Store
+from .prompt import MemoryPrompt, Tokens, memory_prompt
+
+STORE_DTYPES = {"fp32": DType.FP32, "bf16": DType.BF16, "fp16": DType.FP16, "fp8_e4m3": DType.FP8_E4M3}
+
+
+def store_rope_fields(hf_config, overrides: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+    """The kvi_rope_spec fields the connector sets on every layer: those of the
+    model's config (kvinject.hf.kvi_rope_fields) updated with the connector's
+    ``rope`` setting (enum fields may be given by name)."""
+    rope = kvi_rope_fields(hf_config)
+    for k, v in (overrides or {}).items():
+        if k == "style" and isinstance(v, str):
+            v = RopeStyle[v]
+        elif k == "scaling" and isinstance(v, str):
+            v = RopeScaling[v]
+        rope[k] = v
+    return rope
+
+
+def store_model(hf_config, overrides: Optional[Mapping[str, Any]] = None, *, num_layers: Optional[int] = None,
+                tp_rank: int = 0, tp_size: int = 1) -> Model:
+    """The kvinject Model of the connector's stores for a transformers config:
+    geometry, tensor-parallel slice and RoPE (explicit on every layer)."""
+    rope = store_rope_fields(hf_config, overrides)
+    if num_layers is None or num_layers == hf_config.num_hidden_layers:
+        return kvi_model_for(hf_config, rope, tp_rank=tp_rank, tp_size=tp_size)
+    from ..hf import head_dim_of, kv_heads_of
+    m = Model(num_layers=num_layers, num_kv_heads=kv_heads_of(hf_config), head_size=head_dim_of(hf_config),
+              tp_rank=tp_rank, tp_size=tp_size)
+    m.set_rope(**rope)
+    return m
+
+
+Retrieved = Tuple[int, int, float]  # (fact id, tokens, score)
+
+
+class MemoryIndex:
+    """A read-only view of the connector's store file, for retrieval.
+
+    hf_config: the served model's transformers config (``AutoConfig`` of the
+    model directory vLLM serves); store_path: the connector's ``store_path``
+    (with tensor parallelism, any rank's file ``<store_path>.rank<r>``: every
+    rank holds every fact and embedding). store_dtype, embedding_dim and rope:
+    the connector's settings of the same names (they must match the file;
+    embedding_dim > 0, or there is nothing to search). The file need not exist
+    yet: until it does the index is empty.
+    """
+
+    def __init__(self, hf_config, store_path: str, *, embedding_dim: int, store_dtype: str = "fp32",
+                 rope: Optional[Mapping[str, Any]] = None, tp_rank: int = 0, tp_size: int = 1):
+        if not isinstance(embedding_dim, int) or embedding_dim <= 0:
+            raise ValueError("embedding_dim must be a positive integer (the connector's embedding_dim), got %r"
+                             % (embedding_dim,))
+        if store_dtype not in STORE_DTYPES:
+            raise ValueError("store_dtype %r is not one of %s" % (store_dtype, ", ".join(STORE_DTYPES)))
+        self.path = os.fspath(store_path)
+        self.embedding_dim = embedding_dim
+        self._dtype = STORE_DTYPES[store_dtype]
+        self._model = store_model(hf_config, rope, tp_rank=tp_rank, tp_size=tp_size)
+        self._store: Optional[Store] = None
+        self._stamp: Optional[Tuple[int, int, int]] = None
+        self.refresh()
+
+    def refresh(self) -> bool:
+        """Reloads the file if it changed since the last load (size, mtime or
+        inode); True when it did. A failed reload keeps the previous contents
+        and raises (kvinject.errors)."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if stamp == self._stamp:
+            return False
+        budget = max(2 * st.st_size, 16 << 20)
+        new = Store.load(self._model, self.path, budget, backend=Backend.CPU, dtype=self._dtype,
+                         embedding_dim=self.embedding_dim)
+        old, self._store, self._stamp = self._store, new, stamp
+        if old is not None:
+            old.close()
+        return True
+
+    @property
+    def store(self) -> Optional[Store]:
+        """The loaded CPU store (None before the file exists)."""
+        return self._store
+
+    def retrieve(self, tenant: int, query, k: int, *, exclude: Sequence[int] = ()) -> List[Retrieved]:
+        """The best min(k, facts of tenant) facts for one query embedding
+        (embedding_dim floats, or a host tensor/buffer), best first, as
+        (fact id, tokens, score); fact ids in ``exclude`` (e.g. a header that
+        every prompt injects) are never returned."""
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError("k must be a non-negative integer, got %r" % (k,))
+        if self._store is None or k == 0:
+            return []
+        skip = {int(x) for x in exclude}
+        res = self._store.search([query] if _is_vector(query) else query, tenant, k + len(skip))
+        out: List[Retrieved] = []
+        for fid, score in res[0]:
+            if fid in skip:
+                continue
+            out.append((fid, self._store.fact_tokens(tenant, fid), score))
+            if len(out) == k:
+                break
+        return out
+
+    def memory_prompt(self, tenant: int, query, k: int, question: Tokens, *,
+                      header: Optional[Tuple[int, Union[Tokens, int]]] = None,
+                      tokens: Union[None, Mapping[int, Tokens], Callable[[int], Tokens]] = None,
+                      filler_token: Optional[int] = None, order: str = "rank") -> MemoryPrompt:
+        """[header | retrieved facts | question] and its inject spans, for
+        ``SamplingParams(extra_args=...)`` (see :class:`MemoryPrompt`).
+
+        header: (fact id, token ids) of a fact every prompt starts with (a
+        system prompt captured once), excluded from the search. tokens: the
+        retrieved facts' own token ids (a mapping or function of the fact id),
+        else ``filler_token`` repeated (the KV comes from the store either way).
+        order: "rank" (best first) or "id" (ascending fact id: with ids given in
+        the order facts were said, the conversation's order). The retrieved
+        facts, best first, are ``prompt.retrieved`` ([(fact id, tokens, score)])."""
+        if order not in ("rank", "id"):
+            raise ValueError("order must be 'rank' or 'id', got %r" % (order,))
+        got = self.retrieve(tenant, query, k, exclude=[header[0]] if header is not None else ())
+        if order == "id":
+            got.sort(key=lambda r: r[0])
+        facts: List[Tuple[int, Union[Tokens, int]]] = [header] if header is not None else []
+        for fid, n, _ in got:
+            if tokens is None:
+                facts.append((fid, n))
+            else:
+                toks = tokens(fid) if callable(tokens) else tokens[fid]
+                if len(toks) != n:
+                    raise ValueError("tokens of fact %d: %d given, the store holds %d" % (fid, len(toks), n))
+                facts.append((fid, toks))
+        mp = memory_prompt(tenant, facts, question, filler_token=filler_token)
+        mp.retrieved = got if order == "rank" else sorted(got, key=lambda r: -r[2])
+        return mp
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        if self._model is not None:
+            self._model.close()
+            self._model = None
+
+    def __enter__(self) -> "MemoryIndex":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _is_vector(q) -> bool:
+    if isinstance(q, (list, tuple)):
+        return not q or not isinstance(q[0], (list, tuple))
+    shape = getattr(q, "shape", None)
+    return shape is not None and len(shape) == 1
