@@ -41,12 +41,9 @@ def need_torch_transformers():
 
 
 def need_kvinject():
-    """Imports the binding: the library is KVINJECT_LIBRARY, else
-    $KVINJECT_BUILD/lib/libkvinject.so, else what the binding finds itself
-    (the repository's build/ tree, the linker's paths)."""
-    build = os.environ.get("KVINJECT_BUILD")
-    if build and not os.environ.get("KVINJECT_LIBRARY"):
-        os.environ["KVINJECT_LIBRARY"] = os.path.join(build, "lib", "libkvinject.so")
+    """Imports the binding, which finds the library itself: KVINJECT_LIBRARY (the
+    library file or a build directory), else the repository's build/ tree, else
+    an installed one (see python/README.md, "Installing")."""
     try:
         import kvinject
     except ImportError as e:

@@ -6,7 +6,7 @@ offline with no build dependency to fetch. It builds:
 - a pure wheel (``kvinject-V-py3-none-any.whl``): the package, which finds an
   installed libkvinject at import (see kvinject/_lib.py for the order);
 - a wheel that bundles the library, with the config setting ``bundle`` naming
-  a built libkvinject.so (``pip wheel ./python -C bundle=/abs/build/lib/libkvinject.so``):
+  a built libkvinject.so (``pip wheel ./python --config-settings bundle=/abs/build/lib/libkvinject.so``):
   the file is stored as ``kvinject/_libs/libkvinject.so.0``, which the package
   loads before any installed one, and the wheel is tagged for this platform
   (``py3-none-linux_x86_64``: it holds machine code, but no Python extension);
