@@ -46,7 +46,7 @@ from .enums import (FEATURE_CUBLASLT, FEATURE_CUDA, FEATURE_NCCL, LOAD_JOURNAL, 
                     RopeStyle, ScaleMode, Status)
 from .errors import (CapacityError, CorruptError, CudaError, ExistsError, IncompatibleError, IOError_, PeerError, InternalError, InvalidArgumentError, KviError,
                      MemoryKindError, MismatchError, NoDeviceError, NotBuiltError, NotFoundError,
-                     OutOfMemoryError, StructSizeError, UnsupportedError, error_class)
+                     OutOfMemoryError, StaleLayoutError, StructSizeError, UnsupportedError, error_class)
 from .model import Model, ModelInfoData, RopeSpec
 from .store import KVView, SearchResults, Store, StoreStats
 from .transfer import Capture, Encoder, InjectRequest, Injector, RetrieveRequest
@@ -114,7 +114,7 @@ __all__ = [
     "MismatchError", "Model", "ModelInfoData", "NoDeviceError", "NotBuiltError", "NotFoundError",
     "LOAD_JOURNAL", "OutOfMemoryError", "PUT_REPLACE", "SAVE_ONE_TENANT", "RETRIEVE_BEST_LAST", "RopeScaling", "RopeSpec",
     "RopeStyle", "SEARCH_DEFAULT_WORKSPACE", "SEARCH_MAX_K", "SEARCH_NO_ID", "STRIDE_SAME", "ScaleMode", "SearchResults",
-    "Status", "Store", "StoreStats",
+    "StaleLayoutError", "Status", "Store", "StoreStats",
     "StructSizeError", "UnsupportedError", "cuda_device_count", "dtype_size", "embedding_rank", "error_class", "features",
     "last_error", "library_found_by", "library_path", "status_string", "version", "version_number",
 ]

@@ -102,6 +102,12 @@ class PeerError(KviError):
     """KVI_ERR_PEER: a collective call failed on another rank; nothing changed here."""
 
 
+class StaleLayoutError(ValueError):
+    """The binding's own check: a layout made from a Hugging Face cache object whose
+    tensors the cache has since replaced (see :meth:`kvinject.CacheLayout.check`).
+    Not a library status: nothing was called."""
+
+
 _BY_STATUS = {
     Status.ERR_INVALID_ARGUMENT: InvalidArgumentError,
     Status.ERR_STRUCT_SIZE: StructSizeError,

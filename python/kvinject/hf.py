@@ -1,15 +1,32 @@
-"""Hugging Face (transformers) configurations mapped to libkvinject: the model's
-KV geometry and its RoPE as kvi_rope_spec fields.
+"""Hugging Face (transformers) helpers.
 
-Works on transformers 5.x configs (rope_parameters) and the 4.x spellings
-(rope_theta, rope_scaling, rotary_pct, partial_rotary_factor), and on any
-object with those attributes (vLLM's ``model_config.hf_config`` is a
-transformers config). transformers is never imported here. The mapping is what
-python/harness/hf_parity.py proves against the models themselves.
+- Configurations mapped to libkvinject: the model's KV geometry and its RoPE
+  as kvi_rope_spec fields (:func:`kvi_rope_fields`, :func:`kvi_model_for`).
+  Works on transformers 5.x configs (rope_parameters) and the 4.x spellings
+  (rope_theta, rope_scaling, rotary_pct, partial_rotary_factor), and on any
+  object with those attributes (vLLM's ``model_config.hf_config`` is a
+  transformers config); families: Llama (llama3 scaling), Qwen2, Mistral and
+  the other NeoX-paired models (linear, YaRN scaling, partial rotary as
+  GPT-NeoX), GPT-J (interleaved pairs).
+- Caches: :func:`cache_tensors` (a cache's per-layer tensors),
+  :class:`StaticCacheInjector` (injects a store's facts into a StaticCache:
+  appends them at the cache's length, checks they fit, sets the cache's
+  length after them, and re-reads the layout when the cache's tensors move).
+  ``CacheLayout.hf(cache)`` makes a layout that refuses to be used once the
+  cache replaced its tensors.
+
+transformers and torch are never imported here (objects are read through
+their attributes). The mappings are what python/harness/hf_parity.py proves
+against the models themselves, and python/tests/test_hf.py against a tiny
+Llama and SmolLM2-135M.
 """
 from __future__ import annotations
 
+from typing import Any, List, Optional, Sequence, Tuple
+
+from .cache import CacheLayout
 from .enums import RopeScaling, RopeStyle
+from .errors import StaleLayoutError
 from .model import Model
 
 
@@ -98,3 +115,220 @@ def kvi_model_for(config, rope_fields=None, *, tp_rank: int = 0, tp_size: int = 
               head_size=head_dim_of(config), tp_rank=tp_rank, tp_size=tp_size)
     m.set_rope(**(rope_fields if rope_fields is not None else kvi_rope_fields(config)))
     return m
+
+
+# ----------------------------------------------------------------------- caches
+
+def is_hf_cache(obj) -> bool:
+    """Whether obj looks like a transformers cache (5.x ``layers`` with keys and
+    values, or 4.x ``key_cache`` / ``value_cache`` lists)."""
+    layers = getattr(obj, "layers", None)
+    if layers is not None and not isinstance(obj, (list, tuple)):
+        return all(hasattr(l, "keys") and hasattr(l, "values") for l in layers)
+    return hasattr(obj, "key_cache") and hasattr(obj, "value_cache")
+
+
+def cache_tensors(cache) -> Tuple[List[Any], List[Any]]:
+    """The per-layer key and value tensors [batch, heads, seq, head_dim] of a
+    transformers cache, as lists. RuntimeError while the layers are not
+    allocated (transformers allocates them at the first forward through the
+    cache; :class:`StaticCacheInjector` can allocate them first)."""
+    if not is_hf_cache(cache):
+        raise TypeError("expected a transformers cache (DynamicCache, StaticCache), got %s" % type(cache).__name__)
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        keys = [l.keys for l in layers]
+        values = [l.values for l in layers]
+    else:  # 4.x
+        keys, values = list(cache.key_cache), list(cache.value_cache)
+    if not keys or any(getattr(t, "dim", None) is None or t.dim() != 4 for t in keys + values):
+        raise RuntimeError("the %s's layers are not allocated (run a forward through it first)"
+                           % type(cache).__name__)
+    return keys, values
+
+
+def _as_int(n) -> int:
+    return int(n.item()) if hasattr(n, "item") else int(n)
+
+
+class StaticCacheInjector:
+    """Injects a :class:`kvinject.Store`'s facts into a transformers (5.x)
+    ``StaticCache``, whose tensors are preallocated for ``max_cache_len`` slots.
+
+    ``StaticCacheInjector(store, cache, *, dtype=None, device=None, batch_size=1,
+    **transfer_options)``. :meth:`inject` writes facts at the cache's current
+    length (its next free slot, position = slot unless ``start_position`` is
+    given), after checking that they fit, and then sets the cache's length past
+    them, so the next forward through the cache attends to them and continues
+    at the right slot and position. :meth:`set_length` moves the length by hand
+    (e.g. back to a prefilled header, to inject other facts behind it).
+
+    The injector (:attr:`injector`) and its layout are made on first use and
+    made again whenever the cache's tensors have moved (layers allocated
+    again, moved to another device): every call sees the cache's current
+    tensors. Layers not yet allocated (no forward has run) are allocated with
+    ``early_initialization`` from ``batch_size``, ``dtype`` and ``device`` and
+    the store's geometry; without dtype and device that is a ValueError.
+
+    A DynamicCache is refused (TypeError): its tensors hold exactly its length,
+    with no slot to inject into, and every forward reallocates them; sliding
+    window layers too (NotImplementedError): their slots are a ring.
+    ``transfer_options``: as :class:`kvinject.Injector`. Keep this object (it
+    keeps the injectors) until the stream has passed the work.
+    """
+
+    def __init__(self, store, cache, *, dtype=None, device=None, batch_size: int = 1, **transfer_options):
+        layers = getattr(cache, "layers", None)
+        if layers is None or not is_hf_cache(cache):
+            raise TypeError("cache: expected a transformers 5.x StaticCache (cache layer objects), got %s"
+                            % type(cache).__name__)
+        for i, l in enumerate(layers):
+            if getattr(l, "max_cache_len", None) is None or not hasattr(l, "cumulative_length"):
+                raise TypeError("cache: layer %d is a %s, not a static layer: a %s holds exactly its length "
+                                "(no slot to inject into) and reallocates its tensors at every forward; use a "
+                                "StaticCache" % (i, type(l).__name__, type(cache).__name__))
+            if getattr(l, "is_sliding", False):
+                raise NotImplementedError("cache: layer %d is a sliding-window layer (%s), whose slots are a ring; "
+                                          "injection needs full-attention static layers" % (i, type(l).__name__))
+        if len(layers) != store.num_layers:
+            raise ValueError("cache: %d layers, the store's model has %d" % (len(layers), store.num_layers))
+        self.store = store
+        self.cache = cache
+        self._alloc = (batch_size, dtype, device)
+        self._options = transfer_options
+        self._injector = None
+        self._retired: List[Any] = []  # injectors of moved tensors: their work may still be in flight
+
+    # -------------------------------------------------------------- geometry
+    @property
+    def capacity(self) -> int:
+        """Slots per sequence: the cache's max_cache_len."""
+        return int(self.cache.layers[0].max_cache_len)
+
+    @property
+    def allocated(self) -> bool:
+        return all(getattr(l, "is_initialized", True) for l in self.cache.layers) and \
+            all(getattr(l, "keys", None) is not None for l in self.cache.layers)
+
+    @property
+    def batch_size(self) -> int:
+        self._allocate()
+        return int(self.cache.layers[0].keys.shape[0])
+
+    @property
+    def length(self) -> int:
+        """The cache's length (get_seq_length): slots holding valid KV, the next free slot."""
+        return _as_int(self.cache.get_seq_length()) if self.allocated else 0
+
+    def set_length(self, n: int) -> None:
+        """Sets the cache's length to n (0..capacity) on every layer: the next forward
+        writes at slot n and attends to slots 0..n-1. Checked against
+        get_seq_length (a transformers version keeping the length elsewhere fails
+        loudly)."""
+        import operator
+        n = operator.index(n)
+        if not 0 <= n <= self.capacity:
+            raise ValueError("set_length: n = %d, expected 0..%d (the cache's max_cache_len)" % (n, self.capacity))
+        self._allocate()
+        for i, l in enumerate(self.cache.layers):
+            cl = l.cumulative_length
+            if hasattr(cl, "fill_"):  # a tensor: in place (its address may be captured)
+                cl.fill_(n)
+            elif isinstance(cl, int):
+                l.cumulative_length = n
+            else:
+                raise RuntimeError("cache layer %d keeps its length as %s: unsupported transformers version"
+                                   % (i, type(cl).__name__))
+        got = self.length
+        if got != n:
+            raise RuntimeError("set_length(%d) left get_seq_length() at %d: unsupported transformers version"
+                               % (n, got))
+
+    def _allocate(self) -> None:
+        if self.allocated:
+            return
+        batch_size, dtype, device = self._alloc
+        if dtype is None or device is None:
+            raise ValueError("the StaticCache's layers are not allocated yet (transformers allocates them at the "
+                             "first forward): run a forward through the cache first, or pass dtype= and device= "
+                             "to StaticCacheInjector")
+        self.cache.early_initialization(batch_size, self.store.num_heads, self.store.head_size, dtype, device)
+
+    # -------------------------------------------------------------- injector
+    @property
+    def injector(self):
+        """The :class:`kvinject.Injector` on the cache's current tensors (made again
+        when they moved)."""
+        from .transfer import Injector
+        self._allocate()
+        if self._injector is not None:
+            try:
+                self._injector.layout.check()
+                return self._injector
+            except StaleLayoutError:
+                self._retired.append(self._injector)
+                self._injector = None
+        self._injector = Injector(self.store, CacheLayout.hf(self.cache), **self._options)
+        return self._injector
+
+    @property
+    def layout(self) -> CacheLayout:
+        """The current layout (see :attr:`injector`)."""
+        return self.injector.layout
+
+    def plan(self, tenant: int, fact_ids) -> int:
+        """Tokens the facts take (kvi_inject_plan)."""
+        return self.injector.plan(tenant, fact_ids)
+
+    def inject(self, tenant: int, fact_ids, *, rows: Optional[Sequence[int]] = None,
+               start_position: Optional[int] = None, positions=None, stream=None) -> int:
+        """Writes the facts, in order, into each batch row of ``rows`` (None: every
+        row) from the cache's length on, then sets the length past them. Returns
+        the tokens injected. start_position: RoPE position of the first token
+        (default: its slot, as a prefill would have it); positions: one per token
+        instead. A forward after an injection at other positions than the slots
+        must pass its own position_ids. Nothing is written, and the length is
+        unchanged, when the facts do not fit or a call fails."""
+        rows = list(range(self.batch_size)) if rows is None else list(rows)
+        return self.inject_rows(tenant, [fact_ids] * len(rows), rows=rows, start_position=start_position,
+                                positions=positions, stream=stream)
+
+    def inject_rows(self, tenant: int, fact_ids_per_row: Sequence, *, rows: Optional[Sequence[int]] = None,
+                    start_position: Optional[int] = None, positions=None, stream=None) -> int:
+        """As :meth:`inject`, each row its own facts: ``fact_ids_per_row[i]`` into batch
+        row ``rows[i]`` (rows default 0, 1, ...). The cache has one length for all
+        rows, so every row's facts must have the same number of tokens."""
+        from .transfer import InjectRequest
+        inj = self.injector
+        per_row = [list(ids) if not hasattr(ids, "data_ptr") else ids for ids in fact_ids_per_row]
+        rows = list(range(len(per_row))) if rows is None else list(rows)
+        if len(rows) != len(per_row):
+            raise ValueError("inject_rows: %d rows for %d fact lists" % (len(rows), len(per_row)))
+        B = self.batch_size
+        for r in rows:
+            if not 0 <= r < B:
+                raise ValueError("rows: row %d, the cache has batch rows 0..%d" % (r, B - 1))
+        if len(set(rows)) != len(rows):
+            raise ValueError("rows: %s names a row twice" % (rows,))
+        tokens = [inj.plan(tenant, ids) for ids in per_row]
+        if len(set(tokens)) > 1:
+            raise ValueError("inject_rows: the rows' facts have %s tokens; the cache has one length for every "
+                             "row, so they must be equal" % tokens)
+        n = tokens[0] if tokens else 0
+        start = self.length
+        if start + n > self.capacity:
+            raise ValueError("inject: %d tokens from slot %d pass the cache's max_cache_len %d"
+                             % (n, start, self.capacity))
+        if n == 0:
+            return 0
+        pos0 = start if start_position is None and positions is None else (start_position or 0)
+        inj.inject([InjectRequest(tenant, ids, block_table=[r], first_slot=start, start_position=pos0,
+                                  positions=positions) for r, ids in zip(rows, per_row)], stream=stream)
+        self.set_length(start + n)
+        return n
+
+    def close(self) -> None:
+        """Frees the injectors (their work on a stream must be complete)."""
+        for inj in self._retired + ([self._injector] if self._injector is not None else []):
+            inj.close()
+        self._retired, self._injector = [], None

@@ -92,6 +92,12 @@ class _Transfer(Handle):
         self.layout = layout
         store._add_dependent(self)
 
+    @property
+    def handle(self) -> ctypes.c_void_p:
+        """The C pointer; first refuses a stale layout (:meth:`CacheLayout.check`)."""
+        self.layout.check()
+        return super().handle
+
 
 
 class Injector(_Transfer):
