@@ -47,6 +47,7 @@ from .enums import (FEATURE_CUBLASLT, FEATURE_CUDA, FEATURE_NCCL, LOAD_JOURNAL, 
 from .errors import (CapacityError, CorruptError, CudaError, ExistsError, IncompatibleError, IOError_, PeerError, InternalError, InvalidArgumentError, KviError,
                      MemoryKindError, MismatchError, NoDeviceError, NotBuiltError, NotFoundError,
                      OutOfMemoryError, StaleLayoutError, StructSizeError, UnsupportedError, error_class)
+from ._types import ArrayLike, CudaStreamLike, FloatArrayLike, IntArrayLike, StreamLike, TensorLike
 from .model import Model, ModelInfoData, RopeSpec
 from .store import KVView, SearchResults, Store, StoreStats
 from .transfer import Capture, Encoder, InjectRequest, Injector, RetrieveRequest
@@ -107,6 +108,7 @@ def last_error() -> str:
 
 
 __all__ = [
+    "ArrayLike", "CudaStreamLike", "FloatArrayLike", "IntArrayLike", "StreamLike", "TensorLike",
     "Backend", "CacheLayout", "CachePreset", "Comm", "CommGroup", "Capture", "CapacityError", "CorruptError", "CudaError", "DType",
     "EmbeddingPlacement", "Encoder", "IOError_", "IncompatibleError", "PeerError",
     "ExistsError", "FEATURE_CUBLASLT", "FEATURE_CUDA", "FEATURE_NCCL", "InjectRequest", "Injector", "RetrieveRequest",

@@ -31,8 +31,9 @@ Layouts read from tensors take their strides as they are, the last one
 from __future__ import annotations
 
 import ctypes
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Union
 
+from ._types import ArrayLike, FloatArrayLike
 from . import _buffers
 from ._lib import CacheLayoutC, assign, fit, lib
 from .enums import CachePreset, DType, Memory, ScaleMode
@@ -84,7 +85,8 @@ class CacheLayout:
         self._keep.append(arr)
         return ctypes.addressof(arr)
 
-    def set_scales(self, mode: ScaleMode, k_scales=None, v_scales=None) -> "CacheLayout":
+    def set_scales(self, mode: ScaleMode, k_scales: Optional[FloatArrayLike] = None,
+                   v_scales: Optional[FloatArrayLike] = None) -> "CacheLayout":
         """fp8 scales (divide convention: stored = x / scale): PER_TENSOR takes num_layers
         values, PER_HEAD num_layers * num_heads (layer-major); sequences of floats
         or fp32 host buffers / CPU tensors."""
@@ -199,7 +201,7 @@ class CacheLayout:
         return self
 
     @classmethod
-    def hf(cls, keys, values: Optional[Sequence] = None, *, shape: Optional[Sequence[int]] = None,
+    def hf(cls, keys: Union[Sequence[ArrayLike], Any], values: Optional[Sequence[ArrayLike]] = None, *, shape: Optional[Sequence[int]] = None,
            dtype: Optional[DType] = None) -> "CacheLayout":
         """Hugging Face per-layer caches: ``keys[l]`` and ``values[l]`` of
         [batch, heads, seq, head_size] (e.g. ``[layer.keys for layer in cache.layers]``),
@@ -253,7 +255,7 @@ class CacheLayout:
         return lay
 
     @classmethod
-    def vllm(cls, kv_caches: Sequence, *, kv_first: bool = True, shape: Optional[Sequence[int]] = None,
+    def vllm(cls, kv_caches: Sequence[ArrayLike], *, kv_first: bool = True, shape: Optional[Sequence[int]] = None,
              dtype: Optional[DType] = None) -> "CacheLayout":
         """vLLM per-layer cache tensors (``register_kv_caches``' values, in layer order).
 
@@ -299,7 +301,7 @@ class CacheLayout:
                    k_layers=[a.ptr for a in arrays], keep=arrays)
 
     @classmethod
-    def sglang(cls, k_buffers: Sequence, v_buffers: Sequence, *, page_size: int = 1,
+    def sglang(cls, k_buffers: Sequence[ArrayLike], v_buffers: Sequence[ArrayLike], *, page_size: int = 1,
                dtype: Optional[DType] = None) -> "CacheLayout":
         """SGLang MHATokenToKVPool per-layer k_buffer / v_buffer tensors of [slots, H, D].
         Block ids are pages of ``page_size`` slots (1: slot ids)."""
@@ -319,7 +321,7 @@ class CacheLayout:
                    k_layers=[a.ptr for a in arrays[:n]], v_layers=[a.ptr for a in arrays[n:]], keep=arrays)
 
     @classmethod
-    def vllm_cpu(cls, kv_caches: Sequence, *, shape: Optional[Sequence[int]] = None,
+    def vllm_cpu(cls, kv_caches: Sequence[ArrayLike], *, shape: Optional[Sequence[int]] = None,
                  dtype: Optional[DType] = None) -> "CacheLayout":
         """vLLM's CPU attention cache (CPU_ATTN, vec / vec16 ISA): ``register_kv_caches``'
         per-layer tensors of [NB, H, BS, 2 * D], in layer order. The shape is only a

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence, Tuple
 
+from ._types import IntArrayLike, StreamLike
 from .cache import CacheLayout
 from .enums import RopeScaling, RopeStyle
 from .errors import StaleLayoutError
@@ -151,6 +152,31 @@ def _as_int(n) -> int:
     return int(n.item()) if hasattr(n, "item") else int(n)
 
 
+def set_cache_length(cache, n: int) -> None:
+    """Tells a transformers 5.x StaticCache (allocated) that its first n slots hold
+    valid KV: every layer's length is set to n, so the next forward writes at
+    slot n, takes positions n, n+1, ... and attends to slots 0..n-1. Checked
+    against get_seq_length: a transformers version that keeps the length
+    elsewhere raises RuntimeError instead of running on a wrong length.
+    :class:`StaticCacheInjector` calls it after every injection."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise TypeError("set_cache_length: %s has no cache layer objects (transformers 5.x)" % type(cache).__name__)
+    for i, l in enumerate(layers):
+        cl = getattr(l, "cumulative_length", None)
+        if hasattr(cl, "fill_"):  # a tensor: in place (its address may be captured by a graph)
+            cl.fill_(n)
+        elif isinstance(cl, int):
+            l.cumulative_length = n
+        else:
+            raise RuntimeError("set_cache_length: layer %d (%s) keeps no cumulative_length: unsupported "
+                               "transformers version" % (i, type(l).__name__))
+    got = _as_int(cache.get_seq_length())
+    if got != n:
+        raise RuntimeError("set_cache_length(%d) left get_seq_length() at %d: unsupported transformers version"
+                           % (n, got))
+
+
 class StaticCacheInjector:
     """Injects a :class:`kvinject.Store`'s facts into a transformers (5.x)
     ``StaticCache``, whose tensors are preallocated for ``max_cache_len`` slots.
@@ -221,28 +247,13 @@ class StaticCacheInjector:
         return _as_int(self.cache.get_seq_length()) if self.allocated else 0
 
     def set_length(self, n: int) -> None:
-        """Sets the cache's length to n (0..capacity) on every layer: the next forward
-        writes at slot n and attends to slots 0..n-1. Checked against
-        get_seq_length (a transformers version keeping the length elsewhere fails
-        loudly)."""
+        """Sets the cache's length to n (0..capacity): :func:`set_cache_length`."""
         import operator
         n = operator.index(n)
         if not 0 <= n <= self.capacity:
             raise ValueError("set_length: n = %d, expected 0..%d (the cache's max_cache_len)" % (n, self.capacity))
         self._allocate()
-        for i, l in enumerate(self.cache.layers):
-            cl = l.cumulative_length
-            if hasattr(cl, "fill_"):  # a tensor: in place (its address may be captured)
-                cl.fill_(n)
-            elif isinstance(cl, int):
-                l.cumulative_length = n
-            else:
-                raise RuntimeError("cache layer %d keeps its length as %s: unsupported transformers version"
-                                   % (i, type(cl).__name__))
-        got = self.length
-        if got != n:
-            raise RuntimeError("set_length(%d) left get_seq_length() at %d: unsupported transformers version"
-                               % (n, got))
+        set_cache_length(self.cache, n)
 
     def _allocate(self) -> None:
         if self.allocated:
@@ -276,12 +287,13 @@ class StaticCacheInjector:
         """The current layout (see :attr:`injector`)."""
         return self.injector.layout
 
-    def plan(self, tenant: int, fact_ids) -> int:
+    def plan(self, tenant: int, fact_ids: IntArrayLike) -> int:
         """Tokens the facts take (kvi_inject_plan)."""
         return self.injector.plan(tenant, fact_ids)
 
-    def inject(self, tenant: int, fact_ids, *, rows: Optional[Sequence[int]] = None,
-               start_position: Optional[int] = None, positions=None, stream=None) -> int:
+    def inject(self, tenant: int, fact_ids: IntArrayLike, *, rows: Optional[Sequence[int]] = None,
+               start_position: Optional[int] = None, positions: Optional[IntArrayLike] = None,
+               stream: StreamLike = None) -> int:
         """Writes the facts, in order, into each batch row of ``rows`` (None: every
         row) from the cache's length on, then sets the length past them. Returns
         the tokens injected. start_position: RoPE position of the first token
@@ -293,8 +305,9 @@ class StaticCacheInjector:
         return self.inject_rows(tenant, [fact_ids] * len(rows), rows=rows, start_position=start_position,
                                 positions=positions, stream=stream)
 
-    def inject_rows(self, tenant: int, fact_ids_per_row: Sequence, *, rows: Optional[Sequence[int]] = None,
-                    start_position: Optional[int] = None, positions=None, stream=None) -> int:
+    def inject_rows(self, tenant: int, fact_ids_per_row: Sequence[IntArrayLike], *, rows: Optional[Sequence[int]] = None,
+                    start_position: Optional[int] = None, positions: Optional[IntArrayLike] = None,
+                    stream: StreamLike = None) -> int:
         """As :meth:`inject`, each row its own facts: ``fact_ids_per_row[i]`` into batch
         row ``rows[i]`` (rows default 0, 1, ...). The cache has one length for all
         rows, so every row's facts must have the same number of tokens."""

@@ -6,8 +6,9 @@ import ctypes
 import dataclasses
 import os
 import weakref
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
+from ._types import ArrayLike, FloatArrayLike, IntArrayLike, StreamLike
 from . import _buffers
 from ._buffers import Array
 from ._handle import Handle
@@ -280,9 +281,10 @@ class Store(Handle):
         return c, (a, b)
 
     # ---------------------------------------------------------------- facts
-    def put(self, tenant: int, fact_id: int, k, v=None, *, embedding=None, embedding_dtype: Optional[DType] = None,
+    def put(self, tenant: int, fact_id: int, k: Union[ArrayLike, KVView], v: Optional[ArrayLike] = None, *,
+            embedding: Optional[FloatArrayLike] = None, embedding_dtype: Optional[DType] = None,
             replace: bool = False, dtype: Optional[DType] = None, num_tokens: Optional[int] = None,
-            stream=None) -> None:
+            stream: StreamLike = None) -> None:
         """kvi_store_put: stores a fact's pre-RoPE K and V.
 
         k, v: tensors of shape [layers, tokens, heads, head_size] (any strides
@@ -310,7 +312,8 @@ class Store(Handle):
                ctypes.byref(view), ctypes.byref(po), _buffers.stream_handle(stream))
         del keep, emb
 
-    def read(self, tenant: int, fact_id: int, k=None, v=None, *, dtype: Optional[DType] = None, stream=None):
+    def read(self, tenant: int, fact_id: int, k: Union[ArrayLike, KVView, None] = None, v: Optional[ArrayLike] = None,
+             *, dtype: Optional[DType] = None, stream: StreamLike = None):
         """kvi_store_read: copies a fact's K and V into k and v (tensors or writable
         buffers shaped as for :meth:`put`, or a KVView as k) and returns (k, v).
         Without outputs it allocates host arrays of [layers, tokens, heads,
@@ -328,7 +331,7 @@ class Store(Handle):
         return k, v
 
     # ------------------------------------------------- tensor parallelism
-    def put_scatter(self, root: int, items: Sequence, *, stream=None) -> None:
+    def put_scatter(self, root: int, items: Sequence, *, stream: StreamLike = None) -> None:
         """kvi_store_put_scatter (collective, kvinject/comm.h): every rank passes the
         same (tenant, fact_id) list; on ``root`` each item is (tenant, fact_id, k, v)
         or (tenant, fact_id, k, v, embedding) with every KV head ([layers, tokens,
@@ -359,7 +362,7 @@ class Store(Handle):
                _buffers.stream_handle(stream))
         del views, opts, keep
 
-    def gather(self, root: int, items: Sequence, *, dtype: Optional[DType] = None, stream=None) -> list:
+    def gather(self, root: int, items: Sequence, *, dtype: Optional[DType] = None, stream: StreamLike = None) -> list:
         """kvi_store_gather (collective): every rank passes the same (tenant, fact_id)
         list; returns, on ``root``, one (k, v) pair per item with every KV head (flat
         host arrays as :meth:`read` allocates, fp32 by default), and on the other ranks
@@ -411,7 +414,7 @@ class Store(Handle):
         """kvi_store_remove."""
         lib().call("kvi_store_remove", self.handle, fit(tenant, U64, "tenant"), fit(fact_id, U64, "fact_id"))
 
-    def prefetch(self, tenant: int, fact_ids=None, stream=None) -> None:
+    def prefetch(self, tenant: int, fact_ids: Optional[IntArrayLike] = None, stream: StreamLike = None) -> None:
         """kvi_store_prefetch: start moving the facts (all of the tenant's for None) to the
         device tier; returns without waiting. A no-op for a store without a host tier."""
         if fact_ids is None:
@@ -450,8 +453,9 @@ class Store(Handle):
         return StoreStats(**vals)
 
     # --------------------------------------------------------------- search
-    def search(self, queries, tenants, k: int, *, query_dtype: Optional[DType] = None, out=None,
-               workspace_bytes: Optional[int] = None, stream=None):
+    def search(self, queries: FloatArrayLike, tenants: Union[int, IntArrayLike], k: int, *,
+               query_dtype: Optional[DType] = None, out: Optional[Tuple[ArrayLike, ArrayLike, ArrayLike]] = None,
+               workspace_bytes: Optional[int] = None, stream: StreamLike = None):
         """kvi_store_search: the top-k facts of each query's tenant.
 
         queries: a sequence of query vectors (sequences of floats, sent as
