@@ -8,6 +8,8 @@ import os
 import weakref
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
+PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
+
 from ._types import ArrayLike, FloatArrayLike, IntArrayLike, StreamLike
 from . import _buffers
 from ._buffers import Array
@@ -180,13 +182,19 @@ class Store(Handle):
         self.page_tokens, self.embedding_dim = st.page_tokens, st.embedding_dim
 
     @classmethod
-    def load(cls, model: Model, path: str, budget_bytes: int, *, journal: bool = False, **options) -> "Store":
+    def load(cls, model: Model, path: PathLike, budget_bytes: int, *, journal: bool = False,
+             **options) -> "Store":
         """kvi_store_load: a new store (options as for ``Store(model, budget_bytes, ...)``)
-        filled with the facts of the store file ``path``. The model's geometry, tp slice
-        and every layer's RoPE, and the options' dtype and embedding_dim, must equal the
-        file's (IncompatibleError names the field). journal: KVI_LOAD_JOURNAL, keep the
-        file as the store's journal (each later put, remove and encode is in it before
-        it returns). NotFoundError when there is no file."""
+        filled with the facts of the store file ``path`` (str, bytes or os.PathLike),
+        one :meth:`save` wrote or a journal. The model's geometry, tp slice and every
+        layer's RoPE, and the options' dtype and embedding_dim, must equal the
+        file's; backend, device, page_tokens and budget_bytes are free (the budget must
+        hold the facts; an fp8 file loads only with its page_tokens). journal:
+        KVI_LOAD_JOURNAL, keep the file as the new store's journal (see
+        :meth:`journal_open`). Raises NotFoundError (no file), CorruptError (not a
+        store file, truncated, a checksum mismatch), IncompatibleError (another
+        geometry, RoPE, dtype or embedding size: the message names the field and both
+        values), CapacityError (the facts do not fit budget_bytes), IOError_."""
         comm = options.get("comm")
         o = _store_options(budget_bytes, **options)
         lo = lib().new(LoadOptionsC)
@@ -197,21 +205,35 @@ class Store(Handle):
         self._adopt(h, model, comm)
         return self
 
-    def save(self, path: str, *, tenant: Optional[int] = None) -> None:
+    def save(self, path: PathLike, *, tenant: Optional[int] = None) -> None:
         """kvi_store_save: writes a snapshot of every fact (or one tenant's) to ``path``
-        atomically (a temporary file renamed over it)."""
+        (str, bytes or os.PathLike) atomically: a temporary file beside it, renamed over
+        it and flushed, so a reader sees the old file or the new one. On an error
+        ``path`` is as it was and the temporary file is removed (IOError_ naming the
+        call and the system error; also when ``path`` is an open store's journal),
+        except when only the final directory flush failed: the new file is then in
+        place. A tenant with no facts gives a valid file with no facts."""
         so = lib().new(SaveOptionsC)
         if tenant is not None:
             so.flags = SAVE_ONE_TENANT
             assign(so, tenant=tenant)
         lib().call("kvi_store_save", self.handle, _path(path), ctypes.byref(so))
 
-    def journal_open(self, path: str) -> None:
-        """kvi_store_journal_open: snapshot to ``path``, then keep it as the journal."""
+    def journal_open(self, path: PathLike) -> None:
+        """kvi_store_journal_open: makes the store durable in ``path``: writes a snapshot
+        (as :meth:`save`), then keeps the file open and locked as the journal. From then
+        on every successful put, remove and Encoder.encode on the store is in the file
+        before the call returns (an encode's captures as one all-or-nothing group); a
+        change that cannot be written fails with IOError_ and changes nothing. Opening
+        again switches to another file, or compacts the same one. :meth:`load` with
+        ``journal=True`` continues a journal. IOError_ also when ``path`` is another
+        store's journal; on error the previous journal, if any, stays."""
         lib().call("kvi_store_journal_open", self.handle, _path(path), 0)
 
     def journal_close(self) -> None:
-        """kvi_store_journal_close."""
+        """kvi_store_journal_close: stops journaling (later changes are not written); the
+        file stays a valid store file holding every acknowledged change. A store
+        without a journal is left as it is; :meth:`close` closes the journal too."""
         lib().call("kvi_store_journal_close", self.handle)
 
     # -------------------------------------------------------------- lifetime
