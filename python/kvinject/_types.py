@@ -53,7 +53,7 @@ class CudaStreamLike(Protocol):
     def cuda_stream(self) -> int: ...
 
 
-ArrayLike = Union[TensorLike, bytes, bytearray, memoryview, "array.array[Any]", ctypes.Array]
+ArrayLike = Union[TensorLike, bytes, bytearray, memoryview, array.array, ctypes.Array]
 IntArrayLike = Union[ArrayLike, Sequence[int]]
 FloatArrayLike = Union[ArrayLike, Sequence[float]]
 StreamLike = Union[None, int, CudaStreamLike]
