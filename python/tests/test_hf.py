@@ -39,8 +39,10 @@ try:
     import torch
     import transformers
 except ImportError as e:  # pragma: no cover
-    print("skipped: %s (test_hf needs torch and transformers)" % e)
-    sys.exit(77)
+    if __name__ == "__main__":
+        print("skipped: %s (test_hf needs torch and transformers)" % e)
+        sys.exit(77)
+    raise unittest.SkipTest("test_hf needs torch and transformers: %s" % e)
 
 import kvi_testutil  # noqa: E402,F401  (finds the package)
 import kvinject as kvi  # noqa: E402

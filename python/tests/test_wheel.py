@@ -126,7 +126,7 @@ class TestWheel(unittest.TestCase):
         self.assertEqual((got["lib"], got["by"], got["typed"]), (self.lib, "KVINJECT_LIBRARY", True))
 
     def test_bundled_wheel(self):
-        whl = self.wheel("bundled", "--config-settings", "bundle=" + kvi.library_path())
+        whl = self.wheel("bundled", "--config-settings", "bundle=" + self.lib)
         self.assertRegex(os.path.basename(whl), r"^kvinject-%s-py3-none-linux_[a-z0-9_]+\.whl$"
                          % kvi.__version__.replace(".", r"\."))
         self.assertIn("kvinject/_libs/" + SONAME, self.files(whl))
