@@ -7,7 +7,8 @@
   object with those attributes (vLLM's ``model_config.hf_config`` is a
   transformers config); families: Llama (llama3 scaling), Qwen2, Mistral and
   the other NeoX-paired models (linear, YaRN scaling, partial rotary as
-  GPT-NeoX), GPT-J (interleaved pairs).
+  GPT-NeoX), GPT-J (interleaved pairs), and configs with a RoPE per layer type
+  (Gemma 3: sliding and full attention layers, :func:`kvi_rope_fields_per_layer`).
 - Caches: :func:`cache_tensors` (a cache's per-layer tensors),
   :class:`StaticCacheInjector` (injects a store's facts into a StaticCache:
   appends them at the cache's length, checks they fit, sets the cache's
@@ -42,13 +43,23 @@ def kv_heads_of(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
-def rope_parameters(config) -> dict:
+def _per_type(rp) -> bool:
+    return isinstance(rp, dict) and bool(rp) and all(isinstance(v, dict) for v in rp.values())
+
+
+def rope_parameters(config, layer_type: Optional[str] = None) -> dict:
     """The config's RoPE parameters as one dict (transformers 5 rope_parameters;
-    4.x rope_theta + rope_scaling folded in)."""
+    4.x rope_theta + rope_scaling folded in). Configs with a RoPE per layer type
+    (rope_parameters keyed by ``config.layer_types``' names, e.g. Gemma 3's
+    sliding_attention / full_attention): ``layer_type``'s, by default
+    full_attention's."""
     rp = getattr(config, "rope_parameters", None)
+    if _per_type(rp):
+        t = layer_type or ("full_attention" if "full_attention" in rp else None)
+        if t not in rp:
+            raise KeyError("rope_parameters has layer types %s; %r is not one" % (sorted(rp), layer_type))
+        return dict(rp[t])
     if isinstance(rp, dict) and rp:
-        if "full_attention" in rp and isinstance(rp["full_attention"], dict):  # per-layer-type form
-            rp = rp["full_attention"]
         return dict(rp)
     out = dict(getattr(config, "rope_scaling", None) or {})
     if "type" in out and "rope_type" not in out:
@@ -64,16 +75,17 @@ def rope_parameters(config) -> dict:
     return out
 
 
-def kvi_rope_fields(config) -> dict:
+def kvi_rope_fields(config, layer_type: Optional[str] = None) -> dict:
     """The kvi_rope_spec fields (keyword arguments of :meth:`kvinject.Model.set_rope`)
     that reproduce the RoPE of a transformers config: pairing (NeoX half split vs
-    GPT-J interleaved), rotary_dim (partial rotary), theta and the scaling fields.
-    Raises NotImplementedError for RoPE kinds without a fixed rotation (dynamic
-    NTK) or without a mapping here; the result always names a style, so the
-    RoPE is set explicitly."""
+    GPT-J interleaved), rotary_dim (partial rotary), theta and the scaling fields
+    (``layer_type``: see :func:`rope_parameters`; :func:`kvi_rope_fields_per_layer`
+    gives every layer its own). Raises NotImplementedError for RoPE kinds without a
+    fixed rotation (dynamic NTK) or without a mapping here; the result always
+    names a style, so the RoPE is set explicitly."""
     mt = getattr(config, "model_type", None)
     hd = head_dim_of(config)
-    rp = rope_parameters(config)
+    rp = rope_parameters(config, layer_type)
     if mt == "gptj":
         # GPT-J: sin/cos table of rotary_dim dims, base 10000 hard-coded, pairs
         # (x_2i, x_2i+1) (rotate_every_two)
@@ -109,12 +121,36 @@ def kvi_rope_fields(config) -> dict:
     return f
 
 
+def kvi_rope_fields_per_layer(config) -> List[dict]:
+    """kvi_rope_fields of each layer: one dict per layer, each its layer type's RoPE
+    where the config has a RoPE per layer type (``layer_types`` and rope_parameters
+    keyed by them), else the same for every layer."""
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if _per_type(getattr(config, "rope_parameters", None)) and types:
+        if len(types) != n:
+            raise ValueError("config.layer_types has %d entries for %d layers" % (len(types), n))
+        by_type = {t: kvi_rope_fields(config, t) for t in set(types)}
+        return [dict(by_type[t]) for t in types]
+    f = kvi_rope_fields(config)
+    return [dict(f) for _ in range(n)]
+
+
 def kvi_model_for(config, rope_fields=None, *, tp_rank: int = 0, tp_size: int = 1) -> Model:
-    """A :class:`kvinject.Model` with the geometry and RoPE of a transformers config
-    (RoPE set explicitly on every layer: ``rope_fields``, else kvi_rope_fields)."""
+    """A :class:`kvinject.Model` with the geometry and RoPE of a transformers config,
+    RoPE set explicitly on every layer: ``rope_fields`` on all of them, else each
+    layer's :func:`kvi_rope_fields_per_layer`."""
     m = Model(num_layers=config.num_hidden_layers, num_kv_heads=kv_heads_of(config),
               head_size=head_dim_of(config), tp_rank=tp_rank, tp_size=tp_size)
-    m.set_rope(**(rope_fields if rope_fields is not None else kvi_rope_fields(config)))
+    if rope_fields is not None:
+        m.set_rope(**rope_fields)
+        return m
+    per_layer = kvi_rope_fields_per_layer(config)
+    if all(f == per_layer[0] for f in per_layer):
+        m.set_rope(**per_layer[0])
+    else:
+        for i, f in enumerate(per_layer):
+            m.set_rope(layer=i, **f)
     return m
 
 

@@ -15,7 +15,8 @@
   injector of the old tensors is refused; a DynamicCache, too-many tokens,
   rows of unequal length are refused with the cache unchanged.
 - kvi_rope_fields for every family the harness maps (Llama llama3, Qwen2,
-  GPT-NeoX partial rotary, GPT-J interleaved) against the model's own cos/sin.
+  GPT-NeoX partial rotary, GPT-J interleaved) against the model's own cos/sin,
+  and a RoPE per layer type (Gemma 3) against each layer type's frequencies.
 - The examples of python/README.md marked ``<!-- tested: test_hf -->`` run.
 
 Runs in the environment .ci/install-vllm builds (torch, transformers, the
@@ -25,6 +26,7 @@ without torch and transformers; the SmolLM2 test skips without the model
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -283,6 +285,33 @@ class TestRopeFields(unittest.TestCase):
                 km = khf.kvi_model_for(model.config)
                 self.addCleanup(km.close)
                 self.assertLess(C.rope_mapping_error(model, km, positions=256), 1e-4)  # the harness criterion
+
+
+    def test_rope_per_layer_type(self):
+        # Gemma 3: sliding layers theta 1e4, full layers theta 1e6 with linear scaling;
+        # each layer against the model's own inverse frequencies of its layer type
+        types = ["sliding_attention", "full_attention", "sliding_attention"]
+        cfg = transformers.Gemma3TextConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=32, layer_types=types, sliding_window=16,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        rot = next(m for _, m in model.named_modules() if hasattr(m, "layer_types") and hasattr(m, "rope_type"))
+        km = khf.kvi_model_for(model.config)
+        self.addCleanup(km.close)
+        worst = 0.0
+        for layer, t in enumerate(types):
+            inv = getattr(rot, t + "_inv_freq").double()
+            self.assertEqual(getattr(rot, t + "_attention_scaling"), 1.0)
+            for p in (0, 1, 17, 100, 255):
+                for j in range(inv.numel()):
+                    c, s = km.rope_cos_sin(layer, p, j)
+                    a = p * float(inv[j])
+                    worst = max(worst, abs(c - math.cos(a)), abs(s - math.sin(a)))
+        self.assertLess(worst, 1e-5)
+        # the two types differ, so one RoPE for every layer would fail the check above
+        self.assertNotEqual(km.get_rope(0).theta, km.get_rope(1).theta)
 
 
 class TestReadmeExamples(unittest.TestCase):
