@@ -236,7 +236,11 @@ class StaticCacheInjector:
     with no slot to inject into, and every forward reallocates them; sliding
     window layers too (NotImplementedError): their slots are a ring.
     ``transfer_options``: as :class:`kvinject.Injector`. Keep this object (it
-    keeps the injectors) until the stream has passed the work.
+    keeps the injectors) until the stream has passed the work. An injector of
+    moved tensors is freed when they move (a CUDA store's after synchronizing the
+    stream of the last injection, where it is an object with ``synchronize()``,
+    such as a torch.cuda.Stream; with a raw handle or the default stream it is
+    kept until :meth:`close`).
     """
 
     def __init__(self, store, cache, *, dtype=None, device=None, batch_size: int = 1, **transfer_options):
@@ -259,7 +263,8 @@ class StaticCacheInjector:
         self._alloc = (batch_size, dtype, device)
         self._options = transfer_options
         self._injector = None
-        self._retired: List[Any] = []  # injectors of moved tensors: their work may still be in flight
+        self._retired: List[Any] = []  # injectors of moved tensors whose work may still be in flight
+        self._last_stream = None
 
     # -------------------------------------------------------------- geometry
     @property
@@ -313,10 +318,24 @@ class StaticCacheInjector:
                 self._injector.layout.check()
                 return self._injector
             except StaleLayoutError:
-                self._retired.append(self._injector)
+                self._retire(self._injector)
                 self._injector = None
         self._injector = Injector(self.store, CacheLayout.hf(self.cache), **self._options)
         return self._injector
+
+    def _retire(self, inj) -> None:
+        """An injector of tensors the cache no longer holds: freed now when its work is
+        complete (a CPU store works synchronously; else the stream of the last
+        injection is synchronized, when it can be), else kept until :meth:`close`
+        (it also keeps the old tensors alive)."""
+        from .enums import Backend
+        stream = self._last_stream
+        if self.store.backend != Backend.CPU:
+            if not hasattr(stream, "synchronize"):
+                self._retired.append(inj)
+                return
+            stream.synchronize()
+        inj.close()
 
     @property
     def layout(self) -> CacheLayout:
@@ -373,6 +392,7 @@ class StaticCacheInjector:
         pos0 = start if start_position is None and positions is None else (start_position or 0)
         inj.inject([InjectRequest(tenant, ids, block_table=[r], first_slot=start, start_position=pos0,
                                   positions=positions) for r, ids in zip(rows, per_row)], stream=stream)
+        self._last_stream = stream
         self.set_length(start + n)
         return n
 

@@ -95,9 +95,11 @@ class _Transfer(Handle):
 
     @property
     def handle(self) -> ctypes.c_void_p:
-        """The C pointer; first refuses a stale layout (:meth:`CacheLayout.check`)."""
+        """The C pointer; ValueError once closed, StaleLayoutError for a stale layout
+        (:meth:`CacheLayout.check`)."""
+        h = super().handle
         self.layout.check()
-        return super().handle
+        return h
 
 
 

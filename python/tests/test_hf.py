@@ -244,6 +244,9 @@ class TestStaticCacheTiny(Parity, unittest.TestCase):
                                          start_position=self.prefix))
         n = inj.inject(TENANT, [100, 101, 102])
         self.assertIsNot(inj.injector, old)
+        with self.assertRaisesRegex(ValueError, "closed"):  # a CPU store's old injector is freed at once
+            old.handle
+        self.assertEqual(inj._retired, [])
         with torch.no_grad():
             out = self.model(self.ids[:, self.prefix + n:], past_key_values=cache, use_cache=True)
         self.assertLess(rel_err(out.logits[0], ref), 1e-4)
