@@ -132,6 +132,14 @@ class TestLookupOrder(unittest.TestCase):
         self.assertIn(how, ('ctypes.util.find_library("kvinject")', "the dynamic loader"), err)
         self.assertEqual(os.path.basename(path), SONAME)
 
+    def test_module_main_says_which(self):
+        env = {k: v for k, v in os.environ.items() if k not in ("KVINJECT_BUILD", "PYTHONPATH")}
+        env.update(PYTHONPATH=self.plain, KVINJECT_LIBRARY=self.build)
+        r = subprocess.run([sys.executable, "-m", "kvinject"], env=env, cwd=self.empty, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, universal_newlines=True, timeout=120)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("libkvinject %s: %s (found by KVINJECT_LIBRARY)" % (kvi.version(), self.build_lib), r.stdout)
+
     def test_nothing_found_names_every_rule_tried(self):
         path, how, err = self.load(self.plain)
         if path is not None:
