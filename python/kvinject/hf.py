@@ -30,6 +30,7 @@ from .cache import CacheLayout
 from .enums import RopeScaling, RopeStyle
 from .errors import StaleLayoutError
 from .model import Model
+from .store import Store
 
 
 def head_dim_of(config) -> int:
@@ -243,7 +244,8 @@ class StaticCacheInjector:
     kept until :meth:`close`).
     """
 
-    def __init__(self, store, cache, *, dtype=None, device=None, batch_size: int = 1, **transfer_options):
+    def __init__(self, store: Store, cache: Any, *, dtype: Any = None, device: Any = None, batch_size: int = 1,
+                 **transfer_options: Optional[int]):
         layers = getattr(cache, "layers", None)
         if layers is None or not is_hf_cache(cache):
             raise TypeError("cache: expected a transformers 5.x StaticCache (cache layer objects), got %s"
