@@ -41,12 +41,9 @@ def need_torch_transformers():
 
 
 def need_kvinject():
-    """Imports the binding: the library is KVINJECT_LIBRARY, else
-    $KVINJECT_BUILD/lib/libkvinject.so, else what the binding finds itself
-    (the repository's build/ tree, the linker's paths)."""
-    build = os.environ.get("KVINJECT_BUILD")
-    if build and not os.environ.get("KVINJECT_LIBRARY"):
-        os.environ["KVINJECT_LIBRARY"] = os.path.join(build, "lib", "libkvinject.so")
+    """Imports the binding, which finds the library itself: KVINJECT_LIBRARY (the
+    library file or a build directory), else the repository's build/ tree, else
+    an installed one (see python/README.md, "Installing")."""
     try:
         import kvinject
     except ImportError as e:
@@ -266,39 +263,16 @@ def static_cache(model, max_cache_len):
 
 
 def cache_tensors(cache):
-    """Per-layer key and value tensors [batch, heads, seq, head_dim] of a cache."""
-    layers = getattr(cache, "layers", None)
-    if layers is not None:
-        keys = [l.keys for l in layers]
-        values = [l.values for l in layers]
-    else:  # 4.x
-        keys, values = list(cache.key_cache), list(cache.value_cache)
-    if any(k is None or k.dim() != 4 for k in keys):
-        raise RuntimeError("the cache's layers are not initialized (run a forward through it first)")
-    return keys, values
+    """Per-layer key and value tensors [batch, heads, seq, head_dim] of a cache
+    (kvinject.hf.cache_tensors)."""
+    from kvinject.hf import cache_tensors as f
+    return f(cache)
 
 
 def set_cache_length(cache, n):
-    """Tells a StaticCache that its first n slots hold valid KV (the injector wrote
-    some of them behind transformers' back), so that the next forward writes at n
-    and takes positions n, n+1, ... Checked: raises if this transformers version
-    keeps the length elsewhere."""
-    import torch
-    layers = getattr(cache, "layers", None)
-    if layers is None:
-        raise RuntimeError("this transformers version has no cache layer objects (need 5.x)")
-    for l in layers:
-        cl = getattr(l, "cumulative_length", None)
-        if isinstance(cl, torch.Tensor):
-            cl.fill_(n)
-        elif isinstance(cl, int):
-            l.cumulative_length = n
-        else:
-            raise RuntimeError("StaticLayer has no cumulative_length: unsupported transformers version")
-    got = cache.get_seq_length()
-    got = int(got.item()) if hasattr(got, "item") else int(got)
-    if got != n:
-        raise RuntimeError("set_cache_length(%d) left get_seq_length() at %d" % (n, got))
+    """The StaticCache's length set to n (kvinject.hf.set_cache_length, checked)."""
+    from kvinject.hf import set_cache_length as f
+    return f(cache, n)
 
 
 # --------------------------------------------------------------------- timing

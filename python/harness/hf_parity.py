@@ -167,12 +167,14 @@ class Run:
         inj_tokens = ids.shape[1] - prefix - question
         cache = C.static_cache(self.model, ids.shape[1])
         self.forward(ids[:, :prefix], past_key_values=cache, use_cache=True)
+        # the facts at the cache's length (slots and positions prefix..), its length set past them
+        from kvinject.hf import StaticCacheInjector
+        inj = StaticCacheInjector(store, cache)
+        n = inj.inject(TENANT, fact_ids, stream=self.stream)
+        if n != inj_tokens or inj.length != prefix + inj_tokens:
+            raise RuntimeError("injected %d tokens, cache length %d; expected %d, %d"
+                               % (n, inj.length, inj_tokens, prefix + inj_tokens))
         keys, values = C.cache_tensors(cache)
-        inj = kvi.Injector(store, kvi.CacheLayout.hf(keys, values))
-        assert inj.plan(TENANT, fact_ids) == inj_tokens
-        inj.inject(kvi.InjectRequest(TENANT, fact_ids, block_table=[0], first_slot=prefix, start_position=prefix),
-                   stream=self.stream)
-        C.set_cache_length(cache, prefix + inj_tokens)
         out = self.forward(ids[:, prefix + inj_tokens:], past_key_values=cache, use_cache=True)
         C.sync(self.device)
         lg = out.logits[0]

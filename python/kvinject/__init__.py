@@ -16,10 +16,23 @@ stride(), dtype and device, so torch is never imported here) or host buffers
 default stream), an int handle, or a torch.cuda.Stream. Failures raise a
 KviError subclass carrying the status and kvi_last_error().
 
-The library is found through KVINJECT_LIBRARY (a path), else the build tree
-of the repository this package sits in (build/lib), else
-ctypes.util.find_library("kvinject"), else "libkvinject.so.0" through the
-dynamic loader.
+Installing: ``pip install ./python`` (from the repository) or a wheel; the
+library itself is built and installed by Meson, or bundled in the wheel. The
+library is found at import, first match wins (``python -m kvinject`` says
+which):
+
+1. KVINJECT_LIBRARY: the library file, or a Meson build directory (its
+   lib/libkvinject.so.0); when set, nothing else is tried;
+2. KVINJECT_BUILD: deprecated (warns), a build directory as in 1;
+3. the library bundled in the wheel (kvinject/_libs/libkvinject.so.0);
+4. the build tree of the repository this package sits in (build/lib), when
+   imported from the repository's python/ directory;
+5. libkvinject.so.0 in ``pkg-config --variable=libdir kvinject``;
+6. ctypes.util.find_library("kvinject") (the linker cache);
+7. "libkvinject.so.0" through the dynamic loader (LD_LIBRARY_PATH, rpath).
+
+Hugging Face transformers helpers: :mod:`kvinject.hf` (RoPE and geometry from
+a config, an injector for a StaticCache); vLLM: :mod:`kvinject.vllm`.
 """
 from __future__ import annotations
 
@@ -33,7 +46,8 @@ from .enums import (FEATURE_CUBLASLT, FEATURE_CUDA, FEATURE_NCCL, LOAD_JOURNAL, 
                     RopeStyle, ScaleMode, Status)
 from .errors import (CapacityError, CorruptError, CudaError, ExistsError, IncompatibleError, IOError_, PeerError, InternalError, InvalidArgumentError, KviError,
                      MemoryKindError, MismatchError, NoDeviceError, NotBuiltError, NotFoundError,
-                     OutOfMemoryError, StructSizeError, UnsupportedError, error_class)
+                     OutOfMemoryError, StaleLayoutError, StructSizeError, UnsupportedError, error_class)
+from ._types import ArrayLike, CudaStreamLike, FloatArrayLike, IntArrayLike, StreamLike, TensorLike
 from .model import Model, ModelInfoData, RopeSpec
 from .store import KVView, SearchResults, Store, StoreStats
 from .transfer import Capture, Encoder, InjectRequest, Injector, RetrieveRequest
@@ -46,6 +60,11 @@ __version__ = "0.1.0"
 def library_path() -> str:
     """The path (or name) the library was loaded from."""
     return _L.path
+
+
+def library_found_by() -> str:
+    """How the library was found: one of kvinject._lib.LOOKUP_ORDER."""
+    return _L.found_by
 
 
 def version() -> str:
@@ -89,6 +108,7 @@ def last_error() -> str:
 
 
 __all__ = [
+    "ArrayLike", "CudaStreamLike", "FloatArrayLike", "IntArrayLike", "StreamLike", "TensorLike",
     "Backend", "CacheLayout", "CachePreset", "Comm", "CommGroup", "Capture", "CapacityError", "CorruptError", "CudaError", "DType",
     "EmbeddingPlacement", "Encoder", "IOError_", "IncompatibleError", "PeerError",
     "ExistsError", "FEATURE_CUBLASLT", "FEATURE_CUDA", "FEATURE_NCCL", "InjectRequest", "Injector", "RetrieveRequest",
@@ -96,7 +116,7 @@ __all__ = [
     "MismatchError", "Model", "ModelInfoData", "NoDeviceError", "NotBuiltError", "NotFoundError",
     "LOAD_JOURNAL", "OutOfMemoryError", "PUT_REPLACE", "SAVE_ONE_TENANT", "RETRIEVE_BEST_LAST", "RopeScaling", "RopeSpec",
     "RopeStyle", "SEARCH_DEFAULT_WORKSPACE", "SEARCH_MAX_K", "SEARCH_NO_ID", "STRIDE_SAME", "ScaleMode", "SearchResults",
-    "Status", "Store", "StoreStats",
+    "StaleLayoutError", "Status", "Store", "StoreStats",
     "StructSizeError", "UnsupportedError", "cuda_device_count", "dtype_size", "embedding_rank", "error_class", "features",
-    "last_error", "library_path", "status_string", "version", "version_number",
+    "last_error", "library_found_by", "library_path", "status_string", "version", "version_number",
 ]

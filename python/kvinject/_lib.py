@@ -1,13 +1,20 @@
 """Loading libkvinject.so and declaring its C API for ctypes.
 
-Library lookup, first match wins:
-  1. the environment variable KVINJECT_LIBRARY: a path to the library file;
-  2. the build tree of the repository this package sits in
-     (<repo>/build/lib/libkvinject.so, the README's build directory), when
+Library lookup, first match wins (LOOKUP_ORDER, and kvinject/__init__.py's docstring):
+  1. the environment variable KVINJECT_LIBRARY: the library file, or a Meson
+     build directory (its lib/libkvinject.so.0 is loaded). An explicit choice:
+     it loads or the import fails, nothing else is tried;
+  2. KVINJECT_BUILD (deprecated, warns): a build directory, as 1;
+  3. the library bundled in the wheel: kvinject/_libs/libkvinject.so.0;
+  4. the build tree of the repository this package sits in
+     (<repo>/build/lib/libkvinject.so.0, the README's build directory), when
      the package is imported from <repo>/python;
-  3. ctypes.util.find_library("kvinject") (the linker cache, e.g. an
+  5. pkg-config: libkvinject.so.0 in `pkg-config --variable=libdir kvinject`
+     (an installed libkvinject whose kvinject.pc pkg-config finds, e.g. under
+     PKG_CONFIG_PATH);
+  6. ctypes.util.find_library("kvinject") (the linker cache, e.g. an
      installed /usr/local/lib/libkvinject.so after ldconfig);
-  4. "libkvinject.so.0" through the dynamic loader (LD_LIBRARY_PATH, rpath).
+  7. "libkvinject.so.0" through the dynamic loader (LD_LIBRARY_PATH, rpath).
 
 Every struct below mirrors the C struct of the same name field for field;
 python/tests/test_abi.py compares sizes and offsets with a C program compiled
@@ -18,6 +25,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import shutil
+import subprocess
+import warnings
 from ctypes import (POINTER, c_char_p, c_double, c_float, c_int, c_int32, c_int64, c_size_t, c_uint,
                     c_uint32, c_uint64, c_void_p)
 from typing import Optional
@@ -402,22 +412,60 @@ _INIT_FUNCTIONS = {
 }
 
 
+SONAME = "libkvinject.so.0"
+
+LOOKUP_ORDER = ("KVINJECT_LIBRARY", "KVINJECT_BUILD", "the wheel's bundled library", "the repository's build tree",
+                "pkg-config", 'ctypes.util.find_library("kvinject")', "the dynamic loader")
+
+
+def _in_build_dir(path: str) -> str:
+    """A library file as given, or a build directory's lib/libkvinject.so.0."""
+    return os.path.join(path, "lib", SONAME) if os.path.isdir(path) else path
+
+
+def _pkg_config_libdir() -> Optional[str]:
+    exe = shutil.which("pkg-config")
+    if exe is None:
+        return None
+    try:
+        r = subprocess.run([exe, "--variable=libdir", "kvinject"], stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, universal_newlines=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (r.stdout.strip() or None) if r.returncode == 0 else None
+
+
 def _candidates():
+    """(how, path) in LOOKUP_ORDER."""
     env = os.environ.get("KVINJECT_LIBRARY")
     if env:
         # an explicit choice is never second-guessed: it loads or the import fails
-        yield "KVINJECT_LIBRARY", env
+        yield "KVINJECT_LIBRARY", _in_build_dir(env)
         return
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    for name in ("libkvinject.so", "libkvinject.so.0"):
-        path = os.path.join(repo, "build", "lib", name)
-        if os.path.isfile(os.path.join(repo, "meson.build")) and os.path.exists(path):
-            yield "the repository's build tree", path
-            break
+    build = os.environ.get("KVINJECT_BUILD")
+    if build:
+        warnings.warn("kvinject: KVINJECT_BUILD is deprecated; set KVINJECT_LIBRARY to the build directory "
+                      "(or the library file) instead", FutureWarning, stacklevel=4)
+        yield "KVINJECT_BUILD", _in_build_dir(build)
+        return
+    here = os.path.dirname(os.path.abspath(__file__))
+    bundled = os.path.join(here, "_libs", SONAME)
+    if os.path.exists(bundled):
+        yield "the wheel's bundled library", bundled
+    repo = os.path.dirname(os.path.dirname(here))
+    if os.path.isfile(os.path.join(repo, "meson.build")):
+        for name in (SONAME, "libkvinject.so"):
+            path = os.path.join(repo, "build", "lib", name)
+            if os.path.exists(path):
+                yield "the repository's build tree", path
+                break
+    libdir = _pkg_config_libdir()
+    if libdir and os.path.exists(os.path.join(libdir, SONAME)):
+        yield "pkg-config", os.path.join(libdir, SONAME)
     found = ctypes.util.find_library("kvinject")
     if found:
         yield 'ctypes.util.find_library("kvinject")', found
-    yield "the dynamic loader", "libkvinject.so.0"
+    yield "the dynamic loader", SONAME
 
 
 class _Lib:
@@ -435,8 +483,10 @@ class _Lib:
             except OSError as e:
                 errors.append("%s (%s): %s" % (path, how, e))
         if self.dll is None:
-            raise ImportError("kvinject: cannot load libkvinject. Set KVINJECT_LIBRARY to the library file "
-                              "(e.g. build/lib/libkvinject.so) or install the library. Tried: " + "; ".join(errors))
+            raise ImportError("kvinject: cannot load libkvinject. Set KVINJECT_LIBRARY to the library file or a "
+                              "build directory (e.g. build/lib/libkvinject.so or build), install the library "
+                              "(meson install: pkg-config or the loader then finds it), or install a wheel that "
+                              "bundles it. Tried: " + "; ".join(errors))
         for name, (restype, argtypes) in _PROTOTYPES.items():
             try:
                 fn = getattr(self.dll, name)

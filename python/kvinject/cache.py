@@ -5,9 +5,13 @@ points into (the cache tensors or buffers, the per-layer pointer arrays, the
 fp8 scales). Ways to make one:
 
 - :meth:`CacheLayout.hf`: Hugging Face per-layer key and value tensors of
-  [batch, heads, seq, head_size] (DynamicCache/StaticCache layers); strides
-  are read from the tensors, so a permuted or sliced view works too. Block
-  ids are batch rows; a request's block table is ``[row]``.
+  [batch, heads, seq, head_size] (DynamicCache/StaticCache layers), or the
+  cache object itself (then the layout checks, before each injector or
+  encoder call, that the cache still holds those tensors: see
+  :meth:`CacheLayout.check`); strides are read from the tensors, so a
+  permuted or sliced view works too. Block ids are batch rows; a request's
+  block table is ``[row]``. :class:`kvinject.hf.StaticCacheInjector` wraps
+  a StaticCache: slots, the cache's length and fresh layouts.
 - :meth:`CacheLayout.vllm`: vLLM per-layer cache tensors, [2, NB, BS, H, D]
   (FlashAttention, kv-first) or [NB, 2, BS, H, D] (FlashInfer/Triton,
   blocks-first); strides from the tensors, so the HND variants (a stride
@@ -27,11 +31,13 @@ Layouts read from tensors take their strides as they are, the last one
 from __future__ import annotations
 
 import ctypes
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Union
 
+from ._types import ArrayLike, FloatArrayLike
 from . import _buffers
 from ._lib import CacheLayoutC, assign, fit, lib
 from .enums import CachePreset, DType, Memory, ScaleMode
+from .errors import StaleLayoutError
 
 
 class CacheLayout:
@@ -79,7 +85,8 @@ class CacheLayout:
         self._keep.append(arr)
         return ctypes.addressof(arr)
 
-    def set_scales(self, mode: ScaleMode, k_scales=None, v_scales=None) -> "CacheLayout":
+    def set_scales(self, mode: ScaleMode, k_scales: Optional[FloatArrayLike] = None,
+                   v_scales: Optional[FloatArrayLike] = None) -> "CacheLayout":
         """fp8 scales (divide convention: stored = x / scale): PER_TENSOR takes num_layers
         values, PER_HEAD num_layers * num_heads (layer-major); sequences of floats
         or fp32 host buffers / CPU tensors."""
@@ -98,6 +105,39 @@ class CacheLayout:
             self._keep.append(a)
             setattr(self.c, name, a.ptr)
         return self
+
+    def check(self) -> None:
+        """For a layout made from a Hugging Face cache object (``CacheLayout.hf(cache)``):
+        raises :class:`kvinject.StaleLayoutError` when the cache no longer holds the
+        tensors the layout points into (a DynamicCache reallocates them at every
+        forward; a StaticCache when its layers are allocated again or moved).
+        Injectors and encoders call it before every call, so a stale layout is
+        refused instead of writing into tensors the model no longer reads. A
+        no-op for layouts made from tensors or pointers: those keep their tensors
+        alive, and the caller keeps them current."""
+        src = self.__dict__.get("_source")
+        if src is None:
+            return
+        cache, sig = src
+        from .hf import cache_tensors
+        try:
+            now = _signature(*cache_tensors(cache))
+        except (RuntimeError, TypeError):
+            now = None
+        if now != sig:
+            raise StaleLayoutError("the layout's %s no longer holds the tensors it was made from (a DynamicCache "
+                                   "reallocates them at every forward; a StaticCache when its layers are "
+                                   "allocated or moved): make a new layout, or use "
+                                   "kvinject.hf.StaticCacheInjector, which does" % type(cache).__name__)
+
+    @property
+    def stale(self) -> bool:
+        """Whether :meth:`check` would raise."""
+        try:
+            self.check()
+        except StaleLayoutError:
+            return True
+        return False
 
     def __getattr__(self, name):
         c = self.__dict__.get("c")
@@ -161,10 +201,15 @@ class CacheLayout:
         return self
 
     @classmethod
-    def hf(cls, keys: Sequence, values: Sequence, *, shape: Optional[Sequence[int]] = None,
+    def hf(cls, keys: Union[Sequence[ArrayLike], Any], values: Optional[Sequence[ArrayLike]] = None, *, shape: Optional[Sequence[int]] = None,
            dtype: Optional[DType] = None) -> "CacheLayout":
         """Hugging Face per-layer caches: ``keys[l]`` and ``values[l]`` of
-        [batch, heads, seq, head_size] (e.g. ``[layer.keys for layer in cache.layers]``).
+        [batch, heads, seq, head_size] (e.g. ``[layer.keys for layer in cache.layers]``),
+        or ``CacheLayout.hf(cache)``: a transformers cache object (DynamicCache,
+        StaticCache; 5.x layer objects or 4.x key_cache lists) whose layers
+        are allocated, its tensors read now and re-read by :meth:`check` before
+        every injector or encoder call (a layout that outlived its tensors
+        raises :class:`kvinject.StaleLayoutError`).
 
         Tensors: shape and strides are read from them; every key and value must
         have the same shape, strides, dtype and device (any strides, the last one
@@ -172,6 +217,15 @@ class CacheLayout:
         head_size)`` and, for raw uint16/uint8 buffers, ``dtype``; they are taken
         as contiguous (the KVI_CACHE_HF_CONTIGUOUS preset). Block ids are batch
         rows (num_blocks = batch, block_size = seq, the capacity)."""
+        if values is None:
+            from .hf import cache_tensors, is_hf_cache
+            if not is_hf_cache(keys):
+                raise TypeError("hf: expected a transformers cache object, or keys and values (one tensor per "
+                                "layer each); got %s alone" % type(keys).__name__)
+            k, v = cache_tensors(keys)
+            lay = cls.hf(k, v, shape=shape, dtype=dtype)
+            lay._source = (keys, _signature(k, v))
+            return lay
         keys, values = list(keys), list(values)
         if not keys or len(keys) != len(values):
             raise ValueError("hf: %d key and %d value tensors; expected one of each per layer (>= 1)"
@@ -201,7 +255,7 @@ class CacheLayout:
         return lay
 
     @classmethod
-    def vllm(cls, kv_caches: Sequence, *, kv_first: bool = True, shape: Optional[Sequence[int]] = None,
+    def vllm(cls, kv_caches: Sequence[ArrayLike], *, kv_first: bool = True, shape: Optional[Sequence[int]] = None,
              dtype: Optional[DType] = None) -> "CacheLayout":
         """vLLM per-layer cache tensors (``register_kv_caches``' values, in layer order).
 
@@ -247,7 +301,7 @@ class CacheLayout:
                    k_layers=[a.ptr for a in arrays], keep=arrays)
 
     @classmethod
-    def sglang(cls, k_buffers: Sequence, v_buffers: Sequence, *, page_size: int = 1,
+    def sglang(cls, k_buffers: Sequence[ArrayLike], v_buffers: Sequence[ArrayLike], *, page_size: int = 1,
                dtype: Optional[DType] = None) -> "CacheLayout":
         """SGLang MHATokenToKVPool per-layer k_buffer / v_buffer tensors of [slots, H, D].
         Block ids are pages of ``page_size`` slots (1: slot ids)."""
@@ -267,7 +321,7 @@ class CacheLayout:
                    k_layers=[a.ptr for a in arrays[:n]], v_layers=[a.ptr for a in arrays[n:]], keep=arrays)
 
     @classmethod
-    def vllm_cpu(cls, kv_caches: Sequence, *, shape: Optional[Sequence[int]] = None,
+    def vllm_cpu(cls, kv_caches: Sequence[ArrayLike], *, shape: Optional[Sequence[int]] = None,
                  dtype: Optional[DType] = None) -> "CacheLayout":
         """vLLM's CPU attention cache (CPU_ATTN, vec / vec16 ISA): ``register_kv_caches``'
         per-layer tensors of [NB, H, BS, 2 * D], in layer order. The shape is only a
@@ -302,6 +356,14 @@ class CacheLayout:
                          D2 // 2, BS, NB, k_layers=[a.ptr for a in arrays], memory=first.memory)
         lay._keep.append(arrays)
         return lay
+
+
+def _signature(keys, values):
+    """What identifies the memory of a cache's tensors: data pointer, shape, strides,
+    dtype and device of each (a reallocated tensor has another pointer: the layout
+    keeps the old one alive, so its address cannot be reused)."""
+    return tuple((int(t.data_ptr()), tuple(t.shape), tuple(t.stride()), str(t.dtype), str(t.device))
+                 for t in list(keys) + list(values))
 
 
 def _layer_arrays(keys, values, dtype, what):

@@ -9,6 +9,7 @@ binding or the library found it.
 """
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 from .enums import Status
@@ -19,7 +20,9 @@ class KviError(Exception):
 
     Attributes: ``status`` (a :class:`Status`, or the raw int for a value this
     binding does not know), ``function`` (the C function, or ``None`` when the
-    binding itself refused the call) and ``message`` (``kvi_last_error()``).
+    binding itself refused the call), ``message`` (the library's message in
+    Python terms: :func:`python_message`) and ``c_message``
+    (``kvi_last_error()`` as the library wrote it).
     """
 
     def __init__(self, status: "Status | int", message: str, function: Optional[str] = None):
@@ -28,10 +31,11 @@ class KviError(Exception):
         except ValueError:
             pass
         self.status = status
-        self.message = message
+        self.c_message = message
+        self.message = python_message(message)
         self.function = function
         name = status.name if isinstance(status, Status) else str(status)
-        super().__init__("%s (%s)" % (message or "no message", name))
+        super().__init__("%s (%s)" % (self.message or "no message", name))
 
 
 class InvalidArgumentError(KviError, ValueError):
@@ -102,6 +106,12 @@ class PeerError(KviError):
     """KVI_ERR_PEER: a collective call failed on another rank; nothing changed here."""
 
 
+class StaleLayoutError(ValueError):
+    """The binding's own check: a layout made from a Hugging Face cache object whose
+    tensors the cache has since replaced (see :meth:`kvinject.CacheLayout.check`).
+    Not a library status: nothing was called."""
+
+
 _BY_STATUS = {
     Status.ERR_INVALID_ARGUMENT: InvalidArgumentError,
     Status.ERR_STRUCT_SIZE: StructSizeError,
@@ -121,6 +131,59 @@ _BY_STATUS = {
     Status.ERR_IO: IOError_,
     Status.ERR_PEER: PeerError,
 }
+
+
+# C names in the library's messages -> what a Python caller passed or calls
+_C_NAMES = {
+    "kvi_model_create": "Model", "kvi_model_set_rope": "Model.set_rope", "kvi_model_get_rope": "Model.get_rope",
+    "kvi_model_rope_cos_sin": "Model.rope_cos_sin", "kvi_model_info_get": "Model.info",
+    "kvi_store_create": "Store", "kvi_store_put": "Store.put", "kvi_store_read": "Store.read",
+    "kvi_store_remove": "Store.remove", "kvi_store_fact_tokens": "Store.fact_tokens",
+    "kvi_store_get_embedding": "Store.get_embedding", "kvi_store_prefetch": "Store.prefetch",
+    "kvi_store_count": "Store.count", "kvi_store_list": "Store.list", "kvi_store_stats_get": "Store.stats",
+    "kvi_store_search": "Store.search", "kvi_store_search_async_errors": "Store.search_async_errors",
+    "kvi_store_put_scatter": "Store.put_scatter", "kvi_store_gather": "Store.gather",
+    "kvi_store_check_agreement": "Store.check_agreement", "kvi_store_save": "Store.save",
+    "kvi_store_load": "Store.load", "kvi_store_journal_open": "Store.journal_open",
+    "kvi_store_journal_close": "Store.journal_close", "kvi_cache_layout_preset": "CacheLayout.preset",
+    "kvi_injector_create": "Injector", "kvi_inject": "Injector.inject", "kvi_inject_plan": "Injector.plan",
+    "kvi_injector_async_errors": "Injector.async_errors", "kvi_retrieve_inject": "Injector.retrieve_inject",
+    "kvi_encoder_create": "Encoder", "kvi_encode": "Encoder.encode", "kvi_comm_create_local": "Comm.local",
+    "kvi_comm_create_nccl": "Comm.nccl", "kvi_comm_group_create": "CommGroup", "kvi_comm_rank": "Comm.rank",
+    "kvi_comm_async_error": "Comm.async_error", "kvi_features": "kvinject.features",
+    "kvi_dtype": "DType", "kvi_backend": "Backend",
+}
+_ENUM_PREFIXES = {"KVI_DTYPE_": "DType.", "KVI_MEMORY_": "Memory.", "KVI_ROPE_": "RopeStyle.",
+                  "KVI_METRIC_": "Metric.", "KVI_BACKEND_": "Backend.", "KVI_EMBEDDINGS_": "EmbeddingPlacement."}
+_REWRITES = [
+    # per-item prefixes: the list argument of the Python call and the item's index
+    (re.compile(r"\brequest (\d+): "), r"requests[\1]: "),
+    (re.compile(r"\bcapture (\d+): "), r"captures[\1]: "),
+    # counts the binding derives from a Python argument's length
+    (re.compile(r"\bblock_table_len is (-?\d+)"), r"block_table has \1 entries"),
+    (re.compile(r"\bnum_positions is (-?\d+)"), r"positions has \1 values"),
+    (re.compile(r"\bnum_facts is (-?\d+)"), r"fact_ids has \1 ids"),
+    # option structs: their fields are keyword arguments or attributes of the same name
+    (re.compile(r"\b(?:load_opts|opts|spec|layout)->"), ""),
+    (re.compile(r"\bKVI_PUT_REPLACE\b"), "replace=True"),
+    (re.compile(r"\b(" + "|".join(sorted(_ENUM_PREFIXES, key=len, reverse=True)) + r")([A-Z0-9_]+)"),
+     lambda m: _ENUM_PREFIXES[m.group(1)] + m.group(2)),
+    (re.compile(r"\b(kvi_[a-z_]+)\b(?:\(\))?"),
+     lambda m: _C_NAMES.get(m.group(1), m.group(0)) + ("()" if m.group(0).endswith("()") else "")),
+]
+
+
+def python_message(message: str) -> str:
+    """A library message with its C names given as the Python binding's: the C
+    function as the method (``kvi_inject`` -> ``Injector.inject``), request and
+    capture indices as the list argument (``request 1:`` -> ``requests[1]:``),
+    option struct fields as the keyword arguments (``opts->page_tokens`` ->
+    ``page_tokens``), counts as the argument they come from
+    (``block_table_len is 0`` -> ``block_table has 0 entries``), enum constants
+    as the Python enums (``KVI_DTYPE_FP32`` -> ``DType.FP32``)."""
+    for rx, rep in _REWRITES:
+        message = rx.sub(rep, message)
+    return message
 
 
 def error_class(status: int) -> type:

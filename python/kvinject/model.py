@@ -6,6 +6,7 @@ import ctypes
 import dataclasses
 from typing import Any, Optional, Tuple
 
+from ._types import FloatArrayLike
 from . import _buffers
 from ._handle import Handle
 from ._lib import ModelInfo, ModelOptions, RopeSpecC, assign, fit, lib
@@ -36,7 +37,7 @@ class RopeSpec:
     attention_factor: float = 0.0
     yarn_truncate: int = 1
     table_dtype: Optional[DType] = None
-    cos_sin_table: Any = None
+    cos_sin_table: Optional[FloatArrayLike] = None
     table_positions: Optional[int] = None
 
 

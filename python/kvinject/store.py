@@ -6,8 +6,11 @@ import ctypes
 import dataclasses
 import os
 import weakref
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
+PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
+
+from ._types import ArrayLike, FloatArrayLike, IntArrayLike, StreamLike
 from . import _buffers
 from ._buffers import Array
 from ._handle import Handle
@@ -179,13 +182,19 @@ class Store(Handle):
         self.page_tokens, self.embedding_dim = st.page_tokens, st.embedding_dim
 
     @classmethod
-    def load(cls, model: Model, path: str, budget_bytes: int, *, journal: bool = False, **options) -> "Store":
+    def load(cls, model: Model, path: PathLike, budget_bytes: int, *, journal: bool = False,
+             **options) -> "Store":
         """kvi_store_load: a new store (options as for ``Store(model, budget_bytes, ...)``)
-        filled with the facts of the store file ``path``. The model's geometry, tp slice
-        and every layer's RoPE, and the options' dtype and embedding_dim, must equal the
-        file's (IncompatibleError names the field). journal: KVI_LOAD_JOURNAL, keep the
-        file as the store's journal (each later put, remove and encode is in it before
-        it returns). NotFoundError when there is no file."""
+        filled with the facts of the store file ``path`` (str, bytes or os.PathLike),
+        one :meth:`save` wrote or a journal. The model's geometry, tp slice and every
+        layer's RoPE, and the options' dtype and embedding_dim, must equal the
+        file's; backend, device, page_tokens and budget_bytes are free (the budget must
+        hold the facts; an fp8 file loads only with its page_tokens). journal:
+        KVI_LOAD_JOURNAL, keep the file as the new store's journal (see
+        :meth:`journal_open`). Raises NotFoundError (no file), CorruptError (not a
+        store file, truncated, a checksum mismatch), IncompatibleError (another
+        geometry, RoPE, dtype or embedding size: the message names the field and both
+        values), CapacityError (the facts do not fit budget_bytes), IOError_."""
         comm = options.get("comm")
         o = _store_options(budget_bytes, **options)
         lo = lib().new(LoadOptionsC)
@@ -196,21 +205,35 @@ class Store(Handle):
         self._adopt(h, model, comm)
         return self
 
-    def save(self, path: str, *, tenant: Optional[int] = None) -> None:
+    def save(self, path: PathLike, *, tenant: Optional[int] = None) -> None:
         """kvi_store_save: writes a snapshot of every fact (or one tenant's) to ``path``
-        atomically (a temporary file renamed over it)."""
+        (str, bytes or os.PathLike) atomically: a temporary file beside it, renamed over
+        it and flushed, so a reader sees the old file or the new one. On an error
+        ``path`` is as it was and the temporary file is removed (IOError_ naming the
+        call and the system error; also when ``path`` is an open store's journal),
+        except when only the final directory flush failed: the new file is then in
+        place. A tenant with no facts gives a valid file with no facts."""
         so = lib().new(SaveOptionsC)
         if tenant is not None:
             so.flags = SAVE_ONE_TENANT
             assign(so, tenant=tenant)
         lib().call("kvi_store_save", self.handle, _path(path), ctypes.byref(so))
 
-    def journal_open(self, path: str) -> None:
-        """kvi_store_journal_open: snapshot to ``path``, then keep it as the journal."""
+    def journal_open(self, path: PathLike) -> None:
+        """kvi_store_journal_open: makes the store durable in ``path``: writes a snapshot
+        (as :meth:`save`), then keeps the file open and locked as the journal. From then
+        on every successful put, remove and Encoder.encode on the store is in the file
+        before the call returns (an encode's captures as one all-or-nothing group); a
+        change that cannot be written fails with IOError_ and changes nothing. Opening
+        again switches to another file, or compacts the same one. :meth:`load` with
+        ``journal=True`` continues a journal. IOError_ also when ``path`` is another
+        store's journal; on error the previous journal, if any, stays."""
         lib().call("kvi_store_journal_open", self.handle, _path(path), 0)
 
     def journal_close(self) -> None:
-        """kvi_store_journal_close."""
+        """kvi_store_journal_close: stops journaling (later changes are not written); the
+        file stays a valid store file holding every acknowledged change. A store
+        without a journal is left as it is; :meth:`close` closes the journal too."""
         lib().call("kvi_store_journal_close", self.handle)
 
     # -------------------------------------------------------------- lifetime
@@ -280,9 +303,10 @@ class Store(Handle):
         return c, (a, b)
 
     # ---------------------------------------------------------------- facts
-    def put(self, tenant: int, fact_id: int, k, v=None, *, embedding=None, embedding_dtype: Optional[DType] = None,
+    def put(self, tenant: int, fact_id: int, k: Union[ArrayLike, KVView], v: Optional[ArrayLike] = None, *,
+            embedding: Optional[FloatArrayLike] = None, embedding_dtype: Optional[DType] = None,
             replace: bool = False, dtype: Optional[DType] = None, num_tokens: Optional[int] = None,
-            stream=None) -> None:
+            stream: StreamLike = None) -> None:
         """kvi_store_put: stores a fact's pre-RoPE K and V.
 
         k, v: tensors of shape [layers, tokens, heads, head_size] (any strides
@@ -310,7 +334,8 @@ class Store(Handle):
                ctypes.byref(view), ctypes.byref(po), _buffers.stream_handle(stream))
         del keep, emb
 
-    def read(self, tenant: int, fact_id: int, k=None, v=None, *, dtype: Optional[DType] = None, stream=None):
+    def read(self, tenant: int, fact_id: int, k: Union[ArrayLike, KVView, None] = None, v: Optional[ArrayLike] = None,
+             *, dtype: Optional[DType] = None, stream: StreamLike = None):
         """kvi_store_read: copies a fact's K and V into k and v (tensors or writable
         buffers shaped as for :meth:`put`, or a KVView as k) and returns (k, v).
         Without outputs it allocates host arrays of [layers, tokens, heads,
@@ -328,7 +353,7 @@ class Store(Handle):
         return k, v
 
     # ------------------------------------------------- tensor parallelism
-    def put_scatter(self, root: int, items: Sequence, *, stream=None) -> None:
+    def put_scatter(self, root: int, items: Sequence, *, stream: StreamLike = None) -> None:
         """kvi_store_put_scatter (collective, kvinject/comm.h): every rank passes the
         same (tenant, fact_id) list; on ``root`` each item is (tenant, fact_id, k, v)
         or (tenant, fact_id, k, v, embedding) with every KV head ([layers, tokens,
@@ -359,7 +384,7 @@ class Store(Handle):
                _buffers.stream_handle(stream))
         del views, opts, keep
 
-    def gather(self, root: int, items: Sequence, *, dtype: Optional[DType] = None, stream=None) -> list:
+    def gather(self, root: int, items: Sequence, *, dtype: Optional[DType] = None, stream: StreamLike = None) -> list:
         """kvi_store_gather (collective): every rank passes the same (tenant, fact_id)
         list; returns, on ``root``, one (k, v) pair per item with every KV head (flat
         host arrays as :meth:`read` allocates, fp32 by default), and on the other ranks
@@ -411,7 +436,7 @@ class Store(Handle):
         """kvi_store_remove."""
         lib().call("kvi_store_remove", self.handle, fit(tenant, U64, "tenant"), fit(fact_id, U64, "fact_id"))
 
-    def prefetch(self, tenant: int, fact_ids=None, stream=None) -> None:
+    def prefetch(self, tenant: int, fact_ids: Optional[IntArrayLike] = None, stream: StreamLike = None) -> None:
         """kvi_store_prefetch: start moving the facts (all of the tenant's for None) to the
         device tier; returns without waiting. A no-op for a store without a host tier."""
         if fact_ids is None:
@@ -450,8 +475,9 @@ class Store(Handle):
         return StoreStats(**vals)
 
     # --------------------------------------------------------------- search
-    def search(self, queries, tenants, k: int, *, query_dtype: Optional[DType] = None, out=None,
-               workspace_bytes: Optional[int] = None, stream=None):
+    def search(self, queries: FloatArrayLike, tenants: Union[int, IntArrayLike], k: int, *,
+               query_dtype: Optional[DType] = None, out: Optional[Tuple[ArrayLike, ArrayLike, ArrayLike]] = None,
+               workspace_bytes: Optional[int] = None, stream: StreamLike = None):
         """kvi_store_search: the top-k facts of each query's tenant.
 
         queries: a sequence of query vectors (sequences of floats, sent as

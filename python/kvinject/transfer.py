@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
+from ._types import ArrayLike, FloatArrayLike, IntArrayLike, StreamLike
 from . import _buffers
 from ._lib import (CaptureC, InjectOptions, InjectRequestC, RetrieveRequestC, SearchOptions, TransferOptions, assign,
                    fit, lib)
@@ -27,10 +28,10 @@ class InjectRequest:
     """
 
     tenant: int
-    fact_ids: Any
-    block_table: Any
+    fact_ids: IntArrayLike
+    block_table: IntArrayLike
     first_slot: int = 0
-    positions: Any = None
+    positions: Optional[IntArrayLike] = None
     start_position: int = 0
 
 
@@ -40,7 +41,7 @@ class RetrieveRequest:
     :meth:`Injector.retrieve_inject`). best_last: KVI_RETRIEVE_BEST_LAST."""
 
     tenant: int
-    block_table: Any
+    block_table: IntArrayLike
     first_slot: int = 0
     start_position: int = 0
     best_last: bool = False
@@ -55,13 +56,13 @@ class Capture:
 
     tenant: int
     fact_id: int
-    block_table: Any
+    block_table: IntArrayLike
     num_tokens: int
     first_slot: int = 0
-    positions: Any = None
+    positions: Optional[IntArrayLike] = None
     start_position: int = 0
     replace: bool = False
-    embedding: Any = None
+    embedding: Optional[FloatArrayLike] = None
     embedding_dtype: Optional[DType] = None
 
 
@@ -92,6 +93,14 @@ class _Transfer(Handle):
         self.layout = layout
         store._add_dependent(self)
 
+    @property
+    def handle(self) -> ctypes.c_void_p:
+        """The C pointer; ValueError once closed, StaleLayoutError for a stale layout
+        (:meth:`CacheLayout.check`)."""
+        h = super().handle
+        self.layout.check()
+        return h
+
 
 
 class Injector(_Transfer):
@@ -109,7 +118,7 @@ class Injector(_Transfer):
     _create, _destroy = "kvi_injector_create", "kvi_injector_destroy"
 
     def inject(self, requests: Union[InjectRequest, Sequence[InjectRequest]], *, layer_begin: int = 0,
-               layer_end: int = 0, stream=None) -> None:
+               layer_end: int = 0, stream: StreamLike = None) -> None:
         """kvi_inject: writes every request's facts (one fused launch on a CUDA store).
         layer_begin/layer_end: write layers [begin, end) (end 0 = all). stream:
         None (default stream), an int handle or a torch.cuda.Stream; host arrays
@@ -145,8 +154,9 @@ class Injector(_Transfer):
                _buffers.stream_handle(stream))
         del keep
 
-    def retrieve_inject(self, queries, requests: Sequence[RetrieveRequest], k: int, *,
-                        query_dtype: Optional[DType] = None, out=None, stream=None):
+    def retrieve_inject(self, queries: FloatArrayLike, requests: Sequence[RetrieveRequest], k: int, *,
+                        query_dtype: Optional[DType] = None,
+                        out: Optional[Tuple[ArrayLike, ArrayLike, ArrayLike]] = None, stream: StreamLike = None):
         """kvi_retrieve_inject: searches each query's tenant and injects its top k facts
         (on the device for CUDA stores without a host tier: see the C header). queries:
         as for :meth:`Store.search`; one request per query. out: None returns, per query,
@@ -201,7 +211,7 @@ class Injector(_Transfer):
             return out
         return [([ids[i * k + j] for j in range(counts[i])], tokens[i]) for i in range(nq)]
 
-    def plan(self, tenant: int, fact_ids) -> int:
+    def plan(self, tenant: int, fact_ids: IntArrayLike) -> int:
         """kvi_inject_plan: tokens the facts need in total (allocate blocks for them first)."""
         ids = _buffers.int_array(fact_ids, ctypes.c_uint64, "fact_ids")
         n = ctypes.c_int64()
@@ -224,7 +234,7 @@ class Encoder(_Transfer):
 
     _create, _destroy = "kvi_encoder_create", "kvi_encoder_destroy"
 
-    def encode(self, captures: Union[Capture, Sequence[Capture]], *, stream=None) -> None:
+    def encode(self, captures: Union[Capture, Sequence[Capture]], *, stream: StreamLike = None) -> None:
         """kvi_encode: all captures in one launch, all-or-nothing."""
         if isinstance(captures, Capture):
             captures = [captures]

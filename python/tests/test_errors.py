@@ -64,7 +64,8 @@ class TestRaised(unittest.TestCase):
         e = cm.exception
         self.assertEqual(e.status, kvi.Status.ERR_INVALID_ARGUMENT)
         self.assertEqual(e.function, "kvi_model_create")
-        self.assertEqual(e.message, kvi.last_error())
+        self.assertEqual(e.c_message, kvi.last_error())
+        self.assertEqual(e.message, kvi.last_error().replace("kvi_model_create", "Model"))
         self.assertIn("num_layers", e.message)
         self.assertIn(e.message, str(e))
         self.assertIsInstance(e, ValueError)
@@ -155,6 +156,100 @@ class TestRaised(unittest.TestCase):
         s.close()
         with self.assertRaises(ValueError):
             s.count(1)
+
+
+class TestPythonNames(unittest.TestCase):
+    """The library's messages name what the Python caller passed: the method, the
+    list argument and its index, keyword arguments, enums; never C fields or
+    functions. The raw message stays in c_message."""
+
+    def setUp(self):
+        self.model = kvi.Model(2, 2, 8)
+        self.model.set_rope(theta=10000.0)
+        self.store = kvi.Store(self.model, 1 << 20, backend=kvi.Backend.CPU, dtype=kvi.DType.FP32)
+        n = 2 * 5 * 2 * 8
+        self.store.put(1, 1, array.array("f", [0.5] * n), array.array("f", [0.25] * n))
+        buf = lambda: array.array("f", bytes(4 * 2 * 16 * 8))  # noqa: E731
+        self.layout = kvi.CacheLayout.hf([buf(), buf()], [buf(), buf()], shape=(1, 2, 16, 8))
+        self.inj = kvi.Injector(self.store, self.layout)
+        self.enc = kvi.Encoder(self.store, self.layout)
+
+    def tearDown(self):
+        self.inj.close()
+        self.enc.close()
+        self.store.close()
+        self.model.close()
+
+    def message(self, cls, call, starts, *contains):
+        with self.assertRaises(cls) as cm:
+            call()
+        e = cm.exception
+        self.assertEqual(e.c_message, kvi.last_error())
+        self.assertTrue(e.message.startswith(starts), e.message)
+        for c in contains:
+            self.assertIn(c, e.message)
+        for c_name in ("->", "kvi_", "KVI_", "request 0", "request 1", "capture 0", "num_positions",
+                       "block_table_len"):
+            self.assertNotIn(c_name, e.message)
+        self.assertIn(e.message, str(e))
+        return e
+
+    def test_inject_requests(self):
+        R = kvi.InjectRequest
+        e = self.message(kvi.InvalidArgumentError,
+                         lambda: self.inj.inject([R(1, [1], block_table=[0]), R(1, [1], block_table=[7])]),
+                         "Injector.inject: requests[1]: block_table[0] is 7")
+        self.assertIn("request 1: block_table[0] is 7", e.c_message)
+        self.message(kvi.InvalidArgumentError, lambda: self.inj.inject(R(1, [1], block_table=[0], positions=[3, 4])),
+                     "Injector.inject: requests[0]: positions has 2 values", "5 tokens")
+        self.message(kvi.InvalidArgumentError, lambda: self.inj.inject(R(1, [1], block_table=[0], first_slot=-1)),
+                     "Injector.inject: requests[0]: first_slot is -1")
+        self.message(kvi.NotFoundError, lambda: self.inj.inject(R(1, [1, 9], block_table=[0])),
+                     "Injector.inject: requests[0]: no fact 9")
+        self.message(kvi.NotFoundError, lambda: self.inj.plan(1, [42]), "Injector.plan: no fact 42")
+
+    def test_encode_captures(self):
+        C = kvi.Capture
+        self.message(kvi.ExistsError, lambda: self.enc.encode([C(1, 2, block_table=[0], num_tokens=3),
+                                                                C(1, 1, block_table=[0], num_tokens=4)]),
+                     "Encoder.encode: captures[1]: fact 1 of tenant 1 is already stored", "replace=True")
+        self.assertEqual(self.store.count(1), 1)
+        self.message(kvi.InvalidArgumentError, lambda: self.enc.encode(C(1, 2, block_table=[0], num_tokens=0)),
+                     "Encoder.encode: captures[0]: num_tokens is 0")
+
+    def test_constructors_and_options(self):
+        self.message(kvi.InvalidArgumentError, lambda: kvi.Model(2, 0, 8), "Model: num_kv_heads is 0")
+        self.message(kvi.InvalidArgumentError, lambda: self.model.set_rope(theta=-1.0), "Model.set_rope: theta is -1")
+        self.message(kvi.InvalidArgumentError,
+                     lambda: kvi.Store(self.model, 1 << 20, backend=kvi.Backend.CPU, page_tokens=0),
+                     "Store: page_tokens is 0")
+        self.message(kvi.InvalidArgumentError, lambda: kvi.Store(self.model, 0, backend=kvi.Backend.CPU),
+                     "Store: budget_bytes is 0")
+        self.message(kvi.MismatchError, lambda: kvi.Injector(self.store, kvi.CacheLayout.hf(
+            [array.array("f", bytes(4 * 256))], [array.array("f", bytes(4 * 256))], shape=(1, 2, 16, 8))),
+            "Injector: layout has 1 layers")
+
+    def test_store_files(self):
+        self.message(kvi.NotFoundError, lambda: kvi.Store.load(self.model, "/nonexistent/facts.kvi", 1 << 20),
+                     "Store.load: no file /nonexistent/facts.kvi")
+        self.message(kvi.IOError_, lambda: self.store.journal_open("/nonexistent/dir/journal"),
+                     "Store.journal_open: ")
+        self.message(kvi.IOError_, lambda: self.store.save("/nonexistent/dir/facts.kvi"), "Store.save: ")
+
+    def test_rewrites(self):
+        pm = kvi.errors.python_message
+        self.assertEqual(pm("kvi_store_search: opts->query_dtype is 9, expected KVI_DTYPE_FP32, FP16 or BF16"),
+                         "Store.search: query_dtype is 9, expected DType.FP32, FP16 or BF16")
+        self.assertEqual(pm("kvi_store_create: opts->backend is 7, not a kvi_backend"),
+                         "Store: backend is 7, not a Backend")
+        self.assertEqual(pm("this build of libkvinject has no NCCL (kvi_features())"),
+                         "this build of libkvinject has no NCCL (kvinject.features())")
+        self.assertEqual(pm("request 12: block_table_len is -1"), "requests[12]: block_table has -1 entries")
+        self.assertEqual(pm("layer 0's RoPE was never set: give it a spec, or KVI_ROPE_NONE for a layer without "
+                            "rotary embedding, with kvi_model_set_rope before creating the store"),
+                         "layer 0's RoPE was never set: give it a spec, or RopeStyle.NONE for a layer without "
+                         "rotary embedding, with Model.set_rope before creating the store")
+        self.assertEqual(pm("kvi_unknown_thing: x"), "kvi_unknown_thing: x")  # unknown names are left
 
 
 if __name__ == "__main__":

@@ -72,6 +72,37 @@ class TestPersist(unittest.TestCase):
         self.addCleanup(w.close)
         self.assertEqual(w.list(3), [30, 32])
 
+    def test_journal_records_remove_and_encode_and_takes_path_objects(self):
+        import array
+        import pathlib
+        m = self.model()
+        s = self.store(m)
+        path = pathlib.Path(self.path)
+        k, v = self.fact(5, tokens=4)
+        s.put(4, 40, k, v)
+        s.put(4, 41, k, v)
+        s.journal_open(path)
+        s.remove(4, 40)
+        # an encode is journaled too: capture 4 slots of a host cache [1, H, 8, D]
+        cache = [array.array("f", rand_values(rng(6), self.H * 8 * self.D)) for _ in range(2 * self.L)]
+        enc = kvi.Encoder(s, kvi.CacheLayout.hf(cache[:self.L], cache[self.L:], shape=(1, self.H, 8, self.D)))
+        enc.encode(kvi.Capture(4, 42, block_table=[0], num_tokens=4, first_slot=2, start_position=2))
+        want = s.read(4, 42)
+        enc.close()
+        s.close()  # closes the journal
+        t = kvi.Store.load(m, path, 1 << 20, backend=kvi.Backend.CPU, dtype=DType.FP32)
+        self.addCleanup(t.close)
+        self.assertEqual(t.list(4), [41, 42])
+        got = t.read(4, 42)
+        self.assertEqual((list(got[0]), list(got[1])), (list(want[0]), list(want[1])))
+        # a damaged file is refused, naming the problem
+        data = path.read_bytes()
+        bad = pathlib.Path(self.dir.name, "bad.kvi")
+        bad.write_bytes(data[:len(data) // 2] + bytes(8))
+        with self.assertRaises(kvi.CorruptError) as cm:
+            kvi.Store.load(m, bad, 1 << 20, backend=kvi.Backend.CPU, dtype=DType.FP32)
+        self.assertTrue(cm.exception.message.startswith("Store.load: "), cm.exception.message)
+
     def test_errors(self):
         m = self.model()
         with self.assertRaises(kvi.NotFoundError):

@@ -1,0 +1,171 @@
+"""Packaging: wheels built from python/ with pip (offline, --no-index: the
+backend needs nothing from an index), installed into fresh virtual
+environments and used there against the build's library:
+
+- the pure wheel (py3-none-any): the package and py.typed, no library; it loads
+  the library named by KVINJECT_LIBRARY;
+- the wheel that bundles the build's library (--config-settings bundle=...): tagged for the
+  platform; it loads its own copy with no environment variable, pkg-config or
+  loader path;
+- the sdist, built by the backend, builds the same wheel;
+- an editable install imports the source tree's package.
+
+Skips (77) without pip or venv for this interpreter."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+import zipfile
+
+import kvi_testutil  # noqa: F401  (finds the package)
+import kvinject as kvi
+
+PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(kvi.__file__)))
+SONAME = "libkvinject.so.0"
+
+# what the installed package must do: load, put a fact and read it back exactly,
+# inject it into a host cache and find the values (V is not rotated) in place
+USE = r"""
+import array, json, os, sys, kvinject as kvi
+m = kvi.Model(2, 2, 8); m.set_rope(theta=10000.0)
+s = kvi.Store(m, 1 << 20, backend=kvi.Backend.CPU, dtype=kvi.DType.FP32)
+n = 2 * 3 * 2 * 8
+k = array.array("f", [float(i % 7) for i in range(n)]); v = array.array("f", [i / 8.0 for i in range(n)])
+s.put(1, 5, k, v, num_tokens=3)
+k2, v2 = s.read(1, 5)
+assert list(k2) == list(k) and list(v2) == list(v), "read back differs"
+ck = [array.array("f", bytes(4 * 2 * 8 * 8)) for _ in range(2)]
+cv = [array.array("f", bytes(4 * 2 * 8 * 8)) for _ in range(2)]
+inj = kvi.Injector(s, kvi.CacheLayout.hf(ck, cv, shape=(1, 2, 8, 8)))
+inj.inject(kvi.InjectRequest(1, [5], block_table=[0], first_slot=2, start_position=2))
+# layer 0, head 1, token 0 of the fact at slot 2 of the [1, 2, 8, 8] cache
+got = list(cv[0][(1 * 8 + 2) * 8:(1 * 8 + 2) * 8 + 8])
+want = list(v[(0 * 2 + 1) * 8:(0 * 2 + 1) * 8 + 8])
+assert got == want, (got, want)
+typed = os.path.isfile(os.path.join(os.path.dirname(kvi.__file__), "py.typed"))
+print(json.dumps({"file": kvi.__file__, "lib": kvi.library_path(), "by": kvi.library_found_by(),
+                  "typed": typed, "prefix": sys.prefix}))
+"""
+
+
+def _pip_ok():
+    if importlib.util.find_spec("venv") is None:
+        return False
+    r = subprocess.run([sys.executable, "-m", "pip", "--version"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return r.returncode == 0
+
+
+@unittest.skipUnless(_pip_ok(), "no pip or venv for %s" % sys.executable)
+class TestWheel(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="kvi-wheel-")
+        cls.lib = os.path.realpath(kvi.library_path())
+        cls.empty = os.path.join(cls.tmp, "empty")
+        os.makedirs(cls.empty)
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def pip(self, *args, python=None):
+        cmd = [sys.executable, "-m", "pip"] + (["--python", python] if python else []) + \
+              ["--no-input", "--disable-pip-version-check"] + list(args)
+        env = dict(os.environ, PIP_NO_INDEX="1", PIP_NO_CACHE_DIR="1")
+        r = subprocess.run(cmd, env=env, cwd=self.empty, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           universal_newlines=True, timeout=300)
+        self.assertEqual(r.returncode, 0, "%s\n%s" % (" ".join(cmd), r.stdout))
+        return r.stdout
+
+    def wheel(self, name, *extra):
+        out = os.path.join(self.tmp, name)
+        self.pip("wheel", "--no-index", "--no-deps", "-w", out, PYTHON_DIR, *extra)
+        (whl,) = os.listdir(out)
+        return os.path.join(out, whl)
+
+    def venv(self, name):
+        d = os.path.join(self.tmp, name)
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", d], check=True, timeout=120)
+        return os.path.join(d, "bin", "python")
+
+    def use(self, python, **env_vars):
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("KVINJECT_LIBRARY", "KVINJECT_BUILD", "LD_LIBRARY_PATH", "PYTHONPATH",
+                            "PKG_CONFIG_PATH")}
+        env["PKG_CONFIG_LIBDIR"] = self.empty
+        env.update(env_vars)
+        r = subprocess.run([python, "-c", USE], env=env, cwd=self.empty, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, universal_newlines=True, timeout=120)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        import json
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    def files(self, whl):
+        with zipfile.ZipFile(whl) as z:
+            return set(z.namelist())
+
+    def test_pure_wheel(self):
+        whl = self.wheel("pure")
+        self.assertEqual(os.path.basename(whl), "kvinject-%s-py3-none-any.whl" % kvi.__version__)
+        names = self.files(whl)
+        src = {os.path.relpath(os.path.join(d, f), PYTHON_DIR)
+               for d, _, fs in os.walk(os.path.join(PYTHON_DIR, "kvinject")) for f in fs
+               if f.endswith(".py") and "__pycache__" not in d}
+        self.assertLessEqual(src, names)  # every module, kvinject.vllm and kvinject.hf included
+        self.assertIn("kvinject/py.typed", names)
+        self.assertFalse([n for n in names if "_libs" in n or n.endswith(".so") or ".so." in n])
+        py = self.venv("venv-pure")
+        self.pip("install", "--no-index", "--no-deps", whl, python=py)
+        got = self.use(py, KVINJECT_LIBRARY=self.lib)
+        self.assertTrue(got["file"].startswith(got["prefix"]), got)
+        self.assertEqual((got["lib"], got["by"], got["typed"]), (self.lib, "KVINJECT_LIBRARY", True))
+
+    def test_bundled_wheel(self):
+        whl = self.wheel("bundled", "--config-settings", "bundle=" + self.lib)
+        self.assertRegex(os.path.basename(whl), r"^kvinject-%s-py3-none-linux_[a-z0-9_]+\.whl$"
+                         % kvi.__version__.replace(".", r"\."))
+        self.assertIn("kvinject/_libs/" + SONAME, self.files(whl))
+        py = self.venv("venv-bundled")
+        self.pip("install", "--no-index", "--no-deps", whl, python=py)
+        got = self.use(py)  # no KVINJECT_LIBRARY, loader path or pkg-config
+        self.assertEqual(got["by"], "the wheel's bundled library")
+        self.assertTrue(got["lib"].startswith(got["prefix"]), got)
+        with open(got["lib"], "rb") as a, open(self.lib, "rb") as b:
+            self.assertEqual(a.read(), b.read())
+
+    def test_bundle_that_is_not_a_library_is_refused(self):
+        out = os.path.join(self.tmp, "bad")
+        r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-index", "--no-deps", "-w", out, PYTHON_DIR,
+                            "--config-settings", "bundle=" + os.path.join(PYTHON_DIR, "pyproject.toml")],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, timeout=300)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("not a shared library", r.stdout)
+        self.assertFalse(os.path.exists(out) and os.listdir(out))
+
+    def test_sdist_builds_the_same_wheel(self):
+        sys.path.insert(0, os.path.join(PYTHON_DIR, "pep517"))
+        try:
+            import kvinject_build
+        finally:
+            sys.path.pop(0)
+        d = os.path.join(self.tmp, "sdist")
+        os.makedirs(d)
+        sdist = os.path.join(d, kvinject_build.build_sdist(d))
+        self.pip("wheel", "--no-index", "--no-deps", "-w", os.path.join(d, "whl"), sdist)
+        (whl,) = os.listdir(os.path.join(d, "whl"))
+        self.assertEqual(self.files(os.path.join(d, "whl", whl)), self.files(self.wheel("pure-again")))
+
+    def test_editable_install_imports_the_source_tree(self):
+        py = self.venv("venv-editable")
+        self.pip("install", "--no-index", "--no-deps", "-e", PYTHON_DIR, python=py)
+        got = self.use(py, KVINJECT_LIBRARY=self.lib)
+        self.assertEqual(got["file"], os.path.join(PYTHON_DIR, "kvinject", "__init__.py"))
+
+
+if __name__ == "__main__":
+    unittest.main()
