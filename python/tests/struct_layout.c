@@ -196,6 +196,27 @@ int main(void) {
   FIELD(kvi_inject_request, start_position);
   FIELD(kvi_inject_request, num_positions);
 
+  SIZE(kvi_inject_batch);
+  FIELD(kvi_inject_batch, struct_size);
+  FIELD(kvi_inject_batch, num_requests);
+  FIELD(kvi_inject_batch, tenant);
+  FIELD(kvi_inject_batch, tenants);
+  FIELD(kvi_inject_batch, fact_ids);
+  FIELD(kvi_inject_batch, fact_ids_memory);
+  FIELD(kvi_inject_batch, fact_offsets);
+  FIELD(kvi_inject_batch, block_tables);
+  FIELD(kvi_inject_batch, block_tables_memory);
+  FIELD(kvi_inject_batch, block_table_stride);
+  FIELD(kvi_inject_batch, block_table_len);
+  FIELD(kvi_inject_batch, block_table_offsets);
+  FIELD(kvi_inject_batch, first_slots);
+  FIELD(kvi_inject_batch, position_bits);
+  FIELD(kvi_inject_batch, start_positions);
+  FIELD(kvi_inject_batch, positions);
+  FIELD(kvi_inject_batch, num_positions);
+  FIELD(kvi_inject_batch, index_memory);
+  FIELD(kvi_inject_batch, out_tokens);
+
   SIZE(kvi_inject_options);
   FIELD(kvi_inject_options, struct_size);
   FIELD(kvi_inject_options, layer_begin);
