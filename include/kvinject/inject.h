@@ -219,7 +219,7 @@ KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *
  * padding of a search's rows) is skipped without a count; an id the tenant
  * does not hold is skipped and counted (one per id) by
  * kvi_injector_async_errors; the request's other facts still land back to
- * back. Other stores: device fact ids are KVI_ERR_UNSUPPORTED (CUDA) or
+ * back. A request whose tenant holds no facts injects nothing (uncounted). Other stores: device fact ids are KVI_ERR_UNSUPPORTED (CUDA) or
  * KVI_ERR_MEMORY_KIND (CPU).
  */
 typedef struct kvi_inject_batch {
@@ -368,8 +368,9 @@ KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queri
                                        struct CUstream_st *stream);
 
 /* Tokens skipped since the last call because a device block table named a
- * block outside the cache (work that has completed: synchronize the stream
- * first to see all of it). Reads and clears the count; *out_skipped 0 means
+ * block outside the cache, plus one per device fact id of
+ * kvi_inject_batched that its tenant does not hold (work that has
+ * completed: synchronize the stream first to see all of it). Reads and clears the count; *out_skipped 0 means
  * none. Errors: KVI_ERR_INVALID_ARGUMENT. */
 KVI_API kvi_status kvi_injector_async_errors(kvi_injector *injector, int64_t *out_skipped);
 
