@@ -263,8 +263,7 @@ class Injector(_Transfer):
             if ids.row_stride != ids.cols:
                 raise ValueError("fact_ids: a 2-D array of fact ids must be contiguous")
             n = ids.rows
-            offs = (ctypes.c_int32 * (n + 1))(*range(0, (n + 1) * ids.cols, ids.cols)) if ids.cols else \
-                (ctypes.c_int32 * (n + 1))()
+            offs = self._row_offsets(n, ids.cols)
             b.fact_offsets = ctypes.addressof(offs)
             keep.append(offs)
         else:
@@ -339,6 +338,17 @@ class Injector(_Transfer):
         if st != 0:
             L.check(st, "kvi_inject_batched")
         del keep, index
+
+    def _row_offsets(self, n: int, k: int):
+        """CSR offsets of n rows of k (0, k, 2k, ...), kept for the next call of that shape."""
+        cache = self.__dict__.setdefault("_offs_cache", {})
+        offs = cache.get((n, k))
+        if offs is None:
+            if len(cache) > 64:
+                cache.clear()
+            offs = cache[(n, k)] = (ctypes.c_int32 * (n + 1))(*range(0, (n + 1) * k, k)) if k else \
+                (ctypes.c_int32 * (n + 1))()
+        return offs
 
     def _batch_template(self):
         t = getattr(self, "_batch_tmpl", None)
