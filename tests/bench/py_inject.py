@@ -44,7 +44,8 @@ dev = torch.device("cuda", 0)
 def c_rows(binary):
     """bench_inject's injection rows: {(form, reqs, k): (call ms, host ms, copy ms)}."""
     out = subprocess.run([binary], capture_output=True, text=True, timeout=600)
-    sys.stdout.write(out.stdout if out.returncode else "")
+    sys.stdout.write(out.stdout)  # bench_inject's own table
+    sys.stdout.flush()
     if out.returncode != 0:
         raise SystemExit("bench_inject failed (rc %d): %s" % (out.returncode, out.stderr[-2000:]))
     rows = {}
@@ -78,7 +79,7 @@ def timed(call, busy=None):
 def main():
     if len(sys.argv) < 2:
         raise SystemExit("usage: py_inject.py PATH/TO/bench_inject")
-    crow, ctext = c_rows(sys.argv[1])
+    crow, _ = c_rows(sys.argv[1])
     print("device: %s, libkvinject %s (Python binding)" % (torch.cuda.get_device_name(0), kvi.version()))
     model = kvi.Model(L, H, D)
     model.set_rope(theta=500000.0, scaling=kvi.RopeScaling.LLAMA3, factor=8.0)
