@@ -23,7 +23,7 @@ if [ ! -f "$build/build.ninja" ]; then
 fi
 ninja -C "$build" tests/bench/bench_inject tests/bench/bench_host >"$out/bench-build.log" 2>&1 ||
   { tail -40 "$out/bench-build.log"; exit 1; }
-lib=$(ls "$build"/lib/libkvinject.so.*.*.* | head -1)
+lib=$build/lib/libkvinject.so
 echo "== bench_host (CPU backend, host cost per request)"
 "$build"/tests/bench/bench_host | tee "$out/bench_host.txt"
 echo "== bench_inject + Python binding, one run"
