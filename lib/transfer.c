@@ -1224,9 +1224,9 @@ static kvi_status run_captures(xfer *x, const cap_state *cs, int32_t n, const ui
   return st;
 }
 
-KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures,
-                              struct CUstream_st *stream) {
-  static const char fn[] = "kvi_encode";
+/* kvi_encode, errors named for `fn` (kvi_encode_batched passes its captures through here). */
+static kvi_status encode_caps(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures,
+                              struct CUstream_st *stream, const char *fn) {
   if (!encoder) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "encoder is NULL");
   if (num_captures < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_captures is %d", (int)num_captures);
   if (num_captures > 0 && !caps) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "caps is NULL");
@@ -1403,6 +1403,127 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
 out:
   free(csz);
   if (cs) free_caps(cs, nread);
+  return st;
+}
+
+KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures,
+                              struct CUstream_st *stream) {
+  return encode_caps(encoder, caps, num_captures, stream, "kvi_encode");
+}
+
+#define ENCODE_BATCH_V1 sizeof(kvi_encode_batch)
+
+KVI_API kvi_status kvi_encode_batch_init(kvi_encode_batch *batch, size_t size) {
+  static const kvi_encode_batch d = KVI_ENCODE_BATCH_INIT;
+  return kvi__init_struct(batch, size, &d, sizeof d, ENCODE_BATCH_V1, "kvi_encode_batch_init");
+}
+
+static kvi_status check_offsets(const int32_t *off, int32_t n, const char *what, const char *fn);
+
+KVI_API kvi_status kvi_encode_batched(kvi_encoder *encoder, const kvi_encode_batch *batch, struct CUstream_st *stream) {
+  static const char fn[] = "kvi_encode_batched";
+  if (!encoder) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "encoder is NULL");
+  if (!batch) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch is NULL");
+  const xfer *x = &encoder->x;
+  kvi_encode_batch b = KVI_ENCODE_BATCH_INIT;
+  kvi_status st;
+  if ((st = kvi__read_struct(&b, sizeof b, batch, ENCODE_BATCH_V1, fn, "batch"))) return st;
+  const int32_t n = b.num_captures;
+  if (n < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->num_captures is %d", (int)n);
+  if (b.position_bits != 32 && b.position_bits != 64)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->position_bits is %d, expected 32 or 64", (int)b.position_bits);
+  if (b.positions && b.start_positions)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch gives both positions and start_positions");
+  if (b.num_positions < 0 || (b.num_positions > 0 && !b.positions))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->num_positions is %lld with positions %s",
+                     (long long)b.num_positions, b.positions ? "given" : "NULL");
+  if (b.block_table_stride < 0 || (b.block_table_stride > 0 && b.block_table_offsets) ||
+      (b.block_table_stride > 0 && (b.block_table_len < 0 || b.block_table_len > b.block_table_stride)) ||
+      (b.block_table_stride == 0 && b.block_table_len != 0))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                     "batch->block_table_stride %lld with block_table_len %d and block_table_offsets %s: expected a "
+                     "stride > 0 with 0 <= len <= stride and no offsets (2-D), or stride 0, len 0 and offsets (CSR)",
+                     (long long)b.block_table_stride, (int)b.block_table_len, b.block_table_offsets ? "given" : "NULL");
+  if (b.embedding_stride < 0)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->embedding_stride is %lld", (long long)b.embedding_stride);
+  if (n == 0) return encode_caps(encoder, NULL, 0, stream, fn);
+  if (!b.fact_ids || !b.num_tokens || !b.block_tables || (b.block_table_stride == 0 && !b.block_table_offsets))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->%s is NULL",
+                     !b.fact_ids ? "fact_ids" : !b.num_tokens ? "num_tokens" : !b.block_tables ? "block_tables"
+                                                                                  : "block_table_offsets");
+  if (b.block_table_stride == 0 && (st = check_offsets(b.block_table_offsets, n, "batch->block_table_offsets", fn)))
+    return st;
+  if (x->cuda) { /* read here: host memory (each array once) */
+    const void *ptr[7] = {b.fact_ids, b.num_tokens, b.block_tables, b.block_table_offsets, b.first_slots, b.tenants,
+                          b.start_positions ? b.start_positions : b.positions};
+    const char *what[7] = {"fact_ids", "num_tokens", "block_tables", "block_table_offsets", "first_slots", "tenants",
+                           "positions"};
+    for (int i = 0; i < 7; i++)
+      if (ptr[i] && (st = kvi__check_memory(ptr[i], KVI_MEMORY_HOST, true, x->store->device, fn, what[i]))) return st;
+  }
+  int64_t ntok = 0;
+  for (int32_t i = 0; i < n; i++)
+    if (b.num_tokens[i] > 0) ntok += b.num_tokens[i];
+  if (b.num_positions > 0 && b.num_positions != ntok)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->num_positions is %lld, the captures have %lld tokens",
+                     (long long)b.num_positions, (long long)ntok);
+  const size_t es = b.embeddings ? kvi_dtype_size(b.embedding_dtype) : 0;
+  if (b.embeddings && es == 0)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->embedding_dtype is %d", (int)b.embedding_dtype);
+  const int64_t erow = b.embedding_stride ? b.embedding_stride : x->store->emb_dim;
+  kvi_capture *caps = malloc((size_t)n * sizeof *caps);
+  int32_t *pos32 = b.positions && b.position_bits == 64 ? malloc((size_t)(ntok ? ntok : 1) * sizeof *pos32) : NULL;
+  if (!caps || (b.positions && b.position_bits == 64 && !pos32)) {
+    free(caps);
+    free(pos32);
+    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d captures", (int)n);
+  }
+  /* int64 positions narrowed for the captures: one past INT32_MAX is out of range (refused here) */
+  for (int64_t t = 0; pos32 && t < ntok && st == KVI_OK; t++) {
+    const int64_t v = ((const int64_t *)b.positions)[t];
+    if (v < 0 || v >= x->max_pos)
+      st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "positions[%lld] is %lld, expected 0..%d", (long long)t,
+                     (long long)v, (int)x->max_pos - 1);
+    else
+      pos32[t] = (int32_t)v;
+  }
+  int64_t at = 0;
+  for (int32_t i = 0; i < n && st == KVI_OK; i++) {
+    kvi_capture *c = &caps[i];
+    const kvi_capture d = KVI_CAPTURE_INIT;
+    *c = d;
+    c->tenant = b.tenants ? b.tenants[i] : b.tenant;
+    c->fact_id = b.fact_ids[i];
+    if (b.block_table_stride > 0) {
+      c->block_table = b.block_tables + (size_t)i * (size_t)b.block_table_stride;
+      c->block_table_len = b.block_table_len;
+    } else {
+      c->block_table = b.block_tables + b.block_table_offsets[i];
+      c->block_table_len = b.block_table_offsets[i + 1] - b.block_table_offsets[i];
+    }
+    c->first_slot = b.first_slots ? b.first_slots[i] : 0;
+    c->num_tokens = b.num_tokens[i];
+    if (b.positions) {
+      c->positions = pos32 ? pos32 + at : (const int32_t *)b.positions + at;
+    } else if (b.start_positions) {
+      const int64_t sp = b.position_bits == 64 ? ((const int64_t *)b.start_positions)[i]
+                                               : ((const int32_t *)b.start_positions)[i];
+      if (sp < 0 || sp > INT32_MAX)
+        st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "capture %d: start position %lld is outside 0..%d", (int)i,
+                       (long long)sp, (int)x->max_pos - 1);
+      c->start_position = (int32_t)sp;
+    }
+    if (c->num_tokens > 0) at += c->num_tokens;
+    c->flags = b.flags;
+    if (b.embeddings) {
+      c->embedding = (const char *)b.embeddings + (size_t)i * (size_t)erow * es;
+      c->embedding_dtype = b.embedding_dtype;
+      c->embedding_memory = b.embedding_memory;
+    }
+  }
+  if (st == KVI_OK) st = encode_caps(encoder, caps, n, stream, fn);
+  free(caps);
+  free(pos32);
   return st;
 }
 

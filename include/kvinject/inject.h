@@ -433,6 +433,66 @@ KVI_API kvi_status kvi_capture_init(kvi_capture *cap, size_t size);
 KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures,
                               struct CUstream_st *stream);
 
+/*
+ * A whole capture call as flat arrays (host memory, except the embeddings).
+ * Capture i (i < num_captures): fact fact_ids[i] of tenants[i] (or `tenant`),
+ * num_tokens[i] tokens (>= 1) of its sequence from first_slots[i] (NULL: 0)
+ * on, read through its block table: row i of a 2-D array
+ * (block_table_stride > 0, block_table_len entries a row) or CSR pages
+ * (stride 0: block_tables[block_table_offsets[i] .. block_table_offsets[i + 1])),
+ * as in kvi_inject_batch; positions: start_positions[i] + t (NULL: 0), or
+ * positions holding one per captured token, capture 0's first (int32, or
+ * int64 with position_bits 64; num_positions > 0 is checked against the sum
+ * of num_tokens); flags (KVI_PUT_REPLACE) for every capture; embeddings:
+ * NULL, or row i at embeddings + i * embedding_stride elements
+ * (embedding_stride 0: the store's embedding_dim) of embedding_dtype in
+ * embedding_memory, as kvi_capture's embedding.
+ */
+typedef struct kvi_encode_batch {
+  size_t struct_size;                 /* sizeof(kvi_encode_batch) */
+  int32_t num_captures;               /* >= 0 */
+  uint64_t tenant;                    /* every capture's tenant when tenants is NULL */
+  const uint64_t *tenants;            /* host: num_captures, or NULL */
+  const uint64_t *fact_ids;           /* host: num_captures */
+  const int32_t *num_tokens;          /* host: num_captures */
+  const int32_t *block_tables;        /* host: the 2-D array or the CSR pages */
+  int64_t block_table_stride;         /* > 0: 2-D row stride in entries; 0: CSR */
+  int32_t block_table_len;            /* 2-D: entries per row */
+  const int32_t *block_table_offsets; /* host: CSR: num_captures + 1 entries */
+  const int64_t *first_slots;         /* host: num_captures, or NULL: all 0 */
+  int32_t position_bits;              /* 32 (default) or 64 */
+  const void *start_positions;        /* host: num_captures, or NULL: all 0 */
+  const void *positions;              /* host: one per captured token, or NULL */
+  int64_t num_positions;              /* > 0: checked against the captures' tokens */
+  uint32_t flags;                     /* KVI_PUT_REPLACE, for every capture */
+  const void *embeddings;             /* embedding_memory: num_captures rows, or NULL */
+  kvi_dtype embedding_dtype;          /* default FP32 */
+  kvi_memory embedding_memory;        /* default HOST */
+  int64_t embedding_stride;           /* elements between rows; 0: the store's embedding_dim */
+} kvi_encode_batch;
+
+#define KVI_ENCODE_BATCH_INIT                                                                                 \
+  {sizeof(kvi_encode_batch), 0, 0, NULL, NULL, NULL, NULL, 0, 0, NULL, NULL, 32, NULL, NULL, 0, 0u, NULL, \
+   KVI_DTYPE_FP32, KVI_MEMORY_HOST, 0}
+
+/* Fills *batch with KVI_ENCODE_BATCH_INIT for a struct of `size` bytes (pass sizeof *batch):
+ * see "Size-versioned structs" in kvinject/common.h. */
+KVI_API kvi_status kvi_encode_batch_init(kvi_encode_batch *batch, size_t size);
+
+/*
+ * kvi_encode for a batch given as flat arrays (kvi_encode_batch): the same
+ * captures, checks, all-or-nothing result and launches as kvi_encode with one
+ * kvi_capture per capture (the arrays become those captures and go through
+ * kvi_encode's code). Host arrays may be reused once the call returns.
+ * Not to be captured into a CUDA graph (as kvi_inject_batched). Thread
+ * rules: as kvi_encode. Errors: those of kvi_encode, with
+ * KVI_ERR_INVALID_ARGUMENT for a NULL batch or required array, position_bits
+ * not 32 or 64, both kinds of positions, num_positions not the captures'
+ * tokens, bad table forms or offsets, a position or start position out of
+ * range; KVI_ERR_STRUCT_SIZE.
+ */
+KVI_API kvi_status kvi_encode_batched(kvi_encoder *encoder, const kvi_encode_batch *batch, struct CUstream_st *stream);
+
 #ifdef __cplusplus
 }
 #endif

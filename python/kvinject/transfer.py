@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, List, Optional, Sequence, Union
 
 from . import _buffers
-from ._lib import (CaptureC, InjectBatchC, InjectOptions, InjectRequestC, RetrieveRequestC, SearchOptions,
+from ._lib import (CaptureC, EncodeBatchC, InjectBatchC, InjectOptions, InjectRequestC, RetrieveRequestC, SearchOptions,
                    TransferOptions, assign, fit, lib)
 from ._handle import Handle
 from .cache import CacheLayout
@@ -468,4 +468,76 @@ class Encoder(_Transfer):
             arr[i] = c
         L.call("kvi_encode", self.handle, arr, fit(len(captures), ctypes.c_int32, "num_captures"),
                _buffers.stream_handle(stream))
+        del keep
+
+    def encode_batch(self, fact_ids, num_tokens, block_tables, *, tenant: int = 0, tenants=None,
+                     block_table_offsets=None, first_slots=None, start_positions=None, positions=None,
+                     replace: bool = False, embeddings=None, embedding_dtype: Optional[DType] = None,
+                     stream=None) -> None:
+        """kvi_encode_batched: captures from flat host arrays in one call, all-or-nothing
+        (as :meth:`encode`). fact_ids: uint64/int64 per capture; num_tokens: int32 per
+        capture; block_tables: int32, a 2-D [captures, blocks] array (rows any stride
+        apart) or 1-D CSR pages with ``block_table_offsets``; tenants, first_slots
+        (int64), start_positions or positions (one per captured token, int32 or int64)
+        as :meth:`Injector.inject_batch`. embeddings: None, or a [captures, dim]
+        buffer/tensor (host or device) of fp32, fp16 or bf16 with contiguous rows."""
+        ids = _flat(fact_ids, ("u64", "i64"), "fact_ids")
+        n = ids.numel
+        nt = _flat(num_tokens, ("i32",), "num_tokens")
+        if nt.numel != n:
+            raise ValueError("num_tokens has %d entries for %d captures" % (nt.numel, n))
+        b = lib().new(EncodeBatchC)
+        b.num_captures, b.fact_ids, b.num_tokens = n, ids.ptr, nt.ptr
+        keep = [ids, nt]
+        bt = _flat(block_tables, ("i32",), "block_tables", two_d=block_table_offsets is None)
+        keep.append(bt)
+        b.block_tables = bt.ptr
+        if block_table_offsets is None:
+            if bt.rows != n:
+                raise ValueError("block_tables: expected a 2-D [%d, blocks] array (or block_table_offsets)" % n)
+            b.block_table_stride, b.block_table_len = max(bt.row_stride, bt.cols, 1), bt.cols
+        else:
+            bo = _flat(block_table_offsets, ("i32",), "block_table_offsets")
+            if bo.numel != n + 1:
+                raise ValueError("block_table_offsets has %d entries for %d captures" % (bo.numel, n))
+            b.block_table_offsets = bo.ptr
+            keep.append(bo)
+        if tenants is not None:
+            tn = _flat(tenants, ("u64", "i64"), "tenants")
+            if tn.numel != n:
+                raise ValueError("tenants has %d entries for %d captures" % (tn.numel, n))
+            b.tenants = tn.ptr
+            keep.append(tn)
+        else:
+            b.tenant = fit(tenant, ctypes.c_uint64, "tenant")
+        if first_slots is not None:
+            fs = _flat(first_slots, ("i64",), "first_slots")
+            if fs.numel != n:
+                raise ValueError("first_slots has %d entries for %d captures" % (fs.numel, n))
+            b.first_slots = fs.ptr
+            keep.append(fs)
+        if start_positions is not None and positions is not None:
+            raise ValueError("give start_positions or positions, not both")
+        if start_positions is not None:
+            sp = _flat(start_positions, ("i32", "i64"), "start_positions")
+            if sp.numel != n:
+                raise ValueError("start_positions has %d entries for %d captures" % (sp.numel, n))
+            b.start_positions, b.position_bits = sp.ptr, 64 if sp.kind == "i64" else 32
+            keep.append(sp)
+        if positions is not None:
+            ps = _flat(positions, ("i32", "i64"), "positions")
+            b.positions, b.position_bits, b.num_positions = ps.ptr, 64 if ps.kind == "i64" else 32, ps.numel
+            keep.append(ps)
+        for a in keep:
+            if a.memory != Memory.HOST:
+                raise ValueError("encode_batch: the index arrays and block tables must be host memory")
+        b.flags = PUT_REPLACE if replace else 0
+        if embeddings is not None:
+            emb, edt = _buffers.float_array(embeddings, "embeddings", dtype=embedding_dtype)
+            dim = self.store.embedding_dim
+            if dim == 0 or emb.numel < n * dim:
+                raise ValueError("embeddings: %d elements for %d captures of dimension %d" % (emb.numel, n, dim))
+            b.embeddings, b.embedding_dtype, b.embedding_memory = emb.ptr, int(edt), int(emb.memory)
+            keep.append(emb)
+        lib().call("kvi_encode_batched", self.handle, ctypes.byref(b), _buffers.stream_handle(stream))
         del keep

@@ -196,6 +196,28 @@ int main(void) {
   FIELD(kvi_inject_request, start_position);
   FIELD(kvi_inject_request, num_positions);
 
+  SIZE(kvi_encode_batch);
+  FIELD(kvi_encode_batch, struct_size);
+  FIELD(kvi_encode_batch, num_captures);
+  FIELD(kvi_encode_batch, tenant);
+  FIELD(kvi_encode_batch, tenants);
+  FIELD(kvi_encode_batch, fact_ids);
+  FIELD(kvi_encode_batch, num_tokens);
+  FIELD(kvi_encode_batch, block_tables);
+  FIELD(kvi_encode_batch, block_table_stride);
+  FIELD(kvi_encode_batch, block_table_len);
+  FIELD(kvi_encode_batch, block_table_offsets);
+  FIELD(kvi_encode_batch, first_slots);
+  FIELD(kvi_encode_batch, position_bits);
+  FIELD(kvi_encode_batch, start_positions);
+  FIELD(kvi_encode_batch, positions);
+  FIELD(kvi_encode_batch, num_positions);
+  FIELD(kvi_encode_batch, flags);
+  FIELD(kvi_encode_batch, embeddings);
+  FIELD(kvi_encode_batch, embedding_dtype);
+  FIELD(kvi_encode_batch, embedding_memory);
+  FIELD(kvi_encode_batch, embedding_stride);
+
   SIZE(kvi_inject_batch);
   FIELD(kvi_inject_batch, struct_size);
   FIELD(kvi_inject_batch, num_requests);

@@ -118,6 +118,14 @@ static void hc_check_init_macros(void) {
              to2.max_requests_per_call == to.max_requests_per_call &&
              to2.max_table_entries_per_call == to.max_table_entries_per_call && to.max_tokens_per_call > 0);
     {
+      kvi_encode_batch eb = KVI_ENCODE_BATCH_INIT, eb2;
+      memset(&eb2, 0x5a, sizeof eb2);
+      kvi_encode_batch_init(&eb2, sizeof eb2);
+      HC_CHECK(eb.struct_size == sizeof(kvi_encode_batch) && eb2.struct_size == eb.struct_size &&
+               eb2.position_bits == 32 && eb2.embedding_dtype == KVI_DTYPE_FP32 &&
+               eb2.embedding_memory == KVI_MEMORY_HOST && eb2.embeddings == NULL && eb2.flags == 0u);
+    }
+    {
       kvi_inject_batch ib = KVI_INJECT_BATCH_INIT, ib2;
       memset(&ib2, 0x5a, sizeof ib2);
       kvi_inject_batch_init(&ib2, sizeof ib2);

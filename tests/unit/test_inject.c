@@ -714,6 +714,90 @@ static void batched_case(kvi_cache_preset preset, rng *r) {
     EXPECT_UNCHANGED(&e, kvi_inject_batched(e.inj, &bb, NULL, NULL), KVI_OK);
 #undef REJECT
   }
+  /* kvi_encode_batched: the same facts as kvi_encode, from whatever the cache holds now */
+  {
+    bcase b;
+    bcase_make(&b, r);
+    kvi_inject_request rq[BT_R];
+    for (int q = 0; q < BT_R; q++)
+      rq[q] = request(b.tenants[q], b.ids + b.off[q], b.off[q + 1] - b.off[q], b.perm + q * BT_BLOCKS, BT_BLOCKS,
+                      b.first[q], NULL, b.start[q]);
+    assert_ok(kvi_inject(e.inj, rq, BT_R, NULL, NULL)); /* facts in the cache to capture */
+    enum { NC = 5 };
+    const int32_t ntok[NC] = {3, 7, 1, 12, 5};
+    const int64_t first[NC] = {0, 2, 3, 1, 0};
+    int32_t t2d[NC * BT_STRIDE], csr[NC * 4], indptr[NC + 1], starts32[NC], pos32[28];
+    int64_t starts64[NC], pos64[28];
+    uint64_t ids[NC];
+    indptr[0] = 0;
+    for (int c = 0; c < NC; c++) {
+      ids[c] = 500 + (uint64_t)c;
+      starts32[c] = 10 * c + 1, starts64[c] = starts32[c];
+      for (int i = 0; i < BT_STRIDE; i++) t2d[c * BT_STRIDE + i] = i < 4 ? b.perm[c * 4 + i] : -1;
+      memcpy(csr + indptr[c], b.perm + c * 4, 4 * sizeof(int32_t));
+      indptr[c + 1] = indptr[c] + 4;
+    }
+    rand_positions(r, pos32, 28, 0, 4000, true);
+    for (int t = 0; t < 28; t++) pos64[t] = pos32[t];
+    for (int variant = 0; variant < 4; variant++) {
+      const bool per_token = variant & 1, csr_form = variant & 2;
+      kvi_capture cp[NC];
+      int64_t at = 0;
+      for (int c = 0; c < NC; c++) {
+        cp[c] = capture(7, ids[c], b.perm + c * 4, 4, first[c], ntok[c], per_token ? pos32 + at : NULL,
+                        per_token ? 0 : starts32[c]);
+        cp[c].flags = KVI_PUT_REPLACE;
+        at += ntok[c];
+      }
+      assert_ok(kvi_encode(e.enc, cp, NC, NULL));
+      kvi_encode_batch eb;
+      assert_ok(kvi_encode_batch_init(&eb, sizeof eb));
+      eb.num_captures = NC, eb.tenant = 8, eb.fact_ids = ids, eb.num_tokens = ntok, eb.first_slots = first;
+      eb.flags = KVI_PUT_REPLACE;
+      if (csr_form)
+        eb.block_tables = csr, eb.block_table_offsets = indptr;
+      else
+        eb.block_tables = t2d, eb.block_table_stride = BT_STRIDE, eb.block_table_len = 4;
+      eb.position_bits = variant == 1 ? 64 : 32;
+      if (per_token)
+        eb.positions = variant == 1 ? (const void *)pos64 : (const void *)pos32, eb.num_positions = 28;
+      else
+        eb.start_positions = variant == 2 ? (const void *)starts32 : (const void *)starts64,
+        eb.position_bits = variant == 2 ? 32 : 64;
+      assert_ok(kvi_encode_batched(e.enc, &eb, NULL));
+      for (int c = 0; c < NC; c++) {
+        rfact x, y;
+        rfact_read(e.s, 7, ids[c], e.L, e.H, e.D, &x);
+        rfact_read(e.s, 8, ids[c], e.L, e.H, e.D, &y);
+        assert_int_equal(x.T, ntok[c]);
+        assert_int_equal(y.T, ntok[c]);
+        const size_t n = (size_t)x.L * x.T * x.H * x.D * sizeof(float);
+        if (memcmp(x.k, y.k, n) || memcmp(x.v, y.v, n))
+          fail_msg("variant %d capture %d: kvi_encode_batched stored other values than kvi_encode", variant, c);
+        rfact_free(&x);
+        rfact_free(&y);
+      }
+    }
+    /* refusals store nothing */
+    kvi_encode_batch ok = KVI_ENCODE_BATCH_INIT, bb;
+    ok.num_captures = NC, ok.tenant = 9, ok.fact_ids = ids, ok.num_tokens = ntok, ok.first_slots = first;
+    ok.block_tables = t2d, ok.block_table_stride = BT_STRIDE, ok.block_table_len = 4;
+    bb = ok, bb.positions = pos32, bb.num_positions = 27;
+    EXPECT_UNCHANGED(&e, kvi_encode_batched(e.enc, &bb, NULL), KVI_ERR_INVALID_ARGUMENT);
+    bb = ok, bb.positions = pos64, bb.position_bits = 64, pos64[27] = (int64_t)1 << 33;
+    EXPECT_UNCHANGED(&e, kvi_encode_batched(e.enc, &bb, NULL), KVI_ERR_INVALID_ARGUMENT);
+    bb = ok, bb.block_table_len = 0; /* the captures need blocks */
+    EXPECT_UNCHANGED(&e, kvi_encode_batched(e.enc, &bb, NULL), KVI_ERR_INVALID_ARGUMENT);
+    bb = ok, bb.position_bits = 8;
+    EXPECT_UNCHANGED(&e, kvi_encode_batched(e.enc, &bb, NULL), KVI_ERR_INVALID_ARGUMENT);
+    bb = ok, bb.num_tokens = NULL;
+    EXPECT_UNCHANGED(&e, kvi_encode_batched(e.enc, &bb, NULL), KVI_ERR_INVALID_ARGUMENT);
+    bb = ok, bb.struct_size = sizeof bb + 8;
+    EXPECT_UNCHANGED(&e, kvi_encode_batched(e.enc, &bb, NULL), KVI_ERR_STRUCT_SIZE);
+    const uint64_t dup[NC] = {1, 2, 3, 2, 5};
+    bb = ok, bb.fact_ids = dup;
+    EXPECT_UNCHANGED(&e, kvi_encode_batched(e.enc, &bb, NULL), KVI_ERR_INVALID_ARGUMENT);
+  }
   for (int i = 0; i < e.c.nbuf; i++) free(orig[i]);
   for (int i = 0; i < 5; i++) rfact_free((rfact *)all[i]);
   env_close(&e);
