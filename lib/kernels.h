@@ -184,6 +184,30 @@ typedef struct kvi__rplan_args {
 
 int kvi__cuda_retrieve_plan(const kvi__rplan_args *a, struct CUstream_st *stream);
 
+/* ---- batched injection with device fact ids (cuda/batch_kernels.cu) ----- */
+
+/* One request's fact ids to look up in its tenant's row ids. */
+typedef struct kvi__idreq {
+  const uint64_t *ids; /* the tenant's row ids (device; row r is fact ids[r]), or NULL: no facts */
+  int64_t f0;          /* its first id's index in fact_ids */
+  int32_t nf;          /* its ids */
+  int32_t nrows;       /* rows of ids */
+} kvi__idreq;
+
+/* rows[r * k + f] = the row of request r's f-th id, -1 for KVI_SEARCH_NO_ID
+ * (not counted) and for an id its tenant does not hold (one added to
+ * *skipped); counts[r] = nf. One CTA per request, a warp per id. */
+typedef struct kvi__idlookup_args {
+  const kvi__idreq *reqs; /* device */
+  int32_t n, k;
+  const uint64_t *fact_ids; /* device */
+  int32_t *rows;            /* n x k (device) */
+  int32_t *counts;          /* n (device) */
+  unsigned long long *skipped;
+} kvi__idlookup_args;
+
+int kvi__cuda_lookup_ids(const kvi__idlookup_args *a, struct CUstream_st *stream);
+
 /* A directory row and an id written by one launch (the values travel in the
  * parameters): ids[0] = id; dir[i] = words[i] for i < n. */
 #define KVI__DIR_WORDS 1024

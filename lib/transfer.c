@@ -68,6 +68,7 @@ typedef struct xfer {
   int next_slot;
   unsigned long long *skipped_host, *skipped_dev; /* mapped pinned counter */
   unsigned long long skipped_taken;
+  struct CUevent_st *emb_read; /* recorded after a device-planned batch's reads of the store's rows */
   uint64_t small[KVI__INLINE_PLAN / 8]; /* host buffer of plans that travel in the kernel parameters */
 } xfer;
 
@@ -128,6 +129,7 @@ static void xfer_release(xfer *x) {
         kvi__cuda_event_destroy(x->slots[i].up);
       }
       kvi__cuda_stream_destroy(x->up_stream);
+      kvi__cuda_event_destroy(x->emb_read);
       kvi__cuda_free(x->dev_tables);
       kvi__cuda_host_free(x->skipped_host);
       kvi__cuda_leave(&g);
@@ -309,6 +311,7 @@ static kvi_status xfer_create(xfer *x, kvi_store *store, const kvi_cache_layout 
     if (st == KVI_OK) st = kvi__cuda_event_create(&x->slots[i].up, fn);
   }
   if (st == KVI_OK) st = kvi__cuda_stream_create(&x->up_stream, fn);
+  if (st == KVI_OK) st = kvi__cuda_event_create(&x->emb_read, fn);
   if (st == KVI_OK) st = kvi__cuda_host_alloc_mapped((void **)&x->skipped_host, (void **)&x->skipped_dev, 64, fn);
   if (st == KVI_OK) *x->skipped_host = 0;
   kvi__cuda_leave(&g);
@@ -371,9 +374,16 @@ typedef struct job {
   bool table_on_host;
   int64_t first_slot;
   int64_t tokens;
-  const int32_t *positions; /* host or NULL */
-  int32_t start_position;
+  const void *positions; /* host or NULL: int32, or int64 with pos64 */
+  bool pos64;
+  bool kind_checked; /* the table's memory kind was checked for the whole call */
+  int64_t start_position;
 } job;
+
+/* Position t of a job's explicit positions. */
+static inline int64_t job_pos(const job *j, int64_t t) {
+  return j->pos64 ? ((const int64_t *)j->positions)[t] : ((const int32_t *)j->positions)[t];
+}
 
 /* The plan of one call (or of one chunk of a call's captures): host arrays,
  * laid out as they are uploaded. */
@@ -420,10 +430,10 @@ static kvi_status check_job(const xfer *x, const job *j, int32_t index, const ch
                          what, (int)index, (long long)b, (int)j->table[b], (long long)c->NB - 1);
   if (j->positions) {
     for (int64_t t = 0; t < j->tokens; t++)
-      if (j->positions[t] < 0 || j->positions[t] >= x->max_pos)
-        return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s %d: positions[%lld] is %d, expected 0..%d", what, (int)index,
-                         (long long)t, (int)j->positions[t], (int)x->max_pos - 1);
-  } else if (j->start_position < 0 || (int64_t)j->start_position + j->tokens > x->max_pos) {
+      if (job_pos(j, t) < 0 || job_pos(j, t) >= x->max_pos)
+        return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s %d: positions[%lld] is %lld, expected 0..%d", what, (int)index,
+                         (long long)t, (long long)job_pos(j, t), (int)x->max_pos - 1);
+  } else if (j->start_position < 0 || j->start_position > x->max_pos - j->tokens) {
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s %d: positions %lld..%lld are outside 0..%d", what, (int)index,
                      (long long)j->start_position, (long long)j->start_position + j->tokens - 1, (int)x->max_pos - 1);
   }
@@ -532,11 +542,13 @@ static int32_t plan_request(plan *p, const xfer *x, const job *j) {
 /* Adds `tokens` tokens held in `pages` (from the first page's start) landing
  * at sequence indices seq0.. of request r, with their positions, in
  * segments that neither cross a page nor exceed seg_tokens. */
-static void plan_run(plan *p, const xfer *x, int32_t r, int64_t seq0, int64_t tokens, const int32_t *positions,
+static void plan_run(plan *p, const xfer *x, int32_t r, int64_t seq0, int64_t tokens, const void *positions, bool pos64,
                      int32_t start_position, const uint32_t *pages) {
   const int32_t P = x->store->P, pos0 = positions ? p->ntok : start_position;
-  if (positions) /* consecutive positions need no array */
-    for (int64_t t = 0; t < tokens; t++) p->positions[p->ntok++] = positions[t];
+  if (positions && pos64) /* checked below max_pos: they fit */
+    for (int64_t t = 0; t < tokens; t++) p->positions[p->ntok++] = (int32_t)((const int64_t *)positions)[t];
+  else if (positions) /* consecutive positions need no array */
+    for (int64_t t = 0; t < tokens; t++) p->positions[p->ntok++] = ((const int32_t *)positions)[t];
   for (int64_t t = 0; t < tokens;) {
     const int32_t in_page = (int32_t)(t % P);
     int64_t n = tokens - t;
@@ -820,7 +832,7 @@ static kvi_status check_table_kind(const xfer *x, kvi_memory memory, int32_t r, 
  * memory; then check_job. */
 static kvi_status check_request_job(const xfer *x, const job *j, int32_t r, const char *fn) {
   kvi_status st = KVI_OK;
-  if (j->tokens > 0 && j->table && x->cuda)
+  if (j->tokens > 0 && j->table && x->cuda && !j->kind_checked)
     st = kvi__check_memory(j->table, j->table_on_host ? KVI_MEMORY_HOST : KVI_MEMORY_DEVICE, true, x->store->device, fn,
                            j->table_on_host ? "a host block table" : "a device block table");
   return st ? st : check_job(x, j, r, "request", fn);
@@ -832,17 +844,29 @@ static int64_t host_table_entries(const xfer *x, const job *j) {
   return (j->first_slot + j->tokens - 1) / x->cache.BS - j->first_slot / x->cache.BS + 1;
 }
 
-/* Validates request r and sums its facts' tokens and pages (store locked). */
-static kvi_status inject_job(const xfer *x, const kvi_inject_request *rq, int32_t r, job *j, int64_t *npages,
-                             const fact **found, const char *fn) {
-  memset(j, 0, sizeof *j);
+/* A request of an injection, as both forms of the call give it (kvi_inject's
+ * structs, kvi_inject_batched's arrays): its tenant and facts, and its job
+ * (table, first slot, positions; tokens still 0). num_positions: the
+ * per-request form's check (0: none). */
+typedef struct ireq {
+  uint64_t tenant;
+  const uint64_t *fact_ids;
+  int32_t num_facts;
+  int64_t num_positions;
+  job j;
+} ireq;
+
+/* Looks request r's facts up and sums their tokens and pages (store
+ * locked); the job is checked later (check_request_job). */
+static kvi_status inject_job(const xfer *x, const ireq *rq, int32_t r, job *j, int64_t *npages, const fact **found,
+                             const char *fn) {
+  *j = rq->j;
+  j->tokens = 0;
   *npages = 0;
   if (rq->num_facts < 0)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "request %d: num_facts is %d", (int)r, (int)rq->num_facts);
   if (rq->num_facts > 0 && !rq->fact_ids)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "request %d: fact_ids is NULL", (int)r);
-  kvi_status st = check_table_kind(x, rq->block_table_memory, r, fn);
-  if (st) return st;
   kvi__map_get_many(&x->store->facts, &rq->tenant, 0, rq->fact_ids, (size_t)rq->num_facts, (void **)found);
   for (int32_t f = 0; f < rq->num_facts; f++) {
     const fact *ft = found[f];
@@ -853,20 +877,14 @@ static kvi_status inject_job(const xfer *x, const kvi_inject_request *rq, int32_
     j->tokens += ft->tokens;
     *npages += ft->npages;
   }
-  if (rq->num_positions < 0 || (rq->num_positions > 0 && !rq->positions))
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "request %d: num_positions is %d with positions %s", (int)r,
-                     (int)rq->num_positions, rq->positions ? "given" : "NULL");
+  if (rq->num_positions < 0 || (rq->num_positions > 0 && !rq->j.positions))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "request %d: num_positions is %lld with positions %s", (int)r,
+                     (long long)rq->num_positions, rq->j.positions ? "given" : "NULL");
   if (rq->num_positions > 0 && rq->num_positions != j->tokens)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
-                     "request %d: num_positions is %d, its facts have %lld tokens (one position per token)", (int)r,
-                     (int)rq->num_positions, (long long)j->tokens);
-  j->table = rq->block_table;
-  j->table_len = rq->block_table_len;
-  j->table_on_host = rq->block_table_memory == KVI_MEMORY_HOST;
-  j->first_slot = rq->first_slot;
-  j->positions = rq->positions;
-  j->start_position = rq->start_position;
-  return check_request_job(x, j, r, fn);
+                     "request %d: num_positions is %lld, its facts have %lld tokens (one position per token)", (int)r,
+                     (long long)rq->num_positions, (long long)j->tokens);
+  return KVI_OK;
 }
 
 /* A tiered store: orders `stream` after earlier tier moves and, promoting,
@@ -897,32 +915,58 @@ static kvi_status bring_up(fact **found, size_t n, bool promote, xfer *x, struct
 /* a + b for counts >= 0, saturating: a sum past the transfer limits stays past them */
 static int64_t sat_add(int64_t a, int64_t b) { return a > INT64_MAX - b ? INT64_MAX : a + b; }
 
-/* kvi_inject once its requests are read (rq: full-size copies), both locks
- * held: kvi_inject, and kvi_retrieve_inject's host path, which holds them
- * from its search on. */
-static kvi_status inject_locked(xfer *x, const kvi_inject_request *rq, int32_t num_requests, int32_t lb, int32_t le,
-                                kvi_host_pages host_pages, struct CUstream_st *stream, const char *fn) {
+/* Positions given for the whole call (kvi_inject_batched): one per token,
+ * request after request; NULL pointer: none. */
+typedef struct flat_pos {
+  const void *p;
+  bool pos64;
+  int64_t n; /* entries to check against the call's tokens; 0: trusted */
+} flat_pos;
+
+/* The injection of both forms of the call (rq: the requests, their tables'
+ * kinds checked), both locks held: kvi_inject, kvi_inject_batched, and
+ * kvi_retrieve_inject's host path, which holds them from its search on.
+ * out_tokens: NULL, or host memory for each request's tokens (written on
+ * success). */
+static kvi_status inject_locked(xfer *x, const ireq *rq, int32_t num_requests, const flat_pos *fp, int32_t lb,
+                                int32_t le, kvi_host_pages host_pages, int32_t *out_tokens, struct CUstream_st *stream,
+                                const char *fn) {
   int64_t nfacts = 0;
   for (int32_t r = 0; r < num_requests; r++)
     if (rq[r].num_facts > 0) nfacts += rq[r].num_facts;
   job *jobs = malloc((size_t)num_requests * sizeof *jobs);
+  int64_t *npages = malloc((size_t)num_requests * sizeof *npages);
   /* the facts each request names, looked up once */
   const fact **found = malloc((size_t)(nfacts ? nfacts : 1) * sizeof *found);
   kvi_status st = KVI_OK;
-  if (!jobs || !found) {
+  if (!jobs || !npages || !found) {
     st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d requests of %lld facts", (int)num_requests,
                    (long long)nfacts);
     goto out;
   }
   int64_t ntok = 0, npos = 0, ntables = 0, first = 0, nsegs = 0;
   for (int32_t r = 0; r < num_requests; r++) {
-    int64_t np;
-    if ((st = inject_job(x, &rq[r], r, &jobs[r], &np, found + first, fn))) goto out;
+    if ((st = inject_job(x, &rq[r], r, &jobs[r], &npages[r], found + first, fn))) goto out;
     first += rq[r].num_facts;
     ntok = sat_add(ntok, jobs[r].tokens);
-    if (jobs[r].positions) npos = sat_add(npos, jobs[r].tokens);
-    nsegs = sat_add(nsegs, segs_for(x, np));
-    ntables = sat_add(ntables, host_table_entries(x, &jobs[r]));
+  }
+  if (fp && fp->p && fp->n > 0 && fp->n != ntok) {
+    st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_positions is %lld, the call's facts have %lld tokens",
+                   (long long)fp->n, (long long)ntok);
+    goto out;
+  }
+  int64_t at = 0; /* the call's tokens before request r */
+  for (int32_t r = 0; r < num_requests; r++) {
+    job *j = &jobs[r];
+    if (fp && fp->p) {
+      j->positions = (const char *)fp->p + (size_t)at * (fp->pos64 ? 8 : 4);
+      j->pos64 = fp->pos64;
+    }
+    at += j->tokens;
+    if ((st = check_request_job(x, j, r, fn))) goto out;
+    if (j->positions) npos = sat_add(npos, j->tokens);
+    nsegs = sat_add(nsegs, segs_for(x, npages[r]));
+    ntables = sat_add(ntables, host_table_entries(x, j));
   }
   plan p;
   if ((st = plan_alloc(&p, x, nsegs, num_requests, ntok, npos, ntables, 0, fn))) goto out;
@@ -938,8 +982,9 @@ static kvi_status inject_locked(xfer *x, const kvi_inject_request *rq, int32_t n
     int64_t done = 0; /* facts land back to back */
     for (int32_t f = 0; f < rq[r].num_facts; f++) {
       const fact *ft = found[first++];
-      plan_run(&p, x, ri, j->first_slot + done, ft->tokens, j->positions ? j->positions + done : NULL,
-               j->start_position + (int32_t)done, ft->pages);
+      const void *pos = j->positions ? (const char *)j->positions + done * (j->pos64 ? 8 : 4) : NULL;
+      plan_run(&p, x, ri, j->first_slot + done, ft->tokens, pos, j->pos64, (int32_t)(j->start_position + done),
+               ft->pages);
       done += ft->tokens;
     }
   }
@@ -947,10 +992,51 @@ static kvi_status inject_locked(xfer *x, const kvi_inject_request *rq, int32_t n
   plan_free(x, &p);
   if (st == KVI_OK && x->store->hpool.npages > 0) /* the call's facts, the first named the most recent */
     for (int64_t i = nfacts; i-- > 0;) kvi__store_touch(x->store, (fact *)found[i]);
+  if (st == KVI_OK && out_tokens)
+    for (int32_t r = 0; r < num_requests; r++) out_tokens[r] = (int32_t)jobs[r].tokens;
 out:
   free(found);
+  free(npages);
   free(jobs);
   return st;
+}
+
+/* kvi_inject_options read and checked into [*lb, *le) and *hp. */
+static kvi_status read_inject_options(const xfer *x, const kvi_inject_options *opts, int32_t *lb, int32_t *le,
+                                      kvi_host_pages *hp, const char *fn) {
+  kvi_inject_options o = KVI_INJECT_OPTIONS_INIT;
+  kvi_status st;
+  if (opts && (st = kvi__read_struct(&o, sizeof o, opts, INJECT_OPTIONS_V1, fn, "opts"))) return st;
+  const int32_t L = x->cache.L;
+  *lb = o.layer_begin;
+  *le = o.layer_end ? o.layer_end : L;
+  *hp = o.host_pages;
+  if (*lb < 0 || *le > L || *lb >= *le)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layer range [%d, %d) is not within [0, %d)", (int)*lb, (int)*le,
+                     (int)L);
+  if (o.host_pages != KVI_HOST_PAGES_PROMOTE && o.host_pages != KVI_HOST_PAGES_READ_MAPPED)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                     "opts->host_pages is %d, expected KVI_HOST_PAGES_PROMOTE (0) or KVI_HOST_PAGES_READ_MAPPED (1)",
+                     (int)o.host_pages);
+  return check_rope_set(x, fn);
+}
+
+/* A kvi_inject_request (full-size copy) as the call's request. */
+static kvi_status request_of(const xfer *x, const kvi_inject_request *q, int32_t r, ireq *out, const char *fn) {
+  kvi_status st = check_table_kind(x, q->block_table_memory, r, fn);
+  if (st) return st;
+  memset(out, 0, sizeof *out);
+  out->tenant = q->tenant;
+  out->fact_ids = q->fact_ids;
+  out->num_facts = q->num_facts;
+  out->num_positions = q->num_positions;
+  out->j.table = q->block_table;
+  out->j.table_len = q->block_table_len;
+  out->j.table_on_host = q->block_table_memory == KVI_MEMORY_HOST;
+  out->j.first_slot = q->first_slot;
+  out->j.positions = q->positions;
+  out->j.start_position = q->start_position;
+  return KVI_OK;
 }
 
 KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *reqs, int32_t num_requests,
@@ -960,21 +1046,13 @@ KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *
   if (num_requests < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_requests is %d", (int)num_requests);
   if (num_requests > 0 && !reqs) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "reqs is NULL");
   xfer *x = &injector->x;
-  kvi_inject_options o = KVI_INJECT_OPTIONS_INIT;
-  kvi_status st;
-  if (opts && (st = kvi__read_struct(&o, sizeof o, opts, INJECT_OPTIONS_V1, fn, "opts"))) return st;
-  const int32_t L = x->cache.L, lb = o.layer_begin, le = o.layer_end ? o.layer_end : L;
-  if (lb < 0 || le > L || lb >= le)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layer range [%d, %d) is not within [0, %d)", (int)lb, (int)le, (int)L);
-  if (o.host_pages != KVI_HOST_PAGES_PROMOTE && o.host_pages != KVI_HOST_PAGES_READ_MAPPED)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
-                     "opts->host_pages is %d, expected KVI_HOST_PAGES_PROMOTE (0) or KVI_HOST_PAGES_READ_MAPPED (1)",
-                     (int)o.host_pages);
-  if ((st = check_rope_set(x, fn))) return st;
-  if (num_requests == 0) return KVI_OK;
+  int32_t lb, le;
+  kvi_host_pages hp;
+  kvi_status st = read_inject_options(x, opts, &lb, &le, &hp, fn);
+  if (st || num_requests == 0) return st;
   size_t rsize;
   memcpy(&rsize, reqs, sizeof rsize);
-  kvi_inject_request *rq = malloc((size_t)num_requests * sizeof *rq);
+  ireq *rq = malloc((size_t)num_requests * sizeof *rq);
   if (!rq) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d requests", (int)num_requests);
   for (int32_t r = 0; r < num_requests; r++) {
     const char *src = (const char *)reqs + (size_t)r * rsize;
@@ -985,12 +1063,12 @@ KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *
                      sz, rsize);
       goto out;
     }
-    kvi_inject_request d = KVI_INJECT_REQUEST_INIT;
-    rq[r] = d;
-    if ((st = kvi__read_struct(&rq[r], sizeof rq[r], src, INJECT_REQUEST_V1, fn, "reqs[i]"))) goto out;
+    kvi_inject_request q = KVI_INJECT_REQUEST_INIT;
+    if ((st = kvi__read_struct(&q, sizeof q, src, INJECT_REQUEST_V1, fn, "reqs[i]"))) goto out;
+    if ((st = request_of(x, &q, r, &rq[r], fn))) goto out;
   }
   lock_both(x);
-  st = inject_locked(x, rq, num_requests, lb, le, o.host_pages, stream, fn);
+  st = inject_locked(x, rq, num_requests, NULL, lb, le, hp, NULL, stream, fn);
   unlock_both(x);
 out:
   free(rq);
@@ -1136,7 +1214,7 @@ static kvi_status run_captures(xfer *x, const cap_state *cs, int32_t n, const ui
       job j;
       capture_job(&cs[i].c, &j);
       const int32_t ri = plan_request(p, x, &j);
-      plan_run(p, x, ri, j.first_slot, j.tokens, j.positions, j.start_position, pg + cs[i].first);
+      plan_run(p, x, ri, j.first_slot, j.tokens, j.positions, false, (int32_t)j.start_position, pg + cs[i].first);
     }
     st = execute(x, p, 0, x->cache.L, false, stream, fn);
     *launched = *launched || (st == KVI_OK && x->cuda);
@@ -1146,9 +1224,9 @@ static kvi_status run_captures(xfer *x, const cap_state *cs, int32_t n, const ui
   return st;
 }
 
-KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures,
-                              struct CUstream_st *stream) {
-  static const char fn[] = "kvi_encode";
+/* kvi_encode, errors named for `fn` (kvi_encode_batched passes its captures through here). */
+static kvi_status encode_caps(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures,
+                              struct CUstream_st *stream, const char *fn) {
   if (!encoder) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "encoder is NULL");
   if (num_captures < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_captures is %d", (int)num_captures);
   if (num_captures > 0 && !caps) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "caps is NULL");
@@ -1328,6 +1406,127 @@ out:
   return st;
 }
 
+KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures,
+                              struct CUstream_st *stream) {
+  return encode_caps(encoder, caps, num_captures, stream, "kvi_encode");
+}
+
+#define ENCODE_BATCH_V1 sizeof(kvi_encode_batch)
+
+KVI_API kvi_status kvi_encode_batch_init(kvi_encode_batch *batch, size_t size) {
+  static const kvi_encode_batch d = KVI_ENCODE_BATCH_INIT;
+  return kvi__init_struct(batch, size, &d, sizeof d, ENCODE_BATCH_V1, "kvi_encode_batch_init");
+}
+
+static kvi_status check_offsets(const int32_t *off, int32_t n, const char *what, const char *fn);
+
+KVI_API kvi_status kvi_encode_batched(kvi_encoder *encoder, const kvi_encode_batch *batch, struct CUstream_st *stream) {
+  static const char fn[] = "kvi_encode_batched";
+  if (!encoder) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "encoder is NULL");
+  if (!batch) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch is NULL");
+  const xfer *x = &encoder->x;
+  kvi_encode_batch b = KVI_ENCODE_BATCH_INIT;
+  kvi_status st;
+  if ((st = kvi__read_struct(&b, sizeof b, batch, ENCODE_BATCH_V1, fn, "batch"))) return st;
+  const int32_t n = b.num_captures;
+  if (n < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->num_captures is %d", (int)n);
+  if (b.position_bits != 32 && b.position_bits != 64)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->position_bits is %d, expected 32 or 64", (int)b.position_bits);
+  if (b.positions && b.start_positions)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch gives both positions and start_positions");
+  if (b.num_positions < 0 || (b.num_positions > 0 && !b.positions))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->num_positions is %lld with positions %s",
+                     (long long)b.num_positions, b.positions ? "given" : "NULL");
+  if (b.block_table_stride < 0 || (b.block_table_stride > 0 && b.block_table_offsets) ||
+      (b.block_table_stride > 0 && (b.block_table_len < 0 || b.block_table_len > b.block_table_stride)) ||
+      (b.block_table_stride == 0 && b.block_table_len != 0))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                     "batch->block_table_stride %lld with block_table_len %d and block_table_offsets %s: expected a "
+                     "stride > 0 with 0 <= len <= stride and no offsets (2-D), or stride 0, len 0 and offsets (CSR)",
+                     (long long)b.block_table_stride, (int)b.block_table_len, b.block_table_offsets ? "given" : "NULL");
+  if (b.embedding_stride < 0)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->embedding_stride is %lld", (long long)b.embedding_stride);
+  if (n == 0) return encode_caps(encoder, NULL, 0, stream, fn);
+  if (!b.fact_ids || !b.num_tokens || !b.block_tables || (b.block_table_stride == 0 && !b.block_table_offsets))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->%s is NULL",
+                     !b.fact_ids ? "fact_ids" : !b.num_tokens ? "num_tokens" : !b.block_tables ? "block_tables"
+                                                                                  : "block_table_offsets");
+  if (b.block_table_stride == 0 && (st = check_offsets(b.block_table_offsets, n, "batch->block_table_offsets", fn)))
+    return st;
+  if (x->cuda) { /* read here: host memory (each array once) */
+    const void *ptr[7] = {b.fact_ids, b.num_tokens, b.block_tables, b.block_table_offsets, b.first_slots, b.tenants,
+                          b.start_positions ? b.start_positions : b.positions};
+    const char *what[7] = {"fact_ids", "num_tokens", "block_tables", "block_table_offsets", "first_slots", "tenants",
+                           "positions"};
+    for (int i = 0; i < 7; i++)
+      if (ptr[i] && (st = kvi__check_memory(ptr[i], KVI_MEMORY_HOST, true, x->store->device, fn, what[i]))) return st;
+  }
+  int64_t ntok = 0;
+  for (int32_t i = 0; i < n; i++)
+    if (b.num_tokens[i] > 0) ntok += b.num_tokens[i];
+  if (b.num_positions > 0 && b.num_positions != ntok)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->num_positions is %lld, the captures have %lld tokens",
+                     (long long)b.num_positions, (long long)ntok);
+  const size_t es = b.embeddings ? kvi_dtype_size(b.embedding_dtype) : 0;
+  if (b.embeddings && es == 0)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->embedding_dtype is %d", (int)b.embedding_dtype);
+  const int64_t erow = b.embedding_stride ? b.embedding_stride : x->store->emb_dim;
+  kvi_capture *caps = malloc((size_t)n * sizeof *caps);
+  int32_t *pos32 = b.positions && b.position_bits == 64 ? malloc((size_t)(ntok ? ntok : 1) * sizeof *pos32) : NULL;
+  if (!caps || (b.positions && b.position_bits == 64 && !pos32)) {
+    free(caps);
+    free(pos32);
+    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d captures", (int)n);
+  }
+  /* int64 positions narrowed for the captures: one past INT32_MAX is out of range (refused here) */
+  for (int64_t t = 0; pos32 && t < ntok && st == KVI_OK; t++) {
+    const int64_t v = ((const int64_t *)b.positions)[t];
+    if (v < 0 || v >= x->max_pos)
+      st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "positions[%lld] is %lld, expected 0..%d", (long long)t,
+                     (long long)v, (int)x->max_pos - 1);
+    else
+      pos32[t] = (int32_t)v;
+  }
+  int64_t at = 0;
+  for (int32_t i = 0; i < n && st == KVI_OK; i++) {
+    kvi_capture *c = &caps[i];
+    const kvi_capture d = KVI_CAPTURE_INIT;
+    *c = d;
+    c->tenant = b.tenants ? b.tenants[i] : b.tenant;
+    c->fact_id = b.fact_ids[i];
+    if (b.block_table_stride > 0) {
+      c->block_table = b.block_tables + (size_t)i * (size_t)b.block_table_stride;
+      c->block_table_len = b.block_table_len;
+    } else {
+      c->block_table = b.block_tables + b.block_table_offsets[i];
+      c->block_table_len = b.block_table_offsets[i + 1] - b.block_table_offsets[i];
+    }
+    c->first_slot = b.first_slots ? b.first_slots[i] : 0;
+    c->num_tokens = b.num_tokens[i];
+    if (b.positions) {
+      c->positions = pos32 ? pos32 + at : (const int32_t *)b.positions + at;
+    } else if (b.start_positions) {
+      const int64_t sp = b.position_bits == 64 ? ((const int64_t *)b.start_positions)[i]
+                                               : ((const int32_t *)b.start_positions)[i];
+      if (sp < 0 || sp > INT32_MAX)
+        st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "capture %d: start position %lld is outside 0..%d", (int)i,
+                       (long long)sp, (int)x->max_pos - 1);
+      c->start_position = (int32_t)sp;
+    }
+    if (c->num_tokens > 0) at += c->num_tokens;
+    c->flags = b.flags;
+    if (b.embeddings) {
+      c->embedding = (const char *)b.embeddings + (size_t)i * (size_t)erow * es;
+      c->embedding_dtype = b.embedding_dtype;
+      c->embedding_memory = b.embedding_memory;
+    }
+  }
+  if (st == KVI_OK) st = encode_caps(encoder, caps, n, stream, fn);
+  free(caps);
+  free(pos32);
+  return st;
+}
+
 /* ------------------------------------------------------------------------ */
 /* retrieve and inject                                                       */
 /* ------------------------------------------------------------------------ */
@@ -1381,7 +1580,7 @@ static kvi_status retrieve_on_host(kvi_injector *injector, const void *queries, 
   kvi_store *s = x->store;
   (void)dim;
   const size_t n = (size_t)nq;
-  kvi_inject_request *ir = malloc(n * sizeof *ir);
+  ireq *ir = malloc(n * sizeof *ir);
   uint64_t *ids = malloc(n * (size_t)k * sizeof *ids), *order = malloc(n * (size_t)k * sizeof *order);
   float *scores = malloc(n * (size_t)k * sizeof *scores);
   int32_t *counts = malloc(n * sizeof *counts), *tokens = malloc(n * sizeof *tokens);
@@ -1422,9 +1621,9 @@ static kvi_status retrieve_on_host(kvi_injector *injector, const void *queries, 
     q.block_table_memory = rq[i].block_table_memory;
     q.first_slot = rq[i].first_slot;
     q.start_position = rq[i].start_position;
-    ir[i] = q;
+    st = request_of(x, &q, (int32_t)i, &ir[i], fn);
   }
-  if (st == KVI_OK) st = inject_locked(x, ir, nq, 0, x->cache.L, KVI_HOST_PAGES_PROMOTE, stream, fn);
+  if (st == KVI_OK) st = inject_locked(x, ir, nq, NULL, 0, x->cache.L, KVI_HOST_PAGES_PROMOTE, NULL, stream, fn);
   unlock_both(x);
   if (st == KVI_OK) {
     memcpy(out_ids, ids, n * (size_t)k * sizeof *ids);
@@ -1450,83 +1649,114 @@ typedef struct retr {
   plan p;
 } retr;
 
-static kvi_status retr_prepare(void *ctx, const char *fn) {
-  retr *r = ctx;
-  xfer *x = r->x;
+/* A request planned on the device (kvi_retrieve_inject's device path and
+ * kvi_inject_batched's with device fact ids): its reserve job (checked), its
+ * tenant (or NULL), the facts reserved, and where they start. */
+typedef struct dreq {
+  job j;
+  const tenant *t;
+  int32_t nres;
+  int32_t start_position;
+  bool best_last;
+} dreq;
+
+/* The plan of n device-planned requests: segments reserved for each
+ * request's facts (filled by the retrieve-plan kernel), its kvi__rquery at
+ * o_ext, and `extra` bytes of the caller's after them (16-aligned, at
+ * o_ext + align_up(n * sizeof(kvi__rquery))). */
+static kvi_status plan_on_device(xfer *x, plan *p, const dreq *d, int32_t n, size_t extra, const char *fn) {
   const kvi_store *s = x->store;
-  job *jobs = malloc((size_t)r->nq * sizeof *jobs);
-  const tenant **ts = malloc((size_t)r->nq * sizeof *ts);
-  int32_t *nres = malloc((size_t)r->nq * sizeof *nres), *spf = malloc((size_t)r->nq * sizeof *spf);
-  kvi_status st =
-      jobs && ts && nres && spf ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d requests", (int)r->nq);
+  int32_t *spf = malloc((size_t)n * sizeof *spf);
+  if (!spf) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d requests", (int)n);
   int64_t ntok = 0, ntables = 0, nsegs = 0;
-  for (int32_t i = 0; i < r->nq && st == KVI_OK; i++) {
-    if ((st = check_reserve(x, &r->rq[i], i, r->k, &jobs[i], &ts[i], &nres[i], fn))) break;
-    const int32_t longest = ts[i] ? ts[i]->max_tokens : 0;
+  for (int32_t i = 0; i < n; i++) {
+    const int32_t longest = d[i].t ? d[i].t->max_tokens : 0;
     /* a fact has at most one segment per token, and per page part */
-    spf[i] = segs_for(x, pages_for(s, longest));
+    spf[i] = (int32_t)segs_for(x, pages_for(s, longest));
     if (spf[i] > longest) spf[i] = longest;
-    ntok += jobs[i].tokens;
-    nsegs += (int64_t)nres[i] * spf[i];
-    ntables += host_table_entries(x, &jobs[i]);
+    ntok = sat_add(ntok, d[i].j.tokens);
+    nsegs = sat_add(nsegs, (int64_t)d[i].nres * spf[i]);
+    ntables = sat_add(ntables, host_table_entries(x, &d[i].j));
   }
-  if (st == KVI_OK && nsegs > ntok) st = kvi__fail(KVI_ERR_INTERNAL, fn, "%lld segments for %lld tokens", (long long)nsegs, (long long)ntok);
+  kvi_status st = KVI_OK;
+  if (nsegs > ntok) st = kvi__fail(KVI_ERR_INTERNAL, fn, "%lld segments for %lld tokens", (long long)nsegs, (long long)ntok);
   if (st == KVI_OK)
-    st = plan_alloc(&r->p, x, nsegs, r->nq, ntok, 0, ntables, (size_t)r->nq * sizeof(kvi__rquery), fn);
+    st = plan_alloc(p, x, nsegs, n, ntok, 0, ntables, align_up((size_t)n * sizeof(kvi__rquery)) + extra, fn);
   if (st == KVI_OK) {
-    kvi__rquery *q = (kvi__rquery *)(r->p.buf + r->p.o_ext);
+    kvi__rquery *q = (kvi__rquery *)(p->buf + p->o_ext);
     int32_t seg0 = 0;
-    for (int32_t i = 0; i < r->nq; i++) {
-      const tenant *t = ts[i];
-      plan_request(&r->p, x, &jobs[i]);
+    for (int32_t i = 0; i < n; i++) {
+      const tenant *t = d[i].t;
+      plan_request(p, x, &d[i].j);
       memset(&q[i], 0, sizeof q[i]);
-      q[i].dir = nres[i] > 0 ? t->dir : NULL;
-      q[i].first_slot = jobs[i].first_slot;
-      q[i].cap = jobs[i].tokens;
+      q[i].dir = d[i].nres > 0 ? t->dir : NULL;
+      q[i].first_slot = d[i].j.first_slot;
+      q[i].cap = d[i].j.tokens;
       q[i].stride = t ? t->dir_stride : 0;
       q[i].spf = spf[i];
       q[i].seg0 = seg0;
-      q[i].nres = nres[i];
-      q[i].start_position = r->rq[i].start_position;
-      q[i].best_last = (r->rq[i].flags & KVI_RETRIEVE_BEST_LAST) != 0;
-      seg0 += nres[i] * spf[i];
+      q[i].nres = d[i].nres;
+      q[i].start_position = d[i].start_position;
+      q[i].best_last = d[i].best_last;
+      seg0 += d[i].nres * spf[i];
     }
-    r->p.nsegs = seg0;
+    p->nsegs = seg0;
   }
-  free(jobs);
-  free(ts);
-  free(nres);
   free(spf);
+  return st;
+}
+
+/* The device work of a device-planned call once its plan is on the device:
+ * the retrieve-plan kernel turns rows (n x k tenant rows, -1 skipped) and
+ * counts into the plan's segments, out_counts and out_tokens (device;
+ * out_counts may be counts), then one injection launch. */
+static kvi_status plan_and_inject(xfer *x, plan *p, int32_t n, int32_t k, const int32_t *rows, const int32_t *counts,
+                                  int32_t *out_counts, int32_t *out_tokens, int32_t lb, int32_t le,
+                                  struct CUstream_st *stream, const char *fn) {
+  char *dev = p->sl->dev + p->off;
+  kvi__rplan_args a;
+  memset(&a, 0, sizeof a);
+  a.queries = (const kvi__rquery *)(dev + p->o_ext);
+  a.nq = n;
+  a.k = k;
+  a.P = x->store->P;
+  a.seg_tokens = x->seg_tokens;
+  a.rows = rows;
+  a.counts = counts;
+  a.segs = (kvi__xseg *)dev;
+  a.out_counts = out_counts;
+  a.out_tokens = out_tokens;
+  a.skipped = x->skipped_dev;
+#ifdef KVI_HAVE_CUDA
+  const int err = kvi__cuda_retrieve_plan(&a, stream);
+  if (err) return kvi__cuda_error(err, fn, "retrieve plan kernel launch");
+#endif
+  return launch(x, p, lb, le, true, stream, fn);
+}
+
+static kvi_status retr_prepare(void *ctx, const char *fn) {
+  retr *r = ctx;
+  xfer *x = r->x;
+  dreq *d = malloc((size_t)r->nq * sizeof *d);
+  kvi_status st = d ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d requests", (int)r->nq);
+  for (int32_t i = 0; i < r->nq && st == KVI_OK; i++) {
+    st = check_reserve(x, &r->rq[i], i, r->k, &d[i].j, &d[i].t, &d[i].nres, fn);
+    d[i].start_position = r->rq[i].start_position;
+    d[i].best_last = (r->rq[i].flags & KVI_RETRIEVE_BEST_LAST) != 0;
+  }
+  if (st == KVI_OK) st = plan_on_device(x, &r->p, d, r->nq, 0, fn);
+  free(d);
   return st;
 }
 
 static kvi_status retr_enqueue(void *ctx, const int32_t *rows, int32_t *counts, int32_t *tokens,
                                struct CUstream_st *stream, const char *fn) {
   retr *r = ctx;
-  xfer *x = r->x;
   plan *p = &r->p;
-  char *dev = p->sl->dev + p->off;
-  kvi_status st = kvi__cuda_h2d(dev, p->buf, p->bytes, stream, fn);
+  kvi_status st = kvi__cuda_h2d(p->sl->dev + p->off, p->buf, p->bytes, stream, fn);
   if (st) return st;
   p->uploaded = true;
-  kvi__rplan_args a;
-  memset(&a, 0, sizeof a);
-  a.queries = (const kvi__rquery *)(dev + p->o_ext);
-  a.nq = r->nq;
-  a.k = r->k;
-  a.P = x->store->P;
-  a.seg_tokens = x->seg_tokens;
-  a.rows = rows;
-  a.counts = counts;
-  a.segs = (kvi__xseg *)dev;
-  a.out_counts = counts;
-  a.out_tokens = tokens;
-  a.skipped = x->skipped_dev;
-#ifdef KVI_HAVE_CUDA
-  const int err = kvi__cuda_retrieve_plan(&a, stream);
-  if (err) return kvi__cuda_error(err, fn, "retrieve plan kernel launch");
-#endif
-  return launch(x, p, 0, x->cache.L, true, stream, fn);
+  return plan_and_inject(r->x, p, r->nq, r->k, rows, counts, counts, tokens, 0, r->x->cache.L, stream, fn);
 }
 
 KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queries, int32_t num_queries, int32_t dim,
@@ -1591,5 +1821,284 @@ KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queri
   }
   free(rq);
   free(tenants);
+  return st;
+}
+
+/* ------------------------------------------------------------------------ */
+/* batched injection                                                         */
+/* ------------------------------------------------------------------------ */
+
+#define INJECT_BATCH_V1 sizeof(kvi_inject_batch)
+
+KVI_API kvi_status kvi_inject_batch_init(kvi_inject_batch *batch, size_t size) {
+  static const kvi_inject_batch d = KVI_INJECT_BATCH_INIT;
+  return kvi__init_struct(batch, size, &d, sizeof d, INJECT_BATCH_V1, "kvi_inject_batch_init");
+}
+
+static bool memory_valid(kvi_memory m) { return m == KVI_MEMORY_HOST || m == KVI_MEMORY_DEVICE; }
+
+/* Checks that offsets[0..n] are >= 0 and non-decreasing. */
+static kvi_status check_offsets(const int32_t *off, int32_t n, const char *what, const char *fn) {
+  if (!off) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", what);
+  if (off[0] < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s[0] is %d", what, (int)off[0]);
+  for (int32_t r = 0; r < n; r++)
+    if (off[r + 1] < off[r])
+      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s[%d] is %d, below %s[%d] = %d", what, (int)r + 1,
+                       (int)off[r + 1], what, (int)r, (int)off[r]);
+  return KVI_OK;
+}
+
+/* The batch's index arrays in host memory: device ones are copied here
+ * (one wait on `stream` for all of them); *keep holds the copies. */
+static kvi_status batch_index_on_host(const xfer *x, kvi_inject_batch *b, void **keep, struct CUstream_st *stream,
+                                      const char *fn) {
+  *keep = NULL;
+  if (b->index_memory == KVI_MEMORY_HOST) return KVI_OK;
+  const size_t n = (size_t)b->num_requests, w = b->position_bits == 64 ? 8 : 4;
+  if (b->positions && b->num_positions == 0)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "device positions need num_positions > 0");
+  const void **arr[6] = {(const void **)&b->fact_offsets, (const void **)&b->block_table_offsets,
+                         (const void **)&b->first_slots, &b->start_positions, (const void **)&b->tenants, &b->positions};
+  const size_t bytes[6] = {(n + 1) * 4, (n + 1) * 4, n * 8, n * w, n * 8, (size_t)b->num_positions * w};
+  const char *what[6] = {"fact_offsets", "block_table_offsets", "first_slots", "start_positions", "tenants", "positions"};
+  size_t total = 0;
+  kvi_status st = KVI_OK;
+  for (int i = 0; i < 6 && st == KVI_OK; i++)
+    if (*arr[i]) {
+      st = kvi__check_memory(*arr[i], KVI_MEMORY_DEVICE, true, x->store->device, fn, what[i]);
+      total += align_up(bytes[i]);
+    }
+  char *h = st == KVI_OK ? malloc(total ? total : 1) : NULL;
+  if (st == KVI_OK && !h) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes of index arrays", total);
+  if (st) return st;
+  kvi__devguard g;
+  if ((st = kvi__cuda_enter(x->store->device, &g, fn)) == KVI_OK) {
+    size_t at = 0;
+    for (int i = 0; i < 6 && st == KVI_OK; i++)
+      if (*arr[i]) {
+        st = kvi__cuda_d2h(h + at, *arr[i], bytes[i], stream, fn);
+        *arr[i] = h + at;
+        at += align_up(bytes[i]);
+      }
+    if (st == KVI_OK) st = kvi__cuda_sync(stream, fn);
+    kvi__cuda_leave(&g);
+  }
+  if (st) free(h);
+  else *keep = h;
+  return st;
+}
+
+/* Request r of a batch (index arrays on the host, offsets checked). */
+static void batch_request(const kvi_inject_batch *b, int32_t r, ireq *q) {
+  memset(q, 0, sizeof *q);
+  q->tenant = b->tenants ? b->tenants[r] : b->tenant;
+  q->num_facts = b->fact_offsets[r + 1] - b->fact_offsets[r];
+  q->fact_ids = b->fact_ids ? b->fact_ids + b->fact_offsets[r] : NULL;
+  job *j = &q->j;
+  if (b->block_table_stride > 0) {
+    j->table = b->block_tables ? b->block_tables + (size_t)r * (size_t)b->block_table_stride : NULL;
+    j->table_len = b->block_table_len;
+  } else {
+    j->table = b->block_tables ? b->block_tables + b->block_table_offsets[r] : NULL;
+    j->table_len = b->block_table_offsets[r + 1] - b->block_table_offsets[r];
+  }
+  j->table_on_host = b->block_tables_memory == KVI_MEMORY_HOST;
+  j->kind_checked = true;
+  j->first_slot = b->first_slots ? b->first_slots[r] : 0;
+  j->start_position = !b->start_positions ? 0
+                      : b->position_bits == 64 ? ((const int64_t *)b->start_positions)[r]
+                                               : ((const int32_t *)b->start_positions)[r];
+}
+
+/* Device fact ids (CUDA store with device directories; index arrays on the
+ * host, both locks held): each request's reserve checked on the host, the
+ * plan's queries and lookups uploaded, then on `stream`: the id lookup, the
+ * retrieve-plan kernel and one injection launch, ordered after the last
+ * change to the store's embeddings and before the next. */
+static kvi_status batch_on_device(xfer *x, const kvi_inject_batch *b, int32_t lb, int32_t le, struct CUstream_st *stream,
+                                  const char *fn) {
+  kvi_store *s = x->store;
+  const int32_t n = b->num_requests;
+  int32_t kmax = 0;
+  for (int32_t r = 0; r < n; r++)
+    if (b->fact_offsets[r + 1] - b->fact_offsets[r] > kmax) kmax = b->fact_offsets[r + 1] - b->fact_offsets[r];
+  if (kmax == 0) kmax = 1;
+  dreq *d = malloc((size_t)n * sizeof *d);
+  if (!d) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d requests", (int)n);
+  kvi_status st = KVI_OK;
+  for (int32_t r = 0; r < n && st == KVI_OK; r++) {
+    ireq q;
+    batch_request(b, r, &q);
+    d[r].j = q.j;
+    d[r].t = kvi__map_get(&s->tenants, q.tenant, 0);
+    d[r].nres = d[r].t && d[r].t->count > 0 ? q.num_facts : 0;
+    d[r].best_last = false;
+    d[r].j.tokens = (int64_t)d[r].nres * (d[r].t ? d[r].t->max_tokens : 0);
+    if (d[r].j.start_position < 0 || d[r].j.start_position > INT32_MAX)
+      st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "request %d: start position %lld is outside 0..%d", (int)r,
+                     (long long)d[r].j.start_position, (int)x->max_pos - 1);
+    else
+      st = check_request_job(x, &d[r].j, r, fn);
+    d[r].start_position = (int32_t)d[r].j.start_position;
+  }
+  /* after the queries: the id lookups, their rows (n x kmax), counts and tokens */
+  const size_t o_look = 0, o_rows = align_up((size_t)n * sizeof(kvi__idreq)),
+               o_counts = o_rows + align_up((size_t)n * kmax * sizeof(int32_t)),
+               o_tokens = o_counts + align_up((size_t)n * sizeof(int32_t)),
+               extra = o_tokens + (size_t)n * sizeof(int32_t);
+  plan p;
+  memset(&p, 0, sizeof p);
+  if (st == KVI_OK) st = plan_on_device(x, &p, d, n, extra, fn);
+  if (st == KVI_OK) {
+    const size_t o_mine = p.o_ext + align_up((size_t)n * sizeof(kvi__rquery));
+    kvi__idreq *lk = (kvi__idreq *)(p.buf + o_mine + o_look);
+    for (int32_t r = 0; r < n; r++) {
+      const tenant *t = d[r].t;
+      memset(&lk[r], 0, sizeof lk[r]);
+      lk[r].ids = d[r].nres > 0 ? t->ids : NULL;
+      lk[r].nrows = d[r].nres > 0 ? (int32_t)t->nrows : 0;
+      lk[r].f0 = b->fact_offsets[r];
+      lk[r].nf = d[r].nres;
+    }
+    char *dev = p.sl->dev + p.off;
+    kvi__devguard g;
+    if ((st = kvi__cuda_enter(s->device, &g, fn)) == KVI_OK) {
+      /* the plan's host tables, queries and lookups (the segments and what follows the lookups are written on the device) */
+      st = kvi__cuda_h2d(dev + p.o_reqs, p.buf + p.o_reqs, o_mine + o_rows - p.o_reqs, stream, fn);
+      p.uploaded = true;
+      if (st == KVI_OK && s->emb_err)
+        st = kvi__fail(s->emb_err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb_err_msg);
+      if (st == KVI_OK && s->emb_ready_recorded) st = kvi__cuda_stream_wait(stream, s->emb_ready, fn);
+      bool enqueued = false;
+      int32_t *rows = (int32_t *)(dev + o_mine + o_rows), *counts = (int32_t *)(dev + o_mine + o_counts);
+      if (st == KVI_OK) {
+        kvi__idlookup_args la;
+        memset(&la, 0, sizeof la);
+        la.reqs = (const kvi__idreq *)(dev + o_mine + o_look);
+        la.n = n;
+        la.k = kmax;
+        la.fact_ids = b->fact_ids;
+        la.rows = rows;
+        la.counts = counts;
+        la.skipped = x->skipped_dev;
+        enqueued = true;
+#ifdef KVI_HAVE_CUDA
+        const int err = kvi__cuda_lookup_ids(&la, stream);
+        if (err) st = kvi__cuda_error(err, fn, "fact id lookup kernel launch");
+#endif
+      }
+      if (st == KVI_OK)
+        st = plan_and_inject(x, &p, n, kmax, rows, counts, counts,
+                             b->out_tokens ? b->out_tokens : (int32_t *)(dev + o_mine + o_tokens), lb, le, stream, fn);
+      if (enqueued) { /* later changes to the tenants' rows and directories wait for what was enqueued */
+        kvi_status s1 = kvi__cuda_event_record(x->emb_read, stream, fn);
+        if (s1 == KVI_OK) s1 = kvi__cuda_stream_wait(s->emb_stream, x->emb_read, fn);
+        if (st == KVI_OK) st = s1;
+      }
+      kvi__cuda_leave(&g);
+    }
+  }
+  plan_free(x, &p);
+  free(d);
+  return st;
+}
+
+KVI_API kvi_status kvi_inject_batched(kvi_injector *injector, const kvi_inject_batch *batch,
+                                      const kvi_inject_options *opts, struct CUstream_st *stream) {
+  static const char fn[] = "kvi_inject_batched";
+  if (!injector) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "injector is NULL");
+  if (!batch) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch is NULL");
+  xfer *x = &injector->x;
+  kvi_store *s = x->store;
+  kvi_inject_batch b = KVI_INJECT_BATCH_INIT;
+  kvi_status st;
+  if ((st = kvi__read_struct(&b, sizeof b, batch, INJECT_BATCH_V1, fn, "batch"))) return st;
+  int32_t lb, le;
+  kvi_host_pages hp;
+  if ((st = read_inject_options(x, opts, &lb, &le, &hp, fn))) return st;
+  const int32_t n = b.num_requests;
+  if (n < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->num_requests is %d", (int)n);
+  const kvi_memory mems[3] = {b.fact_ids_memory, b.block_tables_memory, b.index_memory};
+  const char *mnames[3] = {"fact_ids_memory", "block_tables_memory", "index_memory"};
+  for (int i = 0; i < 3; i++) {
+    if (!memory_valid(mems[i]))
+      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->%s is %d, expected KVI_MEMORY_HOST or DEVICE", mnames[i],
+                       (int)mems[i]);
+    if (mems[i] == KVI_MEMORY_DEVICE && !x->cuda)
+      return kvi__fail(KVI_ERR_MEMORY_KIND, fn, "batch->%s is DEVICE; a CPU store reads host memory only", mnames[i]);
+  }
+  if (b.position_bits != 32 && b.position_bits != 64)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->position_bits is %d, expected 32 or 64", (int)b.position_bits);
+  if (b.positions && b.start_positions)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch gives both positions and start_positions");
+  if (b.num_positions < 0 || (b.num_positions > 0 && !b.positions))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->num_positions is %lld with positions %s",
+                     (long long)b.num_positions, b.positions ? "given" : "NULL");
+  if (b.block_table_stride < 0 || (b.block_table_stride > 0 && b.block_table_offsets) ||
+      (b.block_table_stride > 0 && (b.block_table_len < 0 || b.block_table_len > b.block_table_stride)) ||
+      (b.block_table_stride == 0 && b.block_table_len != 0))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                     "batch->block_table_stride %lld with block_table_len %d and block_table_offsets %s: expected a "
+                     "stride > 0 with 0 <= len <= stride and no offsets (2-D), or stride 0, len 0 and offsets (CSR)",
+                     (long long)b.block_table_stride, (int)b.block_table_len, b.block_table_offsets ? "given" : "NULL");
+  const bool dev_ids = b.fact_ids_memory == KVI_MEMORY_DEVICE;
+  if (dev_ids && (!s->dir_on || s->emb_sharded))
+    return kvi__fail(KVI_ERR_UNSUPPORTED, fn,
+                     "device fact ids are looked up on the device only on a CUDA store with embeddings, without a "
+                     "host tier and without sharded embeddings");
+  if (dev_ids && b.positions)
+    return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "per-token positions with device fact ids (give start_positions)");
+  if (n == 0) return KVI_OK;
+  if (!b.fact_offsets)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->fact_offsets is NULL");
+  if (b.block_table_stride == 0 && !b.block_table_offsets)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->block_table_offsets is NULL (stride 0: CSR block tables)");
+  if (x->cuda) { /* each array once (a driver query each); device index arrays: batch_index_on_host */
+    const bool hi = b.index_memory == KVI_MEMORY_HOST;
+    const void *ptr[9] = {b.fact_ids,
+                          b.block_tables,
+                          b.out_tokens,
+                          hi ? b.fact_offsets : NULL,
+                          hi ? b.block_table_offsets : NULL,
+                          hi ? b.first_slots : NULL,
+                          hi ? b.start_positions : NULL,
+                          hi ? b.positions : NULL,
+                          hi ? b.tenants : NULL};
+    const kvi_memory kind[3] = {b.fact_ids_memory, b.block_tables_memory, b.fact_ids_memory};
+    const char *what[9] = {"batch->fact_ids",    "batch->block_tables",    "batch->out_tokens",
+                           "batch->fact_offsets", "batch->block_table_offsets", "batch->first_slots",
+                           "batch->start_positions", "batch->positions", "batch->tenants"};
+    for (int i = 0; i < 9; i++)
+      if (ptr[i] && (st = kvi__check_memory(ptr[i], i < 3 ? kind[i] : KVI_MEMORY_HOST, true, s->device, fn, what[i])))
+        return st;
+  }
+  void *keep = NULL;
+  if ((st = batch_index_on_host(x, &b, &keep, stream, fn))) return st;
+  ireq *rq = NULL;
+  if ((st = check_offsets(b.fact_offsets, n, "batch->fact_offsets", fn))) goto out;
+  if (b.block_table_stride == 0 && (st = check_offsets(b.block_table_offsets, n, "batch->block_table_offsets", fn)))
+    goto out;
+  if (b.fact_offsets[n] > b.fact_offsets[0] && !b.fact_ids) {
+    st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->fact_ids is NULL");
+    goto out;
+  }
+  if (dev_ids) {
+    lock_both(x);
+    st = batch_on_device(x, &b, lb, le, stream, fn);
+    unlock_both(x);
+    goto out;
+  }
+  if (!(rq = malloc((size_t)n * sizeof *rq))) {
+    st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d requests", (int)n);
+    goto out;
+  }
+  for (int32_t r = 0; r < n; r++) batch_request(&b, r, &rq[r]);
+  const flat_pos fp = {b.positions, b.position_bits == 64, b.num_positions};
+  lock_both(x);
+  st = inject_locked(x, rq, n, &fp, lb, le, hp, b.out_tokens, stream, fn);
+  unlock_both(x);
+out:
+  free(rq);
+  free(keep);
   return st;
 }

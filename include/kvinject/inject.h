@@ -168,6 +168,122 @@ KVI_API kvi_status kvi_inject_options_init(kvi_inject_options *opts, size_t size
 KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *reqs, int32_t num_requests,
                               const kvi_inject_options *opts, struct CUstream_st *stream);
 
+/* ------------------------------------------------------------------------ */
+/* Batched injection                                                        */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * A whole injection as flat arrays, the form an engine's batch already has
+ * (no struct per request). Request r (r < num_requests):
+ * - tenant: tenants[r], or `tenant` for every request when tenants is NULL;
+ * - facts: fact_ids[fact_offsets[r] .. fact_offsets[r + 1]), in order (CSR:
+ *   fact_offsets holds num_requests + 1 non-decreasing entries >= 0);
+ * - block table, one of two forms:
+ *   block_table_stride > 0: a 2-D array (vLLM's block_table tensor): row r
+ *     is block_tables + r * block_table_stride, block_table_len entries
+ *     (0 <= block_table_len <= block_table_stride); block_table_offsets NULL;
+ *   block_table_stride == 0: CSR pages (FlashInfer's kv_indices and
+ *     kv_indptr): block_tables[block_table_offsets[r] ..
+ *     block_table_offsets[r + 1]) (num_requests + 1 non-decreasing entries
+ *     >= 0); block_table_len 0;
+ * - first_slots[r] (int64; NULL: 0): the sequence index of its first token;
+ * - positions: with positions NULL, start_positions[r] + i for its i-th
+ *   injected token (start_positions NULL: 0); else positions holds one per
+ *   injected token of the call, request 0's first, then request 1's and so
+ *   on (vLLM's flat positions tensor), and start_positions must be NULL.
+ *   position_bits says whether start_positions and positions hold int32
+ *   (32, the default) or int64 (64) entries; either way every position must
+ *   be below the RoPE's table (a position past INT32_MAX is out of range).
+ * Memory: fact_ids in fact_ids_memory, block_tables in block_tables_memory
+ * (HOST or DEVICE); fact_offsets, block_table_offsets, first_slots,
+ * start_positions, positions and tenants in index_memory (default HOST).
+ * DEVICE index arrays are copied to the host first: the call then waits for
+ * `stream` (a host synchronization), and a DEVICE positions array needs
+ * num_positions > 0. out_tokens: NULL, or num_requests int32 entries in
+ * fact_ids_memory, written with the tokens each request injected (the
+ * engine's sequence grows by this).
+ *
+ * Device fact ids (fact_ids_memory DEVICE), e.g. kvi_store_search's device
+ * out_ids as they are (a 2-D [num_queries][k] array is CSR with
+ * fact_offsets[r] = r * k): on a CUDA store where kvi_retrieve_inject runs
+ * on the device (no host tier, embeddings not sharded), the ids are looked up
+ * on the device and the injection is planned there by the kernel that plans
+ * kvi_retrieve_inject's: with host index arrays and out_tokens in device
+ * memory the call enqueues everything on `stream` and returns without any
+ * host synchronization. The host checks each request's reserve as
+ * kvi_retrieve_inject does: its block table (and positions) must have room,
+ * from first_slot on, for (fact_offsets[r + 1] - fact_offsets[r]) facts of
+ * the longest size its tenant has held since it last had no facts. Per-token
+ * positions are not supported with device fact ids (KVI_ERR_UNSUPPORTED);
+ * start positions are. On the device, an entry of KVI_SEARCH_NO_ID (the
+ * padding of a search's rows) is skipped without a count; an id the tenant
+ * does not hold is skipped and counted (one per id) by
+ * kvi_injector_async_errors; the request's other facts still land back to
+ * back. A request whose tenant holds no facts injects nothing (uncounted). Other stores: device fact ids are KVI_ERR_UNSUPPORTED (CUDA) or
+ * KVI_ERR_MEMORY_KIND (CPU).
+ */
+typedef struct kvi_inject_batch {
+  size_t struct_size;                 /* sizeof(kvi_inject_batch) */
+  int32_t num_requests;               /* >= 0 */
+  uint64_t tenant;                    /* every request's tenant when tenants is NULL */
+  const uint64_t *tenants;            /* index_memory: num_requests tenants, or NULL */
+  const uint64_t *fact_ids;           /* fact_ids_memory: fact_offsets[num_requests] - fact_offsets[0] ... */
+  kvi_memory fact_ids_memory;         /* HOST or DEVICE (default HOST) */
+  const int32_t *fact_offsets;        /* index_memory: num_requests + 1 entries */
+  const int32_t *block_tables;        /* block_tables_memory: the 2-D array or the CSR pages */
+  kvi_memory block_tables_memory;     /* HOST or DEVICE (default HOST) */
+  int64_t block_table_stride;         /* > 0: 2-D row stride in entries; 0: CSR */
+  int32_t block_table_len;            /* 2-D: entries per row */
+  const int32_t *block_table_offsets; /* index_memory: CSR: num_requests + 1 entries */
+  const int64_t *first_slots;         /* index_memory: num_requests, or NULL: all 0 */
+  int32_t position_bits;              /* 32 (default) or 64 */
+  const void *start_positions;        /* index_memory: num_requests, or NULL: all 0 */
+  const void *positions;              /* index_memory: one per injected token, or NULL */
+  int64_t num_positions;              /* entries in positions: checked against the call's
+                                         tokens when > 0; 0 trusts positions to hold one per
+                                         token (host positions only). 0 without positions. */
+  kvi_memory index_memory;            /* HOST or DEVICE (default HOST) */
+  int32_t *out_tokens;                /* fact_ids_memory: num_requests, or NULL */
+} kvi_inject_batch;
+
+#define KVI_INJECT_BATCH_INIT                                                                                   \
+  {sizeof(kvi_inject_batch), 0, 0, NULL, NULL, KVI_MEMORY_HOST, NULL, NULL, KVI_MEMORY_HOST, 0, 0, NULL, NULL, \
+   32, NULL, NULL, 0, KVI_MEMORY_HOST, NULL}
+
+/* Fills *batch with KVI_INJECT_BATCH_INIT for a struct of `size` bytes (pass sizeof *batch):
+ * see "Size-versioned structs" in kvinject/common.h. */
+KVI_API kvi_status kvi_inject_batch_init(kvi_inject_batch *batch, size_t size);
+
+/*
+ * kvi_inject for a batch given as flat arrays (kvi_inject_batch): the same
+ * result, bit for bit, as kvi_inject with one kvi_inject_request per request
+ * (kvi_inject is this call's per-request form: both go through one planner
+ * and one kernel launch). opts: as for kvi_inject (host memory or NULL).
+ * Host arrays may be reused once the call returns; device arrays (and
+ * out_tokens) must stay valid until the stream has passed the call.
+ * Validation: everything in host memory is checked before anything is
+ * written, as in kvi_inject (unknown host fact ids, sequence ranges past a
+ * block table, host block ids outside the cache, positions out of range,
+ * offsets that decrease, are negative or, for CSR block tables, give a
+ * request fewer entries than its tokens need); a failed call writes nothing
+ * (not the cache, not out_tokens). Device block-table entries outside the
+ * cache are skipped and counted by kvi_injector_async_errors, as in
+ * kvi_inject; device fact ids: see kvi_inject_batch.
+ * CUDA graphs: a call must not be captured into a CUDA graph: its plan (and
+ * the device path's lookup table) is staged through pinned buffers that
+ * later calls reuse, and taking a staging buffer may wait for an event.
+ * Thread rules: as kvi_inject (the injector's and the store's locks).
+ * Errors: those of kvi_inject; KVI_ERR_INVALID_ARGUMENT (NULL batch, a
+ * required array NULL, position_bits not 32 or 64, start_positions and
+ * positions both given, num_positions not equal to the call's tokens, an
+ * unknown memory kind, too small a reserve), KVI_ERR_STRUCT_SIZE,
+ * KVI_ERR_MEMORY_KIND (an array not in the memory declared, device memory on
+ * a CPU store), KVI_ERR_UNSUPPORTED (device fact ids with per-token
+ * positions, or on a store whose kvi_retrieve_inject runs on the host).
+ */
+KVI_API kvi_status kvi_inject_batched(kvi_injector *injector, const kvi_inject_batch *batch,
+                                      const kvi_inject_options *opts, struct CUstream_st *stream);
+
 /* How many tokens the facts need, in total, into *out_tokens (host memory):
  * call before allocating blocks. Errors: KVI_ERR_INVALID_ARGUMENT,
  * KVI_ERR_NOT_FOUND (nothing written to *out_tokens). */
@@ -252,8 +368,9 @@ KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queri
                                        struct CUstream_st *stream);
 
 /* Tokens skipped since the last call because a device block table named a
- * block outside the cache (work that has completed: synchronize the stream
- * first to see all of it). Reads and clears the count; *out_skipped 0 means
+ * block outside the cache, plus one per device fact id of
+ * kvi_inject_batched that its tenant does not hold (work that has
+ * completed: synchronize the stream first to see all of it). Reads and clears the count; *out_skipped 0 means
  * none. Errors: KVI_ERR_INVALID_ARGUMENT. */
 KVI_API kvi_status kvi_injector_async_errors(kvi_injector *injector, int64_t *out_skipped);
 
@@ -315,6 +432,66 @@ KVI_API kvi_status kvi_capture_init(kvi_capture *cap, size_t size);
  */
 KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures,
                               struct CUstream_st *stream);
+
+/*
+ * A whole capture call as flat arrays (host memory, except the embeddings).
+ * Capture i (i < num_captures): fact fact_ids[i] of tenants[i] (or `tenant`),
+ * num_tokens[i] tokens (>= 1) of its sequence from first_slots[i] (NULL: 0)
+ * on, read through its block table: row i of a 2-D array
+ * (block_table_stride > 0, block_table_len entries a row) or CSR pages
+ * (stride 0: block_tables[block_table_offsets[i] .. block_table_offsets[i + 1])),
+ * as in kvi_inject_batch; positions: start_positions[i] + t (NULL: 0), or
+ * positions holding one per captured token, capture 0's first (int32, or
+ * int64 with position_bits 64; num_positions > 0 is checked against the sum
+ * of num_tokens); flags (KVI_PUT_REPLACE) for every capture; embeddings:
+ * NULL, or row i at embeddings + i * embedding_stride elements
+ * (embedding_stride 0: the store's embedding_dim) of embedding_dtype in
+ * embedding_memory, as kvi_capture's embedding.
+ */
+typedef struct kvi_encode_batch {
+  size_t struct_size;                 /* sizeof(kvi_encode_batch) */
+  int32_t num_captures;               /* >= 0 */
+  uint64_t tenant;                    /* every capture's tenant when tenants is NULL */
+  const uint64_t *tenants;            /* host: num_captures, or NULL */
+  const uint64_t *fact_ids;           /* host: num_captures */
+  const int32_t *num_tokens;          /* host: num_captures */
+  const int32_t *block_tables;        /* host: the 2-D array or the CSR pages */
+  int64_t block_table_stride;         /* > 0: 2-D row stride in entries; 0: CSR */
+  int32_t block_table_len;            /* 2-D: entries per row */
+  const int32_t *block_table_offsets; /* host: CSR: num_captures + 1 entries */
+  const int64_t *first_slots;         /* host: num_captures, or NULL: all 0 */
+  int32_t position_bits;              /* 32 (default) or 64 */
+  const void *start_positions;        /* host: num_captures, or NULL: all 0 */
+  const void *positions;              /* host: one per captured token, or NULL */
+  int64_t num_positions;              /* > 0: checked against the captures' tokens */
+  uint32_t flags;                     /* KVI_PUT_REPLACE, for every capture */
+  const void *embeddings;             /* embedding_memory: num_captures rows, or NULL */
+  kvi_dtype embedding_dtype;          /* default FP32 */
+  kvi_memory embedding_memory;        /* default HOST */
+  int64_t embedding_stride;           /* elements between rows; 0: the store's embedding_dim */
+} kvi_encode_batch;
+
+#define KVI_ENCODE_BATCH_INIT                                                                                 \
+  {sizeof(kvi_encode_batch), 0, 0, NULL, NULL, NULL, NULL, 0, 0, NULL, NULL, 32, NULL, NULL, 0, 0u, NULL, \
+   KVI_DTYPE_FP32, KVI_MEMORY_HOST, 0}
+
+/* Fills *batch with KVI_ENCODE_BATCH_INIT for a struct of `size` bytes (pass sizeof *batch):
+ * see "Size-versioned structs" in kvinject/common.h. */
+KVI_API kvi_status kvi_encode_batch_init(kvi_encode_batch *batch, size_t size);
+
+/*
+ * kvi_encode for a batch given as flat arrays (kvi_encode_batch): the same
+ * captures, checks, all-or-nothing result and launches as kvi_encode with one
+ * kvi_capture per capture (the arrays become those captures and go through
+ * kvi_encode's code). Host arrays may be reused once the call returns.
+ * Not to be captured into a CUDA graph (as kvi_inject_batched). Thread
+ * rules: as kvi_encode. Errors: those of kvi_encode, with
+ * KVI_ERR_INVALID_ARGUMENT for a NULL batch or required array, position_bits
+ * not 32 or 64, both kinds of positions, num_positions not the captures'
+ * tokens, bad table forms or offsets, a position or start position out of
+ * range; KVI_ERR_STRUCT_SIZE.
+ */
+KVI_API kvi_status kvi_encode_batched(kvi_encoder *encoder, const kvi_encode_batch *batch, struct CUstream_st *stream);
 
 #ifdef __cplusplus
 }

@@ -219,6 +219,55 @@ class InjectRequestC(ctypes.Structure):
     ]
 
 
+class InjectBatchC(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("num_requests", c_int32),
+        ("tenant", c_uint64),
+        ("tenants", c_void_p),
+        ("fact_ids", c_void_p),
+        ("fact_ids_memory", c_enum),
+        ("fact_offsets", c_void_p),
+        ("block_tables", c_void_p),
+        ("block_tables_memory", c_enum),
+        ("block_table_stride", c_int64),
+        ("block_table_len", c_int32),
+        ("block_table_offsets", c_void_p),
+        ("first_slots", c_void_p),
+        ("position_bits", c_int32),
+        ("start_positions", c_void_p),
+        ("positions", c_void_p),
+        ("num_positions", c_int64),
+        ("index_memory", c_enum),
+        ("out_tokens", c_void_p),
+    ]
+
+
+class EncodeBatchC(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("num_captures", c_int32),
+        ("tenant", c_uint64),
+        ("tenants", c_void_p),
+        ("fact_ids", c_void_p),
+        ("num_tokens", c_void_p),
+        ("block_tables", c_void_p),
+        ("block_table_stride", c_int64),
+        ("block_table_len", c_int32),
+        ("block_table_offsets", c_void_p),
+        ("first_slots", c_void_p),
+        ("position_bits", c_int32),
+        ("start_positions", c_void_p),
+        ("positions", c_void_p),
+        ("num_positions", c_int64),
+        ("flags", c_uint32),
+        ("embeddings", c_void_p),
+        ("embedding_dtype", c_enum),
+        ("embedding_memory", c_enum),
+        ("embedding_stride", c_int64),
+    ]
+
+
 class InjectOptions(ctypes.Structure):
     _fields_ = [
         ("struct_size", c_size_t),
@@ -307,6 +356,8 @@ STRUCTS = {
     "kvi_transfer_options": TransferOptions,
     "kvi_inject_request": InjectRequestC,
     "kvi_inject_options": InjectOptions,
+    "kvi_inject_batch": InjectBatchC,
+    "kvi_encode_batch": EncodeBatchC,
     "kvi_capture": CaptureC,
     "kvi_retrieve_request": RetrieveRequestC,
     "kvi_scatter_item": ScatterItemC,
@@ -364,6 +415,10 @@ _PROTOTYPES = {
     "kvi_inject_request_init": (c_int, [P, c_size_t]),
     "kvi_inject_options_init": (c_int, [P, c_size_t]),
     "kvi_inject": (c_int, [P, P, c_int32, P, P]),
+    "kvi_inject_batch_init": (c_int, [P, c_size_t]),
+    "kvi_inject_batched": (c_int, [P, P, P, P]),
+    "kvi_encode_batch_init": (c_int, [P, c_size_t]),
+    "kvi_encode_batched": (c_int, [P, P, P]),
     "kvi_inject_plan": (c_int, [P, c_uint64, P, c_int32, POINTER(c_int64)]),
     "kvi_injector_async_errors": (c_int, [P, POINTER(c_int64)]),
     "kvi_encoder_create": (c_int, [POINTER(c_void_p), P, P, P]),
@@ -405,6 +460,8 @@ _INIT_FUNCTIONS = {
     TransferOptions: "kvi_transfer_options_init",
     InjectRequestC: "kvi_inject_request_init",
     InjectOptions: "kvi_inject_options_init",
+    InjectBatchC: "kvi_inject_batch_init",
+    EncodeBatchC: "kvi_encode_batch_init",
     CaptureC: "kvi_capture_init",
     RetrieveRequestC: "kvi_retrieve_request_init",
     SaveOptionsC: "kvi_save_options_init",

@@ -7,8 +7,8 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from ._types import ArrayLike, FloatArrayLike, IntArrayLike, StreamLike
 from . import _buffers
-from ._lib import (CaptureC, InjectOptions, InjectRequestC, RetrieveRequestC, SearchOptions, TransferOptions, assign,
-                   fit, lib)
+from ._lib import (CaptureC, EncodeBatchC, InjectBatchC, InjectOptions, InjectRequestC, RetrieveRequestC, SearchOptions,
+                   TransferOptions, assign, fit, lib)
 from ._handle import Handle
 from .cache import CacheLayout
 from .enums import PUT_REPLACE, DType, Memory
@@ -64,6 +64,89 @@ class Capture:
     replace: bool = False
     embedding: Optional[FloatArrayLike] = None
     embedding_dtype: Optional[DType] = None
+
+
+# torch dtypes by object (hashable), filled on first sight: the per-call path reads
+# no strings
+_TORCH_INT_KINDS: dict = {}
+_CAI_KINDS = {"<i4": "i32", "<i8": "i64", "<u8": "u64", "|i4": "i32", "|i8": "i64", "|u8": "u64"}
+_INT_CTYPE = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "u64": ctypes.c_uint64}
+
+
+class _Flat:
+    """An integer array argument of a batched call: address, element kind, count,
+    memory, and for 2-D arrays rows, columns and the row stride (elements)."""
+
+    __slots__ = ("ptr", "kind", "numel", "memory", "rows", "cols", "row_stride", "keep")
+
+
+def _flat(obj, kinds, what: str, *, two_d: bool = False, writable: bool = False) -> _Flat:
+    """A batched call's integer array: a torch tensor (read through data_ptr and a few
+    cheap attributes), an object with __cuda_array_interface__, a host buffer (numpy,
+    array.array, ctypes) or a sequence of ints. Its elements must be contiguous
+    (2-D: each row; rows any stride apart) and of one of `kinds`."""
+    f = _Flat()
+    f.keep = obj
+    f.rows = f.cols = f.row_stride = 0
+    if hasattr(obj, "data_ptr") and hasattr(obj, "is_cuda"):  # a torch tensor
+        kind = _TORCH_INT_KINDS.get(obj.dtype)
+        if kind is None:
+            kind = _buffers._TORCH_DTYPES.get(str(obj.dtype))
+            _TORCH_INT_KINDS[obj.dtype] = kind
+        dim = obj.dim()
+        if two_d and dim == 2:
+            if obj.stride(1) != 1 and obj.shape[1] > 1:
+                raise ValueError("%s: the rows of a 2-D table must be contiguous" % what)
+            f.rows, f.cols, f.row_stride = int(obj.shape[0]), int(obj.shape[1]), int(obj.stride(0))
+        elif not obj.is_contiguous():
+            raise ValueError("%s must be contiguous" % what)
+        f.ptr, f.numel = obj.data_ptr(), obj.numel()
+        f.memory = Memory.DEVICE if obj.is_cuda else Memory.HOST
+    elif hasattr(obj, "__cuda_array_interface__"):
+        cai = obj.__cuda_array_interface__
+        kind = _CAI_KINDS.get(cai["typestr"])
+        shape = tuple(cai["shape"])
+        itemsize = 4 if kind == "i32" else 8
+        strides = cai.get("strides")
+        if two_d and len(shape) == 2:
+            if strides is not None and strides[1] != itemsize and shape[1] > 1:
+                raise ValueError("%s: the rows of a 2-D table must be contiguous" % what)
+            f.rows, f.cols = shape
+            f.row_stride = (strides[0] // itemsize) if strides is not None else shape[1]
+        elif strides is not None:
+            acc = itemsize
+            for n, st in zip(reversed(shape), reversed(strides)):
+                if n != 1 and st != acc:
+                    raise ValueError("%s must be contiguous" % what)
+                acc *= n
+        f.ptr = int(cai["data"][0])
+        f.numel = 1
+        for n in shape:
+            f.numel *= n
+        f.memory = Memory.DEVICE
+    else:
+        if _buffers.is_tensor(obj) or _buffers._has_buffer(obj):
+            a = _buffers.as_array(obj, what, writable=writable)
+            if two_d and len(a.shape) == 2:
+                if a.strides[1] != 1 and a.shape[1] > 1:
+                    raise ValueError("%s: the rows of a 2-D table must be contiguous" % what)
+                f.rows, f.cols, f.row_stride = a.shape[0], a.shape[1], a.strides[0]
+                f.numel = f.rows * f.cols
+            elif not _buffers.contiguous(a):
+                raise ValueError("%s must be contiguous" % what)
+            else:
+                f.numel = 1
+                for n in a.shape:
+                    f.numel *= n
+        else:  # a sequence of ints
+            a = _buffers.int_array(obj, _INT_CTYPE[kinds[0]], what)
+            f.numel = a.numel
+        kind = a.kind
+        f.ptr, f.memory, f.keep = a.ptr, a.memory, a
+    if kind not in kinds:
+        raise TypeError("%s: elements of type %s; expected %s" % (what, kind, " or ".join(kinds)))
+    f.kind = kind
+    return f
 
 
 def _transfer_options(max_tokens_per_call, max_requests_per_call, max_table_entries_per_call):
@@ -153,6 +236,134 @@ class Injector(_Transfer):
         L.call("kvi_inject", self.handle, arr, fit(len(requests), ctypes.c_int32, "num_requests"), ctypes.byref(o),
                _buffers.stream_handle(stream))
         del keep
+
+    def inject_batch(self, fact_ids, block_tables, *, fact_offsets=None, tenant: int = 0, tenants=None,
+                     block_table_offsets=None, first_slots=None, start_positions=None, positions=None,
+                     out_tokens=None, layer_begin: int = 0, layer_end: int = 0, stream=None) -> None:
+        """kvi_inject_batched: a whole batch from flat arrays in one call (no struct,
+        no loop per request). Arrays: torch tensors, objects with
+        __cuda_array_interface__, host buffers (numpy, array.array, ctypes) or
+        sequences of ints.
+
+        fact_ids: uint64/int64, CSR by ``fact_offsets`` (int32, num_requests + 1),
+        or a 2-D [num_requests, k] array without offsets (row r is request r's,
+        e.g. Store.search's device ids: KVI_SEARCH_NO_ID entries are skipped).
+        Device fact ids are looked up on the device (see the C header: CUDA stores
+        with embeddings and no host tier; start positions only).
+        block_tables: int32, a 2-D [num_requests, max_blocks] array (vLLM's
+        block_table; rows any stride apart), or 1-D CSR pages with
+        ``block_table_offsets`` (FlashInfer's kv_indices / kv_indptr).
+        tenants: uint64/int64 per request, or None for ``tenant``. first_slots:
+        int64 per request (None: 0). start_positions (per request) or positions
+        (one per injected token of the call, request after request): int32 or
+        int64. out_tokens: None or int32 per request, in the fact ids' memory,
+        filled with the tokens each request injected. Index arrays (offsets,
+        tenants, slots, positions) must all be in one kind of memory; device ones
+        make the call wait for ``stream``. Host arrays may be reused when this
+        returns; device arrays must live until the stream has passed the call."""
+        ids = _flat(fact_ids, ("u64", "i64"), "fact_ids", two_d=fact_offsets is None)
+        b = InjectBatchC.from_buffer_copy(self._batch_template())
+        b.fact_ids, b.fact_ids_memory = ids.ptr, int(ids.memory)
+        keep = [ids]
+        index = []
+        if fact_offsets is None:
+            if ids.rows == 0 and ids.cols == 0:
+                raise ValueError("fact_ids: give fact_offsets, or a 2-D [num_requests, k] array")
+            if ids.row_stride != ids.cols:
+                raise ValueError("fact_ids: a 2-D array of fact ids must be contiguous")
+            n = ids.rows
+            offs = self._row_offsets(n, ids.cols)
+            b.fact_offsets = ctypes.addressof(offs)
+            keep.append(offs)
+        else:
+            fo = _flat(fact_offsets, ("i32",), "fact_offsets")
+            n = fo.numel - 1
+            if n < 0:
+                raise ValueError("fact_offsets: expected num_requests + 1 entries, got none")
+            b.fact_offsets = fo.ptr
+            index.append(fo)
+        b.num_requests = n
+        bt = _flat(block_tables, ("i32",), "block_tables", two_d=block_table_offsets is None)
+        b.block_tables, b.block_tables_memory = bt.ptr, int(bt.memory)
+        keep.append(bt)
+        if block_table_offsets is None:
+            if bt.rows == 0 and n > 0:
+                raise ValueError("block_tables: give block_table_offsets (CSR), or a 2-D [num_requests, blocks] array")
+            if bt.rows != n:
+                raise ValueError("block_tables has %d rows for %d requests" % (bt.rows, n))
+            b.block_table_stride, b.block_table_len = max(bt.row_stride, bt.cols, 1), bt.cols
+        else:
+            bo = _flat(block_table_offsets, ("i32",), "block_table_offsets")
+            if bo.numel != n + 1:
+                raise ValueError("block_table_offsets has %d entries for %d requests" % (bo.numel, n))
+            b.block_table_offsets = bo.ptr
+            index.append(bo)
+        if tenants is not None:
+            tn = _flat(tenants, ("u64", "i64"), "tenants")
+            if tn.numel != n:
+                raise ValueError("tenants has %d entries for %d requests" % (tn.numel, n))
+            b.tenants = tn.ptr
+            index.append(tn)
+        else:
+            b.tenant = fit(tenant, ctypes.c_uint64, "tenant")
+        if first_slots is not None:
+            fs = _flat(first_slots, ("i64",), "first_slots")
+            if fs.numel != n:
+                raise ValueError("first_slots has %d entries for %d requests" % (fs.numel, n))
+            b.first_slots = fs.ptr
+            index.append(fs)
+        if start_positions is not None and positions is not None:
+            raise ValueError("give start_positions or positions, not both")
+        if start_positions is not None:
+            sp = _flat(start_positions, ("i32", "i64"), "start_positions")
+            if sp.numel != n:
+                raise ValueError("start_positions has %d entries for %d requests" % (sp.numel, n))
+            b.start_positions, b.position_bits = sp.ptr, 64 if sp.kind == "i64" else 32
+            index.append(sp)
+        if positions is not None:
+            ps = _flat(positions, ("i32", "i64"), "positions")
+            b.positions, b.position_bits, b.num_positions = ps.ptr, 64 if ps.kind == "i64" else 32, ps.numel
+            index.append(ps)
+        if index:
+            mem = index[0].memory
+            for a in index:
+                if a.memory != mem:
+                    raise ValueError("the batch's offsets, tenants, first slots and positions must all be host or all "
+                                     "device memory")
+            b.index_memory = int(mem)
+        if out_tokens is not None:
+            ot = _flat(out_tokens, ("i32",), "out_tokens", writable=True)
+            if ot.numel < n:
+                raise ValueError("out_tokens holds %d entries for %d requests" % (ot.numel, n))
+            b.out_tokens = ot.ptr
+            keep.append(ot)
+        opts = None
+        if layer_begin or layer_end:
+            opts = lib().new(InjectOptions)
+            assign(opts, layer_begin=layer_begin, layer_end=layer_end)
+            opts = ctypes.byref(opts)
+        L = lib()
+        st = L.kvi_inject_batched(self.handle, ctypes.byref(b), opts, _buffers.stream_handle(stream))
+        if st != 0:
+            L.check(st, "kvi_inject_batched")
+        del keep, index
+
+    def _row_offsets(self, n: int, k: int):
+        """CSR offsets of n rows of k (0, k, 2k, ...), kept for the next call of that shape."""
+        cache = self.__dict__.setdefault("_offs_cache", {})
+        offs = cache.get((n, k))
+        if offs is None:
+            if len(cache) > 64:
+                cache.clear()
+            offs = cache[(n, k)] = (ctypes.c_int32 * (n + 1))(*range(0, (n + 1) * k, k)) if k else \
+                (ctypes.c_int32 * (n + 1))()
+        return offs
+
+    def _batch_template(self):
+        t = getattr(self, "_batch_tmpl", None)
+        if t is None:
+            t = self._batch_tmpl = lib().new(InjectBatchC)
+        return t
 
     def retrieve_inject(self, queries: FloatArrayLike, requests: Sequence[RetrieveRequest], k: int, *,
                         query_dtype: Optional[DType] = None,
@@ -267,4 +478,76 @@ class Encoder(_Transfer):
             arr[i] = c
         L.call("kvi_encode", self.handle, arr, fit(len(captures), ctypes.c_int32, "num_captures"),
                _buffers.stream_handle(stream))
+        del keep
+
+    def encode_batch(self, fact_ids, num_tokens, block_tables, *, tenant: int = 0, tenants=None,
+                     block_table_offsets=None, first_slots=None, start_positions=None, positions=None,
+                     replace: bool = False, embeddings=None, embedding_dtype: Optional[DType] = None,
+                     stream=None) -> None:
+        """kvi_encode_batched: captures from flat host arrays in one call, all-or-nothing
+        (as :meth:`encode`). fact_ids: uint64/int64 per capture; num_tokens: int32 per
+        capture; block_tables: int32, a 2-D [captures, blocks] array (rows any stride
+        apart) or 1-D CSR pages with ``block_table_offsets``; tenants, first_slots
+        (int64), start_positions or positions (one per captured token, int32 or int64)
+        as :meth:`Injector.inject_batch`. embeddings: None, or a [captures, dim]
+        buffer/tensor (host or device) of fp32, fp16 or bf16 with contiguous rows."""
+        ids = _flat(fact_ids, ("u64", "i64"), "fact_ids")
+        n = ids.numel
+        nt = _flat(num_tokens, ("i32",), "num_tokens")
+        if nt.numel != n:
+            raise ValueError("num_tokens has %d entries for %d captures" % (nt.numel, n))
+        b = lib().new(EncodeBatchC)
+        b.num_captures, b.fact_ids, b.num_tokens = n, ids.ptr, nt.ptr
+        keep = [ids, nt]
+        bt = _flat(block_tables, ("i32",), "block_tables", two_d=block_table_offsets is None)
+        keep.append(bt)
+        b.block_tables = bt.ptr
+        if block_table_offsets is None:
+            if bt.rows != n:
+                raise ValueError("block_tables: expected a 2-D [%d, blocks] array (or block_table_offsets)" % n)
+            b.block_table_stride, b.block_table_len = max(bt.row_stride, bt.cols, 1), bt.cols
+        else:
+            bo = _flat(block_table_offsets, ("i32",), "block_table_offsets")
+            if bo.numel != n + 1:
+                raise ValueError("block_table_offsets has %d entries for %d captures" % (bo.numel, n))
+            b.block_table_offsets = bo.ptr
+            keep.append(bo)
+        if tenants is not None:
+            tn = _flat(tenants, ("u64", "i64"), "tenants")
+            if tn.numel != n:
+                raise ValueError("tenants has %d entries for %d captures" % (tn.numel, n))
+            b.tenants = tn.ptr
+            keep.append(tn)
+        else:
+            b.tenant = fit(tenant, ctypes.c_uint64, "tenant")
+        if first_slots is not None:
+            fs = _flat(first_slots, ("i64",), "first_slots")
+            if fs.numel != n:
+                raise ValueError("first_slots has %d entries for %d captures" % (fs.numel, n))
+            b.first_slots = fs.ptr
+            keep.append(fs)
+        if start_positions is not None and positions is not None:
+            raise ValueError("give start_positions or positions, not both")
+        if start_positions is not None:
+            sp = _flat(start_positions, ("i32", "i64"), "start_positions")
+            if sp.numel != n:
+                raise ValueError("start_positions has %d entries for %d captures" % (sp.numel, n))
+            b.start_positions, b.position_bits = sp.ptr, 64 if sp.kind == "i64" else 32
+            keep.append(sp)
+        if positions is not None:
+            ps = _flat(positions, ("i32", "i64"), "positions")
+            b.positions, b.position_bits, b.num_positions = ps.ptr, 64 if ps.kind == "i64" else 32, ps.numel
+            keep.append(ps)
+        for a in keep:
+            if a.memory != Memory.HOST:
+                raise ValueError("encode_batch: the index arrays and block tables must be host memory")
+        b.flags = PUT_REPLACE if replace else 0
+        if embeddings is not None:
+            emb, edt = _buffers.float_array(embeddings, "embeddings", dtype=embedding_dtype)
+            dim = self.store.embedding_dim
+            if dim == 0 or emb.numel < n * dim:
+                raise ValueError("embeddings: %d elements for %d captures of dimension %d" % (emb.numel, n, dim))
+            b.embeddings, b.embedding_dtype, b.embedding_memory = emb.ptr, int(edt), int(emb.memory)
+            keep.append(emb)
+        lib().call("kvi_encode_batched", self.handle, ctypes.byref(b), _buffers.stream_handle(stream))
         del keep

@@ -136,6 +136,48 @@ class TestEncode(unittest.TestCase):
         enc.encode([])  # nothing to do
 
 
+class TestEncodeBatch(TestEncode):
+    """Encoder.encode_batch (kvi_encode_batched) stores what Encoder.encode stores."""
+
+    def test_matches_per_capture_form(self):
+        r = rng(70)
+        pos1 = [5 * s + 2 for s in range(S)]
+        keys, values, lay, pre_k, pre_v = self.prefill(DType.FP32, r, {0: list(range(S)), 1: pos1})
+        enc = kvi.Encoder(self.store, lay)
+        embs = [[0.5, -1.0, 2.0, 0.25], [1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 1.0, 0.0]]
+        spec = [(0, 3, 6, list(range(3, 9))), (1, 10, 9, pos1[10:19]), (0, 20, 4, list(range(20, 24)))]
+        enc.encode([kvi.Capture(1, 100 + i, [row], num_tokens=n, first_slot=first, positions=pos, embedding=embs[i])
+                    for i, (row, first, n, pos) in enumerate(spec)])
+        flat_emb = array.array("f", [x for e in embs for x in e])
+        flat_pos = [p for _, _, _, pos in spec for p in pos]
+        for form, code in (("2-D", "i"), ("CSR", "q")):
+            with self.subTest(form=form):
+                base = 200 if form == "2-D" else 300
+                ids = array.array("q", [base + i for i in range(3)])
+                if form == "2-D":
+                    tab = array.array("i", [row for row, _, _, _ in spec])
+                    kw = dict(block_tables=memoryview(tab).cast("B").cast("i", (3, 1)))
+                else:
+                    kw = dict(block_tables=[row for row, _, _, _ in spec], block_table_offsets=[0, 1, 2, 3])
+                enc.encode_batch(ids, array.array("i", [n for _, _, n, _ in spec]), tenant=1,
+                                 first_slots=array.array("q", [f for _, f, _, _ in spec]),
+                                 positions=array.array(code, flat_pos), embeddings=flat_emb, **kw)
+                for i in range(3):
+                    self.assertEqual(bits_of(self.store.read(1, base + i)[0]), bits_of(self.store.read(1, 100 + i)[0]))
+                    self.assertEqual(bits_of(self.store.read(1, base + i)[1]), bits_of(self.store.read(1, 100 + i)[1]))
+                    self.assertEqual(list(self.store.get_embedding(1, base + i)), embs[i])
+        before = self.store.stats()
+        with self.assertRaises(kvi.InvalidArgumentError):  # 19 positions for 18 tokens
+            enc.encode_batch([400, 401, 402], [6, 9, 4], [0, 1, 0], block_table_offsets=[0, 1, 2, 3], tenant=1,
+                             positions=flat_pos + [1], embeddings=flat_emb)
+        with self.assertRaises(kvi.InvalidArgumentError):  # a repeated id
+            enc.encode_batch([400, 400], [2, 2], [0, 1], block_table_offsets=[0, 1, 2], tenant=1,
+                             embeddings=flat_emb)
+        after = self.store.stats()
+        self.assertEqual((after.facts, after.pages_used), (before.facts, before.pages_used))
+        enc.close()
+
+
 class TestLifetimes(unittest.TestCase):
     def test_store_close_closes_its_injectors(self):
         m = kvi.Model(1, 1, 8)

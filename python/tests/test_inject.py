@@ -318,6 +318,138 @@ class TestVllm(InjectCase):
                                                  "layer %d %s: %r vs %r" % (l, "KV"[kv], got, ref))
 
 
+class TestInjectBatch(InjectCase):
+    """Injector.inject_batch (kvi_inject_batched): one call from flat arrays, the same
+    bytes as the per-request form and the float64 reference, 2-D and CSR tables,
+    int32 and int64 positions, buffers, FakeTensors and lists."""
+
+    NB, BS = 16, 4
+    # (fact ids, first slot, blocks) per request; request 2 injects nothing
+    REQS = [([11, 10], 2, [5, 1, 7, 2, 9]), ([12], 0, [3]), ([], 0, []), ([10, 12, 12], 3, [0, 4, 6, 8])]
+
+    def setUp(self):
+        self.facts = Facts(self, DType.BF16, seed=30)
+        NB, BS = self.NB, self.BS
+        self.caches = [poisoned(2 * NB * BS * H * D, DType.BF16) for _ in range(L)]
+        self.inj = kvi.Injector(self.facts.store, kvi.CacheLayout.vllm(self.caches, shape=(2, NB, BS, H, D),
+                                                                       dtype=DType.BF16))
+        self.fresh = [bytes(c) for c in self.caches]
+
+    def reset(self):
+        for c, f in zip(self.caches, self.fresh):
+            memoryview(c).cast("B")[:] = f
+
+    def snapshot(self):
+        return [bytes(c) for c in self.caches]
+
+    def tokens(self, fids):
+        return sum(self.facts.tokens(f) for f in fids)
+
+    def test_matches_per_request_form(self):
+        NB, BS = self.NB, self.BS
+        n = len(self.REQS)
+        ids = array.array("Q", [f for r in self.REQS for f in r[0]])
+        offs = array.array("i", [0])
+        for r in self.REQS:
+            offs.append(offs[-1] + len(r[0]))
+        first = array.array("q", [r[1] for r in self.REQS])
+        width = 6
+        t2d = array.array("i", [-3] * (n * width))
+        for i, r in enumerate(self.REQS):
+            t2d[i * width:i * width + len(r[2])] = array.array("i", r[2])
+        csr = array.array("i", [b for r in self.REQS for b in r[2]])
+        indptr = array.array("i", [0])
+        for r in self.REQS:
+            indptr.append(indptr[-1] + len(r[2]))
+        starts = [40, 7, 0, 1000]
+        per_tok = [[(17 * i + 3 * t) % 4000 for t in range(self.tokens(r[0]))] for i, r in enumerate(self.REQS)]
+        flat = [p for ps in per_tok for p in ps]
+        for per_token in (False, True):
+            self.reset()
+            self.inj.inject([kvi.InjectRequest(1, r[0], r[2] or [0], first_slot=r[1],
+                                               positions=per_tok[i] if per_token else None,
+                                               start_position=0 if per_token else starts[i])
+                             for i, r in enumerate(self.REQS)])
+            want = self.snapshot()
+            writes = expected_writes(self.facts, [(r[0], r[2], r[1], per_tok[i] if per_token else None,
+                                                   starts[i], BS) for i, r in enumerate(self.REQS)])
+
+            def index(l, kv, blk, tok, h, d):
+                return self.caches[l], (((kv * NB + blk) * BS + tok) * H + h) * D + d
+
+            self.assert_cache(index, DType.BF16, None, writes, NB, BS)
+            for form in ("2-D buffer", "2-D FakeTensor", "CSR", "CSR lists"):
+                for code in ("i", "q"):
+                    with self.subTest(per_token=per_token, form=form, positions=code):
+                        self.reset()
+                        kw = {}
+                        if per_token:
+                            kw["positions"] = array.array(code, flat)
+                        else:
+                            kw["start_positions"] = array.array(code, starts)
+                        out = array.array("i", [-1] * n)
+                        if form == "2-D buffer":
+                            tables = memoryview(t2d).cast("B").cast("i", (n, width))
+                            self.inj.inject_batch(ids, tables, fact_offsets=offs, tenant=1, first_slots=first,
+                                                  out_tokens=out, **kw)
+                        elif form == "2-D FakeTensor":  # rows 6 apart, 5 used
+                            tables = FakeTensor(t2d, (n, 5), (width, 1), dtype="torch.int32")
+                            self.inj.inject_batch(FakeTensor(ids, (len(ids),), dtype="torch.int64"), tables,
+                                                  fact_offsets=offs, tenants=array.array("q", [1] * n),
+                                                  first_slots=first, out_tokens=out, **kw)
+                        elif form == "CSR":
+                            self.inj.inject_batch(ids, csr, fact_offsets=offs, block_table_offsets=indptr, tenant=1,
+                                                  first_slots=first, out_tokens=out, **kw)
+                        else:
+                            self.inj.inject_batch(list(ids), list(csr), fact_offsets=list(offs),
+                                                  block_table_offsets=list(indptr), tenant=1, first_slots=list(first),
+                                                  out_tokens=out, **{k: list(v) for k, v in kw.items()})
+                        self.assertEqual(self.snapshot(), want)
+                        self.assertEqual(list(out), [self.tokens(r[0]) for r in self.REQS])
+
+    def test_two_d_fact_ids(self):
+        """A [requests, k] array of ids needs no offsets (a search's rows)."""
+        self.reset()
+        ids = array.array("Q", [11, 10, 12, 10])
+        tables = array.array("i", [5, 1, 7, 2, 3, 0, 4, 6])
+        self.inj.inject_batch(memoryview(ids).cast("B").cast("Q", (2, 2)),
+                              memoryview(tables).cast("B").cast("i", (2, 4)), tenant=1, start_positions=[9, 90])
+        got = self.snapshot()
+        self.reset()
+        self.inj.inject([kvi.InjectRequest(1, [11, 10], [5, 1, 7, 2], start_position=9),
+                         kvi.InjectRequest(1, [12, 10], [3, 0, 4, 6], start_position=90)])
+        self.assertEqual(self.snapshot(), got)
+
+    def test_refused_batches_write_nothing(self):
+        self.reset()
+        before = self.snapshot()
+        ids, offs, tab = [11, 10], [0, 2], array.array("i", [5, 1, 7, 2, 9])
+        table = memoryview(tab).cast("B").cast("i", (1, 5))
+        cases = [
+            (dict(fact_offsets=[0, 2], tenant=2), kvi.NotFoundError),
+            (dict(fact_offsets=[2, 0]), kvi.InvalidArgumentError),
+            (dict(fact_offsets=offs, first_slots=[7]), kvi.InvalidArgumentError),  # past the 5 blocks
+            (dict(fact_offsets=offs, positions=[1, 2, 3]), kvi.InvalidArgumentError),  # 14 tokens
+            (dict(fact_offsets=offs, start_positions=array.array("q", [1 << 40])), kvi.InvalidArgumentError),
+        ]
+        for kw, exc in cases:
+            with self.subTest(kw=kw):
+                kw.setdefault("tenant", 1)
+                out = array.array("i", [-5])
+                with self.assertRaises(exc):
+                    self.inj.inject_batch(ids, table, out_tokens=out, **kw)
+                self.assertEqual(self.snapshot(), before)
+                self.assertEqual(out[0], -5)
+        with self.assertRaises(ValueError):  # both kinds of positions
+            self.inj.inject_batch(ids, table, fact_offsets=offs, positions=[0] * 14, start_positions=[0])
+        with self.assertRaises(TypeError):  # int64 block ids
+            self.inj.inject_batch(ids, array.array("q", [5, 1, 7, 2, 9]), fact_offsets=offs,
+                                  block_table_offsets=[0, 5])
+        with self.assertRaises(ValueError):  # 2 rows for 1 request
+            self.inj.inject_batch(ids, memoryview(tab).cast("B")[:16].cast("i", (2, 2)), fact_offsets=offs)
+        self.assertEqual(self.snapshot(), before)
+
+
 class TestStridedHeads(InjectCase):
     """Head vectors that are not contiguous and V planes with their own strides."""
     NB, BS = 6, 4

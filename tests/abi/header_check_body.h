@@ -117,6 +117,23 @@ static void hc_check_init_macros(void) {
     HC_CHECK(to.struct_size == sizeof(kvi_transfer_options) && to2.max_tokens_per_call == to.max_tokens_per_call &&
              to2.max_requests_per_call == to.max_requests_per_call &&
              to2.max_table_entries_per_call == to.max_table_entries_per_call && to.max_tokens_per_call > 0);
+    {
+      kvi_encode_batch eb = KVI_ENCODE_BATCH_INIT, eb2;
+      memset(&eb2, 0x5a, sizeof eb2);
+      kvi_encode_batch_init(&eb2, sizeof eb2);
+      HC_CHECK(eb.struct_size == sizeof(kvi_encode_batch) && eb2.struct_size == eb.struct_size &&
+               eb2.position_bits == 32 && eb2.embedding_dtype == KVI_DTYPE_FP32 &&
+               eb2.embedding_memory == KVI_MEMORY_HOST && eb2.embeddings == NULL && eb2.flags == 0u);
+    }
+    {
+      kvi_inject_batch ib = KVI_INJECT_BATCH_INIT, ib2;
+      memset(&ib2, 0x5a, sizeof ib2);
+      kvi_inject_batch_init(&ib2, sizeof ib2);
+      HC_CHECK(ib.struct_size == sizeof(kvi_inject_batch) && ib2.struct_size == ib.struct_size &&
+               ib2.position_bits == 32 && ib.position_bits == 32 && ib2.fact_ids_memory == KVI_MEMORY_HOST &&
+               ib.index_memory == KVI_MEMORY_HOST && ib2.block_tables == NULL && ib2.out_tokens == NULL &&
+               ib2.num_requests == 0);
+    }
     memset(&rq2, 0x5a, sizeof rq2);
     kvi_inject_request_init(&rq2, sizeof rq2);
     HC_CHECK(rq.struct_size == sizeof(kvi_inject_request) && rq2.struct_size == rq.struct_size &&

@@ -101,6 +101,11 @@ int cxx_checks() {
   const kvi_transfer_options topts = KVI_TRANSFER_OPTIONS_INIT;
   const kvi_inject_request req = KVI_INJECT_REQUEST_INIT;
   const kvi_inject_options iopts = KVI_INJECT_OPTIONS_INIT;
+  const kvi_inject_batch ibatch = KVI_INJECT_BATCH_INIT;
+  const kvi_encode_batch ebatch = KVI_ENCODE_BATCH_INIT;
+  if (ebatch.struct_size != sizeof ebatch || ebatch.embedding_dtype != KVI_DTYPE_FP32) fail("KVI_ENCODE_BATCH_INIT");
+  if (ibatch.struct_size != sizeof ibatch || ibatch.position_bits != 32 || ibatch.out_tokens != nullptr)
+    fail("KVI_INJECT_BATCH_INIT");
   const kvi_capture cap = KVI_CAPTURE_INIT;
   const kvi_save_options svopts = KVI_SAVE_OPTIONS_INIT;
   const kvi_load_options lopts = KVI_LOAD_OPTIONS_INIT;

@@ -165,6 +165,8 @@ WRAP(cache_layout, kvi_cache_layout)
 WRAP(transfer_options, kvi_transfer_options)
 WRAP(inject_request, kvi_inject_request)
 WRAP(inject_options, kvi_inject_options)
+WRAP(inject_batch, kvi_inject_batch)
+WRAP(encode_batch, kvi_encode_batch)
 WRAP(retrieve_request, kvi_retrieve_request)
 WRAP(capture, kvi_capture)
 WRAP(save_options, kvi_save_options)
@@ -187,6 +189,8 @@ static const kvi_cache_layout m_cl = KVI_CACHE_LAYOUT_INIT;
 static const kvi_transfer_options m_to = KVI_TRANSFER_OPTIONS_INIT;
 static const kvi_inject_request m_ir = KVI_INJECT_REQUEST_INIT;
 static const kvi_inject_options m_io = KVI_INJECT_OPTIONS_INIT;
+static const kvi_inject_batch m_ib = KVI_INJECT_BATCH_INIT;
+static const kvi_encode_batch m_eb = KVI_ENCODE_BATCH_INIT;
 static const kvi_retrieve_request m_rr = KVI_RETRIEVE_REQUEST_INIT;
 static const kvi_capture m_cp = KVI_CAPTURE_INIT;
 static const kvi_save_options m_sv = KVI_SAVE_OPTIONS_INIT;
@@ -204,6 +208,8 @@ static const init_case init_cases[] = {
     CASE(transfer_options, kvi_transfer_options, sizeof(kvi_transfer_options), m_to),
     CASE(inject_request, kvi_inject_request, offsetof(kvi_inject_request, num_positions), m_ir),
     CASE(inject_options, kvi_inject_options, offsetof(kvi_inject_options, host_pages), m_io),
+    CASE(inject_batch, kvi_inject_batch, sizeof(kvi_inject_batch), m_ib),
+    CASE(encode_batch, kvi_encode_batch, sizeof(kvi_encode_batch), m_eb),
     CASE(retrieve_request, kvi_retrieve_request, sizeof(kvi_retrieve_request), m_rr),
     CASE(capture, kvi_capture, sizeof(kvi_capture), m_cp),
     CASE(save_options, kvi_save_options, sizeof(kvi_save_options), m_sv),
@@ -458,6 +464,16 @@ static kvi_status r_inject_options(const void *p, void *ctx) {
   kvi_inject_request *rq = ctx;
   return kvi_inject(F.inj, rq, 1, p, NULL);
 }
+static kvi_status r_inject_batch(const void *p, void *ctx) {
+  (void)ctx;
+  return kvi_inject_batched(F.inj, p, NULL, NULL);
+}
+static uint64_t eb_id; /* the batch's one fact id: a new one each call */
+static kvi_status r_encode_batch(const void *p, void *ctx) {
+  (void)ctx;
+  eb_id = F.next_id++;
+  return kvi_encode_batched(F.enc, p, NULL);
+}
 static kvi_status r_capture(const void *p, void *ctx) {
   (void)ctx;
   /* each call captures a new id: the placed struct's fact_id is patched in place */
@@ -525,10 +541,20 @@ static void test_readers(void **state) {
                NULL);
   kvi_inject_options io = KVI_INJECT_OPTIONS_INIT;
   check_reader("kvi_inject(opts)", &io, sizeof io, offsetof(kvi_inject_options, host_pages), 1, r_inject_options, &rq);
+  static const int32_t ib_off[2] = {0, 2};
+  kvi_inject_batch ib = KVI_INJECT_BATCH_INIT;
+  ib.num_requests = 1, ib.tenant = 7, ib.fact_ids = F.fact_ids, ib.fact_offsets = ib_off;
+  ib.block_tables = F.table, ib.block_table_stride = 2, ib.block_table_len = 2;
+  check_reader("kvi_inject_batched(batch)", &ib, sizeof ib, sizeof ib, 1, r_inject_batch, NULL);
 
   kvi_capture cp = KVI_CAPTURE_INIT;
   cp.tenant = 8, cp.block_table = F.table, cp.block_table_len = 2, cp.num_tokens = T, cp.embedding = F.emb;
   check_reader("kvi_encode(caps)", &cp, sizeof cp, sizeof cp, 1, r_capture, NULL);
+  static const int32_t eb_tokens[1] = {T};
+  kvi_encode_batch eb = KVI_ENCODE_BATCH_INIT;
+  eb.num_captures = 1, eb.tenant = 8, eb.fact_ids = &eb_id, eb.num_tokens = eb_tokens;
+  eb.block_tables = F.table, eb.block_table_stride = 2, eb.block_table_len = 2, eb.embeddings = F.emb;
+  check_reader("kvi_encode_batched(batch)", &eb, sizeof eb, sizeof eb, 1, r_encode_batch, NULL);
 
   kvi_retrieve_request rr = KVI_RETRIEVE_REQUEST_INIT;
   rr.tenant = 7, rr.block_table = F.table, rr.block_table_len = 2;

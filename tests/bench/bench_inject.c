@@ -9,7 +9,11 @@
  * the bytes it must move (every K and V element read once and written once),
  * their rate, and the time of a device-to-device cudaMemcpy of the same
  * bytes (the ceiling). Inputs rotate among sets larger than the L2 cache so
- * that repeated runs do not measure the cache.
+ * that repeated runs do not measure the cache. Each injection case runs in
+ * three forms: kvi_inject (a struct per request), kvi_inject_batched from
+ * host arrays (CSR fact ids, a 2-D block table) and kvi_inject_batched with
+ * the fact ids and the block table in device memory (looked up and planned
+ * on the device; the store keeps 64-element embeddings for that).
  *
  * SPDX-License-Identifier: Apache-2.0
  */
@@ -25,7 +29,7 @@
 
 #include "bench.h"
 
-enum { L = 32, H = 8, D = 128, BS = 16, FACT_T = 24, POOL = 1024, ITERS = 60 };
+enum { L = 32, H = 8, D = 128, BS = 16, FACT_T = 24, POOL = 1024, ITERS = 60, EMB = 64 };
 static const size_t TOKEN_BYTES = (size_t)L * H * D * 2 * 2; /* K and V, bf16 */
 
 static double now_ms(void) {
@@ -73,6 +77,7 @@ int main(void) {
   so.backend = KVI_BACKEND_CUDA;
   so.device = 0;
   so.budget_bytes = (uint64_t)(2 * POOL + 4 * 64 * 50) * 16 * TOKEN_BYTES; /* pages: pool + capture churn */
+  so.embedding_dim = EMB; /* device directories: kvi_inject_batched's device fact ids */
   kvi_store *store;
   CK(kvi_store_create(&store, model, &so));
 
@@ -86,7 +91,11 @@ int main(void) {
   for (int f = 0; f < POOL; f++) {
     kvi_kv_view kv;
     kvi_kv_view_contiguous(&kv, KVI_MEMORY_DEVICE, KVI_DTYPE_BF16, L, FACT_T, H, D, dsrc, (uint16_t *)dsrc + fact_elems);
-    CK(kvi_store_put(store, 1, (uint64_t)f, &kv, NULL, NULL));
+    float emb[EMB];
+    for (int e = 0; e < EMB; e++) emb[e] = (float)((f * 31 + e * 7) % 97) - 48.0f;
+    kvi_put_options po = KVI_PUT_OPTIONS_INIT;
+    po.embedding = emb;
+    CK(kvi_store_put(store, 1, (uint64_t)f, &kv, &po, NULL));
   }
   CU(cudaDeviceSynchronize());
 
@@ -120,14 +129,26 @@ int main(void) {
   for (int64_t b = 0; b < NB; b++) table[b] = (int32_t)((b * 7919) % NB); /* scattered blocks */
   static uint64_t ids[64][50];
   static kvi_inject_request reqs[64];
+  /* the batched forms: CSR offsets, a 2-D table [64][NB / 64], start positions; device copies */
+  const int32_t TW = (int32_t)(NB / 64);
+  static int32_t offs[65], tab2d[64 * 4096];
+  static int32_t starts[64];
+  if (TW > 4096) return 1;
+  uint64_t *d_ids;
+  int32_t *d_tab, *d_tokens;
+  CU(cudaMalloc((void **)&d_ids, sizeof ids));
+  CU(cudaMalloc((void **)&d_tab, (size_t)64 * TW * sizeof(int32_t)));
+  CU(cudaMalloc((void **)&d_tokens, 64 * sizeof(int32_t)));
+  cudaStream_t st0 = 0;
 
   busy_src = csrc;
   busy_dst = cdst + span - ((size_t)2 << 30);
   printf("| case     | reqs |    k |   tokens | MiB moved | call ms  |  host ms | queued ms | copy ms  | of copy | queued of |\n");
   printf("|----------|------|------|----------|-----------|----------|----------|-----------|----------|---------|-----------|\n");
   const int ks[] = {5, 10, 20, 50};
-  for (int c = 0; c < 5; c++) {
-    const int R = c < 4 ? 1 : 64, k = c < 4 ? ks[c] : 50;
+  static const char *forms[3] = {"inject", "batched", "dev ids"};
+  for (int c = 0; c < 15; c++) {
+    const int form = c % 3, R = c / 3 < 4 ? 1 : 64, k = c / 3 < 4 ? ks[c / 3] : 50;
     float t[ITERS], th[ITERS], tq[ITERS];
     for (int i = -bench_warm; i < bench_iters; i++) {
       /* fresh facts and destinations every iteration */
@@ -142,12 +163,31 @@ int main(void) {
         reqs[r].block_table_len = (int32_t)(NB / 64);
         reqs[r].first_slot = 0;
         reqs[r].start_position = 100;
+        offs[r] = r * k;
+        memcpy(tab2d + (size_t)r * TW, reqs[r].block_table, (size_t)TW * sizeof(int32_t));
+        starts[r] = 100;
+      }
+      offs[R] = R * k;
+      kvi_inject_batch b = KVI_INJECT_BATCH_INIT;
+      b.num_requests = R, b.tenant = 1, b.fact_ids = &ids[0][0], b.fact_offsets = offs;
+      b.block_tables = tab2d, b.block_table_stride = TW, b.block_table_len = TW, b.start_positions = starts;
+      /* CSR ids: rows of k back to back (only k = 50 has R > 1, and needs no move) */
+      for (int r = 0; r < R && k < 50; r++) memmove(&ids[0][0] + r * k, ids[r], (size_t)k * sizeof(uint64_t));
+      if (form == 2) { /* the ids and the table on the device, as a search and the engine leave them */
+        CU(cudaMemcpy(d_ids, &ids[0][0], (size_t)R * k * sizeof(uint64_t), cudaMemcpyHostToDevice));
+        CU(cudaMemcpy(d_tab, tab2d, (size_t)R * TW * sizeof(int32_t), cudaMemcpyHostToDevice));
+        b.fact_ids = d_ids, b.fact_ids_memory = KVI_MEMORY_DEVICE;
+        b.block_tables = d_tab, b.block_tables_memory = KVI_MEMORY_DEVICE;
+        b.out_tokens = d_tokens;
       }
       for (int q = 0; q < 2; q++) { /* on an idle GPU, then queued behind busy() */
         if (q) busy();
         CU(cudaEventRecord(e0, 0));
         const double h0 = now_ms();
-        CK(kvi_inject(inj, reqs, R, NULL, NULL));
+        if (form == 0)
+          CK(kvi_inject(inj, reqs, R, NULL, NULL));
+        else
+          CK(kvi_inject_batched(inj, &b, NULL, st0));
         const double h1 = now_ms();
         CU(cudaEventRecord(e1, 0));
         CU(cudaEventSynchronize(e1));
@@ -156,7 +196,7 @@ int main(void) {
       }
     }
     const size_t bytes = (size_t)R * k * FACT_T * TOKEN_BYTES;
-    row("inject", R, k, median(t, bench_iters), median(th, bench_iters), median(tq, bench_iters), copy_ms(csrc, cdst, bytes, span, e0, e1));
+    row(forms[form], R, k, median(t, bench_iters), median(th, bench_iters), median(tq, bench_iters), copy_ms(csrc, cdst, bytes, span, e0, e1));
   }
 
   static kvi_capture caps[64 * 50];
@@ -206,5 +246,8 @@ int main(void) {
   cudaFree(dsrc);
   free(table);
   free(hbuf);
+  cudaFree(d_ids);
+  cudaFree(d_tab);
+  cudaFree(d_tokens);
   return 0;
 }

@@ -767,6 +767,194 @@ static void test_tiered(void **state) {
 #endif
 }
 
+/* kvi_inject_batched with device fact ids (looked up and planned on the
+ * device) against the same batch with host ids: byte for byte the same
+ * device cache, and the CPU store's (a cos/sin table: exact). Rows of KP ids
+ * padded with KVI_SEARCH_NO_ID (skipped, uncounted), an id the tenant does
+ * not hold (skipped, counted by kvi_injector_async_errors), tenants without
+ * facts; then the search -> inject chain: kvi_store_search into device
+ * outputs and kvi_inject_batched of its ids, equal to kvi_retrieve_inject;
+ * and the refusals (per-token positions, a tiered store). */
+static void test_batched_device_ids(void **state) {
+  (void)state;
+  REQUIRE_GPU();
+#ifdef KVI_HAVE_CUDA
+  enum { KP = 12 };
+  world w;
+  make_world(&w, &cfg_bf16);
+  kvi_retrieve_request hreq[NQ], greq[NQ];
+  for (int round = 0; round < 3; round++) {
+    make_requests(&w, hreq, greq);
+    poison(&w);
+    /* each request: up to KP - 2 live facts of its tenant (repeats allowed), NO_ID padding, one unknown id */
+    static uint64_t pad[NQ * KP], hid[NQ * KP];
+    int32_t poff[NQ + 1], hoff[NQ + 1], starts[NQ], want_tokens[NQ];
+    int64_t first[NQ];
+    int64_t unknown = 0;
+    poff[0] = hoff[0] = 0;
+    int32_t nh = 0;
+    for (int r = 0; r < NQ; r++) {
+      const uint64_t t = hreq[r].tenant;
+      const int32_t live = live_count(&w, t);
+      int32_t n = live ? (int32_t)(rnd() % (KP - 1)) : 0, j = 0;
+      want_tokens[r] = 0;
+      for (int32_t f = 0; f < n; f++) {
+        int32_t pick = (int32_t)(rnd() % (uint64_t)live), seen = -1;
+        for (int i = 0; i < w.nf; i++)
+          if (w.f[i].live && w.f[i].tenant == t && ++seen == pick) {
+            pad[r * KP + j++] = w.f[i].id;
+            hid[nh++] = w.f[i].id;
+            want_tokens[r] += w.f[i].tokens;
+            break;
+          }
+        if (f == 1) pad[r * KP + j++] = KVI_SEARCH_NO_ID; /* a gap inside the row */
+      }
+      if (live && round == 1 && r % 2 == 0) pad[r * KP + j++] = 999999999, unknown++; /* not the tenant's */
+      while (j < KP) pad[r * KP + j++] = KVI_SEARCH_NO_ID;
+      poff[r + 1] = (r + 1) * KP;
+      hoff[r + 1] = nh;
+      first[r] = hreq[r].first_slot;
+      starts[r] = hreq[r].start_position;
+    }
+    uint64_t tn[NQ];
+    for (int r = 0; r < NQ; r++) tn[r] = hreq[r].tenant;
+    uint64_t *d_ids;
+    int32_t *d_tok;
+    CUDA_OK(cudaMalloc((void **)&d_ids, sizeof pad));
+    CUDA_OK(cudaMalloc((void **)&d_tok, NQ * sizeof(int32_t)));
+    CUDA_OK(cudaMemcpy(d_ids, pad, sizeof pad, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(d_tok, 0x5a, NQ * sizeof(int32_t)));
+    CUDA_OK(cudaDeviceSynchronize());
+    kvi_inject_batch b = KVI_INJECT_BATCH_INIT;
+    b.num_requests = NQ, b.tenants = tn, b.first_slots = first, b.start_positions = starts;
+    b.block_tables = w.dtab, b.block_tables_memory = KVI_MEMORY_DEVICE, b.block_table_stride = TBL,
+    b.block_table_len = TBL;
+    kvi_inject_batch dv = b, hb = b;
+    dv.fact_ids = d_ids, dv.fact_ids_memory = KVI_MEMORY_DEVICE, dv.fact_offsets = poff, dv.out_tokens = d_tok;
+    CHECK_OK(kvi_inject_batched(w.di, &dv, NULL, (struct CUstream_st *)w.st));
+    hb.fact_ids = hid, hb.fact_offsets = hoff;
+    CHECK_OK(kvi_inject_batched(w.dref, &hb, NULL, (struct CUstream_st *)w.st));
+    kvi_inject_batch cb = hb; /* the CPU store: host tables */
+    cb.block_tables = &w.tables[0][0], cb.block_tables_memory = KVI_MEMORY_HOST;
+    int32_t ctok[NQ];
+    cb.out_tokens = ctok;
+    CHECK_OK(kvi_inject_batched(w.hi, &cb, NULL, NULL));
+    CUDA_OK(cudaStreamSynchronize(w.st));
+    int32_t got_tok[NQ];
+    CUDA_OK(cudaMemcpy(got_tok, d_tok, sizeof got_tok, cudaMemcpyDeviceToHost));
+    for (int r = 0; r < NQ; r++) {
+      if (got_tok[r] != want_tokens[r] || ctok[r] != want_tokens[r])
+        fail_msg("round %d request %d: %d tokens on the device, %d on the CPU, want %d", round, r, got_tok[r], ctok[r],
+                 want_tokens[r]);
+    }
+    uint16_t *a = fetch(&w, w.dev), *bb = fetch(&w, w.dev2);
+    size_t bad = cache_diff(&w, a, bb, true), badc = cache_diff(&w, a, w.host, true);
+    if (bad || badc || cache_written(&w, a) == 0)
+      fail_msg("round %d: device ids differ from host ids in %zu elements, from the CPU in %zu (%zu written)", round,
+               bad, badc, cache_written(&w, a));
+    free(a);
+    free(bb);
+    int64_t skipped = -1, sref = -1;
+    CHECK_OK(kvi_injector_async_errors(w.di, &skipped));
+    CHECK_OK(kvi_injector_async_errors(w.dref, &sref));
+    if (skipped != unknown || sref != 0)
+      fail_msg("round %d: %lld skipped with device ids (want %lld), %lld with host ids", round, (long long)skipped,
+               (long long)unknown, (long long)sref);
+    /* per-token positions with device ids: refused, nothing written */
+    int32_t pos[4] = {0, 1, 2, 3};
+    kvi_inject_batch bad_b = dv;
+    bad_b.start_positions = NULL, bad_b.positions = pos;
+    uint16_t *before = fetch(&w, w.dev);
+    assert_int_equal(kvi_inject_batched(w.di, &bad_b, NULL, (struct CUstream_st *)w.st), KVI_ERR_UNSUPPORTED);
+    /* too small a reserve: a 1-block table for request 0 */
+    bad_b = dv;
+    bad_b.block_table_len = 1;
+    const kvi_status st = kvi_inject_batched(w.di, &bad_b, NULL, (struct CUstream_st *)w.st);
+    CUDA_OK(cudaStreamSynchronize(w.st));
+    uint16_t *after = fetch(&w, w.dev);
+    assert_memory_equal(before, after, w.cache_elems * sizeof *after);
+    free(before);
+    free(after);
+    bool any = false;
+    for (int r = 0; r < NQ; r++) any = any || (poff[r + 1] > poff[r] && live_count(&w, tn[r]) > 0);
+    if (any && st != KVI_ERR_INVALID_ARGUMENT)
+      fail_msg("round %d: a 1-block reserve gave %d (%s)", round, (int)st, kvi_status_string(st));
+    cudaFree(d_ids);
+    cudaFree(d_tok);
+  }
+
+  /* search -> inject with device ids: the same cache as kvi_retrieve_inject */
+  for (int round = 0; round < 2; round++) {
+    const int32_t k = round ? 32 : 7;
+    make_requests(&w, hreq, greq);
+    for (int r = 0; r < NQ; r++) greq[r].flags = 0, greq[r].block_table = w.dtab + (size_t)r * TBL,
+                                 greq[r].block_table_memory = KVI_MEMORY_DEVICE;
+    poison(&w);
+    float q[NQ * DIM];
+    make_queries(q, false);
+    float *dq;
+    uint64_t *di;
+    float *dsc;
+    int32_t *dc, *dt, *dt2;
+    uint64_t *ri;
+    int32_t *rc;
+    CUDA_OK(cudaMalloc((void **)&dq, sizeof q));
+    CUDA_OK(cudaMalloc((void **)&di, (size_t)NQ * k * sizeof(uint64_t)));
+    CUDA_OK(cudaMalloc((void **)&ri, (size_t)NQ * k * sizeof(uint64_t)));
+    CUDA_OK(cudaMalloc((void **)&dsc, (size_t)NQ * k * sizeof(float)));
+    CUDA_OK(cudaMalloc((void **)&dc, NQ * sizeof(int32_t)));
+    CUDA_OK(cudaMalloc((void **)&rc, NQ * sizeof(int32_t)));
+    CUDA_OK(cudaMalloc((void **)&dt, NQ * sizeof(int32_t)));
+    CUDA_OK(cudaMalloc((void **)&dt2, NQ * sizeof(int32_t)));
+    CUDA_OK(cudaMemcpy(dq, q, sizeof q, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaDeviceSynchronize());
+    uint64_t tn[NQ];
+    int32_t offs[NQ + 1], starts[NQ];
+    int64_t first[NQ];
+    for (int r = 0; r < NQ; r++)
+      tn[r] = greq[r].tenant, offs[r] = r * k, starts[r] = greq[r].start_position, first[r] = greq[r].first_slot;
+    offs[NQ] = NQ * k;
+    kvi_search_options so = KVI_SEARCH_OPTIONS_INIT;
+    so.query_memory = so.out_memory = KVI_MEMORY_DEVICE;
+    CHECK_OK(kvi_store_search(w.gpu, dq, NQ, DIM, tn, k, di, dsc, dc, &so, (struct CUstream_st *)w.st));
+    kvi_inject_batch b = KVI_INJECT_BATCH_INIT;
+    b.num_requests = NQ, b.tenants = tn, b.fact_ids = di, b.fact_ids_memory = KVI_MEMORY_DEVICE, b.fact_offsets = offs;
+    b.block_tables = w.dtab, b.block_tables_memory = KVI_MEMORY_DEVICE, b.block_table_stride = TBL,
+    b.block_table_len = TBL, b.first_slots = first, b.start_positions = starts, b.out_tokens = dt;
+    CHECK_OK(kvi_inject_batched(w.di, &b, NULL, (struct CUstream_st *)w.st));
+    kvi_injector *ri_inj = w.dref;
+    CHECK_OK(kvi_retrieve_inject(ri_inj, dq, NQ, DIM, greq, k, &so, ri, rc, dt2, (struct CUstream_st *)w.st));
+    CUDA_OK(cudaStreamSynchronize(w.st));
+    int32_t t1[NQ], t2[NQ];
+    CUDA_OK(cudaMemcpy(t1, dt, sizeof t1, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(t2, dt2, sizeof t2, cudaMemcpyDeviceToHost));
+    assert_memory_equal(t1, t2, sizeof t1);
+    uint16_t *a = fetch(&w, w.dev), *bb = fetch(&w, w.dev2);
+    const size_t bad = cache_diff(&w, a, bb, true);
+    if (bad) fail_msg("search -> inject k %d: %zu elements differ from kvi_retrieve_inject", (int)k, bad);
+    free(a);
+    free(bb);
+    cudaFree(dq), cudaFree(di), cudaFree(ri), cudaFree(dsc), cudaFree(dc), cudaFree(rc), cudaFree(dt), cudaFree(dt2);
+  }
+  expect_no_async_errors(&w);
+  free_world(&w);
+
+  /* a tiered store: device ids refused */
+  make_world(&w, &cfg_tier);
+  uint64_t *d_ids;
+  CUDA_OK(cudaMalloc((void **)&d_ids, sizeof(uint64_t)));
+  CUDA_OK(cudaMemset(d_ids, 0xff, sizeof(uint64_t)));
+  const int32_t off[2] = {0, 1};
+  kvi_inject_batch tb = KVI_INJECT_BATCH_INIT;
+  tb.num_requests = 1, tb.tenant = 1, tb.fact_ids = d_ids, tb.fact_ids_memory = KVI_MEMORY_DEVICE, tb.fact_offsets = off;
+  tb.block_tables = w.dtab, tb.block_tables_memory = KVI_MEMORY_DEVICE, tb.block_table_stride = TBL,
+  tb.block_table_len = TBL;
+  assert_int_equal(kvi_inject_batched(w.di, &tb, NULL, (struct CUstream_st *)w.st), KVI_ERR_UNSUPPORTED);
+  cudaFree(d_ids);
+  free_world(&w);
+#endif
+}
+
 int main(void) {
   if (kvi_cuda_device_count(&g_devices) != KVI_OK) g_devices = 0;
   g_retrieve = g_devices > 0 && (kvi_features() & KVI_FEATURE_CUBLASLT);
@@ -780,6 +968,7 @@ int main(void) {
       cmocka_unit_test_setup(test_directory_maintenance, setup),
       cmocka_unit_test_setup(test_short_table, setup),
       cmocka_unit_test_setup(test_tiered, setup),
+      cmocka_unit_test_setup(test_batched_device_ids, setup),
   };
   int failed = cmocka_run_group_tests_name("gpu-retrieve", tests, NULL, NULL);
   if (failed) return 1;

@@ -465,6 +465,353 @@ static void test_batched_inject(void **state) {
   env_close(&e);
 }
 
+/* ------------------------------------------------------------------------ */
+/* kvi_inject_batched: flat arrays against the per-request form              */
+/* ------------------------------------------------------------------------ */
+
+enum { BT_R = 6, BT_MAXF = 3, BT_BLOCKS = 8, BT_STRIDE = 11, BT_NB = 64, BT_BS = 4 };
+
+/* A random batch over the facts of test_batched_inject's kind: request r's
+ * tenant, facts, first slot, blocks (its own slice of perm) and positions. */
+typedef struct bcase {
+  uint64_t tenants[BT_R];
+  uint64_t ids[BT_R * BT_MAXF];
+  int32_t off[BT_R + 1];
+  int32_t tokens[BT_R];
+  int64_t first[BT_R];
+  int32_t start[BT_R];
+  int32_t pos[BT_R][BT_MAXF * 9];
+  int32_t perm[BT_NB];
+} bcase;
+
+static const int32_t bt_tok[2][5] = {{0, 3, 6, 9, 0}, {0, 4, 0, 0, 2}}; /* tokens of tenant t+1's fact id */
+
+static void bcase_make(bcase *b, rng *r) {
+  rand_perm(r, b->perm, BT_NB);
+  b->off[0] = 0;
+  for (int q = 0; q < BT_R; q++) {
+    b->tenants[q] = 1 + (uint64_t)rng_range(r, 0, 1);
+    const int nf = q == 2 ? 0 : (int)rng_range(r, 1, BT_MAXF); /* request 2 injects nothing */
+    b->tokens[q] = 0;
+    for (int f = 0; f < nf; f++) {
+      static const uint64_t t1[] = {1, 2, 3}, t2[] = {1, 4};
+      const uint64_t id = b->tenants[q] == 1 ? t1[rng_range(r, 0, 2)] : t2[rng_range(r, 0, 1)];
+      b->ids[b->off[q] + f] = id;
+      b->tokens[q] += bt_tok[b->tenants[q] - 1][id];
+    }
+    b->off[q + 1] = b->off[q] + nf;
+    b->first[q] = rng_range(r, 0, BT_BS - 1);
+    b->start[q] = (int32_t)rng_range(r, 0, 3000);
+    if (b->tokens[q] > 0) rand_positions(r, b->pos[q], b->tokens[q], 0, 8000, true);
+  }
+}
+
+/* Blocks request q's slots need. */
+static int32_t bcase_blocks(const bcase *b, int q) {
+  return b->tokens[q] == 0 ? 0 : (int32_t)((b->first[q] + b->tokens[q] - 1) / BT_BS + 1);
+}
+
+static void cache_save(const ecache *c, unsigned char **keep) {
+  for (int i = 0; i < c->nbuf; i++) {
+    keep[i] = malloc(c->bytes[i]);
+    assert_non_null(keep[i]);
+    memcpy(keep[i], c->buf[i], c->bytes[i]);
+  }
+}
+
+static void cache_restore(ecache *c, unsigned char **keep) {
+  for (int i = 0; i < c->nbuf; i++) memcpy(c->buf[i], keep[i], c->bytes[i]);
+}
+
+static void batched_case(kvi_cache_preset preset, rng *r) {
+  enum { L = 2, D = 16 };
+  const kvi_rope_spec specs[L] = {rope(KVI_ROPE_NEOX, 0, 10000.0), rope(KVI_ROPE_GPTJ, 8, 1e6)};
+  const env_cfg g = {L, 4, 2, 0, D, specs, KVI_DTYPE_FP32, 4, 64, preset, KVI_DTYPE_BF16, KVI_SCALE_NONE, BT_BS,
+                     BT_NB, NULL};
+  env e;
+  env_open(&e, &g, r);
+  rfact a1, b1, c1, a2, d2;
+  rfact_make(&a1, r, 1, 1, L, 3, e.H, D, -3, 3);
+  rfact_make(&b1, r, 1, 2, L, 6, e.H, D, -3, 3);
+  rfact_make(&c1, r, 1, 3, L, 9, e.H, D, -3, 3);
+  rfact_make(&a2, r, 2, 1, L, 4, e.H, D, -3, 3);
+  rfact_make(&d2, r, 2, 4, L, 2, e.H, D, -3, 3);
+  const rfact *all[] = {&a1, &b1, &c1, &a2, &d2};
+  for (int i = 0; i < 5; i++) rfact_put(e.s, all[i], 0);
+  const rfact *by_id[2][5] = {{NULL, &a1, &b1, &c1, NULL}, {NULL, &a2, NULL, NULL, &d2}};
+  unsigned char *orig[2 * EC_MAXL];
+  cache_save(&e.c, orig);
+
+  for (int round = 0; round < 4; round++) {
+    bcase b;
+    bcase_make(&b, r);
+    const bool per_token = round & 1, wide = round & 2; /* positions per token; int64 positions */
+    char what[120];
+    snprintf(what, sizeof what, "preset %d, %s positions, int%d", (int)preset, per_token ? "per-token" : "start",
+             wide ? 64 : 32);
+    /* the per-request form, each request its own table slice */
+    kvi_inject_request rq[BT_R];
+    for (int q = 0; q < BT_R; q++)
+      rq[q] = request(b.tenants[q], b.ids + b.off[q], b.off[q + 1] - b.off[q], b.perm + q * BT_BLOCKS, BT_BLOCKS,
+                      b.first[q], per_token ? b.pos[q] : NULL, per_token ? 0 : b.start[q]);
+    cache_restore(&e.c, orig);
+    assert_ok(kvi_inject(e.inj, rq, BT_R, NULL, NULL));
+    const uint64_t want = ec_hash(&e.c);
+    /* and the float64 reference */
+    ecmask mask;
+    ecmask_make(&mask, &e.c);
+    for (int q = 0; q < BT_R; q++) {
+      const rfact *ff[BT_MAXF];
+      const int nf = b.off[q + 1] - b.off[q];
+      for (int f = 0; f < nf; f++) ff[f] = by_id[b.tenants[q] - 1][b.ids[b.off[q] + f]];
+      if (nf)
+        ec_check_request(&e.c, e.rr, ff, nf, b.perm + q * BT_BLOCKS, b.first[q], per_token ? b.pos[q] : NULL,
+                         per_token ? 0 : b.start[q], 0, L, 0.0, &mask, what);
+    }
+    ecmask_free(&mask);
+
+    /* flat arrays: positions of the whole call, start positions, both widths */
+    int32_t flat32[BT_R * BT_MAXF * 9], start32[BT_R];
+    int64_t flat64[BT_R * BT_MAXF * 9], start64[BT_R];
+    int64_t ntok = 0;
+    for (int q = 0; q < BT_R; q++) {
+      start32[q] = b.start[q], start64[q] = b.start[q];
+      for (int t = 0; t < b.tokens[q]; t++) flat32[ntok] = b.pos[q][t], flat64[ntok++] = b.pos[q][t];
+    }
+    /* a 2-D table with a row stride (rows longer than used, the rest invalid ids) */
+    int32_t t2d[BT_R * BT_STRIDE];
+    for (int q = 0; q < BT_R; q++)
+      for (int i = 0; i < BT_STRIDE; i++) t2d[q * BT_STRIDE + i] = i < BT_BLOCKS ? b.perm[q * BT_BLOCKS + i] : -7;
+    /* CSR pages: each request exactly the blocks it needs */
+    int32_t csr[BT_R * BT_BLOCKS], indptr[BT_R + 1];
+    indptr[0] = 0;
+    for (int q = 0; q < BT_R; q++) {
+      const int32_t nb = bcase_blocks(&b, q);
+      memcpy(csr + indptr[q], b.perm + q * BT_BLOCKS, (size_t)nb * sizeof(int32_t));
+      indptr[q + 1] = indptr[q] + nb;
+    }
+    for (int form = 0; form < 2; form++) {
+      kvi_inject_batch bb;
+      assert_ok(kvi_inject_batch_init(&bb, sizeof bb));
+      bb.num_requests = BT_R;
+      bb.tenants = b.tenants;
+      bb.fact_ids = b.ids;
+      bb.fact_offsets = b.off;
+      if (form == 0) {
+        bb.block_tables = t2d, bb.block_table_stride = BT_STRIDE, bb.block_table_len = BT_BLOCKS;
+      } else {
+        bb.block_tables = csr, bb.block_table_offsets = indptr;
+      }
+      bb.first_slots = b.first;
+      bb.position_bits = wide ? 64 : 32;
+      if (per_token) {
+        bb.positions = wide ? (const void *)flat64 : (const void *)flat32;
+        bb.num_positions = form ? ntok : 0; /* checked, or trusted */
+      } else {
+        bb.start_positions = wide ? (const void *)start64 : (const void *)start32;
+      }
+      int32_t out[BT_R];
+      for (int q = 0; q < BT_R; q++) out[q] = -1;
+      bb.out_tokens = out;
+      cache_restore(&e.c, orig);
+      assert_ok(kvi_inject_batched(e.inj, &bb, NULL, NULL));
+      if (ec_hash(&e.c) != want) fail_msg("%s, %s tables: the batched call differs from kvi_inject", what, form ? "CSR" : "2-D");
+      for (int q = 0; q < BT_R; q++) assert_int_equal(out[q], b.tokens[q]);
+    }
+  }
+
+  /* one tenant for all, no first slots (0), no positions (0, 1, ...) */
+  {
+    const uint64_t ids[] = {3, 1, 2};
+    const int32_t off[] = {0, 2, 3};
+    int32_t tab[2 * 4];
+    for (int i = 0; i < 8; i++) tab[i] = i * 5 + 1;
+    kvi_inject_batch bb = KVI_INJECT_BATCH_INIT;
+    bb.num_requests = 2, bb.tenant = 1, bb.fact_ids = ids, bb.fact_offsets = off;
+    bb.block_tables = tab, bb.block_table_stride = 4, bb.block_table_len = 4;
+    cache_restore(&e.c, orig);
+    assert_ok(kvi_inject_batched(e.inj, &bb, NULL, NULL));
+    const uint64_t got = ec_hash(&e.c);
+    kvi_inject_request rq[2] = {request(1, ids, 2, tab, 4, 0, NULL, 0), request(1, ids + 2, 1, tab + 4, 4, 0, NULL, 0)};
+    cache_restore(&e.c, orig);
+    assert_ok(kvi_inject(e.inj, rq, 2, NULL, NULL));
+    assert_true(ec_hash(&e.c) == got);
+  }
+
+  /* rejected batches change nothing, out_tokens included */
+  {
+    uint64_t ids[] = {3, 1, 2};
+    int32_t off[] = {0, 2, 3}, tab[2 * 4], indptr[] = {0, 4, 8};
+    int64_t first[] = {0, 1}, pos64[] = {5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25};
+    int32_t pos32[21];
+    for (int i = 0; i < 21; i++) pos32[i] = (int32_t)pos64[i];
+    for (int i = 0; i < 8; i++) tab[i] = i * 5 + 1;
+    int32_t out[2] = {-9, -9};
+    kvi_inject_batch ok = KVI_INJECT_BATCH_INIT;
+    ok.num_requests = 2, ok.tenant = 1, ok.fact_ids = ids, ok.fact_offsets = off, ok.out_tokens = out;
+    ok.block_tables = tab, ok.block_table_stride = 4, ok.block_table_len = 4, ok.first_slots = first;
+    kvi_inject_batch bb;
+#define REJECT(edit, want)                                                  \
+  do {                                                                      \
+    bb = ok;                                                                \
+    edit;                                                                   \
+    EXPECT_UNCHANGED(&e, kvi_inject_batched(e.inj, &bb, NULL, NULL), want); \
+    assert_true(out[0] == -9 && out[1] == -9);                              \
+  } while (0)
+    bb = ok; /* the baseline is valid: 9 + 3 tokens, then 6 */
+    assert_ok(kvi_inject_batched(e.inj, &bb, NULL, NULL));
+    assert_true(out[0] == 12 && out[1] == 6);
+    out[0] = out[1] = -9;
+    cache_restore(&e.c, orig);
+    REJECT(off[1] = 4, KVI_ERR_INVALID_ARGUMENT); /* decreasing */
+    off[1] = 2;
+    REJECT(bb.fact_offsets = NULL, KVI_ERR_INVALID_ARGUMENT);
+    REJECT(bb.fact_ids = NULL, KVI_ERR_INVALID_ARGUMENT);
+    REJECT(ids[2] = 99, KVI_ERR_NOT_FOUND);
+    ids[2] = 2;
+    REJECT(bb.tenant = 2, KVI_ERR_NOT_FOUND);
+    REJECT(bb.num_requests = -1, KVI_ERR_INVALID_ARGUMENT);
+    REJECT(bb.position_bits = 16, KVI_ERR_INVALID_ARGUMENT);
+    REJECT(bb.block_table_len = 5, KVI_ERR_INVALID_ARGUMENT);          /* past the stride */
+    REJECT(bb.block_table_offsets = indptr, KVI_ERR_INVALID_ARGUMENT); /* both forms */
+    REJECT((bb.block_table_stride = 0, bb.block_table_len = 0), KVI_ERR_INVALID_ARGUMENT); /* CSR without offsets */
+    REJECT((bb.block_table_stride = 0, bb.block_table_len = 0, bb.block_table_offsets = indptr, indptr[1] = 1),
+           KVI_ERR_INVALID_ARGUMENT); /* request 0 has 1 block for 12 tokens */
+    indptr[1] = 4;
+    REJECT((bb.block_table_stride = 0, bb.block_table_len = 0, bb.block_table_offsets = indptr, indptr[1] = 9),
+           KVI_ERR_INVALID_ARGUMENT); /* decreasing */
+    indptr[1] = 4;
+    REJECT(bb.block_table_len = 2, KVI_ERR_INVALID_ARGUMENT); /* 12 tokens need 3 blocks of 4 */
+    REJECT(tab[5] = BT_NB, KVI_ERR_INVALID_ARGUMENT);         /* a block outside the cache (request 1's second) */
+    tab[5] = 26;
+    REJECT(first[1] = -1, KVI_ERR_INVALID_ARGUMENT);
+    first[1] = 1;
+    REJECT((bb.positions = pos32, bb.start_positions = pos32), KVI_ERR_INVALID_ARGUMENT);
+    REJECT((bb.positions = pos32, bb.num_positions = 19), KVI_ERR_INVALID_ARGUMENT); /* the call has 18 tokens */
+    REJECT(bb.num_positions = 18, KVI_ERR_INVALID_ARGUMENT);                        /* without positions */
+    REJECT((bb.positions = pos64, bb.position_bits = 64, pos64[17] = (int64_t)1 << 32), KVI_ERR_INVALID_ARGUMENT);
+    pos64[17] = 22;
+    REJECT((bb.start_positions = pos64, bb.position_bits = 64, pos64[1] = -1), KVI_ERR_INVALID_ARGUMENT);
+    pos64[1] = 6;
+    REJECT((bb.start_positions = pos64, bb.position_bits = 64, pos64[0] = (int64_t)INT32_MAX + 2),
+           KVI_ERR_INVALID_ARGUMENT);
+    pos64[0] = 5;
+    REJECT(bb.fact_ids_memory = (kvi_memory)0, KVI_ERR_INVALID_ARGUMENT);
+    REJECT(bb.index_memory = (kvi_memory)3, KVI_ERR_INVALID_ARGUMENT);
+    REJECT(bb.fact_ids_memory = KVI_MEMORY_DEVICE, KVI_ERR_MEMORY_KIND); /* a CPU store */
+    REJECT(bb.block_tables_memory = KVI_MEMORY_DEVICE, KVI_ERR_MEMORY_KIND);
+    REJECT(bb.index_memory = KVI_MEMORY_DEVICE, KVI_ERR_MEMORY_KIND);
+    REJECT(bb.struct_size = sizeof bb - 1, KVI_ERR_STRUCT_SIZE);
+    kvi_inject_options io = KVI_INJECT_OPTIONS_INIT;
+    io.layer_begin = 1, io.layer_end = 1;
+    bb = ok;
+    EXPECT_UNCHANGED(&e, kvi_inject_batched(e.inj, &bb, &io, NULL), KVI_ERR_INVALID_ARGUMENT);
+    EXPECT_UNCHANGED(&e, kvi_inject_batched(e.inj, NULL, NULL, NULL), KVI_ERR_INVALID_ARGUMENT);
+    EXPECT_UNCHANGED(&e, kvi_inject_batched(NULL, &ok, NULL, NULL), KVI_ERR_INVALID_ARGUMENT);
+    assert_true(out[0] == -9 && out[1] == -9);
+    bb = ok;
+    bb.num_requests = 0;
+    EXPECT_UNCHANGED(&e, kvi_inject_batched(e.inj, &bb, NULL, NULL), KVI_OK);
+#undef REJECT
+  }
+  /* kvi_encode_batched: the same facts as kvi_encode, from whatever the cache holds now */
+  {
+    bcase b;
+    bcase_make(&b, r);
+    kvi_inject_request rq[BT_R];
+    for (int q = 0; q < BT_R; q++)
+      rq[q] = request(b.tenants[q], b.ids + b.off[q], b.off[q + 1] - b.off[q], b.perm + q * BT_BLOCKS, BT_BLOCKS,
+                      b.first[q], NULL, b.start[q]);
+    assert_ok(kvi_inject(e.inj, rq, BT_R, NULL, NULL)); /* facts in the cache to capture */
+    enum { NC = 5 };
+    const int32_t ntok[NC] = {3, 7, 1, 12, 5};
+    const int64_t first[NC] = {0, 2, 3, 1, 0};
+    int32_t t2d[NC * BT_STRIDE], csr[NC * 4], indptr[NC + 1], starts32[NC], pos32[28];
+    int64_t starts64[NC], pos64[28];
+    uint64_t ids[NC];
+    indptr[0] = 0;
+    for (int c = 0; c < NC; c++) {
+      ids[c] = 500 + (uint64_t)c;
+      starts32[c] = 10 * c + 1, starts64[c] = starts32[c];
+      for (int i = 0; i < BT_STRIDE; i++) t2d[c * BT_STRIDE + i] = i < 4 ? b.perm[c * 4 + i] : -1;
+      memcpy(csr + indptr[c], b.perm + c * 4, 4 * sizeof(int32_t));
+      indptr[c + 1] = indptr[c] + 4;
+    }
+    rand_positions(r, pos32, 28, 0, 4000, true);
+    for (int t = 0; t < 28; t++) pos64[t] = pos32[t];
+    for (int variant = 0; variant < 4; variant++) {
+      const bool per_token = variant & 1, csr_form = variant & 2;
+      kvi_capture cp[NC];
+      int64_t at = 0;
+      for (int c = 0; c < NC; c++) {
+        cp[c] = capture(7, ids[c], b.perm + c * 4, 4, first[c], ntok[c], per_token ? pos32 + at : NULL,
+                        per_token ? 0 : starts32[c]);
+        cp[c].flags = KVI_PUT_REPLACE;
+        at += ntok[c];
+      }
+      assert_ok(kvi_encode(e.enc, cp, NC, NULL));
+      kvi_encode_batch eb;
+      assert_ok(kvi_encode_batch_init(&eb, sizeof eb));
+      eb.num_captures = NC, eb.tenant = 8, eb.fact_ids = ids, eb.num_tokens = ntok, eb.first_slots = first;
+      eb.flags = KVI_PUT_REPLACE;
+      if (csr_form)
+        eb.block_tables = csr, eb.block_table_offsets = indptr;
+      else
+        eb.block_tables = t2d, eb.block_table_stride = BT_STRIDE, eb.block_table_len = 4;
+      eb.position_bits = variant == 1 ? 64 : 32;
+      if (per_token)
+        eb.positions = variant == 1 ? (const void *)pos64 : (const void *)pos32, eb.num_positions = 28;
+      else
+        eb.start_positions = variant == 2 ? (const void *)starts32 : (const void *)starts64,
+        eb.position_bits = variant == 2 ? 32 : 64;
+      assert_ok(kvi_encode_batched(e.enc, &eb, NULL));
+      for (int c = 0; c < NC; c++) {
+        rfact x, y;
+        rfact_read(e.s, 7, ids[c], e.L, e.H, e.D, &x);
+        rfact_read(e.s, 8, ids[c], e.L, e.H, e.D, &y);
+        assert_int_equal(x.T, ntok[c]);
+        assert_int_equal(y.T, ntok[c]);
+        const size_t n = (size_t)x.L * x.T * x.H * x.D * sizeof(float);
+        if (memcmp(x.k, y.k, n) || memcmp(x.v, y.v, n))
+          fail_msg("variant %d capture %d: kvi_encode_batched stored other values than kvi_encode", variant, c);
+        rfact_free(&x);
+        rfact_free(&y);
+      }
+    }
+    /* refusals store nothing */
+    kvi_encode_batch ok = KVI_ENCODE_BATCH_INIT, bb;
+    ok.num_captures = NC, ok.tenant = 9, ok.fact_ids = ids, ok.num_tokens = ntok, ok.first_slots = first;
+    ok.block_tables = t2d, ok.block_table_stride = BT_STRIDE, ok.block_table_len = 4;
+    bb = ok, bb.positions = pos32, bb.num_positions = 27;
+    EXPECT_UNCHANGED(&e, kvi_encode_batched(e.enc, &bb, NULL), KVI_ERR_INVALID_ARGUMENT);
+    bb = ok, bb.positions = pos64, bb.position_bits = 64, pos64[27] = (int64_t)1 << 33;
+    EXPECT_UNCHANGED(&e, kvi_encode_batched(e.enc, &bb, NULL), KVI_ERR_INVALID_ARGUMENT);
+    bb = ok, bb.block_table_len = 0; /* the captures need blocks */
+    EXPECT_UNCHANGED(&e, kvi_encode_batched(e.enc, &bb, NULL), KVI_ERR_INVALID_ARGUMENT);
+    bb = ok, bb.position_bits = 8;
+    EXPECT_UNCHANGED(&e, kvi_encode_batched(e.enc, &bb, NULL), KVI_ERR_INVALID_ARGUMENT);
+    bb = ok, bb.num_tokens = NULL;
+    EXPECT_UNCHANGED(&e, kvi_encode_batched(e.enc, &bb, NULL), KVI_ERR_INVALID_ARGUMENT);
+    bb = ok, bb.struct_size = sizeof bb + 8;
+    EXPECT_UNCHANGED(&e, kvi_encode_batched(e.enc, &bb, NULL), KVI_ERR_STRUCT_SIZE);
+    const uint64_t dup[NC] = {1, 2, 3, 2, 5};
+    bb = ok, bb.fact_ids = dup;
+    EXPECT_UNCHANGED(&e, kvi_encode_batched(e.enc, &bb, NULL), KVI_ERR_INVALID_ARGUMENT);
+  }
+  for (int i = 0; i < e.c.nbuf; i++) free(orig[i]);
+  for (int i = 0; i < 5; i++) rfact_free((rfact *)all[i]);
+  env_close(&e);
+}
+
+static void test_inject_batched(void **state) {
+  (void)state;
+  rng r;
+  rng_seed(&r, __func__);
+  const kvi_cache_preset presets[] = {KVI_CACHE_VLLM_FLASHINFER, KVI_CACHE_VLLM_FLASH_ATTN,
+                                      KVI_CACHE_VLLM_FLASHINFER_HND};
+  for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++) batched_case(presets[i], &r);
+}
+
 static void test_inject_plan(void **state) {
   (void)state;
   rng r;
@@ -1606,6 +1953,7 @@ int main(void) {
       cmocka_unit_test(test_capture_inject_invariant_bf16_store),
       cmocka_unit_test(test_context_window_encoding),
       cmocka_unit_test(test_batched_inject),
+      cmocka_unit_test(test_inject_batched),
       cmocka_unit_test(test_inject_plan),
       cmocka_unit_test(test_inject_plan_long_lists),
       cmocka_unit_test(test_equal_dtypes_copy_bits),
