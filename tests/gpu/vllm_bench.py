@@ -38,7 +38,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 
 TENANT, HEADER_ID = 7, 1000
@@ -79,8 +78,10 @@ def main():
     tput_tokens = [int(x) for x in args.tput_tokens.split(",")]
     kmax = max(ks)
     os.makedirs(args.out, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="kvi-vllm-bench-")
-    ev_path = os.path.join(work, "events")
+    ev_path = os.path.join(args.out, "events")  # events.worker0.jsonl, events.scheduler.jsonl
+    for suffix in (".worker0.jsonl", ".scheduler.jsonl"):
+        if os.path.exists(ev_path + suffix):
+            os.remove(ev_path + suffix)
     res = {"args": vars(args)}
     t_all = time.time()
 
@@ -90,15 +91,15 @@ def main():
     import kvinject
     import kvinject.vllm as kv
 
+    # no CUDA call in this process before the engine is up (vLLM forks its engine core)
     res["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__,
-                       "kvinject": getattr(kvinject, "__version__", None),
-                       "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+                       "kvinject": getattr(kvinject, "__version__", None), "gpu": None}
     try:
         import transformers
         res["versions"]["transformers"] = transformers.__version__
     except Exception:  # pragma: no cover
         pass
-    log("vllm_bench: vllm %s, torch %s, %s" % (vllm.__version__, torch.__version__, res["versions"]["gpu"]))
+    log("vllm_bench: vllm %s, torch %s" % (vllm.__version__, torch.__version__))
 
     extra = dict(store_dtype=args.store_dtype, store_budget_mb=args.store_mb, events_path=ev_path,
                  layerwise=args.layerwise, time_device=not args.no_device_timing)
@@ -120,6 +121,8 @@ def main():
                          "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens}
     except Exception as e:  # the config's shape differs between versions: report, go on
         res["engine"] = {"error": repr(e)}
+    if torch.cuda.is_available():
+        res["versions"]["gpu"] = torch.cuda.get_device_name(0)
     log("vllm_bench: engine up in %.0f s: %s" % (res["engine_start_s"], res["engine"]))
 
     with open(os.path.join(args.model, "config.json")) as f:

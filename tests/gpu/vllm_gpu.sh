@@ -133,7 +133,7 @@ case "$cmd" in
     python3 tests/gpu/vllm_model.py --tokenizer "$pkg/tokenizer" --out "$model" "${margs[@]}" >"$out/model.log" 2>&1 &
     mpid=$!
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
-      "$pkg"/*.whl "$pkg"/deps/*.whl 2>&1 | grep -v "WARNING: Target directory" || true
+      "$pkg"/*.whl "$pkg"/deps/*.whl >"$out/pip.log" 2>&1 || { cat "$out/pip.log"; die "pip install failed"; }
     echo "vllm_gpu.sh: $site $(du -sh "$site" | cut -f1) at $((SECONDS - t0)) s"
     set +e
     PYTHONPATH=$site python3 tests/gpu/vllm_deps.py --import-check 2>&1 | tee "$out/import-check.log"
