@@ -37,6 +37,13 @@
 #   3. tests/gpu/vllm_gpu.sh setup    carry [".stage/vllmgpu.02"]
 #   4. tests/gpu/vllm_gpu.sh run      carry []
 # A call that finds a fresh machine (parts missing) says which; start again at 1.
+# Give `run` the full 600 s (it stops itself at VLLM_GPU_TIMEOUT, 570 s).
+# Sizes at pack time: parts of 56, 56 and 55 MiB; installed, /tmp/vllm-site is
+# 437 MB. Device time expected (an estimate until measured): machine start 1-2
+# min, each stage call under a minute, setup 3-4 min (the library's nvcc build
+# is the longest; pip and the model are written meanwhile), run 4-6 min (engine
+# start with torch.compile and graph capture, then about two minutes of
+# requests): about 12 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
