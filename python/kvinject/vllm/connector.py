@@ -1,4 +1,5 @@
-"""KVInjectConnector: libkvinject as a vLLM KV connector (v1 API, vLLM 0.32).
+"""KVInjectConnector: libkvinject as a vLLM KV connector (v1 API; vLLM 0.23 with
+CUDA and vLLM 0.32's CPU build).
 
 Enable it with::
 
@@ -41,7 +42,16 @@ kv_connector_extra_config (all optional):
   RoPE, dtype and embedding_dim must match), and kept as the store's journal,
   so every captured fact is in the file before its request's step ends
   (with tensor parallelism, one file per rank: ``<store_path>.rank<r>``).
-- ``layerwise`` (False): inject layer by layer in wait_for_layer_load.
+- ``layerwise`` (False): inject layer by layer in wait_for_layer_load. vLLM
+  then captures only piecewise CUDA graphs (attention runs outside them, where
+  the hook is called); the default, all layers in start_load_kv before the
+  forward, works with vLLM's full CUDA graphs too.
+- ``time_device`` (False): with a CUDA store, time each step's injection on the
+  GPU (CUDA events on vLLM's stream, read at the end of the step) and write
+  ``device_us`` (the injection; layer 0's with ``layerwise``) and
+  ``step_device_us`` (from the injection's start to the end of the step's
+  forward) to the ``inject`` event. Costs one
+  wait for the step's GPU work in wait_for_save; for measurements.
 - ``events_path``: append JSON lines (per-step timing, captures, errors) to
   ``<events_path>.worker<rank>.jsonl`` and ``<events_path>.scheduler.jsonl``.
 - ``rope``: kvi_rope_spec fields overriding the mapping of the model's config
@@ -141,7 +151,7 @@ class KVInjectConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._cfg = _extra(vllm_config)
         known = {"store_budget_mb", "store_dtype", "page_tokens", "embedding_dim", "layerwise", "events_path",
-                 "rope", "store_path"}
+                 "rope", "store_path", "time_device"}
         unknown = set(self._cfg) - known
         if unknown:
             raise ValueError("kvinject connector: unknown kv_connector_extra_config keys %s (known: %s)"
@@ -161,10 +171,19 @@ class KVInjectConnector(KVConnectorBase_V1):
             self._failed_blocks: Set[int] = set()
             self._pending: List[Tuple[InjectJob, InjectRequest]] = []
             self._layerwise = bool(self._cfg.get("layerwise", False))
+            self._time_device = bool(self._cfg.get("time_device", False))
+            self._timing: Optional[Tuple[Any, Any, Dict[str, Any]]] = None  # (start, end event, inject record)
             self._events_path = events
             self._events = _Events(None)
             self._step = 0
             self._layers_done = 0
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
+        """Layer-by-layer injection runs in wait_for_layer_load, a host call at each
+        attention layer: vLLM must keep attention out of its CUDA graphs (piecewise
+        graphs), or replays would skip it. Injection before the forward needs nothing."""
+        return bool((extra_config or {}).get("layerwise", False))
 
     # ============================================================ scheduler
 
@@ -188,7 +207,7 @@ class KVInjectConnector(KVConnectorBase_V1):
             elif request.block_hashes:  # hashed some other way: the salt would not reach them
                 raise RuntimeError("kvinject: this vLLM's requests hash their blocks without a _block_hasher; "
                                    "the connector cannot salt them, and vLLM's prefix cache would share injected "
-                                   "blocks (vLLM 0.32 is supported)")
+                                   "blocks (vLLM 0.23 and 0.32 are supported)")
         self._reqs[request.request_id] = _ReqState(spec, error, capture_pending=bool(spec and spec.capture))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
@@ -382,6 +401,11 @@ class KVInjectConnector(KVConnectorBase_V1):
         if not jobs:
             return
         t1 = time.perf_counter()
+        timing = self._time_device and not self._on_cpu
+        if timing:
+            import torch
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(self._stream())
         if self._layerwise:
             # layer 0 now, with every check; the rest as vLLM reaches them
             self._pending, kvi_s = self._inject(jobs, 0, 1)
@@ -390,11 +414,14 @@ class KVInjectConnector(KVConnectorBase_V1):
             self._pending = []
             jobs, kvi_s = self._inject(jobs)
         t2 = time.perf_counter()
-        self._events.write(event="inject", step=self._step, requests=len(jobs),
-                           facts=sum(len(j.facts) for j, _ in jobs),
-                           tokens=sum(l for j, _ in jobs for _, _, l in j.facts),
-                           layerwise=self._layerwise, check_us=(t1 - t0) * 1e6, kvi_us=kvi_s * 1e6,
-                           host_us=(t2 - t0) * 1e6)
+        rec = dict(event="inject", step=self._step, requests=len(jobs), facts=sum(len(j.facts) for j, _ in jobs),
+                   tokens=sum(l for j, _ in jobs for _, _, l in j.facts), layerwise=self._layerwise,
+                   check_us=(t1 - t0) * 1e6, kvi_us=kvi_s * 1e6, host_us=(t2 - t0) * 1e6)
+        if timing:
+            end.record(self._stream())
+            self._timing = (start, end, rec)  # written when the step ends (wait_for_save)
+        else:
+            self._events.write(**rec)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._pending:
@@ -413,6 +440,18 @@ class KVInjectConnector(KVConnectorBase_V1):
             self._events.write(event="inject_layers", step=self._step, layers=self._layers_done,
                                requests=len(self._pending))
         self._pending = []
+        if self._timing is not None:
+            # the forward is queued behind the injection on this stream: an event
+            # now ends the step's device work (layerwise: device_us is layer 0's
+            # injection; the others lie inside the forward)
+            import torch
+            start, end, rec = self._timing
+            self._timing = None
+            done = torch.cuda.Event(enable_timing=True)
+            done.record(self._stream())
+            done.synchronize()
+            rec.update(device_us=start.elapsed_time(end) * 1e3, step_device_us=start.elapsed_time(done) * 1e3)
+            self._events.write(**rec)
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()

@@ -13,10 +13,10 @@ backend (``get_name()``)           tensor per layer (logical shape)       layout
                                                                           then V ``[BS][D]`` (preset
                                                                           ``VLLM_CPU``)
 ``CPU_ATTN``, ISA amx (and others) tile-packed                            refused (:class:`LayoutError`)
-``FLASH_ATTN`` (vLLM <= 0.23)      ``[2, NB, BS, H, D]``                  K = [0], V = [1]; strides read
+``FLASH_ATTN`` (older vLLM)        ``[2, NB, BS, H, D]``                  K = [0], V = [1]; strides read
                                                                           from the tensor (NHD or HND)
 ``FLASHINFER``, ``TRITON_ATTN``,   ``[NB, 2, BS, H, D]``                  blocks first; strides from the
-``FLASH_ATTN`` (mid-2026)                                                  tensor
+``FLASH_ATTN`` (vLLM 0.23)                                                 tensor
 any GPU backend, packed K|V        ``[NB, BS, H, 2*D]`` or                K = ``[..., :D]``, V =
 (vLLM >= 0.33)                     ``[NB, H, BS, 2*D]``                   ``[..., D:]``; strides from the
                                                                           tensor

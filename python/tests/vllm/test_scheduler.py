@@ -102,6 +102,22 @@ class TestScheduler(unittest.TestCase):
             req_ids=["c"], new_block_ids=[None], resumed_req_ids=set(), num_computed_tokens=[9]), scheduled={"c": 1}))
         self.assertEqual(m3.captures, [])  # once
 
+    def test_layerwise_injection_asks_vllm_for_piecewise_cuda_graphs(self):
+        # vLLM calls this on the connector class before capturing graphs; the
+        # per-layer hook must stay outside them, injection before the forward may not
+        self.assertTrue(KVInjectConnector.requires_piecewise_for_cudagraph({"layerwise": True}))
+        self.assertFalse(KVInjectConnector.requires_piecewise_for_cudagraph({"layerwise": False}))
+        self.assertFalse(KVInjectConnector.requires_piecewise_for_cudagraph({}))
+        self.assertFalse(KVInjectConnector.requires_piecewise_for_cudagraph(None))
+
+    def test_settings_are_checked(self):
+        cfg = config()
+        cfg.kv_transfer_config.kv_connector_extra_config = {"time_device": True, "layerwise": True}
+        KVInjectConnector(cfg, KVConnectorRole.SCHEDULER, None)
+        cfg.kv_transfer_config.kv_connector_extra_config = {"time_devices": True}
+        with self.assertRaisesRegex(ValueError, "unknown kv_connector_extra_config keys.*time_devices"):
+            KVInjectConnector(cfg, KVConnectorRole.SCHEDULER, None)
+
     def test_a_bad_request_claims_one_token_and_is_reported_with_its_blocks(self):
         bad = memory_prompt(9, [(1, [11, 12])], [41])
         del bad.params["tenant"]
