@@ -5,7 +5,7 @@
 # in .debs/ (see README.md, "GPU machine") and are unpacked into a sysroot.
 # Argument: all (default), tests (build, suites, sanitizers), build (only
 # that), bench (the benchmarks, on the build a `tests` or `build` run left
-# in /tmp/kvi-build) or perf (build, the transfer and retrieval GPU suites,
+# in /tmp/kvi-build, or $KVI_DEVICE_BUILD) or perf (build, the transfer and retrieval GPU suites,
 # their benchmarks and an Nsight Compute report of two injection launches:
 # a short loop for kernel work, few files in $OUT), or ab PATCH... (a
 # same-run comparison: the tree as it is and the tree with each patch
@@ -29,7 +29,7 @@ export PKG_CONFIG_PATH=$pcdir
 export LD_LIBRARY_PATH=$sysroot/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-build=/tmp/kvi-build
+build=${KVI_DEVICE_BUILD:-/tmp/kvi-build}
 if [ "$phase" = bench ]; then
   meson test -C "$build" --benchmark --verbose 2>&1 | tee "$out/bench.log" | grep -E '^\||^\(|device:|MiB moved counts|torch'
   exit "${PIPESTATUS[0]}"
