@@ -200,6 +200,7 @@ int main(void) {
   }
 
   static kvi_capture caps[64 * 50];
+  static const float cap_emb[EMB]; /* the store keeps embeddings: every capture carries one */
   for (int c = 0; c < 5; c++) {
     const int n = c < 4 ? ks[c] : 64 * 50;
     float t[ITERS], th[ITERS], tq[ITERS];
@@ -214,6 +215,7 @@ int main(void) {
         caps[f].first_slot = (int64_t)f * FACT_T + (int64_t)((i + bench_warm) % 4) * 7;
         caps[f].num_tokens = FACT_T;
         caps[f].start_position = 100 + f * FACT_T;
+        caps[f].embedding = cap_emb;
       }
       for (int q = 0; q < 2; q++) { /* on an idle GPU, then queued behind busy() (replacing the facts) */
         if (q) busy();
