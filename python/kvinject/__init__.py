@@ -36,7 +36,7 @@ from .errors import (CapacityError, CorruptError, CudaError, ExistsError, Incomp
                      OutOfMemoryError, StructSizeError, UnsupportedError, error_class)
 from .model import Model, ModelInfoData, RopeSpec
 from .store import KVView, SearchResults, Store, StoreStats
-from .transfer import Capture, Encoder, InjectRequest, Injector, RetrieveRequest
+from .transfer import Capture, Encoder, InjectRequest, Injector, RetrieveRequest, recompute_select
 
 _L = _lib_loader()  # load at import: a missing library is an ImportError naming what was tried
 
@@ -98,5 +98,5 @@ __all__ = [
     "RopeStyle", "SEARCH_DEFAULT_WORKSPACE", "SEARCH_MAX_K", "SEARCH_NO_ID", "STRIDE_SAME", "ScaleMode", "SearchResults",
     "Status", "Store", "StoreStats",
     "StructSizeError", "UnsupportedError", "cuda_device_count", "dtype_size", "embedding_rank", "error_class", "features",
-    "last_error", "library_path", "status_string", "version", "version_number",
+    "last_error", "library_path", "recompute_select", "status_string", "version", "version_number",
 ]
