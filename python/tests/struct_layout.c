@@ -196,6 +196,12 @@ int main(void) {
   FIELD(kvi_inject_request, start_position);
   FIELD(kvi_inject_request, num_positions);
 
+  SIZE(kvi_recompute_options);
+  FIELD(kvi_recompute_options, struct_size);
+  FIELD(kvi_recompute_options, fraction);
+  FIELD(kvi_recompute_options, per_fact);
+  FIELD(kvi_recompute_options, boundary);
+
   SIZE(kvi_inject_options);
   FIELD(kvi_inject_options, struct_size);
   FIELD(kvi_inject_options, layer_begin);
