@@ -172,7 +172,8 @@ class TestHuggingFace(InjectCase):
         with self.assertRaises(kvi.InvalidArgumentError):
             inj.deviation(reqs, L)
         self.assertEqual(kvi.recompute_select(got, [9, 5, 3], fraction=0.0, boundary=1), [0, 9, 14])
-        self.assertEqual(kvi.recompute_select(got, [9, 5, 3], fraction=0.1, boundary=1), [0, 1, 9, 14, 15])  # 0.25, then the lowest index of the ties
+        self.assertEqual(kvi.recompute_select(got, [9, 5, 3], fraction=0.1, boundary=1),
+                         [0, 1, 9, 14, 15])  # 0.25, then the lowest index of the ties
         self.assertEqual(kvi.recompute_select(array.array("f", got), [9, 5, 3], fraction=1 / 17), [15])
         with self.assertRaises(kvi.InvalidArgumentError):
             kvi.recompute_select(got, [9, 5, 3], fraction=-1.0)
