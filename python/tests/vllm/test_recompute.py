@@ -73,7 +73,7 @@ def main():
         blend, plan, _ = h.injected(c, 1, 0.3, 0)
         kl_inject += R.kl(ref, plain)
         kl_blend += R.kl(ref, blend)
-    check("recomputing 30%% of the tokens is closer to re-prefill than plain injection", kl_blend < kl_inject,
+    check("recomputing 30% of the tokens is closer to re-prefill than plain injection", kl_blend < kl_inject,
           "KL summed over the cases: %.4f recompute, %.4f injection" % (kl_blend, kl_inject))
     print("%d failure(s)" % len(failures))
     return 1 if failures else 0
