@@ -32,7 +32,7 @@ class Recompute:
 
     def __init__(self, base, config):
         self.base, self.config = base, config
-        self.layer, self.fraction, self.boundary = parse_config(config)
+        self.layer, self.fraction, self.boundary, self.per_fact = parse_config(config)
         self.name = "%s+%s" % (base.name, config)
         self.sibling = None
         self.chosen = self.tokens = 0
@@ -54,7 +54,8 @@ class Recompute:
                                 first_slot=cell.header_len, start_position=cell.header_len)
         ids = cell.ids[cell.header_len:cell.question_start]
         plan = recompute(bench.model, cache, inj, req, ids, score_layer=self.layer, fraction=self.fraction,
-                         boundary=self.boundary, fact_tokens=[f.tokens for f in cell.facts], stream=bench.stream)
+                         boundary=self.boundary, per_fact=self.per_fact, fact_tokens=[f.tokens for f in cell.facts],
+                         stream=bench.stream)
         C.sync(bench.device)
         L = bench.model.config.num_hidden_layers
         fresh = self.layer + 1 if self.layer >= 0 else 0

@@ -11,7 +11,7 @@ Facts are short sentences about made-up people, each encoded alone (prefilled
 at positions 0.., captured pre-RoPE); a case injects k of them behind a chat
 header and asks about one. Configurations: ``inject`` (plain), ``full`` (every
 token recomputed: equals re-prefill), ``blend-R`` (layers 0..1 fresh, then the
-R% most deviating tokens at layer 1), ``boundary-B`` (the first B tokens of
+R% most deviating tokens at layer 1; ``blendpf-R``: R% of each fact), ``boundary-B`` (the first B tokens of
 each fact), ``blend-R+b-B`` (both). Prints a markdown table: mean KL(re-prefill
 || config) of the first answer token, top-1 agreement with re-prefill, the
 share of fact tokens recomputed, the share of a re-prefill's layer-token work,
@@ -40,21 +40,21 @@ DEFAULT_CONFIGS = ["inject", "boundary-4", "blend-5", "blend-10", "blend-15", "b
 
 
 def parse_config(name):
-    """(score_layer, fraction, boundary) of a configuration name."""
+    """(score_layer, fraction, boundary, per_fact) of a configuration name."""
     if name == "inject":
-        return -1, 0.0, 0
+        return -1, 0.0, 0, False
     if name == "full":
-        return 1, 1.0, 0
-    frac, b, layer = 0.0, 0, -1
+        return 1, 1.0, 0, False
+    frac, b, layer, per_fact = 0.0, 0, -1, False
     for part in name.split("+"):
         kind, _, val = part.partition("-")
-        if kind == "blend":
-            frac, layer = float(val) / 100.0, 1
+        if kind in ("blend", "blendpf"):
+            frac, layer, per_fact = float(val) / 100.0, 1, kind == "blendpf"
         elif kind in ("boundary", "b"):
             b = int(val)
         else:
             raise ValueError("unknown configuration %r" % name)
-    return layer, frac, b
+    return layer, frac, b, per_fact
 
 
 def make_cases(tok, k, n, seed=0):
@@ -112,7 +112,7 @@ class Harness:
         ids = torch.tensor([case["header"] + allf + case["question"]], device=self.device)
         return self.model(ids, use_cache=False).logits[0, -1].double().cpu()
 
-    def injected(self, case, layer, frac, boundary):
+    def injected(self, case, layer, frac, boundary, per_fact=False):
         """Logits after header prefill, injection, recompute (layer -1 and no boundary:
         none) and the question's prefill; and the plan."""
         torch, kvi = self.torch, self.kvi
@@ -130,7 +130,8 @@ class Harness:
         plan = None
         if layer >= 0 or boundary > 0:
             plan = recompute(self.model, cache, inj, req, allf, score_layer=layer, fraction=frac,
-                             boundary=boundary, fact_tokens=[len(f) for f in case["facts"]], stream=self.stream)
+                             boundary=boundary, per_fact=per_fact, fact_tokens=[len(f) for f in case["facts"]],
+                             stream=self.stream)
         C.set_cache_length(cache, len(hdr) + len(allf))
         out = self.model(torch.tensor([q], device=self.device), past_key_values=cache, use_cache=True)
         C.sync(self.device)
@@ -166,10 +167,10 @@ def main(argv=None):
     rows = []
     timer_rows = {}
     for name in args.configs.split(","):
-        layer, frac, b = parse_config(name)
+        layer, frac, b, pf = parse_config(name)
         kls, agree, share, work = [], 0, [], []
         for c, ref in zip(cases, refs):
-            lg, plan, T = h.injected(c, layer, frac, b)
+            lg, plan, T = h.injected(c, layer, frac, b, pf)
             kls.append(kl(ref, lg))
             agree += int(lg.argmax() == ref.argmax())
             chosen = len(plan.chosen) if plan else 0
@@ -179,7 +180,7 @@ def main(argv=None):
         row = [name, C.fmt(sum(kls) / len(kls), ".4f"), "%d/%d" % (agree, len(cases)),
                "%.1f%%" % (100 * sum(share) / len(share)), "%.1f%%" % (100 * sum(work) / len(work))]
         if args.ttft_reps:
-            row.append(C.fmt(ttft(h, cases, layer, frac, b, args.ttft_reps), ".2f"))
+            row.append(C.fmt(ttft(h, cases, layer, frac, b, pf, args.ttft_reps), ".2f"))
         rows.append(row)
         print("| " + " | ".join(row) + " |", flush=True)
     if args.ttft_reps:
@@ -192,16 +193,16 @@ def main(argv=None):
     return 0
 
 
-def ttft(h, cases, layer, frac, b, reps):
+def ttft(h, cases, layer, frac, b, pf, reps):
     """Median ms from the header's cache being ready to the first answer token's
     logits: injection, recompute, question prefill (facts encoded beforehand)."""
     times = []
     for c in cases:
-        h.injected(c, layer, frac, b)  # warm up, facts encoded
+        h.injected(c, layer, frac, b, pf)  # warm up, facts encoded
         for _ in range(reps):
             t = C.Timer(h.device)
             t.mark()
-            h.injected(c, layer, frac, b)
+            h.injected(c, layer, frac, b, pf)
             t.mark()
             times.append(t.marks()[-1])
     return C.median(times)
