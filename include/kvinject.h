@@ -45,6 +45,7 @@
 #include "kvinject/search.h"
 #include "kvinject/cache.h"
 #include "kvinject/inject.h"
+#include "kvinject/recompute.h"
 #include "kvinject/persist.h"
 #include "kvinject/comm.h"
 #include "kvinject/llama.h"

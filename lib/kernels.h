@@ -148,6 +148,20 @@ typedef struct kvi__xfer_args {
 /* One launch: grid (nsegs, layer chunks). Returns a cudaError_t. */
 int kvi__cuda_transfer(const kvi__xfer_args *a, struct CUstream_st *stream);
 
+/* ---- deviation scores (cuda/deviation_kernels.cu) ------------------------ */
+
+/* kvi_inject_deviation: the injection plan of `x` (uploaded: plan_dev),
+ * scored at layer x.layer_begin (layer_end = layer_begin + 1). A CTA per
+ * segment; segment i's scores go to out[seg_out[i]...], one per token. */
+typedef struct kvi__dev_args {
+  kvi__xfer_args x;
+  const int64_t *seg_out; /* device */
+  float *out;             /* device */
+} kvi__dev_args;
+
+/* One launch (none without segments). Returns a cudaError_t. */
+int kvi__cuda_deviation(const kvi__dev_args *a, struct CUstream_st *stream);
+
 /* ---- retrieve-and-inject on the device (cuda/transfer_kernels.cu) ------- */
 
 /* A tenant's directory (CUDA stores without a host tier): row r of its

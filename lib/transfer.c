@@ -669,6 +669,47 @@ static void cpu_transfer(const xfer *x, const plan *p, int32_t lb, int32_t le, b
   }
 }
 
+/* The CPU reference of the deviation kernel (kvi_inject_deviation): per
+ * token of the plan, in plan order, the sum over heads of the squared K
+ * differences (the cache's against the stored key rotated at the token's
+ * position) and V differences at one layer, accumulated in double. */
+static void cpu_deviation(const xfer *x, const plan *p, int32_t l, float *out) {
+  const kvi_store *s = x->store;
+  const kvi__cache *c = &x->cache;
+  const int32_t H = c->H, D = c->D, P = s->P;
+  const size_t pe = kvi_dtype_size(s->dtype), ce = kvi_dtype_size(c->dtype);
+  float row[1024], got[1024];
+  int64_t o = 0;
+  for (int32_t i = 0; i < p->nsegs; i++) {
+    const kvi__xseg *sg = &p->segs[i];
+    const kvi__xreq *rq = &p->reqs[sg->req];
+    const int32_t *table = rq->table ? rq->table : (const int32_t *)(p->buf + rq->table_off);
+    const char *page = page_addr(s, sg->page);
+    const float *slots = s->fp8 ? page_scales(s, sg->page) : NULL;
+    for (int32_t j = 0; j < sg->ntok; j++) {
+      const int64_t seq = sg->seq0 + j;
+      const int32_t block = table[seq / c->BS - rq->first_block];
+      const int64_t t = seq % c->BS;
+      const int32_t pos = sg->explicit_pos ? p->positions[sg->pos0 + j] : sg->pos0 + j;
+      double sum = 0.0;
+      for (int kv = 0; kv < 2; kv++)
+        for (int32_t h = 0; h < H; h++) {
+          const kvi__strides *cs = kv ? &c->vs : &c->ks;
+          const char *pr = page + (size_t)((((int64_t)l * 2 + kv) * H + h) * P + sg->tok0 + j) * D * pe;
+          const char *cr = (kv ? c->v[l] : c->k[l]) + (size_t)(block * cs->block + t * cs->token + h * cs->head) * ce;
+          load_row(row, pr, s->dtype, D, 1, slots ? slots[(l * 2 + kv) * H + h] : 1.0f);
+          if (kv == 0) kvi__rope_rotate(&s->rope[l], row, pos, false);
+          load_row(got, cr, c->dtype, D, cs->dim, (kv ? c->v_scale : c->k_scale)[l * H + h]);
+          for (int32_t d = 0; d < D; d++) {
+            const double e = (double)got[d] - (double)row[d];
+            sum += e * e;
+          }
+        }
+      out[o++] = (float)sum;
+    }
+  }
+}
+
 /* Waits for a staging slot, returning its host buffer. */
 static kvi_status take_slot(xfer *x, slot **out, const char *fn) {
   slot *sl = &x->slots[x->next_slot];
@@ -725,58 +766,78 @@ static kvi_status upload(xfer *x, const plan *p, struct CUstream_st *stream, con
   return st;
 }
 
-static kvi_status launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool inject, struct CUstream_st *stream,
-                         const char *fn) {
+/* The kernel arguments of a plan, its plan uploaded (or inlined) first. */
+static kvi_status xfer_args(xfer *x, const plan *p, int32_t lb, int32_t le, bool inject, kvi__xfer_args *out,
+                            struct CUstream_st *stream, const char *fn) {
   const kvi_store *s = x->store;
   kvi_status st;
-  kvi__xfer_args a;
-  memset(&a, 0, offsetof(kvi__xfer_args, inline_plan));
+  kvi__xfer_args *a = out;
+  memset(a, 0, offsetof(kvi__xfer_args, inline_plan));
   if (p->sl) {
     if (!p->uploaded && (st = upload(x, p, stream, fn))) return st;
-    a.plan_dev = p->sl->dev + p->off;
+    a->plan_dev = p->sl->dev + p->off;
   } else {
-    memcpy(a.inline_plan, p->buf, p->bytes);
-    a.inline_bytes = (int32_t)(p->bytes ? p->bytes : 1);
+    memcpy(a->inline_plan, p->buf, p->bytes);
+    a->inline_bytes = (int32_t)(p->bytes ? p->bytes : 1);
   }
-  a.pool = s->pool.base;
-  a.host_pool = s->hpool_dev; /* KVI_HOST_PAGES_READ_MAPPED: host-tier pages read in place */
-  a.host_first = s->pool.npages;
-  a.page_elems = page_stride_elems(s);
-  a.scale_off = (int64_t)s->scale_off;
-  a.page_dtype = (int32_t)s->dtype;
-  a.P = s->P;
-  a.L = x->cache.L;
-  a.H = x->cache.H;
-  a.D = x->cache.D;
-  a.cache_dtype = (int32_t)x->cache.dtype;
-  a.BS = x->cache.BS;
-  a.NB = x->cache.NB;
-  a.block_stride = x->cache.ks.block;
-  a.token_stride = x->cache.ks.token;
-  a.head_stride = x->cache.ks.head;
-  a.dim_stride = x->cache.ks.dim;
-  a.v_block_stride = x->cache.vs.block;
-  a.v_token_stride = x->cache.vs.token;
-  a.v_head_stride = x->cache.vs.head;
-  a.v_dim_stride = x->cache.vs.dim;
-  a.split_v = xfer_split_v(x);
-  a.layers = x->d_layers;
-  a.k_scale = x->d_kscale;
-  a.v_scale = x->d_vscale;
-  a.o_reqs = (int64_t)p->o_reqs;
-  a.o_pos = (int64_t)p->o_pos;
-  a.nsegs = p->nsegs;
-  a.layer_begin = lb;
-  a.layer_end = le;
-  a.layers_per_cta = layers_per_cta(x, p->nsegs, le - lb);
-  a.seg_tokens = x->seg_tokens;
-  a.half_max = x->half_max;
-  a.inject = inject;
-  a.vec = x->vec16_ok ? 16 : x->vec_ok ? 8 : 1;
-  a.skipped = x->skipped_dev;
+  a->pool = s->pool.base;
+  a->host_pool = s->hpool_dev; /* KVI_HOST_PAGES_READ_MAPPED: host-tier pages read in place */
+  a->host_first = s->pool.npages;
+  a->page_elems = page_stride_elems(s);
+  a->scale_off = (int64_t)s->scale_off;
+  a->page_dtype = (int32_t)s->dtype;
+  a->P = s->P;
+  a->L = x->cache.L;
+  a->H = x->cache.H;
+  a->D = x->cache.D;
+  a->cache_dtype = (int32_t)x->cache.dtype;
+  a->BS = x->cache.BS;
+  a->NB = x->cache.NB;
+  a->block_stride = x->cache.ks.block;
+  a->token_stride = x->cache.ks.token;
+  a->head_stride = x->cache.ks.head;
+  a->dim_stride = x->cache.ks.dim;
+  a->v_block_stride = x->cache.vs.block;
+  a->v_token_stride = x->cache.vs.token;
+  a->v_head_stride = x->cache.vs.head;
+  a->v_dim_stride = x->cache.vs.dim;
+  a->split_v = xfer_split_v(x);
+  a->layers = x->d_layers;
+  a->k_scale = x->d_kscale;
+  a->v_scale = x->d_vscale;
+  a->o_reqs = (int64_t)p->o_reqs;
+  a->o_pos = (int64_t)p->o_pos;
+  a->nsegs = p->nsegs;
+  a->layer_begin = lb;
+  a->layer_end = le;
+  a->layers_per_cta = layers_per_cta(x, p->nsegs, le - lb);
+  a->seg_tokens = x->seg_tokens;
+  a->half_max = x->half_max;
+  a->inject = inject;
+  a->vec = x->vec16_ok ? 16 : x->vec_ok ? 8 : 1;
+  a->skipped = x->skipped_dev;
+  return KVI_OK;
+}
+
+/* The staging slot's bookkeeping after a launch that reads it, and the
+ * store's in-flight tracking. */
+static kvi_status launched(xfer *x, const plan *p, struct CUstream_st *stream, const char *fn) {
+  kvi_status st;
+  if (p->sl) {
+    if ((st = kvi__cuda_event_record(p->sl->ev, stream, fn))) return st;
+    p->sl->used = true;
+  }
+  return kvi__store_track(x->store, stream, fn);
+}
+
+static kvi_status launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool inject, struct CUstream_st *stream,
+                         const char *fn) {
+  kvi__xfer_args a;
+  kvi_status st = xfer_args(x, p, lb, le, inject, &a, stream, fn);
+  if (st) return st;
 #ifdef KVI_HAVE_CUDA
+  const bool phased = !inject && x->store->fp8;
   /* a capture into an fp8 store is four launches (kernels.h: phase), the rest one */
-  const bool phased = !inject && s->fp8;
   for (int phase = phased ? 0 : 2; phase <= (phased ? 3 : 2); phase++) {
     a.phase = phase;
     /* the launcher returns (and so clears) the launch error: report that value */
@@ -784,11 +845,62 @@ static kvi_status launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool in
     if (launch_err) return kvi__cuda_error(launch_err, fn, inject ? "injection kernel launch" : "capture kernel launch");
   }
 #endif
-  if (p->sl) {
-    if ((st = kvi__cuda_event_record(p->sl->ev, stream, fn))) return st;
-    p->sl->used = true;
+  return launched(x, p, stream, fn);
+}
+
+/* What kvi_inject_deviation asks of an injection's plan: scores at `layer`
+ * into `out` (host or device memory), nothing written to the cache. */
+typedef struct deviation {
+  int32_t layer;
+  float *out;
+  int64_t num_scores; /* entries out holds */
+  bool out_on_device;
+} deviation;
+
+/* The plan's caller area for a deviation on a CUDA store: each segment's
+ * first score index (int64), then, for host output, room for the scores. */
+static size_t deviation_ext(const xfer *x, const deviation *dv, int64_t nsegs, int64_t ntok) {
+  if (!dv || !x->cuda) return 0;
+  return align_up((size_t)nsegs * sizeof(int64_t)) + (dv->out_on_device ? 0 : (size_t)ntok * sizeof(float));
+}
+
+/* Scores a plan (kvi_inject_deviation): here (CPU) or in one kernel launch
+ * (CUDA; host output copied back after it, the stream synchronized). */
+static kvi_status run_deviation(xfer *x, plan *p, const deviation *dv, struct CUstream_st *stream, const char *fn) {
+  if (!x->cuda) {
+    cpu_deviation(x, p, dv->layer, dv->out);
+    return KVI_OK;
   }
-  return kvi__store_track(x->store, stream, fn);
+  int64_t *seg_out = (int64_t *)(p->buf + p->o_ext);
+  int64_t o = 0;
+  for (int32_t i = 0; i < p->nsegs; i++) {
+    seg_out[i] = o;
+    o += p->segs[i].ntok;
+  }
+  const size_t o_scores = p->o_ext + align_up((size_t)p->nsegs * sizeof(int64_t));
+  kvi__devguard g;
+  kvi_status st = kvi__cuda_enter(x->store->device, &g, fn);
+  if (st) return st;
+  kvi__dev_args a;
+  if ((st = xfer_args(x, p, dv->layer, dv->layer + 1, true, &a.x, stream, fn))) goto out;
+  a.seg_out = (const int64_t *)(a.x.plan_dev + p->o_ext);
+  a.out = dv->out_on_device ? dv->out : (float *)(a.x.plan_dev + o_scores);
+#ifdef KVI_HAVE_CUDA
+  const int launch_err = kvi__cuda_deviation(&a, stream);
+  if (launch_err) {
+    st = kvi__cuda_error(launch_err, fn, "deviation kernel launch");
+    goto out;
+  }
+#endif
+  if ((st = launched(x, p, stream, fn))) goto out;
+  if (!dv->out_on_device && o > 0) { /* through the slot's pinned buffer, so a failure leaves out untouched */
+    if ((st = kvi__cuda_d2h(p->buf + o_scores, a.out, (size_t)o * sizeof(float), stream, fn))) goto out;
+    if ((st = kvi__cuda_sync(stream, fn))) goto out;
+    memcpy(dv->out, p->buf + o_scores, (size_t)o * sizeof(float));
+  }
+out:
+  kvi__cuda_leave(&g);
+  return st;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -925,11 +1037,13 @@ typedef struct flat_pos {
 
 /* The injection of both forms of the call (rq: the requests, their tables'
  * kinds checked), both locks held: kvi_inject, kvi_inject_batched, and
- * kvi_retrieve_inject's host path, which holds them from its search on.
+ * kvi_retrieve_inject's host path, which holds them from its search on; and
+ * kvi_inject_deviation (dv not NULL: the plan is scored, nothing written).
  * out_tokens: NULL, or host memory for each request's tokens (written on
  * success). */
 static kvi_status inject_locked(xfer *x, const ireq *rq, int32_t num_requests, const flat_pos *fp, int32_t lb,
-                                int32_t le, kvi_host_pages host_pages, int32_t *out_tokens, struct CUstream_st *stream,
+                                int32_t le, kvi_host_pages host_pages, const deviation *dv, int32_t *out_tokens,
+                                struct CUstream_st *stream,
                                 const char *fn) {
   int64_t nfacts = 0;
   for (int32_t r = 0; r < num_requests; r++)
@@ -968,8 +1082,14 @@ static kvi_status inject_locked(xfer *x, const ireq *rq, int32_t num_requests, c
     nsegs = sat_add(nsegs, segs_for(x, npages[r]));
     ntables = sat_add(ntables, host_table_entries(x, j));
   }
+  if (dv && dv->num_scores < ntok) {
+    st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "out_scores %s %lld scores, the requests inject %lld tokens",
+                   dv->out ? "holds" : "is NULL:", (long long)dv->num_scores, (long long)ntok);
+    goto out;
+  }
   plan p;
-  if ((st = plan_alloc(&p, x, nsegs, num_requests, ntok, npos, ntables, 0, fn))) goto out;
+  if ((st = plan_alloc(&p, x, nsegs, num_requests, ntok, npos, ntables, deviation_ext(x, dv, nsegs, ntok), fn)))
+    goto out;
   if (x->cuda && x->store->hpool.npages > 0 &&
       (st = bring_up((fact **)found, (size_t)nfacts, host_pages == KVI_HOST_PAGES_PROMOTE, x, stream, fn))) {
     plan_free(x, &p);
@@ -988,7 +1108,7 @@ static kvi_status inject_locked(xfer *x, const ireq *rq, int32_t num_requests, c
       done += ft->tokens;
     }
   }
-  st = execute(x, &p, lb, le, true, stream, fn);
+  st = dv ? run_deviation(x, &p, dv, stream, fn) : execute(x, &p, lb, le, true, stream, fn);
   plan_free(x, &p);
   if (st == KVI_OK && x->store->hpool.npages > 0) /* the call's facts, the first named the most recent */
     for (int64_t i = nfacts; i-- > 0;) kvi__store_touch(x->store, (fact *)found[i]);
@@ -1039,6 +1159,36 @@ static kvi_status request_of(const xfer *x, const kvi_inject_request *q, int32_t
   return KVI_OK;
 }
 
+/* A call's requests (each read by its struct_size, which all must share)
+ * as the call's requests, into *out (malloc'd; num_requests > 0). */
+static kvi_status read_requests(const xfer *x, const kvi_inject_request *reqs, int32_t num_requests, ireq **out,
+                                const char *fn) {
+  size_t rsize;
+  memcpy(&rsize, reqs, sizeof rsize);
+  ireq *rq = malloc((size_t)num_requests * sizeof *rq);
+  if (!rq) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d requests", (int)num_requests);
+  kvi_status st = KVI_OK;
+  for (int32_t r = 0; r < num_requests && st == KVI_OK; r++) {
+    const char *src = (const char *)reqs + (size_t)r * rsize;
+    size_t sz;
+    memcpy(&sz, src, sizeof sz);
+    if (sz != rsize) {
+      st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "reqs[%d].struct_size is %zu, reqs[0]'s is %zu; they must be equal", (int)r,
+                     sz, rsize);
+      break;
+    }
+    kvi_inject_request q = KVI_INJECT_REQUEST_INIT;
+    if ((st = kvi__read_struct(&q, sizeof q, src, INJECT_REQUEST_V1, fn, "reqs[i]")) == KVI_OK)
+      st = request_of(x, &q, r, &rq[r], fn);
+  }
+  if (st) {
+    free(rq);
+    return st;
+  }
+  *out = rq;
+  return KVI_OK;
+}
+
 KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *reqs, int32_t num_requests,
                               const kvi_inject_options *opts, struct CUstream_st *stream) {
   static const char fn[] = "kvi_inject";
@@ -1050,27 +1200,44 @@ KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *
   kvi_host_pages hp;
   kvi_status st = read_inject_options(x, opts, &lb, &le, &hp, fn);
   if (st || num_requests == 0) return st;
-  size_t rsize;
-  memcpy(&rsize, reqs, sizeof rsize);
-  ireq *rq = malloc((size_t)num_requests * sizeof *rq);
-  if (!rq) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d requests", (int)num_requests);
-  for (int32_t r = 0; r < num_requests; r++) {
-    const char *src = (const char *)reqs + (size_t)r * rsize;
-    size_t sz;
-    memcpy(&sz, src, sizeof sz);
-    if (sz != rsize) {
-      st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "reqs[%d].struct_size is %zu, reqs[0]'s is %zu; they must be equal", (int)r,
-                     sz, rsize);
-      goto out;
-    }
-    kvi_inject_request q = KVI_INJECT_REQUEST_INIT;
-    if ((st = kvi__read_struct(&q, sizeof q, src, INJECT_REQUEST_V1, fn, "reqs[i]"))) goto out;
-    if ((st = request_of(x, &q, r, &rq[r], fn))) goto out;
-  }
+  ireq *rq;
+  if ((st = read_requests(x, reqs, num_requests, &rq, fn))) return st;
   lock_both(x);
-  st = inject_locked(x, rq, num_requests, NULL, lb, le, hp, NULL, stream, fn);
+  st = inject_locked(x, rq, num_requests, NULL, lb, le, hp, NULL, NULL, stream, fn);
   unlock_both(x);
-out:
+  free(rq);
+  return st;
+}
+
+KVI_API kvi_status kvi_inject_deviation(kvi_injector *injector, const kvi_inject_request *reqs, int32_t num_requests,
+                                        int32_t layer, float *out_scores, int64_t num_scores, kvi_memory out_memory,
+                                        struct CUstream_st *stream) {
+  static const char fn[] = "kvi_inject_deviation";
+  if (!injector) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "injector is NULL");
+  if (num_requests < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_requests is %d", (int)num_requests);
+  if (num_requests > 0 && !reqs) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "reqs is NULL");
+  xfer *x = &injector->x;
+  if (layer < 0 || layer >= x->cache.L)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layer is %d, the model has layers 0..%d", (int)layer,
+                     (int)x->cache.L - 1);
+  if (num_scores < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_scores is %lld", (long long)num_scores);
+  if (out_memory != KVI_MEMORY_HOST && out_memory != KVI_MEMORY_DEVICE)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "out_memory is %d, expected KVI_MEMORY_HOST or KVI_MEMORY_DEVICE",
+                     (int)out_memory);
+  if (out_memory == KVI_MEMORY_DEVICE && !x->cuda)
+    return kvi__fail(KVI_ERR_MEMORY_KIND, fn, "a CPU store writes host out_scores only");
+  kvi_status st;
+  if ((st = check_rope_set(x, fn))) return st;
+  if (num_requests == 0) return KVI_OK;
+  if (out_scores && x->cuda && (st = kvi__check_memory(out_scores, out_memory, true, x->store->device, fn, "out_scores")))
+    return st;
+  ireq *rq;
+  if ((st = read_requests(x, reqs, num_requests, &rq, fn))) return st;
+  /* NULL out_scores is refused once the call is known to have tokens (num_scores then falls short) */
+  deviation dv = {layer, out_scores, out_scores ? num_scores : 0, out_memory == KVI_MEMORY_DEVICE};
+  lock_both(x);
+  st = inject_locked(x, rq, num_requests, NULL, 0, x->cache.L, KVI_HOST_PAGES_PROMOTE, &dv, NULL, stream, fn);
+  unlock_both(x);
   free(rq);
   return st;
 }
@@ -1623,7 +1790,7 @@ static kvi_status retrieve_on_host(kvi_injector *injector, const void *queries, 
     q.start_position = rq[i].start_position;
     st = request_of(x, &q, (int32_t)i, &ir[i], fn);
   }
-  if (st == KVI_OK) st = inject_locked(x, ir, nq, NULL, 0, x->cache.L, KVI_HOST_PAGES_PROMOTE, NULL, stream, fn);
+  if (st == KVI_OK) st = inject_locked(x, ir, nq, NULL, 0, x->cache.L, KVI_HOST_PAGES_PROMOTE, NULL, NULL, stream, fn);
   unlock_both(x);
   if (st == KVI_OK) {
     memcpy(out_ids, ids, n * (size_t)k * sizeof *ids);
@@ -2095,7 +2262,7 @@ KVI_API kvi_status kvi_inject_batched(kvi_injector *injector, const kvi_inject_b
   for (int32_t r = 0; r < n; r++) batch_request(&b, r, &rq[r]);
   const flat_pos fp = {b.positions, b.position_bits == 64, b.num_positions};
   lock_both(x);
-  st = inject_locked(x, rq, n, &fp, lb, le, hp, b.out_tokens, stream, fn);
+  st = inject_locked(x, rq, n, &fp, lb, le, hp, NULL, b.out_tokens, stream, fn);
   unlock_both(x);
 out:
   free(rq);

@@ -50,7 +50,7 @@ from .errors import (CapacityError, CorruptError, CudaError, ExistsError, Incomp
 from ._types import ArrayLike, CudaStreamLike, FloatArrayLike, IntArrayLike, StreamLike, TensorLike
 from .model import Model, ModelInfoData, RopeSpec
 from .store import KVView, SearchResults, Store, StoreStats
-from .transfer import Capture, Encoder, InjectRequest, Injector, RetrieveRequest
+from .transfer import Capture, Encoder, InjectRequest, Injector, RetrieveRequest, recompute_select
 
 _L = _lib_loader()  # load at import: a missing library is an ImportError naming what was tried
 
@@ -118,5 +118,5 @@ __all__ = [
     "RopeStyle", "SEARCH_DEFAULT_WORKSPACE", "SEARCH_MAX_K", "SEARCH_NO_ID", "STRIDE_SAME", "ScaleMode", "SearchResults",
     "StaleLayoutError", "Status", "Store", "StoreStats",
     "StructSizeError", "UnsupportedError", "cuda_device_count", "dtype_size", "embedding_rank", "error_class", "features",
-    "last_error", "library_found_by", "library_path", "status_string", "version", "version_number",
+    "last_error", "library_found_by", "library_path", "recompute_select", "status_string", "version", "version_number",
 ]

@@ -277,6 +277,15 @@ class InjectOptions(ctypes.Structure):
     ]
 
 
+class RecomputeOptionsC(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("fraction", ctypes.c_double),
+        ("per_fact", c_int32),
+        ("boundary", c_int32),
+    ]
+
+
 class CaptureC(ctypes.Structure):
     _fields_ = [
         ("struct_size", c_size_t),
@@ -358,6 +367,7 @@ STRUCTS = {
     "kvi_inject_options": InjectOptions,
     "kvi_inject_batch": InjectBatchC,
     "kvi_encode_batch": EncodeBatchC,
+    "kvi_recompute_options": RecomputeOptionsC,
     "kvi_capture": CaptureC,
     "kvi_retrieve_request": RetrieveRequestC,
     "kvi_scatter_item": ScatterItemC,
@@ -421,6 +431,10 @@ _PROTOTYPES = {
     "kvi_encode_batched": (c_int, [P, P, P]),
     "kvi_inject_plan": (c_int, [P, c_uint64, P, c_int32, POINTER(c_int64)]),
     "kvi_injector_async_errors": (c_int, [P, POINTER(c_int64)]),
+    # recompute.h
+    "kvi_inject_deviation": (c_int, [P, P, c_int32, c_int32, P, c_int64, c_enum, P]),
+    "kvi_recompute_options_init": (c_int, [P, c_size_t]),
+    "kvi_recompute_select": (c_int, [P, P, c_int32, P, P, c_int64, POINTER(c_int64)]),
     "kvi_encoder_create": (c_int, [POINTER(c_void_p), P, P, P]),
     "kvi_encoder_destroy": (None, [P]),
     "kvi_capture_init": (c_int, [P, c_size_t]),
@@ -462,6 +476,7 @@ _INIT_FUNCTIONS = {
     InjectOptions: "kvi_inject_options_init",
     InjectBatchC: "kvi_inject_batch_init",
     EncodeBatchC: "kvi_encode_batch_init",
+    RecomputeOptionsC: "kvi_recompute_options_init",
     CaptureC: "kvi_capture_init",
     RetrieveRequestC: "kvi_retrieve_request_init",
     SaveOptionsC: "kvi_save_options_init",

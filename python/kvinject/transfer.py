@@ -7,7 +7,8 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from ._types import ArrayLike, FloatArrayLike, IntArrayLike, StreamLike
 from . import _buffers
-from ._lib import (CaptureC, EncodeBatchC, InjectBatchC, InjectOptions, InjectRequestC, RetrieveRequestC, SearchOptions,
+from ._lib import (CaptureC, EncodeBatchC, InjectBatchC, InjectOptions, InjectRequestC, RecomputeOptionsC,
+                   RetrieveRequestC, SearchOptions,
                    TransferOptions, assign, fit, lib)
 from ._handle import Handle
 from .cache import CacheLayout
@@ -149,6 +150,70 @@ def _flat(obj, kinds, what: str, *, two_d: bool = False, writable: bool = False)
     return f
 
 
+def _request_array(requests):
+    """kvi_inject_request structs of InjectRequests, and what must stay alive while
+    the C call reads them."""
+    if isinstance(requests, InjectRequest):
+        requests = [requests]
+    requests = list(requests)
+    L = lib()
+    arr = (InjectRequestC * max(len(requests), 1))()
+    keep: List[Any] = []
+    for i, r in enumerate(requests):
+        if not isinstance(r, InjectRequest):
+            raise TypeError("requests[%d]: expected a kvinject.InjectRequest, got %s" % (i, type(r).__name__))
+        c = L.new(InjectRequestC)
+        assign(c, tenant=r.tenant)
+        ids = _buffers.int_array(r.fact_ids, ctypes.c_uint64, "requests[%d].fact_ids" % i)
+        assign(c, fact_ids=ids.ptr, num_facts=ids.numel)
+        bt = _buffers.int_array(r.block_table, ctypes.c_int32, "requests[%d].block_table" % i,
+                                allow_device=True)
+        assign(c, block_table=bt.ptr, block_table_len=bt.numel, block_table_memory=int(bt.memory),
+               first_slot=r.first_slot, start_position=r.start_position)
+        if r.positions is not None:
+            pos = _buffers.int_array(r.positions, ctypes.c_int32, "requests[%d].positions" % i)
+            # the library checks the count against the request's tokens
+            c.positions = pos.ptr
+            c.num_positions = fit(pos.numel, ctypes.c_int32, "requests[%d].positions" % i)
+            keep.append(pos)
+        keep += [ids, bt]
+        arr[i] = c
+    return arr, len(requests), keep
+
+
+def recompute_select(scores, fact_tokens, *, fraction: float = 0.0, per_fact: bool = False,
+                     boundary: int = 0) -> List[int]:
+    """kvi_recompute_select (kvinject/recompute.h): the ascending token indices to
+    compute again: every fact's first ``boundary`` tokens, then the best-scored
+    floor(fraction * T + 0.5) of the rest (of each fact with ``per_fact``). scores:
+    host float32 buffer/tensor or a sequence of floats, one per token; fact_tokens:
+    token counts, in injection order."""
+    tok = _buffers.int_array(fact_tokens, ctypes.c_int32, "fact_tokens")
+    counts = (ctypes.c_int32 * max(tok.numel, 1)).from_address(tok.ptr) if tok.numel else []
+    T = sum(int(c) for c in counts[:tok.numel])
+    if _buffers.is_tensor(scores) or _buffers._has_buffer(scores):
+        a = _buffers.as_array(scores, "scores", dtype=DType.FP32)
+        _buffers.check_host(a, "scores")
+        if not _buffers.contiguous(a):
+            raise ValueError("scores must be contiguous")
+        sp, total, hold = a.c_ptr(), a.numel, a
+    else:
+        vals = [float(v) for v in scores]
+        hold = (ctypes.c_float * max(len(vals), 1))(*vals)
+        sp, total = ctypes.cast(hold, ctypes.c_void_p), len(vals)
+    if total < T:
+        raise ValueError("%d scores for %d tokens" % (total, T))
+    L = lib()
+    o = L.new(RecomputeOptionsC)
+    o.fraction, o.per_fact, o.boundary = float(fraction), 1 if per_fact else 0, int(boundary)
+    out = (ctypes.c_int32 * max(T, 1))()
+    n = ctypes.c_int64()
+    L.call("kvi_recompute_select", sp, tok.c_ptr(), fit(tok.numel, ctypes.c_int32, "num_facts"), ctypes.byref(o),
+           out, T, ctypes.byref(n))
+    del hold, tok
+    return list(out[:n.value])
+
+
 def _transfer_options(max_tokens_per_call, max_requests_per_call, max_table_entries_per_call):
     o = lib().new(TransferOptions)
     if max_tokens_per_call is not None:
@@ -206,34 +271,11 @@ class Injector(_Transfer):
         layer_begin/layer_end: write layers [begin, end) (end 0 = all). stream:
         None (default stream), an int handle or a torch.cuda.Stream; host arrays
         may be reused when this returns."""
-        if isinstance(requests, InjectRequest):
-            requests = [requests]
-        requests = list(requests)
+        arr, nreq, keep = _request_array(requests)
         L = lib()
-        arr = (InjectRequestC * max(len(requests), 1))()
-        keep: List[Any] = []
-        for i, r in enumerate(requests):
-            if not isinstance(r, InjectRequest):
-                raise TypeError("requests[%d]: expected a kvinject.InjectRequest, got %s" % (i, type(r).__name__))
-            c = L.new(InjectRequestC)
-            assign(c, tenant=r.tenant)
-            ids = _buffers.int_array(r.fact_ids, ctypes.c_uint64, "requests[%d].fact_ids" % i)
-            assign(c, fact_ids=ids.ptr, num_facts=ids.numel)
-            bt = _buffers.int_array(r.block_table, ctypes.c_int32, "requests[%d].block_table" % i,
-                                    allow_device=True)
-            assign(c, block_table=bt.ptr, block_table_len=bt.numel, block_table_memory=int(bt.memory),
-                   first_slot=r.first_slot, start_position=r.start_position)
-            if r.positions is not None:
-                pos = _buffers.int_array(r.positions, ctypes.c_int32, "requests[%d].positions" % i)
-                # the library checks the count against the request's tokens
-                c.positions = pos.ptr
-                c.num_positions = fit(pos.numel, ctypes.c_int32, "requests[%d].positions" % i)
-                keep.append(pos)
-            keep += [ids, bt]
-            arr[i] = c
         o = L.new(InjectOptions)
         assign(o, layer_begin=layer_begin, layer_end=layer_end)
-        L.call("kvi_inject", self.handle, arr, fit(len(requests), ctypes.c_int32, "num_requests"), ctypes.byref(o),
+        L.call("kvi_inject", self.handle, arr, fit(nreq, ctypes.c_int32, "num_requests"), ctypes.byref(o),
                _buffers.stream_handle(stream))
         del keep
 
@@ -364,6 +406,33 @@ class Injector(_Transfer):
         if t is None:
             t = self._batch_tmpl = lib().new(InjectBatchC)
         return t
+
+    def deviation(self, requests: Union[InjectRequest, Sequence[InjectRequest]], layer: int, *, out=None,
+                  stream=None):
+        """kvi_inject_deviation (kvinject/recompute.h): one score per token the requests
+        would inject, at ``layer``: the squared distance of the cache's K and V there from
+        the store's (keys rotated at the requests' positions), summed over heads. out: None
+        returns a list of floats (host, the call waits); or a contiguous float32 tensor or
+        buffer, host or on the store's device, with at least one entry per token, which
+        the call fills (device: on ``stream``, no synchronization) and returns."""
+        arr, nreq, keep = _request_array(requests)
+        L = lib()
+        n = 0
+        for r in requests if not isinstance(requests, InjectRequest) else [requests]:
+            n += self.plan(r.tenant, r.fact_ids)
+        if out is None:
+            buf = (ctypes.c_float * max(n, 1))()
+            ptr, cap, mem = ctypes.cast(buf, ctypes.c_void_p), n, Memory.HOST
+        else:
+            a = _buffers.as_array(out, "out", writable=True, dtype=DType.FP32)
+            if not _buffers.contiguous(a):
+                raise ValueError("out must be contiguous")
+            keep.append(a)
+            ptr, cap, mem = a.c_ptr(), a.numel, a.memory
+        L.call("kvi_inject_deviation", self.handle, arr, fit(nreq, ctypes.c_int32, "num_requests"),
+               fit(layer, ctypes.c_int32, "layer"), ptr, cap, int(mem), _buffers.stream_handle(stream))
+        del keep
+        return list(buf[:n]) if out is None else out
 
     def retrieve_inject(self, queries: FloatArrayLike, requests: Sequence[RetrieveRequest], k: int, *,
                         query_dtype: Optional[DType] = None,

@@ -239,6 +239,12 @@ int main(void) {
   FIELD(kvi_inject_batch, index_memory);
   FIELD(kvi_inject_batch, out_tokens);
 
+  SIZE(kvi_recompute_options);
+  FIELD(kvi_recompute_options, struct_size);
+  FIELD(kvi_recompute_options, fraction);
+  FIELD(kvi_recompute_options, per_fact);
+  FIELD(kvi_recompute_options, boundary);
+
   SIZE(kvi_inject_options);
   FIELD(kvi_inject_options, struct_size);
   FIELD(kvi_inject_options, layer_begin);

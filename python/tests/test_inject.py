@@ -149,6 +149,37 @@ class TestHuggingFace(InjectCase):
                 writes = self.run_requests(facts, inj, self.REQS)
                 self.assert_cache(index, cdt, None, writes, self.B, self.S)
 
+    def test_deviation_and_plan(self):
+        """Injector.deviation right after injecting into an fp32 cache: all zero; one
+        element moved by 0.5 at layer 2: that token scores 0.25; then the plan."""
+        facts = Facts(self, DType.FP32, seed=5)
+        keys, values, index = self.hf_cache(DType.FP32)
+        inj = kvi.Injector(facts.store, kvi.CacheLayout.hf(keys, values, shape=(self.B, H, self.S, D)))
+        reqs = [kvi.InjectRequest(1, f, t, first_slot=fs, positions=p, start_position=sp)
+                for f, t, fs, p, sp in self.REQS]
+        inj.inject(reqs)
+        self.assertEqual(inj.deviation(reqs, 2), [0.0] * 17)
+        buf, i = index(2, 1, 0, 30 + 1, 1, 7)  # request 1 (row 0, slot 30): its token 1, V head 1 dim 7
+        buf[i] += 0.5
+        got = inj.deviation(reqs, 2)
+        self.assertEqual(got, [0.0] * 15 + [0.25, 0.0])
+        self.assertEqual(inj.deviation(reqs, 1), [0.0] * 17)
+        out = array.array("f", [7.0] * 20)
+        self.assertIs(inj.deviation(reqs, 2, out=out), out)
+        self.assertEqual(list(out), [0.0] * 15 + [0.25, 0.0] + [7.0] * 3)
+        with self.assertRaises(kvi.InvalidArgumentError):
+            inj.deviation(reqs, 2, out=array.array("f", [0.0] * 16))  # one short
+        with self.assertRaises(kvi.InvalidArgumentError):
+            inj.deviation(reqs, L)
+        self.assertEqual(kvi.recompute_select(got, [9, 5, 3], fraction=0.0, boundary=1), [0, 9, 14])
+        self.assertEqual(kvi.recompute_select(got, [9, 5, 3], fraction=0.1, boundary=1),
+                         [0, 1, 9, 14, 15])  # 0.25, then the lowest index of the ties
+        self.assertEqual(kvi.recompute_select(array.array("f", got), [9, 5, 3], fraction=1 / 17), [15])
+        with self.assertRaises(kvi.InvalidArgumentError):
+            kvi.recompute_select(got, [9, 5, 3], fraction=-1.0)
+        with self.assertRaises(ValueError):
+            kvi.recompute_select(got[:3], [9, 5, 3])
+
     def test_gptj_everywhere_and_fp32_store(self):
         facts = Facts(self, DType.FP32, seed=5, ropes={-1: dict(style=RopeStyle.GPTJ, theta=10000.0)})
         keys, values, index = self.hf_cache(DType.FP32)

@@ -163,6 +163,14 @@ static void hc_check_init_macros(void) {
     HC_CHECK(kvi_inject_request_init(NULL, 64) == KVI_ERR_INVALID_ARGUMENT);
     HC_CHECK(kvi_inject_options_init(NULL, 64) == KVI_ERR_INVALID_ARGUMENT);
     HC_CHECK(kvi_capture_init(NULL, 64) == KVI_ERR_INVALID_ARGUMENT);
+    {
+      kvi_recompute_options ro = KVI_RECOMPUTE_OPTIONS_INIT, ro2;
+      memset(&ro2, 0x5a, sizeof ro2);
+      HC_CHECK(kvi_recompute_options_init(&ro2, sizeof ro2) == KVI_OK);
+      HC_CHECK(ro.struct_size == sizeof(kvi_recompute_options) && ro2.struct_size == ro.struct_size &&
+               ro2.fraction == 0.0 && ro2.per_fact == 0 && ro2.boundary == 0 && ro.boundary == 0);
+      HC_CHECK(kvi_recompute_options_init(NULL, 64) == KVI_ERR_INVALID_ARGUMENT);
+    }
   }
 
   /* NULL is refused by every *_init() */

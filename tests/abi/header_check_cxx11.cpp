@@ -126,6 +126,9 @@ int cxx_checks() {
   if (req.block_table_memory != KVI_MEMORY_HOST) fail("KVI_INJECT_REQUEST_INIT");
   if (iopts.layer_end != 0) fail("KVI_INJECT_OPTIONS_INIT");
   if (cap.embedding_dtype != KVI_DTYPE_FP32) fail("KVI_CAPTURE_INIT");
+  const kvi_recompute_options ropts = KVI_RECOMPUTE_OPTIONS_INIT;
+  if (ropts.struct_size != sizeof ropts || ropts.boundary != 0 || ropts.per_fact != 0)
+    fail("KVI_RECOMPUTE_OPTIONS_INIT");
   if (svopts.struct_size != sizeof svopts || svopts.flags != 0) fail("KVI_SAVE_OPTIONS_INIT");
   if (lopts.struct_size != sizeof lopts || lopts.flags != 0) fail("KVI_LOAD_OPTIONS_INIT");
   if (sopts.out_memory != KVI_MEMORY_HOST || sopts.workspace_bytes != KVI_SEARCH_DEFAULT_WORKSPACE)

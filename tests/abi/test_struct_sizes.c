@@ -171,6 +171,7 @@ WRAP(retrieve_request, kvi_retrieve_request)
 WRAP(capture, kvi_capture)
 WRAP(save_options, kvi_save_options)
 WRAP(load_options, kvi_load_options)
+WRAP(recompute_options, kvi_recompute_options)
 
 typedef struct init_case {
   const char *name;
@@ -195,6 +196,7 @@ static const kvi_retrieve_request m_rr = KVI_RETRIEVE_REQUEST_INIT;
 static const kvi_capture m_cp = KVI_CAPTURE_INIT;
 static const kvi_save_options m_sv = KVI_SAVE_OPTIONS_INIT;
 static const kvi_load_options m_lo = KVI_LOAD_OPTIONS_INIT;
+static const kvi_recompute_options m_ro = KVI_RECOMPUTE_OPTIONS_INIT;
 
 #define CASE(name, T, v1, macro) {#name, w_##name, sizeof(T), v1, &macro}
 static const init_case init_cases[] = {
@@ -214,6 +216,7 @@ static const init_case init_cases[] = {
     CASE(capture, kvi_capture, sizeof(kvi_capture), m_cp),
     CASE(save_options, kvi_save_options, sizeof(kvi_save_options), m_sv),
     CASE(load_options, kvi_load_options, sizeof(kvi_load_options), m_lo),
+    CASE(recompute_options, kvi_recompute_options, sizeof(kvi_recompute_options), m_ro),
 };
 #define NUM_INIT_CASES (sizeof init_cases / sizeof init_cases[0])
 
@@ -460,6 +463,19 @@ static kvi_status r_inject_request(const void *p, void *ctx) { /* two requests, 
   (void)ctx;
   return kvi_inject(F.inj, p, 2, NULL, NULL);
 }
+static kvi_status r_deviation_request(const void *p, void *ctx) { /* two requests, stepped by struct_size */
+  (void)ctx;
+  float sc[4 * T];
+  return kvi_inject_deviation(F.inj, p, 2, 0, sc, 4 * T, KVI_MEMORY_HOST, NULL);
+}
+static kvi_status r_recompute_options(const void *p, void *ctx) {
+  (void)ctx;
+  const float sc[4] = {1, 3, 2, 0};
+  const int32_t tok[2] = {2, 2};
+  int32_t idx[4];
+  int64_t n;
+  return kvi_recompute_select(sc, tok, 2, p, idx, 4, &n);
+}
 static kvi_status r_inject_options(const void *p, void *ctx) {
   kvi_inject_request *rq = ctx;
   return kvi_inject(F.inj, rq, 1, p, NULL);
@@ -539,6 +555,11 @@ static void test_readers(void **state) {
   rq.block_table = F.table, rq.block_table_len = 2, rq.start_position = 0;
   check_reader("kvi_inject(reqs)", &rq, sizeof rq, offsetof(kvi_inject_request, num_positions), 2, r_inject_request,
                NULL);
+  check_reader("kvi_inject_deviation(reqs)", &rq, sizeof rq, offsetof(kvi_inject_request, num_positions), 2,
+               r_deviation_request, NULL);
+  kvi_recompute_options ro = KVI_RECOMPUTE_OPTIONS_INIT;
+  ro.fraction = 0.5, ro.boundary = 1;
+  check_reader("kvi_recompute_select(opts)", &ro, sizeof ro, sizeof ro, 1, r_recompute_options, NULL);
   kvi_inject_options io = KVI_INJECT_OPTIONS_INIT;
   check_reader("kvi_inject(opts)", &io, sizeof io, offsetof(kvi_inject_options, host_pages), 1, r_inject_options, &rq);
   static const int32_t ib_off[2] = {0, 2};

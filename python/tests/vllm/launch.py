@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Runs a script of this directory in the vLLM virtual environment that
-.ci/install-vllm builds, or exits 77 (Meson's "skipped") when it is absent.
+"""Runs a script of this directory (or any script, given by its path) in the
+vLLM virtual environment that .ci/install-vllm builds, or exits 77 (Meson's
+"skipped") when it is absent.
 
     python3 launch.py SCRIPT [ARGS...]
 

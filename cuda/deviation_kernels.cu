@@ -1,0 +1,135 @@
+/*
+ * libkvinject — deviation scores of injected tokens (kvi_inject_deviation).
+ * SPDX-License-Identifier: Apache-2.0
+ *
+ * The injection plan (kernels.h: kvi__xseg, kvi__xreq, positions, host block
+ * tables) drives a read-only pass over one layer: a CTA per segment, and for
+ * each of its tokens the threads split the 2 * H * D elements, each
+ * computing the stored element as kvi_inject would write it (fp8 pages
+ * dequantized, keys rotated at the token's position in fp32) and the squared
+ * difference from the cache's element (fp8 caches times their scale); a
+ * block reduction gives the token's score. One layer of a call's tokens is
+ * little work next to the engine's prefill of that layer, so the kernel
+ * favours being simple over the fused injection kernel's tricks.
+ */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "convert.cuh"
+#include "kernels.h"
+#include "kvinject/model.h"
+
+namespace {
+
+using kvi::cvt;
+using kvi::fp8e4;
+using kvi::fp8e5;
+
+constexpr int THREADS = 128;
+
+/* Element i of an array of `dtype` elements as fp32. */
+__device__ inline float load(const void *base, int dtype, int64_t i) {
+  switch (dtype) {
+  case KVI_DTYPE_FP32: return static_cast<const float *>(base)[i];
+  case KVI_DTYPE_FP16: return cvt<__half>::to(static_cast<const __half *>(base)[i]);
+  case KVI_DTYPE_BF16: return cvt<__nv_bfloat16>::to(static_cast<const __nv_bfloat16 *>(base)[i]);
+  case KVI_DTYPE_FP8_E4M3: return cvt<fp8e4>::to(static_cast<const fp8e4 *>(base)[i]);
+  case KVI_DTYPE_FP8_E5M2: return cvt<fp8e5>::to(static_cast<const fp8e5 *>(base)[i]);
+  }
+  return NAN;
+}
+
+__device__ inline int64_t elem_size(int dtype) {
+  return dtype == KVI_DTYPE_FP32 ? 4 : dtype == KVI_DTYPE_FP16 || dtype == KVI_DTYPE_BF16 ? 2 : 1;
+}
+
+/* Cos/sin of pair i at position pos, attention factor included (as the
+ * injection kernel computes them). */
+__device__ inline float2 cos_sin(const kvi__xlayer &ly, int pos, int i) {
+  if (ly.table) {
+    const float *row = ly.table + (int64_t)pos * ly.rot;
+    return make_float2(row[i], row[(ly.rot >> 1) + i]);
+  }
+  const float ang = __fmul_rn((float)pos, ly.inv_freq[i]);
+  float sn, cs;
+  sincosf(ang, &sn, &cs);
+  return make_float2(__fmul_rn(cs, ly.attn), __fmul_rn(sn, ly.attn));
+}
+
+__global__ void __launch_bounds__(THREADS) deviation_kernel(const __grid_constant__ kvi__dev_args a) {
+  const kvi__xfer_args &x = a.x;
+  const char *plan = x.plan_dev;
+  const kvi__xseg sg = reinterpret_cast<const kvi__xseg *>(plan)[blockIdx.x];
+  if (sg.ntok == 0) return;
+  const kvi__xreq rq = reinterpret_cast<const kvi__xreq *>(plan + x.o_reqs)[sg.req];
+  const int32_t *table = rq.table ? rq.table : reinterpret_cast<const int32_t *>(plan + rq.table_off);
+  const int l = x.layer_begin, H = x.H, D = x.D, n = 2 * H * D;
+  const kvi__xlayer ly = x.layers[l];
+  const int64_t pes = elem_size(x.page_dtype);
+  const char *page = sg.page < x.host_first
+                         ? static_cast<const char *>(x.pool) + (int64_t)sg.page * x.page_elems * pes
+                         : static_cast<const char *>(x.host_pool) + (int64_t)(sg.page - x.host_first) * x.page_elems * pes;
+  const bool fp8_page = x.page_dtype == KVI_DTYPE_FP8_E4M3;
+  const bool fp8_cache = x.cache_dtype == KVI_DTYPE_FP8_E4M3 || x.cache_dtype == KVI_DTYPE_FP8_E5M2;
+  const float *gs = fp8_page ? reinterpret_cast<const float *>(page + x.scale_off) : nullptr;
+  __shared__ float part[THREADS / 32];
+  for (unsigned j = 0; j < sg.ntok; j++) {
+    const int64_t s = sg.seq0 + j, bi = s / x.BS - rq.first_block;
+    int64_t ck = -1, cv = -1; /* block ids outside the cache (only device tables can have them): NaN, counted */
+    if (bi >= 0 && bi < rq.table_len) {
+      const int32_t b = table[bi];
+      if (b >= 0 && b < x.NB) {
+        ck = (int64_t)b * x.block_stride + (s % x.BS) * x.token_stride;
+        cv = (int64_t)b * x.v_block_stride + (s % x.BS) * x.v_token_stride;
+      }
+    }
+    const int pos = sg.explicit_pos ? reinterpret_cast<const int32_t *>(plan + x.o_pos)[sg.pos0 + j] : sg.pos0 + (int)j;
+    float acc = 0.0f;
+    if (ck >= 0)
+      for (int e = (int)threadIdx.x; e < n; e += THREADS) {
+        const int kv = e / (H * D), h = (e / D) % H, d = e % D;
+        const int64_t row = ((((int64_t)l * 2 + kv) * H + h) * x.P + sg.tok0 + j) * D;
+        const float ps = gs ? gs[(l * 2 + kv) * H + h] : 1.0f;
+        float want = __fmul_rn(load(page, x.page_dtype, row + d), ps);
+        if (kv == 0 && d < ly.rot) {
+          const int half = ly.rot >> 1;
+          const bool neox = ly.style == KVI_ROPE_NEOX;
+          const bool first = neox ? d < half : (d & 1) == 0;
+          const int i = neox ? (first ? d : d - half) : d >> 1;
+          const int other = neox ? (first ? d + half : d - half) : (first ? d + 1 : d - 1);
+          const float xo = __fmul_rn(load(page, x.page_dtype, row + other), ps);
+          const float2 c = cos_sin(ly, pos, i);
+          want = first ? __fsub_rn(__fmul_rn(want, c.x), __fmul_rn(xo, c.y))
+                       : __fadd_rn(__fmul_rn(want, c.x), __fmul_rn(xo, c.y));
+        }
+        const int64_t off = kv ? cv + h * x.v_head_stride + d * x.v_dim_stride
+                               : ck + h * x.head_stride + d * x.dim_stride;
+        float got = load(kv ? ly.v : ly.k, x.cache_dtype, off);
+        if (fp8_cache) got = __fmul_rn(got, (kv ? x.v_scale : x.k_scale)[l * H + h]);
+        const float df = __fsub_rn(got, want);
+        acc = __fmaf_rn(df, df, acc);
+      }
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float total = 0.0f;
+      for (int w = 0; w < THREADS / 32; w++) total += part[w];
+      a.out[a.seg_out[blockIdx.x] + j] = ck >= 0 ? total : NAN;
+      if (ck < 0) atomicAdd(x.skipped, 1ull);
+    }
+    __syncthreads();
+  }
+}
+
+} // namespace
+
+extern "C" int kvi__cuda_deviation(const kvi__dev_args *a, struct CUstream_st *stream) {
+  if (a->x.nsegs == 0) return 0;
+  deviation_kernel<<<(unsigned)a->x.nsegs, THREADS, 0, (cudaStream_t)stream>>>(*a);
+  return (int)cudaGetLastError();
+}

@@ -1,0 +1,817 @@
+#!/usr/bin/env python3
+"""Recall of personal facts on a real instruct model: re-prefilling facts as
+text against injecting their KV with libkvinject.
+
+Users, their multi-turn conversations and questions with gold answers come
+from recall_data.py (seeded). For each question and each k (5, 10, 20, 50),
+k facts of the question's user are selected, either by the oracle (the gold
+facts and same-user distractors) or by the store's own search
+(kvi_store_search over the model's mean hidden state as embedding, recall@k
+reported), kept in the order they were said, and laid out as
+
+    [header | fact_1 .. fact_k | question]   slot i = position i
+
+(header: the system prompt up to the notes; question: the rest of the system
+turn, the user's question and the assistant's header). Every configuration
+(a Method, see below) fills the fact slots of its own cache row with the same
+token ids at the same positions, so only the fact KV differs:
+
+- reprefill: the facts prefilled as text after the header (the reference);
+- exact-<store>: the facts captured (kvi_encode) from reprefill's own prefill
+  into a store and injected back: a sanity check, KL ~ 0 in fp32;
+- w<N>-<store>: Context-Window Encoding: each fact prefilled after the N
+  tokens of its own conversation before it (w0: alone, at position 0; wall:
+  after the whole preceding conversation), its span captured pre-RoPE into a
+  store, injected (kvi_inject rotates the keys where they land);
+- none: no memory (the header without the notes, then the question; run once
+  per question).
+
+Stores: fp32, bf16, fp8 (the library's e4m3 store with per-page scales).
+Then every row is prefilled with [question + gold answer] in one batched
+forward (teacher forcing: the gold answer's log-probability and the first
+answer token's distribution, whose KL against reprefill is reported), and
+generates greedily (max --max-new tokens) for accuracy: "contains" (the gold
+answer as a whole word in the answer) and "exact" (the answer, normalized,
+equals the gold). 95% intervals: Wilson for accuracies, paired bootstrap for
+differences against reprefill.
+
+Methods (the pluggable part). A method is an object with
+
+    name: str
+    setup(bench)               once, before any question (encode facts, ...)
+    fill(bench, cell, cache)   writes the fact slots of one cache row
+
+`cache` is a transformers StaticCache of batch 1 (a view of one row of the
+batched cache, so writes land there) whose slots [0, cell.header_len) hold
+the header's KV and whose length is cell.header_len. After fill, slots
+[0, cell.question_start) must hold the KV the question is to attend to;
+the harness then sets the length to cell.question_start (a method may
+prefill through `cache` with bench.model itself: it is an ordinary cache).
+`cell` (a Cell) has: ids (the prompt's token ids, a list), header_len,
+question_start, question_len, facts (a list of FactSlot: tenant, fact_id,
+slot, tokens; slot = position), user, question, reference (the reprefill
+prefill: an HF cache of batch 1 over ids[:question_start]), reference_kv()
+(its per-layer key and value tensors). `bench` (a Bench) has model, tok,
+torch, kvi, device, stream, kvi_model, corpus (token ids of every fact and
+conversation), store(dtype_name, ...) and window_stores(w) (the facts of every
+user encoded with window w into one store per storage dtype), inject(store,
+cell, cache) and capture(store, tenant, cell, kv). New methods are added to
+METHODS (name prefix -> factory) or passed to run(...).
+
+    python3 python/harness/recall.py --model DIR|FILE.gguf [--device cuda]
+    python3 python/harness/recall.py --model DIR --users 2 --questions-per-user 3 --ks 5 --check
+
+--check (CI): exits 1 unless exact-fp32 has first-token KL < 1e-6 on every
+cell and the same greedy answer as reprefill, and a control (exact with its
+positions shifted by 7) is caught (KL > 1e-4). Exit 77 without torch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hf_common as C  # noqa: E402
+import recall_data as D  # noqa: E402
+
+SYSTEM = ("You are a helpful assistant. Answer the user's question with only the answer "
+          "(a name, a number, a place or a word), not a sentence.")
+NOTES = " Notes from earlier conversations, in the user's words:"
+EXACT_TENANT = 1 << 40  # per-cell captures of exact-context methods
+STORE_DTYPES = ("fp32", "bf16", "fp8")
+T0 = time.time()
+
+
+def log(msg):
+    print("[recall %6.1fs] %s" % (time.time() - T0, msg), file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------- corpus
+
+class Corpus:
+    """Token ids of every fact (" " + sentence, tokenized alone) and every
+    conversation (pieces tokenized alone and concatenated, so a fact's ids are
+    the same in its conversation and in a prompt), with each fact's span."""
+
+    def __init__(self, tok, users: List[D.User]):
+        self.tok = tok
+        self.users = {u.uid: u for u in users}
+        enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+        self.enc = enc
+        self.fact_ids: Dict[tuple, List[int]] = {}
+        self.convs: Dict[int, List[List[int]]] = {}
+        self.span: Dict[tuple, tuple] = {}  # (uid, fact) -> (conversation, start, end)
+        for u in users:
+            for f in u.facts:
+                self.fact_ids[(u.uid, f.index)] = enc(" " + f.text)
+            cl = []
+            for ci, c in enumerate(u.conversations):
+                ids = enc("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
+                for role, sents in c.turns:
+                    ids += enc("<|im_start|>%s\n" % role)
+                    for s in sents:
+                        if isinstance(s, int):
+                            t = self.fact_ids[(u.uid, s)]
+                            self.span[(u.uid, s)] = (ci, len(ids), len(ids) + len(t))
+                            ids += t
+                        else:
+                            ids += enc(" " + s)
+                    ids += enc("<|im_end|>\n")
+                cl.append(ids)
+            self.convs[u.uid] = cl
+        self.header = enc("<|im_start|>system\n" + SYSTEM + NOTES)
+        self.header_none = enc("<|im_start|>system\n" + SYSTEM)
+
+    def question_ids(self, q: D.Question) -> List[int]:
+        return self.enc("<|im_end|>\n<|im_start|>user\n" + q.text + "<|im_end|>\n<|im_start|>assistant\n")
+
+    def answer_ids(self, q: D.Question) -> List[int]:
+        return self.enc(q.answer)
+
+
+@dataclass
+class FactSlot:
+    tenant: int
+    fact_id: int
+    slot: int
+    tokens: int
+
+
+@dataclass
+class Cell:
+    """One question with one selection of facts: the prompt layout."""
+    ids: List[int]
+    header_len: int
+    question_start: int
+    question_len: int
+    facts: List[FactSlot]
+    user: int
+    question: D.Question
+    reference: object = None
+    extra: dict = field(default_factory=dict)
+
+    def reference_kv(self):
+        return C.cache_tensors(self.reference)
+
+
+# ---------------------------------------------------------------------- bench
+
+class Bench:
+    def __init__(self, args, torch, kvi, model, tok, corpus, device):
+        self.args, self.torch, self.kvi, self.model, self.tok = args, torch, kvi, model, tok
+        self.corpus, self.device = corpus, device
+        self.stream = C.kvi_stream(device)
+        self.backend = C.kvi_backend(device)
+        self.kvi_model = C.kvi_model_for(model.config)
+        self.store_dtypes = args.stores.split(",")
+        self._windows = {}
+        self._stores = []
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        self.eos = {t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if t is not None}
+        self.embed_dim = model.config.hidden_size
+        self.embed_center = None
+        self.timing = {}
+
+    # stores
+    def kvi_dtype(self, name):
+        D_ = self.kvi.DType
+        return {"fp32": D_.FP32, "bf16": D_.BF16, "fp16": D_.FP16, "fp8": D_.FP8_E4M3}[name]
+
+    def store(self, dtype_name, budget=None, **kw):
+        n_tok = sum(len(v) for v in self.corpus.fact_ids.values())
+        cfg = self.model.config
+        per_tok = 2 * cfg.num_hidden_layers * C.kv_heads_of(cfg) * C.head_dim_of(cfg) * 4
+        budget = budget or max(64 << 20, int(per_tok * n_tok * 1.6) + (64 << 20))
+        s = self.kvi.Store(self.kvi_model, budget, backend=self.backend, dtype=self.kvi_dtype(dtype_name), **kw)
+        self._stores.append(s)
+        return s
+
+    def close(self):
+        for s in self._stores:
+            s.close()
+        self._stores = []
+
+    def forward(self, ids, **kw):
+        torch = self.torch
+        t = torch.as_tensor(ids, dtype=torch.long, device=self.device)
+        if t.dim() == 1:
+            t = t.unsqueeze(0)
+        return self.model(t, **kw)
+
+    def capture(self, store, tenant, cell, kv, shift=0):
+        """Captures every fact slot of cell from the batch-1 cache tensors kv
+        (keys, values) into store under tenant; positions = slots (+ shift)."""
+        kvi = self.kvi
+        enc = kvi.Encoder(store, kvi.CacheLayout.hf(*kv))
+        enc.encode([kvi.Capture(tenant, f.fact_id, block_table=[0], num_tokens=f.tokens, first_slot=f.slot,
+                                start_position=f.slot + shift, replace=True) for f in cell.facts],
+                   stream=self.stream)
+        C.sync(self.device)
+
+    def inject(self, store, cell, cache, tenant=None, shift=0):
+        """Injects the cell's facts (tenant: the user's, or the given one) from
+        store into the batch-1 cache, behind the header, at their slots."""
+        kvi = self.kvi
+        if not cell.facts:
+            return
+        keys, values = C.cache_tensors(cache)
+        inj = kvi.Injector(store, kvi.CacheLayout.hf(keys, values))
+        ten = cell.facts[0].tenant if tenant is None else tenant
+        inj.inject(kvi.InjectRequest(ten, [f.fact_id for f in cell.facts], block_table=[0],
+                                     first_slot=cell.header_len, start_position=cell.header_len + shift),
+                   stream=self.stream)
+        C.sync(self.device)
+
+    # encoding with a window
+    def _batches(self, units, budget):
+        """units: (token ids, captures); batches of similar length within budget tokens."""
+        units = sorted(units, key=lambda u: len(u[0]))
+        batch, longest = [], 0
+        for u in units:
+            n = len(u[0])
+            if batch and max(longest, n) * (len(batch) + 1) > budget:
+                yield batch
+                batch, longest = [], 0
+            batch.append(u)
+            longest = max(longest, n)
+        if batch:
+            yield batch
+
+    def _padded(self, rows):
+        n = max(len(r) for r in rows)
+        return [r + [self.pad] * (n - len(r)) for r in rows]
+
+    def window_units(self, w):
+        """(token ids, [(tenant, fact, slot, tokens)]) for window w (None = the whole
+        preceding conversation: one unit per conversation, all its facts)."""
+        c = self.corpus
+        units = []
+        for uid, u in c.users.items():
+            if w is None:
+                by_conv = {}
+                for f in u.facts:
+                    ci, s, e = c.span[(uid, f.index)]
+                    by_conv.setdefault(ci, []).append((uid, f.index, s, e - s))
+                for ci, caps in by_conv.items():
+                    end = max(s + t for _, _, s, t in caps)
+                    units.append((c.convs[uid][ci][:end], caps))
+            else:
+                for f in u.facts:
+                    ci, s, e = c.span[(uid, f.index)]
+                    a = max(0, s - w)
+                    units.append((c.convs[uid][ci][a:e], [(uid, f.index, s - a, e - s)]))
+        return units
+
+    def window_stores(self, w):
+        """The facts of every user encoded with window w (int tokens, or None:
+        the whole preceding conversation), one store per storage dtype, captured
+        from the same prefills. The fp32 store of w = 0 also holds embeddings."""
+        if w in self._windows:
+            return self._windows[w]
+        t0 = time.time()
+        kvi = self.kvi
+        stores = {}
+        for dn in self.store_dtypes:
+            kw = {}
+            if w == 0 and dn == "fp32":
+                kw = dict(embedding_dim=self.embed_dim, metric=kvi.Metric.COSINE)
+            stores[dn] = self.store(dn, **kw)
+        emb = self.fact_embeddings() if w == 0 else None
+        for batch in self._batches(self.window_units(w), self.args.batch_tokens):
+            out = self.forward(self._padded([u[0] for u in batch]), use_cache=True, logits_to_keep=1)
+            kv = C.cache_tensors(out.past_key_values)
+            for dn, st in stores.items():
+                enc = kvi.Encoder(st, kvi.CacheLayout.hf(*kv))
+                caps = []
+                for row, (_, cs) in enumerate(batch):
+                    for uid, fid, slot, t in cs:
+                        e = emb[(uid, fid)] if (emb is not None and dn == "fp32") else None
+                        caps.append(kvi.Capture(uid, fid, block_table=[row], num_tokens=t, first_slot=slot,
+                                                start_position=slot, embedding=e))
+                enc.encode(caps, stream=self.stream)
+            C.sync(self.device)
+            del out, kv
+        self._windows[w] = stores
+        self.timing["encode w=%s" % ("all" if w is None else w)] = time.time() - t0
+        return stores
+
+    # embeddings: the model's mean hidden state (layer --embed-layer), centered
+    def embed(self, texts_ids):
+        torch = self.torch
+        layer = self.args.embed_layer
+        if layer is None:
+            layer = self.model.config.num_hidden_layers // 2
+        out = []
+        order = sorted(range(len(texts_ids)), key=lambda i: len(texts_ids[i]))
+        res = [None] * len(texts_ids)
+        for batch in self._batches([(texts_ids[i], i) for i in order], self.args.batch_tokens):
+            o = self.forward(self._padded([b[0] for b in batch]), output_hidden_states=True, use_cache=False,
+                             logits_to_keep=1)
+            h = o.hidden_states[layer].float()
+            for row, (ids, i) in enumerate(batch):
+                res[i] = h[row, :len(ids)].mean(0)
+        out = torch.stack(res)
+        return out
+
+    def fact_embeddings(self):
+        keys = list(self.corpus.fact_ids)
+        e = self.embed([self.corpus.fact_ids[k] for k in keys])
+        self.embed_center = e.mean(0)
+        e = (e - self.embed_center).contiguous()
+        return {k: e[i] for i, k in enumerate(keys)}
+
+    def question_embeddings(self, questions):
+        self.window_stores(0)  # the center comes from the facts
+        e = self.embed([self.corpus.enc(" " + q.text) for q in questions])
+        return (e - self.embed_center).contiguous()
+
+
+# -------------------------------------------------------------------- methods
+
+class Reprefill:
+    """The facts as text: the reference prefill's own KV copied into the row."""
+    name = "reprefill"
+
+    def setup(self, bench):
+        pass
+
+    def fill(self, bench, cell, cache):
+        a, b = cell.header_len, cell.question_start
+        rk, rv = cell.reference_kv()
+        keys, values = C.cache_tensors(cache)
+        for k, v, x, y in zip(keys, values, rk, rv):
+            k[:, :, a:b].copy_(x[:, :, a:b])
+            v[:, :, a:b].copy_(y[:, :, a:b])
+
+
+class Exact:
+    """Facts captured from reprefill's own prefill into a store and injected
+    back at the same positions (shift: a control with wrong positions)."""
+
+    def __init__(self, dtype, shift=0):
+        self.dtype, self.shift = dtype, shift
+        self.name = "exact-%s" % dtype + ("-shift%d" % shift if shift else "")
+        self.sibling = "exact-fp32" if dtype != "fp32" and not shift else None
+
+    def setup(self, bench):
+        self.st = bench.store(self.dtype, budget=64 << 20)
+
+    def fill(self, bench, cell, cache):
+        bench.capture(self.st, EXACT_TENANT, cell, cell.reference_kv(), shift=self.shift)
+        bench.inject(self.st, cell, cache, tenant=EXACT_TENANT, shift=self.shift)
+        for f in cell.facts:
+            self.st.remove(EXACT_TENANT, f.fact_id)
+
+
+class Window:
+    """Context-Window Encoding with window w (None: the whole preceding conversation)."""
+
+    def __init__(self, w, dtype):
+        self.w, self.dtype = w, dtype
+        self.name = "w%s-%s" % ("all" if w is None else w, dtype)
+        self.sibling = "w%s-fp32" % ("all" if w is None else w) if dtype != "fp32" else None
+
+    def setup(self, bench):
+        self.st = bench.window_stores(self.w)[self.dtype]
+
+    def fill(self, bench, cell, cache):
+        bench.inject(self.st, cell, cache)
+
+
+def make_methods(args):
+    ms = [Reprefill()]
+    stores = args.stores.split(",")
+    for dn in stores:
+        ms.append(Exact(dn))
+    for w in args.windows.split(","):
+        for dn in stores:
+            ms.append(Window(None if w == "all" else int(w), dn))
+    if args.check:
+        ms.append(Exact("fp32", shift=7))
+    return ms
+
+
+# ----------------------------------------------------------------- the cells
+
+def row_cache(big, r, C_, torch):
+    """A batch-1 StaticCache whose layers are views of row r of `big`."""
+    from transformers import StaticCache
+    c = StaticCache(config=big._kvi_config, max_cache_len=big._kvi_len)
+    for lb, l in zip(big.layers, c.layers):
+        l.dtype, l.device = lb.dtype, lb.device
+        l.batch_size, l.num_heads = 1, lb.num_heads
+        l.k_head_dim, l.v_head_dim = lb.k_head_dim, lb.v_head_dim
+        l.keys, l.values = lb.keys[r:r + 1], lb.values[r:r + 1]
+        l.cumulative_length = torch.zeros((), dtype=lb.cumulative_length.dtype, device=lb.device)
+        l.is_initialized = True
+    return c
+
+
+def batched_cache(bench, rows, max_len, ref_kv, header_len):
+    """A StaticCache of `rows` rows, each holding the reference's header KV."""
+    torch = bench.torch
+    from transformers import StaticCache
+    cfg = bench.model.config
+    c = StaticCache(config=cfg, max_cache_len=max_len)
+    c._kvi_config, c._kvi_len = cfg, max_len
+    rk, rv = ref_kv
+    for l, k, v in zip(c.layers, rk, rv):
+        l.lazy_initialization(k[:, :, :1].expand(rows, -1, -1, -1), v[:, :, :1].expand(rows, -1, -1, -1))
+        l.keys[:, :, :header_len].copy_(k[:, :, :header_len].expand(rows, -1, -1, -1))
+        l.values[:, :, :header_len].copy_(v[:, :, :header_len].expand(rows, -1, -1, -1))
+    return c
+
+
+def run_cell(bench, cell, methods):
+    """Fills one row per method, then teacher-forces [question + answer] and
+    generates greedily on all rows at once. Returns one record per method."""
+    torch, a = bench.torch, bench.args
+    gold = bench.corpus.answer_ids(cell.question)
+    n0 = cell.question_start
+    qids = cell.ids[n0:]
+    B = len(methods)
+    max_len = n0 + len(qids) + max(len(gold), a.max_new) + 1
+    cell.reference = bench.forward(cell.ids[:n0], use_cache=True, logits_to_keep=1).past_key_values
+    ref_kv = cell.reference_kv()
+    big = batched_cache(bench, B, max_len, ref_kv, cell.header_len)
+    for r, m in enumerate(methods):
+        rc = row_cache(big, r, C, torch)
+        C.set_cache_length(rc, cell.header_len)
+        m.fill(bench, cell, rc)
+    C.set_cache_length(big, n0)
+    seq = torch.tensor([qids + gold], dtype=torch.long, device=bench.device).expand(B, -1)
+    g = len(gold)
+    # logits of the last g + 1 positions: the question's last token and the answer's
+    lg = bench.model(seq, past_key_values=big, use_cache=True, logits_to_keep=g + 1).logits[:, :g].double()
+    lp = torch.log_softmax(lg, -1)
+    q = len(qids)
+    first = lp[:, 0]                                      # the first answer token's distribution
+    gold_t = torch.tensor(gold, device=bench.device)
+    gold_lp = lp.gather(2, gold_t.view(1, -1, 1).expand(B, -1, 1)).sum((1, 2))
+    kl = (first[0].exp() * (first[0] - first)).sum(-1)
+    # greedy: continue from the question's end (the answer's slots are overwritten)
+    C.set_cache_length(big, n0 + q)
+    tok = first.argmax(-1)
+    gen = [tok]
+    done = torch.zeros(B, dtype=torch.bool, device=bench.device)
+    eos = torch.tensor(sorted(bench.eos), device=bench.device)
+    for _ in range(a.max_new - 1):
+        done |= torch.isin(tok, eos)
+        if bool(done.all()):
+            break
+        tok = bench.model(tok.view(B, 1), past_key_values=big, use_cache=True,
+                          logits_to_keep=1).logits[:, -1].argmax(-1)
+        gen.append(tok)
+    gen = torch.stack(gen, 1).cpu().tolist()
+    kl, gold_lp = kl.cpu().tolist(), gold_lp.cpu().tolist()
+    firsts = first.cpu()
+    recs = []
+    for r, m in enumerate(methods):
+        ids = []
+        for t in gen[r]:
+            if t in bench.eos:
+                break
+            ids.append(t)
+        text = bench.tok.decode(ids, skip_special_tokens=True).strip()
+        recs.append(dict(method=m.name, qid=cell.question.qid, answer=text, tokens=ids,
+                         contains=contains(text, cell.question.answer), exact=exact(text, cell.question.answer),
+                         gold_logprob=gold_lp[r], kl=max(0.0, kl[r]), _first=firsts[r]))
+    names = {m.name: i for i, m in enumerate(methods)}
+    for r, m in enumerate(methods):  # the storage's own cost: KL against the fp32 sibling
+        s = getattr(m, "sibling", None)
+        if s in names:
+            p, qd = firsts[names[s]], firsts[r]
+            recs[r]["kl_vs_fp32"] = max(0.0, float((p.exp() * (p - qd)).sum()))
+    for rec in recs:
+        del rec["_first"]
+    cell.reference = None
+    del big
+    return recs
+
+
+def norm(s):
+    return re.sub(r"[^a-z0-9 ]", "", s.lower()).strip()
+
+
+def contains(text, answer):
+    return re.search(r"(?<![a-z0-9])%s(?![a-z0-9])" % re.escape(norm(answer)), norm(text)) is not None
+
+
+def exact(text, answer):
+    return norm(text) == norm(answer)
+
+
+def make_cell(corpus, q, fact_list, none=False):
+    header = corpus.header_none if none else corpus.header
+    ids = list(header)
+    facts = []
+    for f in ([] if none else fact_list):
+        t = corpus.fact_ids[(q.user, f)]
+        facts.append(FactSlot(q.user, f, len(ids), len(t)))
+        ids += t
+    n0 = len(ids)
+    qi = corpus.question_ids(q)
+    return Cell(ids + qi, len(header), n0, len(qi), facts, q.user, q)
+
+
+def oracle_selection(corpus, q, k, seed):
+    u = corpus.users[q.user]
+    rng = random.Random("%d/%d/%d" % (seed, q.qid, k))
+    others = [f.index for f in u.facts if f.index not in q.gold]
+    sel = set(q.gold) | set(rng.sample(others, max(0, min(k, len(u.facts)) - len(q.gold))))
+    return sorted(sel)
+
+
+# --------------------------------------------------------------- statistics
+
+def wilson(x, n, z=1.96):
+    if n == 0:
+        return (float("nan"),) * 3
+    p = x / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return p, max(0.0, c - h), min(1.0, c + h)
+
+
+def paired_bootstrap(a, b, reps=2000, seed=0):
+    """Mean of a - b and its 95% percentile interval over resampled questions."""
+    n = len(a)
+    if n == 0:
+        return (float("nan"),) * 3
+    d = [x - y for x, y in zip(a, b)]
+    rng = random.Random(seed)
+    means = sorted(sum(d[rng.randrange(n)] for _ in range(n)) / n for _ in range(reps))
+    return sum(d) / n, means[int(0.025 * reps)], means[int(0.975 * reps) - 1]
+
+
+def summarize(records, reps):
+    """Rows per (retrieval, k, method): accuracy with Wilson CI, differences
+    against reprefill with paired bootstrap CIs, gold log-prob, KL."""
+    groups = {}
+    for r in records:
+        groups.setdefault((r["retrieval"], r["k"]), {}).setdefault(r["method"], {})[r["qid"]] = r
+    rows = []
+    for (ret, k), by in sorted(groups.items(), key=lambda x: (x[0][0], x[0][1])):
+        ref = by.get("reprefill", {})
+        for m, recs in by.items():
+            qs = sorted(recs)
+            n = len(qs)
+            acc = wilson(sum(recs[q]["contains"] for q in qs), n)
+            ex = wilson(sum(recs[q]["exact"] for q in qs), n)
+            lp = sum(recs[q]["gold_logprob"] for q in qs) / n
+            kls = [recs[q]["kl"] for q in qs]
+            row = dict(retrieval=ret, k=k, method=m, n=n, contains=acc, exact=ex, gold_logprob=lp,
+                       kl_mean=sum(kls) / n, kl_max=max(kls))
+            sib = [recs[q]["kl_vs_fp32"] for q in qs if "kl_vs_fp32" in recs[q]]
+            if sib:
+                row["kl_vs_fp32_mean"], row["kl_vs_fp32_max"] = sum(sib) / len(sib), max(sib)
+            common = [q for q in qs if q in ref]
+            if m != "reprefill" and common:
+                row["d_contains"] = paired_bootstrap([float(recs[q]["contains"]) for q in common],
+                                                     [float(ref[q]["contains"]) for q in common], reps)
+                row["d_logprob"] = paired_bootstrap([recs[q]["gold_logprob"] for q in common],
+                                                    [ref[q]["gold_logprob"] for q in common], reps)
+            rec = [recs[q].get("recall") for q in qs if recs[q].get("recall") is not None]
+            if rec:
+                row["recall"] = sum(rec) / len(rec)
+            rows.append(row)
+    return rows
+
+
+def markdown(rows, title_lines):
+    out = list(title_lines)
+    for ret in sorted({r["retrieval"] for r in rows}):
+        out.append("\n### Retrieval: %s\n" % ret)
+        hdr = ["k", "method", "n", "contains (95% CI)", "exact (95% CI)", "Δ contains vs reprefill (95% CI)",
+               "gold log-prob", "Δ log-prob (95% CI)", "KL vs reprefill mean / max", "KL vs fp32 store mean / max"]
+        if ret == "search":
+            hdr.insert(3, "recall@k")
+        body = []
+        for r in [r for r in rows if r["retrieval"] == ret]:
+            pct = lambda t: "%.1f%% (%.1f–%.1f)" % (100 * t[0], 100 * t[1], 100 * t[2])  # noqa: E731
+            d = r.get("d_contains")
+            dl = r.get("d_logprob")
+            line = [r["k"], r["method"], r["n"], pct(r["contains"]), pct(r["exact"]),
+                    "%+.1f pp (%+.1f, %+.1f)" % tuple(100 * x for x in d) if d else "–",
+                    "%.3f" % r["gold_logprob"],
+                    "%+.3f (%+.3f, %+.3f)" % dl if dl else "–",
+                    "%s / %s" % (C.fmt(r["kl_mean"], ".2e"), C.fmt(r["kl_max"], ".2e")),
+                    "%s / %s" % (C.fmt(r["kl_vs_fp32_mean"], ".2e"), C.fmt(r["kl_vs_fp32_max"], ".2e"))
+                    if "kl_vs_fp32_mean" in r else "–"]
+            if ret == "search":
+                line.insert(3, C.fmt(r.get("recall"), ".3f") if r.get("recall") is not None else "–")
+            body.append(line)
+        out.append(C.table(hdr, body))
+    return "\n".join(out) + "\n"
+
+
+# ----------------------------------------------------------------------- main
+
+def load_model(path, dtype, device, attn, torch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    kw = {}
+    d = path
+    if path.endswith(".gguf"):
+        d, f = os.path.split(os.path.abspath(path))
+        kw = dict(gguf_file=f)
+    tok = AutoTokenizer.from_pretrained(d, **kw)
+    last = None
+    for impl in [attn, "eager"]:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(d, dtype=dtype, attn_implementation=impl, **kw)
+            break
+        except (ValueError, ImportError) as e:
+            last = e
+    else:
+        raise last
+    model = model.to(device).eval()
+    C.check_rope_buffers(model)
+    return model, tok
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=os.environ.get("KVI_VLLM_MODEL"),
+                    help="a model directory or a .gguf file (transformers dequantizes); default $KVI_VLLM_MODEL "
+                         "(tests/vllm/launch.py sets it)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--attn", default="sdpa")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--users", type=int, default=50)
+    ap.add_argument("--questions-per-user", type=int, default=10)
+    ap.add_argument("--ks", default="5,10,20,50")
+    ap.add_argument("--retrieval", default="oracle,search")
+    ap.add_argument("--windows", default="0,32,128,all")
+    ap.add_argument("--stores", default="fp32,bf16,fp8")
+    ap.add_argument("--no-none", dest="none", action="store_false", help="leave out the no-memory rows")
+    ap.add_argument("--max-new", type=int, default=10)
+    ap.add_argument("--embed-layer", type=int, default=None, help="hidden state layer of the embedding "
+                    "(default: the middle one)")
+    ap.add_argument("--batch-tokens", type=int, default=None, help="tokens per encoding batch "
+                    "(default 16384 on cuda, 2048 on cpu)")
+    ap.add_argument("--bootstrap", type=int, default=2000)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--md", default=None)
+    ap.add_argument("--label", default="")
+    ap.add_argument("--check", action="store_true", help="CI assertions (see the docstring)")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="seconds from the start after which no new question is started")
+    return ap.parse_args(argv)
+
+
+def run(args, methods=None):
+    torch, transformers = C.need_torch_transformers()
+    kvi = C.need_kvinject()
+    device = C.pick_device(args.device, torch, kvi)
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    torch.set_grad_enabled(False)
+    if args.batch_tokens is None:
+        args.batch_tokens = 16384 if device.startswith("cuda") else 2048
+    t_start = time.time()
+    model, tok = load_model(args.model, getattr(torch, args.dtype), device, args.attn, torch)
+    t_load = time.time() - t_start
+    users = D.generate(args.seed, args.users)
+    corpus = Corpus(tok, users)
+    questions = D.questions_of(users, args.questions_per_user)
+    bench = Bench(args, torch, kvi, model, tok, corpus, device)
+    methods = methods if methods is not None else make_methods(args)
+    t0 = time.time()
+    log("model loaded (%.1fs): %d users, %d questions, %d facts" % (t_load, len(users), len(questions),
+                                                                     len(corpus.fact_ids)))
+    for m in methods:
+        m.setup(bench)
+        log("setup %s" % m.name)
+    t_setup = time.time() - t0
+    ks = [int(x) for x in args.ks.split(",")]
+    rets = args.retrieval.split(",")
+    records = []
+    t0 = time.time()
+    if args.none:
+        none = [type("NoMemory", (Reprefill,), {"name": "none"})()]
+        for q in questions:
+            for rec in run_cell(bench, make_cell(corpus, q, [], none=True), none):
+                for ret in rets:
+                    for k in ks:
+                        records.append(dict(rec, retrieval=ret, k=k))
+    t_none = time.time() - t0
+    log("no-memory rows: %.1fs" % t_none)
+    search_hits = {}
+    if "search" in rets:
+        qe = bench.question_embeddings(questions)
+        st = bench.window_stores(0)["fp32"]
+        res = st.search(qe.to(device), [q.user for q in questions], max(ks))
+        for i, q in enumerate(questions):
+            search_hits[q.qid] = [f for f, _ in res[i]]
+    t0 = time.time()
+    cells, asked = 0, 0
+    for q in questions:  # questions outermost: a time limit leaves whole questions
+        if args.time_limit and time.time() - T0 > args.time_limit:
+            log("time limit (%ds): stopped after %d of %d questions" % (args.time_limit, asked, len(questions)))
+            break
+        for ret in rets:
+            for k in ks:
+                if ret == "oracle":
+                    sel = oracle_selection(corpus, q, k, args.seed)
+                    rec_k = None
+                else:
+                    top = search_hits[q.qid][:k]
+                    sel = sorted(top)
+                    rec_k = float(all(g in top for g in q.gold))
+                for rec in run_cell(bench, make_cell(corpus, q, sel), methods):
+                    records.append(dict(rec, retrieval=ret, k=k, recall=rec_k))
+                cells += 1
+        asked += 1
+        if asked % 10 == 0:
+            log("%d questions, %d cells" % (asked, cells))
+    t_cells = time.time() - t0
+    done = {q.qid for q in questions[:asked]}
+    records = [r for r in records if r["qid"] in done]  # no-memory rows of questions not reached go too
+    rows = summarize(records, args.bootstrap)
+    dev = torch.cuda.get_device_name() if device.startswith("cuda") else "CPU (%d threads)" % torch.get_num_threads()
+    times = dict(load=t_load, setup=t_setup, none=t_none, cells=t_cells, cells_n=cells,
+                 per_cell=t_cells / max(cells, 1), total=time.time() - t_start, **bench.timing)
+    title = ["## Recall on %s%s" % (os.path.basename(args.model.rstrip("/")), " (%s)" % args.label if args.label else ""),
+             "",
+             "- device: %s; torch %s, transformers %s; libkvinject %s; model %s, %s attention" % (
+                 dev, torch.__version__, transformers.__version__, kvi.version(), args.dtype,
+                 model.config._attn_implementation),
+             "- %d users (seed %d), %d questions (%d referring to an earlier fact), k = %s, retrieval %s, "
+             "max %d new tokens" % (args.users, args.seed, asked, sum(q.referring for q in questions[:asked]),
+                                     args.ks, args.retrieval, args.max_new),
+             "- times (s): " + ", ".join("%s %.1f" % (k, v) if isinstance(v, float) else "%s %d" % (k, v)
+                                         for k, v in times.items())]
+    for dn in bench.store_dtypes:
+        if dn == "fp32":
+            continue
+        ex = [r["kl"] for r in records if r["method"] == "exact-%s" % dn]
+        sib = [r["kl_vs_fp32"] for r in records if r["method"].endswith("-" + dn) and "kl_vs_fp32" in r]
+        if ex:
+            title.append("- %s storage cost: first-token KL of exact-%s vs reprefill mean %.2e, max %.2e (%d cells); "
+                         "of every %s store vs its fp32 twin mean %.2e, max %.2e (%d rows)"
+                         % (dn, dn, sum(ex) / len(ex), max(ex), len(ex), dn, sum(sib) / max(len(sib), 1),
+                            max(sib) if sib else float("nan"), len(sib)))
+    md = markdown(rows, title)
+    print(md, flush=True)
+    ok = True
+    if args.check:
+        ok = check(records)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), times=times, rows=rows, records=records, device=dev), f)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(md)
+    bench.close()
+    return ok
+
+
+def check(records):
+    by = {}
+    for r in records:
+        by.setdefault((r["retrieval"], r["k"], r["qid"]), {})[r["method"]] = r
+    worst, diff, ctrl = 0.0, [], []
+    for key, ms in by.items():
+        e, ref = ms.get("exact-fp32"), ms.get("reprefill")
+        if e is None or ref is None:
+            continue
+        worst = max(worst, e["kl"])
+        if e["tokens"] != ref["tokens"]:
+            diff.append((key, e["answer"], ref["answer"]))
+        c = ms.get("exact-fp32-shift7")
+        if c is not None:
+            ctrl.append(c["kl"])
+    ok = True
+    print("check: %d cells; exact-fp32 max first-token KL vs reprefill %.3e (must be < 1e-6)" % (len(by), worst))
+    ok &= worst < 1e-6 and len(by) > 0
+    print("check: exact-fp32 greedy answers differing from reprefill: %d %s" % (len(diff), diff[:3]))
+    ok &= not diff
+    if ctrl:
+        print("check: control (exact positions shifted by 7): min KL %.3e (must be > 1e-4)" % min(ctrl))
+        ok &= min(ctrl) > 1e-4
+    print("check: %s" % ("PASS" if ok else "FAIL"))
+    return ok
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not args.model:
+        print("error: no --model (and no KVI_VLLM_MODEL)", file=sys.stderr)
+        return 2
+    return 0 if run(args) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
