@@ -303,12 +303,10 @@ class Bench:
         self.timing["encode w=%s" % ("all" if w is None else w)] = time.time() - t0
         return stores
 
-    # embeddings: the model's mean hidden state (layer --embed-layer), centered
+    # embeddings: the model's mean hidden state (layer --embed-layer), centered on the facts' mean
     def embed(self, texts_ids):
         torch = self.torch
         layer = self.args.embed_layer
-        if layer is None:
-            layer = self.model.config.num_hidden_layers // 2
         out = []
         order = sorted(range(len(texts_ids)), key=lambda i: len(texts_ids[i]))
         res = [None] * len(texts_ids)
@@ -354,7 +352,8 @@ class Reprefill:
 
 class Exact:
     """Facts captured from reprefill's own prefill into a store and injected
-    back at the same positions (shift: a control with wrong positions)."""
+    back at the same positions (shift: a control, injected at positions shifted
+    by `shift` while staying in the same slots)."""
 
     def __init__(self, dtype, shift=0):
         self.dtype, self.shift = dtype, shift
@@ -365,7 +364,7 @@ class Exact:
         self.st = bench.store(self.dtype, budget=64 << 20)
 
     def fill(self, bench, cell, cache):
-        bench.capture(self.st, EXACT_TENANT, cell, cell.reference_kv(), shift=self.shift)
+        bench.capture(self.st, EXACT_TENANT, cell, cell.reference_kv())
         bench.inject(self.st, cell, cache, tenant=EXACT_TENANT, shift=self.shift)
         for f in cell.facts:
             self.st.remove(EXACT_TENANT, f.fact_id)
@@ -543,14 +542,16 @@ def wilson(x, n, z=1.96):
 
 
 def paired_bootstrap(a, b, reps=2000, seed=0):
-    """Mean of a - b and its 95% percentile interval over resampled questions."""
+    """Mean of a - b and its 95% percentile interval over resampled questions
+    (the same resampling for every pair of the same length and seed)."""
+    import numpy as np
     n = len(a)
     if n == 0:
         return (float("nan"),) * 3
-    d = [x - y for x, y in zip(a, b)]
-    rng = random.Random(seed)
-    means = sorted(sum(d[rng.randrange(n)] for _ in range(n)) / n for _ in range(reps))
-    return sum(d) / n, means[int(0.025 * reps)], means[int(0.975 * reps) - 1]
+    d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
+    idx = np.random.default_rng(seed).integers(0, n, size=(reps, n))
+    means = np.sort(d[idx].mean(1))
+    return float(d.mean()), float(means[int(0.025 * reps)]), float(means[int(0.975 * reps) - 1])
 
 
 def summarize(records, reps):
@@ -655,8 +656,8 @@ def parse_args(argv=None):
     ap.add_argument("--stores", default="fp32,bf16,fp8")
     ap.add_argument("--no-none", dest="none", action="store_false", help="leave out the no-memory rows")
     ap.add_argument("--max-new", type=int, default=10)
-    ap.add_argument("--embed-layer", type=int, default=None, help="hidden state layer of the embedding "
-                    "(default: the middle one)")
+    ap.add_argument("--embed-layer", type=int, default=0, help="hidden state layer of the embedding "
+                    "(default 0: the input embeddings, which rank best on these facts)")
     ap.add_argument("--batch-tokens", type=int, default=None, help="tokens per encoding batch "
                     "(default 16384 on cuda, 2048 on cpu)")
     ap.add_argument("--bootstrap", type=int, default=2000)
