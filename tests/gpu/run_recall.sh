@@ -35,7 +35,10 @@
 # exact, Wilson 95% CIs), gold-answer log-prob and first-token KL against
 # re-prefill (paired bootstrap CIs of the differences) per k, method and store;
 # the exact-fp32 rows must show KL ~ 1e-6 or less and the same accuracy as
-# reprefill; "KL vs fp32 store" of the bf16 rows is the bf16 storage cost.
+# reprefill (--check: the script exits 1 otherwise, or when the shifted-position
+# control is not caught; the check lines are at the end of the .md output);
+# "KL vs fp32 store" of the bf16 rows and the "bf16 storage cost" line are the
+# bf16 storage cost on the real model.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/kvi-out}
@@ -83,7 +86,7 @@ case "${1:-}" in
     # shellcheck disable=SC2086  # RECALL_ARGS are words
     timeout 500 "$py" python/harness/recall.py --model "$model" --device cuda --retrieval "$part" \
       --time-limit "${RECALL_LIMIT_S:-400}" --json "$out/recall-$part.json" --md "$out/recall-$part.md" \
-      --label "$part" ${RECALL_ARGS:-} 2>"$out/recall-$part.log"
+      --label "$part" --check ${RECALL_ARGS:-} 2>"$out/recall-$part.log"
     rc=$?
     cat "$out/recall-$part.md" 2>/dev/null
     tail -5 "$out/recall-$part.log"
