@@ -405,12 +405,10 @@ def row_cache(big, r, C_, torch):
     from transformers import StaticCache
     c = StaticCache(config=big._kvi_config, max_cache_len=big._kvi_len)
     for lb, l in zip(big.layers, c.layers):
-        l.dtype, l.device = lb.dtype, lb.device
-        l.batch_size, l.num_heads = 1, lb.num_heads
-        l.k_head_dim, l.v_head_dim = lb.k_head_dim, lb.v_head_dim
+        l.__dict__.update(lb.__dict__)  # what lazy_initialization set (dtype, device, head sizes, ...)
+        l.batch_size = 1
         l.keys, l.values = lb.keys[r:r + 1], lb.values[r:r + 1]
         l.cumulative_length = torch.zeros((), dtype=lb.cumulative_length.dtype, device=lb.device)
-        l.is_initialized = True
     return c
 
 
@@ -774,7 +772,8 @@ def run(args, methods=None):
     print(md, flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(args=vars(args), times=times, rows=rows, records=records, device=dev), f)
+            json.dump(dict(args=vars(args), times=times, rows=rows, device=dev,
+                           records=[{k: v for k, v in r.items() if k != "tokens"} for r in records]), f)
     if args.md:
         with open(args.md, "w") as f:
             f.write(md)
