@@ -56,7 +56,8 @@ case "${1:-}" in
   build)
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
     if compgen -G ".whl/gguf-*.whl" >/dev/null; then
-      "$py" -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl || exit 1
+      "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/gguf-*.whl || exit 1
     else
       echo "run_recall.sh: no .whl/gguf-*.whl carried (see the header)" >&2; exit 2
     fi
