@@ -5,15 +5,16 @@
 #
 #   tests/gpu/run_recall.sh build        CUDA libkvinject (library only) into
 #                                        /tmp/kvi-build; gguf from .whl/ into /tmp/site
-#   tests/gpu/run_recall.sh run PART     PART = oracle | search: open the staged
-#                                        GGUF (first time), convert it to a model
-#                                        directory in /tmp/kvi-recall (first time),
-#                                        run that half of the benchmark
+#   tests/gpu/run_recall.sh prepare      open the staged GGUF (tests/gpu/stage.sh),
+#                                        check it, convert it to an fp32 model
+#                                        directory in /tmp/kvi-recall
+#   tests/gpu/run_recall.sh run PART     PART = oracle | search: that half of the
+#                                        benchmark on the prepared model
 #
 # Output in $OUT: recall-PART.md (the tables), recall-PART.json (every row and
 # per-question record), recall-PART.log. RECALL_ARGS adds arguments (e.g.
 # --questions-per-user 5). Each half stops starting questions after
-# RECALL_LIMIT_S (default 420) seconds and reports what it has (the tables say
+# RECALL_LIMIT_S (default 400) seconds and reports what it has (the tables say
 # how many questions).
 #
 # Exact sequence (run from the repository root; here = this machine, there =
@@ -25,7 +26,8 @@
 #          tests/gpu/stage.sh pack qwen -C /var/cache/kvinject/recall/gguf qwen2.5-coder-0.5b-instruct.gguf
 #             # prints .stage/qwen.00 .. .stage/qwen.08 (491,400,064 bytes in 9 parts)
 #   there: 1. carry [".whl", ".stage/qwen.00"]:  tests/gpu/stage.sh take && tests/gpu/run_recall.sh build
-#          2..9. carry [".stage/qwen.NN"] (NN = 01 .. 08), one per command:  tests/gpu/stage.sh take
+#          2..8. carry [".stage/qwen.NN"] (NN = 01 .. 07), one per command:  tests/gpu/stage.sh take
+#          9. carry [".stage/qwen.08"]:  tests/gpu/stage.sh take && tests/gpu/run_recall.sh prepare
 #          10. (no carry)  tests/gpu/run_recall.sh run oracle      (<= 9 min)
 #          11. (no carry)  tests/gpu/run_recall.sh run search      (<= 9 min)
 #
@@ -33,7 +35,10 @@
 # exact, Wilson 95% CIs), gold-answer log-prob and first-token KL against
 # re-prefill (paired bootstrap CIs of the differences) per k, method and store;
 # the exact-fp32 rows must show KL ~ 1e-6 or less and the same accuracy as
-# reprefill; "KL vs fp32 store" of the bf16 rows is the bf16 storage cost.
+# reprefill (--check: the script exits 1 otherwise, or when the shifted-position
+# control is not caught; the check lines are at the end of the .md output);
+# "KL vs fp32 store" of the bf16 rows and the "bf16 storage cost" line are the
+# bf16 storage cost on the real model.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/kvi-out}
@@ -51,7 +56,8 @@ case "${1:-}" in
   build)
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
     if compgen -G ".whl/gguf-*.whl" >/dev/null; then
-      "$py" -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl || exit 1
+      "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/gguf-*.whl || exit 1
     else
       echo "run_recall.sh: no .whl/gguf-*.whl carried (see the header)" >&2; exit 2
     fi
@@ -63,25 +69,27 @@ case "${1:-}" in
     echo "run_recall.sh: built $build in $((SECONDS - start)) s"
     "$py" -c "import sys; sys.path.insert(0, 'python'); import kvinject as k; print('libkvinject', k.version(), 'cuda' if k.features() & k.FEATURE_CUDA else 'NO CUDA')"
     ;;
+  prepare)
+    mkdir -p "$work"
+    if [ ! -f "$gguf" ]; then
+      tests/gpu/stage.sh open qwen "$work" || exit $?
+    fi
+    echo "$sha  $gguf" | sha256sum -c - || exit 1
+    start=$SECONDS
+    "$py" python/harness/gguf_to_safetensors.py "$gguf" "$model" --dtype float32 || exit 1
+    touch "$model/.converted"
+    echo "run_recall.sh: converted in $((SECONDS - start)) s"
+    ;;
   run)
     part=${2:?"usage: run_recall.sh run oracle|search"}
     [ -e "$KVINJECT_LIBRARY" ] || { echo "run_recall.sh: no $KVINJECT_LIBRARY (run 'build' first)" >&2; exit 2; }
-    mkdir -p "$work"
-    if [ ! -f "$model/.converted" ]; then
-      if [ ! -f "$gguf" ]; then
-        tests/gpu/stage.sh open qwen "$work" || exit $?
-      fi
-      echo "$sha  $gguf" | sha256sum -c - || exit 1
-      start=$SECONDS
-      "$py" python/harness/gguf_to_safetensors.py "$gguf" "$model" --dtype float32 || exit 1
-      touch "$model/.converted"
-      echo "run_recall.sh: converted in $((SECONDS - start)) s"
-    fi
+    [ -f "$model/.converted" ] || { echo "run_recall.sh: no $model (run 'prepare' first)" >&2; exit 2; }
     # shellcheck disable=SC2086  # RECALL_ARGS are words
-    timeout 520 "$py" python/harness/recall.py --model "$model" --device cuda --retrieval "$part" \
-      --time-limit "${RECALL_LIMIT_S:-420}" --json "$out/recall-$part.json" --md "$out/recall-$part.md" \
-      --label "$part" ${RECALL_ARGS:-} 2>"$out/recall-$part.log"
+    timeout 500 "$py" python/harness/recall.py --model "$model" --device cuda --retrieval "$part" \
+      --time-limit "${RECALL_LIMIT_S:-400}" --json "$out/recall-$part.json" --md "$out/recall-$part.md" \
+      --label "$part" --check ${RECALL_ARGS:-} 2>"$out/recall-$part.log"
     rc=$?
+    cat "$out/recall-$part.md" 2>/dev/null
     tail -5 "$out/recall-$part.log"
     echo "run_recall.sh: recall.py rc=$rc"
     exit $rc
