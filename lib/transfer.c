@@ -24,6 +24,7 @@
 #include "kernels.h"
 #include "persist_internal.h"
 #include "store_internal.h"
+#include "transfer_internal.h"
 
 #define TRANSFER_OPTIONS_V1 sizeof(kvi_transfer_options)
 #define INJECT_REQUEST_V1 offsetof(kvi_inject_request, num_positions) /* the first layout */
@@ -692,8 +693,8 @@ static kvi_status execute(xfer *x, const plan *p, int32_t lb, int32_t le, bool i
 
 /* Layers per CTA: enough (segment, layer) pairs per CTA to amortize its
  * prologue, while leaving about 128 CTAs per SM so the tail stays short. */
-static int32_t layers_per_cta(const xfer *x, int32_t nsegs, int32_t nl) {
-  const int64_t target = (int64_t)(x->sms > 0 ? x->sms : 132) * 128;
+int32_t kvi__layers_per_cta(int32_t sms, int32_t nsegs, int32_t nl) {
+  const int64_t target = (int64_t)(sms > 0 ? sms : 132) * 128;
   int64_t per = (int64_t)nsegs * nl / target;
   if (per < 1) per = 1;
   if (per > nl) per = nl;
@@ -712,6 +713,9 @@ static kvi_status upload(xfer *x, const plan *p, struct CUstream_st *stream, con
   if (st == KVI_OK) st = kvi__cuda_stream_wait(stream, p->sl->up, fn);
   return st;
 }
+
+/* The kernel variant's vector width (kvi__xfer_args.vec). */
+static int32_t xfer_vec(const xfer *x) { return x->vec16_ok ? 16 : x->vec_ok ? 8 : 1; }
 
 static kvi_status launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool inject, struct CUstream_st *stream,
                          const char *fn) {
@@ -756,11 +760,11 @@ static kvi_status launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool in
   a.nsegs = p->nsegs;
   a.layer_begin = lb;
   a.layer_end = le;
-  a.layers_per_cta = layers_per_cta(x, p->nsegs, le - lb);
+  a.layers_per_cta = kvi__layers_per_cta(x->sms, p->nsegs, le - lb);
   a.seg_tokens = x->seg_tokens;
   a.half_max = x->half_max;
   a.inject = inject;
-  a.vec = x->vec16_ok ? 16 : x->vec_ok ? 8 : 1;
+  a.vec = xfer_vec(x);
   a.skipped = x->skipped_dev;
 #ifdef KVI_HAVE_CUDA
   /* a capture into an fp8 store is four launches (kernels.h: phase), the rest one */
@@ -1593,3 +1597,11 @@ KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queri
   free(tenants);
   return st;
 }
+
+/* ------------------------------------------------------------------------ */
+/* what tests/internal reads of an injector (transfer_internal.h)           */
+/* ------------------------------------------------------------------------ */
+
+int32_t kvi__injector_vec(const kvi_injector *injector) { return xfer_vec(&injector->x); }
+int32_t kvi__injector_seg_tokens(const kvi_injector *injector) { return injector->x.seg_tokens; }
+int32_t kvi__injector_half_max(const kvi_injector *injector) { return injector->x.half_max; }
