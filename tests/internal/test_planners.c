@@ -34,6 +34,10 @@ static void check_layers_per_cta(int32_t sms, int32_t nsegs, int32_t nl, int32_t
   if (r > 1 && (double)r > (double)pairs / (double)target)
     fail_msg("sms %d nsegs %d nl %d: %d layers per CTA where %.3f would keep the target", sms, nsegs, nl, r,
              (double)pairs / (double)target);
+  /* but at least half of what keeping it allows, so the prologue is amortized */
+  const int64_t allowed = pairs / target < nl ? pairs / target : nl;
+  if (2 * (int64_t)r < allowed)
+    fail_msg("sms %d nsegs %d nl %d: %d layers per CTA where %lld keep the target", sms, nsegs, nl, r, (long long)allowed);
   /* more segments never mean fewer layers per CTA */
   if (prev && r < *prev) fail_msg("sms %d nl %d: %d layers per CTA at %d segments, %d at fewer", sms, nl, r, nsegs, *prev);
   if (prev) *prev = r;
