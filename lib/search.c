@@ -329,7 +329,7 @@ static size_t tile_bytes(const ptile *t, int32_t k) {
 }
 
 kvi_status kvi__search_plan_build(const kvi_store *s, plan *p, const uint64_t *tenants, int32_t nq, int32_t k,
-                             uint64_t area, int sms, const char *fn) {
+                                  uint64_t area, int sms, const char *fn) {
   memset(p, 0, sizeof *p);
   const int32_t ld = s->emb_ld;
   const size_t es = kvi_dtype_size(s->emb_dtype);

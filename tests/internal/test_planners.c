@@ -1,8 +1,9 @@
 /*
  * internal-planners: the injector's host planning (lib/transfer.c) checked
  * against invariants over sweeps of its inputs: the layers per CTA of a
- * launch, the kernel variant (vector width) chosen for a cache layout, and
- * the segment length that bounds the kernel's shared memory.
+ * launch, the kernel variant (vector width) chosen for a cache layout, the
+ * segment length that bounds the kernel's shared memory, and the per-layer
+ * tables a CUDA injector uploads (built here on the host, never uploaded).
  * SPDX-License-Identifier: Apache-2.0
  */
 #include "unit.h"
@@ -220,10 +221,166 @@ static void test_variant_selection(void **state) {
   assert_int_equal(check_variant(&c), 1);
 }
 
+/* ------------------------------------------------------------------------ */
+/* per-layer tables                                                         */
+/* ------------------------------------------------------------------------ */
+
+#define TL 7
+#define TD 16
+#define TPOS 64
+
+/* Whether layers a and b rotate alike: same style and width and the same
+ * cos/sin at every position and pair (kvi_model_rope_cos_sin). */
+static bool rotate_alike(const kvi_model *m, const kvi_store *s, int a, int b) {
+  const kvi__rope *x = &s->rope[a], *y = &s->rope[b];
+  if (x->style != y->style) return false;
+  if (x->style == KVI_ROPE_NONE) return true;
+  if (x->rotary_dim != y->rotary_dim) return false;
+  for (int32_t pos = 0; pos < TPOS; pos++)
+    for (int32_t i = 0; i < x->rotary_dim / 2; i++) {
+      float ca, sa, cb, sb;
+      assert_ok(kvi_model_rope_cos_sin(m, a, pos, i, &ca, &sa));
+      assert_ok(kvi_model_rope_cos_sin(m, b, pos, i, &cb, &sb));
+      if (ca != cb || sa != sb) return false;
+    }
+  return true;
+}
+
+static void test_layer_tables(void **state) {
+  (void)state;
+  kvi_model *m = make_model(TL, 2, TD, 0, 1);
+  float table[TPOS * TD];
+  for (int p = 0; p < TPOS; p++)
+    for (int i = 0; i < TD / 2; i++) {
+      table[p * TD + i] = cosf(0.01f * (float)(p * (i + 1)));
+      table[p * TD + TD / 2 + i] = sinf(0.01f * (float)(p * (i + 1)));
+    }
+  kvi_rope_spec t = KVI_ROPE_SPEC_INIT; /* every layer: the engine's table (shared) */
+  t.cos_sin_table = table;
+  t.table_positions = TPOS;
+  assert_ok(kvi_model_set_rope(m, -1, &t));
+  kvi_rope_spec neox = KVI_ROPE_SPEC_INIT, gptj = KVI_ROPE_SPEC_INIT, none = KVI_ROPE_SPEC_INIT;
+  gptj.style = KVI_ROPE_GPTJ;
+  gptj.rotary_dim = 8;
+  gptj.theta = 5e5;
+  none.style = KVI_ROPE_NONE;
+  assert_ok(kvi_model_set_rope(m, 1, &neox));
+  assert_ok(kvi_model_set_rope(m, 2, &neox)); /* rotates as layer 1 */
+  assert_ok(kvi_model_set_rope(m, 3, &none));
+  assert_ok(kvi_model_set_rope(m, 4, &gptj));
+  assert_ok(kvi_model_set_rope(m, 6, &none));
+  kvi_store_options so = cpu_store_options(KVI_DTYPE_FP16, 4, 1u << 20);
+  kvi_store *s = NULL;
+  assert_ok(kvi_store_create(&s, m, &so));
+  /* a host cache with per-head scales, its layers' bases from its own buffer */
+  float ks[TL * 2], vs[TL * 2];
+  for (int i = 0; i < TL * 2; i++) ks[i] = 0.5f + (float)i, vs[i] = 100.0f + (float)i;
+  char *cachebuf = calloc(TL * 2 * 4 * 4 * 2 * TD, 1);
+  assert_non_null(cachebuf);
+  kvi_cache_layout lay = KVI_CACHE_LAYOUT_INIT;
+  lay.memory = KVI_MEMORY_HOST;
+  lay.dtype = KVI_DTYPE_FP8_E4M3;
+  lay.num_layers = TL;
+  lay.num_heads = 2;
+  lay.head_size = TD;
+  lay.block_size = 4;
+  lay.num_blocks = 4;
+  lay.head_stride = TD;
+  lay.token_stride = 2 * TD;
+  lay.block_stride = 4 * 2 * TD;
+  lay.layer_stride = 2 * 4 * 4 * 2 * TD;
+  lay.v_offset = 4 * 4 * 2 * TD;
+  lay.k_base = cachebuf;
+  lay.scale_mode = KVI_SCALE_PER_HEAD;
+  lay.k_scales = ks;
+  lay.v_scales = vs;
+  kvi__cache c;
+  assert_ok(kvi__cache_resolve(&c, &lay, &s->geom, false, -1, "test"));
+
+  size_t o_k = 0, o_v = 0, o_k2 = 0, o_v2 = 0;
+  const size_t total = kvi__layer_tables(s, &c, NULL, NULL, &o_k, &o_v);
+  char *host = malloc(total), *dev = malloc(total); /* dev: addresses only */
+  assert_true(host && dev);
+  memset(host, 0xA5, total);
+  assert_int_equal(kvi__layer_tables(s, &c, host, dev, &o_k2, &o_v2), total);
+  assert_int_equal(o_k, o_k2);
+  assert_int_equal(o_v, o_v2);
+  assert_true(o_k % 16 == 0 && o_v % 16 == 0 && o_k >= TL * sizeof(kvi__xlayer) && o_v >= o_k + TL * 2 * sizeof(float));
+  assert_memory_equal(host + o_k, c.k_scale, TL * 2 * sizeof(float));
+  assert_memory_equal(host + o_v, c.v_scale, TL * 2 * sizeof(float));
+  assert_true(c.k_scale[3] == ks[3] && c.v_scale[5] == vs[5]);
+  const kvi__xlayer *ly = (const kvi__xlayer *)host;
+  /* every byte of [0, total) is claimed by exactly one part (alignment padding aside) */
+  unsigned char *claim = calloc(total, 1);
+  assert_non_null(claim);
+#define CLAIM(off, n)                                                                              \
+  do {                                                                                             \
+    assert_true((size_t)(off) % 16 == 0 && (size_t)(off) + (size_t)(n) <= total);                 \
+    for (size_t z_ = 0; z_ < (size_t)(n); z_++) assert_int_equal(claim[(size_t)(off) + z_]++, 0);  \
+  } while (0)
+  CLAIM(0, TL * sizeof(kvi__xlayer));
+  CLAIM(o_k, TL * 2 * sizeof(float));
+  CLAIM(o_v, TL * 2 * sizeof(float));
+  for (int l = 0; l < TL; l++) {
+    const kvi__rope *r = &s->rope[l];
+    assert_ptr_equal(ly[l].k, c.k[l]);
+    assert_ptr_equal(ly[l].v, c.v[l]);
+    assert_int_equal(ly[l].style, (int32_t)r->style);
+    assert_int_equal(ly[l].rot, r->style == KVI_ROPE_NONE ? 0 : r->rotary_dim);
+    /* rope_id: the first layer that rotates alike */
+    int first = 0;
+    while (!rotate_alike(m, s, first, l)) first++;
+    assert_true(ly[l].rope_id <= l && ly[ly[l].rope_id].rope_id == ly[l].rope_id);
+    assert_true(rotate_alike(m, s, ly[l].rope_id, l)); /* never shared between different rotations */
+    if (r->style == KVI_ROPE_NONE) {
+      assert_null(ly[l].table);
+      assert_null(ly[l].inv_freq);
+      continue;
+    }
+    if (!r->table) { /* a formula: its own frequencies */
+      assert_int_equal(ly[l].rope_id, first); /* alike formulas share */
+      assert_null(ly[l].table);
+      const size_t off = (size_t)((const char *)ly[l].inv_freq - dev);
+      CLAIM(off, (size_t)(r->rotary_dim / 2) * sizeof(float));
+      assert_memory_equal(host + off, r->inv_freq, (size_t)(r->rotary_dim / 2) * sizeof(float));
+    } else { /* a table: laid out once, shared by the layers holding it */
+      assert_null(ly[l].inv_freq);
+      int owner = 0;
+      while (s->rope[owner].table != r->table) owner++;
+      const size_t off = (size_t)((const char *)ly[l].table - dev);
+      if (owner == l) {
+        CLAIM(off, (size_t)r->table->positions * (size_t)r->rotary_dim * sizeof(float));
+        assert_memory_equal(host + off, r->table->data, (size_t)r->table->positions * r->rotary_dim * sizeof(float));
+      } else {
+        assert_ptr_equal(ly[l].table, ly[owner].table);
+      }
+    }
+  }
+#undef CLAIM
+  size_t end = 0; /* no byte past the last part */
+  for (size_t z = 0; z < total; z++)
+    if (claim[z]) end = z + 1;
+  assert_int_equal(end, total);
+  /* the layers the test set: 2 shares 1's id, table layers 0, 5 share 0's,
+   * NoPE layers 3 and 6 share an id, 4 is alone */
+  assert_int_equal(ly[2].rope_id, 1);
+  assert_int_equal(ly[5].rope_id, 0);
+  assert_int_equal(ly[6].rope_id, 3);
+  assert_int_equal(ly[4].rope_id, 4);
+  free(claim);
+  free(host);
+  free(dev);
+  kvi__cache_release(&c);
+  free(cachebuf);
+  kvi_store_destroy(s);
+  kvi_model_destroy(m);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_layers_per_cta),
       cmocka_unit_test(test_variant_selection),
+      cmocka_unit_test(test_layer_tables),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
