@@ -500,13 +500,34 @@ template <typename G, typename C> int launch3(const kvi__xfer_args *a, cudaStrea
   return a->vec == 8 ? launch4<G, C, 8>(a, s) : launch4<G, C, 1>(a, s);
 }
 
+} // namespace
+
+/* One (page dtype, cache dtype) pair's kernels. Their 90 instantiations in
+ * one translation unit take minutes of nvcc per architecture, so the build
+ * (cuda/meson.build) compiles this file once per pair with KVI_XFER_PAGE and
+ * KVI_XFER_CACHE naming the two types, which instantiates xfer_launch for that
+ * pair only, and once without them for everything below it: the dispatch,
+ * which calls the pairs' xfer_launch, and the retrieve planner. */
+namespace kvi {
+template <typename G, typename C> int xfer_launch(const kvi__xfer_args *a, cudaStream_t s);
+#ifdef KVI_XFER_PAGE
+template <typename G, typename C> int xfer_launch(const kvi__xfer_args *a, cudaStream_t s) { return launch3<G, C>(a, s); }
+template int xfer_launch<KVI_XFER_PAGE, KVI_XFER_CACHE>(const kvi__xfer_args *a, cudaStream_t s);
+#endif
+} // namespace kvi
+
+#ifndef KVI_XFER_PAGE
+namespace {
+
+using kvi::xfer_launch;
+
 template <typename G> int launch2(const kvi__xfer_args *a, cudaStream_t s) {
   switch (a->cache_dtype) {
-  case KVI_DTYPE_FP32: return launch3<G, float>(a, s);
-  case KVI_DTYPE_FP16: return launch3<G, __half>(a, s);
-  case KVI_DTYPE_BF16: return launch3<G, __nv_bfloat16>(a, s);
-  case KVI_DTYPE_FP8_E4M3: return launch3<G, fp8e4>(a, s);
-  case KVI_DTYPE_FP8_E5M2: return launch3<G, fp8e5>(a, s);
+  case KVI_DTYPE_FP32: return xfer_launch<G, float>(a, s);
+  case KVI_DTYPE_FP16: return xfer_launch<G, __half>(a, s);
+  case KVI_DTYPE_BF16: return xfer_launch<G, __nv_bfloat16>(a, s);
+  case KVI_DTYPE_FP8_E4M3: return xfer_launch<G, fp8e4>(a, s);
+  case KVI_DTYPE_FP8_E5M2: return xfer_launch<G, fp8e5>(a, s);
   }
   return (int)cudaErrorInvalidValue;
 }
@@ -598,3 +619,4 @@ extern "C" int kvi__cuda_transfer(const kvi__xfer_args *a, struct CUstream_st *s
   }
   return (int)cudaErrorInvalidValue;
 }
+#endif /* KVI_XFER_PAGE */

@@ -3,7 +3,7 @@
  * file), and the loader.
  * SPDX-License-Identifier: Apache-2.0
  *
- * The byte layout is in docs/architecture.md ("Store files"). In short: a
+ * The byte layout is in docs/store-format.md. In short: a
  * header with its own CRC32C, then entries, each a 48-byte header (with its
  * CRC) and a body (with its CRC): the snapshot's FACTS entries, one END
  * entry, then the log's FACTS entries, one per journaled call. Entries are

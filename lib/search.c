@@ -35,6 +35,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "search_internal.h"
 #include "store_internal.h"
 
 #define SEARCH_OPTIONS_V1 KVI__SEARCH_OPTIONS_V1
@@ -271,43 +272,19 @@ KVI_API kvi_status kvi_store_search_async_errors(kvi_store *store, int64_t *out_
 /* CUDA: the plan                                                           */
 /* ------------------------------------------------------------------------ */
 
-typedef struct ptile {
-  kvi__stile d;        /* as uploaded */
-  const uint64_t *ids; /* fact id of the tile's row 0 (device) */
-  int32_t row0;        /* the tenant row of the tile's row 0 */
-  int32_t seg;         /* scores per stage-1 selection */
-  bool gemm;
-} ptile;
+/* The plan's types are in search_internal.h (tests/internal checks plans). */
+typedef kvi__ptile ptile;
+typedef kvi__pround pround;
+typedef kvi__search_plan plan;
 
-typedef struct pround {
-  size_t t0, t1, b0, b1, s0, s1, s2; /* tiles, scan blocks, stage-1 sels, stage-2 sels */
-  int32_t qmax;                      /* largest qn of its scan tiles */
-} pround;
-
-typedef struct plan {
-  int32_t *perm; /* slot -> query */
-  kvi__emit *emits; /* nemits of them */
-  size_t nemits;
-  ptile *tiles;
-  size_t ntiles, ctiles;
-  kvi__sblock *blocks;
-  size_t nblocks, cblocks;
-  kvi__sel *sels;
-  size_t nsels, csels;
-  pround *rounds;
-  size_t nrounds, crounds;
-  size_t score_floats; /* the largest round's */
-  size_t cand_pairs;   /* the largest round's stage-1 outputs */
-  bool any_gemm;
-} plan;
-
-static void plan_free(plan *p) {
+void kvi__search_plan_free(plan *p) {
   free(p->perm);
   free(p->emits);
   free(p->tiles);
   free(p->blocks);
   free(p->sels);
   free(p->rounds);
+  memset(p, 0, sizeof *p); /* a failed build frees its plan, and its caller frees it again */
 }
 
 /* Room for one more element in a growable array. */
@@ -351,9 +328,8 @@ static size_t tile_bytes(const ptile *t, int32_t k) {
   return (size_t)t->d.qn * ((size_t)t->d.sld * sizeof(float) + cands * PAIR_BYTES);
 }
 
-/* Cuts the call into tiles and rounds (store locked: reads tenants). */
-static kvi_status build_plan(const kvi_store *s, plan *p, const uint64_t *tenants, int32_t nq, int32_t k,
-                             uint64_t area, int sms, const char *fn) {
+kvi_status kvi__search_plan_build(const kvi_store *s, plan *p, const uint64_t *tenants, int32_t nq, int32_t k,
+                                  uint64_t area, int sms, const char *fn) {
   memset(p, 0, sizeof *p);
   const int32_t ld = s->emb_ld;
   const size_t es = kvi_dtype_size(s->emb_dtype);
@@ -610,7 +586,7 @@ static kvi_status build_plan(const kvi_store *s, plan *p, const uint64_t *tenant
   goto out;
 oom:
   st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the plan of %d queries", (int)nq);
-  plan_free(p);
+  kvi__search_plan_free(p);
 out:
   free(qs);
   free(items);
@@ -820,7 +796,7 @@ static kvi_status cuda_search(kvi_store *s, const void *queries, kvi_dtype qt, k
   if ((st = kvi__cuda_enter(s->device, &g, fn))) goto out_unlock;
   if ((st = search_state(s, fn))) goto out_leave;
   kvi__search *x = s->search;
-  if ((st = build_plan(s, &p, tenants, nq, k, area, x->sms, fn))) goto out_leave;
+  if ((st = kvi__search_plan_build(s, &p, tenants, nq, k, area, x->sms, fn))) goto out_leave;
   make_layout(&l, s, &p, nq, k, qt, host_q, host_out, then != NULL);
   if (p.any_gemm && !x->lt && (st = kvi__lt_create(&x->lt, fn))) goto out_leave;
   if ((st = take_slot(s, l.upload + l.out, &sl, fn))) goto out_leave;
@@ -892,7 +868,7 @@ out_unlock:
     pthread_cond_broadcast(&s->search->cond);
     if (!locked) kvi__store_unlock(s);
   }
-  plan_free(&p);
+  kvi__search_plan_free(&p);
   return st;
 }
 

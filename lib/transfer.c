@@ -24,6 +24,7 @@
 #include "kernels.h"
 #include "persist_internal.h"
 #include "store_internal.h"
+#include "transfer_internal.h"
 
 #define TRANSFER_OPTIONS_V1 sizeof(kvi_transfer_options)
 #define INJECT_REQUEST_V1 offsetof(kvi_inject_request, num_positions) /* the first layout */
@@ -146,10 +147,8 @@ static bool same_rope(const kvi__rope *a, const kvi__rope *b) {
   return memcmp(a->inv_freq, b->inv_freq, (size_t)(a->rotary_dim / 2) * sizeof(float)) == 0;
 }
 
-/* Uploads per-layer tables: cache bases, scales, RoPE frequencies and tables. */
-static kvi_status upload_tables(xfer *x, const char *fn) {
-  const kvi_store *s = x->store;
-  const int32_t L = x->cache.L, H = x->cache.H;
+size_t kvi__layer_tables(const kvi_store *s, const kvi__cache *c, char *host, char *dev, size_t *o_k, size_t *o_v) {
+  const int32_t L = c->L, H = c->H;
   size_t nfreq = 0, ntab = 0;
   for (int32_t l = 0; l < L; l++) {
     const kvi__rope *r = &s->rope[l];
@@ -162,25 +161,21 @@ static kvi_status upload_tables(xfer *x, const char *fn) {
       nfreq += (size_t)(r->rotary_dim / 2);
     }
   }
-  const size_t o_layers = 0, o_k = align_up((size_t)L * sizeof(kvi__xlayer)),
-               o_v = o_k + align_up((size_t)L * H * sizeof(float)), o_f = o_v + align_up((size_t)L * H * sizeof(float)),
-               o_t = o_f + align_up(nfreq * sizeof(float)), total = o_t + ntab * sizeof(float);
-  char *host = malloc(total);
-  if (!host) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes of layer tables", total);
-  kvi_status st = kvi__cuda_malloc((void **)&x->dev_tables, total, fn);
-  if (st) {
-    free(host);
-    return st;
-  }
+  const size_t o_layers = 0;
+  *o_k = align_up((size_t)L * sizeof(kvi__xlayer));
+  *o_v = *o_k + align_up((size_t)L * H * sizeof(float));
+  const size_t o_f = *o_v + align_up((size_t)L * H * sizeof(float)), o_t = o_f + align_up(nfreq * sizeof(float)),
+               total = o_t + ntab * sizeof(float);
+  if (!host) return total;
   kvi__xlayer *ly = (kvi__xlayer *)(host + o_layers);
-  memcpy(host + o_k, x->cache.k_scale, (size_t)L * H * sizeof(float));
-  memcpy(host + o_v, x->cache.v_scale, (size_t)L * H * sizeof(float));
+  memcpy(host + *o_k, c->k_scale, (size_t)L * H * sizeof(float));
+  memcpy(host + *o_v, c->v_scale, (size_t)L * H * sizeof(float));
   size_t fo = 0, to = 0;
   for (int32_t l = 0; l < L; l++) {
     const kvi__rope *r = &s->rope[l];
     memset(&ly[l], 0, sizeof ly[l]);
-    ly[l].k = x->cache.k[l];
-    ly[l].v = x->cache.v[l];
+    ly[l].k = c->k[l];
+    ly[l].v = c->v[l];
     ly[l].style = (int32_t)r->style;
     ly[l].rot = r->style == KVI_ROPE_NONE ? 0 : r->rotary_dim;
     ly[l].attn = r->attn;
@@ -199,19 +194,34 @@ static kvi_status upload_tables(xfer *x, const char *fn) {
       } else {
         size_t n = (size_t)r->table->positions * (size_t)r->rotary_dim;
         memcpy(host + o_t + to * sizeof(float), r->table->data, n * sizeof(float));
-        ly[l].table = (const float *)(x->dev_tables + o_t + to * sizeof(float));
+        ly[l].table = (const float *)(dev + o_t + to * sizeof(float));
         to += n;
       }
     } else {
       memcpy(host + o_f + fo * sizeof(float), r->inv_freq, (size_t)(r->rotary_dim / 2) * sizeof(float));
-      ly[l].inv_freq = (const float *)(x->dev_tables + o_f + fo * sizeof(float));
+      ly[l].inv_freq = (const float *)(dev + o_f + fo * sizeof(float));
       fo += (size_t)(r->rotary_dim / 2);
     }
   }
+  return total;
+}
+
+/* Uploads per-layer tables: cache bases, scales, RoPE frequencies and tables. */
+static kvi_status upload_tables(xfer *x, const char *fn) {
+  size_t o_k, o_v;
+  const size_t total = kvi__layer_tables(x->store, &x->cache, NULL, NULL, &o_k, &o_v);
+  char *host = malloc(total);
+  if (!host) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes of layer tables", total);
+  kvi_status st = kvi__cuda_malloc((void **)&x->dev_tables, total, fn);
+  if (st) {
+    free(host);
+    return st;
+  }
+  kvi__layer_tables(x->store, &x->cache, host, x->dev_tables, &o_k, &o_v);
   st = kvi__cuda_h2d(x->dev_tables, host, total, NULL, fn);
   if (st == KVI_OK) st = kvi__cuda_sync(NULL, fn);
   free(host);
-  x->d_layers = (kvi__xlayer *)(x->dev_tables + o_layers);
+  x->d_layers = (kvi__xlayer *)x->dev_tables;
   x->d_kscale = (float *)(x->dev_tables + o_k);
   x->d_vscale = (float *)(x->dev_tables + o_v);
   return st;
@@ -745,8 +755,8 @@ static kvi_status execute(xfer *x, const plan *p, int32_t lb, int32_t le, bool i
 
 /* Layers per CTA: enough (segment, layer) pairs per CTA to amortize its
  * prologue, while leaving about 128 CTAs per SM so the tail stays short. */
-static int32_t layers_per_cta(const xfer *x, int32_t nsegs, int32_t nl) {
-  const int64_t target = (int64_t)(x->sms > 0 ? x->sms : 132) * 128;
+int32_t kvi__layers_per_cta(int32_t sms, int32_t nsegs, int32_t nl) {
+  const int64_t target = (int64_t)(sms > 0 ? sms : 132) * 128;
   int64_t per = (int64_t)nsegs * nl / target;
   if (per < 1) per = 1;
   if (per > nl) per = nl;
@@ -765,6 +775,9 @@ static kvi_status upload(xfer *x, const plan *p, struct CUstream_st *stream, con
   if (st == KVI_OK) st = kvi__cuda_stream_wait(stream, p->sl->up, fn);
   return st;
 }
+
+/* The kernel variant's vector width (kvi__xfer_args.vec). */
+static int32_t xfer_vec(const xfer *x) { return x->vec16_ok ? 16 : x->vec_ok ? 8 : 1; }
 
 /* The kernel arguments of a plan, its plan uploaded (or inlined) first. */
 static kvi_status xfer_args(xfer *x, const plan *p, int32_t lb, int32_t le, bool inject, kvi__xfer_args *out,
@@ -810,11 +823,11 @@ static kvi_status xfer_args(xfer *x, const plan *p, int32_t lb, int32_t le, bool
   a->nsegs = p->nsegs;
   a->layer_begin = lb;
   a->layer_end = le;
-  a->layers_per_cta = layers_per_cta(x, p->nsegs, le - lb);
+  a->layers_per_cta = kvi__layers_per_cta(x->sms, p->nsegs, le - lb);
   a->seg_tokens = x->seg_tokens;
   a->half_max = x->half_max;
   a->inject = inject;
-  a->vec = x->vec16_ok ? 16 : x->vec_ok ? 8 : 1;
+  a->vec = xfer_vec(x);
   a->skipped = x->skipped_dev;
   return KVI_OK;
 }
@@ -2269,3 +2282,11 @@ out:
   free(keep);
   return st;
 }
+
+/* ------------------------------------------------------------------------ */
+/* what tests/internal reads of an injector (transfer_internal.h)           */
+/* ------------------------------------------------------------------------ */
+
+int32_t kvi__injector_vec(const kvi_injector *injector) { return xfer_vec(&injector->x); }
+int32_t kvi__injector_seg_tokens(const kvi_injector *injector) { return injector->x.seg_tokens; }
+int32_t kvi__injector_half_max(const kvi_injector *injector) { return injector->x.half_max; }

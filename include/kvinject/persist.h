@@ -7,7 +7,7 @@
  * A store file holds a header (model geometry, tensor-parallel slice, the
  * resolved RoPE of every layer, storage dtype, embedding size), a snapshot of
  * facts closed by an end record, and optionally a log of later changes. Every
- * part carries a CRC32C. docs/architecture.md describes the format byte by
+ * part carries a CRC32C. docs/store-format.md describes the format byte by
  * byte; the format version is 1.
  *
  * Two ways to make a store durable:
