@@ -186,10 +186,12 @@ class Bench:
         return {"fp32": D_.FP32, "bf16": D_.BF16, "fp16": D_.FP16, "fp8": D_.FP8_E4M3}[name]
 
     def store(self, dtype_name, budget=None, **kw):
-        n_tok = sum(len(v) for v in self.corpus.fact_ids.values())
+        # whole pages per fact (the store's default page of 16 tokens): short
+        # facts fill a page each
+        n_tok = sum(-(-len(v) // 16) * 16 for v in self.corpus.fact_ids.values())
         cfg = self.model.config
         per_tok = 2 * cfg.num_hidden_layers * C.kv_heads_of(cfg) * C.head_dim_of(cfg) * 4
-        budget = budget or max(64 << 20, int(per_tok * n_tok * 1.6) + (64 << 20))
+        budget = budget or max(64 << 20, int(per_tok * n_tok * 1.25) + (64 << 20))
         s = self.kvi.Store(self.kvi_model, budget, backend=self.backend, dtype=self.kvi_dtype(dtype_name), **kw)
         self._stores.append(s)
         return s
