@@ -38,6 +38,8 @@
 #   4. tests/gpu/vllm_gpu.sh run      carry []
 # A call that finds a fresh machine (parts missing) says which; start again at 1.
 # Give `run` the full 600 s (it stops itself at VLLM_GPU_TIMEOUT, 570 s).
+# vLLM 0.23 imports flashinfer for its sampler unless VLLM_USE_FLASHINFER_SAMPLER=0, which
+# `run` sets (flashinfer is not carried; seen on the H200: ModuleNotFoundError at engine start).
 # Sizes at pack time: parts of 56, 56 and 55 MiB; installed, /tmp/vllm-site is
 # 437 MB. Device time expected (an estimate until measured): machine start 1-2
 # min, each stage call under a minute, setup 3-4 min (the library's nvcc build
@@ -169,7 +171,7 @@ case "$cmd" in
     bargs=()
     compgen -G "$model/*.safetensors" >/dev/null || bargs=(--dummy)
     export PYTHONPATH=$site:$PWD/python KVINJECT_LIBRARY=$build/lib/libkvinject.so HF_HUB_OFFLINE=1 \
-      VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+      VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
     set +e
     timeout "${VLLM_GPU_TIMEOUT:-570}" python3 tests/gpu/vllm_bench.py --model "$model" --out "$out" "${bargs[@]}" "$@" \
       >"$out/vllm_bench.log" 2>&1
