@@ -438,6 +438,71 @@ class TestInjectBatch(InjectCase):
                         self.assertEqual(self.snapshot(), want)
                         self.assertEqual(list(out), [self.tokens(r[0]) for r in self.REQS])
 
+    def test_repeated_tensors_reuse_the_call(self):
+        """Tensors of the previous successful call (same addresses, shapes, strides,
+        dtypes, devices) reuse its struct; their contents are read afresh, so ids
+        changed in place inject the new facts, an unknown one is refused with
+        nothing written; another dtype or tensor takes the full path."""
+
+        class Torchish(FakeTensor):  # the attributes the binding reads of a torch tensor
+            is_cuda = False
+
+            def numel(self):
+                n = 1
+                for x in self.shape:
+                    n *= x
+                return n
+
+            def is_contiguous(self):
+                return True
+
+            def stride(self, dim=None):
+                return self._strides if dim is None else self._strides[dim]
+
+        ids_buf = array.array("q", [11, 10])
+        ids = Torchish(ids_buf, (2,), dtype="torch.int64")
+        offs = Torchish(array.array("i", [0, 2]), (2,), dtype="torch.int32")
+        table = Torchish(array.array("i", [5, 1, 7, 2, 9]), (1, 5), dtype="torch.int32")
+        first = Torchish(array.array("q", [2]), (1,), dtype="torch.int64")
+        starts = Torchish(array.array("i", [3]), (1,), dtype="torch.int32")
+
+        def call():
+            self.inj.inject_batch(ids, table, fact_offsets=offs, tenant=1, first_slots=first,
+                                  start_positions=starts)
+
+        def per_request(fids):
+            self.reset()
+            self.inj.inject(kvi.InjectRequest(1, fids, [5, 1, 7, 2, 9], first_slot=2, start_position=3))
+            return self.snapshot()
+
+        self.reset()
+        call()
+        last = self.inj._batch_last
+        self.assertIsNotNone(last)
+        self.assertEqual(self.snapshot(), per_request([11, 10]))
+        ids_buf[0], ids_buf[1] = 12, 11  # an engine's persistent buffer, new contents
+        self.reset()
+        call()
+        self.assertIs(self.inj._batch_last, last)  # the struct was reused
+        self.assertEqual(self.snapshot(), per_request([12, 11]))
+        ids_buf[0] = 999
+        self.reset()
+        before = self.snapshot()
+        with self.assertRaises(kvi.NotFoundError):
+            call()
+        self.assertEqual(self.snapshot(), before)
+        self.assertIs(self.inj._batch_last, last)
+        # int64 start positions: another dtype, the full path, a new entry
+        ids_buf[0] = 10
+        starts64 = Torchish(array.array("q", [3]), (1,), dtype="torch.int64")
+        self.reset()
+        self.inj.inject_batch(ids, table, fact_offsets=offs, tenant=1, first_slots=first, start_positions=starts64)
+        self.assertIsNot(self.inj._batch_last, last)
+        self.assertEqual(self.snapshot(), per_request([10, 11]))
+        # lists are converted on every call: nothing kept
+        self.inj.inject_batch([10], [5, 1, 7], fact_offsets=[0, 1], block_table_offsets=[0, 3], tenant=1)
+        self.assertIsNone(self.inj._batch_last)
+
     def test_two_d_fact_ids(self):
         """A [requests, k] array of ids needs no offsets (a search's rows)."""
         self.reset()
