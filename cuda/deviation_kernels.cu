@@ -21,6 +21,7 @@
 
 #include "convert.cuh"
 #include "kernels.h"
+#include "rope.cuh"
 #include "kvinject/model.h"
 
 namespace {
@@ -47,18 +48,7 @@ __device__ inline int64_t elem_size(int dtype) {
   return dtype == KVI_DTYPE_FP32 ? 4 : dtype == KVI_DTYPE_FP16 || dtype == KVI_DTYPE_BF16 ? 2 : 1;
 }
 
-/* Cos/sin of pair i at position pos, attention factor included (as the
- * injection kernel computes them). */
-__device__ inline float2 cos_sin(const kvi__xlayer &ly, int pos, int i) {
-  if (ly.table) {
-    const float *row = ly.table + (int64_t)pos * ly.rot;
-    return make_float2(row[i], row[(ly.rot >> 1) + i]);
-  }
-  const float ang = __fmul_rn((float)pos, ly.inv_freq[i]);
-  float sn, cs;
-  sincosf(ang, &sn, &cs);
-  return make_float2(__fmul_rn(cs, ly.attn), __fmul_rn(sn, ly.attn));
-}
+using kvi::cos_sin; /* rope.cuh */
 
 __global__ void __launch_bounds__(THREADS) deviation_kernel(const __grid_constant__ kvi__dev_args a) {
   const kvi__xfer_args &x = a.x;

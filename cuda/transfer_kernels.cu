@@ -42,6 +42,7 @@
 
 #include "convert.cuh"
 #include "kernels.h"
+#include "rope.cuh"
 
 namespace {
 
@@ -147,17 +148,7 @@ template <typename C> __device__ inline void scale_from_cache(float *x, int n, f
     for (int i = 0; i < n; i++) x[i] = __fmul_rn(x[i], scale);
 }
 
-/* Cos/sin of pair i at position pos, attention factor included. */
-__device__ inline float2 cos_sin(const kvi__xlayer &ly, int pos, int i) {
-  if (ly.table) {
-    const float *row = ly.table + (int64_t)pos * ly.rot;
-    return make_float2(row[i], row[(ly.rot >> 1) + i]);
-  }
-  const float ang = __fmul_rn((float)pos, ly.inv_freq[i]);
-  float sn, cs;
-  sincosf(ang, &sn, &cs);
-  return make_float2(__fmul_rn(cs, ly.attn), __fmul_rn(sn, ly.attn));
-}
+using kvi::cos_sin; /* rope.cuh */
 
 /* Rotates the E pairs held in x[0..2E): NeoX pairs (x[k], x[E+k]), GPT-J
  * pairs (x[2k], x[2k+1]); forward or inverse, in the CPU reference's order.

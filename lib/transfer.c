@@ -1600,6 +1600,25 @@ KVI_API kvi_status kvi_encode_batch_init(kvi_encode_batch *batch, size_t size) {
 
 static kvi_status check_offsets(const int32_t *off, int32_t n, const char *what, const char *fn);
 
+/* The checks both batched calls make of their positions and block-table form. */
+static kvi_status check_batch_form(int32_t position_bits, const void *positions, const void *start_positions,
+                                   int64_t num_positions, int64_t stride, int32_t len, const int32_t *offsets,
+                                   const char *fn) {
+  if (position_bits != 32 && position_bits != 64)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->position_bits is %d, expected 32 or 64", (int)position_bits);
+  if (positions && start_positions)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch gives both positions and start_positions");
+  if (num_positions < 0 || (num_positions > 0 && !positions))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->num_positions is %lld with positions %s",
+                     (long long)num_positions, positions ? "given" : "NULL");
+  if (stride < 0 || (stride > 0 && offsets) || (stride > 0 && (len < 0 || len > stride)) || (stride == 0 && len != 0))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                     "batch->block_table_stride %lld with block_table_len %d and block_table_offsets %s: expected a "
+                     "stride > 0 with 0 <= len <= stride and no offsets (2-D), or stride 0, len 0 and offsets (CSR)",
+                     (long long)stride, (int)len, offsets ? "given" : "NULL");
+  return KVI_OK;
+}
+
 KVI_API kvi_status kvi_encode_batched(kvi_encoder *encoder, const kvi_encode_batch *batch, struct CUstream_st *stream) {
   static const char fn[] = "kvi_encode_batched";
   if (!encoder) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "encoder is NULL");
@@ -1610,20 +1629,9 @@ KVI_API kvi_status kvi_encode_batched(kvi_encoder *encoder, const kvi_encode_bat
   if ((st = kvi__read_struct(&b, sizeof b, batch, ENCODE_BATCH_V1, fn, "batch"))) return st;
   const int32_t n = b.num_captures;
   if (n < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->num_captures is %d", (int)n);
-  if (b.position_bits != 32 && b.position_bits != 64)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->position_bits is %d, expected 32 or 64", (int)b.position_bits);
-  if (b.positions && b.start_positions)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch gives both positions and start_positions");
-  if (b.num_positions < 0 || (b.num_positions > 0 && !b.positions))
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->num_positions is %lld with positions %s",
-                     (long long)b.num_positions, b.positions ? "given" : "NULL");
-  if (b.block_table_stride < 0 || (b.block_table_stride > 0 && b.block_table_offsets) ||
-      (b.block_table_stride > 0 && (b.block_table_len < 0 || b.block_table_len > b.block_table_stride)) ||
-      (b.block_table_stride == 0 && b.block_table_len != 0))
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
-                     "batch->block_table_stride %lld with block_table_len %d and block_table_offsets %s: expected a "
-                     "stride > 0 with 0 <= len <= stride and no offsets (2-D), or stride 0, len 0 and offsets (CSR)",
-                     (long long)b.block_table_stride, (int)b.block_table_len, b.block_table_offsets ? "given" : "NULL");
+  if ((st = check_batch_form(b.position_bits, b.positions, b.start_positions, b.num_positions, b.block_table_stride,
+                              b.block_table_len, b.block_table_offsets, fn)))
+    return st;
   if (b.embedding_stride < 0)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->embedding_stride is %lld", (long long)b.embedding_stride);
   if (n == 0) return encode_caps(encoder, NULL, 0, stream, fn);
@@ -2207,20 +2215,9 @@ KVI_API kvi_status kvi_inject_batched(kvi_injector *injector, const kvi_inject_b
     if (mems[i] == KVI_MEMORY_DEVICE && !x->cuda)
       return kvi__fail(KVI_ERR_MEMORY_KIND, fn, "batch->%s is DEVICE; a CPU store reads host memory only", mnames[i]);
   }
-  if (b.position_bits != 32 && b.position_bits != 64)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->position_bits is %d, expected 32 or 64", (int)b.position_bits);
-  if (b.positions && b.start_positions)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch gives both positions and start_positions");
-  if (b.num_positions < 0 || (b.num_positions > 0 && !b.positions))
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->num_positions is %lld with positions %s",
-                     (long long)b.num_positions, b.positions ? "given" : "NULL");
-  if (b.block_table_stride < 0 || (b.block_table_stride > 0 && b.block_table_offsets) ||
-      (b.block_table_stride > 0 && (b.block_table_len < 0 || b.block_table_len > b.block_table_stride)) ||
-      (b.block_table_stride == 0 && b.block_table_len != 0))
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
-                     "batch->block_table_stride %lld with block_table_len %d and block_table_offsets %s: expected a "
-                     "stride > 0 with 0 <= len <= stride and no offsets (2-D), or stride 0, len 0 and offsets (CSR)",
-                     (long long)b.block_table_stride, (int)b.block_table_len, b.block_table_offsets ? "given" : "NULL");
+  if ((st = check_batch_form(b.position_bits, b.positions, b.start_positions, b.num_positions, b.block_table_stride,
+                              b.block_table_len, b.block_table_offsets, fn)))
+    return st;
   const bool dev_ids = b.fact_ids_memory == KVI_MEMORY_DEVICE;
   if (dev_ids && (!s->dir_on || s->emb_sharded))
     return kvi__fail(KVI_ERR_UNSUPPORTED, fn,

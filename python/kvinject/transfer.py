@@ -165,6 +165,47 @@ class _NoKey(Exception):
     pass
 
 
+def _batch_indices(b, n: int, noun: str, block_table_offsets, tenants, tenant, first_slots, start_positions,
+                   positions) -> list:
+    """The fields both batched calls take alike (CSR block-table offsets, tenants,
+    first slots, positions) into struct b for n entries; returns the arrays read
+    (the caller keeps them alive through the C call)."""
+    made = []
+    if block_table_offsets is not None:
+        bo = _flat(block_table_offsets, ("i32",), "block_table_offsets")
+        if bo.numel != n + 1:
+            raise ValueError("block_table_offsets has %d entries for %d %s" % (bo.numel, n, noun))
+        b.block_table_offsets = bo.ptr
+        made.append(bo)
+    if tenants is not None:
+        tn = _flat(tenants, ("u64", "i64"), "tenants")
+        if tn.numel != n:
+            raise ValueError("tenants has %d entries for %d %s" % (tn.numel, n, noun))
+        b.tenants = tn.ptr
+        made.append(tn)
+    else:
+        b.tenant = fit(tenant, ctypes.c_uint64, "tenant")
+    if first_slots is not None:
+        fs = _flat(first_slots, ("i64",), "first_slots")
+        if fs.numel != n:
+            raise ValueError("first_slots has %d entries for %d %s" % (fs.numel, n, noun))
+        b.first_slots = fs.ptr
+        made.append(fs)
+    if start_positions is not None and positions is not None:
+        raise ValueError("give start_positions or positions, not both")
+    if start_positions is not None:
+        sp = _flat(start_positions, ("i32", "i64"), "start_positions")
+        if sp.numel != n:
+            raise ValueError("start_positions has %d entries for %d %s" % (sp.numel, n, noun))
+        b.start_positions, b.position_bits = sp.ptr, 64 if sp.kind == "i64" else 32
+        made.append(sp)
+    if positions is not None:
+        ps = _flat(positions, ("i32", "i64"), "positions")
+        b.positions, b.position_bits, b.num_positions = ps.ptr, 64 if ps.kind == "i64" else 32, ps.numel
+        made.append(ps)
+    return made
+
+
 def _request_array(requests):
     """kvi_inject_request structs of InjectRequests, and what must stay alive while
     the C call reads them."""
@@ -372,38 +413,8 @@ class Injector(_Transfer):
             if bt.rows != n:
                 raise ValueError("block_tables has %d rows for %d requests" % (bt.rows, n))
             b.block_table_stride, b.block_table_len = max(bt.row_stride, bt.cols, 1), bt.cols
-        else:
-            bo = _flat(block_table_offsets, ("i32",), "block_table_offsets")
-            if bo.numel != n + 1:
-                raise ValueError("block_table_offsets has %d entries for %d requests" % (bo.numel, n))
-            b.block_table_offsets = bo.ptr
-            index.append(bo)
-        if tenants is not None:
-            tn = _flat(tenants, ("u64", "i64"), "tenants")
-            if tn.numel != n:
-                raise ValueError("tenants has %d entries for %d requests" % (tn.numel, n))
-            b.tenants = tn.ptr
-            index.append(tn)
-        else:
-            b.tenant = fit(tenant, ctypes.c_uint64, "tenant")
-        if first_slots is not None:
-            fs = _flat(first_slots, ("i64",), "first_slots")
-            if fs.numel != n:
-                raise ValueError("first_slots has %d entries for %d requests" % (fs.numel, n))
-            b.first_slots = fs.ptr
-            index.append(fs)
-        if start_positions is not None and positions is not None:
-            raise ValueError("give start_positions or positions, not both")
-        if start_positions is not None:
-            sp = _flat(start_positions, ("i32", "i64"), "start_positions")
-            if sp.numel != n:
-                raise ValueError("start_positions has %d entries for %d requests" % (sp.numel, n))
-            b.start_positions, b.position_bits = sp.ptr, 64 if sp.kind == "i64" else 32
-            index.append(sp)
-        if positions is not None:
-            ps = _flat(positions, ("i32", "i64"), "positions")
-            b.positions, b.position_bits, b.num_positions = ps.ptr, 64 if ps.kind == "i64" else 32, ps.numel
-            index.append(ps)
+        index += _batch_indices(b, n, "requests", block_table_offsets, tenants, tenant, first_slots,
+                                start_positions, positions)
         if index:
             mem = index[0].memory
             for a in index:
@@ -615,38 +626,8 @@ class Encoder(_Transfer):
             if bt.rows != n:
                 raise ValueError("block_tables: expected a 2-D [%d, blocks] array (or block_table_offsets)" % n)
             b.block_table_stride, b.block_table_len = max(bt.row_stride, bt.cols, 1), bt.cols
-        else:
-            bo = _flat(block_table_offsets, ("i32",), "block_table_offsets")
-            if bo.numel != n + 1:
-                raise ValueError("block_table_offsets has %d entries for %d captures" % (bo.numel, n))
-            b.block_table_offsets = bo.ptr
-            keep.append(bo)
-        if tenants is not None:
-            tn = _flat(tenants, ("u64", "i64"), "tenants")
-            if tn.numel != n:
-                raise ValueError("tenants has %d entries for %d captures" % (tn.numel, n))
-            b.tenants = tn.ptr
-            keep.append(tn)
-        else:
-            b.tenant = fit(tenant, ctypes.c_uint64, "tenant")
-        if first_slots is not None:
-            fs = _flat(first_slots, ("i64",), "first_slots")
-            if fs.numel != n:
-                raise ValueError("first_slots has %d entries for %d captures" % (fs.numel, n))
-            b.first_slots = fs.ptr
-            keep.append(fs)
-        if start_positions is not None and positions is not None:
-            raise ValueError("give start_positions or positions, not both")
-        if start_positions is not None:
-            sp = _flat(start_positions, ("i32", "i64"), "start_positions")
-            if sp.numel != n:
-                raise ValueError("start_positions has %d entries for %d captures" % (sp.numel, n))
-            b.start_positions, b.position_bits = sp.ptr, 64 if sp.kind == "i64" else 32
-            keep.append(sp)
-        if positions is not None:
-            ps = _flat(positions, ("i32", "i64"), "positions")
-            b.positions, b.position_bits, b.num_positions = ps.ptr, 64 if ps.kind == "i64" else 32, ps.numel
-            keep.append(ps)
+        keep += _batch_indices(b, n, "captures", block_table_offsets, tenants, tenant, first_slots,
+                               start_positions, positions)
         for a in keep:
             if a.memory != Memory.HOST:
                 raise ValueError("encode_batch: the index arrays and block tables must be host memory")

@@ -104,6 +104,20 @@ def sampling(llm_module, n=MAX_TOKENS, **kw):
     return llm_module.SamplingParams(temperature=0.0, max_tokens=n, logprobs=LOGPROBS, **kw)
 
 
+def generate(llm, vllm_module, prompts, n=MAX_TOKENS):
+    """[prompt ids or MemoryPrompt] -> records, in one generate call (one batch):
+    greedy, n tokens, LOGPROBS top logprobs per step."""
+    ps, sps = [], []
+    for p in prompts:
+        if isinstance(p, list):
+            ps.append({"prompt_token_ids": p})
+            sps.append(sampling(vllm_module, n))
+        else:
+            ps.append(p.prompt)
+            sps.append(p.sampling_params(temperature=0.0, max_tokens=n, logprobs=LOGPROBS))
+    return [record(o) for o in llm.generate(ps, sps, use_tqdm=False)]
+
+
 def record(out):
     """A RequestOutput as plain data: tokens, per-step {token: logprob}, cached tokens, finish reason."""
     c = out.outputs[0]

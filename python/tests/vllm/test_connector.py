@@ -111,16 +111,7 @@ def main(argv=None):
     worker_events = lambda: C.events(ev_path + ".worker0.jsonl")  # noqa: E731
 
     def run(prompts, n=C.MAX_TOKENS):
-        """[(prompt ids or MemoryPrompt)] -> records, in one generate call (one batch)."""
-        ps, sps = [], []
-        for p in prompts:
-            if isinstance(p, list):
-                ps.append({"prompt_token_ids": p})
-                sps.append(C.sampling(vllm, n))
-            else:
-                ps.append(p.prompt)
-                sps.append(p.sampling_params(temperature=0.0, max_tokens=n, logprobs=C.LOGPROBS))
-        return [C.record(o) for o in llm.generate(ps, sps, use_tqdm=False)]
+        return C.generate(llm, vllm, prompts, n)
 
     facts = lambda t: list(zip([C.HEADER_ID] + C.FACT_IDS, [sc.header] + sc.facts[t]))  # noqa: E731
     claim = len(sc.header) + sum(len(f) for f in sc.facts[1])

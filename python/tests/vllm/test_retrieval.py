@@ -63,15 +63,7 @@ def main():
     C.log("engine with the connector up in %.0f s" % (time.time() - t_start))
 
     def run(prompts, n=C.MAX_TOKENS):
-        ps, sps = [], []
-        for p in prompts:
-            if isinstance(p, list):
-                ps.append({"prompt_token_ids": p})
-                sps.append(C.sampling(vllm, n))
-            else:
-                ps.append(p.prompt)
-                sps.append(p.sampling_params(temperature=0.0, max_tokens=n, logprobs=C.LOGPROBS))
-        return [C.record(o) for o in llm.generate(ps, sps, use_tqdm=False)]
+        return C.generate(llm, vllm, prompts, n)
 
     def capture(t):
         segs = [Keep(C.HEADER_ID, sc.header, embedding=embed(C.HEADER))]
