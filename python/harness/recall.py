@@ -251,43 +251,55 @@ class Bench:
         n = max(len(r) for r in rows)
         return [r + [self.pad] * (n - len(r)) for r in rows]
 
-    def window_units(self, w):
+    def window_units(self, w, anchor=False):
         """(token ids, [(tenant, fact, slot, tokens)]) for window w (None = the whole
-        preceding conversation: one unit per conversation, all its facts)."""
+        preceding conversation: one unit per conversation, all its facts); with
+        anchor, every unit starts with the prompt's header (the facts are encoded
+        as if they followed the notes' header, as in the prompt); with anchor
+        "notes", w counts facts: each fact is encoded after the header and the
+        user's w facts said before it, laid out as in the prompt."""
         c = self.corpus
+        pre = list(c.header) if anchor else []
         units = []
         for uid, u in c.users.items():
-            if w is None:
+            if anchor == "notes":
+                for f in u.facts:
+                    ids = pre + [t for j in range(max(0, f.index - w), f.index) for t in c.fact_ids[(uid, j)]]
+                    t = c.fact_ids[(uid, f.index)]
+                    units.append((ids + t, [(uid, f.index, len(ids), len(t))]))
+            elif w is None:
                 by_conv = {}
                 for f in u.facts:
                     ci, s, e = c.span[(uid, f.index)]
-                    by_conv.setdefault(ci, []).append((uid, f.index, s, e - s))
+                    by_conv.setdefault(ci, []).append((uid, f.index, len(pre) + s, e - s))
                 for ci, caps in by_conv.items():
-                    end = max(s + t for _, _, s, t in caps)
-                    units.append((c.convs[uid][ci][:end], caps))
+                    end = max(s + t for _, _, s, t in caps) - len(pre)
+                    units.append((pre + c.convs[uid][ci][:end], caps))
             else:
                 for f in u.facts:
                     ci, s, e = c.span[(uid, f.index)]
                     a = max(0, s - w)
-                    units.append((c.convs[uid][ci][a:e], [(uid, f.index, s - a, e - s)]))
+                    units.append((pre + c.convs[uid][ci][a:e], [(uid, f.index, len(pre) + s - a, e - s)]))
         return units
 
-    def window_stores(self, w):
+    def window_stores(self, w, anchor=False):
         """The facts of every user encoded with window w (int tokens, or None:
-        the whole preceding conversation), one store per storage dtype, captured
-        from the same prefills. The fp32 store of w = 0 also holds embeddings."""
-        if w in self._windows:
-            return self._windows[w]
+        the whole preceding conversation; anchor: after the prompt's header, see
+        window_units), one store per storage dtype, captured from the same
+        prefills. The fp32 store of unanchored w = 0 also holds embeddings."""
+        key = (w, anchor)
+        if key in self._windows:
+            return self._windows[key]
         t0 = time.time()
         kvi = self.kvi
         stores = {}
         for dn in self.store_dtypes:
             kw = {}
-            if w == 0 and dn == "fp32":
+            if key == (0, False) and dn == "fp32":
                 kw = dict(embedding_dim=self.embed_dim, metric=kvi.Metric.COSINE)
             stores[dn] = self.store(dn, **kw)
-        emb = self.fact_embeddings() if w == 0 else None
-        for batch in self._batches(self.window_units(w), self.args.batch_tokens):
+        emb = self.fact_embeddings() if key == (0, False) else None
+        for batch in self._batches(self.window_units(w, anchor), self.args.batch_tokens):
             out = self.forward(self._padded([u[0] for u in batch]), use_cache=True, logits_to_keep=1)
             kv = C.cache_tensors(out.past_key_values)
             for dn, st in stores.items():
@@ -301,8 +313,8 @@ class Bench:
                 enc.encode(caps, stream=self.stream)
             C.sync(self.device)
             del out, kv
-        self._windows[w] = stores
-        self.timing["encode w=%s" % ("all" if w is None else w)] = time.time() - t0
+        self._windows[key] = stores
+        self.timing["encode %s" % window_name(w, anchor)] = time.time() - t0
         return stores
 
     # embeddings: the model's mean hidden state (layer --embed-layer), centered on the facts' mean
@@ -372,16 +384,30 @@ class Exact:
             self.st.remove(EXACT_TENANT, f.fact_id)
 
 
-class Window:
-    """Context-Window Encoding with window w (None: the whole preceding conversation)."""
+def window_name(w, anchor=False):
+    """w0, w32, wall; a0, a32, aall when anchored after the prompt's header;
+    n2, n4 after the header and that many of the user's earlier facts."""
+    return "%s%s" % ({False: "w", True: "a", "notes": "n"}[anchor], "all" if w is None else w)
 
-    def __init__(self, w, dtype):
-        self.w, self.dtype = w, dtype
-        self.name = "w%s-%s" % ("all" if w is None else w, dtype)
-        self.sibling = "w%s-fp32" % ("all" if w is None else w) if dtype != "fp32" else None
+
+def parse_window(spec):
+    """'0', '32', 'all', 'a0', 'a32', 'aall', 'n4' -> (w, anchor)."""
+    anchor = {"a": True, "n": "notes"}.get(spec[0], False) if spec != "all" else False
+    rest = spec[1:] if anchor else spec
+    return (None if rest == "all" else int(rest)), anchor
+
+
+class Window:
+    """Context-Window Encoding with window w (None: the whole preceding
+    conversation), anchored after the prompt's header or not."""
+
+    def __init__(self, w, dtype, anchor=False):
+        self.w, self.dtype, self.anchor = w, dtype, anchor
+        self.name = "%s-%s" % (window_name(w, anchor), dtype)
+        self.sibling = "%s-fp32" % window_name(w, anchor) if dtype != "fp32" else None
 
     def setup(self, bench):
-        self.st = bench.window_stores(self.w)[self.dtype]
+        self.st = bench.window_stores(self.w, self.anchor)[self.dtype]
 
     def fill(self, bench, cell, cache):
         bench.inject(self.st, cell, cache)
@@ -392,9 +418,10 @@ def make_methods(args):
     stores = args.stores.split(",")
     for dn in stores:
         ms.append(Exact(dn))
-    for w in args.windows.split(","):
+    for spec in args.windows.split(","):
+        w, anchor = parse_window(spec)
         for dn in stores:
-            ms.append(Window(None if w == "all" else int(w), dn))
+            ms.append(Window(w, dn, anchor))
     if args.check:
         ms.append(Exact("fp32", shift=7))
     return ms

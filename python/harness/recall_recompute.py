@@ -68,6 +68,8 @@ class Recompute:
 def main(argv=None):
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--recompute", default=DEFAULT)
+    ap.add_argument("--recompute-on", default=None, help="the encodings (e.g. w0,a0,n4) whose rows get "
+                    "recompute rows (default: every one of --windows)")
     mine, rest = ap.parse_known_args(argv)
     args = R.parse_args(rest)
     if not args.model:
@@ -76,7 +78,8 @@ def main(argv=None):
     methods = R.make_methods(args)
     extra = []
     for m in methods:
-        if isinstance(m, R.Window):
+        on = mine.recompute_on.split(",") if mine.recompute_on else None
+        if isinstance(m, R.Window) and (on is None or R.window_name(m.w, m.anchor) in on):
             extra += [Recompute(m, c) for c in mine.recompute.split(",") if c]
     ok = R.run(args, methods + extra)
     for m in extra:

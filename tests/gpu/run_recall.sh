@@ -13,7 +13,9 @@
 #
 # Output in $OUT: recall-PART.md (the tables), recall-PART.json (every row and
 # per-question record), recall-PART.log. RECALL_ARGS adds arguments (e.g.
-# --questions-per-user 5). Each half stops starting questions after
+# --questions-per-user 5); RECALL_HARNESS=recall_recompute.py runs the
+# recompute rows too, with RECOMPUTE_ARGS (e.g. --recompute boundary-1
+# --recompute-on n4) before the recall arguments. Each half stops starting questions after
 # RECALL_LIMIT_S (default 400) seconds and reports what it has (the tables say
 # how many questions).
 #
@@ -85,8 +87,9 @@ case "${1:-}" in
     [ -e "$KVINJECT_LIBRARY" ] || { echo "run_recall.sh: no $KVINJECT_LIBRARY (run 'build' first)" >&2; exit 2; }
     [ -f "$model/.converted" ] || { echo "run_recall.sh: no $model (run 'prepare' first)" >&2; exit 2; }
     # shellcheck disable=SC2086  # RECALL_ARGS are words
-    timeout 500 "$py" python/harness/recall.py --model "$model" --device cuda --retrieval "$part" \
-      --time-limit "${RECALL_LIMIT_S:-400}" --json "$out/recall-$part.json" --md "$out/recall-$part.md" \
+    limit=${RECALL_LIMIT_S:-400}
+    timeout $((limit + 240)) "$py" python/harness/${RECALL_HARNESS:-recall.py} ${RECOMPUTE_ARGS:-} --model "$model" --device cuda --retrieval "$part" \
+      --time-limit "$limit" --json "$out/recall-$part.json" --md "$out/recall-$part.md" \
       --label "$part" --check ${RECALL_ARGS:-} 2>"$out/recall-$part.log"
     rc=$?
     cat "$out/recall-$part.md" 2>/dev/null
