@@ -1989,11 +1989,13 @@ static kvi_status retr_prepare(void *ctx, const char *fn) {
 kvi_status kvi__retrieve_prepare(kvi_injector *injector, const kvi_retrieve_request *reqs, int32_t nq, int32_t k,
                                  kvi__plan_view *out) {
   xfer *x = &injector->x;
+  memset(out, 0, sizeof *out);
+  if (x->cuda) /* its plan would take a staging slot, which only a launch gives back in order */
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, "kvi__retrieve_prepare", "a CPU injector's plans only");
   retr r = {x, reqs, NULL, nq, k, {0}};
   lock_both(x);
   const kvi_status st = retr_prepare(&r, "kvi_retrieve_inject");
   unlock_both(x);
-  memset(out, 0, sizeof *out);
   view_of_plan(out, &r.p);
   return st;
 }

@@ -85,8 +85,8 @@ int64_t kvi__plan_segs_for(const kvi_injector *injector, int64_t npages);
  * the retrieve-plan kernel to fill) and its kvi__rquery in *out's ext.
  * Requests are read as given (struct_size and flags are the caller's
  * checks). *out is written in any case: on failure it must hold no buffer.
- * Free with kvi__plan_view_free. Runs on a CPU injector too (its tenants
- * have no directory: dir NULL). */
+ * Free with kvi__plan_view_free. CPU injectors only (their plans are in
+ * host memory; their tenants have no directory: dir NULL). */
 kvi_status kvi__retrieve_prepare(kvi_injector *injector, const kvi_retrieve_request *reqs, int32_t nq, int32_t k,
                                  kvi__plan_view *out);
 void kvi__plan_view_free(kvi_injector *injector, kvi__plan_view *v);
