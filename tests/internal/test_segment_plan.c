@@ -163,7 +163,9 @@ static void check_requests(const rig *g, const mreq *rq, int32_t n, int32_t *tab
     assert_int_equal(ri, 1 + i);
     int64_t done = 0;
     for (int32_t f = 0; f < rq[i].nfacts; f++) {
-      const void *pos = rq[i].pos_kind == 1 ? (const void *)pos32[i][f] : rq[i].pos_kind == 2 ? (const void *)pos64[i][f] : NULL;
+      const void *pos = rq[i].pos_kind == 1   ? (const void *)pos32[i][f]
+                        : rq[i].pos_kind == 2 ? (const void *)pos64[i][f]
+                                              : NULL;
       kvi__plan_run_into(g->inj, &v, ri, rq[i].first_slot + done, rq[i].tokens[f], pos, rq[i].pos_kind == 2,
                          (int32_t)(rq[i].start_position + done), pages[i][f]);
       done += rq[i].tokens[f];
@@ -441,7 +443,8 @@ static void check_retrieve_plan(const rig *g, const kvi_retrieve_request *rq, in
     int64_t t0 = 0;
     for (int32_t f = 0; f < nres; f++) {
       const int32_t T = rt_tokens(t, (int32_t)rng_range(r, 0, rt_counts[t] - 1), P);
-      if (model_segs(T, P, seg) > q[i].spf) fail_msg("request %d: a fact of %d tokens overflows its segments", (int)i, (int)T);
+      if (model_segs(T, P, seg) > q[i].spf)
+        fail_msg("request %d: a fact of %d tokens overflows its segments", (int)i, (int)T);
       const int64_t last = q[i].first_slot + t0 + T - 1;
       assert_true(t0 + T <= q[i].cap);
       const int64_t b = last / BS - x->first_block;
