@@ -306,6 +306,272 @@ __device__ inline int bin_of(float s, float lo, float scale) {
   return f >= (float)(SEL_BINS - 1) ? SEL_BINS - 1 : (int)f;
 }
 
+/* The selection buffer emptied: every pair a sentinel. */
+template <bool R> __device__ __forceinline__ void sel_clear(float *ss, u64 *si, u32 *sr) {
+  for (int i = threadIdx.x; i < SEL_N; i += THREADS) {
+    ss[i] = -INFINITY;
+    si[i] = ~0ull;
+    if constexpr (R) sr[i] = ~0u;
+  }
+}
+
+/* The fast path's sample of a run of `total` inputs: w = 1 << lw inputs in
+ * every w * step, nsamp sample slots (some past the end). */
+struct sample {
+  int64_t step, w, nsamp;
+  int lw;
+};
+
+/* w inputs in every w * STEP when that gives at least 8k inputs and about
+ * k * STEP gathered inputs fit the buffer twice over, else all inputs. A
+ * long run is sampled in whole 128-byte lines (w = 32), so the sampled
+ * passes read 1/STEP of its bytes; a short one (up to 32 KiB) in single
+ * inputs (w = 1): the sample then touches every line, and pass 3 finds the
+ * run in L1 (measured on the H200: lines made runs of 4,096 slower, runs of
+ * 30,720 faster). */
+__device__ __forceinline__ sample sample_of(int64_t total, int k) {
+  sample sp;
+  sp.step = total / STEP >= 8 * k && 2 * STEP * k <= SEL_N ? STEP : 1;
+  sp.lw = total > 8192 ? 5 : 0; /* log2 w */
+  sp.w = 1 << sp.lw;
+  sp.nsamp = (total + sp.w * sp.step - 1) / (sp.w * sp.step) * sp.w;
+  return sp;
+}
+
+/* The ILP sample inputs of this thread at slot base + u * THREADS (NaN as
+ * -infinity, slots past the end as -infinity): ILP independent loads in
+ * flight, the loop is latency-bound otherwise. */
+__device__ __forceinline__ void sample_load(const kvi__search_args &a, const kvi__sel &sel, const sample &sp,
+                                            int64_t total, int64_t base, float (&v)[ILP]) {
+#pragma unroll
+  for (int u = 0; u < ILP; u++) {
+    const int64_t sm = base + (int64_t)u * THREADS, idx = (sm >> sp.lw << sp.lw) * sp.step + (sm & (sp.w - 1));
+    v[u] = sm < sp.nsamp && idx < total ? sel_score(a, sel, idx) : -INFINITY;
+  }
+}
+
+/* Pass 1: the sample's range above -infinity, [*lo, *hi] in every thread. */
+__device__ __forceinline__ void sample_range(const kvi__search_args &a, const kvi__sel &sel, const sample &sp,
+                                             int64_t total, float *red_lo, float *red_hi, float *out_lo,
+                                             float *out_hi) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float lo = INFINITY, hi = -INFINITY;
+  for (int64_t base = threadIdx.x; base < sp.nsamp; base += THREADS * ILP) {
+    float v[ILP];
+    sample_load(a, sel, sp, total, base, v);
+#pragma unroll
+    for (int u = 0; u < ILP; u++)
+      if (v[u] > -INFINITY) lo = fminf(lo, v[u]), hi = fmaxf(hi, v[u]);
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+    hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+  }
+  if (lane == 0) red_lo[warp] = lo, red_hi[warp] = hi;
+  __syncthreads();
+  lo = red_lo[0], hi = red_hi[0];
+  for (int w = 1; w < WARPS; w++) lo = fminf(lo, red_lo[w]), hi = fmaxf(hi, red_hi[w]);
+  *out_lo = lo, *out_hi = hi;
+}
+
+/* Pass 2: the sample's histogram over [lo, ...) in bins of 1 / scale.
+ * Returns (in every thread) whether the sample holds a +infinity, which
+ * ends the fast path. */
+__device__ __forceinline__ bool sample_histogram(const kvi__search_args &a, const kvi__sel &sel, const sample &sp,
+                                                 int64_t total, float lo, float scale, int *hist) {
+  bool inf = false;
+  for (int64_t base = threadIdx.x; base < sp.nsamp; base += THREADS * ILP) {
+    float v[ILP];
+    sample_load(a, sel, sp, total, base, v);
+#pragma unroll
+    for (int u = 0; u < ILP; u++) {
+      if (isfinite(v[u])) atomicAdd(&hist[bin_of(v[u], lo, scale)], 1);
+      else inf |= v[u] > 0.0f;
+    }
+  }
+  return __syncthreads_or(inf);
+}
+
+/* Warp 0: the highest bin whose bins up hold k sampled inputs, into *cut
+ * (left -1 when, every input sampled, those bins hold more than the buffer). */
+__device__ __forceinline__ void find_cut(const int *hist, int k, int64_t step, int *cut) {
+  const int lane = threadIdx.x & 31;
+  constexpr int PER = SEL_BINS / 32; /* lane l sums bins [l * PER, l * PER + PER); the cut from the top */
+  int mine = 0;
+  for (int j = 0; j < PER; j++) mine += hist[lane * PER + j];
+  int above = 0; /* sampled inputs in the bins of lanes > lane */
+  for (int l = 31; l > 0; l--) {
+    const int v = __shfl_sync(0xffffffffu, mine, l);
+    if (l > lane) above += v;
+  }
+  if (above < k && above + mine >= k) { /* the lane whose bins hold the k-th */
+    int c = above, j = PER - 1;
+    for (; j >= 0; j--) {
+      c += hist[lane * PER + j];
+      if (c >= k) break;
+    }
+    /* with every input sampled, c inputs are gathered: skip a gather that cannot fit */
+    *cut = step == 1 && c > SEL_N ? -1 : lane * PER + j;
+  }
+}
+
+/* Pass 3: gathers every input of bins >= b into (ss, si as the input
+ * index), counting past the buffer in *ncand. Returns (in every thread)
+ * whether the run holds a +infinity. */
+__device__ __forceinline__ bool gather(const kvi__search_args &a, const kvi__sel &sel, int64_t total, float lo,
+                                       float scale, int b, float *ss, u64 *si, int *ncand) {
+  bool inf3 = false;
+  auto take = [&](float s, int64_t idx) {
+    if (isfinite(s)) {
+      if (bin_of(s, lo, scale) >= b) {
+        const int pos = atomicAdd(ncand, 1);
+        if (pos < SEL_N) { /* the input index for now: ids and rows are loaded below, all at once */
+          ss[pos] = s;
+          si[pos] = (u64)idx;
+        }
+      }
+    } else {
+      inf3 |= s > 0.0f; /* NaN counts as -infinity, as sel_score has it */
+    }
+  };
+  int64_t done = 0;
+  if (sel.ids && (sel.a & 3) == 0) { /* stage 1: contiguous, 16-byte aligned scores, 4 a load */
+    const float4 *v4 = reinterpret_cast<const float4 *>(a.scores + sel.a);
+    const int64_t n4 = total >> 2;
+    for (int64_t base = threadIdx.x; base < n4; base += THREADS * ILP4) {
+      float4 v[ILP4];
+#pragma unroll
+      for (int u = 0; u < ILP4; u++) {
+        const int64_t i4 = base + (int64_t)u * THREADS;
+        v[u] = i4 < n4 ? __ldg(v4 + i4) : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+      }
+#pragma unroll
+      for (int u = 0; u < ILP4; u++) {
+        const int64_t idx = (base + (int64_t)u * THREADS) * 4;
+        take(v[u].x, idx);
+        take(v[u].y, idx + 1);
+        take(v[u].z, idx + 2);
+        take(v[u].w, idx + 3);
+      }
+    }
+    done = n4 * 4;
+  }
+  for (int64_t base = done + threadIdx.x; base < total; base += THREADS * ILP) {
+    float v[ILP];
+#pragma unroll
+    for (int u = 0; u < ILP; u++) {
+      const int64_t idx = base + (int64_t)u * THREADS;
+      v[u] = idx < total ? sel_score(a, sel, idx) : -INFINITY;
+    }
+#pragma unroll
+    for (int u = 0; u < ILP; u++) take(v[u], base + (int64_t)u * THREADS);
+  }
+  return __syncthreads_or(inf3);
+}
+
+/* The ids (and rows) of the m gathered inputs in place of their indexes, ILP
+ * loads in flight per thread. Loading them inside the gather made a warp
+ * wait for one dependent load per input it took: a 10,000-score selection
+ * took 33 us. */
+template <bool R>
+__device__ __forceinline__ void load_ids(const kvi__search_args &a, const kvi__sel &sel, int m, u64 *si, u32 *sr) {
+  for (int base = threadIdx.x; base < m; base += THREADS * ILP) {
+    u64 id[ILP];
+    u32 row[ILP];
+#pragma unroll
+    for (int u = 0; u < ILP; u++) {
+      const int i = base + u * THREADS;
+      if (i < m) {
+        id[u] = sel_id(a, sel, (int64_t)si[i]);
+        if constexpr (R) row[u] = sel_row(a, sel, (int64_t)si[i]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < ILP; u++) {
+      const int i = base + u * THREADS;
+      if (i < m) {
+        si[i] = id[u];
+        if constexpr (R) sr[i] = row[u];
+      }
+    }
+  }
+  __syncthreads();
+}
+
+/* A selection's shared state (select_kernel's __shared__ arrays). */
+template <bool R> struct sel_shared {
+  float *ss;
+  u64 *si;
+  u32 *sr;
+  int *hist, *ncand, *have_thr, *cut;
+  float *thr_s, *red_lo, *red_hi;
+  u64 *thr_i;
+};
+
+/* The fast path (select_kernel): passes 1 to 3 and the sort of the
+ * gathered inputs. Returns (uniformly) true when it wrote the results;
+ * false leaves the buffer empty for the general path. */
+template <bool R>
+__device__ __forceinline__ bool select_fast(const kvi__search_args &a, const kvi__sel &sel, int64_t total, int k,
+                                            const sel_shared<R> &sh) {
+  const sample sp = sample_of(total, k);
+  float lo, hi;
+  sample_range(a, sel, sp, total, sh.red_lo, sh.red_hi, &lo, &hi);
+  if (!(total > k && isfinite(lo) && isfinite(hi) && hi > lo)) return false; /* uniform */
+  const float scale = (float)SEL_BINS / (hi - lo); /* 0 if the range overflows: one bin */
+  if (sample_histogram(a, sel, sp, total, lo, scale, sh.hist)) return false; /* uniform */
+  if (threadIdx.x >> 5 == 0) find_cut(sh.hist, k, sp.step, sh.cut);
+  __syncthreads();
+  if (*sh.cut < 0) return false; /* uniform */
+  const bool inf3 = gather(a, sel, total, lo, scale, *sh.cut, sh.ss, sh.si, sh.ncand);
+  const int m = *sh.ncand;
+  if (!inf3 && m <= SEL_N) { /* uniform */
+    load_ids<R>(a, sel, m, sh.si, sh.sr);
+    sort_trim<R>(sh.ss, sh.si, sh.sr, m, k, sh.ncand, sh.have_thr, sh.thr_s, sh.thr_i);
+    put_results<R>(a, sel, sh.ss, sh.si, sh.sr, total < k ? (int)total : k);
+    return true;
+  }
+  /* too many (or a +infinity outside the sample): start over on the general path */
+  __syncthreads(); /* everyone has read ncand */
+  sel_clear<R>(sh.ss, sh.si, sh.sr);
+  if (threadIdx.x == 0) *sh.ncand = 0;
+  __syncthreads();
+  return false;
+}
+
+/* The general path (select_kernel): rounds of SEL_R inputs, each adding
+ * those better than the running k-th to the buffer, sorted and trimmed when
+ * the next round might not fit; then the results. */
+template <bool R>
+__device__ __forceinline__ void select_general(const kvi__search_args &a, const kvi__sel &sel, int64_t total, int k,
+                                               const sel_shared<R> &sh) {
+  for (int64_t base = 0; base < total; base += SEL_R) {
+    const bool ht = *sh.have_thr;
+    const float ts = *sh.thr_s;
+    const u64 ti = *sh.thr_i;
+#pragma unroll
+    for (int j = 0; j < SEL_R / THREADS; j++) {
+      const int64_t idx = base + j * THREADS + threadIdx.x;
+      if (idx >= total) continue;
+      const float s = sel_score(a, sel, idx);
+      if (sel.ids && ht && s < ts) continue;
+      const u64 id = sel_id(a, sel, idx);
+      if (!ht || better(s, id, ts, ti)) {
+        const int pos = k + atomicAdd(sh.ncand, 1);
+        sh.ss[pos] = s;
+        sh.si[pos] = id;
+        if constexpr (R) sh.sr[pos] = sel_row(a, sel, idx);
+      }
+    }
+    __syncthreads();
+    const int nc = *sh.ncand;
+    __syncthreads(); /* every thread has read ncand before the next round changes it */
+    if (nc > SEL_N - k - SEL_R) sort_trim<R>(sh.ss, sh.si, sh.sr, k + nc, k, sh.ncand, sh.have_thr, sh.thr_s, sh.thr_i);
+  }
+  if (*sh.ncand > 0) sort_trim<R>(sh.ss, sh.si, sh.sr, k + *sh.ncand, k, sh.ncand, sh.have_thr, sh.thr_s, sh.thr_i);
+  put_results<R>(a, sel, sh.ss, sh.si, sh.sr, total < k ? (int)total : k);
+}
+
 /* One CTA per kvi__sel.
  *
  * Fast path (finite scores spread over a range, as real similarities are):
@@ -320,7 +586,11 @@ __device__ inline int bin_of(float s, float lo, float scale) {
  *
  * General path (fewer than k sampled inputs above -infinity, any +infinity,
  * a sample all equal, or more than SEL_N inputs gathered): the
- * running-threshold loop below, exact for any input. */
+ * running-threshold loop, exact for any input.
+ *
+ * The steps are __forceinline__ helpers, so the kernel stays one body (the
+ * same registers, no stack, the shared arrays reached as shared memory):
+ * keep them so, a called step would pass its state through local memory. */
 template <bool R> __global__ void __launch_bounds__(THREADS) select_kernel(const kvi__search_args a) {
   __shared__ float ss[SEL_N];
   __shared__ u64 si[SEL_N];
@@ -329,206 +599,15 @@ template <bool R> __global__ void __launch_bounds__(THREADS) select_kernel(const
   __shared__ int ncand, have_thr, cut;
   __shared__ float thr_s, red_lo[WARPS], red_hi[WARPS];
   __shared__ u64 thr_i;
+  const sel_shared<R> sh = {ss, si, sr, hist, &ncand, &have_thr, &cut, &thr_s, red_lo, red_hi, &thr_i};
   const kvi__sel sel = a.sels[blockIdx.x];
   const int k = a.k;
   const int64_t total = (int64_t)sel.na + sel.nb;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int i = threadIdx.x; i < SEL_N; i += THREADS) {
-    ss[i] = -INFINITY;
-    si[i] = ~0ull;
-    if constexpr (R) sr[i] = ~0u;
-  }
+  sel_clear<R>(ss, si, sr);
   for (int i = threadIdx.x; i < SEL_BINS; i += THREADS) hist[i] = 0;
   if (threadIdx.x == 0) ncand = 0, have_thr = 0, cut = -1;
-
-  /* sample: w inputs in every w * STEP when that gives at least 8k inputs
-   * and about k * STEP gathered inputs fit the buffer twice over, else all
-   * inputs. A long run is sampled in whole 128-byte lines (w = 32), so the
-   * sampled passes read 1/STEP of its bytes; a short one (up to 32 KiB) in
-   * single inputs (w = 1): the sample then touches every line, and pass 3
-   * finds the run in L1 (measured on the H200: lines made runs of 4,096
-   * slower, runs of 30,720 faster). */
-  const int64_t step = total / STEP >= 8 * k && 2 * STEP * k <= SEL_N ? STEP : 1;
-  const int lw = total > 8192 ? 5 : 0; /* log2 w */
-  const int64_t w = 1 << lw, nsamp = (total + w * step - 1) / (w * step) * w; /* sample slots, some past the end */
-  /* pass 1: the sample's range above -infinity */
-  float lo = INFINITY, hi = -INFINITY;
-  for (int64_t base = threadIdx.x; base < nsamp; base += THREADS * ILP) {
-    float v[ILP]; /* ILP independent loads in flight: the loop is latency-bound otherwise */
-#pragma unroll
-    for (int u = 0; u < ILP; u++) {
-      const int64_t sm = base + (int64_t)u * THREADS, idx = (sm >> lw << lw) * step + (sm & (w - 1));
-      v[u] = sm < nsamp && idx < total ? sel_score(a, sel, idx) : -INFINITY;
-    }
-#pragma unroll
-    for (int u = 0; u < ILP; u++)
-      if (v[u] > -INFINITY) lo = fminf(lo, v[u]), hi = fmaxf(hi, v[u]);
-  }
-  for (int o = 16; o > 0; o >>= 1) {
-    lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
-    hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
-  }
-  if (lane == 0) red_lo[warp] = lo, red_hi[warp] = hi;
-  __syncthreads();
-  lo = red_lo[0], hi = red_hi[0];
-  for (int w = 1; w < WARPS; w++) lo = fminf(lo, red_lo[w]), hi = fmaxf(hi, red_hi[w]);
-  if (total > k && isfinite(lo) && isfinite(hi) && hi > lo) { /* uniform */
-    const float scale = (float)SEL_BINS / (hi - lo); /* 0 if the range overflows: one bin */
-    /* pass 2: the sample's histogram (a +infinity in it ends the fast path) */
-    bool inf = false;
-    for (int64_t base = threadIdx.x; base < nsamp; base += THREADS * ILP) {
-      float v[ILP];
-#pragma unroll
-      for (int u = 0; u < ILP; u++) {
-        const int64_t sm = base + (int64_t)u * THREADS, idx = (sm >> lw << lw) * step + (sm & (w - 1));
-        v[u] = sm < nsamp && idx < total ? sel_score(a, sel, idx) : -INFINITY;
-      }
-#pragma unroll
-      for (int u = 0; u < ILP; u++) {
-        if (isfinite(v[u])) atomicAdd(&hist[bin_of(v[u], lo, scale)], 1);
-        else inf |= v[u] > 0.0f;
-      }
-    }
-    if (__syncthreads_or(inf)) goto general; /* uniform */
-    if (warp == 0) { /* lane l sums bins [l * PER, l * PER + PER); the cut from the top */
-      constexpr int PER = SEL_BINS / 32;
-      int mine = 0;
-      for (int j = 0; j < PER; j++) mine += hist[lane * PER + j];
-      int above = 0; /* sampled inputs in the bins of lanes > lane */
-      for (int l = 31; l > 0; l--) {
-        const int v = __shfl_sync(0xffffffffu, mine, l);
-        if (l > lane) above += v;
-      }
-      if (above < k && above + mine >= k) { /* the lane whose bins hold the k-th */
-        int c = above, j = PER - 1;
-        for (; j >= 0; j--) {
-          c += hist[lane * PER + j];
-          if (c >= k) break;
-        }
-        /* with every input sampled, c inputs are gathered: skip a gather that cannot fit */
-        cut = step == 1 && c > SEL_N ? -1 : lane * PER + j;
-      }
-    }
-    __syncthreads();
-    if (cut >= 0) { /* uniform */
-      const int b = cut;
-      /* pass 3: gather every input of bins >= b (counting past the buffer) */
-      bool inf3 = false;
-      auto take = [&](float s, int64_t idx) {
-        if (isfinite(s)) {
-          if (bin_of(s, lo, scale) >= b) {
-            const int pos = atomicAdd(&ncand, 1);
-            if (pos < SEL_N) { /* the input index for now: ids and rows are loaded below, all at once */
-              ss[pos] = s;
-              si[pos] = (u64)idx;
-            }
-          }
-        } else {
-          inf3 |= s > 0.0f; /* NaN counts as -infinity, as sel_score has it */
-        }
-      };
-      int64_t done = 0;
-      if (sel.ids && (sel.a & 3) == 0) { /* stage 1: contiguous, 16-byte aligned scores, 4 a load */
-        const float4 *v4 = reinterpret_cast<const float4 *>(a.scores + sel.a);
-        const int64_t n4 = total >> 2;
-        for (int64_t base = threadIdx.x; base < n4; base += THREADS * ILP4) {
-          float4 v[ILP4];
-#pragma unroll
-          for (int u = 0; u < ILP4; u++) {
-            const int64_t i4 = base + (int64_t)u * THREADS;
-            v[u] = i4 < n4 ? __ldg(v4 + i4) : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
-          }
-#pragma unroll
-          for (int u = 0; u < ILP4; u++) {
-            const int64_t idx = (base + (int64_t)u * THREADS) * 4;
-            take(v[u].x, idx);
-            take(v[u].y, idx + 1);
-            take(v[u].z, idx + 2);
-            take(v[u].w, idx + 3);
-          }
-        }
-        done = n4 * 4;
-      }
-      for (int64_t base = done + threadIdx.x; base < total; base += THREADS * ILP) {
-        float v[ILP];
-#pragma unroll
-        for (int u = 0; u < ILP; u++) {
-          const int64_t idx = base + (int64_t)u * THREADS;
-          v[u] = idx < total ? sel_score(a, sel, idx) : -INFINITY;
-        }
-#pragma unroll
-        for (int u = 0; u < ILP; u++) take(v[u], base + (int64_t)u * THREADS);
-      }
-      inf3 = __syncthreads_or(inf3);
-      const int m = ncand;
-      if (!inf3 && m <= SEL_N) { /* uniform */
-        /* ids (and rows) of the gathered inputs, ILP loads in flight per thread.
-         * Loading them inside the gather made a warp wait for one dependent
-         * load per input it took: a 10,000-score selection took 33 us. */
-        for (int base = threadIdx.x; base < m; base += THREADS * ILP) {
-          u64 id[ILP];
-          u32 row[ILP];
-#pragma unroll
-          for (int u = 0; u < ILP; u++) {
-            const int i = base + u * THREADS;
-            if (i < m) {
-              id[u] = sel_id(a, sel, (int64_t)si[i]);
-              if constexpr (R) row[u] = sel_row(a, sel, (int64_t)si[i]);
-            }
-          }
-#pragma unroll
-          for (int u = 0; u < ILP; u++) {
-            const int i = base + u * THREADS;
-            if (i < m) {
-              si[i] = id[u];
-              if constexpr (R) sr[i] = row[u];
-            }
-          }
-        }
-        __syncthreads();
-        sort_trim<R>(ss, si, sr, m, k, &ncand, &have_thr, &thr_s, &thr_i);
-        put_results<R>(a, sel, ss, si, sr, total < k ? (int)total : k);
-        return;
-      }
-      /* too many (or a +infinity outside the sample): start over on the general path */
-      __syncthreads(); /* everyone has read ncand */
-      for (int i = threadIdx.x; i < SEL_N; i += THREADS) {
-        ss[i] = -INFINITY;
-        si[i] = ~0ull;
-        if constexpr (R) sr[i] = ~0u;
-      }
-      if (threadIdx.x == 0) ncand = 0;
-      __syncthreads();
-    }
-  }
-
-general:
-  /* the general path */
-  for (int64_t base = 0; base < total; base += SEL_R) {
-    const bool ht = have_thr;
-    const float ts = thr_s;
-    const u64 ti = thr_i;
-#pragma unroll
-    for (int j = 0; j < SEL_R / THREADS; j++) {
-      const int64_t idx = base + j * THREADS + threadIdx.x;
-      if (idx >= total) continue;
-      const float s = sel_score(a, sel, idx);
-      if (sel.ids && ht && s < ts) continue;
-      const u64 id = sel_id(a, sel, idx);
-      if (!ht || better(s, id, ts, ti)) {
-        const int pos = k + atomicAdd(&ncand, 1);
-        ss[pos] = s;
-        si[pos] = id;
-        if constexpr (R) sr[pos] = sel_row(a, sel, idx);
-      }
-    }
-    __syncthreads();
-    const int nc = ncand;
-    __syncthreads(); /* every thread has read ncand before the next round changes it */
-    if (nc > SEL_N - k - SEL_R) sort_trim<R>(ss, si, sr, k + nc, k, &ncand, &have_thr, &thr_s, &thr_i);
-  }
-  if (ncand > 0) sort_trim<R>(ss, si, sr, k + ncand, k, &ncand, &have_thr, &thr_s, &thr_i);
-  put_results<R>(a, sel, ss, si, sr, total < k ? (int)total : k);
+  if (select_fast<R>(a, sel, total, k, sh)) return;
+  select_general<R>(a, sel, total, k, sh);
 }
 
 /* ---------------------------------------------------------------- emit */

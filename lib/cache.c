@@ -192,133 +192,171 @@ void kvi__cache_release(kvi__cache *c) {
   memset(c, 0, sizeof *c);
 }
 
+/* The layout's fields one by one: memory kind, dtype, shape against the
+ * model's, sizes and (non-negative) strides and offsets. */
+static kvi_status check_fields(const kvi_cache_layout *l, const kvi__geom *g, bool cuda, const char *fn) {
+  if (l->memory != KVI_MEMORY_HOST && l->memory != KVI_MEMORY_DEVICE)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout->memory is %d: set KVI_MEMORY_HOST or DEVICE", (int)l->memory);
+  if (l->memory != (cuda ? KVI_MEMORY_DEVICE : KVI_MEMORY_HOST))
+    return kvi__fail(KVI_ERR_MEMORY_KIND, fn, "a %s store writes a cache in %s memory; layout->memory says %s",
+                     cuda ? "CUDA" : "CPU", cuda ? "device" : "host", l->memory == KVI_MEMORY_HOST ? "host" : "device");
+  if (kvi_dtype_size(l->dtype) == 0)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout->dtype is %d, not a kvi_dtype", (int)l->dtype);
+  if (l->num_layers != g->num_layers || l->num_heads != g->local_heads || l->head_size != g->head_size)
+    return kvi__fail(KVI_ERR_MISMATCH, fn,
+                     "layout has %d layers x %d heads x %d, the model holds %d layers x %d local heads x %d",
+                     (int)l->num_layers, (int)l->num_heads, (int)l->head_size, (int)g->num_layers, (int)g->local_heads,
+                     (int)g->head_size);
+  if (l->block_size < 1 || l->num_blocks < 1)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout->block_size %d and num_blocks %lld must be >= 1",
+                     (int)l->block_size, (long long)l->num_blocks);
+  const struct {
+    const char *name;
+    int64_t v;
+  } sv[] = {{"block_stride", l->block_stride},     {"token_stride", l->token_stride},
+            {"head_stride", l->head_stride},       {"dim_stride", l->dim_stride},
+            {"v_block_stride", l->v_block_stride}, {"v_token_stride", l->v_token_stride},
+            {"v_head_stride", l->v_head_stride},   {"v_dim_stride", l->v_dim_stride},
+            {"layer_stride", l->layer_stride},     {"v_offset", l->v_offset}};
+  for (size_t i = 0; i < sizeof sv / sizeof sv[0]; i++)
+    if (sv[i].v < 0)
+      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout->%s is %lld; strides and offsets must be >= 0", sv[i].name,
+                       (long long)sv[i].v);
+  return KVI_OK;
+}
+
+/* The extent of one layer's K and V in elements, and the farthest element
+ * of any layer, K or V, from a base: its byte offset (and sums of a few
+ * such, in check_overlap) must fit 64 bits. */
+static kvi_status check_extent(const kvi_cache_layout *l, const kvi__strides *ks, const kvi__strides *vs,
+                               const char *fn) {
+  int64_t ext[2] = {0, 0}, t;
+  for (int kv = 0; kv < 2; kv++) {
+    const kvi__strides *p = kv ? vs : ks;
+    const int64_t ds[4][2] = {
+        {l->num_blocks, p->block}, {l->block_size, p->token}, {l->num_heads, p->head}, {l->head_size, p->dim}};
+    for (int i = 0; i < 4; i++)
+      if (__builtin_mul_overflow(ds[i][0] - 1, ds[i][1], &t) || __builtin_add_overflow(ext[kv], t, &ext[kv]))
+        return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout's %s extent overflows 64-bit offsets", kv ? "V" : "K");
+  }
+  int64_t far;
+  if (__builtin_mul_overflow((int64_t)(l->num_layers - 1), l->layer_stride, &far) ||
+      __builtin_add_overflow(far, ext[0] > ext[1] ? ext[0] : ext[1], &far) ||
+      __builtin_add_overflow(far, l->v_offset, &far) || __builtin_add_overflow(far, (int64_t)1, &far) ||
+      __builtin_mul_overflow(far, (int64_t)64, &t))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout's extent overflows 64-bit offsets");
+  return KVI_OK;
+}
+
+/* Scales: a known mode, for fp8 caches only, with both arrays. */
+static kvi_status check_scale_mode(const kvi_cache_layout *l, const char *fn) {
+  const bool fp8 = l->dtype == KVI_DTYPE_FP8_E4M3 || l->dtype == KVI_DTYPE_FP8_E5M2;
+  if (l->scale_mode != KVI_SCALE_NONE && l->scale_mode != KVI_SCALE_PER_TENSOR && l->scale_mode != KVI_SCALE_PER_HEAD)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout->scale_mode is %d", (int)l->scale_mode);
+  if (l->scale_mode != KVI_SCALE_NONE && !fp8)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout->scale_mode is set for a %s cache; scales are for fp8",
+                     kvi__dtype_name(l->dtype));
+  if (l->scale_mode != KVI_SCALE_NONE && (!l->k_scales || !l->v_scales))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout->scale_mode is set but k_scales or v_scales is NULL");
+  return KVI_OK;
+}
+
+/* Layer i's K and V base addresses into c, checked for overlap when their
+ * gap differs from the previous layer's (*prev_gap). */
+static kvi_status layer_bases(kvi__cache *c, const kvi_cache_layout *l, int32_t i, const kvi__dim *kdims,
+                              const kvi__dim *vdims, int64_t *prev_gap, const char *fn) {
+  const size_t es = kvi_dtype_size(l->dtype);
+  char *kb = l->k_layers ? (char *)l->k_layers[i] : l->k_base ? (char *)l->k_base + (size_t)(i * l->layer_stride) * es : NULL;
+  char *vb = l->v_layers ? (char *)l->v_layers[i]
+             : l->v_base ? (char *)l->v_base + (size_t)(i * l->layer_stride) * es
+             : kb        ? kb + (size_t)l->v_offset * es
+                         : NULL;
+  if (!kb || !vb)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layer %d has no %s base pointer (set k_layers/k_base, v_layers/v_base)",
+                     (int)i, kb ? "V" : "K");
+  c->k[i] = kb;
+  c->v[i] = vb;
+  /* the gap in bytes, clamped: separate tensors may be any distance apart, and
+   * a plane spans < 2^60 bytes (the extent check), so beyond 2^61 is apart
+   * whatever the exact distance, and the check's sums stay inside 64 bits */
+  const uintptr_t ka = (uintptr_t)kb, va = (uintptr_t)vb, lim = (uintptr_t)1 << 61;
+  const int64_t gap = va >= ka ? (int64_t)(va - ka < lim ? va - ka : lim) : -(int64_t)(ka - va < lim ? ka - va : lim);
+  if (i == 0 || gap != *prev_gap) {
+    kvi_status st = check_overlap(kdims, vdims, gap, (int64_t)es, i, fn);
+    if (st) return st;
+    *prev_gap = gap;
+  }
+  return KVI_OK;
+}
+
+/* Layer i's per-head K and V scales into c (1 without scales): finite and > 0. */
+static kvi_status layer_scales(kvi__cache *c, const kvi_cache_layout *l, int32_t i, const char *fn) {
+  const int32_t H = l->num_heads;
+  for (int32_t h = 0; h < H; h++) {
+    float ks = 1.0f, vs = 1.0f;
+    if (l->scale_mode == KVI_SCALE_PER_TENSOR) ks = l->k_scales[i], vs = l->v_scales[i];
+    if (l->scale_mode == KVI_SCALE_PER_HEAD) ks = l->k_scales[(size_t)i * H + h], vs = l->v_scales[(size_t)i * H + h];
+    if (!(isfinite(ks) && ks > 0 && isfinite(vs) && vs > 0))
+      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layer %d head %d has scales %g / %g; scales must be finite and > 0",
+                       (int)i, (int)h, (double)ks, (double)vs);
+    c->k_scale[(size_t)i * H + h] = ks;
+    c->v_scale[(size_t)i * H + h] = vs;
+  }
+  return KVI_OK;
+}
+
+/* Every layer's bases and scales into c's tables (allocated here). */
+static kvi_status resolve_layers(kvi__cache *c, const kvi_cache_layout *l, const kvi__strides *ks,
+                                 const kvi__strides *vs, const char *fn) {
+  const int32_t L = l->num_layers, H = l->num_heads;
+  const int64_t es = (int64_t)kvi_dtype_size(l->dtype);
+  kvi__dim kdims[4], vdims[4];
+  plane_dims(kdims, l, ks, es);
+  plane_dims(vdims, l, vs, es);
+  c->k = malloc((size_t)L * sizeof *c->k);
+  c->v = malloc((size_t)L * sizeof *c->v);
+  c->k_scale = malloc((size_t)L * (size_t)H * sizeof *c->k_scale);
+  c->v_scale = malloc((size_t)L * (size_t)H * sizeof *c->v_scale);
+  if (!c->k || !c->v || !c->k_scale || !c->v_scale) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating layer tables");
+  int64_t prev_gap = 0;
+  kvi_status st = KVI_OK;
+  for (int32_t i = 0; i < L && st == KVI_OK; i++)
+    if ((st = layer_bases(c, l, i, kdims, vdims, &prev_gap, fn)) == KVI_OK) st = layer_scales(c, l, i, fn);
+  return st;
+}
+
+/* The cache must be where the layout says it is (checked where a driver
+ * answers). A device cache may also be mapped pinned host memory, which the
+ * kernels write in place over the bus (a llama.cpp state: kvinject/llama.h). */
+static kvi_status check_cache_memory(const kvi__cache *c, kvi_memory memory, bool cuda, int device, const char *fn) {
+  const bool mapped =
+      memory == KVI_MEMORY_DEVICE && cuda && kvi__cuda_host_mapped(c->k[0]) && kvi__cuda_host_mapped(c->v[0]);
+  kvi_status st = KVI_OK;
+  if (!mapped && ((st = kvi__check_memory(c->k[0], memory, cuda, device, fn, "the cache's layer 0 K")) ||
+                  (st = kvi__check_memory(c->v[0], memory, cuda, device, fn, "the cache's layer 0 V"))))
+    return st;
+  return KVI_OK;
+}
+
 kvi_status kvi__cache_resolve(kvi__cache *c, const kvi_cache_layout *user, const kvi__geom *g, bool cuda, int device,
                               const char *fn) {
   memset(c, 0, sizeof *c);
   if (!user) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout is NULL");
   kvi_cache_layout l = KVI_CACHE_LAYOUT_INIT;
   kvi_status st = kvi__read_struct(&l, sizeof l, user, CACHE_LAYOUT_V1, fn, "layout");
-  if (st) return st;
-  if (l.memory != KVI_MEMORY_HOST && l.memory != KVI_MEMORY_DEVICE)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout->memory is %d: set KVI_MEMORY_HOST or DEVICE", (int)l.memory);
-  if (l.memory != (cuda ? KVI_MEMORY_DEVICE : KVI_MEMORY_HOST))
-    return kvi__fail(KVI_ERR_MEMORY_KIND, fn, "a %s store writes a cache in %s memory; layout->memory says %s",
-                     cuda ? "CUDA" : "CPU", cuda ? "device" : "host", l.memory == KVI_MEMORY_HOST ? "host" : "device");
-  if (kvi_dtype_size(l.dtype) == 0)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout->dtype is %d, not a kvi_dtype", (int)l.dtype);
-  if (l.num_layers != g->num_layers || l.num_heads != g->local_heads || l.head_size != g->head_size)
-    return kvi__fail(KVI_ERR_MISMATCH, fn,
-                     "layout has %d layers x %d heads x %d, the model holds %d layers x %d local heads x %d",
-                     (int)l.num_layers, (int)l.num_heads, (int)l.head_size, (int)g->num_layers, (int)g->local_heads,
-                     (int)g->head_size);
-  if (l.block_size < 1 || l.num_blocks < 1)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout->block_size %d and num_blocks %lld must be >= 1",
-                     (int)l.block_size, (long long)l.num_blocks);
-  const struct {
-    const char *name;
-    int64_t v;
-  } sv[] = {{"block_stride", l.block_stride},     {"token_stride", l.token_stride},     {"head_stride", l.head_stride},
-            {"dim_stride", l.dim_stride},         {"v_block_stride", l.v_block_stride}, {"v_token_stride", l.v_token_stride},
-            {"v_head_stride", l.v_head_stride},   {"v_dim_stride", l.v_dim_stride},     {"layer_stride", l.layer_stride},
-            {"v_offset", l.v_offset}};
-  for (size_t i = 0; i < sizeof sv / sizeof sv[0]; i++)
-    if (sv[i].v < 0)
-      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout->%s is %lld; strides and offsets must be >= 0", sv[i].name,
-                       (long long)sv[i].v);
+  if (st || (st = check_fields(&l, g, cuda, fn))) return st;
   /* the per-plane strides, defaults applied */
   const kvi__strides ks = {l.block_stride, l.token_stride, l.head_stride, l.dim_stride ? l.dim_stride : 1};
   const kvi__strides vs = {l.v_block_stride ? l.v_block_stride : ks.block, l.v_token_stride ? l.v_token_stride : ks.token,
                            l.v_head_stride ? l.v_head_stride : ks.head, l.v_dim_stride ? l.v_dim_stride : ks.dim};
-  /* extent of one layer's K and V in elements, with overflow checks */
-  int64_t ext[2] = {0, 0}, t;
-  for (int kv = 0; kv < 2; kv++) {
-    const kvi__strides *p = kv ? &vs : &ks;
-    const int64_t ds[4][2] = {{l.num_blocks, p->block}, {l.block_size, p->token}, {l.num_heads, p->head}, {l.head_size, p->dim}};
-    for (int i = 0; i < 4; i++)
-      if (__builtin_mul_overflow(ds[i][0] - 1, ds[i][1], &t) || __builtin_add_overflow(ext[kv], t, &ext[kv]))
-        return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout's %s extent overflows 64-bit offsets", kv ? "V" : "K");
-  }
-  /* the farthest element of any layer, K or V, from a base: its byte offset
-   * (and sums of a few such, in check_overlap) must fit 64 bits */
-  int64_t far;
-  if (__builtin_mul_overflow((int64_t)(l.num_layers - 1), l.layer_stride, &far) ||
-      __builtin_add_overflow(far, ext[0] > ext[1] ? ext[0] : ext[1], &far) || __builtin_add_overflow(far, l.v_offset, &far) ||
-      __builtin_add_overflow(far, (int64_t)1, &far) || __builtin_mul_overflow(far, (int64_t)64, &t))
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout's extent overflows 64-bit offsets");
-  const size_t es = kvi_dtype_size(l.dtype);
-  const bool fp8 = l.dtype == KVI_DTYPE_FP8_E4M3 || l.dtype == KVI_DTYPE_FP8_E5M2;
-  if (l.scale_mode != KVI_SCALE_NONE && l.scale_mode != KVI_SCALE_PER_TENSOR && l.scale_mode != KVI_SCALE_PER_HEAD)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout->scale_mode is %d", (int)l.scale_mode);
-  if (l.scale_mode != KVI_SCALE_NONE && !fp8)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout->scale_mode is set for a %s cache; scales are for fp8",
-                     kvi__dtype_name(l.dtype));
-  if (l.scale_mode != KVI_SCALE_NONE && (!l.k_scales || !l.v_scales))
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout->scale_mode is set but k_scales or v_scales is NULL");
-
-  const int32_t L = l.num_layers, H = l.num_heads;
-  kvi__dim kdims[4], vdims[4];
-  plane_dims(kdims, &l, &ks, (int64_t)es);
-  plane_dims(vdims, &l, &vs, (int64_t)es);
-  int64_t prev_gap = 0;
-  c->k = malloc((size_t)L * sizeof *c->k);
-  c->v = malloc((size_t)L * sizeof *c->v);
-  c->k_scale = malloc((size_t)L * (size_t)H * sizeof *c->k_scale);
-  c->v_scale = malloc((size_t)L * (size_t)H * sizeof *c->v_scale);
-  if (!c->k || !c->v || !c->k_scale || !c->v_scale) {
-    kvi__cache_release(c);
-    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating layer tables");
-  }
-  for (int32_t i = 0; i < L; i++) {
-    char *kb = l.k_layers ? (char *)l.k_layers[i] : l.k_base ? (char *)l.k_base + (size_t)(i * l.layer_stride) * es : NULL;
-    char *vb = l.v_layers ? (char *)l.v_layers[i]
-               : l.v_base ? (char *)l.v_base + (size_t)(i * l.layer_stride) * es
-               : kb       ? kb + (size_t)l.v_offset * es
-                          : NULL;
-    if (!kb || !vb) {
-      kvi__cache_release(c);
-      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layer %d has no %s base pointer (set k_layers/k_base, v_layers/v_base)",
-                       (int)i, kb ? "V" : "K");
-    }
-    c->k[i] = kb;
-    c->v[i] = vb;
-    /* the gap in bytes, clamped: separate tensors may be any distance apart, and
-     * a plane spans < 2^60 bytes (the extent check), so beyond 2^61 is apart
-     * whatever the exact distance, and the check's sums stay inside 64 bits */
-    const uintptr_t ka = (uintptr_t)kb, va = (uintptr_t)vb, lim = (uintptr_t)1 << 61;
-    const int64_t gap = va >= ka ? (int64_t)(va - ka < lim ? va - ka : lim) : -(int64_t)(ka - va < lim ? ka - va : lim);
-    if (i == 0 || gap != prev_gap) {
-      if ((st = check_overlap(kdims, vdims, gap, (int64_t)es, i, fn))) {
-        kvi__cache_release(c);
-        return st;
-      }
-      prev_gap = gap;
-    }
-    for (int32_t h = 0; h < H; h++) {
-      float ks = 1.0f, vs = 1.0f;
-      if (l.scale_mode == KVI_SCALE_PER_TENSOR) ks = l.k_scales[i], vs = l.v_scales[i];
-      if (l.scale_mode == KVI_SCALE_PER_HEAD) ks = l.k_scales[(size_t)i * H + h], vs = l.v_scales[(size_t)i * H + h];
-      if (!(isfinite(ks) && ks > 0 && isfinite(vs) && vs > 0)) {
-        kvi__cache_release(c);
-        return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layer %d head %d has scales %g / %g; scales must be finite and > 0",
-                         (int)i, (int)h, (double)ks, (double)vs);
-      }
-      c->k_scale[(size_t)i * H + h] = ks;
-      c->v_scale[(size_t)i * H + h] = vs;
-    }
-  }
-  /* The cache must be where the layout says it is (checked where a driver
-   * answers). A device cache may also be mapped pinned host memory, which the
-   * kernels write in place over the bus (a llama.cpp state: kvinject/llama.h). */
-  const bool mapped = l.memory == KVI_MEMORY_DEVICE && cuda && kvi__cuda_host_mapped(c->k[0]) &&
-                      kvi__cuda_host_mapped(c->v[0]);
-  if (!mapped && ((st = kvi__check_memory(c->k[0], l.memory, cuda, device, fn, "the cache's layer 0 K")) ||
-                  (st = kvi__check_memory(c->v[0], l.memory, cuda, device, fn, "the cache's layer 0 V")))) {
+  if ((st = check_extent(&l, &ks, &vs, fn)) || (st = check_scale_mode(&l, fn))) return st;
+  if ((st = resolve_layers(c, &l, &ks, &vs, fn)) || (st = check_cache_memory(c, l.memory, cuda, device, fn))) {
     kvi__cache_release(c);
     return st;
   }
   c->dtype = l.dtype;
-  c->L = L;
-  c->H = H;
+  c->L = l.num_layers;
+  c->H = l.num_heads;
   c->D = l.head_size;
   c->BS = l.block_size;
   c->NB = l.num_blocks;

@@ -576,6 +576,55 @@ static void plan_run(plan *p, const xfer *x, int32_t r, int64_t seq0, int64_t to
   }
 }
 
+/* tests/internal's view of plans (transfer_internal.h): a plan over the
+ * view's arrays, and back. */
+static plan plan_of_view(const kvi__plan_view *v) {
+  plan p;
+  memset(&p, 0, sizeof p);
+  p.segs = v->segs;
+  p.reqs = v->reqs;
+  p.positions = v->positions;
+  p.tables = v->tables;
+  p.buf = (char *)v->buf;
+  p.o_tab = v->tables && v->buf ? (size_t)((const char *)v->tables - v->buf) : 0;
+  p.nsegs = v->nsegs, p.nreqs = v->nreqs, p.ntok = v->ntok, p.ntables = v->ntables;
+  return p;
+}
+
+static void view_of_plan(kvi__plan_view *v, const plan *p) {
+  v->segs = p->segs;
+  v->reqs = p->reqs;
+  v->positions = p->positions;
+  v->tables = p->tables;
+  v->buf = p->buf;
+  v->ext = p->buf && p->o_ext ? p->buf + p->o_ext : NULL;
+  v->nsegs = p->nsegs, v->nreqs = p->nreqs, v->ntok = p->ntok, v->ntables = p->ntables;
+}
+
+int32_t kvi__plan_request_into(const kvi_injector *injector, kvi__plan_view *v, const int32_t *table,
+                               int32_t table_len, bool table_on_host, int64_t first_slot, int64_t tokens) {
+  plan p = plan_of_view(v);
+  job j;
+  memset(&j, 0, sizeof j);
+  j.table = table;
+  j.table_len = table_len;
+  j.table_on_host = table_on_host;
+  j.first_slot = first_slot;
+  j.tokens = tokens;
+  const int32_t r = plan_request(&p, &injector->x, &j);
+  view_of_plan(v, &p);
+  return r;
+}
+
+void kvi__plan_run_into(const kvi_injector *injector, kvi__plan_view *v, int32_t r, int64_t seq0, int64_t tokens,
+                        const void *positions, bool pos64, int32_t start_position, const uint32_t *pages) {
+  plan p = plan_of_view(v);
+  plan_run(&p, &injector->x, r, seq0, tokens, positions, pos64, start_position, pages);
+  view_of_plan(v, &p);
+}
+
+int64_t kvi__plan_segs_for(const kvi_injector *injector, int64_t npages) { return segs_for(&injector->x, npages); }
+
 /* ------------------------------------------------------------------------ */
 /* execution                                                                 */
 /* ------------------------------------------------------------------------ */
@@ -1935,6 +1984,26 @@ static kvi_status retr_prepare(void *ctx, const char *fn) {
   if (st == KVI_OK) st = plan_on_device(x, &r->p, d, r->nq, 0, fn);
   free(d);
   return st;
+}
+
+kvi_status kvi__retrieve_prepare(kvi_injector *injector, const kvi_retrieve_request *reqs, int32_t nq, int32_t k,
+                                 kvi__plan_view *out) {
+  xfer *x = &injector->x;
+  memset(out, 0, sizeof *out);
+  if (x->cuda) /* its plan would take a staging slot, which only a launch gives back in order */
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, "kvi__retrieve_prepare", "a CPU injector's plans only");
+  retr r = {x, reqs, NULL, nq, k, {0}};
+  lock_both(x);
+  const kvi_status st = retr_prepare(&r, "kvi_retrieve_inject");
+  unlock_both(x);
+  view_of_plan(out, &r.p);
+  return st;
+}
+
+void kvi__plan_view_free(kvi_injector *injector, kvi__plan_view *v) {
+  plan p = plan_of_view(v);
+  plan_free(&injector->x, &p);
+  memset(v, 0, sizeof *v);
 }
 
 static kvi_status retr_enqueue(void *ctx, const int32_t *rows, int32_t *counts, int32_t *tokens,

@@ -324,7 +324,7 @@ static void test_search_plans(void **state) {
   static const int smss[] = {1, 132};
   w.q = malloc((size_t)300 * DIM * sizeof *w.q);
   uint64_t *tenants = malloc(300 * sizeof *tenants);
-  int runs = 0, multi_round = 0, gemm = 0, deferred = 0;
+  int runs = 0, multi_round = 0, gemm = 0, deferred = 0, running = 0;
   for (size_t a = 0; a < 5; a++)
     for (size_t b = 0; b < 4; b++)
       for (size_t c = 0; c < 4; c++) {
@@ -341,13 +341,17 @@ static void test_search_plans(void **state) {
         multi_round += p.nrounds > 1;
         gemm += p.any_gemm;
         deferred += p.nrounds > 1 && p.cand_pairs > 0 && p.sels[p.nsels - 1].b >= (int64_t)nq * k;
+        bool merges_running = false; /* a stage 2 into a top k that an earlier round began */
+        for (size_t i = 0; i < p.nsels; i++) merges_running |= p.sels[i].na > 0;
+        running += merges_running;
         kvi__search_plan_free(&p);
         runs++;
       }
   /* the sweep reaches the plan's shapes: several rounds, GEMM tiles */
-  print_message("    %d plans: %d of several rounds, %d with GEMM tiles, %d deferred merges\n", runs, multi_round, gemm,
-                deferred);
-  assert_true(multi_round > 0 && gemm > 0);
+  print_message("    %d plans: %d of several rounds, %d with GEMM tiles, %d deferred merges, %d merging every round\n", runs,
+                multi_round, gemm, deferred, running);
+  /* both merge steps (round_deferred, round_merges) are reached */
+  assert_true(multi_round > 0 && gemm > 0 && deferred > 0 && running > 0);
   free(tenants);
   free(w.q);
   free_world(&w);
