@@ -247,6 +247,16 @@ class Bench:
         if batch:
             yield batch
 
+    def _expanded(self, cache, rows):
+        """A DynamicCache holding `cache`'s (batch 1) KV in each of `rows` rows:
+        a shared prefix prefilled once (the units after it are prefilled from it,
+        exactly as if each row had prefilled the prefix itself)."""
+        from transformers import DynamicCache
+        c = DynamicCache()
+        for li, (k, v) in enumerate(zip(*C.cache_tensors(cache))):
+            c.update(k.expand(rows, -1, -1, -1).contiguous(), v.expand(rows, -1, -1, -1).contiguous(), li)
+        return c
+
     def _padded(self, rows):
         n = max(len(r) for r in rows)
         return [r + [self.pad] * (n - len(r)) for r in rows]
@@ -299,8 +309,12 @@ class Bench:
                 kw = dict(embedding_dim=self.embed_dim, metric=kvi.Metric.COSINE)
             stores[dn] = self.store(dn, **kw)
         emb = self.fact_embeddings() if key == (0, False) else None
+        pre = len(self.corpus.header) if anchor else 0
+        head = self.forward(self.corpus.header, use_cache=True).past_key_values if pre else None
         for batch in self._batches(self.window_units(w, anchor), self.args.batch_tokens):
-            out = self.forward(self._padded([u[0] for u in batch]), use_cache=True, logits_to_keep=1)
+            rows = self._padded([u[0][pre:] for u in batch])
+            past = self._expanded(head, len(rows)) if pre else None
+            out = self.forward(rows, past_key_values=past, use_cache=True, logits_to_keep=1)
             kv = C.cache_tensors(out.past_key_values)
             for dn, st in stores.items():
                 enc = kvi.Encoder(st, kvi.CacheLayout.hf(*kv))
