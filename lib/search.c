@@ -214,8 +214,9 @@ struct kvi__search {
   int sms;
 };
 
-void kvi__search_release(kvi_store *s) {
-  kvi__search *x = s->search;
+/* The store's search.release hook (registered with the workspace). */
+static void search_release(kvi_store *s) {
+  kvi__search *x = s->search.ws;
   if (!x) return;
   kvi__devguard g;
   if (kvi__cuda_enter(s->device, &g, "kvi_store_destroy") == KVI_OK) {
@@ -233,25 +234,27 @@ void kvi__search_release(kvi_store *s) {
   }
   pthread_cond_destroy(&x->cond);
   free(x);
-  s->search = NULL;
+  s->search.ws = NULL;
+  s->search.release = NULL;
 }
 
 /* Made by the first search of a CUDA store (store locked, device current). */
 static kvi_status search_state(kvi_store *s, const char *fn) {
-  if (s->search) return KVI_OK;
+  if (s->search.ws) return KVI_OK;
   kvi__search *x = calloc(1, sizeof *x);
   if (!x) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the search state");
   if (pthread_cond_init(&x->cond, NULL) != 0) {
     free(x);
     return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "initializing a condition variable");
   }
-  s->search = x;
+  s->search.ws = x;
+  s->search.release = search_release;
   kvi_status st = kvi__cuda_event_create(&x->done, fn);
   for (int i = 0; i < SLOTS && st == KVI_OK; i++) st = kvi__cuda_event_create(&x->slot[i].ev, fn);
   if (st == KVI_OK) st = kvi__cuda_host_alloc_mapped((void **)&x->bad_host, (void **)&x->bad_dev, 64, fn);
   if (st == KVI_OK) *x->bad_host = 0;
   if (st == KVI_OK) st = kvi__cuda_sm_count(s->device, &x->sms, fn);
-  if (st) kvi__search_release(s);
+  if (st) search_release(s);
   return st;
 }
 
@@ -260,7 +263,7 @@ KVI_API kvi_status kvi_store_search_async_errors(kvi_store *store, int64_t *out_
   if (!store || !out_bad_queries)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_bad_queries" : "store");
   kvi__store_lock(store);
-  kvi__search *x = store->search;
+  kvi__search *x = store->search.ws;
   const unsigned long long now = x && x->bad_host ? *(volatile unsigned long long *)x->bad_host : 0;
   *out_bad_queries = x ? (int64_t)(now - x->bad_taken) : 0;
   if (x) x->bad_taken = now;
@@ -609,7 +612,7 @@ static size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
 /* A free staging slot of at least `bytes` (store locked; may wait for the
  * slot's previous copies, or for a call copying results out of it). */
 static kvi_status take_slot(kvi_store *s, size_t bytes, sslot **out, const char *fn) {
-  kvi__search *x = s->search;
+  kvi__search *x = s->search.ws;
   sslot *sl = NULL;
   for (;;) {
     for (int i = 0; i < SLOTS && !sl; i++) {
@@ -712,7 +715,7 @@ static void write_upload(char *u, const layout *l, const plan *p, int32_t nq) {
 static kvi_status enqueue(kvi_store *s, const plan *p, const layout *l, const void *raw, kvi_dtype qt, int32_t nq,
                           int32_t k, uint64_t *out_ids, float *out_scores, int32_t *out_counts, int32_t *out_rows,
                           struct CUstream_st *stream, const char *fn) {
-  kvi__search *x = s->search;
+  kvi__search *x = s->search.ws;
   char *ws = x->ws;
   kvi__search_args a;
   memset(&a, 0, sizeof a);
@@ -795,7 +798,7 @@ static kvi_status cuda_search(kvi_store *s, const void *queries, kvi_dtype qt, k
   }
   if ((st = kvi__cuda_enter(s->device, &g, fn))) goto out_unlock;
   if ((st = search_state(s, fn))) goto out_leave;
-  kvi__search *x = s->search;
+  kvi__search *x = s->search.ws;
   if ((st = kvi__search_plan_build(s, &p, tenants, nq, k, area, x->sms, fn))) goto out_leave;
   make_layout(&l, s, &p, nq, k, qt, host_q, host_out, then != NULL);
   if (p.any_gemm && !x->lt && (st = kvi__lt_create(&x->lt, fn))) goto out_leave;
@@ -835,7 +838,7 @@ static kvi_status cuda_search(kvi_store *s, const void *queries, kvi_dtype qt, k
 
 out_leave:
   if (enqueued) { /* ordering is kept even for a failed call: what was enqueued may run */
-    kvi__search *x2 = s->search;
+    kvi__search *x2 = s->search.ws;
     kvi_status s1 = kvi__cuda_event_record(sl->ev, stream, fn);
     if (s1 == KVI_OK) sl->used = true;
     kvi_status s2 = kvi__cuda_event_record(x2->done, stream, fn);
@@ -849,7 +852,7 @@ out_leave:
 out_unlock:
   if (sl && !(st == KVI_OK && host_out)) {
     sl->busy = false;
-    pthread_cond_broadcast(&s->search->cond);
+    pthread_cond_broadcast(&s->search.ws->cond);
   }
   if (!locked) kvi__store_unlock(s);
   if (sl && st == KVI_OK && host_out) {
@@ -865,7 +868,7 @@ out_unlock:
     }
     if (!locked) kvi__store_lock(s);
     sl->busy = false;
-    pthread_cond_broadcast(&s->search->cond);
+    pthread_cond_broadcast(&s->search.ws->cond);
     if (!locked) kvi__store_unlock(s);
   }
   kvi__search_plan_free(&p);

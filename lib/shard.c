@@ -146,8 +146,12 @@ static uint64_t rope_digest(const kvi_model *m) {
   return h;
 }
 
-kvi_status kvi__shard_create(kvi_store *s, const kvi_model *model, const kvi_store_options *o, kvi_status local,
-                             const char *fn) {
+/* The collective part of kvi_store_create with a communicator. s is the
+ * store this rank made (NULL when local is an error). Checks that the ranks
+ * agree; on success sets s's comm fields. Returns the combined status; the
+ * caller destroys s when it is not KVI_OK. */
+static kvi_status shard_create(kvi_store *s, const kvi_model *model, const kvi_store_options *o, kvi_status local,
+                               const char *fn) {
   kvi_comm *c = o->comm;
   const kvi__geom *g = model ? &model->geom : NULL;
   if (local == KVI_OK) {
@@ -218,6 +222,35 @@ kvi_status kvi__shard_create(kvi_store *s, const kvi_model *model, const kvi_sto
   }
   return st;
 }
+
+/* Here rather than in store.c: a store with a communicator is made by the
+ * ranks together, and the store knows nothing of them. */
+KVI_API kvi_status kvi_store_create(kvi_store **out, const kvi_model *model, const kvi_store_options *opts) {
+  static const char fn[] = "kvi_store_create";
+  if (!out || !opts) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", !out ? "out" : "opts");
+  kvi_store_options o = KVI_STORE_OPTIONS_INIT;
+  kvi_status st = kvi__read_struct(&o, sizeof o, opts, KVI__STORE_OPTIONS_V1, fn, "opts");
+  if (st) return st;
+  kvi_store *s = NULL;
+  if (!model) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "model is NULL");
+  else if (o.embedding_placement != KVI_EMBEDDINGS_REPLICATED && o.embedding_placement != KVI_EMBEDDINGS_SHARDED)
+    st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                   "opts->embedding_placement is %d, expected KVI_EMBEDDINGS_REPLICATED (0) or SHARDED (1)",
+                   (int)o.embedding_placement);
+  else if (o.embedding_placement == KVI_EMBEDDINGS_SHARDED && !o.comm)
+    st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->embedding_placement is SHARDED but opts->comm is NULL");
+  else st = kvi__store_create(&s, model, &o, fn);
+  if (o.comm) { /* collective: every rank takes part, whatever happened here */
+    st = shard_create(s, model, &o, st, fn);
+    if (st && s) {
+      kvi_store_destroy(s);
+      s = NULL;
+    }
+  }
+  if (st == KVI_OK) *out = s;
+  return st;
+}
+
 
 /* ------------------------------------------------------------------------ */
 /* put from a full-head source                                              */
@@ -476,7 +509,7 @@ KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, int32_t root, const k
         memcpy(emb, embs + (size_t)i * E, (size_t)E * sizeof *emb);
       }
       const kvi_scatter_item *it = item_at(items, stride, i);
-      const kvi__put_item p = {it->tenant, it->fact_id, &mine[i], rec[i].flags, emb, NULL};
+      const kvi__put_item p = {it->tenant, it->fact_id, &mine[i], rec[i].flags, emb};
       put[i] = p;
     }
     comm_gate gate = {{comm_decide}, c, stream, fn};

@@ -21,12 +21,9 @@
 #include "internal.h"
 #include "kernels.h"
 #include "kvi_build_config.h"
-#include "persist_internal.h"
 #include "store_internal.h"
 #include "comm_internal.h"
-#include "kvi_build_config.h"
 
-#define STORE_OPTIONS_V1 offsetof(kvi_store_options, comm) /* the fields before comm came first */
 #define PUT_OPTIONS_V1 sizeof(kvi_put_options)
 #define STORE_STATS_V1 offsetof(kvi_store_stats, pages_host_total) /* the fields before the host tier came first */
 
@@ -220,7 +217,7 @@ static kvi_status copy_fact(const kvi_store *s, const kvi_kv_view *v, const uint
 
 KVI_API kvi_status kvi_store_options_init(kvi_store_options *opts, size_t size) {
   static const kvi_store_options d = KVI_STORE_OPTIONS_INIT;
-  return kvi__init_struct(opts, size, &d, sizeof d, STORE_OPTIONS_V1, "kvi_store_options_init");
+  return kvi__init_struct(opts, size, &d, sizeof d, KVI__STORE_OPTIONS_V1, "kvi_store_options_init");
 }
 
 KVI_API kvi_status kvi_put_options_init(kvi_put_options *opts, size_t size) {
@@ -350,8 +347,8 @@ static kvi_status reserve_memory(kvi_store *s, const char *fn) {
   return st;
 }
 
-static kvi_status create_local(kvi_store **out, const kvi_model *model, const kvi_store_options *opts,
-                               const char *fn) {
+kvi_status kvi__store_create(kvi_store **out, const kvi_model *model, const kvi_store_options *opts,
+                             const char *fn) {
   const kvi_store_options o = *opts;
   kvi_status st;
 
@@ -480,32 +477,6 @@ fail:
   return st;
 }
 
-KVI_API kvi_status kvi_store_create(kvi_store **out, const kvi_model *model, const kvi_store_options *opts) {
-  static const char fn[] = "kvi_store_create";
-  if (!out || !opts) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", !out ? "out" : "opts");
-  kvi_store_options o = KVI_STORE_OPTIONS_INIT;
-  kvi_status st = kvi__read_struct(&o, sizeof o, opts, STORE_OPTIONS_V1, fn, "opts");
-  if (st) return st;
-  kvi_store *s = NULL;
-  if (!model) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "model is NULL");
-  else if (o.embedding_placement != KVI_EMBEDDINGS_REPLICATED && o.embedding_placement != KVI_EMBEDDINGS_SHARDED)
-    st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
-                   "opts->embedding_placement is %d, expected KVI_EMBEDDINGS_REPLICATED (0) or SHARDED (1)",
-                   (int)o.embedding_placement);
-  else if (o.embedding_placement == KVI_EMBEDDINGS_SHARDED && !o.comm)
-    st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->embedding_placement is SHARDED but opts->comm is NULL");
-  else st = create_local(&s, model, &o, fn);
-  if (o.comm) { /* collective: every rank takes part, whatever happened here */
-    st = kvi__shard_create(s, model, &o, st, fn);
-    if (st && s) {
-      kvi_store_destroy(s);
-      s = NULL;
-    }
-  }
-  if (st == KVI_OK) *out = s;
-  return st;
-}
-
 static void free_fact(fact *f) {
   free(f->pages);
   free(f->hpages);
@@ -516,7 +487,7 @@ static void emb_free(kvi_store *s, tenant *t);
 
 KVI_API void kvi_store_destroy(kvi_store *store) {
   if (!store) return;
-  kvi__search_release(store);
+  if (store->search.release) store->search.release(store);
   for (size_t i = 0; i < store->facts.cap; i++)
     if (store->facts.slots[i].val) free_fact(store->facts.slots[i].val);
   for (size_t i = 0; i < store->tenants.cap; i++) {
@@ -532,7 +503,7 @@ KVI_API void kvi_store_destroy(kvi_store *store) {
   free(store->hpool.free);
   for (int32_t l = 0; l < store->geom.num_layers; l++) kvi__rope_release(&store->rope[l]);
   free(store->rope);
-  kvi__journal_free(store->journal);
+  if (store->journal.ops) store->journal.ops->release(store->journal.ctx);
   free(store);
 }
 
@@ -541,8 +512,8 @@ KVI_API void kvi_store_destroy(kvi_store *store) {
 /* ------------------------------------------------------------------------ */
 
 /* Reads and checks an embedding into a fresh host fp32 array. */
-kvi_status kvi__store_read_embedding(const kvi_store *s, const void *embedding, kvi_dtype dtype, kvi_memory memory,
-                                     struct CUstream_st *stream, float **out, const char *fn) {
+static kvi_status read_embedding(const kvi_store *s, const void *embedding, kvi_dtype dtype, kvi_memory memory,
+                                 kvi_metric metric, struct CUstream_st *stream, float **out, const char *fn) {
   *out = NULL;
   if (!embedding) {
     if (s->emb_dim > 0)
@@ -580,8 +551,7 @@ kvi_status kvi__store_read_embedding(const kvi_store *s, const void *embedding, 
       if (!isfinite(e[i]))
         st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "embedding[%zu] is %g; embeddings must be finite", i, (double)e[i]);
     const int64_t bad =
-        st == KVI_OK ? kvi__emb_prepare(e, s->emb_dim, s->emb_dtype, s->emb_as_kept ? KVI_METRIC_INNER_PRODUCT : s->metric)
-                     : -1;
+        st == KVI_OK ? kvi__emb_prepare(e, s->emb_dim, s->emb_dtype, metric) : -1;
     if (bad >= 0)
       st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "embedding[%lld] is %g, too large for the store's %s embeddings",
                      (long long)bad, (double)kvi__load(src, dtype, bad), kvi__dtype_name(s->emb_dtype));
@@ -593,6 +563,16 @@ kvi_status kvi__store_read_embedding(const kvi_store *s, const void *embedding, 
   }
   *out = e;
   return KVI_OK;
+}
+
+kvi_status kvi__store_read_embedding(const kvi_store *s, const void *embedding, kvi_dtype dtype, kvi_memory memory,
+                                     struct CUstream_st *stream, float **out, const char *fn) {
+  return read_embedding(s, embedding, dtype, memory, s->metric, stream, out, fn);
+}
+
+kvi_status kvi__store_kept_embedding(const kvi_store *s, const float *embedding, float **out, const char *fn) {
+  /* the inner product's preparation only rounds, which changes nothing kept */
+  return read_embedding(s, embedding, KVI_DTYPE_FP32, KVI_MEMORY_HOST, KVI_METRIC_INNER_PRODUCT, NULL, out, fn);
 }
 
 int64_t kvi__emb_prepare(float *x, int32_t n, kvi_dtype t, kvi_metric metric) {
@@ -751,7 +731,13 @@ static kvi_status stage_reserve(kvi_store *s, size_t n, const char *fn) {
   return KVI_OK;
 }
 
-kvi_status kvi__store_reserve_rows(kvi_store *s, uint64_t tenant_id, size_t n, int32_t tokens, const char *fn) {
+/* Makes room for `n` more embedding rows in tenant_id's matrix (and, on a
+ * CUDA store, n rows of staging; with dir_on, directory rows for facts of
+ * up to `tokens` tokens), creating the tenant without facts if it is new.
+ * No-op for a store without embeddings. A transaction that then fails calls
+ * unreserve_rows for each of those tenants, so that no empty tenant stays
+ * behind. The room that was made stays (as a hash map's). */
+static kvi_status reserve_rows(kvi_store *s, uint64_t tenant_id, size_t n, int32_t tokens, const char *fn) {
   if (s->emb_dim == 0 || n == 0) return KVI_OK;
   if (s->emb_err)
     return kvi__fail(s->emb_err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb_err_msg);
@@ -761,7 +747,7 @@ kvi_status kvi__store_reserve_rows(kvi_store *s, uint64_t tenant_id, size_t n, i
     if ((st = kvi__map_reserve(&s->tenants, 1, fn))) return st;
     if (!(t = calloc(1, sizeof *t))) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a tenant");
     t->id = tenant_id;
-    kvi__map_put(&s->tenants, tenant_id, 0, t); /* empty until commit; kvi__store_unreserve_rows drops it */
+    kvi__map_put(&s->tenants, tenant_id, 0, t); /* empty until commit; unreserve_rows drops it */
   }
   /* a directory row: the token count, then the page ids */
   const int32_t stride = s->dir_on ? 1 + (int32_t)pages_for(s, tokens) : 0;
@@ -773,7 +759,7 @@ kvi_status kvi__store_reserve_rows(kvi_store *s, uint64_t tenant_id, size_t n, i
   return KVI_OK;
 }
 
-void kvi__store_unreserve_rows(kvi_store *s, uint64_t tenant_id) {
+static void unreserve_rows(kvi_store *s, uint64_t tenant_id) {
   if (s->emb_dim == 0) return;
   s->stage_reserved = 0;
   tenant *t = kvi__map_get(&s->tenants, tenant_id, 0);
@@ -946,7 +932,15 @@ static void release_pages(kvi_store *s, const uint32_t *pages, uint32_t n) {
   }
 }
 
-void kvi__store_give_back(kvi_store *s, const uint32_t *pages, uint32_t n) { release_pages(s, pages, n); }
+/* Takes n pages off the top of p's free stack (p->nfree >= n), in pop order. */
+static void pool_take(pool *p, uint32_t *out, uint32_t n) {
+  for (uint32_t j = 0; j < n; j++) out[j] = p->free[--p->nfree];
+}
+
+/* Undoes pool_take exactly: the stack is as it was before. */
+static void pool_untake(pool *p, const uint32_t *pages, uint32_t n) {
+  for (uint32_t j = n; j-- > 0;) p->free[p->nfree++] = pages[j];
+}
 
 /* Frees what completed work allows in pool p, and waits for in-flight work
  * when the pages it holds would give p `need` free pages. */
@@ -957,14 +951,14 @@ static kvi_status pool_room(kvi_store *s, pool *p, uint64_t need, const char *fn
   return st;
 }
 
-kvi_status kvi__store_reserve(kvi_store *s, uint32_t need, size_t new_facts, const char *fn) {
+/* Makes `need` pages of the first pool free, or fails with KVI_ERR_CAPACITY. */
+static kvi_status device_room(kvi_store *s, uint32_t need, const char *fn) {
   kvi_status st = pool_room(s, &s->pool, need, fn);
   if (st) return st;
   if (s->pool.nfree < need)
     return kvi__fail(KVI_ERR_CAPACITY, fn, "%u pages of %d tokens are needed; %u of %u pages are free", need,
                      (int)s->P, s->pool.nfree, s->pool.npages);
-  if ((st = kvi__map_reserve(&s->facts, new_facts, fn))) return st;
-  return kvi__map_reserve(&s->tenants, new_facts, fn);
+  return KVI_OK;
 }
 
 
@@ -1018,17 +1012,17 @@ static kvi_status wait_tracked(kvi_store *s, struct CUstream_st *on, const char 
 
 /* Makes `need` host-tier pages free if it can: completed work first, then
  * the clean host copies of device-tier facts (most recently used first:
- * they are the last to be demoted), except those of facts marked `keep`.
+ * they are the last to be demoted), except those of pinned facts.
  * Leaves the shortage, if any, to the caller, having dropped nothing. */
-static kvi_status host_room(kvi_store *s, uint64_t need, uint64_t keep, const char *fn) {
+static kvi_status host_room(kvi_store *s, uint64_t need, const char *fn) {
   kvi_status st = pool_room(s, &s->hpool, need, fn);
   if (st || s->hpool.nfree >= need) return st;
   uint64_t have = (uint64_t)s->hpool.nfree + deferred_in(s, &s->hpool), drop = 0;
   for (fact *f = s->lru_head; f && have + drop < need; f = f->lru_next)
-    if (f->hpages && f->mark != keep) drop += f->npages;
+    if (f->hpages && !f->pins) drop += f->npages;
   if (have + drop < need) return KVI_OK;
   for (fact *f = s->lru_head; f && have < need; f = f->lru_next)
-    if (f->hpages && f->mark != keep) {
+    if (f->hpages && !f->pins) {
       release_pages(s, f->hpages, f->npages); /* after any copy still reading them */
       have += f->npages;
       free(f->hpages);
@@ -1067,17 +1061,30 @@ static kvi_status copy_tier(kvi_store *s, const uint32_t *dst, const uint32_t *s
   return st;
 }
 
-kvi_status kvi__store_tier_move(kvi_store *s, fact *const *up, size_t nup, uint32_t extra, uint32_t *extra_pages,
-                                uint64_t mark, struct CUstream_st *stream, const char *fn) {
+uint64_t kvi__store_evictable(const kvi_store *s) {
+  uint64_t n = 0;
+  for (const fact *f = s->lru_tail; f; f = f->lru_prev)
+    if (!f->pins) n += f->npages;
+  return n;
+}
+
+/* Moves the `nup` host-tier facts up[] to the device and takes `extra` more
+ * device pages for the caller (written into extra_pages, off the free stack:
+ * the caller commits them to facts or gives them back with release_pages),
+ * demoting least-recently-used device facts that are not pinned when the
+ * device pool is short. Copies run on the copy stream after every tracked
+ * device operation; `stream` then waits for them. KVI_ERR_CAPACITY, with
+ * nothing changed, when the device cannot hold them besides the pinned
+ * facts or the host has no room for the demoted ones. Device is current. */
+static kvi_status tier_move(kvi_store *s, fact *const *up, size_t nup, uint32_t extra, uint32_t *extra_pages,
+                            struct CUstream_st *stream, const char *fn) {
   uint64_t need = extra;
   for (size_t i = 0; i < nup; i++) need += up[i]->npages;
   if (need == 0) return KVI_OK;
   kvi_status st = pool_room(s, &s->pool, need, fn);
   if (st) return st;
   /* victims: device-tier facts the call does not use, least recently used first */
-  uint64_t evictable = 0;
-  for (fact *f = s->lru_tail; f; f = f->lru_prev)
-    if (f->mark != mark) evictable += f->npages;
+  const uint64_t evictable = kvi__store_evictable(s);
   if (s->pool.nfree + evictable < need)
     return kvi__fail(KVI_ERR_CAPACITY, fn,
                      "%llu pages must be on the device at once; the device tier has %u pages: %u free, %llu held by "
@@ -1087,7 +1094,7 @@ kvi_status kvi__store_tier_move(kvi_store *s, fact *const *up, size_t nup, uint3
   uint64_t got = 0, down = 0;
   size_t nvict = 0;
   for (fact *f = s->lru_tail; f && s->pool.nfree + got < need; f = f->lru_prev)
-    if (f->mark != mark) {
+    if (!f->pins) {
       got += f->npages;
       if (!f->hpages) down += f->npages;
       nvict++;
@@ -1102,12 +1109,12 @@ kvi_status kvi__store_tier_move(kvi_store *s, fact *const *up, size_t nup, uint3
       st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a tier move");
   size_t nv = 0;
   for (fact *f = s->lru_tail; st == KVI_OK && nv < nvict; f = f->lru_prev)
-    if (f->mark != mark) {
+    if (!f->pins) {
       vict[nv++] = f;
-      f->mark = mark; /* host_room keeps their clean copies */
+      f->pins++; /* host_room keeps their clean copies */
     }
   if (st == KVI_OK && down > 0) {
-    st = host_room(s, down, mark, fn);
+    st = host_room(s, down, fn);
     if (st == KVI_OK && s->hpool.nfree < down)
       st = kvi__fail(KVI_ERR_CAPACITY, fn,
                      "making room on the device means moving %llu pages to the host tier, which has %u of %u pages "
@@ -1145,6 +1152,7 @@ kvi_status kvi__store_tier_move(kvi_store *s, fact *const *up, size_t nup, uint3
     if (stream != s->copy_stream) st = kvi__cuda_stream_wait(stream, s->track_ev[s->move_seq % KVI__TRACK_EVENTS], fn);
   } else if (st != KVI_OK) { /* nothing swapped; the pages written stay free once the copies are over */
     kvi__cuda_sync(s->copy_stream, fn);
+    for (size_t i = 0; i < nv; i++) vict[i]->pins--;
     for (size_t i = 0; i < nup; i++) free(newp ? newp[i] : NULL);
     free(newp);
     free(vict);
@@ -1168,6 +1176,7 @@ kvi_status kvi__store_tier_move(kvi_store *s, fact *const *up, size_t nup, uint3
       hj += f->npages;
     }
     lru_remove(s, f);
+    f->pins--;
     s->demotions++;
   }
   for (size_t i = 0; i < nup; i++) {
@@ -1199,7 +1208,7 @@ static kvi_status put_room(kvi_store *s, uint32_t need, pool **into, const char 
   if ((st = pool_room(s, &s->pool, need, fn)) || s->pool.nfree >= need) return st;
   if (s->hpool.npages > 0) {
     *into = &s->hpool;
-    if ((st = host_room(s, need, UINT64_MAX, fn)) || s->hpool.nfree >= need) return st;
+    if ((st = host_room(s, need, fn)) || s->hpool.nfree >= need) return st;
     return kvi__fail(KVI_ERR_CAPACITY, fn,
                      "%u pages of %d tokens are needed; the device tier has %u of %u pages free, the host tier %u of %u",
                      need, (int)s->P, s->pool.nfree, s->pool.npages, s->hpool.nfree, s->hpool.npages);
@@ -1218,7 +1227,7 @@ KVI_API kvi_status kvi_store_prefetch(kvi_store *store, uint64_t tenant_id, cons
   kvi__store_lock(store);
   const tenant *t = kvi__map_get(&store->tenants, tenant_id, 0);
   const size_t n = fact_ids ? (size_t)count : t ? t->count : 0;
-  fact **list = malloc((n ? n : 1) * sizeof *list);
+  fact **list = malloc((n ? 2 * n : 1) * sizeof *list), **up = list ? list + n : NULL; /* up: the facts to move */
   if (!list) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu fact references", n);
   size_t m = 0;
   if (st == KVI_OK && fact_ids) {
@@ -1229,12 +1238,10 @@ KVI_API kvi_status kvi_store_prefetch(kvi_store *store, uint64_t tenant_id, cons
     for (fact *f = t->head; f; f = f->next) list[m++] = f;
   }
   if (st == KVI_OK && store->hpool.npages > 0 && m > 0) {
-    const uint64_t stamp = ++store->mark_clock;
-    for (size_t i = 0; i < m; i++) list[i]->mark = stamp;
+    for (size_t i = 0; i < m; i++) list[i]->pins++; /* none of them moves down */
     /* the longest prefix that fits beside the facts it must not move down */
-    uint64_t room = (uint64_t)store->pool.nfree + deferred_in(store, &store->pool), need = 0;
-    for (fact *f = store->lru_tail; f; f = f->lru_prev)
-      if (f->mark != stamp) room += f->npages;
+    uint64_t room = (uint64_t)store->pool.nfree + deferred_in(store, &store->pool) + kvi__store_evictable(store),
+             need = 0;
     for (size_t i = m; i-- > 0;) /* named facts already on the device become the most recent, the first first */
       kvi__store_touch(store, list[i]);
     size_t nup = 0;
@@ -1242,18 +1249,46 @@ KVI_API kvi_status kvi_store_prefetch(kvi_store *store, uint64_t tenant_id, cons
       if (!fact_on_host(store, list[i])) continue;
       if (need + list[i]->npages > room) break;
       need += list[i]->npages;
-      list[nup++] = list[i]; /* nup <= i: compacts in place */
+      up[nup++] = list[i];
     }
     if (nup > 0) {
       WITH_DEVICE(store, fn, st, kvi__cuda_event_record(store->prefetch_ev, stream, fn));
       if (st == KVI_OK) WITH_DEVICE(store, fn, st, kvi__cuda_stream_wait(store->copy_stream, store->prefetch_ev, fn));
-      if (st == KVI_OK)
-        WITH_DEVICE(store, fn, st, kvi__store_tier_move(store, list, nup, 0, NULL, stamp, store->copy_stream, fn));
+      if (st == KVI_OK) WITH_DEVICE(store, fn, st, tier_move(store, up, nup, 0, NULL, store->copy_stream, fn));
     }
+    for (size_t i = 0; i < m; i++) list[i]->pins--;
   }
   kvi__store_unlock(store);
   free(list);
   return st;
+}
+
+/* ---- leases ---------------------------------------------------------------- */
+
+kvi_status kvi__store_lease(kvi_store *s, fact *const *facts, size_t n, bool promote, struct CUstream_st *stream,
+                            const char *fn) {
+  if (s->hpool.npages == 0) return KVI_OK;
+  fact **up = promote ? malloc((n ? n : 1) * sizeof *up) : NULL;
+  if (promote && !up) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu fact references", n);
+  size_t nup = 0;
+  for (size_t i = 0; i < n; i++) /* each once */
+    if (facts[i]->pins++ == 0 && promote && fact_on_host(s, facts[i])) up[nup++] = facts[i];
+  kvi_status st = KVI_OK;
+  if (s->backend == KVI_BACKEND_CUDA) {
+    WITH_DEVICE(s, fn, st, kvi__store_order_moves(s, stream, fn));
+    if (st == KVI_OK && nup > 0) WITH_DEVICE(s, fn, st, tier_move(s, up, nup, 0, NULL, stream, fn));
+  }
+  free(up);
+  if (st) kvi__store_unlease(s, facts, n, false);
+  return st;
+}
+
+void kvi__store_unlease(kvi_store *s, fact *const *facts, size_t n, bool used) {
+  if (s->hpool.npages == 0) return;
+  for (size_t i = n; i-- > 0;) { /* the first named ends the most recent */
+    facts[i]->pins--;
+    if (used) kvi__store_touch(s, facts[i]);
+  }
 }
 
 /* ---- put / remove --------------------------------------------------------- */
@@ -1278,8 +1313,13 @@ static void unlink_fact(kvi_store *s, fact *f) {
   s->pages_stored -= f->npages;
 }
 
-void kvi__store_commit(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, tenant *fresh, float **emb,
-                       uint64_t tenant_id, uint64_t fact_id, int32_t tokens) {
+/* Inserts a fact whose `need` pages (off their free stack) hold its data,
+ * replacing any fact with the same key. Takes ownership of f, pages and
+ * fresh (a spare tenant record, or NULL when the tenant is in the store);
+ * copies *emb into the tenant's matrix and frees it. Cannot fail: the
+ * transaction has reserved everything. */
+static void commit_fact(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, tenant *fresh, float **emb,
+                        uint64_t tenant_id, uint64_t fact_id, int32_t tokens) {
   fact *old = kvi__store_find(s, tenant_id, fact_id);
   if (old) {
     unlink_fact(s, old);
@@ -1319,121 +1359,235 @@ void kvi__store_commit(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, te
   t->count++;
   f->hpages = NULL;
   f->in_lru = false;
-  f->mark = 0;
+  f->pins = 0;
   kvi__store_touch(s, f); /* a new device-tier fact counts as used */
   kvi__map_put(&s->facts, tenant_id, fact_id, f);
   s->tokens_stored += (uint64_t)tokens;
   s->pages_stored += need;
 }
 
+/* ---- the write transaction ------------------------------------------------ */
+
+kvi_status kvi__txn_begin(kvi__txn *t, kvi_store *s, int32_t cap, kvi__place place, kvi__gate *gate,
+                          struct CUstream_st *stream, const char *fn) {
+  memset(t, 0, sizeof *t);
+  t->s = s;
+  t->place = place;
+  t->gate = gate;
+  t->stream = stream;
+  t->fn = fn;
+  t->cap = cap > 0 ? cap : 0;
+  t->facts = calloc(cap > 0 ? (size_t)cap : 1, sizeof *t->facts);
+  if (!t->facts) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a %d-fact transaction", (int)cap);
+  return KVI_OK;
+}
+
+kvi_status kvi__txn_add(kvi__txn *t, uint64_t tenant_id, uint64_t fact_id, int32_t tokens, uint32_t flags, float *emb) {
+  kvi_store *s = t->s;
+  const char *fn = t->fn;
+  if (!t->facts || t->n >= t->cap || t->pages) {
+    free(emb);
+    return kvi__fail(KVI_ERR_INTERNAL, fn, "a fact added to a transaction that cannot take it");
+  }
+  const int32_t i = t->n++;
+  kvi__txn_fact *x = &t->facts[i];
+  x->tenant = tenant_id;
+  x->id = fact_id;
+  x->tokens = tokens;
+  x->emb = emb;
+  x->npages = pages_for(s, tokens);
+  x->first = t->npages;
+  t->npages += x->npages;
+  if (!(flags & KVI_PUT_REPLACE) && kvi__store_find(s, tenant_id, fact_id)) {
+    if (t->item)
+      return kvi__fail(KVI_ERR_EXISTS, fn, "%s %d: fact %llu of tenant %llu is already stored (KVI_PUT_REPLACE replaces it)",
+                       t->item, (int)i, (unsigned long long)fact_id, (unsigned long long)tenant_id);
+    return kvi__fail(KVI_ERR_EXISTS, fn, "fact %llu of tenant %llu is already stored (pass KVI_PUT_REPLACE to replace it)",
+                     (unsigned long long)fact_id, (unsigned long long)tenant_id);
+  }
+  kvi_status st = kvi__map_reserve(&s->facts, (size_t)t->n, fn);
+  if (st == KVI_OK) st = kvi__map_reserve(&s->tenants, (size_t)t->n, fn);
+  if (st) return st;
+  t->nrows = t->n; /* unreserved on abort, even if this fails part way */
+  return reserve_rows(s, tenant_id, emb ? 1 : 0, tokens, fn);
+}
+
+kvi_status kvi__txn_take_pages(kvi__txn *t) {
+  kvi_store *s = t->s;
+  const char *fn = t->fn;
+  if (!t->facts || t->pages) return kvi__fail(KVI_ERR_INTERNAL, fn, "pages taken twice in one transaction");
+  t->pages = malloc((t->npages ? t->npages : 1) * sizeof *t->pages);
+  if (!t->pages) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %u page ids", t->npages);
+  kvi_status st = KVI_OK;
+  if (t->place == KVI__PLACE_DEVICE && s->backend == KVI_BACKEND_CUDA && s->hpool.npages > 0) {
+    /* the device tier, demoting least-recently-used facts if it is short */
+    if ((st = pool_room(s, &s->pool, 0, fn))) return st;
+    WITH_DEVICE(s, fn, st, tier_move(s, NULL, 0, t->npages, t->pages, t->stream, fn));
+    if (st == KVI_OK) t->moved = true, t->ntaken = t->npages;
+    return st;
+  }
+  if (t->place == KVI__PLACE_DEVICE) {
+    if ((st = device_room(s, t->npages, fn))) return st;
+    for (int32_t i = 0; i < t->n; i++) t->facts[i].into = &s->pool;
+    pool_take(&s->pool, t->pages, t->npages);
+    t->ntaken = t->npages;
+    return KVI_OK;
+  }
+  for (int32_t i = 0; i < t->n; i++) { /* each fact where put_room finds room */
+    kvi__txn_fact *x = &t->facts[i];
+    if ((st = put_room(s, x->npages, &x->into, fn))) return st;
+    pool_take(x->into, t->pages + x->first, x->npages);
+    t->ntaken = x->first + x->npages;
+  }
+  return KVI_OK;
+}
+
+void kvi__txn_wrote(kvi__txn *t) { t->device_work = true; }
+
+kvi_status kvi__txn_prepare(kvi__txn *t) {
+  if (t->prepared) return KVI_OK;
+  for (int32_t i = 0; i < t->n; i++) {
+    kvi__txn_fact *x = &t->facts[i];
+    /* a spare tenant only where the tenant differs from the previous fact's
+     * (whose commit leaves its tenant in the store) */
+    const bool spare = i == 0 || x->tenant != t->facts[i - 1].tenant;
+    x->f = calloc(1, sizeof *x->f);
+    x->pages = malloc((x->npages ? x->npages : 1) * sizeof *x->pages);
+    if (spare) x->fresh = calloc(1, sizeof *x->fresh);
+    if (!x->f || !x->pages || (spare && !x->fresh))
+      return kvi__fail(KVI_ERR_OUT_OF_MEMORY, t->fn, "allocating fact metadata");
+    memcpy(x->pages, t->pages + x->first, x->npages * sizeof *x->pages);
+  }
+  t->prepared = true;
+  return KVI_OK;
+}
+
+/* Frees what the transaction still owns. */
+static void txn_end(kvi__txn *t) {
+  for (int32_t i = 0; t->facts && i < t->n; i++) {
+    free(t->facts[i].f);
+    free(t->facts[i].pages);
+    free(t->facts[i].fresh);
+    free(t->facts[i].emb);
+  }
+  free(t->facts);
+  free(t->pages);
+  t->facts = NULL;
+  t->pages = NULL;
+}
+
+kvi_status kvi__txn_abort(kvi__txn *t, kvi_status why) {
+  kvi_store *s = t->s;
+  if (why == KVI_OK) why = kvi__fail(KVI_ERR_INTERNAL, t->fn, "a transaction aborted without a reason");
+  if (t->gate && !t->decided) {
+    t->decided = true;
+    why = t->gate->decide(t->gate, why); /* every rank takes part, whatever happened here */
+  }
+  bool exact = !t->moved;
+  if (exact && t->device_work && t->ntaken > 0) { /* the device may still be writing them */
+    kvi_status st;
+    WITH_DEVICE(s, t->fn, st, kvi__cuda_sync(t->stream, t->fn));
+    exact = st == KVI_OK;
+  }
+  if (exact && t->pages) { /* back onto their free stacks, as they were */
+    for (int32_t i = t->n; i-- > 0;) {
+      const kvi__txn_fact *x = &t->facts[i];
+      if (x->first < t->ntaken) pool_untake(x->into, t->pages + x->first, x->npages);
+    }
+  } else if (t->pages) { /* after the device work already tracked */
+    release_pages(s, t->pages, t->ntaken);
+  }
+  for (int32_t i = 0; i < t->nrows; i++) unreserve_rows(s, t->facts[i].tenant);
+  txn_end(t);
+  return why;
+}
+
+kvi_status kvi__txn_commit(kvi__txn *t) {
+  kvi_store *s = t->s;
+  kvi_status st = t->facts && (t->pages || t->n == 0) ? kvi__txn_prepare(t)
+                                                      : kvi__fail(KVI_ERR_INTERNAL, t->fn, "a transaction without pages");
+  if (t->gate) { /* every rank decides together, the pages taken and written */
+    t->decided = true;
+    st = t->gate->decide(t->gate, st);
+  }
+  if (st == KVI_OK && s->journal.ops) st = s->journal.ops->put(s->journal.ctx, t); /* durable before it is visible */
+  if (st) return kvi__txn_abort(t, st);
+  for (int32_t i = 0; i < t->n; i++) {
+    kvi__txn_fact *x = &t->facts[i];
+    commit_fact(s, x->f, x->pages, x->npages, x->fresh, &x->emb, x->tenant, x->id, x->tokens);
+    x->f = NULL, x->pages = NULL, x->fresh = NULL; /* the store's now */
+  }
+  txn_end(t);
+  return KVI_OK;
+}
+
+/* ---- put ------------------------------------------------------------------ */
+
 static int cmp_key(const void *a, const void *b) {
   const uint64_t *x = a, *y = b;
   return x[0] != y[0] ? (x[0] > y[0]) - (x[0] < y[0]) : (x[1] > y[1]) - (x[1] < y[1]);
 }
 
+/* put_views' checks of the items before the store is locked. */
+static kvi_status check_items(const kvi_store *store, const kvi__put_item *items, int32_t n, const char *fn) {
+  const uint32_t largest = store->pool.npages > store->hpool.npages ? store->pool.npages : store->hpool.npages;
+  for (int32_t i = 0; i < n; i++) {
+    const uint32_t need = pages_for(store, items[i].v->num_tokens);
+    if (need > largest)
+      return kvi__fail(KVI_ERR_CAPACITY, fn, "%d tokens need %u pages of %d tokens; the store's largest tier has %u pages",
+                       (int)items[i].v->num_tokens, need, (int)store->P, largest);
+  }
+  if (n < 2) return KVI_OK;
+  /* a key twice in one call: which copy wins would be arbitrary */
+  uint64_t *keys = malloc((size_t)n * 2 * sizeof *keys);
+  if (!keys) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d keys", (int)n);
+  for (int32_t i = 0; i < n; i++) keys[2 * i] = items[i].tenant, keys[2 * i + 1] = items[i].id;
+  qsort(keys, (size_t)n, 2 * sizeof *keys, cmp_key);
+  kvi_status st = KVI_OK;
+  for (int32_t i = 1; i < n && st == KVI_OK; i++)
+    if (keys[2 * i] == keys[2 * i - 2] && keys[2 * i + 1] == keys[2 * i - 1])
+      st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "fact %llu of tenant %llu appears twice in one call",
+                     (unsigned long long)keys[2 * i + 1], (unsigned long long)keys[2 * i]);
+  free(keys);
+  return st;
+}
+
+kvi_status kvi__store_write_pages(kvi_store *s, const uint32_t *pages, const kvi_kv_view *v, const float *scales,
+                                  struct CUstream_st *stream, const char *fn) {
+  kvi_status st;
+  WITH_DEVICE(s, fn, st, copy_fact(s, v, pages, v->num_tokens, true, (float *)scales, stream, fn));
+  return st;
+}
+
 kvi_status kvi__store_put_views(kvi_store *store, kvi__put_item *items, int32_t n, struct CUstream_st *stream,
                                 kvi__gate *gate, const char *fn) {
   if (n < 1) return gate ? gate->decide(gate, KVI_OK) : KVI_OK;
-  kvi_status st = KVI_OK;
-  const uint32_t largest = store->pool.npages > store->hpool.npages ? store->pool.npages : store->hpool.npages;
-  for (int32_t i = 0; i < n && st == KVI_OK; i++) {
-    const uint32_t need = pages_for(store, items[i].v->num_tokens);
-    if (need > largest)
-      st = kvi__fail(KVI_ERR_CAPACITY, fn,
-                     "%d tokens need %u pages of %d tokens; the store's largest tier has %u pages",
-                     (int)items[i].v->num_tokens, need, (int)store->P, largest);
-  }
-  if (st == KVI_OK && n > 1) { /* a key twice in one call: which copy wins would be arbitrary */
-    uint64_t *keys = malloc((size_t)n * 2 * sizeof *keys);
-    if (!keys) {
-      st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d keys", (int)n);
-    } else {
-      for (int32_t i = 0; i < n; i++) keys[2 * i] = items[i].tenant, keys[2 * i + 1] = items[i].id;
-      qsort(keys, (size_t)n, 2 * sizeof *keys, cmp_key);
-      for (int32_t i = 1; i < n && st == KVI_OK; i++)
-        if (keys[2 * i] == keys[2 * i - 2] && keys[2 * i + 1] == keys[2 * i - 1])
-          st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "fact %llu of tenant %llu appears twice in one call",
-                         (unsigned long long)keys[2 * i + 1], (unsigned long long)keys[2 * i]);
-      free(keys);
-    }
-  }
-  const size_t un = n > 0 && n < (1 << 24) ? (size_t)n : 1; /* n >= 1 here */
-  fact **f = calloc(un, sizeof *f);
-  uint32_t **pages = calloc(un, sizeof *pages);
-  tenant **fresh = calloc(un, sizeof *fresh);
-  pool **into = calloc(un, sizeof *into); /* the tier each fact's pages come from */
-  /* journal records whatever store->journal says now: a journal may be opened
-   * by another thread before this call takes the lock, which decides */
-  kvi__jfact *jf = calloc(un, sizeof *jf);
-  if (st == KVI_OK && (!f || !pages || !fresh || !into || !jf))
-    st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating fact metadata");
-  for (int32_t i = 0; i < n && st == KVI_OK; i++) {
-    f[i] = calloc(1, sizeof **f);
-    pages[i] = malloc(pages_for(store, items[i].v->num_tokens) * sizeof **pages);
-    fresh[i] = calloc(1, sizeof **fresh);
-    if (!f[i] || !pages[i] || !fresh[i]) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating fact metadata");
-  }
-
+  kvi_status st = check_items(store, items, n, fn);
   kvi__store_lock(store);
-  for (int32_t i = 0; i < n && st == KVI_OK; i++)
-    if (!(items[i].flags & KVI_PUT_REPLACE) && kvi__store_find(store, items[i].tenant, items[i].id))
-      st = kvi__fail(KVI_ERR_EXISTS, fn,
-                     "fact %llu of tenant %llu is already stored (pass KVI_PUT_REPLACE to replace it)",
-                     (unsigned long long)items[i].id, (unsigned long long)items[i].tenant);
-  if (st == KVI_OK) st = kvi__map_reserve(&store->facts, (size_t)n, fn);
-  if (st == KVI_OK) st = kvi__map_reserve(&store->tenants, (size_t)n, fn);
-  int32_t rows = 0; /* items whose embedding rows are reserved */
-  for (; rows < n && st == KVI_OK; rows++)
-    st = kvi__store_reserve_rows(store, items[rows].tenant, items[rows].emb ? 1 : 0, items[rows].v->num_tokens, fn);
+  kvi__txn t;
+  if (st == KVI_OK) st = kvi__txn_begin(&t, store, n, KVI__PLACE_ANY, gate, stream, fn);
+  else kvi__txn_begin(&t, store, 0, KVI__PLACE_ANY, gate, stream, fn);
+  int32_t added = 0;
+  for (; added < n && st == KVI_OK; added++) {
+    st = kvi__txn_add(&t, items[added].tenant, items[added].id, items[added].v->num_tokens, items[added].flags,
+                      items[added].emb);
+    items[added].emb = NULL; /* the transaction's */
+  }
+  if (st == KVI_OK) st = kvi__txn_take_pages(&t);
   bool copied = false;
-  int32_t got = 0; /* items whose pages are off their free stack */
   for (int32_t i = 0; i < n && st == KVI_OK; i++) {
     const kvi_kv_view *v = items[i].v;
-    const uint32_t need = pages_for(store, v->num_tokens);
-    if ((st = put_room(store, need, &into[i], fn))) break; /* a replacement needs room for both */
-    for (uint32_t j = 0; j < need; j++) pages[i][j] = into[i]->free[--into[i]->nfree];
-    got = i + 1;
-    WITH_DEVICE(store, fn, st, copy_fact(store, v, pages[i], v->num_tokens, true, (float *)items[i].raw, stream, fn));
+    st = kvi__store_write_pages(store, kvi__txn_pages(&t, i), v, NULL, stream, fn);
     if (st == KVI_OK && store->backend == KVI_BACKEND_CUDA && v->memory == KVI_MEMORY_DEVICE) copied = true;
   }
+  if (copied) kvi__txn_wrote(&t);
   if (st == KVI_OK && copied) st = kvi__store_track(store, stream, fn);
-  if (gate) st = gate->decide(gate, st); /* every rank decides together, with the pages still free */
-  if (st == KVI_OK && store->journal) { /* durable before it is visible */
-    for (int32_t i = 0; i < n; i++) {
-      const kvi__jfact j = {items[i].tenant, items[i].id, items[i].v->num_tokens, pages[i], items[i].emb};
-      jf[i] = j;
-    }
-    st = kvi__journal_put(store, jf, n, stream, copied, fn);
-  }
-  if (st == KVI_OK) {
-    for (int32_t i = 0; i < n; i++) {
-      kvi__store_commit(store, f[i], pages[i], pages_for(store, items[i].v->num_tokens), fresh[i], &items[i].emb,
-                        items[i].tenant, items[i].id, items[i].v->num_tokens);
-      f[i] = NULL, pages[i] = NULL, fresh[i] = NULL;
-    }
-  } else {
-    if (copied && gate) { /* an enqueued copy into them must end before they are handed out again */
-      kvi_status st2;
-      WITH_DEVICE(store, fn, st2, kvi__cuda_sync(stream, fn));
-      (void)st2;
-    }
-    for (int32_t i = got - 1; i >= 0; i--) /* back onto their free stacks, as they were */
-      for (uint32_t j = pages_for(store, items[i].v->num_tokens); j-- > 0;) into[i]->free[into[i]->nfree++] = pages[i][j];
-    for (int32_t i = 0; i < rows; i++) kvi__store_unreserve_rows(store, items[i].tenant);
-  }
+  st = st == KVI_OK ? kvi__txn_commit(&t) : kvi__txn_abort(&t, st);
   kvi__store_unlock(store);
-  for (int32_t i = 0; i < n; i++) {
-    if (f) free(f[i]);
-    if (pages) free(pages[i]);
-    if (fresh) free(fresh[i]);
+  for (int32_t i = added; i < n; i++) {
     free(items[i].emb);
     items[i].emb = NULL;
   }
-  free(f);
-  free(pages);
-  free(fresh);
-  free(into);
-  free(jf);
   return st;
 }
 
@@ -1460,27 +1614,8 @@ KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant_id, uint64_t 
   kvi_put_options o;
   float *emb = NULL;
   if ((st = kvi__store_put_args(store, &v, opts, &o, &emb, stream, fn))) return st;
-  kvi__put_item it = {tenant_id, fact_id, &v, o.flags, emb, NULL};
+  kvi__put_item it = {tenant_id, fact_id, &v, o.flags, emb};
   return kvi__store_put_views(store, &it, 1, stream, NULL, fn);
-}
-
-/* kv holds e4m3 bytes of an fp8 store and `scales` the scales of its pages
- * (persist.c): stored as they are. */
-kvi_status kvi__store_put_raw(kvi_store *s, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *kv,
-                              const float *scales, const kvi_put_options *opts, const char *fn) {
-  if (!s) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
-  kvi_kv_view v, w = *kv;
-  w.dtype = KVI_DTYPE_BF16; /* checked as a 2-byte view (a larger extent), then given its dtype back */
-  kvi_status st = kvi__view_check(&v, &w, &s->geom, false, fn);
-  if (st) return st;
-  if (!s->fp8 || kv->dtype != s->dtype || v.memory != KVI_MEMORY_HOST)
-    return kvi__fail(KVI_ERR_INTERNAL, fn, "raw fp8 puts take host e4m3 views into fp8 stores");
-  v.dtype = kv->dtype;
-  kvi_put_options o;
-  float *emb = NULL;
-  if ((st = kvi__store_put_args(s, &v, opts, &o, &emb, NULL, fn))) return st;
-  kvi__put_item it = {tenant_id, fact_id, &v, o.flags, emb, scales};
-  return kvi__store_put_views(s, &it, 1, NULL, NULL, fn);
 }
 
 KVI_API kvi_status kvi_store_remove(kvi_store *store, uint64_t tenant_id, uint64_t fact_id) {
@@ -1488,7 +1623,8 @@ KVI_API kvi_status kvi_store_remove(kvi_store *store, uint64_t tenant_id, uint64
   if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
   kvi__store_lock(store);
   fact *f = kvi__store_find(store, tenant_id, fact_id);
-  const kvi_status st = f && store->journal ? kvi__journal_remove(store, tenant_id, fact_id, fn) : KVI_OK;
+  const kvi_status st =
+      f && store->journal.ops ? store->journal.ops->remove(store->journal.ctx, store, tenant_id, fact_id, fn) : KVI_OK;
   if (f && st == KVI_OK) unlink_fact(store, f);
   kvi__store_unlock(store);
   if (st) return st;
