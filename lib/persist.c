@@ -373,17 +373,17 @@ static kvi_status write_snapshot(const kvi_store *s, writer *w, uint64_t file_id
   if (st) return st;
 
   size_t n = 0;
-  const fact **facts = malloc((s->facts.len ? s->facts.len : 1) * sizeof *facts);
+  const size_t nall = kvi__store_fact_count(s);
+  const fact **facts = malloc((nall ? nall : 1) * sizeof *facts);
   float *emb = malloc((size_t)(s->emb_dim ? s->emb_dim : 1) * sizeof *emb);
   if (!facts || !emb) {
     free(facts);
     free(emb);
-    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "listing %zu facts", s->facts.len);
+    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "listing %zu facts", nall);
   }
-  for (size_t i = 0; i < s->facts.cap; i++) {
-    const fact *f = s->facts.slots[i].val;
-    if (f && (!one || f->tenant_id == tenant)) facts[n++] = f;
-  }
+  size_t pos = 0;
+  for (const fact *f; (f = kvi__store_next_fact(s, &pos));)
+    if (!one || f->tenant_id == tenant) facts[n++] = f;
   qsort(facts, n, sizeof *facts, cmp_fact);
 
   uint64_t seq = 0, payload_total = 0;
@@ -663,7 +663,7 @@ KVI_API kvi_status kvi_store_save(const kvi_store *store, const char *path, cons
   if (opts && (st = kvi__read_struct(&o, sizeof o, opts, SAVE_OPTIONS_V1, fn, "opts"))) return st;
   if (o.flags & ~KVI_SAVE_ONE_TENANT)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->flags has unknown bits 0x%x", o.flags & ~KVI_SAVE_ONE_TENANT);
-  if (store->emb_sharded)
+  if (store->shard.emb_sharded)
     return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "saving a store whose embeddings are sharded across ranks is not supported "
                                               "in this version");
   kvi_store *s = (kvi_store *)store; /* waiting for device work retires deferred pages */
@@ -682,7 +682,7 @@ KVI_API kvi_status kvi_store_journal_open(kvi_store *store, const char *path, ui
   kvi_status st = check_path(path, fn);
   if (st) return st;
   if (flags) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "flags is 0x%x; no flags are defined (pass 0)", flags);
-  if (store->comm)
+  if (store->shard.comm)
     return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "a store with a communicator cannot take an append log in this version");
   kvi__journal *j = calloc(1, sizeof *j);
   char *copy = strdup(path);

@@ -154,7 +154,7 @@ static kvi_status cpu_search(kvi_store *s, const void *queries, kvi_dtype qt, in
   if (!locked) kvi__store_lock(s);
   for (int32_t i = 0; i < nq; i++) {
     const float *qi = q + (size_t)i * dim;
-    const tenant *t = kvi__map_get(&s->tenants, tenants[i], 0);
+    const tenant *t = kvi__store_tenant(s, tenants[i]);
     const size_t n = t ? t->nrows : 0;
     h.n = 0;
     h.cap = n < (size_t)k ? (int32_t)n : k;
@@ -351,7 +351,7 @@ kvi_status kvi__search_plan_build(const kvi_store *s, plan *p, const uint64_t *t
   /* slots: queries grouped by tenant, in query order within a tenant */
   for (int32_t i = 0; i < nq; i++) {
     qs[i].tenant_id = tenants[i];
-    qs[i].t = kvi__map_get(&s->tenants, tenants[i], 0);
+    qs[i].t = kvi__store_tenant(s, tenants[i]);
     qs[i].q = i;
   }
   qsort(qs, (size_t)nq, sizeof *qs, cmp_qref);
@@ -931,7 +931,7 @@ KVI_API kvi_status kvi_store_search(kvi_store *store, const void *queries, int32
       (st = kvi__check_memory(out_scores, o.out_memory, cuda, store->device, fn, "out_scores")) ||
       (st = kvi__check_memory(out_counts, o.out_memory, cuda, store->device, fn, "out_counts")))
     return st;
-  if (store->emb_sharded)
+  if (store->shard.emb_sharded)
     return kvi__shard_search(store, queries, o.query_dtype, o.query_memory, num_queries, tenants, k, out_ids,
                              out_scores, out_counts, o.out_memory, o.workspace_bytes, false, stream, fn);
   return kvi__search_local(store, queries, o.query_dtype, o.query_memory, num_queries, tenants, k, out_ids, out_scores,

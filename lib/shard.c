@@ -215,10 +215,10 @@ static kvi_status shard_create(kvi_store *s, const kvi_model *model, const kvi_s
   }
   free(all);
   if (st == KVI_OK) {
-    s->comm = c;
-    s->comm_rank = c->rank;
-    s->comm_size = c->size;
-    s->emb_sharded = o->embedding_placement == KVI_EMBEDDINGS_SHARDED && o->embedding_dim > 0;
+    s->shard.comm = c;
+    s->shard.rank = c->rank;
+    s->shard.size = c->size;
+    s->shard.emb_sharded = o->embedding_placement == KVI_EMBEDDINGS_SHARDED && o->embedding_dim > 0;
   }
   return st;
 }
@@ -302,10 +302,10 @@ static kvi_status comm_decide(kvi__gate *g, kvi_status local) {
 
 static kvi_status check_collective(const kvi_store *s, int32_t root, const void *items, int32_t n, const char *fn) {
   if (!s) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
-  if (!s->comm) return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "the store was created without a communicator");
-  if (root < 0 || root >= s->comm_size)
+  if (!s->shard.comm) return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "the store was created without a communicator");
+  if (root < 0 || root >= s->shard.size)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "root is %d, the communicator has %d ranks", (int)root,
-                     (int)s->comm_size);
+                     (int)s->shard.size);
   if (n < 0 || n > (1 << 20)) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_items is %d, expected 0..2^20", (int)n);
   if (n > 0 && !items) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "items is NULL");
   return KVI_OK;
@@ -392,7 +392,7 @@ KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, int32_t root, const k
   size_t stride;
   kvi_status st = check_collective(store, root, items, num_items, fn);
   if (st || (st = item_stride(items, num_items, sizeof *items, &stride, fn))) return st;
-  kvi_comm *c = store->comm;
+  kvi_comm *c = store->shard.comm;
   const bool is_root = c->rank == root;
   const kvi__geom *g = &store->geom;
   const int32_t n = num_items, E = store->emb_dim;
@@ -546,7 +546,7 @@ KVI_API kvi_status kvi_store_gather(kvi_store *store, int32_t root, const kvi_ga
   size_t stride;
   kvi_status st = check_collective(store, root, items, num_items, fn);
   if (st || (st = item_stride(items, num_items, sizeof *items, &stride, fn))) return st;
-  kvi_comm *c = store->comm;
+  kvi_comm *c = store->shard.comm;
   const bool is_root = c->rank == root;
   const kvi__geom *g = &store->geom;
   const int32_t n = num_items;
@@ -683,14 +683,13 @@ KVI_API kvi_status kvi_store_gather(kvi_store *store, int32_t root, const kvi_ga
 KVI_API kvi_status kvi_store_check_agreement(kvi_store *store) {
   static const char fn[] = "kvi_store_check_agreement";
   if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
-  if (!store->comm) return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "the store was created without a communicator");
-  kvi_comm *c = store->comm;
+  if (!store->shard.comm) return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "the store was created without a communicator");
+  kvi_comm *c = store->shard.comm;
   /* an order-free digest: sums of two independent hashes of every fact */
   uint64_t me[3] = {0, 0, 0};
   kvi__store_lock(store);
-  for (size_t i = 0; i < store->facts.cap; i++) {
-    const fact *f = store->facts.slots[i].val;
-    if (!f) continue;
+  size_t pos = 0;
+  for (const fact *f; (f = kvi__store_next_fact(store, &pos));) {
     const uint64_t x = kvi__mix64(f->tenant_id) ^ kvi__mix64(f->id + 0x9e3779b97f4a7c15ull) ^
                        kvi__mix64((uint64_t)f->tokens << 1 | 1);
     me[0]++;
@@ -787,7 +786,7 @@ kvi_status kvi__shard_search(kvi_store *s, const void *queries, kvi_dtype qt, kv
                              const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
                              int32_t *out_counts, kvi_memory om, uint64_t ws, bool locked,
                              struct CUstream_st *stream, const char *fn) {
-  kvi_comm *c = s->comm;
+  kvi_comm *c = s->shard.comm;
   const size_t bb = block_bytes(nq, k), n = (size_t)nq * (size_t)k;
   const kvi__shard_hdr hdr0 = {0, nq, k, 0, query_digest(tenants, nq, k)};
   kvi_status st = KVI_OK;

@@ -118,7 +118,7 @@ static kvi_status cuda_copy_device(const kvi_store *s, const kvi_kv_view *v, con
                                    int32_t tokens, bool to_pages, struct CUstream_st *stream,
                                    const char *fn) {
   const bool host = page_on_host_tier(s, pages[0]);
-  const uint32_t first = host ? s->pool.npages : 0;
+  const uint32_t first = host ? s->pool.dev.npages : 0;
   kvi__copy_args a;
   memset(&a, 0, sizeof a);
   a.vk = v->k;
@@ -130,7 +130,7 @@ static kvi_status cuda_copy_device(const kvi_store *s, const kvi_kv_view *v, con
   a.L = s->geom.num_layers;
   a.H = s->geom.local_heads;
   a.D = s->geom.head_size;
-  a.pool = host ? s->hpool_dev : s->pool.base;
+  a.pool = host ? s->pool.host_dev : s->pool.dev.base;
   a.page_dtype = (int32_t)s->dtype;
   a.P = s->P;
   a.page_elems = page_stride_elems(s);
@@ -191,7 +191,7 @@ static kvi_status copy_fact(const kvi_store *s, const kvi_kv_view *v, const uint
   const bool host_tier = s->backend == KVI_BACKEND_CUDA && page_on_host_tier(s, pages[0]);
   if (host_tier && v->memory == KVI_MEMORY_HOST && !to_pages && move_outstanding(s)) {
     /* a demotion may still be writing these pages */
-    kvi_status st = kvi__cuda_event_sync(s->track_ev[s->move_seq % KVI__TRACK_EVENTS], fn);
+    kvi_status st = kvi__cuda_event_sync(s->track_ev[s->tier.move_seq % KVI__TRACK_EVENTS], fn);
     if (st) return st;
   }
   if (s->backend == KVI_BACKEND_CPU || (host_tier && v->memory == KVI_MEMORY_HOST)) {
@@ -263,9 +263,9 @@ static void release_memory(kvi_store *s) {
     kvi__devguard g;
     if (kvi__cuda_enter(s->device, &g, "kvi_store_destroy") == KVI_OK) {
       if (s->copy_stream) kvi__cuda_sync(s->copy_stream, "kvi_store_destroy"); /* tier moves */
-      kvi__cuda_free(s->pool.base);
-      kvi__cuda_host_free(s->hpool.base);
-      kvi__cuda_event_destroy(s->prefetch_ev);
+      kvi__cuda_free(s->pool.dev.base);
+      kvi__cuda_host_free(s->pool.host.base);
+      kvi__cuda_event_destroy(s->tier.prefetch_ev);
       kvi__cuda_host_free(s->staging);
       kvi__cuda_stream_destroy(s->copy_stream);
       for (int i = 0; i < KVI__TRACK_EVENTS; i++) kvi__cuda_event_destroy(s->track_ev[i]);
@@ -276,17 +276,17 @@ static void release_memory(kvi_store *s) {
       kvi__cuda_leave(&g);
     }
   } else {
-    free(s->pool.base);
+    free(s->pool.dev.base);
   }
   free(s->deferred_page);
   free(s->deferred_tag);
   s->deferred_page = NULL;
   s->deferred_tag = NULL;
   memset(s->track_ev, 0, sizeof s->track_ev);
-  s->pool.base = NULL;
-  s->hpool.base = NULL;
-  s->hpool_dev = NULL;
-  s->prefetch_ev = NULL;
+  s->pool.dev.base = NULL;
+  s->pool.host.base = NULL;
+  s->pool.host_dev = NULL;
+  s->tier.prefetch_ev = NULL;
   s->staging = NULL;
   s->copy_stream = NULL;
   s->emb_stage = NULL;
@@ -295,21 +295,21 @@ static void release_memory(kvi_store *s) {
 }
 
 static kvi_status reserve_memory(kvi_store *s, const char *fn) {
-  const uint64_t bytes = (uint64_t)s->pool.npages * s->page_bytes;
+  const uint64_t bytes = (uint64_t)s->pool.dev.npages * s->page_bytes;
   if (s->backend == KVI_BACKEND_CPU) {
     void *p = NULL;
     if (bytes > SIZE_MAX || posix_memalign(&p, 256, (size_t)bytes) != 0)
       return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "reserving %llu bytes of host memory for %u pages",
-                       (unsigned long long)bytes, s->pool.npages);
-    s->pool.base = p;
+                       (unsigned long long)bytes, s->pool.dev.npages);
+    s->pool.dev.base = p;
     return KVI_OK;
   }
   s->staging_pages = (uint32_t)(STAGING_TARGET_BYTES / s->page_bytes);
   if (s->staging_pages < 1) s->staging_pages = 1;
   if (s->staging_pages > KVI__LAUNCH_PAGES) s->staging_pages = KVI__LAUNCH_PAGES;
-  if (s->staging_pages > s->pool.npages) s->staging_pages = s->pool.npages;
+  if (s->staging_pages > s->pool.dev.npages) s->staging_pages = s->pool.dev.npages;
   kvi_status st;
-  WITH_DEVICE(s, fn, st, kvi__cuda_malloc((void **)&s->pool.base, (size_t)bytes, fn));
+  WITH_DEVICE(s, fn, st, kvi__cuda_malloc((void **)&s->pool.dev.base, (size_t)bytes, fn));
   if (st == KVI_OK)
     WITH_DEVICE(s, fn, st,
                 kvi__cuda_host_alloc((void **)&s->staging, (size_t)s->staging_pages * s->page_bytes, fn));
@@ -318,30 +318,30 @@ static kvi_status reserve_memory(kvi_store *s, const char *fn) {
     WITH_DEVICE(s, fn, st, kvi__cuda_event_create(&s->track_ev[i], fn));
   if (st == KVI_OK && s->emb_dim > 0) WITH_DEVICE(s, fn, st, kvi__cuda_stream_create(&s->emb_stream, fn));
   if (st == KVI_OK && s->emb_dim > 0) WITH_DEVICE(s, fn, st, kvi__cuda_event_create(&s->emb_ready, fn));
-  const uint64_t hbytes = (uint64_t)s->hpool.npages * s->page_bytes;
-  if (st == KVI_OK && s->hpool.npages > 0) {
+  const uint64_t hbytes = (uint64_t)s->pool.host.npages * s->page_bytes;
+  if (st == KVI_OK && s->pool.host.npages > 0) {
     if (hbytes > SIZE_MAX) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "%llu bytes of host pages", (unsigned long long)hbytes);
     if (st == KVI_OK)
       WITH_DEVICE(s, fn, st,
-                  kvi__cuda_host_alloc_mapped((void **)&s->hpool.base, (void **)&s->hpool_dev, (size_t)hbytes, fn));
-    if (st == KVI_OK) WITH_DEVICE(s, fn, st, kvi__cuda_event_create(&s->prefetch_ev, fn));
-    if (st == KVI_OK && ((uintptr_t)s->hpool.base % 16 || (uintptr_t)s->hpool_dev % 16))
+                  kvi__cuda_host_alloc_mapped((void **)&s->pool.host.base, (void **)&s->pool.host_dev, (size_t)hbytes, fn));
+    if (st == KVI_OK) WITH_DEVICE(s, fn, st, kvi__cuda_event_create(&s->tier.prefetch_ev, fn));
+    if (st == KVI_OK && ((uintptr_t)s->pool.host.base % 16 || (uintptr_t)s->pool.host_dev % 16))
       st = kvi__fail(KVI_ERR_INTERNAL, fn, "pinned host pages are not 16-byte aligned");
     if (st == KVI_ERR_OUT_OF_MEMORY)
       kvi__fail(st, fn, "reserving %llu bytes of pinned host memory for %u host-tier pages",
-                (unsigned long long)hbytes, s->hpool.npages);
+                (unsigned long long)hbytes, s->pool.host.npages);
   }
   if (st == KVI_OK) {
-    const size_t all = (size_t)s->pool.npages + s->hpool.npages;
+    const size_t all = (size_t)s->pool.dev.npages + s->pool.host.npages;
     s->deferred_page = malloc(all * sizeof *s->deferred_page);
     s->deferred_tag = malloc(all * sizeof *s->deferred_tag);
     if (!s->deferred_page || !s->deferred_tag)
-      st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the deferred-free list for %u pages", s->pool.npages);
+      st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the deferred-free list for %u pages", s->pool.dev.npages);
   }
   if (st != KVI_OK) {
-    if (st == KVI_ERR_OUT_OF_MEMORY && !s->hpool.base && s->pool.base == NULL)
+    if (st == KVI_ERR_OUT_OF_MEMORY && !s->pool.host.base && s->pool.dev.base == NULL)
       kvi__fail(st, fn, "reserving %llu bytes of device memory on device %d for %u pages",
-                (unsigned long long)bytes, s->device, s->pool.npages);
+                (unsigned long long)bytes, s->device, s->pool.dev.npages);
     release_memory(s);
   }
   return st;
@@ -429,14 +429,14 @@ kvi_status kvi__store_create(kvi_store **out, const kvi_model *model, const kvi_
   s->page_bytes = page_bytes;
   s->fp8 = fp8;
   s->scale_off = scale_off;
-  s->pool.tier = s->backend == KVI_BACKEND_CUDA ? TIER_DEVICE : TIER_HOST;
-  s->pool.npages = (uint32_t)npages;
-  s->pool.nfree = (uint32_t)npages;
-  s->hpool.tier = TIER_HOST;
-  s->hpool.npages = (uint32_t)hpages;
+  s->pool.dev.tier = s->backend == KVI_BACKEND_CUDA ? TIER_DEVICE : TIER_HOST;
+  s->pool.dev.npages = (uint32_t)npages;
+  s->pool.dev.nfree = (uint32_t)npages;
+  s->pool.host.tier = TIER_HOST;
+  s->pool.host.npages = (uint32_t)hpages;
   /* a tiered store moves facts between pools: its page ids are the host's to know */
   s->dir_on = s->backend == KVI_BACKEND_CUDA && s->emb_dim > 0 && hpages == 0;
-  s->hpool.nfree = (uint32_t)hpages;
+  s->pool.host.nfree = (uint32_t)hpages;
   s->rope = calloc((size_t)g->num_layers, sizeof *s->rope);
   if (!s->rope) {
     st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating RoPE tables");
@@ -450,28 +450,28 @@ kvi_status kvi__store_create(kvi_store **out, const kvi_model *model, const kvi_
   }
   /* the page memory first: an impossible budget fails before anything large is built */
   if ((st = reserve_memory(s, fn))) goto fail_rope;
-  s->pool.free = malloc(npages * sizeof *s->pool.free);
-  s->hpool.free = hpages ? malloc(hpages * sizeof *s->hpool.free) : NULL;
-  if (!s->pool.free || (hpages && !s->hpool.free)) {
+  s->pool.dev.free = malloc(npages * sizeof *s->pool.dev.free);
+  s->pool.host.free = hpages ? malloc(hpages * sizeof *s->pool.host.free) : NULL;
+  if (!s->pool.dev.free || (hpages && !s->pool.host.free)) {
     release_memory(s);
     st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the page table for %llu pages", (unsigned long long)npages);
     goto fail_rope;
   }
-  for (uint32_t i = 0; i < s->pool.npages; i++) s->pool.free[i] = s->pool.npages - 1 - i; /* pops 0, 1, 2, ... */
-  for (uint32_t i = 0; i < s->hpool.npages; i++) s->hpool.free[i] = s->pool.npages + s->hpool.npages - 1 - i;
+  for (uint32_t i = 0; i < s->pool.dev.npages; i++) s->pool.dev.free[i] = s->pool.dev.npages - 1 - i; /* pops 0, 1, 2, ... */
+  for (uint32_t i = 0; i < s->pool.host.npages; i++) s->pool.host.free[i] = s->pool.dev.npages + s->pool.host.npages - 1 - i;
   if (pthread_mutex_init(&s->lock, NULL) != 0) {
     release_memory(s);
     st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "initializing the store's lock");
     goto fail_rope;
   }
-  s->comm_size = 1;
+  s->shard.size = 1;
   *out = s;
   return KVI_OK;
 fail_rope:
   for (int32_t l = 0; l < g->num_layers; l++) kvi__rope_release(&s->rope[l]);
 fail:
-  free(s->pool.free);
-  free(s->hpool.free);
+  free(s->pool.dev.free);
+  free(s->pool.host.free);
   free(s->rope);
   free(s);
   return st;
@@ -488,19 +488,19 @@ static void emb_free(kvi_store *s, tenant *t);
 KVI_API void kvi_store_destroy(kvi_store *store) {
   if (!store) return;
   if (store->search.release) store->search.release(store);
-  for (size_t i = 0; i < store->facts.cap; i++)
-    if (store->facts.slots[i].val) free_fact(store->facts.slots[i].val);
-  for (size_t i = 0; i < store->tenants.cap; i++) {
-    tenant *t = store->tenants.slots[i].val;
+  for (size_t i = 0; i < store->index.facts.cap; i++)
+    if (store->index.facts.slots[i].val) free_fact(store->index.facts.slots[i].val);
+  for (size_t i = 0; i < store->index.tenants.cap; i++) {
+    tenant *t = store->index.tenants.slots[i].val;
     if (t) emb_free(store, t);
     free(t);
   }
-  kvi__map_free(&store->facts);
-  kvi__map_free(&store->tenants);
+  kvi__map_free(&store->index.facts);
+  kvi__map_free(&store->index.tenants);
   release_memory(store);
   pthread_mutex_destroy(&store->lock);
-  free(store->pool.free);
-  free(store->hpool.free);
+  free(store->pool.dev.free);
+  free(store->pool.host.free);
   for (int32_t l = 0; l < store->geom.num_layers; l++) kvi__rope_release(&store->rope[l]);
   free(store->rope);
   if (store->journal.ops) store->journal.ops->release(store->journal.ctx);
@@ -741,13 +741,13 @@ static kvi_status reserve_rows(kvi_store *s, uint64_t tenant_id, size_t n, int32
   if (s->emb_dim == 0 || n == 0) return KVI_OK;
   if (s->emb_err)
     return kvi__fail(s->emb_err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb_err_msg);
-  tenant *t = kvi__map_get(&s->tenants, tenant_id, 0);
+  tenant *t = kvi__map_get(&s->index.tenants, tenant_id, 0);
   kvi_status st;
   if (!t) {
-    if ((st = kvi__map_reserve(&s->tenants, 1, fn))) return st;
+    if ((st = kvi__map_reserve(&s->index.tenants, 1, fn))) return st;
     if (!(t = calloc(1, sizeof *t))) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a tenant");
     t->id = tenant_id;
-    kvi__map_put(&s->tenants, tenant_id, 0, t); /* empty until commit; unreserve_rows drops it */
+    kvi__map_put(&s->index.tenants, tenant_id, 0, t); /* empty until commit; unreserve_rows drops it */
   }
   /* a directory row: the token count, then the page ids */
   const int32_t stride = s->dir_on ? 1 + (int32_t)pages_for(s, tokens) : 0;
@@ -762,11 +762,11 @@ static kvi_status reserve_rows(kvi_store *s, uint64_t tenant_id, size_t n, int32
 static void unreserve_rows(kvi_store *s, uint64_t tenant_id) {
   if (s->emb_dim == 0) return;
   s->stage_reserved = 0;
-  tenant *t = kvi__map_get(&s->tenants, tenant_id, 0);
+  tenant *t = kvi__map_get(&s->index.tenants, tenant_id, 0);
   if (!t) return;
   t->pending = 0;
   if (t->count == 0) {
-    kvi__map_del(&s->tenants, tenant_id, 0);
+    kvi__map_del(&s->index.tenants, tenant_id, 0);
     emb_free(s, t);
     free(t);
   }
@@ -869,12 +869,12 @@ static kvi_status not_found_(const char *fn, uint64_t tenant_id, uint64_t fact_i
                    (unsigned long long)tenant_id);
 }
 
-static pool *pool_of(kvi_store *s, uint32_t page) { return page_on_host_tier(s, page) ? &s->hpool : &s->pool; }
+static pool *pool_of(kvi_store *s, uint32_t page) { return page_on_host_tier(s, page) ? &s->pool.host : &s->pool.dev; }
 
 /* Pages of pool p that wait for in-flight work. */
 static uint32_t deferred_in(const kvi_store *s, const pool *p) {
   uint32_t n = 0;
-  for (uint32_t i = 0; i < s->ndeferred; i++) n += (p == &s->hpool) == page_on_host_tier(s, s->deferred_page[i]);
+  for (uint32_t i = 0; i < s->ndeferred; i++) n += (p == &s->pool.host) == page_on_host_tier(s, s->deferred_page[i]);
   return n;
 }
 
@@ -953,11 +953,11 @@ static kvi_status pool_room(kvi_store *s, pool *p, uint64_t need, const char *fn
 
 /* Makes `need` pages of the first pool free, or fails with KVI_ERR_CAPACITY. */
 static kvi_status device_room(kvi_store *s, uint32_t need, const char *fn) {
-  kvi_status st = pool_room(s, &s->pool, need, fn);
+  kvi_status st = pool_room(s, &s->pool.dev, need, fn);
   if (st) return st;
-  if (s->pool.nfree < need)
+  if (s->pool.dev.nfree < need)
     return kvi__fail(KVI_ERR_CAPACITY, fn, "%u pages of %d tokens are needed; %u of %u pages are free", need,
-                     (int)s->P, s->pool.nfree, s->pool.npages);
+                     (int)s->P, s->pool.dev.nfree, s->pool.dev.npages);
   return KVI_OK;
 }
 
@@ -967,21 +967,21 @@ static kvi_status device_room(kvi_store *s, uint32_t need, const char *fn) {
 static void lru_remove(kvi_store *s, fact *f) {
   if (!f->in_lru) return;
   if (f->lru_prev) f->lru_prev->lru_next = f->lru_next;
-  else s->lru_head = f->lru_next;
+  else s->tier.lru_head = f->lru_next;
   if (f->lru_next) f->lru_next->lru_prev = f->lru_prev;
-  else s->lru_tail = f->lru_prev;
+  else s->tier.lru_tail = f->lru_prev;
   f->lru_prev = f->lru_next = NULL;
   f->in_lru = false;
 }
 
 void kvi__store_touch(kvi_store *s, fact *f) {
-  if (s->hpool.npages == 0 || fact_on_host(s, f)) return;
+  if (s->pool.host.npages == 0 || fact_on_host(s, f)) return;
   lru_remove(s, f);
   f->lru_prev = NULL;
-  f->lru_next = s->lru_head;
-  if (s->lru_head) s->lru_head->lru_prev = f;
-  else s->lru_tail = f;
-  s->lru_head = f;
+  f->lru_next = s->tier.lru_head;
+  if (s->tier.lru_head) s->tier.lru_head->lru_prev = f;
+  else s->tier.lru_tail = f;
+  s->tier.lru_head = f;
   f->in_lru = true;
 }
 
@@ -989,13 +989,13 @@ void kvi__store_touch(kvi_store *s, fact *f) {
  * the ring while move_seq >= track_done (kvi__store_track retires the
  * oldest before reusing a slot). */
 static bool move_outstanding(const kvi_store *s) {
-  return s->move_pending && s->move_seq >= s->track_done &&
-         !kvi__cuda_event_done(s->track_ev[s->move_seq % KVI__TRACK_EVENTS]);
+  return s->tier.move_pending && s->tier.move_seq >= s->track_done &&
+         !kvi__cuda_event_done(s->track_ev[s->tier.move_seq % KVI__TRACK_EVENTS]);
 }
 
 kvi_status kvi__store_order_moves(kvi_store *s, struct CUstream_st *stream, const char *fn) {
-  if (s->hpool.npages == 0 || !move_outstanding(s)) return KVI_OK;
-  return kvi__cuda_stream_wait(stream, s->track_ev[s->move_seq % KVI__TRACK_EVENTS], fn);
+  if (s->pool.host.npages == 0 || !move_outstanding(s)) return KVI_OK;
+  return kvi__cuda_stream_wait(stream, s->track_ev[s->tier.move_seq % KVI__TRACK_EVENTS], fn);
 }
 
 /* Makes `on` wait for every tracked device operation that may still run. */
@@ -1015,20 +1015,20 @@ static kvi_status wait_tracked(kvi_store *s, struct CUstream_st *on, const char 
  * they are the last to be demoted), except those of pinned facts.
  * Leaves the shortage, if any, to the caller, having dropped nothing. */
 static kvi_status host_room(kvi_store *s, uint64_t need, const char *fn) {
-  kvi_status st = pool_room(s, &s->hpool, need, fn);
-  if (st || s->hpool.nfree >= need) return st;
-  uint64_t have = (uint64_t)s->hpool.nfree + deferred_in(s, &s->hpool), drop = 0;
-  for (fact *f = s->lru_head; f && have + drop < need; f = f->lru_next)
+  kvi_status st = pool_room(s, &s->pool.host, need, fn);
+  if (st || s->pool.host.nfree >= need) return st;
+  uint64_t have = (uint64_t)s->pool.host.nfree + deferred_in(s, &s->pool.host), drop = 0;
+  for (fact *f = s->tier.lru_head; f && have + drop < need; f = f->lru_next)
     if (f->hpages && !f->pins) drop += f->npages;
   if (have + drop < need) return KVI_OK;
-  for (fact *f = s->lru_head; f && have < need; f = f->lru_next)
+  for (fact *f = s->tier.lru_head; f && have < need; f = f->lru_next)
     if (f->hpages && !f->pins) {
       release_pages(s, f->hpages, f->npages); /* after any copy still reading them */
       have += f->npages;
       free(f->hpages);
       f->hpages = NULL;
     }
-  return pool_room(s, &s->hpool, need, fn);
+  return pool_room(s, &s->pool.host, need, fn);
 }
 
 /* Enqueues, on the copy stream, the copy of a fact of `tokens` tokens from
@@ -1063,7 +1063,7 @@ static kvi_status copy_tier(kvi_store *s, const uint32_t *dst, const uint32_t *s
 
 uint64_t kvi__store_evictable(const kvi_store *s) {
   uint64_t n = 0;
-  for (const fact *f = s->lru_tail; f; f = f->lru_prev)
+  for (const fact *f = s->tier.lru_tail; f; f = f->lru_prev)
     if (!f->pins) n += f->npages;
   return n;
 }
@@ -1081,19 +1081,19 @@ static kvi_status tier_move(kvi_store *s, fact *const *up, size_t nup, uint32_t 
   uint64_t need = extra;
   for (size_t i = 0; i < nup; i++) need += up[i]->npages;
   if (need == 0) return KVI_OK;
-  kvi_status st = pool_room(s, &s->pool, need, fn);
+  kvi_status st = pool_room(s, &s->pool.dev, need, fn);
   if (st) return st;
   /* victims: device-tier facts the call does not use, least recently used first */
   const uint64_t evictable = kvi__store_evictable(s);
-  if (s->pool.nfree + evictable < need)
+  if (s->pool.dev.nfree + evictable < need)
     return kvi__fail(KVI_ERR_CAPACITY, fn,
                      "%llu pages must be on the device at once; the device tier has %u pages: %u free, %llu held by "
                      "facts that may move down, %u waiting for in-flight work, the rest held by the facts of this call",
-                     (unsigned long long)need, s->pool.npages, s->pool.nfree, (unsigned long long)evictable,
-                     deferred_in(s, &s->pool));
+                     (unsigned long long)need, s->pool.dev.npages, s->pool.dev.nfree, (unsigned long long)evictable,
+                     deferred_in(s, &s->pool.dev));
   uint64_t got = 0, down = 0;
   size_t nvict = 0;
-  for (fact *f = s->lru_tail; f && s->pool.nfree + got < need; f = f->lru_prev)
+  for (fact *f = s->tier.lru_tail; f && s->pool.dev.nfree + got < need; f = f->lru_prev)
     if (!f->pins) {
       got += f->npages;
       if (!f->hpages) down += f->npages;
@@ -1108,23 +1108,23 @@ static kvi_status tier_move(kvi_store *s, fact *const *up, size_t nup, uint32_t 
     if (!(newp[i] = malloc(up[i]->npages * sizeof **newp)))
       st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a tier move");
   size_t nv = 0;
-  for (fact *f = s->lru_tail; st == KVI_OK && nv < nvict; f = f->lru_prev)
+  for (fact *f = s->tier.lru_tail; st == KVI_OK && nv < nvict; f = f->lru_prev)
     if (!f->pins) {
       vict[nv++] = f;
       f->pins++; /* host_room keeps their clean copies */
     }
   if (st == KVI_OK && down > 0) {
     st = host_room(s, down, fn);
-    if (st == KVI_OK && s->hpool.nfree < down)
+    if (st == KVI_OK && s->pool.host.nfree < down)
       st = kvi__fail(KVI_ERR_CAPACITY, fn,
                      "making room on the device means moving %llu pages to the host tier, which has %u of %u pages "
                      "free (%u waiting for in-flight work)",
-                     (unsigned long long)down, s->hpool.nfree, s->hpool.npages, deferred_in(s, &s->hpool));
+                     (unsigned long long)down, s->pool.host.nfree, s->pool.host.npages, deferred_in(s, &s->pool.host));
   }
   /* device pages for the call: the free stack's top, then the victims' */
-  const uint32_t nf = s->pool.nfree < need ? s->pool.nfree : (uint32_t)need;
-#define DEVP(k) ((k) < nf ? s->pool.free[s->pool.nfree - 1 - (k)] : avail[(k) - nf])
-  for (uint64_t j = 0; j < down && st == KVI_OK; j++) hdst[j] = s->hpool.free[s->hpool.nfree - 1 - j];
+  const uint32_t nf = s->pool.dev.nfree < need ? s->pool.dev.nfree : (uint32_t)need;
+#define DEVP(k) ((k) < nf ? s->pool.dev.free[s->pool.dev.nfree - 1 - (k)] : avail[(k) - nf])
+  for (uint64_t j = 0; j < down && st == KVI_OK; j++) hdst[j] = s->pool.host.free[s->pool.host.nfree - 1 - j];
   if (st == KVI_OK) st = wait_tracked(s, s->copy_stream, fn);
   uint64_t a = 0, hj = 0;
   for (size_t i = 0; i < nvict && st == KVI_OK; i++) { /* down first: the copies up may overwrite these pages */
@@ -1147,9 +1147,9 @@ static kvi_status tier_move(kvi_store *s, fact *const *up, size_t nup, uint32_t 
   const bool enqueued = st == KVI_OK && (nvict > 0 || nup > 0);
   if (enqueued) st = kvi__store_track(s, s->copy_stream, fn);
   if (st == KVI_OK && enqueued) {
-    s->move_seq = s->track_next - 1;
-    s->move_pending = true;
-    if (stream != s->copy_stream) st = kvi__cuda_stream_wait(stream, s->track_ev[s->move_seq % KVI__TRACK_EVENTS], fn);
+    s->tier.move_seq = s->track_next - 1;
+    s->tier.move_pending = true;
+    if (stream != s->copy_stream) st = kvi__cuda_stream_wait(stream, s->track_ev[s->tier.move_seq % KVI__TRACK_EVENTS], fn);
   } else if (st != KVI_OK) { /* nothing swapped; the pages written stay free once the copies are over */
     kvi__cuda_sync(s->copy_stream, fn);
     for (size_t i = 0; i < nv; i++) vict[i]->pins--;
@@ -1162,8 +1162,8 @@ static kvi_status tier_move(kvi_store *s, fact *const *up, size_t nup, uint32_t 
   }
   /* commit: the copies are enqueued and tracked (a failed stream wait is
    * reported, but the facts have moved) */
-  s->pool.nfree -= nf;
-  s->hpool.nfree -= (uint32_t)down;
+  s->pool.dev.nfree -= nf;
+  s->pool.host.nfree -= (uint32_t)down;
   hj = 0;
   for (size_t i = 0; i < nvict; i++) {
     fact *f = vict[i];
@@ -1177,14 +1177,14 @@ static kvi_status tier_move(kvi_store *s, fact *const *up, size_t nup, uint32_t 
     }
     lru_remove(s, f);
     f->pins--;
-    s->demotions++;
+    s->tier.demotions++;
   }
   for (size_t i = 0; i < nup; i++) {
     fact *f = up[i];
     f->hpages = f->pages; /* the clean copy stays */
     f->pages = newp[i];
     kvi__store_touch(s, f);
-    s->promotions++;
+    s->tier.promotions++;
   }
   if (got > need - nf) release_pages(s, avail + (need - nf), (uint32_t)(got - (need - nf))); /* after the copies */
   if (st != KVI_OK && extra > 0) release_pages(s, extra_pages, extra); /* the caller fails: not taken */
@@ -1200,21 +1200,21 @@ static kvi_status tier_move(kvi_store *s, fact *const *up, size_t nup, uint32_t 
 static kvi_status put_room(kvi_store *s, uint32_t need, pool **into, const char *fn) {
   kvi_status st = KVI_OK;
   if (s->ndeferred > 0 && (st = reap(s, false, fn))) return st;
-  *into = &s->pool;
-  if (s->pool.nfree >= need) return KVI_OK;
-  *into = &s->hpool;
-  if (s->hpool.npages > 0 && s->hpool.nfree >= need) return KVI_OK;
-  *into = &s->pool;
-  if ((st = pool_room(s, &s->pool, need, fn)) || s->pool.nfree >= need) return st;
-  if (s->hpool.npages > 0) {
-    *into = &s->hpool;
-    if ((st = host_room(s, need, fn)) || s->hpool.nfree >= need) return st;
+  *into = &s->pool.dev;
+  if (s->pool.dev.nfree >= need) return KVI_OK;
+  *into = &s->pool.host;
+  if (s->pool.host.npages > 0 && s->pool.host.nfree >= need) return KVI_OK;
+  *into = &s->pool.dev;
+  if ((st = pool_room(s, &s->pool.dev, need, fn)) || s->pool.dev.nfree >= need) return st;
+  if (s->pool.host.npages > 0) {
+    *into = &s->pool.host;
+    if ((st = host_room(s, need, fn)) || s->pool.host.nfree >= need) return st;
     return kvi__fail(KVI_ERR_CAPACITY, fn,
                      "%u pages of %d tokens are needed; the device tier has %u of %u pages free, the host tier %u of %u",
-                     need, (int)s->P, s->pool.nfree, s->pool.npages, s->hpool.nfree, s->hpool.npages);
+                     need, (int)s->P, s->pool.dev.nfree, s->pool.dev.npages, s->pool.host.nfree, s->pool.host.npages);
   }
   return kvi__fail(KVI_ERR_CAPACITY, fn, "%u pages of %d tokens are needed; %u of %u pages are free", need, (int)s->P,
-                   s->pool.nfree, s->pool.npages);
+                   s->pool.dev.nfree, s->pool.dev.npages);
 }
 
 KVI_API kvi_status kvi_store_prefetch(kvi_store *store, uint64_t tenant_id, const uint64_t *fact_ids, int32_t count,
@@ -1225,22 +1225,22 @@ KVI_API kvi_status kvi_store_prefetch(kvi_store *store, uint64_t tenant_id, cons
   if (count > 0 && !fact_ids) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "fact_ids is NULL and count is %d", (int)count);
   kvi_status st = KVI_OK;
   kvi__store_lock(store);
-  const tenant *t = kvi__map_get(&store->tenants, tenant_id, 0);
+  const tenant *t = kvi__map_get(&store->index.tenants, tenant_id, 0);
   const size_t n = fact_ids ? (size_t)count : t ? t->count : 0;
   fact **list = malloc((n ? 2 * n : 1) * sizeof *list), **up = list ? list + n : NULL; /* up: the facts to move */
   if (!list) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu fact references", n);
   size_t m = 0;
   if (st == KVI_OK && fact_ids) {
-    kvi__map_get_many(&store->facts, &tenant_id, 0, fact_ids, n, (void **)list);
+    kvi__map_get_many(&store->index.facts, &tenant_id, 0, fact_ids, n, (void **)list);
     for (; m < n && st == KVI_OK; m++)
       if (!list[m]) st = not_found_(fn, tenant_id, fact_ids[m]);
   } else if (st == KVI_OK && t) {
     for (fact *f = t->head; f; f = f->next) list[m++] = f;
   }
-  if (st == KVI_OK && store->hpool.npages > 0 && m > 0) {
+  if (st == KVI_OK && store->pool.host.npages > 0 && m > 0) {
     for (size_t i = 0; i < m; i++) list[i]->pins++; /* none of them moves down */
     /* the longest prefix that fits beside the facts it must not move down */
-    uint64_t room = (uint64_t)store->pool.nfree + deferred_in(store, &store->pool) + kvi__store_evictable(store),
+    uint64_t room = (uint64_t)store->pool.dev.nfree + deferred_in(store, &store->pool.dev) + kvi__store_evictable(store),
              need = 0;
     for (size_t i = m; i-- > 0;) /* named facts already on the device become the most recent, the first first */
       kvi__store_touch(store, list[i]);
@@ -1252,8 +1252,8 @@ KVI_API kvi_status kvi_store_prefetch(kvi_store *store, uint64_t tenant_id, cons
       up[nup++] = list[i];
     }
     if (nup > 0) {
-      WITH_DEVICE(store, fn, st, kvi__cuda_event_record(store->prefetch_ev, stream, fn));
-      if (st == KVI_OK) WITH_DEVICE(store, fn, st, kvi__cuda_stream_wait(store->copy_stream, store->prefetch_ev, fn));
+      WITH_DEVICE(store, fn, st, kvi__cuda_event_record(store->tier.prefetch_ev, stream, fn));
+      if (st == KVI_OK) WITH_DEVICE(store, fn, st, kvi__cuda_stream_wait(store->copy_stream, store->tier.prefetch_ev, fn));
       if (st == KVI_OK) WITH_DEVICE(store, fn, st, tier_move(store, up, nup, 0, NULL, store->copy_stream, fn));
     }
     for (size_t i = 0; i < m; i++) list[i]->pins--;
@@ -1267,7 +1267,7 @@ KVI_API kvi_status kvi_store_prefetch(kvi_store *store, uint64_t tenant_id, cons
 
 kvi_status kvi__store_lease(kvi_store *s, fact *const *facts, size_t n, bool promote, struct CUstream_st *stream,
                             const char *fn) {
-  if (s->hpool.npages == 0) return KVI_OK;
+  if (s->pool.host.npages == 0) return KVI_OK;
   fact **up = promote ? malloc((n ? n : 1) * sizeof *up) : NULL;
   if (promote && !up) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu fact references", n);
   size_t nup = 0;
@@ -1284,7 +1284,7 @@ kvi_status kvi__store_lease(kvi_store *s, fact *const *facts, size_t n, bool pro
 }
 
 void kvi__store_unlease(kvi_store *s, fact *const *facts, size_t n, bool used) {
-  if (s->hpool.npages == 0) return;
+  if (s->pool.host.npages == 0) return;
   for (size_t i = n; i-- > 0;) { /* the first named ends the most recent */
     facts[i]->pins--;
     if (used) kvi__store_touch(s, facts[i]);
@@ -1301,16 +1301,16 @@ static void unlink_fact(kvi_store *s, fact *f) {
   if (s->emb_dim > 0) emb_remove(s, t, f);
   t->count--;
   if (t->count == 0 && t->pending == 0) { /* a replace keeps the tenant: its new fact is pending */
-    kvi__map_del(&s->tenants, t->id, 0);
+    kvi__map_del(&s->index.tenants, t->id, 0);
     emb_free(s, t);
     free(t);
   }
-  kvi__map_del(&s->facts, f->tenant_id, f->id);
+  kvi__map_del(&s->index.facts, f->tenant_id, f->id);
   lru_remove(s, f);
   release_pages(s, f->pages, f->npages);
   if (f->hpages) release_pages(s, f->hpages, f->npages);
-  s->tokens_stored -= (uint64_t)f->tokens;
-  s->pages_stored -= f->npages;
+  s->index.tokens_stored -= (uint64_t)f->tokens;
+  s->index.pages_stored -= f->npages;
 }
 
 /* Inserts a fact whose `need` pages (off their free stack) hold its data,
@@ -1325,12 +1325,12 @@ static void commit_fact(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, t
     unlink_fact(s, old);
     free_fact(old);
   }
-  tenant *t = kvi__map_get(&s->tenants, tenant_id, 0);
+  tenant *t = kvi__map_get(&s->index.tenants, tenant_id, 0);
   if (!t) {
     t = fresh;
     memset(t, 0, sizeof *t);
     t->id = tenant_id;
-    kvi__map_put(&s->tenants, tenant_id, 0, t);
+    kvi__map_put(&s->index.tenants, tenant_id, 0, t);
   } else {
     free(fresh);
   }
@@ -1342,7 +1342,7 @@ static void commit_fact(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, t
   f->pages = pages;
   f->row = SIZE_MAX;
   if (s->emb_dim > 0 && *emb) {
-    if (!s->emb_sharded || kvi__emb_rank(tenant_id, fact_id, s->comm_size) == s->comm_rank) {
+    if (!s->shard.emb_sharded || kvi__emb_rank(tenant_id, fact_id, s->shard.size) == s->shard.rank) {
       emb_append(s, t, f, *emb);
     } else { /* checked, and kept by another rank: give back the row reserved for it */
       t->pending--;
@@ -1361,9 +1361,9 @@ static void commit_fact(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, t
   f->in_lru = false;
   f->pins = 0;
   kvi__store_touch(s, f); /* a new device-tier fact counts as used */
-  kvi__map_put(&s->facts, tenant_id, fact_id, f);
-  s->tokens_stored += (uint64_t)tokens;
-  s->pages_stored += need;
+  kvi__map_put(&s->index.facts, tenant_id, fact_id, f);
+  s->index.tokens_stored += (uint64_t)tokens;
+  s->index.pages_stored += need;
 }
 
 /* ---- the write transaction ------------------------------------------------ */
@@ -1405,8 +1405,8 @@ kvi_status kvi__txn_add(kvi__txn *t, uint64_t tenant_id, uint64_t fact_id, int32
     return kvi__fail(KVI_ERR_EXISTS, fn, "fact %llu of tenant %llu is already stored (pass KVI_PUT_REPLACE to replace it)",
                      (unsigned long long)fact_id, (unsigned long long)tenant_id);
   }
-  kvi_status st = kvi__map_reserve(&s->facts, (size_t)t->n, fn);
-  if (st == KVI_OK) st = kvi__map_reserve(&s->tenants, (size_t)t->n, fn);
+  kvi_status st = kvi__map_reserve(&s->index.facts, (size_t)t->n, fn);
+  if (st == KVI_OK) st = kvi__map_reserve(&s->index.tenants, (size_t)t->n, fn);
   if (st) return st;
   t->nrows = t->n; /* unreserved on abort, even if this fails part way */
   return reserve_rows(s, tenant_id, emb ? 1 : 0, tokens, fn);
@@ -1419,17 +1419,17 @@ kvi_status kvi__txn_take_pages(kvi__txn *t) {
   t->pages = malloc((t->npages ? t->npages : 1) * sizeof *t->pages);
   if (!t->pages) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %u page ids", t->npages);
   kvi_status st = KVI_OK;
-  if (t->place == KVI__PLACE_DEVICE && s->backend == KVI_BACKEND_CUDA && s->hpool.npages > 0) {
+  if (t->place == KVI__PLACE_DEVICE && s->backend == KVI_BACKEND_CUDA && s->pool.host.npages > 0) {
     /* the device tier, demoting least-recently-used facts if it is short */
-    if ((st = pool_room(s, &s->pool, 0, fn))) return st;
+    if ((st = pool_room(s, &s->pool.dev, 0, fn))) return st;
     WITH_DEVICE(s, fn, st, tier_move(s, NULL, 0, t->npages, t->pages, t->stream, fn));
     if (st == KVI_OK) t->moved = true, t->ntaken = t->npages;
     return st;
   }
   if (t->place == KVI__PLACE_DEVICE) {
     if ((st = device_room(s, t->npages, fn))) return st;
-    for (int32_t i = 0; i < t->n; i++) t->facts[i].into = &s->pool;
-    pool_take(&s->pool, t->pages, t->npages);
+    for (int32_t i = 0; i < t->n; i++) t->facts[i].into = &s->pool.dev;
+    pool_take(&s->pool.dev, t->pages, t->npages);
     t->ntaken = t->npages;
     return KVI_OK;
   }
@@ -1530,7 +1530,7 @@ static int cmp_key(const void *a, const void *b) {
 
 /* put_views' checks of the items before the store is locked. */
 static kvi_status check_items(const kvi_store *store, const kvi__put_item *items, int32_t n, const char *fn) {
-  const uint32_t largest = store->pool.npages > store->hpool.npages ? store->pool.npages : store->hpool.npages;
+  const uint32_t largest = store->pool.dev.npages > store->pool.host.npages ? store->pool.dev.npages : store->pool.host.npages;
   for (int32_t i = 0; i < n; i++) {
     const uint32_t need = pages_for(store, items[i].v->num_tokens);
     if (need > largest)
@@ -1653,7 +1653,7 @@ KVI_API kvi_status kvi_store_read(const kvi_store *store, uint64_t tenant_id, ui
   if (st) return st;
   if ((st = check_view_memory(store, &v, fn, "dst"))) return st;
   kvi__store_lock(store);
-  const fact *f = kvi__map_get(&store->facts, tenant_id, fact_id);
+  const fact *f = kvi__map_get(&store->index.facts, tenant_id, fact_id);
   if (!f) st = not_found(fn, tenant_id, fact_id);
   else if (f->tokens != v.num_tokens)
     st = kvi__fail(KVI_ERR_MISMATCH, fn, "dst->num_tokens is %d, the fact has %d tokens", (int)v.num_tokens,
@@ -1674,7 +1674,7 @@ KVI_API kvi_status kvi_store_fact_tokens(const kvi_store *store, uint64_t tenant
   if (!store || !out_tokens)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_tokens" : "store");
   kvi__store_lock(store);
-  const fact *f = kvi__map_get(&store->facts, tenant_id, fact_id);
+  const fact *f = kvi__map_get(&store->index.facts, tenant_id, fact_id);
   if (f) *out_tokens = f->tokens;
   kvi__store_unlock(store);
   return f ? KVI_OK : not_found(fn, tenant_id, fact_id);
@@ -1691,13 +1691,13 @@ KVI_API kvi_status kvi_store_get_embedding(const kvi_store *store, uint64_t tena
   if (s->backend == KVI_BACKEND_CUDA && !tmp) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes", rb);
   kvi_status st = KVI_OK;
   kvi__store_lock(s);
-  const fact *f = kvi__map_get(&s->facts, tenant_id, fact_id);
+  const fact *f = kvi__map_get(&s->index.facts, tenant_id, fact_id);
   if (!f) {
     st = not_found(fn, tenant_id, fact_id);
-  } else if (f->row == SIZE_MAX && s->emb_sharded) {
+  } else if (f->row == SIZE_MAX && s->shard.emb_sharded) {
     st = kvi__fail(KVI_ERR_NOT_FOUND, fn, "the embedding of fact %llu of tenant %llu is kept by rank %d, not this rank (%d)",
                    (unsigned long long)fact_id, (unsigned long long)tenant_id,
-                   (int)kvi__emb_rank(tenant_id, fact_id, s->comm_size), (int)s->comm_rank);
+                   (int)kvi__emb_rank(tenant_id, fact_id, s->shard.size), (int)s->shard.rank);
   } else if (f->row == SIZE_MAX) {
     st = kvi__fail(KVI_ERR_INTERNAL, fn, "fact %llu has no embedding row", (unsigned long long)fact_id);
   } else if (s->backend == KVI_BACKEND_CPU) {
@@ -1748,7 +1748,7 @@ KVI_API kvi_status kvi_store_count(const kvi_store *store, uint64_t tenant_id, s
   if (!store || !out_count)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_count" : "store");
   kvi__store_lock(store);
-  const tenant *t = kvi__map_get(&store->tenants, tenant_id, 0);
+  const tenant *t = kvi__map_get(&store->index.tenants, tenant_id, 0);
   *out_count = t ? t->count : 0;
   kvi__store_unlock(store);
   return KVI_OK;
@@ -1767,7 +1767,7 @@ KVI_API kvi_status kvi_store_list(const kvi_store *store, uint64_t tenant_id, ui
   if (capacity > 0 && !ids) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "ids is NULL and capacity is %zu", capacity);
   kvi_status st = KVI_OK;
   kvi__store_lock(store);
-  const tenant *t = kvi__map_get(&store->tenants, tenant_id, 0);
+  const tenant *t = kvi__map_get(&store->index.tenants, tenant_id, 0);
   const size_t n = t ? t->count : 0;
   if (capacity > 0 && n > 0) {
     uint64_t *all = malloc(n * sizeof *all);
@@ -1797,18 +1797,18 @@ KVI_API kvi_status kvi_store_stats_get(const kvi_store *store, kvi_store_stats *
   s.embedding_dim = store->emb_dim;
   s.page_bytes = store->page_bytes;
   kvi__store_lock(store);
-  s.pages_host_total = store->hpool.npages;
-  s.pages_host_used = store->hpool.npages - store->hpool.nfree;
-  s.pages_total = store->pool.npages + s.pages_host_total;
-  s.pages_used = store->pool.npages - store->pool.nfree + s.pages_host_used;
-  s.promotions = store->promotions;
-  s.demotions = store->demotions;
-  s.facts = store->facts.len;
-  s.tenants = store->tenants.len;
+  s.pages_host_total = store->pool.host.npages;
+  s.pages_host_used = store->pool.host.npages - store->pool.host.nfree;
+  s.pages_total = store->pool.dev.npages + s.pages_host_total;
+  s.pages_used = store->pool.dev.npages - store->pool.dev.nfree + s.pages_host_used;
+  s.promotions = store->tier.promotions;
+  s.demotions = store->tier.demotions;
+  s.facts = store->index.facts.len;
+  s.tenants = store->index.tenants.len;
   /* the bytes of stored tokens, plus (fp8) the scales of their pages */
   const uint64_t token_bytes = store->page_elems / (uint64_t)store->P * kvi_dtype_size(store->dtype);
-  s.bytes_payload = store->tokens_stored * token_bytes +
-                    store->pages_stored * (store->page_bytes - (uint64_t)store->P * token_bytes);
+  s.bytes_payload = store->index.tokens_stored * token_bytes +
+                    store->index.pages_stored * (store->page_bytes - (uint64_t)store->P * token_bytes);
   s.bytes_embeddings = store->emb_bytes;
   kvi__store_unlock(store);
   s.bytes_reserved = s.pages_total * s.page_bytes;

@@ -74,6 +74,49 @@ struct tenant {
   int32_t dir_stride;
 };
 
+/* The store's page pools (store.c's pool code alone takes and returns
+ * pages): page ids [0, dev.npages) are device memory on a CUDA store, host
+ * memory on a CPU store; a CUDA store with a host budget has the pinned,
+ * mapped host tier after them, ids [dev.npages, dev.npages + host.npages)
+ * (host.npages 0 without one), host_dev the device address of host.base. A
+ * fact's pages are all on one tier. */
+typedef struct kvi__store_pools {
+  pool dev;
+  pool host;
+  char *host_dev;
+} kvi__store_pools;
+
+/* The facts and tenants (store.c; others read them through kvi__store_find,
+ * kvi__store_tenant and kvi__store_next_fact). */
+typedef struct kvi__store_index {
+  kvi__map facts;   /* (tenant, id) -> fact */
+  kvi__map tenants; /* (tenant, 0) -> tenant */
+  uint64_t tokens_stored;
+  uint64_t pages_stored; /* pages of stored facts (kvi_store_stats.bytes_payload) */
+} kvi__store_index;
+
+/* The tiers of a tiered store (store.c's tier section). */
+typedef struct kvi__store_tier {
+  fact *lru_head, *lru_tail; /* device-tier facts, most recently used first */
+  uint64_t promotions, demotions;
+  /* The last tier move: tracked event number move_seq (valid while
+   * move_pending) recorded on copy_stream after its copies. Calls that read
+   * pages make their stream (or the host) wait for it. */
+  uint64_t move_seq;
+  bool move_pending;
+  struct CUevent_st *prefetch_ev; /* orders a prefetch after its caller's stream */
+} kvi__store_tier;
+
+/* Tensor parallelism (set by shard.c at creation): the communicator (or
+ * NULL), this rank and the group's size (0 and 1 without one), and whether
+ * each embedding is kept only by rank kvi__emb_rank(tenant, id, size). */
+typedef struct kvi__store_shard {
+  struct kvi_comm *comm;
+  int32_t rank, size;
+  bool emb_sharded;
+} kvi__store_shard;
+
+/* A store: its fixed description, then one part per owner. */
 struct kvi_store {
   pthread_mutex_t lock;
   kvi__geom geom;
@@ -87,21 +130,9 @@ struct kvi_store {
   uint64_t page_elems; /* elements (of dtype) of K and V in a page: L * 2 * H * P * D */
   bool fp8;            /* dtype is KVI_DTYPE_FP8_E4M3: scales follow the elements (kernels.h) */
   uint64_t scale_off;  /* fp8: byte offset of a page's scales (page_elems rounded up to 16) */
-  uint64_t pages_stored; /* pages of stored facts (kvi_store_stats.bytes_payload) */
-  pool pool;  /* page ids [0, pool.npages): device memory (CUDA) or host memory (CPU) */
-  /* The pinned-host tier of a CUDA store (hpool.npages 0 without one): page
-   * ids [pool.npages, pool.npages + hpool.npages), mapped, hpool_dev the
-   * device address of hpool.base. A fact's pages are all on one tier. */
-  pool hpool;
-  char *hpool_dev;
-  fact *lru_head, *lru_tail; /* device-tier facts of a tiered store, most recently used first */
-  uint64_t promotions, demotions;
-  /* The last tier move: tracked event number move_seq (valid while
-   * move_pending) recorded on copy_stream after its copies. Calls that read
-   * pages make their stream (or the host) wait for it. */
-  uint64_t move_seq;
-  bool move_pending;
-  struct CUevent_st *prefetch_ev; /* orders a prefetch after its caller's stream */
+  kvi__store_pools pool;
+  kvi__store_index index;
+  kvi__store_tier tier;
   /* CUDA stores: pinned staging and a private stream for host copies */
   char *staging;
   uint32_t staging_pages;
@@ -128,13 +159,6 @@ struct kvi_store {
   uint32_t stage_cap, stage_used, stage_reserved;
   kvi_status emb_err;
   char emb_err_msg[256];
-  struct {
-    struct kvi__search *ws;             /* search.c's workspace, made by the first search */
-    void (*release)(kvi_store *s);      /* frees it (the store's device current) */
-  } search;
-  kvi__map facts;   /* (tenant, id) -> fact */
-  kvi__map tenants; /* (tenant, 0) -> tenant */
-  uint64_t tokens_stored;
   /* Stream-ordered deferred frees (CUDA stores). Device work touching pages
    * records track_ev[seq % N] as event number seq; all events < track_done
    * have completed. A page freed while events < tag were outstanding waits
@@ -144,30 +168,30 @@ struct kvi_store {
   uint32_t *deferred_page;
   uint64_t *deferred_tag;
   uint32_t ndeferred;
+  /* The parts of the modules above the store, which register them. */
+  struct {
+    struct kvi__search *ws;        /* search.c's workspace, made by the first search */
+    void (*release)(kvi_store *s); /* frees it (kvi_store_destroy) */
+  } search;
   struct {
     const struct kvi__journal_ops *ops; /* persist.c's hooks, NULL without a journal */
     void *ctx;
   } journal;
-  /* Tensor parallelism (shard.c): the communicator given at creation (or
-   * NULL), this rank and the group's size (0 and 1 without one), and whether
-   * each embedding is kept only by rank kvi__emb_rank(tenant, id, size). */
-  struct kvi_comm *comm;
-  int32_t comm_rank, comm_size;
-  bool emb_sharded;
+  kvi__store_shard shard;
 };
 
 /* Whether a page id is on the pinned-host tier. */
-static inline bool page_on_host_tier(const kvi_store *s, uint32_t page) { return page >= s->pool.npages; }
+static inline bool page_on_host_tier(const kvi_store *s, uint32_t page) { return page >= s->pool.dev.npages; }
 
 /* The host address of a page (a device address for a device-tier page). */
 static inline char *page_addr(const kvi_store *s, uint32_t page) {
-  if (page >= s->pool.npages) return s->hpool.base + (uint64_t)(page - s->pool.npages) * s->page_bytes;
-  return s->pool.base + (uint64_t)page * s->page_bytes;
+  if (page >= s->pool.dev.npages) return s->pool.host.base + (uint64_t)(page - s->pool.dev.npages) * s->page_bytes;
+  return s->pool.dev.base + (uint64_t)page * s->page_bytes;
 }
 
 /* Whether a tiered store keeps f on the host (all its pages are there). */
 static inline bool fact_on_host(const kvi_store *s, const fact *f) {
-  return s->hpool.npages > 0 && f->npages > 0 && page_on_host_tier(s, f->pages[0]);
+  return s->pool.host.npages > 0 && f->npages > 0 && page_on_host_tier(s, f->pages[0]);
 }
 
 /* fp8 stores: the scales of a page, (l * 2 + kv) * H + h */
@@ -189,7 +213,29 @@ void kvi__store_unlock(const kvi_store *s);
 
 /* Looks up a fact; NULL when absent. */
 static inline fact *kvi__store_find(const kvi_store *s, uint64_t tenant_id, uint64_t fact_id) {
-  return (fact *)kvi__map_get(&s->facts, tenant_id, fact_id);
+  return (fact *)kvi__map_get(&s->index.facts, tenant_id, fact_id);
+}
+
+/* Looks up n facts (tenants[i * tenant_stride], ids[i]) into out[i] (NULL when absent). */
+static inline void kvi__store_find_many(const kvi_store *s, const uint64_t *tenants, size_t tenant_stride,
+                                        const uint64_t *ids, size_t n, fact **out) {
+  kvi__map_get_many(&s->index.facts, tenants, tenant_stride, ids, n, (void **)out);
+}
+
+/* Looks up a tenant; NULL when the store holds none of its facts. */
+static inline tenant *kvi__store_tenant(const kvi_store *s, uint64_t tenant_id) {
+  return (tenant *)kvi__map_get(&s->index.tenants, tenant_id, 0);
+}
+
+/* The number of stored facts. */
+static inline size_t kvi__store_fact_count(const kvi_store *s) { return s->index.facts.len; }
+
+/* The stored facts, one per call from *pos (0 to start), in no order; NULL
+ * after the last. */
+static inline const fact *kvi__store_next_fact(const kvi_store *s, size_t *pos) {
+  for (; *pos < s->index.facts.cap; (*pos)++)
+    if (s->index.facts.slots[*pos].val) return s->index.facts.slots[(*pos)++].val;
+  return NULL;
 }
 
 /* Records, on `stream`, the end of device work that reads or writes pages:

@@ -792,9 +792,9 @@ static kvi_status xfer_args(xfer *x, const plan *p, int32_t lb, int32_t le, bool
     memcpy(a->inline_plan, p->buf, p->bytes);
     a->inline_bytes = (int32_t)(p->bytes ? p->bytes : 1);
   }
-  a->pool = s->pool.base;
-  a->host_pool = s->hpool_dev; /* KVI_HOST_PAGES_READ_MAPPED: host-tier pages read in place */
-  a->host_first = s->pool.npages;
+  a->pool = s->pool.dev.base;
+  a->host_pool = s->pool.host_dev; /* KVI_HOST_PAGES_READ_MAPPED: host-tier pages read in place */
+  a->host_first = s->pool.dev.npages;
   a->page_elems = page_stride_elems(s);
   a->scale_off = (int64_t)s->scale_off;
   a->page_dtype = (int32_t)s->dtype;
@@ -991,7 +991,7 @@ static kvi_status inject_job(const xfer *x, const ireq *rq, int32_t r, job *j, i
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "request %d: num_facts is %d", (int)r, (int)rq->num_facts);
   if (rq->num_facts > 0 && !rq->fact_ids)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "request %d: fact_ids is NULL", (int)r);
-  kvi__map_get_many(&x->store->facts, &rq->tenant, 0, rq->fact_ids, (size_t)rq->num_facts, (void **)found);
+  kvi__store_find_many(x->store, &rq->tenant, 0, rq->fact_ids, (size_t)rq->num_facts, found);
   for (int32_t f = 0; f < rq->num_facts; f++) {
     const fact *ft = found[f];
     if (!ft)
@@ -1235,9 +1235,9 @@ static kvi_status plan_tokens(const kvi_store *s, uint64_t tenant, const uint64_
                               int64_t *out_tokens, const char *fn) {
   int64_t total = 0;
   for (int32_t f0 = 0; f0 < num_facts; f0 += 64) { /* looked up 64 at a time */
-    const fact *found[64];
+    fact *found[64];
     const int32_t n = num_facts - f0 < 64 ? num_facts - f0 : 64;
-    kvi__map_get_many(&s->facts, &tenant, 0, fact_ids + f0, (size_t)n, (void **)found);
+    kvi__store_find_many(s, &tenant, 0, fact_ids + f0, (size_t)n, found);
     for (int32_t f = 0; f < n; f++) {
       if (!found[f])
         return kvi__fail(KVI_ERR_NOT_FOUND, fn, "no fact %llu for tenant %llu", (unsigned long long)fact_ids[f0 + f],
@@ -1665,7 +1665,7 @@ static void retrieve_job(const kvi_retrieve_request *rq, int64_t tokens, job *j)
  * alike. *t: the tenant (NULL when unknown); *nres: facts reserved. */
 static kvi_status check_reserve(const xfer *x, const kvi_retrieve_request *rq, int32_t i, int32_t k, job *j,
                                 const tenant **t, int32_t *nres, const char *fn) {
-  *t = kvi__map_get(&x->store->tenants, rq->tenant, 0);
+  *t = kvi__store_tenant(x->store, rq->tenant);
   const size_t n = *t ? (*t)->count : 0;
   *nres = n < (size_t)k ? (int32_t)n : k;
   kvi_status st = check_table_kind(x, rq->block_table_memory, i, fn);
@@ -1709,7 +1709,7 @@ static kvi_status retrieve_on_host(kvi_injector *injector, const void *queries, 
   }
   if (st == KVI_OK) st = check_limits(x, nq, ntok, ntables, fn);
   if (st == KVI_OK)
-    st = (s->emb_sharded ? kvi__shard_search : kvi__search_local)(s, queries, opts->query_dtype, opts->query_memory, nq,
+    st = (s->shard.emb_sharded ? kvi__shard_search : kvi__search_local)(s, queries, opts->query_dtype, opts->query_memory, nq,
                                                                   tenants, k, ids, scores, counts, KVI_MEMORY_HOST,
                                                                   opts->workspace_bytes, true, stream, fn);
   for (size_t i = 0; i < n && st == KVI_OK; i++) {
@@ -1906,7 +1906,7 @@ KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queri
     if (st == KVI_OK) tenants[i] = rq[i].tenant;
   }
   if (st == KVI_OK) st = kvi__search_check(s, queries, num_queries, dim, tenants, k, &so, fn);
-  if (st == KVI_OK && (!x->cuda || !s->dir_on || s->emb_sharded) && so.out_memory != KVI_MEMORY_HOST)
+  if (st == KVI_OK && (!x->cuda || !s->dir_on || s->shard.emb_sharded) && so.out_memory != KVI_MEMORY_HOST)
     st = kvi__fail(so.out_memory == KVI_MEMORY_DEVICE ? KVI_ERR_MEMORY_KIND : KVI_ERR_INVALID_ARGUMENT, fn,
                    "opts->out_memory is %d; %s writes host memory only", (int)so.out_memory,
                    !x->cuda ? "a CPU store" : "a store with a host tier or sharded embeddings");
@@ -1914,7 +1914,7 @@ KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queri
   const void *outs[3] = {out_ids, out_counts, out_tokens};
   for (int i = 0; i < 3 && st == KVI_OK; i++)
     st = kvi__check_memory(outs[i], so.out_memory, x->cuda, s->device, fn, what[i]);
-  if (st == KVI_OK && x->cuda && s->dir_on && !s->emb_sharded) {
+  if (st == KVI_OK && x->cuda && s->dir_on && !s->shard.emb_sharded) {
     /* the device path: search, plan and inject enqueued under one hold of both locks */
     retr r = {x, rq, tenants, num_queries, k, {0}};
     const kvi__search_then then = {retr_prepare, retr_enqueue, &r};
@@ -2038,7 +2038,7 @@ static kvi_status batch_on_device(xfer *x, const kvi_inject_batch *b, int32_t lb
     ireq q;
     batch_request(b, r, &q);
     d[r].j = q.j;
-    d[r].t = kvi__map_get(&s->tenants, q.tenant, 0);
+    d[r].t = kvi__store_tenant(s, q.tenant);
     d[r].nres = d[r].t && d[r].t->count > 0 ? q.num_facts : 0;
     d[r].best_last = false;
     d[r].j.tokens = (int64_t)d[r].nres * (d[r].t ? d[r].t->max_tokens : 0);
@@ -2139,7 +2139,7 @@ KVI_API kvi_status kvi_inject_batched(kvi_injector *injector, const kvi_inject_b
                               b.block_table_len, b.block_table_offsets, fn)))
     return st;
   const bool dev_ids = b.fact_ids_memory == KVI_MEMORY_DEVICE;
-  if (dev_ids && (!s->dir_on || s->emb_sharded))
+  if (dev_ids && (!s->dir_on || s->shard.emb_sharded))
     return kvi__fail(KVI_ERR_UNSUPPORTED, fn,
                      "device fact ids are looked up on the device only on a CUDA store with embeddings, without a "
                      "host tier and without sharded embeddings");

@@ -32,7 +32,7 @@ typedef struct gate_probe {
 static kvi_status probe_decide(kvi__gate *g, kvi_status local) {
   gate_probe *p = (gate_probe *)g;
   p->calls++;
-  p->nfree_seen = p->s->pool.nfree;
+  p->nfree_seen = p->s->pool.dev.nfree;
   return local != KVI_OK ? local : p->answer;
 }
 
@@ -45,20 +45,20 @@ typedef struct snapshot {
 } snapshot;
 
 static void take(snapshot *sn, const kvi_store *s) {
-  sn->nfree = s->pool.nfree;
-  sn->free = malloc((s->pool.nfree + 1) * sizeof *sn->free);
+  sn->nfree = s->pool.dev.nfree;
+  sn->free = malloc((s->pool.dev.nfree + 1) * sizeof *sn->free);
   assert_non_null(sn->free);
-  memcpy(sn->free, s->pool.free, s->pool.nfree * sizeof *sn->free);
+  memcpy(sn->free, s->pool.dev.free, s->pool.dev.nfree * sizeof *sn->free);
   sn->stats = store_stats(s);
-  sn->tenants = s->tenants.len;
-  sn->facts = s->facts.len;
+  sn->tenants = s->index.tenants.len;
+  sn->facts = s->index.facts.len;
 }
 
 static void check_same(const snapshot *sn, const kvi_store *s, const char *what) {
-  if (s->pool.nfree != sn->nfree) fail_msg("%s: %u pages free, %u before", what, s->pool.nfree, sn->nfree);
+  if (s->pool.dev.nfree != sn->nfree) fail_msg("%s: %u pages free, %u before", what, s->pool.dev.nfree, sn->nfree);
   for (uint32_t i = 0; i < sn->nfree; i++)
-    if (s->pool.free[i] != sn->free[i])
-      fail_msg("%s: free stack entry %u is page %u, was %u", what, i, s->pool.free[i], sn->free[i]);
+    if (s->pool.dev.free[i] != sn->free[i])
+      fail_msg("%s: free stack entry %u is page %u, was %u", what, i, s->pool.dev.free[i], sn->free[i]);
   const kvi_store_stats now = store_stats(s);
   if (now.facts != sn->stats.facts || now.tenants != sn->stats.tenants || now.pages_used != sn->stats.pages_used ||
       now.bytes_payload != sn->stats.bytes_payload)
@@ -66,8 +66,8 @@ static void check_same(const snapshot *sn, const kvi_store *s, const char *what)
              (unsigned long long)sn->stats.facts, (unsigned long long)now.facts,
              (unsigned long long)sn->stats.tenants, (unsigned long long)now.tenants,
              (unsigned long long)sn->stats.pages_used, (unsigned long long)now.pages_used);
-  assert_int_equal(s->tenants.len, sn->tenants);
-  assert_int_equal(s->facts.len, sn->facts);
+  assert_int_equal(s->index.tenants.len, sn->tenants);
+  assert_int_equal(s->index.facts.len, sn->facts);
 }
 
 /* Puts (tenant, id): T tokens of data from tag, embedding e_i = tag + i. */
@@ -129,7 +129,7 @@ static kvi_store *emb_store(kvi_model **m) {
   o.embedding_dim = EMB;
   kvi_store *s = NULL;
   assert_ok(kvi_store_create(&s, *m, &o));
-  assert_int_equal(s->pool.npages, PAGES);
+  assert_int_equal(s->pool.dev.npages, PAGES);
   return s;
 }
 
@@ -171,7 +171,7 @@ static void test_gate_refusal_rolls_back(void **state) {
   g.answer = KVI_OK;
   assert_ok(put_batch(s, 3, tenant, id, tokens, &g.g));
   for (int i = 0; i < 3; i++) check_one(s, tenant[i], id[i], tokens[i], 100 + (uint64_t)i);
-  assert_int_equal(s->pool.nfree, sn.nfree - (3 + 2 + 1) + 1); /* (1, 0)'s old page is free again */
+  assert_int_equal(s->pool.dev.nfree, sn.nfree - (3 + 2 + 1) + 1); /* (1, 0)'s old page is free again */
   assert_ok(kvi_store_search(s, q, 1, EMB, &t7, 4, ids, scores, counts, NULL, NULL));
   assert_int_equal(counts[0], 1);
   assert_int_equal(ids[0], 3);
@@ -215,7 +215,7 @@ static void test_capacity_rolls_back(void **state) {
 /* The list from head to tail equals model[0..n) (most recent first), and
  * its back links, tail and in_lru flags agree. */
 static void check_lru(const kvi_store *s, fact *const *model, int n, const fact *all, int nall) {
-  const fact *prev = NULL, *f = s->lru_head;
+  const fact *prev = NULL, *f = s->tier.lru_head;
   for (int i = 0; i < n; i++, prev = f, f = f->lru_next) {
     if (f != model[i]) fail_msg("LRU position %d holds fact %lld, expected %lld", i, f ? (long long)f->id : -1LL,
                                 (long long)model[i]->id);
@@ -223,7 +223,7 @@ static void check_lru(const kvi_store *s, fact *const *model, int n, const fact 
     assert_true(f->in_lru);
   }
   assert_null(f);
-  assert_true(s->lru_tail == (n ? model[n - 1] : NULL));
+  assert_true(s->tier.lru_tail == (n ? model[n - 1] : NULL));
   for (int i = 0; i < nall; i++) {
     bool listed = false;
     for (int j = 0; j < n; j++) listed |= model[j] == &all[i];
@@ -237,8 +237,8 @@ static void test_lru_order(void **state) {
   rng_seed(&r, "test_lru_order");
   kvi_store *s = calloc(1, sizeof *s); /* a tiered store's tier fields only */
   assert_non_null(s);
-  s->pool.npages = 100; /* device tier: pages 0..99; host tier: 100.. */
-  s->hpool.npages = 50;
+  s->pool.dev.npages = 100; /* device tier: pages 0..99; host tier: 100.. */
+  s->pool.host.npages = 50;
   fact f[NF];
   uint32_t pg[NF];
   memset(f, 0, sizeof f);
@@ -253,7 +253,7 @@ static void test_lru_order(void **state) {
   for (int step = 0; step < 2000; step++) {
     fact *x = &f[rng_range(&r, 0, NF - 1)];
     kvi__store_touch(s, x);
-    if (x->pages[0] < s->pool.npages) { /* device tier: to the front */
+    if (x->pages[0] < s->pool.dev.npages) { /* device tier: to the front */
       int at = 0;
       while (at < n && model[at] != x) at++;
       if (at == n) n++;
@@ -266,14 +266,14 @@ static void test_lru_order(void **state) {
   /* a store without a host tier keeps no list */
   kvi_store *flat = calloc(1, sizeof *flat);
   assert_non_null(flat);
-  flat->pool.npages = 100;
+  flat->pool.dev.npages = 100;
   fact g;
   memset(&g, 0, sizeof g);
   uint32_t gp = 0;
   g.npages = 1;
   g.pages = &gp;
   kvi__store_touch(flat, &g);
-  assert_null(flat->lru_head);
+  assert_null(flat->tier.lru_head);
   assert_false(g.in_lru);
   free(flat);
   free(s);
