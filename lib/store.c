@@ -347,96 +347,127 @@ static kvi_status reserve_memory(kvi_store *s, const char *fn) {
   return st;
 }
 
-kvi_status kvi__store_create(kvi_store **out, const kvi_model *model, const kvi_store_options *opts,
-                             const char *fn) {
-  const kvi_store_options o = *opts;
-  kvi_status st;
+/* A store's page layout, from its options: checked, then computed. */
+typedef struct page_layout {
+  uint64_t page_elems, page_bytes, scale_off;
+  uint64_t npages, hpages;
+  bool fp8;
+} page_layout;
 
-  if (o.dtype == KVI_DTYPE_FP8_E5M2)
+/* kvi_store_options' checks that need no backend; the page layout. */
+static kvi_status check_options(const kvi_store_options *o, const kvi__geom *g, page_layout *pl, const char *fn) {
+  if (o->dtype == KVI_DTYPE_FP8_E5M2)
     return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "fp8 e5m2 fact storage is not supported; use KVI_DTYPE_FP8_E4M3");
-  if (!kvi__dtype_is_float(o.dtype) && o.dtype != KVI_DTYPE_FP8_E4M3)
+  if (!kvi__dtype_is_float(o->dtype) && o->dtype != KVI_DTYPE_FP8_E4M3)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->dtype is %d, expected KVI_DTYPE_BF16, FP16, FP32 or FP8_E4M3",
-                     (int)o.dtype);
-  if (o.page_tokens < 1 || o.page_tokens > 4096)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->page_tokens is %d, expected 1..4096", (int)o.page_tokens);
-  if (o.embedding_dim < 0 || o.embedding_dim > 65536)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->embedding_dim is %d, expected 0..65536", (int)o.embedding_dim);
-  if (!kvi__dtype_is_float(o.embedding_dtype))
+                     (int)o->dtype);
+  if (o->page_tokens < 1 || o->page_tokens > 4096)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->page_tokens is %d, expected 1..4096", (int)o->page_tokens);
+  if (o->embedding_dim < 0 || o->embedding_dim > 65536)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->embedding_dim is %d, expected 0..65536", (int)o->embedding_dim);
+  if (!kvi__dtype_is_float(o->embedding_dtype))
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->embedding_dtype is %d, expected KVI_DTYPE_FP32, FP16 or BF16",
-                     (int)o.embedding_dtype);
-  if (o.metric != KVI_METRIC_INNER_PRODUCT && o.metric != KVI_METRIC_COSINE)
+                     (int)o->embedding_dtype);
+  if (o->metric != KVI_METRIC_INNER_PRODUCT && o->metric != KVI_METRIC_COSINE)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
-                     "opts->metric is %d, expected KVI_METRIC_INNER_PRODUCT (0) or KVI_METRIC_COSINE (1)", (int)o.metric);
-
-  const kvi__geom *g = &model->geom;
+                     "opts->metric is %d, expected KVI_METRIC_INNER_PRODUCT (0) or KVI_METRIC_COSINE (1)", (int)o->metric);
   /* page_elems = L * 2 * H * P * D; each factor is bounded, the product fits in 64 bits */
-  const uint64_t page_elems = (uint64_t)g->num_layers * 2u * (uint64_t)g->local_heads * (uint64_t)o.page_tokens *
-                              (uint64_t)g->head_size;
+  pl->page_elems = (uint64_t)g->num_layers * 2u * (uint64_t)g->local_heads * (uint64_t)o->page_tokens *
+                   (uint64_t)g->head_size;
   /* fp8: the e4m3 bytes, then one fp32 scale per (layer, plane, head), each
    * part 16-byte aligned so every page keeps the kernels' vector alignment */
-  const bool fp8 = o.dtype == KVI_DTYPE_FP8_E4M3;
-  const uint64_t scale_off = fp8 ? (page_elems + 15u) & ~(uint64_t)15u : 0;
-  const uint64_t page_bytes =
-      fp8 ? scale_off + (((uint64_t)g->num_layers * 2u * (uint64_t)g->local_heads * 4u + 15u) & ~(uint64_t)15u)
-          : page_elems * kvi_dtype_size(o.dtype);
-  if (o.budget_bytes < page_bytes)
+  pl->fp8 = o->dtype == KVI_DTYPE_FP8_E4M3;
+  pl->scale_off = pl->fp8 ? (pl->page_elems + 15u) & ~(uint64_t)15u : 0;
+  pl->page_bytes =
+      pl->fp8 ? pl->scale_off + (((uint64_t)g->num_layers * 2u * (uint64_t)g->local_heads * 4u + 15u) & ~(uint64_t)15u)
+              : pl->page_elems * kvi_dtype_size(o->dtype);
+  if (o->budget_bytes < pl->page_bytes)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
                      "opts->budget_bytes is %llu, smaller than one page (%llu bytes: %d tokens x %d layers x 2 x "
                      "%d heads x %d x %zu bytes%s)",
-                     (unsigned long long)o.budget_bytes, (unsigned long long)page_bytes, (int)o.page_tokens,
-                     (int)g->num_layers, (int)g->local_heads, (int)g->head_size, kvi_dtype_size(o.dtype),
-                     fp8 ? ", then the scales" : "");
-  const uint64_t npages = o.budget_bytes / page_bytes;
-  if (npages >= UINT32_MAX)
+                     (unsigned long long)o->budget_bytes, (unsigned long long)pl->page_bytes, (int)o->page_tokens,
+                     (int)g->num_layers, (int)g->local_heads, (int)g->head_size, kvi_dtype_size(o->dtype),
+                     pl->fp8 ? ", then the scales" : "");
+  pl->npages = o->budget_bytes / pl->page_bytes;
+  if (pl->npages >= UINT32_MAX)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->budget_bytes gives %llu pages, more than 2^32 - 1; use larger pages",
-                     (unsigned long long)npages);
+                     (unsigned long long)pl->npages);
+  pl->hpages = o->host_budget_bytes / pl->page_bytes;
+  return KVI_OK;
+}
 
+/* The host tier's checks, once the backend is known. */
+static kvi_status check_host_tier(const kvi_store *s, const kvi_store_options *o, const page_layout *pl,
+                                  const char *fn) {
+  if (o->host_budget_bytes > 0 && s->backend == KVI_BACKEND_CPU)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                     "opts->host_budget_bytes is %llu, but a CPU store has a single tier (host memory): pass 0",
+                     (unsigned long long)o->host_budget_bytes);
+  if (o->host_budget_bytes > 0 && pl->hpages == 0)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->host_budget_bytes is %llu, smaller than one page (%llu bytes)",
+                     (unsigned long long)o->host_budget_bytes, (unsigned long long)pl->page_bytes);
+  if (pl->npages + pl->hpages >= UINT32_MAX)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                     "opts->budget_bytes and host_budget_bytes give %llu pages, more than 2^32 - 1; use larger pages",
+                     (unsigned long long)(pl->npages + pl->hpages));
+  return KVI_OK;
+}
+
+/* The fields the options and the layout decide. */
+static void set_fields(kvi_store *s, const kvi_store_options *o, const kvi__geom *g, const page_layout *pl) {
+  s->geom = *g;
+  s->dtype = o->dtype;
+  s->P = o->page_tokens;
+  s->emb_dim = o->embedding_dim;
+  s->emb_dtype = o->embedding_dtype;
+  s->metric = o->metric;
+  s->emb_ld = o->embedding_dim;
+  if (s->backend == KVI_BACKEND_CUDA) { /* rows start on 16-byte boundaries: vector loads, GEMM alignment */
+    const int32_t per16 = (int32_t)(16 / kvi_dtype_size(o->embedding_dtype));
+    s->emb_ld = (o->embedding_dim + per16 - 1) / per16 * per16;
+  }
+  s->stage_row_bytes = (size_t)s->emb_ld * kvi_dtype_size(o->embedding_dtype); /* a multiple of 16 on a CUDA store */
+  s->page_elems = pl->page_elems;
+  s->page_bytes = pl->page_bytes;
+  s->fp8 = pl->fp8;
+  s->scale_off = pl->scale_off;
+  s->pool.dev.tier = s->backend == KVI_BACKEND_CUDA ? TIER_DEVICE : TIER_HOST;
+  s->pool.dev.npages = (uint32_t)pl->npages;
+  s->pool.dev.nfree = (uint32_t)pl->npages;
+  s->pool.host.tier = TIER_HOST;
+  s->pool.host.npages = (uint32_t)pl->hpages;
+  s->pool.host.nfree = (uint32_t)pl->hpages;
+  /* a tiered store moves facts between pools: its page ids are the host's to know */
+  s->dir_on = s->backend == KVI_BACKEND_CUDA && s->emb_dim > 0 && pl->hpages == 0;
+  s->shard.size = 1;
+}
+
+/* The free stacks, full (each pops its lowest page id first). */
+static kvi_status make_free_stacks(kvi_store *s, const char *fn) {
+  const uint32_t npages = s->pool.dev.npages, hpages = s->pool.host.npages;
+  s->pool.dev.free = malloc((size_t)npages * sizeof *s->pool.dev.free);
+  s->pool.host.free = hpages ? malloc((size_t)hpages * sizeof *s->pool.host.free) : NULL;
+  if (!s->pool.dev.free || (hpages && !s->pool.host.free))
+    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the page table for %llu pages", (unsigned long long)npages);
+  for (uint32_t i = 0; i < npages; i++) s->pool.dev.free[i] = npages - 1 - i; /* pops 0, 1, 2, ... */
+  for (uint32_t i = 0; i < hpages; i++) s->pool.host.free[i] = npages + hpages - 1 - i;
+  return KVI_OK;
+}
+
+kvi_status kvi__store_create(kvi_store **out, const kvi_model *model, const kvi_store_options *opts,
+                             const char *fn) {
+  const kvi_store_options o = *opts;
+  const kvi__geom *g = &model->geom;
+  page_layout pl = {0, 0, 0, 0, 0, false};
+  kvi_status st = check_options(&o, g, &pl, fn);
+  if (st) return st;
   kvi_store *s = calloc(1, sizeof *s);
   if (!s) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the store");
-  if ((st = resolve_backend(s, &o, fn))) {
+  if ((st = resolve_backend(s, &o, fn)) || (st = check_host_tier(s, &o, &pl, fn))) {
     free(s);
     return st;
   }
-  const uint64_t hpages = o.host_budget_bytes / page_bytes;
-  if (o.host_budget_bytes > 0 && s->backend == KVI_BACKEND_CPU)
-    st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
-                   "opts->host_budget_bytes is %llu, but a CPU store has a single tier (host memory): pass 0",
-                   (unsigned long long)o.host_budget_bytes);
-  else if (o.host_budget_bytes > 0 && hpages == 0)
-    st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->host_budget_bytes is %llu, smaller than one page (%llu bytes)",
-                   (unsigned long long)o.host_budget_bytes, (unsigned long long)page_bytes);
-  else if (npages + hpages >= UINT32_MAX)
-    st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
-                   "opts->budget_bytes and host_budget_bytes give %llu pages, more than 2^32 - 1; use larger pages",
-                   (unsigned long long)(npages + hpages));
-  if (st) {
-    free(s);
-    return st;
-  }
-  s->geom = *g;
-  s->dtype = o.dtype;
-  s->P = o.page_tokens;
-  s->emb_dim = o.embedding_dim;
-  s->emb_dtype = o.embedding_dtype;
-  s->metric = o.metric;
-  s->emb_ld = o.embedding_dim;
-  if (s->backend == KVI_BACKEND_CUDA) { /* rows start on 16-byte boundaries: vector loads, GEMM alignment */
-    const int32_t per16 = (int32_t)(16 / kvi_dtype_size(o.embedding_dtype));
-    s->emb_ld = (o.embedding_dim + per16 - 1) / per16 * per16;
-  }
-  s->stage_row_bytes = (size_t)s->emb_ld * kvi_dtype_size(o.embedding_dtype); /* a multiple of 16 on a CUDA store */
-  s->page_elems = page_elems;
-  s->page_bytes = page_bytes;
-  s->fp8 = fp8;
-  s->scale_off = scale_off;
-  s->pool.dev.tier = s->backend == KVI_BACKEND_CUDA ? TIER_DEVICE : TIER_HOST;
-  s->pool.dev.npages = (uint32_t)npages;
-  s->pool.dev.nfree = (uint32_t)npages;
-  s->pool.host.tier = TIER_HOST;
-  s->pool.host.npages = (uint32_t)hpages;
-  /* a tiered store moves facts between pools: its page ids are the host's to know */
-  s->dir_on = s->backend == KVI_BACKEND_CUDA && s->emb_dim > 0 && hpages == 0;
-  s->pool.host.nfree = (uint32_t)hpages;
+  set_fields(s, &o, g, &pl);
   s->rope = calloc((size_t)g->num_layers, sizeof *s->rope);
   if (!s->rope) {
     st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating RoPE tables");
@@ -450,21 +481,15 @@ kvi_status kvi__store_create(kvi_store **out, const kvi_model *model, const kvi_
   }
   /* the page memory first: an impossible budget fails before anything large is built */
   if ((st = reserve_memory(s, fn))) goto fail_rope;
-  s->pool.dev.free = malloc(npages * sizeof *s->pool.dev.free);
-  s->pool.host.free = hpages ? malloc(hpages * sizeof *s->pool.host.free) : NULL;
-  if (!s->pool.dev.free || (hpages && !s->pool.host.free)) {
+  if ((st = make_free_stacks(s, fn))) {
     release_memory(s);
-    st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the page table for %llu pages", (unsigned long long)npages);
     goto fail_rope;
   }
-  for (uint32_t i = 0; i < s->pool.dev.npages; i++) s->pool.dev.free[i] = s->pool.dev.npages - 1 - i; /* pops 0, 1, 2, ... */
-  for (uint32_t i = 0; i < s->pool.host.npages; i++) s->pool.host.free[i] = s->pool.dev.npages + s->pool.host.npages - 1 - i;
   if (pthread_mutex_init(&s->lock, NULL) != 0) {
     release_memory(s);
     st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "initializing the store's lock");
     goto fail_rope;
   }
-  s->shard.size = 1;
   *out = s;
   return KVI_OK;
 fail_rope:
