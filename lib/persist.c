@@ -459,7 +459,7 @@ static void journal_release(void *ctx) { journal_free(ctx); }
 static const kvi__journal_ops journal_ops = {journal_put, journal_remove, journal_release};
 
 /* The store's journal, or NULL (the lock held, or the store not shared yet). */
-static kvi__journal *journal_of(const kvi_store *s) { return s->journal.ops ? s->journal.ctx : NULL; }
+static kvi__journal *journal_of(const kvi_store *s) { return s->journal.ops == &journal_ops ? s->journal.ctx : NULL; }
 
 /* Makes j (or none) the store's journal; returns the one it had. */
 static kvi__journal *journal_set(kvi_store *s, kvi__journal *j) {

@@ -1093,6 +1093,18 @@ uint64_t kvi__store_evictable(const kvi_store *s) {
   return n;
 }
 
+size_t kvi__store_victims(const kvi_store *s, uint64_t need, fact **out) {
+  uint64_t got = 0;
+  size_t n = 0;
+  for (fact *f = s->tier.lru_tail; f && s->pool.dev.nfree + got < need; f = f->lru_prev)
+    if (!f->pins) {
+      got += f->npages;
+      if (out) out[n] = f;
+      n++;
+    }
+  return n;
+}
+
 /* Moves the `nup` host-tier facts up[] to the device and takes `extra` more
  * device pages for the caller (written into extra_pages, off the free stack:
  * the caller commits them to facts or gives them back with release_pages),
@@ -1116,15 +1128,14 @@ static kvi_status tier_move(kvi_store *s, fact *const *up, size_t nup, uint32_t 
                      "facts that may move down, %u waiting for in-flight work, the rest held by the facts of this call",
                      (unsigned long long)need, s->pool.dev.npages, s->pool.dev.nfree, (unsigned long long)evictable,
                      deferred_in(s, &s->pool.dev));
-  uint64_t got = 0, down = 0;
-  size_t nvict = 0;
-  for (fact *f = s->tier.lru_tail; f && s->pool.dev.nfree + got < need; f = f->lru_prev)
-    if (!f->pins) {
-      got += f->npages;
-      if (!f->hpages) down += f->npages;
-      nvict++;
-    }
+  const size_t nvict = kvi__store_victims(s, need, NULL);
   fact **vict = malloc((nvict ? nvict : 1) * sizeof *vict);
+  uint64_t got = 0, down = 0; /* the victims' pages, those without a clean host copy */
+  if (vict) kvi__store_victims(s, need, vict);
+  for (size_t i = 0; vict && i < nvict; i++) {
+    got += vict[i]->npages;
+    if (!vict[i]->hpages) down += vict[i]->npages;
+  }
   uint32_t *avail = malloc((size_t)(got ? got : 1) * sizeof *avail);
   uint32_t *hdst = malloc((size_t)(down ? down : 1) * sizeof *hdst);
   uint32_t **newp = calloc(nup ? nup : 1, sizeof *newp);
@@ -1133,11 +1144,7 @@ static kvi_status tier_move(kvi_store *s, fact *const *up, size_t nup, uint32_t 
     if (!(newp[i] = malloc(up[i]->npages * sizeof **newp)))
       st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a tier move");
   size_t nv = 0;
-  for (fact *f = s->tier.lru_tail; st == KVI_OK && nv < nvict; f = f->lru_prev)
-    if (!f->pins) {
-      vict[nv++] = f;
-      f->pins++; /* host_room keeps their clean copies */
-    }
+  for (; st == KVI_OK && nv < nvict; nv++) vict[nv]->pins++; /* host_room keeps their clean copies */
   if (st == KVI_OK && down > 0) {
     st = host_room(s, down, fn);
     if (st == KVI_OK && s->pool.host.nfree < down)

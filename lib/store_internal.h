@@ -252,6 +252,13 @@ kvi_status kvi__store_order_moves(kvi_store *s, struct CUstream_st *stream, cons
  * the facts on the LRU list that no lease pins. */
 uint64_t kvi__store_evictable(const kvi_store *s);
 
+/* The facts a tier move that needs `need` free device pages demotes: the
+ * least recently used device-tier facts no lease pins, until their pages
+ * and the free ones make `need` (all of them when they cannot), least
+ * recently used first, written into out (NULL: only counted). Returns how
+ * many. */
+size_t kvi__store_victims(const kvi_store *s, uint64_t need, fact **out);
+
 /* A reader's lease on n facts for the call holding the lock (a fact may be
  * named more than once): pins them, so that no tier move demotes them
  * before kvi__store_unlease, makes `stream` wait for the last tier move
