@@ -1426,17 +1426,11 @@ kvi_status kvi__txn_add(kvi__txn *t, uint64_t tenant_id, uint64_t fact_id, int32
   x->tenant = tenant_id;
   x->id = fact_id;
   x->tokens = tokens;
+  x->flags = flags;
   x->emb = emb;
   x->npages = pages_for(s, tokens);
   x->first = t->npages;
   t->npages += x->npages;
-  if (!(flags & KVI_PUT_REPLACE) && kvi__store_find(s, tenant_id, fact_id)) {
-    if (t->item)
-      return kvi__fail(KVI_ERR_EXISTS, fn, "%s %d: fact %llu of tenant %llu is already stored (KVI_PUT_REPLACE replaces it)",
-                       t->item, (int)i, (unsigned long long)fact_id, (unsigned long long)tenant_id);
-    return kvi__fail(KVI_ERR_EXISTS, fn, "fact %llu of tenant %llu is already stored (pass KVI_PUT_REPLACE to replace it)",
-                     (unsigned long long)fact_id, (unsigned long long)tenant_id);
-  }
   kvi_status st = kvi__map_reserve(&s->index.facts, (size_t)t->n, fn);
   if (st == KVI_OK) st = kvi__map_reserve(&s->index.tenants, (size_t)t->n, fn);
   if (st) return st;
@@ -1444,13 +1438,39 @@ kvi_status kvi__txn_add(kvi__txn *t, uint64_t tenant_id, uint64_t fact_id, int32
   return reserve_rows(s, tenant_id, emb ? 1 : 0, tokens, fn);
 }
 
+/* Refuses a key the store holds that was added without KVI_PUT_REPLACE;
+ * the keys are looked up 64 at a time (kvi__store_find_many prefetches). */
+static kvi_status check_new(const kvi__txn *t) {
+  for (int32_t i0 = 0; i0 < t->n; i0 += 64) {
+    uint64_t tn[64], id[64];
+    int32_t at[64], m = 0;
+    const int32_t i1 = t->n - i0 < 64 ? t->n : i0 + 64;
+    for (int32_t i = i0; i < i1; i++)
+      if (!(t->facts[i].flags & KVI_PUT_REPLACE)) tn[m] = t->facts[i].tenant, id[m] = t->facts[i].id, at[m++] = i;
+    fact *old[64];
+    kvi__store_find_many(t->s, tn, 1, id, (size_t)m, old);
+    for (int32_t k = 0; k < m; k++) {
+      if (!old[k]) continue;
+      if (t->item)
+        return kvi__fail(KVI_ERR_EXISTS, t->fn,
+                         "%s %d: fact %llu of tenant %llu is already stored (KVI_PUT_REPLACE replaces it)", t->item,
+                         (int)at[k], (unsigned long long)id[k], (unsigned long long)tn[k]);
+      return kvi__fail(KVI_ERR_EXISTS, t->fn,
+                       "fact %llu of tenant %llu is already stored (pass KVI_PUT_REPLACE to replace it)",
+                       (unsigned long long)id[k], (unsigned long long)tn[k]);
+    }
+  }
+  return KVI_OK;
+}
+
 kvi_status kvi__txn_take_pages(kvi__txn *t) {
   kvi_store *s = t->s;
   const char *fn = t->fn;
   if (!t->facts || t->pages) return kvi__fail(KVI_ERR_INTERNAL, fn, "pages taken twice in one transaction");
+  kvi_status st = check_new(t);
+  if (st) return st;
   t->pages = malloc((t->npages ? t->npages : 1) * sizeof *t->pages);
   if (!t->pages) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %u page ids", t->npages);
-  kvi_status st = KVI_OK;
   if (t->place == KVI__PLACE_DEVICE && s->backend == KVI_BACKEND_CUDA && s->pool.host.npages > 0) {
     /* the device tier, demoting least-recently-used facts if it is short */
     if ((st = pool_room(s, &s->pool.dev, 0, fn))) return st;

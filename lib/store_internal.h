@@ -66,7 +66,7 @@ struct tenant {
   uint64_t *ids;  /* device memory, CUDA stores only */
   fact **rows;    /* host memory */
   size_t cap;     /* rows allocated */
-  size_t pending; /* rows reserved by the call holding the lock (kvi__store_reserve_rows) */
+  size_t pending; /* rows reserved by the call holding the lock (reserve_rows, a transaction) */
   int32_t max_tokens; /* the largest fact it has held (never lowered) */
   /* The directory of a store with dir_on (kernels.h, kvi__rquery): [cap] rows
    * of dir_stride words, in device memory, changed with the matrix. */
@@ -304,9 +304,11 @@ typedef struct kvi__gate {
  * kvi_store_load, kvi_encode) is one transaction, all or nothing, the
  * store's lock held from begin to commit or abort:
  *   kvi__txn_begin    room for `cap` facts in the transaction (no store change)
- *   kvi__txn_add      a fact: refuses an existing key without KVI_PUT_REPLACE,
- *                     reserves its record's room in the maps and its embedding row
- *   kvi__txn_take_pages  every added fact's pages, off the free stacks
+ *   kvi__txn_add      a fact: reserves its record's room in the maps and its
+ *                     embedding row
+ *   kvi__txn_take_pages  refuses a key the store holds that was added without
+ *                     KVI_PUT_REPLACE (all keys looked up in prefetched groups),
+ *                     then takes every added fact's pages off the free stacks
  *                     (kvi__txn_pages: fact i's page ids)
  *   the caller's work writing the pages (kvi__store_write_pages, or the
  *                     encoder's kernels); kvi__txn_wrote when device work was
@@ -334,6 +336,7 @@ typedef enum kvi__place {
 typedef struct kvi__txn_fact {
   uint64_t tenant, id;
   int32_t tokens;
+  uint32_t flags;         /* KVI_PUT_REPLACE or 0 */
   uint32_t npages, first; /* its page ids: the transaction's pages[first, first + npages) */
   float *emb;             /* emb_dim fp32 values as the store keeps them, or NULL; owned */
   pool *into;             /* the pool its pages came from */

@@ -354,14 +354,16 @@ static int64_t file_size(const char *path) {
 }
 
 /* Where a transaction is made to fail. */
-typedef enum fail_at { AT_NONE, AT_ADD, AT_PAGES, AT_WRITE, AT_JOURNAL, AT_GATE } fail_at;
+typedef enum fail_at { AT_NONE, AT_ADD, AT_EXISTS, AT_PAGES, AT_WRITE, AT_JOURNAL, AT_GATE } fail_at;
 
 /* One transaction of n facts (data from tag 100 + i, embeddings 100 + i +
- * j), through the steps a put takes, failing at `at`: AT_ADD and AT_PAGES
- * expect the caller's last item to fail there (an existing key without
- * KVI_PUT_REPLACE, a fact too large for the free pages); AT_WRITE fails the
- * caller's work on the pages after it wrote them; AT_JOURNAL arms the hook;
- * AT_GATE has the gate refuse. Returns the transaction's status. */
+ * j), through the steps a put takes, failing at `at`: AT_ADD fails the last
+ * add's row reservation (a latched embedding failure, as a dead context
+ * leaves), AT_EXISTS and AT_PAGES expect the caller's last item to fail when
+ * the pages are taken (an existing key without KVI_PUT_REPLACE, a fact too
+ * large for the free pages); AT_WRITE fails the caller's work on the pages
+ * after it wrote them; AT_JOURNAL arms the hook; AT_GATE has the gate
+ * refuse. Returns the transaction's status. */
 static kvi_status txn_run(kvi_store *s, hook_probe *h, fail_at at, int32_t n, const uint64_t *tenant,
                           const uint64_t *id, const int32_t *tokens, const uint32_t *flags, gate_probe *g) {
   kvbuf b[8];
@@ -381,10 +383,13 @@ static kvi_status txn_run(kvi_store *s, hook_probe *h, fail_at at, int32_t n, co
     float *e = malloc(EMB * sizeof *e);
     assert_non_null(e);
     for (int j = 0; j < EMB; j++) e[j] = (float)(100 + i + j);
+    if (at == AT_ADD && i == n - 1) s->emb_err = KVI_ERR_CUDA;
     st = kvi__txn_add(&t, tenant[i], id[i], tokens[i], flags[i], e);
+    s->emb_err = KVI_OK;
   }
-  if (at == AT_ADD) assert_int_equal(st, KVI_ERR_EXISTS);
+  if (at == AT_ADD) assert_int_equal(st, KVI_ERR_CUDA);
   if (st == KVI_OK) st = kvi__txn_take_pages(&t);
+  if (at == AT_EXISTS) assert_int_equal(st, KVI_ERR_EXISTS);
   if (at == AT_PAGES) assert_int_equal(st, KVI_ERR_CAPACITY);
   for (int32_t i = 0; i < n && st == KVI_OK; i++)
     st = kvi__store_write_pages(s, kvi__txn_pages(&t, i), &v[i], NULL, NULL, "test");
@@ -455,8 +460,8 @@ static void test_txn_abort_at_each_step(void **state) {
   hook_install(s, &h);
   gate_probe g = {{probe_decide}, KVI_OK, s, 0, 0};
   /* a replacement (1, 0), a new fact of tenant 1, a new tenant 7; then the
-   * item that fails AT_ADD (an existing key, no KVI_PUT_REPLACE) or
-   * AT_PAGES (more pages than are free) */
+   * item that fails AT_ADD, AT_EXISTS (an existing key, no KVI_PUT_REPLACE)
+   * or AT_PAGES (more pages than are free) */
   const uint64_t tenant[4] = {1, 1, 7, 1}, id[4] = {0, 40, 3, 2};
   const int32_t tokens[4] = {9, 5, 3, 3}, big[4] = {9, 5, 3, P * PAGES};
   const uint32_t flags[4] = {KVI_PUT_REPLACE, 0, 0, 0}, replace[4] = {KVI_PUT_REPLACE, 0, 0, KVI_PUT_REPLACE};
@@ -466,7 +471,8 @@ static void test_txn_abort_at_each_step(void **state) {
     int32_t n;
     const char *what;
   } cases[] = {
-      {AT_ADD, KVI_ERR_EXISTS, 4, "a transaction whose last fact exists"},
+      {AT_ADD, KVI_ERR_CUDA, 4, "a transaction whose last row could not be reserved"},
+      {AT_EXISTS, KVI_ERR_EXISTS, 4, "a transaction whose last fact exists"},
       {AT_PAGES, KVI_ERR_CAPACITY, 4, "a transaction short of pages"},
       {AT_WRITE, KVI_ERR_CUDA, 3, "a transaction whose device work failed"},
       {AT_JOURNAL, KVI_ERR_IO, 3, "a transaction the journal refused"},
@@ -477,7 +483,7 @@ static void test_txn_abort_at_each_step(void **state) {
     txn_take(&ts, s, path, &h);
     const int calls = g.calls, puts = h.puts;
     const kvi_status st = txn_run(s, &h, cases[c].at, cases[c].n, tenant, id, cases[c].at == AT_PAGES ? big : tokens,
-                                  cases[c].at == AT_PAGES ? replace : flags, &g);
+                                  cases[c].at == AT_EXISTS ? flags : replace, &g);
     assert_int_equal(st, cases[c].want);
     txn_check_same(&ts, s, path, &h, cases[c].what);
     assert_int_equal(g.calls, calls + 1); /* the gate is asked once, whatever failed */
