@@ -1018,7 +1018,9 @@ static bool move_outstanding(const kvi_store *s) {
          !kvi__cuda_event_done(s->track_ev[s->tier.move_seq % KVI__TRACK_EVENTS]);
 }
 
-kvi_status kvi__store_order_moves(kvi_store *s, struct CUstream_st *stream, const char *fn) {
+/* Makes `stream` wait for the last tier move if it may not have completed
+ * (no-op otherwise, and on stores without a host tier). */
+static kvi_status order_moves(kvi_store *s, struct CUstream_st *stream, const char *fn) {
   if (s->pool.host.npages == 0 || !move_outstanding(s)) return KVI_OK;
   return kvi__cuda_stream_wait(stream, s->track_ev[s->tier.move_seq % KVI__TRACK_EVENTS], fn);
 }
@@ -1307,7 +1309,7 @@ kvi_status kvi__store_lease(kvi_store *s, fact *const *facts, size_t n, bool pro
     if (facts[i]->pins++ == 0 && promote && fact_on_host(s, facts[i])) up[nup++] = facts[i];
   kvi_status st = KVI_OK;
   if (s->backend == KVI_BACKEND_CUDA) {
-    WITH_DEVICE(s, fn, st, kvi__store_order_moves(s, stream, fn));
+    WITH_DEVICE(s, fn, st, order_moves(s, stream, fn));
     if (st == KVI_OK && nup > 0) WITH_DEVICE(s, fn, st, tier_move(s, up, nup, 0, NULL, stream, fn));
   }
   free(up);
@@ -1430,6 +1432,8 @@ kvi_status kvi__txn_add(kvi__txn *t, uint64_t tenant_id, uint64_t fact_id, int32
   x->emb = emb;
   x->npages = pages_for(s, tokens);
   x->first = t->npages;
+  if (t->npages > UINT32_MAX - x->npages) /* more than both tiers can hold */
+    return kvi__fail(KVI_ERR_CAPACITY, fn, "the call's facts need more than 2^32 - 1 pages of %d tokens", (int)s->P);
   t->npages += x->npages;
   kvi_status st = kvi__map_reserve(&s->index.facts, (size_t)t->n, fn);
   if (st == KVI_OK) st = kvi__map_reserve(&s->index.tenants, (size_t)t->n, fn);
@@ -1711,7 +1715,7 @@ KVI_API kvi_status kvi_store_read(const kvi_store *store, uint64_t tenant_id, ui
     st = kvi__fail(KVI_ERR_MISMATCH, fn, "dst->num_tokens is %d, the fact has %d tokens", (int)v.num_tokens,
                    (int)f->tokens);
   else if (store->backend == KVI_BACKEND_CUDA && v.memory == KVI_MEMORY_DEVICE)
-    WITH_DEVICE(store, fn, st, kvi__store_order_moves((kvi_store *)store, stream, fn)); /* a move may still write them */
+    WITH_DEVICE(store, fn, st, order_moves((kvi_store *)store, stream, fn)); /* a move may still write them */
   if (st == KVI_OK && f)
     WITH_DEVICE(store, fn, st, copy_fact(store, &v, f->pages, f->tokens, false, NULL, stream, fn));
   if (st == KVI_OK && f && store->backend == KVI_BACKEND_CUDA && v.memory == KVI_MEMORY_DEVICE)

@@ -1,6 +1,11 @@
 /*
- * libkvinject — the store's insides, shared by store.c and the transfer code
- * (injector and encoder). Callers hold the store's lock.
+ * libkvinject — the store's insides, for store.c and the modules above it
+ * (search.c, persist.c, shard.c, transfer.c). The store calls none of them:
+ * what it must tell them goes through the hooks they register (the search
+ * and journal parts of struct kvi_store). Each part of struct kvi_store is
+ * changed only by its owner; facts are added only through the write
+ * transaction (kvi__txn_*), read through leases (kvi__store_lease). Callers
+ * hold the store's lock.
  * SPDX-License-Identifier: Apache-2.0
  */
 #ifndef KVI_STORE_INTERNAL_H
@@ -243,10 +248,6 @@ static inline const fact *kvi__store_next_fact(const kvi_store *s, size_t *pos) 
 kvi_status kvi__store_track(kvi_store *s, struct CUstream_st *stream, const char *fn);
 
 /* ---- tiers (tiered CUDA stores; store.c) -------------------------------- */
-
-/* Makes `stream` wait for the last tier move if it may not have completed
- * (no-op otherwise, and on stores without a host tier). */
-kvi_status kvi__store_order_moves(kvi_store *s, struct CUstream_st *stream, const char *fn);
 
 /* The pages of the device-tier facts a tier move may demote now: those of
  * the facts on the LRU list that no lease pins. */
