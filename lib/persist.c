@@ -45,7 +45,6 @@
 
 #define SAVE_OPTIONS_V1 sizeof(kvi_save_options)
 #define LOAD_OPTIONS_V1 sizeof(kvi_load_options)
-#define STORE_OPTIONS_V1 offsetof(kvi_store_options, comm) /* as kvi_store_create: older sizes are accepted */
 
 /* ------------------------------------------------------------------------ */
 /* The format                                                                */
@@ -374,17 +373,17 @@ static kvi_status write_snapshot(const kvi_store *s, writer *w, uint64_t file_id
   if (st) return st;
 
   size_t n = 0;
-  const fact **facts = malloc((s->facts.len ? s->facts.len : 1) * sizeof *facts);
+  const size_t nall = kvi__store_fact_count(s);
+  const fact **facts = malloc((nall ? nall : 1) * sizeof *facts);
   float *emb = malloc((size_t)(s->emb_dim ? s->emb_dim : 1) * sizeof *emb);
   if (!facts || !emb) {
     free(facts);
     free(emb);
-    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "listing %zu facts", s->facts.len);
+    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "listing %zu facts", nall);
   }
-  for (size_t i = 0; i < s->facts.cap; i++) {
-    const fact *f = s->facts.slots[i].val;
-    if (f && (!one || f->tenant_id == tenant)) facts[n++] = f;
-  }
+  size_t pos = 0;
+  for (const fact *f; (f = kvi__store_next_fact(s, &pos));)
+    if (!one || f->tenant_id == tenant) facts[n++] = f;
   qsort(facts, n, sizeof *facts, cmp_fact);
 
   uint64_t seq = 0, payload_total = 0;
@@ -444,12 +443,30 @@ struct kvi__journal {
   bool failed; /* a flush failed: the file's state is unknown */
 };
 
-void kvi__journal_free(kvi__journal *j) {
+static void journal_free(kvi__journal *j) {
   if (!j) return;
   close(j->fd); /* releases the flock */
   if (j->dir_fd >= 0) close(j->dir_fd);
   free(j->path);
   free(j);
+}
+
+static kvi_status journal_put(void *ctx, const kvi__txn *t);
+static kvi_status journal_remove(void *ctx, kvi_store *s, uint64_t tenant, uint64_t id, const char *fn);
+static void journal_release(void *ctx) { journal_free(ctx); }
+
+/* The store's journal hooks (store_internal.h), registered with a journal. */
+static const kvi__journal_ops journal_ops = {journal_put, journal_remove, journal_release};
+
+/* The store's journal, or NULL (the lock held, or the store not shared yet). */
+static kvi__journal *journal_of(const kvi_store *s) { return s->journal.ops == &journal_ops ? s->journal.ctx : NULL; }
+
+/* Makes j (or none) the store's journal; returns the one it had. */
+static kvi__journal *journal_set(kvi_store *s, kvi__journal *j) {
+  kvi__journal *old = journal_of(s);
+  s->journal.ops = j ? &journal_ops : NULL;
+  s->journal.ctx = j;
+  return old;
 }
 
 /* Completes a journal that owns `path` (a copy) and whose fd is open on the
@@ -646,7 +663,7 @@ KVI_API kvi_status kvi_store_save(const kvi_store *store, const char *path, cons
   if (opts && (st = kvi__read_struct(&o, sizeof o, opts, SAVE_OPTIONS_V1, fn, "opts"))) return st;
   if (o.flags & ~KVI_SAVE_ONE_TENANT)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->flags has unknown bits 0x%x", o.flags & ~KVI_SAVE_ONE_TENANT);
-  if (store->emb_sharded)
+  if (store->shard.emb_sharded)
     return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "saving a store whose embeddings are sharded across ranks is not supported "
                                               "in this version");
   kvi_store *s = (kvi_store *)store; /* waiting for device work retires deferred pages */
@@ -665,7 +682,7 @@ KVI_API kvi_status kvi_store_journal_open(kvi_store *store, const char *path, ui
   kvi_status st = check_path(path, fn);
   if (st) return st;
   if (flags) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "flags is 0x%x; no flags are defined (pass 0)", flags);
-  if (store->comm)
+  if (store->shard.comm)
     return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "a store with a communicator cannot take an append log in this version");
   kvi__journal *j = calloc(1, sizeof *j);
   char *copy = strdup(path);
@@ -677,7 +694,7 @@ KVI_API kvi_status kvi_store_journal_open(kvi_store *store, const char *path, ui
   kvi__store_lock(store);
   st = kvi__store_wait_device(store, fn);
   snapfile sf;
-  if (st == KVI_OK) st = snapshot_file(store, path, false, 0, true, store->journal, &sf, fn);
+  if (st == KVI_OK) st = snapshot_file(store, path, false, 0, true, journal_of(store), &sf, fn);
   kvi__journal *old = NULL;
   if (st == KVI_OK) {
     j->fd = sf.fd;
@@ -687,8 +704,7 @@ KVI_API kvi_status kvi_store_journal_open(kvi_store *store, const char *path, ui
     j->end = sf.end;
     j->dev = sf.dev;
     j->ino = sf.ino;
-    old = store->journal;
-    store->journal = j;
+    old = journal_set(store, j);
   }
   kvi__store_unlock(store);
   if (st) {
@@ -696,17 +712,16 @@ KVI_API kvi_status kvi_store_journal_open(kvi_store *store, const char *path, ui
     free(copy);
     return st;
   }
-  kvi__journal_free(old);
+  journal_free(old);
   return KVI_OK;
 }
 
 KVI_API kvi_status kvi_store_journal_close(kvi_store *store) {
   if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, "kvi_store_journal_close", "store is NULL");
   kvi__store_lock(store);
-  kvi__journal *j = store->journal;
-  store->journal = NULL;
+  kvi__journal *j = journal_set(store, NULL);
   kvi__store_unlock(store);
-  kvi__journal_free(j);
+  journal_free(j);
   return KVI_OK;
 }
 
@@ -759,36 +774,43 @@ static kvi_status journal_usable(const kvi__journal *j, const char *fn) {
   return KVI_OK;
 }
 
-kvi_status kvi__journal_put(kvi_store *s, const kvi__jfact *facts, int32_t n, struct CUstream_st *stream,
-                            bool device_work, const char *fn) {
-  kvi__journal *j = s->journal;
+/* The journal's put hook: the transaction's facts as one all-or-nothing
+ * entry, flushed. */
+static kvi_status journal_put(void *ctx, const kvi__txn *t) {
+  kvi__journal *j = ctx;
+  kvi_store *s = t->s;
+  const char *fn = t->fn;
+  const int32_t n = t->n;
   kvi_status st = KVI_OK;
-  if (device_work && s->backend == KVI_BACKEND_CUDA) { /* the pages are complete once the stream has passed */
+  if (t->device_work && s->backend == KVI_BACKEND_CUDA) { /* the pages are complete once the stream has passed */
     kvi__devguard g;
     if ((st = kvi__cuda_enter(s->device, &g, fn))) return st;
-    st = kvi__cuda_sync(stream, fn);
+    st = kvi__cuda_sync(t->stream, fn);
     kvi__cuda_leave(&g);
     if (st) return st;
   }
   if ((st = journal_usable(j, fn))) return st;
   uint64_t body = 0;
-  for (int32_t i = 0; i < n; i++) body += put_record_bytes(s, facts[i].tokens);
+  for (int32_t i = 0; i < n; i++) body += put_record_bytes(s, t->facts[i].tokens);
   unsigned char *entry = ENTRY_HDR + body <= SIZE_MAX ? malloc((size_t)(ENTRY_HDR + body)) : NULL;
   if (!entry)
     return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a %llu-byte journal entry",
                      (unsigned long long)(ENTRY_HDR + body));
   unsigned char *rec = entry + ENTRY_HDR;
   for (int32_t i = 0; i < n && st == KVI_OK; i++) {
-    st = fill_put(s, rec, facts[i].tenant, facts[i].id, facts[i].tokens, facts[i].pages, facts[i].emb, fn);
-    rec += put_record_bytes(s, facts[i].tokens);
+    const kvi__txn_fact *x = &t->facts[i];
+    st = fill_put(s, rec, x->tenant, x->id, x->tokens, kvi__txn_pages(t, i), x->emb, fn);
+    rec += put_record_bytes(s, x->tokens);
   }
   if (st == KVI_OK) st = journal_append(j, entry, body, (uint32_t)n, fn);
   free(entry);
   return st;
 }
 
-kvi_status kvi__journal_remove(kvi_store *s, uint64_t tenant, uint64_t id, const char *fn) {
-  kvi__journal *j = s->journal;
+/* The journal's remove hook. */
+static kvi_status journal_remove(void *ctx, kvi_store *s, uint64_t tenant, uint64_t id, const char *fn) {
+  (void)s;
+  kvi__journal *j = ctx;
   kvi_status st = journal_usable(j, fn);
   if (st) return st;
   unsigned char entry[ENTRY_HDR + REC_HDR];
@@ -1095,6 +1117,33 @@ static kvi_status next_record(const loader *ld, const unsigned char *body, uint6
   return KVI_OK;
 }
 
+/* Stores one fact of a file (host view v: for an fp8 store, e4m3 bytes
+ * with the pages' scales, kept as they are; emb: the embedding as it was
+ * kept, or NULL) through a transaction of its own. */
+static kvi_status load_fact(kvi_store *s, uint64_t tenant, uint64_t id, const kvi_kv_view *kv, const float *scales,
+                            const float *emb, const char *fn) {
+  kvi_kv_view v, w = *kv;
+  if (scales) w.dtype = KVI_DTYPE_BF16; /* checked as a 2-byte view (a larger extent), then given its dtype back */
+  kvi_status st = kvi__view_check(&v, &w, &s->geom, false, fn);
+  if (st) return st;
+  v.dtype = kv->dtype;
+  float *e = NULL;
+  if (emb && (st = kvi__store_kept_embedding(s, emb, &e, fn))) return st;
+  if (!emb && s->emb_dim > 0)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "the store keeps %d-element embeddings and the embedding is NULL",
+                     (int)s->emb_dim);
+  kvi__store_lock(s);
+  kvi__txn t;
+  st = kvi__txn_begin(&t, s, 1, KVI__PLACE_ANY, NULL, NULL, fn);
+  if (st == KVI_OK) st = kvi__txn_add(&t, tenant, id, v.num_tokens, 0, e);
+  else free(e);
+  if (st == KVI_OK) st = kvi__txn_take_pages(&t);
+  if (st == KVI_OK) st = kvi__store_write_pages(s, kvi__txn_pages(&t, 0), &v, scales, NULL, fn);
+  st = st == KVI_OK ? kvi__txn_commit(&t) : kvi__txn_abort(&t, st);
+  kvi__store_unlock(s);
+  return st;
+}
+
 /* Applies one checked record to the new store. */
 static kvi_status apply(const loader *ld, const rec *r, bool in_log, uint64_t eoff) {
   const bool exists = kvi__store_find(ld->s, r->tenant, r->id) != NULL; /* the store is not shared yet */
@@ -1116,18 +1165,19 @@ static kvi_status apply(const loader *ld, const rec *r, bool in_log, uint64_t eo
   const size_t plane = (size_t)r->tokens * (size_t)(ld->token_bytes / 2u);
   kvi_kv_view v;
   kvi_kv_view_contiguous(&v, KVI_MEMORY_HOST, ld->dtype, ld->L, r->tokens, ld->H, ld->D, (void *)k, (void *)(k + plane));
-  kvi_put_options po = KVI_PUT_OPTIONS_INIT;
-  po.embedding = ld->E ? r->data : NULL;
-  if (ld->P > 0) { /* fp8: bytes and scales as they were (the scales copied to aligned memory) */
-    const size_t sb = (size_t)scale_bytes((uint64_t)r->tokens, ld->P, ld->L, ld->H);
-    float *scales = malloc(sb);
-    if (!scales) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, ld->fn, "allocating %zu bytes of scales", sb);
-    memcpy(scales, k + 2 * plane, sb);
-    st = kvi__store_put_raw(ld->s, r->tenant, r->id, &v, scales, &po, ld->fn);
+  /* the embedding copied to aligned memory, as the fp8 scales */
+  const size_t eb = (size_t)ld->E * 4u, sb = ld->P > 0 ? (size_t)scale_bytes((uint64_t)r->tokens, ld->P, ld->L, ld->H) : 0;
+  float *emb = ld->E ? malloc(eb) : NULL, *scales = ld->P > 0 ? malloc(sb) : NULL;
+  if ((ld->E && !emb) || (ld->P > 0 && !scales)) {
+    free(emb);
     free(scales);
-  } else {
-    st = kvi_store_put(ld->s, r->tenant, r->id, &v, &po, NULL);
+    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, ld->fn, "allocating %zu bytes", eb + sb);
   }
+  if (emb) memcpy(emb, r->data, eb);
+  if (scales) memcpy(scales, k + 2 * plane, sb); /* fp8: bytes and scales as they were */
+  st = load_fact(ld->s, r->tenant, r->id, &v, scales, emb, ld->fn);
+  free(emb);
+  free(scales);
   if (st) {
     char msg[400];
     snprintf(msg, sizeof msg, "%s", kvi_last_error());
@@ -1238,7 +1288,7 @@ KVI_API kvi_status kvi_store_load(kvi_store **out, const kvi_model *model, const
   if (lo.flags & ~KVI_LOAD_JOURNAL)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "load_opts->flags has unknown bits 0x%x", lo.flags & ~KVI_LOAD_JOURNAL);
   kvi_store_options so = KVI_STORE_OPTIONS_INIT;
-  if ((st = kvi__read_struct(&so, sizeof so, opts, STORE_OPTIONS_V1, fn, "opts"))) return st;
+  if ((st = kvi__read_struct(&so, sizeof so, opts, KVI__STORE_OPTIONS_V1, fn, "opts"))) return st;
   if (kvi_dtype_size(so.dtype) == 0)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->dtype is %d, not a kvi_dtype", (int)so.dtype);
   const bool journal = (lo.flags & KVI_LOAD_JOURNAL) != 0;
@@ -1286,7 +1336,6 @@ KVI_API kvi_status kvi_store_load(kvi_store **out, const kvi_model *model, const
   ld.P = so.dtype == KVI_DTYPE_FP8_E4M3 ? so.page_tokens : 0;
   ld.token_bytes = 2u * (uint64_t)ld.L * (uint64_t)ld.H * (uint64_t)ld.D * kvi_dtype_size(so.dtype);
   if ((st = kvi_store_create(&ld.s, model, opts))) goto fail;
-  ld.s->emb_as_kept = true; /* the file's embeddings are already scaled and rounded: kept bit for bit */
   uint64_t valid_end = 0, next_seq = 0;
   if ((st = read_entries(&ld, HDR_BYTES(ld.L), &valid_end, &next_seq))) goto fail;
   if (journal) {
@@ -1301,11 +1350,10 @@ KVI_API kvi_status kvi_store_load(kvi_store **out, const kvi_model *model, const
     j->end = valid_end;
     j->dev = sb.st_dev;
     j->ino = sb.st_ino;
-    ld.s->journal = j; /* nobody else has the store yet */
+    journal_set(ld.s, j); /* nobody else has the store yet */
   } else {
     close(ld.fd);
   }
-  ld.s->emb_as_kept = false;
   *out = ld.s;
   return KVI_OK;
 fail:

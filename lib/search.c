@@ -154,7 +154,7 @@ static kvi_status cpu_search(kvi_store *s, const void *queries, kvi_dtype qt, in
   if (!locked) kvi__store_lock(s);
   for (int32_t i = 0; i < nq; i++) {
     const float *qi = q + (size_t)i * dim;
-    const tenant *t = kvi__map_get(&s->tenants, tenants[i], 0);
+    const tenant *t = kvi__store_tenant(s, tenants[i]);
     const size_t n = t ? t->nrows : 0;
     h.n = 0;
     h.cap = n < (size_t)k ? (int32_t)n : k;
@@ -214,8 +214,9 @@ struct kvi__search {
   int sms;
 };
 
-void kvi__search_release(kvi_store *s) {
-  kvi__search *x = s->search;
+/* The store's search.release hook (registered with the workspace). */
+static void search_release(kvi_store *s) {
+  kvi__search *x = s->search.ws;
   if (!x) return;
   kvi__devguard g;
   if (kvi__cuda_enter(s->device, &g, "kvi_store_destroy") == KVI_OK) {
@@ -233,25 +234,27 @@ void kvi__search_release(kvi_store *s) {
   }
   pthread_cond_destroy(&x->cond);
   free(x);
-  s->search = NULL;
+  s->search.ws = NULL;
+  s->search.release = NULL;
 }
 
 /* Made by the first search of a CUDA store (store locked, device current). */
 static kvi_status search_state(kvi_store *s, const char *fn) {
-  if (s->search) return KVI_OK;
+  if (s->search.ws) return KVI_OK;
   kvi__search *x = calloc(1, sizeof *x);
   if (!x) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the search state");
   if (pthread_cond_init(&x->cond, NULL) != 0) {
     free(x);
     return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "initializing a condition variable");
   }
-  s->search = x;
+  s->search.ws = x;
+  s->search.release = search_release;
   kvi_status st = kvi__cuda_event_create(&x->done, fn);
   for (int i = 0; i < SLOTS && st == KVI_OK; i++) st = kvi__cuda_event_create(&x->slot[i].ev, fn);
   if (st == KVI_OK) st = kvi__cuda_host_alloc_mapped((void **)&x->bad_host, (void **)&x->bad_dev, 64, fn);
   if (st == KVI_OK) *x->bad_host = 0;
   if (st == KVI_OK) st = kvi__cuda_sm_count(s->device, &x->sms, fn);
-  if (st) kvi__search_release(s);
+  if (st) search_release(s);
   return st;
 }
 
@@ -260,7 +263,7 @@ KVI_API kvi_status kvi_store_search_async_errors(kvi_store *store, int64_t *out_
   if (!store || !out_bad_queries)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_bad_queries" : "store");
   kvi__store_lock(store);
-  kvi__search *x = store->search;
+  kvi__search *x = store->search.ws;
   const unsigned long long now = x && x->bad_host ? *(volatile unsigned long long *)x->bad_host : 0;
   *out_bad_queries = x ? (int64_t)(now - x->bad_taken) : 0;
   if (x) x->bad_taken = now;
@@ -354,7 +357,7 @@ typedef struct builder {
 static void plan_slots(builder *b, const uint64_t *tenants) {
   for (int32_t i = 0; i < b->nq; i++) {
     b->qs[i].tenant_id = tenants[i];
-    b->qs[i].t = kvi__map_get(&b->s->tenants, tenants[i], 0);
+    b->qs[i].t = kvi__store_tenant(b->s, tenants[i]);
     b->qs[i].q = i;
   }
   qsort(b->qs, (size_t)b->nq, sizeof *b->qs, cmp_qref);
@@ -700,7 +703,7 @@ static size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
 /* A free staging slot of at least `bytes` (store locked; may wait for the
  * slot's previous copies, or for a call copying results out of it). */
 static kvi_status take_slot(kvi_store *s, size_t bytes, sslot **out, const char *fn) {
-  kvi__search *x = s->search;
+  kvi__search *x = s->search.ws;
   sslot *sl = NULL;
   for (;;) {
     for (int i = 0; i < SLOTS && !sl; i++) {
@@ -803,7 +806,7 @@ static void write_upload(char *u, const layout *l, const plan *p, int32_t nq) {
 static kvi_status enqueue(kvi_store *s, const plan *p, const layout *l, const void *raw, kvi_dtype qt, int32_t nq,
                           int32_t k, uint64_t *out_ids, float *out_scores, int32_t *out_counts, int32_t *out_rows,
                           struct CUstream_st *stream, const char *fn) {
-  kvi__search *x = s->search;
+  kvi__search *x = s->search.ws;
   char *ws = x->ws;
   kvi__search_args a;
   memset(&a, 0, sizeof a);
@@ -886,7 +889,7 @@ static kvi_status cuda_search(kvi_store *s, const void *queries, kvi_dtype qt, k
   }
   if ((st = kvi__cuda_enter(s->device, &g, fn))) goto out_unlock;
   if ((st = search_state(s, fn))) goto out_leave;
-  kvi__search *x = s->search;
+  kvi__search *x = s->search.ws;
   if ((st = kvi__search_plan_build(s, &p, tenants, nq, k, area, x->sms, fn))) goto out_leave;
   make_layout(&l, s, &p, nq, k, qt, host_q, host_out, then != NULL);
   if (p.any_gemm && !x->lt && (st = kvi__lt_create(&x->lt, fn))) goto out_leave;
@@ -926,7 +929,7 @@ static kvi_status cuda_search(kvi_store *s, const void *queries, kvi_dtype qt, k
 
 out_leave:
   if (enqueued) { /* ordering is kept even for a failed call: what was enqueued may run */
-    kvi__search *x2 = s->search;
+    kvi__search *x2 = s->search.ws;
     kvi_status s1 = kvi__cuda_event_record(sl->ev, stream, fn);
     if (s1 == KVI_OK) sl->used = true;
     kvi_status s2 = kvi__cuda_event_record(x2->done, stream, fn);
@@ -940,7 +943,7 @@ out_leave:
 out_unlock:
   if (sl && !(st == KVI_OK && host_out)) {
     sl->busy = false;
-    pthread_cond_broadcast(&s->search->cond);
+    pthread_cond_broadcast(&s->search.ws->cond);
   }
   if (!locked) kvi__store_unlock(s);
   if (sl && st == KVI_OK && host_out) {
@@ -956,7 +959,7 @@ out_unlock:
     }
     if (!locked) kvi__store_lock(s);
     sl->busy = false;
-    pthread_cond_broadcast(&s->search->cond);
+    pthread_cond_broadcast(&s->search.ws->cond);
     if (!locked) kvi__store_unlock(s);
   }
   kvi__search_plan_free(&p);
@@ -1019,7 +1022,7 @@ KVI_API kvi_status kvi_store_search(kvi_store *store, const void *queries, int32
       (st = kvi__check_memory(out_scores, o.out_memory, cuda, store->device, fn, "out_scores")) ||
       (st = kvi__check_memory(out_counts, o.out_memory, cuda, store->device, fn, "out_counts")))
     return st;
-  if (store->emb_sharded)
+  if (store->shard.emb_sharded)
     return kvi__shard_search(store, queries, o.query_dtype, o.query_memory, num_queries, tenants, k, out_ids,
                              out_scores, out_counts, o.out_memory, o.workspace_bytes, false, stream, fn);
   return kvi__search_local(store, queries, o.query_dtype, o.query_memory, num_queries, tenants, k, out_ids, out_scores,

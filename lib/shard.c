@@ -146,8 +146,12 @@ static uint64_t rope_digest(const kvi_model *m) {
   return h;
 }
 
-kvi_status kvi__shard_create(kvi_store *s, const kvi_model *model, const kvi_store_options *o, kvi_status local,
-                             const char *fn) {
+/* The collective part of kvi_store_create with a communicator. s is the
+ * store this rank made (NULL when local is an error). Checks that the ranks
+ * agree; on success sets s's comm fields. Returns the combined status; the
+ * caller destroys s when it is not KVI_OK. */
+static kvi_status shard_create(kvi_store *s, const kvi_model *model, const kvi_store_options *o, kvi_status local,
+                               const char *fn) {
   kvi_comm *c = o->comm;
   const kvi__geom *g = model ? &model->geom : NULL;
   if (local == KVI_OK) {
@@ -211,13 +215,42 @@ kvi_status kvi__shard_create(kvi_store *s, const kvi_model *model, const kvi_sto
   }
   free(all);
   if (st == KVI_OK) {
-    s->comm = c;
-    s->comm_rank = c->rank;
-    s->comm_size = c->size;
-    s->emb_sharded = o->embedding_placement == KVI_EMBEDDINGS_SHARDED && o->embedding_dim > 0;
+    s->shard.comm = c;
+    s->shard.rank = c->rank;
+    s->shard.size = c->size;
+    s->shard.emb_sharded = o->embedding_placement == KVI_EMBEDDINGS_SHARDED && o->embedding_dim > 0;
   }
   return st;
 }
+
+/* Here rather than in store.c: a store with a communicator is made by the
+ * ranks together, and the store knows nothing of them. */
+KVI_API kvi_status kvi_store_create(kvi_store **out, const kvi_model *model, const kvi_store_options *opts) {
+  static const char fn[] = "kvi_store_create";
+  if (!out || !opts) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", !out ? "out" : "opts");
+  kvi_store_options o = KVI_STORE_OPTIONS_INIT;
+  kvi_status st = kvi__read_struct(&o, sizeof o, opts, KVI__STORE_OPTIONS_V1, fn, "opts");
+  if (st) return st;
+  kvi_store *s = NULL;
+  if (!model) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "model is NULL");
+  else if (o.embedding_placement != KVI_EMBEDDINGS_REPLICATED && o.embedding_placement != KVI_EMBEDDINGS_SHARDED)
+    st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                   "opts->embedding_placement is %d, expected KVI_EMBEDDINGS_REPLICATED (0) or SHARDED (1)",
+                   (int)o.embedding_placement);
+  else if (o.embedding_placement == KVI_EMBEDDINGS_SHARDED && !o.comm)
+    st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->embedding_placement is SHARDED but opts->comm is NULL");
+  else st = kvi__store_create(&s, model, &o, fn);
+  if (o.comm) { /* collective: every rank takes part, whatever happened here */
+    st = shard_create(s, model, &o, st, fn);
+    if (st && s) {
+      kvi_store_destroy(s);
+      s = NULL;
+    }
+  }
+  if (st == KVI_OK) *out = s;
+  return st;
+}
+
 
 /* ------------------------------------------------------------------------ */
 /* put from a full-head source                                              */
@@ -269,10 +302,10 @@ static kvi_status comm_decide(kvi__gate *g, kvi_status local) {
 
 static kvi_status check_collective(const kvi_store *s, int32_t root, const void *items, int32_t n, const char *fn) {
   if (!s) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
-  if (!s->comm) return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "the store was created without a communicator");
-  if (root < 0 || root >= s->comm_size)
+  if (!s->shard.comm) return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "the store was created without a communicator");
+  if (root < 0 || root >= s->shard.size)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "root is %d, the communicator has %d ranks", (int)root,
-                     (int)s->comm_size);
+                     (int)s->shard.size);
   if (n < 0 || n > (1 << 20)) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_items is %d, expected 0..2^20", (int)n);
   if (n > 0 && !items) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "items is NULL");
   return KVI_OK;
@@ -353,150 +386,200 @@ static kvi_status pack(const kvi_kv_view *full, void *packed, int32_t first, int
   return st;
 }
 
+/* A scatter in progress (kvi_store_put_scatter). */
+typedef struct scatter {
+  kvi_store *store;
+  kvi_comm *c;
+  const kvi_scatter_item *items;
+  size_t stride;
+  int32_t root, n, E;
+  bool is_root;
+  kvi_kv_view *v; /* root: the full views, checked */
+  /* the block root broadcasts: [n records][n embeddings] */
+  char *info;
+  size_t info_bytes;
+  item_rec *rec;
+  float *embs;
+  /* the transfer: each rank's slices, all facts, in one buffer per peer */
+  size_t *mine_off; /* where my slice of fact i arrives */
+  void **bufs;
+  kvi__p2p *ops;
+  int32_t nops;
+  void *host_pack;
+  struct CUstream_st *stream;
+  const char *fn;
+} scatter;
+
+/* Root: kvi_store_put's checks on every full view, into the block. */
+static kvi_status scatter_read(scatter *sc) {
+  kvi_store *store = sc->store;
+  const kvi__geom fg = full_geom(store);
+  const char *fn = sc->fn;
+  kvi_status st = KVI_OK;
+  for (int32_t i = 0; i < sc->n && st == KVI_OK; i++) {
+    const kvi_scatter_item *it = item_at(sc->items, sc->stride, i);
+    kvi_put_options o;
+    float *emb = NULL;
+    if (it->struct_size != sc->stride)
+      st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "items[%d].struct_size is %zu, items[0]'s %zu", (int)i, it->struct_size,
+                     sc->stride);
+    else if (!it->full) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "items[%d].full is NULL on the root rank", (int)i);
+    else st = kvi__view_check(&sc->v[i], it->full, &fg, false, fn);
+    if (st == KVI_OK) st = kvi__store_put_args(store, &sc->v[i], it->opts, &o, &emb, sc->stream, fn);
+    if (st) break;
+    const item_rec r = {sc->v[i].num_tokens, (int32_t)sc->v[i].dtype, o.flags, emb != NULL};
+    sc->rec[i] = r;
+    if (emb) memcpy(sc->embs + (size_t)i * sc->E, emb, (size_t)sc->E * sizeof(float));
+    free(emb);
+  }
+  return st;
+}
+
+/* Rank r's buffer (root: packed from the full views; the others: room for
+ * their slices) and its transfer op. */
+static kvi_status scatter_buffer(scatter *sc, int32_t r) {
+  const kvi__geom *g = &sc->store->geom;
+  kvi_comm *c = sc->c;
+  const char *fn = sc->fn;
+  const item_rec *rec = sc->rec;
+  kvi_status st = KVI_OK;
+  size_t total = 0;
+  for (int32_t i = 0; i < sc->n && st == KVI_OK; i++)
+    if (__builtin_add_overflow(total, slice_bytes(g, r, rec[i].tokens, kvi_dtype_size((kvi_dtype)rec[i].dtype)), &total))
+      st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "the items' slices for rank %d pass 2^64 bytes", (int)r);
+  if (st || (st = buf_alloc(c, &sc->bufs[r], total, sc->stream, fn))) return st;
+  size_t at = 0;
+  int32_t first, h;
+  kvi__geom_rank_heads(g, r, &first, &h);
+  for (int32_t i = 0; i < sc->n && st == KVI_OK; i++) {
+    const size_t b = slice_bytes(g, r, rec[i].tokens, kvi_dtype_size((kvi_dtype)rec[i].dtype));
+    if (r == c->rank) sc->mine_off[i] = at;
+    char *dst = (char *)sc->bufs[r] + at;
+    if (sc->is_root && sc->v[i].memory == c->memory) {
+      st = pack(&sc->v[i], dst, first, h, false, c->memory, sc->stream, fn);
+    } else if (sc->is_root) { /* a host source for device transfers: pack on the host, then one copy up */
+      void *p = realloc(sc->host_pack, b);
+      if (!p) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes", b);
+      sc->host_pack = p;
+      st = pack(&sc->v[i], p, first, h, false, KVI_MEMORY_HOST, NULL, fn);
+      if (st == KVI_OK) st = kvi__cuda_h2d(dst, p, b, sc->stream, fn);
+      if (st == KVI_OK) st = kvi__cuda_sync(sc->stream, fn); /* host_pack is reused */
+    }
+    at += b;
+  }
+  if (st == KVI_OK) sc->ops[sc->nops++] = (kvi__p2p){sc->is_root ? r : sc->root, sc->is_root, sc->bufs[r], total};
+  return st;
+}
+
+/* Each rank puts its slices; the gate commits on every rank or on none. */
+static kvi_status scatter_put(scatter *sc) {
+  kvi_store *store = sc->store;
+  const kvi__geom *g = &store->geom;
+  kvi_comm *c = sc->c;
+  const char *fn = sc->fn;
+  const int32_t n = sc->n, E = sc->E;
+  int32_t first, h;
+  kvi__geom_rank_heads(g, c->rank, &first, &h);
+  kvi_kv_view *mine = calloc((size_t)n, sizeof *mine);
+  kvi__put_item *put = calloc((size_t)n, sizeof *put);
+  kvi_status st = mine && put ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d views", (int)n);
+  for (int32_t i = 0; i < n && st == KVI_OK; i++) {
+    const kvi_dtype dt = (kvi_dtype)sc->rec[i].dtype;
+    const size_t esz = kvi_dtype_size(dt);
+    if (sc->is_root) {
+      const kvi_kv_view *v = &sc->v[i];
+      mine[i] = *v;
+      mine[i].num_heads = h;
+      const size_t o = (size_t)first * (size_t)v->head_stride * esz;
+      mine[i].k = (char *)v->k + o;
+      mine[i].v = (char *)v->v + o;
+    } else {
+      char *base = (char *)sc->bufs[c->rank] + sc->mine_off[i];
+      mine[i] = packed_view(c->memory, dt, g->num_layers, sc->rec[i].tokens, h, g->head_size, base,
+                            base + slice_bytes(g, c->rank, sc->rec[i].tokens, esz) / 2);
+    }
+    float *emb = NULL;
+    if (sc->rec[i].has_emb) {
+      if (!(emb = malloc((size_t)E * sizeof *emb))) {
+        st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating an embedding");
+        break;
+      }
+      memcpy(emb, sc->embs + (size_t)i * E, (size_t)E * sizeof *emb);
+    }
+    const kvi_scatter_item *it = item_at(sc->items, sc->stride, i);
+    const kvi__put_item p = {it->tenant, it->fact_id, &mine[i], sc->rec[i].flags, emb};
+    put[i] = p;
+  }
+  comm_gate gate = {{comm_decide}, c, sc->stream, fn};
+  if (st == KVI_OK) {
+    st = kvi__store_put_views(store, put, n, sc->stream, &gate.gate, fn);
+  } else { /* still decide with the others */
+    for (int32_t i = 0; put && i < n; i++) free(put[i].emb);
+    combine(c, st, sc->stream, fn);
+  }
+  free(mine);
+  free(put);
+  return st;
+}
+
 KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, int32_t root, const kvi_scatter_item *items,
                                          int32_t num_items, struct CUstream_st *stream) {
   static const char fn[] = "kvi_store_put_scatter";
   size_t stride;
   kvi_status st = check_collective(store, root, items, num_items, fn);
   if (st || (st = item_stride(items, num_items, sizeof *items, &stride, fn))) return st;
-  kvi_comm *c = store->comm;
-  const bool is_root = c->rank == root;
-  const kvi__geom *g = &store->geom;
-  const int32_t n = num_items, E = store->emb_dim;
-
-  /* root: kvi_store_put's checks on every full view; a block [n records][n embeddings] to broadcast */
-  kvi_kv_view *v = calloc((size_t)(n ? n : 1), sizeof *v);
-  kvi__put_item *put = calloc((size_t)(n ? n : 1), sizeof *put);
-  const size_t info_bytes = (size_t)n * sizeof(item_rec) + (size_t)n * (size_t)E * sizeof(float);
-  char *info = calloc(info_bytes ? info_bytes : 1, 1);
-  if (!v || !put || !info) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d items", (int)n);
-  item_rec *rec = (item_rec *)info;
-  float *embs = (float *)(info + (size_t)n * sizeof(item_rec));
-  if (is_root) {
-    const kvi__geom fg = full_geom(store);
-    for (int32_t i = 0; i < n && st == KVI_OK; i++) {
-      const kvi_scatter_item *it = item_at(items, stride, i);
-      kvi_put_options o;
-      float *emb = NULL;
-      if (it->struct_size != stride)
-        st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "items[%d].struct_size is %zu, items[0]'s %zu", (int)i,
-                       it->struct_size, stride);
-      else if (!it->full) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "items[%d].full is NULL on the root rank", (int)i);
-      else st = kvi__view_check(&v[i], it->full, &fg, false, fn);
-      if (st == KVI_OK) st = kvi__store_put_args(store, &v[i], it->opts, &o, &emb, stream, fn);
-      if (st) break;
-      const item_rec r = {v[i].num_tokens, (int32_t)v[i].dtype, o.flags, emb != NULL};
-      rec[i] = r;
-      if (emb) memcpy(embs + (size_t)i * E, emb, (size_t)E * sizeof(float));
-      free(emb);
-    }
-  }
+  scatter sc;
+  memset(&sc, 0, sizeof sc);
+  sc.store = store;
+  sc.c = store->shard.comm;
+  sc.items = items;
+  sc.stride = stride;
+  sc.root = root;
+  sc.n = num_items;
+  sc.E = store->emb_dim;
+  sc.is_root = sc.c->rank == root;
+  sc.stream = stream;
+  sc.fn = fn;
+  kvi_comm *c = sc.c;
+  const int32_t n = sc.n;
+  sc.v = calloc((size_t)(n ? n : 1), sizeof *sc.v);
+  sc.info_bytes = (size_t)n * sizeof(item_rec) + (size_t)n * (size_t)sc.E * sizeof(float);
+  sc.info = calloc(sc.info_bytes ? sc.info_bytes : 1, 1);
+  if (!sc.v || !sc.info) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d items", (int)n);
+  sc.rec = (item_rec *)sc.info;
+  sc.embs = sc.info ? (float *)(sc.info + (size_t)n * sizeof(item_rec)) : NULL;
+  if (st == KVI_OK && sc.is_root) st = scatter_read(&sc);
   op_rec me = {(int32_t)st, root, n, 0, st ? 0 : keys_digest(items, stride, n)};
   if ((st = exchange_op(c, &me, stream, fn)) == KVI_OK && n > 0) /* every rank knows n: all skip alike */
-    st = kvi__comm_bcast_host(c, info, info_bytes, root, fn);
+    st = kvi__comm_bcast_host(c, sc.info, sc.info_bytes, root, fn);
   if (st || n == 0) {
-    free(v), free(put), free(info);
+    free(sc.v), free(sc.info);
     return st;
   }
 
-  /* each rank's slices, all facts, in one buffer per peer: root packs and sends */
-  size_t *mine_off = calloc((size_t)n, sizeof *mine_off); /* where my slice of fact i arrives */
-  void **bufs = calloc((size_t)c->size, sizeof *bufs);
-  kvi__p2p *ops = calloc((size_t)c->size, sizeof *ops);
-  int32_t nops = 0;
-  void *host_pack = NULL;
+  /* root packs and sends; each other rank receives its own */
+  sc.mine_off = calloc((size_t)n, sizeof *sc.mine_off);
+  sc.bufs = calloc((size_t)c->size, sizeof *sc.bufs);
+  sc.ops = calloc((size_t)c->size, sizeof *sc.ops);
   kvi__devguard dg = {0, false};
   const bool cuda = c->memory == KVI_MEMORY_DEVICE;
-  st = mine_off && bufs && ops ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating transfer lists");
+  st = sc.mine_off && sc.bufs && sc.ops ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating transfer lists");
   if (st == KVI_OK && cuda) st = kvi__cuda_enter(c->device, &dg, fn);
   const bool entered = st == KVI_OK && cuda;
-  for (int32_t r = 0; st == KVI_OK && r < c->size; r++) {
-    if (r == root || (!is_root && r != c->rank)) continue;
-    size_t total = 0;
-    for (int32_t i = 0; i < n && st == KVI_OK; i++)
-      if (__builtin_add_overflow(total, slice_bytes(g, r, rec[i].tokens, kvi_dtype_size((kvi_dtype)rec[i].dtype)), &total))
-        st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "the items' slices for rank %d pass 2^64 bytes", (int)r);
-    if (st || (st = buf_alloc(c, &bufs[r], total, stream, fn))) break;
-    size_t at = 0;
-    int32_t first, h;
-    kvi__geom_rank_heads(g, r, &first, &h);
-    for (int32_t i = 0; i < n && st == KVI_OK; i++) {
-      const size_t b = slice_bytes(g, r, rec[i].tokens, kvi_dtype_size((kvi_dtype)rec[i].dtype));
-      if (r == c->rank) mine_off[i] = at;
-      if (is_root) {
-        if (v[i].memory == c->memory) {
-          st = pack(&v[i], (char *)bufs[r] + at, first, h, false, c->memory, stream, fn);
-        } else { /* a host source for device transfers: pack on the host, then one copy up */
-          void *p = realloc(host_pack, b);
-          if (!p) {
-            st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes", b);
-            break;
-          }
-          host_pack = p;
-          st = pack(&v[i], host_pack, first, h, false, KVI_MEMORY_HOST, NULL, fn);
-          if (st == KVI_OK) st = kvi__cuda_h2d((char *)bufs[r] + at, host_pack, b, stream, fn);
-          if (st == KVI_OK) st = kvi__cuda_sync(stream, fn); /* host_pack is reused */
-        }
-      }
-      at += b;
-    }
-    ops[nops++] = (kvi__p2p){is_root ? r : root, is_root, bufs[r], total};
-  }
+  for (int32_t r = 0; st == KVI_OK && r < c->size; r++)
+    if (r != root && (sc.is_root || r == c->rank)) st = scatter_buffer(&sc, r);
   /* every rank joins the transfer only if every rank could prepare it */
   st = combine(c, st, stream, fn);
-  if (st == KVI_OK) st = combine(c, kvi__comm_p2p(c, ops, nops, stream, fn), stream, fn);
-
-  /* each rank puts its slices; the gate commits on every rank or on none */
-  if (st == KVI_OK) {
-    int32_t first, h;
-    kvi__geom_rank_heads(g, c->rank, &first, &h);
-    kvi_kv_view *mine = calloc((size_t)n, sizeof *mine);
-    if (!mine) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d views", (int)n);
-    for (int32_t i = 0; i < n && st == KVI_OK; i++) {
-      const kvi_dtype dt = (kvi_dtype)rec[i].dtype;
-      const size_t esz = kvi_dtype_size(dt);
-      if (is_root) {
-        mine[i] = v[i];
-        mine[i].num_heads = h;
-        const size_t o = (size_t)first * (size_t)v[i].head_stride * esz;
-        mine[i].k = (char *)v[i].k + o;
-        mine[i].v = (char *)v[i].v + o;
-      } else {
-        char *base = (char *)bufs[c->rank] + mine_off[i];
-        mine[i] = packed_view(c->memory, dt, g->num_layers, rec[i].tokens, h, g->head_size, base,
-                              base + slice_bytes(g, c->rank, rec[i].tokens, esz) / 2);
-      }
-      float *emb = NULL;
-      if (rec[i].has_emb) {
-        emb = malloc((size_t)E * sizeof *emb);
-        if (!emb) {
-          st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating an embedding");
-          break;
-        }
-        memcpy(emb, embs + (size_t)i * E, (size_t)E * sizeof *emb);
-      }
-      const kvi_scatter_item *it = item_at(items, stride, i);
-      const kvi__put_item p = {it->tenant, it->fact_id, &mine[i], rec[i].flags, emb, NULL};
-      put[i] = p;
-    }
-    comm_gate gate = {{comm_decide}, c, stream, fn};
-    if (st == KVI_OK) {
-      st = kvi__store_put_views(store, put, n, stream, &gate.gate, fn);
-    } else { /* still decide with the others */
-      for (int32_t i = 0; i < n; i++) free(put[i].emb);
-      combine(c, st, stream, fn);
-    }
-    free(mine);
-  }
-  for (int32_t r = 0; bufs && r < c->size; r++) buf_free(c, bufs[r], stream, fn);
+  if (st == KVI_OK) st = combine(c, kvi__comm_p2p(c, sc.ops, sc.nops, stream, fn), stream, fn);
+  if (st == KVI_OK) st = scatter_put(&sc);
+  for (int32_t r = 0; sc.bufs && r < c->size; r++) buf_free(c, sc.bufs[r], stream, fn);
   if (entered) kvi__cuda_leave(&dg);
-  free(host_pack);
-  free(ops);
-  free(bufs);
-  free(mine_off);
-  free(v);
-  free(put);
-  free(info);
+  free(sc.host_pack);
+  free(sc.ops);
+  free(sc.bufs);
+  free(sc.mine_off);
+  free(sc.v);
+  free(sc.info);
   return st;
 }
 
@@ -507,64 +590,171 @@ KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, int32_t root, const k
 /* The first rank holding each of rank r's heads sends them (replicas do not). */
 static bool first_holder(const kvi__geom *g, int32_t r) { return r % g->head_replicas == 0; }
 
+/* A gather in progress (kvi_store_gather). */
+typedef struct gather {
+  kvi_store *store;
+  kvi_comm *c;
+  const kvi_gather_item *items;
+  size_t stride;
+  int32_t root, n;
+  bool is_root;
+  kvi_kv_view *v; /* root: the full views, checked */
+  int32_t *tok;   /* [2n]: my facts' token counts, then (root) the views' dtypes */
+  int32_t *rt;    /* [2n]: root's, as it broadcast them */
+  void **bufs;
+  kvi__p2p *ops;
+  int32_t nops;
+  struct CUstream_st *stream;
+  const char *fn;
+} gather;
+
+/* Every rank's token counts of the facts; root checks its full views. */
+static kvi_status gather_read(gather *ga) {
+  kvi_store *store = ga->store;
+  const char *fn = ga->fn;
+  const kvi__geom fg = full_geom(store);
+  const bool cuda_store = store->backend == KVI_BACKEND_CUDA;
+  kvi_status st = KVI_OK;
+  for (int32_t i = 0; i < ga->n && st == KVI_OK; i++) {
+    const kvi_gather_item *it = item_at(ga->items, ga->stride, i);
+    kvi_kv_view *v = &ga->v[i];
+    if (it->struct_size != ga->stride)
+      st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "items[%d].struct_size is %zu, items[0]'s %zu", (int)i, it->struct_size,
+                     ga->stride);
+    if (st == KVI_OK) st = kvi_store_fact_tokens(store, it->tenant, it->fact_id, &ga->tok[i]);
+    if (st || !ga->is_root) continue;
+    if (!it->full) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "items[%d].full is NULL on the root rank", (int)i);
+    else st = kvi__view_check(v, it->full, &fg, true, fn);
+    if (st == KVI_OK) st = kvi__check_memory(v->k, v->memory, cuda_store, store->device, fn, "full->k");
+    if (st == KVI_OK) st = kvi__check_memory(v->v, v->memory, cuda_store, store->device, fn, "full->v");
+    if (st == KVI_OK && ga->tok[i] != v->num_tokens)
+      st = kvi__fail(KVI_ERR_MISMATCH, fn, "items[%d].full->num_tokens is %d, the fact has %d tokens", (int)i,
+                     (int)v->num_tokens, (int)ga->tok[i]);
+    if (st == KVI_OK) ga->tok[ga->n + i] = (int32_t)v->dtype;
+  }
+  return st;
+}
+
+/* Root's token counts and dtypes to every rank, which compares its own. */
+static kvi_status gather_agree(gather *ga) {
+  const int32_t n = ga->n;
+  int32_t *rt = ga->rt = malloc((size_t)(n ? n : 1) * 2 * sizeof *rt);
+  if (rt && ga->is_root) memcpy(rt, ga->tok, (size_t)n * 2 * sizeof *rt);
+  int32_t dummy[2];
+  kvi_status st = kvi__comm_bcast_host(ga->c, rt ? rt : dummy, rt ? (size_t)n * 2 * sizeof *rt : sizeof dummy, ga->root,
+                                       ga->fn);
+  if (st == KVI_OK && !rt) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, ga->fn, "allocating %d counts", (int)n);
+  for (int32_t i = 0; i < n && st == KVI_OK; i++)
+    if (ga->tok[i] != rt[i])
+      st = kvi__fail(KVI_ERR_MISMATCH, ga->fn, "fact %d of the list has %d tokens on rank %d and %d on root rank %d",
+                     (int)i, (int)ga->tok[i], (int)ga->c->rank, (int)rt[i], (int)ga->root);
+  return st;
+}
+
+/* Rank r's buffer (r's slices, read from the store on r; room for them on
+ * root) and its transfer op. */
+static kvi_status gather_buffer(gather *ga, int32_t r, int32_t h) {
+  const kvi__geom *g = &ga->store->geom;
+  const int32_t n = ga->n, *rt = ga->rt;
+  kvi_status st = KVI_OK;
+  size_t total = 0;
+  for (int32_t i = 0; i < n && st == KVI_OK; i++)
+    if (__builtin_add_overflow(total, slice_bytes(g, r, rt[i], kvi_dtype_size((kvi_dtype)rt[n + i])), &total))
+      st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, ga->fn, "the items' slices for rank %d pass 2^64 bytes", (int)r);
+  if (st || (st = buf_alloc(ga->c, &ga->bufs[r], total, ga->stream, ga->fn))) return st;
+  size_t at = 0;
+  for (int32_t i = 0; i < n && st == KVI_OK; i++) {
+    const kvi_dtype dt = (kvi_dtype)rt[n + i];
+    const size_t b = slice_bytes(g, r, rt[i], kvi_dtype_size(dt));
+    if (!ga->is_root) { /* read my slice, packed, in root's dtype */
+      const kvi_gather_item *it = item_at(ga->items, ga->stride, i);
+      char *base = (char *)ga->bufs[r] + at;
+      const kvi_kv_view w = packed_view(ga->c->memory, dt, g->num_layers, rt[i], h, g->head_size, base, base + b / 2);
+      st = kvi_store_read(ga->store, it->tenant, it->fact_id, &w, ga->stream);
+    }
+    at += b;
+  }
+  ga->ops[ga->nops++] = (kvi__p2p){ga->is_root ? r : ga->root, !ga->is_root, ga->bufs[r], total};
+  return st;
+}
+
+/* Root: rank r's slices, arrived in its buffer, into the full views. */
+static kvi_status gather_unpack(gather *ga, int32_t r, void **host_tmp) {
+  const kvi__geom *g = &ga->store->geom;
+  kvi_comm *c = ga->c;
+  int32_t first, h;
+  kvi__geom_rank_heads(g, r, &first, &h);
+  size_t at = 0;
+  kvi_status st = KVI_OK;
+  for (int32_t i = 0; i < ga->n && st == KVI_OK; i++) {
+    kvi_kv_view *v = &ga->v[i];
+    const size_t b = slice_bytes(g, r, ga->rt[i], kvi_dtype_size(v->dtype));
+    const char *src = (const char *)ga->bufs[r] + at;
+    if (v->memory == c->memory) {
+      st = pack(v, (void *)src, first, h, true, c->memory, ga->stream, ga->fn);
+    } else { /* device transfers into a host `full`: one copy down, unpack on the host */
+      void *p = realloc(*host_tmp, b);
+      if (!p) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, ga->fn, "allocating %zu bytes", b);
+      *host_tmp = p;
+      st = kvi__cuda_d2h(p, src, b, ga->stream, ga->fn);
+      if (st == KVI_OK) st = kvi__cuda_sync(ga->stream, ga->fn);
+      if (st == KVI_OK) st = pack(v, p, first, h, true, KVI_MEMORY_HOST, NULL, ga->fn);
+    }
+    at += b;
+  }
+  return st;
+}
+
+/* Root: its own heads, read straight into the full views. */
+static kvi_status gather_own(gather *ga, int32_t root_first, int32_t root_h) {
+  kvi_status st = KVI_OK;
+  for (int32_t i = 0; st == KVI_OK && i < ga->n; i++) {
+    const kvi_gather_item *it = item_at(ga->items, ga->stride, i);
+    const kvi_kv_view *v = &ga->v[i];
+    kvi_kv_view w = *v;
+    w.num_heads = root_h;
+    const size_t o = (size_t)root_first * (size_t)v->head_stride * kvi_dtype_size(v->dtype);
+    w.k = (char *)v->k + o;
+    w.v = (char *)v->v + o;
+    st = kvi_store_read(ga->store, it->tenant, it->fact_id, &w, ga->stream);
+  }
+  return st;
+}
+
 KVI_API kvi_status kvi_store_gather(kvi_store *store, int32_t root, const kvi_gather_item *items, int32_t num_items,
                                     struct CUstream_st *stream) {
   static const char fn[] = "kvi_store_gather";
   size_t stride;
   kvi_status st = check_collective(store, root, items, num_items, fn);
   if (st || (st = item_stride(items, num_items, sizeof *items, &stride, fn))) return st;
-  kvi_comm *c = store->comm;
-  const bool is_root = c->rank == root;
+  gather ga;
+  memset(&ga, 0, sizeof ga);
+  ga.store = store;
+  ga.c = store->shard.comm;
+  ga.items = items;
+  ga.stride = stride;
+  ga.root = root;
+  ga.n = num_items;
+  ga.is_root = ga.c->rank == root;
+  ga.stream = stream;
+  ga.fn = fn;
+  kvi_comm *c = ga.c;
   const kvi__geom *g = &store->geom;
   const int32_t n = num_items;
-  kvi_kv_view *v = calloc((size_t)(n ? n : 1), sizeof *v);
-  int32_t *tok = calloc((size_t)(n ? n : 1) * 2, sizeof *tok); /* mine, then root's */
-  if (!v || !tok) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d items", (int)n);
-  const kvi__geom fg = full_geom(store);
-  const bool cuda_store = store->backend == KVI_BACKEND_CUDA;
-  for (int32_t i = 0; i < n && st == KVI_OK; i++) {
-    const kvi_gather_item *it = item_at(items, stride, i);
-    if (it->struct_size != stride)
-      st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "items[%d].struct_size is %zu, items[0]'s %zu", (int)i, it->struct_size,
-                     stride);
-    if (st == KVI_OK) st = kvi_store_fact_tokens(store, it->tenant, it->fact_id, &tok[i]);
-    if (st || !is_root) continue;
-    if (!it->full) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "items[%d].full is NULL on the root rank", (int)i);
-    else st = kvi__view_check(&v[i], it->full, &fg, true, fn);
-    if (st == KVI_OK) st = kvi__check_memory(v[i].k, v[i].memory, cuda_store, store->device, fn, "full->k");
-    if (st == KVI_OK) st = kvi__check_memory(v[i].v, v[i].memory, cuda_store, store->device, fn, "full->v");
-    if (st == KVI_OK && tok[i] != v[i].num_tokens)
-      st = kvi__fail(KVI_ERR_MISMATCH, fn, "items[%d].full->num_tokens is %d, the fact has %d tokens", (int)i,
-                     (int)v[i].num_tokens, (int)tok[i]);
-    if (st == KVI_OK) tok[n + i] = (int32_t)v[i].dtype;
-  }
+  ga.v = calloc((size_t)(n ? n : 1), sizeof *ga.v);
+  ga.tok = calloc((size_t)(n ? n : 1) * 2, sizeof *ga.tok);
+  if (!ga.v || !ga.tok) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d items", (int)n);
+  if (st == KVI_OK) st = gather_read(&ga);
   op_rec me = {(int32_t)st, root, n, 0, st ? 0 : keys_digest(items, stride, n)};
-  if ((st = exchange_op(c, &me, stream, fn))) {
-    free(v), free(tok);
-    return st;
-  }
-  /* root's token counts and dtypes; every rank compares its own counts */
-  int32_t *rt = malloc((size_t)(n ? n : 1) * 2 * sizeof *rt);
-  if (rt && is_root) {
-    memcpy(rt, tok, (size_t)n * sizeof *rt);
-    memcpy(rt + n, tok + n, (size_t)n * sizeof *rt);
-  }
-  int32_t dummy[2];
-  st = kvi__comm_bcast_host(c, rt ? rt : dummy, rt ? (size_t)n * 2 * sizeof *rt : sizeof dummy, root, fn);
-  if (st == KVI_OK && !rt) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d counts", (int)n);
-  for (int32_t i = 0; i < n && st == KVI_OK; i++)
-    if (tok[i] != rt[i])
-      st = kvi__fail(KVI_ERR_MISMATCH, fn, "fact %d of the list has %d tokens on rank %d and %d on root rank %d", (int)i,
-                     (int)tok[i], (int)c->rank, (int)rt[i], (int)root);
-  if ((st = combine(c, st, stream, fn)) || n == 0) {
-    free(v), free(tok), free(rt);
+  if ((st = exchange_op(c, &me, stream, fn)) == KVI_OK) st = combine(c, gather_agree(&ga), stream, fn);
+  if (st || n == 0) {
+    free(ga.v), free(ga.tok), free(ga.rt);
     return st;
   }
 
-  void **bufs = calloc((size_t)c->size, sizeof *bufs);
-  kvi__p2p *ops = calloc((size_t)c->size, sizeof *ops);
-  int32_t nops = 0;
-  st = ops && bufs ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating transfer lists");
+  ga.bufs = calloc((size_t)c->size, sizeof *ga.bufs);
+  ga.ops = calloc((size_t)c->size, sizeof *ga.ops);
+  st = ga.ops && ga.bufs ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating transfer lists");
   kvi__devguard dg = {0, false};
   const bool cuda = c->memory == KVI_MEMORY_DEVICE;
   if (st == KVI_OK && cuda) st = kvi__cuda_enter(c->device, &dg, fn);
@@ -572,74 +762,25 @@ KVI_API kvi_status kvi_store_gather(kvi_store *store, int32_t root, const kvi_ga
   int32_t root_first, root_h;
   kvi__geom_rank_heads(g, root, &root_first, &root_h);
   for (int32_t r = 0; st == KVI_OK && r < c->size; r++) {
-    if (r == root || (!is_root && r != c->rank) || !first_holder(g, r)) continue;
+    if (r == root || (!ga.is_root && r != c->rank) || !first_holder(g, r)) continue;
     int32_t first, h;
     kvi__geom_rank_heads(g, r, &first, &h);
-    if (first == root_first) continue; /* root holds these heads itself */
-    size_t total = 0;
-    for (int32_t i = 0; i < n && st == KVI_OK; i++)
-      if (__builtin_add_overflow(total, slice_bytes(g, r, rt[i], kvi_dtype_size((kvi_dtype)rt[n + i])), &total))
-        st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "the items' slices for rank %d pass 2^64 bytes", (int)r);
-    if (st || (st = buf_alloc(c, &bufs[r], total, stream, fn))) break;
-    size_t at = 0;
-    for (int32_t i = 0; i < n && st == KVI_OK; i++) {
-      const kvi_dtype dt = (kvi_dtype)rt[n + i];
-      const size_t b = slice_bytes(g, r, rt[i], kvi_dtype_size(dt));
-      if (!is_root) { /* read my slice, packed, in root's dtype */
-        const kvi_gather_item *it = item_at(items, stride, i);
-        char *base = (char *)bufs[r] + at;
-        const kvi_kv_view w = packed_view(c->memory, dt, g->num_layers, rt[i], h, g->head_size, base, base + b / 2);
-        st = kvi_store_read(store, it->tenant, it->fact_id, &w, stream);
-      }
-      at += b;
-    }
-    ops[nops++] = (kvi__p2p){is_root ? r : root, !is_root, bufs[r], total};
+    if (first != root_first) st = gather_buffer(&ga, r, h); /* else root holds these heads itself */
   }
-  for (int32_t i = 0; st == KVI_OK && is_root && i < n; i++) { /* root's own heads, straight into full */
-    const kvi_gather_item *it = item_at(items, stride, i);
-    kvi_kv_view w = v[i];
-    w.num_heads = root_h;
-    const size_t o = (size_t)root_first * (size_t)v[i].head_stride * kvi_dtype_size(v[i].dtype);
-    w.k = (char *)v[i].k + o;
-    w.v = (char *)v[i].v + o;
-    st = kvi_store_read(store, it->tenant, it->fact_id, &w, stream);
-  }
+  if (st == KVI_OK && ga.is_root) st = gather_own(&ga, root_first, root_h);
   st = combine(c, st, stream, fn);
-  if (st == KVI_OK) st = combine(c, kvi__comm_p2p(c, ops, nops, stream, fn), stream, fn);
-  /* root: unpack what arrived */
+  if (st == KVI_OK) st = combine(c, kvi__comm_p2p(c, ga.ops, ga.nops, stream, fn), stream, fn);
   void *host_tmp = NULL;
-  for (int32_t r = 0; st == KVI_OK && is_root && r < c->size; r++) {
-    if (!bufs[r]) continue;
-    int32_t first, h;
-    kvi__geom_rank_heads(g, r, &first, &h);
-    size_t at = 0;
-    for (int32_t i = 0; i < n && st == KVI_OK; i++) {
-      const size_t b = slice_bytes(g, r, rt[i], kvi_dtype_size(v[i].dtype));
-      const char *src = (const char *)bufs[r] + at;
-      if (v[i].memory == c->memory) {
-        st = pack(&v[i], (void *)src, first, h, true, c->memory, stream, fn);
-      } else { /* device transfers into a host `full`: one copy down, unpack on the host */
-        void *p = realloc(host_tmp, b);
-        if (!p) {
-          st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes", b);
-          break;
-        }
-        host_tmp = p;
-        st = kvi__cuda_d2h(host_tmp, src, b, stream, fn);
-        if (st == KVI_OK) st = kvi__cuda_sync(stream, fn);
-        if (st == KVI_OK) st = pack(&v[i], host_tmp, first, h, true, KVI_MEMORY_HOST, NULL, fn);
-      }
-      at += b;
-    }
-  }
+  for (int32_t r = 0; st == KVI_OK && ga.is_root && r < c->size; r++)
+    if (ga.bufs[r]) st = gather_unpack(&ga, r, &host_tmp);
   free(host_tmp);
-  for (int32_t r = 0; bufs && r < c->size; r++) buf_free(c, bufs[r], stream, fn);
+  for (int32_t r = 0; ga.bufs && r < c->size; r++) buf_free(c, ga.bufs[r], stream, fn);
   if (entered) kvi__cuda_leave(&dg);
-  free(ops);
-  free(bufs);
-  free(v);
-  free(tok);
-  free(rt);
+  free(ga.ops);
+  free(ga.bufs);
+  free(ga.v);
+  free(ga.tok);
+  free(ga.rt);
   return st;
 }
 
@@ -650,14 +791,13 @@ KVI_API kvi_status kvi_store_gather(kvi_store *store, int32_t root, const kvi_ga
 KVI_API kvi_status kvi_store_check_agreement(kvi_store *store) {
   static const char fn[] = "kvi_store_check_agreement";
   if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
-  if (!store->comm) return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "the store was created without a communicator");
-  kvi_comm *c = store->comm;
+  if (!store->shard.comm) return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "the store was created without a communicator");
+  kvi_comm *c = store->shard.comm;
   /* an order-free digest: sums of two independent hashes of every fact */
   uint64_t me[3] = {0, 0, 0};
   kvi__store_lock(store);
-  for (size_t i = 0; i < store->facts.cap; i++) {
-    const fact *f = store->facts.slots[i].val;
-    if (!f) continue;
+  size_t pos = 0;
+  for (const fact *f; (f = kvi__store_next_fact(store, &pos));) {
     const uint64_t x = kvi__mix64(f->tenant_id) ^ kvi__mix64(f->id + 0x9e3779b97f4a7c15ull) ^
                        kvi__mix64((uint64_t)f->tokens << 1 | 1);
     me[0]++;
@@ -754,7 +894,7 @@ kvi_status kvi__shard_search(kvi_store *s, const void *queries, kvi_dtype qt, kv
                              const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
                              int32_t *out_counts, kvi_memory om, uint64_t ws, bool locked,
                              struct CUstream_st *stream, const char *fn) {
-  kvi_comm *c = s->comm;
+  kvi_comm *c = s->shard.comm;
   const size_t bb = block_bytes(nq, k), n = (size_t)nq * (size_t)k;
   const kvi__shard_hdr hdr0 = {0, nq, k, 0, query_digest(tenants, nq, k)};
   kvi_status st = KVI_OK;

@@ -21,12 +21,9 @@
 #include "internal.h"
 #include "kernels.h"
 #include "kvi_build_config.h"
-#include "persist_internal.h"
 #include "store_internal.h"
 #include "comm_internal.h"
-#include "kvi_build_config.h"
 
-#define STORE_OPTIONS_V1 offsetof(kvi_store_options, comm) /* the fields before comm came first */
 #define PUT_OPTIONS_V1 sizeof(kvi_put_options)
 #define STORE_STATS_V1 offsetof(kvi_store_stats, pages_host_total) /* the fields before the host tier came first */
 
@@ -121,7 +118,7 @@ static kvi_status cuda_copy_device(const kvi_store *s, const kvi_kv_view *v, con
                                    int32_t tokens, bool to_pages, struct CUstream_st *stream,
                                    const char *fn) {
   const bool host = page_on_host_tier(s, pages[0]);
-  const uint32_t first = host ? s->pool.npages : 0;
+  const uint32_t first = host ? s->pool.dev.npages : 0;
   kvi__copy_args a;
   memset(&a, 0, sizeof a);
   a.vk = v->k;
@@ -133,7 +130,7 @@ static kvi_status cuda_copy_device(const kvi_store *s, const kvi_kv_view *v, con
   a.L = s->geom.num_layers;
   a.H = s->geom.local_heads;
   a.D = s->geom.head_size;
-  a.pool = host ? s->hpool_dev : s->pool.base;
+  a.pool = host ? s->pool.host_dev : s->pool.dev.base;
   a.page_dtype = (int32_t)s->dtype;
   a.P = s->P;
   a.page_elems = page_stride_elems(s);
@@ -194,7 +191,7 @@ static kvi_status copy_fact(const kvi_store *s, const kvi_kv_view *v, const uint
   const bool host_tier = s->backend == KVI_BACKEND_CUDA && page_on_host_tier(s, pages[0]);
   if (host_tier && v->memory == KVI_MEMORY_HOST && !to_pages && move_outstanding(s)) {
     /* a demotion may still be writing these pages */
-    kvi_status st = kvi__cuda_event_sync(s->track_ev[s->move_seq % KVI__TRACK_EVENTS], fn);
+    kvi_status st = kvi__cuda_event_sync(s->track_ev[s->tier.move_seq % KVI__TRACK_EVENTS], fn);
     if (st) return st;
   }
   if (s->backend == KVI_BACKEND_CPU || (host_tier && v->memory == KVI_MEMORY_HOST)) {
@@ -220,7 +217,7 @@ static kvi_status copy_fact(const kvi_store *s, const kvi_kv_view *v, const uint
 
 KVI_API kvi_status kvi_store_options_init(kvi_store_options *opts, size_t size) {
   static const kvi_store_options d = KVI_STORE_OPTIONS_INIT;
-  return kvi__init_struct(opts, size, &d, sizeof d, STORE_OPTIONS_V1, "kvi_store_options_init");
+  return kvi__init_struct(opts, size, &d, sizeof d, KVI__STORE_OPTIONS_V1, "kvi_store_options_init");
 }
 
 KVI_API kvi_status kvi_put_options_init(kvi_put_options *opts, size_t size) {
@@ -266,9 +263,9 @@ static void release_memory(kvi_store *s) {
     kvi__devguard g;
     if (kvi__cuda_enter(s->device, &g, "kvi_store_destroy") == KVI_OK) {
       if (s->copy_stream) kvi__cuda_sync(s->copy_stream, "kvi_store_destroy"); /* tier moves */
-      kvi__cuda_free(s->pool.base);
-      kvi__cuda_host_free(s->hpool.base);
-      kvi__cuda_event_destroy(s->prefetch_ev);
+      kvi__cuda_free(s->pool.dev.base);
+      kvi__cuda_host_free(s->pool.host.base);
+      kvi__cuda_event_destroy(s->tier.prefetch_ev);
       kvi__cuda_host_free(s->staging);
       kvi__cuda_stream_destroy(s->copy_stream);
       for (int i = 0; i < KVI__TRACK_EVENTS; i++) kvi__cuda_event_destroy(s->track_ev[i]);
@@ -279,17 +276,17 @@ static void release_memory(kvi_store *s) {
       kvi__cuda_leave(&g);
     }
   } else {
-    free(s->pool.base);
+    free(s->pool.dev.base);
   }
   free(s->deferred_page);
   free(s->deferred_tag);
   s->deferred_page = NULL;
   s->deferred_tag = NULL;
   memset(s->track_ev, 0, sizeof s->track_ev);
-  s->pool.base = NULL;
-  s->hpool.base = NULL;
-  s->hpool_dev = NULL;
-  s->prefetch_ev = NULL;
+  s->pool.dev.base = NULL;
+  s->pool.host.base = NULL;
+  s->pool.host_dev = NULL;
+  s->tier.prefetch_ev = NULL;
   s->staging = NULL;
   s->copy_stream = NULL;
   s->emb_stage = NULL;
@@ -298,21 +295,21 @@ static void release_memory(kvi_store *s) {
 }
 
 static kvi_status reserve_memory(kvi_store *s, const char *fn) {
-  const uint64_t bytes = (uint64_t)s->pool.npages * s->page_bytes;
+  const uint64_t bytes = (uint64_t)s->pool.dev.npages * s->page_bytes;
   if (s->backend == KVI_BACKEND_CPU) {
     void *p = NULL;
     if (bytes > SIZE_MAX || posix_memalign(&p, 256, (size_t)bytes) != 0)
       return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "reserving %llu bytes of host memory for %u pages",
-                       (unsigned long long)bytes, s->pool.npages);
-    s->pool.base = p;
+                       (unsigned long long)bytes, s->pool.dev.npages);
+    s->pool.dev.base = p;
     return KVI_OK;
   }
   s->staging_pages = (uint32_t)(STAGING_TARGET_BYTES / s->page_bytes);
   if (s->staging_pages < 1) s->staging_pages = 1;
   if (s->staging_pages > KVI__LAUNCH_PAGES) s->staging_pages = KVI__LAUNCH_PAGES;
-  if (s->staging_pages > s->pool.npages) s->staging_pages = s->pool.npages;
+  if (s->staging_pages > s->pool.dev.npages) s->staging_pages = s->pool.dev.npages;
   kvi_status st;
-  WITH_DEVICE(s, fn, st, kvi__cuda_malloc((void **)&s->pool.base, (size_t)bytes, fn));
+  WITH_DEVICE(s, fn, st, kvi__cuda_malloc((void **)&s->pool.dev.base, (size_t)bytes, fn));
   if (st == KVI_OK)
     WITH_DEVICE(s, fn, st,
                 kvi__cuda_host_alloc((void **)&s->staging, (size_t)s->staging_pages * s->page_bytes, fn));
@@ -321,125 +318,156 @@ static kvi_status reserve_memory(kvi_store *s, const char *fn) {
     WITH_DEVICE(s, fn, st, kvi__cuda_event_create(&s->track_ev[i], fn));
   if (st == KVI_OK && s->emb_dim > 0) WITH_DEVICE(s, fn, st, kvi__cuda_stream_create(&s->emb_stream, fn));
   if (st == KVI_OK && s->emb_dim > 0) WITH_DEVICE(s, fn, st, kvi__cuda_event_create(&s->emb_ready, fn));
-  const uint64_t hbytes = (uint64_t)s->hpool.npages * s->page_bytes;
-  if (st == KVI_OK && s->hpool.npages > 0) {
+  const uint64_t hbytes = (uint64_t)s->pool.host.npages * s->page_bytes;
+  if (st == KVI_OK && s->pool.host.npages > 0) {
     if (hbytes > SIZE_MAX) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "%llu bytes of host pages", (unsigned long long)hbytes);
     if (st == KVI_OK)
       WITH_DEVICE(s, fn, st,
-                  kvi__cuda_host_alloc_mapped((void **)&s->hpool.base, (void **)&s->hpool_dev, (size_t)hbytes, fn));
-    if (st == KVI_OK) WITH_DEVICE(s, fn, st, kvi__cuda_event_create(&s->prefetch_ev, fn));
-    if (st == KVI_OK && ((uintptr_t)s->hpool.base % 16 || (uintptr_t)s->hpool_dev % 16))
+                  kvi__cuda_host_alloc_mapped((void **)&s->pool.host.base, (void **)&s->pool.host_dev, (size_t)hbytes, fn));
+    if (st == KVI_OK) WITH_DEVICE(s, fn, st, kvi__cuda_event_create(&s->tier.prefetch_ev, fn));
+    if (st == KVI_OK && ((uintptr_t)s->pool.host.base % 16 || (uintptr_t)s->pool.host_dev % 16))
       st = kvi__fail(KVI_ERR_INTERNAL, fn, "pinned host pages are not 16-byte aligned");
     if (st == KVI_ERR_OUT_OF_MEMORY)
       kvi__fail(st, fn, "reserving %llu bytes of pinned host memory for %u host-tier pages",
-                (unsigned long long)hbytes, s->hpool.npages);
+                (unsigned long long)hbytes, s->pool.host.npages);
   }
   if (st == KVI_OK) {
-    const size_t all = (size_t)s->pool.npages + s->hpool.npages;
+    const size_t all = (size_t)s->pool.dev.npages + s->pool.host.npages;
     s->deferred_page = malloc(all * sizeof *s->deferred_page);
     s->deferred_tag = malloc(all * sizeof *s->deferred_tag);
     if (!s->deferred_page || !s->deferred_tag)
-      st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the deferred-free list for %u pages", s->pool.npages);
+      st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the deferred-free list for %u pages", s->pool.dev.npages);
   }
   if (st != KVI_OK) {
-    if (st == KVI_ERR_OUT_OF_MEMORY && !s->hpool.base && s->pool.base == NULL)
+    if (st == KVI_ERR_OUT_OF_MEMORY && !s->pool.host.base && s->pool.dev.base == NULL)
       kvi__fail(st, fn, "reserving %llu bytes of device memory on device %d for %u pages",
-                (unsigned long long)bytes, s->device, s->pool.npages);
+                (unsigned long long)bytes, s->device, s->pool.dev.npages);
     release_memory(s);
   }
   return st;
 }
 
-static kvi_status create_local(kvi_store **out, const kvi_model *model, const kvi_store_options *opts,
-                               const char *fn) {
-  const kvi_store_options o = *opts;
-  kvi_status st;
+/* A store's page layout, from its options: checked, then computed. */
+typedef struct page_layout {
+  uint64_t page_elems, page_bytes, scale_off;
+  uint64_t npages, hpages;
+  bool fp8;
+} page_layout;
 
-  if (o.dtype == KVI_DTYPE_FP8_E5M2)
+/* kvi_store_options' checks that need no backend; the page layout. */
+static kvi_status check_options(const kvi_store_options *o, const kvi__geom *g, page_layout *pl, const char *fn) {
+  if (o->dtype == KVI_DTYPE_FP8_E5M2)
     return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "fp8 e5m2 fact storage is not supported; use KVI_DTYPE_FP8_E4M3");
-  if (!kvi__dtype_is_float(o.dtype) && o.dtype != KVI_DTYPE_FP8_E4M3)
+  if (!kvi__dtype_is_float(o->dtype) && o->dtype != KVI_DTYPE_FP8_E4M3)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->dtype is %d, expected KVI_DTYPE_BF16, FP16, FP32 or FP8_E4M3",
-                     (int)o.dtype);
-  if (o.page_tokens < 1 || o.page_tokens > 4096)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->page_tokens is %d, expected 1..4096", (int)o.page_tokens);
-  if (o.embedding_dim < 0 || o.embedding_dim > 65536)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->embedding_dim is %d, expected 0..65536", (int)o.embedding_dim);
-  if (!kvi__dtype_is_float(o.embedding_dtype))
+                     (int)o->dtype);
+  if (o->page_tokens < 1 || o->page_tokens > 4096)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->page_tokens is %d, expected 1..4096", (int)o->page_tokens);
+  if (o->embedding_dim < 0 || o->embedding_dim > 65536)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->embedding_dim is %d, expected 0..65536", (int)o->embedding_dim);
+  if (!kvi__dtype_is_float(o->embedding_dtype))
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->embedding_dtype is %d, expected KVI_DTYPE_FP32, FP16 or BF16",
-                     (int)o.embedding_dtype);
-  if (o.metric != KVI_METRIC_INNER_PRODUCT && o.metric != KVI_METRIC_COSINE)
+                     (int)o->embedding_dtype);
+  if (o->metric != KVI_METRIC_INNER_PRODUCT && o->metric != KVI_METRIC_COSINE)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
-                     "opts->metric is %d, expected KVI_METRIC_INNER_PRODUCT (0) or KVI_METRIC_COSINE (1)", (int)o.metric);
-
-  const kvi__geom *g = &model->geom;
+                     "opts->metric is %d, expected KVI_METRIC_INNER_PRODUCT (0) or KVI_METRIC_COSINE (1)", (int)o->metric);
   /* page_elems = L * 2 * H * P * D; each factor is bounded, the product fits in 64 bits */
-  const uint64_t page_elems = (uint64_t)g->num_layers * 2u * (uint64_t)g->local_heads * (uint64_t)o.page_tokens *
-                              (uint64_t)g->head_size;
+  pl->page_elems = (uint64_t)g->num_layers * 2u * (uint64_t)g->local_heads * (uint64_t)o->page_tokens *
+                   (uint64_t)g->head_size;
   /* fp8: the e4m3 bytes, then one fp32 scale per (layer, plane, head), each
    * part 16-byte aligned so every page keeps the kernels' vector alignment */
-  const bool fp8 = o.dtype == KVI_DTYPE_FP8_E4M3;
-  const uint64_t scale_off = fp8 ? (page_elems + 15u) & ~(uint64_t)15u : 0;
-  const uint64_t page_bytes =
-      fp8 ? scale_off + (((uint64_t)g->num_layers * 2u * (uint64_t)g->local_heads * 4u + 15u) & ~(uint64_t)15u)
-          : page_elems * kvi_dtype_size(o.dtype);
-  if (o.budget_bytes < page_bytes)
+  pl->fp8 = o->dtype == KVI_DTYPE_FP8_E4M3;
+  pl->scale_off = pl->fp8 ? (pl->page_elems + 15u) & ~(uint64_t)15u : 0;
+  pl->page_bytes =
+      pl->fp8 ? pl->scale_off + (((uint64_t)g->num_layers * 2u * (uint64_t)g->local_heads * 4u + 15u) & ~(uint64_t)15u)
+              : pl->page_elems * kvi_dtype_size(o->dtype);
+  if (o->budget_bytes < pl->page_bytes)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
                      "opts->budget_bytes is %llu, smaller than one page (%llu bytes: %d tokens x %d layers x 2 x "
                      "%d heads x %d x %zu bytes%s)",
-                     (unsigned long long)o.budget_bytes, (unsigned long long)page_bytes, (int)o.page_tokens,
-                     (int)g->num_layers, (int)g->local_heads, (int)g->head_size, kvi_dtype_size(o.dtype),
-                     fp8 ? ", then the scales" : "");
-  const uint64_t npages = o.budget_bytes / page_bytes;
-  if (npages >= UINT32_MAX)
+                     (unsigned long long)o->budget_bytes, (unsigned long long)pl->page_bytes, (int)o->page_tokens,
+                     (int)g->num_layers, (int)g->local_heads, (int)g->head_size, kvi_dtype_size(o->dtype),
+                     pl->fp8 ? ", then the scales" : "");
+  pl->npages = o->budget_bytes / pl->page_bytes;
+  if (pl->npages >= UINT32_MAX)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->budget_bytes gives %llu pages, more than 2^32 - 1; use larger pages",
-                     (unsigned long long)npages);
+                     (unsigned long long)pl->npages);
+  pl->hpages = o->host_budget_bytes / pl->page_bytes;
+  return KVI_OK;
+}
 
+/* The host tier's checks, once the backend is known. */
+static kvi_status check_host_tier(const kvi_store *s, const kvi_store_options *o, const page_layout *pl,
+                                  const char *fn) {
+  if (o->host_budget_bytes > 0 && s->backend == KVI_BACKEND_CPU)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                     "opts->host_budget_bytes is %llu, but a CPU store has a single tier (host memory): pass 0",
+                     (unsigned long long)o->host_budget_bytes);
+  if (o->host_budget_bytes > 0 && pl->hpages == 0)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->host_budget_bytes is %llu, smaller than one page (%llu bytes)",
+                     (unsigned long long)o->host_budget_bytes, (unsigned long long)pl->page_bytes);
+  if (pl->npages + pl->hpages >= UINT32_MAX)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                     "opts->budget_bytes and host_budget_bytes give %llu pages, more than 2^32 - 1; use larger pages",
+                     (unsigned long long)(pl->npages + pl->hpages));
+  return KVI_OK;
+}
+
+/* The fields the options and the layout decide. */
+static void set_fields(kvi_store *s, const kvi_store_options *o, const kvi__geom *g, const page_layout *pl) {
+  s->geom = *g;
+  s->dtype = o->dtype;
+  s->P = o->page_tokens;
+  s->emb_dim = o->embedding_dim;
+  s->emb_dtype = o->embedding_dtype;
+  s->metric = o->metric;
+  s->emb_ld = o->embedding_dim;
+  if (s->backend == KVI_BACKEND_CUDA) { /* rows start on 16-byte boundaries: vector loads, GEMM alignment */
+    const int32_t per16 = (int32_t)(16 / kvi_dtype_size(o->embedding_dtype));
+    s->emb_ld = (o->embedding_dim + per16 - 1) / per16 * per16;
+  }
+  s->stage_row_bytes = (size_t)s->emb_ld * kvi_dtype_size(o->embedding_dtype); /* a multiple of 16 on a CUDA store */
+  s->page_elems = pl->page_elems;
+  s->page_bytes = pl->page_bytes;
+  s->fp8 = pl->fp8;
+  s->scale_off = pl->scale_off;
+  s->pool.dev.tier = s->backend == KVI_BACKEND_CUDA ? TIER_DEVICE : TIER_HOST;
+  s->pool.dev.npages = (uint32_t)pl->npages;
+  s->pool.dev.nfree = (uint32_t)pl->npages;
+  s->pool.host.tier = TIER_HOST;
+  s->pool.host.npages = (uint32_t)pl->hpages;
+  s->pool.host.nfree = (uint32_t)pl->hpages;
+  /* a tiered store moves facts between pools: its page ids are the host's to know */
+  s->dir_on = s->backend == KVI_BACKEND_CUDA && s->emb_dim > 0 && pl->hpages == 0;
+  s->shard.size = 1;
+}
+
+/* The free stacks, full (each pops its lowest page id first). */
+static kvi_status make_free_stacks(kvi_store *s, const char *fn) {
+  const uint32_t npages = s->pool.dev.npages, hpages = s->pool.host.npages;
+  s->pool.dev.free = malloc((size_t)npages * sizeof *s->pool.dev.free);
+  s->pool.host.free = hpages ? malloc((size_t)hpages * sizeof *s->pool.host.free) : NULL;
+  if (!s->pool.dev.free || (hpages && !s->pool.host.free))
+    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the page table for %llu pages", (unsigned long long)npages);
+  for (uint32_t i = 0; i < npages; i++) s->pool.dev.free[i] = npages - 1 - i; /* pops 0, 1, 2, ... */
+  for (uint32_t i = 0; i < hpages; i++) s->pool.host.free[i] = npages + hpages - 1 - i;
+  return KVI_OK;
+}
+
+kvi_status kvi__store_create(kvi_store **out, const kvi_model *model, const kvi_store_options *opts,
+                             const char *fn) {
+  const kvi_store_options o = *opts;
+  const kvi__geom *g = &model->geom;
+  page_layout pl = {0, 0, 0, 0, 0, false};
+  kvi_status st = check_options(&o, g, &pl, fn);
+  if (st) return st;
   kvi_store *s = calloc(1, sizeof *s);
   if (!s) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the store");
-  if ((st = resolve_backend(s, &o, fn))) {
+  if ((st = resolve_backend(s, &o, fn)) || (st = check_host_tier(s, &o, &pl, fn))) {
     free(s);
     return st;
   }
-  const uint64_t hpages = o.host_budget_bytes / page_bytes;
-  if (o.host_budget_bytes > 0 && s->backend == KVI_BACKEND_CPU)
-    st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
-                   "opts->host_budget_bytes is %llu, but a CPU store has a single tier (host memory): pass 0",
-                   (unsigned long long)o.host_budget_bytes);
-  else if (o.host_budget_bytes > 0 && hpages == 0)
-    st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->host_budget_bytes is %llu, smaller than one page (%llu bytes)",
-                   (unsigned long long)o.host_budget_bytes, (unsigned long long)page_bytes);
-  else if (npages + hpages >= UINT32_MAX)
-    st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
-                   "opts->budget_bytes and host_budget_bytes give %llu pages, more than 2^32 - 1; use larger pages",
-                   (unsigned long long)(npages + hpages));
-  if (st) {
-    free(s);
-    return st;
-  }
-  s->geom = *g;
-  s->dtype = o.dtype;
-  s->P = o.page_tokens;
-  s->emb_dim = o.embedding_dim;
-  s->emb_dtype = o.embedding_dtype;
-  s->metric = o.metric;
-  s->emb_ld = o.embedding_dim;
-  if (s->backend == KVI_BACKEND_CUDA) { /* rows start on 16-byte boundaries: vector loads, GEMM alignment */
-    const int32_t per16 = (int32_t)(16 / kvi_dtype_size(o.embedding_dtype));
-    s->emb_ld = (o.embedding_dim + per16 - 1) / per16 * per16;
-  }
-  s->stage_row_bytes = (size_t)s->emb_ld * kvi_dtype_size(o.embedding_dtype); /* a multiple of 16 on a CUDA store */
-  s->page_elems = page_elems;
-  s->page_bytes = page_bytes;
-  s->fp8 = fp8;
-  s->scale_off = scale_off;
-  s->pool.tier = s->backend == KVI_BACKEND_CUDA ? TIER_DEVICE : TIER_HOST;
-  s->pool.npages = (uint32_t)npages;
-  s->pool.nfree = (uint32_t)npages;
-  s->hpool.tier = TIER_HOST;
-  s->hpool.npages = (uint32_t)hpages;
-  /* a tiered store moves facts between pools: its page ids are the host's to know */
-  s->dir_on = s->backend == KVI_BACKEND_CUDA && s->emb_dim > 0 && hpages == 0;
-  s->hpool.nfree = (uint32_t)hpages;
+  set_fields(s, &o, g, &pl);
   s->rope = calloc((size_t)g->num_layers, sizeof *s->rope);
   if (!s->rope) {
     st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating RoPE tables");
@@ -453,56 +481,24 @@ static kvi_status create_local(kvi_store **out, const kvi_model *model, const kv
   }
   /* the page memory first: an impossible budget fails before anything large is built */
   if ((st = reserve_memory(s, fn))) goto fail_rope;
-  s->pool.free = malloc(npages * sizeof *s->pool.free);
-  s->hpool.free = hpages ? malloc(hpages * sizeof *s->hpool.free) : NULL;
-  if (!s->pool.free || (hpages && !s->hpool.free)) {
+  if ((st = make_free_stacks(s, fn))) {
     release_memory(s);
-    st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the page table for %llu pages", (unsigned long long)npages);
     goto fail_rope;
   }
-  for (uint32_t i = 0; i < s->pool.npages; i++) s->pool.free[i] = s->pool.npages - 1 - i; /* pops 0, 1, 2, ... */
-  for (uint32_t i = 0; i < s->hpool.npages; i++) s->hpool.free[i] = s->pool.npages + s->hpool.npages - 1 - i;
   if (pthread_mutex_init(&s->lock, NULL) != 0) {
     release_memory(s);
     st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "initializing the store's lock");
     goto fail_rope;
   }
-  s->comm_size = 1;
   *out = s;
   return KVI_OK;
 fail_rope:
   for (int32_t l = 0; l < g->num_layers; l++) kvi__rope_release(&s->rope[l]);
 fail:
-  free(s->pool.free);
-  free(s->hpool.free);
+  free(s->pool.dev.free);
+  free(s->pool.host.free);
   free(s->rope);
   free(s);
-  return st;
-}
-
-KVI_API kvi_status kvi_store_create(kvi_store **out, const kvi_model *model, const kvi_store_options *opts) {
-  static const char fn[] = "kvi_store_create";
-  if (!out || !opts) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", !out ? "out" : "opts");
-  kvi_store_options o = KVI_STORE_OPTIONS_INIT;
-  kvi_status st = kvi__read_struct(&o, sizeof o, opts, STORE_OPTIONS_V1, fn, "opts");
-  if (st) return st;
-  kvi_store *s = NULL;
-  if (!model) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "model is NULL");
-  else if (o.embedding_placement != KVI_EMBEDDINGS_REPLICATED && o.embedding_placement != KVI_EMBEDDINGS_SHARDED)
-    st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
-                   "opts->embedding_placement is %d, expected KVI_EMBEDDINGS_REPLICATED (0) or SHARDED (1)",
-                   (int)o.embedding_placement);
-  else if (o.embedding_placement == KVI_EMBEDDINGS_SHARDED && !o.comm)
-    st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->embedding_placement is SHARDED but opts->comm is NULL");
-  else st = create_local(&s, model, &o, fn);
-  if (o.comm) { /* collective: every rank takes part, whatever happened here */
-    st = kvi__shard_create(s, model, &o, st, fn);
-    if (st && s) {
-      kvi_store_destroy(s);
-      s = NULL;
-    }
-  }
-  if (st == KVI_OK) *out = s;
   return st;
 }
 
@@ -516,23 +512,23 @@ static void emb_free(kvi_store *s, tenant *t);
 
 KVI_API void kvi_store_destroy(kvi_store *store) {
   if (!store) return;
-  kvi__search_release(store);
-  for (size_t i = 0; i < store->facts.cap; i++)
-    if (store->facts.slots[i].val) free_fact(store->facts.slots[i].val);
-  for (size_t i = 0; i < store->tenants.cap; i++) {
-    tenant *t = store->tenants.slots[i].val;
+  if (store->search.release) store->search.release(store);
+  for (size_t i = 0; i < store->index.facts.cap; i++)
+    if (store->index.facts.slots[i].val) free_fact(store->index.facts.slots[i].val);
+  for (size_t i = 0; i < store->index.tenants.cap; i++) {
+    tenant *t = store->index.tenants.slots[i].val;
     if (t) emb_free(store, t);
     free(t);
   }
-  kvi__map_free(&store->facts);
-  kvi__map_free(&store->tenants);
+  kvi__map_free(&store->index.facts);
+  kvi__map_free(&store->index.tenants);
   release_memory(store);
   pthread_mutex_destroy(&store->lock);
-  free(store->pool.free);
-  free(store->hpool.free);
+  free(store->pool.dev.free);
+  free(store->pool.host.free);
   for (int32_t l = 0; l < store->geom.num_layers; l++) kvi__rope_release(&store->rope[l]);
   free(store->rope);
-  kvi__journal_free(store->journal);
+  if (store->journal.ops) store->journal.ops->release(store->journal.ctx);
   free(store);
 }
 
@@ -541,8 +537,8 @@ KVI_API void kvi_store_destroy(kvi_store *store) {
 /* ------------------------------------------------------------------------ */
 
 /* Reads and checks an embedding into a fresh host fp32 array. */
-kvi_status kvi__store_read_embedding(const kvi_store *s, const void *embedding, kvi_dtype dtype, kvi_memory memory,
-                                     struct CUstream_st *stream, float **out, const char *fn) {
+static kvi_status read_embedding(const kvi_store *s, const void *embedding, kvi_dtype dtype, kvi_memory memory,
+                                 kvi_metric metric, struct CUstream_st *stream, float **out, const char *fn) {
   *out = NULL;
   if (!embedding) {
     if (s->emb_dim > 0)
@@ -580,8 +576,7 @@ kvi_status kvi__store_read_embedding(const kvi_store *s, const void *embedding, 
       if (!isfinite(e[i]))
         st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "embedding[%zu] is %g; embeddings must be finite", i, (double)e[i]);
     const int64_t bad =
-        st == KVI_OK ? kvi__emb_prepare(e, s->emb_dim, s->emb_dtype, s->emb_as_kept ? KVI_METRIC_INNER_PRODUCT : s->metric)
-                     : -1;
+        st == KVI_OK ? kvi__emb_prepare(e, s->emb_dim, s->emb_dtype, metric) : -1;
     if (bad >= 0)
       st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "embedding[%lld] is %g, too large for the store's %s embeddings",
                      (long long)bad, (double)kvi__load(src, dtype, bad), kvi__dtype_name(s->emb_dtype));
@@ -593,6 +588,16 @@ kvi_status kvi__store_read_embedding(const kvi_store *s, const void *embedding, 
   }
   *out = e;
   return KVI_OK;
+}
+
+kvi_status kvi__store_read_embedding(const kvi_store *s, const void *embedding, kvi_dtype dtype, kvi_memory memory,
+                                     struct CUstream_st *stream, float **out, const char *fn) {
+  return read_embedding(s, embedding, dtype, memory, s->metric, stream, out, fn);
+}
+
+kvi_status kvi__store_kept_embedding(const kvi_store *s, const float *embedding, float **out, const char *fn) {
+  /* the inner product's preparation only rounds, which changes nothing kept */
+  return read_embedding(s, embedding, KVI_DTYPE_FP32, KVI_MEMORY_HOST, KVI_METRIC_INNER_PRODUCT, NULL, out, fn);
 }
 
 int64_t kvi__emb_prepare(float *x, int32_t n, kvi_dtype t, kvi_metric metric) {
@@ -751,17 +756,23 @@ static kvi_status stage_reserve(kvi_store *s, size_t n, const char *fn) {
   return KVI_OK;
 }
 
-kvi_status kvi__store_reserve_rows(kvi_store *s, uint64_t tenant_id, size_t n, int32_t tokens, const char *fn) {
+/* Makes room for `n` more embedding rows in tenant_id's matrix (and, on a
+ * CUDA store, n rows of staging; with dir_on, directory rows for facts of
+ * up to `tokens` tokens), creating the tenant without facts if it is new.
+ * No-op for a store without embeddings. A transaction that then fails calls
+ * unreserve_rows for each of those tenants, so that no empty tenant stays
+ * behind. The room that was made stays (as a hash map's). */
+static kvi_status reserve_rows(kvi_store *s, uint64_t tenant_id, size_t n, int32_t tokens, const char *fn) {
   if (s->emb_dim == 0 || n == 0) return KVI_OK;
   if (s->emb_err)
     return kvi__fail(s->emb_err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb_err_msg);
-  tenant *t = kvi__map_get(&s->tenants, tenant_id, 0);
+  tenant *t = kvi__map_get(&s->index.tenants, tenant_id, 0);
   kvi_status st;
   if (!t) {
-    if ((st = kvi__map_reserve(&s->tenants, 1, fn))) return st;
+    if ((st = kvi__map_reserve(&s->index.tenants, 1, fn))) return st;
     if (!(t = calloc(1, sizeof *t))) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a tenant");
     t->id = tenant_id;
-    kvi__map_put(&s->tenants, tenant_id, 0, t); /* empty until commit; kvi__store_unreserve_rows drops it */
+    kvi__map_put(&s->index.tenants, tenant_id, 0, t); /* empty until commit; unreserve_rows drops it */
   }
   /* a directory row: the token count, then the page ids */
   const int32_t stride = s->dir_on ? 1 + (int32_t)pages_for(s, tokens) : 0;
@@ -773,14 +784,14 @@ kvi_status kvi__store_reserve_rows(kvi_store *s, uint64_t tenant_id, size_t n, i
   return KVI_OK;
 }
 
-void kvi__store_unreserve_rows(kvi_store *s, uint64_t tenant_id) {
+static void unreserve_rows(kvi_store *s, uint64_t tenant_id) {
   if (s->emb_dim == 0) return;
   s->stage_reserved = 0;
-  tenant *t = kvi__map_get(&s->tenants, tenant_id, 0);
+  tenant *t = kvi__map_get(&s->index.tenants, tenant_id, 0);
   if (!t) return;
   t->pending = 0;
   if (t->count == 0) {
-    kvi__map_del(&s->tenants, tenant_id, 0);
+    kvi__map_del(&s->index.tenants, tenant_id, 0);
     emb_free(s, t);
     free(t);
   }
@@ -883,12 +894,12 @@ static kvi_status not_found_(const char *fn, uint64_t tenant_id, uint64_t fact_i
                    (unsigned long long)tenant_id);
 }
 
-static pool *pool_of(kvi_store *s, uint32_t page) { return page_on_host_tier(s, page) ? &s->hpool : &s->pool; }
+static pool *pool_of(kvi_store *s, uint32_t page) { return page_on_host_tier(s, page) ? &s->pool.host : &s->pool.dev; }
 
 /* Pages of pool p that wait for in-flight work. */
 static uint32_t deferred_in(const kvi_store *s, const pool *p) {
   uint32_t n = 0;
-  for (uint32_t i = 0; i < s->ndeferred; i++) n += (p == &s->hpool) == page_on_host_tier(s, s->deferred_page[i]);
+  for (uint32_t i = 0; i < s->ndeferred; i++) n += (p == &s->pool.host) == page_on_host_tier(s, s->deferred_page[i]);
   return n;
 }
 
@@ -946,7 +957,15 @@ static void release_pages(kvi_store *s, const uint32_t *pages, uint32_t n) {
   }
 }
 
-void kvi__store_give_back(kvi_store *s, const uint32_t *pages, uint32_t n) { release_pages(s, pages, n); }
+/* Takes n pages off the top of p's free stack (p->nfree >= n), in pop order. */
+static void pool_take(pool *p, uint32_t *out, uint32_t n) {
+  for (uint32_t j = 0; j < n; j++) out[j] = p->free[--p->nfree];
+}
+
+/* Undoes pool_take exactly: the stack is as it was before. */
+static void pool_untake(pool *p, const uint32_t *pages, uint32_t n) {
+  for (uint32_t j = n; j-- > 0;) p->free[p->nfree++] = pages[j];
+}
 
 /* Frees what completed work allows in pool p, and waits for in-flight work
  * when the pages it holds would give p `need` free pages. */
@@ -957,14 +976,14 @@ static kvi_status pool_room(kvi_store *s, pool *p, uint64_t need, const char *fn
   return st;
 }
 
-kvi_status kvi__store_reserve(kvi_store *s, uint32_t need, size_t new_facts, const char *fn) {
-  kvi_status st = pool_room(s, &s->pool, need, fn);
+/* Makes `need` pages of the first pool free, or fails with KVI_ERR_CAPACITY. */
+static kvi_status device_room(kvi_store *s, uint32_t need, const char *fn) {
+  kvi_status st = pool_room(s, &s->pool.dev, need, fn);
   if (st) return st;
-  if (s->pool.nfree < need)
+  if (s->pool.dev.nfree < need)
     return kvi__fail(KVI_ERR_CAPACITY, fn, "%u pages of %d tokens are needed; %u of %u pages are free", need,
-                     (int)s->P, s->pool.nfree, s->pool.npages);
-  if ((st = kvi__map_reserve(&s->facts, new_facts, fn))) return st;
-  return kvi__map_reserve(&s->tenants, new_facts, fn);
+                     (int)s->P, s->pool.dev.nfree, s->pool.dev.npages);
+  return KVI_OK;
 }
 
 
@@ -973,21 +992,21 @@ kvi_status kvi__store_reserve(kvi_store *s, uint32_t need, size_t new_facts, con
 static void lru_remove(kvi_store *s, fact *f) {
   if (!f->in_lru) return;
   if (f->lru_prev) f->lru_prev->lru_next = f->lru_next;
-  else s->lru_head = f->lru_next;
+  else s->tier.lru_head = f->lru_next;
   if (f->lru_next) f->lru_next->lru_prev = f->lru_prev;
-  else s->lru_tail = f->lru_prev;
+  else s->tier.lru_tail = f->lru_prev;
   f->lru_prev = f->lru_next = NULL;
   f->in_lru = false;
 }
 
 void kvi__store_touch(kvi_store *s, fact *f) {
-  if (s->hpool.npages == 0 || fact_on_host(s, f)) return;
+  if (s->pool.host.npages == 0 || fact_on_host(s, f)) return;
   lru_remove(s, f);
   f->lru_prev = NULL;
-  f->lru_next = s->lru_head;
-  if (s->lru_head) s->lru_head->lru_prev = f;
-  else s->lru_tail = f;
-  s->lru_head = f;
+  f->lru_next = s->tier.lru_head;
+  if (s->tier.lru_head) s->tier.lru_head->lru_prev = f;
+  else s->tier.lru_tail = f;
+  s->tier.lru_head = f;
   f->in_lru = true;
 }
 
@@ -995,13 +1014,15 @@ void kvi__store_touch(kvi_store *s, fact *f) {
  * the ring while move_seq >= track_done (kvi__store_track retires the
  * oldest before reusing a slot). */
 static bool move_outstanding(const kvi_store *s) {
-  return s->move_pending && s->move_seq >= s->track_done &&
-         !kvi__cuda_event_done(s->track_ev[s->move_seq % KVI__TRACK_EVENTS]);
+  return s->tier.move_pending && s->tier.move_seq >= s->track_done &&
+         !kvi__cuda_event_done(s->track_ev[s->tier.move_seq % KVI__TRACK_EVENTS]);
 }
 
-kvi_status kvi__store_order_moves(kvi_store *s, struct CUstream_st *stream, const char *fn) {
-  if (s->hpool.npages == 0 || !move_outstanding(s)) return KVI_OK;
-  return kvi__cuda_stream_wait(stream, s->track_ev[s->move_seq % KVI__TRACK_EVENTS], fn);
+/* Makes `stream` wait for the last tier move if it may not have completed
+ * (no-op otherwise, and on stores without a host tier). */
+static kvi_status order_moves(kvi_store *s, struct CUstream_st *stream, const char *fn) {
+  if (s->pool.host.npages == 0 || !move_outstanding(s)) return KVI_OK;
+  return kvi__cuda_stream_wait(stream, s->track_ev[s->tier.move_seq % KVI__TRACK_EVENTS], fn);
 }
 
 /* Makes `on` wait for every tracked device operation that may still run. */
@@ -1018,23 +1039,23 @@ static kvi_status wait_tracked(kvi_store *s, struct CUstream_st *on, const char 
 
 /* Makes `need` host-tier pages free if it can: completed work first, then
  * the clean host copies of device-tier facts (most recently used first:
- * they are the last to be demoted), except those of facts marked `keep`.
+ * they are the last to be demoted), except those of pinned facts.
  * Leaves the shortage, if any, to the caller, having dropped nothing. */
-static kvi_status host_room(kvi_store *s, uint64_t need, uint64_t keep, const char *fn) {
-  kvi_status st = pool_room(s, &s->hpool, need, fn);
-  if (st || s->hpool.nfree >= need) return st;
-  uint64_t have = (uint64_t)s->hpool.nfree + deferred_in(s, &s->hpool), drop = 0;
-  for (fact *f = s->lru_head; f && have + drop < need; f = f->lru_next)
-    if (f->hpages && f->mark != keep) drop += f->npages;
+static kvi_status host_room(kvi_store *s, uint64_t need, const char *fn) {
+  kvi_status st = pool_room(s, &s->pool.host, need, fn);
+  if (st || s->pool.host.nfree >= need) return st;
+  uint64_t have = (uint64_t)s->pool.host.nfree + deferred_in(s, &s->pool.host), drop = 0;
+  for (fact *f = s->tier.lru_head; f && have + drop < need; f = f->lru_next)
+    if (f->hpages && !f->pins) drop += f->npages;
   if (have + drop < need) return KVI_OK;
-  for (fact *f = s->lru_head; f && have < need; f = f->lru_next)
-    if (f->hpages && f->mark != keep) {
+  for (fact *f = s->tier.lru_head; f && have < need; f = f->lru_next)
+    if (f->hpages && !f->pins) {
       release_pages(s, f->hpages, f->npages); /* after any copy still reading them */
       have += f->npages;
       free(f->hpages);
       f->hpages = NULL;
     }
-  return pool_room(s, &s->hpool, need, fn);
+  return pool_room(s, &s->pool.host, need, fn);
 }
 
 /* Enqueues, on the copy stream, the copy of a fact of `tokens` tokens from
@@ -1067,32 +1088,56 @@ static kvi_status copy_tier(kvi_store *s, const uint32_t *dst, const uint32_t *s
   return st;
 }
 
-kvi_status kvi__store_tier_move(kvi_store *s, fact *const *up, size_t nup, uint32_t extra, uint32_t *extra_pages,
-                                uint64_t mark, struct CUstream_st *stream, const char *fn) {
+uint64_t kvi__store_evictable(const kvi_store *s) {
+  uint64_t n = 0;
+  for (const fact *f = s->tier.lru_tail; f; f = f->lru_prev)
+    if (!f->pins) n += f->npages;
+  return n;
+}
+
+size_t kvi__store_victims(const kvi_store *s, uint64_t need, fact **out) {
+  uint64_t got = 0;
+  size_t n = 0;
+  for (fact *f = s->tier.lru_tail; f && s->pool.dev.nfree + got < need; f = f->lru_prev)
+    if (!f->pins) {
+      got += f->npages;
+      if (out) out[n] = f;
+      n++;
+    }
+  return n;
+}
+
+/* Moves the `nup` host-tier facts up[] to the device and takes `extra` more
+ * device pages for the caller (written into extra_pages, off the free stack:
+ * the caller commits them to facts or gives them back with release_pages),
+ * demoting least-recently-used device facts that are not pinned when the
+ * device pool is short. Copies run on the copy stream after every tracked
+ * device operation; `stream` then waits for them. KVI_ERR_CAPACITY, with
+ * nothing changed, when the device cannot hold them besides the pinned
+ * facts or the host has no room for the demoted ones. Device is current. */
+static kvi_status tier_move(kvi_store *s, fact *const *up, size_t nup, uint32_t extra, uint32_t *extra_pages,
+                            struct CUstream_st *stream, const char *fn) {
   uint64_t need = extra;
   for (size_t i = 0; i < nup; i++) need += up[i]->npages;
   if (need == 0) return KVI_OK;
-  kvi_status st = pool_room(s, &s->pool, need, fn);
+  kvi_status st = pool_room(s, &s->pool.dev, need, fn);
   if (st) return st;
   /* victims: device-tier facts the call does not use, least recently used first */
-  uint64_t evictable = 0;
-  for (fact *f = s->lru_tail; f; f = f->lru_prev)
-    if (f->mark != mark) evictable += f->npages;
-  if (s->pool.nfree + evictable < need)
+  const uint64_t evictable = kvi__store_evictable(s);
+  if (s->pool.dev.nfree + evictable < need)
     return kvi__fail(KVI_ERR_CAPACITY, fn,
                      "%llu pages must be on the device at once; the device tier has %u pages: %u free, %llu held by "
                      "facts that may move down, %u waiting for in-flight work, the rest held by the facts of this call",
-                     (unsigned long long)need, s->pool.npages, s->pool.nfree, (unsigned long long)evictable,
-                     deferred_in(s, &s->pool));
-  uint64_t got = 0, down = 0;
-  size_t nvict = 0;
-  for (fact *f = s->lru_tail; f && s->pool.nfree + got < need; f = f->lru_prev)
-    if (f->mark != mark) {
-      got += f->npages;
-      if (!f->hpages) down += f->npages;
-      nvict++;
-    }
+                     (unsigned long long)need, s->pool.dev.npages, s->pool.dev.nfree, (unsigned long long)evictable,
+                     deferred_in(s, &s->pool.dev));
+  const size_t nvict = kvi__store_victims(s, need, NULL);
   fact **vict = malloc((nvict ? nvict : 1) * sizeof *vict);
+  uint64_t got = 0, down = 0; /* the victims' pages, those without a clean host copy */
+  if (vict) kvi__store_victims(s, need, vict);
+  for (size_t i = 0; vict && i < nvict; i++) {
+    got += vict[i]->npages;
+    if (!vict[i]->hpages) down += vict[i]->npages;
+  }
   uint32_t *avail = malloc((size_t)(got ? got : 1) * sizeof *avail);
   uint32_t *hdst = malloc((size_t)(down ? down : 1) * sizeof *hdst);
   uint32_t **newp = calloc(nup ? nup : 1, sizeof *newp);
@@ -1101,23 +1146,19 @@ kvi_status kvi__store_tier_move(kvi_store *s, fact *const *up, size_t nup, uint3
     if (!(newp[i] = malloc(up[i]->npages * sizeof **newp)))
       st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a tier move");
   size_t nv = 0;
-  for (fact *f = s->lru_tail; st == KVI_OK && nv < nvict; f = f->lru_prev)
-    if (f->mark != mark) {
-      vict[nv++] = f;
-      f->mark = mark; /* host_room keeps their clean copies */
-    }
+  for (; st == KVI_OK && nv < nvict; nv++) vict[nv]->pins++; /* host_room keeps their clean copies */
   if (st == KVI_OK && down > 0) {
-    st = host_room(s, down, mark, fn);
-    if (st == KVI_OK && s->hpool.nfree < down)
+    st = host_room(s, down, fn);
+    if (st == KVI_OK && s->pool.host.nfree < down)
       st = kvi__fail(KVI_ERR_CAPACITY, fn,
                      "making room on the device means moving %llu pages to the host tier, which has %u of %u pages "
                      "free (%u waiting for in-flight work)",
-                     (unsigned long long)down, s->hpool.nfree, s->hpool.npages, deferred_in(s, &s->hpool));
+                     (unsigned long long)down, s->pool.host.nfree, s->pool.host.npages, deferred_in(s, &s->pool.host));
   }
   /* device pages for the call: the free stack's top, then the victims' */
-  const uint32_t nf = s->pool.nfree < need ? s->pool.nfree : (uint32_t)need;
-#define DEVP(k) ((k) < nf ? s->pool.free[s->pool.nfree - 1 - (k)] : avail[(k) - nf])
-  for (uint64_t j = 0; j < down && st == KVI_OK; j++) hdst[j] = s->hpool.free[s->hpool.nfree - 1 - j];
+  const uint32_t nf = s->pool.dev.nfree < need ? s->pool.dev.nfree : (uint32_t)need;
+#define DEVP(k) ((k) < nf ? s->pool.dev.free[s->pool.dev.nfree - 1 - (k)] : avail[(k) - nf])
+  for (uint64_t j = 0; j < down && st == KVI_OK; j++) hdst[j] = s->pool.host.free[s->pool.host.nfree - 1 - j];
   if (st == KVI_OK) st = wait_tracked(s, s->copy_stream, fn);
   uint64_t a = 0, hj = 0;
   for (size_t i = 0; i < nvict && st == KVI_OK; i++) { /* down first: the copies up may overwrite these pages */
@@ -1140,11 +1181,12 @@ kvi_status kvi__store_tier_move(kvi_store *s, fact *const *up, size_t nup, uint3
   const bool enqueued = st == KVI_OK && (nvict > 0 || nup > 0);
   if (enqueued) st = kvi__store_track(s, s->copy_stream, fn);
   if (st == KVI_OK && enqueued) {
-    s->move_seq = s->track_next - 1;
-    s->move_pending = true;
-    if (stream != s->copy_stream) st = kvi__cuda_stream_wait(stream, s->track_ev[s->move_seq % KVI__TRACK_EVENTS], fn);
+    s->tier.move_seq = s->track_next - 1;
+    s->tier.move_pending = true;
+    if (stream != s->copy_stream) st = kvi__cuda_stream_wait(stream, s->track_ev[s->tier.move_seq % KVI__TRACK_EVENTS], fn);
   } else if (st != KVI_OK) { /* nothing swapped; the pages written stay free once the copies are over */
     kvi__cuda_sync(s->copy_stream, fn);
+    for (size_t i = 0; i < nv; i++) vict[i]->pins--;
     for (size_t i = 0; i < nup; i++) free(newp ? newp[i] : NULL);
     free(newp);
     free(vict);
@@ -1154,8 +1196,8 @@ kvi_status kvi__store_tier_move(kvi_store *s, fact *const *up, size_t nup, uint3
   }
   /* commit: the copies are enqueued and tracked (a failed stream wait is
    * reported, but the facts have moved) */
-  s->pool.nfree -= nf;
-  s->hpool.nfree -= (uint32_t)down;
+  s->pool.dev.nfree -= nf;
+  s->pool.host.nfree -= (uint32_t)down;
   hj = 0;
   for (size_t i = 0; i < nvict; i++) {
     fact *f = vict[i];
@@ -1168,14 +1210,15 @@ kvi_status kvi__store_tier_move(kvi_store *s, fact *const *up, size_t nup, uint3
       hj += f->npages;
     }
     lru_remove(s, f);
-    s->demotions++;
+    f->pins--;
+    s->tier.demotions++;
   }
   for (size_t i = 0; i < nup; i++) {
     fact *f = up[i];
     f->hpages = f->pages; /* the clean copy stays */
     f->pages = newp[i];
     kvi__store_touch(s, f);
-    s->promotions++;
+    s->tier.promotions++;
   }
   if (got > need - nf) release_pages(s, avail + (need - nf), (uint32_t)(got - (need - nf))); /* after the copies */
   if (st != KVI_OK && extra > 0) release_pages(s, extra_pages, extra); /* the caller fails: not taken */
@@ -1191,21 +1234,21 @@ kvi_status kvi__store_tier_move(kvi_store *s, fact *const *up, size_t nup, uint3
 static kvi_status put_room(kvi_store *s, uint32_t need, pool **into, const char *fn) {
   kvi_status st = KVI_OK;
   if (s->ndeferred > 0 && (st = reap(s, false, fn))) return st;
-  *into = &s->pool;
-  if (s->pool.nfree >= need) return KVI_OK;
-  *into = &s->hpool;
-  if (s->hpool.npages > 0 && s->hpool.nfree >= need) return KVI_OK;
-  *into = &s->pool;
-  if ((st = pool_room(s, &s->pool, need, fn)) || s->pool.nfree >= need) return st;
-  if (s->hpool.npages > 0) {
-    *into = &s->hpool;
-    if ((st = host_room(s, need, UINT64_MAX, fn)) || s->hpool.nfree >= need) return st;
+  *into = &s->pool.dev;
+  if (s->pool.dev.nfree >= need) return KVI_OK;
+  *into = &s->pool.host;
+  if (s->pool.host.npages > 0 && s->pool.host.nfree >= need) return KVI_OK;
+  *into = &s->pool.dev;
+  if ((st = pool_room(s, &s->pool.dev, need, fn)) || s->pool.dev.nfree >= need) return st;
+  if (s->pool.host.npages > 0) {
+    *into = &s->pool.host;
+    if ((st = host_room(s, need, fn)) || s->pool.host.nfree >= need) return st;
     return kvi__fail(KVI_ERR_CAPACITY, fn,
                      "%u pages of %d tokens are needed; the device tier has %u of %u pages free, the host tier %u of %u",
-                     need, (int)s->P, s->pool.nfree, s->pool.npages, s->hpool.nfree, s->hpool.npages);
+                     need, (int)s->P, s->pool.dev.nfree, s->pool.dev.npages, s->pool.host.nfree, s->pool.host.npages);
   }
   return kvi__fail(KVI_ERR_CAPACITY, fn, "%u pages of %d tokens are needed; %u of %u pages are free", need, (int)s->P,
-                   s->pool.nfree, s->pool.npages);
+                   s->pool.dev.nfree, s->pool.dev.npages);
 }
 
 KVI_API kvi_status kvi_store_prefetch(kvi_store *store, uint64_t tenant_id, const uint64_t *fact_ids, int32_t count,
@@ -1216,25 +1259,23 @@ KVI_API kvi_status kvi_store_prefetch(kvi_store *store, uint64_t tenant_id, cons
   if (count > 0 && !fact_ids) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "fact_ids is NULL and count is %d", (int)count);
   kvi_status st = KVI_OK;
   kvi__store_lock(store);
-  const tenant *t = kvi__map_get(&store->tenants, tenant_id, 0);
+  const tenant *t = kvi__map_get(&store->index.tenants, tenant_id, 0);
   const size_t n = fact_ids ? (size_t)count : t ? t->count : 0;
-  fact **list = malloc((n ? n : 1) * sizeof *list);
+  fact **list = malloc((n ? 2 * n : 1) * sizeof *list), **up = list ? list + n : NULL; /* up: the facts to move */
   if (!list) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu fact references", n);
   size_t m = 0;
   if (st == KVI_OK && fact_ids) {
-    kvi__map_get_many(&store->facts, &tenant_id, 0, fact_ids, n, (void **)list);
+    kvi__map_get_many(&store->index.facts, &tenant_id, 0, fact_ids, n, (void **)list);
     for (; m < n && st == KVI_OK; m++)
       if (!list[m]) st = not_found_(fn, tenant_id, fact_ids[m]);
   } else if (st == KVI_OK && t) {
     for (fact *f = t->head; f; f = f->next) list[m++] = f;
   }
-  if (st == KVI_OK && store->hpool.npages > 0 && m > 0) {
-    const uint64_t stamp = ++store->mark_clock;
-    for (size_t i = 0; i < m; i++) list[i]->mark = stamp;
+  if (st == KVI_OK && store->pool.host.npages > 0 && m > 0) {
+    for (size_t i = 0; i < m; i++) list[i]->pins++; /* none of them moves down */
     /* the longest prefix that fits beside the facts it must not move down */
-    uint64_t room = (uint64_t)store->pool.nfree + deferred_in(store, &store->pool), need = 0;
-    for (fact *f = store->lru_tail; f; f = f->lru_prev)
-      if (f->mark != stamp) room += f->npages;
+    uint64_t room = (uint64_t)store->pool.dev.nfree + deferred_in(store, &store->pool.dev) + kvi__store_evictable(store),
+             need = 0;
     for (size_t i = m; i-- > 0;) /* named facts already on the device become the most recent, the first first */
       kvi__store_touch(store, list[i]);
     size_t nup = 0;
@@ -1242,18 +1283,46 @@ KVI_API kvi_status kvi_store_prefetch(kvi_store *store, uint64_t tenant_id, cons
       if (!fact_on_host(store, list[i])) continue;
       if (need + list[i]->npages > room) break;
       need += list[i]->npages;
-      list[nup++] = list[i]; /* nup <= i: compacts in place */
+      up[nup++] = list[i];
     }
     if (nup > 0) {
-      WITH_DEVICE(store, fn, st, kvi__cuda_event_record(store->prefetch_ev, stream, fn));
-      if (st == KVI_OK) WITH_DEVICE(store, fn, st, kvi__cuda_stream_wait(store->copy_stream, store->prefetch_ev, fn));
-      if (st == KVI_OK)
-        WITH_DEVICE(store, fn, st, kvi__store_tier_move(store, list, nup, 0, NULL, stamp, store->copy_stream, fn));
+      WITH_DEVICE(store, fn, st, kvi__cuda_event_record(store->tier.prefetch_ev, stream, fn));
+      if (st == KVI_OK) WITH_DEVICE(store, fn, st, kvi__cuda_stream_wait(store->copy_stream, store->tier.prefetch_ev, fn));
+      if (st == KVI_OK) WITH_DEVICE(store, fn, st, tier_move(store, up, nup, 0, NULL, store->copy_stream, fn));
     }
+    for (size_t i = 0; i < m; i++) list[i]->pins--;
   }
   kvi__store_unlock(store);
   free(list);
   return st;
+}
+
+/* ---- leases ---------------------------------------------------------------- */
+
+kvi_status kvi__store_lease(kvi_store *s, fact *const *facts, size_t n, bool promote, struct CUstream_st *stream,
+                            const char *fn) {
+  if (s->pool.host.npages == 0) return KVI_OK;
+  fact **up = promote ? malloc((n ? n : 1) * sizeof *up) : NULL;
+  if (promote && !up) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu fact references", n);
+  size_t nup = 0;
+  for (size_t i = 0; i < n; i++) /* each once */
+    if (facts[i]->pins++ == 0 && promote && fact_on_host(s, facts[i])) up[nup++] = facts[i];
+  kvi_status st = KVI_OK;
+  if (s->backend == KVI_BACKEND_CUDA) {
+    WITH_DEVICE(s, fn, st, order_moves(s, stream, fn));
+    if (st == KVI_OK && nup > 0) WITH_DEVICE(s, fn, st, tier_move(s, up, nup, 0, NULL, stream, fn));
+  }
+  free(up);
+  if (st) kvi__store_unlease(s, facts, n, false);
+  return st;
+}
+
+void kvi__store_unlease(kvi_store *s, fact *const *facts, size_t n, bool used) {
+  if (s->pool.host.npages == 0) return;
+  for (size_t i = n; i-- > 0;) { /* the first named ends the most recent */
+    facts[i]->pins--;
+    if (used) kvi__store_touch(s, facts[i]);
+  }
 }
 
 /* ---- put / remove --------------------------------------------------------- */
@@ -1266,31 +1335,36 @@ static void unlink_fact(kvi_store *s, fact *f) {
   if (s->emb_dim > 0) emb_remove(s, t, f);
   t->count--;
   if (t->count == 0 && t->pending == 0) { /* a replace keeps the tenant: its new fact is pending */
-    kvi__map_del(&s->tenants, t->id, 0);
+    kvi__map_del(&s->index.tenants, t->id, 0);
     emb_free(s, t);
     free(t);
   }
-  kvi__map_del(&s->facts, f->tenant_id, f->id);
+  kvi__map_del(&s->index.facts, f->tenant_id, f->id);
   lru_remove(s, f);
   release_pages(s, f->pages, f->npages);
   if (f->hpages) release_pages(s, f->hpages, f->npages);
-  s->tokens_stored -= (uint64_t)f->tokens;
-  s->pages_stored -= f->npages;
+  s->index.tokens_stored -= (uint64_t)f->tokens;
+  s->index.pages_stored -= f->npages;
 }
 
-void kvi__store_commit(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, tenant *fresh, float **emb,
-                       uint64_t tenant_id, uint64_t fact_id, int32_t tokens) {
+/* Inserts a fact whose `need` pages (off their free stack) hold its data,
+ * replacing any fact with the same key. Takes ownership of f, pages and
+ * fresh (a spare tenant record, or NULL when the tenant is in the store);
+ * copies *emb into the tenant's matrix and frees it. Cannot fail: the
+ * transaction has reserved everything. */
+static void commit_fact(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, tenant *fresh, float **emb,
+                        uint64_t tenant_id, uint64_t fact_id, int32_t tokens) {
   fact *old = kvi__store_find(s, tenant_id, fact_id);
   if (old) {
     unlink_fact(s, old);
     free_fact(old);
   }
-  tenant *t = kvi__map_get(&s->tenants, tenant_id, 0);
+  tenant *t = kvi__map_get(&s->index.tenants, tenant_id, 0);
   if (!t) {
     t = fresh;
     memset(t, 0, sizeof *t);
     t->id = tenant_id;
-    kvi__map_put(&s->tenants, tenant_id, 0, t);
+    kvi__map_put(&s->index.tenants, tenant_id, 0, t);
   } else {
     free(fresh);
   }
@@ -1302,7 +1376,7 @@ void kvi__store_commit(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, te
   f->pages = pages;
   f->row = SIZE_MAX;
   if (s->emb_dim > 0 && *emb) {
-    if (!s->emb_sharded || kvi__emb_rank(tenant_id, fact_id, s->comm_size) == s->comm_rank) {
+    if (!s->shard.emb_sharded || kvi__emb_rank(tenant_id, fact_id, s->shard.size) == s->shard.rank) {
       emb_append(s, t, f, *emb);
     } else { /* checked, and kept by another rank: give back the row reserved for it */
       t->pending--;
@@ -1319,121 +1393,257 @@ void kvi__store_commit(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, te
   t->count++;
   f->hpages = NULL;
   f->in_lru = false;
-  f->mark = 0;
+  f->pins = 0;
   kvi__store_touch(s, f); /* a new device-tier fact counts as used */
-  kvi__map_put(&s->facts, tenant_id, fact_id, f);
-  s->tokens_stored += (uint64_t)tokens;
-  s->pages_stored += need;
+  kvi__map_put(&s->index.facts, tenant_id, fact_id, f);
+  s->index.tokens_stored += (uint64_t)tokens;
+  s->index.pages_stored += need;
 }
+
+/* ---- the write transaction ------------------------------------------------ */
+
+kvi_status kvi__txn_begin(kvi__txn *t, kvi_store *s, int32_t cap, kvi__place place, kvi__gate *gate,
+                          struct CUstream_st *stream, const char *fn) {
+  memset(t, 0, sizeof *t);
+  t->s = s;
+  t->place = place;
+  t->gate = gate;
+  t->stream = stream;
+  t->fn = fn;
+  t->cap = cap > 0 ? cap : 0;
+  t->facts = calloc(cap > 0 ? (size_t)cap : 1, sizeof *t->facts);
+  if (!t->facts) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a %d-fact transaction", (int)cap);
+  return KVI_OK;
+}
+
+kvi_status kvi__txn_add(kvi__txn *t, uint64_t tenant_id, uint64_t fact_id, int32_t tokens, uint32_t flags, float *emb) {
+  kvi_store *s = t->s;
+  const char *fn = t->fn;
+  if (!t->facts || t->n >= t->cap || t->pages) {
+    free(emb);
+    return kvi__fail(KVI_ERR_INTERNAL, fn, "a fact added to a transaction that cannot take it");
+  }
+  const int32_t i = t->n++;
+  kvi__txn_fact *x = &t->facts[i];
+  x->tenant = tenant_id;
+  x->id = fact_id;
+  x->tokens = tokens;
+  x->flags = flags;
+  x->emb = emb;
+  x->npages = pages_for(s, tokens);
+  x->first = t->npages;
+  if (t->npages > UINT32_MAX - x->npages) /* more than both tiers can hold */
+    return kvi__fail(KVI_ERR_CAPACITY, fn, "the call's facts need more than 2^32 - 1 pages of %d tokens", (int)s->P);
+  t->npages += x->npages;
+  kvi_status st = kvi__map_reserve(&s->index.facts, (size_t)t->n, fn);
+  if (st == KVI_OK) st = kvi__map_reserve(&s->index.tenants, (size_t)t->n, fn);
+  if (st) return st;
+  t->nrows = t->n; /* unreserved on abort, even if this fails part way */
+  return reserve_rows(s, tenant_id, emb ? 1 : 0, tokens, fn);
+}
+
+/* Refuses a key the store holds that was added without KVI_PUT_REPLACE;
+ * the keys are looked up 64 at a time (kvi__store_find_many prefetches). */
+static kvi_status check_new(const kvi__txn *t) {
+  for (int32_t i0 = 0; i0 < t->n; i0 += 64) {
+    uint64_t tn[64], id[64];
+    int32_t at[64], m = 0;
+    const int32_t i1 = t->n - i0 < 64 ? t->n : i0 + 64;
+    for (int32_t i = i0; i < i1; i++)
+      if (!(t->facts[i].flags & KVI_PUT_REPLACE)) tn[m] = t->facts[i].tenant, id[m] = t->facts[i].id, at[m++] = i;
+    fact *old[64];
+    kvi__store_find_many(t->s, tn, 1, id, (size_t)m, old);
+    for (int32_t k = 0; k < m; k++) {
+      if (!old[k]) continue;
+      if (t->item)
+        return kvi__fail(KVI_ERR_EXISTS, t->fn,
+                         "%s %d: fact %llu of tenant %llu is already stored (KVI_PUT_REPLACE replaces it)", t->item,
+                         (int)at[k], (unsigned long long)id[k], (unsigned long long)tn[k]);
+      return kvi__fail(KVI_ERR_EXISTS, t->fn,
+                       "fact %llu of tenant %llu is already stored (pass KVI_PUT_REPLACE to replace it)",
+                       (unsigned long long)id[k], (unsigned long long)tn[k]);
+    }
+  }
+  return KVI_OK;
+}
+
+kvi_status kvi__txn_take_pages(kvi__txn *t) {
+  kvi_store *s = t->s;
+  const char *fn = t->fn;
+  if (!t->facts || t->pages) return kvi__fail(KVI_ERR_INTERNAL, fn, "pages taken twice in one transaction");
+  kvi_status st = check_new(t);
+  if (st) return st;
+  t->pages = malloc((t->npages ? t->npages : 1) * sizeof *t->pages);
+  if (!t->pages) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %u page ids", t->npages);
+  if (t->place == KVI__PLACE_DEVICE && s->backend == KVI_BACKEND_CUDA && s->pool.host.npages > 0) {
+    /* the device tier, demoting least-recently-used facts if it is short */
+    if ((st = pool_room(s, &s->pool.dev, 0, fn))) return st;
+    WITH_DEVICE(s, fn, st, tier_move(s, NULL, 0, t->npages, t->pages, t->stream, fn));
+    if (st == KVI_OK) t->moved = true, t->ntaken = t->npages;
+    return st;
+  }
+  if (t->place == KVI__PLACE_DEVICE) {
+    if ((st = device_room(s, t->npages, fn))) return st;
+    for (int32_t i = 0; i < t->n; i++) t->facts[i].into = &s->pool.dev;
+    pool_take(&s->pool.dev, t->pages, t->npages);
+    t->ntaken = t->npages;
+    return KVI_OK;
+  }
+  for (int32_t i = 0; i < t->n; i++) { /* each fact where put_room finds room */
+    kvi__txn_fact *x = &t->facts[i];
+    if ((st = put_room(s, x->npages, &x->into, fn))) return st;
+    pool_take(x->into, t->pages + x->first, x->npages);
+    t->ntaken = x->first + x->npages;
+  }
+  return KVI_OK;
+}
+
+void kvi__txn_wrote(kvi__txn *t) { t->device_work = true; }
+
+kvi_status kvi__txn_prepare(kvi__txn *t) {
+  if (t->prepared) return KVI_OK;
+  for (int32_t i = 0; i < t->n; i++) {
+    kvi__txn_fact *x = &t->facts[i];
+    /* a spare tenant only where the tenant differs from the previous fact's
+     * (whose commit leaves its tenant in the store) */
+    const bool spare = i == 0 || x->tenant != t->facts[i - 1].tenant;
+    x->f = calloc(1, sizeof *x->f);
+    x->pages = malloc((x->npages ? x->npages : 1) * sizeof *x->pages);
+    if (spare) x->fresh = calloc(1, sizeof *x->fresh);
+    if (!x->f || !x->pages || (spare && !x->fresh))
+      return kvi__fail(KVI_ERR_OUT_OF_MEMORY, t->fn, "allocating fact metadata");
+    memcpy(x->pages, t->pages + x->first, x->npages * sizeof *x->pages);
+  }
+  t->prepared = true;
+  return KVI_OK;
+}
+
+/* Frees what the transaction still owns. */
+static void txn_end(kvi__txn *t) {
+  for (int32_t i = 0; t->facts && i < t->n; i++) {
+    free(t->facts[i].f);
+    free(t->facts[i].pages);
+    free(t->facts[i].fresh);
+    free(t->facts[i].emb);
+  }
+  free(t->facts);
+  free(t->pages);
+  t->facts = NULL;
+  t->pages = NULL;
+}
+
+kvi_status kvi__txn_abort(kvi__txn *t, kvi_status why) {
+  kvi_store *s = t->s;
+  if (why == KVI_OK) why = kvi__fail(KVI_ERR_INTERNAL, t->fn, "a transaction aborted without a reason");
+  if (t->gate && !t->decided) {
+    t->decided = true;
+    why = t->gate->decide(t->gate, why); /* every rank takes part, whatever happened here */
+  }
+  bool exact = !t->moved;
+  if (exact && t->device_work && t->ntaken > 0) { /* the device may still be writing them */
+    kvi_status st;
+    WITH_DEVICE(s, t->fn, st, kvi__cuda_sync(t->stream, t->fn));
+    exact = st == KVI_OK;
+  }
+  if (exact && t->pages) { /* back onto their free stacks, as they were */
+    for (int32_t i = t->n; i-- > 0;) {
+      const kvi__txn_fact *x = &t->facts[i];
+      if (x->first < t->ntaken) pool_untake(x->into, t->pages + x->first, x->npages);
+    }
+  } else if (t->pages) { /* after the device work already tracked */
+    release_pages(s, t->pages, t->ntaken);
+  }
+  for (int32_t i = 0; i < t->nrows; i++) unreserve_rows(s, t->facts[i].tenant);
+  txn_end(t);
+  return why;
+}
+
+kvi_status kvi__txn_commit(kvi__txn *t) {
+  kvi_store *s = t->s;
+  kvi_status st = t->facts && (t->pages || t->n == 0) ? kvi__txn_prepare(t)
+                                                      : kvi__fail(KVI_ERR_INTERNAL, t->fn, "a transaction without pages");
+  if (t->gate) { /* every rank decides together, the pages taken and written */
+    t->decided = true;
+    st = t->gate->decide(t->gate, st);
+  }
+  if (st == KVI_OK && s->journal.ops) st = s->journal.ops->put(s->journal.ctx, t); /* durable before it is visible */
+  if (st) return kvi__txn_abort(t, st);
+  for (int32_t i = 0; i < t->n; i++) {
+    kvi__txn_fact *x = &t->facts[i];
+    commit_fact(s, x->f, x->pages, x->npages, x->fresh, &x->emb, x->tenant, x->id, x->tokens);
+    x->f = NULL, x->pages = NULL, x->fresh = NULL; /* the store's now */
+  }
+  txn_end(t);
+  return KVI_OK;
+}
+
+/* ---- put ------------------------------------------------------------------ */
 
 static int cmp_key(const void *a, const void *b) {
   const uint64_t *x = a, *y = b;
   return x[0] != y[0] ? (x[0] > y[0]) - (x[0] < y[0]) : (x[1] > y[1]) - (x[1] < y[1]);
 }
 
+/* put_views' checks of the items before the store is locked. */
+static kvi_status check_items(const kvi_store *store, const kvi__put_item *items, int32_t n, const char *fn) {
+  const uint32_t largest = store->pool.dev.npages > store->pool.host.npages ? store->pool.dev.npages : store->pool.host.npages;
+  for (int32_t i = 0; i < n; i++) {
+    const uint32_t need = pages_for(store, items[i].v->num_tokens);
+    if (need > largest)
+      return kvi__fail(KVI_ERR_CAPACITY, fn, "%d tokens need %u pages of %d tokens; the store's largest tier has %u pages",
+                       (int)items[i].v->num_tokens, need, (int)store->P, largest);
+  }
+  if (n < 2) return KVI_OK;
+  /* a key twice in one call: which copy wins would be arbitrary */
+  uint64_t *keys = malloc((size_t)n * 2 * sizeof *keys);
+  if (!keys) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d keys", (int)n);
+  for (int32_t i = 0; i < n; i++) keys[2 * i] = items[i].tenant, keys[2 * i + 1] = items[i].id;
+  qsort(keys, (size_t)n, 2 * sizeof *keys, cmp_key);
+  kvi_status st = KVI_OK;
+  for (int32_t i = 1; i < n && st == KVI_OK; i++)
+    if (keys[2 * i] == keys[2 * i - 2] && keys[2 * i + 1] == keys[2 * i - 1])
+      st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "fact %llu of tenant %llu appears twice in one call",
+                     (unsigned long long)keys[2 * i + 1], (unsigned long long)keys[2 * i]);
+  free(keys);
+  return st;
+}
+
+kvi_status kvi__store_write_pages(kvi_store *s, const uint32_t *pages, const kvi_kv_view *v, const float *scales,
+                                  struct CUstream_st *stream, const char *fn) {
+  kvi_status st;
+  WITH_DEVICE(s, fn, st, copy_fact(s, v, pages, v->num_tokens, true, (float *)scales, stream, fn));
+  return st;
+}
+
 kvi_status kvi__store_put_views(kvi_store *store, kvi__put_item *items, int32_t n, struct CUstream_st *stream,
                                 kvi__gate *gate, const char *fn) {
   if (n < 1) return gate ? gate->decide(gate, KVI_OK) : KVI_OK;
-  kvi_status st = KVI_OK;
-  const uint32_t largest = store->pool.npages > store->hpool.npages ? store->pool.npages : store->hpool.npages;
-  for (int32_t i = 0; i < n && st == KVI_OK; i++) {
-    const uint32_t need = pages_for(store, items[i].v->num_tokens);
-    if (need > largest)
-      st = kvi__fail(KVI_ERR_CAPACITY, fn,
-                     "%d tokens need %u pages of %d tokens; the store's largest tier has %u pages",
-                     (int)items[i].v->num_tokens, need, (int)store->P, largest);
-  }
-  if (st == KVI_OK && n > 1) { /* a key twice in one call: which copy wins would be arbitrary */
-    uint64_t *keys = malloc((size_t)n * 2 * sizeof *keys);
-    if (!keys) {
-      st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d keys", (int)n);
-    } else {
-      for (int32_t i = 0; i < n; i++) keys[2 * i] = items[i].tenant, keys[2 * i + 1] = items[i].id;
-      qsort(keys, (size_t)n, 2 * sizeof *keys, cmp_key);
-      for (int32_t i = 1; i < n && st == KVI_OK; i++)
-        if (keys[2 * i] == keys[2 * i - 2] && keys[2 * i + 1] == keys[2 * i - 1])
-          st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "fact %llu of tenant %llu appears twice in one call",
-                         (unsigned long long)keys[2 * i + 1], (unsigned long long)keys[2 * i]);
-      free(keys);
-    }
-  }
-  const size_t un = n > 0 && n < (1 << 24) ? (size_t)n : 1; /* n >= 1 here */
-  fact **f = calloc(un, sizeof *f);
-  uint32_t **pages = calloc(un, sizeof *pages);
-  tenant **fresh = calloc(un, sizeof *fresh);
-  pool **into = calloc(un, sizeof *into); /* the tier each fact's pages come from */
-  /* journal records whatever store->journal says now: a journal may be opened
-   * by another thread before this call takes the lock, which decides */
-  kvi__jfact *jf = calloc(un, sizeof *jf);
-  if (st == KVI_OK && (!f || !pages || !fresh || !into || !jf))
-    st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating fact metadata");
-  for (int32_t i = 0; i < n && st == KVI_OK; i++) {
-    f[i] = calloc(1, sizeof **f);
-    pages[i] = malloc(pages_for(store, items[i].v->num_tokens) * sizeof **pages);
-    fresh[i] = calloc(1, sizeof **fresh);
-    if (!f[i] || !pages[i] || !fresh[i]) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating fact metadata");
-  }
-
+  kvi_status st = check_items(store, items, n, fn);
   kvi__store_lock(store);
-  for (int32_t i = 0; i < n && st == KVI_OK; i++)
-    if (!(items[i].flags & KVI_PUT_REPLACE) && kvi__store_find(store, items[i].tenant, items[i].id))
-      st = kvi__fail(KVI_ERR_EXISTS, fn,
-                     "fact %llu of tenant %llu is already stored (pass KVI_PUT_REPLACE to replace it)",
-                     (unsigned long long)items[i].id, (unsigned long long)items[i].tenant);
-  if (st == KVI_OK) st = kvi__map_reserve(&store->facts, (size_t)n, fn);
-  if (st == KVI_OK) st = kvi__map_reserve(&store->tenants, (size_t)n, fn);
-  int32_t rows = 0; /* items whose embedding rows are reserved */
-  for (; rows < n && st == KVI_OK; rows++)
-    st = kvi__store_reserve_rows(store, items[rows].tenant, items[rows].emb ? 1 : 0, items[rows].v->num_tokens, fn);
+  kvi__txn t;
+  if (st == KVI_OK) st = kvi__txn_begin(&t, store, n, KVI__PLACE_ANY, gate, stream, fn);
+  else kvi__txn_begin(&t, store, 0, KVI__PLACE_ANY, gate, stream, fn);
+  int32_t added = 0;
+  for (; added < n && st == KVI_OK; added++) {
+    st = kvi__txn_add(&t, items[added].tenant, items[added].id, items[added].v->num_tokens, items[added].flags,
+                      items[added].emb);
+    items[added].emb = NULL; /* the transaction's */
+  }
+  if (st == KVI_OK) st = kvi__txn_take_pages(&t);
   bool copied = false;
-  int32_t got = 0; /* items whose pages are off their free stack */
   for (int32_t i = 0; i < n && st == KVI_OK; i++) {
     const kvi_kv_view *v = items[i].v;
-    const uint32_t need = pages_for(store, v->num_tokens);
-    if ((st = put_room(store, need, &into[i], fn))) break; /* a replacement needs room for both */
-    for (uint32_t j = 0; j < need; j++) pages[i][j] = into[i]->free[--into[i]->nfree];
-    got = i + 1;
-    WITH_DEVICE(store, fn, st, copy_fact(store, v, pages[i], v->num_tokens, true, (float *)items[i].raw, stream, fn));
+    st = kvi__store_write_pages(store, kvi__txn_pages(&t, i), v, NULL, stream, fn);
     if (st == KVI_OK && store->backend == KVI_BACKEND_CUDA && v->memory == KVI_MEMORY_DEVICE) copied = true;
   }
+  if (copied) kvi__txn_wrote(&t);
   if (st == KVI_OK && copied) st = kvi__store_track(store, stream, fn);
-  if (gate) st = gate->decide(gate, st); /* every rank decides together, with the pages still free */
-  if (st == KVI_OK && store->journal) { /* durable before it is visible */
-    for (int32_t i = 0; i < n; i++) {
-      const kvi__jfact j = {items[i].tenant, items[i].id, items[i].v->num_tokens, pages[i], items[i].emb};
-      jf[i] = j;
-    }
-    st = kvi__journal_put(store, jf, n, stream, copied, fn);
-  }
-  if (st == KVI_OK) {
-    for (int32_t i = 0; i < n; i++) {
-      kvi__store_commit(store, f[i], pages[i], pages_for(store, items[i].v->num_tokens), fresh[i], &items[i].emb,
-                        items[i].tenant, items[i].id, items[i].v->num_tokens);
-      f[i] = NULL, pages[i] = NULL, fresh[i] = NULL;
-    }
-  } else {
-    if (copied && gate) { /* an enqueued copy into them must end before they are handed out again */
-      kvi_status st2;
-      WITH_DEVICE(store, fn, st2, kvi__cuda_sync(stream, fn));
-      (void)st2;
-    }
-    for (int32_t i = got - 1; i >= 0; i--) /* back onto their free stacks, as they were */
-      for (uint32_t j = pages_for(store, items[i].v->num_tokens); j-- > 0;) into[i]->free[into[i]->nfree++] = pages[i][j];
-    for (int32_t i = 0; i < rows; i++) kvi__store_unreserve_rows(store, items[i].tenant);
-  }
+  st = st == KVI_OK ? kvi__txn_commit(&t) : kvi__txn_abort(&t, st);
   kvi__store_unlock(store);
-  for (int32_t i = 0; i < n; i++) {
-    if (f) free(f[i]);
-    if (pages) free(pages[i]);
-    if (fresh) free(fresh[i]);
+  for (int32_t i = added; i < n; i++) {
     free(items[i].emb);
     items[i].emb = NULL;
   }
-  free(f);
-  free(pages);
-  free(fresh);
-  free(into);
-  free(jf);
   return st;
 }
 
@@ -1460,27 +1670,8 @@ KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant_id, uint64_t 
   kvi_put_options o;
   float *emb = NULL;
   if ((st = kvi__store_put_args(store, &v, opts, &o, &emb, stream, fn))) return st;
-  kvi__put_item it = {tenant_id, fact_id, &v, o.flags, emb, NULL};
+  kvi__put_item it = {tenant_id, fact_id, &v, o.flags, emb};
   return kvi__store_put_views(store, &it, 1, stream, NULL, fn);
-}
-
-/* kv holds e4m3 bytes of an fp8 store and `scales` the scales of its pages
- * (persist.c): stored as they are. */
-kvi_status kvi__store_put_raw(kvi_store *s, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *kv,
-                              const float *scales, const kvi_put_options *opts, const char *fn) {
-  if (!s) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
-  kvi_kv_view v, w = *kv;
-  w.dtype = KVI_DTYPE_BF16; /* checked as a 2-byte view (a larger extent), then given its dtype back */
-  kvi_status st = kvi__view_check(&v, &w, &s->geom, false, fn);
-  if (st) return st;
-  if (!s->fp8 || kv->dtype != s->dtype || v.memory != KVI_MEMORY_HOST)
-    return kvi__fail(KVI_ERR_INTERNAL, fn, "raw fp8 puts take host e4m3 views into fp8 stores");
-  v.dtype = kv->dtype;
-  kvi_put_options o;
-  float *emb = NULL;
-  if ((st = kvi__store_put_args(s, &v, opts, &o, &emb, NULL, fn))) return st;
-  kvi__put_item it = {tenant_id, fact_id, &v, o.flags, emb, scales};
-  return kvi__store_put_views(s, &it, 1, NULL, NULL, fn);
 }
 
 KVI_API kvi_status kvi_store_remove(kvi_store *store, uint64_t tenant_id, uint64_t fact_id) {
@@ -1488,7 +1679,8 @@ KVI_API kvi_status kvi_store_remove(kvi_store *store, uint64_t tenant_id, uint64
   if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
   kvi__store_lock(store);
   fact *f = kvi__store_find(store, tenant_id, fact_id);
-  const kvi_status st = f && store->journal ? kvi__journal_remove(store, tenant_id, fact_id, fn) : KVI_OK;
+  const kvi_status st =
+      f && store->journal.ops ? store->journal.ops->remove(store->journal.ctx, store, tenant_id, fact_id, fn) : KVI_OK;
   if (f && st == KVI_OK) unlink_fact(store, f);
   kvi__store_unlock(store);
   if (st) return st;
@@ -1517,13 +1709,13 @@ KVI_API kvi_status kvi_store_read(const kvi_store *store, uint64_t tenant_id, ui
   if (st) return st;
   if ((st = check_view_memory(store, &v, fn, "dst"))) return st;
   kvi__store_lock(store);
-  const fact *f = kvi__map_get(&store->facts, tenant_id, fact_id);
+  const fact *f = kvi__map_get(&store->index.facts, tenant_id, fact_id);
   if (!f) st = not_found(fn, tenant_id, fact_id);
   else if (f->tokens != v.num_tokens)
     st = kvi__fail(KVI_ERR_MISMATCH, fn, "dst->num_tokens is %d, the fact has %d tokens", (int)v.num_tokens,
                    (int)f->tokens);
   else if (store->backend == KVI_BACKEND_CUDA && v.memory == KVI_MEMORY_DEVICE)
-    WITH_DEVICE(store, fn, st, kvi__store_order_moves((kvi_store *)store, stream, fn)); /* a move may still write them */
+    WITH_DEVICE(store, fn, st, order_moves((kvi_store *)store, stream, fn)); /* a move may still write them */
   if (st == KVI_OK && f)
     WITH_DEVICE(store, fn, st, copy_fact(store, &v, f->pages, f->tokens, false, NULL, stream, fn));
   if (st == KVI_OK && f && store->backend == KVI_BACKEND_CUDA && v.memory == KVI_MEMORY_DEVICE)
@@ -1538,7 +1730,7 @@ KVI_API kvi_status kvi_store_fact_tokens(const kvi_store *store, uint64_t tenant
   if (!store || !out_tokens)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_tokens" : "store");
   kvi__store_lock(store);
-  const fact *f = kvi__map_get(&store->facts, tenant_id, fact_id);
+  const fact *f = kvi__map_get(&store->index.facts, tenant_id, fact_id);
   if (f) *out_tokens = f->tokens;
   kvi__store_unlock(store);
   return f ? KVI_OK : not_found(fn, tenant_id, fact_id);
@@ -1555,13 +1747,13 @@ KVI_API kvi_status kvi_store_get_embedding(const kvi_store *store, uint64_t tena
   if (s->backend == KVI_BACKEND_CUDA && !tmp) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes", rb);
   kvi_status st = KVI_OK;
   kvi__store_lock(s);
-  const fact *f = kvi__map_get(&s->facts, tenant_id, fact_id);
+  const fact *f = kvi__map_get(&s->index.facts, tenant_id, fact_id);
   if (!f) {
     st = not_found(fn, tenant_id, fact_id);
-  } else if (f->row == SIZE_MAX && s->emb_sharded) {
+  } else if (f->row == SIZE_MAX && s->shard.emb_sharded) {
     st = kvi__fail(KVI_ERR_NOT_FOUND, fn, "the embedding of fact %llu of tenant %llu is kept by rank %d, not this rank (%d)",
                    (unsigned long long)fact_id, (unsigned long long)tenant_id,
-                   (int)kvi__emb_rank(tenant_id, fact_id, s->comm_size), (int)s->comm_rank);
+                   (int)kvi__emb_rank(tenant_id, fact_id, s->shard.size), (int)s->shard.rank);
   } else if (f->row == SIZE_MAX) {
     st = kvi__fail(KVI_ERR_INTERNAL, fn, "fact %llu has no embedding row", (unsigned long long)fact_id);
   } else if (s->backend == KVI_BACKEND_CPU) {
@@ -1612,7 +1804,7 @@ KVI_API kvi_status kvi_store_count(const kvi_store *store, uint64_t tenant_id, s
   if (!store || !out_count)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_count" : "store");
   kvi__store_lock(store);
-  const tenant *t = kvi__map_get(&store->tenants, tenant_id, 0);
+  const tenant *t = kvi__map_get(&store->index.tenants, tenant_id, 0);
   *out_count = t ? t->count : 0;
   kvi__store_unlock(store);
   return KVI_OK;
@@ -1631,7 +1823,7 @@ KVI_API kvi_status kvi_store_list(const kvi_store *store, uint64_t tenant_id, ui
   if (capacity > 0 && !ids) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "ids is NULL and capacity is %zu", capacity);
   kvi_status st = KVI_OK;
   kvi__store_lock(store);
-  const tenant *t = kvi__map_get(&store->tenants, tenant_id, 0);
+  const tenant *t = kvi__map_get(&store->index.tenants, tenant_id, 0);
   const size_t n = t ? t->count : 0;
   if (capacity > 0 && n > 0) {
     uint64_t *all = malloc(n * sizeof *all);
@@ -1661,18 +1853,18 @@ KVI_API kvi_status kvi_store_stats_get(const kvi_store *store, kvi_store_stats *
   s.embedding_dim = store->emb_dim;
   s.page_bytes = store->page_bytes;
   kvi__store_lock(store);
-  s.pages_host_total = store->hpool.npages;
-  s.pages_host_used = store->hpool.npages - store->hpool.nfree;
-  s.pages_total = store->pool.npages + s.pages_host_total;
-  s.pages_used = store->pool.npages - store->pool.nfree + s.pages_host_used;
-  s.promotions = store->promotions;
-  s.demotions = store->demotions;
-  s.facts = store->facts.len;
-  s.tenants = store->tenants.len;
+  s.pages_host_total = store->pool.host.npages;
+  s.pages_host_used = store->pool.host.npages - store->pool.host.nfree;
+  s.pages_total = store->pool.dev.npages + s.pages_host_total;
+  s.pages_used = store->pool.dev.npages - store->pool.dev.nfree + s.pages_host_used;
+  s.promotions = store->tier.promotions;
+  s.demotions = store->tier.demotions;
+  s.facts = store->index.facts.len;
+  s.tenants = store->index.tenants.len;
   /* the bytes of stored tokens, plus (fp8) the scales of their pages */
   const uint64_t token_bytes = store->page_elems / (uint64_t)store->P * kvi_dtype_size(store->dtype);
-  s.bytes_payload = store->tokens_stored * token_bytes +
-                    store->pages_stored * (store->page_bytes - (uint64_t)store->P * token_bytes);
+  s.bytes_payload = store->index.tokens_stored * token_bytes +
+                    store->index.pages_stored * (store->page_bytes - (uint64_t)store->P * token_bytes);
   s.bytes_embeddings = store->emb_bytes;
   kvi__store_unlock(store);
   s.bytes_reserved = s.pages_total * s.page_bytes;

@@ -22,7 +22,6 @@
 
 #include "cache_internal.h"
 #include "kernels.h"
-#include "persist_internal.h"
 #include "store_internal.h"
 #include "transfer_internal.h"
 
@@ -842,9 +841,9 @@ static kvi_status xfer_args(xfer *x, const plan *p, int32_t lb, int32_t le, bool
     memcpy(a->inline_plan, p->buf, p->bytes);
     a->inline_bytes = (int32_t)(p->bytes ? p->bytes : 1);
   }
-  a->pool = s->pool.base;
-  a->host_pool = s->hpool_dev; /* KVI_HOST_PAGES_READ_MAPPED: host-tier pages read in place */
-  a->host_first = s->pool.npages;
+  a->pool = s->pool.dev.base;
+  a->host_pool = s->pool.host_dev; /* KVI_HOST_PAGES_READ_MAPPED: host-tier pages read in place */
+  a->host_first = s->pool.dev.npages;
   a->page_elems = page_stride_elems(s);
   a->scale_off = (int64_t)s->scale_off;
   a->page_dtype = (int32_t)s->dtype;
@@ -1032,7 +1031,7 @@ typedef struct ireq {
 
 /* Looks request r's facts up and sums their tokens and pages (store
  * locked); the job is checked later (check_request_job). */
-static kvi_status inject_job(const xfer *x, const ireq *rq, int32_t r, job *j, int64_t *npages, const fact **found,
+static kvi_status inject_job(const xfer *x, const ireq *rq, int32_t r, job *j, int64_t *npages, fact **found,
                              const char *fn) {
   *j = rq->j;
   j->tokens = 0;
@@ -1041,7 +1040,7 @@ static kvi_status inject_job(const xfer *x, const ireq *rq, int32_t r, job *j, i
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "request %d: num_facts is %d", (int)r, (int)rq->num_facts);
   if (rq->num_facts > 0 && !rq->fact_ids)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "request %d: fact_ids is NULL", (int)r);
-  kvi__map_get_many(&x->store->facts, &rq->tenant, 0, rq->fact_ids, (size_t)rq->num_facts, (void **)found);
+  kvi__store_find_many(x->store, &rq->tenant, 0, rq->fact_ids, (size_t)rq->num_facts, found);
   for (int32_t f = 0; f < rq->num_facts; f++) {
     const fact *ft = found[f];
     if (!ft)
@@ -1059,31 +1058,6 @@ static kvi_status inject_job(const xfer *x, const ireq *rq, int32_t r, job *j, i
                      "request %d: num_positions is %lld, its facts have %lld tokens (one position per token)", (int)r,
                      (long long)rq->num_positions, (long long)j->tokens);
   return KVI_OK;
-}
-
-/* A tiered store: orders `stream` after earlier tier moves and, promoting,
- * moves the call's host-tier facts (each once) to the device, demoting
- * facts the call does not use if needed (store.c). */
-static kvi_status bring_up(fact **found, size_t n, bool promote, xfer *x, struct CUstream_st *stream, const char *fn) {
-  kvi_store *s = x->store;
-  const uint64_t stamp = ++s->mark_clock;
-  fact **up = malloc((n ? n : 1) * sizeof *up);
-  if (!up) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu fact references", n);
-  size_t nup = 0;
-  for (size_t i = 0; i < n; i++)
-    if (found[i]->mark != stamp) {
-      found[i]->mark = stamp;
-      if (promote && fact_on_host(s, found[i])) up[nup++] = found[i];
-    }
-  kvi__devguard g;
-  kvi_status st = kvi__cuda_enter(s->device, &g, fn);
-  if (st == KVI_OK) {
-    st = kvi__store_order_moves(s, stream, fn);
-    if (st == KVI_OK && nup > 0) st = kvi__store_tier_move(s, up, nup, 0, NULL, stamp, stream, fn);
-    kvi__cuda_leave(&g);
-  }
-  free(up);
-  return st;
 }
 
 /* a + b for counts >= 0, saturating: a sum past the transfer limits stays past them */
@@ -1113,7 +1087,7 @@ static kvi_status inject_locked(xfer *x, const ireq *rq, int32_t num_requests, c
   job *jobs = malloc((size_t)num_requests * sizeof *jobs);
   int64_t *npages = malloc((size_t)num_requests * sizeof *npages);
   /* the facts each request names, looked up once */
-  const fact **found = malloc((size_t)(nfacts ? nfacts : 1) * sizeof *found);
+  fact **found = malloc((size_t)(nfacts ? nfacts : 1) * sizeof *found);
   kvi_status st = KVI_OK;
   if (!jobs || !npages || !found) {
     st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d requests of %lld facts", (int)num_requests,
@@ -1152,8 +1126,10 @@ static kvi_status inject_locked(xfer *x, const ireq *rq, int32_t num_requests, c
   plan p;
   if ((st = plan_alloc(&p, x, nsegs, num_requests, ntok, npos, ntables, deviation_ext(x, dv, nsegs, ntok), fn)))
     goto out;
-  if (x->cuda && x->store->hpool.npages > 0 &&
-      (st = bring_up((fact **)found, (size_t)nfacts, host_pages == KVI_HOST_PAGES_PROMOTE, x, stream, fn))) {
+  /* a tiered store keeps the call's facts on their tier (promoting, moves
+   * those on the host to the device) until the work is enqueued */
+  if (x->cuda &&
+      (st = kvi__store_lease(x->store, found, (size_t)nfacts, host_pages == KVI_HOST_PAGES_PROMOTE, stream, fn))) {
     plan_free(x, &p);
     goto out;
   }
@@ -1172,8 +1148,7 @@ static kvi_status inject_locked(xfer *x, const ireq *rq, int32_t num_requests, c
   }
   st = dv ? run_deviation(x, &p, dv, stream, fn) : execute(x, &p, lb, le, true, stream, fn);
   plan_free(x, &p);
-  if (st == KVI_OK && x->store->hpool.npages > 0) /* the call's facts, the first named the most recent */
-    for (int64_t i = nfacts; i-- > 0;) kvi__store_touch(x->store, (fact *)found[i]);
+  if (x->cuda) kvi__store_unlease(x->store, found, (size_t)nfacts, st == KVI_OK); /* used: the first named the most recent */
   if (st == KVI_OK && out_tokens)
     for (int32_t r = 0; r < num_requests; r++) out_tokens[r] = (int32_t)jobs[r].tokens;
 out:
@@ -1309,9 +1284,9 @@ static kvi_status plan_tokens(const kvi_store *s, uint64_t tenant, const uint64_
                               int64_t *out_tokens, const char *fn) {
   int64_t total = 0;
   for (int32_t f0 = 0; f0 < num_facts; f0 += 64) { /* looked up 64 at a time */
-    const fact *found[64];
+    fact *found[64];
     const int32_t n = num_facts - f0 < 64 ? num_facts - f0 : 64;
-    kvi__map_get_many(&s->facts, &tenant, 0, fact_ids + f0, (size_t)n, (void **)found);
+    kvi__store_find_many(s, &tenant, 0, fact_ids + f0, (size_t)n, found);
     for (int32_t f = 0; f < n; f++) {
       if (!found[f])
         return kvi__fail(KVI_ERR_NOT_FOUND, fn, "no fact %llu for tenant %llu", (unsigned long long)fact_ids[f0 + f],
@@ -1353,25 +1328,17 @@ KVI_API kvi_status kvi_injector_async_errors(kvi_injector *injector, int64_t *ou
 /* encode                                                                    */
 /* ------------------------------------------------------------------------ */
 
-/* A capture, as read and checked; f, pages and fresh are allocated once the
- * work is launched (the device need not wait for them). */
+/* A capture, as read and checked (its embedding owned until the
+ * transaction takes it). */
 typedef struct cap_state {
   kvi_capture c;
   float *emb;
   uint32_t need;
-  uint32_t first;   /* its pages are pg[first, first + need) of the call */
-  fact *f;
-  uint32_t *pages;
-  tenant *fresh;
+  uint32_t first; /* its pages are pg[first, first + need) of the call */
 } cap_state;
 
 static void free_caps(cap_state *cs, int32_t n) {
-  for (int32_t i = 0; i < n; i++) {
-    free(cs[i].emb);
-    free(cs[i].f);
-    free(cs[i].pages);
-    free(cs[i].fresh);
-  }
+  for (int32_t i = 0; i < n; i++) free(cs[i].emb);
   free(cs);
 }
 
@@ -1393,82 +1360,30 @@ typedef struct chunk_size {
   int64_t ntok, npos, ntables;
 } chunk_size;
 
+/* The captures of a call, read and checked (everything checkable without
+ * the store's lock); cs[0, nread) need freeing. */
+typedef struct cap_read {
+  cap_state *cs;
+  int32_t nread, nchunks;
+  chunk_size *csz; /* per chunk of CAPTURE_CHUNK captures */
+  int64_t ntok, ntables;
+  uint32_t need_total;
+} cap_read;
+
 /* Whether (tenant, id) a sorts before b. */
 static bool key_less(const kvi_capture *a, const kvi_capture *b) {
   return a->tenant != b->tenant ? a->tenant < b->tenant : a->fact_id < b->fact_id;
 }
 
-/* Appends the captures to the store's journal as one group, before they are
- * committed (persist.c). */
-static kvi_status journal_captures(kvi_store *s, const cap_state *cs, int32_t n, bool cuda, struct CUstream_st *stream,
-                                   const char *fn) {
-  kvi__jfact *jf = malloc((size_t)n * sizeof *jf);
-  if (!jf) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d journal records", (int)n);
-  for (int32_t i = 0; i < n; i++) {
-    const kvi__jfact f = {cs[i].c.tenant, cs[i].c.fact_id, cs[i].c.num_tokens, cs[i].pages, cs[i].emb};
-    jf[i] = f;
-  }
-  const kvi_status st = kvi__journal_put(s, jf, n, stream, cuda, fn);
-  free(jf);
-  return st;
-}
-
-/* Plans and runs the captures in chunks of `per`, each its own plan inside
- * one buffer (one staging slot on a CUDA store), so that the device starts
- * on the first chunk while the host plans the rest. *launched: whether any
- * device work was enqueued (it may then still be writing pg's pages). */
-static kvi_status run_captures(xfer *x, const cap_state *cs, int32_t n, const uint32_t *pg, const chunk_size *sz,
-                               int32_t per, struct CUstream_st *stream, bool *launched, const char *fn) {
-  const int32_t nchunks = (n + per - 1) / per;
-  plan *cp = malloc((size_t)nchunks * sizeof *cp);
-  if (!cp) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d plans", (int)nchunks);
-  size_t total = 0;
-  for (int32_t k = 0; k < nchunks; k++) {
-    const int32_t nreq = k == nchunks - 1 ? n - k * per : per;
-    plan_layout(&cp[k], sz[k].nsegs, nreq, sz[k].ntok, sz[k].npos, sz[k].ntables);
-    cp[k].off = total;
-    total += align_up(cp[k].bytes);
-  }
-  plan whole; /* the buffer of them all */
-  memset(&whole, 0, sizeof whole);
-  kvi_status st = plan_buffer(&whole, x, total, nchunks == 1, fn);
-  if (st == KVI_OK && whole.sl && total > x->slot_bytes) /* slot_size counts the padding: cannot happen */
-    st = kvi__fail(KVI_ERR_INTERNAL, fn, "a %zu-byte capture plan in a %zu-byte staging slot", total, x->slot_bytes);
-  for (int32_t k = 0; k < nchunks && st == KVI_OK; k++) {
-    plan *p = &cp[k];
-    plan_place(p, whole.buf + p->off);
-    p->sl = whole.sl;
-    const int32_t i1 = k == nchunks - 1 ? n : (k + 1) * per;
-    for (int32_t i = k * per; i < i1; i++) {
-      job j;
-      capture_job(&cs[i].c, &j);
-      const int32_t ri = plan_request(p, x, &j);
-      plan_run(p, x, ri, j.first_slot, j.tokens, j.positions, false, (int32_t)j.start_position, pg + cs[i].first);
-    }
-    st = execute(x, p, 0, x->cache.L, false, stream, fn);
-    *launched = *launched || (st == KVI_OK && x->cuda);
-  }
-  plan_free(x, &whole);
-  free(cp);
-  return st;
-}
-
-/* kvi_encode, errors named for `fn` (kvi_encode_batched passes its captures through here). */
-static kvi_status encode_caps(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures,
-                              struct CUstream_st *stream, const char *fn) {
-  if (!encoder) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "encoder is NULL");
-  if (num_captures < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_captures is %d", (int)num_captures);
-  if (num_captures > 0 && !caps) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "caps is NULL");
-  xfer *x = &encoder->x;
-  kvi_status rst = check_rope_set(x, fn);
-  if (rst || num_captures == 0) return rst;
-  kvi_store *s = x->store;
-  const int32_t nchunks = (num_captures + CAPTURE_CHUNK - 1) / CAPTURE_CHUNK;
+static kvi_status read_captures(xfer *x, const kvi_capture *caps, int32_t num_captures, struct CUstream_st *stream,
+                                cap_read *r, const char *fn) {
+  const kvi_store *s = x->store;
+  memset(r, 0, sizeof *r);
+  r->nchunks = (num_captures + CAPTURE_CHUNK - 1) / CAPTURE_CHUNK;
   /* cs is filled as the captures are read (zeroing it all up front costs
-   * more than the rest of a capture's checks); cs[0, nread) need freeing */
-  cap_state *cs = malloc((size_t)num_captures * sizeof *cs);
-  int32_t nread = 0;
-  chunk_size *csz = calloc((size_t)nchunks, sizeof *csz);
+   * more than the rest of a capture's checks) */
+  cap_state *cs = r->cs = malloc((size_t)num_captures * sizeof *cs);
+  chunk_size *csz = r->csz = calloc((size_t)r->nchunks, sizeof *csz);
   kvi_status st = cs && csz ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d captures", (int)num_captures);
   /* Duplicates: keys in increasing order (the usual batch, ids counting up)
    * have none, which a comparison with the previous key shows; the first
@@ -1477,7 +1392,6 @@ static kvi_status encode_caps(kvi_encoder *encoder, const kvi_capture *caps, int
   bool ordered = true;
   size_t csize;
   memcpy(&csize, caps, sizeof csize);
-  /* Everything checkable without the store's lock. */
   int64_t ntok = 0, ntables = 0;
   uint32_t need_total = 0;
   const int32_t *checked_table = NULL;
@@ -1489,8 +1403,8 @@ static kvi_status encode_caps(kvi_encoder *encoder, const kvi_capture *caps, int
       st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "caps[%d].struct_size is %zu, caps[0]'s is %zu", (int)i, sz, csize);
       break;
     }
-    const cap_state blank = {KVI_CAPTURE_INIT, NULL, 0, 0, NULL, NULL, NULL};
-    cs[nread++] = blank;
+    const cap_state blank = {KVI_CAPTURE_INIT, NULL, 0, 0};
+    cs[r->nread++] = blank;
     if ((st = kvi__read_struct(&cs[i].c, sizeof cs[i].c, src, CAPTURE_V1, fn, "caps[i]"))) break;
     const kvi_capture *c = &cs[i].c;
     if (c->flags & ~KVI_PUT_REPLACE) {
@@ -1541,97 +1455,103 @@ static kvi_status encode_caps(kvi_encoder *encoder, const kvi_capture *caps, int
     ntables += tables;
   }
   kvi__map_free(&seen);
+  r->ntok = ntok;
+  r->ntables = ntables;
+  r->need_total = need_total;
   /* the limits before anything is reserved: need_total <= ntok, so within
    * them it cannot have wrapped */
   if (st == KVI_OK) st = check_limits(x, num_captures, ntok, ntables, fn);
-  if (st) goto out;
+  return st;
+}
 
-  lock_both(x);
-  for (int32_t i0 = 0; i0 < num_captures && st == KVI_OK; i0 += 64) { /* captures that must be new, 64 at a time */
-    uint64_t tn[64], id[64];
-    int32_t at[64], m = 0;
-    const int32_t i1 = num_captures - i0 < 64 ? num_captures : i0 + 64;
-    for (int32_t i = i0; i < i1; i++)
-      if (!(cs[i].c.flags & KVI_PUT_REPLACE)) tn[m] = cs[i].c.tenant, id[m] = cs[i].c.fact_id, at[m++] = i;
-    void *old[64];
-    kvi__map_get_many(&s->facts, tn, 1, id, (size_t)m, old);
-    for (int32_t k = 0; k < m && st == KVI_OK; k++)
-      if (old[k])
-        st = kvi__fail(KVI_ERR_EXISTS, fn,
-                       "capture %d: fact %llu of tenant %llu is already stored (KVI_PUT_REPLACE replaces it)", (int)at[k],
-                       (unsigned long long)id[k], (unsigned long long)tn[k]);
+/* Plans and runs the captures in chunks of `per`, each its own plan inside
+ * one buffer (one staging slot on a CUDA store), so that the device starts
+ * on the first chunk while the host plans the rest. *launched: whether any
+ * device work was enqueued (it may then still be writing pg's pages). */
+static kvi_status run_captures(xfer *x, const cap_state *cs, int32_t n, const uint32_t *pg, const chunk_size *sz,
+                               int32_t per, struct CUstream_st *stream, bool *launched, const char *fn) {
+  const int32_t nchunks = (n + per - 1) / per;
+  plan *cp = malloc((size_t)nchunks * sizeof *cp);
+  if (!cp) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d plans", (int)nchunks);
+  size_t total = 0;
+  for (int32_t k = 0; k < nchunks; k++) {
+    const int32_t nreq = k == nchunks - 1 ? n - k * per : per;
+    plan_layout(&cp[k], sz[k].nsegs, nreq, sz[k].ntok, sz[k].npos, sz[k].ntables);
+    cp[k].off = total;
+    total += align_up(cp[k].bytes);
   }
-  /* a tiered store takes the capture's device pages at once, demoting
-   * least-recently-used facts if the device is short (store.c) */
-  const bool tiered = x->cuda && s->hpool.npages > 0;
-  uint32_t *pg = NULL, *taken = NULL;
-  if (st == KVI_OK) st = kvi__store_reserve(s, tiered ? 0 : need_total, (size_t)num_captures, fn);
-  if (st == KVI_OK && !(pg = malloc((need_total ? need_total : 1) * sizeof *pg)))
-    st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %u page ids", need_total);
-  if (st == KVI_OK && tiered) {
-    kvi__devguard g;
-    if ((st = kvi__cuda_enter(s->device, &g, fn)) == KVI_OK) {
-      st = kvi__store_tier_move(s, NULL, 0, need_total, pg, ++s->mark_clock, stream, fn);
-      kvi__cuda_leave(&g);
+  plan whole; /* the buffer of them all */
+  memset(&whole, 0, sizeof whole);
+  kvi_status st = plan_buffer(&whole, x, total, nchunks == 1, fn);
+  if (st == KVI_OK && whole.sl && total > x->slot_bytes) /* slot_size counts the padding: cannot happen */
+    st = kvi__fail(KVI_ERR_INTERNAL, fn, "a %zu-byte capture plan in a %zu-byte staging slot", total, x->slot_bytes);
+  for (int32_t k = 0; k < nchunks && st == KVI_OK; k++) {
+    plan *p = &cp[k];
+    plan_place(p, whole.buf + p->off);
+    p->sl = whole.sl;
+    const int32_t i1 = k == nchunks - 1 ? n : (k + 1) * per;
+    for (int32_t i = k * per; i < i1; i++) {
+      job j;
+      capture_job(&cs[i].c, &j);
+      const int32_t ri = plan_request(p, x, &j);
+      plan_run(p, x, ri, j.first_slot, j.tokens, j.positions, false, (int32_t)j.start_position, pg + cs[i].first);
     }
-    if (st == KVI_OK) taken = pg;
-  } else if (st == KVI_OK) {
-    /* pages from the top of the free stack, in commit order; taken off it
-     * only when the call commits */
-    for (uint32_t k = 0; k < need_total; k++) pg[k] = s->pool.free[s->pool.nfree - 1 - k];
+    st = execute(x, p, 0, x->cache.L, false, stream, fn);
+    *launched = *launched || (st == KVI_OK && x->cuda);
   }
-  bool rows_reserved = false;
-  for (int32_t i = 0; i < num_captures && st == KVI_OK && s->emb_dim > 0; i++) {
-    st = kvi__store_reserve_rows(s, cs[i].c.tenant, 1, cs[i].c.num_tokens, fn);
-    rows_reserved = true;
+  plan_free(x, &whole);
+  free(cp);
+  return st;
+}
+
+/* The captures' transaction, both locks held: their pages on the device
+ * tier (a tiered store demotes least-recently-used facts if the device is
+ * short), the kernels writing them, then the commit. */
+static kvi_status encode_locked(xfer *x, cap_read *r, int32_t num_captures, struct CUstream_st *stream,
+                                const char *fn) {
+  cap_state *cs = r->cs;
+  kvi__txn t;
+  kvi_status st = kvi__txn_begin(&t, x->store, num_captures, KVI__PLACE_DEVICE, NULL, stream, fn);
+  t.item = "capture";
+  for (int32_t i = 0; i < num_captures && st == KVI_OK; i++) {
+    st = kvi__txn_add(&t, cs[i].c.tenant, cs[i].c.fact_id, cs[i].c.num_tokens, cs[i].c.flags, cs[i].emb);
+    cs[i].emb = NULL; /* the transaction's */
   }
+  if (st == KVI_OK) st = kvi__txn_take_pages(&t);
   bool launched = false;
   if (st == KVI_OK) {
     /* one chunk when the whole plan travels in the kernel parameters */
-    chunk_size all = {0, ntok, 0, ntables};
-    for (int32_t k = 0; k < nchunks; k++) all.nsegs += csz[k].nsegs, all.npos += csz[k].npos;
+    chunk_size all = {0, r->ntok, 0, r->ntables};
+    for (int32_t k = 0; k < r->nchunks; k++) all.nsegs += r->csz[k].nsegs, all.npos += r->csz[k].npos;
     plan one;
     plan_layout(&one, all.nsegs, num_captures, all.ntok, all.npos, all.ntables);
-    const bool single = nchunks == 1 || (x->cuda && one.bytes <= KVI__INLINE_PLAN);
-    st = run_captures(x, cs, num_captures, pg, single ? &all : csz, single ? num_captures : CAPTURE_CHUNK, stream,
-                      &launched, fn);
+    const bool single = r->nchunks == 1 || (x->cuda && one.bytes <= KVI__INLINE_PLAN);
+    st = run_captures(x, cs, num_captures, t.pages, single ? &all : r->csz, single ? num_captures : CAPTURE_CHUNK,
+                      stream, &launched, fn);
   }
-  /* the facts' metadata, allocated while the device works: a spare tenant
-   * only for a capture whose tenant differs from the previous capture's (the
-   * previous one's commit leaves its tenant in the store) */
-  for (int32_t i = 0; i < num_captures && st == KVI_OK; i++) {
-    cs[i].f = calloc(1, sizeof(fact));
-    cs[i].pages = malloc(cs[i].need * sizeof(uint32_t));
-    if (i == 0 || cs[i].c.tenant != cs[i - 1].c.tenant) cs[i].fresh = calloc(1, sizeof(tenant));
-    if (!cs[i].f || !cs[i].pages || (!cs[i].fresh && (i == 0 || cs[i].c.tenant != cs[i - 1].c.tenant)))
-      st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating fact metadata");
-    else
-      memcpy(cs[i].pages, pg + cs[i].first, cs[i].need * sizeof(uint32_t));
-  }
-  if (st == KVI_OK && s->journal) st = journal_captures(s, cs, num_captures, x->cuda, stream, fn);
+  if (launched) kvi__txn_wrote(&t);
+  if (st == KVI_OK) st = kvi__txn_prepare(&t); /* the facts' records, allocated while the device works */
+  return st == KVI_OK ? kvi__txn_commit(&t) : kvi__txn_abort(&t, st);
+}
+
+/* kvi_encode, errors named for `fn` (kvi_encode_batched passes its captures through here). */
+static kvi_status encode_caps(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures,
+                              struct CUstream_st *stream, const char *fn) {
+  if (!encoder) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "encoder is NULL");
+  if (num_captures < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_captures is %d", (int)num_captures);
+  if (num_captures > 0 && !caps) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "caps is NULL");
+  xfer *x = &encoder->x;
+  kvi_status st = check_rope_set(x, fn);
+  if (st || num_captures == 0) return st;
+  cap_read r;
+  st = read_captures(x, caps, num_captures, stream, &r, fn);
   if (st == KVI_OK) {
-    if (!taken) s->pool.nfree -= need_total; /* else taken already */
-    for (int32_t i = 0; i < num_captures; i++) {
-      kvi__store_commit(s, cs[i].f, cs[i].pages, cs[i].need, cs[i].fresh, &cs[i].emb, cs[i].c.tenant, cs[i].c.fact_id,
-                        cs[i].c.num_tokens);
-      cs[i].f = NULL, cs[i].pages = NULL, cs[i].fresh = NULL; /* owned by the store now */
-    }
-  } else {
-    if (rows_reserved)
-      for (int32_t i = 0; i < num_captures; i++) kvi__store_unreserve_rows(s, cs[i].c.tenant);
-    /* pages the device may still be writing go back after the work already
-     * tracked (each launch is), not straight onto the free stack */
-    if (launched && !taken) {
-      s->pool.nfree -= need_total;
-      taken = pg;
-    }
-    if (taken) kvi__store_give_back(s, taken, need_total);
+    lock_both(x);
+    st = encode_locked(x, &r, num_captures, stream, fn);
+    unlock_both(x);
   }
-  unlock_both(x);
-  free(pg);
-out:
-  free(csz);
-  if (cs) free_caps(cs, nread);
+  free(r.csz);
+  if (r.cs) free_caps(r.cs, r.nread);
   return st;
 }
 
@@ -1794,7 +1714,7 @@ static void retrieve_job(const kvi_retrieve_request *rq, int64_t tokens, job *j)
  * alike. *t: the tenant (NULL when unknown); *nres: facts reserved. */
 static kvi_status check_reserve(const xfer *x, const kvi_retrieve_request *rq, int32_t i, int32_t k, job *j,
                                 const tenant **t, int32_t *nres, const char *fn) {
-  *t = kvi__map_get(&x->store->tenants, rq->tenant, 0);
+  *t = kvi__store_tenant(x->store, rq->tenant);
   const size_t n = *t ? (*t)->count : 0;
   *nres = n < (size_t)k ? (int32_t)n : k;
   kvi_status st = check_table_kind(x, rq->block_table_memory, i, fn);
@@ -1838,7 +1758,7 @@ static kvi_status retrieve_on_host(kvi_injector *injector, const void *queries, 
   }
   if (st == KVI_OK) st = check_limits(x, nq, ntok, ntables, fn);
   if (st == KVI_OK)
-    st = (s->emb_sharded ? kvi__shard_search : kvi__search_local)(s, queries, opts->query_dtype, opts->query_memory, nq,
+    st = (s->shard.emb_sharded ? kvi__shard_search : kvi__search_local)(s, queries, opts->query_dtype, opts->query_memory, nq,
                                                                   tenants, k, ids, scores, counts, KVI_MEMORY_HOST,
                                                                   opts->workspace_bytes, true, stream, fn);
   for (size_t i = 0; i < n && st == KVI_OK; i++) {
@@ -2055,7 +1975,7 @@ KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queri
     if (st == KVI_OK) tenants[i] = rq[i].tenant;
   }
   if (st == KVI_OK) st = kvi__search_check(s, queries, num_queries, dim, tenants, k, &so, fn);
-  if (st == KVI_OK && (!x->cuda || !s->dir_on || s->emb_sharded) && so.out_memory != KVI_MEMORY_HOST)
+  if (st == KVI_OK && (!x->cuda || !s->dir_on || s->shard.emb_sharded) && so.out_memory != KVI_MEMORY_HOST)
     st = kvi__fail(so.out_memory == KVI_MEMORY_DEVICE ? KVI_ERR_MEMORY_KIND : KVI_ERR_INVALID_ARGUMENT, fn,
                    "opts->out_memory is %d; %s writes host memory only", (int)so.out_memory,
                    !x->cuda ? "a CPU store" : "a store with a host tier or sharded embeddings");
@@ -2063,7 +1983,7 @@ KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queri
   const void *outs[3] = {out_ids, out_counts, out_tokens};
   for (int i = 0; i < 3 && st == KVI_OK; i++)
     st = kvi__check_memory(outs[i], so.out_memory, x->cuda, s->device, fn, what[i]);
-  if (st == KVI_OK && x->cuda && s->dir_on && !s->emb_sharded) {
+  if (st == KVI_OK && x->cuda && s->dir_on && !s->shard.emb_sharded) {
     /* the device path: search, plan and inject enqueued under one hold of both locks */
     retr r = {x, rq, tenants, num_queries, k, {0}};
     const kvi__search_then then = {retr_prepare, retr_enqueue, &r};
@@ -2187,7 +2107,7 @@ static kvi_status batch_on_device(xfer *x, const kvi_inject_batch *b, int32_t lb
     ireq q;
     batch_request(b, r, &q);
     d[r].j = q.j;
-    d[r].t = kvi__map_get(&s->tenants, q.tenant, 0);
+    d[r].t = kvi__store_tenant(s, q.tenant);
     d[r].nres = d[r].t && d[r].t->count > 0 ? q.num_facts : 0;
     d[r].best_last = false;
     d[r].j.tokens = (int64_t)d[r].nres * (d[r].t ? d[r].t->max_tokens : 0);
@@ -2288,7 +2208,7 @@ KVI_API kvi_status kvi_inject_batched(kvi_injector *injector, const kvi_inject_b
                               b.block_table_len, b.block_table_offsets, fn)))
     return st;
   const bool dev_ids = b.fact_ids_memory == KVI_MEMORY_DEVICE;
-  if (dev_ids && (!s->dir_on || s->emb_sharded))
+  if (dev_ids && (!s->dir_on || s->shard.emb_sharded))
     return kvi__fail(KVI_ERR_UNSUPPORTED, fn,
                      "device fact ids are looked up on the device only on a CUDA store with embeddings, without a "
                      "host tier and without sharded embeddings");

@@ -621,7 +621,8 @@ static void t_deferred_free(void **state) {
 /* kvi_encode on a journaled CUDA store, on a stream the test does not
  * synchronize: the journal waits for the capture kernel before it reads the
  * pages, so the file, loaded into a CPU store, holds the captured facts bit
- * for bit. */
+ * for bit; an encode the journal refuses after the launch gives its pages
+ * back at once. */
 static void t_journal_encode(void **state) {
   (void)state;
   if (g_devices == 0) skip();
@@ -660,6 +661,20 @@ static void t_journal_encode(void **state) {
     caps[i].num_tokens = 290;
     caps[i].start_position = 1000 * i;
   }
+  /* the journal refuses (its file moved away behind its back) after the
+   * kernel was launched: the encode fails having changed nothing, its pages
+   * back on the free stack at once (the transaction waits for the kernel) */
+  kvi_store_stats before = KVI_STORE_STATS_INIT, after = KVI_STORE_STATS_INIT;
+  CHECK_OK(kvi_store_stats_get(w.gpu, &before));
+  char moved[80];
+  snprintf(moved, sizeof moved, "%s/moved.kvi", dir);
+  assert_int_equal(rename(path, moved), 0);
+  assert_int_equal(kvi_encode(de, caps, 3, (struct CUstream_st *)s), KVI_ERR_IO);
+  CHECK_OK(kvi_store_stats_get(w.gpu, &after));
+  assert_int_equal(after.pages_used, before.pages_used);
+  assert_int_equal(after.facts, before.facts);
+  assert_int_equal(after.tenants, before.tenants);
+  assert_int_equal(rename(moved, path), 0); /* the same file again: the journal takes appends */
   CHECK_OK(kvi_encode(de, caps, 3, (struct CUstream_st *)s));
   kvi_store_options so = KVI_STORE_OPTIONS_INIT;
   so.backend = KVI_BACKEND_CPU;

@@ -65,7 +65,7 @@ static int cmp_pair(const void *a, const void *b) {
   return (x->id > y->id) - (x->id < y->id);
 }
 
-static const tenant *tenant_of(const kvi_store *s, uint64_t id) { return kvi__map_get(&s->tenants, id, 0); }
+static const tenant *tenant_of(const kvi_store *s, uint64_t id) { return kvi__store_tenant(s, id); }
 
 static double score_row(const world *w, int32_t query, const tenant *t, int32_t row) {
   const float *e = (const float *)t->emb + (size_t)row * w->s->emb_ld;
