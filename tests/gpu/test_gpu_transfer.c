@@ -727,12 +727,13 @@ static void t_capture_chunks(void **state) {
                    KVI_DTYPE_BF16, KVI_DTYPE_BF16, KVI_CACHE_VLLM_FLASH_ATTN, 2, KVI_SCALE_NONE};
   world w;
   make_world(&w, &sc);
-  for (int i = 0; i < w.ntensors; i++) { /* the same finite bf16 values in both caches */
+  for (int i = 0; i < w.ntensors; i++) { /* the same bf16 values of rndf() in both caches */
     uint16_t *h = w.host[i];
     for (size_t k = 0; k < w.layer_bytes / 2; k++) {
-      uint16_t bits = (uint16_t)rnd();
-      if (((bits >> 7) & 0xff) == 0xff) bits &= 0xbfff;
-      h[k] = bits;
+      const float f = rndf();
+      uint32_t u;
+      memcpy(&u, &f, 4);
+      h[k] = (uint16_t)(u >> 16);
     }
     CUDA_OK(cudaMemcpy(w.dev[i], w.host[i], w.layer_bytes, cudaMemcpyHostToDevice));
   }
