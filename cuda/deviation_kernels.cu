@@ -19,9 +19,9 @@
 
 #include <cmath>
 
-#include "convert.cuh"
 #include "kernels.h"
 #include "rope.cuh"
+#include "vec.cuh"
 #include "kvinject/model.h"
 
 namespace {
@@ -32,22 +32,8 @@ using kvi::fp8e5;
 
 constexpr int THREADS = 128;
 
-/* Element i of an array of `dtype` elements as fp32. */
-__device__ inline float load(const void *base, int dtype, int64_t i) {
-  switch (dtype) {
-  case KVI_DTYPE_FP32: return static_cast<const float *>(base)[i];
-  case KVI_DTYPE_FP16: return cvt<__half>::to(static_cast<const __half *>(base)[i]);
-  case KVI_DTYPE_BF16: return cvt<__nv_bfloat16>::to(static_cast<const __nv_bfloat16 *>(base)[i]);
-  case KVI_DTYPE_FP8_E4M3: return cvt<fp8e4>::to(static_cast<const fp8e4 *>(base)[i]);
-  case KVI_DTYPE_FP8_E5M2: return cvt<fp8e5>::to(static_cast<const fp8e5 *>(base)[i]);
-  }
-  return NAN;
-}
-
-__device__ inline int64_t elem_size(int dtype) {
-  return dtype == KVI_DTYPE_FP32 ? 4 : dtype == KVI_DTYPE_FP16 || dtype == KVI_DTYPE_BF16 ? 2 : 1;
-}
-
+using kvi::elem_size;
+using kvi::load; /* vec.cuh */
 using kvi::cos_sin; /* rope.cuh */
 
 __global__ void __launch_bounds__(THREADS) deviation_kernel(const __grid_constant__ kvi__dev_args a) {

@@ -28,7 +28,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "convert.cuh"
+#include "vec.cuh"
 #include "kernels.h"
 #include "kvinject/search.h"
 
@@ -102,32 +102,7 @@ template <typename R, typename S> __global__ void __launch_bounds__(THREADS) pre
 
 /* ---------------------------------------------------------------- scan */
 
-template <typename S> struct unpack;
-template <> struct unpack<float> {
-  static __device__ void to(const uint4 &w, float *f) {
-    f[0] = __uint_as_float(w.x), f[1] = __uint_as_float(w.y), f[2] = __uint_as_float(w.z), f[3] = __uint_as_float(w.w);
-  }
-};
-template <> struct unpack<__half> {
-  static __device__ void to(const uint4 &w, float *f) {
-    const __half2 *h = reinterpret_cast<const __half2 *>(&w);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-      const float2 t = __half22float2(h[i]);
-      f[2 * i] = t.x, f[2 * i + 1] = t.y;
-    }
-  }
-};
-template <> struct unpack<__nv_bfloat16> {
-  static __device__ void to(const uint4 &w, float *f) {
-    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&w);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-      const float2 t = __bfloat1622float2(h[i]);
-      f[2 * i] = t.x, f[2 * i + 1] = t.y;
-    }
-  }
-};
+using kvi::unpack; /* vec.cuh: a 16-byte word of a row as fp32 */
 
 /* acc[r][q] += row r's vector v . query q's vector v */
 template <typename S, int QB>

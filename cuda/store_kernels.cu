@@ -9,59 +9,29 @@
  * so page writes (contiguous per layer/plane/head) coalesce. When every row
  * start is 16-byte aligned the vector moves as 16-byte loads and stores.
  */
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <cfloat>
-
-#include "convert.cuh"
 #include "kernels.h"
+#include "vec.cuh"
 
 namespace {
 
 constexpr int VEC = 8;
 
-template <typename S, typename D> __device__ inline D convert(S x) {
-  return kvi::cvt<D>::from(kvi::cvt<S>::to(x));
-}
-template <> __device__ inline float convert<float, float>(float x) { return x; }
-template <> __device__ inline __half convert<__half, __half>(__half x) { return x; }
-template <> __device__ inline __nv_bfloat16 convert<__nv_bfloat16, __nv_bfloat16>(__nv_bfloat16 x) {
-  return x;
-}
+using kvi::convert;
+using kvi::Vec;
 
-/* A vector of VEC elements of T, moved as 16-byte words when aligned. */
-template <typename T> struct alignas(16) vec_t {
-  T e[VEC];
-};
-
-template <typename T, bool ALIGNED>
-__device__ inline void load_vec(vec_t<T> &r, const T *p, int n) {
-  if (ALIGNED) {
-    const uint4 *q = reinterpret_cast<const uint4 *>(p);
-    uint4 *o = reinterpret_cast<uint4 *>(&r);
-#pragma unroll
-    for (int i = 0; i < (int)(sizeof(vec_t<T>) / 16); i++) o[i] = q[i];
-  } else {
-#pragma unroll
-    for (int i = 0; i < VEC; i++)
-      if (i < n) r.e[i] = p[i];
-  }
+/* VEC elements of T, moved as 16-byte words when every row start is aligned
+ * (Vec<T, VEC> is 16-byte aligned: 16 or 32 bytes), else element by element
+ * up to the row's end. */
+template <typename T, bool ALIGNED> __device__ inline void load_vec(Vec<T, VEC> &r, const T *p, int n) {
+  if (ALIGNED) kvi::ld<T, VEC>(r, p);
+  else kvi::ld_n<T, VEC>(r, p, n);
 }
 
-template <typename T, bool ALIGNED>
-__device__ inline void store_vec(T *p, const vec_t<T> &r, int n) {
-  if (ALIGNED) {
-    uint4 *q = reinterpret_cast<uint4 *>(p);
-    const uint4 *o = reinterpret_cast<const uint4 *>(&r);
-#pragma unroll
-    for (int i = 0; i < (int)(sizeof(vec_t<T>) / 16); i++) q[i] = o[i];
-  } else {
-#pragma unroll
-    for (int i = 0; i < VEC; i++)
-      if (i < n) p[i] = r.e[i];
-  }
+template <typename T, bool ALIGNED> __device__ inline void store_vec(T *p, const Vec<T, VEC> &r, int n) {
+  if (ALIGNED) kvi::st_raw<T, VEC>(p, r);
+  else kvi::st_n<T, VEC>(p, r, n);
 }
 
 /* TO_PAGES: view -> pages; otherwise pages -> view. V is the view's element
@@ -94,18 +64,18 @@ __global__ void copy_kernel(const kvi__copy_args a) {
            (int64_t)h * a.head_stride + d0;
 
     if (TO_PAGES) {
-      vec_t<V> in;
-      vec_t<G> out;
+      Vec<V, VEC> in;
+      Vec<G, VEC> out;
       load_vec<V, ALIGNED>(in, v, n);
 #pragma unroll
-      for (int e = 0; e < VEC; e++) out.e[e] = convert<V, G>(in.e[e]);
+      for (int e = 0; e < VEC; e++) out.v[e] = convert<V, G>(in.v[e]);
       store_vec<G, ALIGNED>(g, out, n);
     } else {
-      vec_t<G> in;
-      vec_t<V> out;
+      Vec<G, VEC> in;
+      Vec<V, VEC> out;
       load_vec<G, ALIGNED>(in, g, n);
 #pragma unroll
-      for (int e = 0; e < VEC; e++) out.e[e] = convert<G, V>(in.e[e]);
+      for (int e = 0; e < VEC; e++) out.v[e] = convert<G, V>(in.v[e]);
       store_vec<V, ALIGNED>(v, out, n);
     }
   }
@@ -156,8 +126,7 @@ __global__ void __launch_bounds__(256) fp8_kernel(const kvi__copy_args a) {
       float amax = 0.0f;
       for (int i = threadIdx.x; i < m; i += blockDim.x) {
         const int t = i / a.D, d = i - t * a.D;
-        const float ax = fabsf(kvi::cvt<V>::to(vb[(int64_t)t * a.token_stride + d]));
-        if (ax <= FLT_MAX && ax > amax) amax = ax; /* NaN and infinities skipped */
+        amax = kvi::fp8_amax(amax, kvi::cvt<V>::to(vb[(int64_t)t * a.token_stride + d])); /* finite |x| only */
       }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -165,12 +134,11 @@ __global__ void __launch_bounds__(256) fp8_kernel(const kvi__copy_args a) {
       __syncthreads();
       amax = s_red[0];
       for (int w = 1; w < (int)(blockDim.x >> 5); w++) amax = fmaxf(amax, s_red[w]);
-      float sc = __fdiv_rn(amax, KVI__FP8_STORE_MAX);
-      if (sc < KVI__FP8_SCALE_MIN) sc = KVI__FP8_SCALE_MIN;
+      const float sc = kvi::fp8_scale(amax);
       for (int i = threadIdx.x; i < m; i += blockDim.x) {
         const int t = i / a.D, d = i - t * a.D;
         const float x = kvi::cvt<V>::to(vb[(int64_t)t * a.token_stride + d]);
-        g[i] = kvi::cvt<kvi::fp8e4>::from(__fdiv_rn(x, sc)).b;
+        g[i] = kvi::fp8_quantize(x, sc);
       }
       if (threadIdx.x == 0) *scale = sc;
       __syncthreads(); /* s_red is reused by the next group */
@@ -178,7 +146,7 @@ __global__ void __launch_bounds__(256) fp8_kernel(const kvi__copy_args a) {
       const float sc = *scale;
       for (int i = threadIdx.x; i < m; i += blockDim.x) {
         const int t = i / a.D, d = i - t * a.D;
-        vb[(int64_t)t * a.token_stride + d] = kvi::cvt<V>::from(__fmul_rn(kvi::cvt<kvi::fp8e4>::to(kvi::fp8e4{g[i]}), sc));
+        vb[(int64_t)t * a.token_stride + d] = kvi::cvt<V>::from(kvi::fp8_dequantize(g[i], sc));
       }
     }
   }

@@ -32,17 +32,13 @@
  * with an engine's cos/sin table the result is bit for bit the CPU
  * reference's.
  */
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
-#include <cfloat>
 #include <type_traits>
 
-#include "convert.cuh"
 #include "kernels.h"
 #include "rope.cuh"
+#include "vec.cuh"
 
 namespace {
 
@@ -51,76 +47,11 @@ using kvi::fp8e4;
 using kvi::fp8e5;
 using kvi::is_fp8;
 
-/* E raw elements of T, loaded and stored in the widest aligned accesses. */
-template <typename T, int E> struct alignas(E * sizeof(T) >= 16 ? 16 : E * sizeof(T) >= 8 ? 8 : sizeof(T)) Vec {
-  T v[E];
-};
-
-template <typename T, int E> __device__ inline void ld(Vec<T, E> &r, const T *p) {
-  constexpr int B = E * (int)sizeof(T);
-  if constexpr (E > 1 && B % 16 == 0) {
-#pragma unroll
-    for (int i = 0; i < B / 16; i++) reinterpret_cast<uint4 *>(r.v)[i] = reinterpret_cast<const uint4 *>(p)[i];
-  } else if constexpr (E > 1 && B == 8) {
-    *reinterpret_cast<uint2 *>(r.v) = *reinterpret_cast<const uint2 *>(p);
-  } else {
-#pragma unroll
-    for (int i = 0; i < E; i++) r.v[i] = p[i];
-  }
-}
-
-/* Stores a loaded vector as it is (a copy between equal dtypes). */
-template <typename T, int E> __device__ inline void st_raw(T *p, const Vec<T, E> &r) {
-  constexpr int B = E * (int)sizeof(T);
-  if constexpr (E > 1 && B % 16 == 0) {
-#pragma unroll
-    for (int i = 0; i < B / 16; i++) reinterpret_cast<uint4 *>(p)[i] = reinterpret_cast<const uint4 *>(r.v)[i];
-  } else if constexpr (E > 1 && B == 8) {
-    *reinterpret_cast<uint2 *>(p) = *reinterpret_cast<const uint2 *>(r.v);
-  } else {
-#pragma unroll
-    for (int i = 0; i < E; i++) p[i] = r.v[i];
-  }
-}
-
-/* Converts E floats to T and stores them. */
-template <typename T, int E> __device__ inline void st(T *p, const float *in) {
-  Vec<T, E> r;
-#pragma unroll
-  for (int i = 0; i < E; i++) r.v[i] = cvt<T>::from(in[i]);
-  st_raw<T, E>(p, r);
-}
-
-template <typename T, int E> __device__ inline void to_f32(float *x, const Vec<T, E> &r) {
-  if constexpr (std::is_same<T, fp8e4>::value && E % 2 == 0) { /* two per conversion instruction; exact */
-#pragma unroll
-    for (int i = 0; i < E; i += 2) {
-      const __nv_fp8x2_storage_t pr = (__nv_fp8x2_storage_t)(r.v[i].b | (unsigned)r.v[i + 1].b << 8);
-      const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pr, __NV_E4M3)));
-      x[i] = f.x;
-      x[i + 1] = f.y;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < E; i++) x[i] = cvt<T>::to(r.v[i]);
-  }
-}
-
-/* fp8 stores (kernels.h): the scale of a group whose largest finite |x| is
- * amax, and that largest finite |x| of n values, as lib/convert.c has them. */
-__device__ inline float fp8_scale_of(float amax) {
-  const float s = __fdiv_rn(amax, KVI__FP8_STORE_MAX);
-  return s < KVI__FP8_SCALE_MIN ? KVI__FP8_SCALE_MIN : s;
-}
-
-__device__ inline float finite_amax(const float *v, int n) {
-  float m = 0.0f;
-  for (int i = 0; i < n; i++) {
-    const float a = fabsf(v[i]);
-    if (a <= FLT_MAX && a > m) m = a; /* NaN and infinities skipped */
-  }
-  return m;
-}
+using kvi::ld;
+using kvi::st;
+using kvi::st_raw;
+using kvi::to_f32;
+using kvi::Vec;
 
 /* Capture into an fp8 store: phase 1 folds the group's amax into its slot
  * (non-negative floats order as their bits), phase 2 divides by the scale
@@ -128,10 +59,10 @@ __device__ inline float finite_amax(const float *v, int n) {
 template <typename G> __device__ inline void to_store(float *v, int n, float *slot, int phase) {
   if constexpr (is_fp8<G>::value) {
     if (phase == 1) {
-      const float m = finite_amax(v, n);
+      const float m = kvi::finite_amax(v, n);
       if (m > 0.0f) atomicMax(reinterpret_cast<unsigned *>(slot), __float_as_uint(m));
     } else {
-      const float sc = fp8_scale_of(*slot);
+      const float sc = kvi::fp8_scale(*slot);
       for (int i = 0; i < n; i++) v[i] = __fdiv_rn(v[i], sc);
     }
   }
@@ -406,7 +337,7 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
     if (!INJECT && (a.phase == 0 || a.phase == 3)) { /* a page's slots, by its first segment */
       if (sg.tok0 == 0)
         for (int i = l0 * 2 * a.H + (int)threadIdx.x; i < l1 * 2 * a.H; i += THREADS)
-          gs[i] = a.phase == 0 ? 0.0f : fp8_scale_of(gs[i]);
+          gs[i] = a.phase == 0 ? 0.0f : kvi::fp8_scale(gs[i]);
       return;
     }
   }

@@ -180,10 +180,7 @@ float kvi__fp8_amax(float amax, const float *x, int64_t n) {
   return amax;
 }
 
-float kvi__fp8_scale(float amax) {
-  const float s = amax / KVI__FP8_STORE_MAX; /* one fp32 division, as the kernels do */
-  return s < KVI__FP8_SCALE_MIN ? KVI__FP8_SCALE_MIN : s;
-}
+float kvi__fp8_scale(float amax) { return kvi__fp8_scale_of(amax); /* kernels.h: the kernels' too */ }
 
 void kvi__fp8_quantize(uint8_t *dst, const float *x, int64_t n, float scale) {
   for (int64_t i = 0; i < n; i++) dst[i] = kvi__f32_to_fp8(x[i] / scale, KVI_DTYPE_FP8_E4M3);

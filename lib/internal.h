@@ -5,6 +5,7 @@
 #ifndef KVI_INTERNAL_H
 #define KVI_INTERNAL_H
 
+#include <pthread.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -198,6 +199,97 @@ kvi_status kvi__cuda_sm_count(int device, int *count, const char *fn);
 kvi_status kvi__cuda_copy(void *dst, const void *src, size_t bytes, struct CUstream_st *s, const char *fn);
 kvi_status kvi__cuda_copy2d(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
                             struct CUstream_st *s, const char *fn);
+
+/* ---- GPU plumbing (gpu_ring.c): event tracker, staging ring, async counter */
+
+/* Every function below runs with the owner's device current and under the
+ * owner's serialization (its lock); none of them locks anything itself. */
+
+/* An event tracker: N events recorded in turn and numbered in recording
+ * order; number q is ev[q % n]. Every number below `done` has completed;
+ * numbers in [done, next) may still run. */
+typedef struct kvi__events {
+  struct CUevent_st **ev;
+  uint32_t n;
+  uint64_t next, done;
+} kvi__events;
+
+kvi_status kvi__events_init(kvi__events *t, uint32_t n, const char *fn);
+void kvi__events_destroy(kvi__events *t); /* does not wait; zeroes *t */
+/* Records the next number on stream `s` into *seq (may be NULL); with every
+ * event in flight, first waits for the oldest. */
+kvi_status kvi__events_record(kvi__events *t, struct CUstream_st *s, uint64_t *seq, const char *fn);
+/* Advances `done` past completed events; `wait`: blocks until all have. */
+kvi_status kvi__events_retire(kvi__events *t, bool wait, const char *fn);
+/* Whether number q may still run (recorded, not retired, not completed). */
+bool kvi__events_pending(const kvi__events *t, uint64_t q);
+/* Waits on the host for number q (no-op once it has completed), then retires. */
+kvi_status kvi__events_sync(kvi__events *t, uint64_t q, const char *fn);
+/* Makes stream `on` wait for number q, or for every number that may still
+ * run (all). No-op for what has completed. */
+kvi_status kvi__events_order(const kvi__events *t, uint64_t q, struct CUstream_st *on, const char *fn);
+kvi_status kvi__events_order_all(const kvi__events *t, struct CUstream_st *on, const char *fn);
+
+/* A pinned staging ring: n slots of pinned host memory (and, with
+ * KVI__RING_DEVICE, a device buffer of the same size each), each guarded by
+ * a tracker of one event: the end of the slot's last copy or launch. */
+#define KVI__RING_DEVICE 1u /* each slot has a device buffer too */
+#define KVI__RING_GROW 2u   /* acquire grows a slot that is too small */
+
+typedef struct kvi__ring_slot {
+  char *host;     /* pinned */
+  char *dev;      /* KVI__RING_DEVICE: device memory of the same size, else NULL */
+  size_t bytes;
+  kvi__events ev; /* one event: recorded after the slot's last use */
+  bool held;      /* acquired with a lock and not yet released */
+} kvi__ring_slot;
+
+typedef struct kvi__ring {
+  kvi__ring_slot *slot;
+  int n, next;
+  unsigned flags;
+  pthread_cond_t cond; /* a held slot was released */
+  bool has_cond;
+} kvi__ring;
+
+/* n slots of `bytes` each (0: allocated by the first acquire, GROW only). */
+kvi_status kvi__ring_init(kvi__ring *r, int n, size_t bytes, unsigned flags, const char *fn);
+/* Frees everything, after waiting for every slot's last event. Zeroes *r;
+ * destroying a zeroed ring is a no-op. */
+void kvi__ring_destroy(kvi__ring *r, const char *fn);
+/* The next slot in turn that is not held, once its last event has completed,
+ * of at least `bytes` bytes: a GROW ring replaces a smaller slot's memory
+ * with max(bytes, 2 x its size); otherwise a larger request is
+ * KVI_ERR_INTERNAL. lock NULL: the caller is done with each slot before its
+ * next acquire (the slot is not held). lock non-NULL (held by the caller):
+ * the slot is held until kvi__ring_release, and when every slot is held the
+ * call waits on the ring's condition with that lock. */
+kvi_status kvi__ring_acquire(kvi__ring *r, size_t bytes, pthread_mutex_t *lock, kvi__ring_slot **out,
+                             const char *fn);
+/* The slot's latest use is enqueued on `s`: records its event there (the
+ * next acquire of the slot waits for it). Recorded again before the next
+ * acquire, the event moves to the later point. */
+kvi_status kvi__ring_record(kvi__ring_slot *sl, struct CUstream_st *s, const char *fn);
+/* Waits on the host for the slot's last recorded event. Touches the slot
+ * only: a caller holding the slot may call it without the owner's lock. */
+kvi_status kvi__ring_wait(kvi__ring_slot *sl, const char *fn);
+/* Ends a hold (acquire with a lock, the lock held) and wakes waiters. */
+void kvi__ring_release(kvi__ring *r, kvi__ring_slot *sl);
+
+/* A mapped async-error counter: a 64-bit count in mapped pinned host memory
+ * that kernels add to through `dev`, read on the host without synchronizing
+ * (it holds what completed work added). */
+typedef struct kvi__async_count {
+  unsigned long long *host; /* mapped pinned */
+  unsigned long long *dev;  /* the device's address of host */
+  unsigned long long taken; /* the value the last take returned up to */
+} kvi__async_count;
+
+kvi_status kvi__async_count_init(kvi__async_count *c, const char *fn); /* zero */
+void kvi__async_count_destroy(kvi__async_count *c);                   /* zeroes *c */
+/* What was added since the previous take (read and clear); 0 for a
+ * zeroed (never initialized) counter. */
+int64_t kvi__async_count_take(kvi__async_count *c);
 
 /* ---- cuBLASLt (cuda_rt.c; KVI_ERR_NOT_BUILT without it) ------------------- */
 

@@ -23,6 +23,25 @@ extern "C" {
 #define KVI__FP8_STORE_MAX 448.0f
 #define KVI__FP8_SCALE_MIN 0x1p-126f
 
+#ifdef __CUDACC__
+#define KVI__HOST_DEVICE __host__ __device__
+#else
+#define KVI__HOST_DEVICE
+#endif
+
+/* The one computation of that scale, for the CPU (lib/convert.c) and the
+ * kernels (cuda/vec.cuh) alike: one fp32 division rounded to nearest
+ * (__fdiv_rn on the device, never contracted or approximated), then the
+ * floor. */
+static inline KVI__HOST_DEVICE float kvi__fp8_scale_of(float amax) {
+#ifdef __CUDA_ARCH__
+  const float s = __fdiv_rn(amax, KVI__FP8_STORE_MAX);
+#else
+  const float s = amax / KVI__FP8_STORE_MAX;
+#endif
+  return s < KVI__FP8_SCALE_MIN ? KVI__FP8_SCALE_MIN : s;
+}
+
 /* Pages handled by one launch; the list travels by value in the kernel's
  * parameters (1 KiB), so a launch needs no device-side table. */
 #define KVI__LAUNCH_PAGES 256

@@ -190,14 +190,6 @@ out:
 /* CUDA: state                                                              */
 /* ------------------------------------------------------------------------ */
 
-typedef struct sslot {
-  char *host; /* pinned: upload (plan, host queries), then results for host outputs */
-  size_t bytes;
-  struct CUevent_st *ev; /* recorded after the slot's last copy */
-  bool used;
-  bool busy; /* a call is still copying host results out of it */
-} sslot;
-
 typedef struct kvi__search kvi__search;
 
 struct kvi__search {
@@ -206,11 +198,11 @@ struct kvi__search {
   size_t ws_bytes;
   struct CUevent_st *done; /* end of the last search */
   bool done_recorded;
-  sslot slot[SLOTS];
-  int next;
-  pthread_cond_t cond; /* a slot stopped being busy */
-  unsigned long long *bad_host, *bad_dev;
-  unsigned long long bad_taken;
+  /* SLOTS pinned slots: upload (plan, host queries), then results for host
+   * outputs; each guarded by its last copy, and held (under the store's
+   * lock) until a call has copied its host results out */
+  kvi__ring ring;
+  kvi__async_count bad; /* invalid device queries */
   int sms;
 };
 
@@ -220,19 +212,14 @@ static void search_release(kvi_store *s) {
   if (!x) return;
   kvi__devguard g;
   if (kvi__cuda_enter(s->device, &g, "kvi_store_destroy") == KVI_OK) {
-    for (int i = 0; i < SLOTS; i++) {
-      if (x->slot[i].used) kvi__cuda_event_sync(x->slot[i].ev, "kvi_store_destroy");
-      kvi__cuda_host_free(x->slot[i].host);
-      kvi__cuda_event_destroy(x->slot[i].ev);
-    }
+    kvi__ring_destroy(&x->ring, "kvi_store_destroy");
     if (x->done_recorded) kvi__cuda_event_sync(x->done, "kvi_store_destroy");
     kvi__cuda_event_destroy(x->done);
     kvi__cuda_free(x->ws);
-    kvi__cuda_host_free(x->bad_host);
+    kvi__async_count_destroy(&x->bad);
     kvi__lt_destroy(x->lt);
     kvi__cuda_leave(&g);
   }
-  pthread_cond_destroy(&x->cond);
   free(x);
   s->search.ws = NULL;
   s->search.release = NULL;
@@ -243,16 +230,11 @@ static kvi_status search_state(kvi_store *s, const char *fn) {
   if (s->search.ws) return KVI_OK;
   kvi__search *x = calloc(1, sizeof *x);
   if (!x) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the search state");
-  if (pthread_cond_init(&x->cond, NULL) != 0) {
-    free(x);
-    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "initializing a condition variable");
-  }
   s->search.ws = x;
   s->search.release = search_release;
   kvi_status st = kvi__cuda_event_create(&x->done, fn);
-  for (int i = 0; i < SLOTS && st == KVI_OK; i++) st = kvi__cuda_event_create(&x->slot[i].ev, fn);
-  if (st == KVI_OK) st = kvi__cuda_host_alloc_mapped((void **)&x->bad_host, (void **)&x->bad_dev, 64, fn);
-  if (st == KVI_OK) *x->bad_host = 0;
+  if (st == KVI_OK) st = kvi__ring_init(&x->ring, SLOTS, 0, KVI__RING_GROW, fn);
+  if (st == KVI_OK) st = kvi__async_count_init(&x->bad, fn);
   if (st == KVI_OK) st = kvi__cuda_sm_count(s->device, &x->sms, fn);
   if (st) search_release(s);
   return st;
@@ -263,10 +245,7 @@ KVI_API kvi_status kvi_store_search_async_errors(kvi_store *store, int64_t *out_
   if (!store || !out_bad_queries)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_bad_queries" : "store");
   kvi__store_lock(store);
-  kvi__search *x = store->search.ws;
-  const unsigned long long now = x && x->bad_host ? *(volatile unsigned long long *)x->bad_host : 0;
-  *out_bad_queries = x ? (int64_t)(now - x->bad_taken) : 0;
-  if (x) x->bad_taken = now;
+  *out_bad_queries = store->search.ws ? kvi__async_count_take(&store->search.ws->bad) : 0;
   kvi__store_unlock(store);
   return KVI_OK;
 }
@@ -700,40 +679,6 @@ kvi_status kvi__search_plan_build(const kvi_store *s, plan *p, const uint64_t *t
 
 static size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
 
-/* A free staging slot of at least `bytes` (store locked; may wait for the
- * slot's previous copies, or for a call copying results out of it). */
-static kvi_status take_slot(kvi_store *s, size_t bytes, sslot **out, const char *fn) {
-  kvi__search *x = s->search.ws;
-  sslot *sl = NULL;
-  for (;;) {
-    for (int i = 0; i < SLOTS && !sl; i++) {
-      sslot *c = &x->slot[(x->next + i) % SLOTS];
-      if (!c->busy) {
-        sl = c;
-        x->next = (int)((c - x->slot) + 1) % SLOTS;
-      }
-    }
-    if (sl) break;
-    pthread_cond_wait(&x->cond, &s->lock);
-  }
-  if (sl->used) {
-    kvi_status st = kvi__cuda_event_sync(sl->ev, fn);
-    if (st) return st;
-    sl->used = false;
-  }
-  if (sl->bytes < bytes) {
-    size_t want = bytes > 2 * sl->bytes ? bytes : 2 * sl->bytes;
-    char *h = NULL;
-    kvi_status st = kvi__cuda_host_alloc((void **)&h, want, fn);
-    if (st) return st;
-    kvi__cuda_host_free(sl->host);
-    sl->host = h;
-    sl->bytes = want;
-  }
-  *out = sl;
-  return KVI_OK;
-}
-
 /* Byte layout of a call's upload (plan, host queries), workspace and results. */
 typedef struct layout {
   size_t o_perm, o_tiles, o_blocks, o_sels, o_emits, o_raw, upload; /* in the upload */
@@ -821,7 +766,7 @@ static kvi_status enqueue(kvi_store *s, const plan *p, const layout *l, const vo
   a.nq = nq;
   a.q = ws + l->o_q;
   a.valid = (int32_t *)(ws + l->o_valid);
-  a.bad = x->bad_dev;
+  a.bad = x->bad.dev;
   a.scores = (float *)(ws + l->o_scores);
   a.ps = (float *)(ws + l->o_ps);
   a.pi = (uint64_t *)(ws + l->o_pi);
@@ -880,7 +825,7 @@ static kvi_status cuda_search(kvi_store *s, const void *queries, kvi_dtype qt, k
   plan p;
   memset(&p, 0, sizeof p);
   layout l;
-  sslot *sl = NULL;
+  kvi__ring_slot *sl = NULL;
   bool enqueued = false;
   if (!locked) kvi__store_lock(s);
   if (s->emb_err) {
@@ -893,8 +838,8 @@ static kvi_status cuda_search(kvi_store *s, const void *queries, kvi_dtype qt, k
   if ((st = kvi__search_plan_build(s, &p, tenants, nq, k, area, x->sms, fn))) goto out_leave;
   make_layout(&l, s, &p, nq, k, qt, host_q, host_out, then != NULL);
   if (p.any_gemm && !x->lt && (st = kvi__lt_create(&x->lt, fn))) goto out_leave;
-  if ((st = take_slot(s, l.upload + l.out, &sl, fn))) goto out_leave;
-  sl->busy = true;
+  /* a free slot of the size (waits for its previous copies, or for a call copying results out of it) */
+  if ((st = kvi__ring_acquire(&x->ring, l.upload + l.out, &s->lock, &sl, fn))) goto out_leave;
   write_upload(sl->host, &l, &p, nq);
   if (host_q) memcpy(sl->host + l.o_raw, queries, (size_t)nq * s->emb_dim * kvi_dtype_size(qt));
   if (then && (st = then->prepare(then->ctx, fn))) goto out_leave;
@@ -930,8 +875,7 @@ static kvi_status cuda_search(kvi_store *s, const void *queries, kvi_dtype qt, k
 out_leave:
   if (enqueued) { /* ordering is kept even for a failed call: what was enqueued may run */
     kvi__search *x2 = s->search.ws;
-    kvi_status s1 = kvi__cuda_event_record(sl->ev, stream, fn);
-    if (s1 == KVI_OK) sl->used = true;
+    kvi_status s1 = kvi__ring_record(sl, stream, fn);
     kvi_status s2 = kvi__cuda_event_record(x2->done, stream, fn);
     if (s2 == KVI_OK) {
       x2->done_recorded = true;
@@ -941,15 +885,12 @@ out_leave:
   }
   kvi__cuda_leave(&g);
 out_unlock:
-  if (sl && !(st == KVI_OK && host_out)) {
-    sl->busy = false;
-    pthread_cond_broadcast(&s->search.ws->cond);
-  }
+  if (sl && !(st == KVI_OK && host_out)) kvi__ring_release(&s->search.ws->ring, sl);
   if (!locked) kvi__store_unlock(s);
   if (sl && st == KVI_OK && host_out) {
     /* wait for this search's results only, outside the lock (unless the
      * caller holds it); the slot stays ours */
-    st = kvi__cuda_event_sync(sl->ev, fn);
+    st = kvi__ring_wait(sl, fn);
     if (st == KVI_OK) {
       const char *r = sl->host + l.upload;
       memcpy(out_ids, r, (size_t)nq * k * sizeof(uint64_t));
@@ -958,8 +899,7 @@ out_unlock:
       if (then) memcpy(out_tokens, r + (l.o_out_tokens - l.o_out_ids), (size_t)nq * sizeof(int32_t));
     }
     if (!locked) kvi__store_lock(s);
-    sl->busy = false;
-    pthread_cond_broadcast(&s->search.ws->cond);
+    kvi__ring_release(&s->search.ws->ring, sl);
     if (!locked) kvi__store_unlock(s);
   }
   kvi__search_plan_free(&p);

@@ -160,12 +160,13 @@ static kvi_status cuda_copy_host(const kvi_store *s, const kvi_kv_view *v, const
                                  int32_t tokens, bool to_pages, float *raw, const char *fn) {
   const uint32_t npages = pages_for(s, tokens);
   char *stage[KVI__LAUNCH_PAGES];
-  kvi_status st = KVI_OK;
+  kvi__ring_slot *sl = NULL; /* the ring's bookkeeping changes, not the store */
+  kvi_status st = kvi__ring_acquire((kvi__ring *)&s->staging, (size_t)s->staging_pages * s->page_bytes, NULL, &sl, fn);
   for (uint32_t p0 = 0; p0 < npages && st == KVI_OK; p0 += s->staging_pages) {
     const uint32_t n = npages - p0 < s->staging_pages ? npages - p0 : s->staging_pages;
     const int32_t tok0 = (int32_t)p0 * s->P;
     const int32_t ntok = tokens - tok0 < (int32_t)n * s->P ? tokens - tok0 : (int32_t)n * s->P;
-    for (uint32_t i = 0; i < n; i++) stage[i] = s->staging + (uint64_t)i * s->page_bytes;
+    for (uint32_t i = 0; i < n; i++) stage[i] = sl->host + (uint64_t)i * s->page_bytes;
     if (to_pages) cpu_copy(s, v, tok0, ntok, stage, true, raw);
     for (uint32_t i = 0; i < n && st == KVI_OK;) {
       uint32_t run = 1;
@@ -176,7 +177,8 @@ static kvi_status cuda_copy_host(const kvi_store *s, const kvi_kv_view *v, const
                     : kvi__cuda_d2h(stage[i], dev, bytes, s->copy_stream, fn);
       i += run;
     }
-    kvi_status st2 = kvi__cuda_sync(s->copy_stream, fn); /* staging is reused next round */
+    kvi_status st2 = kvi__ring_record(sl, s->copy_stream, fn); /* staging is reused next round */
+    if (st2 == KVI_OK) st2 = kvi__ring_wait(sl, fn);
     if (st == KVI_OK) st = st2;
     if (st == KVI_OK && !to_pages) cpu_copy(s, v, tok0, ntok, stage, false, raw);
   }
@@ -191,7 +193,7 @@ static kvi_status copy_fact(const kvi_store *s, const kvi_kv_view *v, const uint
   const bool host_tier = s->backend == KVI_BACKEND_CUDA && page_on_host_tier(s, pages[0]);
   if (host_tier && v->memory == KVI_MEMORY_HOST && !to_pages && move_outstanding(s)) {
     /* a demotion may still be writing these pages */
-    kvi_status st = kvi__cuda_event_sync(s->track_ev[s->tier.move_seq % KVI__TRACK_EVENTS], fn);
+    kvi_status st = kvi__events_sync((kvi__events *)&s->track, s->tier.move_seq, fn);
     if (st) return st;
   }
   if (s->backend == KVI_BACKEND_CPU || (host_tier && v->memory == KVI_MEMORY_HOST)) {
@@ -266,11 +268,11 @@ static void release_memory(kvi_store *s) {
       kvi__cuda_free(s->pool.dev.base);
       kvi__cuda_host_free(s->pool.host.base);
       kvi__cuda_event_destroy(s->tier.prefetch_ev);
-      kvi__cuda_host_free(s->staging);
+      kvi__ring_destroy(&s->staging, "kvi_store_destroy");
       kvi__cuda_stream_destroy(s->copy_stream);
-      for (int i = 0; i < KVI__TRACK_EVENTS; i++) kvi__cuda_event_destroy(s->track_ev[i]);
+      kvi__events_destroy(&s->track);
       if (s->emb_stream) kvi__cuda_sync(s->emb_stream, "kvi_store_destroy");
-      kvi__cuda_host_free(s->emb_stage);
+      kvi__ring_destroy(&s->emb_stage, "kvi_store_destroy");
       kvi__cuda_event_destroy(s->emb_ready);
       kvi__cuda_stream_destroy(s->emb_stream);
       kvi__cuda_leave(&g);
@@ -282,14 +284,14 @@ static void release_memory(kvi_store *s) {
   free(s->deferred_tag);
   s->deferred_page = NULL;
   s->deferred_tag = NULL;
-  memset(s->track_ev, 0, sizeof s->track_ev);
+  memset(&s->track, 0, sizeof s->track);
   s->pool.dev.base = NULL;
   s->pool.host.base = NULL;
   s->pool.host_dev = NULL;
   s->tier.prefetch_ev = NULL;
-  s->staging = NULL;
+  memset(&s->staging, 0, sizeof s->staging);
   s->copy_stream = NULL;
-  s->emb_stage = NULL;
+  memset(&s->emb_stage, 0, sizeof s->emb_stage);
   s->emb_ready = NULL;
   s->emb_stream = NULL;
 }
@@ -311,12 +313,11 @@ static kvi_status reserve_memory(kvi_store *s, const char *fn) {
   kvi_status st;
   WITH_DEVICE(s, fn, st, kvi__cuda_malloc((void **)&s->pool.dev.base, (size_t)bytes, fn));
   if (st == KVI_OK)
-    WITH_DEVICE(s, fn, st,
-                kvi__cuda_host_alloc((void **)&s->staging, (size_t)s->staging_pages * s->page_bytes, fn));
+    WITH_DEVICE(s, fn, st, kvi__ring_init(&s->staging, 1, (size_t)s->staging_pages * s->page_bytes, 0, fn));
   if (st == KVI_OK) WITH_DEVICE(s, fn, st, kvi__cuda_stream_create(&s->copy_stream, fn));
-  for (int i = 0; i < KVI__TRACK_EVENTS && st == KVI_OK; i++)
-    WITH_DEVICE(s, fn, st, kvi__cuda_event_create(&s->track_ev[i], fn));
+  if (st == KVI_OK) WITH_DEVICE(s, fn, st, kvi__events_init(&s->track, KVI__TRACK_EVENTS, fn));
   if (st == KVI_OK && s->emb_dim > 0) WITH_DEVICE(s, fn, st, kvi__cuda_stream_create(&s->emb_stream, fn));
+  if (st == KVI_OK && s->emb_dim > 0) WITH_DEVICE(s, fn, st, kvi__ring_init(&s->emb_stage, 1, 0, KVI__RING_GROW, fn));
   if (st == KVI_OK && s->emb_dim > 0) WITH_DEVICE(s, fn, st, kvi__cuda_event_create(&s->emb_ready, fn));
   const uint64_t hbytes = (uint64_t)s->pool.host.npages * s->page_bytes;
   if (st == KVI_OK && s->pool.host.npages > 0) {
@@ -735,23 +736,21 @@ static kvi_status stage_reserve(kvi_store *s, size_t n, const char *fn) {
     s->stage_reserved += (uint32_t)n;
     return KVI_OK;
   }
-  kvi_status st = KVI_OK;
-  if (s->stage_used > 0) WITH_DEVICE(s, fn, st, kvi__cuda_sync(s->emb_stream, fn)); /* its copies are done */
+  const size_t want = s->stage_reserved + n;
+  size_t cap = s->stage_cap;
+  if (want > cap) {
+    if (want > UINT32_MAX / 2) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%zu embeddings in one call", want);
+    cap = (1u << 20) / s->stage_row_bytes;
+    cap = cap < 4 ? 4 : cap > 256 ? 256 : cap;
+    if (cap < 2 * want) cap = 2 * want; /* more than twice the old slot: the ring grows to exactly this */
+  }
+  kvi_status st;
+  kvi__ring_slot *sl;
+  /* waits for the copies of the rows in flight; grows the slot */
+  WITH_DEVICE(s, fn, st, kvi__ring_acquire(&s->emb_stage, cap * s->stage_row_bytes, NULL, &sl, fn));
   if (st) return st;
   s->stage_used = 0;
-  const size_t want = s->stage_reserved + n;
-  if (want > s->stage_cap) {
-    if (want > UINT32_MAX / 2) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%zu embeddings in one call", want);
-    size_t cap = (1u << 20) / s->stage_row_bytes;
-    cap = cap < 4 ? 4 : cap > 256 ? 256 : cap;
-    if (cap < 2 * want) cap = 2 * want;
-    char *p = NULL;
-    WITH_DEVICE(s, fn, st, kvi__cuda_host_alloc((void **)&p, cap * s->stage_row_bytes, fn));
-    if (st) return st;
-    kvi__cuda_host_free(s->emb_stage);
-    s->emb_stage = p;
-    s->stage_cap = (uint32_t)cap;
-  }
+  s->stage_cap = (uint32_t)cap;
   s->stage_reserved += (uint32_t)n;
   return KVI_OK;
 }
@@ -840,11 +839,13 @@ static void emb_append(kvi_store *s, tenant *t, fact *f, const float *e) {
     return;
   }
   if (s->stage_reserved > 0) s->stage_reserved--;
-  char *row = s->emb_stage + (size_t)s->stage_used++ * s->stage_row_bytes;
+  kvi__ring_slot *sl = &s->emb_stage.slot[0];
+  char *row = sl->host + (size_t)s->stage_used++ * s->stage_row_bytes;
   memset(row, 0, rb); /* the padding elements */
   kvi__convert(row, s->emb_dtype, e, KVI_DTYPE_FP32, s->emb_dim);
   kvi_status st;
   WITH_DEVICE(s, emb_fn, st, kvi__cuda_h2d((char *)t->emb + r * rb, row, rb, s->emb_stream, emb_fn));
+  if (st == KVI_OK) WITH_DEVICE(s, emb_fn, st, kvi__ring_record(sl, s->emb_stream, emb_fn)); /* the slot's reuse waits */
   if (st == KVI_OK) WITH_DEVICE(s, emb_fn, st, dir_write(s, t, f, r));
   if (st == KVI_OK) WITH_DEVICE(s, emb_fn, st, emb_publish(s));
   emb_latch(s, st);
@@ -903,23 +904,16 @@ static uint32_t deferred_in(const kvi_store *s, const pool *p) {
   return n;
 }
 
-/* Advances track_done past completed events and frees the deferred pages
+/* Advances track.done past completed events and frees the deferred pages
  * that were only waiting for them. `wait`: block for every outstanding event. */
 static kvi_status reap(kvi_store *s, bool wait, const char *fn) {
-  while (s->track_done < s->track_next) {
-    struct CUevent_st *e = s->track_ev[s->track_done % KVI__TRACK_EVENTS];
-    if (wait) {
-      kvi_status st;
-      WITH_DEVICE(s, fn, st, kvi__cuda_event_sync(e, fn));
-      if (st) return st;
-    } else if (!kvi__cuda_event_done(e)) {
-      break;
-    }
-    s->track_done++;
-  }
+  kvi_status st = KVI_OK;
+  if (wait) WITH_DEVICE(s, fn, st, kvi__events_retire(&s->track, true, fn));
+  else st = kvi__events_retire(&s->track, false, fn); /* queries events only */
+  if (st) return st;
   uint32_t keep = 0;
   for (uint32_t i = 0; i < s->ndeferred; i++) {
-    if (s->deferred_tag[i] <= s->track_done) {
+    if (s->deferred_tag[i] <= s->track.done) {
       pool *p = pool_of(s, s->deferred_page[i]);
       p->free[p->nfree++] = s->deferred_page[i];
     } else {
@@ -933,23 +927,17 @@ static kvi_status reap(kvi_store *s, bool wait, const char *fn) {
 
 kvi_status kvi__store_track(kvi_store *s, struct CUstream_st *stream, const char *fn) {
   if (s->backend != KVI_BACKEND_CUDA) return KVI_OK;
-  kvi_status st;
-  if (s->track_next - s->track_done == KVI__TRACK_EVENTS) { /* ring full: wait for the oldest */
-    WITH_DEVICE(s, fn, st, kvi__cuda_event_sync(s->track_ev[s->track_done % KVI__TRACK_EVENTS], fn));
-    if (st) return st;
-    s->track_done++;
-  }
-  WITH_DEVICE(s, fn, st, kvi__cuda_event_record(s->track_ev[s->track_next % KVI__TRACK_EVENTS], stream, fn));
-  if (st == KVI_OK) s->track_next++;
+  kvi_status st; /* all KVI__TRACK_EVENTS in flight: waits for the oldest */
+  WITH_DEVICE(s, fn, st, kvi__events_record(&s->track, stream, NULL, fn));
   return st;
 }
 
 static void release_pages(kvi_store *s, const uint32_t *pages, uint32_t n) {
-  const bool defer = s->backend == KVI_BACKEND_CUDA && s->track_done < s->track_next;
+  const bool defer = s->backend == KVI_BACKEND_CUDA && s->track.done < s->track.next;
   for (uint32_t i = 0; i < n; i++) {
     if (defer) {
       s->deferred_page[s->ndeferred] = pages[i];
-      s->deferred_tag[s->ndeferred++] = s->track_next;
+      s->deferred_tag[s->ndeferred++] = s->track.next;
     } else {
       pool *p = pool_of(s, pages[i]);
       p->free[p->nfree++] = pages[i];
@@ -1010,31 +998,22 @@ void kvi__store_touch(kvi_store *s, fact *f) {
   f->in_lru = true;
 }
 
-/* Whether the last tier move may still be running. Its event is still in
- * the ring while move_seq >= track_done (kvi__store_track retires the
- * oldest before reusing a slot). */
+/* Whether the last tier move may still be running (its number is still in
+ * the tracker: kvi__events_record retires the oldest before reusing one). */
 static bool move_outstanding(const kvi_store *s) {
-  return s->tier.move_pending && s->tier.move_seq >= s->track_done &&
-         !kvi__cuda_event_done(s->track_ev[s->tier.move_seq % KVI__TRACK_EVENTS]);
+  return s->tier.move_pending && kvi__events_pending(&s->track, s->tier.move_seq);
 }
 
 /* Makes `stream` wait for the last tier move if it may not have completed
  * (no-op otherwise, and on stores without a host tier). */
 static kvi_status order_moves(kvi_store *s, struct CUstream_st *stream, const char *fn) {
   if (s->pool.host.npages == 0 || !move_outstanding(s)) return KVI_OK;
-  return kvi__cuda_stream_wait(stream, s->track_ev[s->tier.move_seq % KVI__TRACK_EVENTS], fn);
+  return kvi__events_order(&s->track, s->tier.move_seq, stream, fn);
 }
 
 /* Makes `on` wait for every tracked device operation that may still run. */
 static kvi_status wait_tracked(kvi_store *s, struct CUstream_st *on, const char *fn) {
-  for (uint64_t q = s->track_done; q < s->track_next; q++) {
-    struct CUevent_st *e = s->track_ev[q % KVI__TRACK_EVENTS];
-    if (!kvi__cuda_event_done(e)) {
-      kvi_status st = kvi__cuda_stream_wait(on, e, fn);
-      if (st) return st;
-    }
-  }
-  return KVI_OK;
+  return kvi__events_order_all(&s->track, on, fn);
 }
 
 /* Makes `need` host-tier pages free if it can: completed work first, then
@@ -1181,9 +1160,9 @@ static kvi_status tier_move(kvi_store *s, fact *const *up, size_t nup, uint32_t 
   const bool enqueued = st == KVI_OK && (nvict > 0 || nup > 0);
   if (enqueued) st = kvi__store_track(s, s->copy_stream, fn);
   if (st == KVI_OK && enqueued) {
-    s->tier.move_seq = s->track_next - 1;
+    s->tier.move_seq = s->track.next - 1;
     s->tier.move_pending = true;
-    if (stream != s->copy_stream) st = kvi__cuda_stream_wait(stream, s->track_ev[s->tier.move_seq % KVI__TRACK_EVENTS], fn);
+    if (stream != s->copy_stream) st = kvi__events_order(&s->track, s->tier.move_seq, stream, fn);
   } else if (st != KVI_OK) { /* nothing swapped; the pages written stay free once the copies are over */
     kvi__cuda_sync(s->copy_stream, fn);
     for (size_t i = 0; i < nv; i++) vict[i]->pins--;

@@ -138,17 +138,19 @@ struct kvi_store {
   kvi__store_pools pool;
   kvi__store_index index;
   kvi__store_tier tier;
-  /* CUDA stores: pinned staging and a private stream for host copies */
-  char *staging;
+  /* CUDA stores: pinned staging (a ring of one slot of staging_pages pages)
+   * and a private stream for host copies */
+  kvi__ring staging;
   uint32_t staging_pages;
   struct CUstream_st *copy_stream;
   /* Embeddings (see struct tenant). emb_ld is emb_dim rounded up to 16 bytes
    * on a CUDA store. On a CUDA store every change to a device matrix is
    * enqueued on emb_stream, which first waits for every search enqueued
    * before it (search.c), and emb_ready is recorded after it; a search waits
-   * for emb_ready. Rows put from the host go through emb_stage, a pinned
-   * ring of stage_cap rows (stage_used in flight, stage_reserved promised to
-   * the call holding the lock). A failure to enqueue such a change (a dead
+   * for emb_ready. Rows put from the host go through emb_stage, a staging
+   * ring of one slot of stage_cap rows (stage_used in flight, stage_reserved
+   * promised to the call holding the lock; the slot's event follows the last
+   * row's copy). A failure to enqueue such a change (a dead
    * context, in practice) is latched in emb_err and fails every later
    * search. */
   kvi_dtype emb_dtype;
@@ -159,17 +161,16 @@ struct kvi_store {
   struct CUstream_st *emb_stream;
   struct CUevent_st *emb_ready;
   bool emb_ready_recorded;
-  char *emb_stage;
+  kvi__ring emb_stage;
   size_t stage_row_bytes;
   uint32_t stage_cap, stage_used, stage_reserved;
   kvi_status emb_err;
   char emb_err_msg[256];
   /* Stream-ordered deferred frees (CUDA stores). Device work touching pages
-   * records track_ev[seq % N] as event number seq; all events < track_done
-   * have completed. A page freed while events < tag were outstanding waits
-   * in `deferred` until track_done >= tag. */
-  struct CUevent_st *track_ev[KVI__TRACK_EVENTS];
-  uint64_t track_next, track_done;
+   * records the next event number in `track` (KVI__TRACK_EVENTS events); all
+   * numbers < track.done have completed. A page freed while numbers < tag
+   * were outstanding waits in `deferred` until track.done >= tag. */
+  kvi__events track;
   uint32_t *deferred_page;
   uint64_t *deferred_tag;
   uint32_t ndeferred;

@@ -37,14 +37,6 @@
  * is no longer the bottleneck, so a call is one launch up to this size. */
 #define CAPTURE_CHUNK 65536
 
-typedef struct slot {
-  char *host; /* pinned */
-  char *dev;
-  struct CUevent_st *ev; /* recorded after the last launch that reads dev */
-  struct CUevent_st *up; /* recorded after dev's upload (on up_stream) */
-  bool used;
-} slot;
-
 /* What an injector and an encoder share. */
 typedef struct xfer {
   kvi_store *store;
@@ -62,12 +54,11 @@ typedef struct xfer {
   char *dev_tables; /* xlayer[L] | k_scale[L*H] | v_scale[L*H] | inv_freq... | tables... */
   kvi__xlayer *d_layers;
   float *d_kscale, *d_vscale;
-  slot slots[SLOTS];
+  kvi__ring ring; /* SLOTS staging slots (pinned host and device buffers), each guarded by the last launch that read it */
+  struct CUevent_st *up[SLOTS]; /* slot i's: recorded after its device buffer's upload (on up_stream) */
   struct CUstream_st *up_stream; /* plan uploads (see upload()) */
   size_t slot_bytes;
-  int next_slot;
-  unsigned long long *skipped_host, *skipped_dev; /* mapped pinned counter */
-  unsigned long long skipped_taken;
+  kvi__async_count skipped; /* tokens and ids the kernels skipped */
   struct CUevent_st *emb_read; /* recorded after a device-planned batch's reads of the store's rows */
   uint64_t small[KVI__INLINE_PLAN / 8]; /* host buffer of plans that travel in the kernel parameters */
 } xfer;
@@ -121,17 +112,12 @@ static void xfer_release(xfer *x) {
     kvi__devguard g;
     if (kvi__cuda_enter(x->store->device, &g, "kvi_injector_destroy") == KVI_OK) {
       if (x->up_stream) kvi__cuda_sync(x->up_stream, "kvi_injector_destroy"); /* uploads of failed launches */
-      for (int i = 0; i < SLOTS; i++) {
-        if (x->slots[i].used) kvi__cuda_event_sync(x->slots[i].ev, "kvi_injector_destroy");
-        kvi__cuda_host_free(x->slots[i].host);
-        kvi__cuda_free(x->slots[i].dev);
-        kvi__cuda_event_destroy(x->slots[i].ev);
-        kvi__cuda_event_destroy(x->slots[i].up);
-      }
+      kvi__ring_destroy(&x->ring, "kvi_injector_destroy");
+      for (int i = 0; i < SLOTS; i++) kvi__cuda_event_destroy(x->up[i]);
       kvi__cuda_stream_destroy(x->up_stream);
       kvi__cuda_event_destroy(x->emb_read);
       kvi__cuda_free(x->dev_tables);
-      kvi__cuda_host_free(x->skipped_host);
+      kvi__async_count_destroy(&x->skipped);
       kvi__cuda_leave(&g);
     }
   }
@@ -313,16 +299,11 @@ static kvi_status xfer_create(xfer *x, kvi_store *store, const kvi_cache_layout 
   x->slot_bytes = slot_size(&o);
   st = kvi__cuda_sm_count(store->device, &x->sms, fn);
   if (st == KVI_OK) st = upload_tables(x, fn);
-  for (int i = 0; i < SLOTS && st == KVI_OK; i++) {
-    st = kvi__cuda_host_alloc((void **)&x->slots[i].host, x->slot_bytes, fn);
-    if (st == KVI_OK) st = kvi__cuda_malloc((void **)&x->slots[i].dev, x->slot_bytes, fn);
-    if (st == KVI_OK) st = kvi__cuda_event_create(&x->slots[i].ev, fn);
-    if (st == KVI_OK) st = kvi__cuda_event_create(&x->slots[i].up, fn);
-  }
+  if (st == KVI_OK) st = kvi__ring_init(&x->ring, SLOTS, x->slot_bytes, KVI__RING_DEVICE, fn);
+  for (int i = 0; i < SLOTS && st == KVI_OK; i++) st = kvi__cuda_event_create(&x->up[i], fn);
   if (st == KVI_OK) st = kvi__cuda_stream_create(&x->up_stream, fn);
   if (st == KVI_OK) st = kvi__cuda_event_create(&x->emb_read, fn);
-  if (st == KVI_OK) st = kvi__cuda_host_alloc_mapped((void **)&x->skipped_host, (void **)&x->skipped_dev, 64, fn);
-  if (st == KVI_OK) *x->skipped_host = 0;
+  if (st == KVI_OK) st = kvi__async_count_init(&x->skipped, fn);
   kvi__cuda_leave(&g);
   if (st == KVI_OK) return KVI_OK;
 fail:
@@ -403,7 +384,7 @@ typedef struct plan {
   int32_t *tables; /* host block-table slices */
   int32_t nsegs, nreqs, ntok, ntables;
   char *buf;  /* holds all of it: malloc'd (CPU), x->small (inline) or a staging slot's pinned buffer */
-  slot *sl;   /* the staging slot, or NULL */
+  kvi__ring_slot *sl; /* the staging slot, or NULL */
   size_t off; /* where buf lies in the slot (a chunk's plan shares the call's slot) */
   size_t o_reqs, o_pos, o_tab, o_ext, bytes; /* o_ext: the caller's own area, after the tables */
   bool uploaded; /* the caller copied it to the slot's device buffer already */
@@ -449,7 +430,6 @@ static kvi_status check_job(const xfer *x, const job *j, int32_t index, const ch
   return KVI_OK;
 }
 
-static kvi_status take_slot(xfer *x, slot **out, const char *fn);
 
 /* KVI_ERR_CAPACITY when a call is larger than the transfer options allow
  * (counted for the whole call, however it is launched). */
@@ -493,7 +473,7 @@ static kvi_status plan_buffer(plan *p, xfer *x, size_t bytes, bool inline_ok, co
   } else if (inline_ok && bytes <= KVI__INLINE_PLAN) {
     plan_place(p, (char *)x->small);
   } else {
-    kvi_status st = take_slot(x, &p->sl, fn);
+    kvi_status st = kvi__ring_acquire(&x->ring, bytes, NULL, &p->sl, fn); /* x->lock: one call at a time */
     if (st) return st;
     plan_place(p, p->sl->host);
   }
@@ -768,18 +748,6 @@ static void cpu_deviation(const xfer *x, const plan *p, int32_t l, float *out) {
   }
 }
 
-/* Waits for a staging slot, returning its host buffer. */
-static kvi_status take_slot(xfer *x, slot **out, const char *fn) {
-  slot *sl = &x->slots[x->next_slot];
-  x->next_slot = (x->next_slot + 1) % SLOTS;
-  if (sl->used) {
-    kvi_status st = kvi__cuda_event_sync(sl->ev, fn);
-    if (st) return st;
-  }
-  *out = sl;
-  return KVI_OK;
-}
-
 static kvi_status launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool inject, struct CUstream_st *stream,
                          const char *fn);
 
@@ -815,12 +783,13 @@ int32_t kvi__layers_per_cta(int32_t sms, int32_t nsegs, int32_t nl) {
 /* Uploads a plan from its slot on the injector's own stream and orders
  * `stream` after the copy: the upload then overlaps whatever `stream` still
  * runs before the call (an engine's previous step) instead of queueing
- * behind it. The slot's device buffer is free: take_slot waited for the
- * last launch that read it. */
+ * behind it. The slot's device buffer is free: acquiring the slot waited
+ * for the last launch that read it. */
 static kvi_status upload(xfer *x, const plan *p, struct CUstream_st *stream, const char *fn) {
+  struct CUevent_st *up = x->up[p->sl - x->ring.slot];
   kvi_status st = kvi__cuda_h2d(p->sl->dev + p->off, p->buf, p->bytes, x->up_stream, fn);
-  if (st == KVI_OK) st = kvi__cuda_event_record(p->sl->up, x->up_stream, fn);
-  if (st == KVI_OK) st = kvi__cuda_stream_wait(stream, p->sl->up, fn);
+  if (st == KVI_OK) st = kvi__cuda_event_record(up, x->up_stream, fn);
+  if (st == KVI_OK) st = kvi__cuda_stream_wait(stream, up, fn);
   return st;
 }
 
@@ -876,7 +845,7 @@ static kvi_status xfer_args(xfer *x, const plan *p, int32_t lb, int32_t le, bool
   a->half_max = x->half_max;
   a->inject = inject;
   a->vec = xfer_vec(x);
-  a->skipped = x->skipped_dev;
+  a->skipped = x->skipped.dev;
   return KVI_OK;
 }
 
@@ -884,10 +853,7 @@ static kvi_status xfer_args(xfer *x, const plan *p, int32_t lb, int32_t le, bool
  * store's in-flight tracking. */
 static kvi_status launched(xfer *x, const plan *p, struct CUstream_st *stream, const char *fn) {
   kvi_status st;
-  if (p->sl) {
-    if ((st = kvi__cuda_event_record(p->sl->ev, stream, fn))) return st;
-    p->sl->used = true;
-  }
+  if (p->sl && (st = kvi__ring_record(p->sl, stream, fn))) return st;
   return kvi__store_track(x->store, stream, fn);
 }
 
@@ -1317,9 +1283,7 @@ KVI_API kvi_status kvi_injector_async_errors(kvi_injector *injector, int64_t *ou
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", injector ? "out_skipped" : "injector");
   xfer *x = &injector->x;
   pthread_mutex_lock(&x->lock);
-  unsigned long long now = x->skipped_host ? *(volatile unsigned long long *)x->skipped_host : 0;
-  *out_skipped = (int64_t)(now - x->skipped_taken);
-  x->skipped_taken = now;
+  *out_skipped = kvi__async_count_take(&x->skipped);
   pthread_mutex_unlock(&x->lock);
   return KVI_OK;
 }
@@ -1883,7 +1847,7 @@ static kvi_status plan_and_inject(xfer *x, plan *p, int32_t n, int32_t k, const 
   a.segs = (kvi__xseg *)dev;
   a.out_counts = out_counts;
   a.out_tokens = out_tokens;
-  a.skipped = x->skipped_dev;
+  a.skipped = x->skipped.dev;
 #ifdef KVI_HAVE_CUDA
   const int err = kvi__cuda_retrieve_plan(&a, stream);
   if (err) return kvi__cuda_error(err, fn, "retrieve plan kernel launch");
@@ -2157,7 +2121,7 @@ static kvi_status batch_on_device(xfer *x, const kvi_inject_batch *b, int32_t lb
         la.fact_ids = b->fact_ids;
         la.rows = rows;
         la.counts = counts;
-        la.skipped = x->skipped_dev;
+        la.skipped = x->skipped.dev;
         enqueued = true;
 #ifdef KVI_HAVE_CUDA
         const int err = kvi__cuda_lookup_ids(&la, stream);

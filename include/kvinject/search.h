@@ -162,12 +162,19 @@ KVI_API kvi_status kvi_store_search(kvi_store *store, const void *queries, int32
                                     struct CUstream_st *stream);
 
 /*
- * Number of device queries that searches on this store found to contain NaN
- * or infinity (each answered with count 0) since the previous call of this
- * function, into *out_bad_queries (host memory). It counts searches that
- * have completed on the device: synchronize their streams first to see all.
- * Always 0 for a CPU store, which rejects such queries when called.
- * Errors: KVI_ERR_INVALID_ARGUMENT (NULL). Thread-safe.
+ * The store's asynchronous search errors, reported as every handle reports
+ * them (kvinject/inject.h, kvi_injector_async_errors):
+ * - Counted: device queries that searches on this store (kvi_store_search,
+ *   kvi_retrieve_inject) found to contain NaN or infinity, each answered
+ *   with count 0.
+ * - Read: the count in host memory that completed searches have added to;
+ *   the call never waits for the device, so synchronize the streams of the
+ *   searches of interest first to see all of them.
+ * - Reading clears: *out_bad_queries (host memory) is what was added since
+ *   the previous call of this function (0: nothing).
+ * - Threads: thread-safe (it takes the store's lock). Always 0 for a CPU
+ *   store, which rejects such queries when called.
+ * Errors: KVI_ERR_INVALID_ARGUMENT (NULL).
  */
 KVI_API kvi_status kvi_store_search_async_errors(kvi_store *store, int64_t *out_bad_queries);
 

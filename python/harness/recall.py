@@ -23,6 +23,10 @@ token ids at the same positions, so only the fact KV differs:
   tokens of its own conversation before it (w0: alone, at position 0; wall:
   after the whole preceding conversation), its span captured pre-RoPE into a
   store, injected (kvi_inject rotates the keys where they land);
+- a<N>-<store>: as w<N>, each fact's window after the prompt's header;
+- n<N>-<store>: notes encoding: each fact prefilled after the prompt's header
+  and the user's N facts said before it, as notes (nall: after all of them,
+  one prefill per user), as they would stand in a prompt;
 - none: no memory (the header without the notes, then the question; run once
   per question).
 
@@ -61,9 +65,13 @@ METHODS (name prefix -> factory) or passed to run(...).
     python3 python/harness/recall.py --model DIR|FILE.gguf [--device cuda]
     python3 python/harness/recall.py --model DIR --users 2 --questions-per-user 3 --ks 5 --check
 
+Retrieval: oracle, search, or prefix (the user's first k facts, said order:
+there nall's context is exactly the prompt's, a check of the notes encoding).
+
 --check (CI): exits 1 unless exact-fp32 has first-token KL < 1e-6 on every
-cell and the same greedy answer as reprefill, and a control (exact with its
-positions shifted by 7) is caught (mean KL > 1e-4). Exit 77 without torch.
+cell and the same greedy answer as reprefill, a control (exact with its
+positions shifted by 7) is caught (mean KL > 1e-4), and, where run, nall-fp32
+has first-token KL < 1e-6 on every prefix cell. Exit 77 without torch.
 """
 from __future__ import annotations
 
@@ -267,12 +275,20 @@ class Bench:
         anchor, every unit starts with the prompt's header (the facts are encoded
         as if they followed the notes' header, as in the prompt); with anchor
         "notes", w counts facts: each fact is encoded after the header and the
-        user's w facts said before it, laid out as in the prompt."""
+        user's w facts said before it (None: all of them), laid out as in the
+        prompt."""
         c = self.corpus
         pre = list(c.header) if anchor else []
         units = []
         for uid, u in c.users.items():
-            if anchor == "notes":
+            if anchor == "notes" and w is None:  # one unit per user: every fact after all earlier ones
+                ids, caps = list(pre), []
+                for f in sorted(u.facts, key=lambda f: f.index):
+                    t = c.fact_ids[(uid, f.index)]
+                    caps.append((uid, f.index, len(ids), len(t)))
+                    ids += t
+                units.append((ids, caps))
+            elif anchor == "notes":
                 for f in u.facts:
                     ids = pre + [t for j in range(max(0, f.index - w), f.index) for t in c.fact_ids[(uid, j)]]
                     t = c.fact_ids[(uid, f.index)]
@@ -770,6 +786,9 @@ def run(args, methods=None):
                 if ret == "oracle":
                     sel = oracle_selection(corpus, q, k, args.seed)
                     rec_k = None
+                elif ret == "prefix":  # the user's first k facts: nall's context is the prompt's own
+                    sel = list(range(min(k, len(corpus.users[q.user].facts))))
+                    rec_k = None
                 else:
                     top = search_hits[q.qid][:k]
                     sel = sorted(top)
@@ -841,6 +860,12 @@ def check(records):
             ctrl.append(c["kl"])
     ok = True
     lines = ["check: %d cells; exact-fp32 max first-token KL vs reprefill %.3e (must be < 1e-6)" % (len(by), worst)]
+    pre = [ms["nall-fp32"] for (ret, _, _), ms in by.items() if ret == "prefix" and "nall-fp32" in ms]
+    if pre:  # the notes encoding over the user's first k facts is the prompt's own prefill
+        w = max(r["kl"] for r in pre)
+        lines.append("check: nall-fp32 on the user's first k facts (retrieval prefix): %d cells, max first-token "
+                     "KL vs reprefill %.3e (must be < 1e-6)" % (len(pre), w))
+        ok &= w < 1e-6
     ok &= worst < 1e-6 and len(by) > 0
     lines.append("check: exact-fp32 greedy answers differing from reprefill: %d %s" % (len(diff), diff[:3]))
     ok &= not diff

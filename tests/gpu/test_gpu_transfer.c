@@ -618,6 +618,177 @@ static void t_deferred_free(void **state) {
   free_world(&w);
 }
 
+/* The injector's staging ring (lib/gpu_ring.c): plans too large for the
+ * kernel parameters go through its two pinned slots, each reused only once
+ * the last launch that read it has completed. Call 0 is held on its stream
+ * (a host function spins until another thread releases it 0.3 s later)
+ * while call 1 takes the second slot and call 2 must wait for the first;
+ * calls 3..5 cycle the ring over three streams. Every call writes its own
+ * blocks with its own positions, so a slot overwritten before its kernel
+ * read it leaves some call's blocks unwritten (poison) or wrong: the device
+ * cache must equal the CPU's bit for bit (a cos/sin table: exact). */
+enum { RING_CALLS = 6, RING_REQS = 4, RING_BLOCKS = 64 };
+
+static void *release_later(void *arg) {
+  (void)arg;
+  usleep(300000);
+  g_release = 1;
+  return NULL;
+}
+
+static void t_staging_ring(void **state) {
+  (void)state;
+  if (g_devices == 0) skip();
+  const scen sc = {2, 2, 64, 16, RING_CALLS * RING_REQS * RING_BLOCKS + 16, 24, 40,
+                   KVI_DTYPE_BF16, KVI_DTYPE_BF16, KVI_CACHE_VLLM_FLASH_ATTN, 2, KVI_SCALE_NONE};
+  world w;
+  make_world(&w, &sc);
+  kvi_injector *hi, *di;
+  CHECK_OK(kvi_injector_create(&hi, w.cpu, &w.hl, NULL));
+  CHECK_OK(kvi_injector_create(&di, w.gpu, &w.dl, NULL));
+  static int32_t tables[RING_CALLS][RING_REQS][RING_BLOCKS];
+  static int32_t pos[RING_CALLS][RING_REQS][RING_BLOCKS * 16];
+  static uint64_t ids[RING_CALLS][RING_REQS][40];
+  static kvi_inject_request rq[RING_CALLS][RING_REQS];
+  for (int c = 0; c < RING_CALLS; c++)
+    for (int r = 0; r < RING_REQS; r++) {
+      const int32_t base = (c * RING_REQS + r) * RING_BLOCKS;
+      for (int b = 0; b < RING_BLOCKS; b++) tables[c][r][b] = base + (RING_BLOCKS - 1 - b); /* descending */
+      for (int i = 0; i < RING_BLOCKS * 16; i++) pos[c][r][i] = (7 + 13 * c + 5 * r + 3 * i) % 4000;
+      for (int f = 0; f < 40; f++) ids[c][r][f] = 100 + (uint64_t)((f + 7 * c + r) % 40);
+      kvi_inject_request_init(&rq[c][r], sizeof rq[c][r]);
+      rq[c][r].tenant = 1;
+      rq[c][r].fact_ids = ids[c][r];
+      rq[c][r].num_facts = 40; /* about 1,000 tokens: the positions alone exceed KVI__INLINE_PLAN */
+      rq[c][r].block_table = tables[c][r];
+      rq[c][r].block_table_len = RING_BLOCKS;
+      rq[c][r].first_slot = 3;
+      rq[c][r].positions = pos[c][r];
+    }
+  for (int c = 0; c < RING_CALLS; c++) CHECK_OK(kvi_inject(hi, rq[c], RING_REQS, NULL, NULL));
+  cudaStream_t s[3];
+  for (int i = 0; i < 3; i++) CUDA_OK(cudaStreamCreateWithFlags(&s[i], cudaStreamNonBlocking));
+  g_release = 0;
+  CUDA_OK(cudaLaunchHostFunc(s[0], hold, NULL));
+  kvi_status st[RING_CALLS];
+  st[0] = kvi_inject(di, rq[0], RING_REQS, NULL, (struct CUstream_st *)s[0]);
+  pthread_t th;
+  const bool threaded = pthread_create(&th, NULL, release_later, NULL) == 0;
+  if (!threaded) g_release = 1; /* never leave the stream held */
+  for (int c = 1; c < RING_CALLS; c++) st[c] = kvi_inject(di, rq[c], RING_REQS, NULL, (struct CUstream_st *)s[c % 3]);
+  if (threaded) pthread_join(th, NULL);
+  g_release = 1;
+  assert_true(threaded);
+  for (int c = 0; c < RING_CALLS; c++) CHECK_OK(st[c]);
+  CUDA_OK(cudaDeviceSynchronize());
+  int64_t skipped = -1;
+  CHECK_OK(kvi_injector_async_errors(di, &skipped));
+  assert_int_equal(skipped, 0);
+  double worst;
+  const size_t bad = compare_caches(&w, true, 0, &worst);
+  if (bad) fail_msg("staging ring: %zu cache elements differ from the CPU injector's", bad);
+  for (int i = 0; i < 3; i++) cudaStreamDestroy(s[i]);
+  kvi_injector_destroy(hi);
+  kvi_injector_destroy(di);
+  free_world(&w);
+}
+
+/* A capture call of more than CAPTURE_CHUNK (65,536, lib/transfer.c)
+ * captures: its two chunk plans share one staging slot, whose event moves to
+ * the second chunk's launch. The stream is held (as above) while two more
+ * calls follow, each plan too large for the kernel parameters: the third
+ * takes the first call's slot again and must wait for its second chunk, or
+ * its upload (on the injector's own stream, not ordered after the held one)
+ * would replace that chunk's plan before the kernel read it. A sample of
+ * every call's facts (the first call's last, the second chunk's only one,
+ * included) must be found and match the CPU encoder's. */
+enum { CHUNK_CAPS = 65537, SMALL_CAPS = 2000 };
+
+static void check_captured(const world *w, uint64_t tenant, int32_t n, int32_t step) {
+  float a[2 * 8], b[2 * 8];
+  kvi_kv_view va, vb;
+  kvi_kv_view_contiguous(&va, KVI_MEMORY_HOST, KVI_DTYPE_FP32, 1, 1, 1, 8, a, a + 8);
+  kvi_kv_view_contiguous(&vb, KVI_MEMORY_HOST, KVI_DTYPE_FP32, 1, 1, 1, 8, b, b + 8);
+  size_t bad = 0;
+  for (int32_t i = 0; i < n; i = i + step < n || i == n - 1 ? i + step : n - 1) {
+    CHECK_OK(kvi_store_read(w->cpu, tenant, (uint64_t)i, &va, NULL));
+    CHECK_OK(kvi_store_read(w->gpu, tenant, (uint64_t)i, &vb, NULL));
+    for (int e = 0; e < 16; e++) /* one bf16 unit: the fp32 un-rotation may round apart */
+      bad += !(fabsf(a[e] - b[e]) <= fabsf(a[e]) * 0x1p-7f + 1e-6f);
+  }
+  if (bad) fail_msg("capture chunks: %zu elements of tenant %llu differ from the CPU encoder's", bad,
+                    (unsigned long long)tenant);
+}
+
+static void t_capture_chunks(void **state) {
+  (void)state;
+  if (g_devices == 0) skip();
+  const scen sc = {1, 1, 8, 16, (CHUNK_CAPS + 2 * SMALL_CAPS) / 16 + 16, 16, 0,
+                   KVI_DTYPE_BF16, KVI_DTYPE_BF16, KVI_CACHE_VLLM_FLASH_ATTN, 2, KVI_SCALE_NONE};
+  world w;
+  make_world(&w, &sc);
+  for (int i = 0; i < w.ntensors; i++) { /* the same bf16 values of rndf() in both caches */
+    uint16_t *h = w.host[i];
+    for (size_t k = 0; k < w.layer_bytes / 2; k++) {
+      const float f = rndf();
+      uint32_t u;
+      memcpy(&u, &f, 4);
+      h[k] = (uint16_t)(u >> 16);
+    }
+    CUDA_OK(cudaMemcpy(w.dev[i], w.host[i], w.layer_bytes, cudaMemcpyHostToDevice));
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+  kvi_transfer_options to = KVI_TRANSFER_OPTIONS_INIT;
+  to.max_requests_per_call = CHUNK_CAPS;
+  kvi_encoder *he, *de;
+  CHECK_OK(kvi_encoder_create(&he, w.cpu, &w.hl, &to));
+  CHECK_OK(kvi_encoder_create(&de, w.gpu, &w.dl, &to));
+  int32_t *table = malloc((size_t)sc.NB * sizeof *table);
+  for (int32_t b = 0; b < sc.NB; b++) table[b] = sc.NB - 1 - b;
+  kvi_capture *caps[3];
+  const int32_t ncaps[3] = {CHUNK_CAPS, SMALL_CAPS, SMALL_CAPS};
+  int64_t slot0 = 0;
+  for (int c = 0; c < 3; c++) {
+    caps[c] = malloc((size_t)ncaps[c] * sizeof *caps[c]);
+    for (int32_t i = 0; i < ncaps[c]; i++) {
+      kvi_capture_init(&caps[c][i], sizeof caps[c][i]);
+      caps[c][i].tenant = 2 + (uint64_t)c;
+      caps[c][i].fact_id = (uint64_t)i;
+      caps[c][i].block_table = table;
+      caps[c][i].block_table_len = sc.NB;
+      caps[c][i].first_slot = slot0 + i;
+      caps[c][i].num_tokens = 1;
+      caps[c][i].start_position = (int32_t)((7 * (slot0 + i) + c) % 4000);
+    }
+    slot0 += ncaps[c];
+    CHECK_OK(kvi_encode(he, caps[c], ncaps[c], NULL));
+  }
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  g_release = 0;
+  CUDA_OK(cudaLaunchHostFunc(s, hold, NULL));
+  kvi_status st[3];
+  st[0] = kvi_encode(de, caps[0], ncaps[0], (struct CUstream_st *)s);
+  pthread_t th;
+  const bool threaded = pthread_create(&th, NULL, release_later, NULL) == 0;
+  if (!threaded) g_release = 1;
+  for (int c = 1; c < 3; c++) st[c] = kvi_encode(de, caps[c], ncaps[c], (struct CUstream_st *)s);
+  if (threaded) pthread_join(th, NULL);
+  g_release = 1;
+  assert_true(threaded);
+  for (int c = 0; c < 3; c++) CHECK_OK(st[c]);
+  CUDA_OK(cudaStreamSynchronize(s));
+  check_captured(&w, 2, CHUNK_CAPS, 97);
+  check_captured(&w, 3, SMALL_CAPS, 7);
+  check_captured(&w, 4, SMALL_CAPS, 7);
+  cudaStreamDestroy(s);
+  for (int c = 0; c < 3; c++) free(caps[c]);
+  free(table);
+  kvi_encoder_destroy(he);
+  kvi_encoder_destroy(de);
+  free_world(&w);
+}
+
 /* kvi_encode on a journaled CUDA store, on a stream the test does not
  * synchronize: the journal waits for the capture kernel before it reads the
  * pages, so the file, loaded into a CPU store, holds the captured facts bit
@@ -1064,6 +1235,14 @@ static void t_deferred_free(void **state) {
   (void)state;
   skip();
 }
+static void t_staging_ring(void **state) {
+  (void)state;
+  skip();
+}
+static void t_capture_chunks(void **state) {
+  (void)state;
+  skip();
+}
 #endif
 
 int main(void) {
@@ -1078,6 +1257,7 @@ int main(void) {
       cmocka_unit_test(t_vt_fp16_table), cmocka_unit_test(t_vt_e5m2_gptj), cmocka_unit_test(t_mixed_bf16),
       cmocka_unit_test(t_mixed_fp8s),
       cmocka_unit_test(t_bad_device_table), cmocka_unit_test(t_table_memory_kind), cmocka_unit_test(t_deferred_free),
+      cmocka_unit_test(t_staging_ring), cmocka_unit_test(t_capture_chunks),
       cmocka_unit_test(t_journal_encode),
       cmocka_unit_test(t_tier_inject),   cmocka_unit_test(t_tier_inflight), cmocka_unit_test(t_tier_prefetch),
       cmocka_unit_test(t_tier_encode),
