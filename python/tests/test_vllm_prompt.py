@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import unittest
 
-from kvinject.vllm import PARAMS_KEY, Keep, capture_prompt, memory_prompt, parse_params
+from kvinject.vllm import PARAMS_KEY, Keep, capture_prompt, memory_prompt, notes_capture_prompts, parse_params
 
 
 class TestPrompts(unittest.TestCase):
@@ -31,6 +31,35 @@ class TestPrompts(unittest.TestCase):
             parse_params(cp.params, 7, embedding_dim=2)
         spec = parse_params({"tenant": 3, "capture": cp.params["capture"][1:]}, 7)
         self.assertEqual((spec.capture_end, spec.claim_end, spec.capture[0].replace), (7, 0, True))
+
+    def test_notes_capture_prompts(self):
+        hdr, facts = [1, 1], [Keep(10, [2, 2]), Keep(11, [3]), Keep(12, [4, 4, 4], embedding=[1.0])]
+        (one,) = notes_capture_prompts(5, hdr, facts)  # every fact after all the earlier ones: one prompt
+        self.assertEqual(one.prompt_token_ids, [1, 1, 2, 2, 3, 4, 4, 4])
+        self.assertEqual(one.params, {"tenant": 5, "capture": [
+            {"fact_id": 10, "start": 2, "length": 2}, {"fact_id": 11, "start": 4, "length": 1},
+            {"fact_id": 12, "start": 5, "length": 3, "embedding": [1.0]}]})
+        # a memory prompt of the same facts in the same order holds each fact where it was captured
+        mp = memory_prompt(5, [(99, hdr)] + [(f.fact_id, f.tokens) for f in facts], [7])
+        self.assertEqual(mp.prompt_token_ids[:-1], one.prompt_token_ids)
+        self.assertEqual([s[1:] for s in mp.params["inject"][1:]], [[c["start"], c["length"]]
+                                                                     for c in one.params["capture"]])
+        w1 = notes_capture_prompts(5, hdr, facts, window=1, tail=[9])
+        self.assertEqual([p.prompt_token_ids for p in w1], [[1, 1, 2, 2, 9], [1, 1, 2, 2, 3, 9], [1, 1, 3, 4, 4, 4, 9]])
+        self.assertEqual([p.params["capture"][0]["start"] for p in w1], [2, 4, 3])
+        self.assertEqual(len(notes_capture_prompts(5, hdr, facts, window=0)[2].prompt_token_ids), 5)
+        kept = notes_capture_prompts(5, Keep(99, hdr), facts, window=1)  # the header captured once, first
+        self.assertEqual([[c["fact_id"] for c in p.params["capture"]] for p in kept], [[99, 10], [11], [12]])
+        self.assertEqual(kept[0].params["capture"][0], {"fact_id": 99, "start": 0, "length": 2})
+        for bad, msg in [(dict(window=-1), "window"), (dict(window=1.5), "window"), (dict(window=True), "window")]:
+            with self.assertRaisesRegex(ValueError, msg):
+                notes_capture_prompts(5, hdr, facts, **bad)
+        with self.assertRaisesRegex(TypeError, "facts\\[0\\]: a Keep"):
+            notes_capture_prompts(5, hdr, [(10, [2])])
+        with self.assertRaisesRegex(ValueError, "facts: none"):
+            notes_capture_prompts(5, hdr, [])
+        with self.assertRaisesRegex(ValueError, "header: no tokens"):
+            notes_capture_prompts(5, [], facts)
 
     def test_refusals_name_the_problem(self):
         good = {"tenant": 1, "inject": [[1, 0, 2], [2, 2, 3]]}

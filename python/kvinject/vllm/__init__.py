@@ -12,7 +12,7 @@
 This package imports neither vLLM nor torch; only the connector module does.
 """
 from .layout import LayoutError, derive_layout
-from .prompt import PARAMS_KEY, Keep, MemoryPrompt, capture_prompt, memory_prompt, parse_params
+from .prompt import PARAMS_KEY, Keep, MemoryPrompt, capture_prompt, memory_prompt, notes_capture_prompts, parse_params
 from .retrieval import MemoryIndex
 
 CONNECTOR = "KVInjectConnector"
@@ -28,4 +28,4 @@ def kv_transfer_config(**extra):
 
 
 __all__ = ["CONNECTOR", "MODULE", "Keep", "LayoutError", "MemoryIndex", "MemoryPrompt", "PARAMS_KEY", "capture_prompt",
-           "derive_layout", "kv_transfer_config", "memory_prompt", "parse_params"]
+           "derive_layout", "kv_transfer_config", "memory_prompt", "notes_capture_prompts", "parse_params"]

@@ -22,7 +22,8 @@ parameters, ``SamplingParams(extra_args={"kv_transfer_params": {"kvinject":
   everything before it). Captured keys are un-rotated at their positions.
 
 :func:`memory_prompt` builds [facts | question] and its inject spans;
-:func:`capture_prompt` builds a prompt from segments, some to be captured.
+:func:`capture_prompt` builds a prompt from segments, some to be captured;
+:func:`notes_capture_prompts` the capture prompts of the notes encoding.
 """
 from __future__ import annotations
 
@@ -127,6 +128,45 @@ def capture_prompt(tenant: int, segments: Sequence[Union[Tokens, Keep]]) -> Memo
             toks = _tokens(seg, "segments[%d]" % i)
         ids += toks
     return MemoryPrompt(ids, {"tenant": int(tenant), "capture": caps})
+
+
+def notes_capture_prompts(tenant: int, header: Union[Tokens, Keep], facts: Sequence[Keep], *,
+                          window: Optional[int] = None, tail: Optional[Tokens] = None) -> List[MemoryPrompt]:
+    """Capture prompts of the notes encoding: each fact prefilled after the
+    memory prompt's header and the facts said before it, laid out as
+    :func:`memory_prompt` lays facts out ([header | fact_1 | fact_2 | ...]).
+    Where a prompt's facts are the same as those before a fact here, its KV is
+    the prompt's own prefill; elsewhere it comes closer than a fact encoded
+    alone or after a window of conversation (BENCHMARKS.md, memory quality).
+
+    header: the tokens before the facts in a memory prompt (system prompt,
+    notes heading): context only, or a :class:`Keep` to capture it too (as
+    the fact that memory prompts inject at position 0), in the first prompt
+    only. facts: :class:`Keep` items in the order the
+    user said them. window None: one prompt, every fact after all the facts
+    before it (each fact's tokens prefilled once); window N >= 0: one prompt per
+    fact, after the N facts before it. tail: tokens after the last kept fact
+    (default none; vLLM prefills the whole prompt either way). Returns the
+    prompts, each with its capture parameters (``sampling_params``)."""
+    keep = header if isinstance(header, Keep) else None
+    header = _tokens(keep.tokens if keep else header, "header")
+    facts = list(facts)
+    for i, f in enumerate(facts):
+        if not isinstance(f, Keep):
+            raise TypeError("facts[%d]: a Keep (fact_id, tokens), not %s" % (i, type(f).__name__))
+    if not facts:
+        raise ValueError("facts: none")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise ValueError("window: None or an int >= 0, not %r" % (window,))
+    end = [list(tail)] if tail else []
+    first = [keep] if keep else [header]
+    if window is None:
+        return [capture_prompt(tenant, first + facts + end)]
+    out = []
+    for i, f in enumerate(facts):
+        ctx = [list(g.tokens) for g in facts[max(0, i - window):i]]
+        out.append(capture_prompt(tenant, (first if i == 0 else [header]) + ctx + [f] + end))
+    return out
 
 
 # ------------------------------------------------------------------ parsing

@@ -51,7 +51,7 @@ def main():
     import vllm
     from transformers import AutoConfig, AutoTokenizer
     from kvinject.errors import KviError
-    from kvinject.vllm import Keep, MemoryIndex, capture_prompt, kv_transfer_config
+    from kvinject.vllm import Keep, MemoryIndex, kv_transfer_config, notes_capture_prompts
 
     tok = AutoTokenizer.from_pretrained(C.MODEL)
     sc = C.Scenario(tok)
@@ -65,10 +65,10 @@ def main():
     def run(prompts, n=C.MAX_TOKENS):
         return C.generate(llm, vllm, prompts, n)
 
-    def capture(t):
-        segs = [Keep(C.HEADER_ID, sc.header, embedding=embed(C.HEADER))]
-        segs += [Keep(f, s, embedding=embed(text)) for f, s, text in zip(C.FACT_IDS, sc.facts[t], C.TENANT_FACTS[t])]
-        run([capture_prompt(t, segs + [sc.questions[0]])], n=1)
+    def capture(t):  # the notes encoding: every fact after the header and the facts before it, one prompt
+        hdr = Keep(C.HEADER_ID, sc.header, embedding=embed(C.HEADER))
+        facts = [Keep(f, s, embedding=embed(text)) for f, s, text in zip(C.FACT_IDS, sc.facts[t], C.TENANT_FACTS[t])]
+        run(notes_capture_prompts(t, hdr, facts, tail=sc.questions[0]), n=1)
 
     capture(1)
     refs = [run([sc.full_prompt(1, q)])[0] for q in range(len(C.QUESTIONS))]
