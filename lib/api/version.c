@@ -2,7 +2,8 @@
  * Version and feature queries.
  * SPDX-License-Identifier: Apache-2.0
  */
-#include "base/base.h"
+#include "gpu/gpu.h"
+#include "tp/tp.h"
 #include "kvi_build_config.h"
 
 KVI_API unsigned kvi_version_number(void) { return KVI_VERSION_NUMBER; }

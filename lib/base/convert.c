@@ -8,7 +8,6 @@
 #include <string.h>
 
 #include "base/base.h"
-#include "gpu/kernels.h"
 
 static inline uint32_t f32_bits(float f) {
   uint32_t u;

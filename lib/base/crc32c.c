@@ -7,7 +7,7 @@
 #include <pthread.h>
 #include <string.h>
 
-#include "persist/persist.h"
+#include "base/base.h"
 
 static uint32_t table[8][256];
 static pthread_once_t table_once = PTHREAD_ONCE_INIT;

@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/base.h"
+#include "gpu/gpu.h"
 
 #ifdef KVI_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -319,7 +319,6 @@ kvi_status kvi__cuda_copy2d(void *dst, size_t dpitch, const void *src, size_t sp
 #ifdef KVI_HAVE_CUBLASLT
 #include <cublasLt.h>
 
-#include "gpu/dynlib.h"
 
 /* libcublasLt.so.<major of the headers>, opened on first use. */
 #define LT_FUNCS(X)                                                                                                \

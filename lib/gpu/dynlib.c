@@ -6,7 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "gpu/dynlib.h"
+#include "gpu/gpu.h"
 
 void kvi__dynlib_open(kvi__dynlib *d) {
   d->status = KVI_ERR_NOT_BUILT;

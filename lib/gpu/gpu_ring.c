@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/base.h"
+#include "gpu/gpu.h"
 
 /* ---- event tracker ---------------------------------------------------------- */
 

@@ -39,9 +39,9 @@
 #include <unistd.h>
 
 #include "base/base.h"
-#include "gpu/kernels.h"
-#include "persist/persist.h"
 #include "store/store.h"
+
+typedef struct kvi__journal kvi__journal;
 
 #define SAVE_OPTIONS_V1 sizeof(kvi_save_options)
 #define LOAD_OPTIONS_V1 sizeof(kvi_load_options)

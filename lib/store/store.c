@@ -18,11 +18,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/base.h"
 #include "gpu/kernels.h"
 #include "kvi_build_config.h"
 #include "store/store.h"
-#include "tp/tp.h"
 
 #define PUT_OPTIONS_V1 sizeof(kvi_put_options)
 #define STORE_STATS_V1 offsetof(kvi_store_stats, pages_host_total) /* the fields before the host tier came first */
@@ -1849,4 +1847,14 @@ KVI_API kvi_status kvi_store_stats_get(const kvi_store *store, kvi_store_stats *
   s.bytes_reserved = s.pages_total * s.page_bytes;
   s.bytes_used = s.pages_used * s.page_bytes;
   return kvi__write_struct(out, &s, sizeof s, STORE_STATS_V1, fn, "out");
+}
+
+/* The rank of a tensor-parallel group that keeps a fact's embedding (a
+ * store with sharded embeddings): a fixed hash of its key. */
+int32_t kvi__emb_rank(uint64_t tenant, uint64_t fact_id, int32_t size) {
+  return (int32_t)(kvi__mix64(kvi__mix64(tenant) ^ fact_id) % (uint64_t)size);
+}
+
+KVI_API int32_t kvi_store_embedding_rank(uint64_t tenant, uint64_t fact_id, int32_t tp_size) {
+  return tp_size < 1 ? -1 : kvi__emb_rank(tenant, fact_id, tp_size);
 }

@@ -13,7 +13,7 @@
 
 #include <pthread.h>
 
-#include "base/base.h"
+#include "gpu/gpu.h"
 
 /* kvi_store_options' first version: the fields before comm (older sizes are accepted) */
 #define KVI__STORE_OPTIONS_V1 offsetof(kvi_store_options, comm)
@@ -120,6 +120,10 @@ typedef struct kvi__store_shard {
   int32_t rank, size;
   bool emb_sharded;
 } kvi__store_shard;
+
+/* The rank of a group of `size` that keeps a fact's embedding when they are
+ * sharded (kvi_store_embedding_rank). */
+int32_t kvi__emb_rank(uint64_t tenant, uint64_t fact_id, int32_t size);
 
 /* A store: its fixed description, then one part per owner. */
 struct kvi_store {

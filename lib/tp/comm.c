@@ -19,7 +19,6 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
-#include "gpu/dynlib.h"
 
 /* libnccl.so.<major of the header>, opened by the first kvi_comm_create_nccl:
  * every other NCCL call is made on a communicator it created. */
@@ -372,12 +371,4 @@ kvi_status kvi__comm_bcast_host(kvi_comm *c, void *buf, size_t bytes, int32_t ro
 #else
   return kvi__fail(KVI_ERR_NOT_BUILT, fn, "no NCCL in this build");
 #endif
-}
-
-int32_t kvi__emb_rank(uint64_t tenant, uint64_t fact_id, int32_t size) {
-  return (int32_t)(kvi__mix64(kvi__mix64(tenant) ^ fact_id) % (uint64_t)size);
-}
-
-KVI_API int32_t kvi_store_embedding_rank(uint64_t tenant, uint64_t fact_id, int32_t tp_size) {
-  return tp_size < 1 ? -1 : kvi__emb_rank(tenant, fact_id, tp_size);
 }

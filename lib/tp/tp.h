@@ -8,10 +8,10 @@
  * over NCCL (device buffers, enqueued on a stream) and over an in-process
  * group of threads (host buffers, memcpy, synchronous).
  */
-#ifndef KVI_COMM_INTERNAL_H
-#define KVI_COMM_INTERNAL_H
+#ifndef KVI_TP_H
+#define KVI_TP_H
 
-#include "base/base.h"
+#include "gpu/gpu.h"
 #include "kvinject/comm.h"
 
 typedef enum kvi__comm_kind { KVI__COMM_LOCAL = 1, KVI__COMM_NCCL = 2 } kvi__comm_kind;
@@ -55,16 +55,7 @@ kvi_status kvi__comm_allgather_host(kvi_comm *c, const void *send, void *recv, s
 /* Synchronous broadcast of a host buffer from root. */
 kvi_status kvi__comm_bcast_host(kvi_comm *c, void *buf, size_t bytes, int32_t root, const char *fn);
 
-/* splitmix64's finalizer: a fixed, well-mixed hash of a 64-bit key. */
-static inline uint64_t kvi__mix64(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
+/* Whether libnccl loads (comm.c; false without NCCL in the build). */
+bool kvi__nccl_usable(void);
 
-/* The rank that keeps a fact's embedding (kvi_store_embedding_rank). */
-int32_t kvi__emb_rank(uint64_t tenant, uint64_t fact_id, int32_t size);
-
-#endif /* KVI_COMM_INTERNAL_H */
+#endif /* KVI_TP_H */

@@ -5,7 +5,7 @@
 #ifndef KVI_CACHE_INTERNAL_H
 #define KVI_CACHE_INTERNAL_H
 
-#include "base/base.h"
+#include "gpu/gpu.h"
 
 /* One plane's strides, in elements (defaults applied). */
 typedef struct kvi__strides {
