@@ -39,9 +39,6 @@ kvi_status kvi__init_struct(void *user, size_t size, const void *defaults, size_
 kvi_status kvi__write_struct(void *user, const void *full, size_t known, size_t min_size,
                              const char *fn, const char *what);
 
-/* The first version of kvi_search_options (read by search.c and transfer.c). */
-#define KVI__SEARCH_OPTIONS_V1 sizeof(kvi_search_options)
-
 /* ---- element conversion (convert.c) --------------------------------------- */
 
 float kvi__bf16_to_f32(uint16_t h);

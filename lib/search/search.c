@@ -36,7 +36,6 @@
 
 #include "gpu/kernels.h"
 #include "search/search.h"
-#include "store/store.h"
 
 #define SEARCH_OPTIONS_V1 KVI__SEARCH_OPTIONS_V1
 #define MIN_WORKSPACE (1u << 20)
@@ -962,11 +961,16 @@ KVI_API kvi_status kvi_store_search(kvi_store *store, const void *queries, int32
       (st = kvi__check_memory(out_scores, o.out_memory, cuda, store->device, fn, "out_scores")) ||
       (st = kvi__check_memory(out_counts, o.out_memory, cuda, store->device, fn, "out_counts")))
     return st;
-  if (store->shard.emb_sharded)
-    return kvi__shard_search(store, queries, o.query_dtype, o.query_memory, num_queries, tenants, k, out_ids,
-                             out_scores, out_counts, o.out_memory, o.workspace_bytes, false, stream, fn);
-  return kvi__search_local(store, queries, o.query_dtype, o.query_memory, num_queries, tenants, k, out_ids, out_scores,
-                           out_counts, o.out_memory, o.workspace_bytes, false, stream, fn);
+  return kvi__search_all(store, queries, o.query_dtype, o.query_memory, num_queries, tenants, k, out_ids, out_scores,
+                         out_counts, o.out_memory, o.workspace_bytes, false, stream, fn);
+}
+
+kvi_status kvi__search_all(kvi_store *s, const void *queries, kvi_dtype qt, kvi_memory qm, int32_t nq,
+                           const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
+                           int32_t *out_counts, kvi_memory om, uint64_t ws, bool locked, struct CUstream_st *stream,
+                           const char *fn) {
+  return (s->search.collective ? s->search.collective : kvi__search_local)(
+      s, queries, qt, qm, nq, tenants, k, out_ids, out_scores, out_counts, om, ws, locked, stream, fn);
 }
 
 kvi_status kvi__search_local(kvi_store *s, const void *queries, kvi_dtype qt, kvi_memory qm, int32_t nq,

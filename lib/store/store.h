@@ -1,15 +1,15 @@
 /*
- * libkvinject — the store's insides, for store.c and the modules above it
- * (search.c, persist.c, shard.c, transfer.c). The store calls none of them:
- * what it must tell them goes through the hooks they register (the search
- * and journal parts of struct kvi_store). Each part of struct kvi_store is
+ * libkvinject — the store part (lib/store/): the store's insides, for
+ * store.c and the parts above it (search, tp, xfer, persist). The store
+ * calls none of them: what it must tell them goes through the hooks they
+ * register (the search and journal parts of struct kvi_store). Each part of struct kvi_store is
  * changed only by its owner; facts are added only through the write
  * transaction (kvi__txn_*), read through leases (kvi__store_lease). Callers
  * hold the store's lock.
  * SPDX-License-Identifier: Apache-2.0
  */
-#ifndef KVI_STORE_INTERNAL_H
-#define KVI_STORE_INTERNAL_H
+#ifndef KVI_STORE_H
+#define KVI_STORE_H
 
 #include <pthread.h>
 
@@ -125,6 +125,13 @@ typedef struct kvi__store_shard {
  * sharded (kvi_store_embedding_rank). */
 int32_t kvi__emb_rank(uint64_t tenant, uint64_t fact_id, int32_t size);
 
+/* A search of a store's embeddings: the arguments of kvi__search_local
+ * (search/search.h). */
+typedef kvi_status (*kvi__search_fn)(kvi_store *s, const void *queries, kvi_dtype qt, kvi_memory qm, int32_t nq,
+                                     const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
+                                     int32_t *out_counts, kvi_memory om, uint64_t ws, bool locked,
+                                     struct CUstream_st *stream, const char *fn);
+
 /* A store: its fixed description, then one part per owner. */
 struct kvi_store {
   pthread_mutex_t lock;
@@ -182,6 +189,10 @@ struct kvi_store {
   struct {
     struct kvi__search *ws;        /* search.c's workspace, made by the first search */
     void (*release)(kvi_store *s); /* frees it (kvi_store_destroy) */
+    /* tp/shard.c's search over every rank's embeddings, set at creation on a
+     * store with sharded embeddings (NULL: this rank's search is the
+     * store's); called by search.c (kvi__search_all) */
+    kvi__search_fn collective;
   } search;
   struct {
     const struct kvi__journal_ops *ops; /* persist.c's hooks, NULL without a journal */
@@ -441,46 +452,4 @@ kvi_status kvi__store_put_args(const kvi_store *store, const kvi_kv_view *v, con
  * agree on theirs). */
 kvi_status kvi__store_create(kvi_store **out, const kvi_model *model, const kvi_store_options *opts, const char *fn);
 
-/* search.c: kvi_store_search on this rank's embeddings only (arguments
- * already checked). locked: the caller holds the store's lock (for the
- * whole call: host outputs of a CUDA store are then waited for under it). */
-kvi_status kvi__search_local(kvi_store *s, const void *queries, kvi_dtype qt, kvi_memory qm, int32_t nq,
-                             const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
-                             int32_t *out_counts, kvi_memory om, uint64_t ws, bool locked,
-                             struct CUstream_st *stream, const char *fn);
-
-/* shard.c: the collective search of a store with sharded embeddings
- * (locked: as kvi__search_local). */
-kvi_status kvi__shard_search(kvi_store *s, const void *queries, kvi_dtype qt, kvi_memory qm, int32_t nq,
-                             const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
-                             int32_t *out_counts, kvi_memory om, uint64_t ws, bool locked,
-                             struct CUstream_st *stream, const char *fn);
-
-/* search.c: kvi_store_search's checks of everything but its outputs (opts
- * already read into *o). */
-kvi_status kvi__search_check(const kvi_store *s, const void *queries, int32_t nq, int32_t dim, const uint64_t *tenants,
-                             int32_t k, const kvi_search_options *o, const char *fn);
-
-/* search.c: the device search of kvi_retrieve_inject (a CUDA store without
- * sharded embeddings; arguments checked). Under the store's lock it plans
- * the search, calls prepare (whose failure fails the call with nothing
- * enqueued), enqueues the search and then calls enqueue with device arrays:
- * rows (nq x k tenant rows of the results, -1 past the count), counts (the
- * facts found, which enqueue may overwrite with the facts injected) and
- * tokens (for enqueue to fill). Both run before the search's end is
- * recorded, so no put or remove changes a row or directory they read
- * before their work is done. Results land in o->out_memory: out_ids (the
- * search's), out_counts and out_tokens (as enqueue leaves them). */
-typedef struct kvi__search_then {
-  kvi_status (*prepare)(void *ctx, const char *fn);
-  kvi_status (*enqueue)(void *ctx, const int32_t *rows, int32_t *counts, int32_t *tokens, struct CUstream_st *stream,
-                        const char *fn);
-  void *ctx;
-} kvi__search_then;
-
-kvi_status kvi__search_then_run(kvi_store *s, const void *queries, const kvi_search_options *o, int32_t nq,
-                                const uint64_t *tenants, int32_t k, uint64_t *out_ids, int32_t *out_counts,
-                                int32_t *out_tokens, const kvi__search_then *then, struct CUstream_st *stream,
-                                const char *fn);
-
-#endif /* KVI_STORE_INTERNAL_H */
+#endif /* KVI_STORE_H */

@@ -15,9 +15,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "tp/tp.h"
 #include "gpu/kernels.h"
+#include "search/search.h"
 #include "store/store.h"
+#include "tp/tp.h"
+
+static kvi_status shard_search(kvi_store *s, const void *queries, kvi_dtype qt, kvi_memory qm, int32_t nq,
+                               const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
+                               int32_t *out_counts, kvi_memory om, uint64_t ws, bool locked,
+                               struct CUstream_st *stream, const char *fn);
 
 /* ------------------------------------------------------------------------ */
 /* small helpers                                                            */
@@ -219,6 +225,7 @@ static kvi_status shard_create(kvi_store *s, const kvi_model *model, const kvi_s
     s->shard.rank = c->rank;
     s->shard.size = c->size;
     s->shard.emb_sharded = o->embedding_placement == KVI_EMBEDDINGS_SHARDED && o->embedding_dim > 0;
+    if (s->shard.emb_sharded) s->search.collective = shard_search;
   }
   return st;
 }
@@ -890,10 +897,12 @@ static void merge_host(const char *blocks, size_t bb, int32_t size, int32_t nq, 
   }
 }
 
-kvi_status kvi__shard_search(kvi_store *s, const void *queries, kvi_dtype qt, kvi_memory qm, int32_t nq,
-                             const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
-                             int32_t *out_counts, kvi_memory om, uint64_t ws, bool locked,
-                             struct CUstream_st *stream, const char *fn) {
+/* The collective search of a store with sharded embeddings, registered on
+ * the store as its search.collective (locked: as kvi__search_local). */
+static kvi_status shard_search(kvi_store *s, const void *queries, kvi_dtype qt, kvi_memory qm, int32_t nq,
+                               const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
+                               int32_t *out_counts, kvi_memory om, uint64_t ws, bool locked,
+                               struct CUstream_st *stream, const char *fn) {
   kvi_comm *c = s->shard.comm;
   const size_t bb = block_bytes(nq, k), n = (size_t)nq * (size_t)k;
   const kvi__shard_hdr hdr0 = {0, nq, k, 0, query_digest(tenants, nq, k)};

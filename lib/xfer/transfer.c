@@ -22,6 +22,7 @@
 
 #include "xfer/cache.h"
 #include "gpu/kernels.h"
+#include "search/search.h"
 #include "store/store.h"
 #include "xfer/xfer.h"
 
@@ -1722,9 +1723,8 @@ static kvi_status retrieve_on_host(kvi_injector *injector, const void *queries, 
   }
   if (st == KVI_OK) st = check_limits(x, nq, ntok, ntables, fn);
   if (st == KVI_OK)
-    st = (s->shard.emb_sharded ? kvi__shard_search : kvi__search_local)(s, queries, opts->query_dtype, opts->query_memory, nq,
-                                                                  tenants, k, ids, scores, counts, KVI_MEMORY_HOST,
-                                                                  opts->workspace_bytes, true, stream, fn);
+    st = kvi__search_all(s, queries, opts->query_dtype, opts->query_memory, nq, tenants, k, ids, scores, counts,
+                         KVI_MEMORY_HOST, opts->workspace_bytes, true, stream, fn);
   for (size_t i = 0; i < n && st == KVI_OK; i++) {
     uint64_t *o = order + i * (size_t)k;
     for (int32_t j = 0; j < counts[i]; j++)
