@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "xfer/cache.h"
+#include "xfer/xfer.h"
 
 #define CACHE_LAYOUT_V1 offsetof(kvi_cache_layout, dim_stride) /* before the per-plane strides */
 #define CACHE_LAYOUT_V2 (offsetof(kvi_cache_layout, v_dim_stride) + sizeof(int64_t)) /* with them */

@@ -20,7 +20,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "xfer/cache.h"
 #include "gpu/kernels.h"
 #include "search/search.h"
 #include "store/store.h"

@@ -1,18 +1,42 @@
 /*
- * libkvinject — the injector's host planning that tests/internal reaches
- * (transfer.c).
+ * libkvinject — the xfer part (lib/xfer/): the resolved form of a cache
+ * layout (cache.c), and the injector's host planning that tests/internal
+ * reaches (transfer.c).
  * SPDX-License-Identifier: Apache-2.0
  */
-#ifndef KVI_TRANSFER_INTERNAL_H
-#define KVI_TRANSFER_INTERNAL_H
+#ifndef KVI_XFER_H
+#define KVI_XFER_H
 
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "xfer/cache.h"
+#include "gpu/gpu.h"
 #include "gpu/kernels.h"
 #include "kvinject/inject.h"
 #include "store/store.h"
+
+/* ---- cache layouts (cache.c) ------------------------------------------------ */
+
+/* One plane's strides, in elements (defaults applied). */
+typedef struct kvi__strides {
+  int64_t block, token, head, dim;
+} kvi__strides;
+
+typedef struct kvi__cache {
+  kvi_dtype dtype;
+  kvi_memory memory;
+  int32_t L, H, D, BS;
+  int64_t NB;
+  kvi__strides ks, vs;      /* K's and V's */
+  char **k, **v;            /* per layer base addresses (bytes) */
+  float *k_scale, *v_scale; /* L * H, 1.0 without scales */
+} kvi__cache;
+
+kvi_status kvi__cache_resolve(kvi__cache *c, const kvi_cache_layout *layout, const kvi__geom *g, bool cuda, int device,
+                              const char *fn);
+void kvi__cache_release(kvi__cache *c);
+
+/* ---- the injector (transfer.c) ---------------------------------------------- */
 
 /* The transfer kernel's layers per CTA (kvi__xfer_args.layers_per_cta) for
  * a launch of nsegs >= 1 segments over nl >= 1 layers on a device of `sms`
