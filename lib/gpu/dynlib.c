@@ -1,5 +1,5 @@
 /*
- * Optional shared libraries opened on first use (see dynlib.h).
+ * Optional shared libraries opened on first use (see gpu.h).
  * SPDX-License-Identifier: Apache-2.0
  */
 #include <dlfcn.h>

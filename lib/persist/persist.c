@@ -455,7 +455,7 @@ static kvi_status journal_put(void *ctx, const kvi__txn *t);
 static kvi_status journal_remove(void *ctx, kvi_store *s, uint64_t tenant, uint64_t id, const char *fn);
 static void journal_release(void *ctx) { journal_free(ctx); }
 
-/* The store's journal hooks (store_internal.h), registered with a journal. */
+/* The store's journal hooks (store/store.h), registered with a journal. */
 static const kvi__journal_ops journal_ops = {journal_put, journal_remove, journal_release};
 
 /* The store's journal, or NULL (the lock held, or the store not shared yet). */

@@ -253,7 +253,7 @@ KVI_API kvi_status kvi_store_search_async_errors(kvi_store *store, int64_t *out_
 /* CUDA: the plan                                                           */
 /* ------------------------------------------------------------------------ */
 
-/* The plan's types are in search_internal.h (tests/internal checks plans). */
+/* The plan's types are in search/search.h (tests/internal checks plans). */
 typedef kvi__ptile ptile;
 typedef kvi__pround pround;
 typedef kvi__search_plan plan;

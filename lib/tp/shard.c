@@ -2,7 +2,7 @@
  * Tensor-parallel stores: agreement at creation, put from a full-head
  * source (scatter), gather to one rank, agreement of the fact sets, and
  * sharded retrieval (see kvinject/comm.h). Written once over the transport
- * seam of comm_internal.h: data buffers live where the communicator moves
+ * seam of tp/tp.h: data buffers live where the communicator moves
  * them (host memory for the in-process transport, device memory for NCCL).
  * SPDX-License-Identifier: Apache-2.0
  *

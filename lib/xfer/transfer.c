@@ -555,7 +555,7 @@ static void plan_run(plan *p, const xfer *x, int32_t r, int64_t seq0, int64_t to
   }
 }
 
-/* tests/internal's view of plans (transfer_internal.h): a plan over the
+/* tests/internal's view of plans (xfer/xfer.h): a plan over the
  * view's arrays, and back. */
 static plan plan_of_view(const kvi__plan_view *v) {
   plan p;
@@ -2233,7 +2233,7 @@ out:
 }
 
 /* ------------------------------------------------------------------------ */
-/* what tests/internal reads of an injector (transfer_internal.h)           */
+/* what tests/internal reads of an injector (xfer/xfer.h)           */
 /* ------------------------------------------------------------------------ */
 
 int32_t kvi__injector_vec(const kvi_injector *injector) { return xfer_vec(&injector->x); }
