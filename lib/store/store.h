@@ -2,10 +2,10 @@
  * libkvinject — the store part (lib/store/): the store's insides, for
  * store.c and the parts above it (search, tp, xfer, persist). The store
  * calls none of them: what it must tell them goes through the hooks they
- * register (the search and journal parts of struct kvi_store). Each part of struct kvi_store is
- * changed only by its owner; facts are added only through the write
- * transaction (kvi__txn_*), read through leases (kvi__store_lease). Callers
- * hold the store's lock.
+ * register (the search and journal parts of struct kvi_store). Each part
+ * of struct kvi_store is changed only by its owner; facts are added only
+ * through the write transaction (kvi__txn_*), read through leases
+ * (kvi__store_lease). Callers hold the store's lock.
  * SPDX-License-Identifier: Apache-2.0
  */
 #ifndef KVI_STORE_H
