@@ -6,7 +6,7 @@
  */
 #include <stdint.h>
 
-#include "kernels.h"
+#include "gpu/kernels.h"
 #include "kvinject/search.h"
 
 namespace {

@@ -19,7 +19,7 @@
 
 #include <cmath>
 
-#include "kernels.h"
+#include "gpu/kernels.h"
 #include "rope.cuh"
 #include "vec.cuh"
 #include "kvinject/model.h"

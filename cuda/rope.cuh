@@ -8,7 +8,7 @@
 
 #include <cuda_runtime.h>
 
-#include "kernels.h"
+#include "gpu/kernels.h"
 
 namespace kvi {
 

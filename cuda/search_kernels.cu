@@ -1,7 +1,7 @@
 /*
  * libkvinject — retrieval kernels: query preparation, the scan (scores of a
  * few queries against a tenant's embedding rows), top-k selection and the
- * results. The GEMM for larger batches is cuBLASLt's (lib/cuda_rt.c).
+ * results. The GEMM for larger batches is cuBLASLt's (lib/gpu/cuda_rt.c).
  * SPDX-License-Identifier: Apache-2.0
  *
  * Memory traffic and bounds:
@@ -29,7 +29,7 @@
 #include <stdint.h>
 
 #include "vec.cuh"
-#include "kernels.h"
+#include "gpu/kernels.h"
 #include "kvinject/search.h"
 
 namespace {

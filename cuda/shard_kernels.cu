@@ -1,14 +1,14 @@
 /*
  * Kernels of tensor-parallel stores: packing head slices for the transfers
  * of put_scatter and gather, and the merge of a sharded search's
- * candidates (see lib/shard.c; its merge_host is the reference).
+ * candidates (see lib/tp/shard.c; its merge_host is the reference).
  * SPDX-License-Identifier: Apache-2.0
  */
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
 
-#include "kernels.h"
+#include "gpu/kernels.h"
 #include "kvinject/search.h"
 
 /* One thread per vector of V bytes of a row; rows are (l, t, h). */

@@ -11,7 +11,7 @@
  */
 #include <cuda_runtime.h>
 
-#include "kernels.h"
+#include "gpu/kernels.h"
 #include "vec.cuh"
 
 namespace {
@@ -104,7 +104,7 @@ int launch3(const kvi__copy_args *a, cudaStream_t s) {
 /* fp8 stores: a CTA per (page, layer, plane, head) group, the unit a scale
  * covers. Put: amax over the group's tokens (a first read), the scale, then
  * the e4m3 bytes (a second read, from L2); read: e4m3 * scale. The scale and
- * the rounding are lib/convert.c's (kvi__fp8_*), operation for operation, so
+ * the rounding are lib/base/convert.c's (kvi__fp8_*), operation for operation, so
  * the bytes equal the CPU's. Not the injector's hot path: scalar accesses,
  * coalesced along d. */
 template <typename V, bool TO_PAGES>

@@ -36,7 +36,7 @@
 
 #include <type_traits>
 
-#include "kernels.h"
+#include "gpu/kernels.h"
 #include "rope.cuh"
 #include "vec.cuh"
 

@@ -1,9 +1,9 @@
 /*
  * libkvinject — the kernels' element access: element types and their fp32
  * conversions (round to nearest even; fp8 saturating to the largest finite
- * value, as the CPU reference in lib/convert.c does), vector loads and
+ * value, as the CPU reference in lib/base/convert.c does), vector loads and
  * stores, and the fp8 fact-storage scale (kernels.h's kvi__fp8_scale_of,
- * the function lib/convert.c computes it with). Every kernel file that
+ * the function lib/base/convert.c computes it with). Every kernel file that
  * reads or writes elements goes through this header.
  * SPDX-License-Identifier: Apache-2.0
  */
@@ -20,7 +20,7 @@
 #include <cmath>
 #include <type_traits>
 
-#include "kernels.h"
+#include "gpu/kernels.h"
 
 namespace kvi {
 

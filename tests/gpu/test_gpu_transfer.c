@@ -618,7 +618,7 @@ static void t_deferred_free(void **state) {
   free_world(&w);
 }
 
-/* The injector's staging ring (lib/gpu_ring.c): plans too large for the
+/* The injector's staging ring (lib/gpu/gpu_ring.c): plans too large for the
  * kernel parameters go through its two pinned slots, each reused only once
  * the last launch that read it has completed. Call 0 is held on its stream
  * (a host function spins until another thread releases it 0.3 s later)
@@ -693,7 +693,7 @@ static void t_staging_ring(void **state) {
   free_world(&w);
 }
 
-/* A capture call of more than CAPTURE_CHUNK (65,536, lib/transfer.c)
+/* A capture call of more than CAPTURE_CHUNK (65,536, lib/xfer/transfer.c)
  * captures: its two chunk plans share one staging slot, whose event moves to
  * the second chunk's launch. The stream is held (as above) while two more
  * calls follow, each plan too large for the kernel parameters: the third

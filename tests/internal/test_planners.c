@@ -1,5 +1,5 @@
 /*
- * internal-planners: the injector's host planning (lib/transfer.c) checked
+ * internal-planners: the injector's host planning (lib/xfer/transfer.c) checked
  * against invariants over sweeps of its inputs: the layers per CTA of a
  * launch, the kernel variant (vector width) chosen for a cache layout, the
  * segment length that bounds the kernel's shared memory, and the per-layer
@@ -8,8 +8,8 @@
  */
 #include "unit.h"
 
-#include "kernels.h"
-#include "transfer_internal.h"
+#include "gpu/kernels.h"
+#include "xfer/xfer.h"
 
 /* ------------------------------------------------------------------------ */
 /* layers per CTA                                                           */

@@ -13,7 +13,7 @@
  */
 #include "unit.h"
 
-#include "search_internal.h"
+#include "search/search.h"
 
 #define DIM 12
 #define NT 5

@@ -1,5 +1,5 @@
 /*
- * internal-segment-plan: the injector's segment planners (lib/transfer.c)
+ * internal-segment-plan: the injector's segment planners (lib/xfer/transfer.c)
  * against an independent model of what the kernels rely on.
  *  - plan_run (a fact's tokens cut into segments) and plan_request (a
  *    request's host block-table slice), driven as kvi_inject drives them:
@@ -19,7 +19,7 @@
  */
 #include "unit.h"
 
-#include "transfer_internal.h"
+#include "xfer/xfer.h"
 
 /* ------------------------------------------------------------------------ */
 /* fixtures                                                                 */

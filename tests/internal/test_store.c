@@ -14,7 +14,7 @@
 
 #include "unit.h"
 
-#include "store_internal.h"
+#include "store/store.h"
 
 #define L 2
 #define H 2

@@ -4,7 +4,7 @@
  * SPDX-License-Identifier: Apache-2.0
  *
  * The reference conversions here deliberately do not share code or method
- * with lib/convert.c: fp16 goes through the compiler's _Float16, bf16 picks
+ * with lib/base/convert.c: fp16 goes through the compiler's _Float16, bf16 picks
  * the nearer of the two bracketing bf16 values by comparing distances in
  * double precision.
  */

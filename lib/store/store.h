@@ -1,0 +1,455 @@
+/*
+ * libkvinject — the store part (lib/store/): the store's insides, for
+ * store.c and the parts above it (search, tp, xfer, persist). The store
+ * calls none of them: what it must tell them goes through the hooks they
+ * register (the search and journal parts of struct kvi_store). Each part
+ * of struct kvi_store is changed only by its owner; facts are added only
+ * through the write transaction (kvi__txn_*), read through leases
+ * (kvi__store_lease). Callers hold the store's lock.
+ * SPDX-License-Identifier: Apache-2.0
+ */
+#ifndef KVI_STORE_H
+#define KVI_STORE_H
+
+#include <pthread.h>
+
+#include "gpu/gpu.h"
+
+/* kvi_store_options' first version: the fields before comm (older sizes are accepted) */
+#define KVI__STORE_OPTIONS_V1 offsetof(kvi_store_options, comm)
+
+#define KVI__TRACK_EVENTS 64 /* device operations tracked for deferred frees */
+
+typedef enum tier { TIER_HOST = 0, TIER_DEVICE = 1 } tier;
+
+typedef struct pool {
+  tier tier;
+  char *base;
+  uint32_t npages;
+  uint32_t nfree;
+  uint32_t *free; /* stack of free page ids */
+} pool;
+
+typedef struct tenant tenant;
+struct kvi__journal_ops;
+
+typedef struct fact {
+  uint64_t tenant_id, id;
+  int32_t tokens;
+  uint32_t npages;
+  uint32_t *pages;
+  size_t row; /* its row of the tenant's embedding matrix (stores with embeddings) */
+  struct fact *prev, *next; /* the tenant's list */
+  tenant *owner;
+  /* Tiered stores: device-tier facts are on the store's LRU list (most
+   * recently injected, put or captured first); `pins` counts the leases
+   * (kvi__store_lease) of the call holding the lock: a pinned fact is not
+   * demoted. */
+  struct fact *lru_prev, *lru_next;
+  bool in_lru;
+  uint32_t pins;
+  /* A device-tier fact promoted from the host keeps its host pages as a
+   * clean copy (facts never change in place): demoting it again copies
+   * nothing. NULL when there is none; dropped when the host needs room. */
+  uint32_t *hpages;
+} fact;
+
+/* A tenant's embeddings (stores with embedding_dim > 0): row r < nrows of the
+ * [cap][emb_ld] matrix `emb` (emb_dtype, padding elements zero) is the
+ * embedding of fact rows[r], and ids[r] == rows[r]->id. A CUDA store keeps
+ * emb and ids in device memory, changed only on the store's emb_stream; a
+ * CPU store keeps emb in host memory and no ids (rows[r]->id). Removing a
+ * fact moves the last row into its place. */
+struct tenant {
+  uint64_t id;
+  size_t count;   /* facts */
+  fact *head;
+  size_t nrows;   /* embedding rows: count, or fewer where embeddings are sharded
+                     across tensor-parallel ranks (a fact whose embedding another
+                     rank holds has row SIZE_MAX) */
+  void *emb;
+  uint64_t *ids;  /* device memory, CUDA stores only */
+  fact **rows;    /* host memory */
+  size_t cap;     /* rows allocated */
+  size_t pending; /* rows reserved by the call holding the lock (reserve_rows, a transaction) */
+  int32_t max_tokens; /* the largest fact it has held (never lowered) */
+  /* The directory of a store with dir_on (kernels.h, kvi__rquery): [cap] rows
+   * of dir_stride words, in device memory, changed with the matrix. */
+  uint32_t *dir;
+  int32_t dir_stride;
+};
+
+/* The store's page pools (store.c's pool code alone takes and returns
+ * pages): page ids [0, dev.npages) are device memory on a CUDA store, host
+ * memory on a CPU store; a CUDA store with a host budget has the pinned,
+ * mapped host tier after them, ids [dev.npages, dev.npages + host.npages)
+ * (host.npages 0 without one), host_dev the device address of host.base. A
+ * fact's pages are all on one tier. */
+typedef struct kvi__store_pools {
+  pool dev;
+  pool host;
+  char *host_dev;
+} kvi__store_pools;
+
+/* The facts and tenants (store.c; others read them through kvi__store_find,
+ * kvi__store_tenant and kvi__store_next_fact). */
+typedef struct kvi__store_index {
+  kvi__map facts;   /* (tenant, id) -> fact */
+  kvi__map tenants; /* (tenant, 0) -> tenant */
+  uint64_t tokens_stored;
+  uint64_t pages_stored; /* pages of stored facts (kvi_store_stats.bytes_payload) */
+} kvi__store_index;
+
+/* The tiers of a tiered store (store.c's tier section). */
+typedef struct kvi__store_tier {
+  fact *lru_head, *lru_tail; /* device-tier facts, most recently used first */
+  uint64_t promotions, demotions;
+  /* The last tier move: tracked event number move_seq (valid while
+   * move_pending) recorded on copy_stream after its copies. Calls that read
+   * pages make their stream (or the host) wait for it. */
+  uint64_t move_seq;
+  bool move_pending;
+  struct CUevent_st *prefetch_ev; /* orders a prefetch after its caller's stream */
+} kvi__store_tier;
+
+/* Tensor parallelism (set by shard.c at creation): the communicator (or
+ * NULL), this rank and the group's size (0 and 1 without one), and whether
+ * each embedding is kept only by rank kvi__emb_rank(tenant, id, size). */
+typedef struct kvi__store_shard {
+  struct kvi_comm *comm;
+  int32_t rank, size;
+  bool emb_sharded;
+} kvi__store_shard;
+
+/* The rank of a group of `size` that keeps a fact's embedding when they are
+ * sharded (kvi_store_embedding_rank). */
+int32_t kvi__emb_rank(uint64_t tenant, uint64_t fact_id, int32_t size);
+
+/* A search of a store's embeddings: the arguments of kvi__search_local
+ * (search/search.h). */
+typedef kvi_status (*kvi__search_fn)(kvi_store *s, const void *queries, kvi_dtype qt, kvi_memory qm, int32_t nq,
+                                     const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
+                                     int32_t *out_counts, kvi_memory om, uint64_t ws, bool locked,
+                                     struct CUstream_st *stream, const char *fn);
+
+/* A store: its fixed description, then one part per owner. */
+struct kvi_store {
+  pthread_mutex_t lock;
+  kvi__geom geom;
+  kvi__rope *rope; /* per layer, copied from the model */
+  kvi_backend backend;
+  int device;
+  kvi_dtype dtype;
+  int32_t P;
+  int32_t emb_dim;
+  uint64_t page_bytes;
+  uint64_t page_elems; /* elements (of dtype) of K and V in a page: L * 2 * H * P * D */
+  bool fp8;            /* dtype is KVI_DTYPE_FP8_E4M3: scales follow the elements (kernels.h) */
+  uint64_t scale_off;  /* fp8: byte offset of a page's scales (page_elems rounded up to 16) */
+  kvi__store_pools pool;
+  kvi__store_index index;
+  kvi__store_tier tier;
+  /* CUDA stores: pinned staging (a ring of one slot of staging_pages pages)
+   * and a private stream for host copies */
+  kvi__ring staging;
+  uint32_t staging_pages;
+  struct CUstream_st *copy_stream;
+  /* Embeddings (see struct tenant). emb_ld is emb_dim rounded up to 16 bytes
+   * on a CUDA store. On a CUDA store every change to a device matrix is
+   * enqueued on emb_stream, which first waits for every search enqueued
+   * before it (search.c), and emb_ready is recorded after it; a search waits
+   * for emb_ready. Rows put from the host go through emb_stage, a staging
+   * ring of one slot of stage_cap rows (stage_used in flight, stage_reserved
+   * promised to the call holding the lock; the slot's event follows the last
+   * row's copy). A failure to enqueue such a change (a dead
+   * context, in practice) is latched in emb_err and fails every later
+   * search. */
+  kvi_dtype emb_dtype;
+  kvi_metric metric;
+  bool dir_on;      /* tenants keep a device directory: a CUDA store with embeddings and no host tier */
+  int32_t emb_ld;
+  uint64_t emb_bytes; /* capacity of every matrix and id array */
+  struct CUstream_st *emb_stream;
+  struct CUevent_st *emb_ready;
+  bool emb_ready_recorded;
+  kvi__ring emb_stage;
+  size_t stage_row_bytes;
+  uint32_t stage_cap, stage_used, stage_reserved;
+  kvi_status emb_err;
+  char emb_err_msg[256];
+  /* Stream-ordered deferred frees (CUDA stores). Device work touching pages
+   * records the next event number in `track` (KVI__TRACK_EVENTS events); all
+   * numbers < track.done have completed. A page freed while numbers < tag
+   * were outstanding waits in `deferred` until track.done >= tag. */
+  kvi__events track;
+  uint32_t *deferred_page;
+  uint64_t *deferred_tag;
+  uint32_t ndeferred;
+  /* The parts of the modules above the store, which register them. */
+  struct {
+    struct kvi__search *ws;        /* search.c's workspace, made by the first search */
+    void (*release)(kvi_store *s); /* frees it (kvi_store_destroy) */
+    /* tp/shard.c's search over every rank's embeddings, set at creation on a
+     * store with sharded embeddings (NULL: this rank's search is the
+     * store's); called by search.c (kvi__search_all) */
+    kvi__search_fn collective;
+  } search;
+  struct {
+    const struct kvi__journal_ops *ops; /* persist.c's hooks, NULL without a journal */
+    void *ctx;
+  } journal;
+  kvi__store_shard shard;
+};
+
+/* Whether a page id is on the pinned-host tier. */
+static inline bool page_on_host_tier(const kvi_store *s, uint32_t page) { return page >= s->pool.dev.npages; }
+
+/* The host address of a page (a device address for a device-tier page). */
+static inline char *page_addr(const kvi_store *s, uint32_t page) {
+  if (page >= s->pool.dev.npages) return s->pool.host.base + (uint64_t)(page - s->pool.dev.npages) * s->page_bytes;
+  return s->pool.dev.base + (uint64_t)page * s->page_bytes;
+}
+
+/* Whether a tiered store keeps f on the host (all its pages are there). */
+static inline bool fact_on_host(const kvi_store *s, const fact *f) {
+  return s->pool.host.npages > 0 && f->npages > 0 && page_on_host_tier(s, f->pages[0]);
+}
+
+/* fp8 stores: the scales of a page, (l * 2 + kv) * H + h */
+static inline float *page_scales(const kvi_store *s, uint32_t page) {
+  return (float *)(page_addr(s, page) + s->scale_off);
+}
+
+/* The page stride the kernels use, in elements of the store's dtype. */
+static inline int64_t page_stride_elems(const kvi_store *s) {
+  return s->fp8 ? (int64_t)s->page_bytes : (int64_t)s->page_elems;
+}
+
+static inline uint32_t pages_for(const kvi_store *s, int32_t tokens) {
+  return (uint32_t)(((int64_t)tokens + s->P - 1) / s->P);
+}
+
+void kvi__store_lock(const kvi_store *s);
+void kvi__store_unlock(const kvi_store *s);
+
+/* Looks up a fact; NULL when absent. */
+static inline fact *kvi__store_find(const kvi_store *s, uint64_t tenant_id, uint64_t fact_id) {
+  return (fact *)kvi__map_get(&s->index.facts, tenant_id, fact_id);
+}
+
+/* Looks up n facts (tenants[i * tenant_stride], ids[i]) into out[i] (NULL when absent). */
+static inline void kvi__store_find_many(const kvi_store *s, const uint64_t *tenants, size_t tenant_stride,
+                                        const uint64_t *ids, size_t n, fact **out) {
+  kvi__map_get_many(&s->index.facts, tenants, tenant_stride, ids, n, (void **)out);
+}
+
+/* Looks up a tenant; NULL when the store holds none of its facts. */
+static inline tenant *kvi__store_tenant(const kvi_store *s, uint64_t tenant_id) {
+  return (tenant *)kvi__map_get(&s->index.tenants, tenant_id, 0);
+}
+
+/* The number of stored facts. */
+static inline size_t kvi__store_fact_count(const kvi_store *s) { return s->index.facts.len; }
+
+/* The stored facts, one per call from *pos (0 to start), in no order; NULL
+ * after the last. */
+static inline const fact *kvi__store_next_fact(const kvi_store *s, size_t *pos) {
+  for (; *pos < s->index.facts.cap; (*pos)++)
+    if (s->index.facts.slots[*pos].val) return s->index.facts.slots[(*pos)++].val;
+  return NULL;
+}
+
+/* Records, on `stream`, the end of device work that reads or writes pages:
+ * pages freed from now on wait for it. */
+kvi_status kvi__store_track(kvi_store *s, struct CUstream_st *stream, const char *fn);
+
+/* ---- tiers (tiered CUDA stores; store.c) -------------------------------- */
+
+/* The pages of the device-tier facts a tier move may demote now: those of
+ * the facts on the LRU list that no lease pins. */
+uint64_t kvi__store_evictable(const kvi_store *s);
+
+/* The facts a tier move that needs `need` free device pages demotes: the
+ * least recently used device-tier facts no lease pins, until their pages
+ * and the free ones make `need` (all of them when they cannot), least
+ * recently used first, written into out (NULL: only counted). Returns how
+ * many. */
+size_t kvi__store_victims(const kvi_store *s, uint64_t need, fact **out);
+
+/* A reader's lease on n facts for the call holding the lock (a fact may be
+ * named more than once): pins them, so that no tier move demotes them
+ * before kvi__store_unlease, makes `stream` wait for the last tier move
+ * and, with promote, moves those on the host tier to the device (demoting
+ * facts that are not pinned if the device is short). A no-op on a store
+ * without a host tier. On failure nothing stays pinned. */
+kvi_status kvi__store_lease(kvi_store *s, fact *const *facts, size_t n, bool promote, struct CUstream_st *stream,
+                            const char *fn);
+
+/* Ends a lease of the same facts; `used`: the call read them, and they
+ * become the most recently used, the first named the most recent. */
+void kvi__store_unlease(kvi_store *s, fact *const *facts, size_t n, bool used);
+
+/* Marks f as the most recently used device-tier fact (no-op for host-tier
+ * facts and stores without a host tier). */
+void kvi__store_touch(kvi_store *s, fact *f);
+
+/* Reads and checks an embedding into a fresh fp32 array holding the values
+ * the store will keep (kvi__emb_prepare applied; see kvi_put_options). */
+kvi_status kvi__store_read_embedding(const kvi_store *s, const void *embedding, kvi_dtype dtype, kvi_memory memory,
+                                     struct CUstream_st *stream, float **out, const char *fn);
+
+/* The same for an embedding already as a store of this kind keeps it (a
+ * store file's, host fp32): checked and rounded, not scaled again. */
+kvi_status kvi__store_kept_embedding(const kvi_store *s, const float *embedding, float **out, const char *fn);
+
+/* What the store keeps of an fp32 vector of n elements, in place: for
+ * cosine, each element times 1/sqrt(sum of squares), in double, a zero
+ * vector left as it is; then rounded to t (nearest even) and back to fp32.
+ * Returns the index of the first element that is not finite afterwards, or
+ * -1. Queries (search.c) go through the same function. */
+int64_t kvi__emb_prepare(float *x, int32_t n, kvi_dtype t, kvi_metric metric);
+
+/* A decision every rank of a collective call takes together: given this
+ * rank's status, returns the combined one (KVI_OK only when every rank's is). */
+typedef struct kvi__gate {
+  kvi_status (*decide)(struct kvi__gate *gate, kvi_status local);
+} kvi__gate;
+
+/* ---- the write transaction (store.c) -------------------------------------
+ *
+ * Every change that adds facts (kvi_store_put, kvi_store_put_scatter,
+ * kvi_store_load, kvi_encode) is one transaction, all or nothing, the
+ * store's lock held from begin to commit or abort:
+ *   kvi__txn_begin    room for `cap` facts in the transaction (no store change)
+ *   kvi__txn_add      a fact: reserves its record's room in the maps and its
+ *                     embedding row
+ *   kvi__txn_take_pages  refuses a key the store holds that was added without
+ *                     KVI_PUT_REPLACE (all keys looked up in prefetched groups),
+ *                     then takes every added fact's pages off the free stacks
+ *                     (kvi__txn_pages: fact i's page ids)
+ *   the caller's work writing the pages (kvi__store_write_pages, or the
+ *                     encoder's kernels); kvi__txn_wrote when device work was
+ *                     enqueued on the transaction's stream (and tracked)
+ *   kvi__txn_prepare  (optional, e.g. while the device works) allocates the
+ *                     facts' records
+ *   kvi__txn_commit   records, then the gate (every rank decides together),
+ *                     then the journal hook (durable before visible), then the
+ *                     facts become visible at once; cannot fail past the hook
+ *   kvi__txn_abort    undoes everything: the pages go back onto their free
+ *                     stacks in their old order (after the device work, which
+ *                     it waits for), the rows and empty tenants it reserved go.
+ * The first failure of any step is passed to kvi__txn_abort; commit aborts
+ * by itself. Both end the transaction (and ask the gate, once, when it has
+ * not been asked), free what it still owns and return the call's status.
+ * A transaction owns the embeddings added to it. Pages taken from a tier
+ * move (kvi__txn_take_pages of KVI__PLACE_DEVICE on a tiered store) go back
+ * after the device work already tracked, and the facts the move demoted stay
+ * on the host. */
+typedef enum kvi__place {
+  KVI__PLACE_ANY = 0,    /* per fact: the device tier when it has room, else the host tier (puts) */
+  KVI__PLACE_DEVICE = 1, /* all on the device tier, demoting facts there if it is short (encodes) */
+} kvi__place;
+
+typedef struct kvi__txn_fact {
+  uint64_t tenant, id;
+  int32_t tokens;
+  uint32_t flags;         /* KVI_PUT_REPLACE or 0 */
+  uint32_t npages, first; /* its page ids: the transaction's pages[first, first + npages) */
+  float *emb;             /* emb_dim fp32 values as the store keeps them, or NULL; owned */
+  pool *into;             /* the pool its pages came from */
+  fact *f;                /* records, allocated by kvi__txn_prepare */
+  uint32_t *pages;
+  tenant *fresh;
+} kvi__txn_fact;
+
+typedef struct kvi__txn {
+  kvi_store *s;
+  kvi__place place;
+  kvi__gate *gate;
+  struct CUstream_st *stream;
+  const char *fn;
+  const char *item; /* names the facts in messages ("capture" -> "capture 3: ..."), or NULL */
+  kvi__txn_fact *facts;
+  int32_t n, cap;
+  int32_t nrows;      /* facts [0, nrows) reserved embedding rows (or tried to) */
+  uint32_t *pages;    /* every fact's page ids, in order (kvi__txn_take_pages) */
+  uint32_t npages, ntaken;
+  bool moved;         /* the pages came from a tier move */
+  bool device_work, prepared, decided;
+} kvi__txn;
+
+kvi_status kvi__txn_begin(kvi__txn *t, kvi_store *s, int32_t cap, kvi__place place, kvi__gate *gate,
+                          struct CUstream_st *stream, const char *fn);
+kvi_status kvi__txn_add(kvi__txn *t, uint64_t tenant_id, uint64_t fact_id, int32_t tokens, uint32_t flags, float *emb);
+kvi_status kvi__txn_take_pages(kvi__txn *t);
+static inline uint32_t *kvi__txn_pages(const kvi__txn *t, int32_t i) { return t->pages + t->facts[i].first; }
+void kvi__txn_wrote(kvi__txn *t);
+kvi_status kvi__txn_prepare(kvi__txn *t);
+kvi_status kvi__txn_commit(kvi__txn *t);
+kvi_status kvi__txn_abort(kvi__txn *t, kvi_status why);
+
+/* Copies the host or device view v (checked) into a fact's pages (on
+ * `stream` for a device view of a CUDA store, untracked: see
+ * kvi__store_track). scales: NULL, or for an fp8 store a host view of its
+ * dtype holding e4m3 bytes, stored as they are with these page scales
+ * (as kvi__store_read_pages gives them). */
+kvi_status kvi__store_write_pages(kvi_store *s, const uint32_t *pages, const kvi_kv_view *v, const float *scales,
+                                  struct CUstream_st *stream, const char *fn);
+
+/* ---- reads for persist.c (the caller holds the store's lock) ------------- */
+
+/* Reads `tokens` tokens of K and V from `pages` into a host view. For an fp8
+ * store, `host` has the store's dtype and receives the e4m3 bytes as they
+ * are, and scales[ceil(tokens / P) * L * 2 * H] the pages' scales
+ * ([page][layer][K, V][head]); else scales is NULL. */
+kvi_status kvi__store_read_pages(const kvi_store *s, const uint32_t *pages, int32_t tokens, const kvi_kv_view *host,
+                                 float *scales, const char *fn);
+
+/* A stored fact's embedding as emb_dim fp32 values. */
+kvi_status kvi__store_fact_embedding(const kvi_store *s, const struct fact *f, float *out, const char *fn);
+
+/* Waits for every device operation the store tracks (puts from device
+ * memory, encodes, injections, reads into device memory). */
+kvi_status kvi__store_wait_device(kvi_store *s, const char *fn);
+
+/* ---- hooks of the modules above the store --------------------------------
+ * The store calls nothing above it; what it must tell them goes through
+ * these, registered by their owners (the lock held). */
+
+/* persist.c: the journal. put appends a transaction's facts (their pages
+ * written, kvi__txn_prepare done) before they are committed; remove the
+ * removal of a stored fact; release closes it (kvi_store_destroy). A
+ * failing put or remove changes nothing in the store. */
+typedef struct kvi__journal_ops {
+  kvi_status (*put)(void *ctx, const kvi__txn *t);
+  kvi_status (*remove)(void *ctx, kvi_store *s, uint64_t tenant, uint64_t id, const char *fn);
+  void (*release)(void *ctx);
+} kvi__journal_ops;
+
+/* One fact of a put: view v (checked against the store's geometry, memory
+ * kind checked), flags, emb (owned: freed by the put; NULL for a store
+ * without embeddings). */
+typedef struct kvi__put_item {
+  uint64_t tenant, id;
+  const kvi_kv_view *v;
+  uint32_t flags;
+  float *emb;
+} kvi__put_item;
+
+/* The put of n facts, all or none (a key twice in the list is
+ * KVI_ERR_INVALID_ARGUMENT). With a gate, the gate decides, the lock held
+ * and the pages written but not yet taken, whether they are committed.
+ * Frees every item's emb. */
+kvi_status kvi__store_put_views(kvi_store *store, kvi__put_item *items, int32_t n, struct CUstream_st *stream,
+                                kvi__gate *gate, const char *fn);
+
+/* kvi_store_put's checks of opts and the view's memory; reads the embedding. */
+kvi_status kvi__store_put_args(const kvi_store *store, const kvi_kv_view *v, const kvi_put_options *opts,
+                               kvi_put_options *o, float **emb, struct CUstream_st *stream, const char *fn);
+
+/* The store of this rank alone (kvi_store_create's local part, opts read
+ * and the placement checked; shard.c makes the ranks of a communicator
+ * agree on theirs). */
+kvi_status kvi__store_create(kvi_store **out, const kvi_model *model, const kvi_store_options *opts, const char *fn);
+
+#endif /* KVI_STORE_H */
