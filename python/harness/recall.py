@@ -281,18 +281,12 @@ class Bench:
         pre = list(c.header) if anchor else []
         units = []
         for uid, u in c.users.items():
-            if anchor == "notes" and w is None:  # one unit per user: every fact after all earlier ones
-                ids, caps = list(pre), []
-                for f in sorted(u.facts, key=lambda f: f.index):
-                    t = c.fact_ids[(uid, f.index)]
-                    caps.append((uid, f.index, len(ids), len(t)))
-                    ids += t
-                units.append((ids, caps))
-            elif anchor == "notes":
-                for f in u.facts:
-                    ids = pre + [t for j in range(max(0, f.index - w), f.index) for t in c.fact_ids[(uid, j)]]
-                    t = c.fact_ids[(uid, f.index)]
-                    units.append((ids + t, [(uid, f.index, len(ids), len(t))]))
+            if anchor == "notes":  # the library's layout (kvinject.vllm.notes_capture_prompts)
+                from kvinject.vllm.prompt import Keep, notes_capture_prompts
+                facts = [Keep(f.index, c.fact_ids[(uid, f.index)]) for f in sorted(u.facts, key=lambda f: f.index)]
+                for p in notes_capture_prompts(uid, pre, facts, window=w):
+                    units.append((p.prompt_token_ids, [(uid, cp["fact_id"], cp["start"], cp["length"])
+                                                       for cp in p.params["capture"]]))
             elif w is None:
                 by_conv = {}
                 for f in u.facts:
