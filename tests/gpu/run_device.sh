@@ -10,9 +10,10 @@
 # a short loop for kernel work, few files in $OUT), or ab PATCH... (a
 # same-run comparison: the tree as it is and the tree with each patch
 # applied, e.g. `git diff main some-branch > .debs/x.patch`, each built in
-# its own directory; AB_TEST (default test_gpu_transfer) runs on each, then
-# AB_ROUNDS (default 2) interleaved rounds of AB_BENCH (default
-# bench_inject), so that drift of the machine hits every variant alike),
+# its own directory; the tests AB_TEST names (default test_gpu_transfer; a
+# space-separated list) run on each, then AB_ROUNDS (default 2) interleaved
+# rounds of each benchmark AB_BENCH names (default bench_inject; a list too),
+# so that drift of the machine hits every variant alike),
 # or repeat [BIN [RUNS [PARALLEL]]] (build, then tests/gpu/repeat.sh: one gpu
 # test binary many times under parallel load, default test_gpu_store 60 x 4).
 set -euo pipefail
@@ -38,9 +39,9 @@ setup_args=(-Dcuda=enabled -Dcublaslt=enabled -Dnccl=enabled -Dtests=enabled -Dc
 if [ "$phase" = ab ]; then
   shift
   variants=(base "$@")
-  bench=${AB_BENCH:-bench_inject} test=${AB_TEST-test_gpu_transfer}
-  targets=(tests/bench/$bench)
-  [ -n "$test" ] && targets+=(tests/gpu/$test)
+  read -ra benches <<<"${AB_BENCH:-bench_inject}"
+  read -ra tests <<<"${AB_TEST-test_gpu_transfer}"
+  targets=("${benches[@]/#/tests/bench/}" "${tests[@]/#/tests/gpu/}")
   # the variants build side by side: each build waits mostly on its few large .cu files
   for i in "${!variants[@]}"; do
     v=${variants[$i]} t=/tmp/kvi-ab-$i
@@ -51,23 +52,28 @@ if [ "$phase" = ab ]; then
   done
   wait
   for i in "${!variants[@]}"; do
-    [ -x /tmp/kvi-ab-$i/b/tests/bench/$bench ] ||
-      { echo "ab: variant $i (${variants[$i]}) does not build"; tail -30 "$out/ab-build-$i.log"; exit 1; }
+    for bench in "${benches[@]}"; do
+      [ -x /tmp/kvi-ab-$i/b/tests/bench/$bench ] ||
+        { echo "ab: variant $i (${variants[$i]}) does not build"; tail -30 "$out/ab-build-$i.log"; exit 1; }
+    done
     echo "ab: variant $i = ${variants[$i]}"
   done
   set +e
   for i in "${!variants[@]}"; do
-    [ -n "$test" ] || break
-    timeout 300 /tmp/kvi-ab-$i/b/tests/gpu/$test >"$out/ab-test-$i.log" 2>&1
-    echo "ab: variant $i $test rc=$? $(grep -E 'PASSED|FAILED' "$out/ab-test-$i.log" | tr '\n' ' ')"
+    for test in "${tests[@]}"; do
+      timeout 300 /tmp/kvi-ab-$i/b/tests/gpu/$test >"$out/ab-test-$i-$test.log" 2>&1
+      echo "ab: variant $i $test rc=$? $(grep -E 'PASSED|FAILED' "$out/ab-test-$i-$test.log" | tr '\n' ' ')"
+    done
   done
-  for r in $(seq 1 "${AB_ROUNDS:-2}"); do
-    for i in "${!variants[@]}"; do
-      args=()
-      [ "$bench" = bench_search ] && [ "$r" = 1 ] && args=(tests/bench/torch_search.py)
-      timeout 300 /tmp/kvi-ab-$i/b/tests/bench/$bench "${args[@]}" >"$out/ab-bench-$i-$r.log" 2>&1
-      echo "ab: round $r variant $i rc=$?"
-      grep -E '^\|' "$out/ab-bench-$i-$r.log" | sed "s/^/v$i /"
+  for bench in "${benches[@]}"; do
+    for r in $(seq 1 "${AB_ROUNDS:-2}"); do
+      for i in "${!variants[@]}"; do
+        args=()
+        [ "$bench" = bench_search ] && [ "$r" = 1 ] && args=(tests/bench/torch_search.py)
+        timeout 300 /tmp/kvi-ab-$i/b/tests/bench/$bench "${args[@]}" >"$out/ab-$bench-$i-$r.log" 2>&1
+        echo "ab: $bench round $r variant $i rc=$?"
+        grep -E '^\|' "$out/ab-$bench-$i-$r.log" | sed "s/^/v$i /"
+      done
     done
   done
   exit 0
