@@ -17,6 +17,11 @@
 
 /* ---- errors (error.c) ---------------------------------------------------- */
 
+/* The status's one-line description (kvi_status_string). */
+const char *kvi__status_string(kvi_status status);
+/* The calling thread's last error message (kvi_last_error). */
+const char *kvi__last_error(void);
+
 /* Records "fn: message" as the thread's last error and returns status. */
 kvi_status kvi__fail(kvi_status status, const char *fn, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -34,6 +39,13 @@ kvi_status kvi__read_struct(void *local, size_t known, const void *user, size_t 
 kvi_status kvi__init_struct(void *user, size_t size, const void *defaults, size_t known, size_t min_size,
                            const char *fn);
 
+/* The first published size of each public struct of the base part: the
+ * smallest struct_size accepted. */
+#define KVI__MODEL_OPTIONS_V1 sizeof(kvi_model_options)
+#define KVI__MODEL_INFO_V1 sizeof(kvi_model_info)
+#define KVI__ROPE_SPEC_V1 sizeof(kvi_rope_spec)
+#define KVI__KV_VIEW_V1 sizeof(kvi_kv_view)
+
 /* Checks an output struct's struct_size (>= min_size) and copies the first
  * min(struct_size, known) bytes of `full` into it, keeping its struct_size. */
 kvi_status kvi__write_struct(void *user, const void *full, size_t known, size_t min_size,
@@ -41,6 +53,7 @@ kvi_status kvi__write_struct(void *user, const void *full, size_t known, size_t 
 
 /* ---- element conversion (convert.c) --------------------------------------- */
 
+size_t kvi__dtype_size(kvi_dtype dtype); /* bytes per element; 0 for an unknown dtype */
 float kvi__bf16_to_f32(uint16_t h);
 uint16_t kvi__f32_to_bf16(float f); /* round to nearest even; NaN stays NaN */
 float kvi__f16_to_f32(uint16_t h);
@@ -123,6 +136,16 @@ struct kvi_model {
   kvi__rope *rope; /* num_layers entries */
 };
 
+/* The model's entry points' work (kvinject/model.h says what each does and
+ * its errors); `fn` names the entry point in messages. */
+kvi_status kvi__model_create(kvi_model **out, const kvi_model_options *opts, const char *fn);
+void kvi__model_destroy(kvi_model *model);
+kvi_status kvi__model_info_get(const kvi_model *model, kvi_model_info *out, const char *fn);
+kvi_status kvi__model_set_rope(kvi_model *model, int32_t layer, const kvi_rope_spec *spec, const char *fn);
+kvi_status kvi__model_get_rope(const kvi_model *model, int32_t layer, kvi_rope_spec *out, const char *fn);
+kvi_status kvi__model_rope_cos_sin(const kvi_model *model, int32_t layer, int32_t pos, int32_t pair, float *out_cos,
+                                   float *out_sin, const char *fn);
+
 /* ---- views (view.c) ------------------------------------------------------- */
 
 /* One dimension of a strided array: `extent` indices `stride` elements apart
@@ -137,6 +160,10 @@ typedef struct kvi__dim {
  * extents and strides must not overflow when combined (checked by the
  * caller's extent computation). */
 bool kvi__dims_disjoint(kvi__dim *dims, int n);
+
+/* kvi_kv_view_contiguous: a dense [layer][token][head][dim] view. */
+void kvi__kv_view_contiguous(kvi_kv_view *view, kvi_memory memory, kvi_dtype dtype, int32_t num_layers,
+                             int32_t num_tokens, int32_t num_heads, int32_t head_size, void *k, void *v);
 
 /* Validates a kv view against the geometry (layers, local heads, head size),
  * copies it into *out (a full-size local struct), and checks extents for

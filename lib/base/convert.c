@@ -79,7 +79,7 @@ const char *kvi__dtype_name(kvi_dtype t) {
   return "unknown dtype";
 }
 
-KVI_API size_t kvi_dtype_size(kvi_dtype dtype) {
+size_t kvi__dtype_size(kvi_dtype dtype) {
   switch (dtype) {
   case KVI_DTYPE_FP32: return 4;
   case KVI_DTYPE_FP16:
@@ -101,7 +101,7 @@ float kvi__load(const void *p, kvi_dtype t, int64_t i) {
 
 void kvi__convert(void *dst, kvi_dtype dt, const void *src, kvi_dtype st, int64_t n) {
   if (dt == st) {
-    memcpy(dst, src, (size_t)n * kvi_dtype_size(dt));
+    memcpy(dst, src, (size_t)n * kvi__dtype_size(dt));
     return;
   }
   switch (dt) {

@@ -10,7 +10,7 @@
 
 static _Thread_local char last_error[512];
 
-KVI_API const char *kvi_status_string(kvi_status status) {
+const char *kvi__status_string(kvi_status status) {
   switch (status) {
   case KVI_OK: return "success";
   case KVI_ERR_INVALID_ARGUMENT: return "invalid argument";
@@ -34,7 +34,7 @@ KVI_API const char *kvi_status_string(kvi_status status) {
   return "unknown status";
 }
 
-KVI_API const char *kvi_last_error(void) { return last_error; }
+const char *kvi__last_error(void) { return last_error; }
 
 kvi_status kvi__fail(kvi_status status, const char *fn, const char *fmt, ...) {
   int n = snprintf(last_error, sizeof last_error, "%s: ", fn);

@@ -8,21 +8,6 @@
 
 #include "base/base.h"
 
-/* Sizes of the first published versions of the structs: the minimum accepted. */
-#define MODEL_OPTIONS_V1 sizeof(kvi_model_options)
-#define MODEL_INFO_V1 sizeof(kvi_model_info)
-#define ROPE_SPEC_V1 sizeof(kvi_rope_spec)
-
-KVI_API kvi_status kvi_model_options_init(kvi_model_options *opts, size_t size) {
-  static const kvi_model_options d = KVI_MODEL_OPTIONS_INIT;
-  return kvi__init_struct(opts, size, &d, sizeof d, MODEL_OPTIONS_V1, "kvi_model_options_init");
-}
-
-KVI_API kvi_status kvi_rope_spec_init(kvi_rope_spec *spec, size_t size) {
-  static const kvi_rope_spec d = KVI_ROPE_SPEC_INIT;
-  return kvi__init_struct(spec, size, &d, sizeof d, ROPE_SPEC_V1, "kvi_rope_spec_init");
-}
-
 static kvi_status geom_from_options(kvi__geom *g, const kvi_model_options *o, const char *fn) {
   if (o->num_layers < 1 || o->num_layers > 65536)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_layers is %d, expected 1..65536",
@@ -64,12 +49,11 @@ void kvi__geom_rank_heads(const kvi__geom *g, int32_t rank, int32_t *first, int3
   }
 }
 
-KVI_API kvi_status kvi_model_create(kvi_model **out, const kvi_model_options *opts) {
-  static const char fn[] = "kvi_model_create";
+kvi_status kvi__model_create(kvi_model **out, const kvi_model_options *opts, const char *fn) {
   if (!out) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "out is NULL");
   if (!opts) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts is NULL (the geometry has no defaults)");
   kvi_model_options o = KVI_MODEL_OPTIONS_INIT;
-  kvi_status st = kvi__read_struct(&o, sizeof o, opts, MODEL_OPTIONS_V1, fn, "opts");
+  kvi_status st = kvi__read_struct(&o, sizeof o, opts, KVI__MODEL_OPTIONS_V1, fn, "opts");
   if (st) return st;
   kvi__geom g;
   if ((st = geom_from_options(&g, &o, fn))) return st;
@@ -92,25 +76,23 @@ KVI_API kvi_status kvi_model_create(kvi_model **out, const kvi_model_options *op
   return KVI_OK;
 }
 
-KVI_API void kvi_model_destroy(kvi_model *model) {
+void kvi__model_destroy(kvi_model *model) {
   if (!model) return;
   for (int32_t l = 0; l < model->geom.num_layers; l++) kvi__rope_release(&model->rope[l]);
   free(model->rope);
   free(model);
 }
 
-KVI_API kvi_status kvi_model_info_get(const kvi_model *model, kvi_model_info *out) {
-  static const char fn[] = "kvi_model_info_get";
+kvi_status kvi__model_info_get(const kvi_model *model, kvi_model_info *out, const char *fn) {
   if (!model || !out) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", model ? "out" : "model");
   const kvi__geom *g = &model->geom;
   kvi_model_info full = {sizeof full,      g->num_layers,  g->num_kv_heads,
                          g->head_size,     g->tp_rank,     g->tp_size,
                          g->head_first,    g->local_heads, g->head_replicas};
-  return kvi__write_struct(out, &full, sizeof full, MODEL_INFO_V1, fn, "out");
+  return kvi__write_struct(out, &full, sizeof full, KVI__MODEL_INFO_V1, fn, "out");
 }
 
-KVI_API kvi_status kvi_model_set_rope(kvi_model *model, int32_t layer, const kvi_rope_spec *spec) {
-  static const char fn[] = "kvi_model_set_rope";
+kvi_status kvi__model_set_rope(kvi_model *model, int32_t layer, const kvi_rope_spec *spec, const char *fn) {
   if (!model || !spec) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", model ? "spec" : "model");
   const kvi__geom *g = &model->geom;
   if (layer < -1 || layer >= g->num_layers)
@@ -142,8 +124,7 @@ KVI_API kvi_status kvi_model_set_rope(kvi_model *model, int32_t layer, const kvi
   return KVI_OK;
 }
 
-KVI_API kvi_status kvi_model_get_rope(const kvi_model *model, int32_t layer, kvi_rope_spec *out) {
-  static const char fn[] = "kvi_model_get_rope";
+kvi_status kvi__model_get_rope(const kvi_model *model, int32_t layer, kvi_rope_spec *out, const char *fn) {
   if (!model || !out) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", model ? "out" : "model");
   if (layer < 0 || layer >= model->geom.num_layers)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layer is %d, expected 0..%d", (int)layer,
@@ -157,12 +138,11 @@ KVI_API kvi_status kvi_model_get_rope(const kvi_model *model, int32_t layer, kvi
     full.table_dtype = KVI_DTYPE_FP32;
     full.table_positions = r->table->positions;
   }
-  return kvi__write_struct(out, &full, sizeof full, ROPE_SPEC_V1, fn, "out");
+  return kvi__write_struct(out, &full, sizeof full, KVI__ROPE_SPEC_V1, fn, "out");
 }
 
-KVI_API kvi_status kvi_model_rope_cos_sin(const kvi_model *model, int32_t layer, int32_t pos, int32_t pair,
-                                          float *out_cos, float *out_sin) {
-  static const char fn[] = "kvi_model_rope_cos_sin";
+kvi_status kvi__model_rope_cos_sin(const kvi_model *model, int32_t layer, int32_t pos, int32_t pair, float *out_cos,
+                                   float *out_sin, const char *fn) {
   if (!model || !out_cos || !out_sin)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", !model ? "model" : !out_cos ? "out_cos" : "out_sin");
   if (layer < 0 || layer >= model->geom.num_layers)

@@ -7,19 +7,13 @@
 
 #include "base/base.h"
 
-#define KV_VIEW_V1 sizeof(kvi_kv_view)
 
-KVI_API kvi_status kvi_kv_view_init(kvi_kv_view *view, size_t size) {
-  static const kvi_kv_view d = KVI_KV_VIEW_INIT;
-  return kvi__init_struct(view, size, &d, sizeof d, KV_VIEW_V1, "kvi_kv_view_init");
-}
-
-KVI_API void kvi_kv_view_contiguous(kvi_kv_view *view, kvi_memory memory, kvi_dtype dtype,
-                                    int32_t num_layers, int32_t num_tokens, int32_t num_heads,
-                                    int32_t head_size, void *k, void *v) {
+void kvi__kv_view_contiguous(kvi_kv_view *view, kvi_memory memory, kvi_dtype dtype,
+                             int32_t num_layers, int32_t num_tokens, int32_t num_heads,
+                             int32_t head_size, void *k, void *v) {
   if (!view) return;
   kvi_kv_view l = KVI_KV_VIEW_INIT;
-  l.struct_size = KV_VIEW_V1;
+  l.struct_size = KVI__KV_VIEW_V1;
   l.memory = memory;
   l.dtype = dtype;
   l.num_layers = num_layers;
@@ -31,7 +25,7 @@ KVI_API void kvi_kv_view_contiguous(kvi_kv_view *view, kvi_memory memory, kvi_dt
   l.layer_stride = (int64_t)num_tokens * num_heads * head_size;
   l.k = k;
   l.v = v;
-  memcpy(view, &l, KV_VIEW_V1); /* the first version only: never past an older caller's struct */
+  memcpy(view, &l, KVI__KV_VIEW_V1); /* the first version only: never past an older caller's struct */
 }
 
 typedef kvi__dim dim;
@@ -57,7 +51,7 @@ kvi_status kvi__view_check(kvi_kv_view *out, const kvi_kv_view *user, const kvi_
   const char *name = dst ? "dst" : "kv";
   if (!user) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", name);
   kvi_kv_view v = KVI_KV_VIEW_INIT;
-  kvi_status st = kvi__read_struct(&v, sizeof v, user, KV_VIEW_V1, fn, name);
+  kvi_status st = kvi__read_struct(&v, sizeof v, user, KVI__KV_VIEW_V1, fn, name);
   if (st) return st;
   if (v.memory != KVI_MEMORY_HOST && v.memory != KVI_MEMORY_DEVICE)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
@@ -96,13 +90,13 @@ kvi_status kvi__view_check(kvi_kv_view *out, const kvi_kv_view *user, const kvi_
       goto overflow;
   }
   int64_t bytes;
-  if (last == INT64_MAX || __builtin_mul_overflow(last + 1, (int64_t)kvi_dtype_size(v.dtype), &bytes)) goto overflow;
+  if (last == INT64_MAX || __builtin_mul_overflow(last + 1, (int64_t)kvi__dtype_size(v.dtype), &bytes)) goto overflow;
   if (dst) {
     /* Sufficient condition for no two elements sharing an address: ordered by
      * stride, each dimension steps past everything the smaller ones reach.
      * K and V are a fifth dimension of extent 2 whose stride is their
      * distance (interleaved K|V buffers pass; K == V does not). */
-    const size_t es = kvi_dtype_size(v.dtype);
+    const size_t es = kvi__dtype_size(v.dtype);
     const intptr_t gap = (intptr_t)((const char *)v.v - (const char *)v.k);
     const int64_t agap = gap < 0 ? -(int64_t)gap : (int64_t)gap;
     dim e[5] = {d[0], d[1], d[2], d[3], {2, agap / (int64_t)es}};

@@ -213,7 +213,7 @@ static void entry_header(unsigned char *h, uint32_t kind, uint64_t file_id, uint
 /* Bytes of one token's K and V for every layer and local head. */
 static uint64_t token_bytes(const kvi_store *s) {
   return 2u * (uint64_t)s->geom.num_layers * (uint64_t)s->geom.local_heads * (uint64_t)s->geom.head_size *
-         kvi_dtype_size(s->dtype);
+         kvi__dtype_size(s->dtype);
 }
 
 /* fp8 stores: bytes of the scales of a fact of `tokens` tokens (one fp32 per
@@ -246,7 +246,7 @@ static kvi_status fill_put(const kvi_store *s, unsigned char *rec, uint64_t tena
   const kvi__geom *g = &s->geom;
   const size_t plane = (size_t)tokens * (size_t)(token_bytes(s) / 2u);
   kvi_kv_view v;
-  kvi_kv_view_contiguous(&v, KVI_MEMORY_HOST, s->dtype, g->num_layers, tokens, g->local_heads, g->head_size, p,
+  kvi__kv_view_contiguous(&v, KVI_MEMORY_HOST, s->dtype, g->num_layers, tokens, g->local_heads, g->head_size, p,
                          p + plane);
   if (!s->fp8) return kvi__store_read_pages(s, pages, tokens, &v, NULL, fn);
   const size_t sb = (size_t)scale_bytes((uint64_t)tokens, s->P, g->num_layers, g->local_heads);
@@ -1164,7 +1164,7 @@ static kvi_status apply(const loader *ld, const rec *r, bool in_log, uint64_t eo
   const unsigned char *k = r->data + (size_t)ld->E * 4u;
   const size_t plane = (size_t)r->tokens * (size_t)(ld->token_bytes / 2u);
   kvi_kv_view v;
-  kvi_kv_view_contiguous(&v, KVI_MEMORY_HOST, ld->dtype, ld->L, r->tokens, ld->H, ld->D, (void *)k, (void *)(k + plane));
+  kvi__kv_view_contiguous(&v, KVI_MEMORY_HOST, ld->dtype, ld->L, r->tokens, ld->H, ld->D, (void *)k, (void *)(k + plane));
   /* the embedding copied to aligned memory, as the fp8 scales */
   const size_t eb = (size_t)ld->E * 4u, sb = ld->P > 0 ? (size_t)scale_bytes((uint64_t)r->tokens, ld->P, ld->L, ld->H) : 0;
   float *emb = ld->E ? malloc(eb) : NULL, *scales = ld->P > 0 ? malloc(sb) : NULL;
@@ -1180,7 +1180,7 @@ static kvi_status apply(const loader *ld, const rec *r, bool in_log, uint64_t eo
   free(scales);
   if (st) {
     char msg[400];
-    snprintf(msg, sizeof msg, "%s", kvi_last_error());
+    snprintf(msg, sizeof msg, "%s", kvi__last_error());
     return kvi__fail(st, ld->fn, "%s: loading fact %llu of tenant %llu (%d tokens): %s%s", ld->path,
                      (unsigned long long)r->id, (unsigned long long)r->tenant, (int)r->tokens, msg,
                      st == KVI_ERR_CAPACITY ? "; give the store a larger opts->budget_bytes" : "");
@@ -1289,7 +1289,7 @@ KVI_API kvi_status kvi_store_load(kvi_store **out, const kvi_model *model, const
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "load_opts->flags has unknown bits 0x%x", lo.flags & ~KVI_LOAD_JOURNAL);
   kvi_store_options so = KVI_STORE_OPTIONS_INIT;
   if ((st = kvi__read_struct(&so, sizeof so, opts, KVI__STORE_OPTIONS_V1, fn, "opts"))) return st;
-  if (kvi_dtype_size(so.dtype) == 0)
+  if (kvi__dtype_size(so.dtype) == 0)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->dtype is %d, not a kvi_dtype", (int)so.dtype);
   const bool journal = (lo.flags & KVI_LOAD_JOURNAL) != 0;
 
@@ -1334,7 +1334,7 @@ KVI_API kvi_status kvi_store_load(kvi_store **out, const kvi_model *model, const
   ld.E = so.embedding_dim;
   ld.dtype = so.dtype;
   ld.P = so.dtype == KVI_DTYPE_FP8_E4M3 ? so.page_tokens : 0;
-  ld.token_bytes = 2u * (uint64_t)ld.L * (uint64_t)ld.H * (uint64_t)ld.D * kvi_dtype_size(so.dtype);
+  ld.token_bytes = 2u * (uint64_t)ld.L * (uint64_t)ld.H * (uint64_t)ld.D * kvi__dtype_size(so.dtype);
   if ((st = kvi_store_create(&ld.s, model, opts))) goto fail;
   uint64_t valid_end = 0, next_seq = 0;
   if ((st = read_entries(&ld, HDR_BYTES(ld.L), &valid_end, &next_seq))) goto fail;

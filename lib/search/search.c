@@ -133,7 +133,7 @@ static kvi_status cpu_search(kvi_store *s, const void *queries, kvi_dtype qt, in
                              int32_t k, uint64_t *out_ids, float *out_scores, int32_t *out_counts, bool locked,
                              const char *fn) {
   const int32_t dim = s->emb_dim;
-  const size_t rb = (size_t)s->emb_ld * kvi_dtype_size(s->emb_dtype);
+  const size_t rb = (size_t)s->emb_ld * kvi__dtype_size(s->emb_dtype);
   float *q = malloc((size_t)nq * dim * sizeof *q), *row = malloc((size_t)dim * sizeof *row);
   heap h = {malloc((size_t)k * sizeof(float)), malloc((size_t)k * sizeof(uint64_t)), 0, 0};
   kvi_status st = KVI_OK;
@@ -143,7 +143,7 @@ static kvi_status cpu_search(kvi_store *s, const void *queries, kvi_dtype qt, in
   }
   for (int32_t i = 0; i < nq; i++) {
     float *qi = q + (size_t)i * dim;
-    kvi__convert(qi, KVI_DTYPE_FP32, (const char *)queries + (size_t)i * dim * kvi_dtype_size(qt), qt, dim);
+    kvi__convert(qi, KVI_DTYPE_FP32, (const char *)queries + (size_t)i * dim * kvi__dtype_size(qt), qt, dim);
     if (kvi__emb_prepare(qi, dim, s->emb_dtype, s->metric) >= 0) {
       st = kvi__fail(KVI_ERR_INTERNAL, fn, "query %d passed the checks but does not fit the store's embeddings", (int)i);
       goto out;
@@ -363,7 +363,7 @@ static bool group_tiles(builder *b, int32_t g0, int32_t g1) {
   plan *p = b->p;
   const tenant *t = b->qs[g0].t;
   const int32_t ld = b->s->emb_ld;
-  const size_t es = kvi_dtype_size(b->s->emb_dtype);
+  const size_t es = kvi__dtype_size(b->s->emb_dtype);
   const int64_t n = t ? (int64_t)t->nrows : 0;
   const int32_t g = g1 - g0;
   const bool scan = g <= KVI__SCAN_MAX_Q && (size_t)g * ld * sizeof(float) <= KVI__SCAN_SMEM;
@@ -699,10 +699,10 @@ static void make_layout(layout *l, const kvi_store *s, const plan *p, int32_t nq
   l->o_sels = o, o = align256(o + p->nsels * sizeof(kvi__sel));
   l->o_emits = o, o = align256(o + (size_t)nq * sizeof(kvi__emit));
   l->o_raw = o;
-  if (host_queries) o = align256(o + (size_t)nq * s->emb_dim * kvi_dtype_size(qt));
+  if (host_queries) o = align256(o + (size_t)nq * s->emb_dim * kvi__dtype_size(qt));
   l->upload = o;
   l->pairs = (size_t)nq * k + p->cand_pairs;
-  l->o_q = o, o = align256(o + (size_t)nq * s->emb_ld * kvi_dtype_size(s->emb_dtype));
+  l->o_q = o, o = align256(o + (size_t)nq * s->emb_ld * kvi__dtype_size(s->emb_dtype));
   l->o_valid = o, o = align256(o + (size_t)nq * sizeof(int32_t));
   l->o_ps = o, o = align256(o + l->pairs * sizeof(float));
   l->o_pi = o, o = align256(o + l->pairs * sizeof(uint64_t));
@@ -777,7 +777,7 @@ static kvi_status enqueue(kvi_store *s, const plan *p, const layout *l, const vo
   const kvi__stile *tiles = (const kvi__stile *)(ws + l->o_tiles);
   const kvi__sblock *blocks = (const kvi__sblock *)(ws + l->o_blocks);
   const kvi__sel *sels = (const kvi__sel *)(ws + l->o_sels);
-  const size_t es = kvi_dtype_size(s->emb_dtype);
+  const size_t es = kvi__dtype_size(s->emb_dtype);
   kvi_status st = KVI_OK;
   LAUNCH(kvi__cuda_search_prep(&a, stream), "search prep kernel");
   for (size_t r = 0; r < p->nrounds && st == KVI_OK; r++) {
@@ -840,7 +840,7 @@ static kvi_status cuda_search(kvi_store *s, const void *queries, kvi_dtype qt, k
   /* a free slot of the size (waits for its previous copies, or for a call copying results out of it) */
   if ((st = kvi__ring_acquire(&x->ring, l.upload + l.out, &s->lock, &sl, fn))) goto out_leave;
   write_upload(sl->host, &l, &p, nq);
-  if (host_q) memcpy(sl->host + l.o_raw, queries, (size_t)nq * s->emb_dim * kvi_dtype_size(qt));
+  if (host_q) memcpy(sl->host + l.o_raw, queries, (size_t)nq * s->emb_dim * kvi__dtype_size(qt));
   if (then && (st = then->prepare(then->ctx, fn))) goto out_leave;
 
   /* enqueue: after the last change to the embeddings and the previous search */

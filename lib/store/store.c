@@ -63,7 +63,7 @@ static void cpu_copy(const kvi_store *s, const kvi_kv_view *v, int32_t tok0, int
                      bool to_pages, float *raw) {
   const kvi__geom *g = &s->geom;
   const int32_t L = g->num_layers, H = g->local_heads, D = g->head_size, P = s->P;
-  const size_t ve = kvi_dtype_size(v->dtype), pe = kvi_dtype_size(s->dtype);
+  const size_t ve = kvi__dtype_size(v->dtype), pe = kvi__dtype_size(s->dtype);
   float row[1024]; /* head_size <= 1024 (model.c) */
   for (int32_t l = 0; l < L; l++)
     for (int kv = 0; kv < 2; kv++) {
@@ -379,13 +379,13 @@ static kvi_status check_options(const kvi_store_options *o, const kvi__geom *g, 
   pl->scale_off = pl->fp8 ? (pl->page_elems + 15u) & ~(uint64_t)15u : 0;
   pl->page_bytes =
       pl->fp8 ? pl->scale_off + (((uint64_t)g->num_layers * 2u * (uint64_t)g->local_heads * 4u + 15u) & ~(uint64_t)15u)
-              : pl->page_elems * kvi_dtype_size(o->dtype);
+              : pl->page_elems * kvi__dtype_size(o->dtype);
   if (o->budget_bytes < pl->page_bytes)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
                      "opts->budget_bytes is %llu, smaller than one page (%llu bytes: %d tokens x %d layers x 2 x "
                      "%d heads x %d x %zu bytes%s)",
                      (unsigned long long)o->budget_bytes, (unsigned long long)pl->page_bytes, (int)o->page_tokens,
-                     (int)g->num_layers, (int)g->local_heads, (int)g->head_size, kvi_dtype_size(o->dtype),
+                     (int)g->num_layers, (int)g->local_heads, (int)g->head_size, kvi__dtype_size(o->dtype),
                      pl->fp8 ? ", then the scales" : "");
   pl->npages = o->budget_bytes / pl->page_bytes;
   if (pl->npages >= UINT32_MAX)
@@ -422,10 +422,10 @@ static void set_fields(kvi_store *s, const kvi_store_options *o, const kvi__geom
   s->metric = o->metric;
   s->emb_ld = o->embedding_dim;
   if (s->backend == KVI_BACKEND_CUDA) { /* rows start on 16-byte boundaries: vector loads, GEMM alignment */
-    const int32_t per16 = (int32_t)(16 / kvi_dtype_size(o->embedding_dtype));
+    const int32_t per16 = (int32_t)(16 / kvi__dtype_size(o->embedding_dtype));
     s->emb_ld = (o->embedding_dim + per16 - 1) / per16 * per16;
   }
-  s->stage_row_bytes = (size_t)s->emb_ld * kvi_dtype_size(o->embedding_dtype); /* a multiple of 16 on a CUDA store */
+  s->stage_row_bytes = (size_t)s->emb_ld * kvi__dtype_size(o->embedding_dtype); /* a multiple of 16 on a CUDA store */
   s->page_elems = pl->page_elems;
   s->page_bytes = pl->page_bytes;
   s->fp8 = pl->fp8;
@@ -554,7 +554,7 @@ static kvi_status read_embedding(const kvi_store *s, const void *embedding, kvi_
                      (int)memory);
   kvi_status st = kvi__check_memory(embedding, memory, s->backend == KVI_BACKEND_CUDA, s->device, fn, "embedding");
   if (st) return st;
-  const size_t n = (size_t)s->emb_dim, bytes = n * kvi_dtype_size(dtype);
+  const size_t n = (size_t)s->emb_dim, bytes = n * kvi__dtype_size(dtype);
   float *e = malloc(n * sizeof *e);
   void *raw = memory == KVI_MEMORY_DEVICE ? malloc(bytes) : NULL;
   if (!e || (memory == KVI_MEMORY_DEVICE && !raw)) {
@@ -620,13 +620,13 @@ int64_t kvi__emb_prepare(float *x, int32_t n, kvi_dtype t, kvi_metric metric) {
 
 static const char emb_fn[] = "kvi_store (device embeddings)";
 
-static size_t row_bytes(const kvi_store *s) { return (size_t)s->emb_ld * kvi_dtype_size(s->emb_dtype); }
+static size_t row_bytes(const kvi_store *s) { return (size_t)s->emb_ld * kvi__dtype_size(s->emb_dtype); }
 
 /* Keeps the first failure to change device embeddings: later searches report it. */
 static void emb_latch(kvi_store *s, kvi_status st) {
   if (st == KVI_OK || s->emb_err != KVI_OK) return;
   s->emb_err = st;
-  snprintf(s->emb_err_msg, sizeof s->emb_err_msg, "%s", kvi_last_error());
+  snprintf(s->emb_err_msg, sizeof s->emb_err_msg, "%s", kvi__last_error());
 }
 
 /* Enqueued changes become visible to searches enqueued from now on. */
@@ -1053,7 +1053,7 @@ static kvi_status copy_tier(kvi_store *s, const uint32_t *dst, const uint32_t *s
     i += run;
   }
   if (st == KVI_OK && whole < n) {
-    const size_t row = (size_t)s->geom.head_size * kvi_dtype_size(s->dtype), pitch = (size_t)s->P * row;
+    const size_t row = (size_t)s->geom.head_size * kvi__dtype_size(s->dtype), pitch = (size_t)s->P * row;
     char *d = page_addr(s, dst[n - 1]);
     const char *from = page_addr(s, src[n - 1]);
     st = kvi__cuda_copy2d(d, pitch, from, pitch, used * row, (size_t)s->geom.num_layers * 2u * (size_t)s->geom.local_heads,
@@ -1839,7 +1839,7 @@ KVI_API kvi_status kvi_store_stats_get(const kvi_store *store, kvi_store_stats *
   s.facts = store->index.facts.len;
   s.tenants = store->index.tenants.len;
   /* the bytes of stored tokens, plus (fp8) the scales of their pages */
-  const uint64_t token_bytes = store->page_elems / (uint64_t)store->P * kvi_dtype_size(store->dtype);
+  const uint64_t token_bytes = store->page_elems / (uint64_t)store->P * kvi__dtype_size(store->dtype);
   s.bytes_payload = store->index.tokens_stored * token_bytes +
                     store->index.pages_stored * (store->page_bytes - (uint64_t)store->P * token_bytes);
   s.bytes_embeddings = store->emb_bytes;

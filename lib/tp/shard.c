@@ -64,7 +64,7 @@ static kvi_status combine(kvi_comm *c, kvi_status local, struct CUstream_st *str
   if (st == KVI_OK && local != KVI_OK) st = local;
   for (int32_t r = 0; st == KVI_OK && r < c->size; r++)
     if (all[r] != KVI_OK)
-      st = kvi__fail(KVI_ERR_PEER, fn, "rank %d failed: %s", (int)r, kvi_status_string((kvi_status)all[r]));
+      st = kvi__fail(KVI_ERR_PEER, fn, "rank %d failed: %s", (int)r, kvi__status_string((kvi_status)all[r]));
   free(all);
   return st == KVI_OK ? KVI_OK : (local != KVI_OK ? local : st);
 }
@@ -113,13 +113,13 @@ static kvi_status copy_rows(void *dst, const int64_t dst_stride[3], const void *
 static kvi_kv_view packed_view(kvi_memory m, kvi_dtype t, int32_t L, int32_t T, int32_t H, int32_t D, void *k,
                                void *v) {
   kvi_kv_view w;
-  kvi_kv_view_contiguous(&w, m, t, L, T, H, D, k, v);
+  kvi__kv_view_contiguous(&w, m, t, L, T, H, D, k, v);
   return w;
 }
 
 /* Byte strides of a view. */
 static void strides_of(const kvi_kv_view *v, int64_t s[3]) {
-  const int64_t e = (int64_t)kvi_dtype_size(v->dtype);
+  const int64_t e = (int64_t)kvi__dtype_size(v->dtype);
   s[0] = v->layer_stride * e;
   s[1] = v->token_stride * e;
   s[2] = v->head_stride * e;
@@ -194,7 +194,7 @@ static kvi_status shard_create(kvi_store *s, const kvi_model *model, const kvi_s
   for (int32_t r = 0; st == KVI_OK && r < c->size; r++)
     if (all[r].status != KVI_OK)
       st = kvi__fail(KVI_ERR_PEER, fn, "rank %d failed to create its store: %s", (int)r,
-                     kvi_status_string((kvi_status)all[r].status));
+                     kvi__status_string((kvi_status)all[r].status));
   static const struct {
     const char *name;
     size_t off;
@@ -283,7 +283,7 @@ static kvi_status exchange_op(kvi_comm *c, op_rec *me, struct CUstream_st *strea
   if (st == KVI_OK && me->status != KVI_OK) st = (kvi_status)me->status;
   for (int32_t r = 0; st == KVI_OK && r < c->size; r++) {
     if (all[r].status != KVI_OK)
-      st = kvi__fail(KVI_ERR_PEER, fn, "rank %d failed: %s", (int)r, kvi_status_string((kvi_status)all[r].status));
+      st = kvi__fail(KVI_ERR_PEER, fn, "rank %d failed: %s", (int)r, kvi__status_string((kvi_status)all[r].status));
     else if (all[r].n != me->n || all[r].digest != me->digest || all[r].root != me->root)
       st = kvi__fail(KVI_ERR_MISMATCH, fn,
                      "the ranks disagree: rank %d passes %d facts (list digest %016llx) with root %d, rank %d passes "
@@ -377,7 +377,7 @@ static size_t slice_bytes(const kvi__geom *g, int32_t r, int32_t T, size_t esz) 
  * heads [first, first + h) of the full view. to_full: packed -> full. */
 static kvi_status pack(const kvi_kv_view *full, void *packed, int32_t first, int32_t h, bool to_full, kvi_memory mem,
                        struct CUstream_st *stream, const char *fn) {
-  const size_t esz = kvi_dtype_size(full->dtype);
+  const size_t esz = kvi__dtype_size(full->dtype);
   const int32_t L = full->num_layers, T = full->num_tokens, D = full->head_size;
   const size_t plane = (size_t)L * T * h * D * esz;
   const int64_t ps[3] = {(int64_t)T * h * D * (int64_t)esz, (int64_t)h * D * (int64_t)esz, (int64_t)D * (int64_t)esz};
@@ -452,14 +452,14 @@ static kvi_status scatter_buffer(scatter *sc, int32_t r) {
   kvi_status st = KVI_OK;
   size_t total = 0;
   for (int32_t i = 0; i < sc->n && st == KVI_OK; i++)
-    if (__builtin_add_overflow(total, slice_bytes(g, r, rec[i].tokens, kvi_dtype_size((kvi_dtype)rec[i].dtype)), &total))
+    if (__builtin_add_overflow(total, slice_bytes(g, r, rec[i].tokens, kvi__dtype_size((kvi_dtype)rec[i].dtype)), &total))
       st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "the items' slices for rank %d pass 2^64 bytes", (int)r);
   if (st || (st = buf_alloc(c, &sc->bufs[r], total, sc->stream, fn))) return st;
   size_t at = 0;
   int32_t first, h;
   kvi__geom_rank_heads(g, r, &first, &h);
   for (int32_t i = 0; i < sc->n && st == KVI_OK; i++) {
-    const size_t b = slice_bytes(g, r, rec[i].tokens, kvi_dtype_size((kvi_dtype)rec[i].dtype));
+    const size_t b = slice_bytes(g, r, rec[i].tokens, kvi__dtype_size((kvi_dtype)rec[i].dtype));
     if (r == c->rank) sc->mine_off[i] = at;
     char *dst = (char *)sc->bufs[r] + at;
     if (sc->is_root && sc->v[i].memory == c->memory) {
@@ -492,7 +492,7 @@ static kvi_status scatter_put(scatter *sc) {
   kvi_status st = mine && put ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d views", (int)n);
   for (int32_t i = 0; i < n && st == KVI_OK; i++) {
     const kvi_dtype dt = (kvi_dtype)sc->rec[i].dtype;
-    const size_t esz = kvi_dtype_size(dt);
+    const size_t esz = kvi__dtype_size(dt);
     if (sc->is_root) {
       const kvi_kv_view *v = &sc->v[i];
       mine[i] = *v;
@@ -666,13 +666,13 @@ static kvi_status gather_buffer(gather *ga, int32_t r, int32_t h) {
   kvi_status st = KVI_OK;
   size_t total = 0;
   for (int32_t i = 0; i < n && st == KVI_OK; i++)
-    if (__builtin_add_overflow(total, slice_bytes(g, r, rt[i], kvi_dtype_size((kvi_dtype)rt[n + i])), &total))
+    if (__builtin_add_overflow(total, slice_bytes(g, r, rt[i], kvi__dtype_size((kvi_dtype)rt[n + i])), &total))
       st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, ga->fn, "the items' slices for rank %d pass 2^64 bytes", (int)r);
   if (st || (st = buf_alloc(ga->c, &ga->bufs[r], total, ga->stream, ga->fn))) return st;
   size_t at = 0;
   for (int32_t i = 0; i < n && st == KVI_OK; i++) {
     const kvi_dtype dt = (kvi_dtype)rt[n + i];
-    const size_t b = slice_bytes(g, r, rt[i], kvi_dtype_size(dt));
+    const size_t b = slice_bytes(g, r, rt[i], kvi__dtype_size(dt));
     if (!ga->is_root) { /* read my slice, packed, in root's dtype */
       const kvi_gather_item *it = item_at(ga->items, ga->stride, i);
       char *base = (char *)ga->bufs[r] + at;
@@ -695,7 +695,7 @@ static kvi_status gather_unpack(gather *ga, int32_t r, void **host_tmp) {
   kvi_status st = KVI_OK;
   for (int32_t i = 0; i < ga->n && st == KVI_OK; i++) {
     kvi_kv_view *v = &ga->v[i];
-    const size_t b = slice_bytes(g, r, ga->rt[i], kvi_dtype_size(v->dtype));
+    const size_t b = slice_bytes(g, r, ga->rt[i], kvi__dtype_size(v->dtype));
     const char *src = (const char *)ga->bufs[r] + at;
     if (v->memory == c->memory) {
       st = pack(v, (void *)src, first, h, true, c->memory, ga->stream, ga->fn);
@@ -720,7 +720,7 @@ static kvi_status gather_own(gather *ga, int32_t root_first, int32_t root_h) {
     const kvi_kv_view *v = &ga->v[i];
     kvi_kv_view w = *v;
     w.num_heads = root_h;
-    const size_t o = (size_t)root_first * (size_t)v->head_stride * kvi_dtype_size(v->dtype);
+    const size_t o = (size_t)root_first * (size_t)v->head_stride * kvi__dtype_size(v->dtype);
     w.k = (char *)v->k + o;
     w.v = (char *)v->v + o;
     st = kvi_store_read(ga->store, it->tenant, it->fact_id, &w, ga->stream);
@@ -926,7 +926,7 @@ static kvi_status shard_search(kvi_store *s, const void *queries, kvi_dtype qt, 
       memcpy(&h, all + (size_t)r * bb, sizeof h);
       if (h.status != KVI_OK)
         st = kvi__fail(KVI_ERR_PEER, fn, "rank %d failed its part of the search: %s", (int)r,
-                       kvi_status_string((kvi_status)h.status));
+                       kvi__status_string((kvi_status)h.status));
       else if (h.digest != hdr0.digest || h.nq != nq || h.k != k)
         st = kvi__fail(KVI_ERR_MISMATCH, fn, "rank %d searched other tenants, query count or k than rank %d", (int)r,
                        (int)c->rank);

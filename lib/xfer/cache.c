@@ -200,7 +200,7 @@ static kvi_status check_fields(const kvi_cache_layout *l, const kvi__geom *g, bo
   if (l->memory != (cuda ? KVI_MEMORY_DEVICE : KVI_MEMORY_HOST))
     return kvi__fail(KVI_ERR_MEMORY_KIND, fn, "a %s store writes a cache in %s memory; layout->memory says %s",
                      cuda ? "CUDA" : "CPU", cuda ? "device" : "host", l->memory == KVI_MEMORY_HOST ? "host" : "device");
-  if (kvi_dtype_size(l->dtype) == 0)
+  if (kvi__dtype_size(l->dtype) == 0)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout->dtype is %d, not a kvi_dtype", (int)l->dtype);
   if (l->num_layers != g->num_layers || l->num_heads != g->local_heads || l->head_size != g->head_size)
     return kvi__fail(KVI_ERR_MISMATCH, fn,
@@ -265,7 +265,7 @@ static kvi_status check_scale_mode(const kvi_cache_layout *l, const char *fn) {
  * gap differs from the previous layer's (*prev_gap). */
 static kvi_status layer_bases(kvi__cache *c, const kvi_cache_layout *l, int32_t i, const kvi__dim *kdims,
                               const kvi__dim *vdims, int64_t *prev_gap, const char *fn) {
-  const size_t es = kvi_dtype_size(l->dtype);
+  const size_t es = kvi__dtype_size(l->dtype);
   char *kb = l->k_layers ? (char *)l->k_layers[i] : l->k_base ? (char *)l->k_base + (size_t)(i * l->layer_stride) * es : NULL;
   char *vb = l->v_layers ? (char *)l->v_layers[i]
              : l->v_base ? (char *)l->v_base + (size_t)(i * l->layer_stride) * es
@@ -309,7 +309,7 @@ static kvi_status layer_scales(kvi__cache *c, const kvi_cache_layout *l, int32_t
 static kvi_status resolve_layers(kvi__cache *c, const kvi_cache_layout *l, const kvi__strides *ks,
                                  const kvi__strides *vs, const char *fn) {
   const int32_t L = l->num_layers, H = l->num_heads;
-  const int64_t es = (int64_t)kvi_dtype_size(l->dtype);
+  const int64_t es = (int64_t)kvi__dtype_size(l->dtype);
   kvi__dim kdims[4], vdims[4];
   plane_dims(kdims, l, ks, es);
   plane_dims(vdims, l, vs, es);

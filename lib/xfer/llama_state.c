@@ -91,7 +91,7 @@ static kvi_status read_layer(reader *r, uint32_t cells, bool trans, const char *
     return kvi__fail(KVI_ERR_UNSUPPORTED, r->fn,
                      "offset %zu: layer %u %s has ggml type %d; supported are f32 (0), f16 (1) and bf16 (30)", at,
                      (unsigned)layer, which, (int)(int32_t)type);
-  const uint64_t es = kvi_dtype_size(t);
+  const uint64_t es = kvi__dtype_size(t);
   uint64_t elems;
   if (!trans) {
     uint64_t bytes;
@@ -249,7 +249,7 @@ static kvi_status parse(const void *state, size_t size, kvi_llama_state_info *in
       if (info->num_sections == 0) return st;
       /* bytes after a whole first section: a second cache (iSWA) or garbage */
       char why[256];
-      snprintf(why, sizeof why, "%s", kvi_last_error());
+      snprintf(why, sizeof why, "%s", kvi__last_error());
       return kvi__fail(KVI_ERR_CORRUPT, fn, "offset %zu: the %zu bytes after section 0 are not a second KV cache section (%s)",
                        at, size - at, why);
     }
@@ -299,7 +299,7 @@ kvi_status kvi_llama_state_layout(void *state, size_t size, int32_t section, con
                      "= %lld",
                      (int)section, (int)sec.num_layers, (int)sec.k_row_elements, (int)g->num_layers,
                      (int)g->num_kv_heads, (int)g->head_size, (long long)full_row);
-  const size_t es = kvi_dtype_size(sec.dtype);
+  const size_t es = kvi__dtype_size(sec.dtype);
   if ((uintptr_t)state % es)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "state %p is not aligned to its %zu-byte elements", state, es);
   /* Offsets and layer_bytes are multiples of 4 (all headers are 4-byte
@@ -380,7 +380,7 @@ static kvi_status make_plan(plan *p, const kvi_model *model, const kvi_llama_sta
   const kvi__geom *g = &model->geom;
   p->s = s;
   p->L = g->num_layers;
-  p->es = kvi_dtype_size(s.dtype);
+  p->es = kvi__dtype_size(s.dtype);
   p->row = g->num_kv_heads * g->head_size; /* <= 65536 * 1024 */
   size_t data, t;
   p->row_bytes = (size_t)p->row * p->es;

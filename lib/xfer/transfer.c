@@ -229,7 +229,7 @@ static bool vector_ok(const xfer *x) {
     const kvi__rope *r = &x->store->rope[l];
     if (r->style != KVI_ROPE_NONE && r->rotary_dim % 16) return false;
   }
-  const size_t es = kvi_dtype_size(c->dtype), al = 8 * es < 16 ? 8 * es : 16;
+  const size_t es = kvi__dtype_size(c->dtype), al = 8 * es < 16 ? 8 * es : 16;
   if (!plane_aligned(&c->ks, (int64_t)es, (int64_t)al) || !plane_aligned(&c->vs, (int64_t)es, (int64_t)al)) return false;
   for (int32_t l = 0; l < c->L; l++)
     if ((uintptr_t)c->k[l] % al || (uintptr_t)c->v[l] % al) return false;
@@ -246,7 +246,7 @@ static bool vector16_ok(const xfer *x) {
     const kvi__rope *r = &x->store->rope[l];
     if (r->style != KVI_ROPE_NONE && r->rotary_dim % 32) return false;
   }
-  const int64_t es = (int64_t)kvi_dtype_size(c->dtype);
+  const int64_t es = (int64_t)kvi__dtype_size(c->dtype);
   if (!plane_aligned(&c->ks, es, 16) || !plane_aligned(&c->vs, es, 16)) return false;
   for (int32_t l = 0; l < c->L; l++)
     if ((uintptr_t)c->k[l] % 16 || (uintptr_t)c->v[l] % 16) return false;
@@ -612,7 +612,7 @@ int64_t kvi__plan_segs_for(const kvi_injector *injector, int64_t npages) { retur
  * (fp8: times scale). */
 static void load_row(float *dst, const char *src, kvi_dtype t, int32_t n, int64_t stride, float scale) {
   char g[1024 * 4];
-  const size_t es = kvi_dtype_size(t);
+  const size_t es = kvi__dtype_size(t);
   if (stride != 1) { /* gathered into a contiguous row first */
     for (int32_t i = 0; i < n; i++) memcpy(g + (size_t)i * es, src + (size_t)(i * stride) * es, es);
     src = g;
@@ -632,7 +632,7 @@ static void store_row(char *dst, kvi_dtype t, int64_t stride, float *src, int32_
   } else {
     kvi__convert(out, t, src, KVI_DTYPE_FP32, n);
   }
-  const size_t es = kvi_dtype_size(t);
+  const size_t es = kvi__dtype_size(t);
   if (stride != 1)
     for (int32_t i = 0; i < n; i++) memcpy(dst + (size_t)(i * stride) * es, g + (size_t)i * es, es);
 }
@@ -656,7 +656,7 @@ static void cpu_transfer(const xfer *x, const plan *p, int32_t lb, int32_t le, b
   const kvi_store *s = x->store;
   const kvi__cache *c = &x->cache;
   const int32_t H = c->H, D = c->D, P = s->P;
-  const size_t pe = kvi_dtype_size(s->dtype), ce = kvi_dtype_size(c->dtype);
+  const size_t pe = kvi__dtype_size(s->dtype), ce = kvi__dtype_size(c->dtype);
   /* equal dtypes without scales (neither is fp8): what is not rotated moves
    * bit for bit (as in the kernel), only the rotated columns are converted */
   const bool raw = s->dtype == c->dtype && !s->fp8;
@@ -715,7 +715,7 @@ static void cpu_deviation(const xfer *x, const plan *p, int32_t l, float *out) {
   const kvi_store *s = x->store;
   const kvi__cache *c = &x->cache;
   const int32_t H = c->H, D = c->D, P = s->P;
-  const size_t pe = kvi_dtype_size(s->dtype), ce = kvi_dtype_size(c->dtype);
+  const size_t pe = kvi__dtype_size(s->dtype), ce = kvi__dtype_size(c->dtype);
   float row[1024], got[1024];
   int64_t o = 0;
   for (int32_t i = 0; i < p->nsegs; i++) {
@@ -1588,7 +1588,7 @@ KVI_API kvi_status kvi_encode_batched(kvi_encoder *encoder, const kvi_encode_bat
   if (b.num_positions > 0 && b.num_positions != ntok)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->num_positions is %lld, the captures have %lld tokens",
                      (long long)b.num_positions, (long long)ntok);
-  const size_t es = b.embeddings ? kvi_dtype_size(b.embedding_dtype) : 0;
+  const size_t es = b.embeddings ? kvi__dtype_size(b.embedding_dtype) : 0;
   if (b.embeddings && es == 0)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->embedding_dtype is %d", (int)b.embedding_dtype);
   const int64_t erow = b.embedding_stride ? b.embedding_stride : x->store->emb_dim;
