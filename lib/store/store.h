@@ -452,4 +452,8 @@ kvi_status kvi__store_put_args(const kvi_store *store, const kvi_kv_view *v, con
  * agree on theirs). */
 kvi_status kvi__store_create(kvi_store **out, const kvi_model *model, const kvi_store_options *opts, const char *fn);
 
+/* The store's CUDA device, or -1 for a CPU store: the device its entry
+ * points make current (lib/api/api.h). */
+int kvi__store_device(const kvi_store *s);
+
 #endif /* KVI_STORE_H */
