@@ -10,19 +10,11 @@
 
 #include "xfer/xfer.h"
 
-#define CACHE_LAYOUT_V1 offsetof(kvi_cache_layout, dim_stride) /* before the per-plane strides */
-#define CACHE_LAYOUT_V2 (offsetof(kvi_cache_layout, v_dim_stride) + sizeof(int64_t)) /* with them */
+#define CACHE_LAYOUT_V2 (offsetof(kvi_cache_layout, v_dim_stride) + sizeof(int64_t)) /* with the per-plane strides */
 
-KVI_API kvi_status kvi_cache_layout_init(kvi_cache_layout *layout, size_t size) {
-  static const kvi_cache_layout d = KVI_CACHE_LAYOUT_INIT;
-  return kvi__init_struct(layout, size, &d, sizeof d, CACHE_LAYOUT_V1, "kvi_cache_layout_init");
-}
-
-KVI_API kvi_status kvi_cache_layout_preset(kvi_cache_layout *out, kvi_cache_preset preset, kvi_dtype dtype,
-                                           int32_t num_layers, int32_t num_heads, int32_t head_size,
-                                           int32_t block_size, int64_t num_blocks, void *const *k_layers,
-                                           void *const *v_layers, void *base) {
-  static const char fn[] = "kvi_cache_layout_preset";
+kvi_status kvi__cache_layout_preset(kvi_cache_layout *out, kvi_cache_preset preset, kvi_dtype dtype, int32_t num_layers,
+                                    int32_t num_heads, int32_t head_size, int32_t block_size, int64_t num_blocks,
+                                    void *const *k_layers, void *const *v_layers, void *base, const char *fn) {
   if (!out) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "out is NULL");
   if (num_layers < 1 || num_heads < 1 || head_size < 1 || block_size < 1 || num_blocks < 1)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
@@ -87,7 +79,7 @@ KVI_API kvi_status kvi_cache_layout_preset(kvi_cache_layout *out, kvi_cache_pres
   /* The first struct version that holds what the preset sets: a caller built
    * against an older header knows none of the presets that need later fields,
    * so its struct is never overrun. */
-  const size_t size = preset == KVI_CACHE_VLLM_CPU ? CACHE_LAYOUT_V2 : CACHE_LAYOUT_V1;
+  const size_t size = preset == KVI_CACHE_VLLM_CPU ? CACHE_LAYOUT_V2 : KVI__CACHE_LAYOUT_V1;
   l.struct_size = size;
   memcpy(out, &l, size);
   return KVI_OK;
@@ -343,7 +335,7 @@ kvi_status kvi__cache_resolve(kvi__cache *c, const kvi_cache_layout *user, const
   memset(c, 0, sizeof *c);
   if (!user) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout is NULL");
   kvi_cache_layout l = KVI_CACHE_LAYOUT_INIT;
-  kvi_status st = kvi__read_struct(&l, sizeof l, user, CACHE_LAYOUT_V1, fn, "layout");
+  kvi_status st = kvi__read_struct(&l, sizeof l, user, KVI__CACHE_LAYOUT_V1, fn, "layout");
   if (st || (st = check_fields(&l, g, cuda, fn))) return st;
   /* the per-plane strides, defaults applied */
   const kvi__strides ks = {l.block_stride, l.token_stride, l.head_stride, l.dim_stride ? l.dim_stride : 1};

@@ -8,10 +8,9 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "base/base.h"
+#include "xfer/xfer.h"
 
 #define INFO_V1 sizeof(kvi_llama_state_info)
-#define SPEC_V1 sizeof(kvi_llama_state_spec)
 
 /* Bytes of one cell record with one seq id: i32 pos, u32 n_seq_id, i32 seq id. */
 #define CELL_BYTES 12u
@@ -20,11 +19,6 @@
 #define LAYER_HEADER_BYTES 12u
 #define MAX_STREAMS 65536u
 #define MAX_LAYERS 65536u
-
-kvi_status kvi_llama_state_spec_init(kvi_llama_state_spec *spec, size_t size) {
-  static const kvi_llama_state_spec d = KVI_LLAMA_STATE_SPEC_INIT;
-  return kvi__init_struct(spec, size, &d, sizeof d, SPEC_V1, "kvi_llama_state_spec_init");
-}
 
 static int32_t ggml_type_of(kvi_dtype t) {
   switch (t) {
@@ -259,8 +253,7 @@ static kvi_status parse(const void *state, size_t size, kvi_llama_state_info *in
   return KVI_OK;
 }
 
-kvi_status kvi_llama_state_parse(const void *state, size_t size, kvi_llama_state_info *out) {
-  static const char fn[] = "kvi_llama_state_parse";
+kvi_status kvi__llama_state_parse(const void *state, size_t size, kvi_llama_state_info *out, const char *fn) {
   if (!out) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "out is NULL");
   if (out->struct_size < INFO_V1)
     return kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "out->struct_size is %zu, expected >= %zu", out->struct_size, INFO_V1);
@@ -280,9 +273,8 @@ static kvi_status section_of(const void *state, size_t size, int32_t section, kv
   return KVI_OK;
 }
 
-kvi_status kvi_llama_state_layout(void *state, size_t size, int32_t section, const kvi_model *model, kvi_memory memory,
-                                  kvi_cache_layout *out) {
-  static const char fn[] = "kvi_llama_state_layout";
+kvi_status kvi__llama_state_layout(void *state, size_t size, int32_t section, const kvi_model *model, kvi_memory memory,
+                                   kvi_cache_layout *out, const char *fn) {
   if (!model || !out) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "model and out must not be NULL");
   if (memory != KVI_MEMORY_HOST && memory != KVI_MEMORY_DEVICE)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "memory is %d: KVI_MEMORY_HOST or KVI_MEMORY_DEVICE", (int)memory);
@@ -332,9 +324,8 @@ kvi_status kvi_llama_state_layout(void *state, size_t size, int32_t section, con
   return KVI_OK;
 }
 
-kvi_status kvi_llama_state_positions(const void *state, size_t size, int32_t section, int32_t first_cell,
-                                     int32_t num_cells, int32_t *out) {
-  static const char fn[] = "kvi_llama_state_positions";
+kvi_status kvi__llama_state_positions(const void *state, size_t size, int32_t section, int32_t first_cell,
+                                      int32_t num_cells, int32_t *out, const char *fn) {
   if (!out) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "out is NULL");
   kvi_llama_section sec;
   kvi_status st = section_of(state, size, section, &sec, fn);
@@ -358,7 +349,7 @@ typedef struct plan {
 static kvi_status make_plan(plan *p, const kvi_model *model, const kvi_llama_state_spec *spec, const char *fn) {
   if (!model || !spec) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "model and spec must not be NULL");
   kvi_llama_state_spec s = KVI_LLAMA_STATE_SPEC_INIT;
-  kvi_status st = kvi__read_struct(&s, sizeof s, spec, SPEC_V1, fn, "spec");
+  kvi_status st = kvi__read_struct(&s, sizeof s, spec, KVI__LLAMA_STATE_SPEC_V1, fn, "spec");
   if (st) return st;
   if (s.seq_id < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "spec->seq_id is %d, expected >= 0", (int)s.seq_id);
   if (s.num_streams < 1 || (uint32_t)s.num_streams > MAX_STREAMS || s.stream < 0 || s.stream >= s.num_streams)
@@ -396,8 +387,8 @@ static kvi_status make_plan(plan *p, const kvi_model *model, const kvi_llama_sta
   return KVI_OK;
 }
 
-kvi_status kvi_llama_state_size(const kvi_model *model, const kvi_llama_state_spec *spec, size_t *out_size) {
-  static const char fn[] = "kvi_llama_state_size";
+kvi_status kvi__llama_state_size(const kvi_model *model, const kvi_llama_state_spec *spec, size_t *out_size,
+                                 const char *fn) {
   if (!out_size) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "out_size is NULL");
   plan p;
   kvi_status st = make_plan(&p, model, spec, fn);
@@ -411,9 +402,8 @@ static uint8_t *put32(uint8_t *w, uint32_t v) {
   return w + 4;
 }
 
-kvi_status kvi_llama_state_write_header(void *state, size_t size, const kvi_model *model,
-                                        const kvi_llama_state_spec *spec) {
-  static const char fn[] = "kvi_llama_state_write_header";
+kvi_status kvi__llama_state_write_header(void *state, size_t size, const kvi_model *model,
+                                         const kvi_llama_state_spec *spec, const char *fn) {
   plan p;
   kvi_status st = make_plan(&p, model, spec, fn);
   if (st) return st;
@@ -463,8 +453,8 @@ kvi_status kvi_llama_state_write_header(void *state, size_t size, const kvi_mode
 
 /* ---- RoPE ---------------------------------------------------------------- */
 
-kvi_status kvi_llama_rope_table(float *out, int32_t positions, int32_t rotary_dim, float freq_base, float freq_scale) {
-  static const char fn[] = "kvi_llama_rope_table";
+kvi_status kvi__llama_rope_table(float *out, int32_t positions, int32_t rotary_dim, float freq_base, float freq_scale,
+                                 const char *fn) {
   if (!out) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "out is NULL");
   if (positions < 1 || rotary_dim < 2 || rotary_dim % 2)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "positions %d must be >= 1, rotary_dim %d even and >= 2",

@@ -9,15 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/base.h"
-#include "kvinject/recompute.h"
-
-#define RECOMPUTE_OPTIONS_V1 sizeof(kvi_recompute_options)
-
-KVI_API kvi_status kvi_recompute_options_init(kvi_recompute_options *opts, size_t size) {
-  const kvi_recompute_options d = KVI_RECOMPUTE_OPTIONS_INIT;
-  return kvi__init_struct(opts, size, &d, sizeof d, RECOMPUTE_OPTIONS_V1, "kvi_recompute_options_init");
-}
+#include "xfer/xfer.h"
 
 /* Whether token a ranks before token b: larger score, NaN above numbers,
  * then the lower index. */
@@ -56,13 +48,12 @@ static void mark_best(uint8_t *mark, const float *sc, int64_t t0, int64_t t1, in
   for (int64_t i = 0; i < m; i++) mark[idx[i]] = 1;
 }
 
-KVI_API kvi_status kvi_recompute_select(const float *scores, const int32_t *fact_tokens, int32_t num_facts,
-                                        const kvi_recompute_options *opts, int32_t *out_index, int64_t capacity,
-                                        int64_t *out_count) {
-  static const char fn[] = "kvi_recompute_select";
+kvi_status kvi__recompute_select(const float *scores, const int32_t *fact_tokens, int32_t num_facts,
+                                 const kvi_recompute_options *opts, int32_t *out_index, int64_t capacity,
+                                 int64_t *out_count, const char *fn) {
   kvi_recompute_options o = KVI_RECOMPUTE_OPTIONS_INIT;
   kvi_status st;
-  if (opts && (st = kvi__read_struct(&o, sizeof o, opts, RECOMPUTE_OPTIONS_V1, fn, "opts"))) return st;
+  if (opts && (st = kvi__read_struct(&o, sizeof o, opts, KVI__RECOMPUTE_OPTIONS_V1, fn, "opts"))) return st;
   if (!out_count) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "out_count is NULL");
   if (num_facts < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_facts is %d", (int)num_facts);
   if (num_facts > 0 && !fact_tokens) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "fact_tokens is NULL");

@@ -25,10 +25,6 @@
 #include "store/store.h"
 #include "xfer/xfer.h"
 
-#define TRANSFER_OPTIONS_V1 sizeof(kvi_transfer_options)
-#define INJECT_REQUEST_V1 offsetof(kvi_inject_request, num_positions) /* the first layout */
-#define INJECT_OPTIONS_V1 offsetof(kvi_inject_options, host_pages) /* the fields before the host tier came first */
-#define CAPTURE_V1 sizeof(kvi_capture)
 #define SLOTS 2
 /* Captures per kernel launch of a large kvi_encode call; every chunk's plan
  * lies in the call's one staging slot. Chunks of 512 let the device start
@@ -70,26 +66,6 @@ struct kvi_encoder {
   xfer x;
 };
 
-KVI_API kvi_status kvi_transfer_options_init(kvi_transfer_options *opts, size_t size) {
-  static const kvi_transfer_options d = KVI_TRANSFER_OPTIONS_INIT;
-  return kvi__init_struct(opts, size, &d, sizeof d, TRANSFER_OPTIONS_V1, "kvi_transfer_options_init");
-}
-
-KVI_API kvi_status kvi_inject_request_init(kvi_inject_request *req, size_t size) {
-  static const kvi_inject_request d = KVI_INJECT_REQUEST_INIT;
-  return kvi__init_struct(req, size, &d, sizeof d, INJECT_REQUEST_V1, "kvi_inject_request_init");
-}
-
-KVI_API kvi_status kvi_inject_options_init(kvi_inject_options *opts, size_t size) {
-  static const kvi_inject_options d = KVI_INJECT_OPTIONS_INIT;
-  return kvi__init_struct(opts, size, &d, sizeof d, INJECT_OPTIONS_V1, "kvi_inject_options_init");
-}
-
-KVI_API kvi_status kvi_capture_init(kvi_capture *cap, size_t size) {
-  static const kvi_capture d = KVI_CAPTURE_INIT;
-  return kvi__init_struct(cap, size, &d, sizeof d, CAPTURE_V1, "kvi_capture_init");
-}
-
 /* ------------------------------------------------------------------------ */
 /* creation                                                                  */
 /* ------------------------------------------------------------------------ */
@@ -107,19 +83,16 @@ static size_t slot_size(const kvi_transfer_options *o) {
          ((size_t)o->max_requests_per_call / CAPTURE_CHUNK + 1) * 80;
 }
 
-static void xfer_release(xfer *x) {
-  if (x->cuda) {
-    kvi__devguard g;
-    if (kvi__cuda_enter(x->store->device, &g, "kvi_injector_destroy") == KVI_OK) {
-      if (x->up_stream) kvi__cuda_sync(x->up_stream, "kvi_injector_destroy"); /* uploads of failed launches */
-      kvi__ring_destroy(&x->ring, "kvi_injector_destroy");
-      for (int i = 0; i < SLOTS; i++) kvi__cuda_event_destroy(x->up[i]);
-      kvi__cuda_stream_destroy(x->up_stream);
-      kvi__cuda_event_destroy(x->emb_read);
-      kvi__cuda_free(x->dev_tables);
-      kvi__async_count_destroy(&x->skipped);
-      kvi__cuda_leave(&g);
-    }
+/* device_ok: the store's device is current (else its memory is left). */
+static void xfer_release(xfer *x, bool device_ok) {
+  if (x->cuda && device_ok) {
+    if (x->up_stream) kvi__cuda_sync(x->up_stream, "kvi_injector_destroy"); /* uploads of failed launches */
+    kvi__ring_destroy(&x->ring, "kvi_injector_destroy");
+    for (int i = 0; i < SLOTS; i++) kvi__cuda_event_destroy(x->up[i]);
+    kvi__cuda_stream_destroy(x->up_stream);
+    kvi__cuda_event_destroy(x->emb_read);
+    kvi__cuda_free(x->dev_tables);
+    kvi__async_count_destroy(&x->skipped);
   }
   kvi__cache_release(&x->cache);
   pthread_mutex_destroy(&x->lock);
@@ -266,7 +239,7 @@ static kvi_status xfer_create(xfer *x, kvi_store *store, const kvi_cache_layout 
   if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
   kvi_transfer_options o = KVI_TRANSFER_OPTIONS_INIT;
   kvi_status st;
-  if (opts && (st = kvi__read_struct(&o, sizeof o, opts, TRANSFER_OPTIONS_V1, fn, "opts"))) return st;
+  if (opts && (st = kvi__read_struct(&o, sizeof o, opts, KVI__TRANSFER_OPTIONS_V1, fn, "opts"))) return st;
   if (o.max_tokens_per_call < 1 || o.max_requests_per_call < 1 || o.max_table_entries_per_call < 0)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts limits must be >= 1 (tokens %d, requests %d, table entries %d)",
                      (int)o.max_tokens_per_call, (int)o.max_requests_per_call, (int)o.max_table_entries_per_call);
@@ -294,8 +267,6 @@ static kvi_status xfer_create(xfer *x, kvi_store *store, const kvi_cache_layout 
     return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "initializing a lock");
   }
   if (!x->cuda) return KVI_OK;
-  kvi__devguard g;
-  if ((st = kvi__cuda_enter(store->device, &g, fn))) goto fail;
   x->slot_bytes = slot_size(&o);
   st = kvi__cuda_sm_count(store->device, &x->sms, fn);
   if (st == KVI_OK) st = upload_tables(x, fn);
@@ -304,16 +275,13 @@ static kvi_status xfer_create(xfer *x, kvi_store *store, const kvi_cache_layout 
   if (st == KVI_OK) st = kvi__cuda_stream_create(&x->up_stream, fn);
   if (st == KVI_OK) st = kvi__cuda_event_create(&x->emb_read, fn);
   if (st == KVI_OK) st = kvi__async_count_init(&x->skipped, fn);
-  kvi__cuda_leave(&g);
   if (st == KVI_OK) return KVI_OK;
-fail:
-  xfer_release(x);
+  xfer_release(x, true);
   return st;
 }
 
-KVI_API kvi_status kvi_injector_create(kvi_injector **out, kvi_store *store, const kvi_cache_layout *layout,
-                                       const kvi_transfer_options *opts) {
-  static const char fn[] = "kvi_injector_create";
+kvi_status kvi__injector_create(kvi_injector **out, kvi_store *store, const kvi_cache_layout *layout,
+                                const kvi_transfer_options *opts, const char *fn) {
   if (!out) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "out is NULL");
   kvi_injector *inj = calloc(1, sizeof *inj);
   if (!inj) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the injector");
@@ -326,15 +294,14 @@ KVI_API kvi_status kvi_injector_create(kvi_injector **out, kvi_store *store, con
   return KVI_OK;
 }
 
-KVI_API void kvi_injector_destroy(kvi_injector *injector) {
+void kvi__injector_destroy(kvi_injector *injector, bool device_ok) {
   if (!injector) return;
-  xfer_release(&injector->x);
+  xfer_release(&injector->x, device_ok);
   free(injector);
 }
 
-KVI_API kvi_status kvi_encoder_create(kvi_encoder **out, kvi_store *store, const kvi_cache_layout *layout,
-                                      const kvi_transfer_options *opts) {
-  static const char fn[] = "kvi_encoder_create";
+kvi_status kvi__encoder_create(kvi_encoder **out, kvi_store *store, const kvi_cache_layout *layout,
+                               const kvi_transfer_options *opts, const char *fn) {
   if (!out) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "out is NULL");
   kvi_encoder *enc = calloc(1, sizeof *enc);
   if (!enc) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the encoder");
@@ -347,9 +314,9 @@ KVI_API kvi_status kvi_encoder_create(kvi_encoder **out, kvi_store *store, const
   return KVI_OK;
 }
 
-KVI_API void kvi_encoder_destroy(kvi_encoder *encoder) {
+void kvi__encoder_destroy(kvi_encoder *encoder, bool device_ok) {
   if (!encoder) return;
-  xfer_release(&encoder->x);
+  xfer_release(&encoder->x, device_ok);
   free(encoder);
 }
 
@@ -761,12 +728,7 @@ static kvi_status execute(xfer *x, const plan *p, int32_t lb, int32_t le, bool i
       cpu_transfer(x, p, lb, le, inject, 2);
     return KVI_OK;
   }
-  kvi__devguard g;
-  kvi_status st = kvi__cuda_enter(x->store->device, &g, fn);
-  if (st) return st;
-  st = launch(x, p, lb, le, inject, stream, fn);
-  kvi__cuda_leave(&g);
-  return st;
+  return launch(x, p, lb, le, inject, stream, fn);
 }
 
 /* Layers per CTA: enough (segment, layer) pairs per CTA to amortize its
@@ -905,10 +867,8 @@ static kvi_status run_deviation(xfer *x, plan *p, const deviation *dv, struct CU
     o += p->segs[i].ntok;
   }
   const size_t o_scores = p->o_ext + align_up((size_t)p->nsegs * sizeof(int64_t));
-  kvi__devguard g;
-  kvi_status st = kvi__cuda_enter(x->store->device, &g, fn);
-  if (st) return st;
   kvi__dev_args a;
+  kvi_status st;
   if ((st = xfer_args(x, p, dv->layer, dv->layer + 1, true, &a.x, stream, fn))) goto out;
   a.seg_out = (const int64_t *)(a.x.plan_dev + p->o_ext);
   a.out = dv->out_on_device ? dv->out : (float *)(a.x.plan_dev + o_scores);
@@ -926,7 +886,6 @@ static kvi_status run_deviation(xfer *x, plan *p, const deviation *dv, struct CU
     memcpy(dv->out, p->buf + o_scores, (size_t)o * sizeof(float));
   }
 out:
-  kvi__cuda_leave(&g);
   return st;
 }
 
@@ -1129,7 +1088,7 @@ static kvi_status read_inject_options(const xfer *x, const kvi_inject_options *o
                                       kvi_host_pages *hp, const char *fn) {
   kvi_inject_options o = KVI_INJECT_OPTIONS_INIT;
   kvi_status st;
-  if (opts && (st = kvi__read_struct(&o, sizeof o, opts, INJECT_OPTIONS_V1, fn, "opts"))) return st;
+  if (opts && (st = kvi__read_struct(&o, sizeof o, opts, KVI__INJECT_OPTIONS_V1, fn, "opts"))) return st;
   const int32_t L = x->cache.L;
   *lb = o.layer_begin;
   *le = o.layer_end ? o.layer_end : L;
@@ -1181,7 +1140,7 @@ static kvi_status read_requests(const xfer *x, const kvi_inject_request *reqs, i
       break;
     }
     kvi_inject_request q = KVI_INJECT_REQUEST_INIT;
-    if ((st = kvi__read_struct(&q, sizeof q, src, INJECT_REQUEST_V1, fn, "reqs[i]")) == KVI_OK)
+    if ((st = kvi__read_struct(&q, sizeof q, src, KVI__INJECT_REQUEST_V1, fn, "reqs[i]")) == KVI_OK)
       st = request_of(x, &q, r, &rq[r], fn);
   }
   if (st) {
@@ -1192,9 +1151,8 @@ static kvi_status read_requests(const xfer *x, const kvi_inject_request *reqs, i
   return KVI_OK;
 }
 
-KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *reqs, int32_t num_requests,
-                              const kvi_inject_options *opts, struct CUstream_st *stream) {
-  static const char fn[] = "kvi_inject";
+kvi_status kvi__inject(kvi_injector *injector, const kvi_inject_request *reqs, int32_t num_requests,
+                       const kvi_inject_options *opts, struct CUstream_st *stream, const char *fn) {
   if (!injector) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "injector is NULL");
   if (num_requests < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_requests is %d", (int)num_requests);
   if (num_requests > 0 && !reqs) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "reqs is NULL");
@@ -1212,10 +1170,9 @@ KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *
   return st;
 }
 
-KVI_API kvi_status kvi_inject_deviation(kvi_injector *injector, const kvi_inject_request *reqs, int32_t num_requests,
-                                        int32_t layer, float *out_scores, int64_t num_scores, kvi_memory out_memory,
-                                        struct CUstream_st *stream) {
-  static const char fn[] = "kvi_inject_deviation";
+kvi_status kvi__inject_deviation(kvi_injector *injector, const kvi_inject_request *reqs, int32_t num_requests,
+                                 int32_t layer, float *out_scores, int64_t num_scores, kvi_memory out_memory,
+                                 struct CUstream_st *stream, const char *fn) {
   if (!injector) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "injector is NULL");
   if (num_requests < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_requests is %d", (int)num_requests);
   if (num_requests > 0 && !reqs) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "reqs is NULL");
@@ -1264,9 +1221,8 @@ static kvi_status plan_tokens(const kvi_store *s, uint64_t tenant, const uint64_
   return KVI_OK;
 }
 
-KVI_API kvi_status kvi_inject_plan(const kvi_injector *injector, uint64_t tenant, const uint64_t *fact_ids,
-                                   int32_t num_facts, int64_t *out_tokens) {
-  static const char fn[] = "kvi_inject_plan";
+kvi_status kvi__inject_plan(const kvi_injector *injector, uint64_t tenant, const uint64_t *fact_ids, int32_t num_facts,
+                            int64_t *out_tokens, const char *fn) {
   if (!injector || !out_tokens || (num_facts > 0 && !fact_ids) || num_facts < 0)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s", !injector ? "injector is NULL" : !out_tokens ? "out_tokens is NULL"
                                                          : num_facts < 0 ? "num_facts is negative" : "fact_ids is NULL");
@@ -1277,8 +1233,7 @@ KVI_API kvi_status kvi_inject_plan(const kvi_injector *injector, uint64_t tenant
   return st;
 }
 
-KVI_API kvi_status kvi_injector_async_errors(kvi_injector *injector, int64_t *out_skipped) {
-  static const char fn[] = "kvi_injector_async_errors";
+kvi_status kvi__injector_async_errors(kvi_injector *injector, int64_t *out_skipped, const char *fn) {
   if (!injector || !out_skipped)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", injector ? "out_skipped" : "injector");
   xfer *x = &injector->x;
@@ -1369,7 +1324,7 @@ static kvi_status read_captures(xfer *x, const kvi_capture *caps, int32_t num_ca
     }
     const cap_state blank = {KVI_CAPTURE_INIT, NULL, 0, 0};
     cs[r->nread++] = blank;
-    if ((st = kvi__read_struct(&cs[i].c, sizeof cs[i].c, src, CAPTURE_V1, fn, "caps[i]"))) break;
+    if ((st = kvi__read_struct(&cs[i].c, sizeof cs[i].c, src, KVI__CAPTURE_V1, fn, "caps[i]"))) break;
     const kvi_capture *c = &cs[i].c;
     if (c->flags & ~KVI_PUT_REPLACE) {
       st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "capture %d: unknown flag bits 0x%x", (int)i, c->flags & ~KVI_PUT_REPLACE);
@@ -1498,9 +1453,9 @@ static kvi_status encode_locked(xfer *x, cap_read *r, int32_t num_captures, stru
   return st == KVI_OK ? kvi__txn_commit(&t) : kvi__txn_abort(&t, st);
 }
 
-/* kvi_encode, errors named for `fn` (kvi_encode_batched passes its captures through here). */
-static kvi_status encode_caps(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures,
-                              struct CUstream_st *stream, const char *fn) {
+/* kvi_encode; kvi__encode_batched passes its captures through here, under its own fn. */
+kvi_status kvi__encode(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures, struct CUstream_st *stream,
+                       const char *fn) {
   if (!encoder) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "encoder is NULL");
   if (num_captures < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_captures is %d", (int)num_captures);
   if (num_captures > 0 && !caps) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "caps is NULL");
@@ -1517,18 +1472,6 @@ static kvi_status encode_caps(kvi_encoder *encoder, const kvi_capture *caps, int
   free(r.csz);
   if (r.cs) free_caps(r.cs, r.nread);
   return st;
-}
-
-KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures,
-                              struct CUstream_st *stream) {
-  return encode_caps(encoder, caps, num_captures, stream, "kvi_encode");
-}
-
-#define ENCODE_BATCH_V1 sizeof(kvi_encode_batch)
-
-KVI_API kvi_status kvi_encode_batch_init(kvi_encode_batch *batch, size_t size) {
-  static const kvi_encode_batch d = KVI_ENCODE_BATCH_INIT;
-  return kvi__init_struct(batch, size, &d, sizeof d, ENCODE_BATCH_V1, "kvi_encode_batch_init");
 }
 
 static kvi_status check_offsets(const int32_t *off, int32_t n, const char *what, const char *fn);
@@ -1552,14 +1495,14 @@ static kvi_status check_batch_form(int32_t position_bits, const void *positions,
   return KVI_OK;
 }
 
-KVI_API kvi_status kvi_encode_batched(kvi_encoder *encoder, const kvi_encode_batch *batch, struct CUstream_st *stream) {
-  static const char fn[] = "kvi_encode_batched";
+kvi_status kvi__encode_batched(kvi_encoder *encoder, const kvi_encode_batch *batch, struct CUstream_st *stream,
+                               const char *fn) {
   if (!encoder) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "encoder is NULL");
   if (!batch) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch is NULL");
   const xfer *x = &encoder->x;
   kvi_encode_batch b = KVI_ENCODE_BATCH_INIT;
   kvi_status st;
-  if ((st = kvi__read_struct(&b, sizeof b, batch, ENCODE_BATCH_V1, fn, "batch"))) return st;
+  if ((st = kvi__read_struct(&b, sizeof b, batch, KVI__ENCODE_BATCH_V1, fn, "batch"))) return st;
   const int32_t n = b.num_captures;
   if (n < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->num_captures is %d", (int)n);
   if ((st = check_batch_form(b.position_bits, b.positions, b.start_positions, b.num_positions, b.block_table_stride,
@@ -1567,7 +1510,7 @@ KVI_API kvi_status kvi_encode_batched(kvi_encoder *encoder, const kvi_encode_bat
     return st;
   if (b.embedding_stride < 0)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->embedding_stride is %lld", (long long)b.embedding_stride);
-  if (n == 0) return encode_caps(encoder, NULL, 0, stream, fn);
+  if (n == 0) return kvi__encode(encoder, NULL, 0, stream, fn);
   if (!b.fact_ids || !b.num_tokens || !b.block_tables || (b.block_table_stride == 0 && !b.block_table_offsets))
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->%s is NULL",
                      !b.fact_ids ? "fact_ids" : !b.num_tokens ? "num_tokens" : !b.block_tables ? "block_tables"
@@ -1642,7 +1585,7 @@ KVI_API kvi_status kvi_encode_batched(kvi_encoder *encoder, const kvi_encode_bat
       c->embedding_memory = b.embedding_memory;
     }
   }
-  if (st == KVI_OK) st = encode_caps(encoder, caps, n, stream, fn);
+  if (st == KVI_OK) st = kvi__encode(encoder, caps, n, stream, fn);
   free(caps);
   free(pos32);
   return st;
@@ -1651,13 +1594,6 @@ KVI_API kvi_status kvi_encode_batched(kvi_encoder *encoder, const kvi_encode_bat
 /* ------------------------------------------------------------------------ */
 /* retrieve and inject                                                       */
 /* ------------------------------------------------------------------------ */
-
-#define RETRIEVE_REQUEST_V1 sizeof(kvi_retrieve_request)
-
-KVI_API kvi_status kvi_retrieve_request_init(kvi_retrieve_request *req, size_t size) {
-  static const kvi_retrieve_request d = KVI_RETRIEVE_REQUEST_INIT;
-  return kvi__init_struct(req, size, &d, sizeof d, RETRIEVE_REQUEST_V1, "kvi_retrieve_request_init");
-}
 
 /* A request as the job its reserve makes of it. */
 static void retrieve_job(const kvi_retrieve_request *rq, int64_t tokens, job *j) {
@@ -1899,11 +1835,10 @@ static kvi_status retr_enqueue(void *ctx, const int32_t *rows, int32_t *counts, 
   return plan_and_inject(r->x, p, r->nq, r->k, rows, counts, counts, tokens, 0, r->x->cache.L, stream, fn);
 }
 
-KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queries, int32_t num_queries, int32_t dim,
-                                       const kvi_retrieve_request *reqs, int32_t k, const kvi_search_options *opts,
-                                       uint64_t *out_ids, int32_t *out_counts, int32_t *out_tokens,
-                                       struct CUstream_st *stream) {
-  static const char fn[] = "kvi_retrieve_inject";
+kvi_status kvi__retrieve_inject(kvi_injector *injector, const void *queries, int32_t num_queries, int32_t dim,
+                                const kvi_retrieve_request *reqs, int32_t k, const kvi_search_options *opts,
+                                uint64_t *out_ids, int32_t *out_counts, int32_t *out_tokens, struct CUstream_st *stream,
+                                const char *fn) {
   if (!injector) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "injector is NULL");
   if (num_queries < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_queries is %d", (int)num_queries);
   if (num_queries > 0 && (!reqs || !out_ids || !out_counts || !out_tokens))
@@ -1931,7 +1866,7 @@ KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queri
     if (sz != rsize)
       st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "reqs[%zu].struct_size is %zu, reqs[0]'s is %zu; they must be equal", i,
                      sz, rsize);
-    else if (!(st = kvi__read_struct(&rq[i], sizeof rq[i], src, RETRIEVE_REQUEST_V1, fn, "reqs[i]")) &&
+    else if (!(st = kvi__read_struct(&rq[i], sizeof rq[i], src, KVI__RETRIEVE_REQUEST_V1, fn, "reqs[i]")) &&
              (rq[i].flags & ~KVI_RETRIEVE_BEST_LAST))
       st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "reqs[%zu].flags has unknown bits 0x%x", i,
                      rq[i].flags & ~KVI_RETRIEVE_BEST_LAST);
@@ -1967,13 +1902,6 @@ KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queri
 /* ------------------------------------------------------------------------ */
 /* batched injection                                                         */
 /* ------------------------------------------------------------------------ */
-
-#define INJECT_BATCH_V1 sizeof(kvi_inject_batch)
-
-KVI_API kvi_status kvi_inject_batch_init(kvi_inject_batch *batch, size_t size) {
-  static const kvi_inject_batch d = KVI_INJECT_BATCH_INIT;
-  return kvi__init_struct(batch, size, &d, sizeof d, INJECT_BATCH_V1, "kvi_inject_batch_init");
-}
 
 static bool memory_valid(kvi_memory m) { return m == KVI_MEMORY_HOST || m == KVI_MEMORY_DEVICE; }
 
@@ -2011,18 +1939,14 @@ static kvi_status batch_index_on_host(const xfer *x, kvi_inject_batch *b, void *
   char *h = st == KVI_OK ? malloc(total ? total : 1) : NULL;
   if (st == KVI_OK && !h) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes of index arrays", total);
   if (st) return st;
-  kvi__devguard g;
-  if ((st = kvi__cuda_enter(x->store->device, &g, fn)) == KVI_OK) {
-    size_t at = 0;
-    for (int i = 0; i < 6 && st == KVI_OK; i++)
-      if (*arr[i]) {
-        st = kvi__cuda_d2h(h + at, *arr[i], bytes[i], stream, fn);
-        *arr[i] = h + at;
-        at += align_up(bytes[i]);
-      }
-    if (st == KVI_OK) st = kvi__cuda_sync(stream, fn);
-    kvi__cuda_leave(&g);
-  }
+  size_t at = 0;
+  for (int i = 0; i < 6 && st == KVI_OK; i++)
+    if (*arr[i]) {
+      st = kvi__cuda_d2h(h + at, *arr[i], bytes[i], stream, fn);
+      *arr[i] = h + at;
+      at += align_up(bytes[i]);
+    }
+  if (st == KVI_OK) st = kvi__cuda_sync(stream, fn);
   if (st) free(h);
   else *keep = h;
   return st;
@@ -2101,41 +2025,37 @@ static kvi_status batch_on_device(xfer *x, const kvi_inject_batch *b, int32_t lb
       lk[r].nf = d[r].nres;
     }
     char *dev = p.sl->dev + p.off;
-    kvi__devguard g;
-    if ((st = kvi__cuda_enter(s->device, &g, fn)) == KVI_OK) {
-      /* the plan's host tables, queries and lookups (the segments and what follows the lookups are written on the device) */
-      st = kvi__cuda_h2d(dev + p.o_reqs, p.buf + p.o_reqs, o_mine + o_rows - p.o_reqs, stream, fn);
-      p.uploaded = true;
-      if (st == KVI_OK && s->emb_err)
-        st = kvi__fail(s->emb_err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb_err_msg);
-      if (st == KVI_OK && s->emb_ready_recorded) st = kvi__cuda_stream_wait(stream, s->emb_ready, fn);
-      bool enqueued = false;
-      int32_t *rows = (int32_t *)(dev + o_mine + o_rows), *counts = (int32_t *)(dev + o_mine + o_counts);
-      if (st == KVI_OK) {
-        kvi__idlookup_args la;
-        memset(&la, 0, sizeof la);
-        la.reqs = (const kvi__idreq *)(dev + o_mine + o_look);
-        la.n = n;
-        la.k = kmax;
-        la.fact_ids = b->fact_ids;
-        la.rows = rows;
-        la.counts = counts;
-        la.skipped = x->skipped.dev;
-        enqueued = true;
+    /* the plan's host tables, queries and lookups (the segments and what follows the lookups are written on the device) */
+    st = kvi__cuda_h2d(dev + p.o_reqs, p.buf + p.o_reqs, o_mine + o_rows - p.o_reqs, stream, fn);
+    p.uploaded = true;
+    if (st == KVI_OK && s->emb_err)
+      st = kvi__fail(s->emb_err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb_err_msg);
+    if (st == KVI_OK && s->emb_ready_recorded) st = kvi__cuda_stream_wait(stream, s->emb_ready, fn);
+    bool enqueued = false;
+    int32_t *rows = (int32_t *)(dev + o_mine + o_rows), *counts = (int32_t *)(dev + o_mine + o_counts);
+    if (st == KVI_OK) {
+      kvi__idlookup_args la;
+      memset(&la, 0, sizeof la);
+      la.reqs = (const kvi__idreq *)(dev + o_mine + o_look);
+      la.n = n;
+      la.k = kmax;
+      la.fact_ids = b->fact_ids;
+      la.rows = rows;
+      la.counts = counts;
+      la.skipped = x->skipped.dev;
+      enqueued = true;
 #ifdef KVI_HAVE_CUDA
-        const int err = kvi__cuda_lookup_ids(&la, stream);
-        if (err) st = kvi__cuda_error(err, fn, "fact id lookup kernel launch");
+      const int err = kvi__cuda_lookup_ids(&la, stream);
+      if (err) st = kvi__cuda_error(err, fn, "fact id lookup kernel launch");
 #endif
-      }
-      if (st == KVI_OK)
-        st = plan_and_inject(x, &p, n, kmax, rows, counts, counts,
-                             b->out_tokens ? b->out_tokens : (int32_t *)(dev + o_mine + o_tokens), lb, le, stream, fn);
-      if (enqueued) { /* later changes to the tenants' rows and directories wait for what was enqueued */
-        kvi_status s1 = kvi__cuda_event_record(x->emb_read, stream, fn);
-        if (s1 == KVI_OK) s1 = kvi__cuda_stream_wait(s->emb_stream, x->emb_read, fn);
-        if (st == KVI_OK) st = s1;
-      }
-      kvi__cuda_leave(&g);
+    }
+    if (st == KVI_OK)
+      st = plan_and_inject(x, &p, n, kmax, rows, counts, counts,
+                           b->out_tokens ? b->out_tokens : (int32_t *)(dev + o_mine + o_tokens), lb, le, stream, fn);
+    if (enqueued) { /* later changes to the tenants' rows and directories wait for what was enqueued */
+      kvi_status s1 = kvi__cuda_event_record(x->emb_read, stream, fn);
+      if (s1 == KVI_OK) s1 = kvi__cuda_stream_wait(s->emb_stream, x->emb_read, fn);
+      if (st == KVI_OK) st = s1;
     }
   }
   plan_free(x, &p);
@@ -2143,16 +2063,15 @@ static kvi_status batch_on_device(xfer *x, const kvi_inject_batch *b, int32_t lb
   return st;
 }
 
-KVI_API kvi_status kvi_inject_batched(kvi_injector *injector, const kvi_inject_batch *batch,
-                                      const kvi_inject_options *opts, struct CUstream_st *stream) {
-  static const char fn[] = "kvi_inject_batched";
+kvi_status kvi__inject_batched(kvi_injector *injector, const kvi_inject_batch *batch, const kvi_inject_options *opts,
+                               struct CUstream_st *stream, const char *fn) {
   if (!injector) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "injector is NULL");
   if (!batch) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch is NULL");
   xfer *x = &injector->x;
   kvi_store *s = x->store;
   kvi_inject_batch b = KVI_INJECT_BATCH_INIT;
   kvi_status st;
-  if ((st = kvi__read_struct(&b, sizeof b, batch, INJECT_BATCH_V1, fn, "batch"))) return st;
+  if ((st = kvi__read_struct(&b, sizeof b, batch, KVI__INJECT_BATCH_V1, fn, "batch"))) return st;
   int32_t lb, le;
   kvi_host_pages hp;
   if ((st = read_inject_options(x, opts, &lb, &le, &hp, fn))) return st;
@@ -2237,5 +2156,7 @@ out:
 /* ------------------------------------------------------------------------ */
 
 int32_t kvi__injector_vec(const kvi_injector *injector) { return xfer_vec(&injector->x); }
+int kvi__injector_device(const kvi_injector *injector) { return kvi__store_device(injector->x.store); }
+int kvi__encoder_device(const kvi_encoder *encoder) { return kvi__store_device(encoder->x.store); }
 int32_t kvi__injector_seg_tokens(const kvi_injector *injector) { return injector->x.seg_tokens; }
 int32_t kvi__injector_half_max(const kvi_injector *injector) { return injector->x.half_max; }

@@ -1,19 +1,102 @@
 /*
  * libkvinject — the xfer part (lib/xfer/): the resolved form of a cache
- * layout (cache.c), and the injector's host planning that tests/internal
- * reaches (transfer.c).
+ * layout (cache.c), injectors and encoders (transfer.c), the recompute plan
+ * (recompute.c) and llama.cpp states (llama_state.c): the internal twins of
+ * their entry points (lib/api/xfer.c), and the injector's host planning that
+ * tests/internal reaches.
  * SPDX-License-Identifier: Apache-2.0
  */
 #ifndef KVI_XFER_H
 #define KVI_XFER_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "gpu/gpu.h"
 #include "gpu/kernels.h"
 #include "kvinject/inject.h"
+#include "kvinject/llama.h"
+#include "kvinject/recompute.h"
 #include "store/store.h"
+
+/* ---- the entry points' internal twins --------------------------------------
+ * Each kvi__<name> is kvi_<name> (kvinject/inject.h, cache.h, recompute.h,
+ * llama.h) with the public name `fn` its errors are reported under; the
+ * entry point has made the handle's device current (lib/api/api.h). */
+
+/* First-version sizes of the public structs (their *_init and readers). */
+#define KVI__TRANSFER_OPTIONS_V1 sizeof(kvi_transfer_options)
+#define KVI__INJECT_REQUEST_V1 offsetof(kvi_inject_request, num_positions) /* the first layout */
+#define KVI__INJECT_OPTIONS_V1 offsetof(kvi_inject_options, host_pages) /* the fields before the host tier came first */
+#define KVI__CAPTURE_V1 sizeof(kvi_capture)
+#define KVI__ENCODE_BATCH_V1 sizeof(kvi_encode_batch)
+#define KVI__RETRIEVE_REQUEST_V1 sizeof(kvi_retrieve_request)
+#define KVI__INJECT_BATCH_V1 sizeof(kvi_inject_batch)
+#define KVI__CACHE_LAYOUT_V1 offsetof(kvi_cache_layout, dim_stride) /* before the per-plane strides */
+#define KVI__RECOMPUTE_OPTIONS_V1 sizeof(kvi_recompute_options)
+#define KVI__LLAMA_STATE_SPEC_V1 sizeof(kvi_llama_state_spec)
+
+/* The CUDA device of an injector's / encoder's store, or -1 for a CPU store. */
+int kvi__injector_device(const kvi_injector *injector);
+int kvi__encoder_device(const kvi_encoder *encoder);
+
+/* kvi_injector_create / kvi_encoder_create. */
+kvi_status kvi__injector_create(kvi_injector **out, kvi_store *store, const kvi_cache_layout *layout,
+                                const kvi_transfer_options *opts, const char *fn);
+kvi_status kvi__encoder_create(kvi_encoder **out, kvi_store *store, const kvi_cache_layout *layout,
+                               const kvi_transfer_options *opts, const char *fn);
+/* kvi_injector_destroy / kvi_encoder_destroy; device_ok false: the store's
+ * device could not be made current, so only host memory is freed. */
+void kvi__injector_destroy(kvi_injector *injector, bool device_ok);
+void kvi__encoder_destroy(kvi_encoder *encoder, bool device_ok);
+/* kvi_inject. */
+kvi_status kvi__inject(kvi_injector *injector, const kvi_inject_request *reqs, int32_t num_requests,
+                       const kvi_inject_options *opts, struct CUstream_st *stream, const char *fn);
+/* kvi_inject_deviation. */
+kvi_status kvi__inject_deviation(kvi_injector *injector, const kvi_inject_request *reqs, int32_t num_requests,
+                                 int32_t layer, float *out_scores, int64_t num_scores, kvi_memory out_memory,
+                                 struct CUstream_st *stream, const char *fn);
+/* kvi_inject_plan (host only: no device). */
+kvi_status kvi__inject_plan(const kvi_injector *injector, uint64_t tenant, const uint64_t *fact_ids, int32_t num_facts,
+                            int64_t *out_tokens, const char *fn);
+/* kvi_injector_async_errors (host only: no device). */
+kvi_status kvi__injector_async_errors(kvi_injector *injector, int64_t *out_skipped, const char *fn);
+/* kvi_encode. */
+kvi_status kvi__encode(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures, struct CUstream_st *stream,
+                       const char *fn);
+/* kvi_encode_batched. */
+kvi_status kvi__encode_batched(kvi_encoder *encoder, const kvi_encode_batch *batch, struct CUstream_st *stream,
+                               const char *fn);
+/* kvi_retrieve_inject. */
+kvi_status kvi__retrieve_inject(kvi_injector *injector, const void *queries, int32_t num_queries, int32_t dim,
+                                const kvi_retrieve_request *reqs, int32_t k, const kvi_search_options *opts,
+                                uint64_t *out_ids, int32_t *out_counts, int32_t *out_tokens, struct CUstream_st *stream,
+                                const char *fn);
+/* kvi_inject_batched. */
+kvi_status kvi__inject_batched(kvi_injector *injector, const kvi_inject_batch *batch, const kvi_inject_options *opts,
+                               struct CUstream_st *stream, const char *fn);
+/* kvi_cache_layout_preset (cache.c). */
+kvi_status kvi__cache_layout_preset(kvi_cache_layout *out, kvi_cache_preset preset, kvi_dtype dtype, int32_t num_layers,
+                                    int32_t num_heads, int32_t head_size, int32_t block_size, int64_t num_blocks,
+                                    void *const *k_layers, void *const *v_layers, void *base, const char *fn);
+/* kvi_recompute_select (recompute.c). */
+kvi_status kvi__recompute_select(const float *scores, const int32_t *fact_tokens, int32_t num_facts,
+                                 const kvi_recompute_options *opts, int32_t *out_index, int64_t capacity,
+                                 int64_t *out_count, const char *fn);
+/* kvi_llama_state_parse, _layout, _positions, _size, _write_header and
+ * kvi_llama_rope_table (llama_state.c). */
+kvi_status kvi__llama_state_parse(const void *state, size_t size, kvi_llama_state_info *out, const char *fn);
+kvi_status kvi__llama_state_layout(void *state, size_t size, int32_t section, const kvi_model *model, kvi_memory memory,
+                                   kvi_cache_layout *out, const char *fn);
+kvi_status kvi__llama_state_positions(const void *state, size_t size, int32_t section, int32_t first_cell,
+                                      int32_t num_cells, int32_t *out, const char *fn);
+kvi_status kvi__llama_state_size(const kvi_model *model, const kvi_llama_state_spec *spec, size_t *out_size,
+                                 const char *fn);
+kvi_status kvi__llama_state_write_header(void *state, size_t size, const kvi_model *model,
+                                         const kvi_llama_state_spec *spec, const char *fn);
+kvi_status kvi__llama_rope_table(float *out, int32_t positions, int32_t rotary_dim, float freq_base, float freq_scale,
+                                 const char *fn);
 
 /* ---- cache layouts (cache.c) ------------------------------------------------ */
 

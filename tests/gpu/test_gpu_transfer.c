@@ -1202,6 +1202,117 @@ static void t_tier_encode(void **state) {
   kvi_injector_destroy(di);
   free_world(&w);
 }
+/* The caller's current device, checked after each call of t_caller_device. */
+static void expect_device(int want, const char *after) {
+  int cur = -1;
+  CUDA_OK(cudaGetDevice(&cur));
+  if (cur != want) {
+    cudaSetDevice(0); /* for the tests after this one */
+    fail_msg("after %s the current device is %d, the caller's was %d", after, cur, want);
+  }
+}
+
+/* Every injector and encoder entry point runs on its store's device and
+ * gives the caller's current device back. With two or more devices the
+ * caller stands on the last one while the store and the caches live on
+ * device 0 (work run on the caller's device fails or goes astray); the
+ * caches and captures still equal the CPU store's. */
+static void t_caller_device(void **state) {
+  (void)state;
+  if (g_devices == 0) skip();
+  static const scen sc = {2, 2, 64, 16, 64, 20, 4, KVI_DTYPE_BF16, KVI_DTYPE_BF16, KVI_CACHE_VLLM_FLASH_ATTN, 0,
+                          KVI_SCALE_NONE};
+  world w;
+  make_world(&w, &sc);
+  const int other = g_devices - 1;
+  enum { TL = 16 };
+  static int32_t tables[4][TL]; /* requests 0, 1 and captures 0, 1: blocks of their own */
+  for (int r = 0; r < 4; r++)
+    for (int b = 0; b < TL; b++) tables[r][b] = r * TL + (TL - 1 - b);
+  static const uint64_t ids[] = {100, 102, 101, 103};
+  kvi_inject_request q = KVI_INJECT_REQUEST_INIT;
+  q.tenant = 1, q.fact_ids = ids, q.num_facts = 2, q.block_table = tables[0], q.block_table_len = TL;
+  q.first_slot = 3, q.start_position = 11;
+  const int32_t offs[2] = {2, 4};
+  const int64_t slot1 = 5;
+  const int32_t start1 = 40;
+  kvi_inject_batch ib = KVI_INJECT_BATCH_INIT;
+  ib.num_requests = 1, ib.tenant = 1, ib.fact_ids = ids, ib.fact_offsets = offs, ib.block_tables = tables[1];
+  ib.block_table_stride = TL, ib.block_table_len = TL, ib.first_slots = &slot1, ib.start_positions = &start1;
+  kvi_capture c = KVI_CAPTURE_INIT;
+  c.tenant = 2, c.fact_id = 1, c.block_table = tables[0], c.block_table_len = TL, c.first_slot = 3;
+  c.num_tokens = 2 * sc.T, c.start_position = 11;
+  const uint64_t cid = 2;
+  const int32_t ctok = sc.T;
+  kvi_encode_batch eb = KVI_ENCODE_BATCH_INIT;
+  eb.num_captures = 1, eb.tenant = 2, eb.fact_ids = &cid, eb.num_tokens = &ctok, eb.block_tables = tables[1];
+  eb.block_table_stride = TL, eb.block_table_len = TL, eb.first_slots = &slot1, eb.start_positions = &start1;
+  float dev_scores[64], cpu_scores[64];
+  int64_t plan = 0, skipped = -1;
+  kvi_injector *hi, *di;
+  kvi_encoder *he, *de;
+  CHECK_OK(kvi_injector_create(&hi, w.cpu, &w.hl, NULL));
+  CHECK_OK(kvi_encoder_create(&he, w.cpu, &w.hl, NULL));
+  CHECK_OK(kvi_inject(hi, &q, 1, NULL, NULL));
+  CHECK_OK(kvi_inject_batched(hi, &ib, NULL, NULL));
+  CHECK_OK(kvi_inject_deviation(hi, &q, 1, 1, cpu_scores, 64, KVI_MEMORY_HOST, NULL));
+  CHECK_OK(kvi_encode(he, &c, 1, NULL));
+  CHECK_OK(kvi_encode_batched(he, &eb, NULL));
+  CUDA_OK(cudaSetDevice(other));
+  CHECK_OK(kvi_injector_create(&di, w.gpu, &w.dl, NULL));
+  expect_device(other, "kvi_injector_create");
+  CHECK_OK(kvi_encoder_create(&de, w.gpu, &w.dl, NULL));
+  expect_device(other, "kvi_encoder_create");
+  CHECK_OK(kvi_inject(di, &q, 1, NULL, NULL));
+  expect_device(other, "kvi_inject");
+  CHECK_OK(kvi_inject_batched(di, &ib, NULL, NULL));
+  expect_device(other, "kvi_inject_batched");
+  CHECK_OK(kvi_inject_deviation(di, &q, 1, 1, dev_scores, 64, KVI_MEMORY_HOST, NULL));
+  expect_device(other, "kvi_inject_deviation");
+  CHECK_OK(kvi_inject_plan(di, 1, ids, 2, &plan));
+  expect_device(other, "kvi_inject_plan");
+  CHECK_OK(kvi_encode(de, &c, 1, NULL));
+  expect_device(other, "kvi_encode");
+  CHECK_OK(kvi_encode_batched(de, &eb, NULL));
+  expect_device(other, "kvi_encode_batched");
+  CHECK_OK(kvi_injector_async_errors(di, &skipped));
+  expect_device(other, "kvi_injector_async_errors");
+  kvi_encoder_destroy(de);
+  expect_device(other, "kvi_encoder_destroy");
+  kvi_injector_destroy(di);
+  expect_device(other, "kvi_injector_destroy");
+  CUDA_OK(cudaSetDevice(0));
+  CUDA_OK(cudaDeviceSynchronize());
+  assert_int_equal(skipped, 0);
+  assert_int_equal(plan, 2 * sc.T + 2); /* facts 100 and 102: T and T + 2 tokens */
+  double worst;
+  const size_t bad = compare_caches(&w, false, 2e-6, &worst);
+  if (bad) fail_msg("caller on device %d: %zu cache elements differ from the CPU store's", other, bad);
+  const int64_t ntok = plan;
+  for (int64_t t = 0; t < ntok; t++)
+    if (!(fabs((double)dev_scores[t] - cpu_scores[t]) <= 2e-4 * fabs((double)cpu_scores[t]) + 1e-3))
+      fail_msg("deviation token %lld: CUDA %.9g, CPU %.9g", (long long)t, (double)dev_scores[t],
+               (double)cpu_scores[t]);
+  const size_t n = (size_t)sc.L * 2 * sc.T * sc.H * sc.D;
+  float *a = malloc(n * 8), *b = malloc(n * 8);
+  for (int f = 1; f <= 2; f++) {
+    const int32_t T = f == 1 ? 2 * sc.T : sc.T;
+    const size_t m = (size_t)sc.L * T * sc.H * sc.D;
+    kvi_kv_view va, vb;
+    kvi_kv_view_contiguous(&va, KVI_MEMORY_HOST, KVI_DTYPE_FP32, sc.L, T, sc.H, sc.D, a, a + m);
+    kvi_kv_view_contiguous(&vb, KVI_MEMORY_HOST, KVI_DTYPE_FP32, sc.L, T, sc.H, sc.D, b, b + m);
+    CHECK_OK(kvi_store_read(w.cpu, 2, (uint64_t)f, &va, NULL));
+    CHECK_OK(kvi_store_read(w.gpu, 2, (uint64_t)f, &vb, NULL));
+    for (size_t i = 0; i < 2 * m; i++)
+      if (!(fabs(a[i] - b[i]) <= fmax(fabs(a[i]), 1e-2) / 64))
+        fail_msg("capture %d element %zu: CUDA %a, CPU %a", f, i, (double)b[i], (double)a[i]);
+  }
+  free(a);
+  free(b);
+  kvi_encoder_destroy(he);
+  kvi_injector_destroy(hi);
+  free_world(&w);
+}
 #else
 static void t_tier_inject(void **state) {
   (void)state;
@@ -1243,6 +1354,10 @@ static void t_capture_chunks(void **state) {
   (void)state;
   skip();
 }
+static void t_caller_device(void **state) {
+  (void)state;
+  skip();
+}
 #endif
 
 int main(void) {
@@ -1260,7 +1375,7 @@ int main(void) {
       cmocka_unit_test(t_staging_ring), cmocka_unit_test(t_capture_chunks),
       cmocka_unit_test(t_journal_encode),
       cmocka_unit_test(t_tier_inject),   cmocka_unit_test(t_tier_inflight), cmocka_unit_test(t_tier_prefetch),
-      cmocka_unit_test(t_tier_encode),
+      cmocka_unit_test(t_tier_encode),   cmocka_unit_test(t_caller_device),
   };
   int failed = cmocka_run_group_tests_name("gpu-transfer", tests, NULL, NULL);
   if (failed) return 1;
