@@ -848,13 +848,12 @@ static void emb_remove(kvi_store *s, tenant *t, fact *f) {
   t->rows[last] = NULL;
 }
 
-static kvi_status check_view_memory(const kvi_store *s, const kvi_kv_view *v, const char *fn, const char *name) {
-  char what[32];
-  kvi_status st;
-  snprintf(what, sizeof what, "%s->k", name);
-  if ((st = kvi__check_memory(v->k, v->memory, s->backend == KVI_BACKEND_CUDA, s->device, fn, what))) return st;
-  snprintf(what, sizeof what, "%s->v", name);
-  return kvi__check_memory(v->v, v->memory, s->backend == KVI_BACKEND_CUDA, s->device, fn, what);
+/* k_name, v_name: the pointers' names in messages ("kv->k", "kv->v") */
+static kvi_status check_view_memory(const kvi_store *s, const kvi_kv_view *v, const char *fn, const char *k_name,
+                                    const char *v_name) {
+  const bool cuda = s->backend == KVI_BACKEND_CUDA;
+  kvi_status st = kvi__check_memory(v->k, v->memory, cuda, s->device, fn, k_name);
+  return st ? st : kvi__check_memory(v->v, v->memory, cuda, s->device, fn, v_name);
 }
 
 /* ---- deferred frees ------------------------------------------------------ */
@@ -1598,7 +1597,7 @@ kvi_status kvi__store_put_args(const kvi_store *store, const kvi_kv_view *v, con
   if (opts && (st = kvi__read_struct(o, sizeof *o, opts, KVI__PUT_OPTIONS_V1, fn, "opts"))) return st;
   if (o->flags & ~KVI_PUT_REPLACE)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->flags has unknown bits 0x%x", o->flags & ~KVI_PUT_REPLACE);
-  if ((st = check_view_memory(store, v, fn, "kv"))) return st;
+  if ((st = check_view_memory(store, v, fn, "kv->k", "kv->v"))) return st;
   return kvi__store_read_embedding(store, o->embedding, o->embedding_dtype, o->embedding_memory, stream, emb, fn);
 }
 
@@ -1646,7 +1645,7 @@ kvi_status kvi__store_read(const kvi_store *store, uint64_t tenant_id, uint64_t 
   kvi_kv_view v;
   kvi_status st = kvi__view_check(&v, dst, &store->geom, true, fn);
   if (st) return st;
-  if ((st = check_view_memory(store, &v, fn, "dst"))) return st;
+  if ((st = check_view_memory(store, &v, fn, "dst->k", "dst->v"))) return st;
   kvi__store_lock(store);
   const fact *f = kvi__map_get(&store->index.facts, tenant_id, fact_id);
   if (!f) st = not_found(fn, tenant_id, fact_id);
