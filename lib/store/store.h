@@ -451,7 +451,8 @@ kvi_status kvi__store_put_args(const kvi_store *store, const kvi_kv_view *v, con
 
 /* The store of this rank alone (kvi_store_create's local part, opts read
  * and the placement checked; shard.c makes the ranks of a communicator
- * agree on theirs). */
+ * agree on theirs). A CUDA store's memory is allocated on the current
+ * device: the caller makes kvi__store_options_device(opts) current first. */
 kvi_status kvi__store_create(kvi_store **out, const kvi_model *model, const kvi_store_options *opts, const char *fn);
 
 /* The store's CUDA device, or -1 for a CPU store: the device its entry
