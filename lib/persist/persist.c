@@ -1159,7 +1159,8 @@ static kvi_status apply(const loader *ld, const rec *r, bool in_log, uint64_t eo
     if (!in_log)
       return corrupt(ld, eoff, "fact %llu of tenant %llu appears twice in the snapshot", (unsigned long long)r->id,
                      (unsigned long long)r->tenant);
-    if ((st = kvi__store_remove(ld->s, r->tenant, r->id, "kvi_store_remove"))) return st; /* a replacement: room for one copy */
+    /* a replacement: room for one copy */
+    if ((st = kvi__store_remove(ld->s, r->tenant, r->id, "kvi_store_remove"))) return st;
   }
   const unsigned char *k = r->data + (size_t)ld->E * 4u;
   const size_t plane = (size_t)r->tokens * (size_t)(ld->token_bytes / 2u);

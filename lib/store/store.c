@@ -1198,7 +1198,7 @@ static kvi_status put_room(kvi_store *s, uint32_t need, pool **into, const char 
 }
 
 kvi_status kvi__store_prefetch(kvi_store *store, uint64_t tenant_id, const uint64_t *fact_ids, int32_t count,
-                                      struct CUstream_st *stream, const char *fn) {
+                               struct CUstream_st *stream, const char *fn) {
   if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
   if (count < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "count is %d", (int)count);
   if (count > 0 && !fact_ids) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "fact_ids is NULL and count is %d", (int)count);
@@ -1602,7 +1602,7 @@ kvi_status kvi__store_put_args(const kvi_store *store, const kvi_kv_view *v, con
 }
 
 kvi_status kvi__store_put(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *kv,
-                                 const kvi_put_options *opts, struct CUstream_st *stream, const char *fn) {
+                          const kvi_put_options *opts, struct CUstream_st *stream, const char *fn) {
   if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
   kvi_kv_view v;
   kvi_status st = kvi__view_check(&v, kv, &store->geom, false, fn);
@@ -1640,7 +1640,7 @@ static kvi_status not_found(const char *fn, uint64_t tenant_id, uint64_t fact_id
 }
 
 kvi_status kvi__store_read(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *dst,
-                                  struct CUstream_st *stream, const char *fn) {
+                           struct CUstream_st *stream, const char *fn) {
   if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
   kvi_kv_view v;
   kvi_status st = kvi__view_check(&v, dst, &store->geom, true, fn);
@@ -1663,7 +1663,7 @@ kvi_status kvi__store_read(const kvi_store *store, uint64_t tenant_id, uint64_t 
 }
 
 kvi_status kvi__store_fact_tokens(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id,
-                                         int32_t *out_tokens, const char *fn) {
+                                  int32_t *out_tokens, const char *fn) {
   if (!store || !out_tokens)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_tokens" : "store");
   kvi__store_lock(store);
@@ -1673,7 +1673,8 @@ kvi_status kvi__store_fact_tokens(const kvi_store *store, uint64_t tenant_id, ui
   return f ? KVI_OK : not_found(fn, tenant_id, fact_id);
 }
 
-kvi_status kvi__store_get_embedding(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, float *out, const char *fn) {
+kvi_status kvi__store_get_embedding(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, float *out,
+                                    const char *fn) {
   if (!store || !out) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out" : "store");
   if (store->emb_dim == 0)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "the store was created with embedding_dim 0");
@@ -1748,7 +1749,7 @@ static int cmp_u64(const void *a, const void *b) {
 }
 
 kvi_status kvi__store_list(const kvi_store *store, uint64_t tenant_id, uint64_t *ids, size_t capacity,
-                                  size_t *out_total, const char *fn) {
+                           size_t *out_total, const char *fn) {
   if (!store || !out_total)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_total" : "store");
   if (capacity > 0 && !ids) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "ids is NULL and capacity is %zu", capacity);
