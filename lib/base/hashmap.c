@@ -42,6 +42,10 @@ void *kvi__map_get(const kvi__map *m, uint64_t k1, uint64_t k2) {
 void kvi__map_get_many(const kvi__map *m, const uint64_t *k1, size_t k1_step, const uint64_t *k2, size_t n,
                        void **out) {
   enum { G = GET_MANY_GROUP };
+  if (n == 1) { /* no misses to overlap: the group's bookkeeping would only add to the lookup */
+    out[0] = kvi__map_get(m, k1[0], k2[0]);
+    return;
+  }
   if (!m->cap) {
     for (size_t i = 0; i < n; i++) out[i] = NULL;
     return;

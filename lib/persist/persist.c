@@ -1153,13 +1153,14 @@ static kvi_status apply(const loader *ld, const rec *r, bool in_log, uint64_t eo
     if (!exists)
       return corrupt(ld, eoff, "removal of fact %llu of tenant %llu, which is not stored", (unsigned long long)r->id,
                      (unsigned long long)r->tenant);
-    return kvi_store_remove(ld->s, r->tenant, r->id);
+    return kvi__store_remove(ld->s, r->tenant, r->id, "kvi_store_remove");
   }
   if (exists) {
     if (!in_log)
       return corrupt(ld, eoff, "fact %llu of tenant %llu appears twice in the snapshot", (unsigned long long)r->id,
                      (unsigned long long)r->tenant);
-    if ((st = kvi_store_remove(ld->s, r->tenant, r->id))) return st; /* a replacement: room for one copy */
+    /* a replacement: room for one copy */
+    if ((st = kvi__store_remove(ld->s, r->tenant, r->id, "kvi_store_remove"))) return st;
   }
   const unsigned char *k = r->data + (size_t)ld->E * 4u;
   const size_t plane = (size_t)r->tokens * (size_t)(ld->token_bytes / 2u);
@@ -1357,7 +1358,7 @@ KVI_API kvi_status kvi_store_load(kvi_store **out, const kvi_model *model, const
   *out = ld.s;
   return KVI_OK;
 fail:
-  kvi_store_destroy(ld.s);
+  kvi__store_destroy(ld.s, true);
   close(ld.fd);
   free(j);
   free(jpath);

@@ -37,7 +37,6 @@
 #include "gpu/kernels.h"
 #include "search/search.h"
 
-#define SEARCH_OPTIONS_V1 KVI__SEARCH_OPTIONS_V1
 #define MIN_WORKSPACE (1u << 20)
 #define SLOTS 4
 #define LT_WS (32u << 20) /* cuBLASLt's workspace, when a GEMM is planned */
@@ -45,11 +44,6 @@
 #define SEG_MAX 65536     /* and at most */
 #define GEMM_QT 256       /* queries per GEMM tile */
 #define PAIR_BYTES 12     /* a candidate: fp32 score + 64-bit id */
-
-KVI_API kvi_status kvi_search_options_init(kvi_search_options *opts, size_t size) {
-  static const kvi_search_options d = KVI_SEARCH_OPTIONS_INIT;
-  return kvi__init_struct(opts, size, &d, sizeof d, SEARCH_OPTIONS_V1, "kvi_search_options_init");
-}
 
 /* ------------------------------------------------------------------------ */
 /* argument checks                                                          */
@@ -205,19 +199,18 @@ struct kvi__search {
   int sms;
 };
 
-/* The store's search.release hook (registered with the workspace). */
-static void search_release(kvi_store *s) {
+/* The store's search.release hook (registered with the workspace);
+ * device_ok: the device is current (else its memory is left). */
+static void search_release(kvi_store *s, bool device_ok) {
   kvi__search *x = s->search.ws;
   if (!x) return;
-  kvi__devguard g;
-  if (kvi__cuda_enter(s->device, &g, "kvi_store_destroy") == KVI_OK) {
+  if (device_ok) {
     kvi__ring_destroy(&x->ring, "kvi_store_destroy");
     if (x->done_recorded) kvi__cuda_event_sync(x->done, "kvi_store_destroy");
     kvi__cuda_event_destroy(x->done);
     kvi__cuda_free(x->ws);
     kvi__async_count_destroy(&x->bad);
     kvi__lt_destroy(x->lt);
-    kvi__cuda_leave(&g);
   }
   free(x);
   s->search.ws = NULL;
@@ -235,12 +228,11 @@ static kvi_status search_state(kvi_store *s, const char *fn) {
   if (st == KVI_OK) st = kvi__ring_init(&x->ring, SLOTS, 0, KVI__RING_GROW, fn);
   if (st == KVI_OK) st = kvi__async_count_init(&x->bad, fn);
   if (st == KVI_OK) st = kvi__cuda_sm_count(s->device, &x->sms, fn);
-  if (st) search_release(s);
+  if (st) search_release(s, true);
   return st;
 }
 
-KVI_API kvi_status kvi_store_search_async_errors(kvi_store *store, int64_t *out_bad_queries) {
-  static const char fn[] = "kvi_store_search_async_errors";
+kvi_status kvi__store_search_async_errors(kvi_store *store, int64_t *out_bad_queries, const char *fn) {
   if (!store || !out_bad_queries)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_bad_queries" : "store");
   kvi__store_lock(store);
@@ -819,7 +811,6 @@ static kvi_status cuda_search(kvi_store *s, const void *queries, kvi_dtype qt, k
   kvi_status lst = kvi__lt_load(fn); /* every CUDA search needs it, whichever kernels its plan picks */
   if (lst) return lst;
   const bool host_q = qm == KVI_MEMORY_HOST, host_out = om == KVI_MEMORY_HOST;
-  kvi__devguard g;
   kvi_status st = KVI_OK;
   plan p;
   memset(&p, 0, sizeof p);
@@ -831,17 +822,16 @@ static kvi_status cuda_search(kvi_store *s, const void *queries, kvi_dtype qt, k
     st = kvi__fail(s->emb_err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb_err_msg);
     goto out_unlock;
   }
-  if ((st = kvi__cuda_enter(s->device, &g, fn))) goto out_unlock;
-  if ((st = search_state(s, fn))) goto out_leave;
+  if ((st = search_state(s, fn))) goto out_record;
   kvi__search *x = s->search.ws;
-  if ((st = kvi__search_plan_build(s, &p, tenants, nq, k, area, x->sms, fn))) goto out_leave;
+  if ((st = kvi__search_plan_build(s, &p, tenants, nq, k, area, x->sms, fn))) goto out_record;
   make_layout(&l, s, &p, nq, k, qt, host_q, host_out, then != NULL);
-  if (p.any_gemm && !x->lt && (st = kvi__lt_create(&x->lt, fn))) goto out_leave;
+  if (p.any_gemm && !x->lt && (st = kvi__lt_create(&x->lt, fn))) goto out_record;
   /* a free slot of the size (waits for its previous copies, or for a call copying results out of it) */
-  if ((st = kvi__ring_acquire(&x->ring, l.upload + l.out, &s->lock, &sl, fn))) goto out_leave;
+  if ((st = kvi__ring_acquire(&x->ring, l.upload + l.out, &s->lock, &sl, fn))) goto out_record;
   write_upload(sl->host, &l, &p, nq);
   if (host_q) memcpy(sl->host + l.o_raw, queries, (size_t)nq * s->emb_dim * kvi__dtype_size(qt));
-  if (then && (st = then->prepare(then->ctx, fn))) goto out_leave;
+  if (then && (st = then->prepare(then->ctx, fn))) goto out_record;
 
   /* enqueue: after the last change to the embeddings and the previous search */
   enqueued = true;
@@ -871,7 +861,7 @@ static kvi_status cuda_search(kvi_store *s, const void *queries, kvi_dtype qt, k
   if (st == KVI_OK && host_out) /* ids, scores, counts (and tokens) sit back to back in both places */
     st = kvi__cuda_d2h(sl->host + l.upload, x->ws + l.o_out_ids, l.out, stream, fn);
 
-out_leave:
+out_record:
   if (enqueued) { /* ordering is kept even for a failed call: what was enqueued may run */
     kvi__search *x2 = s->search.ws;
     kvi_status s1 = kvi__ring_record(sl, stream, fn);
@@ -882,7 +872,6 @@ out_leave:
     }
     if (st == KVI_OK) st = s1 ? s1 : s2;
   }
-  kvi__cuda_leave(&g);
 out_unlock:
   if (sl && !(st == KVI_OK && host_out)) kvi__ring_release(&s->search.ws->ring, sl);
   if (!locked) kvi__store_unlock(s);
@@ -944,14 +933,14 @@ kvi_status kvi__search_check(const kvi_store *store, const void *queries, int32_
   return KVI_OK;
 }
 
-KVI_API kvi_status kvi_store_search(kvi_store *store, const void *queries, int32_t num_queries, int32_t dim,
-                                    const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
-                                    int32_t *out_counts, const kvi_search_options *opts, struct CUstream_st *stream) {
-  static const char fn[] = "kvi_store_search";
+kvi_status kvi__store_search(kvi_store *store, const void *queries, int32_t num_queries, int32_t dim,
+                             const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
+                             int32_t *out_counts, const kvi_search_options *opts, struct CUstream_st *stream,
+                             const char *fn) {
   if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
   kvi_search_options o = KVI_SEARCH_OPTIONS_INIT;
   kvi_status st;
-  if (opts && (st = kvi__read_struct(&o, sizeof o, opts, SEARCH_OPTIONS_V1, fn, "opts"))) return st;
+  if (opts && (st = kvi__read_struct(&o, sizeof o, opts, KVI__SEARCH_OPTIONS_V1, fn, "opts"))) return st;
   if (num_queries > 0 && (!out_ids || !out_scores || !out_counts))
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL",
                      !out_ids ? "out_ids" : !out_scores ? "out_scores" : "out_counts");

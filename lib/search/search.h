@@ -19,6 +19,16 @@
 /* The first version of kvi_search_options (read by search.c and transfer.c). */
 #define KVI__SEARCH_OPTIONS_V1 sizeof(kvi_search_options)
 
+/* kvi_store_search_async_errors (no device work) */
+kvi_status kvi__store_search_async_errors(kvi_store *store, int64_t *out_bad_queries, const char *fn);
+
+/* kvi_store_search, its device made current by the caller; fn names the
+ * public function in messages */
+kvi_status kvi__store_search(kvi_store *store, const void *queries, int32_t num_queries, int32_t dim,
+                             const uint64_t *tenants, int32_t k, uint64_t *out_ids, float *out_scores,
+                             int32_t *out_counts, const kvi_search_options *opts, struct CUstream_st *stream,
+                             const char *fn);
+
 /* kvi_store_search on this rank's embeddings only (arguments
  * already checked). locked: the caller holds the store's lock (for the
  * whole call: host outputs of a CUDA store are then waited for under it). */

@@ -22,7 +22,6 @@
 #include "kvi_build_config.h"
 #include "store/store.h"
 
-#define PUT_OPTIONS_V1 sizeof(kvi_put_options)
 #define STORE_STATS_V1 offsetof(kvi_store_stats, pages_host_total) /* the fields before the host tier came first */
 
 /* Pinned staging for host-memory puts and reads on a CUDA store. */
@@ -37,20 +36,6 @@ int kvi__store_device(const kvi_store *s) { return s->backend == KVI_BACKEND_CUD
 void kvi__store_lock(const kvi_store *s) { pthread_mutex_lock((pthread_mutex_t *)&s->lock); }
 void kvi__store_unlock(const kvi_store *s) { pthread_mutex_unlock((pthread_mutex_t *)&s->lock); }
 
-/* Runs `call` with the store's device current; restores the caller's. */
-#define WITH_DEVICE(s, fn, st, call)                                                                      \
-  do {                                                                                                    \
-    kvi__devguard g_;                                                                                     \
-    if ((s)->backend == KVI_BACKEND_CUDA) {                                                               \
-      (st) = kvi__cuda_enter((s)->device, &g_, (fn));                                                     \
-      if ((st) == KVI_OK) {                                                                               \
-        (st) = (call);                                                                                    \
-        kvi__cuda_leave(&g_);                                                                             \
-      }                                                                                                   \
-    } else {                                                                                              \
-      (st) = (call);                                                                                      \
-    }                                                                                                     \
-  } while (0)
 
 /* ------------------------------------------------------------------------ */
 /* CPU copies between a dense view and pages (the reference)                 */
@@ -217,14 +202,9 @@ static kvi_status copy_fact(const kvi_store *s, const kvi_kv_view *v, const uint
 /* creation                                                                  */
 /* ------------------------------------------------------------------------ */
 
-KVI_API kvi_status kvi_store_options_init(kvi_store_options *opts, size_t size) {
-  static const kvi_store_options d = KVI_STORE_OPTIONS_INIT;
-  return kvi__init_struct(opts, size, &d, sizeof d, KVI__STORE_OPTIONS_V1, "kvi_store_options_init");
-}
-
-KVI_API kvi_status kvi_put_options_init(kvi_put_options *opts, size_t size) {
-  static const kvi_put_options d = KVI_PUT_OPTIONS_INIT;
-  return kvi__init_struct(opts, size, &d, sizeof d, PUT_OPTIONS_V1, "kvi_put_options_init");
+int kvi__store_options_device(const kvi_store_options *o) {
+  if ((o->backend != KVI_BACKEND_AUTO && o->backend != KVI_BACKEND_CUDA) || KVI_BUILT_CUDA == 0) return -1;
+  return o->device >= 0 && o->device < kvi__cuda_count() ? o->device : -1;
 }
 
 static kvi_status resolve_backend(kvi_store *s, const kvi_store_options *o, const char *fn) {
@@ -260,10 +240,10 @@ static kvi_status resolve_backend(kvi_store *s, const kvi_store_options *o, cons
   return KVI_OK;
 }
 
-static void release_memory(kvi_store *s) {
+/* device_ok: the device is current (else its memory is left, the host's freed). */
+static void release_memory(kvi_store *s, bool device_ok) {
   if (s->backend == KVI_BACKEND_CUDA) {
-    kvi__devguard g;
-    if (kvi__cuda_enter(s->device, &g, "kvi_store_destroy") == KVI_OK) {
+    if (device_ok) {
       if (s->copy_stream) kvi__cuda_sync(s->copy_stream, "kvi_store_destroy"); /* tier moves */
       kvi__cuda_free(s->pool.dev.base);
       kvi__cuda_host_free(s->pool.host.base);
@@ -275,7 +255,6 @@ static void release_memory(kvi_store *s) {
       kvi__ring_destroy(&s->emb_stage, "kvi_store_destroy");
       kvi__cuda_event_destroy(s->emb_ready);
       kvi__cuda_stream_destroy(s->emb_stream);
-      kvi__cuda_leave(&g);
     }
   } else {
     free(s->pool.dev.base);
@@ -310,22 +289,20 @@ static kvi_status reserve_memory(kvi_store *s, const char *fn) {
   if (s->staging_pages < 1) s->staging_pages = 1;
   if (s->staging_pages > KVI__LAUNCH_PAGES) s->staging_pages = KVI__LAUNCH_PAGES;
   if (s->staging_pages > s->pool.dev.npages) s->staging_pages = s->pool.dev.npages;
-  kvi_status st;
-  WITH_DEVICE(s, fn, st, kvi__cuda_malloc((void **)&s->pool.dev.base, (size_t)bytes, fn));
+  kvi_status st = kvi__cuda_malloc((void **)&s->pool.dev.base, (size_t)bytes, fn);
   if (st == KVI_OK)
-    WITH_DEVICE(s, fn, st, kvi__ring_init(&s->staging, 1, (size_t)s->staging_pages * s->page_bytes, 0, fn));
-  if (st == KVI_OK) WITH_DEVICE(s, fn, st, kvi__cuda_stream_create(&s->copy_stream, fn));
-  if (st == KVI_OK) WITH_DEVICE(s, fn, st, kvi__events_init(&s->track, KVI__TRACK_EVENTS, fn));
-  if (st == KVI_OK && s->emb_dim > 0) WITH_DEVICE(s, fn, st, kvi__cuda_stream_create(&s->emb_stream, fn));
-  if (st == KVI_OK && s->emb_dim > 0) WITH_DEVICE(s, fn, st, kvi__ring_init(&s->emb_stage, 1, 0, KVI__RING_GROW, fn));
-  if (st == KVI_OK && s->emb_dim > 0) WITH_DEVICE(s, fn, st, kvi__cuda_event_create(&s->emb_ready, fn));
+    st = kvi__ring_init(&s->staging, 1, (size_t)s->staging_pages * s->page_bytes, 0, fn);
+  if (st == KVI_OK) st = kvi__cuda_stream_create(&s->copy_stream, fn);
+  if (st == KVI_OK) st = kvi__events_init(&s->track, KVI__TRACK_EVENTS, fn);
+  if (st == KVI_OK && s->emb_dim > 0) st = kvi__cuda_stream_create(&s->emb_stream, fn);
+  if (st == KVI_OK && s->emb_dim > 0) st = kvi__ring_init(&s->emb_stage, 1, 0, KVI__RING_GROW, fn);
+  if (st == KVI_OK && s->emb_dim > 0) st = kvi__cuda_event_create(&s->emb_ready, fn);
   const uint64_t hbytes = (uint64_t)s->pool.host.npages * s->page_bytes;
   if (st == KVI_OK && s->pool.host.npages > 0) {
     if (hbytes > SIZE_MAX) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "%llu bytes of host pages", (unsigned long long)hbytes);
     if (st == KVI_OK)
-      WITH_DEVICE(s, fn, st,
-                  kvi__cuda_host_alloc_mapped((void **)&s->pool.host.base, (void **)&s->pool.host_dev, (size_t)hbytes, fn));
-    if (st == KVI_OK) WITH_DEVICE(s, fn, st, kvi__cuda_event_create(&s->tier.prefetch_ev, fn));
+      st = kvi__cuda_host_alloc_mapped((void **)&s->pool.host.base, (void **)&s->pool.host_dev, (size_t)hbytes, fn);
+    if (st == KVI_OK) st = kvi__cuda_event_create(&s->tier.prefetch_ev, fn);
     if (st == KVI_OK && ((uintptr_t)s->pool.host.base % 16 || (uintptr_t)s->pool.host_dev % 16))
       st = kvi__fail(KVI_ERR_INTERNAL, fn, "pinned host pages are not 16-byte aligned");
     if (st == KVI_ERR_OUT_OF_MEMORY)
@@ -343,7 +320,7 @@ static kvi_status reserve_memory(kvi_store *s, const char *fn) {
     if (st == KVI_ERR_OUT_OF_MEMORY && !s->pool.host.base && s->pool.dev.base == NULL)
       kvi__fail(st, fn, "reserving %llu bytes of device memory on device %d for %u pages",
                 (unsigned long long)bytes, s->device, s->pool.dev.npages);
-    release_memory(s);
+    release_memory(s, true);
   }
   return st;
 }
@@ -483,11 +460,11 @@ kvi_status kvi__store_create(kvi_store **out, const kvi_model *model, const kvi_
   /* the page memory first: an impossible budget fails before anything large is built */
   if ((st = reserve_memory(s, fn))) goto fail_rope;
   if ((st = make_free_stacks(s, fn))) {
-    release_memory(s);
+    release_memory(s, true);
     goto fail_rope;
   }
   if (pthread_mutex_init(&s->lock, NULL) != 0) {
-    release_memory(s);
+    release_memory(s, true);
     st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "initializing the store's lock");
     goto fail_rope;
   }
@@ -509,21 +486,21 @@ static void free_fact(fact *f) {
   free(f);
 }
 
-static void emb_free(kvi_store *s, tenant *t);
+static void emb_free(kvi_store *s, tenant *t, bool device_ok);
 
-KVI_API void kvi_store_destroy(kvi_store *store) {
+void kvi__store_destroy(kvi_store *store, bool device_ok) {
   if (!store) return;
-  if (store->search.release) store->search.release(store);
+  if (store->search.release) store->search.release(store, device_ok);
   for (size_t i = 0; i < store->index.facts.cap; i++)
     if (store->index.facts.slots[i].val) free_fact(store->index.facts.slots[i].val);
   for (size_t i = 0; i < store->index.tenants.cap; i++) {
     tenant *t = store->index.tenants.slots[i].val;
-    if (t) emb_free(store, t);
+    if (t) emb_free(store, t, device_ok);
     free(t);
   }
   kvi__map_free(&store->index.facts);
   kvi__map_free(&store->index.tenants);
-  release_memory(store);
+  release_memory(store, device_ok);
   pthread_mutex_destroy(&store->lock);
   free(store->pool.dev.free);
   free(store->pool.host.free);
@@ -567,8 +544,8 @@ static kvi_status read_embedding(const kvi_store *s, const void *embedding, kvi_
   const void *src = embedding;
   if (raw) {
     /* ordered after the caller's work on `stream`, which may have produced it */
-    WITH_DEVICE(s, fn, st, kvi__cuda_d2h(raw, embedding, bytes, stream, fn));
-    if (st == KVI_OK) WITH_DEVICE(s, fn, st, kvi__cuda_sync(stream, fn));
+    st = kvi__cuda_d2h(raw, embedding, bytes, stream, fn);
+    if (st == KVI_OK) st = kvi__cuda_sync(stream, fn);
     src = raw;
   }
   if (st == KVI_OK) {
@@ -644,16 +621,14 @@ static uint64_t row_cost(const kvi_store *s, const tenant *t) {
   return row_bytes(s) + sizeof(uint64_t) + (uint64_t)t->dir_stride * sizeof(uint32_t);
 }
 
-static void emb_free(kvi_store *s, tenant *t) {
+/* device_ok: the device is current (else a CUDA store's matrices are left). */
+static void emb_free(kvi_store *s, tenant *t, bool device_ok) {
   if (s->backend == KVI_BACKEND_CUDA && (t->emb || t->ids || t->dir)) {
-    /* stream-ordered: after every search that was enqueued before (emb_stream waits for them) */
-    kvi_status st;
-    WITH_DEVICE(s, emb_fn, st, kvi__cuda_free_async(t->emb, s->emb_stream, emb_fn));
-    emb_latch(s, st);
-    WITH_DEVICE(s, emb_fn, st, kvi__cuda_free_async(t->ids, s->emb_stream, emb_fn));
-    emb_latch(s, st);
-    WITH_DEVICE(s, emb_fn, st, kvi__cuda_free_async(t->dir, s->emb_stream, emb_fn));
-    emb_latch(s, st);
+    if (device_ok) { /* stream-ordered: after every search that was enqueued before (emb_stream waits for them) */
+      emb_latch(s, kvi__cuda_free_async(t->emb, s->emb_stream, emb_fn));
+      emb_latch(s, kvi__cuda_free_async(t->ids, s->emb_stream, emb_fn));
+      emb_latch(s, kvi__cuda_free_async(t->dir, s->emb_stream, emb_fn));
+    }
   } else {
     free(t->emb);
   }
@@ -713,9 +688,8 @@ static kvi_status emb_grow(kvi_store *s, tenant *t, size_t need, int32_t stride,
   fact **rows = realloc(t->rows, cap * sizeof *rows); /* a larger array changes nothing else */
   if (!rows) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu embedding rows", cap);
   t->rows = rows;
-  kvi_status st = KVI_OK;
   if (s->backend == KVI_BACKEND_CUDA) {
-    WITH_DEVICE(s, fn, st, emb_grow_device(s, t, cap, stride, fn));
+    kvi_status st = emb_grow_device(s, t, cap, stride, fn);
     if (st) return st;
   } else {
     if (cap * rb / rb != cap) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "%zu embedding rows overflow", cap);
@@ -744,10 +718,9 @@ static kvi_status stage_reserve(kvi_store *s, size_t n, const char *fn) {
     cap = cap < 4 ? 4 : cap > 256 ? 256 : cap;
     if (cap < 2 * want) cap = 2 * want; /* more than twice the old slot: the ring grows to exactly this */
   }
-  kvi_status st;
   kvi__ring_slot *sl;
   /* waits for the copies of the rows in flight; grows the slot */
-  WITH_DEVICE(s, fn, st, kvi__ring_acquire(&s->emb_stage, cap * s->stage_row_bytes, NULL, &sl, fn));
+  kvi_status st = kvi__ring_acquire(&s->emb_stage, cap * s->stage_row_bytes, NULL, &sl, fn);
   if (st) return st;
   s->stage_used = 0;
   s->stage_cap = (uint32_t)cap;
@@ -791,7 +764,7 @@ static void unreserve_rows(kvi_store *s, uint64_t tenant_id) {
   t->pending = 0;
   if (t->count == 0) {
     kvi__map_del(&s->index.tenants, tenant_id, 0);
-    emb_free(s, t);
+    emb_free(s, t, true);
     free(t);
   }
 }
@@ -843,11 +816,10 @@ static void emb_append(kvi_store *s, tenant *t, fact *f, const float *e) {
   char *row = sl->host + (size_t)s->stage_used++ * s->stage_row_bytes;
   memset(row, 0, rb); /* the padding elements */
   kvi__convert(row, s->emb_dtype, e, KVI_DTYPE_FP32, s->emb_dim);
-  kvi_status st;
-  WITH_DEVICE(s, emb_fn, st, kvi__cuda_h2d((char *)t->emb + r * rb, row, rb, s->emb_stream, emb_fn));
-  if (st == KVI_OK) WITH_DEVICE(s, emb_fn, st, kvi__ring_record(sl, s->emb_stream, emb_fn)); /* the slot's reuse waits */
-  if (st == KVI_OK) WITH_DEVICE(s, emb_fn, st, dir_write(s, t, f, r));
-  if (st == KVI_OK) WITH_DEVICE(s, emb_fn, st, emb_publish(s));
+  kvi_status st = kvi__cuda_h2d((char *)t->emb + r * rb, row, rb, s->emb_stream, emb_fn);
+  if (st == KVI_OK) st = kvi__ring_record(sl, s->emb_stream, emb_fn); /* the slot's reuse waits */
+  if (st == KVI_OK) st = dir_write(s, t, f, r);
+  if (st == KVI_OK) st = emb_publish(s);
   emb_latch(s, st);
 }
 
@@ -864,28 +836,24 @@ static void emb_remove(kvi_store *s, tenant *t, fact *f) {
     if (s->backend == KVI_BACKEND_CPU) {
       memcpy((char *)t->emb + r * rb, (char *)t->emb + last * rb, rb);
     } else {
-      kvi_status st;
-      WITH_DEVICE(s, emb_fn, st, kvi__cuda_d2d((char *)t->emb + r * rb, (char *)t->emb + last * rb, rb, s->emb_stream, emb_fn));
-      if (st == KVI_OK)
-        WITH_DEVICE(s, emb_fn, st, kvi__cuda_d2d(t->ids + r, t->ids + last, sizeof(uint64_t), s->emb_stream, emb_fn));
+      kvi_status st = kvi__cuda_d2d((char *)t->emb + r * rb, (char *)t->emb + last * rb, rb, s->emb_stream, emb_fn);
+      if (st == KVI_OK) st = kvi__cuda_d2d(t->ids + r, t->ids + last, sizeof(uint64_t), s->emb_stream, emb_fn);
       if (st == KVI_OK && t->dir)
-        WITH_DEVICE(s, emb_fn, st,
-                    kvi__cuda_d2d(t->dir + r * (size_t)t->dir_stride, t->dir + last * (size_t)t->dir_stride,
-                                  (size_t)t->dir_stride * sizeof(uint32_t), s->emb_stream, emb_fn));
-      if (st == KVI_OK) WITH_DEVICE(s, emb_fn, st, emb_publish(s));
+        st = kvi__cuda_d2d(t->dir + r * (size_t)t->dir_stride, t->dir + last * (size_t)t->dir_stride,
+                           (size_t)t->dir_stride * sizeof(uint32_t), s->emb_stream, emb_fn);
+      if (st == KVI_OK) st = emb_publish(s);
       emb_latch(s, st);
     }
   }
   t->rows[last] = NULL;
 }
 
-static kvi_status check_view_memory(const kvi_store *s, const kvi_kv_view *v, const char *fn, const char *name) {
-  char what[32];
-  kvi_status st;
-  snprintf(what, sizeof what, "%s->k", name);
-  if ((st = kvi__check_memory(v->k, v->memory, s->backend == KVI_BACKEND_CUDA, s->device, fn, what))) return st;
-  snprintf(what, sizeof what, "%s->v", name);
-  return kvi__check_memory(v->v, v->memory, s->backend == KVI_BACKEND_CUDA, s->device, fn, what);
+/* k_name, v_name: the pointers' names in messages ("kv->k", "kv->v") */
+static kvi_status check_view_memory(const kvi_store *s, const kvi_kv_view *v, const char *fn, const char *k_name,
+                                    const char *v_name) {
+  const bool cuda = s->backend == KVI_BACKEND_CUDA;
+  kvi_status st = kvi__check_memory(v->k, v->memory, cuda, s->device, fn, k_name);
+  return st ? st : kvi__check_memory(v->v, v->memory, cuda, s->device, fn, v_name);
 }
 
 /* ---- deferred frees ------------------------------------------------------ */
@@ -908,7 +876,7 @@ static uint32_t deferred_in(const kvi_store *s, const pool *p) {
  * that were only waiting for them. `wait`: block for every outstanding event. */
 static kvi_status reap(kvi_store *s, bool wait, const char *fn) {
   kvi_status st = KVI_OK;
-  if (wait) WITH_DEVICE(s, fn, st, kvi__events_retire(&s->track, true, fn));
+  if (wait) st = kvi__events_retire(&s->track, true, fn);
   else st = kvi__events_retire(&s->track, false, fn); /* queries events only */
   if (st) return st;
   uint32_t keep = 0;
@@ -927,9 +895,8 @@ static kvi_status reap(kvi_store *s, bool wait, const char *fn) {
 
 kvi_status kvi__store_track(kvi_store *s, struct CUstream_st *stream, const char *fn) {
   if (s->backend != KVI_BACKEND_CUDA) return KVI_OK;
-  kvi_status st; /* all KVI__TRACK_EVENTS in flight: waits for the oldest */
-  WITH_DEVICE(s, fn, st, kvi__events_record(&s->track, stream, NULL, fn));
-  return st;
+  /* all KVI__TRACK_EVENTS in flight: waits for the oldest */
+  return kvi__events_record(&s->track, stream, NULL, fn);
 }
 
 static void release_pages(kvi_store *s, const uint32_t *pages, uint32_t n) {
@@ -1230,9 +1197,8 @@ static kvi_status put_room(kvi_store *s, uint32_t need, pool **into, const char 
                    s->pool.dev.nfree, s->pool.dev.npages);
 }
 
-KVI_API kvi_status kvi_store_prefetch(kvi_store *store, uint64_t tenant_id, const uint64_t *fact_ids, int32_t count,
-                                      struct CUstream_st *stream) {
-  static const char fn[] = "kvi_store_prefetch";
+kvi_status kvi__store_prefetch(kvi_store *store, uint64_t tenant_id, const uint64_t *fact_ids, int32_t count,
+                               struct CUstream_st *stream, const char *fn) {
   if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
   if (count < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "count is %d", (int)count);
   if (count > 0 && !fact_ids) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "fact_ids is NULL and count is %d", (int)count);
@@ -1265,9 +1231,9 @@ KVI_API kvi_status kvi_store_prefetch(kvi_store *store, uint64_t tenant_id, cons
       up[nup++] = list[i];
     }
     if (nup > 0) {
-      WITH_DEVICE(store, fn, st, kvi__cuda_event_record(store->tier.prefetch_ev, stream, fn));
-      if (st == KVI_OK) WITH_DEVICE(store, fn, st, kvi__cuda_stream_wait(store->copy_stream, store->tier.prefetch_ev, fn));
-      if (st == KVI_OK) WITH_DEVICE(store, fn, st, tier_move(store, up, nup, 0, NULL, store->copy_stream, fn));
+      st = kvi__cuda_event_record(store->tier.prefetch_ev, stream, fn);
+      if (st == KVI_OK) st = kvi__cuda_stream_wait(store->copy_stream, store->tier.prefetch_ev, fn);
+      if (st == KVI_OK) st = tier_move(store, up, nup, 0, NULL, store->copy_stream, fn);
     }
     for (size_t i = 0; i < m; i++) list[i]->pins--;
   }
@@ -1288,8 +1254,8 @@ kvi_status kvi__store_lease(kvi_store *s, fact *const *facts, size_t n, bool pro
     if (facts[i]->pins++ == 0 && promote && fact_on_host(s, facts[i])) up[nup++] = facts[i];
   kvi_status st = KVI_OK;
   if (s->backend == KVI_BACKEND_CUDA) {
-    WITH_DEVICE(s, fn, st, order_moves(s, stream, fn));
-    if (st == KVI_OK && nup > 0) WITH_DEVICE(s, fn, st, tier_move(s, up, nup, 0, NULL, stream, fn));
+    st = order_moves(s, stream, fn);
+    if (st == KVI_OK && nup > 0) st = tier_move(s, up, nup, 0, NULL, stream, fn);
   }
   free(up);
   if (st) kvi__store_unlease(s, facts, n, false);
@@ -1315,7 +1281,7 @@ static void unlink_fact(kvi_store *s, fact *f) {
   t->count--;
   if (t->count == 0 && t->pending == 0) { /* a replace keeps the tenant: its new fact is pending */
     kvi__map_del(&s->index.tenants, t->id, 0);
-    emb_free(s, t);
+    emb_free(s, t, true);
     free(t);
   }
   kvi__map_del(&s->index.facts, f->tenant_id, f->id);
@@ -1457,7 +1423,7 @@ kvi_status kvi__txn_take_pages(kvi__txn *t) {
   if (t->place == KVI__PLACE_DEVICE && s->backend == KVI_BACKEND_CUDA && s->pool.host.npages > 0) {
     /* the device tier, demoting least-recently-used facts if it is short */
     if ((st = pool_room(s, &s->pool.dev, 0, fn))) return st;
-    WITH_DEVICE(s, fn, st, tier_move(s, NULL, 0, t->npages, t->pages, t->stream, fn));
+    st = tier_move(s, NULL, 0, t->npages, t->pages, t->stream, fn);
     if (st == KVI_OK) t->moved = true, t->ntaken = t->npages;
     return st;
   }
@@ -1520,9 +1486,7 @@ kvi_status kvi__txn_abort(kvi__txn *t, kvi_status why) {
   }
   bool exact = !t->moved;
   if (exact && t->device_work && t->ntaken > 0) { /* the device may still be writing them */
-    kvi_status st;
-    WITH_DEVICE(s, t->fn, st, kvi__cuda_sync(t->stream, t->fn));
-    exact = st == KVI_OK;
+    exact = kvi__cuda_sync(t->stream, t->fn) == KVI_OK;
   }
   if (exact && t->pages) { /* back onto their free stacks, as they were */
     for (int32_t i = t->n; i-- > 0;) {
@@ -1589,9 +1553,7 @@ static kvi_status check_items(const kvi_store *store, const kvi__put_item *items
 
 kvi_status kvi__store_write_pages(kvi_store *s, const uint32_t *pages, const kvi_kv_view *v, const float *scales,
                                   struct CUstream_st *stream, const char *fn) {
-  kvi_status st;
-  WITH_DEVICE(s, fn, st, copy_fact(s, v, pages, v->num_tokens, true, (float *)scales, stream, fn));
-  return st;
+  return copy_fact(s, v, pages, v->num_tokens, true, (float *)scales, stream, fn);
 }
 
 kvi_status kvi__store_put_views(kvi_store *store, kvi__put_item *items, int32_t n, struct CUstream_st *stream,
@@ -1632,16 +1594,15 @@ kvi_status kvi__store_put_args(const kvi_store *store, const kvi_kv_view *v, con
   *o = d;
   *emb = NULL;
   kvi_status st;
-  if (opts && (st = kvi__read_struct(o, sizeof *o, opts, PUT_OPTIONS_V1, fn, "opts"))) return st;
+  if (opts && (st = kvi__read_struct(o, sizeof *o, opts, KVI__PUT_OPTIONS_V1, fn, "opts"))) return st;
   if (o->flags & ~KVI_PUT_REPLACE)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->flags has unknown bits 0x%x", o->flags & ~KVI_PUT_REPLACE);
-  if ((st = check_view_memory(store, v, fn, "kv"))) return st;
+  if ((st = check_view_memory(store, v, fn, "kv->k", "kv->v"))) return st;
   return kvi__store_read_embedding(store, o->embedding, o->embedding_dtype, o->embedding_memory, stream, emb, fn);
 }
 
-KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *kv,
-                                 const kvi_put_options *opts, struct CUstream_st *stream) {
-  static const char fn[] = "kvi_store_put";
+kvi_status kvi__store_put(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *kv,
+                          const kvi_put_options *opts, struct CUstream_st *stream, const char *fn) {
   if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
   kvi_kv_view v;
   kvi_status st = kvi__view_check(&v, kv, &store->geom, false, fn);
@@ -1653,8 +1614,7 @@ KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant_id, uint64_t 
   return kvi__store_put_views(store, &it, 1, stream, NULL, fn);
 }
 
-KVI_API kvi_status kvi_store_remove(kvi_store *store, uint64_t tenant_id, uint64_t fact_id) {
-  static const char fn[] = "kvi_store_remove";
+kvi_status kvi__store_remove(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const char *fn) {
   if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
   kvi__store_lock(store);
   fact *f = kvi__store_find(store, tenant_id, fact_id);
@@ -1679,14 +1639,13 @@ static kvi_status not_found(const char *fn, uint64_t tenant_id, uint64_t fact_id
                    (unsigned long long)tenant_id);
 }
 
-KVI_API kvi_status kvi_store_read(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *dst,
-                                  struct CUstream_st *stream) {
-  static const char fn[] = "kvi_store_read";
+kvi_status kvi__store_read(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *dst,
+                           struct CUstream_st *stream, const char *fn) {
   if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
   kvi_kv_view v;
   kvi_status st = kvi__view_check(&v, dst, &store->geom, true, fn);
   if (st) return st;
-  if ((st = check_view_memory(store, &v, fn, "dst"))) return st;
+  if ((st = check_view_memory(store, &v, fn, "dst->k", "dst->v"))) return st;
   kvi__store_lock(store);
   const fact *f = kvi__map_get(&store->index.facts, tenant_id, fact_id);
   if (!f) st = not_found(fn, tenant_id, fact_id);
@@ -1694,18 +1653,17 @@ KVI_API kvi_status kvi_store_read(const kvi_store *store, uint64_t tenant_id, ui
     st = kvi__fail(KVI_ERR_MISMATCH, fn, "dst->num_tokens is %d, the fact has %d tokens", (int)v.num_tokens,
                    (int)f->tokens);
   else if (store->backend == KVI_BACKEND_CUDA && v.memory == KVI_MEMORY_DEVICE)
-    WITH_DEVICE(store, fn, st, order_moves((kvi_store *)store, stream, fn)); /* a move may still write them */
+    st = order_moves((kvi_store *)store, stream, fn); /* a move may still write them */
   if (st == KVI_OK && f)
-    WITH_DEVICE(store, fn, st, copy_fact(store, &v, f->pages, f->tokens, false, NULL, stream, fn));
+    st = copy_fact(store, &v, f->pages, f->tokens, false, NULL, stream, fn);
   if (st == KVI_OK && f && store->backend == KVI_BACKEND_CUDA && v.memory == KVI_MEMORY_DEVICE)
     st = kvi__store_track((kvi_store *)store, stream, fn);
   kvi__store_unlock(store);
   return st;
 }
 
-KVI_API kvi_status kvi_store_fact_tokens(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id,
-                                         int32_t *out_tokens) {
-  static const char fn[] = "kvi_store_fact_tokens";
+kvi_status kvi__store_fact_tokens(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id,
+                                  int32_t *out_tokens, const char *fn) {
   if (!store || !out_tokens)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_tokens" : "store");
   kvi__store_lock(store);
@@ -1715,8 +1673,8 @@ KVI_API kvi_status kvi_store_fact_tokens(const kvi_store *store, uint64_t tenant
   return f ? KVI_OK : not_found(fn, tenant_id, fact_id);
 }
 
-KVI_API kvi_status kvi_store_get_embedding(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, float *out) {
-  static const char fn[] = "kvi_store_get_embedding";
+kvi_status kvi__store_get_embedding(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, float *out,
+                                    const char *fn) {
   if (!store || !out) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out" : "store");
   if (store->emb_dim == 0)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "the store was created with embedding_dim 0");
@@ -1740,8 +1698,8 @@ KVI_API kvi_status kvi_store_get_embedding(const kvi_store *store, uint64_t tena
   } else if (s->emb_err) {
     st = kvi__fail(s->emb_err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb_err_msg);
   } else {
-    WITH_DEVICE(s, fn, st, kvi__cuda_d2h(tmp, (const char *)f->owner->emb + f->row * rb, rb, s->emb_stream, fn));
-    if (st == KVI_OK) WITH_DEVICE(s, fn, st, kvi__cuda_sync(s->emb_stream, fn));
+    st = kvi__cuda_d2h(tmp, (const char *)f->owner->emb + f->row * rb, rb, s->emb_stream, fn);
+    if (st == KVI_OK) st = kvi__cuda_sync(s->emb_stream, fn);
     if (st == KVI_OK) kvi__convert(out, KVI_DTYPE_FP32, tmp, s->emb_dtype, s->emb_dim);
   }
   kvi__store_unlock(s);
@@ -1761,9 +1719,8 @@ kvi_status kvi__store_fact_embedding(const kvi_store *s, const struct fact *f, f
     return kvi__fail(s->emb_err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb_err_msg);
   void *tmp = malloc(rb);
   if (!tmp) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes", rb);
-  kvi_status st;
-  WITH_DEVICE(s, fn, st, kvi__cuda_d2h(tmp, row, rb, s->emb_stream, fn));
-  if (st == KVI_OK) WITH_DEVICE(s, fn, st, kvi__cuda_sync(s->emb_stream, fn));
+  kvi_status st = kvi__cuda_d2h(tmp, row, rb, s->emb_stream, fn);
+  if (st == KVI_OK) st = kvi__cuda_sync(s->emb_stream, fn);
   if (st == KVI_OK) kvi__convert(out, KVI_DTYPE_FP32, tmp, s->emb_dtype, s->emb_dim);
   free(tmp);
   return st;
@@ -1771,15 +1728,12 @@ kvi_status kvi__store_fact_embedding(const kvi_store *s, const struct fact *f, f
 
 kvi_status kvi__store_read_pages(const kvi_store *s, const uint32_t *pages, int32_t tokens, const kvi_kv_view *host,
                                  float *scales, const char *fn) {
-  kvi_status st;
-  WITH_DEVICE(s, fn, st, copy_fact(s, host, pages, tokens, false, scales, NULL, fn));
-  return st;
+  return copy_fact(s, host, pages, tokens, false, scales, NULL, fn);
 }
 
 kvi_status kvi__store_wait_device(kvi_store *s, const char *fn) { return reap(s, true, fn); }
 
-KVI_API kvi_status kvi_store_count(const kvi_store *store, uint64_t tenant_id, size_t *out_count) {
-  static const char fn[] = "kvi_store_count";
+kvi_status kvi__store_count(const kvi_store *store, uint64_t tenant_id, size_t *out_count, const char *fn) {
   if (!store || !out_count)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_count" : "store");
   kvi__store_lock(store);
@@ -1794,9 +1748,8 @@ static int cmp_u64(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
-KVI_API kvi_status kvi_store_list(const kvi_store *store, uint64_t tenant_id, uint64_t *ids, size_t capacity,
-                                  size_t *out_total) {
-  static const char fn[] = "kvi_store_list";
+kvi_status kvi__store_list(const kvi_store *store, uint64_t tenant_id, uint64_t *ids, size_t capacity,
+                           size_t *out_total, const char *fn) {
   if (!store || !out_total)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_total" : "store");
   if (capacity > 0 && !ids) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "ids is NULL and capacity is %zu", capacity);
@@ -1821,8 +1774,7 @@ KVI_API kvi_status kvi_store_list(const kvi_store *store, uint64_t tenant_id, ui
   return st;
 }
 
-KVI_API kvi_status kvi_store_stats_get(const kvi_store *store, kvi_store_stats *out) {
-  static const char fn[] = "kvi_store_stats_get";
+kvi_status kvi__store_stats_get(const kvi_store *store, kvi_store_stats *out, const char *fn) {
   if (!store || !out) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out" : "store");
   kvi_store_stats s = KVI_STORE_STATS_INIT;
   s.backend = store->backend;
@@ -1857,6 +1809,6 @@ int32_t kvi__emb_rank(uint64_t tenant, uint64_t fact_id, int32_t size) {
   return (int32_t)(kvi__mix64(kvi__mix64(tenant) ^ fact_id) % (uint64_t)size);
 }
 
-KVI_API int32_t kvi_store_embedding_rank(uint64_t tenant, uint64_t fact_id, int32_t tp_size) {
+int32_t kvi__store_embedding_rank(uint64_t tenant, uint64_t fact_id, int32_t tp_size) {
   return tp_size < 1 ? -1 : kvi__emb_rank(tenant, fact_id, tp_size);
 }

@@ -17,6 +17,8 @@
 
 /* kvi_store_options' first version: the fields before comm (older sizes are accepted) */
 #define KVI__STORE_OPTIONS_V1 offsetof(kvi_store_options, comm)
+/* kvi_put_options' first version */
+#define KVI__PUT_OPTIONS_V1 sizeof(kvi_put_options)
 
 #define KVI__TRACK_EVENTS 64 /* device operations tracked for deferred frees */
 
@@ -188,7 +190,7 @@ struct kvi_store {
   /* The parts of the modules above the store, which register them. */
   struct {
     struct kvi__search *ws;        /* search.c's workspace, made by the first search */
-    void (*release)(kvi_store *s); /* frees it (kvi_store_destroy) */
+    void (*release)(kvi_store *s, bool device_ok); /* frees it (kvi__store_destroy's device_ok) */
     /* tp/shard.c's search over every rank's embeddings, set at creation on a
      * store with sharded embeddings (NULL: this rank's search is the
      * store's); called by search.c (kvi__search_all) */
@@ -449,11 +451,52 @@ kvi_status kvi__store_put_args(const kvi_store *store, const kvi_kv_view *v, con
 
 /* The store of this rank alone (kvi_store_create's local part, opts read
  * and the placement checked; shard.c makes the ranks of a communicator
- * agree on theirs). */
+ * agree on theirs). A CUDA store's memory is allocated on the current
+ * device: the caller makes kvi__store_options_device(opts) current first. */
 kvi_status kvi__store_create(kvi_store **out, const kvi_model *model, const kvi_store_options *opts, const char *fn);
 
 /* The store's CUDA device, or -1 for a CPU store: the device its entry
  * points make current (lib/api/api.h). */
 int kvi__store_device(const kvi_store *s);
+
+/* The device kvi__store_create makes a store of these options (read) on,
+ * the one to make current before calling it: opts->device for a CUDA store
+ * of a valid device number, else -1 (a CPU store, the current device, or
+ * options kvi__store_create refuses). */
+int kvi__store_options_device(const kvi_store_options *opts);
+
+/* ---- the store's public functions (kvinject/store.h), without entering the
+ * device: the caller (lib/api/store.c, or a part whose entry point made the
+ * store's device current) has. fn names the public function in messages. */
+
+/* kvi_store_destroy; device_ok false: the device could not be made current,
+ * so host memory is freed and device memory left. */
+void kvi__store_destroy(kvi_store *s, bool device_ok);
+/* kvi_store_prefetch */
+kvi_status kvi__store_prefetch(kvi_store *store, uint64_t tenant_id, const uint64_t *fact_ids, int32_t count,
+                               struct CUstream_st *stream, const char *fn);
+/* kvi_store_put */
+kvi_status kvi__store_put(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *kv,
+                          const kvi_put_options *opts, struct CUstream_st *stream, const char *fn);
+/* kvi_store_remove */
+kvi_status kvi__store_remove(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const char *fn);
+/* kvi_store_read */
+kvi_status kvi__store_read(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *dst,
+                           struct CUstream_st *stream, const char *fn);
+/* kvi_store_fact_tokens (no device work) */
+kvi_status kvi__store_fact_tokens(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, int32_t *out_tokens,
+                                  const char *fn);
+/* kvi_store_get_embedding */
+kvi_status kvi__store_get_embedding(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, float *out,
+                                    const char *fn);
+/* kvi_store_count (no device work) */
+kvi_status kvi__store_count(const kvi_store *store, uint64_t tenant_id, size_t *out_count, const char *fn);
+/* kvi_store_list (no device work) */
+kvi_status kvi__store_list(const kvi_store *store, uint64_t tenant_id, uint64_t *ids, size_t capacity,
+                           size_t *out_total, const char *fn);
+/* kvi_store_stats_get (no device work) */
+kvi_status kvi__store_stats_get(const kvi_store *store, kvi_store_stats *out, const char *fn);
+/* kvi_store_embedding_rank (-1 for tp_size < 1; no error is set) */
+int32_t kvi__store_embedding_rank(uint64_t tenant, uint64_t fact_id, int32_t tp_size);
 
 #endif /* KVI_STORE_H */

@@ -250,7 +250,7 @@ KVI_API kvi_status kvi_store_create(kvi_store **out, const kvi_model *model, con
   if (o.comm) { /* collective: every rank takes part, whatever happened here */
     st = shard_create(s, model, &o, st, fn);
     if (st && s) {
-      kvi_store_destroy(s);
+      kvi__store_destroy(s, true);
       s = NULL;
     }
   }
@@ -628,7 +628,7 @@ static kvi_status gather_read(gather *ga) {
     if (it->struct_size != ga->stride)
       st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "items[%d].struct_size is %zu, items[0]'s %zu", (int)i, it->struct_size,
                      ga->stride);
-    if (st == KVI_OK) st = kvi_store_fact_tokens(store, it->tenant, it->fact_id, &ga->tok[i]);
+    if (st == KVI_OK) st = kvi__store_fact_tokens(store, it->tenant, it->fact_id, &ga->tok[i], "kvi_store_fact_tokens");
     if (st || !ga->is_root) continue;
     if (!it->full) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "items[%d].full is NULL on the root rank", (int)i);
     else st = kvi__view_check(v, it->full, &fg, true, fn);
@@ -677,7 +677,7 @@ static kvi_status gather_buffer(gather *ga, int32_t r, int32_t h) {
       const kvi_gather_item *it = item_at(ga->items, ga->stride, i);
       char *base = (char *)ga->bufs[r] + at;
       const kvi_kv_view w = packed_view(ga->c->memory, dt, g->num_layers, rt[i], h, g->head_size, base, base + b / 2);
-      st = kvi_store_read(ga->store, it->tenant, it->fact_id, &w, ga->stream);
+      st = kvi__store_read(ga->store, it->tenant, it->fact_id, &w, ga->stream, "kvi_store_read");
     }
     at += b;
   }
@@ -723,7 +723,7 @@ static kvi_status gather_own(gather *ga, int32_t root_first, int32_t root_h) {
     const size_t o = (size_t)root_first * (size_t)v->head_stride * kvi__dtype_size(v->dtype);
     w.k = (char *)v->k + o;
     w.v = (char *)v->v + o;
-    st = kvi_store_read(ga->store, it->tenant, it->fact_id, &w, ga->stream);
+    st = kvi__store_read(ga->store, it->tenant, it->fact_id, &w, ga->stream, "kvi_store_read");
   }
   return st;
 }

@@ -6,6 +6,7 @@
  * SPDX-License-Identifier: Apache-2.0
  */
 #define _GNU_SOURCE /* mkdtemp */
+#include <math.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -424,6 +425,127 @@ static void test_device_embedding(void **state) {
 #endif
 }
 
+#ifdef KVI_HAVE_CUDA
+#define ASSERT_ON_DEVICE_0()                                                                                   \
+  do {                                                                                                         \
+    int dev_ = -1;                                                                                             \
+    CUDA_OK(cudaGetDevice(&dev_));                                                                             \
+    assert_int_equal(dev_, 0);                                                                                 \
+  } while (0)
+#endif
+
+/* A store on device 1 used while device 0 is current (machines with two
+ * devices): each call does its work on the store's device (a kernel on the
+ * wrong one could not reach the store's pages) and gives device 0 back.
+ * Facts, embeddings and search results are the CPU store's. */
+static void test_other_device(void **state) {
+  fixture *f = *state;
+  (void)f; /* unused where CUDA is not built */
+  REQUIRE_GPU();
+#ifdef KVI_HAVE_CUDA
+  if (g_devices < 2) skip();
+  CUDA_OK(cudaSetDevice(0));
+  kvi_store_options so = KVI_STORE_OPTIONS_INIT;
+  so.dtype = KVI_DTYPE_BF16;
+  so.page_tokens = 16;
+  so.budget_bytes = 8u << 20;
+  so.host_budget_bytes = 8u << 20; /* tiered: prefetch has work to do */
+  so.embedding_dim = 96;
+  so.backend = KVI_BACKEND_CUDA;
+  so.device = 1;
+  kvi_store *s1 = NULL;
+  CHECK_OK(kvi_store_create(&s1, f->model, &so));
+  ASSERT_ON_DEVICE_0();
+  kvi_store_stats st = KVI_STORE_STATS_INIT;
+  CHECK_OK(kvi_store_stats_get(s1, &st));
+  assert_int_equal(st.device, 1);
+  float e[96], back[96], ref[96];
+  for (int i = 0; i < 96; i++) e[i] = rndf();
+  kvi_put_options po = KVI_PUT_OPTIONS_INIT;
+  po.embedding = e;
+  strided a;
+  strided_make(&a, f, 20, KVI_DTYPE_BF16, 3, 5, 7);
+  CHECK_OK(kvi_store_put(s1, 1, 1, &a.view, &po, NULL)); /* from the host */
+  ASSERT_ON_DEVICE_0();
+  CHECK_OK(kvi_store_put(f->cpu, 1, 1, &a.view, &po, NULL));
+  kvi_kv_view dv;
+  void *dk, *dvv, *rk, *rv;
+  const size_t n = (size_t)f->L * 20 * f->H * f->D, bytes = n * sizeof(uint16_t);
+  CUDA_OK(cudaSetDevice(1));
+  to_device(&a, &dv, &dk, &dvv);
+  CUDA_OK(cudaMalloc(&rk, bytes));
+  CUDA_OK(cudaMalloc(&rv, bytes));
+  CUDA_OK(cudaSetDevice(0));
+  float e2[96]; /* fact 2 scores half of fact 1's for the query e */
+  for (int i = 0; i < 96; i++) e2[i] = 0.5f * e[i];
+  po.embedding = e2;
+  CHECK_OK(kvi_store_put(s1, 1, 2, &dv, &po, NULL)); /* from device 1's memory */
+  ASSERT_ON_DEVICE_0();
+  CHECK_OK(kvi_store_put(f->cpu, 1, 2, &a.view, &po, NULL));
+  CHECK_OK(kvi_store_prefetch(s1, 1, NULL, 0, NULL));
+  ASSERT_ON_DEVICE_0();
+  for (uint64_t id = 1; id <= 2; id++) { /* into host memory */
+    void *gk, *gv, *ck, *cv;
+    read_host(f, s1, 1, id, 20, KVI_DTYPE_BF16, &gk, &gv);
+    ASSERT_ON_DEVICE_0();
+    read_host(f, f->cpu, 1, id, 20, KVI_DTYPE_BF16, &ck, &cv);
+    assert_memory_equal(gk, ck, bytes);
+    assert_memory_equal(gv, cv, bytes);
+    free(gk), free(gv), free(ck), free(cv);
+  }
+  kvi_kv_view out; /* into device 1's memory */
+  kvi_kv_view_contiguous(&out, KVI_MEMORY_DEVICE, KVI_DTYPE_BF16, f->L, 20, f->H, f->D, rk, rv);
+  CHECK_OK(kvi_store_read(s1, 1, 2, &out, NULL));
+  ASSERT_ON_DEVICE_0();
+  {
+    void *ck, *cv, *gk = malloc(bytes), *gv = malloc(bytes);
+    read_host(f, f->cpu, 1, 2, 20, KVI_DTYPE_BF16, &ck, &cv);
+    CUDA_OK(cudaSetDevice(1));
+    CUDA_OK(cudaMemcpy(gk, rk, bytes, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(gv, rv, bytes, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaSetDevice(0));
+    assert_memory_equal(gk, ck, bytes);
+    assert_memory_equal(gv, cv, bytes);
+    free(gk), free(gv), free(ck), free(cv);
+  }
+  CHECK_OK(kvi_store_get_embedding(s1, 1, 2, back));
+  ASSERT_ON_DEVICE_0();
+  CHECK_OK(kvi_store_get_embedding(f->cpu, 1, 2, ref));
+  assert_memory_equal(back, ref, sizeof back);
+  const uint64_t tenants[1] = {1};
+  uint64_t ids[2], cids[2];
+  float scores[2], cscores[2];
+  int32_t count = -1, ccount = -1;
+  CHECK_OK(kvi_store_search(s1, e, 1, 96, tenants, 2, ids, scores, &count, NULL, NULL));
+  ASSERT_ON_DEVICE_0();
+  CHECK_OK(kvi_store_search(f->cpu, e, 1, 96, tenants, 2, cids, cscores, &ccount, NULL, NULL));
+  assert_int_equal(count, 2);
+  assert_int_equal(ccount, 2);
+  assert_int_equal(cids[0], 1);
+  for (int i = 0; i < 2; i++) {
+    assert_int_equal(ids[i], cids[i]);
+    assert_true(fabsf(scores[i] - cscores[i]) <= 1e-4f * (1.0f + fabsf(cscores[i])));
+  }
+  int64_t bad = -1;
+  CHECK_OK(kvi_store_search_async_errors(s1, &bad));
+  assert_int_equal(bad, 0);
+  CHECK_OK(kvi_store_remove(s1, 1, 1));
+  ASSERT_ON_DEVICE_0();
+  size_t left = 0;
+  CHECK_OK(kvi_store_count(s1, 1, &left));
+  assert_int_equal(left, 1);
+  kvi_store_destroy(s1);
+  ASSERT_ON_DEVICE_0();
+  CUDA_OK(cudaSetDevice(1));
+  CUDA_OK(cudaFree(dk));
+  CUDA_OK(cudaFree(dvv));
+  CUDA_OK(cudaFree(rk));
+  CUDA_OK(cudaFree(rv));
+  CUDA_OK(cudaSetDevice(0));
+  strided_free(&a);
+#endif
+}
+
 /* The caller's current device is the same before and after every call. */
 static void test_current_device_kept(void **state) {
   fixture *f = *state;
@@ -619,6 +741,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_capacity_and_replace, setup_fp32, teardown),
       cmocka_unit_test_setup_teardown(test_device_embedding, setup_emb, teardown),
       cmocka_unit_test_setup_teardown(test_current_device_kept, setup_fp16_odd, teardown),
+      cmocka_unit_test_setup_teardown(test_other_device, setup_emb, teardown),
       cmocka_unit_test_setup_teardown(test_threads, setup_fp16_odd, teardown),
       cmocka_unit_test_setup_teardown(test_persist, setup_bf16, teardown),
       cmocka_unit_test_setup_teardown(test_persist, setup_fp16_odd, teardown),
