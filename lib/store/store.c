@@ -227,6 +227,16 @@ KVI_API kvi_status kvi_put_options_init(kvi_put_options *opts, size_t size) {
   return kvi__init_struct(opts, size, &d, sizeof d, PUT_OPTIONS_V1, "kvi_put_options_init");
 }
 
+static kvi_status resolve_backend(kvi_store *s, const kvi_store_options *o, const char *fn);
+
+/* For the tp part's kvi__shard_store_device (not one of the store part's twins). */
+int kvi__store_options_device(const kvi_store_options *o, const char *fn) {
+  kvi_store s;
+  s.backend = KVI_BACKEND_CPU;
+  s.device = -1;
+  return resolve_backend(&s, o, fn) == KVI_OK && s.backend == KVI_BACKEND_CUDA ? s.device : -1;
+}
+
 static kvi_status resolve_backend(kvi_store *s, const kvi_store_options *o, const char *fn) {
   const bool built = KVI_BUILT_CUDA != 0; /* not kvi_features(): that opens cuBLASLt and NCCL */
   switch (o->backend) {
@@ -511,7 +521,12 @@ static void free_fact(fact *f) {
 
 static void emb_free(kvi_store *s, tenant *t);
 
-KVI_API void kvi_store_destroy(kvi_store *store) {
+/* kvi__store_destroy, kvi__store_remove, kvi__store_read, kvi__store_fact_tokens:
+ * thin twins of the public functions below, for the tp and persist parts. */
+KVI_API void kvi_store_destroy(kvi_store *store) { kvi__store_destroy(store, true); }
+
+void kvi__store_destroy(kvi_store *store, bool device_ok) {
+  (void)device_ok; /* release_memory makes the device current itself */
   if (!store) return;
   if (store->search.release) store->search.release(store);
   for (size_t i = 0; i < store->index.facts.cap; i++)
@@ -1654,7 +1669,10 @@ KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant_id, uint64_t 
 }
 
 KVI_API kvi_status kvi_store_remove(kvi_store *store, uint64_t tenant_id, uint64_t fact_id) {
-  static const char fn[] = "kvi_store_remove";
+  return kvi__store_remove(store, tenant_id, fact_id, "kvi_store_remove");
+}
+
+kvi_status kvi__store_remove(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const char *fn) {
   if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
   kvi__store_lock(store);
   fact *f = kvi__store_find(store, tenant_id, fact_id);
@@ -1681,7 +1699,11 @@ static kvi_status not_found(const char *fn, uint64_t tenant_id, uint64_t fact_id
 
 KVI_API kvi_status kvi_store_read(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *dst,
                                   struct CUstream_st *stream) {
-  static const char fn[] = "kvi_store_read";
+  return kvi__store_read(store, tenant_id, fact_id, dst, stream, "kvi_store_read");
+}
+
+kvi_status kvi__store_read(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *dst,
+                           struct CUstream_st *stream, const char *fn) {
   if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
   kvi_kv_view v;
   kvi_status st = kvi__view_check(&v, dst, &store->geom, true, fn);
@@ -1705,7 +1727,11 @@ KVI_API kvi_status kvi_store_read(const kvi_store *store, uint64_t tenant_id, ui
 
 KVI_API kvi_status kvi_store_fact_tokens(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id,
                                          int32_t *out_tokens) {
-  static const char fn[] = "kvi_store_fact_tokens";
+  return kvi__store_fact_tokens(store, tenant_id, fact_id, out_tokens, "kvi_store_fact_tokens");
+}
+
+kvi_status kvi__store_fact_tokens(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, int32_t *out_tokens,
+                                  const char *fn) {
   if (!store || !out_tokens)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_tokens" : "store");
   kvi__store_lock(store);

@@ -456,4 +456,22 @@ kvi_status kvi__store_create(kvi_store **out, const kvi_model *model, const kvi_
  * points make current (lib/api/api.h). */
 int kvi__store_device(const kvi_store *s);
 
+/* The device a store created with these (read) options is on: its CUDA
+ * device, or -1 for a CPU store and for a backend or device that
+ * kvi__store_create refuses (it reports why; this may set the same
+ * message). No device work. */
+int kvi__store_options_device(const kvi_store_options *o, const char *fn);
+
+/* Thin twins of public functions, for the parts above (tp, persist). */
+/* kvi_store_destroy (device_ok: as lib/api/api.h's KVI__API_DESTROY). */
+void kvi__store_destroy(kvi_store *s, bool device_ok);
+/* kvi_store_remove. */
+kvi_status kvi__store_remove(kvi_store *s, uint64_t tenant_id, uint64_t fact_id, const char *fn);
+/* kvi_store_fact_tokens. */
+kvi_status kvi__store_fact_tokens(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, int32_t *out_tokens,
+                                  const char *fn);
+/* kvi_store_read. */
+kvi_status kvi__store_read(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *dst,
+                           struct CUstream_st *stream, const char *fn);
+
 #endif /* KVI_STORE_H */
