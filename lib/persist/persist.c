@@ -761,8 +761,8 @@ static kvi_status journal_usable(const kvi__journal *j, const char *fn) {
 }
 
 /* The journal's put hook: the transaction's facts as one all-or-nothing
- * entry, flushed. It runs inside a put of the store, whose entry point made
- * the store's device current. */
+ * entry, flushed. It runs inside a call that writes the store, whose entry
+ * point made the store's device current. */
 static kvi_status journal_put(void *ctx, const kvi__txn *t) {
   kvi__journal *j = ctx;
   kvi_store *s = t->s;
@@ -1141,7 +1141,8 @@ static kvi_status apply(const loader *ld, const rec *r, bool in_log, uint64_t eo
     if (!in_log)
       return corrupt(ld, eoff, "fact %llu of tenant %llu appears twice in the snapshot", (unsigned long long)r->id,
                      (unsigned long long)r->tenant);
-    if ((st = kvi__store_remove(ld->s, r->tenant, r->id, "kvi_store_remove"))) return st; /* a replacement: room for one copy */
+    /* a replacement: room for one copy */
+    if ((st = kvi__store_remove(ld->s, r->tenant, r->id, "kvi_store_remove"))) return st;
   }
   const unsigned char *k = r->data + (size_t)ld->E * 4u;
   const size_t plane = (size_t)r->tokens * (size_t)(ld->token_bytes / 2u);
