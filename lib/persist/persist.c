@@ -10,10 +10,10 @@
  * numbered (seq) and carry the file's random id, so an entry from another
  * file or out of order is caught.
  *
- * Everything goes through the store's public calls (kvi_store_put and
- * kvi_store_remove to load) or through store.c's read of a fact's pages into
- * a host view, so this file does not depend on the page layout or on where
- * pages live.
+ * Everything goes through the store's own calls (its transactions and
+ * kvi__store_remove to load) or through store.c's read of a fact's pages
+ * into a host view, so this file does not depend on the page layout or on
+ * where pages live.
  *
  * Torn tails. A journaled call writes its entry and flushes it before it
  * returns, under the store's lock, so at most the last entry of a file can
@@ -38,13 +38,11 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "base/base.h"
+#include "persist/persist.h"
 #include "store/store.h"
+#include "tp/tp.h"
 
 typedef struct kvi__journal kvi__journal;
-
-#define SAVE_OPTIONS_V1 sizeof(kvi_save_options)
-#define LOAD_OPTIONS_V1 sizeof(kvi_load_options)
 
 /* ------------------------------------------------------------------------ */
 /* The format                                                                */
@@ -644,23 +642,12 @@ static kvi_status check_path(const char *path, const char *fn) {
   return KVI_OK;
 }
 
-KVI_API kvi_status kvi_save_options_init(kvi_save_options *opts, size_t size) {
-  static const kvi_save_options d = KVI_SAVE_OPTIONS_INIT;
-  return kvi__init_struct(opts, size, &d, sizeof d, SAVE_OPTIONS_V1, "kvi_save_options_init");
-}
-
-KVI_API kvi_status kvi_load_options_init(kvi_load_options *opts, size_t size) {
-  static const kvi_load_options d = KVI_LOAD_OPTIONS_INIT;
-  return kvi__init_struct(opts, size, &d, sizeof d, LOAD_OPTIONS_V1, "kvi_load_options_init");
-}
-
-KVI_API kvi_status kvi_store_save(const kvi_store *store, const char *path, const kvi_save_options *opts) {
-  static const char fn[] = "kvi_store_save";
+kvi_status kvi__store_save(const kvi_store *store, const char *path, const kvi_save_options *opts, const char *fn) {
   if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
   kvi_status st = check_path(path, fn);
   if (st) return st;
   kvi_save_options o = KVI_SAVE_OPTIONS_INIT;
-  if (opts && (st = kvi__read_struct(&o, sizeof o, opts, SAVE_OPTIONS_V1, fn, "opts"))) return st;
+  if (opts && (st = kvi__read_struct(&o, sizeof o, opts, KVI__SAVE_OPTIONS_V1, fn, "opts"))) return st;
   if (o.flags & ~KVI_SAVE_ONE_TENANT)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->flags has unknown bits 0x%x", o.flags & ~KVI_SAVE_ONE_TENANT);
   if (store->shard.emb_sharded)
@@ -676,8 +663,7 @@ KVI_API kvi_status kvi_store_save(const kvi_store *store, const char *path, cons
   return st;
 }
 
-KVI_API kvi_status kvi_store_journal_open(kvi_store *store, const char *path, uint32_t flags) {
-  static const char fn[] = "kvi_store_journal_open";
+kvi_status kvi__store_journal_open(kvi_store *store, const char *path, uint32_t flags, const char *fn) {
   if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
   kvi_status st = check_path(path, fn);
   if (st) return st;
@@ -716,8 +702,8 @@ KVI_API kvi_status kvi_store_journal_open(kvi_store *store, const char *path, ui
   return KVI_OK;
 }
 
-KVI_API kvi_status kvi_store_journal_close(kvi_store *store) {
-  if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, "kvi_store_journal_close", "store is NULL");
+kvi_status kvi__store_journal_close(kvi_store *store, const char *fn) {
+  if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
   kvi__store_lock(store);
   kvi__journal *j = journal_set(store, NULL);
   kvi__store_unlock(store);
@@ -775,20 +761,16 @@ static kvi_status journal_usable(const kvi__journal *j, const char *fn) {
 }
 
 /* The journal's put hook: the transaction's facts as one all-or-nothing
- * entry, flushed. */
+ * entry, flushed. It runs inside a call that writes the store, whose entry
+ * point made the store's device current. */
 static kvi_status journal_put(void *ctx, const kvi__txn *t) {
   kvi__journal *j = ctx;
   kvi_store *s = t->s;
   const char *fn = t->fn;
   const int32_t n = t->n;
   kvi_status st = KVI_OK;
-  if (t->device_work && s->backend == KVI_BACKEND_CUDA) { /* the pages are complete once the stream has passed */
-    kvi__devguard g;
-    if ((st = kvi__cuda_enter(s->device, &g, fn))) return st;
-    st = kvi__cuda_sync(t->stream, fn);
-    kvi__cuda_leave(&g);
-    if (st) return st;
-  }
+  if (t->device_work && s->backend == KVI_BACKEND_CUDA && (st = kvi__cuda_sync(t->stream, fn)))
+    return st; /* the pages are complete once the stream has passed */
   if ((st = journal_usable(j, fn))) return st;
   uint64_t body = 0;
   for (int32_t i = 0; i < n; i++) body += put_record_bytes(s, t->facts[i].tokens);
@@ -1277,15 +1259,14 @@ static kvi_status read_entries(loader *ld, uint64_t start, uint64_t *valid_end, 
   return st;
 }
 
-KVI_API kvi_status kvi_store_load(kvi_store **out, const kvi_model *model, const kvi_store_options *opts,
-                                  const char *path, const kvi_load_options *load_opts) {
-  static const char fn[] = "kvi_store_load";
+kvi_status kvi__store_load(kvi_store **out, const kvi_model *model, const kvi_store_options *opts, const char *path,
+                           const kvi_load_options *load_opts, const char *fn) {
   if (!out || !model || !opts)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", !out ? "out" : !model ? "model" : "opts");
   kvi_status st = check_path(path, fn);
   if (st) return st;
   kvi_load_options lo = KVI_LOAD_OPTIONS_INIT;
-  if (load_opts && (st = kvi__read_struct(&lo, sizeof lo, load_opts, LOAD_OPTIONS_V1, fn, "load_opts"))) return st;
+  if (load_opts && (st = kvi__read_struct(&lo, sizeof lo, load_opts, KVI__LOAD_OPTIONS_V1, fn, "load_opts"))) return st;
   if (lo.flags & ~KVI_LOAD_JOURNAL)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "load_opts->flags has unknown bits 0x%x", lo.flags & ~KVI_LOAD_JOURNAL);
   kvi_store_options so = KVI_STORE_OPTIONS_INIT;
@@ -1336,7 +1317,7 @@ KVI_API kvi_status kvi_store_load(kvi_store **out, const kvi_model *model, const
   ld.dtype = so.dtype;
   ld.P = so.dtype == KVI_DTYPE_FP8_E4M3 ? so.page_tokens : 0;
   ld.token_bytes = 2u * (uint64_t)ld.L * (uint64_t)ld.H * (uint64_t)ld.D * kvi__dtype_size(so.dtype);
-  if ((st = kvi_store_create(&ld.s, model, opts))) goto fail;
+  if ((st = kvi__shard_store_create(&ld.s, model, opts, "kvi_store_create"))) goto fail;
   uint64_t valid_end = 0, next_seq = 0;
   if ((st = read_entries(&ld, HDR_BYTES(ld.L), &valid_end, &next_seq))) goto fail;
   if (journal) {
@@ -1358,7 +1339,7 @@ KVI_API kvi_status kvi_store_load(kvi_store **out, const kvi_model *model, const
   *out = ld.s;
   return KVI_OK;
 fail:
-  kvi__store_destroy(ld.s, true);
+  if (ld.s) kvi__store_destroy(ld.s, true);
   close(ld.fd);
   free(j);
   free(jpath);

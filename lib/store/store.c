@@ -202,9 +202,13 @@ static kvi_status copy_fact(const kvi_store *s, const kvi_kv_view *v, const uint
 /* creation                                                                  */
 /* ------------------------------------------------------------------------ */
 
-int kvi__store_options_device(const kvi_store_options *o) {
-  if ((o->backend != KVI_BACKEND_AUTO && o->backend != KVI_BACKEND_CUDA) || KVI_BUILT_CUDA == 0) return -1;
-  return o->device >= 0 && o->device < kvi__cuda_count() ? o->device : -1;
+static kvi_status resolve_backend(kvi_store *s, const kvi_store_options *o, const char *fn);
+
+int kvi__store_options_device(const kvi_store_options *o, const char *fn) {
+  kvi_store s;
+  s.backend = KVI_BACKEND_CPU;
+  s.device = -1;
+  return resolve_backend(&s, o, fn) == KVI_OK && s.backend == KVI_BACKEND_CUDA ? s.device : -1;
 }
 
 static kvi_status resolve_backend(kvi_store *s, const kvi_store_options *o, const char *fn) {

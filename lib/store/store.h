@@ -459,11 +459,11 @@ kvi_status kvi__store_create(kvi_store **out, const kvi_model *model, const kvi_
  * points make current (lib/api/api.h). */
 int kvi__store_device(const kvi_store *s);
 
-/* The device kvi__store_create makes a store of these options (read) on,
- * the one to make current before calling it: opts->device for a CUDA store
- * of a valid device number, else -1 (a CPU store, the current device, or
- * options kvi__store_create refuses). */
-int kvi__store_options_device(const kvi_store_options *opts);
+/* The device a store created with these (read) options is on, the one to
+ * make current before kvi__store_create: its CUDA device, or -1 for a CPU
+ * store and for a backend or device that kvi__store_create refuses (it
+ * reports why; this may set the same message). No device work. */
+int kvi__store_options_device(const kvi_store_options *o, const char *fn);
 
 /* ---- the store's public functions (kvinject/store.h), without entering the
  * device: the caller (lib/api/store.c, or a part whose entry point made the

@@ -20,7 +20,7 @@
 #include <nccl.h>
 
 
-/* libnccl.so.<major of the header>, opened by the first kvi_comm_create_nccl:
+/* libnccl.so.<major of the header>, opened by the first kvi__comm_nccl_device:
  * every other NCCL call is made on a communicator it created. */
 #define NCCL_FUNCS(X)                                                                                              \
   X(ncclGetLastError) X(ncclGetErrorString) X(ncclCommUserRank) X(ncclCommCount) X(ncclCommCuDevice)               \
@@ -78,8 +78,7 @@ static void barrier(kvi_comm_group *g) {
   pthread_mutex_unlock(&g->mu);
 }
 
-KVI_API kvi_status kvi_comm_group_create(kvi_comm_group **out, int32_t size) {
-  static const char fn[] = "kvi_comm_group_create";
+kvi_status kvi__comm_group_create(kvi_comm_group **out, int32_t size, const char *fn) {
   if (!out) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "out is NULL");
   if (size < 1 || size > 1024) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "size is %d, expected 1..1024", (int)size);
   kvi_comm_group *g = calloc(1, sizeof *g);
@@ -100,7 +99,7 @@ KVI_API kvi_status kvi_comm_group_create(kvi_comm_group **out, int32_t size) {
   return KVI_OK;
 }
 
-KVI_API void kvi_comm_group_destroy(kvi_comm_group *g) {
+void kvi__comm_group_destroy(kvi_comm_group *g) {
   if (!g) return;
   pthread_mutex_destroy(&g->mu);
   pthread_cond_destroy(&g->cv);
@@ -109,8 +108,7 @@ KVI_API void kvi_comm_group_destroy(kvi_comm_group *g) {
   free(g);
 }
 
-KVI_API kvi_status kvi_comm_create_local(kvi_comm **out, kvi_comm_group *g, int32_t rank) {
-  static const char fn[] = "kvi_comm_create_local";
+kvi_status kvi__comm_create_local(kvi_comm **out, kvi_comm_group *g, int32_t rank, const char *fn) {
   if (!out || !g) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", !out ? "out" : "group");
   if (rank < 0 || rank >= g->size)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "rank is %d, the group has %d ranks", (int)rank, (int)g->size);
@@ -217,46 +215,58 @@ static kvi_status scratch_reserve(kvi_comm *c, size_t bytes, const char *fn) {
   return KVI_OK;
 }
 
-/* Runs a control exchange on the comm's own stream and waits for it. */
+/* Runs a control exchange on the comm's own stream and waits for it. The
+ * comm's device is current: control exchanges run inside the calls of a
+ * store, whose entry point made the store's device current, and a store
+ * with an NCCL communicator is on the communicator's device (checked when
+ * the ranks create it, shard.c's shard_create); kvi_store_create itself
+ * makes the communicator's device current (kvi__shard_store_device). */
 static kvi_status nccl_control(kvi_comm *c, const void *send, void *recv, size_t bytes, int32_t root,
                                const char *fn) {
-  kvi__devguard g;
-  kvi_status st = kvi__cuda_enter(c->device, &g, fn);
-  if (st) return st;
   const bool gather = root < 0;
   const size_t total = gather ? bytes * (size_t)c->size : bytes;
-  if ((st = scratch_reserve(c, bytes + total, fn))) goto out;
+  kvi_status st = scratch_reserve(c, bytes + total, fn);
+  if (st) return st;
   char *in = c->scratch, *res = (char *)c->scratch + bytes;
   if (send) st = kvi__cuda_h2d(in, send, bytes, c->stream, fn);
   else if (cudaMemsetAsync(in, 0xff, bytes, (cudaStream_t)c->stream) != cudaSuccess) /* nothing to send: all ones */
     st = kvi__cuda_error((int)cudaGetLastError(), fn, "cudaMemsetAsync");
-  if (st) goto out;
+  if (st) return st;
   ncclResult_t r = gather ? ncclAllGather(in, res, bytes, ncclUint8, c->nccl, c->stream)
                           : ncclBroadcast(in, res, bytes, ncclUint8, root, c->nccl, c->stream);
-  if (r != ncclSuccess) {
-    st = nccl_fail(r, c->nccl, fn, gather ? "ncclAllGather" : "ncclBroadcast");
-    goto out;
-  }
-  if (recv && (st = kvi__cuda_d2h(recv, res, total, c->stream, fn))) goto out;
-  st = kvi__cuda_sync(c->stream, fn);
-out:
-  kvi__cuda_leave(&g);
-  return st;
+  if (r != ncclSuccess) return nccl_fail(r, c->nccl, fn, gather ? "ncclAllGather" : "ncclBroadcast");
+  if (recv && (st = kvi__cuda_d2h(recv, res, total, c->stream, fn))) return st;
+  return kvi__cuda_sync(c->stream, fn);
 }
 #endif
 
-KVI_API kvi_status kvi_comm_create_nccl(kvi_comm **out, struct ncclComm *nccl) {
-  static const char fn[] = "kvi_comm_create_nccl";
+/* The checks of kvi_comm_create_nccl and its queries of the communicator. */
+static kvi_status nccl_query(kvi_comm **out, struct ncclComm *nccl, int *rank, int *size, int *dev, const char *fn) {
   if (!out || !nccl) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", !out ? "out" : "nccl");
 #ifndef KVI_HAVE_NCCL
+  (void)rank, (void)size, (void)dev;
   return kvi__fail(KVI_ERR_NOT_BUILT, fn, "this build of libkvinject has no NCCL (kvi_features())");
 #else
   kvi_status lst = kvi__dynlib_get(&nccl_lib, fn);
   if (lst) return lst;
+  NCCL_CHECK(ncclCommUserRank(nccl, rank), nccl, fn);
+  NCCL_CHECK(ncclCommCount(nccl, size), nccl, fn);
+  NCCL_CHECK(ncclCommCuDevice(nccl, dev), nccl, fn);
+  return KVI_OK;
+#endif
+}
+
+kvi_status kvi__comm_nccl_device(kvi_comm **out, struct ncclComm *nccl, int *device, const char *fn) {
+  int rank = 0, size = 0;
+  *device = -1;
+  return nccl_query(out, nccl, &rank, &size, device, fn);
+}
+
+kvi_status kvi__comm_create_nccl(kvi_comm **out, struct ncclComm *nccl, const char *fn) {
   int rank = 0, size = 0, dev = 0;
-  NCCL_CHECK(ncclCommUserRank(nccl, &rank), nccl, fn);
-  NCCL_CHECK(ncclCommCount(nccl, &size), nccl, fn);
-  NCCL_CHECK(ncclCommCuDevice(nccl, &dev), nccl, fn);
+  kvi_status st = nccl_query(out, nccl, &rank, &size, &dev, fn);
+  if (st) return st;
+#ifdef KVI_HAVE_NCCL
   kvi_comm *c = calloc(1, sizeof *c);
   if (!c) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a communicator");
   c->kind = KVI__COMM_NCCL;
@@ -265,22 +275,16 @@ KVI_API kvi_status kvi_comm_create_nccl(kvi_comm **out, struct ncclComm *nccl) {
   c->memory = KVI_MEMORY_DEVICE;
   c->device = dev;
   c->nccl = nccl;
-  kvi__devguard g;
-  kvi_status st = kvi__cuda_enter(dev, &g, fn);
-  if (st == KVI_OK) {
-    st = kvi__cuda_stream_create(&c->stream, fn);
-    kvi__cuda_leave(&g);
-  }
-  if (st) {
+  if ((st = kvi__cuda_stream_create(&c->stream, fn))) {
     free(c);
     return st;
   }
   *out = c;
-  return KVI_OK;
 #endif
+  return KVI_OK;
 }
 
-KVI_API void kvi_comm_destroy(kvi_comm *c) {
+void kvi__comm_destroy(kvi_comm *c, bool device_ok) {
   if (!c) return;
   if (c->kind == KVI__COMM_LOCAL) {
     pthread_mutex_lock(&c->group->mu);
@@ -288,28 +292,25 @@ KVI_API void kvi_comm_destroy(kvi_comm *c) {
     pthread_mutex_unlock(&c->group->mu);
   }
 #ifdef KVI_HAVE_NCCL
-  if (c->kind == KVI__COMM_NCCL) {
-    kvi__devguard g;
-    if (kvi__cuda_enter(c->device, &g, "kvi_comm_destroy") == KVI_OK) {
-      kvi__cuda_sync(c->stream, "kvi_comm_destroy");
-      kvi__cuda_free(c->scratch);
-      kvi__cuda_stream_destroy(c->stream);
-      kvi__cuda_leave(&g);
-    }
+  if (c->kind == KVI__COMM_NCCL && device_ok) {
+    kvi__cuda_sync(c->stream, "kvi_comm_destroy");
+    kvi__cuda_free(c->scratch);
+    kvi__cuda_stream_destroy(c->stream);
   }
+#else
+  (void)device_ok;
 #endif
   free(c);
 }
 
-KVI_API kvi_status kvi_comm_rank(const kvi_comm *c, int32_t *out_rank, int32_t *out_size) {
-  if (!c) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, "kvi_comm_rank", "comm is NULL");
+kvi_status kvi__comm_rank(const kvi_comm *c, int32_t *out_rank, int32_t *out_size, const char *fn) {
+  if (!c) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "comm is NULL");
   if (out_rank) *out_rank = c->rank;
   if (out_size) *out_size = c->size;
   return KVI_OK;
 }
 
-KVI_API kvi_status kvi_comm_async_error(kvi_comm *c) {
-  static const char fn[] = "kvi_comm_async_error";
+kvi_status kvi__comm_async_error(kvi_comm *c, const char *fn) {
   if (!c) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "comm is NULL");
 #ifdef KVI_HAVE_NCCL
   if (c->kind == KVI__COMM_NCCL) {
@@ -320,6 +321,8 @@ KVI_API kvi_status kvi_comm_async_error(kvi_comm *c) {
 #endif
   return KVI_OK;
 }
+
+int kvi__comm_device(const kvi_comm *c) { return c->kind == KVI__COMM_NCCL ? c->device : -1; }
 
 /* ------------------------------------------------------------------------ */
 /* operations                                                               */

@@ -40,12 +40,7 @@ static uint64_t fnv(uint64_t h, const void *p, size_t n) {
  * communicator never run at once on two streams. */
 static kvi_status drain(kvi_comm *c, struct CUstream_st *stream, const char *fn) {
   if (c->memory != KVI_MEMORY_DEVICE) return KVI_OK;
-  kvi__devguard g;
-  kvi_status st = kvi__cuda_enter(c->device, &g, fn);
-  if (st) return st;
-  st = kvi__cuda_sync(stream, fn);
-  kvi__cuda_leave(&g);
-  return st;
+  return kvi__cuda_sync(stream, fn);
 }
 
 /* After every rank reported `local`: KVI_OK when all did, else this rank's
@@ -155,7 +150,10 @@ static uint64_t rope_digest(const kvi_model *m) {
 /* The collective part of kvi_store_create with a communicator. s is the
  * store this rank made (NULL when local is an error). Checks that the ranks
  * agree; on success sets s's comm fields. Returns the combined status; the
- * caller destroys s when it is not KVI_OK. */
+ * caller destroys s when it is not KVI_OK. This is where a store and its
+ * communicator meet: an NCCL communicator's store must be on its device,
+ * so every later call of the store, run on the store's device by its entry
+ * point, has the communicator's device current for the exchanges. */
 static kvi_status shard_create(kvi_store *s, const kvi_model *model, const kvi_store_options *o, kvi_status local,
                                const char *fn) {
   kvi_comm *c = o->comm;
@@ -230,10 +228,17 @@ static kvi_status shard_create(kvi_store *s, const kvi_model *model, const kvi_s
   return st;
 }
 
+int kvi__shard_store_device(const kvi_store_options *opts, const char *fn) {
+  kvi_store_options o = KVI_STORE_OPTIONS_INIT;
+  if (!opts || kvi__read_struct(&o, sizeof o, opts, KVI__STORE_OPTIONS_V1, fn, "opts")) return -1;
+  const int comm_device = o.comm ? kvi__comm_device(o.comm) : -1;
+  return comm_device >= 0 ? comm_device : kvi__store_options_device(&o, fn);
+}
+
 /* Here rather than in store.c: a store with a communicator is made by the
  * ranks together, and the store knows nothing of them. */
-KVI_API kvi_status kvi_store_create(kvi_store **out, const kvi_model *model, const kvi_store_options *opts) {
-  static const char fn[] = "kvi_store_create";
+kvi_status kvi__shard_store_create(kvi_store **out, const kvi_model *model, const kvi_store_options *opts,
+                                   const char *fn) {
   if (!out || !opts) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", !out ? "out" : "opts");
   kvi_store_options o = KVI_STORE_OPTIONS_INIT;
   kvi_status st = kvi__read_struct(&o, sizeof o, opts, KVI__STORE_OPTIONS_V1, fn, "opts");
@@ -393,48 +398,137 @@ static kvi_status pack(const kvi_kv_view *full, void *packed, int32_t first, int
   return st;
 }
 
-/* A scatter in progress (kvi_store_put_scatter). */
-typedef struct scatter {
+/* A scatter or a gather in progress: what the two share. Items are
+ * kvi_scatter_item or kvi_gather_item (read through stride). */
+typedef struct shard_op {
   kvi_store *store;
   kvi_comm *c;
-  const kvi_scatter_item *items;
+  const void *items;
   size_t stride;
-  int32_t root, n, E;
+  int32_t root, n;
   bool is_root;
   kvi_kv_view *v; /* root: the full views, checked */
+  /* the transfer: each rank's slices, all facts, in one buffer per peer */
+  void **bufs;
+  kvi__p2p *ops;
+  int32_t nops;
+  struct CUstream_st *stream;
+  const char *fn;
+} shard_op;
+
+/* Checks the arguments of a scatter or gather (item size `known`) and
+ * starts op; op->v is NULL when it could not be allocated. A failure here
+ * is this rank's alone: it returns before any exchange. */
+static kvi_status op_begin(shard_op *op, kvi_store *store, int32_t root, const void *items, int32_t n, size_t known,
+                           struct CUstream_st *stream, const char *fn) {
+  memset(op, 0, sizeof *op);
+  kvi_status st = check_collective(store, root, items, n, fn);
+  if (st || (st = item_stride(items, n, known, &op->stride, fn))) return st;
+  op->store = store;
+  op->c = store->shard.comm;
+  op->items = items;
+  op->root = root;
+  op->n = n;
+  op->is_root = op->c->rank == root;
+  op->stream = stream;
+  op->fn = fn;
+  op->v = calloc((size_t)(n ? n : 1), sizeof *op->v);
+  return KVI_OK;
+}
+
+/* The transfer lists: a buffer and an op per rank. */
+static kvi_status op_lists(shard_op *op) {
+  op->bufs = calloc((size_t)op->c->size, sizeof *op->bufs);
+  op->ops = calloc((size_t)op->c->size, sizeof *op->ops);
+  return op->bufs && op->ops ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, op->fn, "allocating transfer lists");
+}
+
+/* Rank r's buffer, room for its slices of every fact, into op->bufs[r];
+ * *total its bytes. Fact i has the int32 token count at tok + i * step and
+ * the int32 dtype at dt + i * step (bytes). */
+static kvi_status op_alloc(shard_op *op, int32_t r, const void *tok, const void *dt, size_t step, size_t *total) {
+  const kvi__geom *g = &op->store->geom;
+  *total = 0;
+  for (int32_t i = 0; i < op->n; i++) {
+    int32_t T, t;
+    memcpy(&T, (const char *)tok + (size_t)i * step, sizeof T);
+    memcpy(&t, (const char *)dt + (size_t)i * step, sizeof t);
+    if (__builtin_add_overflow(*total, slice_bytes(g, r, T, kvi__dtype_size((kvi_dtype)t)), total))
+      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, op->fn, "the items' slices for rank %d pass 2^64 bytes", (int)r);
+  }
+  return buf_alloc(op->c, &op->bufs[r], *total, op->stream, op->fn);
+}
+
+/* The transfer of rank r's buffer: between root and r (on root), between
+ * this rank and root (on the others); `send` says which side this is. */
+static void op_push(shard_op *op, int32_t r, size_t total, bool send) {
+  op->ops[op->nops++] = (kvi__p2p){op->is_root ? r : op->root, send, op->bufs[r], total};
+}
+
+/* Every rank joins the transfer only if every rank could prepare it
+ * (st: this rank's preparation). */
+static kvi_status op_transfer(shard_op *op, kvi_status st) {
+  kvi_comm *c = op->c;
+  st = combine(c, st, op->stream, op->fn);
+  if (st == KVI_OK) st = combine(c, kvi__comm_p2p(c, op->ops, op->nops, op->stream, op->fn), op->stream, op->fn);
+  return st;
+}
+
+static void op_end(shard_op *op) {
+  for (int32_t r = 0; op->bufs && r < op->c->size; r++) buf_free(op->c, op->bufs[r], op->stream, op->fn);
+  free(op->ops);
+  free(op->bufs);
+  free(op->v);
+}
+
+/* Heads [first, first + h) of a full view. */
+static kvi_kv_view heads_of(const kvi_kv_view *v, int32_t first, int32_t h) {
+  kvi_kv_view w = *v;
+  w.num_heads = h;
+  const size_t o = (size_t)first * (size_t)v->head_stride * kvi__dtype_size(v->dtype);
+  w.k = (char *)v->k + o;
+  w.v = (char *)v->v + o;
+  return w;
+}
+
+/* A packed slice of T tokens and h heads at base (b bytes, K then V). */
+static kvi_kv_view slice_view(const shard_op *op, kvi_dtype dt, int32_t T, int32_t h, char *base, size_t b) {
+  const kvi__geom *g = &op->store->geom;
+  return packed_view(op->c->memory, dt, g->num_layers, T, h, g->head_size, base, base + b / 2);
+}
+
+/* A scatter in progress (kvi_store_put_scatter). */
+typedef struct scatter {
+  shard_op op;
+  int32_t E;
   /* the block root broadcasts: [n records][n embeddings] */
   char *info;
   size_t info_bytes;
   item_rec *rec;
   float *embs;
-  /* the transfer: each rank's slices, all facts, in one buffer per peer */
   size_t *mine_off; /* where my slice of fact i arrives */
-  void **bufs;
-  kvi__p2p *ops;
-  int32_t nops;
   void *host_pack;
-  struct CUstream_st *stream;
-  const char *fn;
 } scatter;
 
 /* Root: kvi_store_put's checks on every full view, into the block. */
 static kvi_status scatter_read(scatter *sc) {
-  kvi_store *store = sc->store;
+  shard_op *op = &sc->op;
+  kvi_store *store = op->store;
   const kvi__geom fg = full_geom(store);
-  const char *fn = sc->fn;
+  const char *fn = op->fn;
   kvi_status st = KVI_OK;
-  for (int32_t i = 0; i < sc->n && st == KVI_OK; i++) {
-    const kvi_scatter_item *it = item_at(sc->items, sc->stride, i);
+  for (int32_t i = 0; i < op->n && st == KVI_OK; i++) {
+    const kvi_scatter_item *it = item_at(op->items, op->stride, i);
     kvi_put_options o;
     float *emb = NULL;
-    if (it->struct_size != sc->stride)
+    if (it->struct_size != op->stride)
       st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "items[%d].struct_size is %zu, items[0]'s %zu", (int)i, it->struct_size,
-                     sc->stride);
+                     op->stride);
     else if (!it->full) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "items[%d].full is NULL on the root rank", (int)i);
-    else st = kvi__view_check(&sc->v[i], it->full, &fg, false, fn);
-    if (st == KVI_OK) st = kvi__store_put_args(store, &sc->v[i], it->opts, &o, &emb, sc->stream, fn);
+    else st = kvi__view_check(&op->v[i], it->full, &fg, false, fn);
+    if (st == KVI_OK) st = kvi__store_put_args(store, &op->v[i], it->opts, &o, &emb, op->stream, fn);
     if (st) break;
-    const item_rec r = {sc->v[i].num_tokens, (int32_t)sc->v[i].dtype, o.flags, emb != NULL};
+    const item_rec r = {op->v[i].num_tokens, (int32_t)op->v[i].dtype, o.flags, emb != NULL};
     sc->rec[i] = r;
     if (emb) memcpy(sc->embs + (size_t)i * sc->E, emb, (size_t)sc->E * sizeof(float));
     free(emb);
@@ -445,46 +539,44 @@ static kvi_status scatter_read(scatter *sc) {
 /* Rank r's buffer (root: packed from the full views; the others: room for
  * their slices) and its transfer op. */
 static kvi_status scatter_buffer(scatter *sc, int32_t r) {
-  const kvi__geom *g = &sc->store->geom;
-  kvi_comm *c = sc->c;
-  const char *fn = sc->fn;
+  shard_op *op = &sc->op;
+  const kvi__geom *g = &op->store->geom;
+  kvi_comm *c = op->c;
+  const char *fn = op->fn;
   const item_rec *rec = sc->rec;
-  kvi_status st = KVI_OK;
-  size_t total = 0;
-  for (int32_t i = 0; i < sc->n && st == KVI_OK; i++)
-    if (__builtin_add_overflow(total, slice_bytes(g, r, rec[i].tokens, kvi__dtype_size((kvi_dtype)rec[i].dtype)), &total))
-      st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "the items' slices for rank %d pass 2^64 bytes", (int)r);
-  if (st || (st = buf_alloc(c, &sc->bufs[r], total, sc->stream, fn))) return st;
+  size_t total;
+  kvi_status st = op_alloc(op, r, &rec[0].tokens, &rec[0].dtype, sizeof *rec, &total);
+  if (st) return st;
   size_t at = 0;
   int32_t first, h;
   kvi__geom_rank_heads(g, r, &first, &h);
-  for (int32_t i = 0; i < sc->n && st == KVI_OK; i++) {
+  for (int32_t i = 0; i < op->n && st == KVI_OK; i++) {
     const size_t b = slice_bytes(g, r, rec[i].tokens, kvi__dtype_size((kvi_dtype)rec[i].dtype));
     if (r == c->rank) sc->mine_off[i] = at;
-    char *dst = (char *)sc->bufs[r] + at;
-    if (sc->is_root && sc->v[i].memory == c->memory) {
-      st = pack(&sc->v[i], dst, first, h, false, c->memory, sc->stream, fn);
-    } else if (sc->is_root) { /* a host source for device transfers: pack on the host, then one copy up */
+    char *dst = (char *)op->bufs[r] + at;
+    if (op->is_root && op->v[i].memory == c->memory) {
+      st = pack(&op->v[i], dst, first, h, false, c->memory, op->stream, fn);
+    } else if (op->is_root) { /* a host source for device transfers: pack on the host, then one copy up */
       void *p = realloc(sc->host_pack, b);
       if (!p) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes", b);
       sc->host_pack = p;
-      st = pack(&sc->v[i], p, first, h, false, KVI_MEMORY_HOST, NULL, fn);
-      if (st == KVI_OK) st = kvi__cuda_h2d(dst, p, b, sc->stream, fn);
-      if (st == KVI_OK) st = kvi__cuda_sync(sc->stream, fn); /* host_pack is reused */
+      st = pack(&op->v[i], p, first, h, false, KVI_MEMORY_HOST, NULL, fn);
+      if (st == KVI_OK) st = kvi__cuda_h2d(dst, p, b, op->stream, fn);
+      if (st == KVI_OK) st = kvi__cuda_sync(op->stream, fn); /* host_pack is reused */
     }
     at += b;
   }
-  if (st == KVI_OK) sc->ops[sc->nops++] = (kvi__p2p){sc->is_root ? r : sc->root, sc->is_root, sc->bufs[r], total};
+  if (st == KVI_OK) op_push(op, r, total, op->is_root);
   return st;
 }
 
 /* Each rank puts its slices; the gate commits on every rank or on none. */
 static kvi_status scatter_put(scatter *sc) {
-  kvi_store *store = sc->store;
-  const kvi__geom *g = &store->geom;
-  kvi_comm *c = sc->c;
-  const char *fn = sc->fn;
-  const int32_t n = sc->n, E = sc->E;
+  shard_op *op = &sc->op;
+  const kvi__geom *g = &op->store->geom;
+  kvi_comm *c = op->c;
+  const char *fn = op->fn;
+  const int32_t n = op->n, E = sc->E;
   int32_t first, h;
   kvi__geom_rank_heads(g, c->rank, &first, &h);
   kvi_kv_view *mine = calloc((size_t)n, sizeof *mine);
@@ -492,19 +584,12 @@ static kvi_status scatter_put(scatter *sc) {
   kvi_status st = mine && put ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d views", (int)n);
   for (int32_t i = 0; i < n && st == KVI_OK; i++) {
     const kvi_dtype dt = (kvi_dtype)sc->rec[i].dtype;
-    const size_t esz = kvi__dtype_size(dt);
-    if (sc->is_root) {
-      const kvi_kv_view *v = &sc->v[i];
-      mine[i] = *v;
-      mine[i].num_heads = h;
-      const size_t o = (size_t)first * (size_t)v->head_stride * esz;
-      mine[i].k = (char *)v->k + o;
-      mine[i].v = (char *)v->v + o;
-    } else {
-      char *base = (char *)sc->bufs[c->rank] + sc->mine_off[i];
-      mine[i] = packed_view(c->memory, dt, g->num_layers, sc->rec[i].tokens, h, g->head_size, base,
-                            base + slice_bytes(g, c->rank, sc->rec[i].tokens, esz) / 2);
-    }
+    const int32_t T = sc->rec[i].tokens;
+    if (op->is_root)
+      mine[i] = heads_of(&op->v[i], first, h);
+    else
+      mine[i] = slice_view(op, dt, T, h, (char *)op->bufs[c->rank] + sc->mine_off[i],
+                           slice_bytes(g, c->rank, T, kvi__dtype_size(dt)));
     float *emb = NULL;
     if (sc->rec[i].has_emb) {
       if (!(emb = malloc((size_t)E * sizeof *emb))) {
@@ -513,79 +598,55 @@ static kvi_status scatter_put(scatter *sc) {
       }
       memcpy(emb, sc->embs + (size_t)i * E, (size_t)E * sizeof *emb);
     }
-    const kvi_scatter_item *it = item_at(sc->items, sc->stride, i);
+    const kvi_scatter_item *it = item_at(op->items, op->stride, i);
     const kvi__put_item p = {it->tenant, it->fact_id, &mine[i], sc->rec[i].flags, emb};
     put[i] = p;
   }
-  comm_gate gate = {{comm_decide}, c, sc->stream, fn};
+  comm_gate gate = {{comm_decide}, c, op->stream, fn};
   if (st == KVI_OK) {
-    st = kvi__store_put_views(store, put, n, sc->stream, &gate.gate, fn);
+    st = kvi__store_put_views(op->store, put, n, op->stream, &gate.gate, fn);
   } else { /* still decide with the others */
     for (int32_t i = 0; put && i < n; i++) free(put[i].emb);
-    combine(c, st, sc->stream, fn);
+    combine(c, st, op->stream, fn);
   }
   free(mine);
   free(put);
   return st;
 }
 
-KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, int32_t root, const kvi_scatter_item *items,
-                                         int32_t num_items, struct CUstream_st *stream) {
-  static const char fn[] = "kvi_store_put_scatter";
-  size_t stride;
-  kvi_status st = check_collective(store, root, items, num_items, fn);
-  if (st || (st = item_stride(items, num_items, sizeof *items, &stride, fn))) return st;
+kvi_status kvi__store_put_scatter(kvi_store *store, int32_t root, const kvi_scatter_item *items, int32_t num_items,
+                                  struct CUstream_st *stream, const char *fn) {
   scatter sc;
   memset(&sc, 0, sizeof sc);
-  sc.store = store;
-  sc.c = store->shard.comm;
-  sc.items = items;
-  sc.stride = stride;
-  sc.root = root;
-  sc.n = num_items;
+  shard_op *op = &sc.op;
+  kvi_status st = op_begin(op, store, root, items, num_items, sizeof *items, stream, fn);
+  if (st) return st;
+  kvi_comm *c = op->c;
+  const int32_t n = num_items;
   sc.E = store->emb_dim;
-  sc.is_root = sc.c->rank == root;
-  sc.stream = stream;
-  sc.fn = fn;
-  kvi_comm *c = sc.c;
-  const int32_t n = sc.n;
-  sc.v = calloc((size_t)(n ? n : 1), sizeof *sc.v);
   sc.info_bytes = (size_t)n * sizeof(item_rec) + (size_t)n * (size_t)sc.E * sizeof(float);
   sc.info = calloc(sc.info_bytes ? sc.info_bytes : 1, 1);
-  if (!sc.v || !sc.info) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d items", (int)n);
+  if (!op->v || !sc.info) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d items", (int)n);
   sc.rec = (item_rec *)sc.info;
   sc.embs = sc.info ? (float *)(sc.info + (size_t)n * sizeof(item_rec)) : NULL;
-  if (st == KVI_OK && sc.is_root) st = scatter_read(&sc);
-  op_rec me = {(int32_t)st, root, n, 0, st ? 0 : keys_digest(items, stride, n)};
+  if (st == KVI_OK && op->is_root) st = scatter_read(&sc);
+  op_rec me = {(int32_t)st, root, n, 0, st ? 0 : keys_digest(items, op->stride, n)};
   if ((st = exchange_op(c, &me, stream, fn)) == KVI_OK && n > 0) /* every rank knows n: all skip alike */
     st = kvi__comm_bcast_host(c, sc.info, sc.info_bytes, root, fn);
-  if (st || n == 0) {
-    free(sc.v), free(sc.info);
-    return st;
-  }
 
   /* root packs and sends; each other rank receives its own */
-  sc.mine_off = calloc((size_t)n, sizeof *sc.mine_off);
-  sc.bufs = calloc((size_t)c->size, sizeof *sc.bufs);
-  sc.ops = calloc((size_t)c->size, sizeof *sc.ops);
-  kvi__devguard dg = {0, false};
-  const bool cuda = c->memory == KVI_MEMORY_DEVICE;
-  st = sc.mine_off && sc.bufs && sc.ops ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating transfer lists");
-  if (st == KVI_OK && cuda) st = kvi__cuda_enter(c->device, &dg, fn);
-  const bool entered = st == KVI_OK && cuda;
-  for (int32_t r = 0; st == KVI_OK && r < c->size; r++)
-    if (r != root && (sc.is_root || r == c->rank)) st = scatter_buffer(&sc, r);
-  /* every rank joins the transfer only if every rank could prepare it */
-  st = combine(c, st, stream, fn);
-  if (st == KVI_OK) st = combine(c, kvi__comm_p2p(c, sc.ops, sc.nops, stream, fn), stream, fn);
-  if (st == KVI_OK) st = scatter_put(&sc);
-  for (int32_t r = 0; sc.bufs && r < c->size; r++) buf_free(c, sc.bufs[r], stream, fn);
-  if (entered) kvi__cuda_leave(&dg);
+  if (st == KVI_OK && n > 0) {
+    sc.mine_off = calloc((size_t)n, sizeof *sc.mine_off);
+    st = op_lists(op);
+    if (st == KVI_OK && !sc.mine_off) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating transfer lists");
+    for (int32_t r = 0; st == KVI_OK && r < c->size; r++)
+      if (r != root && (op->is_root || r == c->rank)) st = scatter_buffer(&sc, r);
+    st = op_transfer(op, st);
+    if (st == KVI_OK) st = scatter_put(&sc);
+  }
+  op_end(op);
   free(sc.host_pack);
-  free(sc.ops);
-  free(sc.bufs);
   free(sc.mine_off);
-  free(sc.v);
   free(sc.info);
   return st;
 }
@@ -599,37 +660,28 @@ static bool first_holder(const kvi__geom *g, int32_t r) { return r % g->head_rep
 
 /* A gather in progress (kvi_store_gather). */
 typedef struct gather {
-  kvi_store *store;
-  kvi_comm *c;
-  const kvi_gather_item *items;
-  size_t stride;
-  int32_t root, n;
-  bool is_root;
-  kvi_kv_view *v; /* root: the full views, checked */
-  int32_t *tok;   /* [2n]: my facts' token counts, then (root) the views' dtypes */
-  int32_t *rt;    /* [2n]: root's, as it broadcast them */
-  void **bufs;
-  kvi__p2p *ops;
-  int32_t nops;
-  struct CUstream_st *stream;
-  const char *fn;
+  shard_op op;
+  int32_t *tok; /* [2n]: my facts' token counts, then (root) the views' dtypes */
+  int32_t *rt;  /* [2n]: root's, as it broadcast them */
 } gather;
 
 /* Every rank's token counts of the facts; root checks its full views. */
 static kvi_status gather_read(gather *ga) {
-  kvi_store *store = ga->store;
-  const char *fn = ga->fn;
+  shard_op *op = &ga->op;
+  kvi_store *store = op->store;
+  const char *fn = op->fn;
   const kvi__geom fg = full_geom(store);
   const bool cuda_store = store->backend == KVI_BACKEND_CUDA;
   kvi_status st = KVI_OK;
-  for (int32_t i = 0; i < ga->n && st == KVI_OK; i++) {
-    const kvi_gather_item *it = item_at(ga->items, ga->stride, i);
-    kvi_kv_view *v = &ga->v[i];
-    if (it->struct_size != ga->stride)
+  for (int32_t i = 0; i < op->n && st == KVI_OK; i++) {
+    const kvi_gather_item *it = item_at(op->items, op->stride, i);
+    kvi_kv_view *v = &op->v[i];
+    if (it->struct_size != op->stride)
       st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "items[%d].struct_size is %zu, items[0]'s %zu", (int)i, it->struct_size,
-                     ga->stride);
-    if (st == KVI_OK) st = kvi__store_fact_tokens(store, it->tenant, it->fact_id, &ga->tok[i], "kvi_store_fact_tokens");
-    if (st || !ga->is_root) continue;
+                     op->stride);
+    if (st == KVI_OK)
+      st = kvi__store_fact_tokens(store, it->tenant, it->fact_id, &ga->tok[i], "kvi_store_fact_tokens");
+    if (st || !op->is_root) continue;
     if (!it->full) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "items[%d].full is NULL on the root rank", (int)i);
     else st = kvi__view_check(v, it->full, &fg, true, fn);
     if (st == KVI_OK) st = kvi__check_memory(v->k, v->memory, cuda_store, store->device, fn, "full->k");
@@ -637,75 +689,74 @@ static kvi_status gather_read(gather *ga) {
     if (st == KVI_OK && ga->tok[i] != v->num_tokens)
       st = kvi__fail(KVI_ERR_MISMATCH, fn, "items[%d].full->num_tokens is %d, the fact has %d tokens", (int)i,
                      (int)v->num_tokens, (int)ga->tok[i]);
-    if (st == KVI_OK) ga->tok[ga->n + i] = (int32_t)v->dtype;
+    if (st == KVI_OK) ga->tok[op->n + i] = (int32_t)v->dtype;
   }
   return st;
 }
 
 /* Root's token counts and dtypes to every rank, which compares its own. */
 static kvi_status gather_agree(gather *ga) {
-  const int32_t n = ga->n;
+  const shard_op *op = &ga->op;
+  const int32_t n = op->n;
   int32_t *rt = ga->rt = malloc((size_t)(n ? n : 1) * 2 * sizeof *rt);
-  if (rt && ga->is_root) memcpy(rt, ga->tok, (size_t)n * 2 * sizeof *rt);
+  if (rt && op->is_root) memcpy(rt, ga->tok, (size_t)n * 2 * sizeof *rt);
   int32_t dummy[2];
-  kvi_status st = kvi__comm_bcast_host(ga->c, rt ? rt : dummy, rt ? (size_t)n * 2 * sizeof *rt : sizeof dummy, ga->root,
-                                       ga->fn);
-  if (st == KVI_OK && !rt) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, ga->fn, "allocating %d counts", (int)n);
+  kvi_status st = kvi__comm_bcast_host(op->c, rt ? rt : dummy, rt ? (size_t)n * 2 * sizeof *rt : sizeof dummy, op->root,
+                                       op->fn);
+  if (st == KVI_OK && !rt) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, op->fn, "allocating %d counts", (int)n);
   for (int32_t i = 0; i < n && st == KVI_OK; i++)
     if (ga->tok[i] != rt[i])
-      st = kvi__fail(KVI_ERR_MISMATCH, ga->fn, "fact %d of the list has %d tokens on rank %d and %d on root rank %d",
-                     (int)i, (int)ga->tok[i], (int)ga->c->rank, (int)rt[i], (int)ga->root);
+      st = kvi__fail(KVI_ERR_MISMATCH, op->fn, "fact %d of the list has %d tokens on rank %d and %d on root rank %d",
+                     (int)i, (int)ga->tok[i], (int)op->c->rank, (int)rt[i], (int)op->root);
   return st;
 }
 
 /* Rank r's buffer (r's slices, read from the store on r; room for them on
  * root) and its transfer op. */
 static kvi_status gather_buffer(gather *ga, int32_t r, int32_t h) {
-  const kvi__geom *g = &ga->store->geom;
-  const int32_t n = ga->n, *rt = ga->rt;
-  kvi_status st = KVI_OK;
-  size_t total = 0;
-  for (int32_t i = 0; i < n && st == KVI_OK; i++)
-    if (__builtin_add_overflow(total, slice_bytes(g, r, rt[i], kvi__dtype_size((kvi_dtype)rt[n + i])), &total))
-      st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, ga->fn, "the items' slices for rank %d pass 2^64 bytes", (int)r);
-  if (st || (st = buf_alloc(ga->c, &ga->bufs[r], total, ga->stream, ga->fn))) return st;
+  shard_op *op = &ga->op;
+  const kvi__geom *g = &op->store->geom;
+  const int32_t n = op->n, *rt = ga->rt;
+  size_t total;
+  kvi_status st = op_alloc(op, r, rt, rt + n, sizeof *rt, &total);
+  if (st) return st;
   size_t at = 0;
   for (int32_t i = 0; i < n && st == KVI_OK; i++) {
     const kvi_dtype dt = (kvi_dtype)rt[n + i];
     const size_t b = slice_bytes(g, r, rt[i], kvi__dtype_size(dt));
-    if (!ga->is_root) { /* read my slice, packed, in root's dtype */
-      const kvi_gather_item *it = item_at(ga->items, ga->stride, i);
-      char *base = (char *)ga->bufs[r] + at;
-      const kvi_kv_view w = packed_view(ga->c->memory, dt, g->num_layers, rt[i], h, g->head_size, base, base + b / 2);
-      st = kvi__store_read(ga->store, it->tenant, it->fact_id, &w, ga->stream, "kvi_store_read");
+    if (!op->is_root) { /* read my slice, packed, in root's dtype */
+      const kvi_gather_item *it = item_at(op->items, op->stride, i);
+      const kvi_kv_view w = slice_view(op, dt, rt[i], h, (char *)op->bufs[r] + at, b);
+      st = kvi__store_read(op->store, it->tenant, it->fact_id, &w, op->stream, "kvi_store_read");
     }
     at += b;
   }
-  ga->ops[ga->nops++] = (kvi__p2p){ga->is_root ? r : ga->root, !ga->is_root, ga->bufs[r], total};
+  op_push(op, r, total, !op->is_root);
   return st;
 }
 
 /* Root: rank r's slices, arrived in its buffer, into the full views. */
 static kvi_status gather_unpack(gather *ga, int32_t r, void **host_tmp) {
-  const kvi__geom *g = &ga->store->geom;
-  kvi_comm *c = ga->c;
+  const shard_op *op = &ga->op;
+  const kvi__geom *g = &op->store->geom;
+  kvi_comm *c = op->c;
   int32_t first, h;
   kvi__geom_rank_heads(g, r, &first, &h);
   size_t at = 0;
   kvi_status st = KVI_OK;
-  for (int32_t i = 0; i < ga->n && st == KVI_OK; i++) {
-    kvi_kv_view *v = &ga->v[i];
+  for (int32_t i = 0; i < op->n && st == KVI_OK; i++) {
+    kvi_kv_view *v = &op->v[i];
     const size_t b = slice_bytes(g, r, ga->rt[i], kvi__dtype_size(v->dtype));
-    const char *src = (const char *)ga->bufs[r] + at;
+    const char *src = (const char *)op->bufs[r] + at;
     if (v->memory == c->memory) {
-      st = pack(v, (void *)src, first, h, true, c->memory, ga->stream, ga->fn);
+      st = pack(v, (void *)src, first, h, true, c->memory, op->stream, op->fn);
     } else { /* device transfers into a host `full`: one copy down, unpack on the host */
       void *p = realloc(*host_tmp, b);
-      if (!p) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, ga->fn, "allocating %zu bytes", b);
+      if (!p) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, op->fn, "allocating %zu bytes", b);
       *host_tmp = p;
-      st = kvi__cuda_d2h(p, src, b, ga->stream, ga->fn);
-      if (st == KVI_OK) st = kvi__cuda_sync(ga->stream, ga->fn);
-      if (st == KVI_OK) st = pack(v, p, first, h, true, KVI_MEMORY_HOST, NULL, ga->fn);
+      st = kvi__cuda_d2h(p, src, b, op->stream, op->fn);
+      if (st == KVI_OK) st = kvi__cuda_sync(op->stream, op->fn);
+      if (st == KVI_OK) st = pack(v, p, first, h, true, KVI_MEMORY_HOST, NULL, op->fn);
     }
     at += b;
   }
@@ -714,78 +765,50 @@ static kvi_status gather_unpack(gather *ga, int32_t r, void **host_tmp) {
 
 /* Root: its own heads, read straight into the full views. */
 static kvi_status gather_own(gather *ga, int32_t root_first, int32_t root_h) {
+  const shard_op *op = &ga->op;
   kvi_status st = KVI_OK;
-  for (int32_t i = 0; st == KVI_OK && i < ga->n; i++) {
-    const kvi_gather_item *it = item_at(ga->items, ga->stride, i);
-    const kvi_kv_view *v = &ga->v[i];
-    kvi_kv_view w = *v;
-    w.num_heads = root_h;
-    const size_t o = (size_t)root_first * (size_t)v->head_stride * kvi__dtype_size(v->dtype);
-    w.k = (char *)v->k + o;
-    w.v = (char *)v->v + o;
-    st = kvi__store_read(ga->store, it->tenant, it->fact_id, &w, ga->stream, "kvi_store_read");
+  for (int32_t i = 0; st == KVI_OK && i < op->n; i++) {
+    const kvi_gather_item *it = item_at(op->items, op->stride, i);
+    const kvi_kv_view w = heads_of(&op->v[i], root_first, root_h);
+    st = kvi__store_read(op->store, it->tenant, it->fact_id, &w, op->stream, "kvi_store_read");
   }
   return st;
 }
 
-KVI_API kvi_status kvi_store_gather(kvi_store *store, int32_t root, const kvi_gather_item *items, int32_t num_items,
-                                    struct CUstream_st *stream) {
-  static const char fn[] = "kvi_store_gather";
-  size_t stride;
-  kvi_status st = check_collective(store, root, items, num_items, fn);
-  if (st || (st = item_stride(items, num_items, sizeof *items, &stride, fn))) return st;
+kvi_status kvi__store_gather(kvi_store *store, int32_t root, const kvi_gather_item *items, int32_t num_items,
+                             struct CUstream_st *stream, const char *fn) {
   gather ga;
   memset(&ga, 0, sizeof ga);
-  ga.store = store;
-  ga.c = store->shard.comm;
-  ga.items = items;
-  ga.stride = stride;
-  ga.root = root;
-  ga.n = num_items;
-  ga.is_root = ga.c->rank == root;
-  ga.stream = stream;
-  ga.fn = fn;
-  kvi_comm *c = ga.c;
+  shard_op *op = &ga.op;
+  kvi_status st = op_begin(op, store, root, items, num_items, sizeof *items, stream, fn);
+  if (st) return st;
+  kvi_comm *c = op->c;
   const kvi__geom *g = &store->geom;
   const int32_t n = num_items;
-  ga.v = calloc((size_t)(n ? n : 1), sizeof *ga.v);
   ga.tok = calloc((size_t)(n ? n : 1) * 2, sizeof *ga.tok);
-  if (!ga.v || !ga.tok) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d items", (int)n);
+  if (!op->v || !ga.tok) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d items", (int)n);
   if (st == KVI_OK) st = gather_read(&ga);
-  op_rec me = {(int32_t)st, root, n, 0, st ? 0 : keys_digest(items, stride, n)};
+  op_rec me = {(int32_t)st, root, n, 0, st ? 0 : keys_digest(items, op->stride, n)};
   if ((st = exchange_op(c, &me, stream, fn)) == KVI_OK) st = combine(c, gather_agree(&ga), stream, fn);
-  if (st || n == 0) {
-    free(ga.v), free(ga.tok), free(ga.rt);
-    return st;
-  }
 
-  ga.bufs = calloc((size_t)c->size, sizeof *ga.bufs);
-  ga.ops = calloc((size_t)c->size, sizeof *ga.ops);
-  st = ga.ops && ga.bufs ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating transfer lists");
-  kvi__devguard dg = {0, false};
-  const bool cuda = c->memory == KVI_MEMORY_DEVICE;
-  if (st == KVI_OK && cuda) st = kvi__cuda_enter(c->device, &dg, fn);
-  const bool entered = st == KVI_OK && cuda;
-  int32_t root_first, root_h;
-  kvi__geom_rank_heads(g, root, &root_first, &root_h);
-  for (int32_t r = 0; st == KVI_OK && r < c->size; r++) {
-    if (r == root || (!ga.is_root && r != c->rank) || !first_holder(g, r)) continue;
-    int32_t first, h;
-    kvi__geom_rank_heads(g, r, &first, &h);
-    if (first != root_first) st = gather_buffer(&ga, r, h); /* else root holds these heads itself */
+  if (st == KVI_OK && n > 0) {
+    st = op_lists(op);
+    int32_t root_first, root_h;
+    kvi__geom_rank_heads(g, root, &root_first, &root_h);
+    for (int32_t r = 0; st == KVI_OK && r < c->size; r++) {
+      if (r == root || (!op->is_root && r != c->rank) || !first_holder(g, r)) continue;
+      int32_t first, h;
+      kvi__geom_rank_heads(g, r, &first, &h);
+      if (first != root_first) st = gather_buffer(&ga, r, h); /* else root holds these heads itself */
+    }
+    if (st == KVI_OK && op->is_root) st = gather_own(&ga, root_first, root_h);
+    st = op_transfer(op, st);
+    void *host_tmp = NULL;
+    for (int32_t r = 0; st == KVI_OK && op->is_root && r < c->size; r++)
+      if (op->bufs[r]) st = gather_unpack(&ga, r, &host_tmp);
+    free(host_tmp);
   }
-  if (st == KVI_OK && ga.is_root) st = gather_own(&ga, root_first, root_h);
-  st = combine(c, st, stream, fn);
-  if (st == KVI_OK) st = combine(c, kvi__comm_p2p(c, ga.ops, ga.nops, stream, fn), stream, fn);
-  void *host_tmp = NULL;
-  for (int32_t r = 0; st == KVI_OK && ga.is_root && r < c->size; r++)
-    if (ga.bufs[r]) st = gather_unpack(&ga, r, &host_tmp);
-  free(host_tmp);
-  for (int32_t r = 0; ga.bufs && r < c->size; r++) buf_free(c, ga.bufs[r], stream, fn);
-  if (entered) kvi__cuda_leave(&dg);
-  free(ga.ops);
-  free(ga.bufs);
-  free(ga.v);
+  op_end(op);
   free(ga.tok);
   free(ga.rt);
   return st;
@@ -795,8 +818,7 @@ KVI_API kvi_status kvi_store_gather(kvi_store *store, int32_t root, const kvi_ga
 /* agreement of the fact sets                                               */
 /* ------------------------------------------------------------------------ */
 
-KVI_API kvi_status kvi_store_check_agreement(kvi_store *store) {
-  static const char fn[] = "kvi_store_check_agreement";
+kvi_status kvi__store_check_agreement(kvi_store *store, const char *fn) {
   if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
   if (!store->shard.comm) return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "the store was created without a communicator");
   kvi_comm *c = store->shard.comm;
@@ -938,8 +960,6 @@ static kvi_status shard_search(kvi_store *s, const void *queries, kvi_dtype qt, 
   }
 
   /* NCCL: local search, all-gather and merge, all enqueued on `stream` */
-  kvi__devguard dg;
-  if ((st = kvi__cuda_enter(c->device, &dg, fn))) return st; /* peers wait: a dead device fails them in NCCL */
   char *mine = NULL, *all = NULL, *tmp = NULL;
   const size_t out_bytes = n * 12 + (size_t)nq * 4 + 16;
   st = kvi__cuda_malloc_async((void **)&mine, bb, stream, fn);
@@ -985,7 +1005,6 @@ static kvi_status shard_search(kvi_store *s, const void *queries, kvi_dtype qt, 
   kvi__cuda_free_async(mine, stream, fn);
   kvi__cuda_free_async(all, stream, fn);
   kvi__cuda_free_async(tmp, stream, fn);
-  kvi__cuda_leave(&dg);
   if (st == KVI_OK && flag) {
     for (int32_t q = 0; q < nq; q++) out_counts[q] = 0;
     st = kvi__fail(flag == -1 ? KVI_ERR_PEER : KVI_ERR_MISMATCH, fn,

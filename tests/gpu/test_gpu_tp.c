@@ -10,7 +10,9 @@
  * - injection into the rank's cache slice equals those heads of an injection
  *   from the single store into a full-head cache, byte for byte;
  * - re-sharding tp -> 1 -> tp through gather and scatter;
- * - a scatter that fails on one rank leaves every store as it was.
+ * - a scatter that fails on one rank leaves every store as it was;
+ * - (tp = 1) the entry points run on the communicator's device whatever
+ *   device the caller has current, and give the caller's back.
  * Exits 77 where no device or no NCCL answers.
  * SPDX-License-Identifier: Apache-2.0
  */
@@ -371,6 +373,110 @@ static int tp_test(tp_rank *r, void *arg) {
   return g_fails ? 1 : 0;
 }
 
+/* The entry points make the store's (the communicator's) device current and
+ * give the caller's back: with two devices the caller sits on device 1
+ * while the communicator and its store are on device 0. Create, scatter,
+ * gather, agreement, save and load (with and without a communicator) work
+ * from there and leave device 1 current; a store on another device than
+ * the communicator's fails the create with the mismatch. tp = 1. */
+static int device_test(tp_rank *r, void *arg) {
+  const int ndev = *(const int *)arg;
+  g_fails = 0;
+  int comm_dev = -1, cur = -1, now = -1;
+  CU(r, cudaGetDevice(&comm_dev));
+  if (ndev >= 2) CU(r, cudaSetDevice(1 - comm_dev));
+  CU(r, cudaGetDevice(&cur));
+#define KEPT(what)                                                                                         \
+  do {                                                                                                     \
+    CU(r, cudaGetDevice(&now));                                                                            \
+    T_CHECK(r, now == cur, "after %s the current device is %d, was %d", what, now, cur);                  \
+  } while (0)
+  g_rng = 0x5eed;
+  kvi_model *m = model_for(1, 0);
+  kvi_store_options so = KVI_STORE_OPTIONS_INIT;
+  so.backend = KVI_BACKEND_CUDA;
+  so.device = comm_dev;
+  so.dtype = KVI_DTYPE_BF16;
+  so.page_tokens = 16;
+  so.budget_bytes = 16u << 20;
+  so.comm = r->comm;
+  kvi_store *s = NULL;
+  T_OK(r, kvi_store_create(&s, m, &so));
+  KEPT("kvi_store_create");
+  if (!s) return 1;
+  kvi_store_stats stats = KVI_STORE_STATS_INIT;
+  T_OK(r, kvi_store_stats_get(s, &stats));
+  T_CHECK(r, stats.device == comm_dev, "the store is on device %d, its options say %d", (int)stats.device, comm_dev);
+
+  const int T = 21;
+  const size_t n = (size_t)2 * L * T * H * D;
+  float *src = malloc(n * sizeof *src), *got = calloc(n, sizeof *got), *ref = calloc(n, sizeof *ref);
+  for (size_t i = 0; i < n; i++) src[i] = rndf();
+  const kvi_kv_view full = view_of(KVI_MEMORY_HOST, KVI_DTYPE_FP32, T, H, src);
+  const kvi_kv_view gv = view_of(KVI_MEMORY_HOST, KVI_DTYPE_FP32, T, H, got);
+  const kvi_kv_view rv = view_of(KVI_MEMORY_HOST, KVI_DTYPE_FP32, T, H, ref);
+  T_OK(r, scatter1(s, 7, 0, &full, NULL, NULL));
+  KEPT("kvi_store_put_scatter");
+  kvi_gather_item gi = KVI_GATHER_ITEM_INIT;
+  gi.tenant = TENANT;
+  gi.fact_id = 7;
+  gi.full = &gv;
+  T_OK(r, kvi_store_gather(s, 0, &gi, 1, NULL));
+  KEPT("kvi_store_gather");
+  T_OK(r, kvi_store_read(s, TENANT, 7, &rv, NULL));
+  T_CHECK(r, memcmp(got, ref, n * sizeof *got) == 0, "the gathered fact differs from the stored one");
+  size_t close_n = 0; /* and both are the source, rounded to bf16 */
+  for (size_t i = 0; i < n; i++) close_n += fabsf(ref[i] - src[i]) <= fabsf(src[i]) * 0x1p-8f;
+  T_CHECK(r, close_n == n, "%zu of %zu stored values are not the source rounded to bf16", n - close_n, n);
+  T_OK(r, kvi_store_check_agreement(s));
+  KEPT("kvi_store_check_agreement");
+
+  char path[64];
+  snprintf(path, sizeof path, "/tmp/kvi-gpu-tp-device-%d.kvs", (int)getpid());
+  T_OK(r, kvi_store_save(s, path, NULL));
+  KEPT("kvi_store_save");
+  for (int with_comm = 1; with_comm >= 0; with_comm--) { /* the loaded store is on its options' device */
+    kvi_store_options lo = so;
+    lo.comm = with_comm ? r->comm : NULL;
+    kvi_store *l = NULL;
+    T_OK(r, kvi_store_load(&l, m, &lo, path, NULL));
+    KEPT("kvi_store_load");
+    if (!l) continue;
+    kvi_store_stats ls = KVI_STORE_STATS_INIT;
+    T_OK(r, kvi_store_stats_get(l, &ls));
+    T_CHECK(r, ls.device == comm_dev, "the loaded store is on device %d, its options say %d", (int)ls.device, comm_dev);
+    memset(got, 0, n * sizeof *got);
+    T_OK(r, kvi_store_read(l, TENANT, 7, &gv, NULL));
+    T_CHECK(r, memcmp(got, ref, n * sizeof *got) == 0, "the loaded fact differs from the saved one");
+    kvi_store_destroy(l);
+    KEPT("kvi_store_destroy");
+  }
+  remove(path);
+
+  /* a store on another device than the communicator's: the mismatch, on every rank */
+  kvi_store_options bad = so;
+  if (ndev >= 2) bad.device = 1 - comm_dev;
+  else bad.backend = KVI_BACKEND_CPU;
+  char want[160];
+  snprintf(want, sizeof want, "kvi_store_create: the NCCL communicator is on device %d; the store is %s %d", comm_dev,
+           ndev >= 2 ? "on device" : "a CPU store, device", ndev >= 2 ? 1 - comm_dev : -1);
+  kvi_store *b = (kvi_store *)0x1;
+  T_STATUS(r, kvi_store_create(&b, m, &bad), KVI_ERR_MISMATCH);
+  T_CHECK(r, strcmp(kvi_last_error(), want) == 0, "message \"%s\", expected \"%s\"", kvi_last_error(), want);
+  T_CHECK(r, b == (kvi_store *)0x1, "a failed create wrote *out");
+  KEPT("a failed kvi_store_create");
+  T_OK(r, kvi_store_check_agreement(s)); /* the communicator still works */
+  T_OK(r, kvi_comm_async_error(r->comm));
+#undef KEPT
+  free(src);
+  free(got);
+  free(ref);
+  kvi_store_destroy(s);
+  kvi_model_destroy(m);
+  if (g_fails == 0) printf("tp 1 rank 0: device checks passed (%s)\n", ndev >= 2 ? "caller on another device" : "one device");
+  return g_fails ? 1 : 0;
+}
+
 int main(void) {
   const int n = tp_device_count();
   if (n == 0) {
@@ -378,6 +484,8 @@ int main(void) {
     return 77;
   }
   int bad = tp_run(1, tp_test, NULL);
+  int ndev = n;
+  bad |= tp_run(1, device_test, &ndev);
   for (int tp = 2; tp <= 8 && tp <= n; tp *= 2) bad |= tp_run(tp, tp_test, NULL);
   if (n < 2) printf("gpu-tp: one device; tp = 1 only (tp >= 2 needs more GPUs)\n");
   return bad;

@@ -4,8 +4,9 @@
 Usage: check_layers.py SOURCE_ROOT          check the tree
        check_layers.py --self-test SOURCE_ROOT
                      check copies of the tree with an upward include, an
-                     upward call and a sideways public call put in: each
-                     must be reported (file, line, edge), the clean copy not
+                     upward and a sideways internal call, and a public
+                     call (an entry point, in lib/api/) put in: each must
+                     be reported (file, line, edge), the clean copy not
 
 Each file of lib/<part>/ (and of the folders lib/layers.txt's `dir` lines
 give a part, e.g. cuda/) belongs to that part. An edge from part A to part B
@@ -229,8 +230,10 @@ def self_test(root):
          'lib/base/error.c:%d: base -> store: #include "store/store.h": store is above base'),
         ('lib/store/store.c', 'void kvi__layers_probe(kvi_store *s) { kvi__search_local(s, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0); }\n',
          'lib/store/store.c:%d: store -> search: kvi__search_local (lib/search/search.c): search is above store'),
+        ('lib/xfer/recompute.c', 'void kvi__layers_probe(void) { kvi__comm_destroy(0, 0); }\n',
+         'lib/xfer/recompute.c:%d: xfer -> tp: kvi__comm_destroy (lib/tp/comm.c): tp is beside xfer'),
         ('lib/xfer/recompute.c', 'void kvi__layers_probe(void) { kvi_comm_destroy(0); }\n',
-         'lib/xfer/recompute.c:%d: xfer -> tp: kvi_comm_destroy() (lib/tp/comm.c): tp is beside xfer'),
+         'lib/xfer/recompute.c:%d: xfer -> api: kvi_comm_destroy() (lib/api/tp.c): api is above xfer'),
     ]
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
