@@ -22,7 +22,10 @@ Comments and string literals are ignored. A name a file defines itself
 inside a .c file is opaque: naming it elsewhere (a pointer to a part's
 private state, the store's hooks) is not an edge.
 Every edge must point to a part of a lower layer. A function must also be
-declared in a header of its own part. Each violation is printed as
+declared in a header of its own part. The part an `entry` line names is the
+only one that defines public (KVI_API) functions, and a name an `only` line
+lists may be used by the part that defines it and the part the line names,
+by no other. Each violation is printed as
   file:line: A -> B: name (defined in file): why
 and the exit status is 1; 0 when there is none.
 """
@@ -63,7 +66,7 @@ def strip(text):
 
 
 def read_layers(path):
-    level, dirs, order = {}, {}, []
+    level, dirs, order, rules = {}, {}, [], {'entry': None, 'only': {}}
     with open(path) as f:
         for ln, line in enumerate(f, 1):
             words = line.split('#', 1)[0].split()
@@ -74,6 +77,17 @@ def read_layers(path):
                     sys.exit('%s:%d: expected "dir FOLDER PART"' % (path, ln))
                 dirs[words[1].rstrip('/')] = words[2]
                 continue
+            if words[0] == 'entry':
+                if len(words) != 2:
+                    sys.exit('%s:%d: expected "entry PART"' % (path, ln))
+                rules['entry'] = words[1]
+                continue
+            if words[0] == 'only':
+                if len(words) < 3:
+                    sys.exit('%s:%d: expected "only PART NAME..."' % (path, ln))
+                for w in words[2:]:
+                    rules['only'][w] = words[1]
+                continue
             for w in words:
                 if w in level:
                     sys.exit('%s:%d: part %s twice' % (path, ln, w))
@@ -82,9 +96,12 @@ def read_layers(path):
     for d, p in dirs.items():
         if p not in level:
             sys.exit('%s: dir %s names no part %s' % (path, d, p))
+    for p in [rules['entry']] + list(rules['only'].values()):
+        if p is not None and p not in level:
+            sys.exit('%s: entry/only names no part %s' % (path, p))
     for p in level:
         dirs.setdefault('lib/' + p, p)
-    return level, dirs
+    return level, dirs, rules
 
 
 def line_of(text, pos):
@@ -92,7 +109,7 @@ def line_of(text, pos):
 
 
 def check(root):
-    level, dirs = read_layers(os.path.join(root, 'lib', 'layers.txt'))
+    level, dirs, rules = read_layers(os.path.join(root, 'lib', 'layers.txt'))
     errors = []
 
     files = {}  # relative path -> part
@@ -153,6 +170,9 @@ def check(root):
         for m in re.finditer(r'^KVI_API\b[^;{}]*?\b(kvi_[a-z]\w*)\s*\(', s, re.M):
             api_def.setdefault(m.group(1), rel)
             own.add(m.group(1))
+            if rules['entry'] and files[rel] != rules['entry'] and not is_h:
+                errors.append('%s:%d: %s is public (KVI_API) in part %s: only part %s defines public functions '
+                              '(lib/layers.txt)' % (rel, line_of(s, m.start(1)), m.group(1), files[rel], rules['entry']))
         if is_h:  # prototypes: a declaration starting in column 0
             for m in re.finditer(r'^(?!static\b|typedef\b|return\b)(?:[\w"]+[ \t*]+)+\**(' + NAME + r')\s*\([^;{}]*\)[^;{}]*;', s, re.M):
                 func_decl.setdefault(m.group(1), []).append((rel, line_of(s, m.start(1))))
@@ -205,6 +225,11 @@ def check(root):
             o = owner(name)
             if o is None or o == rel:
                 continue
+            only = rules['only'].get(name)
+            if only and files[rel] not in (only, files[o]) and (name, 'only') not in seen:
+                seen.add((name, 'only'))
+                errors.append('%s:%d: %s is used in part %s: only part %s (and %s, which defines it) may use it '
+                              '(lib/layers.txt)' % (rel, line_of(s, m.start(1)), name, files[rel], only, files[o]))
             key = (name, files[o])
             if key in seen:
                 continue
@@ -234,6 +259,10 @@ def self_test(root):
          'lib/xfer/recompute.c:%d: xfer -> tp: kvi__comm_destroy (lib/tp/comm.c): tp is beside xfer'),
         ('lib/xfer/recompute.c', 'void kvi__layers_probe(void) { kvi_comm_destroy(0); }\n',
          'lib/xfer/recompute.c:%d: xfer -> api: kvi_comm_destroy() (lib/api/tp.c): api is above xfer'),
+        ('lib/store/store.c', 'KVI_API int kvi_layers_probe(void) { return 0; }\n',
+         'lib/store/store.c:%d: kvi_layers_probe is public (KVI_API) in part store: only part api defines public'),
+        ('lib/search/search.c', 'void kvi__layers_probe(kvi__devguard *g) { kvi__cuda_enter(0, g, 0); }\n',
+         'lib/search/search.c:%d: kvi__cuda_enter is used in part search: only part api'),
     ]
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
