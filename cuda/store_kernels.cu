@@ -190,15 +190,25 @@ extern "C" int kvi__cuda_pages_to_view(const kvi__copy_args *a, struct CUstream_
 
 namespace {
 
-/* A directory row and an id, from the parameters (kernels.h, kvi__dir_args). */
-__global__ void dir_kernel(const __grid_constant__ kvi__dir_args a) {
-  for (int i = (int)threadIdx.x; i < a.n; i += (int)blockDim.x) a.dir[i] = a.words[i];
-  if (threadIdx.x == 0 && a.ids) *a.ids = a.id;
+/* One CTA per entry (kernels.h, kvi__emb_rows_args): the row in 16-byte units,
+ * the directory words, then the id. */
+__global__ void rows_kernel(const __grid_constant__ kvi__emb_rows_args a) {
+  for (int32_t i = (int32_t)blockIdx.x; i < a.n; i += (int32_t)gridDim.x) {
+    const kvi__row_entry e = a.entries[i];
+    const uint4 *row = (const uint4 *)(a.src + e.emb_src);
+    for (uint32_t j = threadIdx.x; j < e.emb_bytes / 16; j += blockDim.x) ((uint4 *)e.emb)[j] = row[j];
+    const uint32_t *w = (const uint32_t *)(a.src + e.dir_src);
+    if (e.dir)
+      for (uint32_t j = threadIdx.x; j < e.dir_words; j += blockDim.x) e.dir[j] = w[j];
+    if (threadIdx.x == 0) *e.ids = e.id;
+  }
 }
 
 } // namespace
 
-extern "C" int kvi__cuda_dir_set(const kvi__dir_args *a, struct CUstream_st *stream) {
-  dir_kernel<<<1, 128, 0, (cudaStream_t)stream>>>(*a);
+extern "C" int kvi__cuda_emb_rows_set(const kvi__emb_rows_args *a, struct CUstream_st *stream) {
+  if (a->n <= 0) return 0;
+  const int blocks = a->n < 4096 ? a->n : 4096;
+  rows_kernel<<<blocks, 128, 0, (cudaStream_t)stream>>>(*a);
   return (int)cudaGetLastError();
 }

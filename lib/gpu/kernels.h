@@ -214,18 +214,27 @@ typedef struct kvi__idlookup_args {
 
 int kvi__cuda_lookup_ids(const kvi__idlookup_args *a, struct CUstream_st *stream);
 
-/* A directory row and an id written by one launch (the values travel in the
- * parameters): ids[0] = id; dir[i] = words[i] for i < n. */
-#define KVI__DIR_WORDS 1024
-typedef struct kvi__dir_args {
+/* The embedding rows, ids and directory rows of one commit, written by one
+ * launch from pinned host memory the device reads in place (unified
+ * addressing): for each of the n entries e, e.emb_bytes bytes (a multiple
+ * of 16) from src + e.emb_src to e.emb, *e.ids = e.id, and e.dir_words
+ * words from src + e.dir_src to e.dir (none when e.dir is NULL). Offsets
+ * are multiples of 16. */
+typedef struct kvi__row_entry {
+  void *emb;
   uint64_t *ids;
-  uint64_t id;
   uint32_t *dir;
-  int32_t n;
-  uint32_t words[KVI__DIR_WORDS];
-} kvi__dir_args;
+  uint64_t id;
+  uint32_t emb_src, emb_bytes, dir_src, dir_words;
+} kvi__row_entry;
 
-int kvi__cuda_dir_set(const kvi__dir_args *a, struct CUstream_st *stream);
+typedef struct kvi__emb_rows_args {
+  const kvi__row_entry *entries; /* n entries (pinned host) */
+  const char *src;               /* the staging the offsets count from (pinned host) */
+  int32_t n;
+} kvi__emb_rows_args;
+
+int kvi__cuda_emb_rows_set(const kvi__emb_rows_args *a, struct CUstream_st *stream);
 
 /* ---- retrieval (cuda/search_kernels.cu, built with cuBLASLt) ------------- */
 

@@ -491,6 +491,7 @@ static void free_fact(fact *f) {
 }
 
 static void emb_free(kvi_store *s, tenant *t, bool device_ok);
+static void emb_flush(kvi_store *s);
 
 void kvi__store_destroy(kvi_store *store, bool device_ok) {
   if (!store) return;
@@ -629,6 +630,7 @@ static uint64_t row_cost(const kvi_store *s, const tenant *t) {
 static void emb_free(kvi_store *s, tenant *t, bool device_ok) {
   if (s->backend == KVI_BACKEND_CUDA && (t->emb || t->ids || t->dir)) {
     if (device_ok) { /* stream-ordered: after every search that was enqueued before (emb_stream waits for them) */
+      emb_flush(s);
       emb_latch(s, kvi__cuda_free_async(t->emb, s->emb_stream, emb_fn));
       emb_latch(s, kvi__cuda_free_async(t->ids, s->emb_stream, emb_fn));
       emb_latch(s, kvi__cuda_free_async(t->dir, s->emb_stream, emb_fn));
@@ -650,6 +652,7 @@ static void emb_free(kvi_store *s, tenant *t, bool device_ok) {
  * allocations, the live rows copied over, the old ones freed, all on
  * emb_stream. */
 static kvi_status emb_grow_device(kvi_store *s, tenant *t, size_t cap, int32_t stride, const char *fn) {
+  emb_flush(s);
   const bool same = cap == t->cap; /* only the directory's rows grow */
   if (stride < t->dir_stride) stride = t->dir_stride;
   const size_t rb = row_bytes(s), odb = (size_t)t->dir_stride * sizeof(uint32_t);
@@ -708,32 +711,48 @@ static kvi_status emb_grow(kvi_store *s, tenant *t, size_t need, int32_t stride,
   return KVI_OK;
 }
 
-/* Promises n rows of the pinned staging ring to the current call. */
-static kvi_status stage_reserve(kvi_store *s, size_t n, const char *fn) {
-  if ((size_t)s->stage_used + s->stage_reserved + n <= s->stage_cap) {
-    s->stage_reserved += (uint32_t)n;
+/* Staging of one fact's embedding row (kernels.h, kvi__emb_rows_args): its
+ * entry, the row, and with dir_on its directory row; each a multiple of 16. */
+static size_t stage_fact_bytes(const kvi_store *s, int32_t tokens) {
+  size_t b = sizeof(kvi__row_entry) + s->stage_row_bytes;
+  if (s->dir_on) b += ((size_t)(1 + pages_for(s, tokens)) * sizeof(uint32_t) + 15) & ~(size_t)15;
+  return b;
+}
+
+_Static_assert(sizeof(kvi__row_entry) % 16 == 0, "staged rows stay 16-byte aligned");
+
+/* The slot's bytes staged since it was acquired: entries from its start, rows from its end. */
+static size_t stage_in_use(const kvi_store *s) { return (size_t)s->stage_ent * sizeof(kvi__row_entry) + s->stage_top; }
+
+/* Promises `bytes` of the pinned staging ring to the current call. */
+static kvi_status stage_reserve(kvi_store *s, size_t bytes, const char *fn) {
+  if (stage_in_use(s) + s->stage_reserved + bytes <= s->stage_cap) {
+    s->stage_reserved += bytes;
     return KVI_OK;
   }
-  const size_t want = s->stage_reserved + n;
+  const size_t want = s->stage_reserved + bytes;
   size_t cap = s->stage_cap;
   if (want > cap) {
-    if (want > UINT32_MAX / 2) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%zu embeddings in one call", want);
-    cap = (1u << 20) / s->stage_row_bytes;
-    cap = cap < 4 ? 4 : cap > 256 ? 256 : cap;
+    if (want > UINT32_MAX / 2)
+      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%zu bytes of embedding staging in one call (at most %u)", want,
+                       UINT32_MAX / 2);
+    cap = (size_t)1 << 20;
     if (cap < 2 * want) cap = 2 * want; /* more than twice the old slot: the ring grows to exactly this */
   }
+  emb_flush(s); /* nothing is staged between calls; if it were, it would go first */
   kvi__ring_slot *sl;
-  /* waits for the copies of the rows in flight; grows the slot */
-  kvi_status st = kvi__ring_acquire(&s->emb_stage, cap * s->stage_row_bytes, NULL, &sl, fn);
+  /* waits for the launches that read the slot; grows it */
+  kvi_status st = kvi__ring_acquire(&s->emb_stage, cap, NULL, &sl, fn);
   if (st) return st;
-  s->stage_used = 0;
-  s->stage_cap = (uint32_t)cap;
-  s->stage_reserved += (uint32_t)n;
+  s->stage_ent = s->stage_sent = 0;
+  s->stage_top = 0;
+  s->stage_cap = cap;
+  s->stage_reserved += bytes;
   return KVI_OK;
 }
 
 /* Makes room for `n` more embedding rows in tenant_id's matrix (and, on a
- * CUDA store, n rows of staging; with dir_on, directory rows for facts of
+ * CUDA store, their staging; with dir_on, directory rows for facts of
  * up to `tokens` tokens), creating the tenant without facts if it is new.
  * No-op for a store without embeddings. A transaction that then fails calls
  * unreserve_rows for each of those tenants, so that no empty tenant stays
@@ -755,7 +774,7 @@ static kvi_status reserve_rows(kvi_store *s, uint64_t tenant_id, size_t n, int32
   if ((t->nrows + t->pending + n > t->cap || stride > t->dir_stride) &&
       (st = emb_grow(s, t, t->nrows + t->pending + n, stride, fn)))
     return st;
-  if (s->backend == KVI_BACKEND_CUDA && (st = stage_reserve(s, n, fn))) return st;
+  if (s->backend == KVI_BACKEND_CUDA && (st = stage_reserve(s, n * stage_fact_bytes(s, tokens), fn))) return st;
   t->pending += n;
   return KVI_OK;
 }
@@ -773,30 +792,61 @@ static void unreserve_rows(kvi_store *s, uint64_t tenant_id) {
   }
 }
 
-/* Row r's id and (dir_on) directory row, from the launch parameters. */
-static kvi_status dir_write(kvi_store *s, tenant *t, const fact *f, size_t r) {
+/* Enqueues the rows staged since the last flush (one launch reads them in
+ * place), then the slot's event and emb_ready. Every other change to a
+ * device matrix flushes first, so that emb_stream keeps the order of the
+ * changes. */
+static void emb_flush(kvi_store *s) {
+  if (s->stage_sent == s->stage_ent) return;
+  kvi__ring_slot *sl = &s->emb_stage.slot[0];
+  kvi__emb_rows_args a;
+  a.entries = (const kvi__row_entry *)sl->host + s->stage_sent;
+  a.src = sl->host;
+  a.n = (int32_t)(s->stage_ent - s->stage_sent);
+  s->stage_sent = s->stage_ent;
 #ifdef KVI_HAVE_CUDA
-  kvi__dir_args a;
-  a.ids = t->ids + r;
-  a.id = f->id;
-  uint32_t done = 0; /* page ids written */
-  do {
-    a.dir = NULL;
-    a.n = 0;
-    if (s->dir_on) {
-      a.dir = t->dir + r * (size_t)t->dir_stride + (done ? 1 + done : 0);
-      if (!done) a.words[a.n++] = (uint32_t)f->tokens;
-      while (a.n < KVI__DIR_WORDS && done < f->npages) a.words[a.n++] = f->pages[done++];
-    }
-    const int err = kvi__cuda_dir_set(&a, s->emb_stream);
-    if (err) return kvi__cuda_error(err, emb_fn, "directory kernel launch");
-    a.ids = NULL; /* written */
-  } while (s->dir_on && done < f->npages);
-  return KVI_OK;
+  const int err = kvi__cuda_emb_rows_set(&a, s->emb_stream);
+  kvi_status st = err ? kvi__cuda_error(err, emb_fn, "embedding rows kernel launch") : KVI_OK;
 #else
-  (void)s, (void)t, (void)f, (void)r;
-  return kvi__fail(KVI_ERR_NOT_BUILT, emb_fn, "libkvinject was built without CUDA");
+  (void)a;
+  kvi_status st = kvi__fail(KVI_ERR_NOT_BUILT, emb_fn, "libkvinject was built without CUDA");
 #endif
+  if (st == KVI_OK) st = kvi__ring_record(sl, s->emb_stream, emb_fn); /* the slot's reuse waits */
+  if (st == KVI_OK) st = emb_publish(s);
+  emb_latch(s, st);
+}
+
+/* Stages f's row r of t on a CUDA store: the embedding e, its id and (dir_on)
+ * its directory row, written by the next emb_flush. */
+static void emb_stage_row(kvi_store *s, tenant *t, const fact *f, size_t r, const float *e) {
+  const size_t need = stage_fact_bytes(s, f->tokens), rb = row_bytes(s);
+  s->stage_reserved = s->stage_reserved > need ? s->stage_reserved - need : 0;
+  if (stage_in_use(s) + need > s->stage_cap) { /* reserve_rows was not called: a bug */
+    emb_latch(s, kvi__fail(KVI_ERR_INTERNAL, emb_fn, "fact %llu committed without reserved staging",
+                           (unsigned long long)f->id));
+    return;
+  }
+  kvi__ring_slot *sl = &s->emb_stage.slot[0];
+  kvi__row_entry *en = (kvi__row_entry *)sl->host + s->stage_ent++;
+  s->stage_top += need - sizeof *en;
+  char *row = sl->host + s->stage_cap - s->stage_top;
+  memset(row, 0, rb); /* the padding elements */
+  kvi__convert(row, s->emb_dtype, e, KVI_DTYPE_FP32, s->emb_dim);
+  en->emb = (char *)t->emb + r * rb;
+  en->ids = t->ids + r;
+  en->id = f->id;
+  en->emb_src = (uint32_t)(row - sl->host);
+  en->emb_bytes = (uint32_t)rb;
+  en->dir = NULL;
+  en->dir_src = en->dir_words = 0;
+  if (s->dir_on) { /* the token count, then the page ids */
+    uint32_t *w = (uint32_t *)(row + rb);
+    w[0] = (uint32_t)f->tokens;
+    memcpy(w + 1, f->pages, (size_t)f->npages * sizeof *w);
+    en->dir = t->dir + r * (size_t)t->dir_stride;
+    en->dir_src = (uint32_t)((char *)w - sl->host);
+    en->dir_words = 1 + f->npages;
+  }
 }
 
 /* Writes f's embedding e (fp32, already what the store keeps) as row t->nrows. */
@@ -811,20 +861,8 @@ static void emb_append(kvi_store *s, tenant *t, fact *f, const float *e) {
   const size_t r = t->nrows++, rb = row_bytes(s);
   t->rows[r] = f;
   f->row = r;
-  if (s->backend == KVI_BACKEND_CPU) {
-    kvi__convert((char *)t->emb + r * rb, s->emb_dtype, e, KVI_DTYPE_FP32, s->emb_dim);
-    return;
-  }
-  if (s->stage_reserved > 0) s->stage_reserved--;
-  kvi__ring_slot *sl = &s->emb_stage.slot[0];
-  char *row = sl->host + (size_t)s->stage_used++ * s->stage_row_bytes;
-  memset(row, 0, rb); /* the padding elements */
-  kvi__convert(row, s->emb_dtype, e, KVI_DTYPE_FP32, s->emb_dim);
-  kvi_status st = kvi__cuda_h2d((char *)t->emb + r * rb, row, rb, s->emb_stream, emb_fn);
-  if (st == KVI_OK) st = kvi__ring_record(sl, s->emb_stream, emb_fn); /* the slot's reuse waits */
-  if (st == KVI_OK) st = dir_write(s, t, f, r);
-  if (st == KVI_OK) st = emb_publish(s);
-  emb_latch(s, st);
+  if (s->backend == KVI_BACKEND_CPU) kvi__convert((char *)t->emb + r * rb, s->emb_dtype, e, KVI_DTYPE_FP32, s->emb_dim);
+  else emb_stage_row(s, t, f, r, e);
 }
 
 /* Moves the last row into f's place. */
@@ -840,6 +878,7 @@ static void emb_remove(kvi_store *s, tenant *t, fact *f) {
     if (s->backend == KVI_BACKEND_CPU) {
       memcpy((char *)t->emb + r * rb, (char *)t->emb + last * rb, rb);
     } else {
+      emb_flush(s); /* the last row may be staged */
       kvi_status st = kvi__cuda_d2d((char *)t->emb + r * rb, (char *)t->emb + last * rb, rb, s->emb_stream, emb_fn);
       if (st == KVI_OK) st = kvi__cuda_d2d(t->ids + r, t->ids + last, sizeof(uint64_t), s->emb_stream, emb_fn);
       if (st == KVI_OK && t->dir)
@@ -1329,7 +1368,8 @@ static void commit_fact(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, t
       emb_append(s, t, f, *emb);
     } else { /* checked, and kept by another rank: give back the row reserved for it */
       t->pending--;
-      if (s->stage_reserved > 0) s->stage_reserved--;
+      const size_t b = s->backend == KVI_BACKEND_CUDA ? stage_fact_bytes(s, tokens) : 0;
+      s->stage_reserved = s->stage_reserved > b ? s->stage_reserved - b : 0;
     }
   }
   free(*emb);
@@ -1520,6 +1560,7 @@ kvi_status kvi__txn_commit(kvi__txn *t) {
     commit_fact(s, x->f, x->pages, x->npages, x->fresh, &x->emb, x->tenant, x->id, x->tokens);
     x->f = NULL, x->pages = NULL, x->fresh = NULL; /* the store's now */
   }
+  if (s->emb_dim > 0 && s->backend == KVI_BACKEND_CUDA) emb_flush(s); /* the facts' rows, in one launch */
   txn_end(t);
   return KVI_OK;
 }

@@ -160,10 +160,12 @@ struct kvi_store {
    * on a CUDA store. On a CUDA store every change to a device matrix is
    * enqueued on emb_stream, which first waits for every search enqueued
    * before it (search.c), and emb_ready is recorded after it; a search waits
-   * for emb_ready. Rows put from the host go through emb_stage, a staging
-   * ring of one slot of stage_cap rows (stage_used in flight, stage_reserved
-   * promised to the call holding the lock; the slot's event follows the last
-   * row's copy). A failure to enqueue such a change (a dead
+   * for emb_ready. New rows (with their ids and directory rows) are staged in
+   * emb_stage, a staging ring of one slot of stage_cap bytes: stage_ent
+   * entries from its start, stage_top bytes of rows from its end,
+   * stage_reserved bytes promised to the call holding the lock; a commit's
+   * rows [stage_sent, stage_ent) go in one launch at its end (emb_flush), and
+   * the slot's event follows the latest launch. A failure to enqueue such a change (a dead
    * context, in practice) is latched in emb_err and fails every later
    * search. */
   kvi_dtype emb_dtype;
@@ -176,7 +178,8 @@ struct kvi_store {
   bool emb_ready_recorded;
   kvi__ring emb_stage;
   size_t stage_row_bytes;
-  uint32_t stage_cap, stage_used, stage_reserved;
+  size_t stage_cap, stage_top, stage_reserved;
+  uint32_t stage_ent, stage_sent;
   kvi_status emb_err;
   char emb_err_msg[256];
   /* Stream-ordered deferred frees (CUDA stores). Device work touching pages

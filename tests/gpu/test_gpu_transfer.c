@@ -99,6 +99,7 @@ static void set_rope(world *w) {
 
 /* Tier tests: the CUDA store's device budget (0: 64 MiB) and host budget. */
 static uint64_t g_dev_budget, g_host_budget;
+static int32_t g_emb_dim; /* make_world: stores keeping embeddings of this size (0: none) */
 
 static void custom_layout(kvi_cache_layout *l, const scen *sc, void *const *k, void *const *v) {
   const int64_t H = sc->H, D = sc->D, BS = sc->BS, cells = (int64_t)sc->NB * BS;
@@ -129,6 +130,7 @@ static void make_world(world *w, const scen *sc) {
    * segments (CTAs) whose amax meets in the page's scale slots */
   so.page_tokens = sc->store_dtype == KVI_DTYPE_FP8_E4M3 ? 64 : 16;
   so.budget_bytes = 64u << 20;
+  so.embedding_dim = g_emb_dim;
   so.backend = KVI_BACKEND_CPU;
   CHECK_OK(kvi_store_create(&w->cpu, w->model, &so));
   so.backend = KVI_BACKEND_CUDA;
@@ -1313,6 +1315,98 @@ static void t_caller_device(void **state) {
   kvi_injector_destroy(hi);
   free_world(&w);
 }
+
+/* kvi_encode with embeddings on a CUDA store that keeps a device directory:
+ * a commit's rows go to the device in one launch at its end, and a fact that
+ * a capture of a call replaces moves the tenant's last row, which an earlier
+ * capture of the same call may have just staged. After each call every
+ * fact's kept embedding equals the CPU store's (the device matrix rows), and
+ * a search of its tenant with it finds the same ids with the same scores on
+ * both stores (the device id rows). */
+static void t_encode_embeddings(void **state) {
+  (void)state;
+  if (g_devices == 0) skip();
+  enum { DIM = 24, NCALL = 3, MAXC = 12, K = 16 };
+  const scen sc = {1, 1, 8, 16, 64, 16, 0, KVI_DTYPE_BF16, KVI_DTYPE_BF16, KVI_CACHE_VLLM_FLASH_ATTN, 2, KVI_SCALE_NONE};
+  world w;
+  g_emb_dim = DIM;
+  make_world(&w, &sc);
+  g_emb_dim = 0;
+  for (int i = 0; i < w.ntensors; i++) { /* finite bf16 values, the same in both caches */
+    uint16_t *h = w.host[i];
+    for (size_t k = 0; k < w.layer_bytes / 2; k++) {
+      const float f = rndf();
+      uint32_t u;
+      memcpy(&u, &f, 4);
+      h[k] = (uint16_t)(u >> 16);
+    }
+    CUDA_OK(cudaMemcpy(w.dev[i], w.host[i], w.layer_bytes, cudaMemcpyHostToDevice));
+  }
+  kvi_encoder *he, *de;
+  CHECK_OK(kvi_encoder_create(&he, w.cpu, &w.hl, NULL));
+  CHECK_OK(kvi_encoder_create(&de, w.gpu, &w.dl, NULL));
+  int32_t table[64];
+  for (int32_t b = 0; b < 64; b++) table[b] = (b * 5) % 64;
+  /* (tenant, fact id, replace) per capture of each call; tenants 9 and 10 are checked, fact ids < 16 */
+  static const int32_t calls[NCALL][MAXC][3] = {
+      {{9, 0, 0}, {9, 1, 0}, {9, 2, 0}, {9, 3, 0}, {9, 4, 0}, {9, 5, 0}, {-1, 0, 0}},
+      {{9, 6, 0}, {9, 2, 1}, {9, 7, 0}, {10, 0, 0}, {10, 1, 0}, {9, 0, 1}, {10, 2, 0}, {9, 8, 0}, {9, 5, 1},
+       {-1, 0, 0}},
+      {{10, 3, 0}, {10, 0, 1}, {9, 9, 0}, {9, 3, 1}, {11, 0, 0}, {10, 4, 0}, {9, 6, 1}, {-1, 0, 0}},
+  };
+  static float emb[NCALL][MAXC][DIM];
+  bool have[2][16] = {{false}};
+  for (int c = 0; c < NCALL; c++) {
+    kvi_capture caps[MAXC];
+    int32_t n = 0;
+    for (; n < MAXC && calls[c][n][0] >= 0; n++) {
+      kvi_capture_init(&caps[n], sizeof caps[n]);
+      caps[n].tenant = (uint64_t)calls[c][n][0];
+      caps[n].fact_id = (uint64_t)calls[c][n][1];
+      caps[n].flags = calls[c][n][2] ? KVI_PUT_REPLACE : 0;
+      caps[n].block_table = table;
+      caps[n].block_table_len = 64;
+      caps[n].first_slot = 16 * (c * MAXC + n) % 768;
+      caps[n].num_tokens = 1 + (c + 7 * n) % 20; /* directory rows of 2 and 3 words */
+      caps[n].start_position = 3 * n + c;
+      for (int e = 0; e < DIM; e++) emb[c][n][e] = rndf();
+      caps[n].embedding = emb[c][n];
+      if (calls[c][n][0] < 11) have[calls[c][n][0] - 9][calls[c][n][1]] = true;
+    }
+    CHECK_OK(kvi_encode(he, caps, n, NULL));
+    CHECK_OK(kvi_encode(de, caps, n, NULL));
+    CUDA_OK(cudaDeviceSynchronize());
+    for (int t = 0; t < 2; t++)
+      for (int id = 0; id < 16; id++) {
+        if (!have[t][id]) continue;
+        const uint64_t tenant = 9 + (uint64_t)t;
+        float a[DIM], b[DIM];
+        CHECK_OK(kvi_store_get_embedding(w.cpu, tenant, (uint64_t)id, a));
+        CHECK_OK(kvi_store_get_embedding(w.gpu, tenant, (uint64_t)id, b));
+        if (memcmp(a, b, sizeof a) != 0)
+          fail_msg("call %d: tenant %d fact %d: the device row differs from the CPU store's", c, 9 + t, id);
+        uint64_t ci[K], gi[K];
+        float cs[K], gs[K];
+        int32_t cn = -1, gn = -2;
+        CHECK_OK(kvi_store_search(w.cpu, a, 1, DIM, &tenant, K, ci, cs, &cn, NULL, NULL));
+        CHECK_OK(kvi_store_search(w.gpu, a, 1, DIM, &tenant, K, gi, gs, &gn, NULL, NULL));
+        assert_int_equal(cn, gn);
+        for (int32_t r = 0; r < cn; r++)
+          if (ci[r] != gi[r] || fabsf(cs[r] - gs[r]) > 1e-4f * (1.0f + fabsf(cs[r])))
+            fail_msg("call %d: tenant %d, query of fact %d: result %d is %llu (%g) on the device, %llu (%g) on the CPU",
+                     c, 9 + t, id, (int)r, (unsigned long long)gi[r], (double)gs[r], (unsigned long long)ci[r],
+                     (double)cs[r]);
+      }
+  }
+  kvi_store_stats hs = KVI_STORE_STATS_INIT, ds = KVI_STORE_STATS_INIT;
+  CHECK_OK(kvi_store_stats_get(w.cpu, &hs));
+  CHECK_OK(kvi_store_stats_get(w.gpu, &ds));
+  assert_int_equal(hs.facts, ds.facts);
+  assert_int_equal(hs.bytes_payload, ds.bytes_payload);
+  kvi_encoder_destroy(he);
+  kvi_encoder_destroy(de);
+  free_world(&w);
+}
 #else
 static void t_tier_inject(void **state) {
   (void)state;
@@ -1358,6 +1452,10 @@ static void t_caller_device(void **state) {
   (void)state;
   skip();
 }
+static void t_encode_embeddings(void **state) {
+  (void)state;
+  skip();
+}
 #endif
 
 int main(void) {
@@ -1375,7 +1473,7 @@ int main(void) {
       cmocka_unit_test(t_staging_ring), cmocka_unit_test(t_capture_chunks),
       cmocka_unit_test(t_journal_encode),
       cmocka_unit_test(t_tier_inject),   cmocka_unit_test(t_tier_inflight), cmocka_unit_test(t_tier_prefetch),
-      cmocka_unit_test(t_tier_encode),   cmocka_unit_test(t_caller_device),
+      cmocka_unit_test(t_tier_encode),   cmocka_unit_test(t_caller_device), cmocka_unit_test(t_encode_embeddings),
   };
   int failed = cmocka_run_group_tests_name("gpu-transfer", tests, NULL, NULL);
   if (failed) return 1;
