@@ -849,16 +849,18 @@ static void emb_stage_row(kvi_store *s, tenant *t, const fact *f, size_t r, cons
   }
 }
 
-/* Writes f's embedding e (fp32, already what the store keeps) as row t->nrows. */
-static void emb_append(kvi_store *s, tenant *t, fact *f, const float *e) {
-  if (t->pending == 0 || t->nrows >= t->cap) { /* kvi__store_reserve_rows was not called: a bug */
+/* Writes f's embedding e (fp32, already what the store keeps) as row
+ * `reuse` (the row of the fact f replaces) or, for SIZE_MAX, as a new row
+ * t->nrows. */
+static void emb_append(kvi_store *s, tenant *t, fact *f, const float *e, size_t reuse) {
+  if (t->pending == 0 || (reuse == SIZE_MAX && t->nrows >= t->cap)) { /* reserve_rows was not called: a bug */
     f->row = SIZE_MAX;
     emb_latch(s, kvi__fail(KVI_ERR_INTERNAL, emb_fn, "fact %llu committed without a reserved embedding row",
                            (unsigned long long)f->id));
     return;
   }
   t->pending--;
-  const size_t r = t->nrows++, rb = row_bytes(s);
+  const size_t r = reuse != SIZE_MAX ? reuse : t->nrows++, rb = row_bytes(s);
   t->rows[r] = f;
   f->row = r;
   if (s->backend == KVI_BACKEND_CPU) kvi__convert((char *)t->emb + r * rb, s->emb_dtype, e, KVI_DTYPE_FP32, s->emb_dim);
@@ -1343,7 +1345,12 @@ static void unlink_fact(kvi_store *s, fact *f) {
 static void commit_fact(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, tenant *fresh, float **emb,
                         uint64_t tenant_id, uint64_t fact_id, int32_t tokens) {
   fact *old = kvi__store_find(s, tenant_id, fact_id);
+  size_t reuse = SIZE_MAX; /* the replaced fact's embedding row, which f takes over in place */
   if (old) {
+    if (s->emb_dim > 0 && *emb && old->row != SIZE_MAX) {
+      reuse = old->row;
+      old->row = SIZE_MAX; /* unlink_fact moves no row */
+    }
     unlink_fact(s, old);
     free_fact(old);
   }
@@ -1364,8 +1371,8 @@ static void commit_fact(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, t
   f->pages = pages;
   f->row = SIZE_MAX;
   if (s->emb_dim > 0 && *emb) {
-    if (!s->shard.emb_sharded || kvi__emb_rank(tenant_id, fact_id, s->shard.size) == s->shard.rank) {
-      emb_append(s, t, f, *emb);
+    if (reuse != SIZE_MAX || !s->shard.emb_sharded || kvi__emb_rank(tenant_id, fact_id, s->shard.size) == s->shard.rank) {
+      emb_append(s, t, f, *emb, reuse);
     } else { /* checked, and kept by another rank: give back the row reserved for it */
       t->pending--;
       const size_t b = s->backend == KVI_BACKEND_CUDA ? stage_fact_bytes(s, tokens) : 0;
