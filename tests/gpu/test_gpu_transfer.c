@@ -722,6 +722,20 @@ static void check_captured(const world *w, uint64_t tenant, int32_t n, int32_t s
                     (unsigned long long)tenant);
 }
 
+/* The same bf16 values of rndf() in the host and device caches of a bf16 world. */
+static void fill_bf16(world *w) {
+  for (int i = 0; i < w->ntensors; i++) {
+    uint16_t *h = w->host[i];
+    for (size_t k = 0; k < w->layer_bytes / 2; k++) {
+      const float f = rndf();
+      uint32_t u;
+      memcpy(&u, &f, 4);
+      h[k] = (uint16_t)(u >> 16);
+    }
+    CUDA_OK(cudaMemcpy(w->dev[i], w->host[i], w->layer_bytes, cudaMemcpyHostToDevice));
+  }
+}
+
 static void t_capture_chunks(void **state) {
   (void)state;
   if (g_devices == 0) skip();
@@ -729,16 +743,7 @@ static void t_capture_chunks(void **state) {
                    KVI_DTYPE_BF16, KVI_DTYPE_BF16, KVI_CACHE_VLLM_FLASH_ATTN, 2, KVI_SCALE_NONE};
   world w;
   make_world(&w, &sc);
-  for (int i = 0; i < w.ntensors; i++) { /* the same bf16 values of rndf() in both caches */
-    uint16_t *h = w.host[i];
-    for (size_t k = 0; k < w.layer_bytes / 2; k++) {
-      const float f = rndf();
-      uint32_t u;
-      memcpy(&u, &f, 4);
-      h[k] = (uint16_t)(u >> 16);
-    }
-    CUDA_OK(cudaMemcpy(w.dev[i], w.host[i], w.layer_bytes, cudaMemcpyHostToDevice));
-  }
+  fill_bf16(&w);
   CUDA_OK(cudaDeviceSynchronize());
   kvi_transfer_options to = KVI_TRANSFER_OPTIONS_INIT;
   to.max_requests_per_call = CHUNK_CAPS;
@@ -1332,16 +1337,7 @@ static void t_encode_embeddings(void **state) {
   g_emb_dim = DIM;
   make_world(&w, &sc);
   g_emb_dim = 0;
-  for (int i = 0; i < w.ntensors; i++) { /* finite bf16 values, the same in both caches */
-    uint16_t *h = w.host[i];
-    for (size_t k = 0; k < w.layer_bytes / 2; k++) {
-      const float f = rndf();
-      uint32_t u;
-      memcpy(&u, &f, 4);
-      h[k] = (uint16_t)(u >> 16);
-    }
-    CUDA_OK(cudaMemcpy(w.dev[i], w.host[i], w.layer_bytes, cudaMemcpyHostToDevice));
-  }
+  fill_bf16(&w);
   kvi_encoder *he, *de;
   CHECK_OK(kvi_encoder_create(&he, w.cpu, &w.hl, NULL));
   CHECK_OK(kvi_encoder_create(&de, w.gpu, &w.dl, NULL));
