@@ -4,7 +4,8 @@
  *
  * Every KVI_API function is defined in a file of this folder, and nowhere
  * else. An entry point finds its handle's device (the part's kvi__*_device
- * accessor: a device number, or -1 for a CPU handle), makes it current once
+ * accessor: a device number, or -1 for a CPU handle and for NULL, which the
+ * internal function then refuses with its own message), makes it current once
  * with KVI__API_ON before any other work, calls its part's internal
  * function, and gives the caller's device back on every path out. Nothing
  * below lib/api/ changes the current device: the parts run on whatever

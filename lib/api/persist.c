@@ -20,7 +20,6 @@ KVI_API kvi_status kvi_load_options_init(kvi_load_options *opts, size_t size) {
 
 KVI_API kvi_status kvi_store_save(const kvi_store *store, const char *path, const kvi_save_options *opts) {
   static const char fn[] = "kvi_store_save";
-  if (!store) return kvi__store_save(store, path, opts, fn);
   kvi_status st;
   KVI__API_ON(st, kvi__store_device(store), fn, kvi__store_save(store, path, opts, fn));
   return st;
@@ -28,7 +27,6 @@ KVI_API kvi_status kvi_store_save(const kvi_store *store, const char *path, cons
 
 KVI_API kvi_status kvi_store_journal_open(kvi_store *store, const char *path, uint32_t flags) {
   static const char fn[] = "kvi_store_journal_open";
-  if (!store) return kvi__store_journal_open(store, path, flags, fn);
   kvi_status st;
   KVI__API_ON(st, kvi__store_device(store), fn, kvi__store_journal_open(store, path, flags, fn));
   return st;

@@ -28,7 +28,6 @@ KVI_API void kvi_store_destroy(kvi_store *store) {
 KVI_API kvi_status kvi_store_prefetch(kvi_store *store, uint64_t tenant_id, const uint64_t *fact_ids, int32_t count,
                                       struct CUstream_st *stream) {
   static const char fn[] = "kvi_store_prefetch";
-  if (!store) return kvi__store_prefetch(store, tenant_id, fact_ids, count, stream, fn);
   kvi_status st;
   KVI__API_ON(st, kvi__store_device(store), fn, kvi__store_prefetch(store, tenant_id, fact_ids, count, stream, fn));
   return st;
@@ -37,7 +36,6 @@ KVI_API kvi_status kvi_store_prefetch(kvi_store *store, uint64_t tenant_id, cons
 KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *kv,
                                  const kvi_put_options *opts, struct CUstream_st *stream) {
   static const char fn[] = "kvi_store_put";
-  if (!store) return kvi__store_put(store, tenant_id, fact_id, kv, opts, stream, fn);
   kvi_status st;
   KVI__API_ON(st, kvi__store_device(store), fn, kvi__store_put(store, tenant_id, fact_id, kv, opts, stream, fn));
   return st;
@@ -45,7 +43,6 @@ KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant_id, uint64_t 
 
 KVI_API kvi_status kvi_store_remove(kvi_store *store, uint64_t tenant_id, uint64_t fact_id) {
   static const char fn[] = "kvi_store_remove";
-  if (!store) return kvi__store_remove(store, tenant_id, fact_id, fn);
   kvi_status st;
   KVI__API_ON(st, kvi__store_device(store), fn, kvi__store_remove(store, tenant_id, fact_id, fn));
   return st;
@@ -54,7 +51,6 @@ KVI_API kvi_status kvi_store_remove(kvi_store *store, uint64_t tenant_id, uint64
 KVI_API kvi_status kvi_store_read(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *dst,
                                   struct CUstream_st *stream) {
   static const char fn[] = "kvi_store_read";
-  if (!store) return kvi__store_read(store, tenant_id, fact_id, dst, stream, fn);
   kvi_status st;
   KVI__API_ON(st, kvi__store_device(store), fn, kvi__store_read(store, tenant_id, fact_id, dst, stream, fn));
   return st;
@@ -67,7 +63,6 @@ KVI_API kvi_status kvi_store_fact_tokens(const kvi_store *store, uint64_t tenant
 
 KVI_API kvi_status kvi_store_get_embedding(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, float *out) {
   static const char fn[] = "kvi_store_get_embedding";
-  if (!store) return kvi__store_get_embedding(store, tenant_id, fact_id, out, fn);
   kvi_status st;
   KVI__API_ON(st, kvi__store_device(store), fn, kvi__store_get_embedding(store, tenant_id, fact_id, out, fn));
   return st;

@@ -49,7 +49,6 @@ KVI_API kvi_status kvi_store_create(kvi_store **out, const kvi_model *model, con
 KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, int32_t root, const kvi_scatter_item *items,
                                          int32_t num_items, struct CUstream_st *stream) {
   static const char fn[] = "kvi_store_put_scatter";
-  if (!store) return kvi__store_put_scatter(store, root, items, num_items, stream, fn);
   kvi_status st;
   KVI__API_ON(st, kvi__store_device(store), fn, kvi__store_put_scatter(store, root, items, num_items, stream, fn));
   return st;
@@ -58,7 +57,6 @@ KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, int32_t root, const k
 KVI_API kvi_status kvi_store_gather(kvi_store *store, int32_t root, const kvi_gather_item *items, int32_t num_items,
                                     struct CUstream_st *stream) {
   static const char fn[] = "kvi_store_gather";
-  if (!store) return kvi__store_gather(store, root, items, num_items, stream, fn);
   kvi_status st;
   KVI__API_ON(st, kvi__store_device(store), fn, kvi__store_gather(store, root, items, num_items, stream, fn));
   return st;
@@ -66,7 +64,6 @@ KVI_API kvi_status kvi_store_gather(kvi_store *store, int32_t root, const kvi_ga
 
 KVI_API kvi_status kvi_store_check_agreement(kvi_store *store) {
   static const char fn[] = "kvi_store_check_agreement";
-  if (!store) return kvi__store_check_agreement(store, fn);
   kvi_status st;
   KVI__API_ON(st, kvi__store_device(store), fn, kvi__store_check_agreement(store, fn));
   return st;

@@ -65,7 +65,6 @@ KVI_API kvi_status kvi_inject_batch_init(kvi_inject_batch *batch, size_t size) {
 KVI_API kvi_status kvi_injector_create(kvi_injector **out, kvi_store *store, const kvi_cache_layout *layout,
                                        const kvi_transfer_options *opts) {
   static const char fn[] = "kvi_injector_create";
-  if (!store) return kvi__injector_create(out, store, layout, opts, fn);
   kvi_status st;
   KVI__API_ON(st, kvi__store_device(store), fn, kvi__injector_create(out, store, layout, opts, fn));
   return st;
@@ -80,7 +79,6 @@ KVI_API void kvi_injector_destroy(kvi_injector *injector) {
 KVI_API kvi_status kvi_encoder_create(kvi_encoder **out, kvi_store *store, const kvi_cache_layout *layout,
                                       const kvi_transfer_options *opts) {
   static const char fn[] = "kvi_encoder_create";
-  if (!store) return kvi__encoder_create(out, store, layout, opts, fn);
   kvi_status st;
   KVI__API_ON(st, kvi__store_device(store), fn, kvi__encoder_create(out, store, layout, opts, fn));
   return st;
@@ -95,7 +93,6 @@ KVI_API void kvi_encoder_destroy(kvi_encoder *encoder) {
 KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *reqs, int32_t num_requests,
                               const kvi_inject_options *opts, struct CUstream_st *stream) {
   static const char fn[] = "kvi_inject";
-  if (!injector) return kvi__inject(injector, reqs, num_requests, opts, stream, fn);
   kvi_status st;
   KVI__API_ON(st, kvi__injector_device(injector), fn, kvi__inject(injector, reqs, num_requests, opts, stream, fn));
   return st;
@@ -126,7 +123,6 @@ KVI_API kvi_status kvi_injector_async_errors(kvi_injector *injector, int64_t *ou
 KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures,
                               struct CUstream_st *stream) {
   static const char fn[] = "kvi_encode";
-  if (!encoder) return kvi__encode(encoder, caps, num_captures, stream, fn);
   kvi_status st;
   KVI__API_ON(st, kvi__encoder_device(encoder), fn, kvi__encode(encoder, caps, num_captures, stream, fn));
   return st;
@@ -134,7 +130,6 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
 
 KVI_API kvi_status kvi_encode_batched(kvi_encoder *encoder, const kvi_encode_batch *batch, struct CUstream_st *stream) {
   static const char fn[] = "kvi_encode_batched";
-  if (!encoder) return kvi__encode_batched(encoder, batch, stream, fn);
   kvi_status st;
   KVI__API_ON(st, kvi__encoder_device(encoder), fn, kvi__encode_batched(encoder, batch, stream, fn));
   return st;
@@ -158,7 +153,6 @@ KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queri
 KVI_API kvi_status kvi_inject_batched(kvi_injector *injector, const kvi_inject_batch *batch,
                                       const kvi_inject_options *opts, struct CUstream_st *stream) {
   static const char fn[] = "kvi_inject_batched";
-  if (!injector) return kvi__inject_batched(injector, batch, opts, stream, fn);
   kvi_status st;
   KVI__API_ON(st, kvi__injector_device(injector), fn, kvi__inject_batched(injector, batch, opts, stream, fn));
   return st;

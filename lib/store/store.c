@@ -31,7 +31,7 @@
 /* small helpers                                                            */
 /* ------------------------------------------------------------------------ */
 
-int kvi__store_device(const kvi_store *s) { return s->backend == KVI_BACKEND_CUDA ? s->device : -1; }
+int kvi__store_device(const kvi_store *s) { return s && s->backend == KVI_BACKEND_CUDA ? s->device : -1; }
 
 void kvi__store_lock(const kvi_store *s) { pthread_mutex_lock((pthread_mutex_t *)&s->lock); }
 void kvi__store_unlock(const kvi_store *s) { pthread_mutex_unlock((pthread_mutex_t *)&s->lock); }

@@ -458,7 +458,7 @@ kvi_status kvi__store_put_args(const kvi_store *store, const kvi_kv_view *v, con
  * device: the caller makes kvi__store_options_device(opts) current first. */
 kvi_status kvi__store_create(kvi_store **out, const kvi_model *model, const kvi_store_options *opts, const char *fn);
 
-/* The store's CUDA device, or -1 for a CPU store: the device its entry
+/* The store's CUDA device, or -1 for a CPU store (and NULL): the device its entry
  * points make current (lib/api/api.h). */
 int kvi__store_device(const kvi_store *s);
 

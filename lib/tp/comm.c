@@ -322,7 +322,7 @@ kvi_status kvi__comm_async_error(kvi_comm *c, const char *fn) {
   return KVI_OK;
 }
 
-int kvi__comm_device(const kvi_comm *c) { return c->kind == KVI__COMM_NCCL ? c->device : -1; }
+int kvi__comm_device(const kvi_comm *c) { return c && c->kind == KVI__COMM_NCCL ? c->device : -1; }
 
 /* ------------------------------------------------------------------------ */
 /* operations                                                               */

@@ -2156,7 +2156,7 @@ out:
 /* ------------------------------------------------------------------------ */
 
 int32_t kvi__injector_vec(const kvi_injector *injector) { return xfer_vec(&injector->x); }
-int kvi__injector_device(const kvi_injector *injector) { return kvi__store_device(injector->x.store); }
-int kvi__encoder_device(const kvi_encoder *encoder) { return kvi__store_device(encoder->x.store); }
+int kvi__injector_device(const kvi_injector *injector) { return injector ? kvi__store_device(injector->x.store) : -1; }
+int kvi__encoder_device(const kvi_encoder *encoder) { return encoder ? kvi__store_device(encoder->x.store) : -1; }
 int32_t kvi__injector_seg_tokens(const kvi_injector *injector) { return injector->x.seg_tokens; }
 int32_t kvi__injector_half_max(const kvi_injector *injector) { return injector->x.half_max; }

@@ -37,7 +37,7 @@
 #define KVI__RECOMPUTE_OPTIONS_V1 sizeof(kvi_recompute_options)
 #define KVI__LLAMA_STATE_SPEC_V1 sizeof(kvi_llama_state_spec)
 
-/* The CUDA device of an injector's / encoder's store, or -1 for a CPU store. */
+/* The CUDA device of an injector's / encoder's store, or -1 for a CPU store (and NULL). */
 int kvi__injector_device(const kvi_injector *injector);
 int kvi__encoder_device(const kvi_encoder *encoder);
 
