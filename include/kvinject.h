@@ -18,6 +18,7 @@
  *   kvinject/search.h  retrieval: top-k facts per query (kvi_store_search)
  *   kvinject/cache.h   an engine's paged KV cache layout (kvi_cache_layout)
  *   kvinject/inject.h  the encoder (kvi_encoder) and injector (kvi_injector)
+ *   kvinject/recompute.h  which injected tokens to recompute (kvi_recompute_select)
  *   kvinject/persist.h store files: save, load, journal
  *   kvinject/comm.h    communicators and tensor-parallel stores (kvi_comm)
  *   kvinject/llama.h   llama.cpp's sequence state as a cache to inject into and capture from

@@ -20,6 +20,37 @@
 #define KVI_API
 #endif
 
+/*
+ * Stability. Everything these headers declare is stable from 0.1.0 (its
+ * signature, struct fields, enum values and behaviour change only with the
+ * soname), except declarations marked KVI_EXPERIMENTAL: those may change or
+ * go in any minor release, and are declared only where the program defines
+ * KVI_ENABLE_EXPERIMENTAL before including <kvinject.h>, as zstd's
+ * ZSTD_STATIC_LINKING_ONLY fences its experimental section. KVI_DEPRECATED
+ * marks a declaration that still works but will leave with the next soname;
+ * its message names the replacement.
+ */
+#define KVI_EXPERIMENTAL KVI_API
+#if defined(__cplusplus) && __cplusplus >= 201402L
+#define KVI_DEPRECATED(msg) [[deprecated(msg)]]
+#elif defined(__GNUC__) || defined(__clang__)
+#define KVI_DEPRECATED(msg) __attribute__((deprecated(msg)))
+#else
+#define KVI_DEPRECATED(msg)
+#endif
+
+/* Whether these headers are at least version major.minor.patch, for code
+ * that must build against several versions:
+ *   #if KVI_VERSION_AT_LEAST(0, 2, 0) ... #endif
+ * (kvi_version_number() tells the library loaded at run time). */
+#define KVI_VERSION_AT_LEAST(major, minor, patch) \
+  (KVI_VERSION_NUMBER >= ((major) * 10000 + (minor) * 100 + (patch)))
+
+/* The largest struct_size of any size-versioned struct (see "Size-versioned
+ * structs" below): a larger one is KVI_ERR_STRUCT_SIZE, so that a garbage
+ * struct_size never makes the library read far past a caller's struct. */
+#define KVI_STRUCT_SIZE_MAX 4096
+
 /* An enum value of 0 in an _INIT macro, valid in C and in C++ without an
  * old-style cast. */
 #ifdef __cplusplus
@@ -127,22 +158,24 @@ KVI_API const char *kvi_last_error(void);
 /*
  * Every public struct begins with `size_t struct_size`; later versions only
  * append fields. Each struct has a first version: the fields its 0.1.0
- * header declares, except four that also accept an earlier, shorter layout:
+ * header declares, except five that also accept an earlier, shorter layout:
  * kvi_store_options (the fields before comm), kvi_inject_request (before
- * num_positions), kvi_inject_options (before host_pages) and kvi_store_stats
- * (before pages_host_total).
+ * num_positions), kvi_inject_options (before host_pages), kvi_cache_layout
+ * (before dim_stride) and kvi_store_stats (before pages_host_total).
  *
  * Input structs (options, views, requests, layouts): set struct_size to
  * sizeof the struct as the caller's header declares it, through the _INIT
  * macro or kvi_x_init(ptr, sizeof *ptr). The library reads only the first
  * struct_size bytes; fields past them take their defaults. A struct_size
- * smaller than the first version, or non-zero bytes past the fields this
- * library knows, is KVI_ERR_STRUCT_SIZE. Arrays of structs are stepped
- * through by the first element's struct_size, which every element shares.
+ * smaller than the first version, larger than KVI_STRUCT_SIZE_MAX, or with
+ * non-zero bytes past the fields this library knows, is KVI_ERR_STRUCT_SIZE.
+ * Arrays of structs are stepped through by the first element's struct_size,
+ * which every element must share (another is KVI_ERR_STRUCT_SIZE, naming
+ * the element).
  *
  * Output structs (kvi_model_info, kvi_store_stats, kvi_model_get_rope's
- * spec): set struct_size (the _INIT macro); the library writes only the first
- * min(struct_size, its own size) bytes.
+ * spec): set struct_size (the _INIT macro, at most KVI_STRUCT_SIZE_MAX); the
+ * library writes only the first min(struct_size, its own size) bytes.
  *
  * kvi_x_init(ptr, size) fills a struct of `size` bytes with the _INIT
  * defaults: it writes the first min(size, the library's size) bytes, zeroes
@@ -150,7 +183,8 @@ KVI_API const char *kvi_last_error(void);
  * size, and never writes past size, so a program built against an older,
  * smaller struct is safe with a newer library. Returns KVI_OK, or (writing
  * nothing) KVI_ERR_INVALID_ARGUMENT for a NULL ptr and KVI_ERR_STRUCT_SIZE for
- * a size smaller than the first version. Thread-safe.
+ * a size smaller than the first version or larger than KVI_STRUCT_SIZE_MAX.
+ * Thread-safe.
  */
 
 /* ------------------------------------------------------------------------ */

@@ -27,10 +27,36 @@ kvi_status kvi__fail(kvi_status status, const char *fn, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
 /* Copies a caller's size-versioned struct into `local` (already holding the
- * defaults, `known` bytes). Rejects a struct smaller than `min_size` and one
- * with non-zero bytes past `known`. */
+ * defaults, `known` bytes). Rejects a struct smaller than `min_size` or larger
+ * than KVI__STRUCT_SIZE_MAX, and one with non-zero bytes past `known`. */
 kvi_status kvi__read_struct(void *local, size_t known, const void *user, size_t min_size,
                             const char *fn, const char *what);
+
+/* The largest struct_size accepted anywhere (KVI_STRUCT_SIZE_MAX). */
+#define KVI__STRUCT_SIZE_MAX ((size_t)KVI_STRUCT_SIZE_MAX)
+
+/* A caller's array of n size-versioned structs (common.h): stepped through
+ * by elements[0].struct_size, which every element must share. The one reader
+ * of such arrays: kvi__struct_array_open, then kvi__struct_array_read per
+ * element. */
+typedef struct kvi__struct_array {
+  const char *base;
+  size_t stride;
+  int64_t n;
+  const char *name; /* the parameter, for messages ("reqs") */
+} kvi__struct_array;
+
+/* Opens an array of n (>= 0) elements: the stride must lie in [min_size,
+ * KVI__STRUCT_SIZE_MAX] (KVI_ERR_STRUCT_SIZE). Reads nothing for n == 0;
+ * elements must not be NULL otherwise. */
+kvi_status kvi__struct_array_open(kvi__struct_array *a, const void *elements, int64_t n, size_t min_size,
+                                  const char *fn, const char *name);
+
+/* Element i (< a->n) as kvi__read_struct reads one struct into `local`
+ * (holding the defaults, `known` bytes); its struct_size must equal the
+ * array's stride (KVI_ERR_STRUCT_SIZE). */
+kvi_status kvi__struct_array_read(const kvi__struct_array *a, int64_t i, void *local, size_t known, size_t min_size,
+                                  const char *fn);
 
 /* A kvi_x_init(ptr, size): NULL is KVI_ERR_INVALID_ARGUMENT, a size below
  * min_size KVI_ERR_STRUCT_SIZE (nothing written); otherwise the first

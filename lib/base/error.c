@@ -55,6 +55,9 @@ kvi_status kvi__read_struct(void *local, size_t known, const void *user, size_t 
                      "%s->struct_size is %zu, smaller than the first version (%zu bytes); "
                      "initialize it with its _INIT macro",
                      what, size, min_size);
+  if (size > KVI__STRUCT_SIZE_MAX)
+    return kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "%s->struct_size is %zu, more than KVI_STRUCT_SIZE_MAX (%zu)", what,
+                     size, KVI__STRUCT_SIZE_MAX);
   if (size > known) {
     const unsigned char *extra = (const unsigned char *)user + known;
     for (size_t i = 0; i < size - known; i++)
@@ -69,6 +72,38 @@ kvi_status kvi__read_struct(void *local, size_t known, const void *user, size_t 
   return KVI_OK;
 }
 
+kvi_status kvi__struct_array_open(kvi__struct_array *a, const void *elements, int64_t n, size_t min_size,
+                                  const char *fn, const char *name) {
+  a->base = (const char *)elements;
+  a->stride = min_size;
+  a->n = n;
+  a->name = name;
+  if (n <= 0) return KVI_OK;
+  memcpy(&a->stride, elements, sizeof a->stride);
+  if (a->stride < min_size)
+    return kvi__fail(KVI_ERR_STRUCT_SIZE, fn,
+                     "%s[0].struct_size is %zu, smaller than the first version (%zu bytes); "
+                     "initialize it with its _INIT macro",
+                     name, a->stride, min_size);
+  if (a->stride > KVI__STRUCT_SIZE_MAX)
+    return kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "%s[0].struct_size is %zu, more than KVI_STRUCT_SIZE_MAX (%zu)", name,
+                     a->stride, KVI__STRUCT_SIZE_MAX);
+  return KVI_OK;
+}
+
+kvi_status kvi__struct_array_read(const kvi__struct_array *a, int64_t i, void *local, size_t known, size_t min_size,
+                                  const char *fn) {
+  const char *src = a->base + (size_t)i * a->stride;
+  size_t sz;
+  memcpy(&sz, src, sizeof sz);
+  if (sz != a->stride)
+    return kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "%s[%lld].struct_size is %zu, %s[0]'s is %zu; they must be equal",
+                     a->name, (long long)i, sz, a->name, a->stride);
+  char what[48];
+  snprintf(what, sizeof what, "%s[%lld]", a->name, (long long)i);
+  return kvi__read_struct(local, known, src, min_size, fn, what);
+}
+
 kvi_status kvi__init_struct(void *user, size_t size, const void *defaults, size_t known, size_t min_size,
                            const char *fn) {
   if (!user) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "the struct pointer is NULL");
@@ -76,6 +111,9 @@ kvi_status kvi__init_struct(void *user, size_t size, const void *defaults, size_
     return kvi__fail(KVI_ERR_STRUCT_SIZE, fn,
                      "size is %zu, smaller than the first version of the struct (%zu bytes); pass sizeof *ptr",
                      size, min_size);
+  if (size > KVI__STRUCT_SIZE_MAX)
+    return kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "size is %zu, more than KVI_STRUCT_SIZE_MAX (%zu)", size,
+                     KVI__STRUCT_SIZE_MAX);
   size_t n = size < known ? size : known;
   memcpy(user, defaults, n);
   if (size > known) memset((char *)user + known, 0, size - known);
@@ -91,6 +129,9 @@ kvi_status kvi__write_struct(void *user, const void *full, size_t known, size_t 
     return kvi__fail(KVI_ERR_STRUCT_SIZE, fn,
                      "%s->struct_size is %zu, smaller than the first version (%zu bytes)", what,
                      size, min_size);
+  if (size > KVI__STRUCT_SIZE_MAX)
+    return kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "%s->struct_size is %zu, more than KVI_STRUCT_SIZE_MAX (%zu)", what,
+                     size, KVI__STRUCT_SIZE_MAX);
   size_t n = size < known ? size : known;
   memcpy((char *)user + sizeof size, (const char *)full + sizeof size, n - sizeof size);
   return KVI_OK;

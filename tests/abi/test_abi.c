@@ -575,7 +575,8 @@ static void scan_header(header_info *h, const char *path) {
     char name[256];
     snprintf(name, sizeof name, "%.*s", (int)(p - b), b);
     if (flen == 7 && strncmp(f, "typedef", 7) == 0) continue;
-    if (flen == 7 && strncmp(f, "KVI_API", 7) == 0) {
+    /* KVI_EXPERIMENTAL is KVI_API for declarations fenced by KVI_ENABLE_EXPERIMENTAL */
+    if ((flen == 7 && strncmp(f, "KVI_API", 7) == 0) || (flen == 16 && strncmp(f, "KVI_EXPERIMENTAL", 16) == 0)) {
       if (sl_find(&h->api_decls, name) < 0) sl_push(&h->api_decls, name);
     } else {
       char *s = msgf("%s (%s)", name, path);

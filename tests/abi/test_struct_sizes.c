@@ -12,8 +12,8 @@
  * - every call that reads a caller's struct reads no byte past its
  *   struct_size (the struct is placed against a PROT_NONE page: a read past
  *   it faults), accepts the first version (fields past it take their
- *   defaults), refuses a smaller struct_size and non-zero bytes past the
- *   fields it knows with KVI_ERR_STRUCT_SIZE;
+ *   defaults), refuses a smaller struct_size, one over KVI_STRUCT_SIZE_MAX
+ *   and non-zero bytes past the fields it knows with KVI_ERR_STRUCT_SIZE;
  * - every call that fills an output struct writes no byte past struct_size.
  *
  * The first-version sizes below are those that kvinject/common.h documents.
@@ -23,6 +23,7 @@
 #define _GNU_SOURCE
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <cmocka.h>
@@ -88,8 +89,8 @@ typedef kvi_status (*reader)(const void *placed, void *ctx);
  * non-zero one (KVI_ERR_STRUCT_SIZE).
  */
 static void check_reader(const char *what, const void *s, size_t known, size_t v1, int n, reader call, void *ctx) {
-  size_t ok_sizes[3] = {known, v1, known + 16};
-  for (int i = 0; i < 3; i++) {
+  size_t ok_sizes[4] = {known, v1, known + 16, KVI_STRUCT_SIZE_MAX};
+  for (int i = 0; i < 4; i++) {
     if (i == 1 && v1 == known) continue;
     void *p = guarded(s, known, ok_sizes[i], n);
     kvi_status st = call(p, ctx);
@@ -107,6 +108,16 @@ static void check_reader(const char *what, const void *s, size_t known, size_t v
     fail();
   }
   unguard(p, small, n);
+  /* the cap: past it nothing is read, even zeros */
+  const size_t huge = (size_t)KVI_STRUCT_SIZE_MAX + 8;
+  p = guarded(s, known, huge, n);
+  st = call(p, ctx);
+  if (st != KVI_ERR_STRUCT_SIZE) {
+    print_error("%s with struct_size %zu (> KVI_STRUCT_SIZE_MAX): %d, expected KVI_ERR_STRUCT_SIZE\n", what, huge,
+                (int)st);
+    fail();
+  }
+  unguard(p, huge, n);
   p = guarded(s, known, known + 16, n);
   for (int i = 0; i < n; i++) ((unsigned char *)p)[(size_t)i * (known + 16) + known + 3] = 1;
   st = call(p, ctx);
@@ -123,22 +134,23 @@ typedef kvi_status (*writer)(void *out, void *ctx);
 /* An output struct of struct_size v1 - 4 is refused untouched; of v1, known
  * and known + 16 it is written no further than min(struct_size, known). */
 static void check_writer(const char *what, size_t known, size_t v1, writer call, void *ctx) {
-  const size_t sizes[4] = {v1 - 4, v1, known, known + 16};
-  for (int i = 0; i < 4; i++) {
+  const size_t sizes[5] = {v1 - 4, v1, known, known + 16, (size_t)KVI_STRUCT_SIZE_MAX + 8};
+  for (int i = 0; i < 5; i++) {
     const size_t size = sizes[i], bytes = size + SLACK;
     unsigned char *b = malloc(bytes);
     assert_non_null(b);
     memset(b, CANARY, bytes);
     memcpy(b, &size, sizeof size);
     kvi_status st = call(b, ctx);
-    if (st != (i == 0 ? KVI_ERR_STRUCT_SIZE : KVI_OK)) {
+    const bool refused = i == 0 || i == 4; /* below the first version, above the cap */
+    if (st != (refused ? KVI_ERR_STRUCT_SIZE : KVI_OK)) {
       print_error("%s with struct_size %zu: %d (%s)\n", what, size, (int)st, kvi_last_error());
       fail();
     }
     size_t got;
     memcpy(&got, b, sizeof got);
     assert_int_equal(got, size);
-    const size_t from = i == 0 ? sizeof size : size < known ? size : known;
+    const size_t from = refused ? sizeof size : size < known ? size : known;
     for (size_t j = from; j < bytes; j++)
       if (b[j] != CANARY) {
         print_error("%s with struct_size %zu wrote byte %zu\n", what, size, j);
@@ -282,6 +294,11 @@ static void test_init_sizes(void **state) {
       free(b);
     }
     assert_status(c->fn(NULL, c->known), KVI_ERR_INVALID_ARGUMENT);
+    /* past the cap: refused, nothing written */
+    unsigned char one[64];
+    memset(one, CANARY, sizeof one);
+    assert_status(c->fn(one, (size_t)KVI_STRUCT_SIZE_MAX + 1), KVI_ERR_STRUCT_SIZE);
+    for (size_t j = 0; j < sizeof one; j++) assert_int_equal(one[j], CANARY);
   }
 }
 
