@@ -302,8 +302,8 @@ struct sample {
  * long run is sampled in whole 128-byte lines (w = 32), so the sampled
  * passes read 1/STEP of its bytes; a short one (up to 32 KiB) in single
  * inputs (w = 1): the sample then touches every line, and pass 3 finds the
- * run in L1 (measured on the H200: lines made runs of 4,096 slower, runs of
- * 30,720 faster). */
+ * run in L1 (sampling whole lines was slower for short runs and faster for
+ * long ones; BENCHMARKS.md, retrieval). */
 __device__ __forceinline__ sample sample_of(int64_t total, int k) {
   sample sp;
   sp.step = total / STEP >= 8 * k && 2 * STEP * k <= SEL_N ? STEP : 1;
@@ -446,8 +446,8 @@ __device__ __forceinline__ bool gather(const kvi__search_args &a, const kvi__sel
 
 /* The ids (and rows) of the m gathered inputs in place of their indexes, ILP
  * loads in flight per thread. Loading them inside the gather made a warp
- * wait for one dependent load per input it took: a 10,000-score selection
- * took 33 us. */
+ * wait for one dependent load per input it took, which dominated the
+ * selection of a 10,000-fact tenant. */
 template <bool R>
 __device__ __forceinline__ void load_ids(const kvi__search_args &a, const kvi__sel &sel, int m, u64 *si, u32 *sr) {
   for (int base = threadIdx.x; base < m; base += THREADS * ILP) {

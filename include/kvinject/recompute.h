@@ -36,8 +36,8 @@
 #include "kvinject/inject.h"
 
 /* Experimental (common.h, "Stability"): declared only with
- * KVI_ENABLE_EXPERIMENTAL defined before the include. On Qwen2.5-Coder-0.5B
- * recompute measured no gain over the notes encoding, so its interface may
+ * KVI_ENABLE_EXPERIMENTAL defined before the include: recompute has shown
+ * no gain over the notes encoding yet (BENCHMARKS.md), so its interface may
  * still change. */
 #ifdef KVI_ENABLE_EXPERIMENTAL
 

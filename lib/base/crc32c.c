@@ -1,7 +1,7 @@
 /*
  * CRC32C (Castagnoli, reflected polynomial 0x82F63B78), as iSCSI, ext4 and
  * LevelDB use it: crc32c("123456789") = 0xE3069283. Slicing-by-8 tables,
- * built once; about 1.5-3 GB/s per core, well above what a disk writes.
+ * built once; several GB/s per core, above what a disk writes.
  * SPDX-License-Identifier: Apache-2.0
  */
 #include <pthread.h>
