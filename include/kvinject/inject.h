@@ -227,7 +227,9 @@ typedef struct kvi_inject_batch {
   int32_t num_requests;               /* >= 0 */
   uint64_t tenant;                    /* every request's tenant when tenants is NULL */
   const uint64_t *tenants;            /* index_memory: num_requests tenants, or NULL */
-  const uint64_t *fact_ids;           /* fact_ids_memory: fact_offsets[num_requests] - fact_offsets[0] ... */
+  const uint64_t *fact_ids;           /* fact_ids_memory, indexed by fact_offsets as they are: request r's
+                                         facts start at fact_ids + fact_offsets[r] (not at an offset
+                                         relative to fact_offsets[0]) */
   kvi_memory fact_ids_memory;         /* HOST or DEVICE (default HOST) */
   const int32_t *fact_offsets;        /* index_memory: num_requests + 1 entries */
   const int32_t *block_tables;        /* block_tables_memory: the 2-D array or the CSR pages */

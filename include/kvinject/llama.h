@@ -181,8 +181,9 @@ typedef struct kvi_llama_state_spec {
  * sizeof *spec): see "Size-versioned structs" in kvinject/common.h. */
 KVI_API kvi_status kvi_llama_state_spec_init(kvi_llama_state_spec *spec, size_t size);
 
-/* The bytes a state of `spec` takes for `model` (its layers, its local heads
- * x head size per row), into *out_size (host memory).
+/* The bytes a state of `spec` takes for `model` (its layers; per row all of
+ * the model's KV heads x head size, as llama.cpp's rows hold every KV head and
+ * kvi_llama_state_layout requires), into *out_size (host memory).
  * Errors: KVI_ERR_INVALID_ARGUMENT (NULL, a field out of range, a size that
  * overflows), KVI_ERR_STRUCT_SIZE. */
 KVI_API kvi_status kvi_llama_state_size(const kvi_model *model, const kvi_llama_state_spec *spec, size_t *out_size);
