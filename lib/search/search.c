@@ -24,7 +24,7 @@
  *   3. a query's last selection writes its results (or sentinels) to the
  *      outputs; an emit kernel does it for queries without any selection.
  * Ordering: the stream first waits for the store's last change to device
- * embeddings (emb_ready) and for the previous search (`done`, as searches
+ * embeddings (emb.ready) and for the previous search (`done`, as searches
  * share the workspace); at the end it records `done`, and the embedding
  * stream waits for it, so a later put or remove cannot change rows this
  * search still reads.
@@ -55,9 +55,9 @@
 static kvi_status check_host_queries(const kvi_store *s, const void *q, kvi_dtype t, int32_t nq, int32_t dim,
                                      const char *fn) {
   uint32_t limit = 0x7f800000u; /* |x| below: finite */
-  if (s->metric == KVI_METRIC_INNER_PRODUCT && t != KVI_DTYPE_FP16) {
-    if (s->emb_dtype == KVI_DTYPE_FP16) limit = 0x477ff000u; /* 65520 rounds to fp16 infinity */
-    if (s->emb_dtype == KVI_DTYPE_BF16 && t == KVI_DTYPE_FP32) limit = 0x7f7f8000u; /* rounds to bf16 infinity */
+  if (s->emb.metric == KVI_METRIC_INNER_PRODUCT && t != KVI_DTYPE_FP16) {
+    if (s->emb.dtype == KVI_DTYPE_FP16) limit = 0x477ff000u; /* 65520 rounds to fp16 infinity */
+    if (s->emb.dtype == KVI_DTYPE_BF16 && t == KVI_DTYPE_FP32) limit = 0x7f7f8000u; /* rounds to bf16 infinity */
   }
   const int64_t n = (int64_t)nq * dim;
   for (int64_t i = 0; i < n; i++) {
@@ -69,7 +69,7 @@ static kvi_status check_host_queries(const kvi_store *s, const void *q, kvi_dtyp
       const float x = kvi__load(q, t, i);
       return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "queries[%lld][%lld] is %g; %s", (long long)(i / dim),
                        (long long)(i % dim), (double)x,
-                       isfinite(x) ? (s->emb_dtype == KVI_DTYPE_FP16 ? "too large for the store's fp16 embeddings"
+                       isfinite(x) ? (s->emb.dtype == KVI_DTYPE_FP16 ? "too large for the store's fp16 embeddings"
                                                                      : "too large for the store's bf16 embeddings")
                                    : "queries must be finite");
     }
@@ -127,7 +127,7 @@ static kvi_status cpu_search(kvi_store *s, const void *queries, kvi_dtype qt, in
                              int32_t k, uint64_t *out_ids, float *out_scores, int32_t *out_counts, bool locked,
                              const char *fn) {
   const int32_t dim = s->emb_dim;
-  const size_t rb = (size_t)s->emb_ld * kvi__dtype_size(s->emb_dtype);
+  const size_t rb = (size_t)s->emb.ld * kvi__dtype_size(s->emb.dtype);
   float *q = malloc((size_t)nq * dim * sizeof *q), *row = malloc((size_t)dim * sizeof *row);
   heap h = {malloc((size_t)k * sizeof(float)), malloc((size_t)k * sizeof(uint64_t)), 0, 0};
   kvi_status st = KVI_OK;
@@ -138,7 +138,7 @@ static kvi_status cpu_search(kvi_store *s, const void *queries, kvi_dtype qt, in
   for (int32_t i = 0; i < nq; i++) {
     float *qi = q + (size_t)i * dim;
     kvi__convert(qi, KVI_DTYPE_FP32, (const char *)queries + (size_t)i * dim * kvi__dtype_size(qt), qt, dim);
-    if (kvi__emb_prepare(qi, dim, s->emb_dtype, s->metric) >= 0) {
+    if (kvi__emb_prepare(qi, dim, s->emb.dtype, s->emb.metric) >= 0) {
       st = kvi__fail(KVI_ERR_INTERNAL, fn, "query %d passed the checks but does not fit the store's embeddings", (int)i);
       goto out;
     }
@@ -152,7 +152,7 @@ static kvi_status cpu_search(kvi_store *s, const void *queries, kvi_dtype qt, in
     h.n = 0;
     h.cap = n < (size_t)k ? (int32_t)n : k;
     for (size_t r = 0; r < n; r++) {
-      kvi__convert(row, KVI_DTYPE_FP32, (const char *)t->emb + r * rb, s->emb_dtype, dim);
+      kvi__convert(row, KVI_DTYPE_FP32, (const char *)t->emb + r * rb, s->emb.dtype, dim);
       double d = 0.0;
       for (int32_t e = 0; e < dim; e++) d += (double)qi[e] * (double)row[e];
       float sc = (float)d;
@@ -354,8 +354,8 @@ static int64_t tile_rows(const builder *b, int32_t qn, int32_t *seg) {
 static bool group_tiles(builder *b, int32_t g0, int32_t g1) {
   plan *p = b->p;
   const tenant *t = b->qs[g0].t;
-  const int32_t ld = b->s->emb_ld;
-  const size_t es = kvi__dtype_size(b->s->emb_dtype);
+  const int32_t ld = b->s->emb.ld;
+  const size_t es = kvi__dtype_size(b->s->emb.dtype);
   const int64_t n = t ? (int64_t)t->nrows : 0;
   const int32_t g = g1 - g0;
   const bool scan = g <= KVI__SCAN_MAX_Q && (size_t)g * ld * sizeof(float) <= KVI__SCAN_SMEM;
@@ -694,7 +694,7 @@ static void make_layout(layout *l, const kvi_store *s, const plan *p, int32_t nq
   if (host_queries) o = align256(o + (size_t)nq * s->emb_dim * kvi__dtype_size(qt));
   l->upload = o;
   l->pairs = (size_t)nq * k + p->cand_pairs;
-  l->o_q = o, o = align256(o + (size_t)nq * s->emb_ld * kvi__dtype_size(s->emb_dtype));
+  l->o_q = o, o = align256(o + (size_t)nq * s->emb.ld * kvi__dtype_size(s->emb.dtype));
   l->o_valid = o, o = align256(o + (size_t)nq * sizeof(int32_t));
   l->o_ps = o, o = align256(o + l->pairs * sizeof(float));
   l->o_pi = o, o = align256(o + l->pairs * sizeof(uint64_t));
@@ -746,13 +746,13 @@ static kvi_status enqueue(kvi_store *s, const plan *p, const layout *l, const vo
   char *ws = x->ws;
   kvi__search_args a;
   memset(&a, 0, sizeof a);
-  a.dtype = (int32_t)s->emb_dtype;
+  a.dtype = (int32_t)s->emb.dtype;
   a.dim = s->emb_dim;
-  a.ld = s->emb_ld;
+  a.ld = s->emb.ld;
   a.k = k;
   a.raw = raw;
   a.raw_dtype = (int32_t)qt;
-  a.cosine = s->metric == KVI_METRIC_COSINE;
+  a.cosine = s->emb.metric == KVI_METRIC_COSINE;
   a.perm = (const int32_t *)(ws + l->o_perm);
   a.nq = nq;
   a.q = ws + l->o_q;
@@ -769,7 +769,7 @@ static kvi_status enqueue(kvi_store *s, const plan *p, const layout *l, const vo
   const kvi__stile *tiles = (const kvi__stile *)(ws + l->o_tiles);
   const kvi__sblock *blocks = (const kvi__sblock *)(ws + l->o_blocks);
   const kvi__sel *sels = (const kvi__sel *)(ws + l->o_sels);
-  const size_t es = kvi__dtype_size(s->emb_dtype);
+  const size_t es = kvi__dtype_size(s->emb.dtype);
   kvi_status st = KVI_OK;
   LAUNCH(kvi__cuda_search_prep(&a, stream), "search prep kernel");
   for (size_t r = 0; r < p->nrounds && st == KVI_OK; r++) {
@@ -784,8 +784,8 @@ static kvi_status enqueue(kvi_store *s, const plan *p, const layout *l, const vo
     for (size_t i = rd->t0; i < rd->t1 && st == KVI_OK; i++) {
       const ptile *pt = &p->tiles[i];
       if (!pt->gemm) continue;
-      st = kvi__lt_scores(x->lt, s->emb_dtype, pt->d.mat, s->emb_ld, ws + l->o_q + (size_t)pt->d.q0 * s->emb_ld * es,
-                          s->emb_ld, a.scores + pt->d.off, pt->d.sld, pt->d.nf, pt->d.qn, s->emb_ld, ws + l->o_lt,
+      st = kvi__lt_scores(x->lt, s->emb.dtype, pt->d.mat, s->emb.ld, ws + l->o_q + (size_t)pt->d.q0 * s->emb.ld * es,
+                          s->emb.ld, a.scores + pt->d.off, pt->d.sld, pt->d.nf, pt->d.qn, s->emb.ld, ws + l->o_lt,
                           LT_WS, stream, fn);
     }
     a.sels = sels + rd->s0;
@@ -818,8 +818,8 @@ static kvi_status cuda_search(kvi_store *s, const void *queries, kvi_dtype qt, k
   kvi__ring_slot *sl = NULL;
   bool enqueued = false;
   if (!locked) kvi__store_lock(s);
-  if (s->emb_err) {
-    st = kvi__fail(s->emb_err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb_err_msg);
+  if (s->emb.err) {
+    st = kvi__fail(s->emb.err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb.err_msg);
     goto out_unlock;
   }
   if ((st = search_state(s, fn))) goto out_record;
@@ -835,7 +835,7 @@ static kvi_status cuda_search(kvi_store *s, const void *queries, kvi_dtype qt, k
 
   /* enqueue: after the last change to the embeddings and the previous search */
   enqueued = true;
-  if (s->emb_ready_recorded) st = kvi__cuda_stream_wait(stream, s->emb_ready, fn);
+  if (s->emb.ready_recorded) st = kvi__cuda_stream_wait(stream, s->emb.ready, fn);
   if (st == KVI_OK && x->done_recorded) st = kvi__cuda_stream_wait(stream, x->done, fn);
   if (st == KVI_OK && l.ws > x->ws_bytes) { /* the previous search is done with the old one in stream order */
     st = kvi__cuda_free_async(x->ws, stream, fn);
@@ -868,7 +868,7 @@ out_record:
     kvi_status s2 = kvi__cuda_event_record(x2->done, stream, fn);
     if (s2 == KVI_OK) {
       x2->done_recorded = true;
-      s2 = kvi__cuda_stream_wait(s->emb_stream, x2->done, fn);
+      s2 = kvi__cuda_stream_wait(s->emb.stream, x2->done, fn);
     }
     if (st == KVI_OK) st = s1 ? s1 : s2;
   }

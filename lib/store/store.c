@@ -255,10 +255,10 @@ static void release_memory(kvi_store *s, bool device_ok) {
       kvi__ring_destroy(&s->staging, "kvi_store_destroy");
       kvi__cuda_stream_destroy(s->copy_stream);
       kvi__events_destroy(&s->track);
-      if (s->emb_stream) kvi__cuda_sync(s->emb_stream, "kvi_store_destroy");
-      kvi__ring_destroy(&s->emb_stage, "kvi_store_destroy");
-      kvi__cuda_event_destroy(s->emb_ready);
-      kvi__cuda_stream_destroy(s->emb_stream);
+      if (s->emb.stream) kvi__cuda_sync(s->emb.stream, "kvi_store_destroy");
+      kvi__ring_destroy(&s->emb.stage, "kvi_store_destroy");
+      kvi__cuda_event_destroy(s->emb.ready);
+      kvi__cuda_stream_destroy(s->emb.stream);
     }
   } else {
     free(s->pool.dev.base);
@@ -274,9 +274,9 @@ static void release_memory(kvi_store *s, bool device_ok) {
   s->tier.prefetch_ev = NULL;
   memset(&s->staging, 0, sizeof s->staging);
   s->copy_stream = NULL;
-  memset(&s->emb_stage, 0, sizeof s->emb_stage);
-  s->emb_ready = NULL;
-  s->emb_stream = NULL;
+  memset(&s->emb.stage, 0, sizeof s->emb.stage);
+  s->emb.ready = NULL;
+  s->emb.stream = NULL;
 }
 
 static kvi_status reserve_memory(kvi_store *s, const char *fn) {
@@ -298,9 +298,9 @@ static kvi_status reserve_memory(kvi_store *s, const char *fn) {
     st = kvi__ring_init(&s->staging, 1, (size_t)s->staging_pages * s->page_bytes, 0, fn);
   if (st == KVI_OK) st = kvi__cuda_stream_create(&s->copy_stream, fn);
   if (st == KVI_OK) st = kvi__events_init(&s->track, KVI__TRACK_EVENTS, fn);
-  if (st == KVI_OK && s->emb_dim > 0) st = kvi__cuda_stream_create(&s->emb_stream, fn);
-  if (st == KVI_OK && s->emb_dim > 0) st = kvi__ring_init(&s->emb_stage, 1, 0, KVI__RING_GROW, fn);
-  if (st == KVI_OK && s->emb_dim > 0) st = kvi__cuda_event_create(&s->emb_ready, fn);
+  if (st == KVI_OK && s->emb_dim > 0) st = kvi__cuda_stream_create(&s->emb.stream, fn);
+  if (st == KVI_OK && s->emb_dim > 0) st = kvi__ring_init(&s->emb.stage, 1, 0, KVI__RING_GROW, fn);
+  if (st == KVI_OK && s->emb_dim > 0) st = kvi__cuda_event_create(&s->emb.ready, fn);
   const uint64_t hbytes = (uint64_t)s->pool.host.npages * s->page_bytes;
   if (st == KVI_OK && s->pool.host.npages > 0) {
     if (hbytes > SIZE_MAX) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "%llu bytes of host pages", (unsigned long long)hbytes);
@@ -401,14 +401,14 @@ static void set_fields(kvi_store *s, const kvi_store_options *o, const kvi__geom
   s->dtype = o->dtype;
   s->P = o->page_tokens;
   s->emb_dim = o->embedding_dim;
-  s->emb_dtype = o->embedding_dtype;
-  s->metric = o->metric;
-  s->emb_ld = o->embedding_dim;
+  s->emb.dtype = o->embedding_dtype;
+  s->emb.metric = o->metric;
+  s->emb.ld = o->embedding_dim;
   if (s->backend == KVI_BACKEND_CUDA) { /* rows start on 16-byte boundaries: vector loads, GEMM alignment */
     const int32_t per16 = (int32_t)(16 / kvi__dtype_size(o->embedding_dtype));
-    s->emb_ld = (o->embedding_dim + per16 - 1) / per16 * per16;
+    s->emb.ld = (o->embedding_dim + per16 - 1) / per16 * per16;
   }
-  s->stage_row_bytes = (size_t)s->emb_ld * kvi__dtype_size(o->embedding_dtype); /* a multiple of 16 on a CUDA store */
+  s->emb.stage_row_bytes = (size_t)s->emb.ld * kvi__dtype_size(o->embedding_dtype); /* a multiple of 16 on a CUDA store */
   s->page_elems = pl->page_elems;
   s->page_bytes = pl->page_bytes;
   s->fp8 = pl->fp8;
@@ -420,7 +420,7 @@ static void set_fields(kvi_store *s, const kvi_store_options *o, const kvi__geom
   s->pool.host.npages = (uint32_t)pl->hpages;
   s->pool.host.nfree = (uint32_t)pl->hpages;
   /* a tiered store moves facts between pools: its page ids are the host's to know */
-  s->dir_on = s->backend == KVI_BACKEND_CUDA && s->emb_dim > 0 && pl->hpages == 0;
+  s->emb.dir_on = s->backend == KVI_BACKEND_CUDA && s->emb_dim > 0 && pl->hpages == 0;
   s->shard.size = 1;
 }
 
@@ -559,10 +559,10 @@ static kvi_status read_embedding(const kvi_store *s, const void *embedding, kvi_
       if (!isfinite(e[i]))
         st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "embedding[%zu] is %g; embeddings must be finite", i, (double)e[i]);
     const int64_t bad =
-        st == KVI_OK ? kvi__emb_prepare(e, s->emb_dim, s->emb_dtype, metric) : -1;
+        st == KVI_OK ? kvi__emb_prepare(e, s->emb_dim, s->emb.dtype, metric) : -1;
     if (bad >= 0)
       st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "embedding[%lld] is %g, too large for the store's %s embeddings",
-                     (long long)bad, (double)kvi__load(src, dtype, bad), kvi__dtype_name(s->emb_dtype));
+                     (long long)bad, (double)kvi__load(src, dtype, bad), kvi__dtype_name(s->emb.dtype));
   }
   free(raw);
   if (st) {
@@ -575,7 +575,7 @@ static kvi_status read_embedding(const kvi_store *s, const void *embedding, kvi_
 
 kvi_status kvi__store_read_embedding(const kvi_store *s, const void *embedding, kvi_dtype dtype, kvi_memory memory,
                                      struct CUstream_st *stream, float **out, const char *fn) {
-  return read_embedding(s, embedding, dtype, memory, s->metric, stream, out, fn);
+  return read_embedding(s, embedding, dtype, memory, s->emb.metric, stream, out, fn);
 }
 
 kvi_status kvi__store_kept_embedding(const kvi_store *s, const float *embedding, float **out, const char *fn) {
@@ -604,19 +604,19 @@ int64_t kvi__emb_prepare(float *x, int32_t n, kvi_dtype t, kvi_metric metric) {
 
 static const char emb_fn[] = "kvi_store (device embeddings)";
 
-static size_t row_bytes(const kvi_store *s) { return (size_t)s->emb_ld * kvi__dtype_size(s->emb_dtype); }
+static size_t row_bytes(const kvi_store *s) { return (size_t)s->emb.ld * kvi__dtype_size(s->emb.dtype); }
 
 /* Keeps the first failure to change device embeddings: later searches report it. */
 static void emb_latch(kvi_store *s, kvi_status st) {
-  if (st == KVI_OK || s->emb_err != KVI_OK) return;
-  s->emb_err = st;
-  snprintf(s->emb_err_msg, sizeof s->emb_err_msg, "%s", kvi__last_error());
+  if (st == KVI_OK || s->emb.err != KVI_OK) return;
+  s->emb.err = st;
+  snprintf(s->emb.err_msg, sizeof s->emb.err_msg, "%s", kvi__last_error());
 }
 
 /* Enqueued changes become visible to searches enqueued from now on. */
 static kvi_status emb_publish(kvi_store *s) {
-  kvi_status st = kvi__cuda_event_record(s->emb_ready, s->emb_stream, emb_fn);
-  if (st == KVI_OK) s->emb_ready_recorded = true;
+  kvi_status st = kvi__cuda_event_record(s->emb.ready, s->emb.stream, emb_fn);
+  if (st == KVI_OK) s->emb.ready_recorded = true;
   return st;
 }
 
@@ -629,16 +629,16 @@ static uint64_t row_cost(const kvi_store *s, const tenant *t) {
 /* device_ok: the device is current (else a CUDA store's matrices are left). */
 static void emb_free(kvi_store *s, tenant *t, bool device_ok) {
   if (s->backend == KVI_BACKEND_CUDA && (t->emb || t->ids || t->dir)) {
-    if (device_ok) { /* stream-ordered: after every search that was enqueued before (emb_stream waits for them) */
+    if (device_ok) { /* stream-ordered: after every search that was enqueued before (emb.stream waits for them) */
       emb_flush(s);
-      emb_latch(s, kvi__cuda_free_async(t->emb, s->emb_stream, emb_fn));
-      emb_latch(s, kvi__cuda_free_async(t->ids, s->emb_stream, emb_fn));
-      emb_latch(s, kvi__cuda_free_async(t->dir, s->emb_stream, emb_fn));
+      emb_latch(s, kvi__cuda_free_async(t->emb, s->emb.stream, emb_fn));
+      emb_latch(s, kvi__cuda_free_async(t->ids, s->emb.stream, emb_fn));
+      emb_latch(s, kvi__cuda_free_async(t->dir, s->emb.stream, emb_fn));
     }
   } else {
     free(t->emb);
   }
-  s->emb_bytes -= (uint64_t)t->cap * row_cost(s, t);
+  s->emb.bytes -= (uint64_t)t->cap * row_cost(s, t);
   free(t->rows);
   t->emb = NULL;
   t->ids = NULL;
@@ -650,7 +650,7 @@ static void emb_free(kvi_store *s, tenant *t, bool device_ok) {
 
 /* Device matrix of `cap` rows and directory rows of `stride` words: new
  * allocations, the live rows copied over, the old ones freed, all on
- * emb_stream. */
+ * emb.stream. */
 static kvi_status emb_grow_device(kvi_store *s, tenant *t, size_t cap, int32_t stride, const char *fn) {
   emb_flush(s);
   const bool same = cap == t->cap; /* only the directory's rows grow */
@@ -659,26 +659,26 @@ static kvi_status emb_grow_device(kvi_store *s, tenant *t, size_t cap, int32_t s
   const size_t db = same && stride == t->dir_stride ? 0 : (size_t)stride * sizeof(uint32_t); /* 0: no new directory */
   void *e = NULL, *ids = NULL, *dir = NULL;
   kvi_status st = KVI_OK;
-  if (!same) st = kvi__cuda_malloc_async(&e, cap * rb, s->emb_stream, fn);
-  if (st == KVI_OK && !same) st = kvi__cuda_malloc_async(&ids, cap * sizeof(uint64_t), s->emb_stream, fn);
-  if (st == KVI_OK && db) st = kvi__cuda_malloc_async(&dir, cap * db, s->emb_stream, fn);
-  if (st == KVI_OK && !same && t->nrows > 0) st = kvi__cuda_d2d(e, t->emb, t->nrows * rb, s->emb_stream, fn);
+  if (!same) st = kvi__cuda_malloc_async(&e, cap * rb, s->emb.stream, fn);
+  if (st == KVI_OK && !same) st = kvi__cuda_malloc_async(&ids, cap * sizeof(uint64_t), s->emb.stream, fn);
+  if (st == KVI_OK && db) st = kvi__cuda_malloc_async(&dir, cap * db, s->emb.stream, fn);
+  if (st == KVI_OK && !same && t->nrows > 0) st = kvi__cuda_d2d(e, t->emb, t->nrows * rb, s->emb.stream, fn);
   if (st == KVI_OK && !same && t->nrows > 0)
-    st = kvi__cuda_d2d(ids, t->ids, t->nrows * sizeof(uint64_t), s->emb_stream, fn);
-  if (st == KVI_OK && db && odb && t->nrows > 0) st = kvi__cuda_copy2d(dir, db, t->dir, odb, odb, t->nrows, s->emb_stream, fn);
+    st = kvi__cuda_d2d(ids, t->ids, t->nrows * sizeof(uint64_t), s->emb.stream, fn);
+  if (st == KVI_OK && db && odb && t->nrows > 0) st = kvi__cuda_copy2d(dir, db, t->dir, odb, odb, t->nrows, s->emb.stream, fn);
   if (st != KVI_OK) {
     if (st == KVI_ERR_OUT_OF_MEMORY)
       kvi__fail(st, fn, "growing tenant %llu's embeddings to %zu rows (%zu bytes of device memory)",
                 (unsigned long long)t->id, cap, cap * (rb + sizeof(uint64_t) + db));
-    kvi_status st2 = kvi__cuda_free_async(e, s->emb_stream, fn);
-    if (st2 == KVI_OK) st2 = kvi__cuda_free_async(ids, s->emb_stream, fn);
-    if (st2 == KVI_OK) st2 = kvi__cuda_free_async(dir, s->emb_stream, fn);
+    kvi_status st2 = kvi__cuda_free_async(e, s->emb.stream, fn);
+    if (st2 == KVI_OK) st2 = kvi__cuda_free_async(ids, s->emb.stream, fn);
+    if (st2 == KVI_OK) st2 = kvi__cuda_free_async(dir, s->emb.stream, fn);
     emb_latch(s, st2);
     return st;
   }
-  if (!same) st = kvi__cuda_free_async(t->emb, s->emb_stream, fn);
-  if (st == KVI_OK && !same) st = kvi__cuda_free_async(t->ids, s->emb_stream, fn);
-  if (st == KVI_OK && db) st = kvi__cuda_free_async(t->dir, s->emb_stream, fn);
+  if (!same) st = kvi__cuda_free_async(t->emb, s->emb.stream, fn);
+  if (st == KVI_OK && !same) st = kvi__cuda_free_async(t->ids, s->emb.stream, fn);
+  if (st == KVI_OK && db) st = kvi__cuda_free_async(t->dir, s->emb.stream, fn);
   if (st == KVI_OK) st = emb_publish(s);
   emb_latch(s, st); /* the new arrays hold the rows either way */
   if (!same) t->emb = e, t->ids = ids;
@@ -686,7 +686,7 @@ static kvi_status emb_grow_device(kvi_store *s, tenant *t, size_t cap, int32_t s
   return KVI_OK;
 }
 
-/* Room for `need` rows, and directory rows of `stride` words (dir_on). */
+/* Room for `need` rows, and directory rows of `stride` words (emb.dir_on). */
 static kvi_status emb_grow(kvi_store *s, tenant *t, size_t need, int32_t stride, const char *fn) {
   size_t cap = t->cap ? t->cap : 16;
   while (cap < need) cap *= 2;
@@ -707,31 +707,31 @@ static kvi_status emb_grow(kvi_store *s, tenant *t, size_t need, int32_t stride,
     t->emb = e;
   }
   t->cap = cap;
-  s->emb_bytes += (uint64_t)cap * row_cost(s, t) - cost0;
+  s->emb.bytes += (uint64_t)cap * row_cost(s, t) - cost0;
   return KVI_OK;
 }
 
 /* Staging of one fact's embedding row (kernels.h, kvi__emb_rows_args): its
- * entry, the row, and with dir_on its directory row; each a multiple of 16. */
+ * entry, the row, and with emb.dir_on its directory row; each a multiple of 16. */
 static size_t stage_fact_bytes(const kvi_store *s, int32_t tokens) {
-  size_t b = sizeof(kvi__row_entry) + s->stage_row_bytes;
-  if (s->dir_on) b += ((size_t)(1 + pages_for(s, tokens)) * sizeof(uint32_t) + 15) & ~(size_t)15;
+  size_t b = sizeof(kvi__row_entry) + s->emb.stage_row_bytes;
+  if (s->emb.dir_on) b += ((size_t)(1 + pages_for(s, tokens)) * sizeof(uint32_t) + 15) & ~(size_t)15;
   return b;
 }
 
 _Static_assert(sizeof(kvi__row_entry) % 16 == 0, "staged rows stay 16-byte aligned");
 
 /* The slot's bytes staged since it was acquired: entries from its start, rows from its end. */
-static size_t stage_in_use(const kvi_store *s) { return (size_t)s->stage_ent * sizeof(kvi__row_entry) + s->stage_top; }
+static size_t stage_in_use(const kvi_store *s) { return (size_t)s->emb.stage_ent * sizeof(kvi__row_entry) + s->emb.stage_top; }
 
 /* Promises `bytes` of the pinned staging ring to the current call. */
 static kvi_status stage_reserve(kvi_store *s, size_t bytes, const char *fn) {
-  if (stage_in_use(s) + s->stage_reserved + bytes <= s->stage_cap) {
-    s->stage_reserved += bytes;
+  if (stage_in_use(s) + s->emb.stage_reserved + bytes <= s->emb.stage_cap) {
+    s->emb.stage_reserved += bytes;
     return KVI_OK;
   }
-  const size_t want = s->stage_reserved + bytes;
-  size_t cap = s->stage_cap;
+  const size_t want = s->emb.stage_reserved + bytes;
+  size_t cap = s->emb.stage_cap;
   if (want > cap) {
     if (want > UINT32_MAX / 2)
       return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%zu bytes of embedding staging in one call (at most %u)", want,
@@ -742,25 +742,25 @@ static kvi_status stage_reserve(kvi_store *s, size_t bytes, const char *fn) {
   emb_flush(s); /* nothing is staged between calls; if it were, it would go first */
   kvi__ring_slot *sl;
   /* waits for the launches that read the slot; grows it */
-  kvi_status st = kvi__ring_acquire(&s->emb_stage, cap, NULL, &sl, fn);
+  kvi_status st = kvi__ring_acquire(&s->emb.stage, cap, NULL, &sl, fn);
   if (st) return st;
-  s->stage_ent = s->stage_sent = 0;
-  s->stage_top = 0;
-  s->stage_cap = cap;
-  s->stage_reserved += bytes;
+  s->emb.stage_ent = s->emb.stage_sent = 0;
+  s->emb.stage_top = 0;
+  s->emb.stage_cap = cap;
+  s->emb.stage_reserved += bytes;
   return KVI_OK;
 }
 
 /* Makes room for `n` more embedding rows in tenant_id's matrix (and, on a
- * CUDA store, their staging; with dir_on, directory rows for facts of
+ * CUDA store, their staging; with emb.dir_on, directory rows for facts of
  * up to `tokens` tokens), creating the tenant without facts if it is new.
  * No-op for a store without embeddings. A transaction that then fails calls
  * unreserve_rows for each of those tenants, so that no empty tenant stays
  * behind. The room that was made stays (as a hash map's). */
 static kvi_status reserve_rows(kvi_store *s, uint64_t tenant_id, size_t n, int32_t tokens, const char *fn) {
   if (s->emb_dim == 0 || n == 0) return KVI_OK;
-  if (s->emb_err)
-    return kvi__fail(s->emb_err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb_err_msg);
+  if (s->emb.err)
+    return kvi__fail(s->emb.err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb.err_msg);
   tenant *t = kvi__map_get(&s->index.tenants, tenant_id, 0);
   kvi_status st;
   if (!t) {
@@ -770,7 +770,7 @@ static kvi_status reserve_rows(kvi_store *s, uint64_t tenant_id, size_t n, int32
     kvi__map_put(&s->index.tenants, tenant_id, 0, t); /* empty until commit; unreserve_rows drops it */
   }
   /* a directory row: the token count, then the page ids */
-  const int32_t stride = s->dir_on ? 1 + (int32_t)pages_for(s, tokens) : 0;
+  const int32_t stride = s->emb.dir_on ? 1 + (int32_t)pages_for(s, tokens) : 0;
   if ((t->nrows + t->pending + n > t->cap || stride > t->dir_stride) &&
       (st = emb_grow(s, t, t->nrows + t->pending + n, stride, fn)))
     return st;
@@ -781,7 +781,7 @@ static kvi_status reserve_rows(kvi_store *s, uint64_t tenant_id, size_t n, int32
 
 static void unreserve_rows(kvi_store *s, uint64_t tenant_id) {
   if (s->emb_dim == 0) return;
-  s->stage_reserved = 0;
+  s->emb.stage_reserved = 0;
   tenant *t = kvi__map_get(&s->index.tenants, tenant_id, 0);
   if (!t) return;
   t->pending = 0;
@@ -793,45 +793,45 @@ static void unreserve_rows(kvi_store *s, uint64_t tenant_id) {
 }
 
 /* Enqueues the rows staged since the last flush (one launch reads them in
- * place), then the slot's event and emb_ready. Every other change to a
- * device matrix flushes first, so that emb_stream keeps the order of the
+ * place), then the slot's event and emb.ready. Every other change to a
+ * device matrix flushes first, so that emb.stream keeps the order of the
  * changes. */
 static void emb_flush(kvi_store *s) {
-  if (s->stage_sent == s->stage_ent) return;
-  kvi__ring_slot *sl = &s->emb_stage.slot[0];
+  if (s->emb.stage_sent == s->emb.stage_ent) return;
+  kvi__ring_slot *sl = &s->emb.stage.slot[0];
   kvi__emb_rows_args a;
-  a.entries = (const kvi__row_entry *)sl->host + s->stage_sent;
+  a.entries = (const kvi__row_entry *)sl->host + s->emb.stage_sent;
   a.src = sl->host;
-  a.n = (int32_t)(s->stage_ent - s->stage_sent);
-  s->stage_sent = s->stage_ent;
+  a.n = (int32_t)(s->emb.stage_ent - s->emb.stage_sent);
+  s->emb.stage_sent = s->emb.stage_ent;
 #ifdef KVI_HAVE_CUDA
-  const int err = kvi__cuda_emb_rows_set(&a, s->emb_stream);
+  const int err = kvi__cuda_emb_rows_set(&a, s->emb.stream);
   kvi_status st = err ? kvi__cuda_error(err, emb_fn, "embedding rows kernel launch") : KVI_OK;
 #else
   (void)a;
   kvi_status st = kvi__fail(KVI_ERR_NOT_BUILT, emb_fn, "libkvinject was built without CUDA");
 #endif
-  if (st == KVI_OK) st = kvi__ring_record(sl, s->emb_stream, emb_fn); /* the slot's reuse waits */
+  if (st == KVI_OK) st = kvi__ring_record(sl, s->emb.stream, emb_fn); /* the slot's reuse waits */
   if (st == KVI_OK) st = emb_publish(s);
   emb_latch(s, st);
 }
 
-/* Stages f's row r of t on a CUDA store: the embedding e, its id and (dir_on)
+/* Stages f's row r of t on a CUDA store: the embedding e, its id and (emb.dir_on)
  * its directory row, written by the next emb_flush. */
 static void emb_stage_row(kvi_store *s, tenant *t, const fact *f, size_t r, const float *e) {
   const size_t need = stage_fact_bytes(s, f->tokens), rb = row_bytes(s);
-  s->stage_reserved = s->stage_reserved > need ? s->stage_reserved - need : 0;
-  if (stage_in_use(s) + need > s->stage_cap) { /* reserve_rows was not called: a bug */
+  s->emb.stage_reserved = s->emb.stage_reserved > need ? s->emb.stage_reserved - need : 0;
+  if (stage_in_use(s) + need > s->emb.stage_cap) { /* reserve_rows was not called: a bug */
     emb_latch(s, kvi__fail(KVI_ERR_INTERNAL, emb_fn, "fact %llu committed without reserved staging",
                            (unsigned long long)f->id));
     return;
   }
-  kvi__ring_slot *sl = &s->emb_stage.slot[0];
-  kvi__row_entry *en = (kvi__row_entry *)sl->host + s->stage_ent++;
-  s->stage_top += need - sizeof *en;
-  char *row = sl->host + s->stage_cap - s->stage_top;
+  kvi__ring_slot *sl = &s->emb.stage.slot[0];
+  kvi__row_entry *en = (kvi__row_entry *)sl->host + s->emb.stage_ent++;
+  s->emb.stage_top += need - sizeof *en;
+  char *row = sl->host + s->emb.stage_cap - s->emb.stage_top;
   memset(row, 0, rb); /* the padding elements */
-  kvi__convert(row, s->emb_dtype, e, KVI_DTYPE_FP32, s->emb_dim);
+  kvi__convert(row, s->emb.dtype, e, KVI_DTYPE_FP32, s->emb_dim);
   en->emb = (char *)t->emb + r * rb;
   en->ids = t->ids + r;
   en->id = f->id;
@@ -839,7 +839,7 @@ static void emb_stage_row(kvi_store *s, tenant *t, const fact *f, size_t r, cons
   en->emb_bytes = (uint32_t)rb;
   en->dir = NULL;
   en->dir_src = en->dir_words = 0;
-  if (s->dir_on) { /* the token count, then the page ids */
+  if (s->emb.dir_on) { /* the token count, then the page ids */
     uint32_t *w = (uint32_t *)(row + rb);
     w[0] = (uint32_t)f->tokens;
     memcpy(w + 1, f->pages, (size_t)f->npages * sizeof *w);
@@ -863,7 +863,7 @@ static void emb_append(kvi_store *s, tenant *t, fact *f, const float *e, size_t 
   const size_t r = reuse != SIZE_MAX ? reuse : t->nrows++, rb = row_bytes(s);
   t->rows[r] = f;
   f->row = r;
-  if (s->backend == KVI_BACKEND_CPU) kvi__convert((char *)t->emb + r * rb, s->emb_dtype, e, KVI_DTYPE_FP32, s->emb_dim);
+  if (s->backend == KVI_BACKEND_CPU) kvi__convert((char *)t->emb + r * rb, s->emb.dtype, e, KVI_DTYPE_FP32, s->emb_dim);
   else emb_stage_row(s, t, f, r, e);
 }
 
@@ -881,11 +881,11 @@ static void emb_remove(kvi_store *s, tenant *t, fact *f) {
       memcpy((char *)t->emb + r * rb, (char *)t->emb + last * rb, rb);
     } else {
       emb_flush(s); /* the last row may be staged */
-      kvi_status st = kvi__cuda_d2d((char *)t->emb + r * rb, (char *)t->emb + last * rb, rb, s->emb_stream, emb_fn);
-      if (st == KVI_OK) st = kvi__cuda_d2d(t->ids + r, t->ids + last, sizeof(uint64_t), s->emb_stream, emb_fn);
+      kvi_status st = kvi__cuda_d2d((char *)t->emb + r * rb, (char *)t->emb + last * rb, rb, s->emb.stream, emb_fn);
+      if (st == KVI_OK) st = kvi__cuda_d2d(t->ids + r, t->ids + last, sizeof(uint64_t), s->emb.stream, emb_fn);
       if (st == KVI_OK && t->dir)
         st = kvi__cuda_d2d(t->dir + r * (size_t)t->dir_stride, t->dir + last * (size_t)t->dir_stride,
-                           (size_t)t->dir_stride * sizeof(uint32_t), s->emb_stream, emb_fn);
+                           (size_t)t->dir_stride * sizeof(uint32_t), s->emb.stream, emb_fn);
       if (st == KVI_OK) st = emb_publish(s);
       emb_latch(s, st);
     }
@@ -1376,7 +1376,7 @@ static void commit_fact(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, t
     } else { /* checked, and kept by another rank: give back the row reserved for it */
       t->pending--;
       const size_t b = s->backend == KVI_BACKEND_CUDA ? stage_fact_bytes(s, tokens) : 0;
-      s->stage_reserved = s->stage_reserved > b ? s->stage_reserved - b : 0;
+      s->emb.stage_reserved = s->emb.stage_reserved > b ? s->emb.stage_reserved - b : 0;
     }
   }
   free(*emb);
@@ -1746,13 +1746,13 @@ kvi_status kvi__store_get_embedding(const kvi_store *store, uint64_t tenant_id, 
   } else if (f->row == SIZE_MAX) {
     st = kvi__fail(KVI_ERR_INTERNAL, fn, "fact %llu has no embedding row", (unsigned long long)fact_id);
   } else if (s->backend == KVI_BACKEND_CPU) {
-    kvi__convert(out, KVI_DTYPE_FP32, (const char *)f->owner->emb + f->row * rb, s->emb_dtype, s->emb_dim);
-  } else if (s->emb_err) {
-    st = kvi__fail(s->emb_err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb_err_msg);
+    kvi__convert(out, KVI_DTYPE_FP32, (const char *)f->owner->emb + f->row * rb, s->emb.dtype, s->emb_dim);
+  } else if (s->emb.err) {
+    st = kvi__fail(s->emb.err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb.err_msg);
   } else {
-    st = kvi__cuda_d2h(tmp, (const char *)f->owner->emb + f->row * rb, rb, s->emb_stream, fn);
-    if (st == KVI_OK) st = kvi__cuda_sync(s->emb_stream, fn);
-    if (st == KVI_OK) kvi__convert(out, KVI_DTYPE_FP32, tmp, s->emb_dtype, s->emb_dim);
+    st = kvi__cuda_d2h(tmp, (const char *)f->owner->emb + f->row * rb, rb, s->emb.stream, fn);
+    if (st == KVI_OK) st = kvi__cuda_sync(s->emb.stream, fn);
+    if (st == KVI_OK) kvi__convert(out, KVI_DTYPE_FP32, tmp, s->emb.dtype, s->emb_dim);
   }
   kvi__store_unlock(s);
   free(tmp);
@@ -1764,16 +1764,16 @@ kvi_status kvi__store_fact_embedding(const kvi_store *s, const struct fact *f, f
   const size_t rb = row_bytes(s);
   const char *row = (const char *)f->owner->emb + f->row * rb;
   if (s->backend == KVI_BACKEND_CPU) {
-    kvi__convert(out, KVI_DTYPE_FP32, row, s->emb_dtype, s->emb_dim);
+    kvi__convert(out, KVI_DTYPE_FP32, row, s->emb.dtype, s->emb_dim);
     return KVI_OK;
   }
-  if (s->emb_err)
-    return kvi__fail(s->emb_err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb_err_msg);
+  if (s->emb.err)
+    return kvi__fail(s->emb.err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb.err_msg);
   void *tmp = malloc(rb);
   if (!tmp) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes", rb);
-  kvi_status st = kvi__cuda_d2h(tmp, row, rb, s->emb_stream, fn);
-  if (st == KVI_OK) st = kvi__cuda_sync(s->emb_stream, fn);
-  if (st == KVI_OK) kvi__convert(out, KVI_DTYPE_FP32, tmp, s->emb_dtype, s->emb_dim);
+  kvi_status st = kvi__cuda_d2h(tmp, row, rb, s->emb.stream, fn);
+  if (st == KVI_OK) st = kvi__cuda_sync(s->emb.stream, fn);
+  if (st == KVI_OK) kvi__convert(out, KVI_DTYPE_FP32, tmp, s->emb.dtype, s->emb_dim);
   free(tmp);
   return st;
 }
@@ -1848,7 +1848,7 @@ kvi_status kvi__store_stats_get(const kvi_store *store, kvi_store_stats *out, co
   const uint64_t token_bytes = store->page_elems / (uint64_t)store->P * kvi__dtype_size(store->dtype);
   s.bytes_payload = store->index.tokens_stored * token_bytes +
                     store->index.pages_stored * (store->page_bytes - (uint64_t)store->P * token_bytes);
-  s.bytes_embeddings = store->emb_bytes;
+  s.bytes_embeddings = store->emb.bytes;
   kvi__store_unlock(store);
   s.bytes_reserved = s.pages_total * s.page_bytes;
   s.bytes_used = s.pages_used * s.page_bytes;

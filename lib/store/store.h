@@ -57,9 +57,9 @@ typedef struct fact {
 } fact;
 
 /* A tenant's embeddings (stores with embedding_dim > 0): row r < nrows of the
- * [cap][emb_ld] matrix `emb` (emb_dtype, padding elements zero) is the
+ * [cap][emb.ld] matrix `emb` (emb.dtype, padding elements zero) is the
  * embedding of fact rows[r], and ids[r] == rows[r]->id. A CUDA store keeps
- * emb and ids in device memory, changed only on the store's emb_stream; a
+ * emb and ids in device memory, changed only on the store's emb.stream; a
  * CPU store keeps emb in host memory and no ids (rows[r]->id). Removing a
  * fact moves the last row into its place. */
 struct tenant {
@@ -75,7 +75,7 @@ struct tenant {
   size_t cap;     /* rows allocated */
   size_t pending; /* rows reserved by the call holding the lock (reserve_rows, a transaction) */
   int32_t max_tokens; /* the largest fact it has held (never lowered) */
-  /* The directory of a store with dir_on (kernels.h, kvi__rquery): [cap] rows
+  /* The directory of a store with emb.dir_on (kernels.h, kvi__rquery): [cap] rows
    * of dir_stride words, in device memory, changed with the matrix. */
   uint32_t *dir;
   int32_t dir_stride;
@@ -113,6 +113,35 @@ typedef struct kvi__store_tier {
   bool move_pending;
   struct CUevent_st *prefetch_ev; /* orders a prefetch after its caller's stream */
 } kvi__store_tier;
+
+/* The embedding state of a store with embeddings (see struct tenant;
+ * store.c alone changes it). ld is emb_dim rounded up to 16 bytes on a CUDA
+ * store. On a CUDA store every change to a device matrix is enqueued on
+ * `stream`, which first waits for every reader enqueued before it (search.c,
+ * transfer.c), and `ready` is recorded after it; a reader waits for `ready`.
+ * New rows (with their ids and directory rows) are staged in `stage`, a
+ * staging ring of one slot of stage_cap bytes: stage_ent entries from its
+ * start, stage_top bytes of rows from its end, stage_reserved bytes promised
+ * to the call holding the lock; a commit's rows [stage_sent, stage_ent) go in
+ * one launch at its end (emb_flush), and the slot's event follows the latest
+ * launch. A failure to enqueue such a change (a dead context, in practice) is
+ * latched in `err` and fails every later reader. */
+typedef struct kvi__store_emb {
+  kvi_dtype dtype;
+  kvi_metric metric;
+  bool dir_on;      /* tenants keep a device directory: a CUDA store with embeddings and no host tier */
+  int32_t ld;
+  uint64_t bytes;   /* capacity of every matrix and id array */
+  struct CUstream_st *stream;
+  struct CUevent_st *ready;
+  bool ready_recorded;
+  kvi__ring stage;
+  size_t stage_row_bytes;
+  size_t stage_cap, stage_top, stage_reserved;
+  uint32_t stage_ent, stage_sent;
+  kvi_status err;
+  char err_msg[256];
+} kvi__store_emb;
 
 /* Tensor parallelism (set by shard.c at creation): the communicator (or
  * NULL), this rank and the group's size (0 and 1 without one), and whether
@@ -156,32 +185,7 @@ struct kvi_store {
   kvi__ring staging;
   uint32_t staging_pages;
   struct CUstream_st *copy_stream;
-  /* Embeddings (see struct tenant). emb_ld is emb_dim rounded up to 16 bytes
-   * on a CUDA store. On a CUDA store every change to a device matrix is
-   * enqueued on emb_stream, which first waits for every search enqueued
-   * before it (search.c), and emb_ready is recorded after it; a search waits
-   * for emb_ready. New rows (with their ids and directory rows) are staged in
-   * emb_stage, a staging ring of one slot of stage_cap bytes: stage_ent
-   * entries from its start, stage_top bytes of rows from its end,
-   * stage_reserved bytes promised to the call holding the lock; a commit's
-   * rows [stage_sent, stage_ent) go in one launch at its end (emb_flush), and
-   * the slot's event follows the latest launch. A failure to enqueue such a change (a dead
-   * context, in practice) is latched in emb_err and fails every later
-   * search. */
-  kvi_dtype emb_dtype;
-  kvi_metric metric;
-  bool dir_on;      /* tenants keep a device directory: a CUDA store with embeddings and no host tier */
-  int32_t emb_ld;
-  uint64_t emb_bytes; /* capacity of every matrix and id array */
-  struct CUstream_st *emb_stream;
-  struct CUevent_st *emb_ready;
-  bool emb_ready_recorded;
-  kvi__ring emb_stage;
-  size_t stage_row_bytes;
-  size_t stage_cap, stage_top, stage_reserved;
-  uint32_t stage_ent, stage_sent;
-  kvi_status emb_err;
-  char emb_err_msg[256];
+  kvi__store_emb emb;
   /* Stream-ordered deferred frees (CUDA stores). Device work touching pages
    * records the next event number in `track` (KVI__TRACK_EVENTS events); all
    * numbers < track.done have completed. A page freed while numbers < tag
