@@ -24,10 +24,10 @@
  *   3. a query's last selection writes its results (or sentinels) to the
  *      outputs; an emit kernel does it for queries without any selection.
  * Ordering: the stream first waits for the store's last change to device
- * embeddings (emb.ready) and for the previous search (`done`, as searches
- * share the workspace); at the end it records `done`, and the embedding
- * stream waits for it, so a later put or remove cannot change rows this
- * search still reads.
+ * embeddings (kvi__emb_read_begin) and for the previous search (`done`, as
+ * searches share the workspace); at the end it records `done`, and the
+ * embedding stream waits for it (kvi__emb_read_end), so a later put or
+ * remove cannot change rows this search still reads.
  */
 #include <math.h>
 #include <pthread.h>
@@ -818,10 +818,6 @@ static kvi_status cuda_search(kvi_store *s, const void *queries, kvi_dtype qt, k
   kvi__ring_slot *sl = NULL;
   bool enqueued = false;
   if (!locked) kvi__store_lock(s);
-  if (s->emb.err) {
-    st = kvi__fail(s->emb.err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb.err_msg);
-    goto out_unlock;
-  }
   if ((st = search_state(s, fn))) goto out_record;
   kvi__search *x = s->search.ws;
   if ((st = kvi__search_plan_build(s, &p, tenants, nq, k, area, x->sms, fn))) goto out_record;
@@ -834,9 +830,9 @@ static kvi_status cuda_search(kvi_store *s, const void *queries, kvi_dtype qt, k
   if (then && (st = then->prepare(then->ctx, fn))) goto out_record;
 
   /* enqueue: after the last change to the embeddings and the previous search */
+  if ((st = kvi__emb_read_begin(s, stream, fn))) goto out_record;
   enqueued = true;
-  if (s->emb.ready_recorded) st = kvi__cuda_stream_wait(stream, s->emb.ready, fn);
-  if (st == KVI_OK && x->done_recorded) st = kvi__cuda_stream_wait(stream, x->done, fn);
+  if (x->done_recorded) st = kvi__cuda_stream_wait(stream, x->done, fn);
   if (st == KVI_OK && l.ws > x->ws_bytes) { /* the previous search is done with the old one in stream order */
     st = kvi__cuda_free_async(x->ws, stream, fn);
     x->ws = NULL;
@@ -868,11 +864,10 @@ out_record:
     kvi_status s2 = kvi__cuda_event_record(x2->done, stream, fn);
     if (s2 == KVI_OK) {
       x2->done_recorded = true;
-      s2 = kvi__cuda_stream_wait(s->emb.stream, x2->done, fn);
+      s2 = kvi__emb_read_end(s, x2->done, fn);
     }
     if (st == KVI_OK) st = s1 ? s1 : s2;
   }
-out_unlock:
   if (sl && !(st == KVI_OK && host_out)) kvi__ring_release(&s->search.ws->ring, sl);
   if (!locked) kvi__store_unlock(s);
   if (sl && st == KVI_OK && host_out) {

@@ -613,7 +613,21 @@ static void emb_latch(kvi_store *s, kvi_status st) {
   snprintf(s->emb.err_msg, sizeof s->emb.err_msg, "%s", kvi__last_error());
 }
 
-/* Enqueued changes become visible to searches enqueued from now on. */
+/* The latched failure of an earlier change, reported for fn. */
+static kvi_status emb_failed(const kvi_store *s, const char *fn) {
+  return kvi__fail(s->emb.err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb.err_msg);
+}
+
+kvi_status kvi__emb_read_begin(kvi_store *s, struct CUstream_st *stream, const char *fn) {
+  if (s->emb.err) return emb_failed(s, fn);
+  return s->emb.ready_recorded ? kvi__cuda_stream_wait(stream, s->emb.ready, fn) : KVI_OK;
+}
+
+kvi_status kvi__emb_read_end(kvi_store *s, struct CUevent_st *done, const char *fn) {
+  return kvi__cuda_stream_wait(s->emb.stream, done, fn);
+}
+
+/* Enqueued changes become visible to readers enqueued from now on. */
 static kvi_status emb_publish(kvi_store *s) {
   kvi_status st = kvi__cuda_event_record(s->emb.ready, s->emb.stream, emb_fn);
   if (st == KVI_OK) s->emb.ready_recorded = true;
@@ -759,8 +773,7 @@ static kvi_status stage_reserve(kvi_store *s, size_t bytes, const char *fn) {
  * behind. The room that was made stays (as a hash map's). */
 static kvi_status reserve_rows(kvi_store *s, uint64_t tenant_id, size_t n, int32_t tokens, const char *fn) {
   if (s->emb_dim == 0 || n == 0) return KVI_OK;
-  if (s->emb.err)
-    return kvi__fail(s->emb.err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb.err_msg);
+  if (s->emb.err) return emb_failed(s, fn);
   tenant *t = kvi__map_get(&s->index.tenants, tenant_id, 0);
   kvi_status st;
   if (!t) {
@@ -1748,7 +1761,7 @@ kvi_status kvi__store_get_embedding(const kvi_store *store, uint64_t tenant_id, 
   } else if (s->backend == KVI_BACKEND_CPU) {
     kvi__convert(out, KVI_DTYPE_FP32, (const char *)f->owner->emb + f->row * rb, s->emb.dtype, s->emb_dim);
   } else if (s->emb.err) {
-    st = kvi__fail(s->emb.err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb.err_msg);
+    st = emb_failed(s, fn);
   } else {
     st = kvi__cuda_d2h(tmp, (const char *)f->owner->emb + f->row * rb, rb, s->emb.stream, fn);
     if (st == KVI_OK) st = kvi__cuda_sync(s->emb.stream, fn);
@@ -1767,8 +1780,7 @@ kvi_status kvi__store_fact_embedding(const kvi_store *s, const struct fact *f, f
     kvi__convert(out, KVI_DTYPE_FP32, row, s->emb.dtype, s->emb_dim);
     return KVI_OK;
   }
-  if (s->emb.err)
-    return kvi__fail(s->emb.err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb.err_msg);
+  if (s->emb.err) return emb_failed(s, fn);
   void *tmp = malloc(rb);
   if (!tmp) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes", rb);
   kvi_status st = kvi__cuda_d2h(tmp, row, rb, s->emb.stream, fn);

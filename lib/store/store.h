@@ -117,15 +117,16 @@ typedef struct kvi__store_tier {
 /* The embedding state of a store with embeddings (see struct tenant;
  * store.c alone changes it). ld is emb_dim rounded up to 16 bytes on a CUDA
  * store. On a CUDA store every change to a device matrix is enqueued on
- * `stream`, which first waits for every reader enqueued before it (search.c,
- * transfer.c), and `ready` is recorded after it; a reader waits for `ready`.
- * New rows (with their ids and directory rows) are staged in `stage`, a
- * staging ring of one slot of stage_cap bytes: stage_ent entries from its
- * start, stage_top bytes of rows from its end, stage_reserved bytes promised
- * to the call holding the lock; a commit's rows [stage_sent, stage_ent) go in
- * one launch at its end (emb_flush), and the slot's event follows the latest
- * launch. A failure to enqueue such a change (a dead context, in practice) is
- * latched in `err` and fails every later reader. */
+ * `stream`, and `ready` is recorded after it; a reader of the matrices waits
+ * for `ready`, and `stream` waits for the reader's end before the next change
+ * (kvi__emb_read_begin, kvi__emb_read_end). New rows (with their ids and
+ * directory rows) are staged in `stage`, a staging ring of one slot of
+ * stage_cap bytes: stage_ent entries from its start, stage_top bytes of rows
+ * from its end, stage_reserved bytes promised to the call holding the lock; a
+ * commit's rows [stage_sent, stage_ent) go in one launch at its end
+ * (emb_flush), and the slot's event follows the latest launch. A failure to
+ * enqueue such a change (a dead context, in practice) is latched in `err` and
+ * fails every later reader. */
 typedef struct kvi__store_emb {
   kvi_dtype dtype;
   kvi_metric metric;
@@ -317,6 +318,23 @@ kvi_status kvi__store_kept_embedding(const kvi_store *s, const float *embedding,
  * Returns the index of the first element that is not finite afterwards, or
  * -1. Queries (search.c) go through the same function. */
 int64_t kvi__emb_prepare(float *x, int32_t n, kvi_dtype t, kvi_metric metric);
+
+/* A reader of a CUDA store's device embeddings (matrices, ids, directories:
+ * a search, kvi_inject_batched's lookup of device fact ids), the store's
+ * lock held from begin until end:
+ *   kvi__emb_read_begin  fails with the error latched by an earlier change
+ *                        (emb.err, with its message) and enqueues nothing;
+ *                        else makes `stream` wait for the last change
+ *                        (emb.ready), so that the reads see it
+ *   the reader enqueues its reads on `stream`, then records an event of its
+ *                        own, `done`, on `stream` after them
+ *   kvi__emb_read_end    makes emb.stream wait for `done`, so that no later
+ *                        change (a commit's rows, a removal's row move, a
+ *                        matrix grown or freed) runs before the reads
+ * Once anything was enqueued after a successful begin, end follows, the
+ * reader's failure notwithstanding (what was enqueued may run). */
+kvi_status kvi__emb_read_begin(kvi_store *s, struct CUstream_st *stream, const char *fn);
+kvi_status kvi__emb_read_end(kvi_store *s, struct CUevent_st *done, const char *fn);
 
 /* A decision every rank of a collective call takes together: given this
  * rank's status, returns the combined one (KVI_OK only when every rank's is). */
