@@ -1,11 +1,11 @@
 /*
- * libkvinject — the store part (lib/store/): the store's insides, for
- * store.c and the parts above it (search, tp, xfer, persist). The store
- * calls none of them: what it must tell them goes through the hooks they
- * register (the search and journal parts of struct kvi_store). Each part
- * of struct kvi_store is changed only by its owner; facts are added only
- * through the write transaction (kvi__txn_*), read through leases
- * (kvi__store_lease). Callers hold the store's lock.
+ * libkvinject — the store part (lib/store/): the store's insides, for its
+ * files (store_impl.h) and the parts above it (search, tp, xfer, persist).
+ * The store calls none of them: what it must tell them goes through the
+ * hooks they register (the search and journal parts of struct kvi_store).
+ * Each part of struct kvi_store is changed only by its owner; facts are
+ * added only through the write transaction (kvi__txn_*), read through
+ * leases (kvi__store_lease). Callers hold the store's lock.
  * SPDX-License-Identifier: Apache-2.0
  */
 #ifndef KVI_STORE_H
@@ -73,7 +73,7 @@ struct tenant {
   uint64_t *ids;  /* device memory, CUDA stores only */
   fact **rows;    /* host memory */
   size_t cap;     /* rows allocated */
-  size_t pending; /* rows reserved by the call holding the lock (reserve_rows, a transaction) */
+  size_t pending; /* rows reserved by the call holding the lock (kvi__emb_reserve_rows, a transaction) */
   int32_t max_tokens; /* the largest fact it has held (never lowered) */
   /* The directory of a store with emb.dir_on (kernels.h, kvi__rquery): [cap] rows
    * of dir_stride words, in device memory, changed with the matrix. */
@@ -81,7 +81,7 @@ struct tenant {
   int32_t dir_stride;
 };
 
-/* The store's page pools (store.c's pool code alone takes and returns
+/* The store's page pools (pools.c's functions alone take and return
  * pages): page ids [0, dev.npages) are device memory on a CUDA store, host
  * memory on a CPU store; a CUDA store with a host budget has the pinned,
  * mapped host tier after them, ids [dev.npages, dev.npages + host.npages)
@@ -93,7 +93,8 @@ typedef struct kvi__store_pools {
   char *host_dev;
 } kvi__store_pools;
 
-/* The facts and tenants (store.c; others read them through kvi__store_find,
+/* The facts and tenants (put.c, and embeddings.c for the tenants a
+ * transaction reserves rows in; others read them through kvi__store_find,
  * kvi__store_tenant and kvi__store_next_fact). */
 typedef struct kvi__store_index {
   kvi__map facts;   /* (tenant, id) -> fact */
@@ -102,7 +103,7 @@ typedef struct kvi__store_index {
   uint64_t pages_stored; /* pages of stored facts (kvi_store_stats.bytes_payload) */
 } kvi__store_index;
 
-/* The tiers of a tiered store (store.c's tier section). */
+/* The tiers of a tiered store (tiers.c). */
 typedef struct kvi__store_tier {
   fact *lru_head, *lru_tail; /* device-tier facts, most recently used first */
   uint64_t promotions, demotions;
@@ -115,8 +116,8 @@ typedef struct kvi__store_tier {
 } kvi__store_tier;
 
 /* The embedding state of a store with embeddings (see struct tenant;
- * store.c alone changes it). ld is emb_dim rounded up to 16 bytes on a CUDA
- * store. On a CUDA store every change to a device matrix is enqueued on
+ * embeddings.c alone changes it). ld is emb_dim rounded up to 16 bytes on a
+ * CUDA store. On a CUDA store every change to a device matrix is enqueued on
  * `stream`, and `ready` is recorded after it; a reader of the matrices waits
  * for `ready`, and `stream` waits for the reader's end before the next change
  * (kvi__emb_read_begin, kvi__emb_read_end). New rows (with their ids and
@@ -124,9 +125,9 @@ typedef struct kvi__store_tier {
  * stage_cap bytes: stage_ent entries from its start, stage_top bytes of rows
  * from its end, stage_reserved bytes promised to the call holding the lock; a
  * commit's rows [stage_sent, stage_ent) go in one launch at its end
- * (emb_flush), and the slot's event follows the latest launch. A failure to
- * enqueue such a change (a dead context, in practice) is latched in `err` and
- * fails every later reader. */
+ * (kvi__emb_flush), and the slot's event follows the latest launch. A
+ * failure to enqueue such a change (a dead context, in practice) is latched
+ * in `err` and fails every later reader. */
 typedef struct kvi__store_emb {
   kvi_dtype dtype;
   kvi_metric metric;
@@ -273,7 +274,7 @@ static inline const fact *kvi__store_next_fact(const kvi_store *s, size_t *pos) 
  * pages freed from now on wait for it. */
 kvi_status kvi__store_track(kvi_store *s, struct CUstream_st *stream, const char *fn);
 
-/* ---- tiers (tiered CUDA stores; store.c) -------------------------------- */
+/* ---- tiers (tiered CUDA stores; tiers.c) -------------------------------- */
 
 /* The pages of the device-tier facts a tier move may demote now: those of
  * the facts on the LRU list that no lease pins. */
@@ -342,7 +343,7 @@ typedef struct kvi__gate {
   kvi_status (*decide)(struct kvi__gate *gate, kvi_status local);
 } kvi__gate;
 
-/* ---- the write transaction (store.c) -------------------------------------
+/* ---- the write transaction (txn.c) ---------------------------------------
  *
  * Every change that adds facts (kvi_store_put, kvi_store_put_scatter,
  * kvi_store_load, kvi_encode) is one transaction, all or nothing, the
