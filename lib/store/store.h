@@ -198,7 +198,7 @@ struct kvi_store {
   uint32_t ndeferred;
   /* The parts of the modules above the store, which register them. */
   struct {
-    struct kvi__search *ws;        /* search.c's workspace, made by the first search */
+    struct kvi__search *ws;        /* search_cuda.c's workspace, made by the first search */
     void (*release)(kvi_store *s, bool device_ok); /* frees it (kvi__store_destroy's device_ok) */
     /* tp/shard.c's search over every rank's embeddings, set at creation on a
      * store with sharded embeddings (NULL: this rank's search is the
@@ -317,7 +317,7 @@ kvi_status kvi__store_kept_embedding(const kvi_store *s, const float *embedding,
  * cosine, each element times 1/sqrt(sum of squares), in double, a zero
  * vector left as it is; then rounded to t (nearest even) and back to fp32.
  * Returns the index of the first element that is not finite afterwards, or
- * -1. Queries (search.c) go through the same function. */
+ * -1. Queries (search_cpu.c) go through the same function. */
 int64_t kvi__emb_prepare(float *x, int32_t n, kvi_dtype t, kvi_metric metric);
 
 /* A reader of a CUDA store's device embeddings (matrices, ids, directories:

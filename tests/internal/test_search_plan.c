@@ -1,5 +1,5 @@
 /*
- * internal-search-plan: the CUDA search's host plan (search.c,
+ * internal-search-plan: the CUDA search's host plan (search_plan.c,
  * kvi__search_plan_build) executed by a host interpreter of what
  * kernels.h says each tile, scan block, selection and emit does, in double
  * precision, and compared with a brute-force top k per query. Besides the
@@ -309,7 +309,7 @@ static void run_plan(world *w, const uint64_t *tenants, int32_t nq, int32_t k, u
   free(res_n);
   free(res_w);
   kvi__search_plan_free(&p);
-  kvi__search_plan_free(&p); /* an emptied plan frees again harmlessly (search.c frees a failed build's twice) */
+  kvi__search_plan_free(&p); /* an emptied plan frees again harmlessly (search_cuda.c frees a failed build's twice) */
 }
 
 static void test_search_plans(void **state) {
