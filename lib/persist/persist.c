@@ -185,8 +185,8 @@ static unsigned char *make_header(const kvi_store *s, uint64_t file_id, size_t *
   for (int i = 0; i < 8; i++) put32(h + 32 + 4 * i, (uint32_t)geom[i]);
   put32(h + 64, (uint32_t)s->dtype);
   put32(h + 68, (uint32_t)s->emb_dim);
-  put32(h + 72, (uint32_t)s->emb_dtype); /* how the store keeps embeddings (payloads are fp32, exact) */
-  put32(h + 76, (uint32_t)s->metric);
+  put32(h + 72, (uint32_t)s->emb.dtype); /* how the store keeps embeddings (payloads are fp32, exact) */
+  put32(h + 76, (uint32_t)s->emb.metric);
   put32(h + 80, ROPE_BYTES);
   put32(h + 84, s->fp8 ? (uint32_t)s->P : 0u); /* fp8: scales are per page of P tokens */
   rope_entries(h + HDR_FIXED, s->rope, g->num_layers);

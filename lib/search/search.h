@@ -1,5 +1,5 @@
 /*
- * libkvinject — the search part (lib/search/): what search.c offers the
+ * libkvinject — the search part (lib/search/): what its files offer the
  * parts above it (the searches and checks kvi_retrieve_inject and the tp part
  * use), and the plan of a CUDA search, built on the host: tiles of the score
  * area, scan blocks, the top-k selections of each round and the final emits

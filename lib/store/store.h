@@ -1,11 +1,11 @@
 /*
- * libkvinject — the store part (lib/store/): the store's insides, for
- * store.c and the parts above it (search, tp, xfer, persist). The store
- * calls none of them: what it must tell them goes through the hooks they
- * register (the search and journal parts of struct kvi_store). Each part
- * of struct kvi_store is changed only by its owner; facts are added only
- * through the write transaction (kvi__txn_*), read through leases
- * (kvi__store_lease). Callers hold the store's lock.
+ * libkvinject — the store part (lib/store/): the store's insides, for its
+ * files (store_impl.h) and the parts above it (search, tp, xfer, persist).
+ * The store calls none of them: what it must tell them goes through the
+ * hooks they register (the search and journal parts of struct kvi_store).
+ * Each part of struct kvi_store is changed only by its owner; facts are
+ * added only through the write transaction (kvi__txn_*), read through
+ * leases (kvi__store_lease). Callers hold the store's lock.
  * SPDX-License-Identifier: Apache-2.0
  */
 #ifndef KVI_STORE_H
@@ -57,9 +57,9 @@ typedef struct fact {
 } fact;
 
 /* A tenant's embeddings (stores with embedding_dim > 0): row r < nrows of the
- * [cap][emb_ld] matrix `emb` (emb_dtype, padding elements zero) is the
+ * [cap][emb.ld] matrix `emb` (emb.dtype, padding elements zero) is the
  * embedding of fact rows[r], and ids[r] == rows[r]->id. A CUDA store keeps
- * emb and ids in device memory, changed only on the store's emb_stream; a
+ * emb and ids in device memory, changed only on the store's emb.stream; a
  * CPU store keeps emb in host memory and no ids (rows[r]->id). Removing a
  * fact moves the last row into its place. */
 struct tenant {
@@ -73,15 +73,15 @@ struct tenant {
   uint64_t *ids;  /* device memory, CUDA stores only */
   fact **rows;    /* host memory */
   size_t cap;     /* rows allocated */
-  size_t pending; /* rows reserved by the call holding the lock (reserve_rows, a transaction) */
+  size_t pending; /* rows reserved by the call holding the lock (kvi__emb_reserve_rows, a transaction) */
   int32_t max_tokens; /* the largest fact it has held (never lowered) */
-  /* The directory of a store with dir_on (kernels.h, kvi__rquery): [cap] rows
+  /* The directory of a store with emb.dir_on (kernels.h, kvi__rquery): [cap] rows
    * of dir_stride words, in device memory, changed with the matrix. */
   uint32_t *dir;
   int32_t dir_stride;
 };
 
-/* The store's page pools (store.c's pool code alone takes and returns
+/* The store's page pools (pools.c's functions alone take and return
  * pages): page ids [0, dev.npages) are device memory on a CUDA store, host
  * memory on a CPU store; a CUDA store with a host budget has the pinned,
  * mapped host tier after them, ids [dev.npages, dev.npages + host.npages)
@@ -93,7 +93,8 @@ typedef struct kvi__store_pools {
   char *host_dev;
 } kvi__store_pools;
 
-/* The facts and tenants (store.c; others read them through kvi__store_find,
+/* The facts and tenants (put.c, and embeddings.c for the tenants a
+ * transaction reserves rows in; others read them through kvi__store_find,
  * kvi__store_tenant and kvi__store_next_fact). */
 typedef struct kvi__store_index {
   kvi__map facts;   /* (tenant, id) -> fact */
@@ -102,7 +103,7 @@ typedef struct kvi__store_index {
   uint64_t pages_stored; /* pages of stored facts (kvi_store_stats.bytes_payload) */
 } kvi__store_index;
 
-/* The tiers of a tiered store (store.c's tier section). */
+/* The tiers of a tiered store (tiers.c). */
 typedef struct kvi__store_tier {
   fact *lru_head, *lru_tail; /* device-tier facts, most recently used first */
   uint64_t promotions, demotions;
@@ -113,6 +114,36 @@ typedef struct kvi__store_tier {
   bool move_pending;
   struct CUevent_st *prefetch_ev; /* orders a prefetch after its caller's stream */
 } kvi__store_tier;
+
+/* The embedding state of a store with embeddings (see struct tenant;
+ * embeddings.c alone changes it). ld is emb_dim rounded up to 16 bytes on a
+ * CUDA store. On a CUDA store every change to a device matrix is enqueued on
+ * `stream`, and `ready` is recorded after it; a reader of the matrices waits
+ * for `ready`, and `stream` waits for the reader's end before the next change
+ * (kvi__emb_read_begin, kvi__emb_read_end). New rows (with their ids and
+ * directory rows) are staged in `stage`, a staging ring of one slot of
+ * stage_cap bytes: stage_ent entries from its start, stage_top bytes of rows
+ * from its end, stage_reserved bytes promised to the call holding the lock; a
+ * commit's rows [stage_sent, stage_ent) go in one launch at its end
+ * (kvi__emb_flush), and the slot's event follows the latest launch. A
+ * failure to enqueue such a change (a dead context, in practice) is latched
+ * in `err` and fails every later reader. */
+typedef struct kvi__store_emb {
+  kvi_dtype dtype;
+  kvi_metric metric;
+  bool dir_on;      /* tenants keep a device directory: a CUDA store with embeddings and no host tier */
+  int32_t ld;
+  uint64_t bytes;   /* capacity of every matrix and id array */
+  struct CUstream_st *stream;
+  struct CUevent_st *ready;
+  bool ready_recorded;
+  kvi__ring stage;
+  size_t stage_row_bytes;
+  size_t stage_cap, stage_top, stage_reserved;
+  uint32_t stage_ent, stage_sent;
+  kvi_status err;
+  char err_msg[256];
+} kvi__store_emb;
 
 /* Tensor parallelism (set by shard.c at creation): the communicator (or
  * NULL), this rank and the group's size (0 and 1 without one), and whether
@@ -156,32 +187,7 @@ struct kvi_store {
   kvi__ring staging;
   uint32_t staging_pages;
   struct CUstream_st *copy_stream;
-  /* Embeddings (see struct tenant). emb_ld is emb_dim rounded up to 16 bytes
-   * on a CUDA store. On a CUDA store every change to a device matrix is
-   * enqueued on emb_stream, which first waits for every search enqueued
-   * before it (search.c), and emb_ready is recorded after it; a search waits
-   * for emb_ready. New rows (with their ids and directory rows) are staged in
-   * emb_stage, a staging ring of one slot of stage_cap bytes: stage_ent
-   * entries from its start, stage_top bytes of rows from its end,
-   * stage_reserved bytes promised to the call holding the lock; a commit's
-   * rows [stage_sent, stage_ent) go in one launch at its end (emb_flush), and
-   * the slot's event follows the latest launch. A failure to enqueue such a change (a dead
-   * context, in practice) is latched in emb_err and fails every later
-   * search. */
-  kvi_dtype emb_dtype;
-  kvi_metric metric;
-  bool dir_on;      /* tenants keep a device directory: a CUDA store with embeddings and no host tier */
-  int32_t emb_ld;
-  uint64_t emb_bytes; /* capacity of every matrix and id array */
-  struct CUstream_st *emb_stream;
-  struct CUevent_st *emb_ready;
-  bool emb_ready_recorded;
-  kvi__ring emb_stage;
-  size_t stage_row_bytes;
-  size_t stage_cap, stage_top, stage_reserved;
-  uint32_t stage_ent, stage_sent;
-  kvi_status emb_err;
-  char emb_err_msg[256];
+  kvi__store_emb emb;
   /* Stream-ordered deferred frees (CUDA stores). Device work touching pages
    * records the next event number in `track` (KVI__TRACK_EVENTS events); all
    * numbers < track.done have completed. A page freed while numbers < tag
@@ -192,7 +198,7 @@ struct kvi_store {
   uint32_t ndeferred;
   /* The parts of the modules above the store, which register them. */
   struct {
-    struct kvi__search *ws;        /* search.c's workspace, made by the first search */
+    struct kvi__search *ws;        /* search_cuda.c's workspace, made by the first search */
     void (*release)(kvi_store *s, bool device_ok); /* frees it (kvi__store_destroy's device_ok) */
     /* tp/shard.c's search over every rank's embeddings, set at creation on a
      * store with sharded embeddings (NULL: this rank's search is the
@@ -268,7 +274,7 @@ static inline const fact *kvi__store_next_fact(const kvi_store *s, size_t *pos) 
  * pages freed from now on wait for it. */
 kvi_status kvi__store_track(kvi_store *s, struct CUstream_st *stream, const char *fn);
 
-/* ---- tiers (tiered CUDA stores; store.c) -------------------------------- */
+/* ---- tiers (tiered CUDA stores; tiers.c) -------------------------------- */
 
 /* The pages of the device-tier facts a tier move may demote now: those of
  * the facts on the LRU list that no lease pins. */
@@ -311,8 +317,25 @@ kvi_status kvi__store_kept_embedding(const kvi_store *s, const float *embedding,
  * cosine, each element times 1/sqrt(sum of squares), in double, a zero
  * vector left as it is; then rounded to t (nearest even) and back to fp32.
  * Returns the index of the first element that is not finite afterwards, or
- * -1. Queries (search.c) go through the same function. */
+ * -1. Queries (search_cpu.c) go through the same function. */
 int64_t kvi__emb_prepare(float *x, int32_t n, kvi_dtype t, kvi_metric metric);
+
+/* A reader of a CUDA store's device embeddings (matrices, ids, directories:
+ * a search, kvi_inject_batched's lookup of device fact ids), the store's
+ * lock held from begin until end:
+ *   kvi__emb_read_begin  fails with the error latched by an earlier change
+ *                        (emb.err, with its message) and enqueues nothing;
+ *                        else makes `stream` wait for the last change
+ *                        (emb.ready), so that the reads see it
+ *   the reader enqueues its reads on `stream`, then records an event of its
+ *                        own, `done`, on `stream` after them
+ *   kvi__emb_read_end    makes emb.stream wait for `done`, so that no later
+ *                        change (a commit's rows, a removal's row move, a
+ *                        matrix grown or freed) runs before the reads
+ * Once anything was enqueued after a successful begin, end follows, the
+ * reader's failure notwithstanding (what was enqueued may run). */
+kvi_status kvi__emb_read_begin(kvi_store *s, struct CUstream_st *stream, const char *fn);
+kvi_status kvi__emb_read_end(kvi_store *s, struct CUevent_st *done, const char *fn);
 
 /* A decision every rank of a collective call takes together: given this
  * rank's status, returns the combined one (KVI_OK only when every rank's is). */
@@ -320,7 +343,7 @@ typedef struct kvi__gate {
   kvi_status (*decide)(struct kvi__gate *gate, kvi_status local);
 } kvi__gate;
 
-/* ---- the write transaction (store.c) -------------------------------------
+/* ---- the write transaction (txn.c) ---------------------------------------
  *
  * Every change that adds facts (kvi_store_put, kvi_store_put_scatter,
  * kvi_store_load, kvi_encode) is one transaction, all or nothing, the

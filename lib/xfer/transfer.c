@@ -1873,7 +1873,7 @@ kvi_status kvi__retrieve_inject(kvi_injector *injector, const void *queries, int
     if (st == KVI_OK) tenants[i] = rq[i].tenant;
   }
   if (st == KVI_OK) st = kvi__search_check(s, queries, num_queries, dim, tenants, k, &so, fn);
-  if (st == KVI_OK && (!x->cuda || !s->dir_on || s->shard.emb_sharded) && so.out_memory != KVI_MEMORY_HOST)
+  if (st == KVI_OK && (!x->cuda || !s->emb.dir_on || s->shard.emb_sharded) && so.out_memory != KVI_MEMORY_HOST)
     st = kvi__fail(so.out_memory == KVI_MEMORY_DEVICE ? KVI_ERR_MEMORY_KIND : KVI_ERR_INVALID_ARGUMENT, fn,
                    "opts->out_memory is %d; %s writes host memory only", (int)so.out_memory,
                    !x->cuda ? "a CPU store" : "a store with a host tier or sharded embeddings");
@@ -1881,7 +1881,7 @@ kvi_status kvi__retrieve_inject(kvi_injector *injector, const void *queries, int
   const void *outs[3] = {out_ids, out_counts, out_tokens};
   for (int i = 0; i < 3 && st == KVI_OK; i++)
     st = kvi__check_memory(outs[i], so.out_memory, x->cuda, s->device, fn, what[i]);
-  if (st == KVI_OK && x->cuda && s->dir_on && !s->shard.emb_sharded) {
+  if (st == KVI_OK && x->cuda && s->emb.dir_on && !s->shard.emb_sharded) {
     /* the device path: search, plan and inject enqueued under one hold of both locks */
     retr r = {x, rq, tenants, num_queries, k, {0}};
     const kvi__search_then then = {retr_prepare, retr_enqueue, &r};
@@ -2028,9 +2028,9 @@ static kvi_status batch_on_device(xfer *x, const kvi_inject_batch *b, int32_t lb
     /* the plan's host tables, queries and lookups (the segments and what follows the lookups are written on the device) */
     st = kvi__cuda_h2d(dev + p.o_reqs, p.buf + p.o_reqs, o_mine + o_rows - p.o_reqs, stream, fn);
     p.uploaded = true;
-    if (st == KVI_OK && s->emb_err)
-      st = kvi__fail(s->emb_err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb_err_msg);
-    if (st == KVI_OK && s->emb_ready_recorded) st = kvi__cuda_stream_wait(stream, s->emb_ready, fn);
+    if (st == KVI_OK && s->emb.err)
+      st = kvi__fail(s->emb.err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb.err_msg);
+    if (st == KVI_OK && s->emb.ready_recorded) st = kvi__cuda_stream_wait(stream, s->emb.ready, fn);
     bool enqueued = false;
     int32_t *rows = (int32_t *)(dev + o_mine + o_rows), *counts = (int32_t *)(dev + o_mine + o_counts);
     if (st == KVI_OK) {
@@ -2054,7 +2054,7 @@ static kvi_status batch_on_device(xfer *x, const kvi_inject_batch *b, int32_t lb
                            b->out_tokens ? b->out_tokens : (int32_t *)(dev + o_mine + o_tokens), lb, le, stream, fn);
     if (enqueued) { /* later changes to the tenants' rows and directories wait for what was enqueued */
       kvi_status s1 = kvi__cuda_event_record(x->emb_read, stream, fn);
-      if (s1 == KVI_OK) s1 = kvi__cuda_stream_wait(s->emb_stream, x->emb_read, fn);
+      if (s1 == KVI_OK) s1 = kvi__cuda_stream_wait(s->emb.stream, x->emb_read, fn);
       if (st == KVI_OK) st = s1;
     }
   }
@@ -2090,7 +2090,7 @@ kvi_status kvi__inject_batched(kvi_injector *injector, const kvi_inject_batch *b
                               b.block_table_len, b.block_table_offsets, fn)))
     return st;
   const bool dev_ids = b.fact_ids_memory == KVI_MEMORY_DEVICE;
-  if (dev_ids && (!s->dir_on || s->shard.emb_sharded))
+  if (dev_ids && (!s->emb.dir_on || s->shard.emb_sharded))
     return kvi__fail(KVI_ERR_UNSUPPORTED, fn,
                      "device fact ids are looked up on the device only on a CUDA store with embeddings, without a "
                      "host tier and without sharded embeddings");

@@ -1,5 +1,5 @@
 /*
- * internal-search-plan: the CUDA search's host plan (search.c,
+ * internal-search-plan: the CUDA search's host plan (search_plan.c,
  * kvi__search_plan_build) executed by a host interpreter of what
  * kernels.h says each tile, scan block, selection and emit does, in double
  * precision, and compared with a brute-force top k per query. Besides the
@@ -68,7 +68,7 @@ static int cmp_pair(const void *a, const void *b) {
 static const tenant *tenant_of(const kvi_store *s, uint64_t id) { return kvi__store_tenant(s, id); }
 
 static double score_row(const world *w, int32_t query, const tenant *t, int32_t row) {
-  const float *e = (const float *)t->emb + (size_t)row * w->s->emb_ld;
+  const float *e = (const float *)t->emb + (size_t)row * w->s->emb.ld;
   double acc = 0;
   for (int d = 0; d < DIM; d++) acc += w->q[(size_t)query * DIM + d] * (double)e[d];
   return acc;
@@ -149,7 +149,7 @@ static void run_plan(world *w, const uint64_t *tenants, int32_t nq, int32_t k, u
       assert_non_null(t);
       assert_true(pt->d.qn >= 1 && pt->d.nf >= 1 && pt->d.sld >= pt->d.nf && pt->d.q0 + pt->d.qn <= nq);
       assert_true(pt->row0 >= 0 && (size_t)pt->row0 + pt->d.nf <= t->nrows);
-      assert_ptr_equal(pt->d.mat, (const char *)t->emb + (size_t)pt->row0 * s->emb_ld * sizeof(float));
+      assert_ptr_equal(pt->d.mat, (const char *)t->emb + (size_t)pt->row0 * s->emb.ld * sizeof(float));
       assert_true((size_t)pt->d.off + (size_t)pt->d.qn * pt->d.sld <= p.score_floats);
       for (int32_t j = 0; j < pt->d.qn; j++) {
         assert_int_equal(tenants[p.perm[pt->d.q0 + j]], tenants[p.perm[pt->d.q0]]); /* one tenant per tile */
@@ -309,7 +309,7 @@ static void run_plan(world *w, const uint64_t *tenants, int32_t nq, int32_t k, u
   free(res_n);
   free(res_w);
   kvi__search_plan_free(&p);
-  kvi__search_plan_free(&p); /* an emptied plan frees again harmlessly (search.c frees a failed build's twice) */
+  kvi__search_plan_free(&p); /* an emptied plan frees again harmlessly (search_cuda.c frees a failed build's twice) */
 }
 
 static void test_search_plans(void **state) {

@@ -383,9 +383,9 @@ static kvi_status txn_run(kvi_store *s, hook_probe *h, fail_at at, int32_t n, co
     float *e = malloc(EMB * sizeof *e);
     assert_non_null(e);
     for (int j = 0; j < EMB; j++) e[j] = (float)(100 + i + j);
-    if (at == AT_ADD && i == n - 1) s->emb_err = KVI_ERR_CUDA;
+    if (at == AT_ADD && i == n - 1) s->emb.err = KVI_ERR_CUDA;
     st = kvi__txn_add(&t, tenant[i], id[i], tokens[i], flags[i], e);
-    s->emb_err = KVI_OK;
+    s->emb.err = KVI_OK;
   }
   if (at == AT_ADD) assert_int_equal(st, KVI_ERR_CUDA);
   if (st == KVI_OK) st = kvi__txn_take_pages(&t);
