@@ -56,7 +56,7 @@ static void copy_row(char *dst, int64_t ds, const char *src, int64_t ss, int32_t
 static void cpu_transfer(const xfer *x, const plan *p, int32_t lb, int32_t le, bool inject, int phase) {
   const kvi_store *s = x->store;
   const kvi__cache *c = &x->cache;
-  const int32_t H = c->H, D = c->D, P = s->P;
+  const int32_t H = c->H, D = c->D;
   const size_t pe = kvi__dtype_size(s->dtype), ce = kvi__dtype_size(c->dtype);
   /* equal dtypes without scales (neither is fp8): what is not rotated moves
    * bit for bit (as in the kernel), only the rotated columns are converted */
@@ -82,7 +82,7 @@ static void cpu_transfer(const xfer *x, const plan *p, int32_t lb, int32_t le, b
         for (int kv = 0; kv < 2; kv++)
           for (int32_t h = 0; h < H; h++) {
             const kvi__strides *cs = kv ? &c->vs : &c->ks;
-            char *pr = (char *)page + (size_t)((((int64_t)l * 2 + kv) * H + h) * P + sg->tok0 + j) * D * pe;
+            char *pr = (char *)page + (size_t)kvi__page_row_off(s, l, kv, h, sg->tok0 + j) * pe;
             char *cr = (kv ? c->v[l] : c->k[l]) + (size_t)(block * cs->block + t * cs->token + h * cs->head) * ce;
             const int64_t cd = cs->dim; /* the cache row's element stride */
             const float scale = (kv ? c->v_scale : c->k_scale)[l * H + h];
@@ -115,7 +115,7 @@ static void cpu_transfer(const xfer *x, const plan *p, int32_t lb, int32_t le, b
 static void cpu_deviation(const xfer *x, const plan *p, int32_t l, float *out) {
   const kvi_store *s = x->store;
   const kvi__cache *c = &x->cache;
-  const int32_t H = c->H, D = c->D, P = s->P;
+  const int32_t H = c->H, D = c->D;
   const size_t pe = kvi__dtype_size(s->dtype), ce = kvi__dtype_size(c->dtype);
   float row[1024], got[1024];
   int64_t o = 0;
@@ -134,7 +134,7 @@ static void cpu_deviation(const xfer *x, const plan *p, int32_t l, float *out) {
       for (int kv = 0; kv < 2; kv++)
         for (int32_t h = 0; h < H; h++) {
           const kvi__strides *cs = kv ? &c->vs : &c->ks;
-          const char *pr = page + (size_t)((((int64_t)l * 2 + kv) * H + h) * P + sg->tok0 + j) * D * pe;
+          const char *pr = page + (size_t)kvi__page_row_off(s, l, kv, h, sg->tok0 + j) * pe;
           const char *cr = (kv ? c->v[l] : c->k[l]) + (size_t)(block * cs->block + t * cs->token + h * cs->head) * ce;
           load_row(row, pr, s->dtype, D, 1, slots ? slots[(l * 2 + kv) * H + h] : 1.0f);
           if (kv == 0) kvi__rope_rotate(&s->rope[l], row, pos, false);
@@ -200,9 +200,9 @@ static kvi_status xfer_args(xfer *x, const plan *p, int32_t lb, int32_t le, bool
     memcpy(a->inline_plan, p->buf, p->bytes);
     a->inline_bytes = (int32_t)(p->bytes ? p->bytes : 1);
   }
-  a->pool = s->pool.dev.base;
-  a->host_pool = s->pool.host_dev; /* KVI_HOST_PAGES_READ_MAPPED: host-tier pages read in place */
-  a->host_first = s->pool.dev.npages;
+  a->pool = kvi__pool_dev_base(s);
+  a->host_pool = kvi__pool_host_mapped(s); /* KVI_HOST_PAGES_READ_MAPPED: host-tier pages read in place */
+  a->host_first = kvi__pool_host_first(s);
   a->page_elems = page_stride_elems(s);
   a->scale_off = (int64_t)s->scale_off;
   a->page_dtype = (int32_t)s->dtype;
