@@ -16,7 +16,7 @@
 #include "gpu/kernels.h"
 #include "store/store.h"
 
-/* The first version of kvi_search_options (read by search.c and transfer.c). */
+/* The first version of kvi_search_options (read by search.c and xfer/retrieve.c). */
 #define KVI__SEARCH_OPTIONS_V1 sizeof(kvi_search_options)
 
 /* kvi_store_search_async_errors (no device work) */

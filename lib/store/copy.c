@@ -32,7 +32,7 @@ static void cpu_copy(const kvi_store *s, const kvi_kv_view *v, int32_t tok0, int
         for (int32_t t0 = 0; t0 < ntok; t0 += P) { /* one page's tokens */
           const int32_t n = ntok - t0 < P ? ntok - t0 : P, grp = (l * 2 + kv) * H + h;
 #define VR(t) (base + (size_t)(l * v->layer_stride + (tok0 + t0 + (t)) * v->token_stride + h * v->head_stride) * ve)
-#define PR(t) (pages[t0 / P] + (size_t)((int64_t)grp * P + (t)) * D * pe)
+#define PR(t) (pages[t0 / P] + (size_t)kvi__page_row_off(s, l, kv, h, t) * pe)
           float *scale = s->fp8 ? (float *)(pages[t0 / P] + s->scale_off) + grp : NULL;
           float *rscale = raw ? raw + ((size_t)(tok0 + t0) / (size_t)P * (size_t)(2 * L * H) + (size_t)grp) : NULL;
           if (!s->fp8 || raw) { /* plain conversion, or e4m3 bytes as they are */

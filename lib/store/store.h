@@ -240,6 +240,20 @@ static inline uint32_t pages_for(const kvi_store *s, int32_t tokens) {
   return (uint32_t)(((int64_t)tokens + s->P - 1) / s->P);
 }
 
+/* Where, in elements of the store's dtype from its page's start, the row of
+ * the D elements of layer l's K (kv 0) or V (kv 1), local head h and token
+ * tok < P of a page begins (the page layout: gpu/kernels.h). */
+static inline int64_t kvi__page_row_off(const kvi_store *s, int32_t l, int kv, int32_t h, int32_t tok) {
+  return ((((int64_t)l * 2 + kv) * s->geom.local_heads + h) * s->P + tok) * s->geom.head_size;
+}
+
+/* The pools as the kernels address pages (kvi__xfer_args.pool, host_pool
+ * and host_first): the base of the device tier, the device address of the
+ * mapped host tier (NULL without one), and the first host-tier page id. */
+static inline char *kvi__pool_dev_base(const kvi_store *s) { return s->pool.dev.base; }
+static inline char *kvi__pool_host_mapped(const kvi_store *s) { return s->pool.host_dev; }
+static inline uint32_t kvi__pool_host_first(const kvi_store *s) { return s->pool.dev.npages; }
+
 void kvi__store_lock(const kvi_store *s);
 void kvi__store_unlock(const kvi_store *s);
 

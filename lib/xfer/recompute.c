@@ -1,7 +1,7 @@
 /*
  * The plan of tokens to recompute (kvinject/recompute.h): boundary tokens of
  * every fact, then the best-scored of the rest. kvi_inject_deviation, which
- * scores them, lives with the injector (transfer.c).
+ * scores them, lives with the injector (inject.c).
  * SPDX-License-Identifier: Apache-2.0
  */
 #include <math.h>

@@ -1,9 +1,10 @@
 /*
  * libkvinject — the xfer part (lib/xfer/): the resolved form of a cache
- * layout (cache.c), injectors and encoders (transfer.c), the recompute plan
- * (recompute.c) and llama.cpp states (llama_state.c): the internal twins of
- * their entry points (lib/api/xfer.c), and the injector's host planning that
- * tests/internal reaches.
+ * layout (cache.c), injectors and encoders (injector.c, plan.c, execute.c,
+ * inject.c, encode.c, retrieve.c, batched.c, whose shared insides are in
+ * transfer.h), the recompute plan (recompute.c) and llama.cpp states
+ * (llama_state.c): the internal twins of their entry points (lib/api/xfer.c),
+ * and the injector's host planning that tests/internal reaches.
  * SPDX-License-Identifier: Apache-2.0
  */
 #ifndef KVI_XFER_H
@@ -119,7 +120,7 @@ kvi_status kvi__cache_resolve(kvi__cache *c, const kvi_cache_layout *layout, con
                               const char *fn);
 void kvi__cache_release(kvi__cache *c);
 
-/* ---- the injector (transfer.c) ---------------------------------------------- */
+/* ---- the injector (injector.c, plan.c, execute.c, retrieve.c) -------------- */
 
 /* The transfer kernel's layers per CTA (kvi__xfer_args.layers_per_cta) for
  * a launch of nsegs >= 1 segments over nl >= 1 layers on a device of `sms`
@@ -165,7 +166,7 @@ typedef struct kvi__plan_view {
   int32_t nsegs, nreqs, ntok, ntables;
 } kvi__plan_view;
 
-/* The injection planner's step for one request (plan_request): appends
+/* The injection planner's step for one request (kvi__plan_request): appends
  * request v->nreqs, whose job is `tokens` tokens at sequence slots
  * first_slot.. through `table` (table_len entries; host memory when
  * table_on_host); a host table's slice for those slots is copied to
@@ -174,7 +175,7 @@ typedef struct kvi__plan_view {
 int32_t kvi__plan_request_into(const kvi_injector *injector, kvi__plan_view *v, const int32_t *table,
                                int32_t table_len, bool table_on_host, int64_t first_slot, int64_t tokens);
 
-/* The injection planner's step for one fact (plan_run): appends the
+/* The injection planner's step for one fact (kvi__plan_run): appends the
  * segments of `tokens` tokens held in `pages` (from the first page's start)
  * landing at sequence slots seq0.. of request r, none crossing a page nor
  * longer than the injector's segment (kvi__injector_seg_tokens), to

@@ -695,7 +695,7 @@ static void t_staging_ring(void **state) {
   free_world(&w);
 }
 
-/* A capture call of more than CAPTURE_CHUNK (65,536, lib/xfer/transfer.c)
+/* A capture call of more than KVI__CAPTURE_CHUNK (65,536, lib/xfer/transfer.h)
  * captures: its two chunk plans share one staging slot, whose event moves to
  * the second chunk's launch. The stream is held (as above) while two more
  * calls follow, each plan too large for the kernel parameters: the third

@@ -1,5 +1,5 @@
 /*
- * internal-planners: the injector's host planning (lib/xfer/transfer.c) checked
+ * internal-planners: the injector's host planning (lib/xfer/injector.c, execute.c) checked
  * against invariants over sweeps of its inputs: the layers per CTA of a
  * launch, the kernel variant (vector width) chosen for a cache layout, the
  * segment length that bounds the kernel's shared memory, and the per-layer

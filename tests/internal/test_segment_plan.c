@@ -1,7 +1,7 @@
 /*
- * internal-segment-plan: the injector's segment planners (lib/xfer/transfer.c)
+ * internal-segment-plan: the injector's segment planners (lib/xfer/plan.c)
  * against an independent model of what the kernels rely on.
- *  - plan_run (a fact's tokens cut into segments) and plan_request (a
+ *  - kvi__plan_run (a fact's tokens cut into segments) and kvi__plan_request (a
  *    request's host block-table slice), driven as kvi_inject drives them:
  *    every token of a request lands in exactly one segment, at its sequence
  *    slot, in its page, with its position; no segment crosses a page or
@@ -90,7 +90,7 @@ static int64_t model_segs(int64_t tokens, int32_t P, int32_t seg) {
 }
 
 /* ------------------------------------------------------------------------ */
-/* plan_run and plan_request                                                */
+/* kvi__plan_run and kvi__plan_request                                      */
 /* ------------------------------------------------------------------------ */
 
 #define GUARD 4 /* sentinel entries past the model's count */
@@ -111,8 +111,8 @@ static bool seg_is_sentinel(const kvi__xseg *s) {
          s->tok0 == SENT.tok0 && s->ntok == SENT.ntok && s->explicit_pos == SENT.explicit_pos;
 }
 
-/* Plans the requests as kvi_inject does (plan_request, then plan_run per
- * fact, facts back to back) and checks the plan against the model. */
+/* Plans the requests as kvi_inject does (kvi__plan_request, then kvi__plan_run
+ * per fact, facts back to back) and checks the plan against the model. */
 static void check_requests(const rig *g, const mreq *rq, int32_t n, int32_t *table, int32_t table_len, rng *r) {
   const int32_t P = g->P, seg = g->seg;
   /* the model's counts and the inputs: page ids and positions per fact */

@@ -1,0 +1,309 @@
+/*
+ * Running a plan: the CPU reference of the transfer and deviation kernels,
+ * and on a CUDA store the kernels' arguments, the plan's upload and the
+ * launches (cuda/transfer_kernels.cu).
+ * SPDX-License-Identifier: Apache-2.0
+ */
+#include <stddef.h>
+#include <string.h>
+
+#include "xfer/transfer.h"
+
+/* n elements of a row whose elements lie `stride` elements apart, as fp32
+ * (fp8: times scale). */
+static void load_row(float *dst, const char *src, kvi_dtype t, int32_t n, int64_t stride, float scale) {
+  char g[1024 * 4];
+  const size_t es = kvi__dtype_size(t);
+  if (stride != 1) { /* gathered into a contiguous row first */
+    for (int32_t i = 0; i < n; i++) memcpy(g + (size_t)i * es, src + (size_t)(i * stride) * es, es);
+    src = g;
+  }
+  if (t == KVI_DTYPE_FP8_E4M3 || t == KVI_DTYPE_FP8_E5M2) {
+    for (int32_t i = 0; i < n; i++) dst[i] = kvi__fp8_to_f32((uint8_t)src[i], t) * scale;
+  } else {
+    kvi__convert(dst, KVI_DTYPE_FP32, src, t, n);
+  }
+}
+
+static void store_row(char *dst, kvi_dtype t, int64_t stride, float *src, int32_t n, float scale) {
+  char g[1024 * 4];
+  char *out = stride == 1 ? dst : g; /* scattered from a contiguous row after */
+  if (t == KVI_DTYPE_FP8_E4M3 || t == KVI_DTYPE_FP8_E5M2) {
+    for (int32_t i = 0; i < n; i++) ((uint8_t *)out)[i] = kvi__f32_to_fp8(src[i] / scale, t);
+  } else {
+    kvi__convert(out, t, src, KVI_DTYPE_FP32, n);
+  }
+  const size_t es = kvi__dtype_size(t);
+  if (stride != 1)
+    for (int32_t i = 0; i < n; i++) memcpy(dst + (size_t)(i * stride) * es, g + (size_t)i * es, es);
+}
+
+/* n elements of es bytes each, `ds` / `ss` elements apart, copied as they are. */
+static void copy_row(char *dst, int64_t ds, const char *src, int64_t ss, int32_t n, size_t es) {
+  if (ds == 1 && ss == 1) {
+    memcpy(dst, src, (size_t)n * es);
+    return;
+  }
+  for (int32_t i = 0; i < n; i++) memcpy(dst + (size_t)(i * ds) * es, src + (size_t)(i * ss) * es, es);
+}
+
+/* The CPU reference of the fused kernel, one phase of it (kernels.h,
+ * kvi__xfer_args.phase): a capture into an fp8 store runs phases 0 (zero
+ * each page's amax slots), 1 (fold the un-rotated values' largest finite
+ * magnitude into them), 2 (write e4m3(x / scale), the scale derived from the
+ * slot) and 3 (turn the slots into scales), as the kernel does; everything
+ * else is phase 2 alone. */
+static void cpu_transfer(const xfer *x, const plan *p, int32_t lb, int32_t le, bool inject, int phase) {
+  const kvi_store *s = x->store;
+  const kvi__cache *c = &x->cache;
+  const int32_t H = c->H, D = c->D;
+  const size_t pe = kvi__dtype_size(s->dtype), ce = kvi__dtype_size(c->dtype);
+  /* equal dtypes without scales (neither is fp8): what is not rotated moves
+   * bit for bit (as in the kernel), only the rotated columns are converted */
+  const bool raw = s->dtype == c->dtype && !s->fp8;
+  float row[1024];
+  for (int32_t i = 0; i < p->nsegs; i++) {
+    const kvi__xseg *sg = &p->segs[i];
+    const kvi__xreq *rq = &p->reqs[sg->req];
+    const int32_t *table = rq->table ? rq->table : (const int32_t *)(p->buf + rq->table_off);
+    const char *page = page_addr(s, sg->page);
+    float *slots = s->fp8 ? page_scales(s, sg->page) : NULL;
+    if (phase == 0 || phase == 3) { /* once per page: its first segment starts at token 0 */
+      if (sg->tok0 == 0)
+        for (int32_t g = lb * 2 * H; g < le * 2 * H; g++) slots[g] = phase == 0 ? 0.0f : kvi__fp8_scale(slots[g]);
+      continue;
+    }
+    for (int32_t l = lb; l < le; l++)
+      for (int32_t j = 0; j < sg->ntok; j++) {
+        const int64_t seq = sg->seq0 + j;
+        const int32_t block = table[seq / c->BS - rq->first_block];
+        const int64_t t = seq % c->BS;
+        const int32_t pos = sg->explicit_pos ? p->positions[sg->pos0 + j] : sg->pos0 + j;
+        for (int kv = 0; kv < 2; kv++)
+          for (int32_t h = 0; h < H; h++) {
+            const kvi__strides *cs = kv ? &c->vs : &c->ks;
+            char *pr = (char *)page + (size_t)kvi__page_row_off(s, l, kv, h, sg->tok0 + j) * pe;
+            char *cr = (kv ? c->v[l] : c->k[l]) + (size_t)(block * cs->block + t * cs->token + h * cs->head) * ce;
+            const int64_t cd = cs->dim; /* the cache row's element stride */
+            const float scale = (kv ? c->v_scale : c->k_scale)[l * H + h];
+            float *slot = slots ? slots + (l * 2 + kv) * H + h : NULL;
+            const int32_t rot = kv || s->rope[l].style == KVI_ROPE_NONE ? 0 : s->rope[l].rotary_dim;
+            const int32_t n = raw ? rot : D; /* columns converted (rotation touches [0, rot) only) */
+            if (inject) {
+              load_row(row, pr, s->dtype, n, 1, slot ? *slot : 1.0f);
+              if (kv == 0) kvi__rope_rotate(&s->rope[l], row, pos, false);
+              store_row(cr, c->dtype, cd, row, n, scale);
+              if (raw) copy_row(cr + (size_t)(rot * cd) * ce, cd, pr + (size_t)rot * pe, 1, D - rot, pe);
+            } else {
+              load_row(row, cr, c->dtype, n, cd, scale);
+              if (kv == 0) kvi__rope_rotate(&s->rope[l], row, pos, true);
+              if (phase == 1)
+                *slot = kvi__fp8_amax(*slot, row, n);
+              else
+                store_row(pr, s->dtype, 1, row, n, slot ? kvi__fp8_scale(*slot) : 1.0f);
+              if (raw) copy_row(pr + (size_t)rot * pe, 1, cr + (size_t)(rot * cd) * ce, cd, D - rot, ce);
+            }
+          }
+      }
+  }
+}
+
+/* The CPU reference of the deviation kernel (kvi_inject_deviation): per
+ * token of the plan, in plan order, the sum over heads of the squared K
+ * differences (the cache's against the stored key rotated at the token's
+ * position) and V differences at one layer, accumulated in double. */
+static void cpu_deviation(const xfer *x, const plan *p, int32_t l, float *out) {
+  const kvi_store *s = x->store;
+  const kvi__cache *c = &x->cache;
+  const int32_t H = c->H, D = c->D;
+  const size_t pe = kvi__dtype_size(s->dtype), ce = kvi__dtype_size(c->dtype);
+  float row[1024], got[1024];
+  int64_t o = 0;
+  for (int32_t i = 0; i < p->nsegs; i++) {
+    const kvi__xseg *sg = &p->segs[i];
+    const kvi__xreq *rq = &p->reqs[sg->req];
+    const int32_t *table = rq->table ? rq->table : (const int32_t *)(p->buf + rq->table_off);
+    const char *page = page_addr(s, sg->page);
+    const float *slots = s->fp8 ? page_scales(s, sg->page) : NULL;
+    for (int32_t j = 0; j < sg->ntok; j++) {
+      const int64_t seq = sg->seq0 + j;
+      const int32_t block = table[seq / c->BS - rq->first_block];
+      const int64_t t = seq % c->BS;
+      const int32_t pos = sg->explicit_pos ? p->positions[sg->pos0 + j] : sg->pos0 + j;
+      double sum = 0.0;
+      for (int kv = 0; kv < 2; kv++)
+        for (int32_t h = 0; h < H; h++) {
+          const kvi__strides *cs = kv ? &c->vs : &c->ks;
+          const char *pr = page + (size_t)kvi__page_row_off(s, l, kv, h, sg->tok0 + j) * pe;
+          const char *cr = (kv ? c->v[l] : c->k[l]) + (size_t)(block * cs->block + t * cs->token + h * cs->head) * ce;
+          load_row(row, pr, s->dtype, D, 1, slots ? slots[(l * 2 + kv) * H + h] : 1.0f);
+          if (kv == 0) kvi__rope_rotate(&s->rope[l], row, pos, false);
+          load_row(got, cr, c->dtype, D, cs->dim, (kv ? c->v_scale : c->k_scale)[l * H + h]);
+          for (int32_t d = 0; d < D; d++) {
+            const double e = (double)got[d] - (double)row[d];
+            sum += e * e;
+          }
+        }
+      out[o++] = (float)sum;
+    }
+  }
+}
+
+/* Runs a plan: here (CPU) or in one kernel launch (CUDA). */
+kvi_status kvi__execute(xfer *x, const plan *p, int32_t lb, int32_t le, bool inject, struct CUstream_st *stream,
+                        const char *fn) {
+  if (!x->cuda) {
+    if (!inject && x->store->fp8)
+      for (int phase = 0; phase < 4; phase++) cpu_transfer(x, p, lb, le, false, phase);
+    else
+      cpu_transfer(x, p, lb, le, inject, 2);
+    return KVI_OK;
+  }
+  return kvi__launch(x, p, lb, le, inject, stream, fn);
+}
+
+/* Layers per CTA: enough (segment, layer) pairs per CTA to amortize its
+ * prologue, while leaving about 128 CTAs per SM so the tail stays short. */
+int32_t kvi__layers_per_cta(int32_t sms, int32_t nsegs, int32_t nl) {
+  const int64_t target = (int64_t)(sms > 0 ? sms : 132) * 128;
+  int64_t per = (int64_t)nsegs * nl / target;
+  if (per < 1) per = 1;
+  if (per > nl) per = nl;
+  const int64_t chunks = (nl + per - 1) / per;
+  return (int32_t)((nl + chunks - 1) / chunks);
+}
+
+/* Uploads a plan from its slot on the injector's own stream and orders
+ * `stream` after the copy: the upload then overlaps whatever `stream` still
+ * runs before the call (an engine's previous step) instead of queueing
+ * behind it. The slot's device buffer is free: acquiring the slot waited
+ * for the last launch that read it. */
+static kvi_status upload(xfer *x, const plan *p, struct CUstream_st *stream, const char *fn) {
+  struct CUevent_st *up = x->up[p->sl - x->ring.slot];
+  kvi_status st = kvi__cuda_h2d(p->sl->dev + p->off, p->buf, p->bytes, x->up_stream, fn);
+  if (st == KVI_OK) st = kvi__cuda_event_record(up, x->up_stream, fn);
+  if (st == KVI_OK) st = kvi__cuda_stream_wait(stream, up, fn);
+  return st;
+}
+
+/* The kernel arguments of a plan, its plan uploaded (or inlined) first. */
+static kvi_status xfer_args(xfer *x, const plan *p, int32_t lb, int32_t le, bool inject, kvi__xfer_args *out,
+                            struct CUstream_st *stream, const char *fn) {
+  const kvi_store *s = x->store;
+  kvi_status st;
+  kvi__xfer_args *a = out;
+  memset(a, 0, offsetof(kvi__xfer_args, inline_plan));
+  if (p->sl) {
+    if (!p->uploaded && (st = upload(x, p, stream, fn))) return st;
+    a->plan_dev = p->sl->dev + p->off;
+  } else {
+    memcpy(a->inline_plan, p->buf, p->bytes);
+    a->inline_bytes = (int32_t)(p->bytes ? p->bytes : 1);
+  }
+  a->pool = kvi__pool_dev_base(s);
+  a->host_pool = kvi__pool_host_mapped(s); /* KVI_HOST_PAGES_READ_MAPPED: host-tier pages read in place */
+  a->host_first = kvi__pool_host_first(s);
+  a->page_elems = page_stride_elems(s);
+  a->scale_off = (int64_t)s->scale_off;
+  a->page_dtype = (int32_t)s->dtype;
+  a->P = s->P;
+  a->L = x->cache.L;
+  a->H = x->cache.H;
+  a->D = x->cache.D;
+  a->cache_dtype = (int32_t)x->cache.dtype;
+  a->BS = x->cache.BS;
+  a->NB = x->cache.NB;
+  a->block_stride = x->cache.ks.block;
+  a->token_stride = x->cache.ks.token;
+  a->head_stride = x->cache.ks.head;
+  a->dim_stride = x->cache.ks.dim;
+  a->v_block_stride = x->cache.vs.block;
+  a->v_token_stride = x->cache.vs.token;
+  a->v_head_stride = x->cache.vs.head;
+  a->v_dim_stride = x->cache.vs.dim;
+  a->split_v = kvi__xfer_split_v(x);
+  a->layers = x->d_layers;
+  a->k_scale = x->d_kscale;
+  a->v_scale = x->d_vscale;
+  a->o_reqs = (int64_t)p->o_reqs;
+  a->o_pos = (int64_t)p->o_pos;
+  a->nsegs = p->nsegs;
+  a->layer_begin = lb;
+  a->layer_end = le;
+  a->layers_per_cta = kvi__layers_per_cta(x->sms, p->nsegs, le - lb);
+  a->seg_tokens = x->seg_tokens;
+  a->half_max = x->half_max;
+  a->inject = inject;
+  a->vec = kvi__xfer_vec(x);
+  a->skipped = x->skipped.dev;
+  return KVI_OK;
+}
+
+/* The staging slot's bookkeeping after a launch that reads it, and the
+ * store's in-flight tracking. */
+static kvi_status launched(xfer *x, const plan *p, struct CUstream_st *stream, const char *fn) {
+  kvi_status st;
+  if (p->sl && (st = kvi__ring_record(p->sl, stream, fn))) return st;
+  return kvi__store_track(x->store, stream, fn);
+}
+
+kvi_status kvi__launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool inject, struct CUstream_st *stream,
+                       const char *fn) {
+  kvi__xfer_args a;
+  kvi_status st = xfer_args(x, p, lb, le, inject, &a, stream, fn);
+  if (st) return st;
+#ifdef KVI_HAVE_CUDA
+  const bool phased = !inject && x->store->fp8;
+  /* a capture into an fp8 store is four launches (kernels.h: phase), the rest one */
+  for (int phase = phased ? 0 : 2; phase <= (phased ? 3 : 2); phase++) {
+    a.phase = phase;
+    /* the launcher returns (and so clears) the launch error: report that value */
+    const int launch_err = kvi__cuda_transfer(&a, stream);
+    if (launch_err) return kvi__cuda_error(launch_err, fn, inject ? "injection kernel launch" : "capture kernel launch");
+  }
+#endif
+  return launched(x, p, stream, fn);
+}
+
+/* The plan's caller area for a deviation on a CUDA store: each segment's
+ * first score index (int64), then, for host output, room for the scores. */
+size_t kvi__deviation_ext(const xfer *x, const deviation *dv, int64_t nsegs, int64_t ntok) {
+  if (!dv || !x->cuda) return 0;
+  return kvi__align_up((size_t)nsegs * sizeof(int64_t)) + (dv->out_on_device ? 0 : (size_t)ntok * sizeof(float));
+}
+
+/* Scores a plan (kvi_inject_deviation): here (CPU) or in one kernel launch
+ * (CUDA; host output copied back after it, the stream synchronized). */
+kvi_status kvi__run_deviation(xfer *x, plan *p, const deviation *dv, struct CUstream_st *stream, const char *fn) {
+  if (!x->cuda) {
+    cpu_deviation(x, p, dv->layer, dv->out);
+    return KVI_OK;
+  }
+  int64_t *seg_out = (int64_t *)(p->buf + p->o_ext);
+  int64_t o = 0;
+  for (int32_t i = 0; i < p->nsegs; i++) {
+    seg_out[i] = o;
+    o += p->segs[i].ntok;
+  }
+  const size_t o_scores = p->o_ext + kvi__align_up((size_t)p->nsegs * sizeof(int64_t));
+  kvi__dev_args a;
+  kvi_status st;
+  if ((st = xfer_args(x, p, dv->layer, dv->layer + 1, true, &a.x, stream, fn))) goto out;
+  a.seg_out = (const int64_t *)(a.x.plan_dev + p->o_ext);
+  a.out = dv->out_on_device ? dv->out : (float *)(a.x.plan_dev + o_scores);
+#ifdef KVI_HAVE_CUDA
+  const int launch_err = kvi__cuda_deviation(&a, stream);
+  if (launch_err) {
+    st = kvi__cuda_error(launch_err, fn, "deviation kernel launch");
+    goto out;
+  }
+#endif
+  if ((st = launched(x, p, stream, fn))) goto out;
+  if (!dv->out_on_device && o > 0) { /* through the slot's pinned buffer, so a failure leaves out untouched */
+    if ((st = kvi__cuda_d2h(p->buf + o_scores, a.out, (size_t)o * sizeof(float), stream, fn))) goto out;
+    if ((st = kvi__cuda_sync(stream, fn))) goto out;
+    memcpy(dv->out, p->buf + o_scores, (size_t)o * sizeof(float));
+  }
+out:
+  return st;
+}
