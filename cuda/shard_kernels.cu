@@ -1,7 +1,7 @@
 /*
  * Kernels of tensor-parallel stores: packing head slices for the transfers
  * of put_scatter and gather, and the merge of a sharded search's
- * candidates (see lib/tp/shard.c; its merge_host is the reference).
+ * candidates (see lib/tp/search.c; its merge_host is the reference).
  * SPDX-License-Identifier: Apache-2.0
  */
 #include <cuda_runtime.h>

@@ -325,7 +325,7 @@ int kvi__cuda_search_scan(const kvi__search_args *a, struct CUstream_st *stream)
 int kvi__cuda_search_select(const kvi__search_args *a, struct CUstream_st *stream);
 int kvi__cuda_search_emit(const kvi__search_args *a, struct CUstream_st *stream);
 
-/* ---- tensor-parallel stores (shard.c, cuda/shard_kernels.cu) ------------ */
+/* ---- tensor-parallel stores (tp/, cuda/shard_kernels.cu) ---------------- */
 
 /* L x T x H rows of row_bytes, between two layouts with byte strides. */
 typedef struct kvi__rows_args {

@@ -1,6 +1,7 @@
 /*
- * libkvinject — the persist part (persist.c): snapshot files, the journal
- * and the loader of kvinject/persist.h. lib/api/persist.c holds the entry
+ * libkvinject — the persist part (format.c, file.c, snapshot.c, journal.c,
+ * load.c, sharing persist/internal.h): snapshot files, the journal and the
+ * loader of kvinject/persist.h. lib/api/persist.c holds the entry
  * points; these are their internal twins: the same parameters, plus the
  * public name for messages.
  * SPDX-License-Identifier: Apache-2.0

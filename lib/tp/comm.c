@@ -219,7 +219,7 @@ static kvi_status scratch_reserve(kvi_comm *c, size_t bytes, const char *fn) {
  * comm's device is current: control exchanges run inside the calls of a
  * store, whose entry point made the store's device current, and a store
  * with an NCCL communicator is on the communicator's device (checked when
- * the ranks create it, shard.c's shard_create); kvi_store_create itself
+ * the ranks create it, create.c's shard_create); kvi_store_create itself
  * makes the communicator's device current (kvi__shard_store_device). */
 static kvi_status nccl_control(kvi_comm *c, const void *send, void *recv, size_t bytes, int32_t root,
                                const char *fn) {

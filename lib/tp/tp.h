@@ -1,6 +1,7 @@
 /*
  * libkvinject — the transport seam under tensor-parallel stores (comm.c) and
- * the sharding logic over it (shard.c).
+ * the sharding logic over it (create.c, scatter.c, gather.c, agreement.c,
+ * search.c, over helpers.c, op.c and tp/internal.h).
  * SPDX-License-Identifier: Apache-2.0
  *
  * A communicator moves bytes between the ranks of one group. The sharding
@@ -83,9 +84,10 @@ kvi_status kvi__comm_async_error(kvi_comm *c, const char *fn);
 /* The communicator's CUDA device (NCCL), or -1 for an in-process one (and NULL). */
 int kvi__comm_device(const kvi_comm *c);
 
-/* The twins of kvinject/comm.h's store functions (shard.c). Every one runs
- * on the store's device; a store with an NCCL communicator is on the
- * communicator's device (checked by kvi__shard_store_create). */
+/* The twins of kvinject/comm.h's store functions (create.c, scatter.c,
+ * gather.c, agreement.c). Every one runs on the store's device; a store
+ * with an NCCL communicator is on the communicator's device (checked by
+ * kvi__shard_store_create). */
 
 /* kvi_store_create (with or without a communicator; it calls store.c's
  * kvi__store_create for this rank's store). */

@@ -1,0 +1,177 @@
+/*
+ * libkvinject — what the persist part's files share (private to lib/persist/:
+ * only its .c files include it): the format's constants and byte codecs
+ * (format.c writes with them, load.c reads), the file helpers (file.c), the
+ * snapshot writer (snapshot.c) and the journal's state (journal.c).
+ * SPDX-License-Identifier: Apache-2.0
+ *
+ * The byte layout is in docs/store-format.md. In short: a
+ * header with its own CRC32C, then entries, each a 48-byte header (with its
+ * CRC) and a body (with its CRC): the snapshot's FACTS entries, one END
+ * entry, then the log's FACTS entries, one per journaled call. Entries are
+ * numbered (seq) and carry the file's random id, so an entry from another
+ * file or out of order is caught.
+ *
+ * Everything goes through the store's own calls (its transactions and
+ * kvi__store_remove to load) or through store.c's read of a fact's pages
+ * into a host view, so this part does not depend on the page layout or on
+ * where pages live.
+ */
+#ifndef KVI_PERSIST_INTERNAL_H
+#define KVI_PERSIST_INTERNAL_H
+
+#include <string.h>
+#include <sys/types.h>
+
+#include "persist/persist.h"
+#include "store/store.h"
+
+typedef struct kvi__journal kvi__journal;
+
+/* ---- the format (format.c) ---------------------------------------------- */
+
+static const unsigned char FILE_MAGIC[8] = {'K', 'V', 'I', 'S', 'T', 'O', 'R', 'E'};
+
+enum {
+  FORMAT_VERSION = 1,
+  HDR_FIXED = 88,  /* file header before the RoPE entries */
+  ROPE_BYTES = 88, /* one layer's RoPE */
+  ENTRY_HDR = 48,
+  REC_HDR = 32,
+  END_BODY = 24,
+  KIND_FACTS = 1,
+  KIND_END = 2,
+  OP_PUT = 1,
+  OP_REMOVE = 2,
+  MAX_LAYERS = 65536,
+};
+#define ENDIAN_MARK 0x01020304u
+#define ENTRY_MAGIC 0x4549564Bu /* "KVIE" */
+#define HDR_BYTES(L) ((uint64_t)HDR_FIXED + (uint64_t)ROPE_BYTES * (uint64_t)(L) + 4u)
+#define WRITE_BUF (1u << 20)
+
+static inline void put32(unsigned char *p, uint32_t v) {
+  p[0] = (unsigned char)v, p[1] = (unsigned char)(v >> 8), p[2] = (unsigned char)(v >> 16), p[3] = (unsigned char)(v >> 24);
+}
+static inline void put64(unsigned char *p, uint64_t v) {
+  put32(p, (uint32_t)v);
+  put32(p + 4, (uint32_t)(v >> 32));
+}
+static inline void putf64(unsigned char *p, double d) {
+  uint64_t u;
+  memcpy(&u, &d, 8);
+  put64(p, u);
+}
+static inline uint32_t get32(const unsigned char *p) {
+  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+static inline uint64_t get64(const unsigned char *p) { return (uint64_t)get32(p) | (uint64_t)get32(p + 4) << 32; }
+static inline double getf64(const unsigned char *p) {
+  const uint64_t u = get64(p);
+  double d;
+  memcpy(&d, &u, 8);
+  return d;
+}
+
+static inline uint64_t pad8(uint64_t n) { return (n + 7u) & ~(uint64_t)7u; }
+
+/* Bytes of one token's K and V for every layer and local head. */
+static inline uint64_t token_bytes(const kvi_store *s) {
+  return 2u * (uint64_t)s->geom.num_layers * (uint64_t)s->geom.local_heads * (uint64_t)s->geom.head_size *
+         kvi__dtype_size(s->dtype);
+}
+
+/* fp8 stores: bytes of the scales of a fact of `tokens` tokens (one fp32 per
+ * page, layer, K/V and head); 0 for other dtypes. */
+static inline uint64_t scale_bytes(uint64_t tokens, int32_t P, int32_t L, int32_t H) {
+  return P > 0 ? (tokens + (uint64_t)P - 1u) / (uint64_t)P * 2u * (uint64_t)L * (uint64_t)H * 4u : 0u;
+}
+
+/* A stored fact's record payload: embedding, then K, then V, then (fp8) the scales. */
+static inline uint64_t put_payload(const kvi_store *s, int32_t tokens) {
+  return (uint64_t)s->emb_dim * 4u + (uint64_t)tokens * token_bytes(s) +
+         scale_bytes((uint64_t)tokens, s->fp8 ? s->P : 0, s->geom.num_layers, s->geom.local_heads);
+}
+
+static inline uint64_t put_record_bytes(const kvi_store *s, int32_t tokens) { return REC_HDR + pad8(put_payload(s, tokens)); }
+
+/* The RoPE entries of a file header for n_layers layers (format.c). */
+void kvi__persist_rope_entries(unsigned char *out, const kvi__rope *rope, int32_t n_layers);
+/* A store's file header, HDR_BYTES(L) bytes with its CRC (malloc'd; NULL
+ * when out of memory). */
+unsigned char *kvi__persist_make_header(const kvi_store *s, uint64_t file_id, size_t *out_len);
+/* An entry header (ENTRY_HDR bytes) with its CRC. */
+void kvi__persist_entry_header(unsigned char *h, uint32_t kind, uint64_t file_id, uint64_t seq, uint64_t body_bytes,
+                               uint32_t count, uint32_t body_crc);
+/* A PUT record (put_record_bytes) of a fact whose data is in `pages`. */
+kvi_status kvi__persist_fill_put(const kvi_store *s, unsigned char *rec, uint64_t tenant, uint64_t id, int32_t tokens,
+                                 const uint32_t *pages, const float *emb, const char *fn);
+
+/* ---- files (file.c) ----------------------------------------------------- */
+
+/* KVI_ERR_IO with "<what> <path>: <strerror(err)>". */
+kvi_status kvi__persist_io_fail(const char *fn, int err, const char *what, const char *path);
+/* pwrite of all n bytes at off; 0, or -1 with errno set. */
+int kvi__persist_pwrite_all(int fd, const void *data, size_t n, uint64_t off);
+/* The directory part of a path (a fresh string) and where its last
+ * component starts. */
+char *kvi__persist_path_dir(const char *path, const char **base);
+/* Flushes the directory holding `path`. */
+kvi_status kvi__persist_fsync_dir(const char *path, const char *fn);
+/* A random id for a new file. */
+uint64_t kvi__persist_new_file_id(void);
+/* Refuses a NULL or empty path, and big-endian hosts. */
+kvi_status kvi__persist_check_path(const char *path, const char *fn);
+
+/* Buffered sequential writes. */
+typedef struct writer {
+  int fd;
+  const char *path;
+  unsigned char *buf;
+  size_t len;
+} writer;
+
+kvi_status kvi__persist_w_flush(writer *w, const char *fn);
+kvi_status kvi__persist_w_put(writer *w, const void *data, size_t n, const char *fn);
+
+/* A locked temporary file beside `path`, its name into tmp; the fd or -1. */
+int kvi__persist_create_temporary(const char *path, char *tmp, size_t tlen, const char *fn);
+/* Removes the temporaries of `path` that a save which died left. */
+void kvi__persist_remove_stale_temporaries(const char *path);
+
+/* ---- snapshots (snapshot.c) --------------------------------------------- */
+
+typedef struct snapfile {
+  int fd; /* open and locked (keep), else -1 */
+  uint64_t file_id, seq, end;
+  dev_t dev;
+  ino_t ino;
+} snapfile;
+
+/* Writes the store's facts (one: only `tenant`'s) as a new file at `path`;
+ * keep: *out's fd stays open and locked, for a journal. The store's lock
+ * is held. */
+kvi_status kvi__persist_snapshot_file(const kvi_store *s, const char *path, bool one, uint64_t tenant, bool keep,
+                                      const kvi__journal *own, snapfile *out, const char *fn);
+
+/* ---- the journal (journal.c) -------------------------------------------- */
+
+struct kvi__journal {
+  int fd;
+  char *path;
+  uint64_t file_id;
+  uint64_t seq; /* of the next entry */
+  uint64_t end; /* file size: where the next entry goes */
+  dev_t dev;
+  ino_t ino;
+  int dir_fd;      /* the directory holding it (O_PATH), -1 if it could not be opened */
+  const char *base; /* its name in that directory (inside path) */
+  bool failed; /* a flush failed: the file's state is unknown */
+};
+
+/* Makes j (or none) the store's journal; returns the one it had. */
+kvi__journal *kvi__persist_journal_set(kvi_store *s, kvi__journal *j);
+/* Gives j its path (a copy it now owns) and opens the directory holding it. */
+void kvi__persist_journal_bind(kvi__journal *j, char *path);
+
+#endif /* KVI_PERSIST_INTERNAL_H */
