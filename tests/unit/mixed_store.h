@@ -10,6 +10,7 @@
 #define KVI_TESTS_MIXED_STORE_H
 
 #include "ref64.h"
+#include "rope_catalogue.h"
 
 typedef struct fixture {
   kvi_model *m;
@@ -19,14 +20,6 @@ typedef struct fixture {
   rfact a, b, c; /* tenant 7: a (5 tokens), b (7); tenant 9: c (3) */
   rng r;
 } fixture;
-
-static inline kvi_rope_spec rope(kvi_rope_style style, int32_t rot, double theta) {
-  kvi_rope_spec s = KVI_ROPE_SPEC_INIT;
-  s.style = style;
-  s.rotary_dim = rot;
-  s.theta = theta;
-  return s;
-}
 
 static int mixed_store_setup(void **state, const char *seed) {
   fixture *f = calloc(1, sizeof *f);

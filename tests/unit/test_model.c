@@ -3,7 +3,7 @@
  * structs, and the per-layer RoPE slot.
  * SPDX-License-Identifier: Apache-2.0
  */
-#include "unit.h"
+#include "rope_catalogue.h"
 
 #define L0 4
 #define H0 8
@@ -220,14 +220,6 @@ static kvi_rope_spec rope_of(const kvi_model *m, int32_t layer) {
   s.struct_size = sizeof s;
   assert_ok(kvi_model_get_rope(m, layer, &s));
   assert_int_equal(s.struct_size, sizeof s);
-  return s;
-}
-
-static kvi_rope_spec rope(kvi_rope_style style, int32_t rotary_dim, double theta) {
-  kvi_rope_spec s = KVI_ROPE_SPEC_INIT;
-  s.style = style;
-  s.rotary_dim = rotary_dim;
-  s.theta = theta;
   return s;
 }
 
