@@ -4,6 +4,8 @@
  * tables, and a catalogue of named configurations (every scaling variant,
  * NeoX and GPT-J, partial rotary, tables in each float dtype). A suite lists
  * the entries it runs, in its own order, and takes them with rope_cases().
+ * Last, a layer's RoPE read back, and the check that a rejected call changed
+ * no layer.
  * SPDX-License-Identifier: Apache-2.0
  */
 #ifndef KVI_ROPE_CATALOGUE_H
@@ -201,6 +203,37 @@ static inline int rope_cases(rope_case *c, const rope_id *ids, int n, int32_t he
 
 static inline void rope_cases_free(rope_case *c, int n) {
   for (int i = 0; i < n; i++) free(c[i].table);
+}
+
+/* ------------------------------------------------------------------------ */
+/* a model's RoPE, read back                                                 */
+/* ------------------------------------------------------------------------ */
+
+/* kvi_model_get_rope of `layer`, into a struct poisoned with 0xEE. */
+static inline kvi_rope_spec rope_get(const kvi_model *m, int32_t layer) {
+  kvi_rope_spec s;
+  memset(&s, 0xEE, sizeof s);
+  s.struct_size = sizeof s;
+  assert_ok(kvi_model_get_rope(m, layer, &s));
+  return s;
+}
+
+/* Layers 0..n-1 of a and b (rope_get of each, before and after `what`, a
+ * rejected call) agree in every field. */
+static inline void assert_ropes_equal(const kvi_rope_spec *a, const kvi_rope_spec *b, int32_t n, const char *what) {
+  for (int32_t l = 0; l < n; l++) {
+    const kvi_rope_spec *x = &a[l], *y = &b[l];
+    if (x->style != y->style || x->rotary_dim != y->rotary_dim || x->theta != y->theta || x->scaling != y->scaling ||
+        x->original_max_position != y->original_max_position || x->factor != y->factor ||
+        x->low_freq_factor != y->low_freq_factor || x->high_freq_factor != y->high_freq_factor ||
+        x->beta_fast != y->beta_fast || x->beta_slow != y->beta_slow || x->attention_factor != y->attention_factor ||
+        x->yarn_truncate != y->yarn_truncate || x->table_dtype != y->table_dtype ||
+        x->cos_sin_table != y->cos_sin_table || x->table_positions != y->table_positions)
+      fail_msg("%s: layer %d's RoPE changed (style %d -> %d, rotary_dim %d -> %d, theta %g -> %g, scaling %d -> %d, "
+               "factor %g -> %g)",
+               what, l, (int)x->style, (int)y->style, x->rotary_dim, y->rotary_dim, x->theta, y->theta,
+               (int)x->scaling, (int)y->scaling, x->factor, y->factor);
+  }
 }
 
 #endif /* KVI_ROPE_CATALOGUE_H */

@@ -14,14 +14,6 @@
 #define H 2
 #define D 64
 
-static kvi_rope_spec get_rope(const kvi_model *m, int32_t layer) {
-  kvi_rope_spec s;
-  memset(&s, 0xEE, sizeof s);
-  s.struct_size = sizeof s;
-  assert_ok(kvi_model_get_rope(m, layer, &s));
-  return s;
-}
-
 /* ------------------------------------------------------------------------ */
 /* scaling variants                                                          */
 /* ------------------------------------------------------------------------ */
@@ -68,7 +60,7 @@ static void check_cos_sin(const kvi_model *m, int32_t layer, const kvi_rope_spec
 
 /* get_rope gives back the resolved spec of what was set. */
 static void check_resolved(const kvi_model *m, int32_t layer, const kvi_rope_spec *set, const char *what) {
-  const kvi_rope_spec g = get_rope(m, layer);
+  const kvi_rope_spec g = rope_get(m, layer);
   assert_int_equal(g.struct_size, sizeof g);
   if (set->style == KVI_ROPE_NONE) {
     if (g.style != KVI_ROPE_NONE) fail_msg("%s, layer %d: style %d, expected NONE", what, layer, (int)g.style);
@@ -277,7 +269,7 @@ static void test_tables_used_exactly(void **state) {
         assert_true(c == 9.0f && sn == 9.0f);
         assert_ok(kvi_model_rope_cos_sin(m, layer, TP - 1, rot / 2 - 1, &c, &sn));
         /* get_rope: the model's fp32 copy */
-        const kvi_rope_spec g = get_rope(m, layer);
+        const kvi_rope_spec g = rope_get(m, layer);
         assert_int_equal(g.style, s.style);
         /* rotary_dim 0 with a table: test_table_rotary_dim_resolved */
         if (s.rotary_dim != 0) assert_int_equal(g.rotary_dim, rot);
@@ -293,12 +285,12 @@ static void test_tables_used_exactly(void **state) {
                      (double)ref_load(orig, dt, (int64_t)i));
         /* the neighbours keep the formula */
         const int32_t other = (layer + 1) % L;
-        const kvi_rope_spec o = get_rope(m, other);
+        const kvi_rope_spec o = rope_get(m, other);
         assert_null(o.cos_sin_table);
         int32_t p0[] = {0, 1, 17, 5000};
         check_cos_sin(m, other, &base, p0, 4, "neighbour of a table layer");
         assert_ok(kvi_model_set_rope(m, layer, &base)); /* back to the formula */
-        assert_null(get_rope(m, layer).cos_sin_table);
+        assert_null(rope_get(m, layer).cos_sin_table);
         free(tab);
         free(orig);
       }
@@ -334,7 +326,7 @@ static void test_table_rotary_dim_resolved(void **state) {
   s.cos_sin_table = tab;
   s.table_positions = 3;
   assert_ok(kvi_model_set_rope(m, 1, &s));
-  const kvi_rope_spec g = get_rope(m, 1);
+  const kvi_rope_spec g = rope_get(m, 1);
   if (g.rotary_dim != 8)
     fail_msg("table layer set with rotary_dim 0 on head_size 8: get_rope gives rotary_dim %d, expected 8",
              g.rotary_dim);
@@ -350,23 +342,7 @@ static void test_table_rotary_dim_resolved(void **state) {
 /* ------------------------------------------------------------------------ */
 
 static void snapshot(const kvi_model *m, kvi_rope_spec out[L]) {
-  for (int32_t l = 0; l < L; l++) out[l] = get_rope(m, l);
-}
-
-static void assert_same(const kvi_rope_spec a[L], const kvi_rope_spec b[L], const char *what) {
-  for (int32_t l = 0; l < L; l++) {
-    const kvi_rope_spec *x = &a[l], *y = &b[l];
-    if (x->style != y->style || x->rotary_dim != y->rotary_dim || x->theta != y->theta || x->scaling != y->scaling ||
-        x->original_max_position != y->original_max_position || x->factor != y->factor ||
-        x->low_freq_factor != y->low_freq_factor || x->high_freq_factor != y->high_freq_factor ||
-        x->beta_fast != y->beta_fast || x->beta_slow != y->beta_slow || x->attention_factor != y->attention_factor ||
-        x->yarn_truncate != y->yarn_truncate || x->table_dtype != y->table_dtype ||
-        x->cos_sin_table != y->cos_sin_table || x->table_positions != y->table_positions)
-      fail_msg("%s: layer %d's RoPE changed (style %d -> %d, rotary_dim %d -> %d, theta %g -> %g, scaling %d -> %d, "
-               "factor %g -> %g)",
-               what, l, (int)x->style, (int)y->style, x->rotary_dim, y->rotary_dim, x->theta, y->theta,
-               (int)x->scaling, (int)y->scaling, x->factor, y->factor);
-  }
+  for (int32_t l = 0; l < L; l++) out[l] = rope_get(m, l);
 }
 
 static void test_validation_changes_nothing(void **state) {
@@ -455,7 +431,7 @@ static void test_validation_changes_nothing(void **state) {
                  kvi_last_error());
       assert_last_error_has("kvi_model_set_rope", "");
       snapshot(m, after);
-      assert_same(before, after, b[c].what);
+      assert_ropes_equal(before, after, L, b[c].what);
     }
   /* struct sizes */
   kvi_rope_spec ok = rope(KVI_ROPE_NEOX, 0, 123.0);
@@ -466,7 +442,7 @@ static void test_validation_changes_nothing(void **state) {
     assert_status(kvi_model_set_rope(m, -1, &x), KVI_ERR_STRUCT_SIZE);
     assert_status(kvi_model_set_rope(m, 3, &x), KVI_ERR_STRUCT_SIZE);
     snapshot(m, after);
-    assert_same(before, after, "struct_size too small");
+    assert_ropes_equal(before, after, L, "struct_size too small");
   }
   struct {
     kvi_rope_spec s;
@@ -478,18 +454,18 @@ static void test_validation_changes_nothing(void **state) {
   big.later[23] = 1;
   assert_status(kvi_model_set_rope(m, 0, &big.s), KVI_ERR_STRUCT_SIZE);
   snapshot(m, after);
-  assert_same(before, after, "struct_size larger with a set byte");
+  assert_ropes_equal(before, after, L, "struct_size larger with a set byte");
   /* layer index and NULLs */
   assert_status(kvi_model_set_rope(m, L, &ok), KVI_ERR_INVALID_ARGUMENT);
   assert_status(kvi_model_set_rope(m, -2, &ok), KVI_ERR_INVALID_ARGUMENT);
   assert_status(kvi_model_set_rope(m, 0, NULL), KVI_ERR_INVALID_ARGUMENT);
   assert_status(kvi_model_set_rope(NULL, 0, &ok), KVI_ERR_INVALID_ARGUMENT);
   snapshot(m, after);
-  assert_same(before, after, "bad layer or NULL");
+  assert_ropes_equal(before, after, L, "bad layer or NULL");
   /* a zero tail is fine */
   big.later[23] = 0;
   assert_ok(kvi_model_set_rope(m, 0, &big.s));
-  assert_true(get_rope(m, 0).theta == 123.0);
+  assert_true(rope_get(m, 0).theta == 123.0);
   kvi_model_destroy(m);
 }
 
@@ -499,7 +475,7 @@ static void test_get_rope_resolved(void **state) {
   kvi_model *m = make_model(L, H, D, 0, 1);
   kvi_rope_spec s = rope(KVI_ROPE_GPTJ, 0, 777.0);
   assert_ok(kvi_model_set_rope(m, 0, &s));
-  kvi_rope_spec g = get_rope(m, 0);
+  kvi_rope_spec g = rope_get(m, 0);
   assert_int_equal(g.rotary_dim, D);
   assert_true(g.attention_factor == 1.0);
   assert_true(g.theta == 777.0);
@@ -509,7 +485,7 @@ static void test_get_rope_resolved(void **state) {
   s.factor = 40.0;
   s.original_max_position = 4096;
   assert_ok(kvi_model_set_rope(m, 1, &s));
-  g = get_rope(m, 1);
+  g = rope_get(m, 1);
   assert_int_equal(g.rotary_dim, 16);
   if (fabs(g.attention_factor - (0.1 * log(40.0) + 1.0)) > 1e-15)
     fail_msg("YaRN factor 40: attention_factor %.17g, expected %.17g", g.attention_factor, 0.1 * log(40.0) + 1.0);
@@ -519,13 +495,13 @@ static void test_get_rope_resolved(void **state) {
 
   s.attention_factor = 0.75; /* explicit: kept */
   assert_ok(kvi_model_set_rope(m, 2, &s));
-  assert_true(get_rope(m, 2).attention_factor == 0.75);
+  assert_true(rope_get(m, 2).attention_factor == 0.75);
 
   s = rope(KVI_ROPE_NEOX, 0, 10000.0);
   s.scaling = KVI_ROPE_SCALING_LINEAR;
   s.factor = 2.0;
   assert_ok(kvi_model_set_rope(m, 3, &s));
-  g = get_rope(m, 3);
+  g = rope_get(m, 3);
   assert_true(g.attention_factor == 1.0);
   assert_int_equal(g.rotary_dim, D);
 
@@ -533,8 +509,8 @@ static void test_get_rope_resolved(void **state) {
   kvi_model *m2 = make_model(2, 1, 10, 0, 1);
   s = rope(KVI_ROPE_NEOX, 0, 10000.0);
   assert_ok(kvi_model_set_rope(m2, 1, &s));
-  assert_int_equal(get_rope(m2, 1).rotary_dim, 10);
-  assert_int_equal(get_rope(m2, 0).style, KVI_ROPE_UNSET); /* never set */
+  assert_int_equal(rope_get(m2, 1).rotary_dim, 10);
+  assert_int_equal(rope_get(m2, 0).style, KVI_ROPE_UNSET); /* never set */
   /* an output struct that is too small is rejected and left alone */
   kvi_rope_spec small;
   memset(&small, 0x5A, sizeof small);
