@@ -1,6 +1,7 @@
 /*
  * Helpers shared by the unit suites: status assertions, a seeded RNG, an
- * independent reference for fp16/bf16 rounding, and strided K/V buffers.
+ * independent reference for fp16/bf16 rounding, strided K/V buffers, and the
+ * model-and-store state of a suite.
  * SPDX-License-Identifier: Apache-2.0
  *
  * The reference conversions here deliberately do not share code or method
@@ -358,6 +359,29 @@ static inline kvi_model *make_model(int32_t L, int32_t H, int32_t D, int32_t tp_
   assert_ok(kvi_model_create(&m, &o));
   assert_non_null(m);
   return m;
+}
+
+/* The state of a suite over one model and one store. */
+typedef struct store_fixture {
+  kvi_model *m;
+  kvi_store *s; /* NULL until the suite makes it */
+  rng r;
+} store_fixture;
+
+/* A fixture whose model has the given geometry, and no store yet. */
+static inline store_fixture *store_fixture_new(int32_t L, int32_t H, int32_t D, int32_t tp_rank, int32_t tp_size) {
+  store_fixture *f = calloc(1, sizeof *f);
+  assert_non_null(f);
+  f->m = make_model(L, H, D, tp_rank, tp_size);
+  return f;
+}
+
+static inline int store_fixture_teardown(void **state) {
+  store_fixture *f = *state;
+  kvi_store_destroy(f->s);
+  kvi_model_destroy(f->m);
+  free(f);
+  return 0;
 }
 
 static inline kvi_store_stats store_stats(const kvi_store *s) {
