@@ -27,16 +27,6 @@ static kvi_model_info info_of(const kvi_model *m) {
   return i;
 }
 
-static kvi_model_options geometry(int32_t L, int32_t H, int32_t D, int32_t rank, int32_t tp) {
-  kvi_model_options o = KVI_MODEL_OPTIONS_INIT;
-  o.num_layers = L;
-  o.num_kv_heads = H;
-  o.head_size = D;
-  o.tp_rank = rank;
-  o.tp_size = tp;
-  return o;
-}
-
 /* A create that must fail with `want` and leave *out untouched. */
 static void expect_create_fails(const kvi_model_options *o, kvi_status want) {
   static int sentinel_obj;
@@ -61,7 +51,7 @@ static void test_model_valid_geometry(void **state) {
   /* the boundaries of every range are accepted */
   const int32_t ok[][5] = {{1, 1, 1, 0, 1}, {1, 1, 1024, 0, 1}, {96, 1, 2, 0, 1}, {2, 7, 3, 6, 7}};
   for (size_t c = 0; c < sizeof ok / sizeof ok[0]; c++) {
-    kvi_model_options o = geometry(ok[c][0], ok[c][1], ok[c][2], ok[c][3], ok[c][4]);
+    kvi_model_options o = model_options(ok[c][0], ok[c][1], ok[c][2], ok[c][3], ok[c][4]);
     kvi_model *m = NULL;
     assert_ok(kvi_model_create(&m, &o));
     const kvi_model_info j = info_of(m);
@@ -93,7 +83,7 @@ static void test_model_invalid_fields(void **state) {
       {4, 3, 64, 0, 2, "2"},
   };
   for (size_t c = 0; c < sizeof bad / sizeof bad[0]; c++) {
-    kvi_model_options o = geometry(bad[c].L, bad[c].H, bad[c].D, bad[c].rank, bad[c].tp);
+    kvi_model_options o = model_options(bad[c].L, bad[c].H, bad[c].D, bad[c].rank, bad[c].tp);
     expect_create_fails(&o, KVI_ERR_INVALID_ARGUMENT);
     assert_last_error_has("kvi_model_create", bad[c].value);
   }
@@ -101,7 +91,7 @@ static void test_model_invalid_fields(void **state) {
 
 static void test_model_null_arguments(void **state) {
   (void)state;
-  kvi_model_options o = geometry(2, 2, 8, 0, 1);
+  kvi_model_options o = model_options(2, 2, 8, 0, 1);
   assert_status(kvi_model_create(NULL, &o), KVI_ERR_INVALID_ARGUMENT);
   expect_create_fails(NULL, KVI_ERR_INVALID_ARGUMENT);
   assert_last_error_has("kvi_model_create", "opts");
@@ -116,7 +106,7 @@ typedef struct {
 
 static void test_model_options_struct_size(void **state) {
   (void)state;
-  kvi_model_options o = geometry(2, 4, 8, 0, 1);
+  kvi_model_options o = model_options(2, 4, 8, 0, 1);
   o.struct_size = sizeof o - 4;
   expect_create_fails(&o, KVI_ERR_STRUCT_SIZE);
   o.struct_size = 0;
@@ -126,7 +116,7 @@ static void test_model_options_struct_size(void **state) {
 
   model_options_v2 big;
   memset(&big, 0, sizeof big);
-  big.o = geometry(2, 4, 8, 1, 2);
+  big.o = model_options(2, 4, 8, 1, 2);
   big.o.struct_size = sizeof big;
   kvi_model *m = NULL;
   assert_ok(kvi_model_create(&m, &big.o));
@@ -145,7 +135,7 @@ static void test_model_options_struct_size(void **state) {
 }
 
 static void expect_tp(int32_t H, int32_t tp, int32_t rank, int32_t first, int32_t heads, int32_t replicas) {
-  kvi_model_options o = geometry(3, H, 16, rank, tp);
+  kvi_model_options o = model_options(3, H, 16, rank, tp);
   kvi_model *m = NULL;
   assert_ok(kvi_model_create(&m, &o));
   const kvi_model_info i = info_of(m);

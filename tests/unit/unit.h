@@ -348,13 +348,20 @@ static inline kvi_store_options cpu_store_options(kvi_dtype dt, int32_t page_tok
   return o;
 }
 
-static inline kvi_model *make_model(int32_t L, int32_t H, int32_t D, int32_t tp_rank, int32_t tp_size) {
+/* Model options of L layers of H KV heads of D, this process rank tp_rank of
+ * tp_size. */
+static inline kvi_model_options model_options(int32_t L, int32_t H, int32_t D, int32_t tp_rank, int32_t tp_size) {
   kvi_model_options o = KVI_MODEL_OPTIONS_INIT;
   o.num_layers = L;
   o.num_kv_heads = H;
   o.head_size = D;
   o.tp_rank = tp_rank;
   o.tp_size = tp_size;
+  return o;
+}
+
+static inline kvi_model *make_model(int32_t L, int32_t H, int32_t D, int32_t tp_rank, int32_t tp_size) {
+  const kvi_model_options o = model_options(L, H, D, tp_rank, tp_size);
   kvi_model *m = NULL;
   assert_ok(kvi_model_create(&m, &o));
   assert_non_null(m);
