@@ -1,7 +1,7 @@
 /*
  * Helpers shared by the unit suites: status assertions, a seeded RNG, an
- * independent reference for fp16/bf16 rounding, strided K/V buffers, and the
- * model-and-store state of a suite.
+ * independent reference for fp16/bf16 rounding, strided K/V buffers, the
+ * model-and-store state of a suite, a monotonic clock and a file's size.
  * SPDX-License-Identifier: Apache-2.0
  *
  * The reference conversions here deliberately do not share code or method
@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include <sys/stat.h>
 
 #include <cmocka.h>
 
@@ -398,5 +400,19 @@ static inline kvi_store_stats store_stats(const kvi_store *s) {
 }
 
 static inline uint64_t div_up(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
+
+/* CLOCK_MONOTONIC in seconds. */
+static inline double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* The size of the file at path, which exists. */
+static inline uint64_t file_size(const char *path) {
+  struct stat sb;
+  assert_int_equal(stat(path, &sb), 0);
+  return (uint64_t)sb.st_size;
+}
 
 #endif /* KVI_UNIT_H */
