@@ -1,7 +1,8 @@
 /*
  * What the benchmark programs share: checks that stop the program on a
- * library or CUDA error, and the median of a set of timings. A CPU-only
- * program defines BENCH_CPU_ONLY first (no CUDA header, CU or device).
+ * library or CUDA error, a monotonic clock, and the median of a set of
+ * timings. A CPU-only program defines BENCH_CPU_ONLY first (no CUDA header,
+ * CU or device).
  * SPDX-License-Identifier: Apache-2.0
  */
 #ifndef KVI_BENCH_H
@@ -9,6 +10,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 
 #ifndef BENCH_CPU_ONLY
 #include <cuda_runtime_api.h>
@@ -34,6 +36,13 @@
     }                                                                                               \
   } while (0)
 #endif
+
+/* CLOCK_MONOTONIC in milliseconds. */
+static inline double now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
 
 static int bench_cmp_f(const void *a, const void *b) {
   const float x = *(const float *)a, y = *(const float *)b;

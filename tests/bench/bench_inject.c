@@ -32,12 +32,6 @@
 enum { L = 32, H = 8, D = 128, BS = 16, FACT_T = 24, POOL = 1024, ITERS = 60, EMB = 64 };
 static const size_t TOKEN_BYTES = (size_t)L * H * D * 2 * 2; /* K and V, bf16 */
 
-static double now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
-
 /* Median time of a device-to-device copy of `bytes`, rotating over a buffer
  * of `span` bytes. */
 static float copy_ms(char *src, char *dst, size_t bytes, size_t span, cudaEvent_t e0, cudaEvent_t e1) {

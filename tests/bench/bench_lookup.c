@@ -22,12 +22,6 @@
 
 enum { LISTS = 64, K = 50, ROUNDS = 60, WARM = 5 };
 
-static double now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
-
 static uint64_t rnd(uint64_t *s) { /* xorshift64* */
   *s ^= *s >> 12, *s ^= *s << 25, *s ^= *s >> 27;
   return *s * 2685821657736338717ull;

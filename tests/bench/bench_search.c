@@ -106,12 +106,6 @@ typedef struct bench {
 } bench;
 
 /* Median time of one call with nq queries; `tenant_of(i, iter)` picks each query's tenant. */
-static double now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
-
 /* Median time of one call with nq queries (and in *host_ms the median time
  * until it returned); `tenant_of(i, iter)` picks each query's tenant. */
 static float time_search(bench *b, int32_t nq, uint64_t (*tenant_of)(int32_t, int), int iters, float *host_ms) {

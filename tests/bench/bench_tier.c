@@ -35,12 +35,6 @@
 enum { L = 32, H = 8, D = 128, BS = 16, T = 24, K = 50, WARM = 4, ITERS = 40 };
 static const size_t TOKEN_BYTES = (size_t)L * H * D * 2 * 2; /* K and V, bf16 */
 
-static double now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
-
 static void row(const char *what, int P, float ms, float hms, float h2d, const kvi_store_stats *st) {
   const double bytes = (double)K * T * TOKEN_BYTES;
   printf("| %-8s | %2d | %2d | %6.1f | %7.3f | %7.3f | %6.1f | %7.3f | %6.1f%% | %10llu | %9llu |\n", what, P, K,

@@ -26,12 +26,6 @@
 
 enum { L = 32, H = 8, D = 128, T = 24, NF = 50, ITERS = 10, WARM = 2, DIM = 1024, K = 50, BIG = 1000000 };
 
-static double now_ms(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
-}
-
 /* All ranks line up: a one-element all-reduce, then the stream drained. */
 static void barrier(tp_rank *r, cudaStream_t st, float *scratch) {
   if (ncclAllReduce(scratch, scratch, 1, ncclFloat, ncclSum, r->nccl, st) != ncclSuccess) exit(3);

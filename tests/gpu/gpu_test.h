@@ -1,12 +1,15 @@
 /*
- * Helpers shared by the gpu suite's binaries: status checks and a small
- * random generator (define GPU_TEST_SEED before including to pick a stream).
+ * Helpers shared by the gpu suite's binaries: status checks, a small random
+ * generator (define GPU_TEST_SEED before including to pick a stream), and an
+ * engine's cos/sin table.
  * SPDX-License-Identifier: Apache-2.0
  */
 #ifndef KVI_GPU_TEST_H
 #define KVI_GPU_TEST_H
 
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include <kvinject.h>
 
@@ -43,5 +46,23 @@ static inline uint64_t rnd(void) { /* xorshift64 */
 
 /* uniform in [-2, 2), never all zeros */
 static inline float rndf(void) { return (float)((double)(rnd() >> 11) * 0x1p-53 * 4.0 - 2.0); }
+
+/* x[0..n): integers uniform in [lo, hi] */
+static inline void rand_ints(float *x, size_t n, int lo, int hi) {
+  for (size_t i = 0; i < n; i++) x[i] = (float)(lo + (int)(rnd() % (uint64_t)(hi - lo + 1)));
+}
+
+/* An fp32 cos/sin table of npos rows for rotary_dim rot from theta (a row:
+ * the pairs' cos, then their sin), as an engine hands it over; malloc'd. */
+static inline float *rope_table_f32(int32_t npos, int32_t rot, double theta) {
+  float *t = malloc((size_t)npos * rot * sizeof(float));
+  for (int32_t p = 0; p < npos; p++)
+    for (int32_t i = 0; i < rot / 2; i++) {
+      const double a = p * pow(theta, -2.0 * i / rot);
+      t[p * rot + i] = (float)cos(a);
+      t[p * rot + rot / 2 + i] = (float)sin(a);
+    }
+  return t;
+}
 
 #endif /* KVI_GPU_TEST_H */

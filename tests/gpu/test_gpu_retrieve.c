@@ -96,10 +96,6 @@ typedef struct world {
 
 /* ---------------------------------------------------------------- facts */
 
-static void rand_ints(float *x, size_t n, int lo, int hi) {
-  for (size_t i = 0; i < n; i++) x[i] = (float)(lo + (int)(rnd() % (uint64_t)(hi - lo + 1)));
-}
-
 static int32_t rand_len(int32_t lo, int32_t hi) { return lo + (int32_t)(rnd() % (uint64_t)(hi - lo + 1)); }
 
 static fact_rec *find_fact(world *w, uint64_t tenant, uint64_t id) {
@@ -164,13 +160,7 @@ static void remove_both(world *w, fact_rec *r) {
 static void set_rope(world *w) {
   kvi_rope_spec r = KVI_ROPE_SPEC_INIT;
   if (w->c.table_rope) {
-    w->table = malloc((size_t)NPOS * D * sizeof(float));
-    for (int32_t p = 0; p < NPOS; p++)
-      for (int32_t i = 0; i < D / 2; i++) {
-        const double a = p * pow(1e6, -2.0 * i / D);
-        w->table[p * D + i] = (float)cos(a);
-        w->table[p * D + D / 2 + i] = (float)sin(a);
-      }
+    w->table = rope_table_f32(NPOS, D, 1e6);
     r.cos_sin_table = w->table;
     r.table_positions = NPOS;
   } else {

@@ -88,10 +88,6 @@ static void put_both(pair *p, uint64_t tenant, uint64_t id, const float *emb, ui
   CHECK_OK(kvi_store_put(p->gpu, tenant, id, &v, &po, NULL));
 }
 
-static void rand_ints(float *x, size_t n, int lo, int hi) {
-  for (size_t i = 0; i < n; i++) x[i] = (float)(lo + (int)(rnd() % (uint64_t)(hi - lo + 1)));
-}
-
 static void rand_unit(float *x, size_t n) { /* [-1, 1) */
   for (size_t i = 0; i < n; i++) x[i] = rndf() * 0.5f;
 }

@@ -75,13 +75,7 @@ static void set_rope(world *w) {
     break;
   case 2: {
     const int32_t rot = w->sc.D, npos = 4096;
-    w->table = malloc((size_t)npos * rot * sizeof(float));
-    for (int32_t p = 0; p < npos; p++)
-      for (int32_t i = 0; i < rot / 2; i++) {
-        double a = p * pow(1e6, -2.0 * i / rot);
-        w->table[p * rot + i] = (float)cos(a);
-        w->table[p * rot + rot / 2 + i] = (float)sin(a);
-      }
+    w->table = rope_table_f32(npos, rot, 1e6);
     r.cos_sin_table = w->table;
     r.table_positions = npos;
     CHECK_OK(kvi_model_set_rope(w->model, -1, &r));

@@ -344,15 +344,6 @@ static void hook_remove_probe(kvi_store *s, const hook_probe *h) {
   s->journal.ctx = h->real_ctx;
 }
 
-static int64_t file_size(const char *path) {
-  FILE *f = fopen(path, "rb");
-  assert_non_null(f);
-  assert_int_equal(fseek(f, 0, SEEK_END), 0);
-  const long n = ftell(f);
-  fclose(f);
-  return n;
-}
-
 /* Where a transaction is made to fail. */
 typedef enum fail_at { AT_NONE, AT_ADD, AT_EXISTS, AT_PAGES, AT_WRITE, AT_JOURNAL, AT_GATE } fail_at;
 
@@ -403,7 +394,7 @@ static kvi_status txn_run(kvi_store *s, hook_probe *h, fail_at at, int32_t n, co
 /* What a failed transaction must leave as it was, beyond the snapshot. */
 typedef struct txn_snapshot {
   snapshot sn;
-  int64_t journal_bytes;
+  uint64_t journal_bytes;
   int journal_puts;
   const fact *lru_head, *lru_tail;
 } txn_snapshot;
@@ -420,7 +411,8 @@ static void txn_check_same(const txn_snapshot *ts, const kvi_store *s, const cha
                            const char *what) {
   check_same(&ts->sn, s, what);
   if (file_size(path) != ts->journal_bytes)
-    fail_msg("%s: the journal has %lld bytes, %lld before", what, (long long)file_size(path), (long long)ts->journal_bytes);
+    fail_msg("%s: the journal has %llu bytes, %llu before", what, (unsigned long long)file_size(path),
+             (unsigned long long)ts->journal_bytes);
   assert_int_equal(h->passed, ts->journal_puts);
   assert_true(s->tier.lru_head == ts->lru_head && s->tier.lru_tail == ts->lru_tail);
   /* the stored facts keep their data, the new keys are absent, no empty tenant 7 stays */
@@ -492,7 +484,7 @@ static void test_txn_abort_at_each_step(void **state) {
     free(ts.sn.free);
   }
   /* the same transaction, nothing failing: committed, and journaled */
-  const int64_t before = file_size(path);
+  const uint64_t before = file_size(path);
   assert_ok(txn_run(s, &h, AT_NONE, 3, tenant, id, tokens, flags, &g));
   for (int i = 0; i < 3; i++) check_one(s, tenant[i], id[i], tokens[i], 100 + (uint64_t)i);
   assert_true(file_size(path) > before);

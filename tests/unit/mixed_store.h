@@ -3,13 +3,16 @@
  * with mixed RoPE (layer 0 none, layer 1 NeoX, layer 2 GPT-J partial with
  * linear scaling), tensor-parallel rank 1 of 2 (H local heads of HT), a CPU
  * fp32 store of P-token pages holding three random facts and their float64
- * RoPE references. The including file defines L, HT, H, D and P first.
+ * RoPE references; the two requests the suites inject those facts with; the
+ * cache dtype and scale mode of a case. The including file defines L, HT, H,
+ * D and P first.
  * SPDX-License-Identifier: Apache-2.0
  */
 #ifndef KVI_TESTS_MIXED_STORE_H
 #define KVI_TESTS_MIXED_STORE_H
 
 #include "ref64.h"
+#include "rope_catalogue.h"
 
 typedef struct fixture {
   kvi_model *m;
@@ -19,14 +22,6 @@ typedef struct fixture {
   rfact a, b, c; /* tenant 7: a (5 tokens), b (7); tenant 9: c (3) */
   rng r;
 } fixture;
-
-static inline kvi_rope_spec rope(kvi_rope_style style, int32_t rot, double theta) {
-  kvi_rope_spec s = KVI_ROPE_SPEC_INIT;
-  s.style = style;
-  s.rotary_dim = rot;
-  s.theta = theta;
-  return s;
-}
 
 static int mixed_store_setup(void **state, const char *seed) {
   fixture *f = calloc(1, sizeof *f);
@@ -68,5 +63,45 @@ static int mixed_store_teardown(void **state) {
   free(f);
   return 0;
 }
+
+/* The two requests: tenant 7, facts a then b at shuffled explicit
+ * positions; tenant 9, fact c from a start position. Their block tables are
+ * a shuffle of the cache's block ids (request 0 takes the first, request 1
+ * the next), each `extra` entries longer than its slots need. */
+typedef struct mixed_requests {
+  kvi_inject_request rq[2];
+  int32_t *perm; /* owned: rq[0]'s block table, then rq[1]'s */
+  int32_t pos0[32];
+  int32_t start1, len0, len1;
+  uint64_t ids0[2], ids1[1];
+  int64_t fs0, fs1;
+} mixed_requests;
+
+static void mixed_requests_make(mixed_requests *q, fixture *f, const ecache *c, int64_t fs0, int64_t fs1,
+                                int32_t extra) {
+  q->perm = malloc((size_t)c->NB * sizeof *q->perm);
+  assert_non_null(q->perm);
+  rand_perm(&f->r, q->perm, (int32_t)c->NB);
+  const int32_t T0 = f->a.T + f->b.T, T1 = f->c.T;
+  q->fs0 = fs0, q->fs1 = fs1;
+  q->len0 = (int32_t)((fs0 + T0 - 1) / c->BS + 1) + extra;
+  q->len1 = (int32_t)((fs1 + T1 - 1) / c->BS + 1) + extra;
+  assert_true(q->len0 + q->len1 <= c->NB);
+  rand_positions(&f->r, q->pos0, T0, 0, 6000, true);
+  q->start1 = (int32_t)rng_range(&f->r, 0, 7000);
+  q->ids0[0] = f->a.id, q->ids0[1] = f->b.id, q->ids1[0] = f->c.id;
+  kvi_inject_request_init(&q->rq[0], sizeof q->rq[0]);
+  kvi_inject_request_init(&q->rq[1], sizeof q->rq[1]);
+  q->rq[0].tenant = 7, q->rq[0].fact_ids = q->ids0, q->rq[0].num_facts = 2, q->rq[0].block_table = q->perm;
+  q->rq[0].block_table_len = q->len0, q->rq[0].first_slot = fs0, q->rq[0].positions = q->pos0;
+  q->rq[1].tenant = 9, q->rq[1].fact_ids = q->ids1, q->rq[1].num_facts = 1, q->rq[1].block_table = q->perm + q->len0;
+  q->rq[1].block_table_len = q->len1, q->rq[1].first_slot = fs1, q->rq[1].start_position = q->start1;
+}
+
+/* A case's cache dtype and scale mode. */
+typedef struct dcase {
+  kvi_dtype dt;
+  kvi_scale_mode sm;
+} dcase;
 
 #endif

@@ -64,10 +64,7 @@ static void test_last_error_fresh_thread_is_empty_string(void **state) {
 
 static void test_last_error_names_function_and_value(void **state) {
   (void)state;
-  kvi_model_options mo = KVI_MODEL_OPTIONS_INIT;
-  mo.num_layers = 2;
-  mo.num_kv_heads = 2;
-  mo.head_size = 1025;
+  kvi_model_options mo = model_options(2, 2, 1025, 0, 1);
   kvi_model *m = NULL;
   assert_status(kvi_model_create(&m, &mo), KVI_ERR_INVALID_ARGUMENT);
   assert_null(m);

@@ -274,12 +274,6 @@ static void *retrieve_loop(void *arg) {
   return NULL;
 }
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* Removes and puts again facts first and first + 1 of tenant 1, r->rounds
  * times or for 1.5 s (under valgrind), whichever ends first. */
 static void *remove_loop(void *arg) {

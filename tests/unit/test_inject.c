@@ -14,6 +14,7 @@
  * SPDX-License-Identifier: Apache-2.0
  */
 #include "ref64.h"
+#include "rope_catalogue.h"
 
 /* ------------------------------------------------------------------------ */
 /* an environment: model, store, cache, injector, encoder                   */
@@ -71,16 +72,6 @@ static void env_close(env *e) {
   ec_free(&e->c);
 }
 
-static kvi_rope_spec rope(kvi_rope_style style, int32_t rot, double theta) {
-  kvi_rope_spec s = KVI_ROPE_SPEC_INIT;
-  s.style = style;
-  s.rotary_dim = rot;
-  s.theta = theta;
-  return s;
-}
-
-static kvi_rope_spec nope(void) { return rope(KVI_ROPE_NONE, 0, 0.0); }
-
 /* A copy of f with values rounded to dt (what a dt store keeps). */
 static void rfact_rounded(const rfact *f, kvi_dtype dt, rfact *out) {
   *out = *f;
@@ -110,21 +101,6 @@ static kvi_capture capture(uint64_t tenant, uint64_t id, const int32_t *table, i
   return c;
 }
 
-
-/* A cos/sin table of `positions` rows for NeoX/GPT-J rot, from theta, times
- * `m` (an attention factor the engine folded in), in dtype dt. */
-static void *make_table(kvi_dtype dt, int32_t positions, int32_t rot, double theta, double m) {
-  const size_t es = kvi_dtype_size(dt);
-  unsigned char *t = malloc((size_t)positions * (size_t)rot * es);
-  assert_non_null(t);
-  for (int32_t p = 0; p < positions; p++)
-    for (int32_t i = 0; i < rot / 2; i++) {
-      const double a = (double)p * pow(theta, -(2.0 * i) / rot);
-      ref_store_bits(t, dt, (int64_t)p * rot + i, ref_bits((float)(m * cos(a)), dt));
-      ref_store_bits(t, dt, (int64_t)p * rot + rot / 2 + i, ref_bits((float)(m * sin(a)), dt));
-    }
-  return t;
-}
 
 /* ------------------------------------------------------------------------ */
 /* "nothing changed": cache bytes, store statistics, every fact's bytes     */
@@ -177,77 +153,18 @@ static uint64_t snapshot(const env *e) {
 /* capture at P, inject at Q                                                 */
 /* ------------------------------------------------------------------------ */
 
-typedef struct rcfg {
-  const char *name;
-  kvi_rope_spec s;
-  void *table; /* owned */
-} rcfg;
-
-static int rope_configs(rcfg *c, int32_t D) {
-  int n = 0;
-  memset(c, 0, 16 * sizeof *c);
-  c[n].name = "NeoX";
-  c[n++].s = rope(KVI_ROPE_NEOX, 0, 10000.0);
-  c[n].name = "GPT-J";
-  c[n++].s = rope(KVI_ROPE_GPTJ, 0, 10000.0);
-  c[n].name = "NeoX partial rotary 12";
-  c[n++].s = rope(KVI_ROPE_NEOX, 12, 1e5);
-  c[n].name = "GPT-J partial rotary 20";
-  c[n++].s = rope(KVI_ROPE_GPTJ, 20, 5e5);
-  c[n].name = "linear x4";
-  c[n].s = rope(KVI_ROPE_NEOX, 0, 1e6);
-  c[n].s.scaling = KVI_ROPE_SCALING_LINEAR;
-  c[n++].s.factor = 4.0;
-  c[n].name = "llama3";
-  c[n].s = rope(KVI_ROPE_NEOX, 0, 5e5);
-  c[n].s.scaling = KVI_ROPE_SCALING_LLAMA3;
-  c[n++].s.factor = 8.0;
-  c[n].name = "yarn x4, default attention factor";
-  c[n].s = rope(KVI_ROPE_NEOX, 0, 10000.0);
-  c[n].s.scaling = KVI_ROPE_SCALING_YARN;
-  c[n].s.factor = 4.0;
-  c[n++].s.original_max_position = 4096;
-  c[n].name = "yarn x16 GPT-J, no truncation, attention factor 1.25, beta 24/2";
-  c[n].s = rope(KVI_ROPE_GPTJ, 0, 10000.0);
-  c[n].s.scaling = KVI_ROPE_SCALING_YARN;
-  c[n].s.factor = 16.0;
-  c[n].s.original_max_position = 2048;
-  c[n].s.yarn_truncate = 0;
-  c[n].s.beta_fast = 24.0;
-  c[n].s.beta_slow = 2.0;
-  c[n++].s.attention_factor = 1.25;
-  c[n].name = "fixed NTK x3";
-  c[n].s = rope(KVI_ROPE_NEOX, 0, 10000.0);
-  c[n].s.scaling = KVI_ROPE_SCALING_NTK;
-  c[n++].s.factor = 3.0;
-  c[n].name = "fp32 cos/sin table (attention factor 1.1 folded in), NeoX rotary 16";
-  c[n].s = rope(KVI_ROPE_NEOX, 16, 10000.0);
-  c[n].table = make_table(KVI_DTYPE_FP32, 4096, 16, 10000.0, 1.1);
-  c[n].s.cos_sin_table = c[n].table;
-  c[n].s.attention_factor = 1.3; /* the table includes it already: never applied on top */
-  c[n++].s.table_positions = 4096;
-  c[n].name = "bf16 cos/sin table, GPT-J";
-  c[n].s = rope(KVI_ROPE_GPTJ, 0, 10000.0);
-  c[n].table = make_table(KVI_DTYPE_BF16, 4096, D, 5e5, 1.0);
-  c[n].s.cos_sin_table = c[n].table;
-  c[n].s.table_dtype = KVI_DTYPE_BF16;
-  c[n++].s.table_positions = 4096;
-  c[n].name = "fp16 cos/sin table, NeoX";
-  c[n].s = rope(KVI_ROPE_NEOX, 0, 10000.0);
-  c[n].table = make_table(KVI_DTYPE_FP16, 4096, D, 10000.0, 1.0);
-  c[n].s.cos_sin_table = c[n].table;
-  c[n].s.table_dtype = KVI_DTYPE_FP16;
-  c[n++].s.table_positions = 4096;
-  return n;
-}
-
-static void free_rope_configs(rcfg *c, int n) {
-  for (int i = 0; i < n; i++) free(c[i].table);
-}
+/* Every style and scaling once, partial rotary, and a table in each float
+ * dtype; a case pairs entry i with entry i + 5 (or i + 3) on another layer. */
+static const rope_id invariant_ropes[] = {
+    ROPE_NEOX, ROPE_GPTJ,
+    ROPE_NEOX_ROTARY_12, ROPE_GPTJ_ROTARY_20,
+    ROPE_LINEAR_4, ROPE_LLAMA3_1, ROPE_YARN_4, ROPE_YARN_16_GPTJ_UNTRUNCATED, ROPE_NTK_3,
+    ROPE_TABLE_FP32, ROPE_TABLE_BF16, ROPE_TABLE_FP16,
+};
 
 /* Layers: config a, NoPE, config b. Put F, inject at P, capture at P into G,
  * inject G at Q; K at Q must be F's K rotated at Q, V bit-exact. */
-static void invariant_case(rng *r, const rcfg *a, const rcfg *b, kvi_dtype store_dt) {
+static void invariant_case(rng *r, const rope_case *a, const rope_case *b, kvi_dtype store_dt) {
   enum { L = 3, D = 32, T = 11, BS = 8 };
   const kvi_rope_spec specs[L] = {a->s, nope(), b->s};
   const env_cfg g = {L, 2, 1, 0, D, specs, store_dt, 4, 16, KVI_CACHE_VLLM_FLASH_ATTN_HND, KVI_DTYPE_FP32,
@@ -295,20 +212,20 @@ static void test_capture_inject_invariant(void **state) {
   (void)state;
   rng r;
   rng_seed(&r, __func__);
-  rcfg c[16];
-  const int n = rope_configs(c, 32);
+  rope_case c[16];
+  const int n = rope_cases(c, invariant_ropes, (int)(sizeof invariant_ropes / sizeof invariant_ropes[0]), 32);
   for (int i = 0; i < n; i++) invariant_case(&r, &c[i], &c[(i + 5) % n], KVI_DTYPE_FP32);
-  free_rope_configs(c, n);
+  rope_cases_free(c, n);
 }
 
 static void test_capture_inject_invariant_bf16_store(void **state) {
   (void)state;
   rng r;
   rng_seed(&r, __func__);
-  rcfg c[16];
-  const int n = rope_configs(c, 32);
+  rope_case c[16];
+  const int n = rope_cases(c, invariant_ropes, (int)(sizeof invariant_ropes / sizeof invariant_ropes[0]), 32);
   for (int i = 0; i < n; i++) invariant_case(&r, &c[i], &c[(i + 3) % n], KVI_DTYPE_BF16);
-  free_rope_configs(c, n);
+  rope_cases_free(c, n);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1185,7 +1102,7 @@ typedef struct errenv {
 
 static void errenv_open(errenv *x, rng *r, uint32_t pages) {
   kvi_rope_spec specs[EL] = {rope(KVI_ROPE_NEOX, 0, 10000.0), nope(), rope(KVI_ROPE_GPTJ, 0, 10000.0)};
-  void *tab = make_table(KVI_DTYPE_BF16, ETAB, ED, 10000.0, 1.0);
+  void *tab = rope_table(KVI_DTYPE_BF16, ETAB, ED, 10000.0, 1.0);
   specs[2].cos_sin_table = tab;
   specs[2].table_dtype = KVI_DTYPE_BF16;
   specs[2].table_positions = ETAB;

@@ -34,11 +34,6 @@ typedef struct cfg {
   bool old_size;    /* the layout as a caller of the first kvi_cache_layout passes it */
 } cfg;
 
-typedef struct dcase {
-  kvi_dtype dt;
-  kvi_scale_mode sm;
-} dcase;
-
 static const dcase dcases[] = {
     {KVI_DTYPE_FP32, KVI_SCALE_NONE},         {KVI_DTYPE_FP16, KVI_SCALE_NONE},
     {KVI_DTYPE_BF16, KVI_SCALE_NONE},         {KVI_DTYPE_FP8_E4M3, KVI_SCALE_PER_TENSOR},
@@ -65,28 +60,11 @@ static void run(fixture *f, const cfg *g, const dcase *dc) {
   assert_ok(kvi_injector_create(&inj, f->s, &c.lay, NULL));
   assert_ok(kvi_encoder_create(&enc, f->s, &c.lay, NULL));
 
-  /* shuffled block ids; request 0 takes the first, request 1 the next */
-  int32_t *perm = malloc((size_t)g->NB * sizeof *perm);
-  assert_non_null(perm);
-  rand_perm(&f->r, perm, (int32_t)g->NB);
-  const int32_t T0 = f->a.T + f->b.T, T1 = f->c.T;
-  const int32_t len0 = (int32_t)((g->fs0 + T0 - 1) / g->BS + 1) + g->extra;
-  const int32_t len1 = (int32_t)((g->fs1 + T1 - 1) / g->BS + 1) + g->extra;
-  assert_true(len0 + len1 <= g->NB);
-  const int32_t *table0 = perm, *table1 = perm + len0;
-  int32_t pos0[32];
-  rand_positions(&f->r, pos0, T0, 0, 6000, true);
-  const int32_t start1 = (int32_t)rng_range(&f->r, 0, 7000);
-
-  const uint64_t ids0[] = {f->a.id, f->b.id}, ids1[] = {f->c.id};
-  kvi_inject_request rq[2];
-  kvi_inject_request_init(&rq[0], sizeof rq[0]);
-  kvi_inject_request_init(&rq[1], sizeof rq[1]);
-  rq[0].tenant = 7, rq[0].fact_ids = ids0, rq[0].num_facts = 2, rq[0].block_table = table0;
-  rq[0].block_table_len = len0, rq[0].first_slot = g->fs0, rq[0].positions = pos0;
-  rq[1].tenant = 9, rq[1].fact_ids = ids1, rq[1].num_facts = 1, rq[1].block_table = table1;
-  rq[1].block_table_len = len1, rq[1].first_slot = g->fs1, rq[1].start_position = start1;
-  assert_ok(kvi_inject(inj, rq, 2, NULL, NULL));
+  mixed_requests q;
+  mixed_requests_make(&q, f, &c, g->fs0, g->fs1, g->extra);
+  const int32_t *table0 = q.perm, *table1 = q.perm + q.len0, *pos0 = q.pos0;
+  const int32_t len0 = q.len0, len1 = q.len1, start1 = q.start1;
+  assert_ok(kvi_inject(inj, q.rq, 2, NULL, NULL));
 
   ecmask mask;
   ecmask_make(&mask, &c);
@@ -120,7 +98,7 @@ static void run(fixture *f, const cfg *g, const dcase *dc) {
   assert_ok(kvi_store_remove(f->s, 7, 100));
   assert_ok(kvi_store_remove(f->s, 9, 100));
 
-  free(perm);
+  free(q.perm);
   kvi_encoder_destroy(enc);
   kvi_injector_destroy(inj);
   ec_free(&c);

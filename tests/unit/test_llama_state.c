@@ -99,12 +99,7 @@ static hand hand_default(void) {
 }
 
 static kvi_model *llama_model_of(int32_t tp_size, int32_t tp_rank, kvi_rope_style style) {
-  kvi_model_options mo = KVI_MODEL_OPTIONS_INIT;
-  mo.num_layers = L;
-  mo.num_kv_heads = H;
-  mo.head_size = D;
-  mo.tp_size = tp_size;
-  mo.tp_rank = tp_rank;
+  const kvi_model_options mo = model_options(L, H, D, tp_rank, tp_size);
   kvi_model *m;
   assert_ok(kvi_model_create(&m, &mo));
   kvi_rope_spec rs = KVI_ROPE_SPEC_INIT;
@@ -372,10 +367,7 @@ static void test_write_header_matches_hand_built(void **state) {
   assert_status(kvi_llama_state_size(m, &e, &size), KVI_ERR_INVALID_ARGUMENT);
   /* a size that overflows: the widest model, the most cells */
   {
-    kvi_model_options mo = KVI_MODEL_OPTIONS_INIT;
-    mo.num_layers = 65536;
-    mo.num_kv_heads = 65536;
-    mo.head_size = 1024;
+    const kvi_model_options mo = model_options(65536, 65536, 1024, 0, 1);
     kvi_model *big;
     assert_ok(kvi_model_create(&big, &mo));
     e = sp, e.num_cells = INT32_MAX, e.dtype = KVI_DTYPE_FP32;
@@ -516,10 +508,7 @@ static void test_layout_checks(void **state) {
   assert_int_equal(cl.token_stride, ROW);
   kvi_model_destroy(r1);
   /* another geometry */
-  kvi_model_options mo = KVI_MODEL_OPTIONS_INIT;
-  mo.num_layers = L;
-  mo.num_kv_heads = H;
-  mo.head_size = D / 2;
+  const kvi_model_options mo = model_options(L, H, D / 2, 0, 1);
   kvi_model *other;
   assert_ok(kvi_model_create(&other, &mo));
   assert_status(kvi_llama_state_layout(b.p, b.n, 0, other, KVI_MEMORY_HOST, &cl), KVI_ERR_MISMATCH);

@@ -3,7 +3,7 @@
  * structs, and the per-layer RoPE slot.
  * SPDX-License-Identifier: Apache-2.0
  */
-#include "unit.h"
+#include "rope_catalogue.h"
 
 #define L0 4
 #define H0 8
@@ -25,16 +25,6 @@ static kvi_model_info info_of(const kvi_model *m) {
   assert_ok(kvi_model_info_get(m, &i));
   assert_int_equal(i.struct_size, sizeof i);
   return i;
-}
-
-static kvi_model_options geometry(int32_t L, int32_t H, int32_t D, int32_t rank, int32_t tp) {
-  kvi_model_options o = KVI_MODEL_OPTIONS_INIT;
-  o.num_layers = L;
-  o.num_kv_heads = H;
-  o.head_size = D;
-  o.tp_rank = rank;
-  o.tp_size = tp;
-  return o;
 }
 
 /* A create that must fail with `want` and leave *out untouched. */
@@ -61,7 +51,7 @@ static void test_model_valid_geometry(void **state) {
   /* the boundaries of every range are accepted */
   const int32_t ok[][5] = {{1, 1, 1, 0, 1}, {1, 1, 1024, 0, 1}, {96, 1, 2, 0, 1}, {2, 7, 3, 6, 7}};
   for (size_t c = 0; c < sizeof ok / sizeof ok[0]; c++) {
-    kvi_model_options o = geometry(ok[c][0], ok[c][1], ok[c][2], ok[c][3], ok[c][4]);
+    kvi_model_options o = model_options(ok[c][0], ok[c][1], ok[c][2], ok[c][3], ok[c][4]);
     kvi_model *m = NULL;
     assert_ok(kvi_model_create(&m, &o));
     const kvi_model_info j = info_of(m);
@@ -93,7 +83,7 @@ static void test_model_invalid_fields(void **state) {
       {4, 3, 64, 0, 2, "2"},
   };
   for (size_t c = 0; c < sizeof bad / sizeof bad[0]; c++) {
-    kvi_model_options o = geometry(bad[c].L, bad[c].H, bad[c].D, bad[c].rank, bad[c].tp);
+    kvi_model_options o = model_options(bad[c].L, bad[c].H, bad[c].D, bad[c].rank, bad[c].tp);
     expect_create_fails(&o, KVI_ERR_INVALID_ARGUMENT);
     assert_last_error_has("kvi_model_create", bad[c].value);
   }
@@ -101,7 +91,7 @@ static void test_model_invalid_fields(void **state) {
 
 static void test_model_null_arguments(void **state) {
   (void)state;
-  kvi_model_options o = geometry(2, 2, 8, 0, 1);
+  kvi_model_options o = model_options(2, 2, 8, 0, 1);
   assert_status(kvi_model_create(NULL, &o), KVI_ERR_INVALID_ARGUMENT);
   expect_create_fails(NULL, KVI_ERR_INVALID_ARGUMENT);
   assert_last_error_has("kvi_model_create", "opts");
@@ -116,7 +106,7 @@ typedef struct {
 
 static void test_model_options_struct_size(void **state) {
   (void)state;
-  kvi_model_options o = geometry(2, 4, 8, 0, 1);
+  kvi_model_options o = model_options(2, 4, 8, 0, 1);
   o.struct_size = sizeof o - 4;
   expect_create_fails(&o, KVI_ERR_STRUCT_SIZE);
   o.struct_size = 0;
@@ -126,7 +116,7 @@ static void test_model_options_struct_size(void **state) {
 
   model_options_v2 big;
   memset(&big, 0, sizeof big);
-  big.o = geometry(2, 4, 8, 1, 2);
+  big.o = model_options(2, 4, 8, 1, 2);
   big.o.struct_size = sizeof big;
   kvi_model *m = NULL;
   assert_ok(kvi_model_create(&m, &big.o));
@@ -145,7 +135,7 @@ static void test_model_options_struct_size(void **state) {
 }
 
 static void expect_tp(int32_t H, int32_t tp, int32_t rank, int32_t first, int32_t heads, int32_t replicas) {
-  kvi_model_options o = geometry(3, H, 16, rank, tp);
+  kvi_model_options o = model_options(3, H, 16, rank, tp);
   kvi_model *m = NULL;
   assert_ok(kvi_model_create(&m, &o));
   const kvi_model_info i = info_of(m);
@@ -215,19 +205,8 @@ static void test_model_info_struct_size(void **state) {
 /* ------------------------------------------------------------------------ */
 
 static kvi_rope_spec rope_of(const kvi_model *m, int32_t layer) {
-  kvi_rope_spec s;
-  memset(&s, 0xEE, sizeof s);
-  s.struct_size = sizeof s;
-  assert_ok(kvi_model_get_rope(m, layer, &s));
+  const kvi_rope_spec s = rope_get(m, layer);
   assert_int_equal(s.struct_size, sizeof s);
-  return s;
-}
-
-static kvi_rope_spec rope(kvi_rope_style style, int32_t rotary_dim, double theta) {
-  kvi_rope_spec s = KVI_ROPE_SPEC_INIT;
-  s.style = style;
-  s.rotary_dim = rotary_dim;
-  s.theta = theta;
   return s;
 }
 
@@ -290,21 +269,6 @@ static void rope_snapshot(const kvi_model *m, kvi_rope_spec out[L0]) {
   for (int32_t l = 0; l < L0; l++) out[l] = rope_of(m, l);
 }
 
-static void assert_ropes_equal(const kvi_rope_spec a[L0], const kvi_rope_spec b[L0]) {
-  for (int32_t l = 0; l < L0; l++) {
-    const kvi_rope_spec *x = &a[l], *y = &b[l];
-    if (x->style != y->style || x->rotary_dim != y->rotary_dim || x->theta != y->theta ||
-        x->scaling != y->scaling || x->original_max_position != y->original_max_position || x->factor != y->factor ||
-        x->low_freq_factor != y->low_freq_factor || x->high_freq_factor != y->high_freq_factor ||
-        x->beta_fast != y->beta_fast || x->beta_slow != y->beta_slow || x->attention_factor != y->attention_factor ||
-        x->yarn_truncate != y->yarn_truncate || x->table_dtype != y->table_dtype ||
-        x->cos_sin_table != y->cos_sin_table || x->table_positions != y->table_positions)
-      fail_msg("layer %d's RoPE changed: style %d -> %d, rotary_dim %d -> %d, theta %g -> %g, scaling %d -> %d", l,
-               (int)x->style, (int)y->style, x->rotary_dim, y->rotary_dim, x->theta, y->theta, (int)x->scaling,
-               (int)y->scaling);
-  }
-}
-
 static void test_rope_invalid_changes_nothing(void **state) {
   kvi_model *m = *state;
   kvi_rope_spec s = rope(KVI_ROPE_GPTJ, 16, 2500.0);
@@ -338,7 +302,7 @@ static void test_rope_invalid_changes_nothing(void **state) {
     assert_status(kvi_model_set_rope(m, bad[c].layer, &bad[c].spec), KVI_ERR_INVALID_ARGUMENT);
     assert_last_error_has("kvi_model_set_rope", bad[c].value);
     rope_snapshot(m, after);
-    assert_ropes_equal(before, after);
+    assert_ropes_equal(before, after, L0, "rejected kvi_model_set_rope");
   }
   assert_status(kvi_model_set_rope(m, 0, NULL), KVI_ERR_INVALID_ARGUMENT);
   s = rope(KVI_ROPE_NEOX, 8, 10000.0);
@@ -357,7 +321,7 @@ static void test_rope_invalid_changes_nothing(void **state) {
   big.later[3] = 1;
   assert_status(kvi_model_set_rope(m, 0, &big.s), KVI_ERR_STRUCT_SIZE);
   rope_snapshot(m, after);
-  assert_ropes_equal(before, after);
+  assert_ropes_equal(before, after, L0, "struct_size larger with a set byte");
 
   big.later[3] = 0;
   assert_ok(kvi_model_set_rope(m, 0, &big.s));
@@ -432,7 +396,7 @@ static void test_rope_scaling_invalid_changes_nothing(void **state) {
     if (st != KVI_ERR_INVALID_ARGUMENT)
       fail_msg("bad scaling case %zu: got %d (%s), expected KVI_ERR_INVALID_ARGUMENT", c, (int)st, kvi_last_error());
     rope_snapshot(m, after);
-    assert_ropes_equal(before, after);
+    assert_ropes_equal(before, after, L0, "rejected scaling parameters");
   }
 }
 

@@ -254,12 +254,6 @@ static void write_all_file(const char *path, const void *b, size_t n) {
   assert_int_equal(fclose(fp), 0);
 }
 
-static uint64_t file_size(const char *path) {
-  struct stat sb;
-  assert_int_equal(stat(path, &sb), 0);
-  return (uint64_t)sb.st_size;
-}
-
 static kvi_status load(kvi_store **out, const geo *g, const kvi_model *m, const char *path, uint32_t flags) {
   kvi_store_options o = geo_opts(g);
   kvi_load_options lo = KVI_LOAD_OPTIONS_INIT;
@@ -1441,12 +1435,6 @@ static void child_main(const geo *g, const kvi_model *m, const char *path, const
   const int32_t done = -2;
   if (write(fd, &done, 4) != 4) _exit(4);
   for (;;) pause();
-}
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 static void crash_test(fx *f, bool journal, const char *name) {

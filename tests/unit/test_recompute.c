@@ -33,11 +33,6 @@ static int teardown(void **state) { return mixed_store_teardown(state); }
 /* deviation                                                                 */
 /* ------------------------------------------------------------------------ */
 
-typedef struct dcase {
-  kvi_dtype dt;
-  kvi_scale_mode sm;
-} dcase;
-
 static const dcase dcases[] = {
     {KVI_DTYPE_FP32, KVI_SCALE_NONE},         {KVI_DTYPE_FP16, KVI_SCALE_NONE},
     {KVI_DTYPE_BF16, KVI_SCALE_NONE},         {KVI_DTYPE_FP8_E4M3, KVI_SCALE_PER_TENSOR},
@@ -45,41 +40,11 @@ static const dcase dcases[] = {
 };
 #define N_DCASES (sizeof dcases / sizeof dcases[0])
 
-/* The two requests of a case: tenant 7 facts a, b at shuffled explicit
- * positions; tenant 9 fact c from a start position. */
-typedef struct reqs {
-  kvi_inject_request rq[2];
-  int32_t *perm;
-  int32_t pos0[32];
-  int32_t start1, len0, len1;
-  uint64_t ids0[2], ids1[1];
-  int64_t fs0, fs1;
-} reqs;
-
-static void reqs_make(reqs *q, fixture *f, const ecache *c, int64_t fs0, int64_t fs1) {
-  q->perm = malloc((size_t)c->NB * sizeof *q->perm);
-  assert_non_null(q->perm);
-  rand_perm(&f->r, q->perm, (int32_t)c->NB);
-  const int32_t T0 = f->a.T + f->b.T, T1 = f->c.T;
-  q->fs0 = fs0, q->fs1 = fs1;
-  q->len0 = (int32_t)((fs0 + T0 - 1) / c->BS + 1);
-  q->len1 = (int32_t)((fs1 + T1 - 1) / c->BS + 1);
-  assert_true(q->len0 + q->len1 <= c->NB);
-  rand_positions(&f->r, q->pos0, T0, 0, 6000, true);
-  q->start1 = (int32_t)rng_range(&f->r, 0, 7000);
-  q->ids0[0] = f->a.id, q->ids0[1] = f->b.id, q->ids1[0] = f->c.id;
-  kvi_inject_request_init(&q->rq[0], sizeof q->rq[0]);
-  kvi_inject_request_init(&q->rq[1], sizeof q->rq[1]);
-  q->rq[0].tenant = 7, q->rq[0].fact_ids = q->ids0, q->rq[0].num_facts = 2, q->rq[0].block_table = q->perm;
-  q->rq[0].block_table_len = q->len0, q->rq[0].first_slot = fs0, q->rq[0].positions = q->pos0;
-  q->rq[1].tenant = 9, q->rq[1].fact_ids = q->ids1, q->rq[1].num_facts = 1, q->rq[1].block_table = q->perm + q->len0;
-  q->rq[1].block_table_len = q->len1, q->rq[1].first_slot = fs1, q->rq[1].start_position = q->start1;
-}
-
 /* The float64 score of every token of the requests at layer l, from the
  * cache as the engine's tensors hold it; *bound: per token, a bound on the
  * fp32 computation's error. */
-static void ref_scores(const fixture *f, const ecache *c, const reqs *q, int l, double *want, double *bound) {
+static void ref_scores(const fixture *f, const ecache *c, const mixed_requests *q, int l, double *want,
+                       double *bound) {
   const rfact *facts[2][2] = {{&f->a, &f->b}, {&f->c, NULL}};
   const int nf[2] = {2, 1};
   double y[D];
@@ -115,7 +80,7 @@ static void ref_scores(const fixture *f, const ecache *c, const reqs *q, int l, 
 }
 
 /* Writes random values into every slot of the requests, all layers. */
-static void fill_slots(fixture *f, ecache *c, const reqs *q) {
+static void fill_slots(fixture *f, ecache *c, const mixed_requests *q) {
   const int32_t T[2] = {f->a.T + f->b.T, f->c.T};
   for (int r = 0; r < 2; r++)
     for (int32_t j = 0; j < T[r]; j++) {
@@ -138,8 +103,8 @@ static void run_deviation(fixture *f, kvi_cache_preset preset, int32_t BS, int64
   ec_make(&c, preset, dc->dt, L, H, D, BS, NB, dc->sm, &f->r);
   kvi_injector *inj = NULL;
   assert_ok(kvi_injector_create(&inj, f->s, &c.lay, NULL));
-  reqs q;
-  reqs_make(&q, f, &c, fs0, fs1);
+  mixed_requests q;
+  mixed_requests_make(&q, f, &c, fs0, fs1, 0);
   const int64_t T = f->a.T + f->b.T + f->c.T;
   float got[32];
   double want[32], bound[32];
@@ -205,8 +170,8 @@ static void test_deviation_localized(void **state) {
   ec_make(&c, KVI_CACHE_VLLM_FLASH_ATTN, KVI_DTYPE_FP32, L, H, D, 4, 9, KVI_SCALE_NONE, &f->r);
   kvi_injector *inj = NULL;
   assert_ok(kvi_injector_create(&inj, f->s, &c.lay, NULL));
-  reqs q;
-  reqs_make(&q, f, &c, 2, 3);
+  mixed_requests q;
+  mixed_requests_make(&q, f, &c, 2, 3, 0);
   assert_ok(kvi_inject(inj, q.rq, 2, NULL, NULL));
   const int64_t T = f->a.T + f->b.T + f->c.T;
   /* token 6 of request 0 (fact b's second), layer 1, V head 1 element 3: +1.5; K head 0 element 0: +0.5 */
@@ -234,8 +199,8 @@ static void test_deviation_errors(void **state) {
   ec_make(&c, KVI_CACHE_VLLM_FLASH_ATTN, KVI_DTYPE_BF16, L, H, D, 4, 9, KVI_SCALE_NONE, &f->r);
   kvi_injector *inj = NULL;
   assert_ok(kvi_injector_create(&inj, f->s, &c.lay, NULL));
-  reqs q;
-  reqs_make(&q, f, &c, 2, 3);
+  mixed_requests q;
+  mixed_requests_make(&q, f, &c, 2, 3, 0);
   const int64_t T = f->a.T + f->b.T + f->c.T;
   float out[32], keep[32];
   for (int i = 0; i < 32; i++) out[i] = keep[i] = (float)i - 100.0f;

@@ -40,8 +40,7 @@ static kvi_injector *injector(fx *f, float *cache) {
 static int setup(void **state) {
   fx *f = calloc(1, sizeof *f);
   rng_seed(&f->r, "retrieve");
-  kvi_model_options mo = KVI_MODEL_OPTIONS_INIT;
-  mo.num_layers = L, mo.num_kv_heads = H, mo.head_size = D;
+  const kvi_model_options mo = model_options(L, H, D, 0, 1);
   assert_ok(kvi_model_create(&f->m, &mo));
   kvi_rope_spec rs = KVI_ROPE_SPEC_INIT;
   assert_ok(kvi_model_set_rope(f->m, -1, &rs));

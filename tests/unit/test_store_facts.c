@@ -11,29 +11,13 @@
 #define P 5
 #define PAGES 40
 
-typedef struct fixture {
-  kvi_model *m;
-  kvi_store *s;
-  rng r;
-} fixture;
-
 static uint64_t page_bytes_for(int32_t p, kvi_dtype dt) { return (uint64_t)p * L * 2 * H * D * kvi_dtype_size(dt); }
 
 static int setup(void **state) {
-  fixture *f = calloc(1, sizeof *f);
-  assert_non_null(f);
-  f->m = make_model(L, H, D, 0, 1);
+  store_fixture *f = store_fixture_new(L, H, D, 0, 1);
   kvi_store_options o = cpu_store_options(KVI_DTYPE_FP16, P, page_bytes_for(P, KVI_DTYPE_FP16) * PAGES);
   assert_ok(kvi_store_create(&f->s, f->m, &o));
   *state = f;
-  return 0;
-}
-
-static int teardown(void **state) {
-  fixture *f = *state;
-  kvi_store_destroy(f->s);
-  kvi_model_destroy(f->m);
-  free(f);
   return 0;
 }
 
@@ -77,7 +61,7 @@ static size_t count_of(const kvi_store *s, uint64_t tenant) {
 /* ------------------------------------------------------------------------ */
 
 static void test_tenant_isolation(void **state) {
-  fixture *f = *state;
+  store_fixture *f = *state;
   const uint64_t A = 7, B = 8;
   /* the same fact id under two tenants: two facts */
   put_tagged(f->s, A, 1, 3, 0xA1, KVI_OK);
@@ -142,7 +126,7 @@ static void test_tenant_isolation(void **state) {
 
 /* Extreme ids: tenant and fact 0 and UINT64_MAX are ordinary keys. */
 static void test_extreme_ids(void **state) {
-  fixture *f = *state;
+  store_fixture *f = *state;
   const uint64_t keys[] = {0, 1, UINT64_MAX, UINT64_MAX - 1, (uint64_t)1 << 63};
   for (size_t i = 0; i < 5; i++)
     for (size_t j = 0; j < 5; j++) put_tagged(f->s, keys[i], keys[j], 1, i * 5 + j + 1, KVI_OK);
@@ -164,7 +148,7 @@ static void test_extreme_ids(void **state) {
 }
 
 static void test_list(void **state) {
-  fixture *f = *state;
+  store_fixture *f = *state;
   rng_seed(&f->r, __func__);
   enum { N = 30 };
   uint64_t want[N];
@@ -228,7 +212,7 @@ static void test_list(void **state) {
 }
 
 static void test_count_and_fact_tokens(void **state) {
-  fixture *f = *state;
+  store_fixture *f = *state;
   size_t n = 5;
   assert_status(kvi_store_count(f->s, 1, NULL), KVI_ERR_INVALID_ARGUMENT);
   assert_status(kvi_store_count(NULL, 1, &n), KVI_ERR_INVALID_ARGUMENT);
@@ -259,7 +243,7 @@ static void assert_stats_equal(const kvi_store_stats *a, const kvi_store_stats *
 }
 
 static void test_remove(void **state) {
-  fixture *f = *state;
+  store_fixture *f = *state;
   put_tagged(f->s, 1, 1, 2 * P + 1, 11, KVI_OK); /* 3 pages */
   put_tagged(f->s, 1, 2, P, 12, KVI_OK);         /* 1 page */
   kvi_store_stats before = store_stats(f->s);
@@ -306,7 +290,7 @@ static void test_remove(void **state) {
 
 /* Stats add up for every dtype and page size. */
 static void test_stats_accounting(void **state) {
-  fixture *f = *state;
+  store_fixture *f = *state;
   rng_seed(&f->r, __func__);
   const int32_t Ps[] = {5, 16, 1};
   for (int c = 0; c < 3; c++) {
@@ -345,7 +329,7 @@ static void test_stats_accounting(void **state) {
 /* An output struct: larger is written up to the known fields, smaller than
  * the first version is refused untouched. */
 static void test_stats_struct_size(void **state) {
-  fixture *f = *state;
+  store_fixture *f = *state;
   put_tagged(f->s, 1, 1, 7, 1, KVI_OK);
   struct {
     kvi_store_stats s;
@@ -375,7 +359,7 @@ static void test_stats_struct_size(void **state) {
 /* Fill with random sizes, free random facts, then one fact needing exactly
  * every free page must fit: pages need not be contiguous. */
 static void test_fragmentation(void **state) {
-  fixture *f = *state;
+  store_fixture *f = *state;
   rng_seed(&f->r, __func__);
   enum { MAXF = PAGES + 1 };
   struct {
@@ -452,7 +436,7 @@ static void test_fragmentation(void **state) {
 
 /* Thousands of keys: the index grows and shrinks without losing any. */
 static void test_many_keys(void **state) {
-  fixture *f = *state;
+  store_fixture *f = *state;
   rng_seed(&f->r, __func__);
   kvi_model *m = make_model(1, 1, 2, 0, 1);
   enum { N = 3000, TENANTS = 5 };
@@ -506,7 +490,7 @@ static void test_many_keys(void **state) {
 }
 
 int main(void) {
-#define T(fn) cmocka_unit_test_setup_teardown(fn, setup, teardown)
+#define T(fn) cmocka_unit_test_setup_teardown(fn, setup, store_fixture_teardown)
   const struct CMUnitTest tests[] = {
       T(test_tenant_isolation),
       T(test_extreme_ids),

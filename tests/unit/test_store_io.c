@@ -12,25 +12,9 @@
 #define LH 2
 #define D 6
 
-typedef struct fixture {
-  kvi_model *m;
-  kvi_store *s;
-  rng r;
-} fixture;
-
 static int setup(void **state) {
-  fixture *f = calloc(1, sizeof *f);
-  assert_non_null(f);
-  f->m = make_model(L, H, D, 1, 2);
+  store_fixture *f = store_fixture_new(L, H, D, 1, 2);
   *state = f;
-  return 0;
-}
-
-static int teardown(void **state) {
-  fixture *f = *state;
-  kvi_store_destroy(f->s);
-  kvi_model_destroy(f->m);
-  free(f);
   return 0;
 }
 
@@ -38,7 +22,7 @@ static uint64_t page_bytes_for(int32_t P, kvi_dtype dt) {
   return (uint64_t)P * L * 2 * LH * D * kvi_dtype_size(dt);
 }
 
-static void new_store(fixture *f, kvi_dtype dt, int32_t P, uint32_t pages) {
+static void new_store(store_fixture *f, kvi_dtype dt, int32_t P, uint32_t pages) {
   kvi_store_destroy(f->s);
   f->s = NULL;
   kvi_store_options o = cpu_store_options(dt, P, page_bytes_for(P, dt) * pages);
@@ -103,7 +87,7 @@ static void check_read(const kvbuf *src, kvi_dtype store_dt, const kvbuf *dst, c
 
 /* One store dtype: every source dtype, page size, token count and layout;
  * each fact read back into every dtype. */
-static void roundtrip(fixture *f, kvi_dtype store_dt) {
+static void roundtrip(store_fixture *f, kvi_dtype store_dt) {
   const int32_t Ps[] = {1, 16, 5};
   uint64_t id = 0;
   for (size_t pi = 0; pi < 3; pi++) {
@@ -153,19 +137,19 @@ static void roundtrip(fixture *f, kvi_dtype store_dt) {
 }
 
 static void test_roundtrip_fp32_store(void **state) {
-  fixture *f = *state;
+  store_fixture *f = *state;
   rng_seed(&f->r, __func__);
   roundtrip(f, KVI_DTYPE_FP32);
 }
 
 static void test_roundtrip_fp16_store(void **state) {
-  fixture *f = *state;
+  store_fixture *f = *state;
   rng_seed(&f->r, __func__);
   roundtrip(f, KVI_DTYPE_FP16);
 }
 
 static void test_roundtrip_bf16_store(void **state) {
-  fixture *f = *state;
+  store_fixture *f = *state;
   rng_seed(&f->r, __func__);
   roundtrip(f, KVI_DTYPE_BF16);
 }
@@ -203,7 +187,7 @@ static void test_reference_conversions(void **state) {
 
 /* Edge values through an fp16 / bf16 store into fp32, against hand-worked
  * answers (independent of the reference functions). */
-static void edge_case(fixture *f, kvi_dtype store_dt, const float *in, const float *want, size_t n) {
+static void edge_case(store_fixture *f, kvi_dtype store_dt, const float *in, const float *want, size_t n) {
   new_store(f, store_dt, 4, 4);
   /* one head vector of each token of layer 0, K; everything else 1.0 */
   const int32_t T = (int32_t)div_up(n, D);
@@ -244,7 +228,7 @@ static void test_bf16_edge_values(void **state) {
 
 /* A stride-0 source repeats one token's data over every token. */
 static void test_put_broadcast_source(void **state) {
-  fixture *f = *state;
+  store_fixture *f = *state;
   rng_seed(&f->r, __func__);
   new_store(f, KVI_DTYPE_FP32, 5, 8);
   float row_k[L][LH][D], row_v[L][LH][D];
@@ -277,7 +261,7 @@ static void test_put_broadcast_source(void **state) {
 
 /* K and V halves of one [T][2][H][D] buffer in, and out again. */
 static void test_kv_in_one_buffer(void **state) {
-  fixture *f = *state;
+  store_fixture *f = *state;
   rng_seed(&f->r, __func__);
   new_store(f, KVI_DTYPE_BF16, 16, 4);
   const int T = 21;
@@ -297,7 +281,7 @@ static void test_kv_in_one_buffer(void **state) {
 
 /* A source may alias itself: K and V the same buffer. */
 static void test_put_k_v_same_buffer(void **state) {
-  fixture *f = *state;
+  store_fixture *f = *state;
   rng_seed(&f->r, __func__);
   new_store(f, KVI_DTYPE_FP32, 5, 4);
   const int T = 7;
@@ -317,7 +301,7 @@ static void test_put_k_v_same_buffer(void **state) {
 
 /* A destination with V below K in memory is fine. */
 static void test_read_v_before_k(void **state) {
-  fixture *f = *state;
+  store_fixture *f = *state;
   rng_seed(&f->r, __func__);
   new_store(f, KVI_DTYPE_BF16, 16, 4);
   const int T = 19;
@@ -337,7 +321,7 @@ static void test_read_v_before_k(void **state) {
 
 /* A host source is copied before put returns: it may be changed or freed. */
 static void test_source_reusable_after_put(void **state) {
-  fixture *f = *state;
+  store_fixture *f = *state;
   rng_seed(&f->r, __func__);
   new_store(f, KVI_DTYPE_FP16, 16, 4);
   const int T = 33;
@@ -358,7 +342,7 @@ static void test_source_reusable_after_put(void **state) {
 
 /* Many facts at once: none overwrites another's pages. */
 static void test_many_facts_coexist(void **state) {
-  fixture *f = *state;
+  store_fixture *f = *state;
   rng_seed(&f->r, __func__);
   const int32_t P = 5;
   new_store(f, KVI_DTYPE_FP16, P, 64);
@@ -387,7 +371,7 @@ static void test_many_facts_coexist(void **state) {
 
 /* A read may repeat: reading does not consume or change the fact. */
 static void test_read_twice_same_bytes(void **state) {
-  fixture *f = *state;
+  store_fixture *f = *state;
   rng_seed(&f->r, __func__);
   new_store(f, KVI_DTYPE_FP16, 16, 4);
   kvbuf src, a, b;
@@ -408,7 +392,7 @@ static void test_read_twice_same_bytes(void **state) {
 /* A source view struct larger than this version's, zero past the known
  * fields, is accepted and read only up to them. */
 static void test_view_larger_struct_size(void **state) {
-  fixture *f = *state;
+  store_fixture *f = *state;
   rng_seed(&f->r, __func__);
   new_store(f, KVI_DTYPE_FP32, 4, 4);
   kvbuf src;
@@ -436,19 +420,19 @@ static void test_view_larger_struct_size(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_reference_conversions),
-      cmocka_unit_test_setup_teardown(test_roundtrip_fp32_store, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_roundtrip_fp16_store, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_roundtrip_bf16_store, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_fp16_edge_values, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_bf16_edge_values, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_put_broadcast_source, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_kv_in_one_buffer, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_put_k_v_same_buffer, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_read_v_before_k, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_source_reusable_after_put, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_many_facts_coexist, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_read_twice_same_bytes, setup, teardown),
-      cmocka_unit_test_setup_teardown(test_view_larger_struct_size, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_roundtrip_fp32_store, setup, store_fixture_teardown),
+      cmocka_unit_test_setup_teardown(test_roundtrip_fp16_store, setup, store_fixture_teardown),
+      cmocka_unit_test_setup_teardown(test_roundtrip_bf16_store, setup, store_fixture_teardown),
+      cmocka_unit_test_setup_teardown(test_fp16_edge_values, setup, store_fixture_teardown),
+      cmocka_unit_test_setup_teardown(test_bf16_edge_values, setup, store_fixture_teardown),
+      cmocka_unit_test_setup_teardown(test_put_broadcast_source, setup, store_fixture_teardown),
+      cmocka_unit_test_setup_teardown(test_kv_in_one_buffer, setup, store_fixture_teardown),
+      cmocka_unit_test_setup_teardown(test_put_k_v_same_buffer, setup, store_fixture_teardown),
+      cmocka_unit_test_setup_teardown(test_read_v_before_k, setup, store_fixture_teardown),
+      cmocka_unit_test_setup_teardown(test_source_reusable_after_put, setup, store_fixture_teardown),
+      cmocka_unit_test_setup_teardown(test_many_facts_coexist, setup, store_fixture_teardown),
+      cmocka_unit_test_setup_teardown(test_read_twice_same_bytes, setup, store_fixture_teardown),
+      cmocka_unit_test_setup_teardown(test_view_larger_struct_size, setup, store_fixture_teardown),
   };
   return cmocka_run_group_tests_name("unit-store-io", tests, NULL, NULL);
 }

@@ -103,12 +103,7 @@ static void heads_of(int H, int tp, int r, int *first, int *count) {
 }
 
 static kvi_model *tp_model(int H, int tp, int rank, double theta) {
-  kvi_model_options mo = KVI_MODEL_OPTIONS_INIT;
-  mo.num_layers = L;
-  mo.num_kv_heads = H;
-  mo.head_size = D;
-  mo.tp_rank = rank;
-  mo.tp_size = tp;
+  const kvi_model_options mo = model_options(L, H, D, rank, tp);
   kvi_model *m = NULL;
   if (kvi_model_create(&m, &mo) != KVI_OK) return NULL;
   kvi_rope_spec rs = KVI_ROPE_SPEC_INIT;

@@ -1,6 +1,7 @@
 /*
  * Helpers shared by the unit suites: status assertions, a seeded RNG, an
- * independent reference for fp16/bf16 rounding, and strided K/V buffers.
+ * independent reference for fp16/bf16 rounding, strided K/V buffers, the
+ * model-and-store state of a suite, a monotonic clock and a file's size.
  * SPDX-License-Identifier: Apache-2.0
  *
  * The reference conversions here deliberately do not share code or method
@@ -22,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include <sys/stat.h>
 
 #include <cmocka.h>
 
@@ -347,17 +350,47 @@ static inline kvi_store_options cpu_store_options(kvi_dtype dt, int32_t page_tok
   return o;
 }
 
-static inline kvi_model *make_model(int32_t L, int32_t H, int32_t D, int32_t tp_rank, int32_t tp_size) {
+/* Model options of L layers of H KV heads of D, this process rank tp_rank of
+ * tp_size. */
+static inline kvi_model_options model_options(int32_t L, int32_t H, int32_t D, int32_t tp_rank, int32_t tp_size) {
   kvi_model_options o = KVI_MODEL_OPTIONS_INIT;
   o.num_layers = L;
   o.num_kv_heads = H;
   o.head_size = D;
   o.tp_rank = tp_rank;
   o.tp_size = tp_size;
+  return o;
+}
+
+static inline kvi_model *make_model(int32_t L, int32_t H, int32_t D, int32_t tp_rank, int32_t tp_size) {
+  const kvi_model_options o = model_options(L, H, D, tp_rank, tp_size);
   kvi_model *m = NULL;
   assert_ok(kvi_model_create(&m, &o));
   assert_non_null(m);
   return m;
+}
+
+/* The state of a suite over one model and one store. */
+typedef struct store_fixture {
+  kvi_model *m;
+  kvi_store *s; /* NULL until the suite makes it */
+  rng r;
+} store_fixture;
+
+/* A fixture whose model has the given geometry, and no store yet. */
+static inline store_fixture *store_fixture_new(int32_t L, int32_t H, int32_t D, int32_t tp_rank, int32_t tp_size) {
+  store_fixture *f = calloc(1, sizeof *f);
+  assert_non_null(f);
+  f->m = make_model(L, H, D, tp_rank, tp_size);
+  return f;
+}
+
+static inline int store_fixture_teardown(void **state) {
+  store_fixture *f = *state;
+  kvi_store_destroy(f->s);
+  kvi_model_destroy(f->m);
+  free(f);
+  return 0;
 }
 
 static inline kvi_store_stats store_stats(const kvi_store *s) {
@@ -367,5 +400,19 @@ static inline kvi_store_stats store_stats(const kvi_store *s) {
 }
 
 static inline uint64_t div_up(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
+
+/* CLOCK_MONOTONIC in seconds. */
+static inline double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* The size of the file at path, which exists. */
+static inline uint64_t file_size(const char *path) {
+  struct stat sb;
+  assert_int_equal(stat(path, &sb), 0);
+  return (uint64_t)sb.st_size;
+}
 
 #endif /* KVI_UNIT_H */
