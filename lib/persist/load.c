@@ -363,14 +363,14 @@ static kvi_status apply(const loader *ld, const rec *r, bool in_log, uint64_t eo
     if (!exists)
       return corrupt(ld, eoff, "removal of fact %llu of tenant %llu, which is not stored", (unsigned long long)r->id,
                      (unsigned long long)r->tenant);
-    return kvi__store_remove(ld->s, r->tenant, r->id, "kvi_store_remove");
+    return kvi__store_remove(ld->s, r->tenant, r->id, ld->fn);
   }
   if (exists) {
     if (!in_log)
       return corrupt(ld, eoff, "fact %llu of tenant %llu appears twice in the snapshot", (unsigned long long)r->id,
                      (unsigned long long)r->tenant);
     /* a replacement: room for one copy */
-    if ((st = kvi__store_remove(ld->s, r->tenant, r->id, "kvi_store_remove"))) return st;
+    if ((st = kvi__store_remove(ld->s, r->tenant, r->id, ld->fn))) return st;
   }
   const unsigned char *k = r->data + (size_t)ld->E * 4u;
   const size_t plane = (size_t)r->tokens * (size_t)(ld->token_bytes / 2u);
@@ -545,7 +545,7 @@ kvi_status kvi__store_load(kvi_store **out, const kvi_model *model, const kvi_st
   ld.dtype = so.dtype;
   ld.P = so.dtype == KVI_DTYPE_FP8_E4M3 ? so.page_tokens : 0;
   ld.token_bytes = 2u * (uint64_t)ld.L * (uint64_t)ld.H * (uint64_t)ld.D * kvi__dtype_size(so.dtype);
-  if ((st = kvi__shard_store_create(&ld.s, model, opts, "kvi_store_create"))) goto fail;
+  if ((st = kvi__shard_store_create(&ld.s, model, opts, fn))) goto fail;
   uint64_t valid_end = 0, next_seq = 0;
   if ((st = read_entries(&ld, HDR_BYTES(ld.L), &valid_end, &next_seq))) goto fail;
   if (journal) {

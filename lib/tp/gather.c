@@ -33,7 +33,7 @@ static kvi_status gather_read(gather *ga) {
       st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "items[%d].struct_size is %zu, items[0]'s %zu", (int)i, it->struct_size,
                      op->stride);
     if (st == KVI_OK)
-      st = kvi__store_fact_tokens(store, it->tenant, it->fact_id, &ga->tok[i], "kvi_store_fact_tokens");
+      st = kvi__store_fact_tokens(store, it->tenant, it->fact_id, &ga->tok[i], fn);
     if (st || !op->is_root) continue;
     if (!it->full) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "items[%d].full is NULL on the root rank", (int)i);
     else st = kvi__view_check(v, it->full, &fg, true, fn);
@@ -80,7 +80,7 @@ static kvi_status gather_buffer(gather *ga, int32_t r, int32_t h) {
     if (!op->is_root) { /* read my slice, packed, in root's dtype */
       const kvi_gather_item *it = item_at(op->items, op->stride, i);
       const kvi_kv_view w = kvi__shard_slice_view(op, dt, rt[i], h, (char *)op->bufs[r] + at, b);
-      st = kvi__store_read(op->store, it->tenant, it->fact_id, &w, op->stream, "kvi_store_read");
+      st = kvi__store_read(op->store, it->tenant, it->fact_id, &w, op->stream, op->fn);
     }
     at += b;
   }
@@ -123,7 +123,7 @@ static kvi_status gather_own(gather *ga, int32_t root_first, int32_t root_h) {
   for (int32_t i = 0; st == KVI_OK && i < op->n; i++) {
     const kvi_gather_item *it = item_at(op->items, op->stride, i);
     const kvi_kv_view w = kvi__shard_heads_of(&op->v[i], root_first, root_h);
-    st = kvi__store_read(op->store, it->tenant, it->fact_id, &w, op->stream, "kvi_store_read");
+    st = kvi__store_read(op->store, it->tenant, it->fact_id, &w, op->stream, op->fn);
   }
   return st;
 }

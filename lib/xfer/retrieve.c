@@ -50,8 +50,7 @@ static kvi_status check_reserve(const xfer *x, const kvi_retrieve_request *rq, i
 static kvi_status retrieve_on_host(kvi_injector *injector, const void *queries, int32_t nq, int32_t dim,
                                    const kvi_retrieve_request *rq, const uint64_t *tenants, int32_t k,
                                    const kvi_search_options *opts, uint64_t *out_ids, int32_t *out_counts,
-                                   int32_t *out_tokens, struct CUstream_st *stream) {
-  static const char fn[] = "kvi_retrieve_inject";
+                                   int32_t *out_tokens, struct CUstream_st *stream, const char *fn) {
   xfer *x = &injector->x;
   kvi_store *s = x->store;
   (void)dim;
@@ -295,7 +294,7 @@ kvi_status kvi__retrieve_inject(kvi_injector *injector, const void *queries, int
     pthread_mutex_unlock(&x->lock);
   } else if (st == KVI_OK) {
     st = retrieve_on_host(injector, queries, num_queries, dim, rq, tenants, k, &so, out_ids, out_counts, out_tokens,
-                          stream);
+                          stream, fn);
   }
   free(rq);
   free(tenants);

@@ -528,6 +528,13 @@ static void test_incompatible(void **state) {
     assert_ptr_equal(l, (kvi_store *)(uintptr_t)0x1);
     kvi_model_destroy(o);
   }
+  { /* options the file does not pin, refused by the store's creation: the message names kvi_store_load */
+    kvi_store_options so = geo_opts(&g);
+    so.page_tokens = 5000;
+    assert_status(kvi_store_load(&l, m, &so, f->path, NULL), KVI_ERR_INVALID_ARGUMENT);
+    assert_int_equal(strncmp(kvi_last_error(), "kvi_store_load: ", 16), 0);
+    assert_ptr_equal(l, (kvi_store *)(uintptr_t)0x1);
+  }
   /* dtype and embedding size */
   geo g2 = g;
   g2.dt = KVI_DTYPE_FP16;
@@ -675,7 +682,7 @@ static void test_load_errors(void **state) {
   bad = so;
   bad.page_tokens = 0; /* kvi_store_create's own checks */
   assert_status(kvi_store_load(&l, m, &bad, f->path, NULL), KVI_ERR_INVALID_ARGUMENT);
-  assert_last_error_has("kvi_store_create", "page_tokens");
+  assert_last_error_has("kvi_store_load", "page_tokens");
   /* 10 facts of 9 tokens need 30 pages of 4 tokens */
   bad = so;
   const uint64_t page = (uint64_t)2 * g.L * g.H * g.D * g.P * 2;

@@ -652,6 +652,8 @@ static void failure_rank(rank_ctx *c) {
   if (odd) RSTATUS(c, kvi_store_remove(s, 1, 12), KVI_OK);
   const kvi_kv_view back = fact_view(&small);
   RSTATUS(c, gather1(s, 1, 12, 0, c->rank == 0 ? &back : NULL), odd ? KVI_ERR_NOT_FOUND : KVI_ERR_PEER);
+  /* the message names the call the caller made (it named an internal read) */
+  if (odd) RCHECK(c, strncmp(kvi_last_error(), "kvi_store_gather: ", 18) == 0, "gather's message: %s", kvi_last_error());
   kvi_store_destroy(s);
   kvi_model_destroy(m);
   free(big.kv);
