@@ -29,11 +29,7 @@ static kvi_status gather_read(gather *ga) {
   for (int32_t i = 0; i < op->n && st == KVI_OK; i++) {
     const kvi_gather_item *it = item_at(op->items, op->stride, i);
     kvi_kv_view *v = &op->v[i];
-    if (it->struct_size != op->stride)
-      st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "items[%d].struct_size is %zu, items[0]'s %zu", (int)i, it->struct_size,
-                     op->stride);
-    if (st == KVI_OK)
-      st = kvi__store_fact_tokens(store, it->tenant, it->fact_id, &ga->tok[i], fn);
+    st = kvi__store_fact_tokens(store, it->tenant, it->fact_id, &ga->tok[i], fn);
     if (st || !op->is_root) continue;
     if (!it->full) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "items[%d].full is NULL on the root rank", (int)i);
     else st = kvi__view_check(v, it->full, &fg, true, fn);

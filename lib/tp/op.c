@@ -55,25 +55,18 @@ kvi__geom kvi__shard_full_geom(const kvi_store *s) {
   return g;
 }
 
-/* The stride of an item array: items[0].struct_size, at least `known`; every
- * item must have that struct_size and zeros past the `known` bytes. */
+/* The stride of an item array: items[0].struct_size, at least `known` (items
+ * have no older layout); every item must have that struct_size and zeros
+ * past the `known` bytes (kvi__struct_array_read). Items are then read in
+ * place, at that stride. */
 static kvi_status item_stride(const void *items, int32_t n, size_t known, size_t *stride, const char *fn) {
-  *stride = known;
-  if (n > 0) memcpy(stride, items, sizeof *stride);
-  if (*stride < known)
-    return kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "items[0].struct_size is %zu, expected %zu", *stride, known);
+  kvi__struct_array a;
+  kvi_status st = kvi__struct_array_open(&a, items, n, known, fn, "items");
   _Static_assert(sizeof(kvi_scatter_item) <= 64 && sizeof(kvi_gather_item) <= 64, "item_stride's scratch copy");
   unsigned char local[64];
-  for (int32_t i = 0; i < n && *stride > known; i++) {
-    const void *it = item_at(items, *stride, i);
-    size_t sz;
-    memcpy(&sz, it, sizeof sz);
-    if (sz != *stride)
-      return kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "items[%d].struct_size is %zu, items[0]'s %zu", (int)i, sz, *stride);
-    kvi_status st = kvi__read_struct(local, known, it, known, fn, "items[i]");
-    if (st) return st;
-  }
-  return KVI_OK;
+  for (int32_t i = 0; i < n && st == KVI_OK; i++) st = kvi__struct_array_read(&a, i, local, known, known, fn);
+  *stride = a.stride;
+  return st;
 }
 
 uint64_t kvi__shard_keys_digest(const void *items, size_t stride, int32_t n) {

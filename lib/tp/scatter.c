@@ -51,10 +51,7 @@ static kvi_status scatter_read(scatter *sc) {
     const kvi_scatter_item *it = item_at(op->items, op->stride, i);
     kvi_put_options o;
     float *emb = NULL;
-    if (it->struct_size != op->stride)
-      st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "items[%d].struct_size is %zu, items[0]'s %zu", (int)i, it->struct_size,
-                     op->stride);
-    else if (!it->full) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "items[%d].full is NULL on the root rank", (int)i);
+    if (!it->full) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "items[%d].full is NULL on the root rank", (int)i);
     else st = kvi__view_check(&op->v[i], it->full, &fg, false, fn);
     if (st == KVI_OK) st = kvi__store_put_args(store, &op->v[i], it->opts, &o, &emb, op->stream, fn);
     if (st) break;

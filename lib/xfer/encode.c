@@ -71,22 +71,15 @@ static kvi_status read_captures(xfer *x, const kvi_capture *caps, int32_t num_ca
    * key out of order moves the check to a hash set of the keys so far. */
   kvi__map seen = {0};
   bool ordered = true;
-  size_t csize;
-  memcpy(&csize, caps, sizeof csize);
+  kvi__struct_array a;
+  if (st == KVI_OK) st = kvi__struct_array_open(&a, caps, num_captures, KVI__CAPTURE_V1, fn, "caps");
   int64_t ntok = 0, ntables = 0;
   uint32_t need_total = 0;
   const int32_t *checked_table = NULL;
   for (int32_t i = 0; i < num_captures && st == KVI_OK; i++) {
-    const char *src = (const char *)caps + (size_t)i * csize;
-    size_t sz;
-    memcpy(&sz, src, sizeof sz);
-    if (sz != csize) {
-      st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "caps[%d].struct_size is %zu, caps[0]'s is %zu", (int)i, sz, csize);
-      break;
-    }
     const cap_state blank = {KVI_CAPTURE_INIT, NULL, 0, 0};
     cs[r->nread++] = blank;
-    if ((st = kvi__read_struct(&cs[i].c, sizeof cs[i].c, src, KVI__CAPTURE_V1, fn, "caps[i]"))) break;
+    if ((st = kvi__struct_array_read(&a, i, &cs[i].c, sizeof cs[i].c, KVI__CAPTURE_V1, fn))) break;
     const kvi_capture *c = &cs[i].c;
     if (c->flags & ~KVI_PUT_REPLACE) {
       st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "capture %d: unknown flag bits 0x%x", (int)i, c->flags & ~KVI_PUT_REPLACE);

@@ -172,22 +172,14 @@ kvi_status kvi__request_of(const xfer *x, const kvi_inject_request *q, int32_t r
  * as the call's requests, into *out (malloc'd; num_requests > 0). */
 static kvi_status read_requests(const xfer *x, const kvi_inject_request *reqs, int32_t num_requests, ireq **out,
                                 const char *fn) {
-  size_t rsize;
-  memcpy(&rsize, reqs, sizeof rsize);
+  kvi__struct_array a;
+  kvi_status st = kvi__struct_array_open(&a, reqs, num_requests, KVI__INJECT_REQUEST_V1, fn, "reqs");
+  if (st) return st;
   ireq *rq = malloc((size_t)num_requests * sizeof *rq);
   if (!rq) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d requests", (int)num_requests);
-  kvi_status st = KVI_OK;
   for (int32_t r = 0; r < num_requests && st == KVI_OK; r++) {
-    const char *src = (const char *)reqs + (size_t)r * rsize;
-    size_t sz;
-    memcpy(&sz, src, sizeof sz);
-    if (sz != rsize) {
-      st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "reqs[%d].struct_size is %zu, reqs[0]'s is %zu; they must be equal", (int)r,
-                     sz, rsize);
-      break;
-    }
     kvi_inject_request q = KVI_INJECT_REQUEST_INIT;
-    if ((st = kvi__read_struct(&q, sizeof q, src, KVI__INJECT_REQUEST_V1, fn, "reqs[i]")) == KVI_OK)
+    if ((st = kvi__struct_array_read(&a, r, &q, sizeof q, KVI__INJECT_REQUEST_V1, fn)) == KVI_OK)
       st = kvi__request_of(x, &q, r, &rq[r], fn);
   }
   if (st) {

@@ -255,21 +255,17 @@ kvi_status kvi__retrieve_inject(kvi_injector *injector, const void *queries, int
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "k is %d, expected 1..%d", (int)k, KVI_SEARCH_MAX_K);
   if ((st = kvi__check_rope_set(x, fn))) return st;
   if (num_queries == 0) return KVI_OK;
-  size_t rsize;
-  memcpy(&rsize, reqs, sizeof rsize);
+  kvi__struct_array a;
   const size_t n = (size_t)num_queries;
   kvi_retrieve_request *rq = malloc(n * sizeof *rq);
   uint64_t *tenants = malloc(n * sizeof *tenants);
   st = rq && tenants ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d requests", (int)num_queries);
+  if (st == KVI_OK) st = kvi__struct_array_open(&a, reqs, num_queries, KVI__RETRIEVE_REQUEST_V1, fn, "reqs");
   for (size_t i = 0; i < n && st == KVI_OK; i++) {
-    const char *src = (const char *)reqs + i * rsize;
-    size_t sz;
-    memcpy(&sz, src, sizeof sz);
-    if (sz != rsize)
-      st = kvi__fail(KVI_ERR_STRUCT_SIZE, fn, "reqs[%zu].struct_size is %zu, reqs[0]'s is %zu; they must be equal", i,
-                     sz, rsize);
-    else if (!(st = kvi__read_struct(&rq[i], sizeof rq[i], src, KVI__RETRIEVE_REQUEST_V1, fn, "reqs[i]")) &&
-             (rq[i].flags & ~KVI_RETRIEVE_BEST_LAST))
+    const kvi_retrieve_request init = KVI_RETRIEVE_REQUEST_INIT;
+    rq[i] = init;
+    if (!(st = kvi__struct_array_read(&a, (int64_t)i, &rq[i], sizeof rq[i], KVI__RETRIEVE_REQUEST_V1, fn)) &&
+        (rq[i].flags & ~KVI_RETRIEVE_BEST_LAST))
       st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "reqs[%zu].flags has unknown bits 0x%x", i,
                      rq[i].flags & ~KVI_RETRIEVE_BEST_LAST);
     if (st == KVI_OK) tenants[i] = rq[i].tenant;

@@ -1220,6 +1220,12 @@ static void test_rejected_inject_changes_nothing(void **state) {
   rq3[0] = ok, rq3[1] = ok;
   rq3[1].struct_size = sizeof(kvi_inject_request) + 8;
   EXPECT_UNCHANGED(e, kvi_inject(e->inj, rq3, 2, NULL, NULL), KVI_ERR_STRUCT_SIZE);
+  assert_non_null(strstr(kvi_last_error(), "reqs[1].struct_size")); /* the element, by index */
+  /* a garbage struct_size is refused before anything past the first element is read */
+  rq3[0].struct_size = (size_t)KVI_STRUCT_SIZE_MAX + 1;
+  EXPECT_UNCHANGED(e, kvi_inject(e->inj, rq3, 2, NULL, NULL), KVI_ERR_STRUCT_SIZE);
+  assert_non_null(strstr(kvi_last_error(), "KVI_STRUCT_SIZE_MAX"));
+  rq3[0] = ok;
   rq3[1].struct_size = sizeof(kvi_inject_request) - 8;
   EXPECT_UNCHANGED(e, kvi_inject(e->inj, rq3, 2, NULL, NULL), KVI_ERR_STRUCT_SIZE);
   struct bigreq {
@@ -1311,6 +1317,7 @@ static void test_rejected_capture_changes_nothing(void **state) {
   EXPECT_UNCHANGED(e, kvi_encode(e->enc, cs, 2, NULL), KVI_ERR_STRUCT_SIZE);
   cs[1].struct_size = sizeof(kvi_capture) + 8;
   EXPECT_UNCHANGED(e, kvi_encode(e->enc, cs, 2, NULL), KVI_ERR_STRUCT_SIZE);
+  assert_non_null(strstr(kvi_last_error(), "caps[1].struct_size"));
   cs[0].struct_size = offsetof(kvi_capture, flags);
   EXPECT_UNCHANGED(e, kvi_encode(e->enc, cs, 1, NULL), KVI_ERR_STRUCT_SIZE);
   struct {
