@@ -117,23 +117,18 @@ KVI_API void kvi_comm_destroy(kvi_comm *comm);
 KVI_API kvi_status kvi_comm_rank(const kvi_comm *comm, int32_t *out_rank, int32_t *out_size);
 
 /*
- * The communicator's asynchronous error, reported as every handle reports
- * them (kvinject/inject.h, kvi_injector_async_errors), as a status rather
- * than a count:
- * - Reported: NCCL's asynchronous error state (ncclCommGetAsyncError) of
- *   the wrapped communicator: KVI_OK, or KVI_ERR_CUDA with NCCL's message
- *   in kvi_last_error. A peer that died or a broken link shows up here
- *   while a collective waits; the caller then aborts the NCCL communicator
- *   (ncclCommAbort) and destroys the stores made with it. KVI_OK for an
- *   in-process communicator.
- * - Read: NCCL's state at the call; the call never waits for the device or
- *   for a collective.
- * - Reading does not clear: it is NCCL's state, and after an error the
- *   NCCL communicator is good only for ncclCommAbort.
- * - Threads: thread-safe.
- * Errors: KVI_ERR_INVALID_ARGUMENT (NULL).
+ * The communicator's asynchronous errors ("Asynchronous errors" in
+ * kvinject/common.h):
+ * - Latched: NCCL's asynchronous error state (ncclCommGetAsyncError) of the
+ *   wrapped communicator, as KVI_ERR_CUDA with NCCL's message. A peer that
+ *   died or a broken link shows up here while a collective waits; the
+ *   caller then aborts the NCCL communicator (ncclCommAbort) and destroys
+ *   the stores made with it. KVI_OK for an in-process communicator.
+ * - Counted: nothing; *out_count is 0.
+ * Threads: thread-safe; never waits for a collective.
+ * Errors: KVI_ERR_INVALID_ARGUMENT (NULL comm).
  */
-KVI_API kvi_status kvi_comm_async_error(kvi_comm *comm);
+KVI_API kvi_status kvi_comm_async_errors(kvi_comm *comm, int64_t *out_count);
 
 /* ------------------------------------------------------------------------ */
 /* Tensor-parallel stores                                                   */

@@ -152,6 +152,32 @@ KVI_API const char *kvi_status_string(kvi_status status);
 KVI_API const char *kvi_last_error(void);
 
 /* ------------------------------------------------------------------------ */
+/* Asynchronous errors                                                      */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * Device work is enqueued and the call returns; what the device finds
+ * afterwards comes back through one query per handle that runs device work,
+ * all of one shape: kvi_injector_async_errors (kvinject/inject.h),
+ * kvi_store_async_errors (kvinject/search.h), kvi_comm_async_errors
+ * (kvinject/comm.h):
+ *
+ *   kvi_status kvi_<handle>_async_errors(kvi_<handle> *handle, int64_t *out_count);
+ *
+ * - Returns the handle's latched failure: KVI_OK, or the status of device
+ *   work that failed after its call had returned, with its message in
+ *   kvi_last_error(). A latched failure does not clear (a dead CUDA context,
+ *   a broken NCCL communicator): the handle is then good only for its
+ *   destroy. KVI_ERR_INVALID_ARGUMENT is a NULL handle (nothing written).
+ * - *out_count (host memory; NULL to skip it) is the number of inputs that
+ *   only the device could check, found wrong and skipped since the previous
+ *   query of this handle (reading clears); each query says what it counts.
+ *   Written whatever the return value.
+ * - Never waits for the device: synchronize the streams of the calls of
+ *   interest first to see all of their work. Thread-safe.
+ */
+
+/* ------------------------------------------------------------------------ */
 /* Size-versioned structs                                                   */
 /* ------------------------------------------------------------------------ */
 

@@ -370,23 +370,18 @@ KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queri
                                        struct CUstream_st *stream);
 
 /*
- * The injector's asynchronous errors: what its kernels found wrong in input
- * only the device could check, after the call had returned KVI_OK. Every
- * handle reports these the same way (kvi_store_search_async_errors for
- * searches; kvi_comm_async_error, a status rather than a count, for NCCL):
+ * The injector's asynchronous errors ("Asynchronous errors" in
+ * kvinject/common.h):
+ * - Latched: none; an injector returns KVI_OK (a device fault surfaces as
+ *   KVI_ERR_CUDA from the call that finds it).
  * - Counted: tokens skipped because a device block table named a block
  *   outside the cache, plus one per device fact id of kvi_inject_batched
- *   that its tenant does not hold. Nothing else is written for them.
- * - Read: the count in host memory that completed kernels have added to;
- *   the call never waits for the device, so synchronize the streams of the
- *   calls of interest first to see all of their work.
- * - Reading clears: *out_skipped (host memory) is what was added since the
- *   previous call of this function (0: nothing).
- * - Threads: thread-safe (it takes the injector's lock). Always 0 for an
- *   injector on a CPU store, which rejects such input when called.
- * Errors: KVI_ERR_INVALID_ARGUMENT (NULL).
+ *   that its tenant does not hold; nothing else is written for them. Always
+ *   0 for an injector on a CPU store, which rejects such input when called.
+ * Threads: thread-safe (it takes the injector's lock).
+ * Errors: KVI_ERR_INVALID_ARGUMENT (NULL injector).
  */
-KVI_API kvi_status kvi_injector_async_errors(kvi_injector *injector, int64_t *out_skipped);
+KVI_API kvi_status kvi_injector_async_errors(kvi_injector *injector, int64_t *out_count);
 
 /* ------------------------------------------------------------------------ */
 /* Encoder                                                                  */

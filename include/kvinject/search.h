@@ -127,7 +127,7 @@ KVI_API kvi_status kvi_search_options_init(kvi_search_options *opts, size_t size
  * work on `stream` before it returns with the results written.
  * Device queries are checked for NaN and infinity on the device, not before
  * the call returns: such a query gets count 0 (and KVI_SEARCH_NO_ID /
- * -INFINITY in its row), and is counted by kvi_store_search_async_errors.
+ * -INFINITY in its row), and is counted by kvi_store_async_errors.
  * Searches on one store share its device workspace and run one after another
  * on the device, whatever their streams; the host waits only when the
  * store's small ring of pinned staging buffers is still in use by earlier
@@ -162,21 +162,19 @@ KVI_API kvi_status kvi_store_search(kvi_store *store, const void *queries, int32
                                     struct CUstream_st *stream);
 
 /*
- * The store's asynchronous search errors, reported as every handle reports
- * them (kvinject/inject.h, kvi_injector_async_errors):
+ * The store's asynchronous errors ("Asynchronous errors" in
+ * kvinject/common.h):
+ * - Latched: a change to a CUDA store's device embeddings that failed to
+ *   enqueue (a dead context, in practice); every later search also fails
+ *   with it.
  * - Counted: device queries that searches on this store (kvi_store_search,
  *   kvi_retrieve_inject) found to contain NaN or infinity, each answered
- *   with count 0.
- * - Read: the count in host memory that completed searches have added to;
- *   the call never waits for the device, so synchronize the streams of the
- *   searches of interest first to see all of them.
- * - Reading clears: *out_bad_queries (host memory) is what was added since
- *   the previous call of this function (0: nothing).
- * - Threads: thread-safe (it takes the store's lock). Always 0 for a CPU
- *   store, which rejects such queries when called.
- * Errors: KVI_ERR_INVALID_ARGUMENT (NULL).
+ *   with count 0. Always 0 for a CPU store, which rejects such queries when
+ *   called.
+ * Threads: thread-safe (it takes the store's lock).
+ * Errors: KVI_ERR_INVALID_ARGUMENT (NULL store).
  */
-KVI_API kvi_status kvi_store_search_async_errors(kvi_store *store, int64_t *out_bad_queries);
+KVI_API kvi_status kvi_store_async_errors(kvi_store *store, int64_t *out_count);
 
 #ifdef __cplusplus
 }

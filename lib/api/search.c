@@ -1,6 +1,6 @@
 /*
  * Entry points of the search part (kvinject/search.h). A search makes its
- * store's device current first; kvi_store_search_async_errors reads host
+ * store's device current first; kvi_store_async_errors reads host
  * state only and enters no device.
  * SPDX-License-Identifier: Apache-2.0
  */
@@ -12,8 +12,8 @@ KVI_API kvi_status kvi_search_options_init(kvi_search_options *opts, size_t size
   return kvi__init_struct(opts, size, &d, sizeof d, KVI__SEARCH_OPTIONS_V1, "kvi_search_options_init");
 }
 
-KVI_API kvi_status kvi_store_search_async_errors(kvi_store *store, int64_t *out_bad_queries) {
-  return kvi__store_search_async_errors(store, out_bad_queries, "kvi_store_search_async_errors");
+KVI_API kvi_status kvi_store_async_errors(kvi_store *store, int64_t *out_count) {
+  return kvi__store_async_errors(store, out_count, "kvi_store_async_errors");
 }
 
 KVI_API kvi_status kvi_store_search(kvi_store *store, const void *queries, int32_t num_queries, int32_t dim,

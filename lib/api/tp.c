@@ -37,7 +37,9 @@ KVI_API kvi_status kvi_comm_rank(const kvi_comm *comm, int32_t *out_rank, int32_
 }
 
 /* The NCCL query is a host call: no device is made current. */
-KVI_API kvi_status kvi_comm_async_error(kvi_comm *comm) { return kvi__comm_async_error(comm, "kvi_comm_async_error"); }
+KVI_API kvi_status kvi_comm_async_errors(kvi_comm *comm, int64_t *out_count) {
+  return kvi__comm_async_errors(comm, out_count, "kvi_comm_async_errors");
+}
 
 KVI_API kvi_status kvi_store_create(kvi_store **out, const kvi_model *model, const kvi_store_options *opts) {
   static const char fn[] = "kvi_store_create";

@@ -116,8 +116,8 @@ KVI_API kvi_status kvi_inject_plan(const kvi_injector *injector, uint64_t tenant
   return kvi__inject_plan(injector, tenant, fact_ids, num_facts, out_tokens, "kvi_inject_plan");
 }
 
-KVI_API kvi_status kvi_injector_async_errors(kvi_injector *injector, int64_t *out_skipped) {
-  return kvi__injector_async_errors(injector, out_skipped, "kvi_injector_async_errors");
+KVI_API kvi_status kvi_injector_async_errors(kvi_injector *injector, int64_t *out_count) {
+  return kvi__injector_async_errors(injector, out_count, "kvi_injector_async_errors");
 }
 
 KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures,

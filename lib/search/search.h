@@ -19,8 +19,9 @@
 /* The first version of kvi_search_options (read by search.c and xfer/retrieve.c). */
 #define KVI__SEARCH_OPTIONS_V1 sizeof(kvi_search_options)
 
-/* kvi_store_search_async_errors (no device work) */
-kvi_status kvi__store_search_async_errors(kvi_store *store, int64_t *out_bad_queries, const char *fn);
+/* kvi_store_async_errors (no device work): the searches' bad queries and the
+ * store's latched embedding failure */
+kvi_status kvi__store_async_errors(kvi_store *store, int64_t *out_count, const char *fn);
 
 /* kvi_store_search, its device made current by the caller; fn names the
  * public function in messages */

@@ -84,13 +84,14 @@ static kvi_status search_state(kvi_store *s, const char *fn) {
   return st;
 }
 
-kvi_status kvi__store_search_async_errors(kvi_store *store, int64_t *out_bad_queries, const char *fn) {
-  if (!store || !out_bad_queries)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_bad_queries" : "store");
+kvi_status kvi__store_async_errors(kvi_store *store, int64_t *out_count, const char *fn) {
+  if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
   kvi__store_lock(store);
-  *out_bad_queries = store->search.ws ? kvi__async_count_take(&store->search.ws->bad) : 0;
+  const int64_t bad = store->search.ws ? kvi__async_count_take(&store->search.ws->bad) : 0;
+  const kvi_status st = kvi__emb_latched(store, fn);
   kvi__store_unlock(store);
-  return KVI_OK;
+  if (out_count) *out_count = bad;
+  return st;
 }
 
 /* ------------------------------------------------------------------------ */

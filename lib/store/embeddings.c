@@ -149,6 +149,8 @@ static kvi_status emb_failed(const kvi_store *s, const char *fn) {
   return kvi__fail(s->emb.err, fn, "an earlier change to the store's device embeddings failed: %s", s->emb.err_msg);
 }
 
+kvi_status kvi__emb_latched(const kvi_store *s, const char *fn) { return s->emb.err ? emb_failed(s, fn) : KVI_OK; }
+
 kvi_status kvi__emb_read_begin(kvi_store *s, struct CUstream_st *stream, const char *fn) {
   if (s->emb.err) return emb_failed(s, fn);
   return s->emb.ready_recorded ? kvi__cuda_stream_wait(stream, s->emb.ready, fn) : KVI_OK;

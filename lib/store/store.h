@@ -350,6 +350,9 @@ int64_t kvi__emb_prepare(float *x, int32_t n, kvi_dtype t, kvi_metric metric);
  * reader's failure notwithstanding (what was enqueued may run). */
 kvi_status kvi__emb_read_begin(kvi_store *s, struct CUstream_st *stream, const char *fn);
 kvi_status kvi__emb_read_end(kvi_store *s, struct CUevent_st *done, const char *fn);
+/* The failure latched by an earlier change to the device embeddings (for
+ * fn, with its message), or KVI_OK (kvi_store_async_errors). */
+kvi_status kvi__emb_latched(const kvi_store *s, const char *fn);
 
 /* A decision every rank of a collective call takes together: given this
  * rank's status, returns the combined one (KVI_OK only when every rank's is). */

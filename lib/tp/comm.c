@@ -310,8 +310,9 @@ kvi_status kvi__comm_rank(const kvi_comm *c, int32_t *out_rank, int32_t *out_siz
   return KVI_OK;
 }
 
-kvi_status kvi__comm_async_error(kvi_comm *c, const char *fn) {
+kvi_status kvi__comm_async_errors(kvi_comm *c, int64_t *out_count, const char *fn) {
   if (!c) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "comm is NULL");
+  if (out_count) *out_count = 0; /* a communicator skips no input */
 #ifdef KVI_HAVE_NCCL
   if (c->kind == KVI__COMM_NCCL) {
     ncclResult_t async = ncclSuccess;

@@ -79,8 +79,8 @@ kvi_status kvi__comm_nccl_device(kvi_comm **out, struct ncclComm *nccl, int *dev
 void kvi__comm_destroy(kvi_comm *c, bool device_ok);
 /* kvi_comm_rank. */
 kvi_status kvi__comm_rank(const kvi_comm *c, int32_t *out_rank, int32_t *out_size, const char *fn);
-/* kvi_comm_async_error. */
-kvi_status kvi__comm_async_error(kvi_comm *c, const char *fn);
+/* kvi_comm_async_errors. */
+kvi_status kvi__comm_async_errors(kvi_comm *c, int64_t *out_count, const char *fn);
 /* The communicator's CUDA device (NCCL), or -1 for an in-process one (and NULL). */
 int kvi__comm_device(const kvi_comm *c);
 

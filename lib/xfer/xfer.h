@@ -62,7 +62,7 @@ kvi_status kvi__inject_deviation(kvi_injector *injector, const kvi_inject_reques
 kvi_status kvi__inject_plan(const kvi_injector *injector, uint64_t tenant, const uint64_t *fact_ids, int32_t num_facts,
                             int64_t *out_tokens, const char *fn);
 /* kvi_injector_async_errors (host only: no device). */
-kvi_status kvi__injector_async_errors(kvi_injector *injector, int64_t *out_skipped, const char *fn);
+kvi_status kvi__injector_async_errors(kvi_injector *injector, int64_t *out_count, const char *fn);
 /* kvi_encode. */
 kvi_status kvi__encode(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures, struct CUstream_st *stream,
                        const char *fn);

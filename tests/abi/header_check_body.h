@@ -419,7 +419,7 @@ static void hc_check_search(void) {
            KVI_ERR_MISMATCH);
   HC_CHECK(kvi_store_search(store, queries, 2, 3, tenants, 0, &ids[0][0], &scores[0][0], counts, NULL, NULL) ==
            KVI_ERR_INVALID_ARGUMENT);
-  HC_CHECK_OK(kvi_store_search_async_errors(store, &bad));
+  HC_CHECK_OK(kvi_store_async_errors(store, &bad));
   HC_CHECK(bad == 0);
   kvi_store_destroy(store);
 }
@@ -481,7 +481,7 @@ static void hc_check_comm(void) {
     HC_CHECK_OK(kvi_store_gather(store, 0, &gi, 1, NULL));
     HC_CHECK(memcmp(k, k2, sizeof k) == 0 && memcmp(v, v2, sizeof v) == 0);
     HC_CHECK_OK(kvi_store_check_agreement(store));
-    HC_CHECK_OK(kvi_comm_async_error(comm));
+    HC_CHECK_OK(kvi_comm_async_errors(comm, NULL));
   }
   kvi_store_destroy(store);
   kvi_model_destroy(model);

@@ -481,13 +481,13 @@ static void test_device_query_checks(void **state) {
   q[3 * DIM + 0] = 70000.0f;
   const uint64_t t[NQ] = {3, 3, 3, 3};
   int64_t bad = -1;
-  CHECK_OK(kvi_store_search_async_errors(p.gpu, &bad)); /* nothing yet */
+  CHECK_OK(kvi_store_async_errors(p.gpu, &bad)); /* nothing yet */
   assert_int_equal(bad, 0);
   result g, r;
   search(p.gpu, q, KVI_DTYPE_FP32, KVI_MEMORY_DEVICE, NQ, DIM, t, 10, KVI_MEMORY_DEVICE, 0, &g);
-  CHECK_OK(kvi_store_search_async_errors(p.gpu, &bad));
+  CHECK_OK(kvi_store_async_errors(p.gpu, &bad));
   assert_int_equal(bad, 2);
-  CHECK_OK(kvi_store_search_async_errors(p.gpu, &bad));
+  CHECK_OK(kvi_store_async_errors(p.gpu, &bad));
   assert_int_equal(bad, 0);
   assert_int_equal(g.counts[1], 0);
   assert_int_equal(g.counts[3], 0);

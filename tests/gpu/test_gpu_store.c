@@ -527,7 +527,7 @@ static void test_other_device(void **state) {
     assert_true(fabsf(scores[i] - cscores[i]) <= 1e-4f * (1.0f + fabsf(cscores[i])));
   }
   int64_t bad = -1;
-  CHECK_OK(kvi_store_search_async_errors(s1, &bad));
+  CHECK_OK(kvi_store_async_errors(s1, &bad));
   assert_int_equal(bad, 0);
   CHECK_OK(kvi_store_remove(s1, 1, 1));
   ASSERT_ON_DEVICE_0();

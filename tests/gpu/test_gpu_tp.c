@@ -361,7 +361,7 @@ static int tp_test(tp_rank *r, void *arg) {
     T_OK(r, kvi_store_check_agreement(s));
     free(slice);
   }
-  T_OK(r, kvi_comm_async_error(r->comm));
+  T_OK(r, kvi_comm_async_errors(r->comm, NULL));
 
   for (int f = 0; f < NF; f++) free(facts[f].kv);
   kvi_store_destroy(s);
@@ -466,7 +466,7 @@ static int device_test(tp_rank *r, void *arg) {
   T_CHECK(r, b == (kvi_store *)0x1, "a failed create wrote *out");
   KEPT("a failed kvi_store_create");
   T_OK(r, kvi_store_check_agreement(s)); /* the communicator still works */
-  T_OK(r, kvi_comm_async_error(r->comm));
+  T_OK(r, kvi_comm_async_errors(r->comm, NULL));
 #undef KEPT
   free(src);
   free(got);

@@ -227,7 +227,7 @@ static void *run(void *arg) {
       for (int i = 0; i < counts[0]; i++)
         if (out[i] >= IDS || !w->tags[out[i]]) FAIL("search found %" PRIu64 ", not a fact of tenant %" PRIu64, out[i], tenant);
       int64_t bad;
-      EXPECT(kvi_store_search_async_errors(store, &bad), KVI_OK);
+      EXPECT(kvi_store_async_errors(store, &bad), KVI_OK);
       break;
     }
     case 7: case 8: { /* inject one own fact, check the cache, capture it back */

@@ -1251,6 +1251,14 @@ static void test_rejected_inject_changes_nothing(void **state) {
   assert_true(snapshot(e) != h);
   const rfact *fb[] = {&x.f1, &x.f2};
   ec_check_request(&e->c, e->rr, fb, 2, x.tb, 1, x.posb, 0, 0, EL, 0.0, NULL, "the valid request");
+  /* a CPU injector's asynchronous errors: nothing latched, nothing skipped */
+  int64_t skipped = -1;
+  assert_ok(kvi_injector_async_errors(e->inj, &skipped));
+  assert_int_equal(skipped, 0);
+  assert_ok(kvi_injector_async_errors(e->inj, NULL));
+  skipped = -1;
+  assert_status(kvi_injector_async_errors(NULL, &skipped), KVI_ERR_INVALID_ARGUMENT);
+  assert_int_equal(skipped, -1);
   errenv_close(&x);
 }
 

@@ -685,7 +685,11 @@ static void test_comm_errors(void **state) {
   assert_ok(kvi_comm_rank(c, &r, &n));
   assert_int_equal(r, 1);
   assert_int_equal(n, 2);
-  assert_ok(kvi_comm_async_error(c));
+  int64_t count = -1;
+  assert_ok(kvi_comm_async_errors(c, &count)); /* the shape every handle's query has */
+  assert_int_equal(count, 0);
+  assert_ok(kvi_comm_async_errors(c, NULL));
+  assert_status(kvi_comm_async_errors(NULL, &count), KVI_ERR_INVALID_ARGUMENT);
   assert_status(kvi_comm_rank(NULL, &r, &n), KVI_ERR_INVALID_ARGUMENT);
   kvi_comm_destroy(c);
   assert_ok(kvi_comm_create_local(&c, g, 1)); /* free again once destroyed */
