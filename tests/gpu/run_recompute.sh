@@ -4,8 +4,8 @@
 # (python/tests/vllm/test_recompute.py --device cuda), then the accuracy and
 # TTFT table of python/harness/recompute_eval.py (re-prefill, injection,
 # injection + recompute configurations). Needs an already-built CUDA
-# libkvinject (tests/gpu/run_device.sh builds one), python3 with torch and
-# transformers, and a Llama-family model directory with its tokenizer
+# libkvinject (tests/gpu/run_device.sh builds one), python3 with torch,
+# transformers and pytest, and a Llama-family model directory with its tokenizer
 # (SmolLM2-135M-Instruct: .ci/install-vllm converts it; tests/gpu/stage.sh
 # carries it).
 #
@@ -29,7 +29,8 @@ rc=0
 if [ -x "$build/tests/gpu/test_gpu_recompute" ]; then
   "$build/tests/gpu/test_gpu_recompute" || rc=1
 fi
-KVI_VLLM_MODEL=$model timeout 300 "$py" python/tests/vllm/test_recompute.py --device cuda || rc=1
+KVI_VLLM_MODEL=$model timeout 300 "$py" python/tests/vllm/launch.py --pytest-here python/tests/vllm/test_recompute.py \
+  --device cuda || rc=1
 # shellcheck disable=SC2086  # the extra arguments are words
 timeout 500 "$py" python/harness/recompute_eval.py "$model" --device cuda \
   ${RECOMPUTE_ARGS:---facts 20 --cases 30 --ttft-reps 10 --dtype bfloat16} 2>&1 | tee "$out/recompute.md"

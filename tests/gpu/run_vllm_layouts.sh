@@ -8,7 +8,7 @@
 # read back by indexing the tensors as the backend does against a float64
 # rotation, the rest of the cache checked untouched, and captured back).
 # Needs an already-built CUDA libkvinject (tests/gpu/run_device.sh builds one)
-# and python3 with torch and a CUDA device; no vLLM, no network.
+# and python3 with torch, pytest and a CUDA device; no vLLM, no network.
 #
 #   tests/gpu/run_vllm_layouts.sh [BUILD_DIR]   # default $KVINJECT_BUILD, else /tmp/kvi-build
 #
@@ -22,4 +22,4 @@ if [ ! -e "$lib" ]; then
   exit 2
 fi
 export KVINJECT_LIBRARY=$lib PYTHONPATH=$PWD/python PYTHONDONTWRITEBYTECODE=1
-exec "${PYTHON:-python3}" python/tests/vllm/test_layouts.py --device cuda
+exec "${PYTHON:-python3}" python/tests/vllm/launch.py --pytest-here python/tests/vllm/test_layouts.py --device cuda

@@ -9,6 +9,11 @@
 - :mod:`kvinject.vllm.layout`: the cache layout of vLLM's backends
   (:func:`derive_layout`).
 
+The connector's parts, in the shape of vLLM's own connectors: ``scheduler``
+(the scheduler role), ``worker`` (the worker role), ``metadata`` (what the
+scheduler sends the workers each step), ``config`` (kv_connector_extra_config)
+and ``_compat``, the one module that reads vLLM's internals.
+
 This package imports neither vLLM nor torch; only the connector module does.
 """
 from .layout import LayoutError, derive_layout

@@ -2,8 +2,8 @@
 (as token ids, tokenized segment by segment so that every fact is a span of
 whole tokens) and the comparisons of outputs.
 
-Run through launch.py (the vLLM virtual environment). One engine per process:
-its start-up is most of the time.
+Run through launch.py (the vLLM virtual environment), by pytest. One engine
+per module (a module-scoped fixture): its start-up is most of the time.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import time
 
 # Reproducible numerics: vLLM's CPU attention splits a sequence's KV across
 # threads by default, so its reduction order follows the batch; and an
@@ -152,6 +153,34 @@ def agreement(ref, test):
             break
         n += 1
     return n
+
+
+class Engine:
+    """A vLLM engine with the connector (prefix caching on), its event files
+    at ``events_path``, and what the tests do with it."""
+
+    def __init__(self, events_path, **connector):
+        import vllm
+        from kvinject.vllm import kv_transfer_config
+        self.vllm = vllm
+        self.events_path = events_path
+        for suffix in (".worker0.jsonl", ".scheduler.jsonl"):
+            if os.path.exists(events_path + suffix):
+                os.remove(events_path + suffix)
+        t0 = time.time()
+        self.llm = vllm.LLM(enable_prefix_caching=True,
+                            kv_transfer_config=kv_transfer_config(events_path=events_path, **connector), **ENGINE)
+        log("engine with the connector up in %.0f s" % (time.time() - t0))
+
+    def run(self, prompts, n=MAX_TOKENS):
+        """generate() of the prompts in one batch (records)."""
+        return generate(self.llm, self.vllm, prompts, n)
+
+    def worker_events(self, kind=None):
+        return [e for e in events(self.events_path + ".worker0.jsonl") if kind is None or e["event"] == kind]
+
+    def scheduler_events(self, kind=None):
+        return [e for e in events(self.events_path + ".scheduler.jsonl") if kind is None or e["event"] == kind]
 
 
 def load_json(path):

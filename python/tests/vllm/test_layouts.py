@@ -9,13 +9,12 @@ layout gives the fact back. Unsupported layouts must be refused.
 
 On the CPU (CI) the stores are CPU stores over host tensors; with --device
 cuda (a CUDA build of libkvinject and a GPU) they are CUDA stores over device
-tensors, the library's CUDA backend through torch.
+tensors, the library's CUDA backend through torch (without them every test
+skips).
 """
 from __future__ import annotations
 
-import argparse
-import sys
-
+import pytest
 import torch
 
 import kvinject as kvi
@@ -23,13 +22,6 @@ from kvinject.vllm.layout import LayoutError, derive_layout
 
 L, H, D, BS, NB = 2, 2, 16, 16, 6
 THETA = 10000.0
-failures = []
-
-
-def check(name, ok, detail=""):
-    print("%s %s%s" % ("PASS" if ok else "FAIL", name, (": " + detail) if detail else ""), flush=True)
-    if not ok:
-        failures.append(name)
 
 
 # --------------------------------------------------------------- layouts
@@ -99,20 +91,33 @@ def rope64(x, positions):
     return torch.cat([a * c - b * s, b * c + a * s], -1)
 
 
-def run_layout(name, make, dtype, dev, backend_kind):
+@pytest.fixture(scope="module")
+def device(request):
+    """(torch device, library backend) of --device."""
+    dev = request.config.getoption("--device")
+    if dev == "cuda":
+        if not (torch.cuda.is_available() and kvi.features() & kvi.FEATURE_CUDA and kvi.cuda_device_count() > 0):
+            pytest.skip("--device cuda needs torch with a GPU and a CUDA build of libkvinject (%s)"
+                        % kvi.library_path())
+        return dev, kvi.Backend.CUDA
+    return dev, kvi.Backend.CPU
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout(name, dtype, device):
+    """A fact injected through the derived layout lands where the backend reads
+    it, rotated at its positions; nothing else changes; a capture gives it back."""
+    dev, backend_kind = device
+    make = LAYOUTS[name]
     torch.manual_seed(0)
     tensors, backend, isa, kv = make(dtype, dev)
     for t in tensors:
         t.copy_(torch.full(t.shape, float("nan")) if dtype == torch.float32 else torch.full(t.shape, -7.0))
     before = [t.clone() for t in tensors]
-    try:
-        lay = derive_layout(tensors, backend, num_kv_heads=H, head_size=D, block_size=BS, isa=isa)
-    except LayoutError as e:
-        check("%s (%s): derived" % (name, dtype), False, str(e))
-        return
+    lay = derive_layout(tensors, backend, num_kv_heads=H, head_size=D, block_size=BS, isa=isa)
     lay_dtype = {torch.float32: kvi.DType.FP32, torch.bfloat16: kvi.DType.BF16}[dtype]
-    check("%s (%s): layout dtype, blocks, block size" % (name, dtype),
-          (lay.dtype, lay.num_blocks, lay.block_size, lay.num_heads) == (lay_dtype, NB, BS, H), repr(lay))
+    assert (lay.dtype, lay.num_blocks, lay.block_size, lay.num_heads) == (lay_dtype, NB, BS, H), repr(lay)
     model = kvi.Model(L, H, D)
     model.set_rope(style=kvi.RopeStyle.NEOX, theta=THETA)
     store = kvi.Store(model, 8 << 20, backend=backend_kind, dtype=kvi.DType.FP32)
@@ -138,17 +143,17 @@ def run_layout(name, make, dtype, dev, backend_kind):
             s = first + i
             b, t = table[s // BS], s % BS
             gk, gv = kv(tensors[layer], b, t)
-            worst = max(worst, (gk.double().cpu() - want_k[i]).abs().max().item() / max(1.0, want_k[i].abs().max().item()),
+            worst = max(worst,
+                        (gk.double().cpu() - want_k[i]).abs().max().item() / max(1.0, want_k[i].abs().max().item()),
                         (gv.double().cpu() - v[layer, i].double()).abs().max().item())
             mk, mv = kv(marks[layer], b, t)
             mk.fill_(1.0)
             mv.fill_(1.0)
         touched[layer] = marks[layer] > 0
-    check("%s (%s): K rotated at its positions and V where the backend reads them" % (name, dtype), worst <= tol,
-          "max error %.3g" % worst)
+    assert worst <= tol, "K rotated at its positions and V where the backend reads them: max error %.3g" % worst
     untouched = all(torch.equal(torch.nan_to_num(a[~m], nan=123.0), torch.nan_to_num(b_[~m], nan=123.0))
                     for a, b_, m in zip(tensors, before, touched))
-    check("%s (%s): nothing else in the cache changed" % (name, dtype), untouched)
+    assert untouched, "something else in the cache changed"
     enc = kvi.Encoder(store, lay)
     enc.encode(kvi.Capture(1, 6, table, T, first_slot=first, positions=positions), stream=stream)
     if dev != "cpu":
@@ -157,60 +162,35 @@ def run_layout(name, make, dtype, dev, backend_kind):
     rv = torch.empty(L, T, H, D)
     store.read(1, 6, rk, rv)
     err = max((rk - k).abs().max().item(), (rv - v).abs().max().item())
-    check("%s (%s): captured back through the layout" % (name, dtype), err <= 4 * tol, "max error %.3g" % err)
+    assert err <= 4 * tol, "captured back through the layout: max error %.3g" % err
     enc.close()
     inj.close()
     store.close()
     model.close()
 
 
-def refusals():
-    t = [torch.empty(NB, H, BS, 2 * D, dtype=torch.bfloat16)]
-    cases = {
-        "CPU_ATTN with the amx ISA": lambda: derive_layout(t, "CPU_ATTN", num_kv_heads=H, head_size=D, isa="amx"),
-        "CPU_ATTN without an ISA": lambda: derive_layout(t, "CPU_ATTN", num_kv_heads=H, head_size=D),
-        "an unknown backend": lambda: derive_layout(t, "FLEX_ATTENTION", num_kv_heads=H, head_size=D),
-        "an fp8 cache": lambda: derive_layout([torch.empty(2, NB, BS, H, D, dtype=torch.uint8)], "FLASH_ATTN",
-                                              num_kv_heads=H, head_size=D),
-        "a 3-D cache": lambda: derive_layout([torch.empty(NB, BS, H * D)], "FLASH_ATTN", num_kv_heads=H,
-                                             head_size=D),
-        "packed, heads = block size, no block size": lambda: derive_layout(
-            [torch.empty(NB, H, H, 2 * D)], "FLASHINFER", num_kv_heads=H, head_size=D),
-        "a block size other than vLLM's": lambda: derive_layout(
-            [torch.empty(2, NB, BS, H, D)], "FLASH_ATTN", num_kv_heads=H, head_size=D, block_size=2 * BS),
-        "layers of different shapes": lambda: derive_layout(
-            [torch.empty(2, NB, BS, H, D), torch.empty(2, NB + 1, BS, H, D)], "FLASH_ATTN", num_kv_heads=H,
-            head_size=D),
-        "other head counts": lambda: derive_layout([torch.empty(2, NB, BS, H, D)], "FLASH_ATTN",
-                                                   num_kv_heads=H + 1, head_size=D),
-    }
-    for name, fn in cases.items():
-        try:
-            fn()
-            check("refused: %s" % name, False, "accepted")
-        except LayoutError as e:
-            check("refused: %s" % name, True, str(e)[:140])
+_t = [torch.empty(NB, H, BS, 2 * D, dtype=torch.bfloat16)]
+REFUSALS = {
+    "CPU_ATTN with the amx ISA": lambda: derive_layout(_t, "CPU_ATTN", num_kv_heads=H, head_size=D, isa="amx"),
+    "CPU_ATTN without an ISA": lambda: derive_layout(_t, "CPU_ATTN", num_kv_heads=H, head_size=D),
+    "an unknown backend": lambda: derive_layout(_t, "FLEX_ATTENTION", num_kv_heads=H, head_size=D),
+    "an fp8 cache": lambda: derive_layout([torch.empty(2, NB, BS, H, D, dtype=torch.uint8)], "FLASH_ATTN",
+                                          num_kv_heads=H, head_size=D),
+    "a 3-D cache": lambda: derive_layout([torch.empty(NB, BS, H * D)], "FLASH_ATTN", num_kv_heads=H, head_size=D),
+    "packed, heads = block size, no block size": lambda: derive_layout(
+        [torch.empty(NB, H, H, 2 * D)], "FLASHINFER", num_kv_heads=H, head_size=D),
+    "a block size other than vLLM's": lambda: derive_layout(
+        [torch.empty(2, NB, BS, H, D)], "FLASH_ATTN", num_kv_heads=H, head_size=D, block_size=2 * BS),
+    "layers of different shapes": lambda: derive_layout(
+        [torch.empty(2, NB, BS, H, D), torch.empty(2, NB + 1, BS, H, D)], "FLASH_ATTN", num_kv_heads=H,
+        head_size=D),
+    "other head counts": lambda: derive_layout([torch.empty(2, NB, BS, H, D)], "FLASH_ATTN", num_kv_heads=H + 1,
+                                               head_size=D),
+}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    args = ap.parse_args(argv)
-    if args.device == "cuda":
-        if not (torch.cuda.is_available() and kvi.features() & kvi.FEATURE_CUDA and kvi.cuda_device_count() > 0):
-            print("skipped: --device cuda needs torch with a GPU and a CUDA build of libkvinject (%s)"
-                  % kvi.library_path())
-            return 77
-        backend = kvi.Backend.CUDA
-    else:
-        backend = kvi.Backend.CPU
-    for name, make in LAYOUTS.items():
-        for dtype in (torch.float32, torch.bfloat16):
-            run_layout(name, make, dtype, args.device, backend)
-    refusals()
-    print("%d checks failed: %s" % (len(failures), ", ".join(failures)) if failures else "all checks passed")
-    return 1 if failures else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_refused(name, device):
+    with pytest.raises(LayoutError) as e:
+        REFUSALS[name]()
+    print("refused: %s: %s" % (name, str(e.value)[:140]))

@@ -17,66 +17,90 @@ SmolLM2-135M-Instruct in transformers, fp32, against a re-prefill of
     launch.py test_recompute.py [--device cpu|cuda]
 
 Run by launch.py in the vLLM environment (its torch and transformers, the
-converted model in KVI_VLLM_MODEL).
+converted model in KVI_VLLM_MODEL). The cases are computed once (the module's
+fixture ``runs``); each test checks one property of one case.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 HARNESS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "harness")
 sys.path.insert(0, HARNESS)
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import kvinject as kvi  # noqa: E402
 import recompute_eval as R  # noqa: E402
 from kvinject.recompute import recompute  # noqa: E402
 
-failures = []
+N_CASES = 2
 
 
-def check(name, ok, detail=""):
-    print("%s %s%s" % ("PASS" if ok else "FAIL", name, (": " + detail) if detail else ""), flush=True)
-    if not ok:
-        failures.append(name)
-
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cpu")
-    args = ap.parse_args()
+@pytest.fixture(scope="module")
+def harness(request):
     torch.set_grad_enabled(False)
-    h = R.Harness(os.environ["KVI_VLLM_MODEL"], args.device, torch.float32, kvi, torch)
-    cases = R.make_cases(h.tok, 4, 2, seed=3)
-    kl_inject = kl_blend = 0.0
-    for ci, c in enumerate(cases):
-        ref = h.reprefill(c)
-        scale = float(ref.abs().max())
-        full, plan, T = h.injected(c, 1, 1.0, 0)
-        err = float((full - ref).abs().max())
-        check("case %d: all tokens recomputed = re-prefill" % ci, err <= 1e-4 * scale and len(plan.chosen) == T,
-              "max |logit diff| %.3g (logits up to %.3g), %d of %d tokens" % (err, scale, len(plan.chosen), T))
-        bnd, plan, _ = h.injected(c, -1, 0.0, 1000)
-        err = float((bnd - ref).abs().max())
-        check("case %d: a boundary covering every fact = re-prefill" % ci, err <= 1e-4 * scale,
-              "max |logit diff| %.3g" % err)
-        plain, _, _ = h.injected(c, -1, 0.0, 0)
-        none = nothing_recomputed(h, c)
-        check("case %d: nothing recomputed = plain injection, bit for bit" % ci, torch.equal(none, plain))
-        s0, s1, mag = deviation_scores(h, c)
-        check("case %d: deviation at layer 0 after a fresh layer 0 is ~0" % ci, max(s0) <= 1e-8 * mag,
-              "largest %.3g, |K|^2 + |V|^2 of a token up to %.3g" % (max(s0), mag))
-        check("case %d: deviation at layer 1 after fresh layers 0..1 is not" % ci, max(s1) > 1e-4 * mag,
-              "largest %.3g" % max(s1))
-        blend, plan, _ = h.injected(c, 1, 0.3, 0)
-        kl_inject += R.kl(ref, plain)
-        kl_blend += R.kl(ref, blend)
-    check("recomputing 30% of the tokens is closer to re-prefill than plain injection", kl_blend < kl_inject,
-          "KL summed over the cases: %.4f recompute, %.4f injection" % (kl_blend, kl_inject))
-    print("%d failure(s)" % len(failures))
-    return 1 if failures else 0
+    return R.Harness(os.environ["KVI_VLLM_MODEL"], request.config.getoption("--device"), torch.float32, kvi, torch)
+
+
+@pytest.fixture(scope="module")
+def runs(harness):
+    """Per case: the re-prefill's logits and what each configuration gives."""
+    h = harness
+    cases = R.make_cases(h.tok, 4, N_CASES, seed=3)
+    out = []
+    for c in cases:
+        o = {"ref": h.reprefill(c)}
+        o["scale"] = float(o["ref"].abs().max())
+        o["full"], plan, o["T"] = h.injected(c, 1, 1.0, 0)
+        o["chosen"] = len(plan.chosen)
+        o["bnd"], _, _ = h.injected(c, -1, 0.0, 1000)
+        o["plain"], _, _ = h.injected(c, -1, 0.0, 0)
+        o["none"] = nothing_recomputed(h, c)
+        o["s0"], o["s1"], o["mag"] = deviation_scores(h, c)
+        o["blend"], _, _ = h.injected(c, 1, 0.3, 0)
+        out.append(o)
+    return out
+
+
+@pytest.mark.parametrize("ci", range(N_CASES))
+def test_all_tokens_recomputed_equal_re_prefill(runs, ci):
+    o = runs[ci]
+    err = float((o["full"] - o["ref"]).abs().max())
+    assert err <= 1e-4 * o["scale"] and o["chosen"] == o["T"], \
+        "max |logit diff| %.3g (logits up to %.3g), %d of %d tokens" % (err, o["scale"], o["chosen"], o["T"])
+
+
+@pytest.mark.parametrize("ci", range(N_CASES))
+def test_a_boundary_covering_every_fact_equals_re_prefill(runs, ci):
+    o = runs[ci]
+    err = float((o["bnd"] - o["ref"]).abs().max())
+    assert err <= 1e-4 * o["scale"], "max |logit diff| %.3g" % err
+
+
+@pytest.mark.parametrize("ci", range(N_CASES))
+def test_nothing_recomputed_equals_plain_injection_bit_for_bit(runs, ci):
+    assert torch.equal(runs[ci]["none"], runs[ci]["plain"])
+
+
+@pytest.mark.parametrize("ci", range(N_CASES))
+def test_deviation_at_layer_0_after_a_fresh_layer_0_is_about_0(runs, ci):
+    o = runs[ci]
+    assert max(o["s0"]) <= 1e-8 * o["mag"], "largest %.3g, |K|^2 + |V|^2 of a token up to %.3g" % (max(o["s0"]),
+                                                                                                  o["mag"])
+
+
+@pytest.mark.parametrize("ci", range(N_CASES))
+def test_deviation_at_layer_1_after_fresh_layers_0_1_is_not(runs, ci):
+    o = runs[ci]
+    assert max(o["s1"]) > 1e-4 * o["mag"], "largest %.3g" % max(o["s1"])
+
+
+def test_recomputing_30_percent_of_the_tokens_is_closer_to_re_prefill_than_plain_injection(runs):
+    kl_inject = sum(R.kl(o["ref"], o["plain"]) for o in runs)
+    kl_blend = sum(R.kl(o["ref"], o["blend"]) for o in runs)
+    assert kl_blend < kl_inject, "KL summed over the cases: %.4f recompute, %.4f injection" % (kl_blend, kl_inject)
 
 
 def _injected_cache(h, c):
@@ -114,7 +138,3 @@ def deviation_scores(h, c):
     mag = float((keys[1][0, :, s0:s0 + n].double() ** 2).sum((0, 2)).max() +
                 (values[1][0, :, s0:s0 + n].double() ** 2).sum((0, 2)).max())
     return out[0], out[1], mag
-
-
-if __name__ == "__main__":
-    sys.exit(main())

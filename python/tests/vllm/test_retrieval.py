@@ -8,28 +8,22 @@ hashed words (deterministic), so the expected winners and the scores can be
 computed independently here in float64.
 
 Run through launch.py (the vLLM virtual environment); skips (77) without it.
+One engine (the module's fixture) serves the tests in order: tenant 1's facts
+captured, the index opened on the store file, each question's retrieval and
+service, then tenant 2's facts captured and found after a refresh.
 """
 from __future__ import annotations
 
 import math
 import os
 import re
-import shutil
-import sys
-import tempfile
-import time
 import zlib
+
+import pytest
 
 import common as C
 
 DIM = 64
-failures = []
-
-
-def check(name, ok, detail=""):
-    C.log("%s %s%s" % ("ok  " if ok else "FAIL", name, (": " + detail) if detail and not ok else ""))
-    if not ok:
-        failures.append(name)
 
 
 def embed(text):
@@ -45,105 +39,116 @@ def dot(a, b):
     return sum(x * y for x, y in zip(a, b))
 
 
-def main():
-    work = tempfile.mkdtemp(prefix="kvi-vllm-retrieval-")
-    t_start = time.time()
-    import vllm
-    from transformers import AutoConfig, AutoTokenizer
-    from kvinject.errors import KviError
-    from kvinject.vllm import Keep, MemoryIndex, kv_transfer_config, notes_capture_prompts
+@pytest.fixture(scope="module")
+def engine(work_dir):
+    return C.Engine(os.path.join(work_dir, "events"), store_dtype="fp32", store_budget_mb=64,
+                    store_path=os.path.join(work_dir, "facts.kvi"), embedding_dim=DIM)
 
-    tok = AutoTokenizer.from_pretrained(C.MODEL)
-    sc = C.Scenario(tok)
-    store_path = os.path.join(work, "facts.kvi")
-    ev_path = os.path.join(work, "events")
-    ktc = kv_transfer_config(store_dtype="fp32", store_budget_mb=64, store_path=store_path, events_path=ev_path,
-                             embedding_dim=DIM)
-    llm = vllm.LLM(enable_prefix_caching=True, kv_transfer_config=ktc, **C.ENGINE)
-    C.log("engine with the connector up in %.0f s" % (time.time() - t_start))
 
-    def run(prompts, n=C.MAX_TOKENS):
-        return C.generate(llm, vllm, prompts, n)
+def capture(engine, sc, t):
+    """The notes encoding: every fact after the header and the facts before it, one prompt."""
+    from kvinject.vllm import Keep, notes_capture_prompts
+    hdr = Keep(C.HEADER_ID, sc.header, embedding=embed(C.HEADER))
+    facts = [Keep(f, s, embedding=embed(text)) for f, s, text in zip(C.FACT_IDS, sc.facts[t], C.TENANT_FACTS[t])]
+    engine.run(notes_capture_prompts(t, hdr, facts, tail=sc.questions[0]), n=1)
 
-    def capture(t):  # the notes encoding: every fact after the header and the facts before it, one prompt
-        hdr = Keep(C.HEADER_ID, sc.header, embedding=embed(C.HEADER))
-        facts = [Keep(f, s, embedding=embed(text)) for f, s, text in zip(C.FACT_IDS, sc.facts[t], C.TENANT_FACTS[t])]
-        run(notes_capture_prompts(t, hdr, facts, tail=sc.questions[0]), n=1)
 
-    capture(1)
-    refs = [run([sc.full_prompt(1, q)])[0] for q in range(len(C.QUESTIONS))]
+@pytest.fixture(scope="module")
+def refs(engine, scenario):
+    """Tenant 1's facts captured; plain vLLM's outputs of its full prompts (the same engine)."""
+    capture(engine, scenario, 1)
+    return [engine.run([scenario.full_prompt(1, q)])[0] for q in range(len(C.QUESTIONS))]
 
-    index = MemoryIndex(AutoConfig.from_pretrained(C.MODEL), store_path, embedding_dim=DIM)
-    check("the index opens the store file the worker journals to", index.store is not None
-          and index.store.count(1) == 4, "count %s" % (index.store.count(1) if index.store else None))
-    tokens = dict(zip(C.FACT_IDS, sc.facts[1]))
-    for q, text in enumerate(C.QUESTIONS):
-        query = embed(text)
-        # float64 reference: the facts of tenant 1 by score, the header left out
-        want = sorted(((dot(query, embed(f)), fid) for fid, f in zip(C.FACT_IDS, C.TENANT_FACTS[1])),
-                      key=lambda x: (-x[0], x[1]))
-        got = index.retrieve(1, query, 3, exclude=[C.HEADER_ID])
-        check("q%d: the search ranks the facts as the float64 reference" % q,
-              [g[0] for g in got] == [w[1] for w in want]
-              and all(abs(g[2] - w[0]) < 1e-6 for g, w in zip(got, want))
-              and all(g[1] == len(tokens[g[0]]) for g in got),
-              "got %s, want %s" % (got, want))
-        # k = 3 in the conversation's order: the prompt is the full prompt, served exactly
-        mp = index.memory_prompt(1, query, 3, sc.questions[q], header=(C.HEADER_ID, sc.header), tokens=tokens,
-                                 order="id")
-        check("q%d: retrieved facts in id order rebuild the full prompt" % q,
-              mp.prompt_token_ids == sc.full_prompt(1, q))
-        rec = run([mp])[0]
-        claim = len(sc.full_prompt(1, q)) - len(sc.questions[q])
-        check("q%d: served with the retrieved facts injected: plain vLLM's tokens and logprobs" % q,
-              rec["tokens"] == refs[q]["tokens"] and rec["logprobs"] == refs[q]["logprobs"]
-              and rec["cached"] == claim,
-              "cached %s of %d, %d/%d tokens agree" % (rec["cached"], claim, C.agreement(refs[q], rec),
-                                                      len(refs[q]["tokens"])))
-        # k = 1, filler tokens: the best fact alone behind the header
-        mp1 = index.memory_prompt(1, query, 1, sc.questions[q], header=(C.HEADER_ID, sc.header),
-                                  filler_token=tok.eos_token_id)
-        best = want[0][1]
-        rec1 = run([mp1])[0]
-        check("q%d: k = 1 injects the best fact (%d) and is served" % (q, best),
-              [r[0] for r in mp1.retrieved] == [best] and rec1["finish"] != "error"
-              and rec1["cached"] == len(sc.header) + len(tokens[best]),
-              "retrieved %s, finish %s, cached %s" % (mp1.retrieved, rec1["finish"], rec1["cached"]))
-        C.log("  q%d k=1 (fact %d): %r; k=3: %r" % (q, best, rec1["text"], rec["text"]))
 
-    # facts captured after the index was opened are found once it refreshes
+@pytest.fixture(scope="module")
+def index(refs, work_dir):
+    from transformers import AutoConfig
+    from kvinject.vllm import MemoryIndex
+    idx = MemoryIndex(AutoConfig.from_pretrained(C.MODEL), os.path.join(work_dir, "facts.kvi"), embedding_dim=DIM)
+    yield idx
+    idx.close()
+
+
+def want_of(q):
+    """float64 reference: the facts of tenant 1 by score for question q, the header left out."""
+    query = embed(C.QUESTIONS[q])
+    return sorted(((dot(query, embed(f)), fid) for fid, f in zip(C.FACT_IDS, C.TENANT_FACTS[1])),
+                  key=lambda x: (-x[0], x[1]))
+
+
+def test_the_index_opens_the_store_file_the_worker_journals_to(index):
+    assert index.store is not None and index.store.count(1) == 4, \
+        "count %s" % (index.store.count(1) if index.store else None)
+
+
+QS = range(len(C.QUESTIONS))
+
+
+@pytest.mark.parametrize("q", QS)
+def test_the_search_ranks_the_facts_as_the_float64_reference(index, scenario, q):
+    tokens = dict(zip(C.FACT_IDS, scenario.facts[1]))
+    want = want_of(q)
+    got = index.retrieve(1, embed(C.QUESTIONS[q]), 3, exclude=[C.HEADER_ID])
+    assert [g[0] for g in got] == [w[1] for w in want] and all(abs(g[2] - w[0]) < 1e-6 for g, w in zip(got, want)) \
+        and all(g[1] == len(tokens[g[0]]) for g in got), "got %s, want %s" % (got, want)
+
+
+@pytest.mark.parametrize("q", QS)
+def test_retrieved_facts_in_id_order_are_served_as_the_full_prompt(index, engine, refs, scenario, q):
+    # k = 3 in the conversation's order: the prompt is the full prompt, served exactly
+    sc = scenario
+    mp = index.memory_prompt(1, embed(C.QUESTIONS[q]), 3, sc.questions[q], header=(C.HEADER_ID, sc.header),
+                             tokens=dict(zip(C.FACT_IDS, sc.facts[1])), order="id")
+    assert mp.prompt_token_ids == sc.full_prompt(1, q), "retrieved facts in id order rebuild the full prompt"
+    rec = engine.run([mp])[0]
+    claim = len(sc.full_prompt(1, q)) - len(sc.questions[q])
+    C.log("  q%d k=3: %r" % (q, rec["text"]))
+    ref = refs[q]
+    assert rec["tokens"] == ref["tokens"] and rec["logprobs"] == ref["logprobs"] and rec["cached"] == claim, \
+        "cached %s of %d, %d/%d tokens agree" % (rec["cached"], claim, C.agreement(ref, rec), len(ref["tokens"]))
+
+
+@pytest.mark.parametrize("q", QS)
+def test_k_1_injects_the_best_fact_and_is_served(index, engine, scenario, tokenizer, q):
+    # filler tokens: the best fact alone behind the header
+    sc = scenario
+    mp1 = index.memory_prompt(1, embed(C.QUESTIONS[q]), 1, sc.questions[q], header=(C.HEADER_ID, sc.header),
+                              filler_token=tokenizer.eos_token_id)
+    best = want_of(q)[0][1]
+    rec1 = engine.run([mp1])[0]
+    C.log("  q%d k=1 (fact %d): %r" % (q, best, rec1["text"]))
+    assert [r[0] for r in mp1.retrieved] == [best] and rec1["finish"] != "error" \
+        and rec1["cached"] == len(sc.header) + len(sc.facts[1][C.FACT_IDS.index(best)]), \
+        "retrieved %s, finish %s, cached %s" % (mp1.retrieved, rec1["finish"], rec1["cached"])
+
+
+def test_facts_captured_after_the_index_opened_are_found_after_refresh(index, engine, scenario):
     before = index.retrieve(2, embed(C.QUESTIONS[1]), 1, exclude=[C.HEADER_ID])
-    capture(2)
+    capture(engine, scenario, 2)
     changed = index.refresh()
     after = index.retrieve(2, embed(C.QUESTIONS[1]), 1, exclude=[C.HEADER_ID])
-    check("refresh: tenant 2's facts, captured later, are found after refresh",
-          before == [] and changed and [a[0] for a in after] == [2], "before %s, after %s" % (before, after))
-    check("refresh: an unchanged file is not reloaded", index.refresh() is False)
+    assert before == [] and changed and [a[0] for a in after] == [2], "before %s, after %s" % (before, after)
+    assert index.refresh() is False, "an unchanged file is reloaded"
 
-    # bad input
-    try:
+
+def test_a_query_of_the_wrong_size_is_refused(index):
+    from kvinject.errors import KviError
+    with pytest.raises((KviError, ValueError)) as e:
         index.retrieve(1, embed("x")[:DIM - 1], 1)
-        check("a query of the wrong size is refused", False)
-    except (KviError, ValueError) as e:
-        check("a query of the wrong size is refused", True)
-        C.log("  error: %s" % e)
-    for name, fn in (("k < 0", lambda: index.retrieve(1, embed("x"), -1)),
-                     ("an unknown order", lambda: index.memory_prompt(1, embed("x"), 1, [1], order="score")),
-                     ("embedding_dim 0", lambda: MemoryIndex(AutoConfig.from_pretrained(C.MODEL), store_path,
-                                                             embedding_dim=0))):
-        try:
-            fn()
-            check("%s is refused" % name, False)
-        except ValueError:
-            check("%s is refused" % name, True)
-    check("a tenant without facts retrieves nothing", index.retrieve(4242, embed("x"), 5) == [])
-    index.close()
-
-    C.log("total %.0f s" % (time.time() - t_start))
-    C.log("%d checks failed: %s" % (len(failures), ", ".join(failures)) if failures else "all checks passed")
-    shutil.rmtree(work, ignore_errors=True)
-    return 1 if failures else 0
+    C.log("  error: %s" % e.value)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+@pytest.mark.parametrize("name", ["k < 0", "an unknown order", "embedding_dim 0"])
+def test_bad_arguments_are_refused(index, work_dir, name):
+    from transformers import AutoConfig
+    from kvinject.vllm import MemoryIndex
+    fn = {"k < 0": lambda: index.retrieve(1, embed("x"), -1),
+          "an unknown order": lambda: index.memory_prompt(1, embed("x"), 1, [1], order="score"),
+          "embedding_dim 0": lambda: MemoryIndex(AutoConfig.from_pretrained(C.MODEL),
+                                                 os.path.join(work_dir, "facts.kvi"), embedding_dim=0)}[name]
+    with pytest.raises(ValueError):
+        fn()
+
+
+def test_a_tenant_without_facts_retrieves_nothing(index):
+    assert index.retrieve(4242, embed("x"), 5) == []

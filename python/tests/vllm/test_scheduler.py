@@ -6,13 +6,15 @@ prompt is prefilled over two steps (chunked prefill), and the salt's effect on
 block hashes.
 
     launch.py test_scheduler.py
+
+(test_vllm_scheduler_unit.py tests the same role on fakes of these objects,
+without vLLM.)
 """
 from __future__ import annotations
 
-import sys
 import types
-import unittest
 
+import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256_cbor
@@ -51,87 +53,92 @@ def output(new=(), cached=None, scheduled=None):
                                  num_scheduled_tokens=dict(scheduled or {}))
 
 
-class TestScheduler(unittest.TestCase):
-    def setUp(self):
-        self.c = KVInjectConnector(config(), KVConnectorRole.SCHEDULER, None)
-        # facts of 3, 5 and 2 tokens, then a 3-token question
-        self.mp = memory_prompt(9, [(1, [11, 12, 13]), (2, [21, 22, 23, 24, 25]), (3, [31, 32])], [41, 42, 43])
+@pytest.fixture
+def connector():
+    return KVInjectConnector(config(), KVConnectorRole.SCHEDULER, None)
 
-    def test_salt_changes_the_block_hashes_and_is_unique(self):
-        plain = request("p", ids=self.mp.prompt_token_ids)
-        a, b = request("a", self.mp), request("b", self.mp)
-        self.assertEqual(a.block_hashes, plain.block_hashes)  # same tokens, no salt yet
-        self.c.on_new_request(a)
-        self.c.on_new_request(b)
-        self.assertTrue(a.cache_salt and a.cache_salt != b.cache_salt)
-        self.assertEqual(len(a.block_hashes), len(plain.block_hashes))
-        self.assertFalse(set(a.block_hashes) & set(plain.block_hashes))
-        self.assertFalse(set(a.block_hashes) & set(b.block_hashes))
-        self.c.on_new_request(plain)  # no kvinject parameters: untouched
-        self.assertIsNone(plain.cache_salt)
 
-    def test_claim_after_a_local_hit_injects_the_facts_past_it(self):
-        r = request("r", self.mp)
-        self.c.on_new_request(r)
-        self.assertEqual(self.c.get_num_new_matched_tokens(r, 0), (10, False))
-        # resumed on its own cached blocks: 4 tokens (one block) already computed
-        self.assertEqual(self.c.get_num_new_matched_tokens(r, 4), (6, False))
-        self.c.update_state_after_alloc(r, None, 6)
-        meta = self.c.build_connector_meta(output([new_req(r, [7, 8, 9, 5], 10)], scheduled={"r": 3}))
-        (job,) = meta.injects
-        # fact 1 (tokens 0..2) lies in the cached block; fact 2 (3..7) straddles it and is written whole
-        self.assertEqual(job.facts, [(2, 3, 5), (3, 8, 2)])
-        self.assertEqual(job.block_ids, [7, 8, 9, 5])
-        self.assertEqual(self.c.get_num_new_matched_tokens(r, 10), (0, False))
-        self.assertEqual(self.c.build_connector_meta(output()).injects, [])
+@pytest.fixture
+def mp():
+    # facts of 3, 5 and 2 tokens, then a 3-token question
+    return memory_prompt(9, [(1, [11, 12, 13]), (2, [21, 22, 23, 24, 25]), (3, [31, 32])], [41, 42, 43])
 
-    def test_capture_waits_for_the_whole_span_over_chunked_steps(self):
-        cp = capture_prompt(9, [[1, 2, 3], Keep(5, [4, 5, 6, 7, 8]), [9]])
-        r = request("c", cp)
-        self.c.on_new_request(r)
-        self.assertEqual(self.c.get_num_new_matched_tokens(r, 0), (0, False))
-        self.c.update_state_after_alloc(r, None, 0)
-        m1 = self.c.build_connector_meta(output([new_req(r, [3, 4], 0)], scheduled={"c": 6}))
-        self.assertEqual(m1.captures, [])  # tokens 0..5 computed; the span ends at 8
-        cached = types.SimpleNamespace(req_ids=["c"], new_block_ids=[([6],)], resumed_req_ids=set(),
-                                       num_computed_tokens=[6])
-        m2 = self.c.build_connector_meta(output(cached=cached, scheduled={"c": 3}))
-        (job,) = m2.captures
-        self.assertEqual((job.tenant, job.captures, job.block_ids), (9, [(5, 3, 5, None, False)], [3, 4, 6]))
-        m3 = self.c.build_connector_meta(output(cached=types.SimpleNamespace(
-            req_ids=["c"], new_block_ids=[None], resumed_req_ids=set(), num_computed_tokens=[9]), scheduled={"c": 1}))
-        self.assertEqual(m3.captures, [])  # once
 
-    def test_layerwise_injection_asks_vllm_for_piecewise_cuda_graphs(self):
-        # vLLM calls this on the connector class before capturing graphs; the
-        # per-layer hook must stay outside them, injection before the forward may not
-        self.assertTrue(KVInjectConnector.requires_piecewise_for_cudagraph({"layerwise": True}))
-        self.assertFalse(KVInjectConnector.requires_piecewise_for_cudagraph({"layerwise": False}))
-        self.assertFalse(KVInjectConnector.requires_piecewise_for_cudagraph({}))
-        self.assertFalse(KVInjectConnector.requires_piecewise_for_cudagraph(None))
+def test_salt_changes_the_block_hashes_and_is_unique(connector, mp):
+    plain = request("p", ids=mp.prompt_token_ids)
+    a, b = request("a", mp), request("b", mp)
+    assert a.block_hashes == plain.block_hashes  # same tokens, no salt yet
+    connector.on_new_request(a)
+    connector.on_new_request(b)
+    assert a.cache_salt and a.cache_salt != b.cache_salt
+    assert len(a.block_hashes) == len(plain.block_hashes)
+    assert not set(a.block_hashes) & set(plain.block_hashes)
+    assert not set(a.block_hashes) & set(b.block_hashes)
+    connector.on_new_request(plain)  # no kvinject parameters: untouched
+    assert plain.cache_salt is None
 
-    def test_settings_are_checked(self):
-        cfg = config()
-        cfg.kv_transfer_config.kv_connector_extra_config = {"time_device": True, "layerwise": True}
+
+def test_claim_after_a_local_hit_injects_the_facts_past_it(connector, mp):
+    r = request("r", mp)
+    connector.on_new_request(r)
+    assert connector.get_num_new_matched_tokens(r, 0) == (10, False)
+    # resumed on its own cached blocks: 4 tokens (one block) already computed
+    assert connector.get_num_new_matched_tokens(r, 4) == (6, False)
+    connector.update_state_after_alloc(r, None, 6)
+    meta = connector.build_connector_meta(output([new_req(r, [7, 8, 9, 5], 10)], scheduled={"r": 3}))
+    (job,) = meta.injects
+    # fact 1 (tokens 0..2) lies in the cached block; fact 2 (3..7) straddles it and is written whole
+    assert job.facts == [(2, 3, 5), (3, 8, 2)]
+    assert job.block_ids == [7, 8, 9, 5]
+    assert connector.get_num_new_matched_tokens(r, 10) == (0, False)
+    assert connector.build_connector_meta(output()).injects == []
+
+
+def test_capture_waits_for_the_whole_span_over_chunked_steps(connector):
+    cp = capture_prompt(9, [[1, 2, 3], Keep(5, [4, 5, 6, 7, 8]), [9]])
+    r = request("c", cp)
+    connector.on_new_request(r)
+    assert connector.get_num_new_matched_tokens(r, 0) == (0, False)
+    connector.update_state_after_alloc(r, None, 0)
+    m1 = connector.build_connector_meta(output([new_req(r, [3, 4], 0)], scheduled={"c": 6}))
+    assert m1.captures == []  # tokens 0..5 computed; the span ends at 8
+    cached = types.SimpleNamespace(req_ids=["c"], new_block_ids=[([6],)], resumed_req_ids=set(),
+                                   num_computed_tokens=[6])
+    m2 = connector.build_connector_meta(output(cached=cached, scheduled={"c": 3}))
+    (job,) = m2.captures
+    assert (job.tenant, job.captures, job.block_ids) == (9, [(5, 3, 5, None, False)], [3, 4, 6])
+    m3 = connector.build_connector_meta(output(cached=types.SimpleNamespace(
+        req_ids=["c"], new_block_ids=[None], resumed_req_ids=set(), num_computed_tokens=[9]), scheduled={"c": 1}))
+    assert m3.captures == []  # once
+
+
+def test_layerwise_injection_asks_vllm_for_piecewise_cuda_graphs():
+    # vLLM calls this on the connector class before capturing graphs; the
+    # per-layer hook must stay outside them, injection before the forward may not
+    assert KVInjectConnector.requires_piecewise_for_cudagraph({"layerwise": True})
+    assert not KVInjectConnector.requires_piecewise_for_cudagraph({"layerwise": False})
+    assert not KVInjectConnector.requires_piecewise_for_cudagraph({})
+    assert not KVInjectConnector.requires_piecewise_for_cudagraph(None)
+
+
+def test_settings_are_checked():
+    cfg = config()
+    cfg.kv_transfer_config.kv_connector_extra_config = {"time_device": True, "layerwise": True}
+    KVInjectConnector(cfg, KVConnectorRole.SCHEDULER, None)
+    cfg.kv_transfer_config.kv_connector_extra_config = {"time_devices": True}
+    with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys.*time_devices"):
         KVInjectConnector(cfg, KVConnectorRole.SCHEDULER, None)
-        cfg.kv_transfer_config.kv_connector_extra_config = {"time_devices": True}
-        with self.assertRaisesRegex(ValueError, "unknown kv_connector_extra_config keys.*time_devices"):
-            KVInjectConnector(cfg, KVConnectorRole.SCHEDULER, None)
-
-    def test_a_bad_request_claims_one_token_and_is_reported_with_its_blocks(self):
-        bad = memory_prompt(9, [(1, [11, 12])], [41])
-        del bad.params["tenant"]
-        r = request("x", bad)
-        self.c.on_new_request(r)
-        self.assertTrue(r.cache_salt)
-        self.assertEqual(self.c.get_num_new_matched_tokens(r, 0), (1, False))
-        meta = self.c.build_connector_meta(output([new_req(r, [2], 1)], scheduled={"x": 2}))
-        (f,) = meta.failures
-        self.assertEqual((f.req_id, f.block_ids), ("x", [2]))
-        self.assertIn("need a tenant", f.message)
-        self.assertEqual(meta.injects, [])
 
 
-if __name__ == "__main__":
-    r = unittest.main(exit=False, verbosity=2).result
-    sys.exit(0 if r.wasSuccessful() else 1)
+def test_a_bad_request_claims_one_token_and_is_reported_with_its_blocks(connector):
+    bad = memory_prompt(9, [(1, [11, 12])], [41])
+    del bad.params["tenant"]
+    r = request("x", bad)
+    connector.on_new_request(r)
+    assert r.cache_salt
+    assert connector.get_num_new_matched_tokens(r, 0) == (1, False)
+    meta = connector.build_connector_meta(output([new_req(r, [2], 1)], scheduled={"x": 2}))
+    (f,) = meta.failures
+    assert (f.req_id, f.block_ids) == ("x", [2])
+    assert "need a tenant" in f.message
+    assert meta.injects == []

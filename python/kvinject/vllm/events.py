@@ -1,0 +1,19 @@
+"""The connector's event file: JSON lines (per-step timing, captures, errors),
+written where ``events_path`` asks for them, or nowhere."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Optional
+
+
+class Events:
+    """JSON lines to a file (or nothing), each stamped with its time ``t``."""
+
+    def __init__(self, path: Optional[str]):
+        self.f = open(path, "a", buffering=1) if path else None
+
+    def write(self, **rec) -> None:
+        if self.f is not None:
+            rec["t"] = time.time()
+            self.f.write(json.dumps(rec) + "\n")

@@ -1,0 +1,40 @@
+"""What the scheduler role tells the workers each step (vLLM passes it from
+the scheduler's process to every worker's): the requests to inject, the spans
+to capture once they are prefilled, and the requests that fail. Plain data,
+picklable. No vLLM import here (its base class comes through _compat)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+from ._compat import KVConnectorMetadata
+
+
+@dataclass
+class InjectJob:
+    req_id: str
+    tenant: int
+    facts: List[Tuple[int, int, int]]  # (fact_id, start, length), the ones to write
+    block_ids: List[int]
+
+
+@dataclass
+class CaptureJob:
+    req_id: str
+    tenant: int
+    captures: List[Tuple[int, int, int, Optional[List[float]], bool]]  # (fact_id, start, length, emb, replace)
+    block_ids: List[int]
+
+
+@dataclass
+class FailJob:
+    req_id: str
+    message: str
+    block_ids: List[int]
+
+
+@dataclass
+class KVInjectMetadata(KVConnectorMetadata):
+    injects: List[InjectJob] = field(default_factory=list)
+    captures: List[CaptureJob] = field(default_factory=list)
+    failures: List[FailJob] = field(default_factory=list)

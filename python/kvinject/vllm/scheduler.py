@@ -1,0 +1,124 @@
+"""The connector's scheduler role (one per engine): parses and checks each
+request's kvinject parameters when it arrives, gives every request that
+injects a cache salt of its own (so vLLM's prefix cache can never hand its
+blocks, which hold KV a plain prefill would not compute, to another request),
+claims the injected prefix as externally computed (less what vLLM's prefix
+cache already has), and tells the workers, per step, which blocks to fill and
+which spans to capture (kvinject.vllm.metadata).
+
+A request whose parameters are wrong claims one token, so that it gets a
+block, and goes to the workers as a failure with that block: they report it as
+a failed load and vLLM finishes the request with an error.
+
+No vLLM import here: vLLM's requests and scheduler outputs are read through
+their public attributes and kvinject.vllm._compat.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from . import _compat
+from .config import KVInjectConfig
+from .events import Events
+from .metadata import CaptureJob, FailJob, InjectJob, KVInjectMetadata
+from .prompt import PARAMS_KEY, RequestSpec, parse_params
+
+logger = _compat.init_logger(__name__)
+
+
+@dataclass
+class _ReqState:
+    spec: Optional[RequestSpec]
+    error: Optional[str]
+    external: int = 0                      # tokens claimed at the last allocation
+    block_ids: List[int] = field(default_factory=list)
+    capture_pending: bool = False
+
+
+class KVInjectScheduler:
+    """The scheduler side of KVInjectConnector (vLLM's scheduler-side connector calls)."""
+
+    def __init__(self, config: KVInjectConfig):
+        self._cfg = config
+        self._reqs: Dict[str, _ReqState] = {}
+        self._nonce = uuid.uuid4().hex  # salts are unique to this engine and request
+        self._events = Events(config.events_path + ".scheduler.jsonl" if config.events_path else None)
+
+    def salt(self, req_id: str) -> str:
+        """The cache salt of a request that injects (or fails): no other request has it."""
+        return "kvinject:%s:%s" % (self._nonce, req_id)
+
+    def on_new_request(self, request) -> None:
+        params = (request.kv_transfer_params or {}).get(PARAMS_KEY)
+        if params is None:
+            return
+        try:
+            spec, error = parse_params(params, request.num_prompt_tokens, self._cfg.embedding_dim), None
+        except ValueError as e:
+            spec, error = None, str(e)
+            logger.error("kvinject: request %s fails: %s", request.request_id, error)
+            self._events.write(event="request_error", req_id=request.request_id, message=error)
+        if error is not None or spec.inject:
+            # blocks holding injected KV (or none valid) are reachable by this
+            # request alone: a salt no other request has, block hashes redone
+            _compat.set_cache_salt(request, self.salt(request.request_id))
+        self._reqs[request.request_id] = _ReqState(spec, error, capture_pending=bool(spec and spec.capture))
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return 0, False
+        if st.error is not None:
+            # one claimed token gives the request a block the worker reports as
+            # failed, which makes vLLM finish it with an error
+            return (1 if num_computed_tokens == 0 and request.num_prompt_tokens > 1 else 0), False
+        end = st.spec.claim_end
+        return max(end - num_computed_tokens, 0), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        st = self._reqs.get(request.request_id)
+        if st is not None:
+            st.external = num_external_tokens
+
+    def build_connector_meta(self, scheduler_output) -> KVInjectMetadata:
+        t0 = time.perf_counter()
+        meta = KVInjectMetadata()
+        progressed = []
+        for s in _compat.scheduled_requests(scheduler_output):
+            st = self._reqs.get(s.req_id)
+            if st is None:
+                continue
+            if s.first:
+                st.block_ids = s.block_ids if s.block_ids is not None else []
+            elif s.block_ids is not None:
+                st.block_ids += s.block_ids
+            progressed.append((s, st))
+        for s, st in progressed:
+            rid, computed = s.req_id, s.num_computed_tokens
+            if st.error is not None:
+                if s.first:
+                    meta.failures.append(FailJob(rid, st.error, list(st.block_ids)))
+                continue
+            spec = st.spec
+            if s.first and st.external > 0:
+                local = computed - st.external
+                facts = [(f.fact_id, f.start, f.length) for f in spec.inject if f.start + f.length > local]
+                meta.injects.append(InjectJob(rid, spec.tenant, facts, list(st.block_ids)))
+                st.external = 0
+            done = computed + s.num_scheduled_tokens
+            if st.capture_pending and done >= spec.capture_end:
+                meta.captures.append(CaptureJob(rid, spec.tenant,
+                                                [(c.fact_id, c.start, c.length, c.embedding, c.replace)
+                                                 for c in spec.capture], list(st.block_ids)))
+                st.capture_pending = False
+        if meta.injects or meta.captures or meta.failures:
+            self._events.write(event="schedule", injects=len(meta.injects), captures=len(meta.captures),
+                               failures=len(meta.failures), host_us=(time.perf_counter() - t0) * 1e6)
+        return meta
+
+    def request_finished(self, request, block_ids):
+        self._reqs.pop(request.request_id, None)
+        return False, None

@@ -1,0 +1,260 @@
+"""The connector's worker role (one per tensor-parallel rank): one store per
+worker holding this rank's KV heads; the cache layout derived from the tensors
+register_kv_caches receives and the attention backend (kvinject.vllm.layout);
+per step, one kvi_inject for all requests (or one per layer when
+``layerwise``), and after the forward one kvi_encode for all captures.
+
+A request whose facts cannot be injected (unknown fact, another tenant's
+fact, a span whose length is not the fact's) fails alone: its blocks are
+reported as failed loads (get_block_ids_with_load_errors), the message is
+logged and written to the event file, and the other requests of the step are
+injected.
+
+No vLLM import here: what the worker needs of vLLM's internals (the attention
+backend, the tensor-parallel rank) comes through kvinject.vllm._compat.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+from ..enums import Backend, Memory
+from ..errors import KviError
+from ..store import Store
+from ..transfer import Capture, Encoder, InjectRequest, Injector
+from . import _compat
+from .config import KVInjectConfig
+from .events import Events
+from .layout import derive_layout, ordered_layers
+from .metadata import InjectJob, KVInjectMetadata
+from .retrieval import STORE_DTYPES, store_model
+
+logger = _compat.init_logger(__name__)
+
+
+class KVInjectWorker:
+    """The worker side of KVInjectConnector (vLLM's worker-side connector calls).
+    The metadata of a step is passed in by the connector (None: none bound)."""
+
+    def __init__(self, vllm_config, config: KVInjectConfig):
+        self._vllm_config = vllm_config
+        self._cfg = config
+        self._block_size = config.block_size
+        self._store: Optional[Store] = None
+        self._injector: Optional[Injector] = None
+        self._encoder: Optional[Encoder] = None
+        self._on_cpu = True
+        self._layer_index: Dict[str, int] = {}
+        self._failed_blocks: Set[int] = set()
+        self._pending: List[Tuple[InjectJob, InjectRequest]] = []
+        self._layerwise = config.layerwise
+        self._time_device = config.time_device
+        self._timing: Optional[Tuple[Any, Any, Dict[str, Any]]] = None  # (start, end event, inject record)
+        self._events = Events(None)
+        self._step = 0
+        self._layers_done = 0
+
+    def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+        vc, cfg = self._vllm_config, self._cfg
+        names, tensors = ordered_layers(kv_caches)
+        self._layer_index = {n: i for i, n in enumerate(names)}
+        backend, isa = _compat.attention_backend(vc, names[0], self._block_size)
+        tp_rank, tp_size = _compat.tensor_parallel()
+        model = store_model(vc.model_config.hf_config, cfg.rope, num_layers=len(names),
+                            tp_rank=tp_rank, tp_size=tp_size)  # RoPE always explicit, every layer
+        layout = derive_layout(tensors, backend, num_kv_heads=model.local_heads, head_size=model.head_size,
+                               block_size=self._block_size, isa=isa)
+        on_cpu = layout.memory == Memory.HOST
+        dtype = STORE_DTYPES[cfg.store_dtype]
+        opts = dict(backend=Backend.CPU if on_cpu else Backend.CUDA, device=None if on_cpu else tensors[0].device.index,
+                    dtype=dtype, page_tokens=cfg.page_tokens, embedding_dim=cfg.embedding_dim or None)
+        budget = cfg.store_budget_mb << 20
+        path = cfg.store_path
+        if path and tp_size > 1:
+            path = "%s.rank%d" % (path, tp_rank)
+        if path and os.path.exists(path):
+            self._store = Store.load(model, path, budget, journal=True, **opts)
+        else:
+            self._store = Store(model, budget, **opts)
+            if path:
+                self._store.journal_open(path)
+        model.close()
+        self._injector = Injector(self._store, layout)
+        self._encoder = Encoder(self._store, layout)
+        self._on_cpu = on_cpu
+        if cfg.events_path:
+            self._events = Events("%s.worker%d.jsonl" % (cfg.events_path, tp_rank))
+        self._events.write(event="register", backend=backend, isa=isa, layers=len(names),
+                           local_heads=model.local_heads, head_size=model.head_size, block_size=layout.block_size,
+                           num_blocks=layout.num_blocks, dtype=layout.dtype.name, tp_rank=tp_rank, tp_size=tp_size)
+        logger.info("kvinject: %s cache (%s) of %d layers x %d heads x %d, %d blocks of %d; store %s",
+                    backend, isa or "-", len(names), model.local_heads, model.head_size, layout.num_blocks,
+                    layout.block_size, self._store)
+
+    @property
+    def store(self) -> Optional[Store]:
+        """This worker's store (after register_kv_caches)."""
+        return self._store
+
+    def _stream(self):
+        if self._on_cpu:
+            return None
+        import torch
+        return torch.cuda.current_stream()
+
+    def _fail(self, job_id: str, message: str, block_ids: List[int]) -> None:
+        logger.error("kvinject: request %s fails: %s", job_id, message)
+        self._events.write(event="request_error", req_id=job_id, message=message, step=self._step)
+        self._failed_blocks.update(block_ids)
+
+    def _check(self, job: InjectJob) -> None:
+        """Why a job cannot be injected (raises KviError / ValueError), on the host."""
+        for fid, start, length in job.facts:
+            n = self._store.fact_tokens(job.tenant, fid)  # NotFoundError: unknown for this tenant
+            if n != length:
+                raise ValueError("fact %d of tenant %d has %d tokens; the prompt's span for it at token %d "
+                                 "has %d" % (fid, job.tenant, n, start, length))
+        end = job.facts[-1][1] + job.facts[-1][2] if job.facts else 0
+        if end > len(job.block_ids) * self._block_size:
+            raise ValueError("the facts end at token %d; the request has %d blocks of %d"
+                             % (end, len(job.block_ids), self._block_size))
+
+    def _request(self, job: InjectJob) -> InjectRequest:
+        first = job.facts[0][1]
+        return InjectRequest(job.tenant, [f[0] for f in job.facts], job.block_ids, first_slot=first,
+                             start_position=first)
+
+    def _inject(self, jobs: List[Tuple[InjectJob, InjectRequest]], layer_begin=0, layer_end=0):
+        """One kvi_inject for all jobs; on failure, the failing jobs are found and
+        failed, and the others injected. Returns (jobs injected, kvi seconds)."""
+        t = time.perf_counter()
+        try:
+            self._injector.inject([r for _, r in jobs], layer_begin=layer_begin, layer_end=layer_end,
+                                  stream=self._stream())
+            return jobs, time.perf_counter() - t
+        except KviError:
+            pass
+        good = []
+        for job, req in jobs:
+            try:
+                self._check(job)
+                self._injector.inject(req, layer_begin=layer_begin, layer_end=layer_end, stream=self._stream())
+                good.append((job, req))
+            except (KviError, ValueError) as e:
+                self._fail(job.req_id, str(e), job.block_ids)
+        return good, time.perf_counter() - t
+
+    def start_load_kv(self, meta: Optional[KVInjectMetadata]) -> None:
+        if not isinstance(meta, KVInjectMetadata):
+            return
+        self._step += 1
+        t0 = time.perf_counter()
+        for f in meta.failures:
+            self._fail(f.req_id, f.message, f.block_ids)
+        jobs = []
+        for job in meta.injects:
+            if not job.facts:
+                continue
+            try:
+                self._check(job)
+            except (KviError, ValueError) as e:
+                self._fail(job.req_id, str(e), job.block_ids)
+                continue
+            jobs.append((job, self._request(job)))
+        if not jobs:
+            return
+        t1 = time.perf_counter()
+        timing = self._time_device and not self._on_cpu
+        if timing:
+            import torch
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(self._stream())
+        if self._layerwise:
+            # layer 0 now, with every check; the rest as vLLM reaches them
+            self._pending, kvi_s = self._inject(jobs, 0, 1)
+            self._layers_done = 1
+        else:
+            self._pending = []
+            jobs, kvi_s = self._inject(jobs)
+        t2 = time.perf_counter()
+        rec = dict(event="inject", step=self._step, requests=len(jobs), facts=sum(len(j.facts) for j, _ in jobs),
+                   tokens=sum(n for j, _ in jobs for _, _, n in j.facts), layerwise=self._layerwise,
+                   check_us=(t1 - t0) * 1e6, kvi_us=kvi_s * 1e6, host_us=(t2 - t0) * 1e6)
+        if timing:
+            end.record(self._stream())
+            self._timing = (start, end, rec)  # written when the step ends (wait_for_save)
+        else:
+            self._events.write(**rec)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._pending:
+            return
+        i = self._layer_index.get(layer_name)
+        if i is None or i == 0:
+            return
+        self._pending, _ = self._inject(self._pending, i, i + 1)
+        self._layers_done += 1
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        return
+
+    def wait_for_save(self, meta: Optional[KVInjectMetadata]) -> None:
+        if self._pending:
+            self._events.write(event="inject_layers", step=self._step, layers=self._layers_done,
+                               requests=len(self._pending))
+        self._pending = []
+        if self._timing is not None:
+            # the forward is queued behind the injection on this stream: an event
+            # now ends the step's device work (layerwise: device_us is layer 0's
+            # injection; the others lie inside the forward)
+            import torch
+            start, end, rec = self._timing
+            self._timing = None
+            done = torch.cuda.Event(enable_timing=True)
+            done.record(self._stream())
+            done.synchronize()
+            rec.update(device_us=start.elapsed_time(end) * 1e3, step_device_us=start.elapsed_time(done) * 1e3)
+            self._events.write(**rec)
+        if not isinstance(meta, KVInjectMetadata) or not meta.captures:
+            return
+        t0 = time.perf_counter()
+        caps, owner = [], []
+        for job in meta.captures:
+            for fid, start, length, emb, replace in job.captures:
+                caps.append(Capture(job.tenant, fid, job.block_ids, length, first_slot=start, start_position=start,
+                                    replace=replace, embedding=emb))
+                owner.append(job.req_id)
+        stream = self._stream()
+        try:
+            self._encoder.encode(caps, stream=stream)
+            stored = len(caps)
+        except KviError:
+            # all-or-nothing: store the ones that can be, report the others
+            stored = 0
+            for c, rid in zip(caps, owner):
+                try:
+                    self._encoder.encode(c, stream=stream)
+                    stored += 1
+                except KviError as e:
+                    logger.error("kvinject: request %s: capture of fact %d (tenant %d) failed: %s",
+                                 rid, c.fact_id, c.tenant, e)
+                    self._events.write(event="capture_error", req_id=rid, fact_id=c.fact_id, tenant=c.tenant,
+                                       message=str(e), step=self._step)
+        if stream is not None:
+            stream.synchronize()
+        self._events.write(event="capture", step=self._step, captures=len(caps), stored=stored,
+                           tokens=sum(c.num_tokens for c in caps), host_us=(time.perf_counter() - t0) * 1e6)
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        """Every load and save is done within its step: nothing finishes later."""
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
+    def shutdown(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None

@@ -1,0 +1,354 @@
+"""The vLLM connector's worker role (kvinject.vllm.worker) without vLLM: a fake
+VllmConfig (its static forward context holding a CPU_ATTN layer of the vec
+ISA) and fake KV caches in vLLM's CPU layout (one [num_blocks, heads,
+block_size, 2 * head_size] container per layer, all views of one array:
+numpy, and torch CPU tensors where torch is installed), driven through
+register_kv_caches, start_load_kv, wait_for_layer_load, wait_for_save,
+get_block_ids_with_load_errors and get_finished with the metadata the
+scheduler role sends.
+
+What lands in the cache is compared with the library's own CPU reference (the
+same facts injected by kvi_inject into a plain contiguous cache at the same
+positions), token by token, read out of vLLM's container as its kernels read
+it; everything else in the cache must be untouched. A request that cannot be
+injected or captured fails alone. Captures are checked against the facts they
+came from (the keys un-rotated).
+
+Needs the library and numpy (pytest runs it: tests/vllm/launch.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import types
+
+import pytest
+
+np = pytest.importorskip("numpy")
+
+import kvinject as kvi  # noqa: E402
+from kvinject.vllm import _compat  # noqa: E402
+from kvinject.vllm.config import KVInjectConfig  # noqa: E402
+from kvinject.vllm.metadata import CaptureJob, FailJob, InjectJob, KVInjectMetadata  # noqa: E402
+from kvinject.vllm.worker import KVInjectWorker  # noqa: E402
+
+L, H, D, BS, NB = 2, 2, 16, 16, 6
+THETA = 10000.0
+
+
+def layer_name(i):
+    return "model.layers.%d.self_attn.attn" % i
+
+
+# --------------------------------------------------------------- vLLM fakes
+
+def fake_vllm_config(extra):
+    hf = types.SimpleNamespace(model_type="llama", num_hidden_layers=L, num_attention_heads=2 * H,
+                               num_key_value_heads=H, head_dim=D, hidden_size=2 * H * D, rope_theta=THETA,
+                               max_position_embeddings=4096)
+    attn = types.SimpleNamespace(attn_backend=types.SimpleNamespace(get_name=lambda: "CPU_ATTN"), isa="vec",
+                                 head_size=D)
+    return types.SimpleNamespace(
+        kv_transfer_config=types.SimpleNamespace(kv_connector_extra_config=extra),
+        cache_config=types.SimpleNamespace(block_size=BS, cache_dtype="auto"),
+        model_config=types.SimpleNamespace(hf_config=hf, dtype="float32"),
+        compilation_config=types.SimpleNamespace(static_forward_context={layer_name(i): attn for i in range(L)}))
+
+
+class Arrays:
+    """The cache's array library: numpy, or torch CPU tensors (read through numpy views)."""
+
+    def __init__(self, name):
+        self.name = name
+        self.torch = pytest.importorskip("torch") if name == "torch" else None
+
+    def nan_cache(self, heads):
+        shape = (L, NB, heads, BS, 2 * D)
+        if self.torch is not None:
+            return self.torch.full(shape, float("nan"), dtype=self.torch.float32)
+        return np.full(shape, np.nan, dtype=np.float32)
+
+    def numpy(self, a):
+        return a.numpy() if self.torch is not None else a
+
+
+@pytest.fixture(params=["numpy", "torch"])
+def arrays(request):
+    return Arrays(request.param)
+
+
+class Rig:
+    """A registered worker over a NaN-filled cache, and what the tests read back."""
+
+    def __init__(self, arrays, monkeypatch, tmp_path, extra=None, tp=(0, 1)):
+        monkeypatch.setattr(_compat, "tensor_parallel", lambda: tp)
+        self.events_path = str(tmp_path / "ev")
+        self.extra = dict({"store_budget_mb": 8, "events_path": self.events_path}, **(extra or {}))
+        self.cfg = KVInjectConfig.from_extra(self.extra, BS)
+        self.worker = KVInjectWorker(fake_vllm_config(self.extra), self.cfg)
+        self.tp_rank, self.heads = tp[0], H // tp[1]
+        self.cache = arrays.nan_cache(self.heads)
+        self.np = arrays.numpy(self.cache)
+        # vLLM's dict need not be in layer order
+        self.worker.register_kv_caches({layer_name(i): self.cache[i] for i in reversed(range(L))})
+        self.store = self.worker.store
+        self.rng = np.random.default_rng(7)
+        self.facts = {}
+
+    def put(self, tenant, fid, n, **kw):
+        k = self.rng.standard_normal((L, n, self.heads, D)).astype(np.float32)
+        v = self.rng.standard_normal((L, n, self.heads, D)).astype(np.float32)
+        self.store.put(tenant, fid, k, v, **kw)
+        self.facts[(tenant, fid)] = (k, v)
+        return k, v
+
+    def kv(self, layer, block, t):
+        """K and V ([heads, D]) of a token as vLLM's CPU kernels read them: per (block,
+        head) K as [D][BS], then V as [BS][D]."""
+        region = self.np[layer, block].reshape(self.heads, 2 * D * BS)
+        k = region[:, :D * BS].reshape(self.heads, D, BS)[:, :, t]
+        v = region[:, D * BS:].reshape(self.heads, BS, D)[:, t, :]
+        return k, v
+
+    def reference(self, tenant, fact_ids, first):
+        """The library's CPU injection of the facts into a plain [1, heads, slots, D]
+        cache per layer from slot ``first`` on: {slot: (K, V) of [L, heads, D]}."""
+        n = first + sum(self.store.fact_tokens(tenant, f) for f in fact_ids)
+        keys = [np.full((1, self.heads, n, D), np.nan, dtype=np.float32) for _ in range(L)]
+        vals = [np.full((1, self.heads, n, D), np.nan, dtype=np.float32) for _ in range(L)]
+        inj = kvi.Injector(self.store, kvi.CacheLayout.hf(keys, vals))
+        inj.inject(kvi.InjectRequest(tenant, list(fact_ids), [0], first_slot=first, start_position=first))
+        inj.close()
+        return {s: (np.stack([k[0, :, s] for k in keys]), np.stack([v[0, :, s] for v in vals]))
+                for s in range(first, n)}
+
+    def check_written(self, tenant, fact_ids, first, blocks, layers=range(L)):
+        """The cache holds the reference's K and V at every slot the facts fill;
+        returns the (layer, block, token) cells checked."""
+        ref = self.reference(tenant, fact_ids, first)
+        cells = set()
+        for s, (rk, rv) in ref.items():
+            b, t = blocks[s // BS], s % BS
+            for layer in layers:
+                k, v = self.kv(layer, b, t)
+                assert np.array_equal(k, rk[layer]), "K of slot %d, layer %d" % (s, layer)
+                assert np.array_equal(v, rv[layer]), "V of slot %d, layer %d" % (s, layer)
+                cells.add((layer, b, t))
+        return cells
+
+    def untouched_except(self, cells):
+        """Every cache cell (layer, block, token) not in ``cells`` still holds NaN."""
+        for layer in range(L):
+            for b in range(NB):
+                for t in range(BS):
+                    if (layer, b, t) not in cells:
+                        k, v = self.kv(layer, b, t)
+                        assert np.isnan(k).all() and np.isnan(v).all(), "cell %s changed" % ((layer, b, t),)
+
+    def events(self, kind=None):
+        with open(self.events_path + ".worker%d.jsonl" % self.tp_rank) as f:
+            recs = [json.loads(line) for line in f]
+        return [e for e in recs if kind is None or e["event"] == kind]
+
+
+@pytest.fixture
+def rig(arrays, monkeypatch, tmp_path):
+    r = Rig(arrays, monkeypatch, tmp_path)
+    yield r
+    r.worker.shutdown()
+
+
+def meta(injects=(), captures=(), failures=()):
+    return KVInjectMetadata(list(injects), list(captures), list(failures))
+
+
+# ------------------------------------------------------------------ register
+
+def test_register_derives_vllms_cpu_layout_and_makes_a_cpu_store(rig):
+    (rec,) = rig.events("register")
+    assert (rec["backend"], rec["isa"], rec["layers"], rec["local_heads"], rec["head_size"]) == \
+        ("CPU_ATTN", "vec", L, H, D)
+    assert (rec["block_size"], rec["num_blocks"], rec["dtype"], rec["tp_rank"], rec["tp_size"]) == \
+        (BS, NB, "FP32", 0, 1)
+    s = rig.store
+    assert (s.num_layers, s.num_heads, s.head_size, s.embedding_dim) == (L, H, D, 0)
+    assert rig.worker.get_finished({"a", "b"}) == (None, None)
+    rig.untouched_except(set())
+
+
+# ------------------------------------------------------------------ injection
+
+def test_a_steps_requests_land_in_their_blocks_as_the_library_writes_them(rig):
+    rig.put(1, 1, 5)
+    rig.put(1, 2, 20)
+    rig.put(2, 1, 7)  # another tenant, the same fact id
+    # tenant 1's two facts from slot 0 over blocks 4 and 1; tenant 2's fact after
+    # a local prefix hit of 3 tokens, in blocks 2 and 5
+    m = meta([InjectJob("a", 1, [(1, 0, 5), (2, 5, 20)], [4, 1]), InjectJob("b", 2, [(1, 3, 7)], [2, 5])])
+    rig.worker.start_load_kv(m)
+    cells = rig.check_written(1, [1, 2], 0, [4, 1]) | rig.check_written(2, [1], 3, [2, 5])
+    rig.untouched_except(cells)
+    assert rig.worker.get_block_ids_with_load_errors() == set()
+    (rec,) = rig.events("inject")
+    assert (rec["requests"], rec["facts"], rec["tokens"], rec["layerwise"], rec["step"]) == (2, 3, 32, False, 1)
+    # the same metadata is gone with the step: a step without it writes nothing more
+    rig.worker.wait_for_save(m)
+    rig.worker.start_load_kv(None)
+    assert len(rig.events("inject")) == 1
+
+
+def test_failures_are_isolated_per_request(rig):
+    rig.put(1, 1, 5)
+    rig.put(1, 2, 20)
+    good = InjectJob("good", 1, [(1, 0, 5), (2, 5, 20)], [0, 1])
+    bad = [
+        InjectJob("unknown", 1, [(1, 0, 5), (77, 5, 3)], [2]),          # no fact 77
+        InjectJob("tenant", 3, [(1, 0, 5)], [3]),                       # another tenant's fact
+        InjectJob("length", 1, [(1, 0, 6)], [4]),                       # a span longer than the fact
+        InjectJob("blocks", 1, [(1, 0, 5), (2, 5, 20)], [5]),           # 25 tokens, one block
+        InjectJob("range", 1, [(1, 0, 5)], [NB + 3]),                   # a block the cache does not have
+    ]
+    fail = FailJob("params", "kvinject parameters need a tenant", [5])  # the scheduler's
+    rig.worker.start_load_kv(meta([bad[0], good] + bad[1:], failures=[fail]))
+    assert rig.worker.get_block_ids_with_load_errors() == {2, 3, 4, 5, NB + 3}
+    assert rig.worker.get_block_ids_with_load_errors() == set()  # reported once
+    rig.untouched_except(rig.check_written(1, [1, 2], 0, [0, 1]))
+    errors = {e["req_id"]: e["message"] for e in rig.events("request_error")}
+    assert set(errors) == {"unknown", "tenant", "length", "blocks", "range", "params"}
+    assert "77" in errors["unknown"]
+    assert "fact 1 of tenant 1 has 5 tokens; the prompt's span for it at token 0 has 6" in errors["length"]
+    assert "the facts end at token 25; the request has 1 blocks of 16" in errors["blocks"]
+    assert errors["params"] == "kvinject parameters need a tenant"
+    # the next step injects again
+    rig.worker.start_load_kv(meta([InjectJob("later", 1, [(1, 0, 5)], [2])]))
+    assert rig.worker.get_block_ids_with_load_errors() == set()
+    rig.check_written(1, [1], 0, [2])
+
+
+def test_a_job_with_no_facts_left_writes_nothing(rig):
+    rig.worker.start_load_kv(meta([InjectJob("cached", 1, [], [0, 1])]))
+    assert rig.events("inject") == [] and rig.worker.get_block_ids_with_load_errors() == set()
+    rig.untouched_except(set())
+
+
+def test_no_metadata_means_nothing_to_do(rig):
+    rig.put(1, 1, 5)
+    for m in (None, object()):
+        rig.worker.start_load_kv(m)
+        rig.worker.wait_for_save(m)
+    rig.worker.save_kv_layer(layer_name(0), rig.cache[0], None)
+    assert [e["event"] for e in rig.events()] == ["register"]
+    rig.untouched_except(set())
+
+
+@pytest.fixture
+def layerwise_rig(arrays, monkeypatch, tmp_path):
+    r = Rig(arrays, monkeypatch, tmp_path, extra={"layerwise": True})
+    yield r
+    r.worker.shutdown()
+
+
+def test_layerwise_injection_writes_each_layer_when_vllm_reaches_it(layerwise_rig):
+    rig = layerwise_rig
+    rig.put(1, 1, 5)
+    rig.put(1, 2, 20)
+    m = meta([InjectJob("a", 1, [(1, 0, 5), (2, 5, 20)], [3, 0]), InjectJob("bad", 1, [(9, 0, 4)], [1])])
+    rig.worker.start_load_kv(m)
+    assert rig.worker.get_block_ids_with_load_errors() == {1}
+    layer0 = rig.check_written(1, [1, 2], 0, [3, 0], layers=[0])
+    rig.untouched_except(layer0)  # layer 1 not yet
+    rig.worker.wait_for_layer_load(layer_name(0))  # done before the forward
+    rig.worker.wait_for_layer_load("model.layers.7.self_attn.attn")  # not a layer of this cache
+    rig.untouched_except(layer0)
+    rig.worker.wait_for_layer_load(layer_name(1))
+    rig.untouched_except(rig.check_written(1, [1, 2], 0, [3, 0]))
+    rig.worker.wait_for_save(m)
+    (rec,) = rig.events("inject_layers")
+    assert (rec["layers"], rec["requests"], rec["step"]) == (L, 1, 1)
+    assert rig.events("inject")[0]["layerwise"] is True
+
+
+# ------------------------------------------------------------------- capture
+
+def captured(rig, tenant, fid):
+    n = rig.store.fact_tokens(tenant, fid)
+    k = np.empty((L, n, rig.heads, D), dtype=np.float32)
+    v = np.empty((L, n, rig.heads, D), dtype=np.float32)
+    rig.store.read(tenant, fid, k, v)
+    return k, v
+
+
+def test_a_capture_stores_the_prefilled_span_with_its_keys_unrotated(rig):
+    k1, v1 = rig.put(1, 1, 5)
+    k2, v2 = rig.put(1, 2, 20)
+    # the prompt's KV, as vLLM would have computed it: injected at slots 2..26
+    rig.worker.start_load_kv(meta([InjectJob("a", 1, [(1, 2, 5), (2, 7, 20)], [5, 0])]))
+    cap = CaptureJob("c", 4, [(10, 2, 5, None, False), (11, 7, 20, None, False)], [5, 0])
+    rig.worker.wait_for_save(meta(captures=[cap]))
+    for fid, (k, v) in ((10, (k1, v1)), (11, (k2, v2))):
+        ck, cv = captured(rig, 4, fid)
+        assert np.array_equal(cv, v)  # V is not rotated
+        assert np.abs(ck - k).max() <= 1e-5 * max(1.0, float(np.abs(k).max()))
+    (rec,) = rig.events("capture")
+    assert (rec["captures"], rec["stored"], rec["tokens"]) == (2, 2, 25)
+
+
+def test_capture_failures_are_isolated_per_fact(rig):
+    rig.put(1, 1, 5)
+    rig.worker.start_load_kv(meta([InjectJob("a", 1, [(1, 0, 5)], [2])]))
+    rig.put(4, 10, 3)  # fact 10 of tenant 4 exists: capturing it again without replace fails
+    caps = [CaptureJob("x", 4, [(10, 0, 5, None, False)], [2]), CaptureJob("y", 4, [(11, 0, 5, None, False)], [2]),
+            CaptureJob("z", 4, [(12, 0, 5, None, True)], [2])]
+    rig.worker.wait_for_save(meta(captures=caps))
+    assert rig.store.fact_tokens(4, 10) == 3  # left as it was
+    assert rig.store.fact_tokens(4, 11) == 5 and rig.store.fact_tokens(4, 12) == 5
+    (err,) = rig.events("capture_error")
+    assert (err["req_id"], err["fact_id"], err["tenant"]) == ("x", 10, 4)
+    (rec,) = rig.events("capture")
+    assert (rec["captures"], rec["stored"]) == (3, 2)
+    # replace=True takes over an existing fact
+    rig.worker.wait_for_save(meta(captures=[CaptureJob("r", 4, [(10, 0, 5, None, True)], [2])]))
+    assert rig.store.fact_tokens(4, 10) == 5
+
+
+def test_a_capture_keeps_its_embedding(arrays, monkeypatch, tmp_path):
+    rig = Rig(arrays, monkeypatch, tmp_path, extra={"embedding_dim": 3})
+    rig.put(1, 1, 5, embedding=[1.0, 0.0, 0.0])
+    rig.worker.start_load_kv(meta([InjectJob("a", 1, [(1, 0, 5)], [1])]))
+    rig.worker.wait_for_save(meta(captures=[CaptureJob("c", 2, [(7, 0, 5, [0.25, 0.5, 1.0], False)], [1])]))
+    assert list(rig.store.get_embedding(2, 7)) == [0.25, 0.5, 1.0]
+    rig.worker.shutdown()
+    assert rig.worker.store is None
+
+
+# ---------------------------------------------------------------- store file
+
+def test_the_store_file_is_the_journal_and_is_loaded_at_start(arrays, monkeypatch, tmp_path):
+    path = str(tmp_path / "facts.kvi")
+    rig = Rig(arrays, monkeypatch, tmp_path, extra={"store_path": path})
+    assert os.path.exists(path)
+    k, v = rig.put(1, 1, 5)
+    rig.worker.start_load_kv(meta([InjectJob("a", 1, [(1, 0, 5)], [0])]))
+    rig.worker.wait_for_save(meta(captures=[CaptureJob("c", 2, [(3, 0, 5, None, False)], [0])]))
+    rig.worker.shutdown()
+    # a new worker (an engine restarted) has the facts of the file
+    again = Rig(arrays, monkeypatch, tmp_path, extra={"store_path": path})
+    assert again.store.fact_tokens(1, 1) == 5 and again.store.fact_tokens(2, 3) == 5
+    ck, cv = captured(again, 1, 1)
+    assert np.array_equal(ck, k) and np.array_equal(cv, v)
+    again.worker.start_load_kv(meta([InjectJob("b", 1, [(1, 0, 5)], [3])]))
+    again.untouched_except(again.check_written(1, [1], 0, [3]))
+    again.worker.shutdown()
+
+
+def test_with_tensor_parallelism_each_rank_has_its_heads_and_its_file(arrays, monkeypatch, tmp_path):
+    path = str(tmp_path / "facts.kvi")
+    rig = Rig(arrays, monkeypatch, tmp_path, extra={"store_path": path}, tp=(1, 2))
+    assert os.path.exists(path + ".rank1") and not os.path.exists(path)
+    (rec,) = rig.events("register")
+    assert (rec["local_heads"], rec["tp_rank"], rec["tp_size"]) == (H // 2, 1, 2)
+    assert rig.store.num_heads == H // 2
+    rig.put(1, 1, 5)
+    rig.worker.start_load_kv(meta([InjectJob("a", 1, [(1, 0, 5)], [4])]))
+    rig.untouched_except(rig.check_written(1, [1], 0, [4]))
+    rig.worker.shutdown()
