@@ -414,7 +414,7 @@ _PROTOTYPES = {
     # search.h
     "kvi_search_options_init": (c_int, [P, c_size_t]),
     "kvi_store_search": (c_int, [P, P, c_int32, c_int32, P, c_int32, P, P, P, P, P]),
-    "kvi_store_search_async_errors": (c_int, [P, POINTER(c_int64)]),
+    "kvi_store_async_errors": (c_int, [P, POINTER(c_int64)]),
     # cache.h
     "kvi_cache_layout_init": (c_int, [P, c_size_t]),
     "kvi_cache_layout_preset": (c_int, [P, c_int, c_int, c_int32, c_int32, c_int32, c_int32, c_int64, P, P, P]),
@@ -448,7 +448,7 @@ _PROTOTYPES = {
     "kvi_comm_create_local": (c_int, [POINTER(c_void_p), P, c_int32]),
     "kvi_comm_destroy": (None, [P]),
     "kvi_comm_rank": (c_int, [P, POINTER(c_int32), POINTER(c_int32)]),
-    "kvi_comm_async_error": (c_int, [P]),
+    "kvi_comm_async_errors": (c_int, [P, POINTER(c_int64)]),
     "kvi_store_embedding_rank": (c_int32, [c_uint64, c_uint64, c_int32]),
     "kvi_store_put_scatter": (c_int, [P, c_int32, P, c_int32, P]),
     "kvi_store_gather": (c_int, [P, c_int32, P, c_int32, P]),

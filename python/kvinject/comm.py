@@ -57,9 +57,12 @@ class Comm(Handle):
         lib().call("kvi_comm_create_nccl", ctypes.byref(h), ctypes.c_void_p(nccl_comm))
         return cls(h)
 
-    def async_error(self) -> None:
-        """kvi_comm_async_error: raises CudaError when NCCL reports an asynchronous error."""
-        lib().call("kvi_comm_async_error", self.handle)
+    def async_errors(self) -> int:
+        """kvi_comm_async_errors: raises CudaError when NCCL reports an asynchronous
+        error; else 0 (a communicator skips no input), as every handle's query."""
+        n = ctypes.c_int64()
+        lib().call("kvi_comm_async_errors", self.handle, ctypes.byref(n))
+        return n.value
 
 
 def embedding_rank(tenant: int, fact_id: int, tp_size: int) -> Optional[int]:

@@ -141,7 +141,7 @@ _C_NAMES = {
     "kvi_store_remove": "Store.remove", "kvi_store_fact_tokens": "Store.fact_tokens",
     "kvi_store_get_embedding": "Store.get_embedding", "kvi_store_prefetch": "Store.prefetch",
     "kvi_store_count": "Store.count", "kvi_store_list": "Store.list", "kvi_store_stats_get": "Store.stats",
-    "kvi_store_search": "Store.search", "kvi_store_search_async_errors": "Store.search_async_errors",
+    "kvi_store_search": "Store.search", "kvi_store_async_errors": "Store.async_errors",
     "kvi_store_put_scatter": "Store.put_scatter", "kvi_store_gather": "Store.gather",
     "kvi_store_check_agreement": "Store.check_agreement", "kvi_store_save": "Store.save",
     "kvi_store_load": "Store.load", "kvi_store_journal_open": "Store.journal_open",
@@ -150,7 +150,7 @@ _C_NAMES = {
     "kvi_injector_async_errors": "Injector.async_errors", "kvi_retrieve_inject": "Injector.retrieve_inject",
     "kvi_encoder_create": "Encoder", "kvi_encode": "Encoder.encode", "kvi_comm_create_local": "Comm.local",
     "kvi_comm_create_nccl": "Comm.nccl", "kvi_comm_group_create": "CommGroup", "kvi_comm_rank": "Comm.rank",
-    "kvi_comm_async_error": "Comm.async_error", "kvi_features": "kvinject.features",
+    "kvi_comm_async_errors": "Comm.async_errors", "kvi_features": "kvinject.features",
     "kvi_dtype": "DType", "kvi_backend": "Backend",
 }
 _ENUM_PREFIXES = {"KVI_DTYPE_": "DType.", "KVI_MEMORY_": "Memory.", "KVI_ROPE_": "RopeStyle.",

@@ -532,10 +532,12 @@ class Store(Handle):
         return SearchResults(array.array("Q", ids[:nq * k]), array.array("f", scores[:nq * k]),
                              array.array("i", counts[:nq]), k)
 
-    def search_async_errors(self) -> int:
-        """kvi_store_search_async_errors: device queries found non-finite since the last call."""
+    def async_errors(self) -> int:
+        """kvi_store_async_errors: device queries that searches found non-finite since
+        the last call; raises the store's latched failure (a change to its device
+        embeddings that could not be enqueued) if there is one."""
         n = ctypes.c_int64()
-        lib().call("kvi_store_search_async_errors", self.handle, ctypes.byref(n))
+        lib().call("kvi_store_async_errors", self.handle, ctypes.byref(n))
         return n.value
 
     def __repr__(self):

@@ -452,7 +452,7 @@ class TestTorchCUDA(TorchCase):
                         self.assertAlmostEqual(res_scores[j], rs, delta=1e-4)
                         if res_ids[j] % (1 << 64) != rid:
                             self.assertAlmostEqual(res_scores[j], ref.scores[i * 10 + j], delta=2e-4)
-        self.assertEqual(cs.search_async_errors(), 0)
+        self.assertEqual(cs.async_errors(), 0)
 
     def test_retrieve_inject_on_device(self):
         """kvi_retrieve_inject's device path (a CUDA store without a host tier): the same

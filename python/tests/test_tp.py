@@ -132,7 +132,7 @@ class TP(unittest.TestCase):
         with self.assertRaises(kvi.ExistsError):
             kvi.Comm.local(g, 0)
         self.assertEqual((c.rank, c.size), (0, 2))
-        c.async_error()
+        self.assertEqual(c.async_errors(), 0)
         c.close()
         g.close()
         m = kvi.Model(L, H, D)
