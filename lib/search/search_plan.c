@@ -170,8 +170,9 @@ static bool plan_tiles(builder *b) {
 /* One merge at the end: when every stage-1 output of the call fits in an
  * eighth of the area (beside it), each query's candidates of all rounds
  * go to one region of its own and a single stage 2 merges them after the
- * last round, instead of a merge into the running top k every round (for
- * 256 queries over 1M facts, 17 merges of 10 us). Sets base and fill then. */
+ * last round, instead of a merge into the running top k every round (a
+ * large batch over many facts would otherwise pay one merge per round).
+ * Sets base and fill then. */
 static bool plan_deferred(builder *b) {
   plan *p = b->p;
   size_t pairs = 0;
@@ -306,8 +307,8 @@ static bool round_deferred(builder *b, pround *r) {
 }
 
 /* The round's sq in slot order, stable: a counting sort over the round's
- * slots (qsort of the 512 selections of each of a 256-query batch's 17
- * rounds took most of its 0.7 ms of planning). */
+ * slots (a qsort of every round's selections dominated a large batch's
+ * planning). */
 static bool sort_by_slot(builder *b) {
   const size_t nsq = b->nsq;
   if (nsq == 0) return true;

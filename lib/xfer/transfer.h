@@ -36,10 +36,10 @@
 
 #define KVI__XFER_SLOTS 2 /* staging slots of an injector or encoder (xfer.ring) */
 /* Captures per kernel launch of a large kvi_encode call; every chunk's plan
- * lies in the call's one staging slot. Chunks of 512 let the device start
- * while the host planned the rest, but on the H200 3,200 captures took
- * longer in 7 launches (6.81 ms) than in one (6.55 ms): the host's planning
- * is no longer the bottleneck, so a call is one launch up to this size. */
+ * lies in the call's one staging slot. Small chunks would let the device
+ * start while the host planned the rest, but the host's planning is no
+ * longer the bottleneck and one launch was faster (BENCHMARKS.md, capture),
+ * so a call is one launch up to this size. */
 #define KVI__CAPTURE_CHUNK 65536
 
 /* What an injector and an encoder share. */
