@@ -1757,8 +1757,9 @@ static void test_cpu_frees(void **state) {
 /* ------------------------------------------------------------------------ */
 
 /* kvi_encode plans and launches a large call in chunks of captures
- * (lib/xfer/encode.c, KVI__CAPTURE_CHUNK = 512): a call of 1,100 captures (three
- * chunks) stores exactly what 1,100 calls of one capture store, in bf16 and
+ * (lib/xfer/encode.c, KVI__CAPTURE_CHUNK = 65,536, so 1,100 captures are one
+ * chunk): a call of 1,100 captures stores exactly what 1,100 calls of one
+ * capture store, in bf16 and
  * fp8 stores (whose page scales are computed per launch), with tenants
  * interleaved, keys out of order, explicit and consecutive positions, and
  * replacements (one of them of a tenant's only fact); a rejected call of
