@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The recall benchmark (recall.py) with selective recompute configurations
-(kvinject.recompute): every Context-Window Encoding configuration w<N>-<store>
+(kvinject.hf.recompute): every Context-Window Encoding configuration w<N>-<store>
 it runs, also followed by recompute of part of the injected fact tokens.
 
     python3 recall_recompute.py [--recompute blend-5,blend-10,...] RECALL ARGUMENTS...
@@ -43,7 +43,7 @@ class Recompute:
             self.base.setup(bench)
 
     def fill(self, bench, cell, cache):
-        from kvinject.recompute import recompute
+        from kvinject.hf.recompute import recompute
         kvi = bench.kvi
         self.base.fill(bench, cell, cache)
         if not cell.facts:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Selective recompute of injected facts (kvinject.recompute) on a real instruct
+"""Selective recompute of injected facts (kvinject.hf.recompute) on a real instruct
 model: first-token KL divergence from a re-prefill of [header | facts |
 question], and the time to first token of re-prefill, plain injection and
 injection + recompute.
@@ -116,7 +116,7 @@ class Harness:
         """Logits after header prefill, injection, recompute (layer -1 and no boundary:
         none) and the question's prefill; and the plan."""
         torch, kvi = self.torch, self.kvi
-        from kvinject.recompute import recompute
+        from kvinject.hf.recompute import recompute
         hdr, q = case["header"], case["question"]
         fids = [self.fact_id(f) for f in case["facts"]]
         allf = [t for f in case["facts"] for t in f]

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 import kvinject as kvi  # noqa: E402
 import recompute_eval as R  # noqa: E402
-from kvinject.recompute import recompute  # noqa: E402
+from kvinject.hf.recompute import recompute  # noqa: E402
 
 failures = []
 
