@@ -1,37 +1,15 @@
 """Reading and setting a transformers cache object: its per-layer tensors
 (:func:`cache_tensors`) and a StaticCache's length (:func:`set_cache_length`).
+
+:func:`is_hf_cache` and :func:`cache_tensors` are kvinject.cache's, which
+``CacheLayout.hf(cache)`` reads a cache object with (the core never imports
+this package); they are here too, beside what sets a cache's length.
 """
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from ..cache import cache_tensors, is_hf_cache
 
-
-def is_hf_cache(obj) -> bool:
-    """Whether obj looks like a transformers cache (5.x ``layers`` with keys and
-    values, or 4.x ``key_cache`` / ``value_cache`` lists)."""
-    layers = getattr(obj, "layers", None)
-    if layers is not None and not isinstance(obj, (list, tuple)):
-        return all(hasattr(l, "keys") and hasattr(l, "values") for l in layers)
-    return hasattr(obj, "key_cache") and hasattr(obj, "value_cache")
-
-
-def cache_tensors(cache) -> Tuple[List[Any], List[Any]]:
-    """The per-layer key and value tensors [batch, heads, seq, head_dim] of a
-    transformers cache, as lists. RuntimeError while the layers are not
-    allocated (transformers allocates them at the first forward through the
-    cache; :class:`StaticCacheInjector` can allocate them first)."""
-    if not is_hf_cache(cache):
-        raise TypeError("expected a transformers cache (DynamicCache, StaticCache), got %s" % type(cache).__name__)
-    layers = getattr(cache, "layers", None)
-    if layers is not None:
-        keys = [l.keys for l in layers]
-        values = [l.values for l in layers]
-    else:  # 4.x
-        keys, values = list(cache.key_cache), list(cache.value_cache)
-    if not keys or any(getattr(t, "dim", None) is None or t.dim() != 4 for t in keys + values):
-        raise RuntimeError("the %s's layers are not allocated (run a forward through it first)"
-                           % type(cache).__name__)
-    return keys, values
+__all__ = ["cache_tensors", "is_hf_cache", "set_cache_length"]
 
 
 def _as_int(n) -> int:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional, Sequence
 
+from ..transfer import recompute_select
+
 
 @dataclasses.dataclass
 class RecomputePlan:
@@ -124,7 +126,6 @@ def recompute(model, cache, injector, request, fact_token_ids, *, score_layer: i
     default from the store). Returns the plan. The caller then sets the cache
     length (kvinject.hf.set_cache_length) and prefills what follows."""
     import torch
-    from ..transfer import recompute_select
     inner, layers = _layers(model)
     L = len(layers)
     dev = next(model.parameters()).device

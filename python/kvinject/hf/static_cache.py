@@ -8,8 +8,10 @@ from typing import Any, List, Optional, Sequence
 
 from .._types import IntArrayLike, StreamLike
 from ..cache import CacheLayout
+from ..enums import Backend
 from ..errors import StaleLayoutError
 from ..store import Store
+from ..transfer import InjectRequest, Injector
 from .cache import _as_int, is_hf_cache, set_cache_length
 
 
@@ -112,7 +114,6 @@ class StaticCacheInjector:
     def injector(self):
         """The :class:`kvinject.Injector` on the cache's current tensors (made again
         when they moved)."""
-        from ..transfer import Injector
         self._allocate()
         if self._injector is not None:
             try:
@@ -129,7 +130,6 @@ class StaticCacheInjector:
         complete (a CPU store works synchronously; else the stream of the last
         injection is synchronized, when it can be), else kept until :meth:`close`
         (it also keeps the old tensors alive)."""
-        from ..enums import Backend
         stream = self._last_stream
         if self.store.backend != Backend.CPU:
             if not hasattr(stream, "synchronize"):
@@ -167,7 +167,6 @@ class StaticCacheInjector:
         """As :meth:`inject`, each row its own facts: ``fact_ids_per_row[i]`` into batch
         row ``rows[i]`` (rows default 0, 1, ...). The cache has one length for all
         rows, so every row's facts must have the same number of tokens."""
-        from ..transfer import InjectRequest
         inj = self.injector
         per_row = [list(ids) if not hasattr(ids, "data_ptr") else ids for ids in fact_ids_per_row]
         rows = list(range(len(per_row))) if rows is None else list(rows)
