@@ -9,12 +9,17 @@ transformers config); families: Llama (llama3 scaling), Qwen2, Mistral and
 the other NeoX-paired models (linear, YaRN scaling, partial rotary as
 GPT-NeoX), GPT-J (interleaved pairs), and configs with a RoPE per layer type
 (Gemma 3: sliding and full attention layers, :func:`kvi_rope_fields_per_layer`).
+
+The model of the vLLM connector's stores (:func:`store_model`, with the
+connector's ``rope`` overrides: :func:`store_rope_fields`) and the names of its
+``store_dtype`` setting (``STORE_DTYPES``) are built here from the served
+model's config; kvinject.vllm.retrieval gives them too.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
-from ..enums import RopeScaling, RopeStyle
+from ..enums import DType, RopeScaling, RopeStyle
 from ..model import Model
 
 
@@ -137,4 +142,36 @@ def kvi_model_for(config, rope_fields=None, *, tp_rank: int = 0, tp_size: int = 
     else:
         for i, f in enumerate(per_layer):
             m.set_rope(layer=i, **f)
+    return m
+
+
+# --------------------------------------------------- the vLLM connector's stores
+
+STORE_DTYPES = {"fp32": DType.FP32, "bf16": DType.BF16, "fp16": DType.FP16, "fp8_e4m3": DType.FP8_E4M3}
+
+
+def store_rope_fields(hf_config, overrides: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+    """The kvi_rope_spec fields the connector sets on every layer: those of the
+    model's config (kvinject.hf.kvi_rope_fields) updated with the connector's
+    ``rope`` setting (enum fields may be given by name)."""
+    rope = kvi_rope_fields(hf_config)
+    for k, v in (overrides or {}).items():
+        if k == "style" and isinstance(v, str):
+            v = RopeStyle[v]
+        elif k == "scaling" and isinstance(v, str):
+            v = RopeScaling[v]
+        rope[k] = v
+    return rope
+
+
+def store_model(hf_config, overrides: Optional[Mapping[str, Any]] = None, *, num_layers: Optional[int] = None,
+                tp_rank: int = 0, tp_size: int = 1) -> Model:
+    """The kvinject Model of the connector's stores for a transformers config:
+    geometry, tensor-parallel slice and RoPE (explicit on every layer)."""
+    rope = store_rope_fields(hf_config, overrides)
+    if num_layers is None or num_layers == hf_config.num_hidden_layers:
+        return kvi_model_for(hf_config, rope, tp_rank=tp_rank, tp_size=tp_size)
+    m = Model(num_layers=num_layers, num_kv_heads=kv_heads_of(hf_config), head_size=head_dim_of(hf_config),
+              tp_rank=tp_rank, tp_size=tp_size)
+    m.set_rope(**rope)
     return m
