@@ -35,7 +35,6 @@ import unittest
 HERE = os.path.dirname(os.path.abspath(__file__))
 PYTHON_DIR = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(PYTHON_DIR, "harness"))
 
 try:
     import torch
@@ -281,13 +280,13 @@ class TestSmolLM2(Parity, unittest.TestCase):
 
 class TestRopeFields(unittest.TestCase):
     def test_every_family_of_the_harness(self):
-        import hf_common as C
-        for name, (cls, kw, _) in C.tiny_configs(layers=1).items():
+        from kvinject.hf import testing
+        for name, (cls, kw, _) in testing.tiny_configs(layers=1).items():
             with self.subTest(family=name):
-                model = C.build_model(cls, kw, torch.float32, "cpu")
+                model = testing.build_model(cls, kw, torch.float32, "cpu")
                 km = khf.kvi_model_for(model.config)
                 self.addCleanup(km.close)
-                self.assertLess(C.rope_mapping_error(model, km, positions=256), 1e-4)  # the harness criterion
+                self.assertLess(testing.rope_mapping_error(model, km, positions=256), 1e-4)  # the harness criterion
 
 
     def test_rope_per_layer_type(self):

@@ -19,10 +19,13 @@
   refuses to be used once the cache replaced its tensors.
 - :mod:`kvinject.hf.recompute`: selective recompute of injected facts in
   transformers' Llama-family decoders (:func:`kvinject.hf.recompute.recompute`).
+- :mod:`kvinject.hf.testing`: what the tests and the benchmarks (kvinject_bench)
+  share: random-weight models of each RoPE family, the check of a config's
+  mapping against the model's own cos/sin, selective recompute cases.
 
 transformers and torch are never imported at import (objects are read through
 their attributes; kvinject.hf.recompute imports them when called). The
-mappings are what python/harness/hf_parity.py proves against the models
+mappings are what kvinject_bench.hf_parity proves against the models
 themselves, and python/tests/test_hf.py against a tiny Llama and SmolLM2-135M.
 """
 from __future__ import annotations

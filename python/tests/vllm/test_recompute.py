@@ -25,14 +25,11 @@ import argparse
 import os
 import sys
 
-HARNESS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "harness")
-sys.path.insert(0, HARNESS)
+import torch
 
-import torch  # noqa: E402
-
-import kvinject as kvi  # noqa: E402
-import recompute_eval as R  # noqa: E402
-from kvinject.hf.recompute import recompute  # noqa: E402
+import kvinject as kvi
+from kvinject.hf import testing as R
+from kvinject.hf.recompute import recompute
 
 failures = []
 
@@ -48,7 +45,7 @@ def main():
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
-    h = R.Harness(os.environ["KVI_VLLM_MODEL"], args.device, torch.float32, kvi, torch)
+    h = R.RecomputeHarness(os.environ["KVI_VLLM_MODEL"], args.device, torch.float32, kvi, torch)
     cases = R.make_cases(h.tok, 4, 2, seed=3)
     kl_inject = kl_blend = 0.0
     for ci, c in enumerate(cases):
@@ -83,9 +80,9 @@ def _injected_cache(h, c):
     hdr = c["header"]
     fids = [h.fact_id(f) for f in c["facts"]]
     allf = [t for f in c["facts"] for t in f]
-    cache = R.C.static_cache(h.model, len(hdr) + len(allf) + len(c["question"]))
+    cache = R.static_cache(h.model, len(hdr) + len(allf) + len(c["question"]))
     h.model(torch.tensor([hdr], device=h.device), past_key_values=cache, use_cache=True)
-    keys, values = R.C.cache_tensors(cache)
+    keys, values = R.cache_tensors(cache)
     inj = kvi.Injector(h.store, kvi.CacheLayout.hf(keys, values))
     req = kvi.InjectRequest(R.TENANT, fids, block_table=[0], first_slot=len(hdr), start_position=len(hdr))
     inj.inject(req, stream=h.stream)
@@ -96,7 +93,7 @@ def nothing_recomputed(h, c):
     cache, inj, req, allf = _injected_cache(h, c)
     plan = recompute(h.model, cache, inj, req, allf, score_layer=-1, fraction=0.0, boundary=0)
     assert plan.chosen == []
-    R.C.set_cache_length(cache, req.first_slot + len(allf))
+    R.set_cache_length(cache, req.first_slot + len(allf))
     out = h.model(torch.tensor([c["question"]], device=h.device), past_key_values=cache, use_cache=True)
     return out.logits[0, -1].double().cpu()
 
@@ -109,7 +106,7 @@ def deviation_scores(h, c):
         cache, inj, req, allf = _injected_cache(h, c)
         plan = recompute(h.model, cache, inj, req, allf, score_layer=layer, fraction=0.0)
         out.append(plan.scores)
-    keys, values = R.C.cache_tensors(cache)
+    keys, values = R.cache_tensors(cache)
     s0, n = req.first_slot, len(allf)
     mag = float((keys[1][0, :, s0:s0 + n].double() ** 2).sum((0, 2)).max() +
                 (values[1][0, :, s0:s0 + n].double() ** 2).sum((0, 2)).max())
