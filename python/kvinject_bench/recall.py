@@ -452,7 +452,7 @@ def make_methods(args):
 
 # ----------------------------------------------------------------- the cells
 
-def row_cache(big, r, C_, torch):
+def row_cache(big, r, torch):
     """A batch-1 StaticCache whose layers are views of row r of `big`."""
     from transformers import StaticCache
     c = StaticCache(config=big._kvi_config, max_cache_len=big._kvi_len)
@@ -492,7 +492,7 @@ def run_cell(bench, cell, methods):
     ref_kv = cell.reference_kv()
     big = batched_cache(bench, B, max_len, ref_kv, cell.header_len)
     for r, m in enumerate(methods):
-        rc = row_cache(big, r, C, torch)
+        rc = row_cache(big, r, torch)
         common.set_cache_length(rc, cell.header_len)
         m.fill(bench, cell, rc)
     common.set_cache_length(big, n0)
