@@ -58,7 +58,7 @@ class TestStructs:
 
     def test_every_struct_matches_c(self):
         assert sorted(self.c.sizes) == sorted(_lib.STRUCTS), \
-                         "the C program and the binding list different structs"
+               "the C program and the binding list different structs"
         for name, cls in _lib.STRUCTS.items():
             with case(struct=name):
                 assert ctypes.sizeof(cls) == self.c.sizes[name], "sizeof(%s)" % name
@@ -114,17 +114,17 @@ class TestInitPath:
         assert o.struct_size == ctypes.sizeof(_lib.StoreOptions)
         # KVI_STORE_OPTIONS_INIT (include/kvinject/store.h)
         assert (o.backend, o.device, o.dtype, o.page_tokens, o.budget_bytes, o.embedding_dim,
-                          o.embedding_dtype, o.metric) == \
-                         (kvi.Backend.AUTO, -1, kvi.DType.BF16, 16, 0, 0, kvi.DType.FP32, kvi.Metric.INNER_PRODUCT)
+                o.embedding_dtype, o.metric) == \
+               (kvi.Backend.AUTO, -1, kvi.DType.BF16, 16, 0, 0, kvi.DType.FP32, kvi.Metric.INNER_PRODUCT)
         r = L.new(_lib.RopeSpecC)
         assert (r.style, r.theta, r.original_max_position, r.high_freq_factor, r.beta_fast, r.yarn_truncate,
-                          r.table_dtype) == (kvi.RopeStyle.NEOX, 10000.0, 8192, 4.0, 32.0, 1, kvi.DType.FP32)
+                r.table_dtype) == (kvi.RopeStyle.NEOX, 10000.0, 8192, 4.0, 32.0, 1, kvi.DType.FP32)
         t = L.new(_lib.TransferOptions)
         assert (t.max_tokens_per_call, t.max_requests_per_call, t.max_table_entries_per_call) == \
-                         (1 << 20, 4096, 1 << 20)
+               (1 << 20, 4096, 1 << 20)
         s = L.new(_lib.SearchOptions)
         assert (s.query_dtype, s.query_memory, s.out_memory, s.workspace_bytes) == \
-                         (kvi.DType.FP32, kvi.Memory.HOST, kvi.Memory.HOST, 64 << 20)
+               (kvi.DType.FP32, kvi.Memory.HOST, kvi.Memory.HOST, 64 << 20)
         for cls in _lib.STRUCTS.values():
             assert L.new(cls).struct_size == ctypes.sizeof(cls), cls.__name__
 

@@ -20,7 +20,7 @@ class TestArrays:
         a = (ctypes.c_float * 12)()
         r = B.as_array(a, "x")
         assert (r.ptr, r.shape, r.strides, r.kind, r.memory, r.nbytes) == \
-                         (ctypes.addressof(a), (12,), (1,), "f32", Memory.HOST, 48)
+               (ctypes.addressof(a), (12,), (1,), "f32", Memory.HOST, 48)
         nested = ((ctypes.c_uint16 * 4) * 3)()
         r = B.as_array(nested, "x", dtype=DType.BF16)
         assert (r.ptr, r.kind, r.numel) == (ctypes.addressof(nested), "bf16", 12)
@@ -67,7 +67,7 @@ class TestArrays:
         t = FakeTensor(buf, (3, 4, 5), (20, 1, 4), offset=2)
         r = B.as_array(t, "x")
         assert (r.shape, r.strides, r.kind, r.memory, r.device, r.is_tensor) == \
-                         ((3, 4, 5), (20, 1, 4), "f32", Memory.HOST, -1, True)
+               ((3, 4, 5), (20, 1, 4), "f32", Memory.HOST, -1, True)
         assert r.ptr == t.data_ptr()
         assert r.nbytes == (1 + 2 * 20 + 3 * 1 + 4 * 4) * 4
         names = {"torch.float32": "f32", "torch.float16": "f16", "torch.bfloat16": "bf16",

@@ -69,7 +69,7 @@ class TestEncode:
                         # the cache held y rounded to its dtype: that error passes through the inverse
                         bound = 2 * tol[d] + 4 * u * max(abs(y[d]), max(abs(c) for c in y)) + 1e-30
                         assert abs(rk[at + d] - x[d]) <= bound, \
-                                             "fact %d token %d layer %d head %d dim %d" % (fid, t, l, h, d)
+                               "fact %d token %d layer %d head %d dim %d" % (fid, t, l, h, d)
                         assert rv[at + d] == round_to(v[d], cache_dtype)
         return rk
 

@@ -241,16 +241,16 @@ class TestPythonNames:
     def test_rewrites(self):
         pm = kvi.errors.python_message
         assert pm("kvi_store_search: opts->query_dtype is 9, expected KVI_DTYPE_FP32, FP16 or BF16") == \
-                         "Store.search: query_dtype is 9, expected DType.FP32, FP16 or BF16"
+               "Store.search: query_dtype is 9, expected DType.FP32, FP16 or BF16"
         assert pm("kvi_store_create: opts->backend is 7, not a kvi_backend") == \
-                         "Store: backend is 7, not a Backend"
+               "Store: backend is 7, not a Backend"
         assert pm("this build of libkvinject has no NCCL (kvi_features())") == \
-                         "this build of libkvinject has no NCCL (kvinject.features())"
+               "this build of libkvinject has no NCCL (kvinject.features())"
         assert pm("request 12: block_table_len is -1") == "requests[12]: block_table has -1 entries"
         assert pm("layer 0's RoPE was never set: give it a spec, or KVI_ROPE_NONE for a layer without "
-                            "rotary embedding, with kvi_model_set_rope before creating the store") == \
-                         "layer 0's RoPE was never set: give it a spec, or RopeStyle.NONE for a layer without " \
-                         "rotary embedding, with Model.set_rope before creating the store"
+                  "rotary embedding, with kvi_model_set_rope before creating the store") == \
+               "layer 0's RoPE was never set: give it a spec, or RopeStyle.NONE for a layer without " \
+               "rotary embedding, with Model.set_rope before creating the store"
         assert pm("kvi_unknown_thing: x") == "kvi_unknown_thing: x"  # unknown names are left
 
 

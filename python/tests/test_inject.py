@@ -89,8 +89,8 @@ class InjectCase:
                                 buf, i = cache_index(l, kv, blk, tok, h, d)
                                 if w is None:
                                     assert _raw(buf, i, dtype) == POISON[dtype], \
-                                                     "layer %d plane %d block %d token %d head %d dim %d was written" \
-                                                     % (l, kv, blk, tok, h, d)
+                                           "layer %d plane %d block %d token %d head %d dim %d was written" \
+                                           % (l, kv, blk, tok, h, d)
                                     continue
                                 got = value(buf[i]) * scale
                                 if kv == 0:
@@ -99,8 +99,8 @@ class InjectCase:
                                     ref, tol = w[2][d], 0.0
                                 bound = tol + 2 * u * abs(ref) + (2.0 ** -9 * scale if dtype == DType.FP8_E4M3 else 0)
                                 assert abs(got - ref) <= bound, \
-                                                     "%s layer %d block %d token %d head %d dim %d: %r, reference %r" \
-                                                     % ("KV"[kv], l, blk, tok, h, d, got, ref)
+                                       "%s layer %d block %d token %d head %d dim %d: %r, reference %r" \
+                                       % ("KV"[kv], l, blk, tok, h, d, got, ref)
                                 written += 1
         assert written == 2 * D * len(writes)
         return written
@@ -179,7 +179,7 @@ class TestHuggingFace(InjectCase):
             inj.deviation(reqs, L)
         assert kvi.recompute_select(got, [9, 5, 3], fraction=0.0, boundary=1) == [0, 9, 14]
         assert kvi.recompute_select(got, [9, 5, 3], fraction=0.1, boundary=1) == \
-                         [0, 1, 9, 14, 15]  # 0.25, then the lowest index of the ties
+               [0, 1, 9, 14, 15]  # 0.25, then the lowest index of the ties
         assert kvi.recompute_select(array.array("f", got), [9, 5, 3], fraction=1 / 17) == [15]
         with pytest.raises(kvi.InvalidArgumentError):
             kvi.recompute_select(got, [9, 5, 3], fraction=-1.0)
@@ -352,7 +352,7 @@ class TestVllm(InjectCase):
                             ref, tol = (w[0][d], w[1][d]) if kv == 0 else (w[2][d], 0.0)
                             got = fp8_e4m3_value(buf[i]) * scale
                             assert abs(got - ref) <= tol + 2.0 ** -4 * abs(ref) + 2.0 ** -9 * scale, \
-                                                 "layer %d %s: %r vs %r" % (l, "KV"[kv], got, ref)
+                                   "layer %d %s: %r vs %r" % (l, "KV"[kv], got, ref)
 
 
 class TestInjectBatch(InjectCase):
@@ -566,8 +566,8 @@ class TestStridedHeads(InjectCase):
         tensors = [FakeTensor(b, (NB, H, BS, 2 * D), dtype="torch.bfloat16") for b in bufs]
         layout = kvi.CacheLayout.vllm_cpu(tensors)
         assert (layout.token_stride, layout.dim_stride, layout.v_token_stride, layout.v_dim_stride,
-                          layout.v_offset, layout.head_stride, layout.block_stride) == \
-                         (1, BS, D, 1, D * BS, 2 * D * BS, H * 2 * D * BS)
+                layout.v_offset, layout.head_stride, layout.block_stride) == \
+               (1, BS, D, 1, D * BS, 2 * D * BS, H * 2 * D * BS)
         inj = kvi.Injector(facts.store, layout)
         table = [4, 0, 5, 2]
         inj.inject(kvi.InjectRequest(1, [11, 10], table, first_slot=1, start_position=77))

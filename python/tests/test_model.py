@@ -26,7 +26,7 @@ class TestGeometry:
                         first, n, rep = r // (tp // H), 1, tp // H
                     i = m.info()
                     assert (i.num_layers, i.num_kv_heads, i.head_size, i.tp_rank, i.tp_size) == \
-                                     (3, H, 64, r, tp)
+                           (3, H, 64, r, tp)
                     assert (m.local_head_first, m.local_heads, m.head_replicas) == (first, n, rep)
                     m.close()
 
@@ -76,7 +76,7 @@ class TestRope:
         ref = RefRope(self.D, scaling=RopeScaling.LLAMA3, theta=500000.0, factor=8.0, original_max_position=8192)
         wl = [2 * math.pi / (1.0 / 500000.0 ** (2 * i / self.D)) for i in range(self.D // 2)]
         assert any(w < 8192 / 4 for w in wl) and any(w > 8192 for w in wl) \
-                        and any(8192 / 4 <= w <= 8192 for w in wl)
+               and any(8192 / 4 <= w <= 8192 for w in wl)
         assert len(ref.inv) == self.D // 2
 
     def test_yarn(self):

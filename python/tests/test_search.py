@@ -77,8 +77,8 @@ class SearchCase:
             if fid != expected[pos]:
                 se, tole = ref[expected[pos]]
                 assert abs(s - se) <= tol + tole, \
-                                     "rank %d: fact %d (%r) where the reference has %d (%r)" % (pos, fid, s,
-                                                                                                 expected[pos], se)
+                       "rank %d: fact %d (%r) where the reference has %d (%r)" % (pos, fid, s,
+                                                                                  expected[pos], se)
         for a, b in zip(res_row, res_row[1:]):
             assert a[1] > b[1] or (a[1] == b[1] and a[0] < b[0]), "order %r then %r" % (a, b)
 
@@ -178,7 +178,7 @@ class TestForms(SearchCase):
         out = store.search(qs, [1, 2], 8, out=(ids, scores, counts))
         assert out[0] is ids
         assert (list(ids), list(scores), list(counts)) == \
-                         (list(base.ids), list(base.scores), list(base.counts))
+               (list(base.ids), list(base.scores), list(base.counts))
         # torch-style int64 ids: KVI_SEARCH_NO_ID reads as -1
         i64 = array.array("q", [0] * 16)
         store.search(qs, [1, 2], 8, out=(FakeTensor(i64, (2, 8), dtype="torch.int64"), scores, counts))

@@ -145,7 +145,7 @@ class TestFacts(StoreCase):
         st = store.stats()
         page_bytes = self.L * 2 * self.H * P * self.D * 2
         assert (st.backend, st.device, st.dtype, st.page_tokens, st.page_bytes) == \
-                         (kvi.Backend.CPU, -1, DType.FP16, P, page_bytes)
+               (kvi.Backend.CPU, -1, DType.FP16, P, page_bytes)
         assert st.pages_total == (1 << 20) // page_bytes
         facts = {(1, 30): 5, (1, 2): 4, (1, 17): 1, (2, 2): 9, (3, 1): 8}
         for (tenant, fid), T in facts.items():

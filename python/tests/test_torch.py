@@ -166,8 +166,8 @@ class TorchCase:
         assert bool(written.any())
         bad = (got_k - exp_k).abs() > tol
         assert not bool(bad.any()), "K differs from the reference at %d elements, first %s: %r vs %r" \
-                         % (int(bad.sum()), bad.nonzero()[0].tolist() if bad.any() else None,
-                            got_k[bad][:3].tolist(), exp_k[bad][:3].tolist())
+               % (int(bad.sum()), bad.nonzero()[0].tolist() if bad.any() else None,
+                  got_k[bad][:3].tolist(), exp_k[bad][:3].tolist())
         assert torch.equal(got_v, exp_v), "V differs from the reference"
         assert torch.equal(got_k[~written], exp_k[~written]), "elements outside the facts were written"
 
@@ -265,7 +265,7 @@ class TestTorchCPU(TorchCase):
                     bound = 2 * tol.transpose(0, 1) + 2.0 ** -22 * hf[0].double().abs()
                     diff = (got.double() - hf[0].double()).abs()
                     assert not bool((diff > bound).any()), \
-                                     "layer %d fact %d: max difference from transformers %g" % (l, fid, diff.max())
+                           "layer %d fact %d: max difference from transformers %g" % (l, fid, diff.max())
                 i += T
 
     def test_search_with_tensor_queries(self):
@@ -407,7 +407,7 @@ class TestTorchCUDA(TorchCase):
         torch.cuda.current_stream().synchronize()
         assert not s.query(), "the stream finished its 1 s sleep already (enqueue took %.3f s)" % enqueue_s
         assert bool((before == -7.0).all()), \
-                        "the cache changed before the stream passed the injection: it did not go on the stream"
+               "the cache changed before the stream passed the injection: it did not go on the stream"
         s.synchronize()
         self.assert_hf(keys, values, facts, REQUESTS, DType.BF16)
 
@@ -543,7 +543,7 @@ class TestTorchCUDA(TorchCase):
             # rounding included), then bf16 storage rounds: half a unit of bf16
             err = (k.double() - want).abs() - (2.0 ** -8 * want.abs() + 2 * tol + 1e-30)
             assert not bool((err > 0).any()), \
-                             "fact %d: max error %g" % (fid, float((k.double() - want).abs().max()))
+                   "fact %d: max error %g" % (fid, float((k.double() - want).abs().max()))
             assert torch.equal(v, pre_v[:, row, :, first:first + n].transpose(1, 2).float())
 
     def test_memory_kinds(self):

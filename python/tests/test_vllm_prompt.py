@@ -29,7 +29,7 @@ class TestPrompts:
         cp = capture_prompt(3, [[1, 1], Keep(8, [2, 2, 2], embedding=[0.5, 1]), [3], Keep(9, [4], replace=True)])
         assert cp.prompt_token_ids == [1, 1, 2, 2, 2, 3, 4]
         assert cp.params["capture"] == [{"fact_id": 8, "start": 2, "length": 3, "embedding": [0.5, 1.0]},
-                                                {"fact_id": 9, "start": 6, "length": 1, "replace": True}]
+                                        {"fact_id": 9, "start": 6, "length": 1, "replace": True}]
         with pytest.raises(ValueError, match="capture\\[1\\]: the store keeps embeddings of 2"):
             parse_params(cp.params, 7, embedding_dim=2)
         spec = parse_params({"tenant": 3, "capture": cp.params["capture"][1:]}, 7)
@@ -46,7 +46,7 @@ class TestPrompts:
         mp = memory_prompt(5, [(99, hdr)] + [(f.fact_id, f.tokens) for f in facts], [7])
         assert mp.prompt_token_ids[:-1] == one.prompt_token_ids
         assert [s[1:] for s in mp.params["inject"][1:]] == [[c["start"], c["length"]]
-                                                                     for c in one.params["capture"]]
+                                                            for c in one.params["capture"]]
         w1 = notes_capture_prompts(5, hdr, facts, window=1, tail=[9])
         assert [p.prompt_token_ids for p in w1] == [[1, 1, 2, 2, 9], [1, 1, 2, 2, 3, 9], [1, 1, 3, 4, 4, 4, 9]]
         assert [p.params["capture"][0]["start"] for p in w1] == [2, 4, 3]
