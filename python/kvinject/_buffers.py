@@ -178,8 +178,10 @@ def _tensor(obj, what: str) -> Array:
         strided = _by_object(_STRIDED_LAYOUT, layout, _strided)
     if getattr(obj, "is_sparse", False) or not strided:
         raise ValueError("%s: a non-strided (sparse) tensor" % what)
-    shape = tuple(map(int, obj.shape))
-    strides = tuple(map(int, obj.stride()))
+    if type(obj) in _TENSOR_TYPES:  # torch.Tensor: its sizes and strides are ints
+        shape, strides = tuple(obj.shape), tuple(obj.stride())
+    else:
+        shape, strides = tuple(map(int, obj.shape)), tuple(map(int, obj.stride()))
     if strides and min(strides) < 0:
         raise ValueError("%s: negative strides %s" % (what, strides))
     return Array(int(obj.data_ptr()), shape, strides, kind, memory, device, _extent(shape, strides) * _ITEMSIZE[kind],
@@ -188,6 +190,8 @@ def _tensor(obj, what: str) -> Array:
 
 def _extent(shape, strides) -> int:
     """Elements from the first to the last element, both included: 1 + sum((n - 1) * s)."""
+    if len(shape) == 1:
+        return 1 + (shape[0] - 1) * strides[0] if shape[0] else 0
     if 0 in shape:
         return 0
     return 1 + sum(map(operator.mul, shape, strides)) - sum(strides)
@@ -397,7 +401,7 @@ def index_array(obj, kinds, what: str, *, two_d: bool = False, writable: bool = 
             raise ValueError("%s: the rows of a 2-D table must be contiguous" % what)
         f.rows, f.cols, f.row_stride = shape[0], shape[1], strides[0]
         f.numel = f.rows * f.cols
-    elif _contiguous(a):
+    elif (len(shape) == 1 and (strides[0] == 1 or shape[0] == 1)) or _contiguous(a):
         f.numel = a.nbytes // _ITEMSIZE.get(a.kind, 1)  # contiguous: the extent holds every element
     else:
         raise ValueError("%s must be contiguous" % what)
