@@ -13,12 +13,15 @@ Accepted array objects:
   the buffer's format ("f" fp32, "e" fp16, integers by width), or from an
   explicit ``dtype`` for raw 16-bit or byte buffers (bf16 has no buffer
   format).
+- objects with ``__cuda_array_interface__`` (CuPy, Numba): only as the
+  integer index arrays of the batched calls (:func:`index_array`).
 Streams: None (the default stream), an int handle (cudaStream_t), or an
 object with ``cuda_stream`` (torch.cuda.Stream) or ``ptr`` (cupy).
 """
 from __future__ import annotations
 
 import ctypes
+import operator
 from typing import Optional, Sequence, Tuple
 
 from .enums import DType, Memory
@@ -102,39 +105,123 @@ class Array:
         return ctypes.c_void_p(self.ptr)
 
 
+_TENSOR_ATTRS = ("data_ptr", "stride", "shape", "dtype", "device")
+_TENSOR_TYPES: set = set()  # types that define every one of them (torch.Tensor): no per-object look-ups
+
+
 def is_tensor(obj) -> bool:
     """Whether obj looks like a torch tensor (the attributes this module reads)."""
-    return (hasattr(obj, "data_ptr") and hasattr(obj, "stride") and hasattr(obj, "shape")
-            and hasattr(obj, "dtype") and hasattr(obj, "device"))
+    t = type(obj)
+    if t in _TENSOR_TYPES:
+        return True
+    if not all(hasattr(obj, a) for a in _TENSOR_ATTRS):
+        return False
+    if all(hasattr(t, a) for a in _TENSOR_ATTRS):
+        _TENSOR_TYPES.add(t)
+    return True
+
+
+# torch dtypes and layouts by object (torch's are singletons), filled on first
+# sight: the per-call path formats no names
+_KIND_OF_DTYPE: dict = {}
+_STRIDED_LAYOUT: dict = {}
+_NO_TYPE = object()
+
+
+def _by_object(cache: dict, obj, compute):
+    """compute(obj), remembered in cache where obj is hashable."""
+    try:
+        return cache[obj]
+    except KeyError:
+        value = compute(obj)
+        if len(cache) > 256:  # objects that are not singletons (fakes in tests)
+            cache.clear()
+        cache[obj] = value
+        return value
+    except TypeError:  # unhashable
+        return compute(obj)
+
+
+def _dtype_kind(dtype) -> Optional[str]:
+    return _TORCH_DTYPES.get(str(dtype))
+
+
+def _strided(layout) -> bool:
+    return str(layout) == "torch.strided"
 
 
 def _tensor(obj, what: str) -> Array:
-    kind = _TORCH_DTYPES.get(str(obj.dtype))
+    dt = obj.dtype
+    try:
+        kind = _KIND_OF_DTYPE[dt]
+    except (KeyError, TypeError):
+        kind = _by_object(_KIND_OF_DTYPE, dt, _dtype_kind)
     if kind is None:
-        raise TypeError("%s: tensor dtype %s is not supported" % (what, obj.dtype))
-    dev = obj.device
-    dtype_name = getattr(dev, "type", str(dev))
-    if dtype_name == "cuda":
-        memory, device = Memory.DEVICE, (dev.index if dev.index is not None else -1)
-    elif dtype_name == "cpu":
+        raise TypeError("%s: tensor dtype %s is not supported" % (what, dt))
+    if getattr(obj, "is_cpu", False) is True:  # torch: cheaper than its device object
         memory, device = Memory.HOST, -1
     else:
-        raise ValueError("%s: a tensor on device %s; libkvinject takes CPU or CUDA tensors" % (what, dev))
-    if getattr(obj, "is_sparse", False) or str(getattr(obj, "layout", "torch.strided")) != "torch.strided":
+        dev = obj.device
+        dtype_name = getattr(dev, "type", _NO_TYPE)
+        if dtype_name is _NO_TYPE:
+            dtype_name = str(dev)
+        if dtype_name == "cuda":
+            memory, device = Memory.DEVICE, (dev.index if dev.index is not None else -1)
+        elif dtype_name == "cpu":
+            memory, device = Memory.HOST, -1
+        else:
+            raise ValueError("%s: a tensor on device %s; libkvinject takes CPU or CUDA tensors" % (what, dev))
+    layout = getattr(obj, "layout", "torch.strided")
+    try:
+        strided = _STRIDED_LAYOUT[layout]
+    except (KeyError, TypeError):
+        strided = _by_object(_STRIDED_LAYOUT, layout, _strided)
+    if getattr(obj, "is_sparse", False) or not strided:
         raise ValueError("%s: a non-strided (sparse) tensor" % what)
-    shape = tuple(int(s) for s in obj.shape)
-    strides = tuple(int(s) for s in obj.stride())
-    if any(s < 0 for s in strides):
+    if type(obj) in _TENSOR_TYPES:  # torch.Tensor: its sizes and strides are ints
+        shape, strides = tuple(obj.shape), tuple(obj.stride())
+    else:
+        shape, strides = tuple(map(int, obj.shape)), tuple(map(int, obj.stride()))
+    if strides and min(strides) < 0:
         raise ValueError("%s: negative strides %s" % (what, strides))
-    # extent in elements from data_ptr to the last element
-    extent = 1
-    for n, s in zip(shape, strides):
-        if n == 0:
-            extent = 0
-            break
-        extent += (n - 1) * s
-    return Array(int(obj.data_ptr()), shape, strides, kind, memory, device, extent * _ITEMSIZE[kind],
+    return Array(int(obj.data_ptr()), shape, strides, kind, memory, device, _extent(shape, strides) * _ITEMSIZE[kind],
                  obj, True)
+
+
+def _extent(shape, strides) -> int:
+    """Elements from the first to the last element, both included: 1 + sum((n - 1) * s)."""
+    if len(shape) == 1:
+        return 1 + (shape[0] - 1) * strides[0] if shape[0] else 0
+    if 0 in shape:
+        return 0
+    return 1 + sum(map(operator.mul, shape, strides)) - sum(strides)
+
+
+# __cuda_array_interface__ type strings of the integer index arrays
+_CAI_KINDS = {"<i4": "i32", "<i8": "i64", "<u8": "u64", "|i4": "i32", "|i8": "i64", "|u8": "u64"}
+
+
+def _cuda_array(obj, what: str) -> Array:
+    """An object with __cuda_array_interface__ (integer elements; its strides, in
+    bytes there, as elements). Device memory; the device is not known (-1)."""
+    cai = obj.__cuda_array_interface__
+    kind = _CAI_KINDS.get(cai["typestr"])
+    itemsize = 4 if kind == "i32" else 8
+    shape = tuple(cai["shape"])
+    strides = cai.get("strides")
+    if strides is None:
+        st, acc = [], 1
+        for n in reversed(shape):
+            st.append(acc)
+            acc *= n
+        strides = tuple(reversed(st))
+    else:
+        if any(s % itemsize for s in strides):
+            raise ValueError("%s: strides %s (bytes) are not whole elements of %d bytes" % (what, tuple(strides),
+                                                                                          itemsize))
+        strides = tuple(s // itemsize for s in strides)
+    return Array(int(cai["data"][0]), shape, strides, kind, Memory.DEVICE, -1, _extent(shape, strides) * itemsize,
+                 obj, False)
 
 
 def _format_kind(fmt: str, itemsize: int) -> Optional[str]:
@@ -280,6 +367,63 @@ def float_array(values, what: str, *, dtype=None, allow_device: bool = True) -> 
     arr = (ctypes.c_float * max(len(seq), 1))(*seq)
     return Array(ctypes.addressof(arr), (len(seq),), (1,), "f32", Memory.HOST, -1, 4 * len(seq), arr,
                  False), DType.FP32
+
+
+class IndexArray:
+    """An integer array argument of a batched call: address, element kind, count,
+    memory, and for 2-D arrays rows, columns and the row stride (elements); keep:
+    the resolved array."""
+
+    __slots__ = ("ptr", "kind", "numel", "memory", "rows", "cols", "row_stride", "keep")
+
+
+_INT_CTYPES = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "u64": ctypes.c_uint64}
+
+
+def index_array(obj, kinds, what: str, *, two_d: bool = False, writable: bool = False) -> IndexArray:
+    """A batched call's integer array: a tensor, an object with __cuda_array_interface__,
+    a host buffer (numpy, array.array, ctypes) or a sequence of ints (sent as the
+    first of ``kinds``). Its elements must be contiguous (with ``two_d``, a 2-D
+    array's rows; rows any stride apart) and of one of ``kinds``."""
+    if is_tensor(obj):
+        a = _tensor(obj, what)
+    elif hasattr(obj, "__cuda_array_interface__"):
+        a = _cuda_array(obj, what)
+    elif _has_buffer(obj):
+        a = as_array(obj, what, writable=writable)
+    else:
+        a = int_array(obj, _INT_CTYPES[kinds[0]], what)
+    f = IndexArray()
+    f.rows = f.cols = f.row_stride = 0
+    shape, strides = a.shape, a.strides
+    if two_d and len(shape) == 2:
+        if strides[1] != 1 and shape[1] > 1:
+            raise ValueError("%s: the rows of a 2-D table must be contiguous" % what)
+        f.rows, f.cols, f.row_stride = shape[0], shape[1], strides[0]
+        f.numel = f.rows * f.cols
+    elif (len(shape) == 1 and (strides[0] == 1 or shape[0] == 1)) or _contiguous(a):
+        f.numel = a.nbytes // _ITEMSIZE.get(a.kind, 1)  # contiguous: the extent holds every element
+    else:
+        raise ValueError("%s must be contiguous" % what)
+    if a.kind not in kinds:
+        raise TypeError("%s: elements of type %s; expected %s" % (what, a.kind, " or ".join(kinds)))
+    f.ptr, f.kind, f.memory, f.keep = a.ptr, a.kind, a.memory, a
+    return f
+
+
+class NoKey(Exception):
+    """:func:`tensor_key` of something that is not a tensor."""
+
+
+def tensor_key(t):
+    """What a batched call's struct takes from a tensor argument (address, shape,
+    strides, dtype, device), or None for None; raises NoKey for anything else
+    (lists and buffers are converted on every call)."""
+    if t is None:
+        return None
+    if not (hasattr(t, "data_ptr") and hasattr(t, "is_cuda")):
+        raise NoKey
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_cuda)
 
 
 def _has_buffer(obj) -> bool:

@@ -31,7 +31,7 @@ Layouts read from tensors take their strides as they are, the last one
 from __future__ import annotations
 
 import ctypes
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from ._types import ArrayLike, FloatArrayLike
 from . import _buffers
@@ -119,7 +119,6 @@ class CacheLayout:
         if src is None:
             return
         cache, sig = src
-        from .hf import cache_tensors
         try:
             now = _signature(*cache_tensors(cache))
         except (RuntimeError, TypeError):
@@ -218,7 +217,6 @@ class CacheLayout:
         as contiguous (the KVI_CACHE_HF_CONTIGUOUS preset). Block ids are batch
         rows (num_blocks = batch, block_size = seq, the capacity)."""
         if values is None:
-            from .hf import cache_tensors, is_hf_cache
             if not is_hf_cache(keys):
                 raise TypeError("hf: expected a transformers cache object, or keys and values (one tensor per "
                                 "layer each); got %s alone" % type(keys).__name__)
@@ -356,6 +354,37 @@ class CacheLayout:
                          D2 // 2, BS, NB, k_layers=[a.ptr for a in arrays], memory=first.memory)
         lay._keep.append(arrays)
         return lay
+
+
+# ------------------------------------------------- transformers cache objects
+# (CacheLayout.hf(cache) reads them; kvinject.hf.cache gives them too)
+
+def is_hf_cache(obj) -> bool:
+    """Whether obj looks like a transformers cache (5.x ``layers`` with keys and
+    values, or 4.x ``key_cache`` / ``value_cache`` lists)."""
+    layers = getattr(obj, "layers", None)
+    if layers is not None and not isinstance(obj, (list, tuple)):
+        return all(hasattr(l, "keys") and hasattr(l, "values") for l in layers)
+    return hasattr(obj, "key_cache") and hasattr(obj, "value_cache")
+
+
+def cache_tensors(cache) -> Tuple[List[Any], List[Any]]:
+    """The per-layer key and value tensors [batch, heads, seq, head_dim] of a
+    transformers cache, as lists. RuntimeError while the layers are not
+    allocated (transformers allocates them at the first forward through the
+    cache; :class:`kvinject.hf.StaticCacheInjector` can allocate them first)."""
+    if not is_hf_cache(cache):
+        raise TypeError("expected a transformers cache (DynamicCache, StaticCache), got %s" % type(cache).__name__)
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        keys = [l.keys for l in layers]
+        values = [l.values for l in layers]
+    else:  # 4.x
+        keys, values = list(cache.key_cache), list(cache.value_cache)
+    if not keys or any(getattr(t, "dim", None) is None or t.dim() != 4 for t in keys + values):
+        raise RuntimeError("the %s's layers are not allocated (run a forward through it first)"
+                           % type(cache).__name__)
+    return keys, values
 
 
 def _signature(keys, values):

@@ -7,6 +7,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from ._types import ArrayLike, FloatArrayLike, IntArrayLike, StreamLike
 from . import _buffers
+from ._buffers import NoKey, index_array, tensor_key
 from ._lib import (CaptureC, EncodeBatchC, InjectBatchC, InjectOptions, InjectRequestC, RecomputeOptionsC,
                    RetrieveRequestC, SearchOptions,
                    TransferOptions, assign, fit, lib)
@@ -67,104 +68,6 @@ class Capture:
     embedding_dtype: Optional[DType] = None
 
 
-# torch dtypes by object (hashable), filled on first sight: the per-call path reads
-# no strings
-_TORCH_INT_KINDS: dict = {}
-_CAI_KINDS = {"<i4": "i32", "<i8": "i64", "<u8": "u64", "|i4": "i32", "|i8": "i64", "|u8": "u64"}
-_INT_CTYPE = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "u64": ctypes.c_uint64}
-
-
-class _Flat:
-    """An integer array argument of a batched call: address, element kind, count,
-    memory, and for 2-D arrays rows, columns and the row stride (elements)."""
-
-    __slots__ = ("ptr", "kind", "numel", "memory", "rows", "cols", "row_stride", "keep")
-
-
-def _flat(obj, kinds, what: str, *, two_d: bool = False, writable: bool = False) -> _Flat:
-    """A batched call's integer array: a torch tensor (read through data_ptr and a few
-    cheap attributes), an object with __cuda_array_interface__, a host buffer (numpy,
-    array.array, ctypes) or a sequence of ints. Its elements must be contiguous
-    (2-D: each row; rows any stride apart) and of one of `kinds`."""
-    f = _Flat()
-    f.keep = obj
-    f.rows = f.cols = f.row_stride = 0
-    if hasattr(obj, "data_ptr") and hasattr(obj, "is_cuda"):  # a torch tensor
-        kind = _TORCH_INT_KINDS.get(obj.dtype)
-        if kind is None:
-            kind = _buffers._TORCH_DTYPES.get(str(obj.dtype))
-            _TORCH_INT_KINDS[obj.dtype] = kind
-        dim = obj.dim()
-        if two_d and dim == 2:
-            if obj.stride(1) != 1 and obj.shape[1] > 1:
-                raise ValueError("%s: the rows of a 2-D table must be contiguous" % what)
-            f.rows, f.cols, f.row_stride = int(obj.shape[0]), int(obj.shape[1]), int(obj.stride(0))
-        elif not obj.is_contiguous():
-            raise ValueError("%s must be contiguous" % what)
-        f.ptr, f.numel = obj.data_ptr(), obj.numel()
-        f.memory = Memory.DEVICE if obj.is_cuda else Memory.HOST
-    elif hasattr(obj, "__cuda_array_interface__"):
-        cai = obj.__cuda_array_interface__
-        kind = _CAI_KINDS.get(cai["typestr"])
-        shape = tuple(cai["shape"])
-        itemsize = 4 if kind == "i32" else 8
-        strides = cai.get("strides")
-        if two_d and len(shape) == 2:
-            if strides is not None and strides[1] != itemsize and shape[1] > 1:
-                raise ValueError("%s: the rows of a 2-D table must be contiguous" % what)
-            f.rows, f.cols = shape
-            f.row_stride = (strides[0] // itemsize) if strides is not None else shape[1]
-        elif strides is not None:
-            acc = itemsize
-            for n, st in zip(reversed(shape), reversed(strides)):
-                if n != 1 and st != acc:
-                    raise ValueError("%s must be contiguous" % what)
-                acc *= n
-        f.ptr = int(cai["data"][0])
-        f.numel = 1
-        for n in shape:
-            f.numel *= n
-        f.memory = Memory.DEVICE
-    else:
-        if _buffers.is_tensor(obj) or _buffers._has_buffer(obj):
-            a = _buffers.as_array(obj, what, writable=writable)
-            if two_d and len(a.shape) == 2:
-                if a.strides[1] != 1 and a.shape[1] > 1:
-                    raise ValueError("%s: the rows of a 2-D table must be contiguous" % what)
-                f.rows, f.cols, f.row_stride = a.shape[0], a.shape[1], a.strides[0]
-                f.numel = f.rows * f.cols
-            elif not _buffers.contiguous(a):
-                raise ValueError("%s must be contiguous" % what)
-            else:
-                f.numel = 1
-                for n in a.shape:
-                    f.numel *= n
-        else:  # a sequence of ints
-            a = _buffers.int_array(obj, _INT_CTYPE[kinds[0]], what)
-            f.numel = a.numel
-        kind = a.kind
-        f.ptr, f.memory, f.keep = a.ptr, a.memory, a
-    if kind not in kinds:
-        raise TypeError("%s: elements of type %s; expected %s" % (what, kind, " or ".join(kinds)))
-    f.kind = kind
-    return f
-
-
-def _tensor_key(t):
-    """What a batched call's struct takes from a torch tensor argument (address,
-    shape, strides, dtype, device), or None for None; raises _NoKey for anything
-    else (lists and buffers are converted on every call)."""
-    if t is None:
-        return None
-    if not (hasattr(t, "data_ptr") and hasattr(t, "is_cuda")):
-        raise _NoKey
-    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_cuda)
-
-
-class _NoKey(Exception):
-    pass
-
-
 def _batch_indices(b, n: int, noun: str, block_table_offsets, tenants, tenant, first_slots, start_positions,
                    positions) -> list:
     """The fields both batched calls take alike (CSR block-table offsets, tenants,
@@ -172,13 +75,13 @@ def _batch_indices(b, n: int, noun: str, block_table_offsets, tenants, tenant, f
     (the caller keeps them alive through the C call)."""
     made = []
     if block_table_offsets is not None:
-        bo = _flat(block_table_offsets, ("i32",), "block_table_offsets")
+        bo = index_array(block_table_offsets, ("i32",), "block_table_offsets")
         if bo.numel != n + 1:
             raise ValueError("block_table_offsets has %d entries for %d %s" % (bo.numel, n, noun))
         b.block_table_offsets = bo.ptr
         made.append(bo)
     if tenants is not None:
-        tn = _flat(tenants, ("u64", "i64"), "tenants")
+        tn = index_array(tenants, ("u64", "i64"), "tenants")
         if tn.numel != n:
             raise ValueError("tenants has %d entries for %d %s" % (tn.numel, n, noun))
         b.tenants = tn.ptr
@@ -186,7 +89,7 @@ def _batch_indices(b, n: int, noun: str, block_table_offsets, tenants, tenant, f
     else:
         b.tenant = fit(tenant, ctypes.c_uint64, "tenant")
     if first_slots is not None:
-        fs = _flat(first_slots, ("i64",), "first_slots")
+        fs = index_array(first_slots, ("i64",), "first_slots")
         if fs.numel != n:
             raise ValueError("first_slots has %d entries for %d %s" % (fs.numel, n, noun))
         b.first_slots = fs.ptr
@@ -194,13 +97,13 @@ def _batch_indices(b, n: int, noun: str, block_table_offsets, tenants, tenant, f
     if start_positions is not None and positions is not None:
         raise ValueError("give start_positions or positions, not both")
     if start_positions is not None:
-        sp = _flat(start_positions, ("i32", "i64"), "start_positions")
+        sp = index_array(start_positions, ("i32", "i64"), "start_positions")
         if sp.numel != n:
             raise ValueError("start_positions has %d entries for %d %s" % (sp.numel, n, noun))
         b.start_positions, b.position_bits = sp.ptr, 64 if sp.kind == "i64" else 32
         made.append(sp)
     if positions is not None:
-        ps = _flat(positions, ("i32", "i64"), "positions")
+        ps = index_array(positions, ("i32", "i64"), "positions")
         b.positions, b.position_bits, b.num_positions = ps.ptr, 64 if ps.kind == "i64" else 32, ps.numel
         made.append(ps)
     return made
@@ -247,16 +150,8 @@ def recompute_select(scores, fact_tokens, *, fraction: float = 0.0, per_fact: bo
     tok = _buffers.int_array(fact_tokens, ctypes.c_int32, "fact_tokens")
     counts = (ctypes.c_int32 * max(tok.numel, 1)).from_address(tok.ptr) if tok.numel else []
     T = sum(int(c) for c in counts[:tok.numel])
-    if _buffers.is_tensor(scores) or _buffers._has_buffer(scores):
-        a = _buffers.as_array(scores, "scores", dtype=DType.FP32)
-        _buffers.check_host(a, "scores")
-        if not _buffers.contiguous(a):
-            raise ValueError("scores must be contiguous")
-        sp, total, hold = a.c_ptr(), a.numel, a
-    else:
-        vals = [float(v) for v in scores]
-        hold = (ctypes.c_float * max(len(vals), 1))(*vals)
-        sp, total = ctypes.cast(hold, ctypes.c_void_p), len(vals)
+    sc, _ = _buffers.float_array(scores, "scores", dtype=DType.FP32, allow_device=False)
+    total = sc.numel
     if total < T:
         raise ValueError("%d scores for %d tokens" % (total, T))
     L = lib()
@@ -264,9 +159,9 @@ def recompute_select(scores, fact_tokens, *, fraction: float = 0.0, per_fact: bo
     o.fraction, o.per_fact, o.boundary = float(fraction), 1 if per_fact else 0, int(boundary)
     out = (ctypes.c_int32 * max(T, 1))()
     n = ctypes.c_int64()
-    L.call("kvi_recompute_select", sp, tok.c_ptr(), fit(tok.numel, ctypes.c_int32, "num_facts"), ctypes.byref(o),
+    L.call("kvi_recompute_select", sc.c_ptr(), tok.c_ptr(), fit(tok.numel, ctypes.c_int32, "num_facts"), ctypes.byref(o),
            out, T, ctypes.byref(n))
-    del hold, tok
+    del sc, tok
     return list(out[:n.value])
 
 
@@ -369,11 +264,11 @@ class Injector(_Transfer):
         # buffers, whose contents change) reuses its struct, which holds nothing
         # else; the library checks the contents as on every call.
         try:
-            key = (_tensor_key(fact_ids), _tensor_key(block_tables), _tensor_key(fact_offsets),
-                   _tensor_key(tenants), _tensor_key(block_table_offsets), _tensor_key(first_slots),
-                   _tensor_key(start_positions), _tensor_key(positions), _tensor_key(out_tokens),
+            key = (tensor_key(fact_ids), tensor_key(block_tables), tensor_key(fact_offsets),
+                   tensor_key(tenants), tensor_key(block_table_offsets), tensor_key(first_slots),
+                   tensor_key(start_positions), tensor_key(positions), tensor_key(out_tokens),
                    tenant, layer_begin, layer_end)
-        except _NoKey:
+        except NoKey:
             key = None
         last = self.__dict__.get("_batch_last")
         if key is not None and last is not None and last[0] == key:
@@ -382,7 +277,7 @@ class Injector(_Transfer):
             if st != 0:
                 L.check(st, "kvi_inject_batched")
             return
-        ids = _flat(fact_ids, ("u64", "i64"), "fact_ids", two_d=fact_offsets is None)
+        ids = index_array(fact_ids, ("u64", "i64"), "fact_ids", two_d=fact_offsets is None)
         b = InjectBatchC.from_buffer_copy(self._batch_template())
         b.fact_ids, b.fact_ids_memory = ids.ptr, int(ids.memory)
         keep = [ids]
@@ -397,14 +292,14 @@ class Injector(_Transfer):
             b.fact_offsets = ctypes.addressof(offs)
             keep.append(offs)
         else:
-            fo = _flat(fact_offsets, ("i32",), "fact_offsets")
+            fo = index_array(fact_offsets, ("i32",), "fact_offsets")
             n = fo.numel - 1
             if n < 0:
                 raise ValueError("fact_offsets: expected num_requests + 1 entries, got none")
             b.fact_offsets = fo.ptr
             index.append(fo)
         b.num_requests = n
-        bt = _flat(block_tables, ("i32",), "block_tables", two_d=block_table_offsets is None)
+        bt = index_array(block_tables, ("i32",), "block_tables", two_d=block_table_offsets is None)
         b.block_tables, b.block_tables_memory = bt.ptr, int(bt.memory)
         keep.append(bt)
         if block_table_offsets is None:
@@ -423,7 +318,7 @@ class Injector(_Transfer):
                                      "device memory")
             b.index_memory = int(mem)
         if out_tokens is not None:
-            ot = _flat(out_tokens, ("i32",), "out_tokens", writable=True)
+            ot = index_array(out_tokens, ("i32",), "out_tokens", writable=True)
             if ot.numel < n:
                 raise ValueError("out_tokens holds %d entries for %d requests" % (ot.numel, n))
             b.out_tokens = ot.ptr
@@ -611,15 +506,15 @@ class Encoder(_Transfer):
         (int64), start_positions or positions (one per captured token, int32 or int64)
         as :meth:`Injector.inject_batch`. embeddings: None, or a [captures, dim]
         buffer/tensor (host or device) of fp32, fp16 or bf16 with contiguous rows."""
-        ids = _flat(fact_ids, ("u64", "i64"), "fact_ids")
+        ids = index_array(fact_ids, ("u64", "i64"), "fact_ids")
         n = ids.numel
-        nt = _flat(num_tokens, ("i32",), "num_tokens")
+        nt = index_array(num_tokens, ("i32",), "num_tokens")
         if nt.numel != n:
             raise ValueError("num_tokens has %d entries for %d captures" % (nt.numel, n))
         b = lib().new(EncodeBatchC)
         b.num_captures, b.fact_ids, b.num_tokens = n, ids.ptr, nt.ptr
         keep = [ids, nt]
-        bt = _flat(block_tables, ("i32",), "block_tables", two_d=block_table_offsets is None)
+        bt = index_array(block_tables, ("i32",), "block_tables", two_d=block_table_offsets is None)
         keep.append(bt)
         b.block_tables = bt.ptr
         if block_table_offsets is None:

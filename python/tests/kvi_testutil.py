@@ -8,13 +8,15 @@ definitions, so the tests compare the library with an independent reference.
   transformers' modeling_rope_utils (default, linear, llama3, YaRN, fixed
   NTK), and the NeoX / GPT-J rotation, in float64;
 - FakeTensor: an object with torch's data_ptr()/shape/stride()/dtype/device
-  over a ctypes buffer, so the tensor code paths run without torch.
+  over a ctypes buffer, so the tensor code paths run without torch;
+- case(): names the case of a loop in its failures.
 
 Random data: every test seeds its own random.Random; KVI_TEST_SEED overrides.
 """
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
 import math
 import os
@@ -31,6 +33,32 @@ if "kvinject" not in sys.modules:
 
 import kvinject as kvi  # noqa: E402
 from kvinject import DType  # noqa: E402
+
+
+@contextlib.contextmanager
+def case(*name, **params):
+    """A block of a loop over cases: a failure inside names the case (its name
+    and parameters), and the test stops there."""
+    try:
+        yield
+    except AssertionError as e:
+        what = ", ".join([str(n) for n in name] + ["%s=%s" % kv for kv in params.items()])
+        raise AssertionError("[%s] %s" % (what, e)) from e
+
+
+# how the suite runs pytest (Meson, and a module run as a script): quiet, skip
+# reasons shown, no .pytest_cache written into the source tree
+PYTEST_ARGS = ["-q", "-rs", "-p", "no:cacheprovider"]
+
+
+def run_pytest(path: str, names=()) -> int:
+    """Runs the test module at ``path`` with pytest (what a module's __main__ does):
+    every test, or those named (``TestClass``, ``TestClass.test_name`` or
+    ``TestClass::test_name``). Returns pytest's exit status (77 when every test
+    skipped: conftest.py)."""
+    import pytest
+    ids = [path + "::" + n.replace(".", "::") for n in names] or [path]
+    return pytest.main(PYTEST_ARGS + ids)
 
 
 def rng(test_seed: int) -> random.Random:

@@ -9,9 +9,10 @@ import ctypes.util
 import os
 import subprocess
 import sys
-import unittest
 
-import kvi_testutil  # noqa: F401  (puts kvinject on the path)
+import pytest
+
+from kvi_testutil import case
 import kvinject as kvi
 from kvinject import _lib
 
@@ -45,30 +46,30 @@ class CLayout:
                 self.version = w[1]
 
 
-class TestStructs(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
+class TestStructs:
+    @pytest.fixture(autouse=True, scope="class")
+    def _layout(self, request):
         prog = _layout_program()
         if not prog:
-            raise unittest.SkipTest("KVINJECT_STRUCT_LAYOUT is not set and no build/python/kvi_struct_layout "
-                                    "exists (Meson sets it: meson test --suite python)")
+            pytest.skip("KVINJECT_STRUCT_LAYOUT is not set and no build/python/kvi_struct_layout "
+                        "exists (Meson sets it: meson test --suite python)")
         out = subprocess.run([prog], check=True, stdout=subprocess.PIPE, universal_newlines=True).stdout
-        cls.c = CLayout(out)
+        request.cls.c = CLayout(out)
 
     def test_every_struct_matches_c(self):
-        self.assertEqual(sorted(self.c.sizes), sorted(_lib.STRUCTS),
-                         "the C program and the binding list different structs")
+        assert sorted(self.c.sizes) == sorted(_lib.STRUCTS), \
+               "the C program and the binding list different structs"
         for name, cls in _lib.STRUCTS.items():
-            with self.subTest(struct=name):
-                self.assertEqual(ctypes.sizeof(cls), self.c.sizes[name], "sizeof(%s)" % name)
+            with case(struct=name):
+                assert ctypes.sizeof(cls) == self.c.sizes[name], "sizeof(%s)" % name
                 py = [(f, getattr(cls, f).offset, getattr(cls, f).size) for f, _ in cls._fields_]
-                self.assertEqual(py, self.c.fields[name], "fields of %s (name, offset, size)" % name)
-                self.assertEqual(cls._fields_[0][0], "struct_size")
+                assert py == self.c.fields[name], "fields of %s (name, offset, size)" % name
+                assert cls._fields_[0][0] == "struct_size"
 
     def test_enums_are_int_sized(self):
-        self.assertTrue(self.c.enum_sizes)
+        assert self.c.enum_sizes
         for name, size in self.c.enum_sizes.items():
-            self.assertEqual(size, ctypes.sizeof(_lib.c_enum), name)
+            assert size == ctypes.sizeof(_lib.c_enum), name
 
     def test_constants(self):
         groups = [("KVI_ERR_", kvi.Status, "ERR_"), ("KVI_DTYPE_", kvi.DType, ""), ("KVI_MEMORY_", kvi.Memory, ""),
@@ -79,15 +80,15 @@ class TestStructs(unittest.TestCase):
         for prefix, enum, pyprefix in groups:
             members = {m.name: m.value for m in enum}
             if enum is kvi.Status:
-                self.assertEqual(self.c.consts["KVI_OK"], kvi.Status.OK)
+                assert self.c.consts["KVI_OK"] == kvi.Status.OK
                 seen.add("KVI_OK")
                 members.pop("OK")
             cnames = {n[len(prefix):]: v for n, v in self.c.consts.items() if n.startswith(prefix)}
-            self.assertEqual({pyprefix + k: v for k, v in cnames.items()}, members, enum.__name__)
+            assert {pyprefix + k: v for k, v in cnames.items()} == members, enum.__name__
             seen.update(prefix + k for k in cnames)
         styles = {n[len("KVI_ROPE_"):]: v for n, v in self.c.consts.items()
                   if n.startswith("KVI_ROPE_") and not n.startswith("KVI_ROPE_SCALING_")}
-        self.assertEqual(styles, {m.name: m.value for m in kvi.RopeStyle})
+        assert styles == {m.name: m.value for m in kvi.RopeStyle}
         seen.update("KVI_ROPE_" + k for k in styles)
         singles = {"KVI_FEATURE_CUDA": kvi.FEATURE_CUDA, "KVI_FEATURE_CUBLASLT": kvi.FEATURE_CUBLASLT,
                    "KVI_FEATURE_NCCL": kvi.FEATURE_NCCL, "KVI_PUT_REPLACE": kvi.PUT_REPLACE,
@@ -96,36 +97,36 @@ class TestStructs(unittest.TestCase):
                    "KVI_RETRIEVE_BEST_LAST": kvi.RETRIEVE_BEST_LAST, "KVI_SAVE_ONE_TENANT": kvi.SAVE_ONE_TENANT,
                    "KVI_LOAD_JOURNAL": kvi.LOAD_JOURNAL, "KVI_STRIDE_SAME": kvi.STRIDE_SAME}
         for n, v in singles.items():
-            self.assertEqual(self.c.consts[n], v, n)
+            assert self.c.consts[n] == v, n
         seen.update(singles)
         seen.add("KVI_VERSION_NUMBER")
-        self.assertEqual(sorted(set(self.c.consts) - seen), [], "C constants the binding does not mirror")
+        assert sorted(set(self.c.consts) - seen) == [], "C constants the binding does not mirror"
 
     def test_runtime_version_is_the_headers(self):
-        self.assertEqual(kvi.version(), self.c.version)
-        self.assertEqual(kvi.version_number(), self.c.consts["KVI_VERSION_NUMBER"])
+        assert kvi.version() == self.c.version
+        assert kvi.version_number() == self.c.consts["KVI_VERSION_NUMBER"]
 
 
-class TestInitPath(unittest.TestCase):
+class TestInitPath:
     def test_structs_take_the_libraries_init_values(self):
         L = _lib.lib()
         o = L.new(_lib.StoreOptions)
-        self.assertEqual(o.struct_size, ctypes.sizeof(_lib.StoreOptions))
+        assert o.struct_size == ctypes.sizeof(_lib.StoreOptions)
         # KVI_STORE_OPTIONS_INIT (include/kvinject/store.h)
-        self.assertEqual((o.backend, o.device, o.dtype, o.page_tokens, o.budget_bytes, o.embedding_dim,
-                          o.embedding_dtype, o.metric),
-                         (kvi.Backend.AUTO, -1, kvi.DType.BF16, 16, 0, 0, kvi.DType.FP32, kvi.Metric.INNER_PRODUCT))
+        assert (o.backend, o.device, o.dtype, o.page_tokens, o.budget_bytes, o.embedding_dim,
+                o.embedding_dtype, o.metric) == \
+               (kvi.Backend.AUTO, -1, kvi.DType.BF16, 16, 0, 0, kvi.DType.FP32, kvi.Metric.INNER_PRODUCT)
         r = L.new(_lib.RopeSpecC)
-        self.assertEqual((r.style, r.theta, r.original_max_position, r.high_freq_factor, r.beta_fast, r.yarn_truncate,
-                          r.table_dtype), (kvi.RopeStyle.NEOX, 10000.0, 8192, 4.0, 32.0, 1, kvi.DType.FP32))
+        assert (r.style, r.theta, r.original_max_position, r.high_freq_factor, r.beta_fast, r.yarn_truncate,
+                r.table_dtype) == (kvi.RopeStyle.NEOX, 10000.0, 8192, 4.0, 32.0, 1, kvi.DType.FP32)
         t = L.new(_lib.TransferOptions)
-        self.assertEqual((t.max_tokens_per_call, t.max_requests_per_call, t.max_table_entries_per_call),
-                         (1 << 20, 4096, 1 << 20))
+        assert (t.max_tokens_per_call, t.max_requests_per_call, t.max_table_entries_per_call) == \
+               (1 << 20, 4096, 1 << 20)
         s = L.new(_lib.SearchOptions)
-        self.assertEqual((s.query_dtype, s.query_memory, s.out_memory, s.workspace_bytes),
-                         (kvi.DType.FP32, kvi.Memory.HOST, kvi.Memory.HOST, 64 << 20))
+        assert (s.query_dtype, s.query_memory, s.out_memory, s.workspace_bytes) == \
+               (kvi.DType.FP32, kvi.Memory.HOST, kvi.Memory.HOST, 64 << 20)
         for cls in _lib.STRUCTS.values():
-            self.assertEqual(L.new(cls).struct_size, ctypes.sizeof(cls), cls.__name__)
+            assert L.new(cls).struct_size == ctypes.sizeof(cls), cls.__name__
 
     def test_init_writes_no_more_than_the_size_given(self):
         L = _lib.lib()
@@ -136,16 +137,16 @@ class TestInitPath(unittest.TestCase):
             # except where that is still the first version; never written past
             small = full - 8
             st = getattr(L, fn)(buf, small)
-            self.assertIn(st, (0, kvi.Status.ERR_STRUCT_SIZE), name)
-            self.assertEqual(buf.raw[small:], b"\xa5" * (full + 64 - small), name)
+            assert st in (0, kvi.Status.ERR_STRUCT_SIZE), name
+            assert buf.raw[small:] == b"\xa5" * (full + 64 - small), name
             if st == 0:
-                self.assertEqual(ctypes.c_size_t.from_buffer(buf).value, small, name)
+                assert ctypes.c_size_t.from_buffer(buf).value == small, name
             # a newer caller's larger struct: the bytes past this library's fields are zeroed
-            self.assertEqual(getattr(L, fn)(buf, full + 16), 0, name)
-            self.assertEqual(ctypes.c_size_t.from_buffer(buf).value, full + 16, name)
-            self.assertEqual(buf.raw[full:full + 16], bytes(16), name)
-            self.assertEqual(buf.raw[full + 16:], b"\xa5" * 48, name)
-            self.assertEqual(getattr(L, fn)(None, full), kvi.Status.ERR_INVALID_ARGUMENT, name)
+            assert getattr(L, fn)(buf, full + 16) == 0, name
+            assert ctypes.c_size_t.from_buffer(buf).value == full + 16, name
+            assert buf.raw[full:full + 16] == bytes(16), name
+            assert buf.raw[full + 16:] == b"\xa5" * 48, name
+            assert getattr(L, fn)(None, full) == kvi.Status.ERR_INVALID_ARGUMENT, name
 
     def test_struct_size_errors_map(self):
         L = _lib.lib()
@@ -154,21 +155,21 @@ class TestInitPath(unittest.TestCase):
         o.budget_bytes = 1 << 20
         o.struct_size = 4  # smaller than the first version
         h = ctypes.c_void_p()
-        with self.assertRaises(kvi.StructSizeError) as cm:
+        with pytest.raises(kvi.StructSizeError) as cm:
             L.call("kvi_store_create", ctypes.byref(h), m.handle, ctypes.byref(o))
-        self.assertEqual(cm.exception.status, kvi.Status.ERR_STRUCT_SIZE)
-        self.assertIn("struct_size", cm.exception.message)
+        assert cm.value.status == kvi.Status.ERR_STRUCT_SIZE
+        assert "struct_size" in cm.value.message
         # a larger struct with a non-zero byte past the known fields
         big = ctypes.create_string_buffer(ctypes.sizeof(o) + 8)
         o.struct_size = ctypes.sizeof(o) + 8
         ctypes.memmove(big, ctypes.addressof(o), ctypes.sizeof(o))
         big[ctypes.sizeof(o) + 3] = b"\x01"
-        with self.assertRaises(kvi.StructSizeError):
+        with pytest.raises(kvi.StructSizeError):
             L.call("kvi_store_create", ctypes.byref(h), m.handle, big)
-        self.assertFalse(h.value)
+        assert not h.value
 
 
-class TestLibraryLookup(unittest.TestCase):
+class TestLibraryLookup:
     def _run(self, env_lib):
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE)] + sys.path)
@@ -182,24 +183,25 @@ class TestLibraryLookup(unittest.TestCase):
     def test_env_var_is_used(self):
         path = kvi.library_path()
         r = self._run(os.path.abspath(path) if os.path.exists(path) else path)
-        self.assertEqual(r.returncode, 0, r.stderr)
-        self.assertEqual(r.stdout.strip(), os.path.abspath(path) if os.path.exists(path) else path)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == (os.path.abspath(path) if os.path.exists(path) else path)
 
     def test_env_var_that_does_not_load_fails_clearly(self):
         r = self._run("/nonexistent/libkvinject.so")
-        self.assertNotEqual(r.returncode, 0)
-        self.assertIn("ImportError", r.stderr)
-        self.assertIn("KVINJECT_LIBRARY", r.stderr)
-        self.assertIn("/nonexistent/libkvinject.so", r.stderr)
+        assert r.returncode != 0
+        assert "ImportError" in r.stderr
+        assert "KVINJECT_LIBRARY" in r.stderr
+        assert "/nonexistent/libkvinject.so" in r.stderr
 
     def test_library_that_is_not_libkvinject(self):
         libc = ctypes.util.find_library("c")
         if not libc:
-            self.skipTest("no libc to load")
+            pytest.skip("no libc to load")
         r = self._run(libc)
-        self.assertNotEqual(r.returncode, 0)
-        self.assertIn("does not export kvi_", r.stderr)
+        assert r.returncode != 0
+        assert "does not export kvi_" in r.stderr
 
 
 if __name__ == "__main__":
-    unittest.main()
+    from kvi_testutil import run_pytest
+    sys.exit(run_pytest(__file__, sys.argv[1:]))

@@ -5,9 +5,11 @@ reference rotation at Q). All-or-nothing and replace semantics, embeddings."""
 from __future__ import annotations
 
 import array
-import unittest
+import sys
 
-from kvi_testutil import FakeTensor, RefRope, bits_of, empty, encode, rand_values, rng, round_to, unit_roundoff
+import pytest
+
+from kvi_testutil import FakeTensor, RefRope, bits_of, case, empty, encode, rand_values, rng, round_to, unit_roundoff
 import kvinject as kvi
 from kvinject import DType, RopeScaling, RopeStyle
 
@@ -17,15 +19,16 @@ ROPES = {-1: dict(style=RopeStyle.GPTJ, theta=500000.0, scaling=RopeScaling.LLAM
                   original_max_position=8192), 2: dict(style=RopeStyle.NONE)}
 
 
-class TestEncode(unittest.TestCase):
-    def setUp(self):
+class TestEncode:
+    @pytest.fixture(autouse=True)
+    def _setup(self, closing):
         self.model = kvi.Model(L, H, D)
         for layer, spec in ROPES.items():
             self.model.set_rope(layer=layer, **spec)
         self.ref = [RefRope(D, **ROPES.get(l, ROPES[-1])) for l in range(L)]
         self.store = kvi.Store(self.model, 1 << 20, backend=kvi.Backend.CPU, dtype=DType.FP32, page_tokens=4,
                                embedding_dim=4)
-        self.addCleanup(self.store.close)
+        closing.append(self.store)
 
     def prefill(self, dtype, r, rows):
         """An HF cache of `dtype` with every (row, seq) token written as an engine would:
@@ -52,7 +55,7 @@ class TestEncode(unittest.TestCase):
     def check_captured(self, fid, row, first, n, positions, pre_k, pre_v, cache_dtype):
         rk, rv = self.store.read(1, fid)
         T = self.store.fact_tokens(1, fid)
-        self.assertEqual(T, n)
+        assert T == n
         u = unit_roundoff(cache_dtype)
         for t in range(n):
             p = positions[t]
@@ -65,14 +68,14 @@ class TestEncode(unittest.TestCase):
                     for d in range(D):
                         # the cache held y rounded to its dtype: that error passes through the inverse
                         bound = 2 * tol[d] + 4 * u * max(abs(y[d]), max(abs(c) for c in y)) + 1e-30
-                        self.assertLessEqual(abs(rk[at + d] - x[d]), bound,
-                                             "fact %d token %d layer %d head %d dim %d" % (fid, t, l, h, d))
-                        self.assertEqual(rv[at + d], round_to(v[d], cache_dtype))
+                        assert abs(rk[at + d] - x[d]) <= bound, \
+                               "fact %d token %d layer %d head %d dim %d" % (fid, t, l, h, d)
+                        assert rv[at + d] == round_to(v[d], cache_dtype)
         return rk
 
     def test_capture_then_inject(self):
         for cdt in (DType.FP32, DType.BF16):
-            with self.subTest(cache=cdt.name):
+            with case(cache=cdt.name):
                 r = rng(50 + int(cdt))
                 pos0 = [3 * s + 11 for s in range(S)]  # positions are not sequence indices
                 keys, values, lay, pre_k, pre_v = self.prefill(cdt, r, {0: list(range(S)), 1: pos0})
@@ -83,7 +86,7 @@ class TestEncode(unittest.TestCase):
                 enc.encode([kvi.Capture(1, fid_a, [0], num_tokens=7, first_slot=6, start_position=6, embedding=emb),
                             kvi.Capture(1, fid_b, [1], num_tokens=9, first_slot=20, positions=pos0[20:29],
                                         embedding=encode(emb, DType.BF16), embedding_dtype=DType.BF16)])
-                self.assertEqual(list(self.store.get_embedding(1, fid_a)), emb)
+                assert list(self.store.get_embedding(1, fid_a)) == emb
                 self.check_captured(fid_a, 0, 6, 7, list(range(6, 13)), pre_k, pre_v, cdt)
                 rk = self.check_captured(fid_b, 1, 20, 9, pos0[20:29], pre_k, pre_v, cdt)
                 # inject the captured fact into a fresh fp32 cache at other positions
@@ -100,7 +103,7 @@ class TestEncode(unittest.TestCase):
                             want, tol = self.ref[l].rotate(x, q[t]), self.ref[l].tol(x, q[t])
                             c = ((1 * H + h) * S + 2 + t) * D
                             for d in range(D):
-                                self.assertLessEqual(abs(k2[l][c + d] - want[d]), tol[d] + 2.0 ** -23 * abs(want[d]))
+                                assert abs(k2[l][c + d] - want[d]) <= tol[d] + 2.0 ** -23 * abs(want[d])
                 inj.close()
                 enc.close()
 
@@ -116,23 +119,23 @@ class TestEncode(unittest.TestCase):
                          (kvi.Capture(1, 2, [1], num_tokens=0, embedding=emb), kvi.InvalidArgumentError),
                          (kvi.Capture(1, 2, [1], num_tokens=S + 1, embedding=emb), kvi.InvalidArgumentError),
                          (kvi.Capture(1, 2, [1], num_tokens=4), kvi.InvalidArgumentError)):  # no embedding
-            with self.assertRaises(exc):
+            with pytest.raises(exc):
                 enc.encode([good, bad])
             after = self.store.stats()
-            self.assertEqual((after.facts, after.pages_used), (before.facts, before.pages_used))
-        with self.assertRaises(ValueError):  # fewer positions than tokens, refused by the binding
+            assert (after.facts, after.pages_used) == (before.facts, before.pages_used)
+        with pytest.raises(ValueError):  # fewer positions than tokens, refused by the binding
             enc.encode(kvi.Capture(1, 2, [0], num_tokens=4, positions=[1, 2], embedding=emb))
-        with self.assertRaises(ValueError):  # capture block tables are host memory
+        with pytest.raises(ValueError):  # capture block tables are host memory
             enc.encode(kvi.Capture(1, 2, FakeTensor(array.array("i", [0]), (1,), dtype="torch.int32",
                                                     device="cuda"), num_tokens=4, embedding=emb))
         enc.encode(good)
         first = bits_of(self.store.read(1, 1)[0])
-        with self.assertRaises(kvi.ExistsError):
+        with pytest.raises(kvi.ExistsError):
             enc.encode(kvi.Capture(1, 1, [1], num_tokens=4, embedding=emb))
-        self.assertEqual(bits_of(self.store.read(1, 1)[0]), first)
+        assert bits_of(self.store.read(1, 1)[0]) == first
         enc.encode(kvi.Capture(1, 1, [1], num_tokens=5, embedding=emb, replace=True))
-        self.assertEqual(self.store.fact_tokens(1, 1), 5)
-        self.assertNotEqual(bits_of(self.store.read(1, 1)[0])[:64], first[:64])
+        assert self.store.fact_tokens(1, 1) == 5
+        assert bits_of(self.store.read(1, 1)[0])[:64] != first[:64]
         enc.encode([])  # nothing to do
 
 
@@ -151,7 +154,7 @@ class TestEncodeBatch(TestEncode):
         flat_emb = array.array("f", [x for e in embs for x in e])
         flat_pos = [p for _, _, _, pos in spec for p in pos]
         for form, code in (("2-D", "i"), ("CSR", "q")):
-            with self.subTest(form=form):
+            with case(form=form):
                 base = 200 if form == "2-D" else 300
                 ids = array.array("q", [base + i for i in range(3)])
                 if form == "2-D":
@@ -163,22 +166,22 @@ class TestEncodeBatch(TestEncode):
                                  first_slots=array.array("q", [f for _, f, _, _ in spec]),
                                  positions=array.array(code, flat_pos), embeddings=flat_emb, **kw)
                 for i in range(3):
-                    self.assertEqual(bits_of(self.store.read(1, base + i)[0]), bits_of(self.store.read(1, 100 + i)[0]))
-                    self.assertEqual(bits_of(self.store.read(1, base + i)[1]), bits_of(self.store.read(1, 100 + i)[1]))
-                    self.assertEqual(list(self.store.get_embedding(1, base + i)), embs[i])
+                    assert bits_of(self.store.read(1, base + i)[0]) == bits_of(self.store.read(1, 100 + i)[0])
+                    assert bits_of(self.store.read(1, base + i)[1]) == bits_of(self.store.read(1, 100 + i)[1])
+                    assert list(self.store.get_embedding(1, base + i)) == embs[i]
         before = self.store.stats()
-        with self.assertRaises(kvi.InvalidArgumentError):  # 19 positions for 18 tokens
+        with pytest.raises(kvi.InvalidArgumentError):  # 19 positions for 18 tokens
             enc.encode_batch([400, 401, 402], [6, 9, 4], [0, 1, 0], block_table_offsets=[0, 1, 2, 3], tenant=1,
                              positions=flat_pos + [1], embeddings=flat_emb)
-        with self.assertRaises(kvi.InvalidArgumentError):  # a repeated id
+        with pytest.raises(kvi.InvalidArgumentError):  # a repeated id
             enc.encode_batch([400, 400], [2, 2], [0, 1], block_table_offsets=[0, 1, 2], tenant=1,
                              embeddings=flat_emb)
         after = self.store.stats()
-        self.assertEqual((after.facts, after.pages_used), (before.facts, before.pages_used))
+        assert (after.facts, after.pages_used) == (before.facts, before.pages_used)
         enc.close()
 
 
-class TestLifetimes(unittest.TestCase):
+class TestLifetimes:
     def test_store_close_closes_its_injectors(self):
         m = kvi.Model(1, 1, 8)
         s = kvi.Store(m, 1 << 16, backend=kvi.Backend.CPU)
@@ -186,13 +189,14 @@ class TestLifetimes(unittest.TestCase):
         inj = kvi.Injector(s, kvi.CacheLayout.hf(k, [empty(8 * 4, DType.FP32)], shape=(1, 1, 4, 8)))
         enc = kvi.Encoder(s, inj.layout)
         s.close()
-        with self.assertRaises(ValueError):
+        with pytest.raises(ValueError):
             inj.plan(1, [1])
-        with self.assertRaises(ValueError):
+        with pytest.raises(ValueError):
             enc.encode([])
         inj.close()
         enc.close()
 
 
 if __name__ == "__main__":
-    unittest.main()
+    from kvi_testutil import run_pytest
+    sys.exit(run_pytest(__file__, sys.argv[1:]))

@@ -4,13 +4,15 @@ checks raise TypeError / ValueError before calling the library."""
 from __future__ import annotations
 
 import array
-import unittest
+import sys
+
+import pytest
 
 from kvi_testutil import FakeTensor, encode, rand_values, rng
 import kvinject as kvi
 
 
-class TestMapping(unittest.TestCase):
+class TestMapping:
     def test_every_status_has_its_class(self):
         expected = {
             kvi.Status.ERR_INVALID_ARGUMENT: kvi.InvalidArgumentError, kvi.Status.ERR_STRUCT_SIZE: kvi.StructSizeError,
@@ -23,34 +25,34 @@ class TestMapping(unittest.TestCase):
             kvi.Status.ERR_INCOMPATIBLE: kvi.IncompatibleError, kvi.Status.ERR_IO: kvi.IOError_,
             kvi.Status.ERR_PEER: kvi.PeerError,
         }
-        self.assertEqual(set(expected), set(kvi.Status) - {kvi.Status.OK})
+        assert set(expected) == set(kvi.Status) - {kvi.Status.OK}
         classes = set()
         for st, cls in expected.items():
-            self.assertIs(kvi.error_class(st), cls)
-            self.assertTrue(issubclass(cls, kvi.KviError))
+            assert kvi.error_class(st) is cls
+            assert issubclass(cls, kvi.KviError)
             e = cls(st, "msg", "kvi_fn")
-            self.assertEqual((e.status, e.message, e.function), (st, "msg", "kvi_fn"))
+            assert (e.status, e.message, e.function) == (st, "msg", "kvi_fn")
             classes.add(cls)
-        self.assertEqual(len(classes), len(expected), "two statuses share a class")
-        self.assertIs(kvi.error_class(-999), kvi.KviError)
-        self.assertTrue(issubclass(kvi.InvalidArgumentError, ValueError))
-        self.assertTrue(issubclass(kvi.NotFoundError, LookupError))
-        self.assertTrue(issubclass(kvi.OutOfMemoryError, MemoryError))
+        assert len(classes) == len(expected), "two statuses share a class"
+        assert kvi.error_class(-999) is kvi.KviError
+        assert issubclass(kvi.InvalidArgumentError, ValueError)
+        assert issubclass(kvi.NotFoundError, LookupError)
+        assert issubclass(kvi.OutOfMemoryError, MemoryError)
 
     def test_status_strings_come_from_the_library(self):
-        self.assertEqual(kvi.status_string(kvi.Status.OK), "success")
-        self.assertEqual(kvi.status_string(kvi.Status.ERR_NOT_FOUND), "fact not found")
-        self.assertEqual(kvi.status_string(-999), "unknown status")
+        assert kvi.status_string(kvi.Status.OK) == "success"
+        assert kvi.status_string(kvi.Status.ERR_NOT_FOUND) == "fact not found"
+        assert kvi.status_string(-999) == "unknown status"
 
 
-class TestRaised(unittest.TestCase):
-    def setUp(self):
+class TestRaised:
+    @pytest.fixture(autouse=True)
+    def _setup(self):
         self.model = kvi.Model(2, 2, 8)
         self.store = kvi.Store(self.model, 4096 * 4, backend=kvi.Backend.CPU, dtype=kvi.DType.FP32, page_tokens=4)
         # one page: 2 layers x 2 planes x 2 heads x 4 tokens x 8 x 4 bytes = 512 bytes -> 32 pages
         self.r = rng(11)
-
-    def tearDown(self):
+        yield
         self.store.close()
         self.model.close()
 
@@ -59,45 +61,45 @@ class TestRaised(unittest.TestCase):
         return encode(rand_values(self.r, n), kvi.DType.FP32), encode(rand_values(self.r, n), kvi.DType.FP32)
 
     def test_invalid_argument_carries_the_message(self):
-        with self.assertRaises(kvi.InvalidArgumentError) as cm:
+        with pytest.raises(kvi.InvalidArgumentError) as cm:
             kvi.Model(0, 2, 8)
-        e = cm.exception
-        self.assertEqual(e.status, kvi.Status.ERR_INVALID_ARGUMENT)
-        self.assertEqual(e.function, "kvi_model_create")
-        self.assertEqual(e.c_message, kvi.last_error())
-        self.assertEqual(e.message, kvi.last_error().replace("kvi_model_create", "Model"))
-        self.assertIn("num_layers", e.message)
-        self.assertIn(e.message, str(e))
-        self.assertIsInstance(e, ValueError)
+        e = cm.value
+        assert e.status == kvi.Status.ERR_INVALID_ARGUMENT
+        assert e.function == "kvi_model_create"
+        assert e.c_message == kvi.last_error()
+        assert e.message == kvi.last_error().replace("kvi_model_create", "Model")
+        assert "num_layers" in e.message
+        assert e.message in str(e)
+        assert isinstance(e, ValueError)
 
     def test_not_found(self):
         for call in (lambda: self.store.remove(1, 99), lambda: self.store.read(1, 99),
                      lambda: self.store.fact_tokens(1, 99)):
-            with self.assertRaises(kvi.NotFoundError) as cm:
+            with pytest.raises(kvi.NotFoundError) as cm:
                 call()
-            self.assertEqual(cm.exception.status, kvi.Status.ERR_NOT_FOUND)
-            self.assertIn("99", cm.exception.message)
+            assert cm.value.status == kvi.Status.ERR_NOT_FOUND
+            assert "99" in cm.value.message
 
     def test_exists_and_nothing_changes(self):
         k, v = self.kv(3)
         self.store.put(1, 5, k, v)
         k2, v2 = self.kv(3)
-        with self.assertRaises(kvi.ExistsError):
+        with pytest.raises(kvi.ExistsError):
             self.store.put(1, 5, k2, v2)
         rk, rv = self.store.read(1, 5)
-        self.assertEqual(list(rk), list(k))
+        assert list(rk) == list(k)
         self.store.put(1, 5, k2, v2, replace=True)
         rk, rv = self.store.read(1, 5)
-        self.assertEqual(list(rk), list(k2))
+        assert list(rk) == list(k2)
 
     def test_capacity_and_nothing_changes(self):
         before = self.store.stats()
         k, v = self.kv(4 * 40)  # 40 pages, the store has 32
-        with self.assertRaises(kvi.CapacityError):
+        with pytest.raises(kvi.CapacityError):
             self.store.put(1, 1, k, v)
         after = self.store.stats()
-        self.assertEqual((after.facts, after.pages_used), (before.facts, before.pages_used))
-        self.assertEqual(self.store.count(1), 0)
+        assert (after.facts, after.pages_used) == (before.facts, before.pages_used)
+        assert self.store.count(1) == 0
 
     def test_mismatch(self):
         k, v = self.kv(2)
@@ -105,65 +107,66 @@ class TestRaised(unittest.TestCase):
         a, b = as_array(k, "k"), as_array(v, "v")
         view = kvi.KVView(kvi.Memory.HOST, kvi.DType.FP32, num_layers=2, num_tokens=2, num_heads=1, head_size=8,
                           layer_stride=2 * 2 * 8, token_stride=2 * 8, head_stride=8, k=a.ptr, v=b.ptr, keep=(a, b))
-        with self.assertRaises(kvi.MismatchError) as cm:
+        with pytest.raises(kvi.MismatchError) as cm:
             self.store.put(1, 1, view)  # 1 head, the model holds 2
-        self.assertIn("heads", cm.exception.message)
+        assert "heads" in cm.value.message
 
     def test_memory_kind_device_tensor_to_cpu_store(self):
         n = 2 * 3 * 2 * 8
         buf = array.array("f", [1.0] * n)
         k = FakeTensor(buf, (2, 3, 2, 8), device="cuda")
         v = FakeTensor(buf, (2, 3, 2, 8), device="cuda")
-        with self.assertRaises(kvi.MemoryKindError) as cm:
+        with pytest.raises(kvi.MemoryKindError) as cm:
             self.store.put(1, 1, k, v)
-        self.assertEqual(cm.exception.function, "kvi_store_put")
-        self.assertEqual(self.store.count(1), 0)
+        assert cm.value.function == "kvi_store_put"
+        assert self.store.count(1) == 0
 
     def test_cuda_backend_without_a_device(self):
         has_cuda = bool(kvi.features() & kvi.FEATURE_CUDA)
         if has_cuda and kvi.cuda_device_count() > 0:
-            self.skipTest("a CUDA device answers here")
+            pytest.skip("a CUDA device answers here")
         expected = kvi.NoDeviceError if has_cuda else kvi.NotBuiltError
-        with self.assertRaises(expected) as cm:
+        with pytest.raises(expected) as cm:
             kvi.Store(self.model, 1 << 20, backend=kvi.Backend.CUDA)
-        self.assertEqual(cm.exception.function, "kvi_store_create")
+        assert cm.value.function == "kvi_store_create"
 
     def test_binding_checks(self):
         k, v = self.kv(2)
-        with self.assertRaises(TypeError):
+        with pytest.raises(TypeError):
             self.store.put(1, 1, k, [1, 2, 3])  # a list is no buffer
-        with self.assertRaises(ValueError):
+        with pytest.raises(ValueError):
             self.store.put(1, 1, k, v[:-1])  # different element counts
-        with self.assertRaises(ValueError):
+        with pytest.raises(ValueError):
             self.store.put(1, 1, k[:-1], v[:-1])  # not a whole number of tokens
-        with self.assertRaises(TypeError):
+        with pytest.raises(TypeError):
             self.store.put(1, 1, bytes(len(k) * 4), v)  # bytes read as u8 elements, v fp32
-        with self.assertRaises(TypeError):
+        with pytest.raises(TypeError):
             self.store.read(1, 1, bytes(16), bytes(16))  # read-only outputs
-        with self.assertRaises(TypeError):
+        with pytest.raises(TypeError):
             self.store.put(1, 1, k, v, stream="s")
-        with self.assertRaises(ValueError):
+        with pytest.raises(ValueError):
             kvi.Model(1, 1, 8).set_rope(cos_sin_table=[0.5] * 7)  # 7 values, rows of 8
-        self.assertEqual(self.store.count(1), 0)
+        assert self.store.count(1) == 0
 
     def test_closed_handles(self):
         m = kvi.Model(1, 1, 8)
         m.close()
         m.close()
-        with self.assertRaises(ValueError):
+        with pytest.raises(ValueError):
             m.set_rope()
         s = kvi.Store(self.model, 1 << 16, backend=kvi.Backend.CPU)
         s.close()
-        with self.assertRaises(ValueError):
+        with pytest.raises(ValueError):
             s.count(1)
 
 
-class TestPythonNames(unittest.TestCase):
+class TestPythonNames:
     """The library's messages name what the Python caller passed: the method, the
     list argument and its index, keyword arguments, enums; never C fields or
     functions. The raw message stays in c_message."""
 
-    def setUp(self):
+    @pytest.fixture(autouse=True)
+    def _setup(self):
         self.model = kvi.Model(2, 2, 8)
         self.model.set_rope(theta=10000.0)
         self.store = kvi.Store(self.model, 1 << 20, backend=kvi.Backend.CPU, dtype=kvi.DType.FP32)
@@ -173,25 +176,24 @@ class TestPythonNames(unittest.TestCase):
         self.layout = kvi.CacheLayout.hf([buf(), buf()], [buf(), buf()], shape=(1, 2, 16, 8))
         self.inj = kvi.Injector(self.store, self.layout)
         self.enc = kvi.Encoder(self.store, self.layout)
-
-    def tearDown(self):
+        yield
         self.inj.close()
         self.enc.close()
         self.store.close()
         self.model.close()
 
     def message(self, cls, call, starts, *contains):
-        with self.assertRaises(cls) as cm:
+        with pytest.raises(cls) as cm:
             call()
-        e = cm.exception
-        self.assertEqual(e.c_message, kvi.last_error())
-        self.assertTrue(e.message.startswith(starts), e.message)
+        e = cm.value
+        assert e.c_message == kvi.last_error()
+        assert e.message.startswith(starts), e.message
         for c in contains:
-            self.assertIn(c, e.message)
+            assert c in e.message
         for c_name in ("->", "kvi_", "KVI_", "request 0", "request 1", "capture 0", "num_positions",
                        "block_table_len"):
-            self.assertNotIn(c_name, e.message)
-        self.assertIn(e.message, str(e))
+            assert c_name not in e.message
+        assert e.message in str(e)
         return e
 
     def test_inject_requests(self):
@@ -199,7 +201,7 @@ class TestPythonNames(unittest.TestCase):
         e = self.message(kvi.InvalidArgumentError,
                          lambda: self.inj.inject([R(1, [1], block_table=[0]), R(1, [1], block_table=[7])]),
                          "Injector.inject: requests[1]: block_table[0] is 7")
-        self.assertIn("request 1: block_table[0] is 7", e.c_message)
+        assert "request 1: block_table[0] is 7" in e.c_message
         self.message(kvi.InvalidArgumentError, lambda: self.inj.inject(R(1, [1], block_table=[0], positions=[3, 4])),
                      "Injector.inject: requests[0]: positions has 2 values", "5 tokens")
         self.message(kvi.InvalidArgumentError, lambda: self.inj.inject(R(1, [1], block_table=[0], first_slot=-1)),
@@ -213,7 +215,7 @@ class TestPythonNames(unittest.TestCase):
         self.message(kvi.ExistsError, lambda: self.enc.encode([C(1, 2, block_table=[0], num_tokens=3),
                                                                 C(1, 1, block_table=[0], num_tokens=4)]),
                      "Encoder.encode: captures[1]: fact 1 of tenant 1 is already stored", "replace=True")
-        self.assertEqual(self.store.count(1), 1)
+        assert self.store.count(1) == 1
         self.message(kvi.InvalidArgumentError, lambda: self.enc.encode(C(1, 2, block_table=[0], num_tokens=0)),
                      "Encoder.encode: captures[0]: num_tokens is 0")
 
@@ -238,19 +240,20 @@ class TestPythonNames(unittest.TestCase):
 
     def test_rewrites(self):
         pm = kvi.errors.python_message
-        self.assertEqual(pm("kvi_store_search: opts->query_dtype is 9, expected KVI_DTYPE_FP32, FP16 or BF16"),
-                         "Store.search: query_dtype is 9, expected DType.FP32, FP16 or BF16")
-        self.assertEqual(pm("kvi_store_create: opts->backend is 7, not a kvi_backend"),
-                         "Store: backend is 7, not a Backend")
-        self.assertEqual(pm("this build of libkvinject has no NCCL (kvi_features())"),
-                         "this build of libkvinject has no NCCL (kvinject.features())")
-        self.assertEqual(pm("request 12: block_table_len is -1"), "requests[12]: block_table has -1 entries")
-        self.assertEqual(pm("layer 0's RoPE was never set: give it a spec, or KVI_ROPE_NONE for a layer without "
-                            "rotary embedding, with kvi_model_set_rope before creating the store"),
-                         "layer 0's RoPE was never set: give it a spec, or RopeStyle.NONE for a layer without "
-                         "rotary embedding, with Model.set_rope before creating the store")
-        self.assertEqual(pm("kvi_unknown_thing: x"), "kvi_unknown_thing: x")  # unknown names are left
+        assert pm("kvi_store_search: opts->query_dtype is 9, expected KVI_DTYPE_FP32, FP16 or BF16") == \
+               "Store.search: query_dtype is 9, expected DType.FP32, FP16 or BF16"
+        assert pm("kvi_store_create: opts->backend is 7, not a kvi_backend") == \
+               "Store: backend is 7, not a Backend"
+        assert pm("this build of libkvinject has no NCCL (kvi_features())") == \
+               "this build of libkvinject has no NCCL (kvinject.features())"
+        assert pm("request 12: block_table_len is -1") == "requests[12]: block_table has -1 entries"
+        assert pm("layer 0's RoPE was never set: give it a spec, or KVI_ROPE_NONE for a layer without "
+                  "rotary embedding, with kvi_model_set_rope before creating the store") == \
+               "layer 0's RoPE was never set: give it a spec, or RopeStyle.NONE for a layer without " \
+               "rotary embedding, with Model.set_rope before creating the store"
+        assert pm("kvi_unknown_thing: x") == "kvi_unknown_thing: x"  # unknown names are left
 
 
 if __name__ == "__main__":
-    unittest.main()
+    from kvi_testutil import run_pytest
+    sys.exit(run_pytest(__file__, sys.argv[1:]))

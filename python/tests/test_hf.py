@@ -30,12 +30,8 @@ import math
 import os
 import re
 import sys
-import unittest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-PYTHON_DIR = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(PYTHON_DIR, "harness"))
+import pytest
 
 try:
     import torch
@@ -44,11 +40,14 @@ except ImportError as e:  # pragma: no cover
     if __name__ == "__main__":
         print("skipped: %s (test_hf needs torch and transformers)" % e)
         sys.exit(77)
-    raise unittest.SkipTest("test_hf needs torch and transformers: %s" % e)
+    pytest.skip("test_hf needs torch and transformers: %s" % e, allow_module_level=True)
 
-import kvi_testutil  # noqa: E402,F401  (finds the package)
+import kvi_testutil  # noqa: E402
+from kvi_testutil import case  # noqa: E402
 import kvinject as kvi  # noqa: E402
 from kvinject import hf as khf  # noqa: E402
+
+PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TENANT = 3
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -72,14 +71,18 @@ def rel_err(got, ref):
 class Parity:
     """Capture facts from a full prefill, inject them into a StaticCache, compare."""
 
+    @pytest.fixture(autouse=True)
+    def _closing(self, closing):
+        self.closing = closing
+
     def setup_model(self, model):
         self.model = model
         self.km = khf.kvi_model_for(model.config)
-        self.addCleanup(self.km.close)
+        self.closing.append(self.km)
 
     def new_store(self):
         s = kvi.Store(self.km, 64 << 20, backend=kvi.Backend.CPU, dtype=kvi.DType.FP32)
-        self.addCleanup(s.close)
+        self.closing.append(s)
         return s
 
     def capture(self, store, ids, spans):
@@ -99,19 +102,20 @@ class Parity:
             with torch.no_grad():
                 self.model(ids[:, :prefix], past_key_values=cache, use_cache=True)
         inj = khf.StaticCacheInjector(store, cache, **adapter_kw)
-        self.addCleanup(inj.close)
+        self.closing.append(inj)
         n = inj.inject(TENANT, [100 + i for i in range(n_facts)])
-        self.assertEqual(n, ids.shape[1] - prefix - question)
-        self.assertEqual(inj.length, prefix + n)
-        self.assertEqual(int(cache.get_seq_length()), prefix + n)
+        assert n == ids.shape[1] - prefix - question
+        assert inj.length == prefix + n
+        assert int(cache.get_seq_length()) == prefix + n
         with torch.no_grad():
             out = self.model(ids[:, prefix + n:], past_key_values=cache, use_cache=True)
-        self.assertEqual(inj.length, ids.shape[1])
+        assert inj.length == ids.shape[1]
         return out.logits[0], cache, inj
 
 
-class TestStaticCacheTiny(Parity, unittest.TestCase):
-    def setUp(self):
+class TestStaticCacheTiny(Parity):
+    @pytest.fixture(autouse=True)
+    def _setup(self, _closing):
         self.setup_model(tiny_llama())
         g = torch.Generator().manual_seed(1)
         self.prefix, self.lens, self.question = 7, [9, 5, 12], 6
@@ -126,7 +130,7 @@ class TestStaticCacheTiny(Parity, unittest.TestCase):
         store = self.new_store()
         ref = self.capture(store, self.ids, self.spans)[-self.question:]
         got, _, _ = self.injected(store, self.ids, self.prefix, len(self.lens), self.question, extra=5)
-        self.assertLess(rel_err(got, ref), 1e-4)
+        assert rel_err(got, ref) < 1e-4
 
     def test_into_unallocated_cache(self):
         # no prefix: the adapter allocates the layers (early_initialization)
@@ -135,10 +139,10 @@ class TestStaticCacheTiny(Parity, unittest.TestCase):
         store = self.new_store()
         ref = self.capture(store, ids, spans)[-self.question:]
         cache = transformers.StaticCache(config=self.model.config, max_cache_len=ids.shape[1])
-        with self.assertRaisesRegex(ValueError, "not allocated yet"):
+        with pytest.raises(ValueError, match="not allocated yet"):
             khf.StaticCacheInjector(store, cache).inject(TENANT, [100])
         got, _, _ = self.injected(store, ids, 0, len(self.lens), self.question, dtype=torch.float32, device="cpu")
-        self.assertLess(rel_err(got, ref), 1e-4)
+        assert rel_err(got, ref) < 1e-4
 
     def test_wrong_positions_differ(self):
         # negative control: the same facts rotated 3 positions off
@@ -151,7 +155,7 @@ class TestStaticCacheTiny(Parity, unittest.TestCase):
         n = inj.inject(TENANT, [100, 101, 102], start_position=self.prefix + 3)
         with torch.no_grad():
             out = self.model(self.ids[:, self.prefix + n:], past_key_values=cache, use_cache=True)
-        self.assertGreater(rel_err(out.logits[0], ref), 1e-3)
+        assert rel_err(out.logits[0], ref) > 1e-3
 
     def test_length_and_refusals(self):
         store = self.new_store()
@@ -160,27 +164,27 @@ class TestStaticCacheTiny(Parity, unittest.TestCase):
         with torch.no_grad():
             self.model(self.ids[:, :self.prefix], past_key_values=cache, use_cache=True)
         inj = khf.StaticCacheInjector(store, cache)
-        self.addCleanup(inj.close)
-        self.assertEqual((inj.length, inj.capacity, inj.batch_size), (self.prefix, self.prefix + 14, 1))
-        self.assertEqual(inj.inject(TENANT, [100, 101]), 14)  # 9 + 5 tokens: fills the cache exactly
-        self.assertEqual(inj.length, self.prefix + 14)
+        self.closing.append(inj)
+        assert (inj.length, inj.capacity, inj.batch_size) == (self.prefix, self.prefix + 14, 1)
+        assert inj.inject(TENANT, [100, 101]) == 14  # 9 + 5 tokens: fills the cache exactly
+        assert inj.length == self.prefix + 14
         before = [(l.keys.clone(), l.values.clone()) for l in cache.layers]
-        with self.assertRaisesRegex(ValueError, "pass the cache's max_cache_len"):
+        with pytest.raises(ValueError, match="pass the cache's max_cache_len"):
             inj.inject(TENANT, [102])
-        self.assertEqual(inj.length, self.prefix + 14)
+        assert inj.length == self.prefix + 14
         inj.set_length(self.prefix)
-        with self.assertRaisesRegex(ValueError, "pass the cache's max_cache_len"):
+        with pytest.raises(ValueError, match="pass the cache's max_cache_len"):
             inj.inject(TENANT, [100, 101, 102])
-        with self.assertRaises(kvi.NotFoundError):
+        with pytest.raises(kvi.NotFoundError):
             inj.inject(TENANT, [100, 999])
-        with self.assertRaisesRegex(ValueError, "rows"):
+        with pytest.raises(ValueError, match="rows"):
             inj.inject(TENANT, [100], rows=[1])
-        with self.assertRaisesRegex(ValueError, "set_length"):
+        with pytest.raises(ValueError, match="set_length"):
             inj.set_length(self.prefix + 15)
-        self.assertEqual(inj.length, self.prefix)
+        assert inj.length == self.prefix
         for (k, v), l in zip(before, cache.layers):  # the failed calls wrote nothing
-            self.assertTrue(torch.equal(k, l.keys) and torch.equal(v, l.values))
-        with self.assertRaisesRegex(TypeError, "DynamicCache"):
+            assert torch.equal(k, l.keys) and torch.equal(v, l.values)
+        with pytest.raises(TypeError, match="DynamicCache"):
             khf.StaticCacheInjector(store, transformers.DynamicCache(config=self.model.config))
 
     def test_rows_of_unequal_length_are_refused(self):
@@ -188,18 +192,18 @@ class TestStaticCacheTiny(Parity, unittest.TestCase):
         self.capture(store, self.ids, self.spans)
         cache = transformers.StaticCache(config=self.model.config, max_cache_len=40)
         inj = khf.StaticCacheInjector(store, cache, dtype=torch.float32, device="cpu", batch_size=2)
-        self.addCleanup(inj.close)
-        with self.assertRaisesRegex(ValueError, "must be equal"):
+        self.closing.append(inj)
+        with pytest.raises(ValueError, match="must be equal"):
             inj.inject_rows(TENANT, [[100], [101]])
-        self.assertEqual(inj.length, 0)
-        self.assertEqual(inj.inject_rows(TENANT, [[100, 101], [101, 100]]), 14)
+        assert inj.length == 0
+        assert inj.inject_rows(TENANT, [[100, 101], [101, 100]]) == 14
         # V is stored as is: row 0 starts with fact 100's values, row 1 with fact 101's
         # (store order [layers, tokens, heads, head_size]; layer 1, token 0, head 0)
         H, D = 2, 32
         for row, fid, tokens in ((0, 100, 9), (1, 101, 5)):
             _, v = store.read(TENANT, fid)
             want = torch.tensor(list(v[tokens * H * D:tokens * H * D + D]))
-            self.assertTrue(torch.equal(cache.layers[1].values[row, 0, 0], want))
+            assert torch.equal(cache.layers[1].values[row, 0, 0], want)
 
     def test_stale_dynamic_cache_layout_is_refused(self):
         store = self.new_store()
@@ -209,23 +213,23 @@ class TestStaticCacheTiny(Parity, unittest.TestCase):
         layout = kvi.CacheLayout.hf(cache)
         enc = kvi.Encoder(store, layout)
         inj = kvi.Injector(store, layout)
-        self.assertFalse(layout.stale)
+        assert not layout.stale
         with torch.no_grad():
             self.model(self.ids[:, 20:24], past_key_values=cache, use_cache=True)  # reallocates every layer
-        self.assertTrue(layout.stale)
-        with self.assertRaises(kvi.StaleLayoutError) as cm:
+        assert layout.stale
+        with pytest.raises(kvi.StaleLayoutError) as cm:
             enc.encode(kvi.Capture(TENANT, 1, block_table=[0], num_tokens=4, first_slot=0))
-        self.assertIn("DynamicCache", str(cm.exception))
-        self.assertIsInstance(cm.exception, ValueError)
-        self.assertEqual(store.count(TENANT), 0)
-        with self.assertRaises(kvi.StaleLayoutError):
+        assert "DynamicCache" in str(cm.value)
+        assert isinstance(cm.value, ValueError)
+        assert store.count(TENANT) == 0
+        with pytest.raises(kvi.StaleLayoutError):
             inj.inject(kvi.InjectRequest(TENANT, [1], block_table=[0]))
         # a layout made now works
         kvi.Encoder(store, kvi.CacheLayout.hf(cache)).encode(
             kvi.Capture(TENANT, 1, block_table=[0], num_tokens=4, first_slot=20, start_position=20))
-        self.assertEqual(store.count(TENANT), 1)
+        assert store.count(TENANT) == 1
         # tensors given one by one are not tracked (the caller keeps them current)
-        self.assertFalse(kvi.CacheLayout.hf(*khf.cache_tensors(cache)).stale)
+        assert not kvi.CacheLayout.hf(*khf.cache_tensors(cache)).stale
 
     def test_moved_static_cache_is_refreshed(self):
         store = self.new_store()
@@ -234,29 +238,30 @@ class TestStaticCacheTiny(Parity, unittest.TestCase):
         with torch.no_grad():
             self.model(self.ids[:, :self.prefix], past_key_values=cache, use_cache=True)
         inj = khf.StaticCacheInjector(store, cache)
-        self.addCleanup(inj.close)
+        self.closing.append(inj)
         old = inj.injector
         for l in cache.layers:  # the layers' tensors move (as a device move or offload would)
             l.keys, l.values = l.keys.clone(), l.values.clone()
-        self.assertTrue(old.layout.stale)
-        with self.assertRaises(kvi.StaleLayoutError):
+        assert old.layout.stale
+        with pytest.raises(kvi.StaleLayoutError):
             old.inject(kvi.InjectRequest(TENANT, [100], block_table=[0], first_slot=self.prefix,
                                          start_position=self.prefix))
         n = inj.inject(TENANT, [100, 101, 102])
-        self.assertIsNot(inj.injector, old)
-        with self.assertRaisesRegex(ValueError, "closed"):  # a CPU store's old injector is freed at once
+        assert inj.injector is not old
+        with pytest.raises(ValueError, match="closed"):  # a CPU store's old injector is freed at once
             old.handle
-        self.assertEqual(inj._retired, [])
+        assert inj._retired == []
         with torch.no_grad():
             out = self.model(self.ids[:, self.prefix + n:], past_key_values=cache, use_cache=True)
-        self.assertLess(rel_err(out.logits[0], ref), 1e-4)
+        assert rel_err(out.logits[0], ref) < 1e-4
 
 
-class TestSmolLM2(Parity, unittest.TestCase):
-    def setUp(self):
+class TestSmolLM2(Parity):
+    @pytest.fixture(autouse=True)
+    def _setup(self, _closing):
         path = os.environ.get("KVI_VLLM_MODEL", "/var/cache/kvinject/vllm/model/SmolLM2-135M-Instruct")
         if not os.path.isfile(os.path.join(path, "model.safetensors")):
-            self.skipTest("no SmolLM2-135M-Instruct at %s (.ci/install-vllm converts it)" % path)
+            pytest.skip("no SmolLM2-135M-Instruct at %s (.ci/install-vllm converts it)" % path)
         self.tok = transformers.AutoTokenizer.from_pretrained(path)
         self.setup_model(transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, attn_implementation="sdpa").eval())
@@ -275,22 +280,21 @@ class TestSmolLM2(Parity, unittest.TestCase):
         store = self.new_store()
         ref = self.capture(store, ids, spans)[-question:]
         got, _, _ = self.injected(store, ids, prefix, len(spans), question)
-        self.assertLess(rel_err(got, ref), 1e-4)
-        self.assertEqual(int(got[-1].argmax()), int(ref[-1].argmax()))
+        assert rel_err(got, ref) < 1e-4
+        assert int(got[-1].argmax()) == int(ref[-1].argmax())
 
 
-class TestRopeFields(unittest.TestCase):
-    def test_every_family_of_the_harness(self):
-        import hf_common as C
-        for name, (cls, kw, _) in C.tiny_configs(layers=1).items():
-            with self.subTest(family=name):
-                model = C.build_model(cls, kw, torch.float32, "cpu")
+class TestRopeFields:
+    def test_every_family_of_the_harness(self, closing):
+        from kvinject.hf import testing
+        for name, (cls, kw, _) in testing.tiny_configs(layers=1).items():
+            with case(family=name):
+                model = testing.build_model(cls, kw, torch.float32, "cpu")
                 km = khf.kvi_model_for(model.config)
-                self.addCleanup(km.close)
-                self.assertLess(C.rope_mapping_error(model, km, positions=256), 1e-4)  # the harness criterion
+                closing.append(km)
+                assert testing.rope_mapping_error(model, km, positions=256) < 1e-4  # the harness criterion
 
-
-    def test_rope_per_layer_type(self):
+    def test_rope_per_layer_type(self, closing):
         # Gemma 3: sliding layers theta 1e4, full layers theta 1e6 with linear scaling;
         # each layer against the model's own inverse frequencies of its layer type
         types = ["sliding_attention", "full_attention", "sliding_attention"]
@@ -302,33 +306,33 @@ class TestRopeFields(unittest.TestCase):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         rot = next(m for _, m in model.named_modules() if hasattr(m, "layer_types") and hasattr(m, "rope_type"))
         km = khf.kvi_model_for(model.config)
-        self.addCleanup(km.close)
+        closing.append(km)
         worst = 0.0
         for layer, t in enumerate(types):
             inv = getattr(rot, t + "_inv_freq").double()
-            self.assertEqual(getattr(rot, t + "_attention_scaling"), 1.0)
+            assert getattr(rot, t + "_attention_scaling") == 1.0
             for p in (0, 1, 17, 100, 255):
                 for j in range(inv.numel()):
                     c, s = km.rope_cos_sin(layer, p, j)
                     a = p * float(inv[j])
                     worst = max(worst, abs(c - math.cos(a)), abs(s - math.sin(a)))
-        self.assertLess(worst, 1e-5)
+        assert worst < 1e-5
         # the two types differ, so one RoPE for every layer would fail the check above
-        self.assertNotEqual(km.get_rope(0).theta, km.get_rope(1).theta)
+        assert km.get_rope(0).theta != km.get_rope(1).theta
 
 
-class TestReadmeExamples(unittest.TestCase):
+class TestReadmeExamples:
     def test_examples_run(self):
         with open(os.path.join(PYTHON_DIR, "README.md"), encoding="utf-8") as f:
             text = f.read()
         blocks = re.findall(r"<!-- tested: test_hf -->\s*```python\n(.*?)```", text, re.S)
-        self.assertGreaterEqual(len(blocks), 1, "no tested example in python/README.md")
+        assert len(blocks) >= 1, "no tested example in python/README.md"
         for i, code in enumerate(blocks):
-            with self.subTest(example=i):
+            with case(example=i):
                 exec(compile(code, "python/README.md example %d" % i, "exec"), {"__name__": "__readme__"})
 
 
 if __name__ == "__main__":
-    import run_tests
-    # arguments: test names within this module (e.g. TestSmolLM2); none: all
-    sys.exit(run_tests.main([sys.argv[0]] + (["test_hf." + a for a in sys.argv[1:]] or ["test_hf"])))
+    # arguments: tests of this module (e.g. TestSmolLM2, TestStaticCacheTiny.test_logits_match_full_prefill);
+    # none: all
+    sys.exit(kvi_testutil.run_pytest(__file__, sys.argv[1:]))

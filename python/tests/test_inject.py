@@ -6,10 +6,12 @@ are indexed with the engines' own shapes, never with the library's strides."""
 from __future__ import annotations
 
 import array
-import unittest
+import sys
 
-from kvi_testutil import (FakeTensor, RefRope, bits_of, empty, encode, f32_bits, fp8_e4m3_value, rand_values, rng,
-                          unit_roundoff)
+import pytest
+
+from kvi_testutil import (FakeTensor, RefRope, bits_of, case, empty, encode, f32_bits, fp8_e4m3_value, rand_values,
+                          rng, unit_roundoff)
 import kvinject as kvi
 from kvinject import DType, RopeScaling, RopeStyle
 
@@ -31,7 +33,7 @@ class Facts:
             self.model.set_rope(layer=layer, **spec)
         self.ref = [RefRope(D, **ropes.get(layer, ropes[-1])) for layer in range(L)]
         self.store = kvi.Store(self.model, 1 << 20, backend=kvi.Backend.CPU, dtype=store_dtype, page_tokens=4)
-        test.addCleanup(self.store.close)
+        test.closing.append(self.store)
         r = rng(seed)
         self.k, self.v = {}, {}
         for fid, T in ((10, 5), (11, 9), (12, 3)):
@@ -66,7 +68,11 @@ def expected_writes(facts, requests, layers=range(L)):
     return out
 
 
-class InjectCase(unittest.TestCase):
+class InjectCase:
+    @pytest.fixture(autouse=True)
+    def _closing(self, closing):
+        self.closing = closing
+
     def assert_cache(self, cache_index, dtype, bufs, writes, nblocks, bs, scale=1.0):
         """Every element of every layer/plane: written ones within tolerance of the
         reference rotated at their position, the others still poison."""
@@ -82,9 +88,9 @@ class InjectCase(unittest.TestCase):
                             for d in range(D):
                                 buf, i = cache_index(l, kv, blk, tok, h, d)
                                 if w is None:
-                                    self.assertEqual(_raw(buf, i, dtype), POISON[dtype],
-                                                     "layer %d plane %d block %d token %d head %d dim %d was written"
-                                                     % (l, kv, blk, tok, h, d))
+                                    assert _raw(buf, i, dtype) == POISON[dtype], \
+                                           "layer %d plane %d block %d token %d head %d dim %d was written" \
+                                           % (l, kv, blk, tok, h, d)
                                     continue
                                 got = value(buf[i]) * scale
                                 if kv == 0:
@@ -92,11 +98,11 @@ class InjectCase(unittest.TestCase):
                                 else:
                                     ref, tol = w[2][d], 0.0
                                 bound = tol + 2 * u * abs(ref) + (2.0 ** -9 * scale if dtype == DType.FP8_E4M3 else 0)
-                                self.assertLessEqual(abs(got - ref), bound,
-                                                     "%s layer %d block %d token %d head %d dim %d: %r, reference %r"
-                                                     % ("KV"[kv], l, blk, tok, h, d, got, ref))
+                                assert abs(got - ref) <= bound, \
+                                       "%s layer %d block %d token %d head %d dim %d: %r, reference %r" \
+                                       % ("KV"[kv], l, blk, tok, h, d, got, ref)
                                 written += 1
-        self.assertEqual(written, 2 * D * len(writes))
+        assert written == 2 * D * len(writes)
         return written
 
 
@@ -138,14 +144,14 @@ class TestHuggingFace(InjectCase):
 
     def test_every_cache_dtype(self):
         for cdt in (DType.FP32, DType.FP16, DType.BF16):
-            with self.subTest(cache=cdt.name):
+            with case(cache=cdt.name):
                 facts = Facts(self, DType.BF16, seed=int(cdt))
                 keys, values, index = self.hf_cache(cdt)
                 layout = kvi.CacheLayout.hf(keys, values, shape=(self.B, H, self.S, D),
                                             dtype=None if cdt == DType.FP32 else cdt)
-                self.assertEqual((layout.num_blocks, layout.block_size, layout.dtype), (self.B, self.S, cdt))
+                assert (layout.num_blocks, layout.block_size, layout.dtype) == (self.B, self.S, cdt)
                 inj = kvi.Injector(facts.store, layout)
-                self.assertEqual(inj.plan(1, [11, 10]), 14)
+                assert inj.plan(1, [11, 10]) == 14
                 writes = self.run_requests(facts, inj, self.REQS)
                 self.assert_cache(index, cdt, None, writes, self.B, self.S)
 
@@ -158,26 +164,26 @@ class TestHuggingFace(InjectCase):
         reqs = [kvi.InjectRequest(1, f, t, first_slot=fs, positions=p, start_position=sp)
                 for f, t, fs, p, sp in self.REQS]
         inj.inject(reqs)
-        self.assertEqual(inj.deviation(reqs, 2), [0.0] * 17)
+        assert inj.deviation(reqs, 2) == [0.0] * 17
         buf, i = index(2, 1, 0, 30 + 1, 1, 7)  # request 1 (row 0, slot 30): its token 1, V head 1 dim 7
         buf[i] += 0.5
         got = inj.deviation(reqs, 2)
-        self.assertEqual(got, [0.0] * 15 + [0.25, 0.0])
-        self.assertEqual(inj.deviation(reqs, 1), [0.0] * 17)
+        assert got == [0.0] * 15 + [0.25, 0.0]
+        assert inj.deviation(reqs, 1) == [0.0] * 17
         out = array.array("f", [7.0] * 20)
-        self.assertIs(inj.deviation(reqs, 2, out=out), out)
-        self.assertEqual(list(out), [0.0] * 15 + [0.25, 0.0] + [7.0] * 3)
-        with self.assertRaises(kvi.InvalidArgumentError):
+        assert inj.deviation(reqs, 2, out=out) is out
+        assert list(out) == [0.0] * 15 + [0.25, 0.0] + [7.0] * 3
+        with pytest.raises(kvi.InvalidArgumentError):
             inj.deviation(reqs, 2, out=array.array("f", [0.0] * 16))  # one short
-        with self.assertRaises(kvi.InvalidArgumentError):
+        with pytest.raises(kvi.InvalidArgumentError):
             inj.deviation(reqs, L)
-        self.assertEqual(kvi.recompute_select(got, [9, 5, 3], fraction=0.0, boundary=1), [0, 9, 14])
-        self.assertEqual(kvi.recompute_select(got, [9, 5, 3], fraction=0.1, boundary=1),
-                         [0, 1, 9, 14, 15])  # 0.25, then the lowest index of the ties
-        self.assertEqual(kvi.recompute_select(array.array("f", got), [9, 5, 3], fraction=1 / 17), [15])
-        with self.assertRaises(kvi.InvalidArgumentError):
+        assert kvi.recompute_select(got, [9, 5, 3], fraction=0.0, boundary=1) == [0, 9, 14]
+        assert kvi.recompute_select(got, [9, 5, 3], fraction=0.1, boundary=1) == \
+               [0, 1, 9, 14, 15]  # 0.25, then the lowest index of the ties
+        assert kvi.recompute_select(array.array("f", got), [9, 5, 3], fraction=1 / 17) == [15]
+        with pytest.raises(kvi.InvalidArgumentError):
             kvi.recompute_select(got, [9, 5, 3], fraction=-1.0)
-        with self.assertRaises(ValueError):
+        with pytest.raises(ValueError):
             kvi.recompute_select(got[:3], [9, 5, 3])
 
     def test_gptj_everywhere_and_fp32_store(self):
@@ -198,7 +204,7 @@ class TestHuggingFace(InjectCase):
         keys = [FakeTensor(b, (self.B, H, self.S, D), strides, dtype="torch.bfloat16") for b in kst]
         values = [FakeTensor(b, (self.B, H, self.S, D), strides, dtype="torch.bfloat16") for b in vst]
         layout = kvi.CacheLayout.hf(keys, values)
-        self.assertEqual((layout.block_stride, layout.head_stride, layout.token_stride), strides[:3])
+        assert (layout.block_stride, layout.head_stride, layout.token_stride) == strides[:3]
         inj = kvi.Injector(facts.store, layout)
         writes = self.run_requests(facts, inj, self.REQS)
         S = self.S
@@ -231,37 +237,37 @@ class TestHuggingFace(InjectCase):
             (kvi.InvalidArgumentError, [good]),  # layer range below
         ]
         for i, (exc, reqs) in enumerate(cases):
-            with self.subTest(case=i):
+            with case(case=i):
                 kw = dict(layer_begin=2, layer_end=1) if i == len(cases) - 1 else {}
-                with self.assertRaises(exc):
+                with pytest.raises(exc):
                     inj.inject(reqs, **kw)
-                self.assertEqual(b"".join(bits_of(b) for b in keys + values), before)
-        with self.assertRaises(ValueError):  # 5 tokens, 4 positions: refused by the library (num_positions)
+                assert b"".join(bits_of(b) for b in keys + values) == before
+        with pytest.raises(ValueError):  # 5 tokens, 4 positions: refused by the library (num_positions)
             inj.inject(kvi.InjectRequest(1, [10], [0], positions=[1, 2, 3, 4]))
-        with self.assertRaises(kvi.NotFoundError):
+        with pytest.raises(kvi.NotFoundError):
             inj.plan(1, [10, 77])
-        with self.assertRaises(kvi.MemoryKindError):  # a device block table on a CPU store
+        with pytest.raises(kvi.MemoryKindError):  # a device block table on a CPU store
             inj.inject(kvi.InjectRequest(1, [10], FakeTensor(array.array("i", [0]), (1,), dtype="torch.int32",
                                                                 device="cuda")))
-        self.assertEqual(b"".join(bits_of(b) for b in keys + values), before)
+        assert b"".join(bits_of(b) for b in keys + values) == before
         inj.inject([])  # nothing to do
 
     def test_layout_checks(self):
         facts = Facts(self, DType.BF16, seed=9)
         keys, values, _ = self.hf_cache(DType.FP32)
-        with self.assertRaises(kvi.MismatchError):  # 3 heads in the cache, 2 in the model
+        with pytest.raises(kvi.MismatchError):  # 3 heads in the cache, 2 in the model
             kvi.Injector(facts.store, kvi.CacheLayout.hf(keys, values, shape=(2, 3, self.S, D)))
-        with self.assertRaises(kvi.MemoryKindError):  # a device cache for a CPU store
+        with pytest.raises(kvi.MemoryKindError):  # a device cache for a CPU store
             t = [FakeTensor(b, (self.B, H, self.S, D), device="cuda") for b in keys]
             kvi.Injector(facts.store, kvi.CacheLayout.hf(t, t))
-        with self.assertRaises(ValueError):  # no shape for plain buffers
+        with pytest.raises(ValueError):  # no shape for plain buffers
             kvi.CacheLayout.hf(keys, values)
-        with self.assertRaises(ValueError):  # buffers smaller than the shape
+        with pytest.raises(ValueError):  # buffers smaller than the shape
             kvi.CacheLayout.hf(keys, values, shape=(self.B + 1, H, self.S, D))
-        with self.assertRaises(ValueError):  # layers of different shapes
+        with pytest.raises(ValueError):  # layers of different shapes
             t = [FakeTensor(keys[0], (self.B, H, self.S, D)), FakeTensor(keys[1], (self.B, H, self.S - 1, D))]
             kvi.CacheLayout.hf(t, t)
-        with self.assertRaises(ValueError):
+        with pytest.raises(ValueError):
             kvi.CacheLayout.hf(keys, values[:2], shape=(self.B, H, self.S, D))
 
 
@@ -292,7 +298,7 @@ class TestVllm(InjectCase):
         strides = (2 * H * BS * D, H * BS * D, D, BS * D, 1)
         tensors = [FakeTensor(b, (NB, 2, BS, H, D), strides, dtype="torch.float16") for b in phys]
         layout = kvi.CacheLayout.vllm(tensors, kv_first=False)
-        self.assertEqual((layout.v_offset, layout.block_stride), (H * BS * D, 2 * H * BS * D))
+        assert (layout.v_offset, layout.block_stride) == (H * BS * D, 2 * H * BS * D)
         inj = kvi.Injector(facts.store, layout)
         table = [3, 0, 6, 4, 1]
         pos = list(range(1000, 1000 + 14 * 3, 3))
@@ -324,9 +330,9 @@ class TestVllm(InjectCase):
 
             # check layer l alone with its scale: other layers' entries are not in `sub`
             self._check_layer(index, sub, l, NB, BS, scales[l])
-        with self.assertRaises(ValueError):
+        with pytest.raises(ValueError):
             layout.set_scales(kvi.ScaleMode.PER_HEAD, scales, scales)  # needs L * H values
-        with self.assertRaises(kvi.InvalidArgumentError):  # scales for a bf16 cache
+        with pytest.raises(kvi.InvalidArgumentError):  # scales for a bf16 cache
             b = [poisoned(2 * NB * BS * H * D, DType.BF16) for _ in range(L)]
             lay = kvi.CacheLayout.vllm(b, shape=(2, NB, BS, H, D), dtype=DType.BF16)
             lay.set_scales(kvi.ScaleMode.PER_TENSOR, scales, scales)
@@ -341,12 +347,12 @@ class TestVllm(InjectCase):
                         for d in range(D):
                             buf, i = index(l, kv, blk, tok, h, d)
                             if w is None:
-                                self.assertEqual(buf[i], POISON[DType.FP8_E4M3])
+                                assert buf[i] == POISON[DType.FP8_E4M3]
                                 continue
                             ref, tol = (w[0][d], w[1][d]) if kv == 0 else (w[2][d], 0.0)
                             got = fp8_e4m3_value(buf[i]) * scale
-                            self.assertLessEqual(abs(got - ref), tol + 2.0 ** -4 * abs(ref) + 2.0 ** -9 * scale,
-                                                 "layer %d %s: %r vs %r" % (l, "KV"[kv], got, ref))
+                            assert abs(got - ref) <= tol + 2.0 ** -4 * abs(ref) + 2.0 ** -9 * scale, \
+                                   "layer %d %s: %r vs %r" % (l, "KV"[kv], got, ref)
 
 
 class TestInjectBatch(InjectCase):
@@ -358,7 +364,9 @@ class TestInjectBatch(InjectCase):
     # (fact ids, first slot, blocks) per request; request 2 injects nothing
     REQS = [([11, 10], 2, [5, 1, 7, 2, 9]), ([12], 0, [3]), ([], 0, []), ([10, 12, 12], 3, [0, 4, 6, 8])]
 
-    def setUp(self):
+    @pytest.fixture(autouse=True)
+    def _setup(self, closing):
+        self.closing = closing
         self.facts = Facts(self, DType.BF16, seed=30)
         NB, BS = self.NB, self.BS
         self.caches = [poisoned(2 * NB * BS * H * D, DType.BF16) for _ in range(L)]
@@ -411,7 +419,7 @@ class TestInjectBatch(InjectCase):
             self.assert_cache(index, DType.BF16, None, writes, NB, BS)
             for form in ("2-D buffer", "2-D FakeTensor", "CSR", "CSR lists"):
                 for code in ("i", "q"):
-                    with self.subTest(per_token=per_token, form=form, positions=code):
+                    with case(per_token=per_token, form=form, positions=code):
                         self.reset()
                         kw = {}
                         if per_token:
@@ -435,8 +443,8 @@ class TestInjectBatch(InjectCase):
                             self.inj.inject_batch(list(ids), list(csr), fact_offsets=list(offs),
                                                   block_table_offsets=list(indptr), tenant=1, first_slots=list(first),
                                                   out_tokens=out, **{k: list(v) for k, v in kw.items()})
-                        self.assertEqual(self.snapshot(), want)
-                        self.assertEqual(list(out), [self.tokens(r[0]) for r in self.REQS])
+                        assert self.snapshot() == want
+                        assert list(out) == [self.tokens(r[0]) for r in self.REQS]
 
     def test_repeated_tensors_reuse_the_call(self):
         """Tensors of the previous successful call (same addresses, shapes, strides,
@@ -478,30 +486,30 @@ class TestInjectBatch(InjectCase):
         self.reset()
         call()
         last = self.inj._batch_last
-        self.assertIsNotNone(last)
-        self.assertEqual(self.snapshot(), per_request([11, 10]))
+        assert last is not None
+        assert self.snapshot() == per_request([11, 10])
         ids_buf[0], ids_buf[1] = 12, 11  # an engine's persistent buffer, new contents
         self.reset()
         call()
-        self.assertIs(self.inj._batch_last, last)  # the struct was reused
-        self.assertEqual(self.snapshot(), per_request([12, 11]))
+        assert self.inj._batch_last is last  # the struct was reused
+        assert self.snapshot() == per_request([12, 11])
         ids_buf[0] = 999
         self.reset()
         before = self.snapshot()
-        with self.assertRaises(kvi.NotFoundError):
+        with pytest.raises(kvi.NotFoundError):
             call()
-        self.assertEqual(self.snapshot(), before)
-        self.assertIs(self.inj._batch_last, last)
+        assert self.snapshot() == before
+        assert self.inj._batch_last is last
         # int64 start positions: another dtype, the full path, a new entry
         ids_buf[0] = 10
         starts64 = Torchish(array.array("q", [3]), (1,), dtype="torch.int64")
         self.reset()
         self.inj.inject_batch(ids, table, fact_offsets=offs, tenant=1, first_slots=first, start_positions=starts64)
-        self.assertIsNot(self.inj._batch_last, last)
-        self.assertEqual(self.snapshot(), per_request([10, 11]))
+        assert self.inj._batch_last is not last
+        assert self.snapshot() == per_request([10, 11])
         # lists are converted on every call: nothing kept
         self.inj.inject_batch([10], [5, 1, 7], fact_offsets=[0, 1], block_table_offsets=[0, 3], tenant=1)
-        self.assertIsNone(self.inj._batch_last)
+        assert self.inj._batch_last is None
 
     def test_two_d_fact_ids(self):
         """A [requests, k] array of ids needs no offsets (a search's rows)."""
@@ -514,7 +522,7 @@ class TestInjectBatch(InjectCase):
         self.reset()
         self.inj.inject([kvi.InjectRequest(1, [11, 10], [5, 1, 7, 2], start_position=9),
                          kvi.InjectRequest(1, [12, 10], [3, 0, 4, 6], start_position=90)])
-        self.assertEqual(self.snapshot(), got)
+        assert self.snapshot() == got
 
     def test_refused_batches_write_nothing(self):
         self.reset()
@@ -529,21 +537,21 @@ class TestInjectBatch(InjectCase):
             (dict(fact_offsets=offs, start_positions=array.array("q", [1 << 40])), kvi.InvalidArgumentError),
         ]
         for kw, exc in cases:
-            with self.subTest(kw=kw):
+            with case(kw=kw):
                 kw.setdefault("tenant", 1)
                 out = array.array("i", [-5])
-                with self.assertRaises(exc):
+                with pytest.raises(exc):
                     self.inj.inject_batch(ids, table, out_tokens=out, **kw)
-                self.assertEqual(self.snapshot(), before)
-                self.assertEqual(out[0], -5)
-        with self.assertRaises(ValueError):  # both kinds of positions
+                assert self.snapshot() == before
+                assert out[0] == -5
+        with pytest.raises(ValueError):  # both kinds of positions
             self.inj.inject_batch(ids, table, fact_offsets=offs, positions=[0] * 14, start_positions=[0])
-        with self.assertRaises(TypeError):  # int64 block ids
+        with pytest.raises(TypeError):  # int64 block ids
             self.inj.inject_batch(ids, array.array("q", [5, 1, 7, 2, 9]), fact_offsets=offs,
                                   block_table_offsets=[0, 5])
-        with self.assertRaises(ValueError):  # 2 rows for 1 request
+        with pytest.raises(ValueError):  # 2 rows for 1 request
             self.inj.inject_batch(ids, memoryview(tab).cast("B")[:16].cast("i", (2, 2)), fact_offsets=offs)
-        self.assertEqual(self.snapshot(), before)
+        assert self.snapshot() == before
 
 
 class TestStridedHeads(InjectCase):
@@ -557,9 +565,9 @@ class TestStridedHeads(InjectCase):
         bufs = [poisoned(NB * H * BS * 2 * D, DType.BF16) for _ in range(L)]
         tensors = [FakeTensor(b, (NB, H, BS, 2 * D), dtype="torch.bfloat16") for b in bufs]
         layout = kvi.CacheLayout.vllm_cpu(tensors)
-        self.assertEqual((layout.token_stride, layout.dim_stride, layout.v_token_stride, layout.v_dim_stride,
-                          layout.v_offset, layout.head_stride, layout.block_stride),
-                         (1, BS, D, 1, D * BS, 2 * D * BS, H * 2 * D * BS))
+        assert (layout.token_stride, layout.dim_stride, layout.v_token_stride, layout.v_dim_stride,
+                layout.v_offset, layout.head_stride, layout.block_stride) == \
+               (1, BS, D, 1, D * BS, 2 * D * BS, H * 2 * D * BS)
         inj = kvi.Injector(facts.store, layout)
         table = [4, 0, 5, 2]
         inj.inject(kvi.InjectRequest(1, [11, 10], table, first_slot=1, start_position=77))
@@ -570,7 +578,7 @@ class TestStridedHeads(InjectCase):
             return bufs[l], region + (D * BS + tok * D + d if kv else d * BS + tok)
 
         self.assert_cache(index, DType.BF16, None, writes, NB, BS)
-        with self.assertRaises(ValueError):  # not the contiguous container
+        with pytest.raises(ValueError):  # not the contiguous container
             kvi.CacheLayout.vllm_cpu([FakeTensor(b, (NB, H, BS, 2 * D), (H * BS * 2 * D, 2 * D, H * 2 * D, 1),
                                                  dtype="torch.bfloat16") for b in bufs])
 
@@ -584,7 +592,7 @@ class TestStridedHeads(InjectCase):
                                  block_size=1, num_blocks=cells, block_stride=H * D, token_stride=H * D,
                                  head_stride=D, k_layers=kb, v_layers=vb, v_block_stride=1, v_token_stride=1,
                                  v_head_stride=D * cells, v_dim_stride=cells)
-        self.assertIn("V block 1 token 1 head %d dim %d" % (D * cells, cells), repr(layout))
+        assert "V block 1 token 1 head %d dim %d" % (D * cells, cells) in repr(layout)
         inj = kvi.Injector(facts.store, layout)
         table = list(range(cells))
         pos = [3 * i + 1 for i in range(12)]
@@ -604,7 +612,7 @@ class TestStridedHeads(InjectCase):
         st = (H * D * S, D * S, 1, S)
         t = [FakeTensor(b, (B, H, S, D), st) for b in phys]
         layout = kvi.CacheLayout.hf(t[:L], t[L:])
-        self.assertEqual((layout.dim_stride, layout.token_stride), (S, 1))
+        assert (layout.dim_stride, layout.token_stride) == (S, 1)
         inj = kvi.Injector(facts.store, layout)
         inj.inject(kvi.InjectRequest(1, [10], [1], first_slot=4, start_position=9))
         writes = expected_writes(facts, [([10], [1], 4, None, 9, S)])
@@ -622,16 +630,16 @@ class TestStridedHeads(InjectCase):
                 memory=kvi.Memory.HOST, dtype=DType.BF16, num_layers=L, num_heads=H, head_size=D,
                 block_size=self.BS, num_blocks=self.NB, block_stride=2 * self.BS * H * D, token_stride=2 * H * D,
                 head_stride=2 * D, dim_stride=2, v_offset=v_offset, k_layers=[buf] * L)
-        with self.assertRaises(kvi.InvalidArgumentError) as e:  # V's dims on K's next ones
+        with pytest.raises(kvi.InvalidArgumentError) as e:  # V's dims on K's next ones
             kvi.Injector(facts.store, interleaved(2))
-        self.assertIn("K and V overlap", str(e.exception))
+        assert "K and V overlap" in str(e.value)
         kvi.Injector(facts.store, interleaved(1)).close()  # V's dims between K's: apart, accepted
-        with self.assertRaises(kvi.InvalidArgumentError) as e:
+        with pytest.raises(kvi.InvalidArgumentError) as e:
             kvi.Injector(facts.store, kvi.CacheLayout(
                 memory=kvi.Memory.HOST, dtype=DType.BF16, num_layers=L, num_heads=H, head_size=D,
                 block_size=self.BS, num_blocks=self.NB, block_stride=self.BS * H * D, token_stride=H * D,
                 head_stride=D, v_dim_stride=-2, k_layers=[buf] * L, v_offset=self.NB * self.BS * H * D))
-        self.assertIn("v_dim_stride", str(e.exception))
+        assert "v_dim_stride" in str(e.value)
 
 
 class TestSglang(InjectCase):
@@ -658,4 +666,5 @@ class TestSglang(InjectCase):
 
 
 if __name__ == "__main__":
-    unittest.main()
+    from kvi_testutil import run_pytest
+    sys.exit(run_pytest(__file__, sys.argv[1:]))

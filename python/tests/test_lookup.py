@@ -12,7 +12,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import unittest
+
+import pytest
 
 import kvi_testutil  # noqa: F401  (finds the package)
 import kvinject as kvi
@@ -22,13 +23,14 @@ SONAME = "libkvinject.so.0"
 PROBE = "import json, kvinject; print(json.dumps([kvinject.library_path(), kvinject.library_found_by()]))"
 
 
-class TestLookupOrder(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
+class TestLookupOrder:
+    @pytest.fixture(autouse=True, scope="class")
+    def _tree(self, request):
+        cls = request.cls
         cls.tmp = tempfile.mkdtemp(prefix="kvi-lookup-")
         cls.lib = os.path.realpath(kvi.library_path())
         if not os.path.isfile(cls.lib):
-            raise unittest.SkipTest("the loaded library %s is not a file path" % kvi.library_path())
+            pytest.skip("the loaded library %s is not a file path" % kvi.library_path())
         t = cls.tmp
         # a copy of the package, outside any repository
         cls.plain = cls._package(os.path.join(t, "plain"))
@@ -54,9 +56,7 @@ class TestLookupOrder(unittest.TestCase):
                     "Libs: -L${libdir} -lkvinject\n" % (cls.prefix, kvi.version()))
         cls.empty = os.path.join(t, "empty")
         os.makedirs(cls.empty)
-
-    @classmethod
-    def tearDownClass(cls):
+        yield
         shutil.rmtree(cls.tmp, ignore_errors=True)
 
     @classmethod
@@ -86,68 +86,69 @@ class TestLookupOrder(unittest.TestCase):
         path, how = json.loads(r.stdout)
         return path, how, r.stderr
 
-    def assertFound(self, got, path, how):
-        self.assertEqual(got[:2], (path, how), got[2])
+    def assert_found(self, got, path, how):
+        assert got[:2] == (path, how), got[2]
 
     def test_library_variable_takes_a_file(self):
-        self.assertFound(self.load(self.plain, KVINJECT_LIBRARY=self.build_lib), self.build_lib, "KVINJECT_LIBRARY")
+        self.assert_found(self.load(self.plain, KVINJECT_LIBRARY=self.build_lib), self.build_lib, "KVINJECT_LIBRARY")
 
     def test_library_variable_takes_a_build_directory(self):
-        self.assertFound(self.load(self.plain, KVINJECT_LIBRARY=self.build), self.build_lib, "KVINJECT_LIBRARY")
+        self.assert_found(self.load(self.plain, KVINJECT_LIBRARY=self.build), self.build_lib, "KVINJECT_LIBRARY")
 
     def test_library_variable_comes_first_and_is_final(self):
-        self.assertFound(self.load(self.bundled, pkg_config=True, KVINJECT_LIBRARY=self.build,
+        self.assert_found(self.load(self.bundled, pkg_config=True, KVINJECT_LIBRARY=self.build,
                                    KVINJECT_BUILD=self.repo), self.build_lib, "KVINJECT_LIBRARY")
         # set but not loadable: the import fails, even with a bundled library there
         path, how, err = self.load(self.bundled, KVINJECT_LIBRARY=os.path.join(self.empty, "nothing"))
-        self.assertIsNone(path)
-        self.assertIn("KVINJECT_LIBRARY", err)
-        self.assertIn(os.path.join(self.empty, "nothing"), err)
+        assert path is None
+        assert "KVINJECT_LIBRARY" in err
+        assert os.path.join(self.empty, "nothing") in err
         tried = err.split("Tried: ", 1)[1]
-        self.assertNotIn("(the wheel's bundled library)", tried)
-        self.assertNotIn("; ", tried)
+        assert "(the wheel's bundled library)" not in tried
+        assert "; " not in tried
 
     def test_build_variable_is_deprecated_but_works(self):
         got = self.load(self.bundled, KVINJECT_BUILD=self.build)
-        self.assertFound(got, self.build_lib, "KVINJECT_BUILD")
-        self.assertIn("FutureWarning", got[2])
-        self.assertIn("KVINJECT_BUILD is deprecated", got[2])
+        self.assert_found(got, self.build_lib, "KVINJECT_BUILD")
+        assert "FutureWarning" in got[2]
+        assert "KVINJECT_BUILD is deprecated" in got[2]
 
     def test_bundled_before_pkg_config_and_loader(self):
         bundled = os.path.join(self.bundled, "kvinject", "_libs", SONAME)
-        self.assertFound(self.load(self.bundled, pkg_config=True, LD_LIBRARY_PATH=os.path.dirname(self.inst_lib)),
+        self.assert_found(self.load(self.bundled, pkg_config=True, LD_LIBRARY_PATH=os.path.dirname(self.inst_lib)),
                          bundled, "the wheel's bundled library")
 
     def test_repository_build_tree_before_pkg_config(self):
-        self.assertFound(self.load(os.path.join(self.repo, "python"), pkg_config=True), self.repo_lib,
+        self.assert_found(self.load(os.path.join(self.repo, "python"), pkg_config=True), self.repo_lib,
                          "the repository's build tree")
 
     def test_pkg_config(self):
         if shutil.which("pkg-config") is None:
-            self.skipTest("no pkg-config")
-        self.assertFound(self.load(self.plain, pkg_config=True), self.inst_lib, "pkg-config")
+            pytest.skip("no pkg-config")
+        self.assert_found(self.load(self.plain, pkg_config=True), self.inst_lib, "pkg-config")
 
     def test_loader_last(self):
         path, how, err = self.load(self.plain, LD_LIBRARY_PATH=os.path.dirname(self.inst_lib))
-        self.assertIn(how, ('ctypes.util.find_library("kvinject")', "the dynamic loader"), err)
-        self.assertEqual(os.path.basename(path), SONAME)
+        assert how in ('ctypes.util.find_library("kvinject")', "the dynamic loader"), err
+        assert os.path.basename(path) == SONAME
 
     def test_module_main_says_which(self):
         env = {k: v for k, v in os.environ.items() if k not in ("KVINJECT_BUILD", "PYTHONPATH")}
         env.update(PYTHONPATH=self.plain, KVINJECT_LIBRARY=self.build)
         r = subprocess.run([sys.executable, "-m", "kvinject"], env=env, cwd=self.empty, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, universal_newlines=True, timeout=120)
-        self.assertEqual(r.returncode, 0, r.stderr)
-        self.assertIn("libkvinject %s: %s (found by KVINJECT_LIBRARY)" % (kvi.version(), self.build_lib), r.stdout)
+        assert r.returncode == 0, r.stderr
+        assert "libkvinject %s: %s (found by KVINJECT_LIBRARY)" % (kvi.version(), self.build_lib) in r.stdout
 
     def test_nothing_found_names_every_rule_tried(self):
         path, how, err = self.load(self.plain)
         if path is not None:
-            self.skipTest("a libkvinject is installed on this machine (%s, by %s)" % (path, how))
-        self.assertIn("ImportError", err)
-        self.assertIn("the dynamic loader", err)
-        self.assertIn("KVINJECT_LIBRARY", err)
+            pytest.skip("a libkvinject is installed on this machine (%s, by %s)" % (path, how))
+        assert "ImportError" in err
+        assert "the dynamic loader" in err
+        assert "KVINJECT_LIBRARY" in err
 
 
 if __name__ == "__main__":
-    unittest.main()
+    from kvi_testutil import run_pytest
+    sys.exit(run_pytest(__file__, sys.argv[1:]))

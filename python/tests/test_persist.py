@@ -3,31 +3,33 @@ one tenant, the journal, and the errors of a missing file and another RoPE."""
 from __future__ import annotations
 
 import os
-import tempfile
-import unittest
+import sys
+
+import pytest
 
 from kvi_testutil import rand_values, rng
 import kvinject as kvi
 from kvinject import DType
 
 
-class TestPersist(unittest.TestCase):
+class TestPersist:
     L, H, D = 2, 2, 8
 
-    def setUp(self):
-        self.dir = tempfile.TemporaryDirectory()
-        self.addCleanup(self.dir.cleanup)
-        self.path = os.path.join(self.dir.name, "facts.kvi")
+    @pytest.fixture(autouse=True)
+    def _setup(self, tmp_path, closing):
+        self.closing = closing
+        self.dir = str(tmp_path)
+        self.path = os.path.join(self.dir, "facts.kvi")
 
     def model(self, theta=10000.0):
         m = kvi.Model(self.L, self.H, self.D)
         m.set_rope(theta=theta)
-        self.addCleanup(m.close)
+        self.closing.append(m)
         return m
 
     def store(self, model, **kw):
         s = kvi.Store(model, 1 << 20, backend=kvi.Backend.CPU, dtype=DType.FP32, **kw)
-        self.addCleanup(s.close)
+        self.closing.append(s)
         return s
 
     def fact(self, seed, tokens=3):
@@ -44,16 +46,16 @@ class TestPersist(unittest.TestCase):
             s.put(t, f, k, v)
         s.save(self.path)
         t = kvi.Store.load(m, self.path, 1 << 20, backend=kvi.Backend.CPU, dtype=DType.FP32)
-        self.addCleanup(t.close)
-        self.assertEqual((t.list(1), t.list(2)), ([10, 11], [10]))
+        self.closing.append(t)
+        assert (t.list(1), t.list(2)) == ([10, 11], [10])
         for (tn, f), (k, v) in facts.items():
             rk, rv = t.read(tn, f)
-            self.assertEqual((list(rk), list(rv)), (list(k), list(v)))
-        one = os.path.join(self.dir.name, "one.kvi")
+            assert (list(rk), list(rv)) == (list(k), list(v))
+        one = os.path.join(self.dir, "one.kvi")
         s.save(one, tenant=2)
         u = kvi.Store.load(m, one, 1 << 20, backend=kvi.Backend.CPU, dtype=DType.FP32)
-        self.addCleanup(u.close)
-        self.assertEqual((u.list(1), u.list(2)), ([], [10]))
+        self.closing.append(u)
+        assert (u.list(1), u.list(2)) == ([], [10])
 
     def test_journal_keeps_later_puts(self):
         m = self.model()
@@ -64,13 +66,13 @@ class TestPersist(unittest.TestCase):
         s.journal_close()
         s.put(3, 31, k, v)  # after the close: not in the file
         t = kvi.Store.load(m, self.path, 1 << 20, backend=kvi.Backend.CPU, dtype=DType.FP32, journal=True)
-        self.addCleanup(t.close)
-        self.assertEqual(t.list(3), [30])
+        self.closing.append(t)
+        assert t.list(3) == [30]
         t.put(3, 32, k, v)  # journaled by the load
         t.close()
         w = kvi.Store.load(m, self.path, 1 << 20, backend=kvi.Backend.CPU, dtype=DType.FP32)
-        self.addCleanup(w.close)
-        self.assertEqual(w.list(3), [30, 32])
+        self.closing.append(w)
+        assert w.list(3) == [30, 32]
 
     def test_journal_records_remove_and_encode_and_takes_path_objects(self):
         import array
@@ -91,30 +93,31 @@ class TestPersist(unittest.TestCase):
         enc.close()
         s.close()  # closes the journal
         t = kvi.Store.load(m, path, 1 << 20, backend=kvi.Backend.CPU, dtype=DType.FP32)
-        self.addCleanup(t.close)
-        self.assertEqual(t.list(4), [41, 42])
+        self.closing.append(t)
+        assert t.list(4) == [41, 42]
         got = t.read(4, 42)
-        self.assertEqual((list(got[0]), list(got[1])), (list(want[0]), list(want[1])))
+        assert (list(got[0]), list(got[1])) == (list(want[0]), list(want[1]))
         # a damaged file is refused, naming the problem
         data = path.read_bytes()
-        bad = pathlib.Path(self.dir.name, "bad.kvi")
+        bad = pathlib.Path(self.dir, "bad.kvi")
         bad.write_bytes(data[:len(data) // 2] + bytes(8))
-        with self.assertRaises(kvi.CorruptError) as cm:
+        with pytest.raises(kvi.CorruptError) as cm:
             kvi.Store.load(m, bad, 1 << 20, backend=kvi.Backend.CPU, dtype=DType.FP32)
-        self.assertTrue(cm.exception.message.startswith("Store.load: "), cm.exception.message)
+        assert cm.value.message.startswith("Store.load: "), cm.value.message
 
     def test_errors(self):
         m = self.model()
-        with self.assertRaises(kvi.NotFoundError):
+        with pytest.raises(kvi.NotFoundError):
             kvi.Store.load(m, self.path, 1 << 20, backend=kvi.Backend.CPU, dtype=DType.FP32)
         self.store(m).save(self.path)
-        with self.assertRaises(kvi.IncompatibleError) as e:
+        with pytest.raises(kvi.IncompatibleError) as e:
             kvi.Store.load(self.model(theta=500000.0), self.path, 1 << 20, backend=kvi.Backend.CPU,
                            dtype=DType.FP32)
-        self.assertIn("rope", e.exception.message.lower())
-        with self.assertRaises(ValueError):
+        assert "rope" in e.value.message.lower()
+        with pytest.raises(ValueError):
             self.store(m).save("")
 
 
 if __name__ == "__main__":
-    unittest.main()
+    from kvi_testutil import run_pytest
+    sys.exit(run_pytest(__file__, sys.argv[1:]))

@@ -3,7 +3,9 @@ ids as Store.search followed by Injector.inject of the winners, in both orders."
 from __future__ import annotations
 
 import array
-import unittest
+import sys
+
+import pytest
 
 from kvi_testutil import f32, rng
 import kvinject as kvi
@@ -12,14 +14,16 @@ from kvinject import DType
 L, H, D, E, BS, NB = 2, 2, 8, 8, 4, 32
 
 
-class Retrieve(unittest.TestCase):
-    def setUp(self):
+class TestRetrieve:
+    @pytest.fixture(autouse=True)
+    def _setup(self, closing):
+        self.closing = closing
         r = rng(77)
         self.model = kvi.Model(L, H, D)
         self.model.set_rope(style=kvi.RopeStyle.NONE)  # the expected cache is an unrotated copy
         self.store = kvi.Store(self.model, 1 << 20, backend=kvi.Backend.CPU, dtype=DType.FP32, page_tokens=4,
                                embedding_dim=E)
-        self.addCleanup(self.store.close)
+        self.closing.append(self.store)
         for i in range(20):
             T = r.randint(1, 4)
             n = L * T * H * D
@@ -50,9 +54,9 @@ class Retrieve(unittest.TestCase):
                 inj_b.inject(kvi.InjectRequest(rr.tenant, order, rr.block_table, first_slot=rr.first_slot,
                                                start_position=rr.start_position))
                 want.append((ids, inj_b.plan(rr.tenant, ids)))
-            self.assertEqual(got, want)
-            self.assertEqual([bytes(c) for c in cache_a], [bytes(c) for c in cache_b])
-            self.assertTrue(any(x != 0 for x in cache_a[0]))
+            assert got == want
+            assert [bytes(c) for c in cache_a] == [bytes(c) for c in cache_b]
+            assert any(x != 0 for x in cache_a[0])
             inj_a.close()
             inj_b.close()
 
@@ -63,26 +67,27 @@ class Retrieve(unittest.TestCase):
                 kvi.RetrieveRequest(2, tables[1], start_position=50, best_last=True)]
         inj_a, cache_a = self.injector()
         inj_b, cache_b = self.injector()
-        self.addCleanup(inj_a.close)
-        self.addCleanup(inj_b.close)
+        self.closing.append(inj_a)
+        self.closing.append(inj_b)
         want = inj_a.retrieve_inject(self.q, reqs, 12)  # more than a tenant's 10 facts
         ids, counts, tokens = array.array("Q", [7] * 24), array.array("i", [-1, -1]), array.array("i", [-1, -1])
-        self.assertIs(inj_b.retrieve_inject(self.q, reqs, 12, out=(ids, counts, tokens))[0], ids)
-        self.assertEqual(list(counts), [10, 10])
-        self.assertEqual([(list(ids[i * 12:i * 12 + counts[i]]), tokens[i]) for i in range(2)], want)
-        self.assertEqual([ids[i * 12 + j] for i in range(2) for j in (10, 11)], [kvi.SEARCH_NO_ID] * 4)
-        self.assertEqual([bytes(c) for c in cache_a], [bytes(c) for c in cache_b])
-        with self.assertRaises(ValueError):  # room for one query only
+        assert inj_b.retrieve_inject(self.q, reqs, 12, out=(ids, counts, tokens))[0] is ids
+        assert list(counts) == [10, 10]
+        assert [(list(ids[i * 12:i * 12 + counts[i]]), tokens[i]) for i in range(2)] == want
+        assert [ids[i * 12 + j] for i in range(2) for j in (10, 11)] == [kvi.SEARCH_NO_ID] * 4
+        assert [bytes(c) for c in cache_a] == [bytes(c) for c in cache_b]
+        with pytest.raises(ValueError):  # room for one query only
             inj_b.retrieve_inject(self.q, reqs, 12, out=(array.array("Q", [0] * 12), counts, tokens))
 
     def test_errors(self):
         inj, _ = self.injector()
-        self.addCleanup(inj.close)
-        with self.assertRaises(ValueError):
+        self.closing.append(inj)
+        with pytest.raises(ValueError):
             inj.retrieve_inject(self.q, [kvi.RetrieveRequest(1, [0])], 2)  # 2 queries, 1 request
-        with self.assertRaises(kvi.InvalidArgumentError):  # 6 facts of up to 4 tokens need more than 4 slots
+        with pytest.raises(kvi.InvalidArgumentError):  # 6 facts of up to 4 tokens need more than 4 slots
             inj.retrieve_inject(self.q[:1], [kvi.RetrieveRequest(1, [0])], 6)
 
 
 if __name__ == "__main__":
-    unittest.main()
+    from kvi_testutil import run_pytest
+    sys.exit(run_pytest(__file__, sys.argv[1:]))

@@ -5,21 +5,27 @@ from __future__ import annotations
 
 import array
 import math
-import unittest
+import sys
 
-from kvi_testutil import FakeTensor, encode, f32, rng, round_to
+import pytest
+
+from kvi_testutil import FakeTensor, case, encode, f32, rng, round_to
 import kvinject as kvi
 from kvinject import DType
 
 FLOATS = (DType.FP32, DType.FP16, DType.BF16)
 
 
-class SearchCase(unittest.TestCase):
+class SearchCase:
+    @pytest.fixture(autouse=True)
+    def _closing(self, closing):
+        self.closing = closing
+
     def make(self, dim, **kw):
         model = kvi.Model(1, 1, 4)
         kw.setdefault("backend", kvi.Backend.CPU)
         store = kvi.Store(model, 1 << 20, dtype=DType.FP32, page_tokens=1, embedding_dim=dim, **kw)
-        self.addCleanup(store.close)
+        self.closing.append(store)
         self.kv = array.array("f", [0.5] * 4)
         return store
 
@@ -60,21 +66,21 @@ class SearchCase(unittest.TestCase):
 
     def check(self, res_row, count, ref, k):
         n = min(k, len(ref))
-        self.assertEqual(count, n)
+        assert count == n
         ids = [i for i, _ in res_row]
-        self.assertEqual(len(set(ids)), len(ids), "duplicate ids")
-        self.assertTrue(set(ids) <= set(ref), "ids of another tenant: %s" % (set(ids) - set(ref)))
+        assert len(set(ids)) == len(ids), "duplicate ids"
+        assert set(ids) <= set(ref), "ids of another tenant: %s" % (set(ids) - set(ref))
         expected = sorted(ref, key=lambda f: (-ref[f][0], f))[:n]
         for pos, (fid, score) in enumerate(res_row):
             s, tol = ref[fid]
-            self.assertLessEqual(abs(score - s), tol, "fact %d: score %r, reference %r" % (fid, score, s))
+            assert abs(score - s) <= tol, "fact %d: score %r, reference %r" % (fid, score, s)
             if fid != expected[pos]:
                 se, tole = ref[expected[pos]]
-                self.assertLessEqual(abs(s - se), tol + tole,
-                                     "rank %d: fact %d (%r) where the reference has %d (%r)" % (pos, fid, s,
-                                                                                                 expected[pos], se))
+                assert abs(s - se) <= tol + tole, \
+                       "rank %d: fact %d (%r) where the reference has %d (%r)" % (pos, fid, s,
+                                                                                  expected[pos], se)
         for a, b in zip(res_row, res_row[1:]):
-            self.assertTrue(a[1] > b[1] or (a[1] == b[1] and a[0] < b[0]), "order %r then %r" % (a, b))
+            assert a[1] > b[1] or (a[1] == b[1] and a[0] < b[0]), "order %r then %r" % (a, b)
 
 
 class TestRanking(SearchCase):
@@ -87,24 +93,24 @@ class TestRanking(SearchCase):
         tenants = [1, 2, 3, 1, 2, 3, 99]
         for k in (1, 10, 64):
             res = store.search(queries, tenants, k)
-            self.assertEqual(len(res), 7)
+            assert len(res) == 7
             for i, (q, t) in enumerate(zip(queries, tenants)):
                 ref = self.reference(facts.get(t, {}), q, edt, cosine)
                 self.check(res[i], res.counts[i], ref, k)
                 row_ids = res.ids[i * k:(i + 1) * k]
                 row_scores = res.scores[i * k:(i + 1) * k]
                 for j in range(res.counts[i], k):  # padding
-                    self.assertEqual(row_ids[j], kvi.SEARCH_NO_ID)
-                    self.assertEqual(row_scores[j], float("-inf"))
+                    assert row_ids[j] == kvi.SEARCH_NO_ID
+                    assert row_scores[j] == float("-inf")
 
     def test_inner_product(self):
         for edt in FLOATS:
-            with self.subTest(embedding_dtype=edt.name):
+            with case(embedding_dtype=edt.name):
                 self.run_metric(False, edt, 10 + int(edt))
 
     def test_cosine(self):
         for edt in FLOATS:
-            with self.subTest(embedding_dtype=edt.name):
+            with case(embedding_dtype=edt.name):
                 self.run_metric(True, edt, 20 + int(edt))
 
     def test_exact_ties_rank_by_id(self):
@@ -116,8 +122,8 @@ class TestRanking(SearchCase):
         q = [1.0, -2.0, 0.0, 3.0, 1.0, -1.0]
         res = store.search([q], 5, 30)
         expected = sorted(facts[5], key=lambda f: (-math.fsum(a * b for a, b in zip(q, facts[5][f])), f))
-        self.assertEqual([i for i, _ in res[0]], expected)
-        self.assertEqual([s for _, s in res[0]], [math.fsum(a * b for a, b in zip(q, facts[5][f])) for f in expected])
+        assert [i for i, _ in res[0]] == expected
+        assert [s for _, s in res[0]] == [math.fsum(a * b for a, b in zip(q, facts[5][f])) for f in expected]
 
     def test_removed_facts_and_isolation(self):
         r = rng(31)
@@ -130,10 +136,10 @@ class TestRanking(SearchCase):
             del facts[1][fid]
         q = [f32(r.uniform(-1, 1)) for _ in range(dim)]
         res = store.search([q, q], [1, 2], 20)
-        self.assertEqual(list(res.counts), [6, 10])
+        assert list(res.counts) == [6, 10]
         self.check(res[0], 6, self.reference(facts[1], q, DType.FP32, False), 20)
         self.check(res[1], 10, self.reference(facts[2], q, DType.FP32, False), 20)
-        self.assertEqual(store.search([q], 3, 5)[0], [])
+        assert store.search([q], 3, 5)[0] == []
 
 
 class TestForms(SearchCase):
@@ -154,12 +160,12 @@ class TestForms(SearchCase):
             "bf16 tensor": (FakeTensor(encode(flat, DType.BF16), (3, dim), dtype="torch.bfloat16"), {}),
         }
         for name, (q, kw) in forms.items():
-            with self.subTest(form=name):
+            with case(form=name):
                 res = store.search(q, [1, 1, 1], 5, **kw)
-                self.assertEqual(list(res.ids), list(base.ids))
-                self.assertEqual(list(res.scores), list(base.scores))
+                assert list(res.ids) == list(base.ids)
+                assert list(res.scores) == list(base.scores)
         one = store.search(qs[1], 1, 5)  # a single flat vector is one query
-        self.assertEqual(one[0], base[1])
+        assert one[0] == base[1]
 
     def test_output_buffers(self):
         r = rng(41)
@@ -170,15 +176,15 @@ class TestForms(SearchCase):
         base = store.search(qs, [1, 2], 8)
         ids, scores, counts = array.array("Q", [0] * 16), array.array("f", [0.0] * 16), array.array("i", [0] * 2)
         out = store.search(qs, [1, 2], 8, out=(ids, scores, counts))
-        self.assertIs(out[0], ids)
-        self.assertEqual((list(ids), list(scores), list(counts)),
-                         (list(base.ids), list(base.scores), list(base.counts)))
+        assert out[0] is ids
+        assert (list(ids), list(scores), list(counts)) == \
+               (list(base.ids), list(base.scores), list(base.counts))
         # torch-style int64 ids: KVI_SEARCH_NO_ID reads as -1
         i64 = array.array("q", [0] * 16)
         store.search(qs, [1, 2], 8, out=(FakeTensor(i64, (2, 8), dtype="torch.int64"), scores, counts))
-        self.assertEqual(list(i64[6:8]), [-1, -1])
-        self.assertEqual([x & (2 ** 64 - 1) for x in i64], list(base.ids))
-        with self.assertRaises(ValueError):
+        assert list(i64[6:8]) == [-1, -1]
+        assert [x & (2 ** 64 - 1) for x in i64] == list(base.ids)
+        with pytest.raises(ValueError):
             store.search(qs, [1, 2], 8, out=(array.array("Q", [0] * 15), scores, counts))
 
     def test_errors(self):
@@ -187,26 +193,27 @@ class TestForms(SearchCase):
         store.put(1, 1, self.kv, self.kv, embedding=[1, 0, 0, 0])
         q = [[1.0, 0.0, 0.0, 0.0]]
         for k in (0, kvi.SEARCH_MAX_K + 1):
-            with self.assertRaises(kvi.InvalidArgumentError):
+            with pytest.raises(kvi.InvalidArgumentError):
                 store.search(q, 1, k)
-        self.assertEqual(len(store.search(q, 1, kvi.SEARCH_MAX_K)[0]), 1)
-        with self.assertRaises(kvi.MismatchError):
+        assert len(store.search(q, 1, kvi.SEARCH_MAX_K)[0]) == 1
+        with pytest.raises(kvi.MismatchError):
             store.search([[1.0, 0.0, 0.0]], 1, 1)
-        with self.assertRaises(kvi.InvalidArgumentError) as cm:
+        with pytest.raises(kvi.InvalidArgumentError) as cm:
             store.search([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, float("nan")]], 1, 1)
-        self.assertIn("queries[1][3]", cm.exception.message)
-        with self.assertRaises(ValueError):
+        assert "queries[1][3]" in cm.value.message
+        with pytest.raises(ValueError):
             store.search(q, [1, 2], 1)  # two tenants, one query
-        with self.assertRaises(ValueError):
+        with pytest.raises(ValueError):
             store.search([[1.0, 2.0], [1.0]], 1, 1)  # ragged
-        with self.assertRaises(kvi.MemoryKindError):
+        with pytest.raises(kvi.MemoryKindError):
             store.search(FakeTensor(array.array("f", [1.0] * 4), (1, 4), device="cuda"), 1, 1)
         plain = kvi.Store(kvi.Model(1, 1, 4), 1 << 16, backend=kvi.Backend.CPU)
-        self.addCleanup(plain.close)
-        with self.assertRaises(kvi.InvalidArgumentError):
+        self.closing.append(plain)
+        with pytest.raises(kvi.InvalidArgumentError):
             plain.search(q, 1, 1)
-        self.assertEqual(len(store.search([], [], 3)), 0)
+        assert len(store.search([], [], 3)) == 0
 
 
 if __name__ == "__main__":
-    unittest.main()
+    from kvi_testutil import run_pytest
+    sys.exit(run_pytest(__file__, sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""The binding with real torch tensors. Skips (unittest.SkipTest) without torch;
+"""The binding with real torch tensors. Skips (pytest.skip) without torch;
 the CUDA class also skips without a CUDA device, a CUDA build of the library,
 or (search) cuBLASLt. KVINJECT_REQUIRE_CUDA=1 turns those skips into failures
 (for the GPU machine, where they must run).
@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
-import unittest
 
-import kvi_testutil  # noqa: F401  (puts kvinject on the path)
+import pytest
+
+from kvi_testutil import case
 import kvinject as kvi
 from kvinject import DType
 
@@ -45,7 +47,7 @@ def skip_or_fail(why):
     so a run that should exercise the device cannot pass by skipping."""
     if os.environ.get("KVINJECT_REQUIRE_CUDA") == "1":
         raise AssertionError("KVINJECT_REQUIRE_CUDA=1, but " + why)
-    raise unittest.SkipTest(why)
+    pytest.skip(why)
 
 
 def cuda_ready():
@@ -130,11 +132,15 @@ def expected_hf(facts, requests, dtype, poison):
     return exp_k, exp_v, tol, written
 
 
-class TorchCase(unittest.TestCase):
+class TorchCase:
+    @pytest.fixture(autouse=True)
+    def _closing(self, closing):
+        self.closing = closing
+
     def model(self, rope=None):
         m = kvi.Model(L, H, D)
         m.set_rope(**(rope or ROPE))
-        self.addCleanup(m.close)
+        self.closing.append(m)
         return m
 
     def hf_cache(self, dtype, device, poison=-7.0):
@@ -157,62 +163,63 @@ class TorchCase(unittest.TestCase):
         exp_k, exp_v, tol, written = expected_hf(facts, requests, dtype, poison)
         got_k = torch.stack([k.double().cpu() for k in keys])
         got_v = torch.stack([v.double().cpu() for v in values])
-        self.assertTrue(bool(written.any()))
+        assert bool(written.any())
         bad = (got_k - exp_k).abs() > tol
-        self.assertFalse(bool(bad.any()), "K differs from the reference at %d elements, first %s: %r vs %r"
-                         % (int(bad.sum()), bad.nonzero()[0].tolist() if bad.any() else None,
-                            got_k[bad][:3].tolist(), exp_k[bad][:3].tolist()))
-        self.assertTrue(torch.equal(got_v, exp_v), "V differs from the reference")
-        self.assertTrue(torch.equal(got_k[~written], exp_k[~written]), "elements outside the facts were written")
+        assert not bool(bad.any()), "K differs from the reference at %d elements, first %s: %r vs %r" \
+               % (int(bad.sum()), bad.nonzero()[0].tolist() if bad.any() else None,
+                  got_k[bad][:3].tolist(), exp_k[bad][:3].tolist())
+        assert torch.equal(got_v, exp_v), "V differs from the reference"
+        assert torch.equal(got_k[~written], exp_k[~written]), "elements outside the facts were written"
 
 
 class TestTorchCPU(TorchCase):
-    @classmethod
-    def setUpClass(cls):
+    @pytest.fixture(autouse=True, scope="class")
+    def _torch(self):
         if torch is None:
             skip_or_fail("torch is not installed")
 
-    def setUp(self):
+    @pytest.fixture(autouse=True)
+    def _setup(self, _torch):
         self.gen = torch.Generator().manual_seed(1234)
 
     def store(self, **kw):
         kw.setdefault("backend", kvi.Backend.CPU)
         kw.setdefault("dtype", DType.BF16)
         s = kvi.Store(self.model(), 1 << 22, **kw)
-        self.addCleanup(s.close)
+        self.closing.append(s)
         return s
 
     def test_put_read_views(self):
         s = self.store()
         facts = random_facts(self.gen)
         for fid, (k, v) in facts.items():
-            self.assertFalse(k.is_contiguous())
+            assert not k.is_contiguous()
             s.put(1, fid, k, v)
         for fid, (k, v) in facts.items():
             ok = torch.empty(k.shape, dtype=torch.float32)
             ov = torch.empty(k.shape, dtype=torch.float32)
             s.read(1, fid, ok, ov)
-            self.assertTrue(torch.equal(ok, k.float()) and torch.equal(ov, v.float()))
+            assert torch.equal(ok, k.float()) and torch.equal(ov, v.float())
             # into a bf16 transposed view of a [L, H, T, D] tensor
             dst = torch.zeros(L, H, k.shape[1], D, dtype=torch.bfloat16)
             dst_v = torch.zeros_like(dst)
             s.read(1, fid, dst.transpose(1, 2), dst_v.transpose(1, 2))
-            self.assertTrue(torch.equal(dst.transpose(1, 2), k) and torch.equal(dst_v.transpose(1, 2), v))
-        with self.assertRaises(TypeError):
+            assert torch.equal(dst.transpose(1, 2), k) and torch.equal(dst_v.transpose(1, 2), v)
+        with pytest.raises(TypeError):
             s.put(1, 99, facts[10][0].double(), facts[10][1].double())  # fp64 is not a storage input
-        with self.assertRaises(ValueError):
+        with pytest.raises(ValueError):
             s.put(1, 99, facts[10][0][..., ::2], facts[10][1][..., ::2])  # head vectors not contiguous
 
     def test_hf_inject(self):
         for dtype in (DType.FP32, DType.BF16):
-            with self.subTest(cache=dtype.name):
+            with case(cache=dtype.name):
                 s = self.store()
                 facts = random_facts(self.gen)
                 for fid, (k, v) in facts.items():
                     s.put(1, fid, k, v)
                 keys, values = self.hf_cache(dtype, "cpu")
                 layout = kvi.CacheLayout.hf(keys, values)
-                self.assertEqual((layout.num_blocks, layout.block_size, layout.dtype), (B, S, dtype))
+                assert (layout.num_blocks, layout.block_size, layout.dtype) == (B, S, dtype)
                 inj = kvi.Injector(s, layout)
                 self.inject_requests(inj, REQUESTS)
                 self.assert_hf(keys, values, facts, REQUESTS, dtype)
@@ -257,8 +264,8 @@ class TestTorchCPU(TorchCase):
                     # about as much as the library's: twice the library's bound
                     bound = 2 * tol.transpose(0, 1) + 2.0 ** -22 * hf[0].double().abs()
                     diff = (got.double() - hf[0].double()).abs()
-                    self.assertFalse(bool((diff > bound).any()),
-                                     "layer %d fact %d: max difference from transformers %g" % (l, fid, diff.max()))
+                    assert not bool((diff > bound).any()), \
+                           "layer %d fact %d: max difference from transformers %g" % (l, fid, diff.max())
                 i += T
 
     def test_search_with_tensor_queries(self):
@@ -270,28 +277,29 @@ class TestTorchCPU(TorchCase):
         q = torch.randn(4, 16, generator=self.gen)
         base = s.search(q.tolist(), 3, 6)
         res = s.search(q, 3, 6)
-        self.assertEqual((list(res.ids), list(res.scores)), (list(base.ids), list(base.scores)))
+        assert (list(res.ids), list(res.scores)) == (list(base.ids), list(base.scores))
         bf = q.to(torch.bfloat16)  # a bf16 tensor is read as bf16
         res, want = s.search(bf, 3, 6), s.search(bf.float().tolist(), 3, 6)
-        self.assertEqual((list(res.ids), list(res.scores)), (list(want.ids), list(want.scores)))
+        assert (list(res.ids), list(res.scores)) == (list(want.ids), list(want.scores))
         ids = torch.empty(4, 6, dtype=torch.int64)
         scores = torch.empty(4, 6)
         counts = torch.empty(4, dtype=torch.int32)
         s.search(q, 3, 6, out=(ids, scores, counts))
-        self.assertEqual(ids.flatten().tolist(), list(base.ids))
-        self.assertEqual(scores.flatten().tolist(), list(base.scores))
-        with self.assertRaises(ValueError):  # a transposed (non-contiguous) query matrix
+        assert ids.flatten().tolist() == list(base.ids)
+        assert scores.flatten().tolist() == list(base.scores)
+        with pytest.raises(ValueError):  # a transposed (non-contiguous) query matrix
             s.search(q.t(), 3, 6)
 
 
 class TestTorchCUDA(TorchCase):
-    @classmethod
-    def setUpClass(cls):
+    @pytest.fixture(autouse=True, scope="class")
+    def _cuda(self):
         why = cuda_ready()
         if why:
             skip_or_fail(why)
 
-    def setUp(self):
+    @pytest.fixture(autouse=True)
+    def _setup(self, _cuda):
         self.gen = torch.Generator().manual_seed(99)
         self.dev = torch.device("cuda", torch.cuda.current_device())
 
@@ -302,10 +310,10 @@ class TestTorchCUDA(TorchCase):
             s = kvi.Store(m, 1 << 25, backend=backend, dtype=kw.get("dtype", DType.BF16),
                           device=self.dev.index if backend == kvi.Backend.CUDA else None,
                           **{k: v for k, v in kw.items() if k != "dtype"})
-            self.addCleanup(s.close)
+            self.closing.append(s)
             out.append(s)
-        self.assertEqual(out[0].backend, kvi.Backend.CUDA)
-        self.assertEqual(out[0].device, self.dev.index)
+        assert out[0].backend == kvi.Backend.CUDA
+        assert out[0].device == self.dev.index
         return out
 
     def test_put_read_device_tensors_on_a_stream(self):
@@ -315,7 +323,7 @@ class TestTorchCUDA(TorchCase):
         torch.cuda.synchronize()
         s = torch.cuda.Stream()
         for fid, (k, v) in dev.items():
-            self.assertFalse(k.is_contiguous())
+            assert not k.is_contiguous()
             cs.put(1, fid, k, v, stream=s)
         outs = {}
         for fid, (k, _) in dev.items():
@@ -326,20 +334,20 @@ class TestTorchCUDA(TorchCase):
             outs[fid] = (ok, ov)
         s.synchronize()
         for fid, (k, v) in facts.items():
-            self.assertTrue(torch.equal(outs[fid][0].cpu(), k.float()))
-            self.assertTrue(torch.equal(outs[fid][1].cpu(), v.float()))
+            assert torch.equal(outs[fid][0].cpu(), k.float())
+            assert torch.equal(outs[fid][1].cpu(), v.float())
             # host tensors as source and destination of a CUDA store
             hk = torch.empty(k.shape, dtype=torch.bfloat16)
             hv = torch.empty(k.shape, dtype=torch.bfloat16).pin_memory()
             cs.read(1, fid, hk, hv)
-            self.assertTrue(torch.equal(hk, k) and torch.equal(hv, v))
+            assert torch.equal(hk, k) and torch.equal(hv, v)
         cs.put(2, 1, facts[10][0], facts[10][1])  # host tensors into a CUDA store
-        self.assertEqual(cs.fact_tokens(2, 1), FACTS[10])
+        assert cs.fact_tokens(2, 1) == FACTS[10]
 
     def test_hf_inject_host_and_device_tables(self):
         for device_tables in (False, True):
             for dtype in (DType.BF16, DType.FP16, DType.FP32):
-                with self.subTest(device_tables=device_tables, cache=dtype.name):
+                with case(device_tables=device_tables, cache=dtype.name):
                     cs, _ = self.stores()
                     facts = random_facts(self.gen)
                     for fid, (k, v) in facts.items():
@@ -347,12 +355,12 @@ class TestTorchCUDA(TorchCase):
                     keys, values = self.hf_cache(dtype, self.dev)
                     torch.cuda.synchronize()
                     layout = kvi.CacheLayout.hf(keys, values)
-                    self.assertEqual(layout.memory, kvi.Memory.DEVICE)
+                    assert layout.memory == kvi.Memory.DEVICE
                     inj = kvi.Injector(cs, layout)
                     s = torch.cuda.Stream()
                     self.inject_requests(inj, REQUESTS, stream=s, device_tables=device_tables, device=self.dev)
                     s.synchronize()
-                    self.assertEqual(inj.async_errors(), 0)
+                    assert inj.async_errors() == 0
                     self.assert_hf(keys, values, facts, REQUESTS, dtype)
 
     def test_engine_table_bit_parity_with_cpu(self):
@@ -375,8 +383,8 @@ class TestTorchCUDA(TorchCase):
         self.inject_requests(hinj, REQUESTS)
         s.synchronize()
         for l in range(L):
-            self.assertTrue(torch.equal(dk[l].cpu(), hk[l]), "layer %d K: CUDA and CPU differ" % l)
-            self.assertTrue(torch.equal(dv[l].cpu(), hv[l]), "layer %d V: CUDA and CPU differ" % l)
+            assert torch.equal(dk[l].cpu(), hk[l]), "layer %d K: CUDA and CPU differ" % l
+            assert torch.equal(dv[l].cpu(), hv[l]), "layer %d V: CUDA and CPU differ" % l
         self.assert_hf(hk, hv, facts, REQUESTS, DType.BF16)
 
     def test_work_goes_on_the_given_stream(self):
@@ -397,9 +405,9 @@ class TestTorchCUDA(TorchCase):
         enqueue_s = time.monotonic() - t0
         before = keys[2].clone()  # on the default stream: runs now, not after s
         torch.cuda.current_stream().synchronize()
-        self.assertFalse(s.query(), "the stream finished its 1 s sleep already (enqueue took %.3f s)" % enqueue_s)
-        self.assertTrue(bool((before == -7.0).all()),
-                        "the cache changed before the stream passed the injection: it did not go on the stream")
+        assert not s.query(), "the stream finished its 1 s sleep already (enqueue took %.3f s)" % enqueue_s
+        assert bool((before == -7.0).all()), \
+               "the cache changed before the stream passed the injection: it did not go on the stream"
         s.synchronize()
         self.assert_hf(keys, values, facts, REQUESTS, DType.BF16)
 
@@ -414,10 +422,10 @@ class TestTorchCUDA(TorchCase):
         table = torch.tensor([B + 5], dtype=torch.int32, device=self.dev)  # no such batch row
         inj.inject(kvi.InjectRequest(1, [11], table, first_slot=0))
         torch.cuda.synchronize()
-        self.assertEqual(inj.async_errors(), FACTS[11])  # counted once per token
-        self.assertEqual(inj.async_errors(), 0)  # read and cleared
+        assert inj.async_errors() == FACTS[11]  # counted once per token
+        assert inj.async_errors() == 0  # read and cleared
         for k in keys:
-            self.assertTrue(bool((k == -7.0).all()))
+            assert bool((k == -7.0).all())
 
     def test_search_device_queries_and_outputs(self):
         if not kvi.features() & kvi.FEATURE_CUBLASLT:
@@ -441,7 +449,7 @@ class TestTorchCUDA(TorchCase):
                 qd = q.to(self.dev)
             cs.search(qd, tenants, 10, out=(ids, scores, counts), stream=s)
             s.synchronize()
-            self.assertEqual(counts.tolist(), list(ref.counts))
+            assert counts.tolist() == list(ref.counts)
             for i in range(nq):
                 for res_ids, res_scores in ((got.ids[i * 10:(i + 1) * 10], got.scores[i * 10:(i + 1) * 10]),
                                             (ids[i].tolist(), scores[i].tolist())):
@@ -449,10 +457,10 @@ class TestTorchCUDA(TorchCase):
                         rid, rs = ref.ids[i * 10 + j], ref.scores[i * 10 + j]
                         # fp32 accumulation on the device: scores within 1e-4 of the CPU's exact
                         # ones; ids may trade places only between that close scores
-                        self.assertAlmostEqual(res_scores[j], rs, delta=1e-4)
+                        assert abs(res_scores[j]-rs) < 1e-4
                         if res_ids[j] % (1 << 64) != rid:
-                            self.assertAlmostEqual(res_scores[j], ref.scores[i * 10 + j], delta=2e-4)
-        self.assertEqual(cs.async_errors(), 0)
+                            assert abs(res_scores[j]-ref.scores[i * 10 + j]) < 2e-4
+        assert cs.async_errors() == 0
 
     def test_retrieve_inject_on_device(self):
         """kvi_retrieve_inject's device path (a CUDA store without a host tier): the same
@@ -485,13 +493,13 @@ class TestTorchCUDA(TorchCase):
 
         got = dinj.retrieve_inject(q.to(self.dev), requests(dtables), 2)
         want = hinj.retrieve_inject(q, requests(htables), 2)
-        self.assertEqual(got, want)
-        self.assertTrue(all(len(ids) == 2 and tokens > 0 for ids, tokens in got))
+        assert got == want
+        assert all(len(ids) == 2 and tokens > 0 for ids, tokens in got)
         torch.cuda.synchronize()
         for l in range(L):
-            self.assertTrue(torch.equal(dk[l].cpu(), hk[l]), "layer %d K: CUDA and CPU differ" % l)
-            self.assertTrue(torch.equal(dv[l].cpu(), hv[l]), "layer %d V: CUDA and CPU differ" % l)
-        self.assertFalse(bool((hk[0] == -7.0).all()), "nothing was injected")
+            assert torch.equal(dk[l].cpu(), hk[l]), "layer %d K: CUDA and CPU differ" % l
+            assert torch.equal(dv[l].cpu(), hv[l]), "layer %d V: CUDA and CPU differ" % l
+        assert not bool((hk[0] == -7.0).all()), "nothing was injected"
         # device outputs on a stream: no host synchronization in the call; the same again
         ids = torch.full((2, 2), 7, dtype=torch.int64, device=self.dev)
         counts = torch.full((2,), -1, dtype=torch.int32, device=self.dev)
@@ -501,10 +509,10 @@ class TestTorchCUDA(TorchCase):
             qd = q.to(self.dev)
         dinj.retrieve_inject(qd, requests(dtables), 2, out=(ids, counts, tokens), stream=s)
         s.synchronize()
-        self.assertEqual([(ids[i, :int(counts[i])].tolist(), int(tokens[i])) for i in range(2)], want)
+        assert [(ids[i, :int(counts[i])].tolist(), int(tokens[i])) for i in range(2)] == want
         for l in range(L):
-            self.assertTrue(torch.equal(dk[l].cpu(), hk[l]), "layer %d K: CUDA and CPU differ" % l)
-        self.assertEqual(dinj.async_errors(), 0)
+            assert torch.equal(dk[l].cpu(), hk[l]), "layer %d K: CUDA and CPU differ" % l
+        assert dinj.async_errors() == 0
 
     def test_encode_on_device(self):
         cs, hs = self.stores()
@@ -534,23 +542,24 @@ class TestTorchCUDA(TorchCase):
             # the un-rotation is within the pair's bound `tol` of the original (the fp32 cache's
             # rounding included), then bf16 storage rounds: half a unit of bf16
             err = (k.double() - want).abs() - (2.0 ** -8 * want.abs() + 2 * tol + 1e-30)
-            self.assertFalse(bool((err > 0).any()),
-                             "fact %d: max error %g" % (fid, float((k.double() - want).abs().max())))
-            self.assertTrue(torch.equal(v, pre_v[:, row, :, first:first + n].transpose(1, 2).float()))
+            assert not bool((err > 0).any()), \
+                   "fact %d: max error %g" % (fid, float((k.double() - want).abs().max()))
+            assert torch.equal(v, pre_v[:, row, :, first:first + n].transpose(1, 2).float())
 
     def test_memory_kinds(self):
         cs, hs = self.stores()
         keys, values = self.hf_cache(DType.BF16, "cpu")
-        with self.assertRaises(kvi.MemoryKindError):  # a host cache for a CUDA store
+        with pytest.raises(kvi.MemoryKindError):  # a host cache for a CUDA store
             kvi.Injector(cs, kvi.CacheLayout.hf(keys, values))
         dk, dv = self.hf_cache(DType.BF16, self.dev)
-        with self.assertRaises(kvi.MemoryKindError):  # a device cache for a CPU store
+        with pytest.raises(kvi.MemoryKindError):  # a device cache for a CPU store
             kvi.Injector(hs, kvi.CacheLayout.hf(dk, dv))
         k = torch.ones(L, 2, H, D, device=self.dev)
-        with self.assertRaises(kvi.MemoryKindError):
+        with pytest.raises(kvi.MemoryKindError):
             hs.put(1, 1, k, k)
-        self.assertEqual(hs.count(1), 0)
+        assert hs.count(1) == 0
 
 
 if __name__ == "__main__":
-    unittest.main()
+    from kvi_testutil import run_pytest
+    sys.exit(run_pytest(__file__, sys.argv[1:]))

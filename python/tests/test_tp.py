@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import array
 import threading
-import unittest
+import sys
+
+import pytest
 
 from kvi_testutil import f32, rng
 import kvinject as kvi
@@ -43,8 +45,10 @@ def run_ranks(tp, fn):
     return out
 
 
-class TP(unittest.TestCase):
-    def setUp(self):
+class TestTP:
+    @pytest.fixture(autouse=True)
+    def _setup(self, closing):
+        self.closing = closing
         r = rng(2026)
         self.facts = {}
         for i in range(12):
@@ -74,12 +78,12 @@ class TP(unittest.TestCase):
 
     def test_scatter_gather_and_sharded_search(self):
         ref = self.store(None, 1, 0)
-        self.addCleanup(ref.close)
+        self.closing.append(ref)
         for i, (T, k, v, e) in self.facts.items():
             ref.put(5, i, k, v, embedding=e)
         q = [f32(x / 7.0) for x in range(-8, 8)]
         want = list(ref.search([q, [-x for x in q]], 5, 6))
-        self.assertEqual([len(r) for r in want], [6, 6])
+        assert [len(r) for r in want] == [6, 6]
         for tp in (2, 4):
             def rank_fn(c):
                 s = self.store(c, tp, c.rank, kvi.EmbeddingPlacement.SHARDED)
@@ -90,7 +94,7 @@ class TP(unittest.TestCase):
                     first, count = heads(tp, c.rank)
                     for i in self.facts:
                         k, v = s.read(5, i)
-                        self.assertEqual((k, v), tuple(self.slice(i, first, count)), "tp %d rank %d fact %d" % (tp, c.rank, i))
+                        assert (k, v) == tuple(self.slice(i, first, count)), "tp %d rank %d fact %d" % (tp, c.rank, i)
                     s.check_agreement()
                     got = list(s.search([q, [-x for x in q]], 5, 6))
                     back = s.gather(0, [(5, i) for i in self.facts])
@@ -99,12 +103,12 @@ class TP(unittest.TestCase):
                     s.close()
             res = run_ranks(tp, rank_fn)
             for r, (got, back) in enumerate(res):
-                self.assertEqual(got, want, "tp %d rank %d: sharded search differs from the unsharded store" % (tp, r))
+                assert got == want, "tp %d rank %d: sharded search differs from the unsharded store" % (tp, r)
                 if r == 0:
                     for (k, v), i in zip(back, self.facts):
-                        self.assertEqual((k, v), (self.facts[i][1], self.facts[i][2]), "gathered fact %d" % i)
+                        assert (k, v) == (self.facts[i][1], self.facts[i][2]), "gathered fact %d" % i
                 else:
-                    self.assertEqual(back, [])
+                    assert back == []
 
     def test_failure_on_one_rank(self):
         def rank_fn(c):
@@ -115,35 +119,36 @@ class TP(unittest.TestCase):
                     s.put(5, 3, k, v, embedding=self.facts[3][3])
                 items = [(5, i, self.facts[i][1], self.facts[i][2], self.facts[i][3]) if c.rank == 0 else (5, i)
                          for i in (2, 3)]
-                with self.assertRaises(kvi.ExistsError if c.rank == 1 else kvi.PeerError):
+                with pytest.raises(kvi.ExistsError if c.rank == 1 else kvi.PeerError):
                     s.put_scatter(0, items)
                 return s.stats().facts
             finally:
                 s.close()
-        self.assertEqual(run_ranks(2, rank_fn), [0, 1])  # nothing was added anywhere
+        assert run_ranks(2, rank_fn) == [0, 1]  # nothing was added anywhere
 
     def test_embedding_rank_and_errors(self):
-        self.assertEqual(kvi.embedding_rank(7, 123456789, 8), 7)  # fixed forever (tests/unit/test_tp.c)
-        self.assertIsNone(kvi.embedding_rank(1, 2, 0))
-        with self.assertRaises(kvi.InvalidArgumentError):
+        assert kvi.embedding_rank(7, 123456789, 8) == 7  # fixed forever (tests/unit/test_tp.c)
+        assert kvi.embedding_rank(1, 2, 0) is None
+        with pytest.raises(kvi.InvalidArgumentError):
             kvi.CommGroup(0)
         g = kvi.CommGroup(2)
         c = kvi.Comm.local(g, 0)
-        with self.assertRaises(kvi.ExistsError):
+        with pytest.raises(kvi.ExistsError):
             kvi.Comm.local(g, 0)
-        self.assertEqual((c.rank, c.size), (0, 2))
-        self.assertEqual(c.async_errors(), 0)
+        assert (c.rank, c.size) == (0, 2)
+        assert c.async_errors() == 0
         c.close()
         g.close()
         m = kvi.Model(L, H, D)
-        with self.assertRaises(kvi.InvalidArgumentError):  # sharded embeddings need a communicator
+        with pytest.raises(kvi.InvalidArgumentError):  # sharded embeddings need a communicator
             kvi.Store(m, 1 << 20, backend=kvi.Backend.CPU, embedding_dim=E,
                       embedding_placement=kvi.EmbeddingPlacement.SHARDED)
         s = kvi.Store(m, 1 << 20, backend=kvi.Backend.CPU)
-        self.addCleanup(s.close)
-        with self.assertRaises(kvi.UnsupportedError):
+        self.closing.append(s)
+        with pytest.raises(kvi.UnsupportedError):
             s.check_agreement()
 
 
 if __name__ == "__main__":
-    unittest.main()
+    from kvi_testutil import run_pytest
+    sys.exit(run_pytest(__file__, sys.argv[1:]))

@@ -19,11 +19,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import unittest
 import zipfile
+
+import pytest
 
 import kvi_testutil  # noqa: F401  (finds the package)
 import kvinject as kvi
+import re
 
 PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(kvi.__file__)))
 SONAME = "libkvinject.so.0"
@@ -60,17 +62,16 @@ def _pip_ok():
     return r.returncode == 0
 
 
-@unittest.skipUnless(_pip_ok(), "no pip or venv for %s" % sys.executable)
-class TestWheel(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
+@pytest.mark.skipif(not _pip_ok(), reason="no pip or venv for %s" % sys.executable)
+class TestWheel:
+    @pytest.fixture(autouse=True, scope="class")
+    def _tmp(self, request):
+        cls = request.cls
         cls.tmp = tempfile.mkdtemp(prefix="kvi-wheel-")
         cls.lib = os.path.realpath(kvi.library_path())
         cls.empty = os.path.join(cls.tmp, "empty")
         os.makedirs(cls.empty)
-
-    @classmethod
-    def tearDownClass(cls):
+        yield
         shutil.rmtree(cls.tmp, ignore_errors=True)
 
     def pip(self, *args, python=None):
@@ -79,7 +80,7 @@ class TestWheel(unittest.TestCase):
         env = dict(os.environ, PIP_NO_INDEX="1", PIP_NO_CACHE_DIR="1")
         r = subprocess.run(cmd, env=env, cwd=self.empty, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            universal_newlines=True, timeout=300)
-        self.assertEqual(r.returncode, 0, "%s\n%s" % (" ".join(cmd), r.stdout))
+        assert r.returncode == 0, "%s\n%s" % (" ".join(cmd), r.stdout)
         return r.stdout
 
     def wheel(self, name, *extra):
@@ -101,7 +102,7 @@ class TestWheel(unittest.TestCase):
         env.update(env_vars)
         r = subprocess.run([python, "-c", USE], env=env, cwd=self.empty, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, universal_newlines=True, timeout=120)
-        self.assertEqual(r.returncode, 0, r.stderr)
+        assert r.returncode == 0, r.stderr
         import json
         return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -111,41 +112,41 @@ class TestWheel(unittest.TestCase):
 
     def test_pure_wheel(self):
         whl = self.wheel("pure")
-        self.assertEqual(os.path.basename(whl), "kvinject-%s-py3-none-any.whl" % kvi.__version__)
+        assert os.path.basename(whl) == "kvinject-%s-py3-none-any.whl" % kvi.__version__
         names = self.files(whl)
         src = {os.path.relpath(os.path.join(d, f), PYTHON_DIR)
                for d, _, fs in os.walk(os.path.join(PYTHON_DIR, "kvinject")) for f in fs
                if f.endswith(".py") and "__pycache__" not in d}
-        self.assertLessEqual(src, names)  # every module, kvinject.vllm and kvinject.hf included
-        self.assertIn("kvinject/py.typed", names)
-        self.assertFalse([n for n in names if "_libs" in n or n.endswith(".so") or ".so." in n])
+        assert src <= names  # every module, kvinject.vllm and kvinject.hf included
+        assert "kvinject/py.typed" in names
+        assert not [n for n in names if "_libs" in n or n.endswith(".so") or ".so." in n]
         py = self.venv("venv-pure")
         self.pip("install", "--no-index", "--no-deps", whl, python=py)
         got = self.use(py, KVINJECT_LIBRARY=self.lib)
-        self.assertTrue(got["file"].startswith(got["prefix"]), got)
-        self.assertEqual((got["lib"], got["by"], got["typed"]), (self.lib, "KVINJECT_LIBRARY", True))
+        assert got["file"].startswith(got["prefix"]), got
+        assert (got["lib"], got["by"], got["typed"]) == (self.lib, "KVINJECT_LIBRARY", True)
 
     def test_bundled_wheel(self):
         whl = self.wheel("bundled", "--config-settings", "bundle=" + self.lib)
-        self.assertRegex(os.path.basename(whl), r"^kvinject-%s-py3-none-linux_[a-z0-9_]+\.whl$"
-                         % kvi.__version__.replace(".", r"\."))
-        self.assertIn("kvinject/_libs/" + SONAME, self.files(whl))
+        assert re.search(r"^kvinject-%s-py3-none-linux_[a-z0-9_]+\.whl$" \
+                         % kvi.__version__.replace(".", r"\."), os.path.basename(whl))
+        assert "kvinject/_libs/" + SONAME in self.files(whl)
         py = self.venv("venv-bundled")
         self.pip("install", "--no-index", "--no-deps", whl, python=py)
         got = self.use(py)  # no KVINJECT_LIBRARY, loader path or pkg-config
-        self.assertEqual(got["by"], "the wheel's bundled library")
-        self.assertTrue(got["lib"].startswith(got["prefix"]), got)
+        assert got["by"] == "the wheel's bundled library"
+        assert got["lib"].startswith(got["prefix"]), got
         with open(got["lib"], "rb") as a, open(self.lib, "rb") as b:
-            self.assertEqual(a.read(), b.read())
+            assert a.read() == b.read()
 
     def test_bundle_that_is_not_a_library_is_refused(self):
         out = os.path.join(self.tmp, "bad")
         r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-index", "--no-deps", "-w", out, PYTHON_DIR,
                             "--config-settings", "bundle=" + os.path.join(PYTHON_DIR, "pyproject.toml")],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, timeout=300)
-        self.assertNotEqual(r.returncode, 0)
-        self.assertIn("not a shared library", r.stdout)
-        self.assertFalse(os.path.exists(out) and os.listdir(out))
+        assert r.returncode != 0
+        assert "not a shared library" in r.stdout
+        assert not (os.path.exists(out) and os.listdir(out))
 
     def test_sdist_builds_the_same_wheel(self):
         sys.path.insert(0, os.path.join(PYTHON_DIR, "pep517"))
@@ -158,14 +159,15 @@ class TestWheel(unittest.TestCase):
         sdist = os.path.join(d, kvinject_build.build_sdist(d))
         self.pip("wheel", "--no-index", "--no-deps", "-w", os.path.join(d, "whl"), sdist)
         (whl,) = os.listdir(os.path.join(d, "whl"))
-        self.assertEqual(self.files(os.path.join(d, "whl", whl)), self.files(self.wheel("pure-again")))
+        assert self.files(os.path.join(d, "whl", whl)) == self.files(self.wheel("pure-again"))
 
     def test_editable_install_imports_the_source_tree(self):
         py = self.venv("venv-editable")
         self.pip("install", "--no-index", "--no-deps", "-e", PYTHON_DIR, python=py)
         got = self.use(py, KVINJECT_LIBRARY=self.lib)
-        self.assertEqual(got["file"], os.path.join(PYTHON_DIR, "kvinject", "__init__.py"))
+        assert got["file"] == os.path.join(PYTHON_DIR, "kvinject", "__init__.py")
 
 
 if __name__ == "__main__":
-    unittest.main()
+    from kvi_testutil import run_pytest
+    sys.exit(run_pytest(__file__, sys.argv[1:]))

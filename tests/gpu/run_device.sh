@@ -28,6 +28,11 @@ pcdir=$sysroot/usr/lib/x86_64-linux-gnu/pkgconfig
 sed -i "s| -L/usr| -L$sysroot/usr|; s| -I/usr| -I$sysroot/usr|" "$pcdir"/cmocka.pc
 export PKG_CONFIG_PATH=$pcdir
 export LD_LIBRARY_PATH=$sysroot/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# pytest for the python suite: python3-pytest and its dependencies travel in
+# .debs/ too, for a python3 (the one with torch) that has no pytest of its own
+if ! python3 -c 'import pytest' 2>/dev/null; then
+  export PYTHONPATH=$sysroot/usr/lib/python3/dist-packages${PYTHONPATH:+:$PYTHONPATH}
+fi
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 build=${KVI_DEVICE_BUILD:-/tmp/kvi-build}
@@ -120,7 +125,7 @@ tprc=${PIPESTATUS[0]}
 rrc=${PIPESTATUS[0]}
 # the Python binding with torch on the device: skips become failures here
 KVINJECT_REQUIRE_CUDA=1 meson test -C "$build" --suite python --no-rebuild --verbose 2>&1 | tee "$out/python.log" |
-  grep -E '^test_|Ran |^OK|FAILED|libkvinject:python'
+  grep -E ' passed| failed| skipped| error|^FAILED|^SKIPPED|^ERROR|libkvinject:python'
 prc=${PIPESTATUS[0]}
 # memcheck: no out-of-bounds or misaligned device accesses in the kernels
 src=0

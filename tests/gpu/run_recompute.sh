@@ -2,7 +2,7 @@
 # Selective recompute on the GPU machine: the CUDA deviation kernel against the
 # CPU (gpu-recompute), the transformers correctness checks on the model
 # (python/tests/vllm/test_recompute.py --device cuda), then the accuracy and
-# TTFT table of python/harness/recompute_eval.py (re-prefill, injection,
+# TTFT table of kvinject_bench.recompute_eval (re-prefill, injection,
 # injection + recompute configurations). Needs an already-built CUDA
 # libkvinject (tests/gpu/run_device.sh builds one), python3 with torch,
 # transformers and pytest, and a Llama-family model directory with its tokenizer
@@ -12,7 +12,7 @@
 #   tests/gpu/run_recompute.sh MODEL_DIR [BUILD_DIR]   # BUILD_DIR default $KVINJECT_BUILD, else /tmp/kvi-build
 #
 # Output: $OUT (default /tmp/kvi-out)/recompute.md. RECOMPUTE_ARGS: extra
-# arguments for recompute_eval.py (default: --facts 20 --cases 30
+# arguments for recompute_eval (default: --facts 20 --cases 30
 # --ttft-reps 10 --dtype bfloat16). PYTHON picks the interpreter.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -32,7 +32,7 @@ fi
 KVI_VLLM_MODEL=$model timeout 300 "$py" python/tests/vllm/launch.py --pytest-here python/tests/vllm/test_recompute.py \
   --device cuda || rc=1
 # shellcheck disable=SC2086  # the extra arguments are words
-timeout 500 "$py" python/harness/recompute_eval.py "$model" --device cuda \
+timeout 500 "$py" -m kvinject_bench.recompute_eval "$model" --device cuda \
   ${RECOMPUTE_ARGS:---facts 20 --cases 30 --ttft-reps 10 --dtype bfloat16} 2>&1 | tee "$out/recompute.md"
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 echo "run_recompute.sh: rc=$rc; table in $out/recompute.md"

@@ -18,44 +18,12 @@ the order of the file's size.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from ..enums import Backend, DType, RopeScaling, RopeStyle
-from ..hf import kvi_model_for, kvi_rope_fields
-from ..model import Model
+from ..enums import Backend
+from ..hf.config import STORE_DTYPES, store_model, store_rope_fields
 from ..store import Store
 from .prompt import MemoryPrompt, Tokens, memory_prompt
-
-STORE_DTYPES = {"fp32": DType.FP32, "bf16": DType.BF16, "fp16": DType.FP16, "fp8_e4m3": DType.FP8_E4M3}
-
-
-def store_rope_fields(hf_config, overrides: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
-    """The kvi_rope_spec fields the connector sets on every layer: those of the
-    model's config (kvinject.hf.kvi_rope_fields) updated with the connector's
-    ``rope`` setting (enum fields may be given by name)."""
-    rope = kvi_rope_fields(hf_config)
-    for k, v in (overrides or {}).items():
-        if k == "style" and isinstance(v, str):
-            v = RopeStyle[v]
-        elif k == "scaling" and isinstance(v, str):
-            v = RopeScaling[v]
-        rope[k] = v
-    return rope
-
-
-def store_model(hf_config, overrides: Optional[Mapping[str, Any]] = None, *, num_layers: Optional[int] = None,
-                tp_rank: int = 0, tp_size: int = 1) -> Model:
-    """The kvinject Model of the connector's stores for a transformers config:
-    geometry, tensor-parallel slice and RoPE (explicit on every layer)."""
-    rope = store_rope_fields(hf_config, overrides)
-    if num_layers is None or num_layers == hf_config.num_hidden_layers:
-        return kvi_model_for(hf_config, rope, tp_rank=tp_rank, tp_size=tp_size)
-    from ..hf import head_dim_of, kv_heads_of
-    m = Model(num_layers=num_layers, num_kv_heads=kv_heads_of(hf_config), head_size=head_dim_of(hf_config),
-              tp_rank=tp_rank, tp_size=tp_size)
-    m.set_rope(**rope)
-    return m
-
 
 Retrieved = Tuple[int, int, float]  # (fact id, tokens, score)
 

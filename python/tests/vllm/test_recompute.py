@@ -1,4 +1,4 @@
-"""kvinject.recompute (selective recompute of injected facts) on the real
+"""kvinject.hf.recompute (selective recompute of injected facts) on the real
 SmolLM2-135M-Instruct in transformers, fp32, against a re-prefill of
 [header | facts | question]:
 
@@ -23,17 +23,13 @@ fixture ``runs``); each test checks one property of one case.
 from __future__ import annotations
 
 import os
-import sys
 
-HARNESS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "harness")
-sys.path.insert(0, HARNESS)
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import kvinject as kvi  # noqa: E402
-import recompute_eval as R  # noqa: E402
-from kvinject.recompute import recompute  # noqa: E402
+import kvinject as kvi
+from kvinject.hf import testing as R
+from kvinject.hf.recompute import recompute
 
 N_CASES = 2
 
@@ -41,7 +37,7 @@ N_CASES = 2
 @pytest.fixture(scope="module")
 def harness(request):
     torch.set_grad_enabled(False)
-    return R.Harness(os.environ["KVI_VLLM_MODEL"], request.config.getoption("--device"), torch.float32, kvi, torch)
+    return R.RecomputeHarness(os.environ["KVI_VLLM_MODEL"], request.config.getoption("--device"), torch.float32, kvi, torch)
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +103,9 @@ def _injected_cache(h, c):
     hdr = c["header"]
     fids = [h.fact_id(f) for f in c["facts"]]
     allf = [t for f in c["facts"] for t in f]
-    cache = R.C.static_cache(h.model, len(hdr) + len(allf) + len(c["question"]))
+    cache = R.static_cache(h.model, len(hdr) + len(allf) + len(c["question"]))
     h.model(torch.tensor([hdr], device=h.device), past_key_values=cache, use_cache=True)
-    keys, values = R.C.cache_tensors(cache)
+    keys, values = R.cache_tensors(cache)
     inj = kvi.Injector(h.store, kvi.CacheLayout.hf(keys, values))
     req = kvi.InjectRequest(R.TENANT, fids, block_table=[0], first_slot=len(hdr), start_position=len(hdr))
     inj.inject(req, stream=h.stream)
@@ -120,7 +116,7 @@ def nothing_recomputed(h, c):
     cache, inj, req, allf = _injected_cache(h, c)
     plan = recompute(h.model, cache, inj, req, allf, score_layer=-1, fraction=0.0, boundary=0)
     assert plan.chosen == []
-    R.C.set_cache_length(cache, req.first_slot + len(allf))
+    R.set_cache_length(cache, req.first_slot + len(allf))
     out = h.model(torch.tensor([c["question"]], device=h.device), past_key_values=cache, use_cache=True)
     return out.logits[0, -1].double().cpu()
 
@@ -133,7 +129,7 @@ def deviation_scores(h, c):
         cache, inj, req, allf = _injected_cache(h, c)
         plan = recompute(h.model, cache, inj, req, allf, score_layer=layer, fraction=0.0)
         out.append(plan.scores)
-    keys, values = R.C.cache_tensors(cache)
+    keys, values = R.cache_tensors(cache)
     s0, n = req.first_slot, len(allf)
     mag = float((keys[1][0, :, s0:s0 + n].double() ** 2).sum((0, 2)).max() +
                 (values[1][0, :, s0:s0 + n].double() ** 2).sum((0, 2)).max())

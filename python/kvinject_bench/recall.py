@@ -62,8 +62,8 @@ user encoded with window w into one store per storage dtype), inject(store,
 cell, cache) and capture(store, tenant, cell, kv). New methods are added to
 METHODS (name prefix -> factory) or passed to run(...).
 
-    python3 python/harness/recall.py --model DIR|FILE.gguf [--device cuda]
-    python3 python/harness/recall.py --model DIR --users 2 --questions-per-user 3 --ks 5 --check
+    python3 -m kvinject_bench.recall --model DIR|FILE.gguf [--device cuda]
+    python3 -m kvinject_bench.recall --model DIR --users 2 --questions-per-user 3 --ks 5 --check
 
 Retrieval: oracle, search, or prefix (the user's first k facts, said order:
 there nall's context is exactly the prompt's, a check of the notes encoding).
@@ -86,9 +86,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import hf_common as C  # noqa: E402
-import recall_data as D  # noqa: E402
+from kvinject_bench import common
+from kvinject_bench import recall_data
 
 SYSTEM = ("You are a helpful assistant. Answer the user's question with only the answer "
           "(a name, a number, a place or a word), not a sentence.")
@@ -109,7 +108,7 @@ class Corpus:
     conversation (pieces tokenized alone and concatenated, so a fact's ids are
     the same in its conversation and in a prompt), with each fact's span."""
 
-    def __init__(self, tok, users: List[D.User]):
+    def __init__(self, tok, users: List[recall_data.User]):
         self.tok = tok
         self.users = {u.uid: u for u in users}
         enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
@@ -138,10 +137,10 @@ class Corpus:
         self.header = enc("<|im_start|>system\n" + SYSTEM + NOTES)
         self.header_none = enc("<|im_start|>system\n" + SYSTEM)
 
-    def question_ids(self, q: D.Question) -> List[int]:
+    def question_ids(self, q: recall_data.Question) -> List[int]:
         return self.enc("<|im_end|>\n<|im_start|>user\n" + q.text + "<|im_end|>\n<|im_start|>assistant\n")
 
-    def answer_ids(self, q: D.Question) -> List[int]:
+    def answer_ids(self, q: recall_data.Question) -> List[int]:
         return self.enc(q.answer)
 
 
@@ -162,12 +161,12 @@ class Cell:
     question_len: int
     facts: List[FactSlot]
     user: int
-    question: D.Question
+    question: recall_data.Question
     reference: object = None
     extra: dict = field(default_factory=dict)
 
     def reference_kv(self):
-        return C.cache_tensors(self.reference)
+        return common.cache_tensors(self.reference)
 
 
 # ---------------------------------------------------------------------- bench
@@ -176,9 +175,9 @@ class Bench:
     def __init__(self, args, torch, kvi, model, tok, corpus, device):
         self.args, self.torch, self.kvi, self.model, self.tok = args, torch, kvi, model, tok
         self.corpus, self.device = corpus, device
-        self.stream = C.kvi_stream(device)
-        self.backend = C.kvi_backend(device)
-        self.kvi_model = C.kvi_model_for(model.config)
+        self.stream = common.kvi_stream(device)
+        self.backend = common.kvi_backend(device)
+        self.kvi_model = common.kvi_model_for(model.config)
         self.store_dtypes = args.stores.split(",")
         self._windows = {}
         self._stores = []
@@ -198,7 +197,7 @@ class Bench:
         # facts fill a page each
         n_tok = sum(-(-len(v) // 16) * 16 for v in self.corpus.fact_ids.values())
         cfg = self.model.config
-        per_tok = 2 * cfg.num_hidden_layers * C.kv_heads_of(cfg) * C.head_dim_of(cfg) * 4
+        per_tok = 2 * cfg.num_hidden_layers * common.kv_heads_of(cfg) * common.head_dim_of(cfg) * 4
         budget = budget or max(64 << 20, int(per_tok * n_tok * 1.25) + (64 << 20))
         s = self.kvi.Store(self.kvi_model, budget, backend=self.backend, dtype=self.kvi_dtype(dtype_name), **kw)
         self._stores.append(s)
@@ -224,7 +223,7 @@ class Bench:
         enc.encode([kvi.Capture(tenant, f.fact_id, block_table=[0], num_tokens=f.tokens, first_slot=f.slot,
                                 start_position=f.slot + shift, replace=True) for f in cell.facts],
                    stream=self.stream)
-        C.sync(self.device)
+        common.sync(self.device)
 
     def inject(self, store, cell, cache, tenant=None, shift=0):
         """Injects the cell's facts (tenant: the user's, or the given one) from
@@ -232,13 +231,13 @@ class Bench:
         kvi = self.kvi
         if not cell.facts:
             return
-        keys, values = C.cache_tensors(cache)
+        keys, values = common.cache_tensors(cache)
         inj = kvi.Injector(store, kvi.CacheLayout.hf(keys, values))
         ten = cell.facts[0].tenant if tenant is None else tenant
         inj.inject(kvi.InjectRequest(ten, [f.fact_id for f in cell.facts], block_table=[0],
                                      first_slot=cell.header_len, start_position=cell.header_len + shift),
                    stream=self.stream)
-        C.sync(self.device)
+        common.sync(self.device)
 
     # encoding with a window
     def _batches(self, units, budget):
@@ -261,7 +260,7 @@ class Bench:
         exactly as if each row had prefilled the prefix itself)."""
         from transformers import DynamicCache
         c = DynamicCache()
-        for li, (k, v) in enumerate(zip(*C.cache_tensors(cache))):
+        for li, (k, v) in enumerate(zip(*common.cache_tensors(cache))):
             c.update(k.expand(rows, -1, -1, -1).contiguous(), v.expand(rows, -1, -1, -1).contiguous(), li)
         return c
 
@@ -325,7 +324,7 @@ class Bench:
             rows = self._padded([u[0][pre:] for u in batch])
             past = self._expanded(head, len(rows)) if pre else None
             out = self.forward(rows, past_key_values=past, use_cache=True, logits_to_keep=1)
-            kv = C.cache_tensors(out.past_key_values)
+            kv = common.cache_tensors(out.past_key_values)
             for dn, st in stores.items():
                 enc = kvi.Encoder(st, kvi.CacheLayout.hf(*kv))
                 caps = []
@@ -335,7 +334,7 @@ class Bench:
                         caps.append(kvi.Capture(uid, fid, block_table=[row], num_tokens=t, first_slot=slot,
                                                 start_position=slot, embedding=e))
                 enc.encode(caps, stream=self.stream)
-            C.sync(self.device)
+            common.sync(self.device)
             del out, kv
         self._windows[key] = stores
         self.timing["encode %s" % window_name(w, anchor)] = time.time() - t0
@@ -382,7 +381,7 @@ class Reprefill:
     def fill(self, bench, cell, cache):
         a, b = cell.header_len, cell.question_start
         rk, rv = cell.reference_kv()
-        keys, values = C.cache_tensors(cache)
+        keys, values = common.cache_tensors(cache)
         for k, v, x, y in zip(keys, values, rk, rv):
             k[:, :, a:b].copy_(x[:, :, a:b])
             v[:, :, a:b].copy_(y[:, :, a:b])
@@ -453,7 +452,7 @@ def make_methods(args):
 
 # ----------------------------------------------------------------- the cells
 
-def row_cache(big, r, C_, torch):
+def row_cache(big, r, torch):
     """A batch-1 StaticCache whose layers are views of row r of `big`."""
     from transformers import StaticCache
     c = StaticCache(config=big._kvi_config, max_cache_len=big._kvi_len)
@@ -493,10 +492,10 @@ def run_cell(bench, cell, methods):
     ref_kv = cell.reference_kv()
     big = batched_cache(bench, B, max_len, ref_kv, cell.header_len)
     for r, m in enumerate(methods):
-        rc = row_cache(big, r, C, torch)
-        C.set_cache_length(rc, cell.header_len)
+        rc = row_cache(big, r, torch)
+        common.set_cache_length(rc, cell.header_len)
         m.fill(bench, cell, rc)
-    C.set_cache_length(big, n0)
+    common.set_cache_length(big, n0)
     seq = torch.tensor([qids + gold], dtype=torch.long, device=bench.device).expand(B, -1)
     g = len(gold)
     # logits of the last g + 1 positions: the question's last token and the answer's
@@ -508,7 +507,7 @@ def run_cell(bench, cell, methods):
     gold_lp = lp.gather(2, gold_t.view(1, -1, 1).expand(B, -1, 1)).sum((1, 2))
     kl = (first[0].exp() * (first[0] - first)).sum(-1)
     # greedy: continue from the question's end (the answer's slots are overwritten)
-    C.set_cache_length(big, n0 + q)
+    common.set_cache_length(big, n0 + q)
     tok = first.argmax(-1)
     gen = [tok]
     done = torch.zeros(B, dtype=torch.bool, device=bench.device)
@@ -627,12 +626,12 @@ def summarize(records, reps):
             sib = [recs[q]["kl_vs_fp32"] for q in qs if "kl_vs_fp32" in recs[q]]
             if sib:
                 row["kl_vs_fp32_mean"], row["kl_vs_fp32_max"] = sum(sib) / len(sib), max(sib)
-            common = [q for q in qs if q in ref]
-            if m != "reprefill" and common:
-                row["d_contains"] = paired_bootstrap([float(recs[q]["contains"]) for q in common],
-                                                     [float(ref[q]["contains"]) for q in common], reps)
-                row["d_logprob"] = paired_bootstrap([recs[q]["gold_logprob"] for q in common],
-                                                    [ref[q]["gold_logprob"] for q in common], reps)
+            paired = [q for q in qs if q in ref]
+            if m != "reprefill" and paired:
+                row["d_contains"] = paired_bootstrap([float(recs[q]["contains"]) for q in paired],
+                                                     [float(ref[q]["contains"]) for q in paired], reps)
+                row["d_logprob"] = paired_bootstrap([recs[q]["gold_logprob"] for q in paired],
+                                                    [ref[q]["gold_logprob"] for q in paired], reps)
             rec = [recs[q].get("recall") for q in qs if recs[q].get("recall") is not None]
             if rec:
                 row["recall"] = sum(rec) / len(rec)
@@ -657,13 +656,13 @@ def markdown(rows, title_lines):
                     "%+.1f pp (%+.1f, %+.1f)" % tuple(100 * x for x in d) if d else "–",
                     "%.3f" % r["gold_logprob"],
                     "%+.3f (%+.3f, %+.3f)" % dl if dl else "–",
-                    "%s / %s" % (C.fmt(r["kl_mean"], ".2e"), C.fmt(r["kl_max"], ".2e")),
-                    "%s / %s" % (C.fmt(r["kl_vs_fp32_mean"], ".2e"), C.fmt(r["kl_vs_fp32_max"], ".2e"))
+                    "%s / %s" % (common.fmt(r["kl_mean"], ".2e"), common.fmt(r["kl_max"], ".2e")),
+                    "%s / %s" % (common.fmt(r["kl_vs_fp32_mean"], ".2e"), common.fmt(r["kl_vs_fp32_max"], ".2e"))
                     if "kl_vs_fp32_mean" in r else "–"]
             if ret == "search":
-                line.insert(3, C.fmt(r.get("recall"), ".3f") if r.get("recall") is not None else "–")
+                line.insert(3, common.fmt(r.get("recall"), ".3f") if r.get("recall") is not None else "–")
             body.append(line)
-        out.append(C.table(hdr, body))
+        out.append(common.table(hdr, body))
     return "\n".join(out) + "\n"
 
 
@@ -687,7 +686,7 @@ def load_model(path, dtype, device, attn, torch):
     else:
         raise last
     model = model.to(device).eval()
-    C.check_rope_buffers(model)
+    common.check_rope_buffers(model)
     return model, tok
 
 
@@ -723,9 +722,9 @@ def parse_args(argv=None):
 
 
 def run(args, methods=None):
-    torch, transformers = C.need_torch_transformers()
-    kvi = C.need_kvinject()
-    device = C.pick_device(args.device, torch, kvi)
+    torch, transformers = common.need_torch_transformers()
+    kvi = common.need_kvinject()
+    device = common.pick_device(args.device, torch, kvi)
     if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
@@ -736,9 +735,9 @@ def run(args, methods=None):
     t_start = time.time()
     model, tok = load_model(args.model, getattr(torch, args.dtype), device, args.attn, torch)
     t_load = time.time() - t_start
-    users = D.generate(args.seed, args.users)
+    users = recall_data.generate(args.seed, args.users)
     corpus = Corpus(tok, users)
-    questions = D.questions_of(users, args.questions_per_user)
+    questions = recall_data.questions_of(users, args.questions_per_user)
     bench = Bench(args, torch, kvi, model, tok, corpus, device)
     methods = methods if methods is not None else make_methods(args)
     t0 = time.time()

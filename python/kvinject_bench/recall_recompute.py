@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The recall benchmark (recall.py) with selective recompute configurations
-(kvinject.recompute): every Context-Window Encoding configuration w<N>-<store>
+(kvinject.hf.recompute): every Context-Window Encoding configuration w<N>-<store>
 it runs, also followed by recompute of part of the injected fact tokens.
 
-    python3 recall_recompute.py [--recompute blend-5,blend-10,...] RECALL ARGUMENTS...
+    python3 -m kvinject_bench.recall_recompute [--recompute blend-5,blend-10,...] RECALL ARGUMENTS...
 
 A recompute configuration (names as in recompute_eval.py): ``blend-R`` computes
 layers 0..1 of every fact token fresh over the injected context, scores the
@@ -16,13 +16,11 @@ the share of fact tokens it recomputed and of a re-prefill's layer-token work.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import hf_common as C  # noqa: E402
-import recall as R  # noqa: E402
-from recompute_eval import parse_config  # noqa: E402
+from kvinject_bench import common
+from kvinject_bench import recall
+from kvinject_bench.recompute_eval import parse_config
 
 DEFAULT = "boundary-4,blend-5,blend-10,blend-15,blend-30,blend-10+b-2"
 
@@ -43,12 +41,12 @@ class Recompute:
             self.base.setup(bench)
 
     def fill(self, bench, cell, cache):
-        from kvinject.recompute import recompute
+        from kvinject.hf.recompute import recompute
         kvi = bench.kvi
         self.base.fill(bench, cell, cache)
         if not cell.facts:
             return
-        keys, values = C.cache_tensors(cache)
+        keys, values = common.cache_tensors(cache)
         inj = kvi.Injector(self.base.st, kvi.CacheLayout.hf(keys, values))
         req = kvi.InjectRequest(cell.facts[0].tenant, [f.fact_id for f in cell.facts], block_table=[0],
                                 first_slot=cell.header_len, start_position=cell.header_len)
@@ -56,7 +54,7 @@ class Recompute:
         plan = recompute(bench.model, cache, inj, req, ids, score_layer=self.layer, fraction=self.fraction,
                          boundary=self.boundary, per_fact=self.per_fact, fact_tokens=[f.tokens for f in cell.facts],
                          stream=bench.stream)
-        C.sync(bench.device)
+        common.sync(bench.device)
         L = bench.model.config.num_hidden_layers
         fresh = self.layer + 1 if self.layer >= 0 else 0
         self.chosen += len(plan.chosen)
@@ -71,17 +69,17 @@ def main(argv=None):
     ap.add_argument("--recompute-on", default=None, help="the encodings (e.g. w0,a0,n4) whose rows get "
                     "recompute rows (default: every one of --windows)")
     mine, rest = ap.parse_known_args(argv)
-    args = R.parse_args(rest)
+    args = recall.parse_args(rest)
     if not args.model:
         print("error: no --model (and no KVI_VLLM_MODEL)", file=sys.stderr)
         return 2
-    methods = R.make_methods(args)
+    methods = recall.make_methods(args)
     extra = []
     for m in methods:
         on = mine.recompute_on.split(",") if mine.recompute_on else None
-        if isinstance(m, R.Window) and (on is None or R.window_name(m.w, m.anchor) in on):
+        if isinstance(m, recall.Window) and (on is None or recall.window_name(m.w, m.anchor) in on):
             extra += [Recompute(m, c) for c in mine.recompute.split(",") if c]
-    ok = R.run(args, methods + extra)
+    ok = recall.run(args, methods + extra)
     for m in extra:
         if m.tokens:
             print("- %s: %.1f%% of the fact tokens recomputed, %.1f%% of a re-prefill's layer-token work"

@@ -2,7 +2,7 @@
 """Converts a GGUF model file into a Hugging Face model directory (config.json,
 model.safetensors, the tokenizer) that engines without a GGUF loader read.
 
-    python3 gguf_to_safetensors.py MODEL.gguf OUT_DIR [--dtype bfloat16|float16|float32]
+    python3 -m kvinject_bench.gguf_to_safetensors MODEL.gguf OUT_DIR [--dtype bfloat16|float16|float32]
 
 transformers reads the GGUF (gguf_file=; needs the gguf and accelerate
 packages) and dequantizes its weights. A model loaded that way refuses

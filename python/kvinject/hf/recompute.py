@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional, Sequence
 
+from ..transfer import recompute_select
+
 
 @dataclasses.dataclass
 class RecomputePlan:
@@ -122,9 +124,8 @@ def recompute(model, cache, injector, request, fact_token_ids, *, score_layer: i
     fraction 0 and boundary 0 with score_layer -1: nothing is done (plain
     injection). fact_tokens: the facts' token counts (for boundary and per_fact;
     default from the store). Returns the plan. The caller then sets the cache
-    length (hf_common.set_cache_length) and prefills what follows."""
+    length (kvinject.hf.set_cache_length) and prefills what follows."""
     import torch
-    from . import recompute_select
     inner, layers = _layers(model)
     L = len(layers)
     dev = next(model.parameters()).device

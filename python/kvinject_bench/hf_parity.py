@@ -40,19 +40,17 @@ Criteria (exit 1 when one fails):
   (kvi_rope_spec.cos_sin_table), as an engine integration would.
 Exit 77 (skipped) when torch or transformers is missing.
 
-    python3 python/harness/hf_parity.py --device cuda
-    python3 python/harness/hf_parity.py --device cpu --quick
+    python3 -m kvinject_bench.hf_parity --device cuda
+    python3 -m kvinject_bench.hf_parity --device cpu --quick
 """
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import hf_common as C  # noqa: E402
+from kvinject_bench import common
 
 TENANT = 7
 
@@ -111,26 +109,26 @@ class Run:
         self.torch, self.kvi = torch, kvi
         self.config = model.config
         self.vocab = model.config.vocab_size
-        self.stream = C.kvi_stream(device)
-        self.backend = C.kvi_backend(device)
+        self.stream = common.kvi_stream(device)
+        self.backend = common.kvi_backend(device)
         self.dtype = model.dtype
         # the RoPE the library applies: the config's mapping, unless the model
         # computes something else (HF's GPT-J built under a bf16 default dtype
         # makes its sin/cos table from bf16-rounded frequencies): then the
         # model's own table, as an engine integration would pass it
-        self.rope_fields = C.kvi_rope_fields(self.config)
-        self.mapping_err = C.rope_mapping_error(model, C.kvi_model_for(self.config))
+        self.rope_fields = common.kvi_rope_fields(self.config)
+        self.mapping_err = common.rope_mapping_error(model, common.kvi_model_for(self.config))
         self.rope_source = "config"
         if self.mapping_err > 1e-3:
-            table = C.engine_rope_table(model, self.config.max_position_embeddings)
+            table = common.engine_rope_table(model, self.config.max_position_embeddings)
             self.rope_fields = dict(style=self.rope_fields["style"], rotary_dim=table.shape[1],
                                     cos_sin_table=table)
             self.rope_source = "engine table"
 
     def store(self, rope_fields=None, store_dtype=None):
-        km = C.kvi_model_for(self.config, rope_fields if rope_fields is not None else self.rope_fields)
+        km = common.kvi_model_for(self.config, rope_fields if rope_fields is not None else self.rope_fields)
         sd = store_dtype if store_dtype is not None else getattr(self, "quality_store", None)
-        sd = sd if sd is not None else C.kvi_dtype(self.dtype)
+        sd = sd if sd is not None else common.kvi_dtype(self.dtype)
         return self.kvi.Store(km, 32 << 20, backend=self.backend, dtype=sd)
 
     def forward(self, ids, **kw):
@@ -147,7 +145,7 @@ class Run:
             pos = torch.arange(offset, offset + ids.shape[1]).unsqueeze(0).expand(ids.shape[0], -1)
             kw["position_ids"] = pos.to(self.device)
         out = self.forward(ids, use_cache=True, **kw)
-        keys, values = C.cache_tensors(out.past_key_values)
+        keys, values = common.cache_tensors(out.past_key_values)
         enc = kvi.Encoder(store, kvi.CacheLayout.hf(keys, values))
         if batch_rows is None:
             a, b = fact_range
@@ -157,7 +155,7 @@ class Run:
             caps = [kvi.Capture(TENANT, fid, block_table=[row], num_tokens=t, first_slot=slot,
                                 start_position=slot + offset) for row, slot, t, fid in batch_rows]
         enc.encode(caps, stream=self.stream)
-        C.sync(self.device)  # the cache tensors may go when `out` does
+        common.sync(self.device)  # the cache tensors may go when `out` does
         return out
 
     def injected_logits(self, store, ids, prefix, fact_ids, question, last_only=False, with_kv=False):
@@ -165,7 +163,7 @@ class Run:
         then a prefill of the question only: its logits (fp64, CPU)."""
         torch, kvi = self.torch, self.kvi
         inj_tokens = ids.shape[1] - prefix - question
-        cache = C.static_cache(self.model, ids.shape[1])
+        cache = common.static_cache(self.model, ids.shape[1])
         self.forward(ids[:, :prefix], past_key_values=cache, use_cache=True)
         # the facts at the cache's length (slots and positions prefix..), its length set past them
         from kvinject.hf import StaticCacheInjector
@@ -174,9 +172,9 @@ class Run:
         if n != inj_tokens or inj.length != prefix + inj_tokens:
             raise RuntimeError("injected %d tokens, cache length %d; expected %d, %d"
                                % (n, inj.length, inj_tokens, prefix + inj_tokens))
-        keys, values = C.cache_tensors(cache)
+        keys, values = common.cache_tensors(cache)
         out = self.forward(ids[:, prefix + inj_tokens:], past_key_values=cache, use_cache=True)
-        C.sync(self.device)
+        common.sync(self.device)
         lg = out.logits[0]
         if last_only:
             lg = lg[-1:]
@@ -210,7 +208,7 @@ def parity_case(run, gen, variant, rope_fields=None, lens=(9, 20, 17, 24), prefi
     lens = list(lens)
     ids, starts = random_prompt(gen, run.vocab, prefix, lens, question, torch)
     ref, out = run.full_logits(ids, question, use_cache=True)
-    ref_k, ref_v = C.cache_tensors(out.past_key_values)
+    ref_k, ref_v = common.cache_tensors(out.past_key_values)
     ref_k = [x[0, :, prefix:prefix + sum(lens)].clone() for x in ref_k]
     ref_v = [x[0, :, prefix:prefix + sum(lens)].clone() for x in ref_v]
     del out
@@ -269,7 +267,7 @@ def check_fp32(run, args, gen, results):
                         "V %.2e (3 prompts)" % (e, ke, ve), "PASS" if passed else "FAIL"))
     # negative control: a wrong RoPE mapping must be caught by the shifted variant
     what, wrong = WRONG_ROPE[run.name]
-    fields = dict(C.kvi_rope_fields(run.config))  # (fp32: equal to run.rope_fields, checked above)
+    fields = dict(common.kvi_rope_fields(run.config))  # (fp32: equal to run.rope_fields, checked above)
     fields.update(wrong)
     ref, got, kerr, _ = parity_case(run, gen, "shifted", rope_fields=fields)
     e = rel_err(got, ref)
@@ -356,7 +354,7 @@ def quality(run, args, gen):
             cases = {}
             # exact context: all k facts captured from the full prefill's own cache
             store = run.store()
-            keys, values = C.cache_tensors(out.past_key_values)
+            keys, values = common.cache_tensors(out.past_key_values)
             enc = run.kvi.Encoder(store, run.kvi.CacheLayout.hf(keys, values))
             enc.encode([run.kvi.Capture(TENANT, 1000 + i, block_table=[0], num_tokens=T, first_slot=s,
                                         start_position=s) for i, s in enumerate(starts)], stream=run.stream)
@@ -366,14 +364,14 @@ def quality(run, args, gen):
                 enc32 = run.kvi.Encoder(ref_store, run.kvi.CacheLayout.hf(keys, values))
                 enc32.encode([run.kvi.Capture(TENANT, 1000 + i, block_table=[0], num_tokens=T, first_slot=s,
                                               start_position=s) for i, s in enumerate(starts)], stream=run.stream)
-                C.sync(run.device)
+                common.sync(run.device)
                 for i in range(k):
                     for a, b in zip(store.read(TENANT, 1000 + i), ref_store.read(TENANT, 1000 + i)):
                         a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
                         kv_roundtrip.append(float((a - b).norm() / b.norm().clamp_min(1e-30)))
                 del enc32
                 ref_store.close()
-            C.sync(run.device)
+            common.sync(run.device)
             del out, keys, values, enc
             cases["exact"] = run.injected_logits(store, ids_dev, prefix, [1000 + i for i in range(k)], question,
                                                  last_only=True)
@@ -394,7 +392,7 @@ def quality(run, args, gen):
         n = args.quality_prompts
         row = [run.name, k]
         for w in ws + ["exact"]:
-            row.append("%s / %d%%" % (C.fmt(sum(kl[w]) / n, ".2e"), round(100 * agree[w] / n)))
+            row.append("%s / %d%%" % (common.fmt(sum(kl[w]) / n, ".2e"), round(100 * agree[w] / n)))
         rows.append(row)
     header = ["model", "k"] + ["w = %d: KL / top-1" % w for w in ws] + ["exact context: KL / top-1"]
     if kv_roundtrip:
@@ -409,9 +407,9 @@ def quality(run, args, gen):
 
 def main(argv=None):
     args = parse_args(argv)
-    torch, transformers = C.need_torch_transformers()
-    kvi = C.need_kvinject()
-    device = C.pick_device(args.device, torch, kvi)
+    torch, transformers = common.need_torch_transformers()
+    kvi = common.need_kvinject()
+    device = common.pick_device(args.device, torch, kvi)
     if device.startswith("cuda"):
         # fp32 parity means fp32 matmuls: no TF32 anywhere
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -419,17 +417,17 @@ def main(argv=None):
     torch.set_float32_matmul_precision("highest")
     torch.set_grad_enabled(False)
     t_start = time.time()
-    C.banner("Parity with Hugging Face transformers", device, args)
+    common.banner("Parity with Hugging Face transformers", device, args)
     models = args.models.split(",")
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    configs = C.tiny_configs(layers=args.layers)
+    configs = common.tiny_configs(layers=args.layers)
     results, ok = [], True
     quality_tables = []
     for name in models:
         cls, kw, note = configs[name]
         for dn in args.dtypes.split(","):
             t0 = time.time()
-            model = C.build_model(cls, kw, dtypes[dn], device, attn=args.attn, seed=args.seed)
+            model = common.build_model(cls, kw, dtypes[dn], device, attn=args.attn, seed=args.seed)
             run = Run(name, model, dn, device, torch, kvi)
             gen = torch.Generator().manual_seed(args.seed + sum(map(ord, name + dn)))
             if dn == "fp32":
@@ -439,7 +437,7 @@ def main(argv=None):
             ok &= good
             print("%s %s (%s; %s attention; rope %s): %s in %.1fs" % (
                 name, dn, note, model.config._attn_implementation,
-                {k: (v.name if hasattr(v, "name") else v) for k, v in C.kvi_rope_fields(model.config).items()}
+                {k: (v.name if hasattr(v, "name") else v) for k, v in common.kvi_rope_fields(model.config).items()}
                 if run.rope_source == "config" else run.rope_source,
                 "ok" if good else "FAILED", time.time() - t0), flush=True)
             qmodels = (args.quality_models or args.models).split(",")
@@ -451,7 +449,7 @@ def main(argv=None):
     print()
     print("### Parity (criteria: fp32 rel. err <= %.0e; bf16 greedy token identical on every prompt)\n"
           % args.fp32_tol)
-    print(C.table(["model", "dtype", "check", "result", "verdict"], results))
+    print(common.table(["model", "dtype", "check", "result", "verdict"], results))
     if quality_tables:
         ws = args.windows
         print("\n### Independent encoding: quality cost against full prefill\n")
@@ -462,7 +460,7 @@ def main(argv=None):
               % (args.quality_prompts, args.fact_tokens, ws,
                  "the model's dtype" if args.quality_store == "model" else args.quality_store))
         header = quality_tables[0][0]
-        print(C.table(header, [r for _, rows in quality_tables for r in rows]))
+        print(common.table(header, [r for _, rows in quality_tables for r in rows]))
     print("\nparity: %s (%.0f s)" % ("PASS" if ok else "FAIL", time.time() - t_start))
     return 0 if ok else 1
 

@@ -24,18 +24,16 @@ of the HF forward) is visible. Batched throughput: --batches concurrent
 requests at k = 50 as one batched search, one injection and one batched
 forward (requests/s). Output: markdown tables for BENCHMARKS.md.
 
-    python3 python/harness/hf_speed.py --device cuda          # the H200 run
-    python3 python/harness/hf_speed.py --device cpu --quick   # smoke run, tiny model
+    python3 -m kvinject_bench.hf_speed --device cuda          # the H200 run
+    python3 -m kvinject_bench.hf_speed --device cpu --quick   # smoke run, tiny model
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import hf_common as C  # noqa: E402
+from kvinject_bench import common
 
 TENANT = 11
 
@@ -97,7 +95,7 @@ def build(cls, kw, device, attn, torch):
     the rotary module's fp32 buffers rebuilt from the config. If meta
     construction fails, it is built under the device context instead."""
     from transformers import AutoModelForCausalLM
-    config = cls(**C._fix_legacy_config(cls, kw))
+    config = cls(**common.fix_legacy_config(cls, kw))
     t0 = time.time()
 
     def construct(dev):
@@ -129,8 +127,8 @@ def build(cls, kw, device, attn, torch):
             p.fill_(1.0) if "norm" in name else p.zero_()
         else:
             p.normal_(0.0, 0.02, generator=gen)
-    C.sync(device)
-    C.check_rope_buffers(model)
+    common.sync(device)
+    common.check_rope_buffers(model)
     n = sum(p.numel() for p in model.parameters())
     print("model: %s, %.2fB parameters, bf16, %s attention, built (%s) in %.1f s" % (
         type(model).__name__, n / 1e9, model.config._attn_implementation, how, time.time() - t0), flush=True)
@@ -142,10 +140,10 @@ class Bench:
         self.args, self.torch, self.kvi, self.model, self.device = args, torch, kvi, model, device
         self.config = model.config
         self.L = self.config.num_hidden_layers
-        self.H = C.kv_heads_of(self.config)
-        self.D = C.head_dim_of(self.config)
+        self.H = common.kv_heads_of(self.config)
+        self.D = common.head_dim_of(self.config)
         self.T = args.fact_tokens
-        self.stream = C.kvi_stream(device)
+        self.stream = common.kvi_stream(device)
         self.gen = torch.Generator(device="cpu").manual_seed(args.seed)
         V = self.config.vocab_size
         self.header_ids = torch.randint(0, V, (1, args.header), generator=self.gen).to(device)
@@ -167,16 +165,16 @@ class Bench:
                                 device=self.device)
         self.pool.normal_(0.0, 0.5, generator=g)
         self.emb = torch.randn((a.facts, a.embedding_dim), generator=g, device=self.device)
-        km = C.kvi_model_for(self.config)
+        km = common.kvi_model_for(self.config)
         per_token = self.L * self.H * self.D * 2 * 2
         page = 16
         budget = a.facts * (-(-self.T // page) * page) * per_token + (64 << 20)
-        self.store = kvi.Store(km, budget, backend=C.kvi_backend(self.device), dtype=kvi.DType.BF16,
+        self.store = kvi.Store(km, budget, backend=common.kvi_backend(self.device), dtype=kvi.DType.BF16,
                                page_tokens=page, embedding_dim=a.embedding_dim)
         for f in range(a.facts):
             self.store.put(TENANT, f, self.pool[f, :, 0], self.pool[f, :, 1], embedding=self.emb[f],
                            stream=self.stream)
-        C.sync(self.device)
+        common.sync(self.device)
         # the paper's store: one tensor per fact per layer
         self.paper_store = {f: [self.pool[f, l] for l in range(self.L)] for f in range(a.facts)}
         self.kv_bytes_per_token = per_token
@@ -199,11 +197,11 @@ class Bench:
         row (done once: what an engine's prefix cache holds), with the layout an
         injector writes into."""
         a = self.args
-        cache = C.static_cache(self.model, a.header + k * self.T + a.question)
+        cache = common.static_cache(self.model, a.header + k * self.T + a.question)
         self.model(self.header_ids.expand(batch, -1), past_key_values=cache, use_cache=True)
-        keys, values = C.cache_tensors(cache)
+        keys, values = common.cache_tensors(cache)
         inj = self.kvi.Injector(self.store, self.kvi.CacheLayout.hf(keys, values))
-        C.sync(self.device)
+        common.sync(self.device)
         return cache, inj
 
     # -------------------------------------------------------------- methods
@@ -250,7 +248,7 @@ class Bench:
         return self.question(cache, k, len(ids), timer)
 
     def question(self, cache, k, B, timer):
-        C.set_cache_length(cache, self.args.header + k * self.T)
+        common.set_cache_length(cache, self.args.header + k * self.T)
         out = self.model(self.question_ids.expand(B, -1), past_key_values=cache, use_cache=True, logits_to_keep=1)
         tok = self.first_token(out)
         timer.mark()
@@ -266,7 +264,7 @@ class Bench:
             top = [[] for _ in range(q.shape[0])]
         timer.mark()
         if k:
-            keys, values = C.cache_tensors(cache)
+            keys, values = common.cache_tensors(cache)
             h, M = a.header, k * self.T
             cos, sin = self.cos[h:h + M, None, :], self.sin[h:h + M, None, :]
             half = self.D // 2
@@ -291,11 +289,11 @@ class Bench:
         q = self.queries(1)
         c1, inj = self.cache(1, k)
         c2, _ = self.cache(1, k)
-        t = C.Timer(self.device)
+        t = common.Timer(self.device)
         self.kvinject(q, k, c1, inj, t)
         self.paper(q, k, c2, t)
-        k1, v1 = C.cache_tensors(c1)
-        k2, v2 = C.cache_tensors(c2)
+        k1, v1 = common.cache_tensors(c1)
+        k2, v2 = common.cache_tensors(c2)
         h, M = a.header, k * self.T
         kd = max(float((x[:, :, h:h + M].float() - y[:, :, h:h + M].float()).abs().max()) for x, y in zip(k1, k2))
         km = max(float(x[:, :, h:h + M].float().abs().max()) for x in k1)
@@ -303,7 +301,7 @@ class Bench:
         ok = vsame and kd <= 2 ** -6 * km
         print("cross-check (k = %d): V identical: %s; K max |diff| %.3g of max |K| %.3g: %s" % (
             k, vsame, kd, km, "ok" if ok else "MISMATCH"), flush=True)
-        merr = C.rope_mapping_error(self.model, C.kvi_model_for(self.config))
+        merr = common.rope_mapping_error(self.model, common.kvi_model_for(self.config))
         print("RoPE: the library's spec from the config against the model's rotary module: max |cos/sin "
               "difference| %.2e: %s" % (merr, "ok" if merr <= 1e-4 else "MISMATCH"), flush=True)
         return ok and merr <= 1e-4
@@ -313,7 +311,7 @@ class Bench:
         """Medians of each stage (ms) over `runs` timed calls after `warmup`."""
         stages = None
         for i in range(warmup + runs):
-            t = C.Timer(self.device)
+            t = common.Timer(self.device)
             fn(t)
             m = t.marks()
             if i >= warmup:
@@ -321,19 +319,19 @@ class Bench:
                 stages = [[] for _ in d] if stages is None else stages
                 for j, x in enumerate(d):
                     stages[j].append(x)
-        return [C.median(s) for s in stages]
+        return [common.median(s) for s in stages]
 
 
 def main(argv=None):
     args = parse_args(argv)
-    torch, transformers = C.need_torch_transformers()
-    kvi = C.need_kvinject()
-    device = C.pick_device(args.device, torch, kvi)
+    torch, transformers = common.need_torch_transformers()
+    kvi = common.need_kvinject()
+    device = common.pick_device(args.device, torch, kvi)
     if args.model is None:
         args.model = "llama8b" if device.startswith("cuda") else "tiny"
     torch.set_grad_enabled(False)
     t_start = time.time()
-    C.banner("Time to first token with Hugging Face transformers", device, args)
+    common.banner("Time to first token with Hugging Face transformers", device, args)
     cls, kw = (llama8b_config if args.model == "llama8b" else tiny_config)(args.layers)
     model = build(cls, kw, device, args.attn, torch)
     b = Bench(args, torch, kvi, model, device)
@@ -390,7 +388,7 @@ def main(argv=None):
         red = 1 - t["libkvinject"] / t["re-prefill"]
         rows.append([k, a.header + k * a.fact_tokens + a.question, "%.2f" % t["re-prefill"],
                      "%.2f" % t["libkvinject"], "%.2f" % t["paper (torch)"], "%.0f%%" % (100 * red)])
-    print(C.table(["k", "prompt tokens", "re-prefill", "libkvinject", "paper (torch)",
+    print(common.table(["k", "prompt tokens", "re-prefill", "libkvinject", "paper (torch)",
                    "libkvinject TTFT reduction"], rows))
     print()
     print("### Stages, batch 1 (ms, medians)\n")
@@ -404,15 +402,15 @@ def main(argv=None):
         rate = " (%.3g GB/s)" % (inj_bytes / kv[1] / 1e6) if k and kv[1] > 0 else ""
         rows.append([k, "libkvinject", "%.3f" % kv[0], "%.3f%s" % (kv[1], rate), "%.2f" % kv[2], "%.2f" % sum(kv)])
         rows.append([k, "paper (torch)", "%.3f" % pp[0], "%.3f" % pp[1], "%.2f" % pp[2], "%.2f" % sum(pp)])
-    print(C.table(["k", "method", "search", "inject / compose", "prefill + first token", "TTFT"], rows))
+    print(common.table(["k", "method", "search", "inject / compose", "prefill + first token", "TTFT"], rows))
     print()
     print("### Summary\n")
     rows = []
     for m in methods:
-        sl = C.slope(ks, [ttft[k][m] for k in ks])
+        sl = common.slope(ks, [ttft[k][m] for k in ks])
         rows.append([m, "%.3f" % sl, "%.2f" % ttft[kmax][m],
                      "%.2fx" % (ttft[kmax]["re-prefill"] / ttft[kmax][m])])
-    print(C.table(["method", "marginal TTFT per fact (ms, least squares over k)", "TTFT at k = %d (ms)" % kmax,
+    print(common.table(["method", "marginal TTFT per fact (ms, least squares over k)", "TTFT at k = %d (ms)" % kmax,
                    "speed-up over re-prefill"], rows))
     red = 1 - ttft[kmax]["libkvinject"] / ttft[kmax]["re-prefill"]
     kv = stages[kmax]["libkvinject"]
@@ -426,7 +424,7 @@ def main(argv=None):
     rows = []
     for B, res in thr.items():
         rows.append([B] + ["%.1f (%.1f ms)" % (B / (res[m] / 1e3), res[m]) for m in methods])
-    print(C.table(["concurrent requests"] + methods, rows))
+    print(common.table(["concurrent requests"] + methods, rows))
     print("\nspeed: %s (%.0f s)" % ("ok" if ok else "CROSS-CHECK FAILED", time.time() - t_start))
     return 0 if ok else 1
 
