@@ -13,7 +13,7 @@
  * file or out of order is caught.
  *
  * Everything goes through the store's own calls (its transactions and
- * kvi__store_remove to load) or through store.c's read of a fact's pages
+ * kvi__store_remove to load) or through the store's read of a fact's pages (store/copy.c)
  * into a host view, so this part does not depend on the page layout or on
  * where pages live.
  */

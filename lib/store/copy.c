@@ -17,7 +17,7 @@
 /* Copies tokens [tok0, tok0 + ntok) (tok0 on a page boundary) between the
  * view and the pages whose addresses are pages[0..]. An fp8 store quantizes
  * each (page, layer, plane, head) group with its own scale (kernels.h);
- * `raw` (persist.c) moves e4m3 bytes as they are, with the pages' scales
+ * `raw` (persist) moves e4m3 bytes as they are, with the pages' scales
  * at raw[(fact page index) * L * 2 * H + ...] (a view of the store's dtype). */
 static void cpu_copy(const kvi_store *s, const kvi_kv_view *v, int32_t tok0, int32_t ntok, char *const *pages,
                      bool to_pages, float *raw) {

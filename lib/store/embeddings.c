@@ -470,7 +470,7 @@ kvi_status kvi__store_get_embedding(const kvi_store *store, uint64_t tenant_id, 
   return st;
 }
 
-/* for persist.c, the lock held: the row as kept, in fp32 (exact) */
+/* for persist (snapshot.c, journal.c), the lock held: the row as kept, in fp32 (exact) */
 kvi_status kvi__store_fact_embedding(const kvi_store *s, const struct fact *f, float *out, const char *fn) {
   const size_t rb = row_bytes(s);
   const char *row = (const char *)f->owner->emb + f->row * rb;

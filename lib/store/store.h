@@ -145,7 +145,7 @@ typedef struct kvi__store_emb {
   char err_msg[256];
 } kvi__store_emb;
 
-/* Tensor parallelism (set by shard.c at creation): the communicator (or
+/* Tensor parallelism (set by tp/create.c at creation): the communicator (or
  * NULL), this rank and the group's size (0 and 1 without one), and whether
  * each embedding is kept only by rank kvi__emb_rank(tenant, id, size). */
 typedef struct kvi__store_shard {
@@ -200,13 +200,13 @@ struct kvi_store {
   struct {
     struct kvi__search *ws;        /* search_cuda.c's workspace, made by the first search */
     void (*release)(kvi_store *s, bool device_ok); /* frees it (kvi__store_destroy's device_ok) */
-    /* tp/shard.c's search over every rank's embeddings, set at creation on a
+    /* tp/search.c's search over every rank's embeddings, set at creation on a
      * store with sharded embeddings (NULL: this rank's search is the
      * store's); called by search.c (kvi__search_all) */
     kvi__search_fn collective;
   } search;
   struct {
-    const struct kvi__journal_ops *ops; /* persist.c's hooks, NULL without a journal */
+    const struct kvi__journal_ops *ops; /* persist/journal.c's hooks, NULL without a journal */
     void *ctx;
   } journal;
   kvi__store_shard shard;
@@ -441,7 +441,7 @@ kvi_status kvi__txn_abort(kvi__txn *t, kvi_status why);
 kvi_status kvi__store_write_pages(kvi_store *s, const uint32_t *pages, const kvi_kv_view *v, const float *scales,
                                   struct CUstream_st *stream, const char *fn);
 
-/* ---- reads for persist.c (the caller holds the store's lock) ------------- */
+/* ---- reads for persist (the caller holds the store's lock) ------------- */
 
 /* Reads `tokens` tokens of K and V from `pages` into a host view. For an fp8
  * store, `host` has the store's dtype and receives the e4m3 bytes as they
@@ -461,7 +461,7 @@ kvi_status kvi__store_wait_device(kvi_store *s, const char *fn);
  * The store calls nothing above it; what it must tell them goes through
  * these, registered by their owners (the lock held). */
 
-/* persist.c: the journal. put appends a transaction's facts (their pages
+/* persist/journal.c: the journal. put appends a transaction's facts (their pages
  * written, kvi__txn_prepare done) before they are committed; remove the
  * removal of a stored fact; release closes it (kvi_store_destroy). A
  * failing put or remove changes nothing in the store. */
@@ -493,7 +493,7 @@ kvi_status kvi__store_put_args(const kvi_store *store, const kvi_kv_view *v, con
                                kvi_put_options *o, float **emb, struct CUstream_st *stream, const char *fn);
 
 /* The store of this rank alone (kvi_store_create's local part, opts read
- * and the placement checked; shard.c makes the ranks of a communicator
+ * and the placement checked; tp/create.c makes the ranks of a communicator
  * agree on theirs). A CUDA store's memory is allocated on the current
  * device: the caller makes kvi__store_options_device(opts) current first. */
 kvi_status kvi__store_create(kvi_store **out, const kvi_model *model, const kvi_store_options *opts, const char *fn);
