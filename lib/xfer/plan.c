@@ -6,6 +6,7 @@
  * a staging slot; and the view tests/internal has of plans (xfer/xfer.h).
  * SPDX-License-Identifier: Apache-2.0
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -19,6 +20,17 @@ static inline int64_t job_pos(const job *j, int64_t t) {
 /* Segments a fact of `npages` pages can need, at most. */
 int64_t kvi__segs_for(const xfer *x, int64_t npages) {
   return npages * ((x->store->P + x->seg_tokens - 1) / x->seg_tokens);
+}
+
+/* "first..last" for `tokens` >= 1 positions from `start`, whatever start
+ * is: an int64 start (kvi_inject_batched's) near INT64_MAX has its last
+ * position past INT64_MAX, so that one is computed in uint64 (start >= 0:
+ * at most 2^64 - 3, exact); from a negative start, int64 cannot overflow. */
+static void position_range(char *out, size_t n, int64_t start, int64_t tokens) {
+  if (start >= 0)
+    snprintf(out, n, "%lld..%llu", (long long)start, (unsigned long long)start + (unsigned long long)(tokens - 1));
+  else
+    snprintf(out, n, "%lld..%lld", (long long)start, (long long)(start + (tokens - 1)));
 }
 
 /* Checks a job's sequence range, block ids and positions. */
@@ -50,8 +62,10 @@ kvi_status kvi__check_job(const xfer *x, const job *j, int32_t index, const char
         return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s %d: positions[%lld] is %lld, expected 0..%d", what, (int)index,
                          (long long)t, (long long)job_pos(j, t), (int)x->max_pos - 1);
   } else if (j->start_position < 0 || j->start_position > x->max_pos - j->tokens) {
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s %d: positions %lld..%lld are outside 0..%d", what, (int)index,
-                     (long long)j->start_position, (long long)j->start_position + j->tokens - 1, (int)x->max_pos - 1);
+    char range[64];
+    position_range(range, sizeof range, j->start_position, j->tokens);
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s %d: positions %s are outside 0..%d", what, (int)index, range,
+                     (int)x->max_pos - 1);
   }
   return KVI_OK;
 }

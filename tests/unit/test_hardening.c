@@ -149,6 +149,45 @@ static void test_first_slot_overflow(void **state) {
   free_fx(f);
 }
 
+/* kvi_inject_batched's start positions are int64: one near INT64_MAX failed
+ * the position check, whose message computed start + tokens - 1 in int64
+ * (a signed overflow; it printed a negative end). The message gives the
+ * range as it is, its end past INT64_MAX. */
+static void test_batched_start_overflow(void **state) {
+  (void)state;
+  fx *f = make_fx(KVI_ROPE_NEOX);
+  kvi_injector *inj = NULL;
+  assert_ok(kvi_injector_create(&inj, f->s, &f->lay, NULL));
+  const int32_t table[4] = {0, 1, 2, 3};
+  const uint64_t ids[2] = {1, 2}; /* 2 * T0 = 10 tokens */
+  const int32_t off[2] = {0, 2};
+  int32_t out[1] = {-7};
+  const struct {
+    int64_t start;
+    const char *range;
+  } cases[] = {
+      {INT64_MAX, "positions 9223372036854775807..9223372036854775816 are"},
+      {INT64_MAX - 1, "positions 9223372036854775806..9223372036854775815 are"},
+      {INT64_MAX - 8, "positions 9223372036854775799..9223372036854775808 are"},
+      {INT64_MAX - 9, "positions 9223372036854775798..9223372036854775807 are"},
+      {INT64_MIN, "positions -9223372036854775808..-9223372036854775799 are"},
+      {-1, "positions -1..8 are"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    kvi_inject_batch b = KVI_INJECT_BATCH_INIT;
+    b.num_requests = 1, b.tenant = 1, b.fact_ids = ids, b.fact_offsets = off, b.out_tokens = out;
+    b.block_tables = table, b.block_table_stride = 4, b.block_table_len = 4;
+    b.position_bits = 64, b.start_positions = &cases[i].start;
+    assert_status(kvi_inject_batched(inj, &b, NULL, NULL), KVI_ERR_INVALID_ARGUMENT);
+    assert_last_error_has("kvi_inject_batched", cases[i].range);
+    assert_last_error_has("kvi_inject_batched", "request 0");
+  }
+  assert_int_equal(out[0], -7);
+  assert_cache_untouched(f);
+  kvi_injector_destroy(inj);
+  free_fx(f);
+}
+
 /* ------------------------------------------------------------------------ */
 /* races the headers allow                                                  */
 /* ------------------------------------------------------------------------ */
@@ -665,6 +704,7 @@ int main(void) {
       cmocka_unit_test(test_journal_file_replaced),
       cmocka_unit_test(test_rope_unset_refused),    cmocka_unit_test(test_table_not_finite),
       cmocka_unit_test(test_layout_overlap_refused), cmocka_unit_test(test_search_zero_queries),
+      cmocka_unit_test(test_batched_start_overflow),
   };
   const char *only = getenv("KVI_TEST_FILTER"); /* e.g. KVI_TEST_FILTER=test_retrieve_atomic_host */
   if (only && *only) cmocka_set_test_filter(only);
