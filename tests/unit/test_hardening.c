@@ -188,6 +188,71 @@ static void test_batched_start_overflow(void **state) {
   free_fx(f);
 }
 
+/* The batched calls' row strides: rows - 1 strides plus a row must be
+ * addressable. A block_table_stride of 2^62 int32 entries is 2^64 bytes:
+ * row 1's address wrapped onto row 0's, and the call used request 0's
+ * blocks for request 1 (an embedding_stride of 2^62 fp32 values, capture
+ * 0's embedding for capture 1). Refused, naming the field and its value,
+ * with nothing written; one row is read whatever the stride. */
+static void test_batch_row_stride_overflow(void **state) {
+  (void)state;
+  fx *f = make_fx(KVI_ROPE_NEOX);
+  kvi_injector *inj = NULL;
+  kvi_encoder *enc = NULL;
+  assert_ok(kvi_injector_create(&inj, f->s, &f->lay, NULL));
+  assert_ok(kvi_encoder_create(&enc, f->s, &f->lay, NULL));
+  const int32_t table[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+  const uint64_t ids[2] = {1, 2};
+  const int32_t off[3] = {0, 1, 2};
+  int32_t out[2] = {-7, -7};
+  const struct {
+    int64_t stride;
+    const char *value;
+  } bad[] = {
+      {(int64_t)1 << 62, "block_table_stride is 4611686018427387904"}, /* wrapped onto row 0 */
+      {INT64_MAX, "block_table_stride is 9223372036854775807"},        /* (rows - 1) * stride + len wraps int64 */
+      {(int64_t)1 << 61, "block_table_stride is 2305843009213693952"}, /* 2^63 bytes and more */
+  };
+  kvi_inject_batch ib = KVI_INJECT_BATCH_INIT;
+  ib.num_requests = 2, ib.tenant = 1, ib.fact_ids = ids, ib.fact_offsets = off, ib.out_tokens = out;
+  ib.block_tables = table, ib.block_table_len = 4;
+  const uint64_t cids[2] = {50, 51};
+  const int32_t ntok[2] = {T0, T0};
+  float emb[2 * E] = {1, 2, 3, 4, 4, 3, 2, 1};
+  kvi_encode_batch eb = KVI_ENCODE_BATCH_INIT;
+  eb.num_captures = 2, eb.tenant = 3, eb.fact_ids = cids, eb.num_tokens = ntok;
+  eb.block_tables = table, eb.block_table_len = 4;
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    ib.block_table_stride = bad[i].stride;
+    assert_status(kvi_inject_batched(inj, &ib, NULL, NULL), KVI_ERR_INVALID_ARGUMENT);
+    assert_last_error_has("kvi_inject_batched", bad[i].value);
+    eb.block_table_stride = bad[i].stride;
+    assert_status(kvi_encode_batched(enc, &eb, NULL), KVI_ERR_INVALID_ARGUMENT);
+    assert_last_error_has("kvi_encode_batched", bad[i].value);
+  }
+  eb.block_table_stride = 4, eb.embeddings = emb;
+  const int64_t ebad[] = {(int64_t)1 << 62, INT64_MAX, (int64_t)1 << 61};
+  for (size_t i = 0; i < sizeof ebad / sizeof ebad[0]; i++) {
+    eb.embedding_stride = ebad[i];
+    assert_status(kvi_encode_batched(enc, &eb, NULL), KVI_ERR_INVALID_ARGUMENT);
+    assert_last_error_has("kvi_encode_batched", "embedding_stride is");
+  }
+  assert_last_error_has("kvi_encode_batched", "2305843009213693952");
+  assert_true(out[0] == -7 && out[1] == -7);
+  assert_cache_untouched(f);
+  assert_int_equal(count_of(f->s, 3), 0);
+  /* one row: the stride is never applied */
+  ib.num_requests = 1, ib.block_table_stride = (int64_t)1 << 62;
+  assert_ok(kvi_inject_batched(inj, &ib, NULL, NULL));
+  assert_int_equal(out[0], T0);
+  eb.num_captures = 1, eb.block_table_stride = INT64_MAX, eb.embedding_stride = INT64_MAX;
+  assert_ok(kvi_encode_batched(enc, &eb, NULL));
+  assert_int_equal(count_of(f->s, 3), 1);
+  kvi_encoder_destroy(enc);
+  kvi_injector_destroy(inj);
+  free_fx(f);
+}
+
 /* ------------------------------------------------------------------------ */
 /* races the headers allow                                                  */
 /* ------------------------------------------------------------------------ */
@@ -704,7 +769,7 @@ int main(void) {
       cmocka_unit_test(test_journal_file_replaced),
       cmocka_unit_test(test_rope_unset_refused),    cmocka_unit_test(test_table_not_finite),
       cmocka_unit_test(test_layout_overlap_refused), cmocka_unit_test(test_search_zero_queries),
-      cmocka_unit_test(test_batched_start_overflow),
+      cmocka_unit_test(test_batched_start_overflow), cmocka_unit_test(test_batch_row_stride_overflow),
   };
   const char *only = getenv("KVI_TEST_FILTER"); /* e.g. KVI_TEST_FILTER=test_retrieve_atomic_host */
   if (only && *only) cmocka_set_test_filter(only);
