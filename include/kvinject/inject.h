@@ -435,7 +435,9 @@ KVI_API kvi_status kvi_capture_init(kvi_capture *cap, size_t size);
  * store that is four launches: zero the scales, fold amax, write, finish; a
  * store and cache of the same dtype without scales: V and the key columns
  * past rotary_dim copied bit for bit). Every
- * capture is checked before any is launched; on a CUDA store the captures of a
+ * capture is checked before any is launched (every capture's count, key
+ * and table, and the transfer limits, before any capture's positions and
+ * embedding are read); on a CUDA store the captures of a
  * call then go in one fused kernel launch (one per 65,536 captures). They are
  * all-or-nothing: if one fails its checks (or the store lacks pages for all
  * of them), or a launch fails, none is stored. caps: host array, all with the same struct_size.
@@ -500,7 +502,10 @@ KVI_API kvi_status kvi_encode_batch_init(kvi_encode_batch *batch, size_t size);
  * kvi_encode for a batch given as flat arrays (kvi_encode_batch): the same
  * captures, checks, all-or-nothing result and launches as kvi_encode with one
  * kvi_capture per capture (the arrays become those captures and go through
- * kvi_encode's code). Host arrays may be reused once the call returns.
+ * kvi_encode's code). The captures' counts, ids and tables (and the
+ * transfer limits) are checked before any of the positions they claim is
+ * read: int64 positions are narrowed as the call plans, not copied first.
+ * Host arrays may be reused once the call returns.
  * Not to be captured into a CUDA graph (as kvi_inject_batched). Thread
  * rules: as kvi_encode. Errors: those of kvi_encode, with
  * KVI_ERR_INVALID_ARGUMENT for a NULL batch or required array, position_bits

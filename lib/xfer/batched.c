@@ -1,9 +1,9 @@
 /*
  * The batched forms of the calls, flat arrays in place of one struct per
- * request: kvi_encode_batched (its captures built and passed to kvi__encode)
- * and kvi_inject_batched (its requests passed to kvi__inject_locked, or with
- * device fact ids looked up and planned on the device). The row strides of
- * their 2-D arrays are checked first.
+ * request: kvi_encode_batched (its captures built and passed to
+ * kvi__encode_captures) and kvi_inject_batched (its requests passed to
+ * kvi__inject_locked, or with device fact ids looked up and planned on the
+ * device). The row strides of their 2-D arrays are checked first.
  * SPDX-License-Identifier: Apache-2.0
  */
 #include <stdlib.h>
@@ -101,21 +101,11 @@ kvi_status kvi__encode_batched(kvi_encoder *encoder, const kvi_encode_batch *bat
   const int64_t erow = b.embedding_stride ? b.embedding_stride : x->store->emb_dim;
   if (b.embeddings && (st = check_rows(n, erow, x->store->emb_dim, es, "embedding_stride", fn))) return st;
   kvi_capture *caps = malloc((size_t)n * sizeof *caps);
-  int32_t *pos32 = b.positions && b.position_bits == 64 ? malloc((size_t)(ntok ? ntok : 1) * sizeof *pos32) : NULL;
-  if (!caps || (b.positions && b.position_bits == 64 && !pos32)) {
-    free(caps);
-    free(pos32);
-    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d captures", (int)n);
-  }
-  /* int64 positions narrowed for the captures: one past INT32_MAX is out of range (refused here) */
-  for (int64_t t = 0; pos32 && t < ntok && st == KVI_OK; t++) {
-    const int64_t v = ((const int64_t *)b.positions)[t];
-    if (v < 0 || v >= x->max_pos)
-      st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "positions[%lld] is %lld, expected 0..%d", (long long)t,
-                     (long long)v, (int)x->max_pos - 1);
-    else
-      pos32[t] = (int32_t)v;
-  }
+  if (!caps) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d captures", (int)n);
+  /* int64 positions stay where they are: kvi__encode_captures checks them
+   * (one past INT32_MAX is out of range) after the captures, and narrows
+   * them as it plans */
+  const bool pos64 = b.positions && b.position_bits == 64;
   int64_t at = 0;
   for (int32_t i = 0; i < n && st == KVI_OK; i++) {
     kvi_capture *c = &caps[i];
@@ -133,7 +123,8 @@ kvi_status kvi__encode_batched(kvi_encoder *encoder, const kvi_encode_batch *bat
     c->first_slot = b.first_slots ? b.first_slots[i] : 0;
     c->num_tokens = b.num_tokens[i];
     if (b.positions) {
-      c->positions = pos32 ? pos32 + at : (const int32_t *)b.positions + at;
+      c->positions = pos64 ? (const int32_t *)(const void *)((const int64_t *)b.positions + at)
+                           : (const int32_t *)b.positions + at;
     } else if (b.start_positions) {
       const int64_t sp = b.position_bits == 64 ? ((const int64_t *)b.start_positions)[i]
                                                : ((const int32_t *)b.start_positions)[i];
@@ -150,9 +141,8 @@ kvi_status kvi__encode_batched(kvi_encoder *encoder, const kvi_encode_batch *bat
       c->embedding_memory = b.embedding_memory;
     }
   }
-  if (st == KVI_OK) st = kvi__encode(encoder, caps, n, stream, fn);
+  if (st == KVI_OK) st = kvi__encode_captures(encoder, caps, n, pos64, stream, fn);
   free(caps);
-  free(pos32);
   return st;
 }
 

@@ -33,8 +33,8 @@ static void position_range(char *out, size_t n, int64_t start, int64_t tokens) {
     snprintf(out, n, "%lld..%lld", (long long)start, (long long)(start + (tokens - 1)));
 }
 
-/* Checks a job's sequence range, block ids and positions. */
-kvi_status kvi__check_job(const xfer *x, const job *j, int32_t index, const char *what, const char *fn) {
+/* Checks a job's sequence range and block ids. */
+kvi_status kvi__check_job_slots(const xfer *x, const job *j, int32_t index, const char *what, const char *fn) {
   const kvi__cache *c = &x->cache;
   if (j->tokens == 0) return KVI_OK;
   if (j->first_slot < 0)
@@ -56,6 +56,12 @@ kvi_status kvi__check_job(const xfer *x, const job *j, int32_t index, const char
       if (j->table[b] < 0 || j->table[b] >= c->NB)
         return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s %d: block_table[%lld] is %d, the cache has blocks 0..%lld",
                          what, (int)index, (long long)b, (int)j->table[b], (long long)c->NB - 1);
+  return KVI_OK;
+}
+
+/* Checks a job's positions (explicit ones are read here). */
+kvi_status kvi__check_job_positions(const xfer *x, const job *j, int32_t index, const char *what, const char *fn) {
+  if (j->tokens == 0) return KVI_OK;
   if (j->positions) {
     for (int64_t t = 0; t < j->tokens; t++)
       if (job_pos(j, t) < 0 || job_pos(j, t) >= x->max_pos)
@@ -68,6 +74,11 @@ kvi_status kvi__check_job(const xfer *x, const job *j, int32_t index, const char
                      (int)x->max_pos - 1);
   }
   return KVI_OK;
+}
+
+kvi_status kvi__check_job(const xfer *x, const job *j, int32_t index, const char *what, const char *fn) {
+  const kvi_status st = kvi__check_job_slots(x, j, index, what, fn);
+  return st ? st : kvi__check_job_positions(x, j, index, what, fn);
 }
 
 /* A request's block-table memory kind: host or device, device only on a

@@ -253,6 +253,59 @@ static void test_batch_row_stride_overflow(void **state) {
   free_fx(f);
 }
 
+/* kvi_encode_batched with int64 positions narrowed a position for every
+ * token the captures claimed (allocating and reading the sum of num_tokens)
+ * before kvi_encode checked the captures: 65,536 captures of INT32_MAX
+ * tokens each (1.4e14 positions) failed with KVI_ERR_OUT_OF_MEMORY, and a
+ * sum that could be allocated was read far past the caller's positions. The
+ * captures (counts, ids, tables) are checked first: their error, at once. */
+static void test_encode_batched_captures_first(void **state) {
+  (void)state;
+  fx *f = make_fx(KVI_ROPE_NEOX);
+  kvi_encoder *enc = NULL;
+  assert_ok(kvi_encoder_create(&enc, f->s, &f->lay, NULL));
+  enum { NC = 65536 };
+  uint64_t *ids = malloc(NC * sizeof *ids);
+  int32_t *ntok = malloc(NC * sizeof *ntok), *tables = malloc(NC * 4 * sizeof *tables);
+  assert_true(ids && ntok && tables);
+  for (int i = 0; i < NC; i++) {
+    ids[i] = 100 + (uint64_t)i, ntok[i] = INT32_MAX;
+    for (int k = 0; k < 4; k++) tables[4 * i + k] = k;
+  }
+  const int64_t pos[2 * T0] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
+  kvi_encode_batch eb = KVI_ENCODE_BATCH_INIT;
+  eb.num_captures = NC, eb.tenant = 3, eb.fact_ids = ids, eb.num_tokens = ntok;
+  eb.block_tables = tables, eb.block_table_stride = 4, eb.block_table_len = 4;
+  eb.position_bits = 64, eb.positions = pos; /* num_positions 0: not checked against the sum */
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  /* tables: capture 0's 4 blocks of 4 hold 16 of its tokens */
+  assert_status(kvi_encode_batched(enc, &eb, NULL), KVI_ERR_INVALID_ARGUMENT);
+  assert_last_error_has("kvi_encode_batched", "capture 0: sequence slots 0..2147483646");
+  /* counts */
+  ntok[0] = 0;
+  assert_status(kvi_encode_batched(enc, &eb, NULL), KVI_ERR_INVALID_ARGUMENT);
+  assert_last_error_has("kvi_encode_batched", "capture 0: num_tokens is 0");
+  /* ids: captures 0 and 1 valid, 1 repeating 0 */
+  ntok[0] = ntok[1] = T0, ids[1] = ids[0];
+  assert_status(kvi_encode_batched(enc, &eb, NULL), KVI_ERR_INVALID_ARGUMENT);
+  assert_last_error_has("kvi_encode_batched", "capture 1 repeats fact 100");
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  const double s = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+  if (s > 10.0) fail_msg("three refused calls took %.1f s", s);
+  assert_int_equal(count_of(f->s, 3), 0);
+  /* the first two alone are valid: their positions are read and stored */
+  const float emb[2 * E] = {1, 2, 3, 4, 4, 3, 2, 1};
+  eb.num_captures = 2, ids[1] = 101, eb.embeddings = emb;
+  assert_ok(kvi_encode_batched(enc, &eb, NULL));
+  assert_int_equal(count_of(f->s, 3), 2);
+  free(ids);
+  free(ntok);
+  free(tables);
+  kvi_encoder_destroy(enc);
+  free_fx(f);
+}
+
 /* ------------------------------------------------------------------------ */
 /* races the headers allow                                                  */
 /* ------------------------------------------------------------------------ */
@@ -770,6 +823,7 @@ int main(void) {
       cmocka_unit_test(test_rope_unset_refused),    cmocka_unit_test(test_table_not_finite),
       cmocka_unit_test(test_layout_overlap_refused), cmocka_unit_test(test_search_zero_queries),
       cmocka_unit_test(test_batched_start_overflow), cmocka_unit_test(test_batch_row_stride_overflow),
+      cmocka_unit_test(test_encode_batched_captures_first),
   };
   const char *only = getenv("KVI_TEST_FILTER"); /* e.g. KVI_TEST_FILTER=test_retrieve_atomic_host */
   if (only && *only) cmocka_set_test_filter(only);
