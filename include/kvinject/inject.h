@@ -182,6 +182,9 @@ KVI_API kvi_status kvi_inject(kvi_injector *injector, const kvi_inject_request *
  *   block_table_stride > 0: a 2-D array (vLLM's block_table tensor): row r
  *     is block_tables + r * block_table_stride, block_table_len entries
  *     (0 <= block_table_len <= block_table_stride); block_table_offsets NULL;
+ *     with num_requests > 1, (num_requests - 1) * block_table_stride +
+ *     block_table_len entries must span at most PTRDIFF_MAX bytes (a
+ *     stride past that would wrap a row's address);
  *   block_table_stride == 0: CSR pages (FlashInfer's kv_indices and
  *     kv_indptr): block_tables[block_table_offsets[r] ..
  *     block_table_offsets[r + 1]) (num_requests + 1 non-decreasing entries
@@ -278,7 +281,8 @@ KVI_API kvi_status kvi_inject_batch_init(kvi_inject_batch *batch, size_t size);
  * Errors: those of kvi_inject; KVI_ERR_INVALID_ARGUMENT (NULL batch, a
  * required array NULL, position_bits not 32 or 64, start_positions and
  * positions both given, num_positions not equal to the call's tokens, an
- * unknown memory kind, too small a reserve), KVI_ERR_STRUCT_SIZE,
+ * unknown memory kind, too small a reserve, a block_table_stride whose rows
+ * pass PTRDIFF_MAX bytes), KVI_ERR_STRUCT_SIZE,
  * KVI_ERR_MEMORY_KIND (an array not in the memory declared, device memory on
  * a CPU store), KVI_ERR_UNSUPPORTED (device fact ids with per-token
  * positions, or on a store whose kvi_retrieve_inject runs on the host).
@@ -431,7 +435,9 @@ KVI_API kvi_status kvi_capture_init(kvi_capture *cap, size_t size);
  * store that is four launches: zero the scales, fold amax, write, finish; a
  * store and cache of the same dtype without scales: V and the key columns
  * past rotary_dim copied bit for bit). Every
- * capture is checked before any is launched; on a CUDA store the captures of a
+ * capture is checked before any is launched (every capture's count, key
+ * and table, and the transfer limits, before any capture's positions and
+ * embedding are read); on a CUDA store the captures of a
  * call then go in one fused kernel launch (one per 65,536 captures). They are
  * all-or-nothing: if one fails its checks (or the store lacks pages for all
  * of them), or a launch fails, none is stored. caps: host array, all with the same struct_size.
@@ -455,7 +461,11 @@ KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int
  * of num_tokens); flags (KVI_PUT_REPLACE) for every capture; embeddings:
  * NULL, or row i at embeddings + i * embedding_stride elements
  * (embedding_stride 0: the store's embedding_dim) of embedding_dtype in
- * embedding_memory, as kvi_capture's embedding.
+ * embedding_memory, as kvi_capture's embedding. With num_captures > 1 a
+ * 2-D block table's rows, (num_captures - 1) * block_table_stride +
+ * block_table_len entries, and the embeddings' rows,
+ * (num_captures - 1) * embedding_stride + embedding_dim elements, must each
+ * span at most PTRDIFF_MAX bytes.
  */
 typedef struct kvi_encode_batch {
   size_t struct_size;                 /* sizeof(kvi_encode_batch) */
@@ -492,13 +502,17 @@ KVI_API kvi_status kvi_encode_batch_init(kvi_encode_batch *batch, size_t size);
  * kvi_encode for a batch given as flat arrays (kvi_encode_batch): the same
  * captures, checks, all-or-nothing result and launches as kvi_encode with one
  * kvi_capture per capture (the arrays become those captures and go through
- * kvi_encode's code). Host arrays may be reused once the call returns.
+ * kvi_encode's code). The captures' counts, ids and tables (and the
+ * transfer limits) are checked before any of the positions they claim is
+ * read: int64 positions are narrowed as the call plans, not copied first.
+ * Host arrays may be reused once the call returns.
  * Not to be captured into a CUDA graph (as kvi_inject_batched). Thread
  * rules: as kvi_encode. Errors: those of kvi_encode, with
  * KVI_ERR_INVALID_ARGUMENT for a NULL batch or required array, position_bits
  * not 32 or 64, both kinds of positions, num_positions not the captures'
- * tokens, bad table forms or offsets, a position or start position out of
- * range; KVI_ERR_STRUCT_SIZE.
+ * tokens, bad table forms or offsets, a block_table_stride or
+ * embedding_stride whose rows pass PTRDIFF_MAX bytes, a position or start
+ * position out of range; KVI_ERR_STRUCT_SIZE.
  */
 KVI_API kvi_status kvi_encode_batched(kvi_encoder *encoder, const kvi_encode_batch *batch, struct CUstream_st *stream);
 

@@ -36,7 +36,9 @@
  * Removing or replacing a fact is stream-ordered: pages that device work
  * already enqueued (an injection, a read into device memory, a put from
  * device memory) still reads or writes return to the pool only once that
- * work has completed; a later put that needs them waits for it.
+ * work has completed; a later put that needs them waits for it. A remove
+ * made when every such operation of the store has completed returns the
+ * pages at once (kvi_store_stats.pages_used says when they are counted).
  *
  * Tiers. A CUDA store created with host_budget_bytes > 0 keeps a second
  * pool of pages in pinned (page-locked, mapped) host memory. A fact's pages
@@ -330,8 +332,10 @@ KVI_API kvi_status kvi_store_fact_tokens(const kvi_store *store, uint64_t tenant
 KVI_API kvi_status kvi_store_get_embedding(const kvi_store *store, uint64_t tenant,
                                            uint64_t fact_id, float *out);
 
-/* Removes a fact and returns its pages to the pool (see the note on in-flight
- * work above). Errors: KVI_ERR_INVALID_ARGUMENT, KVI_ERR_NOT_FOUND. */
+/* Removes a fact and returns its pages to the pool: at once, or on a CUDA
+ * store with device work of the store still in flight, once that work has
+ * completed (see the note on in-flight work above). It waits for nothing.
+ * Errors: KVI_ERR_INVALID_ARGUMENT, KVI_ERR_NOT_FOUND. */
 KVI_API kvi_status kvi_store_remove(kvi_store *store, uint64_t tenant, uint64_t fact_id);
 
 /* Number of facts of `tenant` into *out_count (host memory); 0 for a tenant
@@ -386,8 +390,16 @@ typedef struct kvi_store_stats {
                               fp8: then the page's scales, both parts rounded up
                               to 16 bytes) */
   uint64_t pages_total;
-  uint64_t pages_used;     /* includes pages of removed facts that wait for
-                              in-flight device work before they are reused */
+  uint64_t pages_used;     /* includes (CUDA stores) pages of removed or
+                              replaced facts that device work of the store
+                              enqueued before (injections, captures, tier
+                              moves, puts from and reads into device memory)
+                              may still use: they stay counted until a later
+                              put, capture, tier move or remove finds that
+                              work complete. kvi_store_remove looks at once:
+                              with all of it complete, the removed fact's
+                              pages (and any others waiting) are free when it
+                              returns */
   uint64_t bytes_reserved; /* pages_total * page_bytes */
   uint64_t bytes_used;     /* pages_used * page_bytes */
   uint64_t bytes_payload;  /* tokens stored * bytes per token, plus (fp8) the
@@ -406,7 +418,7 @@ typedef struct kvi_store_stats {
    * bytes_reserved and bytes_used above count both tiers; the device tier's
    * share is their difference with these. */
   uint64_t pages_host_total;
-  uint64_t pages_host_used; /* includes host pages waiting for in-flight work */
+  uint64_t pages_host_used; /* includes host pages waiting as pages_used's do */
   uint64_t promotions;      /* facts moved host -> device since creation */
   uint64_t demotions;       /* facts moved device -> host since creation */
 } kvi_store_stats;

@@ -173,7 +173,14 @@ kvi_status kvi__store_remove(kvi_store *store, uint64_t tenant_id, uint64_t fact
   fact *f = kvi__store_find(store, tenant_id, fact_id);
   const kvi_status st =
       f && store->journal.ops ? store->journal.ops->remove(store->journal.ctx, store, tenant_id, fact_id, fn) : KVI_OK;
-  if (f && st == KVI_OK) unlink_fact(store, f);
+  if (f && st == KVI_OK) {
+    unlink_fact(store, f);
+    /* its pages wait for the device work tracked so far (kvi__pool_release);
+     * when that has completed they go back now, not at the next put's
+     * kvi__pool_room: a query of the tracker's events, which waits for
+     * nothing and cannot fail */
+    if (store->ndeferred > 0) (void)kvi__pool_reap(store, false, fn);
+  }
   kvi__store_unlock(store);
   if (st) return st;
   if (!f) return kvi__store_not_found(fn, tenant_id, fact_id);

@@ -1,8 +1,9 @@
 /*
  * The batched forms of the calls, flat arrays in place of one struct per
- * request: kvi_encode_batched (its captures built and passed to kvi__encode)
- * and kvi_inject_batched (its requests passed to kvi__inject_locked, or with
- * device fact ids looked up and planned on the device).
+ * request: kvi_encode_batched (its captures built and passed to
+ * kvi__encode_captures) and kvi_inject_batched (its requests passed to
+ * kvi__inject_locked, or with device fact ids looked up and planned on the
+ * device). The row strides of their 2-D arrays are checked first.
  * SPDX-License-Identifier: Apache-2.0
  */
 #include <stdlib.h>
@@ -21,10 +22,28 @@ static kvi_status check_offsets(const int32_t *off, int32_t n, const char *what,
   return KVI_OK;
 }
 
-/* The checks both batched calls make of their positions and block-table form. */
+/* Refuses a row stride (elements of es bytes) under which `rows` rows of
+ * `len` elements pass the largest object (PTRDIFF_MAX bytes): row r is at
+ * base + r * stride elements, and a product that wraps lands anywhere (a
+ * block_table_stride of 2^62 int32 entries put row 1 on row 0). Past this
+ * check (rows - 1) * stride * es, and so every row's offset in bytes, fits
+ * in size_t. One row reads no stride. */
+static kvi_status check_rows(int32_t rows, int64_t stride, int64_t len, size_t es, const char *field, const char *fn) {
+  int64_t last, bytes;
+  if (rows > 1 && (__builtin_mul_overflow((int64_t)rows - 1, stride, &last) || __builtin_add_overflow(last, len, &last) ||
+                   __builtin_mul_overflow(last, (int64_t)es, &bytes) || (uint64_t)bytes > (uint64_t)PTRDIFF_MAX))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                     "batch->%s is %lld: %d rows of %lld elements of %zu bytes at that stride pass the largest object "
+                     "(PTRDIFF_MAX bytes)",
+                     field, (long long)stride, (int)rows, (long long)len, es);
+  return KVI_OK;
+}
+
+/* The checks both batched calls make of their positions and block-table
+ * form (`rows` tables). */
 static kvi_status check_batch_form(int32_t position_bits, const void *positions, const void *start_positions,
                                    int64_t num_positions, int64_t stride, int32_t len, const int32_t *offsets,
-                                   const char *fn) {
+                                   int32_t rows, const char *fn) {
   if (position_bits != 32 && position_bits != 64)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->position_bits is %d, expected 32 or 64", (int)position_bits);
   if (positions && start_positions)
@@ -37,7 +56,7 @@ static kvi_status check_batch_form(int32_t position_bits, const void *positions,
                      "batch->block_table_stride %lld with block_table_len %d and block_table_offsets %s: expected a "
                      "stride > 0 with 0 <= len <= stride and no offsets (2-D), or stride 0, len 0 and offsets (CSR)",
                      (long long)stride, (int)len, offsets ? "given" : "NULL");
-  return KVI_OK;
+  return stride > 0 ? check_rows(rows, stride, len, sizeof(int32_t), "block_table_stride", fn) : KVI_OK;
 }
 
 kvi_status kvi__encode_batched(kvi_encoder *encoder, const kvi_encode_batch *batch, struct CUstream_st *stream,
@@ -51,7 +70,7 @@ kvi_status kvi__encode_batched(kvi_encoder *encoder, const kvi_encode_batch *bat
   const int32_t n = b.num_captures;
   if (n < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->num_captures is %d", (int)n);
   if ((st = check_batch_form(b.position_bits, b.positions, b.start_positions, b.num_positions, b.block_table_stride,
-                              b.block_table_len, b.block_table_offsets, fn)))
+                              b.block_table_len, b.block_table_offsets, n, fn)))
     return st;
   if (b.embedding_stride < 0)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->embedding_stride is %lld", (long long)b.embedding_stride);
@@ -80,22 +99,13 @@ kvi_status kvi__encode_batched(kvi_encoder *encoder, const kvi_encode_batch *bat
   if (b.embeddings && es == 0)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->embedding_dtype is %d", (int)b.embedding_dtype);
   const int64_t erow = b.embedding_stride ? b.embedding_stride : x->store->emb_dim;
+  if (b.embeddings && (st = check_rows(n, erow, x->store->emb_dim, es, "embedding_stride", fn))) return st;
   kvi_capture *caps = malloc((size_t)n * sizeof *caps);
-  int32_t *pos32 = b.positions && b.position_bits == 64 ? malloc((size_t)(ntok ? ntok : 1) * sizeof *pos32) : NULL;
-  if (!caps || (b.positions && b.position_bits == 64 && !pos32)) {
-    free(caps);
-    free(pos32);
-    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d captures", (int)n);
-  }
-  /* int64 positions narrowed for the captures: one past INT32_MAX is out of range (refused here) */
-  for (int64_t t = 0; pos32 && t < ntok && st == KVI_OK; t++) {
-    const int64_t v = ((const int64_t *)b.positions)[t];
-    if (v < 0 || v >= x->max_pos)
-      st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "positions[%lld] is %lld, expected 0..%d", (long long)t,
-                     (long long)v, (int)x->max_pos - 1);
-    else
-      pos32[t] = (int32_t)v;
-  }
+  if (!caps) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d captures", (int)n);
+  /* int64 positions stay where they are: kvi__encode_captures checks them
+   * (one past INT32_MAX is out of range) after the captures, and narrows
+   * them as it plans */
+  const bool pos64 = b.positions && b.position_bits == 64;
   int64_t at = 0;
   for (int32_t i = 0; i < n && st == KVI_OK; i++) {
     kvi_capture *c = &caps[i];
@@ -113,7 +123,8 @@ kvi_status kvi__encode_batched(kvi_encoder *encoder, const kvi_encode_batch *bat
     c->first_slot = b.first_slots ? b.first_slots[i] : 0;
     c->num_tokens = b.num_tokens[i];
     if (b.positions) {
-      c->positions = pos32 ? pos32 + at : (const int32_t *)b.positions + at;
+      c->positions = pos64 ? (const int32_t *)(const void *)((const int64_t *)b.positions + at)
+                           : (const int32_t *)b.positions + at;
     } else if (b.start_positions) {
       const int64_t sp = b.position_bits == 64 ? ((const int64_t *)b.start_positions)[i]
                                                : ((const int32_t *)b.start_positions)[i];
@@ -130,9 +141,8 @@ kvi_status kvi__encode_batched(kvi_encoder *encoder, const kvi_encode_batch *bat
       c->embedding_memory = b.embedding_memory;
     }
   }
-  if (st == KVI_OK) st = kvi__encode(encoder, caps, n, stream, fn);
+  if (st == KVI_OK) st = kvi__encode_captures(encoder, caps, n, pos64, stream, fn);
   free(caps);
-  free(pos32);
   return st;
 }
 
@@ -308,7 +318,7 @@ kvi_status kvi__inject_batched(kvi_injector *injector, const kvi_inject_batch *b
       return kvi__fail(KVI_ERR_MEMORY_KIND, fn, "batch->%s is DEVICE; a CPU store reads host memory only", mnames[i]);
   }
   if ((st = check_batch_form(b.position_bits, b.positions, b.start_positions, b.num_positions, b.block_table_stride,
-                              b.block_table_len, b.block_table_offsets, fn)))
+                              b.block_table_len, b.block_table_offsets, n, fn)))
     return st;
   const bool dev_ids = b.fact_ids_memory == KVI_MEMORY_DEVICE;
   if (dev_ids && (!s->emb.dir_on || s->shard.emb_sharded))

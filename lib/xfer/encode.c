@@ -23,8 +23,9 @@ static void free_caps(cap_state *cs, int32_t n) {
   free(cs);
 }
 
-/* A capture's job (the transfer's view of it). */
-static void capture_job(const kvi_capture *c, job *j) {
+/* A capture's job (the transfer's view of it); pos64: its positions are
+ * int64 (kvi__encode_captures). */
+static void capture_job(const kvi_capture *c, bool pos64, job *j) {
   memset(j, 0, sizeof *j);
   j->table = c->block_table;
   j->table_len = c->block_table_len;
@@ -32,6 +33,7 @@ static void capture_job(const kvi_capture *c, job *j) {
   j->first_slot = c->first_slot;
   j->tokens = c->num_tokens;
   j->positions = c->positions;
+  j->pos64 = pos64 && c->positions;
   j->start_position = c->start_position;
 }
 
@@ -44,6 +46,7 @@ typedef struct chunk_size {
 /* The captures of a call, read and checked (everything checkable without
  * the store's lock); cs[0, nread) need freeing. */
 typedef struct cap_read {
+  bool pos64; /* the captures' positions are int64 */
   cap_state *cs;
   int32_t nread, nchunks;
   chunk_size *csz; /* per chunk of KVI__CAPTURE_CHUNK captures */
@@ -56,10 +59,33 @@ static bool key_less(const kvi_capture *a, const kvi_capture *b) {
   return a->tenant != b->tenant ? a->tenant < b->tenant : a->fact_id < b->fact_id;
 }
 
-static kvi_status read_captures(xfer *x, const kvi_capture *caps, int32_t num_captures, struct CUstream_st *stream,
-                                cap_read *r, const char *fn) {
+/* The second pass over captures read and checked by the first (everything
+ * but their positions): the positions (a capture claims num_tokens of them,
+ * read only once every capture and the limits have passed) and the
+ * embeddings. */
+static kvi_status read_positions(xfer *x, cap_read *r, int32_t num_captures, struct CUstream_st *stream,
+                                 const char *fn) {
+  kvi_status st = KVI_OK;
+  for (int32_t i = 0; i < num_captures && st == KVI_OK; i++) {
+    const kvi_capture *c = &r->cs[i].c;
+    job j;
+    capture_job(c, r->pos64, &j);
+    if ((st = kvi__check_job_positions(x, &j, i, "capture", fn)) == KVI_OK)
+      st = kvi__store_read_embedding(x->store, c->embedding, c->embedding_dtype, c->embedding_memory, stream,
+                                     &r->cs[i].emb, fn);
+  }
+  return st;
+}
+
+/* Reads and checks a call's captures: every capture's flags, count, key and
+ * table, then the call's limits, then (read_positions) the positions and
+ * embeddings, so that a bad call fails before it reads what its captures
+ * claim. pos64: as kvi__encode_captures. */
+static kvi_status read_captures(xfer *x, const kvi_capture *caps, int32_t num_captures, bool pos64,
+                                struct CUstream_st *stream, cap_read *r, const char *fn) {
   const kvi_store *s = x->store;
   memset(r, 0, sizeof *r);
+  r->pos64 = pos64;
   r->nchunks = (num_captures + KVI__CAPTURE_CHUNK - 1) / KVI__CAPTURE_CHUNK;
   /* cs is filled as the captures are read (zeroing it all up front costs
    * more than the rest of a capture's checks) */
@@ -111,11 +137,8 @@ static kvi_status read_captures(xfer *x, const kvi_capture *caps, int32_t num_ca
       checked_table = c->block_table;
     }
     job j;
-    capture_job(c, &j);
-    if ((st = kvi__check_job(x, &j, i, "capture", fn))) break;
-    if ((st = kvi__store_read_embedding(s, c->embedding, c->embedding_dtype, c->embedding_memory, stream, &cs[i].emb,
-                                        fn)))
-      break;
+    capture_job(c, pos64, &j);
+    if ((st = kvi__check_job_slots(x, &j, i, "capture", fn))) break;
     cs[i].need = pages_for(s, c->num_tokens);
     cs[i].first = need_total;
     const int64_t tables = (c->first_slot + c->num_tokens - 1) / x->cache.BS - c->first_slot / x->cache.BS + 1;
@@ -135,15 +158,16 @@ static kvi_status read_captures(xfer *x, const kvi_capture *caps, int32_t num_ca
   /* the limits before anything is reserved: need_total <= ntok, so within
    * them it cannot have wrapped */
   if (st == KVI_OK) st = kvi__check_limits(x, num_captures, ntok, ntables, fn);
-  return st;
+  return st == KVI_OK ? read_positions(x, r, num_captures, stream, fn) : st;
 }
 
 /* Plans and runs the captures in chunks of `per`, each its own plan inside
  * one buffer (one staging slot on a CUDA store), so that the device starts
  * on the first chunk while the host plans the rest. *launched: whether any
  * device work was enqueued (it may then still be writing pg's pages). */
-static kvi_status run_captures(xfer *x, const cap_state *cs, int32_t n, const uint32_t *pg, const chunk_size *sz,
-                               int32_t per, struct CUstream_st *stream, bool *launched, const char *fn) {
+static kvi_status run_captures(xfer *x, const cap_state *cs, bool pos64, int32_t n, const uint32_t *pg,
+                               const chunk_size *sz, int32_t per, struct CUstream_st *stream, bool *launched,
+                               const char *fn) {
   const int32_t nchunks = (n + per - 1) / per;
   plan *cp = malloc((size_t)nchunks * sizeof *cp);
   if (!cp) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d plans", (int)nchunks);
@@ -166,9 +190,10 @@ static kvi_status run_captures(xfer *x, const cap_state *cs, int32_t n, const ui
     const int32_t i1 = k == nchunks - 1 ? n : (k + 1) * per;
     for (int32_t i = k * per; i < i1; i++) {
       job j;
-      capture_job(&cs[i].c, &j);
+      capture_job(&cs[i].c, pos64, &j);
       const int32_t ri = kvi__plan_request(p, x, &j);
-      kvi__plan_run(p, x, ri, j.first_slot, j.tokens, j.positions, false, (int32_t)j.start_position, pg + cs[i].first);
+      kvi__plan_run(p, x, ri, j.first_slot, j.tokens, j.positions, j.pos64, (int32_t)j.start_position,
+                    pg + cs[i].first);
     }
     st = kvi__execute(x, p, 0, x->cache.L, false, stream, fn);
     *launched = *launched || (st == KVI_OK && x->cuda);
@@ -200,17 +225,21 @@ static kvi_status encode_locked(xfer *x, cap_read *r, int32_t num_captures, stru
     plan one;
     kvi__plan_layout(&one, all.nsegs, num_captures, all.ntok, all.npos, all.ntables);
     const bool single = r->nchunks == 1 || (x->cuda && one.bytes <= KVI__INLINE_PLAN);
-    st = run_captures(x, cs, num_captures, t.pages, single ? &all : r->csz, single ? num_captures : KVI__CAPTURE_CHUNK,
-                      stream, &launched, fn);
+    st = run_captures(x, cs, r->pos64, num_captures, t.pages, single ? &all : r->csz,
+                      single ? num_captures : KVI__CAPTURE_CHUNK, stream, &launched, fn);
   }
   if (launched) kvi__txn_wrote(&t);
   if (st == KVI_OK) st = kvi__txn_prepare(&t); /* the facts' records, allocated while the device works */
   return st == KVI_OK ? kvi__txn_commit(&t) : kvi__txn_abort(&t, st);
 }
 
-/* kvi_encode; kvi__encode_batched passes its captures through here, under its own fn. */
 kvi_status kvi__encode(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures, struct CUstream_st *stream,
                        const char *fn) {
+  return kvi__encode_captures(encoder, caps, num_captures, false, stream, fn);
+}
+
+kvi_status kvi__encode_captures(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures, bool pos64,
+                                struct CUstream_st *stream, const char *fn) {
   if (!encoder) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "encoder is NULL");
   if (num_captures < 0) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "num_captures is %d", (int)num_captures);
   if (num_captures > 0 && !caps) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "caps is NULL");
@@ -218,7 +247,7 @@ kvi_status kvi__encode(kvi_encoder *encoder, const kvi_capture *caps, int32_t nu
   kvi_status st = kvi__check_rope_set(x, fn);
   if (st || num_captures == 0) return st;
   cap_read r;
-  st = read_captures(x, caps, num_captures, stream, &r, fn);
+  st = read_captures(x, caps, num_captures, pos64, stream, &r, fn);
   if (st == KVI_OK) {
     kvi__lock_both(x);
     st = encode_locked(x, &r, num_captures, stream, fn);

@@ -6,6 +6,7 @@
  * a staging slot; and the view tests/internal has of plans (xfer/xfer.h).
  * SPDX-License-Identifier: Apache-2.0
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -21,8 +22,19 @@ int64_t kvi__segs_for(const xfer *x, int64_t npages) {
   return npages * ((x->store->P + x->seg_tokens - 1) / x->seg_tokens);
 }
 
-/* Checks a job's sequence range, block ids and positions. */
-kvi_status kvi__check_job(const xfer *x, const job *j, int32_t index, const char *what, const char *fn) {
+/* "first..last" for `tokens` >= 1 positions from `start`, whatever start
+ * is: an int64 start (kvi_inject_batched's) near INT64_MAX has its last
+ * position past INT64_MAX, so that one is computed in uint64 (start >= 0:
+ * at most 2^64 - 3, exact); from a negative start, int64 cannot overflow. */
+static void position_range(char *out, size_t n, int64_t start, int64_t tokens) {
+  if (start >= 0)
+    snprintf(out, n, "%lld..%llu", (long long)start, (unsigned long long)start + (unsigned long long)(tokens - 1));
+  else
+    snprintf(out, n, "%lld..%lld", (long long)start, (long long)(start + (tokens - 1)));
+}
+
+/* Checks a job's sequence range and block ids. */
+kvi_status kvi__check_job_slots(const xfer *x, const job *j, int32_t index, const char *what, const char *fn) {
   const kvi__cache *c = &x->cache;
   if (j->tokens == 0) return KVI_OK;
   if (j->first_slot < 0)
@@ -44,16 +56,29 @@ kvi_status kvi__check_job(const xfer *x, const job *j, int32_t index, const char
       if (j->table[b] < 0 || j->table[b] >= c->NB)
         return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s %d: block_table[%lld] is %d, the cache has blocks 0..%lld",
                          what, (int)index, (long long)b, (int)j->table[b], (long long)c->NB - 1);
+  return KVI_OK;
+}
+
+/* Checks a job's positions (explicit ones are read here). */
+kvi_status kvi__check_job_positions(const xfer *x, const job *j, int32_t index, const char *what, const char *fn) {
+  if (j->tokens == 0) return KVI_OK;
   if (j->positions) {
     for (int64_t t = 0; t < j->tokens; t++)
       if (job_pos(j, t) < 0 || job_pos(j, t) >= x->max_pos)
         return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s %d: positions[%lld] is %lld, expected 0..%d", what, (int)index,
                          (long long)t, (long long)job_pos(j, t), (int)x->max_pos - 1);
   } else if (j->start_position < 0 || j->start_position > x->max_pos - j->tokens) {
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s %d: positions %lld..%lld are outside 0..%d", what, (int)index,
-                     (long long)j->start_position, (long long)j->start_position + j->tokens - 1, (int)x->max_pos - 1);
+    char range[64];
+    position_range(range, sizeof range, j->start_position, j->tokens);
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s %d: positions %s are outside 0..%d", what, (int)index, range,
+                     (int)x->max_pos - 1);
   }
   return KVI_OK;
+}
+
+kvi_status kvi__check_job(const xfer *x, const job *j, int32_t index, const char *what, const char *fn) {
+  const kvi_status st = kvi__check_job_slots(x, j, index, what, fn);
+  return st ? st : kvi__check_job_positions(x, j, index, what, fn);
 }
 
 /* A request's block-table memory kind: host or device, device only on a

@@ -166,8 +166,12 @@ void kvi__unlock_both(xfer *x);
 
 /* Segments a fact of `npages` pages can need, at most. */
 int64_t kvi__segs_for(const xfer *x, int64_t npages);
-/* A job's sequence range, block ids and positions. */
+/* A job's sequence range, block ids and positions: kvi__check_job_slots,
+ * then kvi__check_job_positions (which reads explicit positions; a call
+ * that has many jobs may check every job's slots first). */
 kvi_status kvi__check_job(const xfer *x, const job *j, int32_t index, const char *what, const char *fn);
+kvi_status kvi__check_job_slots(const xfer *x, const job *j, int32_t index, const char *what, const char *fn);
+kvi_status kvi__check_job_positions(const xfer *x, const job *j, int32_t index, const char *what, const char *fn);
 /* A request's block-table memory kind. */
 kvi_status kvi__check_table_kind(const xfer *x, kvi_memory memory, int32_t r, const char *fn);
 /* A request's job: its table's memory, then kvi__check_job. */
@@ -221,6 +225,15 @@ kvi_status kvi__request_of(const xfer *x, const kvi_inject_request *q, int32_t r
 /* The tokens of a tenant's facts (kvi_inject_plan's sum), the store's lock held. */
 kvi_status kvi__inject_plan_tokens(const kvi_store *s, uint64_t tenant, const uint64_t *fact_ids, int32_t num_facts,
                                    int64_t *out_tokens, const char *fn);
+
+/* ---- encode.c ------------------------------------------------------------- */
+
+/* kvi_encode (kvi__encode), and kvi_encode_batched's captures: with pos64,
+ * each capture's positions (when given) point at int64 positions, narrowed
+ * as the plan is written. The captures are checked (counts, ids, tables,
+ * the limits) before any capture's positions are read. */
+kvi_status kvi__encode_captures(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures, bool pos64,
+                                struct CUstream_st *stream, const char *fn);
 
 /* ---- retrieve.c ----------------------------------------------------------- */
 

@@ -6,8 +6,9 @@
  * (kvi__store_touch) against a list model, the write transaction (a
  * failure at each step, from kvi__txn_add to the gate, leaves the pool, the
  * LRU list, the index and the journal as they were; a commit becomes
- * visible at once) and leases (a pinned fact is never a tier move's
- * victim).
+ * visible at once), leases (a pinned fact is never a tier move's victim)
+ * and a remove's deferred frees (its pages free before it returns when
+ * the tracked device work has completed).
  * SPDX-License-Identifier: Apache-2.0
  */
 #include <unistd.h>
@@ -618,6 +619,63 @@ static void test_lease_blocks_eviction(void **state) {
   free(s);
 }
 
+/* ------------------------------------------------------------------------ */
+/* deferred frees                                                            */
+/* ------------------------------------------------------------------------ */
+
+/* A remove on a CUDA store frees the fact's pages after the device work the
+ * store tracks (kvi__pool_release defers them to the next event number).
+ * That work was only found complete when a later put looked for room, so
+ * after an injection (tracked, long over) a remove left its pages counted
+ * in pages_used, device idle, until the next put. A remove now finds the
+ * tracked work complete and returns them at once. Here a CPU store plays a
+ * CUDA one whose tracker has one recorded event that has completed (the
+ * CPU build's stub reports every event complete; a CUDA build uses an event
+ * never recorded, which reports complete, and skips without a device). */
+static void test_remove_frees_after_completed_work(void **state) {
+  (void)state;
+  struct CUevent_st *ev = NULL;
+  int devices = 0;
+  if (kvi_cuda_device_count(&devices) != KVI_ERR_NOT_BUILT) {
+    if (devices == 0) skip();
+    assert_ok(kvi__cuda_event_create(&ev, "test"));
+  }
+  kvi_model *m = make_model(L, H, D, 0, 1);
+  kvi_store_options o = cpu_store_options(KVI_DTYPE_FP32, P, (uint64_t)P * L * 2 * H * D * 4 * PAGES);
+  kvi_store *s = NULL;
+  assert_ok(kvi_store_create(&s, m, &o));
+  kvbuf b;
+  kvbuf_make(&b, LAYOUT_CONTIG, KVI_DTYPE_FP32, L, 3 * P, H, D);
+  kvbuf_fill_tag(&b, 7);
+  for (uint64_t id = 1; id <= 3; id++) assert_ok(kvi_store_put(s, 1, id, &b.v, NULL, NULL));
+  kvbuf_free(&b);
+  assert_int_equal(store_stats(s).pages_used, 9);
+  /* a CPU store frees at once */
+  assert_ok(kvi__store_remove(s, 1, 3, "test"));
+  assert_int_equal(store_stats(s).pages_used, 6);
+  /* the CUDA store: one tracked operation, complete, not yet found so */
+  struct CUevent_st *evs[1] = {ev};
+  uint32_t dpage[PAGES];
+  uint64_t dtag[PAGES];
+  s->backend = KVI_BACKEND_CUDA;
+  s->track.ev = evs, s->track.n = 1, s->track.next = 1, s->track.done = 0;
+  s->deferred_page = dpage, s->deferred_tag = dtag, s->ndeferred = 0;
+  assert_ok(kvi__store_remove(s, 1, 2, "test"));
+  const uint32_t waiting = s->ndeferred;
+  const uint64_t used = store_stats(s).pages_used;
+  const uint64_t done = s->track.done;
+  s->backend = KVI_BACKEND_CPU;
+  memset(&s->track, 0, sizeof s->track);
+  s->deferred_page = NULL, s->deferred_tag = NULL, s->ndeferred = 0;
+  if (waiting != 0 || used != 3)
+    fail_msg("after a remove with no device work in flight, %u pages wait and pages_used is %llu (expected 0 and 3)",
+             waiting, (unsigned long long)used);
+  assert_int_equal(done, 1);
+  kvi_store_destroy(s);
+  kvi_model_destroy(m);
+  kvi__cuda_event_destroy(ev);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_gate_refusal_rolls_back),
@@ -626,6 +684,7 @@ int main(void) {
       cmocka_unit_test(test_txn_abort_at_each_step),
       cmocka_unit_test(test_txn_commit_is_atomic),
       cmocka_unit_test(test_lease_blocks_eviction),
+      cmocka_unit_test(test_remove_frees_after_completed_work),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -149,6 +149,163 @@ static void test_first_slot_overflow(void **state) {
   free_fx(f);
 }
 
+/* kvi_inject_batched's start positions are int64: one near INT64_MAX failed
+ * the position check, whose message computed start + tokens - 1 in int64
+ * (a signed overflow; it printed a negative end). The message gives the
+ * range as it is, its end past INT64_MAX. */
+static void test_batched_start_overflow(void **state) {
+  (void)state;
+  fx *f = make_fx(KVI_ROPE_NEOX);
+  kvi_injector *inj = NULL;
+  assert_ok(kvi_injector_create(&inj, f->s, &f->lay, NULL));
+  const int32_t table[4] = {0, 1, 2, 3};
+  const uint64_t ids[2] = {1, 2}; /* 2 * T0 = 10 tokens */
+  const int32_t off[2] = {0, 2};
+  int32_t out[1] = {-7};
+  const struct {
+    int64_t start;
+    const char *range;
+  } cases[] = {
+      {INT64_MAX, "positions 9223372036854775807..9223372036854775816 are"},
+      {INT64_MAX - 1, "positions 9223372036854775806..9223372036854775815 are"},
+      {INT64_MAX - 8, "positions 9223372036854775799..9223372036854775808 are"},
+      {INT64_MAX - 9, "positions 9223372036854775798..9223372036854775807 are"},
+      {INT64_MIN, "positions -9223372036854775808..-9223372036854775799 are"},
+      {-1, "positions -1..8 are"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    kvi_inject_batch b = KVI_INJECT_BATCH_INIT;
+    b.num_requests = 1, b.tenant = 1, b.fact_ids = ids, b.fact_offsets = off, b.out_tokens = out;
+    b.block_tables = table, b.block_table_stride = 4, b.block_table_len = 4;
+    b.position_bits = 64, b.start_positions = &cases[i].start;
+    assert_status(kvi_inject_batched(inj, &b, NULL, NULL), KVI_ERR_INVALID_ARGUMENT);
+    assert_last_error_has("kvi_inject_batched", cases[i].range);
+    assert_last_error_has("kvi_inject_batched", "request 0");
+  }
+  assert_int_equal(out[0], -7);
+  assert_cache_untouched(f);
+  kvi_injector_destroy(inj);
+  free_fx(f);
+}
+
+/* The batched calls' row strides: rows - 1 strides plus a row must be
+ * addressable. A block_table_stride of 2^62 int32 entries is 2^64 bytes:
+ * row 1's address wrapped onto row 0's, and the call used request 0's
+ * blocks for request 1 (an embedding_stride of 2^62 fp32 values, capture
+ * 0's embedding for capture 1). Refused, naming the field and its value,
+ * with nothing written; one row is read whatever the stride. */
+static void test_batch_row_stride_overflow(void **state) {
+  (void)state;
+  fx *f = make_fx(KVI_ROPE_NEOX);
+  kvi_injector *inj = NULL;
+  kvi_encoder *enc = NULL;
+  assert_ok(kvi_injector_create(&inj, f->s, &f->lay, NULL));
+  assert_ok(kvi_encoder_create(&enc, f->s, &f->lay, NULL));
+  const int32_t table[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+  const uint64_t ids[2] = {1, 2};
+  const int32_t off[3] = {0, 1, 2};
+  int32_t out[2] = {-7, -7};
+  const struct {
+    int64_t stride;
+    const char *value;
+  } bad[] = {
+      {(int64_t)1 << 62, "block_table_stride is 4611686018427387904"}, /* wrapped onto row 0 */
+      {INT64_MAX, "block_table_stride is 9223372036854775807"},        /* (rows - 1) * stride + len wraps int64 */
+      {(int64_t)1 << 61, "block_table_stride is 2305843009213693952"}, /* 2^63 bytes and more */
+  };
+  kvi_inject_batch ib = KVI_INJECT_BATCH_INIT;
+  ib.num_requests = 2, ib.tenant = 1, ib.fact_ids = ids, ib.fact_offsets = off, ib.out_tokens = out;
+  ib.block_tables = table, ib.block_table_len = 4;
+  const uint64_t cids[2] = {50, 51};
+  const int32_t ntok[2] = {T0, T0};
+  float emb[2 * E] = {1, 2, 3, 4, 4, 3, 2, 1};
+  kvi_encode_batch eb = KVI_ENCODE_BATCH_INIT;
+  eb.num_captures = 2, eb.tenant = 3, eb.fact_ids = cids, eb.num_tokens = ntok;
+  eb.block_tables = table, eb.block_table_len = 4;
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    ib.block_table_stride = bad[i].stride;
+    assert_status(kvi_inject_batched(inj, &ib, NULL, NULL), KVI_ERR_INVALID_ARGUMENT);
+    assert_last_error_has("kvi_inject_batched", bad[i].value);
+    eb.block_table_stride = bad[i].stride;
+    assert_status(kvi_encode_batched(enc, &eb, NULL), KVI_ERR_INVALID_ARGUMENT);
+    assert_last_error_has("kvi_encode_batched", bad[i].value);
+  }
+  eb.block_table_stride = 4, eb.embeddings = emb;
+  const int64_t ebad[] = {(int64_t)1 << 62, INT64_MAX, (int64_t)1 << 61};
+  for (size_t i = 0; i < sizeof ebad / sizeof ebad[0]; i++) {
+    eb.embedding_stride = ebad[i];
+    assert_status(kvi_encode_batched(enc, &eb, NULL), KVI_ERR_INVALID_ARGUMENT);
+    assert_last_error_has("kvi_encode_batched", "embedding_stride is");
+  }
+  assert_last_error_has("kvi_encode_batched", "2305843009213693952");
+  assert_true(out[0] == -7 && out[1] == -7);
+  assert_cache_untouched(f);
+  assert_int_equal(count_of(f->s, 3), 0);
+  /* one row: the stride is never applied */
+  ib.num_requests = 1, ib.block_table_stride = (int64_t)1 << 62;
+  assert_ok(kvi_inject_batched(inj, &ib, NULL, NULL));
+  assert_int_equal(out[0], T0);
+  eb.num_captures = 1, eb.block_table_stride = INT64_MAX, eb.embedding_stride = INT64_MAX;
+  assert_ok(kvi_encode_batched(enc, &eb, NULL));
+  assert_int_equal(count_of(f->s, 3), 1);
+  kvi_encoder_destroy(enc);
+  kvi_injector_destroy(inj);
+  free_fx(f);
+}
+
+/* kvi_encode_batched with int64 positions narrowed a position for every
+ * token the captures claimed (allocating and reading the sum of num_tokens)
+ * before kvi_encode checked the captures: 65,536 captures of INT32_MAX
+ * tokens each (1.4e14 positions) failed with KVI_ERR_OUT_OF_MEMORY, and a
+ * sum that could be allocated was read far past the caller's positions. The
+ * captures (counts, ids, tables) are checked first: their error, at once. */
+static void test_encode_batched_captures_first(void **state) {
+  (void)state;
+  fx *f = make_fx(KVI_ROPE_NEOX);
+  kvi_encoder *enc = NULL;
+  assert_ok(kvi_encoder_create(&enc, f->s, &f->lay, NULL));
+  enum { NC = 65536 };
+  uint64_t *ids = malloc(NC * sizeof *ids);
+  int32_t *ntok = malloc(NC * sizeof *ntok), *tables = malloc(NC * 4 * sizeof *tables);
+  assert_true(ids && ntok && tables);
+  for (int i = 0; i < NC; i++) {
+    ids[i] = 100 + (uint64_t)i, ntok[i] = INT32_MAX;
+    for (int k = 0; k < 4; k++) tables[4 * i + k] = k;
+  }
+  const int64_t pos[2 * T0] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
+  kvi_encode_batch eb = KVI_ENCODE_BATCH_INIT;
+  eb.num_captures = NC, eb.tenant = 3, eb.fact_ids = ids, eb.num_tokens = ntok;
+  eb.block_tables = tables, eb.block_table_stride = 4, eb.block_table_len = 4;
+  eb.position_bits = 64, eb.positions = pos; /* num_positions 0: not checked against the sum */
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  /* tables: capture 0's 4 blocks of 4 hold 16 of its tokens */
+  assert_status(kvi_encode_batched(enc, &eb, NULL), KVI_ERR_INVALID_ARGUMENT);
+  assert_last_error_has("kvi_encode_batched", "capture 0: sequence slots 0..2147483646");
+  /* counts */
+  ntok[0] = 0;
+  assert_status(kvi_encode_batched(enc, &eb, NULL), KVI_ERR_INVALID_ARGUMENT);
+  assert_last_error_has("kvi_encode_batched", "capture 0: num_tokens is 0");
+  /* ids: captures 0 and 1 valid, 1 repeating 0 */
+  ntok[0] = ntok[1] = T0, ids[1] = ids[0];
+  assert_status(kvi_encode_batched(enc, &eb, NULL), KVI_ERR_INVALID_ARGUMENT);
+  assert_last_error_has("kvi_encode_batched", "capture 1 repeats fact 100");
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  const double s = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+  if (s > 10.0) fail_msg("three refused calls took %.1f s", s);
+  assert_int_equal(count_of(f->s, 3), 0);
+  /* the first two alone are valid: their positions are read and stored */
+  const float emb[2 * E] = {1, 2, 3, 4, 4, 3, 2, 1};
+  eb.num_captures = 2, ids[1] = 101, eb.embeddings = emb;
+  assert_ok(kvi_encode_batched(enc, &eb, NULL));
+  assert_int_equal(count_of(f->s, 3), 2);
+  free(ids);
+  free(ntok);
+  free(tables);
+  kvi_encoder_destroy(enc);
+  free_fx(f);
+}
+
 /* ------------------------------------------------------------------------ */
 /* races the headers allow                                                  */
 /* ------------------------------------------------------------------------ */
@@ -665,6 +822,8 @@ int main(void) {
       cmocka_unit_test(test_journal_file_replaced),
       cmocka_unit_test(test_rope_unset_refused),    cmocka_unit_test(test_table_not_finite),
       cmocka_unit_test(test_layout_overlap_refused), cmocka_unit_test(test_search_zero_queries),
+      cmocka_unit_test(test_batched_start_overflow), cmocka_unit_test(test_batch_row_stride_overflow),
+      cmocka_unit_test(test_encode_batched_captures_first),
   };
   const char *only = getenv("KVI_TEST_FILTER"); /* e.g. KVI_TEST_FILTER=test_retrieve_atomic_host */
   if (only && *only) cmocka_set_test_filter(only);
