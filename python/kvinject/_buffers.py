@@ -459,15 +459,22 @@ def stream_handle(stream) -> Optional[int]:
     if isinstance(stream, bool):
         raise TypeError("stream: expected None, an int handle or a stream object, got a bool")
     if isinstance(stream, int):
-        return stream or None
+        return _stream_int(stream, "stream")
     for attr in ("cuda_stream", "ptr"):
         h = getattr(stream, attr, None)
         if isinstance(h, int):
-            return h or None
+            return _stream_int(h, "stream." + attr)
     if isinstance(stream, ctypes.c_void_p):
         return stream.value
     raise TypeError("stream: expected None, an int (cudaStream_t), a torch.cuda.Stream or an object "
                     "with .cuda_stream, got %s" % type(stream).__name__)
+
+
+def _stream_int(h: int, what: str) -> Optional[int]:
+    # a handle is a pointer: ctypes would wrap one outside 64 bits silently
+    if not 0 <= h < 1 << 64:
+        raise OverflowError("%s = %d is not a cudaStream_t (a 64-bit pointer)" % (what, h))
+    return h or None
 
 
 def shape_str(shape: Sequence[int]) -> str:

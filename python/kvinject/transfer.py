@@ -13,7 +13,7 @@ from ._lib import (CaptureC, EncodeBatchC, InjectBatchC, InjectOptions, InjectRe
                    TransferOptions, assign, fit, lib)
 from ._handle import Handle
 from .cache import CacheLayout
-from .enums import PUT_REPLACE, DType, Memory
+from .enums import PUT_REPLACE, SEARCH_MAX_K, DType, Memory
 from .store import Store, _check_embedding, _query_array
 
 
@@ -156,11 +156,12 @@ def recompute_select(scores, fact_tokens, *, fraction: float = 0.0, per_fact: bo
         raise ValueError("%d scores for %d tokens" % (total, T))
     L = lib()
     o = L.new(RecomputeOptionsC)
-    o.fraction, o.per_fact, o.boundary = float(fraction), 1 if per_fact else 0, int(boundary)
+    o.fraction, o.per_fact = float(fraction), 1 if per_fact else 0
+    o.boundary = fit(boundary, ctypes.c_int32, "boundary")
     out = (ctypes.c_int32 * max(T, 1))()
     n = ctypes.c_int64()
     L.call("kvi_recompute_select", sc.c_ptr(), tok.c_ptr(), fit(tok.numel, ctypes.c_int32, "num_facts"), ctypes.byref(o),
-           out, T, ctypes.byref(n))
+           out, fit(T, ctypes.c_int64, "fact_tokens"), ctypes.byref(n))
     del sc, tok
     return list(out[:n.value])
 
@@ -413,7 +414,8 @@ class Injector(_Transfer):
         so.query_dtype, so.query_memory = int(qdt), int(q.memory)
         i32 = ctypes.c_int32
         if out is None:
-            n = max(nq * k, 1)
+            # a k the library refuses gets no nq x k allocation first
+            n = max(nq * k, 1) if 0 < k <= SEARCH_MAX_K else 1
             ids, counts, tokens = (ctypes.c_uint64 * n)(), (i32 * max(nq, 1))(), (i32 * max(nq, 1))()
             ptrs = (ids, counts, tokens)
             so.out_memory = int(Memory.HOST)

@@ -185,6 +185,11 @@ class TestHuggingFace(InjectCase):
             kvi.recompute_select(got, [9, 5, 3], fraction=-1.0)
         with pytest.raises(ValueError):
             kvi.recompute_select(got[:3], [9, 5, 3])
+        # a boundary past int32 is refused, not wrapped (2**32 + 1 was taken as 1, 2**31 reached the library
+        # as -2**31)
+        for boundary in (2 ** 32 + 1, 2 ** 31, -2 ** 31 - 1):
+            with pytest.raises(OverflowError):
+                kvi.recompute_select(got, [9, 5, 3], boundary=boundary)
 
     def test_gptj_everywhere_and_fp32_store(self):
         facts = Facts(self, DType.FP32, seed=5, ropes={-1: dict(style=RopeStyle.GPTJ, theta=10000.0)})
