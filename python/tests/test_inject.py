@@ -276,6 +276,57 @@ class TestHuggingFace(InjectCase):
             kvi.CacheLayout.hf(keys, values[:2], shape=(self.B, H, self.S, D))
 
 
+    def test_layouts_fit_their_buffers(self):
+        """Every way of making a layout from Python objects checks that the layout
+        fits them: the last byte of every layer's K and V plane inside the object
+        its pointer points into (a preset or a layout by hand over too small a
+        buffer was accepted, and an injection wrote past it), one pointer per
+        layer, no device memory in a host layout. Exact fits are accepted."""
+        facts = Facts(self, DType.FP32, seed=9)
+        NB, BS = 4, 4
+        n = 2 * NB * BS * H * D  # vLLM [2, NB, BS, H, D]
+        P = kvi.CachePreset
+
+        def bufs(count, elems):
+            return [array.array("f", bytes(4 * elems)) for _ in range(count)]
+
+        def by_hand(**kw):
+            args = dict(memory=kvi.Memory.HOST, dtype=DType.FP32, num_layers=L, num_heads=H, head_size=D,
+                        block_size=BS, num_blocks=NB, block_stride=BS * H * D, token_stride=H * D, head_stride=D)
+            args.update(kw)
+            return kvi.CacheLayout(**args)
+
+        pool = NB * L * 2 * H * BS * D  # TensorRT-LLM [NB, L, 2, H, BS, D]
+        fits = [
+            lambda e: kvi.CacheLayout.preset(P.VLLM_FLASH_ATTN, DType.FP32, L, H, D, BS, NB, k_layers=bufs(L, n + e)),
+            lambda e: kvi.CacheLayout.preset(P.VLLM_PACKED_HND, DType.FP32, L, H, D, BS, NB, k_layers=bufs(L, n + e)),
+            lambda e: kvi.CacheLayout.preset(P.HF_CONTIGUOUS, DType.FP32, L, H, D, BS, NB, k_layers=bufs(L, n // 2),
+                                             v_layers=bufs(L, n // 2 + e)),
+            lambda e: kvi.CacheLayout.preset(P.TRTLLM, DType.FP32, L, H, D, BS, NB, base=bufs(1, pool + e)[0]),
+            lambda e: kvi.CacheLayout.preset(P.VLLM_CPU, DType.FP32, L, H, D, BS, NB, k_layers=bufs(L, n + e)),
+            lambda e: by_hand(k_layers=bufs(L, n // 2 + e), v_layers=bufs(L, n // 2)),
+            lambda e: by_hand(k_layers=bufs(L, n + e), v_offset=n // 2),
+            lambda e: by_hand(k_base=bufs(1, L * n + e)[0], layer_stride=n, v_offset=n // 2),
+            lambda e: by_hand(k_base=bufs(1, L * n // 2)[0], v_base=bufs(1, L * n // 2 + e)[0], layer_stride=n // 2),
+            lambda e: by_hand(k_layers=bufs(L, n // 2 + e), v_layers=bufs(L, n // 2), dim_stride=1,
+                              v_token_stride=1, v_block_stride=BS, v_head_stride=NB * BS, v_dim_stride=H * NB * BS),
+        ]
+        for i, make in enumerate(fits):
+            with case(i):
+                with pytest.raises(ValueError) as e:
+                    make(-1)  # one element short
+                assert "holds" in str(e.value) and "bytes into it" in str(e.value)
+                kvi.Injector(facts.store, make(0)).close()
+        with pytest.raises(ValueError, match="k_layers has 1 pointers; the layout has 3 layers"):
+            kvi.CacheLayout.preset(P.VLLM_FLASH_ATTN, DType.FP32, L, H, D, BS, NB, k_layers=bufs(1, n))
+        with pytest.raises(ValueError, match="v_layers has 4 pointers"):
+            by_hand(k_layers=bufs(L, n // 2), v_layers=bufs(L + 1, n // 2))
+        dev = [FakeTensor(0x10000, (2, NB, BS, H, D), device="cuda") for _ in range(L)]
+        with pytest.raises(ValueError, match="host memory but a cache tensor is on a CUDA device"):
+            kvi.CacheLayout.preset(P.VLLM_FLASH_ATTN, DType.FP32, L, H, D, BS, NB, k_layers=dev,
+                                   memory=kvi.Memory.HOST)
+
+
 class TestVllm(InjectCase):
     NB, BS = 8, 4
 
@@ -629,7 +680,9 @@ class TestStridedHeads(InjectCase):
 
     def test_overlapping_planes_refused(self):
         facts = Facts(self, DType.BF16, seed=32)
-        buf = poisoned(2 * self.NB * H * self.BS * D, DType.BF16)
+        # one element past the interleaved planes: V at offset 2 stays inside the buffer
+        # (the binding refuses a layout past its buffers before the library sees it)
+        buf = poisoned(2 * self.NB * H * self.BS * D + 1, DType.BF16)
         def interleaved(v_offset):  # K's dims 2 apart, V v_offset elements after K
             return kvi.CacheLayout(
                 memory=kvi.Memory.HOST, dtype=DType.BF16, num_layers=L, num_heads=H, head_size=D,
