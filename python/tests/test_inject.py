@@ -68,6 +68,24 @@ def expected_writes(facts, requests, layers=range(L)):
     return out
 
 
+class Torchish(FakeTensor):
+    """The attributes the binding reads of a torch tensor, is_cuda included (a call
+    whose arrays all have it may reuse the previous call's struct)."""
+    is_cuda = False
+
+    def numel(self):
+        n = 1
+        for x in self.shape:
+            n *= x
+        return n
+
+    def is_contiguous(self):
+        return True
+
+    def stride(self, dim=None):
+        return self._strides if dim is None else self._strides[dim]
+
+
 class InjectCase:
     @pytest.fixture(autouse=True)
     def _closing(self, closing):
@@ -508,21 +526,6 @@ class TestInjectBatch(InjectCase):
         changed in place inject the new facts, an unknown one is refused with
         nothing written; another dtype or tensor takes the full path."""
 
-        class Torchish(FakeTensor):  # the attributes the binding reads of a torch tensor
-            is_cuda = False
-
-            def numel(self):
-                n = 1
-                for x in self.shape:
-                    n *= x
-                return n
-
-            def is_contiguous(self):
-                return True
-
-            def stride(self, dim=None):
-                return self._strides if dim is None else self._strides[dim]
-
         ids_buf = array.array("q", [11, 10])
         ids = Torchish(ids_buf, (2,), dtype="torch.int64")
         offs = Torchish(array.array("i", [0, 2]), (2,), dtype="torch.int32")
@@ -579,6 +582,71 @@ class TestInjectBatch(InjectCase):
         self.inj.inject([kvi.InjectRequest(1, [11, 10], [5, 1, 7, 2], start_position=9),
                          kvi.InjectRequest(1, [12, 10], [3, 0, 4, 6], start_position=90)])
         assert self.snapshot() == got
+
+    def test_offsets_past_their_arrays(self):
+        """CSR offsets whose last entry passes the end of fact_ids or of the block
+        tables are refused before the call, naming the argument (they were read
+        past the arrays: here the entries behind a short view, valid ids and blocks
+        that were injected silently; far past the end, a crash). Offsets are
+        absolute: a first entry > 0 starts inside the array, as the header says."""
+        ids = array.array("Q", [11, 10])
+        tab = array.array("i", [5, 1, 7, 2, 9])
+        one_id, two_blocks = memoryview(ids)[:1], memoryview(tab)[:2]  # 14 tokens need 4 blocks
+        cases = [
+            (dict(fact_ids=one_id, fact_offsets=[0, 2], block_table_offsets=[0, 5]),
+             "fact_offsets[1] is 2, past the end of fact_ids (1 entries)"),
+            (dict(fact_ids=ids, fact_offsets=[0, 2], block_tables=two_blocks, block_table_offsets=[0, 5]),
+             "block_table_offsets[1] is 5, past the end of block_tables (2 entries)"),
+            (dict(fact_ids=ids, fact_offsets=[1 << 30, (1 << 30) + 1], block_table_offsets=[0, 5]),
+             "fact_offsets[1] is 1073741825, past the end of fact_ids (2 entries)"),
+            (dict(fact_ids=ids, fact_offsets=[0, 2], block_table_offsets=[1 << 30, (1 << 30) + 4]),
+             "block_table_offsets[1] is 1073741828, past the end of block_tables (5 entries)"),
+            (dict(fact_ids=ids, fact_offsets=[-1, 1], block_table_offsets=[0, 5]), "fact_offsets[0] is -1"),
+        ]
+        self.reset()
+        before = self.snapshot()
+        for kw, message in cases:
+            with case(kw=kw):
+                kw.setdefault("block_tables", tab)
+                out = array.array("i", [-5])
+                with pytest.raises(ValueError) as e:
+                    self.inj.inject_batch(tenant=1, out_tokens=out, **kw)
+                assert message in str(e.value)
+                assert not isinstance(e.value, kvi.KviError)  # the binding's check, not the library's
+                assert self.snapshot() == before
+                assert out[0] == -5
+        # absolute offsets: [1, 2] is fact_ids[1] alone
+        self.inj.inject_batch(ids, tab, fact_offsets=[1, 2], block_table_offsets=[0, 5], tenant=1)
+        got = self.snapshot()
+        self.reset()
+        self.inj.inject(kvi.InjectRequest(1, [10], [5, 1, 7, 2, 9]))
+        assert self.snapshot() == got
+
+    def test_reused_call_checks_offsets_again(self):
+        """The reused call of persistent tensors reads their contents afresh: offsets
+        changed in place to pass the end of their arrays are refused as on a first call."""
+        ids = Torchish(array.array("q", [11, 10]), (2,), dtype="torch.int64")
+        offs_buf = array.array("i", [0, 2])
+        offs = Torchish(offs_buf, (2,), dtype="torch.int32")
+        tab = Torchish(array.array("i", [5, 1, 7, 2, 9]), (5,), dtype="torch.int32")
+        indptr_buf = array.array("i", [0, 5])
+        indptr = Torchish(indptr_buf, (2,), dtype="torch.int32")
+        self.reset()
+        self.inj.inject_batch(ids, tab, fact_offsets=offs, block_table_offsets=indptr, tenant=1)
+        last = self.inj._batch_last
+        assert last is not None
+        before = self.snapshot()
+        for buf, i, v, message in ((offs_buf, 1, 3, "fact_offsets[1] is 3, past the end of fact_ids"),
+                                   (indptr_buf, 1, 6, "block_table_offsets[1] is 6, past the end of block_tables"),
+                                   (offs_buf, 0, -1, "fact_offsets[0] is -1")):
+            with case(message=message):
+                old, buf[i] = buf[i], v
+                with pytest.raises(ValueError) as e:
+                    self.inj.inject_batch(ids, tab, fact_offsets=offs, block_table_offsets=indptr, tenant=1)
+                buf[i] = old
+                assert message in str(e.value)
+                assert self.inj._batch_last is last
+                assert self.snapshot() == before
 
     def test_refused_batches_write_nothing(self):
         self.reset()
