@@ -220,6 +220,8 @@ def _cuda_array(obj, what: str) -> Array:
             raise ValueError("%s: strides %s (bytes) are not whole elements of %d bytes" % (what, tuple(strides),
                                                                                           itemsize))
         strides = tuple(s // itemsize for s in strides)
+    if strides and min(strides) < 0:
+        raise ValueError("%s: negative strides %s" % (what, strides))
     return Array(int(cai["data"][0]), shape, strides, kind, Memory.DEVICE, -1, _extent(shape, strides) * itemsize,
                  obj, False)
 
@@ -411,6 +413,40 @@ def index_array(obj, kinds, what: str, *, two_d: bool = False, writable: bool = 
     return f
 
 
+def csr_bounds(f: IndexArray, what: str, length: int, of: str) -> Optional[tuple]:
+    """CSR offsets (int32, num_requests + 1 entries, ``f``) that index an array of
+    ``length`` entries (``of``), checked where the binding can read them without a
+    host synchronization, that is in host memory: the first entry >= 0 and the last
+    <= length (ValueError naming the argument). The library checks, before it reads
+    through any of them, that the first is >= 0 and that none decreases, so every
+    entry then lies in 0..length. Returns what :func:`check_csr` reads again (the
+    entries' addresses: a persistent tensor's contents change between calls), or
+    None for offsets in device memory, which the library copies to the host and
+    checks as above; their last entry against the indexed array's length is the
+    caller's to keep (no length reaches the C call)."""
+    if f.memory != Memory.HOST or f.numel < 1:
+        return None
+    b = (f.ptr, f.ptr + 4 * (f.numel - 1), f.numel - 1, length, what, of)
+    check_csr(b)
+    return b
+
+
+def csr_span(b: tuple) -> int:
+    """The entries CSR offsets checked by :func:`csr_bounds` span: last - first."""
+    return ctypes.c_int32.from_address(b[1]).value - ctypes.c_int32.from_address(b[0]).value
+
+
+def check_csr(b: tuple) -> None:
+    """The check of :func:`csr_bounds` on the offsets' current contents."""
+    first_at, last_at, last, length, what, of = b
+    v = ctypes.c_int32.from_address(first_at).value
+    if v < 0:
+        raise ValueError("%s[0] is %d; offsets must be >= 0" % (what, v))
+    v = ctypes.c_int32.from_address(last_at).value
+    if v > length:
+        raise ValueError("%s[%d] is %d, past the end of %s (%d entries)" % (what, last, v, of, length))
+
+
 class NoKey(Exception):
     """:func:`tensor_key` of something that is not a tensor."""
 
@@ -459,15 +495,22 @@ def stream_handle(stream) -> Optional[int]:
     if isinstance(stream, bool):
         raise TypeError("stream: expected None, an int handle or a stream object, got a bool")
     if isinstance(stream, int):
-        return stream or None
+        return _stream_int(stream, "stream")
     for attr in ("cuda_stream", "ptr"):
         h = getattr(stream, attr, None)
         if isinstance(h, int):
-            return h or None
+            return _stream_int(h, "stream." + attr)
     if isinstance(stream, ctypes.c_void_p):
         return stream.value
     raise TypeError("stream: expected None, an int (cudaStream_t), a torch.cuda.Stream or an object "
                     "with .cuda_stream, got %s" % type(stream).__name__)
+
+
+def _stream_int(h: int, what: str) -> Optional[int]:
+    # a handle is a pointer: ctypes would wrap one outside 64 bits silently
+    if not 0 <= h < 1 << 64:
+        raise OverflowError("%s = %d is not a cudaStream_t (a 64-bit pointer)" % (what, h))
+    return h or None
 
 
 def shape_str(shape: Sequence[int]) -> str:

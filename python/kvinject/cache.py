@@ -53,6 +53,7 @@ class CacheLayout:
                  v_dim_stride: int = 0):
         c = lib().new(CacheLayoutC)
         self._keep: List[Any] = [keep] if keep is not None else []
+        self._given: dict = {}
         c.memory, c.dtype = int(Memory(memory)), int(DType(dtype))
         assign(c, num_layers=num_layers, num_heads=num_heads, head_size=head_size, block_size=block_size,
                num_blocks=num_blocks, block_stride=block_stride, token_stride=token_stride, head_stride=head_stride,
@@ -67,15 +68,25 @@ class CacheLayout:
         if v_base is not None:
             c.v_base = self._pointer(v_base, "v_base")
         self.c = c
+        self._check_fits()
         self.set_scales(scale_mode, k_scales, v_scales)
 
     # ------------------------------------------------------------ pointers
+    def _resolve(self, obj, what: str) -> Optional[_buffers.Array]:
+        """A cache tensor or buffer, resolved (None for an int pointer)."""
+        if obj is None or isinstance(obj, int):
+            return None
+        if isinstance(obj, _buffers.Array):  # resolved by a classmethod
+            return obj
+        return _buffers.as_array(obj, what, writable=True)
+
     def _pointer(self, obj, what: str) -> int:
-        if obj is None:
-            return 0
-        if isinstance(obj, int):
-            return fit(obj, ctypes.c_uint64, what)
-        a = _buffers.as_array(obj, what, writable=True)
+        """The address of a tensor, a buffer or an int pointer; the array is kept
+        (alive, and for :meth:`_check_fits`) under ``what``."""
+        a = self._resolve(obj, what)
+        self._given[what] = a
+        if a is None:
+            return 0 if obj is None else fit(obj, ctypes.c_uint64, what)
         self._keep.append(a)
         return a.ptr
 
@@ -83,7 +94,59 @@ class CacheLayout:
         ptrs = [self._pointer(o, "%s[%d]" % (what, i)) for i, o in enumerate(objs)]
         arr = (ctypes.c_void_p * max(len(ptrs), 1))(*ptrs)
         self._keep.append(arr)
+        self._given[what] = len(ptrs)
         return ctypes.addressof(arr)
+
+    def _check_fits(self) -> None:
+        """Refuses (ValueError) a layout that addresses memory outside the tensors and
+        buffers it was made from: for every layer, the largest byte offset of its K and
+        of its V plane (cache.h's formulas: blocks, tokens, heads and dims by their
+        strides, the layer stride from a base, V's offset from K) must lie inside the
+        object the plane's pointer points into; a pointer array must hold one pointer
+        per layer (the library reads num_layers of them); and a host layout must not
+        point into device memory. Int pointers carry no size: they are the caller's
+        to get right. Layouts the injector and encoder refuse anyway (sizes < 1,
+        negative strides, an unknown dtype) are left to them."""
+        c, given = self.c, self._given
+        L = c.num_layers
+        for name in ("k_layers", "v_layers"):
+            if getattr(c, name) and given.get(name) is not None and given[name] != L:
+                raise ValueError("%s has %d pointers; the layout has %d layers" % (name, given[name], L))
+        arrays = [a for a in given.values() if isinstance(a, _buffers.Array)]
+        if not arrays:
+            return
+        if c.memory == int(Memory.HOST) and any(a.memory != Memory.HOST for a in arrays):
+            raise ValueError("the layout is in host memory but a cache tensor is on a CUDA device")
+        es = lib().kvi_dtype_size(c.dtype)
+        counts = (c.num_blocks, c.block_size, c.num_heads, c.head_size)
+        dim = c.dim_stride or 1
+        ks = (c.block_stride, c.token_stride, c.head_stride, dim)
+        vs = (c.v_block_stride or ks[0], c.v_token_stride or ks[1], c.v_head_stride or ks[2], c.v_dim_stride or dim)
+        if es == 0 or L < 1 or min(counts) < 1 or min(ks + vs + (c.layer_stride, c.v_offset)) < 0:
+            return
+        # elements from a plane's first to its last, both included
+        kext = 1 + sum((n - 1) * st for n, st in zip(counts, ks))
+        vext = 1 + sum((n - 1) * st for n, st in zip(counts, vs))
+        last = (L - 1) * c.layer_stride
+
+        def fits(name: str, plane: str, layer: int, end: int) -> None:
+            a = given.get(name)
+            if isinstance(a, _buffers.Array) and end * es > a.nbytes:
+                raise ValueError("%s holds %d bytes; the layout's %s of layer %d reaches %d bytes into it (%d blocks "
+                                 "of %d tokens x %d heads x %d dims of %d bytes)"
+                                 % (name, a.nbytes, plane, layer, end * es, c.num_blocks, c.block_size, c.num_heads,
+                                    c.head_size, es))
+
+        for l in range(L):
+            k_name, k_at = ("k_layers[%d]" % l, 0) if c.k_layers else ("k_base", l * c.layer_stride)
+            if c.k_layers or c.k_base:
+                fits(k_name, "K", l, k_at + kext)
+            if c.v_layers:
+                fits("v_layers[%d]" % l, "V", l, vext)
+            elif c.v_base:
+                fits("v_base", "V", l, l * c.layer_stride + vext)
+            elif c.k_layers or c.k_base:
+                fits(k_name, "V", l, k_at + c.v_offset + vext)
 
     def set_scales(self, mode: ScaleMode, k_scales: Optional[FloatArrayLike] = None,
                    v_scales: Optional[FloatArrayLike] = None) -> "CacheLayout":
@@ -171,12 +234,14 @@ class CacheLayout:
         taken from the tensors (HOST for plain buffers)."""
         self = cls.__new__(cls)
         self._keep = []
-        mems = set()
-        for objs in (k_layers or []), (v_layers or []), ([base] if base is not None else []):
-            for o in objs:
-                if not isinstance(o, int):
-                    a = _buffers.as_array(o, "cache tensor", writable=True)
-                    mems.add(a.memory)
+        self._given = {}
+        k_layers = None if k_layers is None else [self._resolve(o, "k_layers[%d]" % i) or o
+                                                  for i, o in enumerate(k_layers)]
+        v_layers = None if v_layers is None else [self._resolve(o, "v_layers[%d]" % i) or o
+                                                  for i, o in enumerate(v_layers)]
+        base = None if base is None else self._resolve(base, "base") or base
+        mems = {o.memory for o in (k_layers or []) + (v_layers or []) + [base]
+                if isinstance(o, _buffers.Array)}
         if memory is None:
             if len(mems) > 1:
                 raise ValueError("the cache tensors are in host and device memory")
@@ -186,7 +251,7 @@ class CacheLayout:
         c = lib().new(CacheLayoutC)
         kp = self._pointer_array(k_layers, "k_layers") if k_layers is not None else None
         vp = self._pointer_array(v_layers, "v_layers") if v_layers is not None else None
-        bp = self._pointer(base, "base") if base is not None else None
+        bp = self._pointer(base, "k_base") if base is not None else None
         i32 = ctypes.c_int32
         lib().call("kvi_cache_layout_preset", ctypes.byref(c), int(CachePreset(preset)), int(DType(dtype)),
                    fit(num_layers, i32, "num_layers"), fit(num_heads, i32, "num_heads"),
@@ -197,6 +262,7 @@ class CacheLayout:
         # rest of c keeps its defaults, so the whole struct is valid
         c.struct_size = ctypes.sizeof(c)
         self.c = c
+        self._check_fits()
         return self
 
     @classmethod
@@ -240,15 +306,13 @@ class CacheLayout:
             return cls(memory=first.memory, dtype=_buffers.kind_dtype(first.kind, "hf cache"),
                        num_layers=len(keys), num_heads=H, head_size=D, block_size=S, num_blocks=B,
                        block_stride=st[0], token_stride=st[2], head_stride=st[1], dim_stride=st[3],
-                       k_layers=[a.ptr for a in arrays[:len(keys)]], v_layers=[a.ptr for a in arrays[len(keys):]],
-                       keep=arrays)
+                       k_layers=arrays[:len(keys)], v_layers=arrays[len(keys):], keep=arrays)
         if shape is None or len(shape) != 4:
             raise ValueError("hf: host buffers carry no shape; pass shape=(batch, heads, seq, head_size)")
         B, H, S, D = shape
         _check_sizes(arrays, B * H * S * D, "hf")
         lay = cls.preset(CachePreset.HF_CONTIGUOUS, _buffers.kind_dtype(first.kind, "hf cache"), len(keys), H, D,
-                         S, B, k_layers=[a.ptr for a in arrays[:len(keys)]],
-                         v_layers=[a.ptr for a in arrays[len(keys):]], memory=first.memory)
+                         S, B, k_layers=arrays[:len(keys)], v_layers=arrays[len(keys):], memory=first.memory)
         lay._keep.append(arrays)
         return lay
 
@@ -296,7 +360,7 @@ class CacheLayout:
         return cls(memory=first.memory, dtype=_buffers.kind_dtype(first.kind, "vllm cache"),
                    num_layers=len(arrays), num_heads=H, head_size=D, block_size=BS, num_blocks=NB,
                    block_stride=blk, token_stride=st[2], head_stride=st[3], dim_stride=st[4], v_offset=v_off,
-                   k_layers=[a.ptr for a in arrays], keep=arrays)
+                   k_layers=arrays, keep=arrays)
 
     @classmethod
     def sglang(cls, k_buffers: Sequence[ArrayLike], v_buffers: Sequence[ArrayLike], *, page_size: int = 1,
@@ -316,7 +380,7 @@ class CacheLayout:
         return cls(memory=arrays[0].memory, dtype=_buffers.kind_dtype(arrays[0].kind, "sglang cache"),
                    num_layers=n, num_heads=H, head_size=D, block_size=page_size, num_blocks=slots // page_size,
                    block_stride=page_size * st[0], token_stride=st[0], head_stride=st[1], dim_stride=st[2],
-                   k_layers=[a.ptr for a in arrays[:n]], v_layers=[a.ptr for a in arrays[n:]], keep=arrays)
+                   k_layers=arrays[:n], v_layers=arrays[n:], keep=arrays)
 
     @classmethod
     def vllm_cpu(cls, kv_caches: Sequence[ArrayLike], *, shape: Optional[Sequence[int]] = None,
@@ -351,7 +415,7 @@ class CacheLayout:
         if D2 % 2:
             raise ValueError("vllm_cpu: the last dimension is %d, expected 2 * head_size" % D2)
         lay = cls.preset(CachePreset.VLLM_CPU, _buffers.kind_dtype(first.kind, "vllm_cpu cache"), len(arrays), H,
-                         D2 // 2, BS, NB, k_layers=[a.ptr for a in arrays], memory=first.memory)
+                         D2 // 2, BS, NB, k_layers=arrays, memory=first.memory)
         lay._keep.append(arrays)
         return lay
 

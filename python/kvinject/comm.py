@@ -54,7 +54,8 @@ class Comm(Handle):
     @classmethod
     def nccl(cls, nccl_comm: int) -> "Comm":
         h = ctypes.c_void_p()
-        lib().call("kvi_comm_create_nccl", ctypes.byref(h), ctypes.c_void_p(nccl_comm))
+        lib().call("kvi_comm_create_nccl", ctypes.byref(h),
+                   ctypes.c_void_p(fit(nccl_comm, ctypes.c_uint64, "nccl_comm")))
         return cls(h)
 
     def async_errors(self) -> int:

@@ -147,6 +147,8 @@ _C_NAMES = {
     "kvi_store_load": "Store.load", "kvi_store_journal_open": "Store.journal_open",
     "kvi_store_journal_close": "Store.journal_close", "kvi_cache_layout_preset": "CacheLayout.preset",
     "kvi_injector_create": "Injector", "kvi_inject": "Injector.inject", "kvi_inject_plan": "Injector.plan",
+    "kvi_inject_batched": "Injector.inject_batch", "kvi_encode_batched": "Encoder.encode_batch",
+    "kvi_inject_deviation": "Injector.deviation", "kvi_recompute_select": "kvinject.recompute_select",
     "kvi_injector_async_errors": "Injector.async_errors", "kvi_retrieve_inject": "Injector.retrieve_inject",
     "kvi_encoder_create": "Encoder", "kvi_encode": "Encoder.encode", "kvi_comm_create_local": "Comm.local",
     "kvi_comm_create_nccl": "Comm.nccl", "kvi_comm_group_create": "CommGroup", "kvi_comm_rank": "Comm.rank",
@@ -164,7 +166,7 @@ _REWRITES = [
     (re.compile(r"\bnum_positions is (-?\d+)"), r"positions has \1 values"),
     (re.compile(r"\bnum_facts is (-?\d+)"), r"fact_ids has \1 ids"),
     # option structs: their fields are keyword arguments or attributes of the same name
-    (re.compile(r"\b(?:load_opts|opts|spec|layout)->"), ""),
+    (re.compile(r"\b(?:load_opts|opts|spec|layout|batch)->"), ""),
     (re.compile(r"\bKVI_PUT_REPLACE\b"), "replace=True"),
     (re.compile(r"\b(" + "|".join(sorted(_ENUM_PREFIXES, key=len, reverse=True)) + r")([A-Z0-9_]+)"),
      lambda m: _ENUM_PREFIXES[m.group(1)] + m.group(2)),

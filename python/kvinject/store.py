@@ -18,7 +18,8 @@ from ._lib import (GatherItemC, KVViewC, LoadOptionsC, PutOptions, SaveOptionsC,
                    fit, lib)
 
 U64 = ctypes.c_uint64
-from .enums import LOAD_JOURNAL, PUT_REPLACE, SAVE_ONE_TENANT, SEARCH_NO_ID, Backend, DType, EmbeddingPlacement, Memory, Metric
+from .enums import (LOAD_JOURNAL, PUT_REPLACE, SAVE_ONE_TENANT, SEARCH_MAX_K, SEARCH_NO_ID, Backend, DType,
+                    EmbeddingPlacement, Memory, Metric)
 from .model import Model
 
 
@@ -380,7 +381,8 @@ class Store(Handle):
                     keep.append(emb)
                     c.opts = ctypes.cast(ctypes.pointer(po), ctypes.c_void_p)
             arr[i] = c
-        L.call("kvi_store_put_scatter", self.handle, fit(root, ctypes.c_int32, "root"), arr, len(items),
+        L.call("kvi_store_put_scatter", self.handle, fit(root, ctypes.c_int32, "root"), arr,
+               fit(len(items), ctypes.c_int32, "items"),
                _buffers.stream_handle(stream))
         del views, opts, keep
 
@@ -406,7 +408,8 @@ class Store(Handle):
                 out.append((k, v))
                 c.full = ctypes.cast(ctypes.pointer(view), ctypes.c_void_p)
             arr[i] = c
-        L.call("kvi_store_gather", self.handle, fit(root, ctypes.c_int32, "root"), arr, len(items),
+        L.call("kvi_store_gather", self.handle, fit(root, ctypes.c_int32, "root"), arr,
+               fit(len(items), ctypes.c_int32, "items"),
                _buffers.stream_handle(stream))
         del views
         return out
@@ -506,7 +509,8 @@ class Store(Handle):
         if workspace_bytes is not None:
             assign(so, workspace_bytes=workspace_bytes)
         if out is None:
-            n = max(nq * k, 1) if k > 0 else 1
+            # a k the library refuses gets no nq x k allocation first
+            n = max(nq * k, 1) if 0 < k <= SEARCH_MAX_K else 1
             ids, scores, counts = (ctypes.c_uint64 * n)(), (ctypes.c_float * n)(), (ctypes.c_int32 * max(nq, 1))()
             ptrs = (ids, scores, counts)
             so.out_memory = int(Memory.HOST)
@@ -514,6 +518,8 @@ class Store(Handle):
             oi, os_, oc = out
             a_ids = _buffers.int_array(oi, ctypes.c_uint64, "out ids", allow_device=True, writable=True)
             a_sc = _buffers.as_array(os_, "out scores", writable=True, dtype=DType.FP32)
+            if not _buffers.contiguous(a_sc):
+                raise ValueError("out scores must be contiguous")
             a_ct = _buffers.int_array(oc, ctypes.c_int32, "out counts", allow_device=True, writable=True)
             mems = {(a.memory, a.device) for a in (a_ids, a_sc, a_ct)}
             if len(mems) != 1:

@@ -13,7 +13,7 @@ from ._lib import (CaptureC, EncodeBatchC, InjectBatchC, InjectOptions, InjectRe
                    TransferOptions, assign, fit, lib)
 from ._handle import Handle
 from .cache import CacheLayout
-from .enums import PUT_REPLACE, DType, Memory
+from .enums import PUT_REPLACE, SEARCH_MAX_K, DType, Memory
 from .store import Store, _check_embedding, _query_array
 
 
@@ -68,16 +68,22 @@ class Capture:
     embedding_dtype: Optional[DType] = None
 
 
-def _batch_indices(b, n: int, noun: str, block_table_offsets, tenants, tenant, first_slots, start_positions,
-                   positions) -> list:
+def _batch_indices(b, n: int, noun: str, block_tables, block_table_offsets, tenants, tenant, first_slots,
+                   start_positions, positions, has_tokens) -> Tuple[list, list]:
     """The fields both batched calls take alike (CSR block-table offsets, tenants,
     first slots, positions) into struct b for n entries; returns the arrays read
-    (the caller keeps them alive through the C call)."""
-    made = []
+    (the caller keeps them alive through the C call) and the bounds of the host
+    CSR offsets (:func:`_buffers.csr_bounds`). block_tables: the resolved table
+    the offsets index; has_tokens(): whether the call has tokens (None: unknown),
+    asked only of an empty positions array."""
+    made, bounds = [], []
     if block_table_offsets is not None:
         bo = index_array(block_table_offsets, ("i32",), "block_table_offsets")
         if bo.numel != n + 1:
             raise ValueError("block_table_offsets has %d entries for %d %s" % (bo.numel, n, noun))
+        bd = _buffers.csr_bounds(bo, "block_table_offsets", block_tables.numel, "block_tables")
+        if bd is not None:
+            bounds.append(bd)
         b.block_table_offsets = bo.ptr
         made.append(bo)
     if tenants is not None:
@@ -104,9 +110,24 @@ def _batch_indices(b, n: int, noun: str, block_table_offsets, tenants, tenant, f
         made.append(sp)
     if positions is not None:
         ps = index_array(positions, ("i32", "i64"), "positions")
-        b.positions, b.position_bits, b.num_positions = ps.ptr, 64 if ps.kind == "i64" else 32, ps.numel
+        if ps.numel > 0:
+            b.positions, b.position_bits = ps.ptr, 64 if ps.kind == "i64" else 32
+            b.num_positions = fit(ps.numel, ctypes.c_int64, "positions")
+        elif has_tokens() is not False:
+            # num_positions 0 would have the library trust positions to hold one per token
+            raise ValueError("positions is empty; the %s have tokens: give one position per token, or None" % noun)
         made.append(ps)
-    return made
+    return made, bounds
+
+
+def _two_d_table(bt, n: int, what: str) -> Tuple[int, int]:
+    """A 2-D block table's (row stride, entries per row) for the C struct: rows that
+    overlap (a stride below the row's length: a broadcast tensor) are refused, as
+    the C struct's stride is the distance rows are apart."""
+    if n > 1 and bt.row_stride < bt.cols:
+        raise ValueError("%s: rows %d entries apart overlap rows of %d entries" % (what, bt.row_stride, bt.cols))
+    stride = bt.row_stride if n > 1 else bt.cols
+    return fit(max(stride, bt.cols, 1), ctypes.c_int64, what), fit(bt.cols, ctypes.c_int32, what)
 
 
 def _request_array(requests):
@@ -131,9 +152,13 @@ def _request_array(requests):
                first_slot=r.first_slot, start_position=r.start_position)
         if r.positions is not None:
             pos = _buffers.int_array(r.positions, ctypes.c_int32, "requests[%d].positions" % i)
-            # the library checks the count against the request's tokens
-            c.positions = pos.ptr
-            c.num_positions = fit(pos.numel, ctypes.c_int32, "requests[%d].positions" % i)
+            # the library checks the count against the request's tokens; a count of
+            # 0 would have it trust positions to hold one per token
+            if pos.numel > 0:
+                c.positions = pos.ptr
+                c.num_positions = fit(pos.numel, ctypes.c_int32, "requests[%d].positions" % i)
+            elif ids.numel > 0:
+                raise ValueError("requests[%d].positions is empty; give one position per token, or None" % i)
             keep.append(pos)
         keep += [ids, bt]
         arr[i] = c
@@ -156,11 +181,12 @@ def recompute_select(scores, fact_tokens, *, fraction: float = 0.0, per_fact: bo
         raise ValueError("%d scores for %d tokens" % (total, T))
     L = lib()
     o = L.new(RecomputeOptionsC)
-    o.fraction, o.per_fact, o.boundary = float(fraction), 1 if per_fact else 0, int(boundary)
+    o.fraction, o.per_fact = float(fraction), 1 if per_fact else 0
+    o.boundary = fit(boundary, ctypes.c_int32, "boundary")
     out = (ctypes.c_int32 * max(T, 1))()
     n = ctypes.c_int64()
     L.call("kvi_recompute_select", sc.c_ptr(), tok.c_ptr(), fit(tok.numel, ctypes.c_int32, "num_facts"), ctypes.byref(o),
-           out, T, ctypes.byref(n))
+           out, fit(T, ctypes.c_int64, "fact_tokens"), ctypes.byref(n))
     del sc, tok
     return list(out[:n.value])
 
@@ -258,11 +284,27 @@ class Injector(_Transfer):
         shapes, strides, dtypes and devices of the previous successful call's
         (an engine's persistent buffers) reuses that call's struct: only the
         tensors' contents are read again. Until a call with other arrays, the
-        injector keeps a reference to those tensors."""
+        injector keeps a reference to those tensors.
+
+        Checks before the C call (ValueError naming the argument; TypeError for
+        an element type): every array's element type, contiguity and length
+        (offsets num_requests + 1, per-request arrays num_requests, positions
+        not empty when the call has facts, 2-D tables whose rows do not
+        overlap). Offsets in host memory: the first >= 0 and the last at most
+        the length of the array they index (fact_ids, block_tables; offsets are
+        absolute: request r's facts start at fact_ids[fact_offsets[r]]), read
+        again on every call, the reused one included; the library checks that
+        none decreases before it reads through them. Offsets in device memory
+        are not read here (that would be a host synchronization): the library
+        copies them and checks them as host ones, but no length of fact_ids or
+        block_tables reaches it, so their last entries are the caller's to keep
+        inside those arrays. Device block-table entries outside the cache are
+        skipped and counted (:meth:`async_errors`)."""
         # A call with the torch tensors of the previous successful call (the same
         # addresses, shapes, strides, dtypes and devices: an engine's persistent
         # buffers, whose contents change) reuses its struct, which holds nothing
-        # else; the library checks the contents as on every call.
+        # else; the library checks the contents as on every call, and the host
+        # offsets' ends are checked again here.
         try:
             key = (tensor_key(fact_ids), tensor_key(block_tables), tensor_key(fact_offsets),
                    tensor_key(tenants), tensor_key(block_table_offsets), tensor_key(first_slots),
@@ -272,6 +314,8 @@ class Injector(_Transfer):
             key = None
         last = self.__dict__.get("_batch_last")
         if key is not None and last is not None and last[0] == key:
+            for bd in last[6]:  # the host offsets' contents are read afresh
+                _buffers.check_csr(bd)
             L = lib()
             st = L.kvi_inject_batched(self.handle, last[1], last[2], _buffers.stream_handle(stream))
             if st != 0:
@@ -282,6 +326,7 @@ class Injector(_Transfer):
         b.fact_ids, b.fact_ids_memory = ids.ptr, int(ids.memory)
         keep = [ids]
         index = []
+        bounds = []
         if fact_offsets is None:
             if ids.rows == 0 and ids.cols == 0:
                 raise ValueError("fact_ids: give fact_offsets, or a 2-D [num_requests, k] array")
@@ -291,14 +336,19 @@ class Injector(_Transfer):
             offs = self._row_offsets(n, ids.cols)
             b.fact_offsets = ctypes.addressof(offs)
             keep.append(offs)
+            has_tokens = lambda: ids.rows * ids.cols > 0  # noqa: E731
         else:
             fo = index_array(fact_offsets, ("i32",), "fact_offsets")
             n = fo.numel - 1
             if n < 0:
                 raise ValueError("fact_offsets: expected num_requests + 1 entries, got none")
+            fb = _buffers.csr_bounds(fo, "fact_offsets", ids.numel, "fact_ids")
+            if fb is not None:
+                bounds.append(fb)
             b.fact_offsets = fo.ptr
             index.append(fo)
-        b.num_requests = n
+            has_tokens = lambda: None if fb is None else _buffers.csr_span(fb) > 0  # noqa: E731
+        b.num_requests = fit(n, ctypes.c_int32, "num_requests")
         bt = index_array(block_tables, ("i32",), "block_tables", two_d=block_table_offsets is None)
         b.block_tables, b.block_tables_memory = bt.ptr, int(bt.memory)
         keep.append(bt)
@@ -307,9 +357,13 @@ class Injector(_Transfer):
                 raise ValueError("block_tables: give block_table_offsets (CSR), or a 2-D [num_requests, blocks] array")
             if bt.rows != n:
                 raise ValueError("block_tables has %d rows for %d requests" % (bt.rows, n))
-            b.block_table_stride, b.block_table_len = max(bt.row_stride, bt.cols, 1), bt.cols
-        index += _batch_indices(b, n, "requests", block_table_offsets, tenants, tenant, first_slots,
-                                start_positions, positions)
+            b.block_table_stride, b.block_table_len = _two_d_table(bt, n, "block_tables")
+        made, more = _batch_indices(b, n, "requests", bt, block_table_offsets, tenants, tenant, first_slots,
+                                    start_positions, positions, has_tokens)
+        index += made
+        bounds += more
+        if positions is not None and not b.positions:
+            key = None  # positions left out of this call (it has no tokens): not for the next
         if index:
             mem = index[0].memory
             for a in index:
@@ -321,6 +375,9 @@ class Injector(_Transfer):
             ot = index_array(out_tokens, ("i32",), "out_tokens", writable=True)
             if ot.numel < n:
                 raise ValueError("out_tokens holds %d entries for %d requests" % (ot.numel, n))
+            if ot.memory != ids.memory:
+                raise ValueError("out_tokens must be in the memory of fact_ids (%s), not %s"
+                                 % (Memory(ids.memory).name, Memory(ot.memory).name))
             b.out_tokens = ot.ptr
             keep.append(ot)
         opts = None
@@ -334,7 +391,7 @@ class Injector(_Transfer):
             L.check(st, "kvi_inject_batched")
         # the struct, its options and what its pointers point into (the row
         # offsets array above is one) stay alive with the key
-        self._batch_last = (key, ctypes.byref(b), opts, b, keep, index) if key is not None else None
+        self._batch_last = (key, ctypes.byref(b), opts, b, keep, index, bounds) if key is not None else None
 
     def _row_offsets(self, n: int, k: int):
         """CSR offsets of n rows of k (0, k, 2k, ...), kept for the next call of that shape."""
@@ -413,7 +470,8 @@ class Injector(_Transfer):
         so.query_dtype, so.query_memory = int(qdt), int(q.memory)
         i32 = ctypes.c_int32
         if out is None:
-            n = max(nq * k, 1)
+            # a k the library refuses gets no nq x k allocation first
+            n = max(nq * k, 1) if 0 < k <= SEARCH_MAX_K else 1
             ids, counts, tokens = (ctypes.c_uint64 * n)(), (i32 * max(nq, 1))(), (i32 * max(nq, 1))()
             ptrs = (ids, counts, tokens)
             so.out_memory = int(Memory.HOST)
@@ -505,14 +563,16 @@ class Encoder(_Transfer):
         apart) or 1-D CSR pages with ``block_table_offsets``; tenants, first_slots
         (int64), start_positions or positions (one per captured token, int32 or int64)
         as :meth:`Injector.inject_batch`. embeddings: None, or a [captures, dim]
-        buffer/tensor (host or device) of fp32, fp16 or bf16 with contiguous rows."""
+        buffer/tensor (host or device) of fp32, fp16 or bf16 with contiguous rows.
+        The arrays are checked as :meth:`Injector.inject_batch`'s host arrays
+        (block_table_offsets' last entry at most the length of block_tables)."""
         ids = index_array(fact_ids, ("u64", "i64"), "fact_ids")
         n = ids.numel
         nt = index_array(num_tokens, ("i32",), "num_tokens")
         if nt.numel != n:
             raise ValueError("num_tokens has %d entries for %d captures" % (nt.numel, n))
         b = lib().new(EncodeBatchC)
-        b.num_captures, b.fact_ids, b.num_tokens = n, ids.ptr, nt.ptr
+        b.num_captures, b.fact_ids, b.num_tokens = fit(n, ctypes.c_int32, "num_captures"), ids.ptr, nt.ptr
         keep = [ids, nt]
         bt = index_array(block_tables, ("i32",), "block_tables", two_d=block_table_offsets is None)
         keep.append(bt)
@@ -520,9 +580,16 @@ class Encoder(_Transfer):
         if block_table_offsets is None:
             if bt.rows != n:
                 raise ValueError("block_tables: expected a 2-D [%d, blocks] array (or block_table_offsets)" % n)
-            b.block_table_stride, b.block_table_len = max(bt.row_stride, bt.cols, 1), bt.cols
-        keep += _batch_indices(b, n, "captures", block_table_offsets, tenants, tenant, first_slots,
-                               start_positions, positions)
+            b.block_table_stride, b.block_table_len = _two_d_table(bt, n, "block_tables")
+
+        def has_tokens():
+            if nt.memory != Memory.HOST:
+                return None
+            return any(t > 0 for t in (ctypes.c_int32 * max(n, 1)).from_address(nt.ptr)[:n])
+
+        made, _ = _batch_indices(b, n, "captures", bt, block_table_offsets, tenants, tenant, first_slots,
+                                 start_positions, positions, has_tokens)
+        keep += made
         for a in keep:
             if a.memory != Memory.HOST:
                 raise ValueError("encode_batch: the index arrays and block tables must be host memory")

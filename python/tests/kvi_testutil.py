@@ -293,7 +293,7 @@ class FakeTensor:
     binding tells the library."""
 
     _ITEM = {"torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2, "torch.int32": 4, "torch.int64": 8,
-             "torch.uint8": 1, "torch.float8_e4m3fn": 1, "torch.float64": 8, "torch.uint16": 2}
+             "torch.uint8": 1, "torch.float8_e4m3fn": 1, "torch.float64": 8, "torch.uint16": 2, "torch.int16": 2}
 
     def __init__(self, storage, shape, strides=None, dtype="torch.float32", device="cpu", index=None,
                  offset: int = 0):

@@ -180,6 +180,27 @@ class TestEncodeBatch(TestEncode):
         assert (after.facts, after.pages_used) == (before.facts, before.pages_used)
         enc.close()
 
+    def test_block_table_offsets_past_the_table(self):
+        """CSR block-table offsets whose last entry passes the end of block_tables are
+        refused, naming the argument (the entries behind a short view were read as
+        block ids; far past the end, a crash): nothing is stored."""
+        keys, values, lay, _, _ = self.prefill(DType.FP32, rng(71), {0: list(range(S))})
+        enc = kvi.Encoder(self.store, lay)
+        rows = array.array("i", [0, 1])
+        before = (self.store.stats(), self.store.list(1))
+        for table, offsets, message in ((memoryview(rows)[:1], [0, 2], "block_table_offsets[1] is 2, past the end of "
+                                         "block_tables (1 entries)"),
+                                        (rows, [0, 1 << 30], "block_table_offsets[1] is 1073741824"),
+                                        (rows, [-3, 1], "block_table_offsets[0] is -3")):
+            with case(offsets=offsets):
+                with pytest.raises(ValueError) as e:
+                    enc.encode_batch([500], [40], table, block_table_offsets=offsets, tenant=1,
+                                     embeddings=[0.0, 0.0, 1.0, 0.0])
+                assert message in str(e.value)
+                assert not isinstance(e.value, kvi.KviError)
+                assert (self.store.stats(), self.store.list(1)) == before
+        enc.close()
+
 
 class TestLifetimes:
     def test_store_close_closes_its_injectors(self):

@@ -251,6 +251,10 @@ class TestPythonNames:
                   "rotary embedding, with kvi_model_set_rope before creating the store") == \
                "layer 0's RoPE was never set: give it a spec, or RopeStyle.NONE for a layer without " \
                "rotary embedding, with Model.set_rope before creating the store"
+        assert pm("kvi_inject_batched: batch->fact_offsets[2] is 1, below batch->fact_offsets[1] = 2") == \
+               "Injector.inject_batch: fact_offsets[2] is 1, below fact_offsets[1] = 2"
+        assert pm("kvi_encode_batched: batch->num_positions is 5, the captures have 6 tokens") == \
+               "Encoder.encode_batch: positions has 5 values, the captures have 6 tokens"
         assert pm("kvi_unknown_thing: x") == "kvi_unknown_thing: x"  # unknown names are left
 
 

@@ -68,6 +68,24 @@ def expected_writes(facts, requests, layers=range(L)):
     return out
 
 
+class Torchish(FakeTensor):
+    """The attributes the binding reads of a torch tensor, is_cuda included (a call
+    whose arrays all have it may reuse the previous call's struct)."""
+    is_cuda = False
+
+    def numel(self):
+        n = 1
+        for x in self.shape:
+            n *= x
+        return n
+
+    def is_contiguous(self):
+        return True
+
+    def stride(self, dim=None):
+        return self._strides if dim is None else self._strides[dim]
+
+
 class InjectCase:
     @pytest.fixture(autouse=True)
     def _closing(self, closing):
@@ -185,6 +203,11 @@ class TestHuggingFace(InjectCase):
             kvi.recompute_select(got, [9, 5, 3], fraction=-1.0)
         with pytest.raises(ValueError):
             kvi.recompute_select(got[:3], [9, 5, 3])
+        # a boundary past int32 is refused, not wrapped (2**32 + 1 was taken as 1, 2**31 reached the library
+        # as -2**31)
+        for boundary in (2 ** 32 + 1, 2 ** 31, -2 ** 31 - 1):
+            with pytest.raises(OverflowError):
+                kvi.recompute_select(got, [9, 5, 3], boundary=boundary)
 
     def test_gptj_everywhere_and_fp32_store(self):
         facts = Facts(self, DType.FP32, seed=5, ropes={-1: dict(style=RopeStyle.GPTJ, theta=10000.0)})
@@ -269,6 +292,57 @@ class TestHuggingFace(InjectCase):
             kvi.CacheLayout.hf(t, t)
         with pytest.raises(ValueError):
             kvi.CacheLayout.hf(keys, values[:2], shape=(self.B, H, self.S, D))
+
+
+    def test_layouts_fit_their_buffers(self):
+        """Every way of making a layout from Python objects checks that the layout
+        fits them: the last byte of every layer's K and V plane inside the object
+        its pointer points into (a preset or a layout by hand over too small a
+        buffer was accepted, and an injection wrote past it), one pointer per
+        layer, no device memory in a host layout. Exact fits are accepted."""
+        facts = Facts(self, DType.FP32, seed=9)
+        NB, BS = 4, 4
+        n = 2 * NB * BS * H * D  # vLLM [2, NB, BS, H, D]
+        P = kvi.CachePreset
+
+        def bufs(count, elems):
+            return [array.array("f", bytes(4 * elems)) for _ in range(count)]
+
+        def by_hand(**kw):
+            args = dict(memory=kvi.Memory.HOST, dtype=DType.FP32, num_layers=L, num_heads=H, head_size=D,
+                        block_size=BS, num_blocks=NB, block_stride=BS * H * D, token_stride=H * D, head_stride=D)
+            args.update(kw)
+            return kvi.CacheLayout(**args)
+
+        pool = NB * L * 2 * H * BS * D  # TensorRT-LLM [NB, L, 2, H, BS, D]
+        fits = [
+            lambda e: kvi.CacheLayout.preset(P.VLLM_FLASH_ATTN, DType.FP32, L, H, D, BS, NB, k_layers=bufs(L, n + e)),
+            lambda e: kvi.CacheLayout.preset(P.VLLM_PACKED_HND, DType.FP32, L, H, D, BS, NB, k_layers=bufs(L, n + e)),
+            lambda e: kvi.CacheLayout.preset(P.HF_CONTIGUOUS, DType.FP32, L, H, D, BS, NB, k_layers=bufs(L, n // 2),
+                                             v_layers=bufs(L, n // 2 + e)),
+            lambda e: kvi.CacheLayout.preset(P.TRTLLM, DType.FP32, L, H, D, BS, NB, base=bufs(1, pool + e)[0]),
+            lambda e: kvi.CacheLayout.preset(P.VLLM_CPU, DType.FP32, L, H, D, BS, NB, k_layers=bufs(L, n + e)),
+            lambda e: by_hand(k_layers=bufs(L, n // 2 + e), v_layers=bufs(L, n // 2)),
+            lambda e: by_hand(k_layers=bufs(L, n + e), v_offset=n // 2),
+            lambda e: by_hand(k_base=bufs(1, L * n + e)[0], layer_stride=n, v_offset=n // 2),
+            lambda e: by_hand(k_base=bufs(1, L * n // 2)[0], v_base=bufs(1, L * n // 2 + e)[0], layer_stride=n // 2),
+            lambda e: by_hand(k_layers=bufs(L, n // 2 + e), v_layers=bufs(L, n // 2), dim_stride=1,
+                              v_token_stride=1, v_block_stride=BS, v_head_stride=NB * BS, v_dim_stride=H * NB * BS),
+        ]
+        for i, make in enumerate(fits):
+            with case(i):
+                with pytest.raises(ValueError) as e:
+                    make(-1)  # one element short
+                assert "holds" in str(e.value) and "bytes into it" in str(e.value)
+                kvi.Injector(facts.store, make(0)).close()
+        with pytest.raises(ValueError, match="k_layers has 1 pointers; the layout has 3 layers"):
+            kvi.CacheLayout.preset(P.VLLM_FLASH_ATTN, DType.FP32, L, H, D, BS, NB, k_layers=bufs(1, n))
+        with pytest.raises(ValueError, match="v_layers has 4 pointers"):
+            by_hand(k_layers=bufs(L, n // 2), v_layers=bufs(L + 1, n // 2))
+        dev = [FakeTensor(0x10000, (2, NB, BS, H, D), device="cuda") for _ in range(L)]
+        with pytest.raises(ValueError, match="host memory but a cache tensor is on a CUDA device"):
+            kvi.CacheLayout.preset(P.VLLM_FLASH_ATTN, DType.FP32, L, H, D, BS, NB, k_layers=dev,
+                                   memory=kvi.Memory.HOST)
 
 
 class TestVllm(InjectCase):
@@ -452,21 +526,6 @@ class TestInjectBatch(InjectCase):
         changed in place inject the new facts, an unknown one is refused with
         nothing written; another dtype or tensor takes the full path."""
 
-        class Torchish(FakeTensor):  # the attributes the binding reads of a torch tensor
-            is_cuda = False
-
-            def numel(self):
-                n = 1
-                for x in self.shape:
-                    n *= x
-                return n
-
-            def is_contiguous(self):
-                return True
-
-            def stride(self, dim=None):
-                return self._strides if dim is None else self._strides[dim]
-
         ids_buf = array.array("q", [11, 10])
         ids = Torchish(ids_buf, (2,), dtype="torch.int64")
         offs = Torchish(array.array("i", [0, 2]), (2,), dtype="torch.int32")
@@ -523,6 +582,71 @@ class TestInjectBatch(InjectCase):
         self.inj.inject([kvi.InjectRequest(1, [11, 10], [5, 1, 7, 2], start_position=9),
                          kvi.InjectRequest(1, [12, 10], [3, 0, 4, 6], start_position=90)])
         assert self.snapshot() == got
+
+    def test_offsets_past_their_arrays(self):
+        """CSR offsets whose last entry passes the end of fact_ids or of the block
+        tables are refused before the call, naming the argument (they were read
+        past the arrays: here the entries behind a short view, valid ids and blocks
+        that were injected silently; far past the end, a crash). Offsets are
+        absolute: a first entry > 0 starts inside the array, as the header says."""
+        ids = array.array("Q", [11, 10])
+        tab = array.array("i", [5, 1, 7, 2, 9])
+        one_id, two_blocks = memoryview(ids)[:1], memoryview(tab)[:2]  # 14 tokens need 4 blocks
+        cases = [
+            (dict(fact_ids=one_id, fact_offsets=[0, 2], block_table_offsets=[0, 5]),
+             "fact_offsets[1] is 2, past the end of fact_ids (1 entries)"),
+            (dict(fact_ids=ids, fact_offsets=[0, 2], block_tables=two_blocks, block_table_offsets=[0, 5]),
+             "block_table_offsets[1] is 5, past the end of block_tables (2 entries)"),
+            (dict(fact_ids=ids, fact_offsets=[1 << 30, (1 << 30) + 1], block_table_offsets=[0, 5]),
+             "fact_offsets[1] is 1073741825, past the end of fact_ids (2 entries)"),
+            (dict(fact_ids=ids, fact_offsets=[0, 2], block_table_offsets=[1 << 30, (1 << 30) + 4]),
+             "block_table_offsets[1] is 1073741828, past the end of block_tables (5 entries)"),
+            (dict(fact_ids=ids, fact_offsets=[-1, 1], block_table_offsets=[0, 5]), "fact_offsets[0] is -1"),
+        ]
+        self.reset()
+        before = self.snapshot()
+        for kw, message in cases:
+            with case(kw=kw):
+                kw.setdefault("block_tables", tab)
+                out = array.array("i", [-5])
+                with pytest.raises(ValueError) as e:
+                    self.inj.inject_batch(tenant=1, out_tokens=out, **kw)
+                assert message in str(e.value)
+                assert not isinstance(e.value, kvi.KviError)  # the binding's check, not the library's
+                assert self.snapshot() == before
+                assert out[0] == -5
+        # absolute offsets: [1, 2] is fact_ids[1] alone
+        self.inj.inject_batch(ids, tab, fact_offsets=[1, 2], block_table_offsets=[0, 5], tenant=1)
+        got = self.snapshot()
+        self.reset()
+        self.inj.inject(kvi.InjectRequest(1, [10], [5, 1, 7, 2, 9]))
+        assert self.snapshot() == got
+
+    def test_reused_call_checks_offsets_again(self):
+        """The reused call of persistent tensors reads their contents afresh: offsets
+        changed in place to pass the end of their arrays are refused as on a first call."""
+        ids = Torchish(array.array("q", [11, 10]), (2,), dtype="torch.int64")
+        offs_buf = array.array("i", [0, 2])
+        offs = Torchish(offs_buf, (2,), dtype="torch.int32")
+        tab = Torchish(array.array("i", [5, 1, 7, 2, 9]), (5,), dtype="torch.int32")
+        indptr_buf = array.array("i", [0, 5])
+        indptr = Torchish(indptr_buf, (2,), dtype="torch.int32")
+        self.reset()
+        self.inj.inject_batch(ids, tab, fact_offsets=offs, block_table_offsets=indptr, tenant=1)
+        last = self.inj._batch_last
+        assert last is not None
+        before = self.snapshot()
+        for buf, i, v, message in ((offs_buf, 1, 3, "fact_offsets[1] is 3, past the end of fact_ids"),
+                                   (indptr_buf, 1, 6, "block_table_offsets[1] is 6, past the end of block_tables"),
+                                   (offs_buf, 0, -1, "fact_offsets[0] is -1")):
+            with case(message=message):
+                old, buf[i] = buf[i], v
+                with pytest.raises(ValueError) as e:
+                    self.inj.inject_batch(ids, tab, fact_offsets=offs, block_table_offsets=indptr, tenant=1)
+                buf[i] = old
+                assert message in str(e.value)
+                assert self.inj._batch_last is last
+                assert self.snapshot() == before
 
     def test_refused_batches_write_nothing(self):
         self.reset()
@@ -624,7 +748,9 @@ class TestStridedHeads(InjectCase):
 
     def test_overlapping_planes_refused(self):
         facts = Facts(self, DType.BF16, seed=32)
-        buf = poisoned(2 * self.NB * H * self.BS * D, DType.BF16)
+        # one element past the interleaved planes: V at offset 2 stays inside the buffer
+        # (the binding refuses a layout past its buffers before the library sees it)
+        buf = poisoned(2 * self.NB * H * self.BS * D + 1, DType.BF16)
         def interleaved(v_offset):  # K's dims 2 apart, V v_offset elements after K
             return kvi.CacheLayout(
                 memory=kvi.Memory.HOST, dtype=DType.BF16, num_layers=L, num_heads=H, head_size=D,
