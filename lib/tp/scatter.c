@@ -126,7 +126,7 @@ static kvi_status scatter_put(scatter *sc) {
       memcpy(emb, sc->embs + (size_t)i * E, (size_t)E * sizeof *emb);
     }
     const kvi_scatter_item *it = item_at(op->items, op->stride, i);
-    const kvi__put_item p = {it->tenant, it->fact_id, &mine[i], sc->rec[i].flags, emb};
+    const kvi__put_item p = {it->tenant, it->fact_id, &mine[i], sc->rec[i].flags, emb, NULL};
     put[i] = p;
   }
   comm_gate gate = {{comm_decide}, c, op->stream, fn};
