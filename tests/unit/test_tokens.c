@@ -5,6 +5,8 @@
  * (KVI_ERR_TOKEN_MISMATCH, nothing written).
  * SPDX-License-Identifier: Apache-2.0
  */
+#include <unistd.h>
+
 #include "unit.h"
 
 #include "ref64.h"
@@ -310,6 +312,165 @@ static void test_batched_inject_checked(void **state) {
   assert_status(kvi_inject_batched(e->inj, &b, NULL, NULL), KVI_ERR_MEMORY_KIND);
 }
 
+/* ------------------------------------------------------------------------ */
+/* store files and journals                                                 */
+/* ------------------------------------------------------------------------ */
+
+/* CRC32C, bit by bit (not lib/base/crc32c.c's slicing) */
+static uint32_t ref_crc32c(const unsigned char *p, size_t n) {
+  uint32_t c = 0xffffffffu;
+  for (size_t i = 0; i < n; i++) {
+    c ^= p[i];
+    for (int k = 0; k < 8; k++) c = c & 1 ? (c >> 1) ^ 0x82f63b78u : c >> 1;
+  }
+  return ~c;
+}
+
+static unsigned char *slurp(const char *path, size_t *n) {
+  FILE *f = fopen(path, "rb");
+  assert_non_null(f);
+  fseek(f, 0, SEEK_END);
+  *n = (size_t)ftell(f);
+  fseek(f, 0, SEEK_SET);
+  unsigned char *b = malloc(*n);
+  assert_non_null(b);
+  assert_int_equal(fread(b, 1, *n, f), *n);
+  fclose(f);
+  return b;
+}
+
+static void spit(const char *path, const unsigned char *b, size_t n) {
+  FILE *f = fopen(path, "wb");
+  assert_non_null(f);
+  assert_int_equal(fwrite(b, 1, n, f), n);
+  fclose(f);
+}
+
+static uint32_t le32(const unsigned char *p) {
+  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* Rewrites a file's header as format version `v` (docs/store-format.md: the
+ * version at offset 8, the header's size at 16, its CRC32C in its last 4 bytes). */
+static void set_version(const char *path, uint32_t v) {
+  size_t n;
+  unsigned char *b = slurp(path, &n);
+  const uint32_t hb = le32(b + 16);
+  for (int i = 0; i < 4; i++) b[8 + i] = (unsigned char)(v >> (8 * i));
+  const uint32_t crc = ref_crc32c(b, hb - 4);
+  for (int i = 0; i < 4; i++) b[hb - 4 + i] = (unsigned char)(crc >> (8 * i));
+  spit(path, b, n);
+  free(b);
+}
+
+static kvi_store *load_file(const tenv *e, const char *path, uint32_t flags, kvi_status want) {
+  const uint64_t page_bytes = (uint64_t)TP * TL * 2 * TH * TD * 4;
+  kvi_store_options o = cpu_store_options(KVI_DTYPE_FP32, TP, page_bytes * 64);
+  kvi_load_options lo = KVI_LOAD_OPTIONS_INIT;
+  lo.flags = flags;
+  kvi_store *s = NULL;
+  assert_status(kvi_store_load(&s, e->m, &o, path, &lo), want);
+  return s;
+}
+
+static void test_files_keep_ids(void **state) {
+  tenv *e = *state;
+  char dir[] = "/tmp/kvi-tokens-XXXXXX", snap[64], jour[64];
+  assert_non_null(mkdtemp(dir));
+  snprintf(snap, sizeof snap, "%s/snap", dir);
+  snprintf(jour, sizeof jour, "%s/jour", dir);
+  /* a snapshot */
+  assert_ok(kvi_store_save(e->s, snap, NULL));
+  size_t n;
+  unsigned char *b = slurp(snap, &n);
+  assert_int_equal(le32(b + 8), 2);
+  free(b);
+  kvi_store *s = load_file(e, snap, 0, KVI_OK);
+  expect_ids(s, 1, 1, e->ids1, 5);
+  expect_ids(s, 1, 2, e->ids2, 3);
+  expect_ids(s, 1, 3, NULL, 0);
+  kvi_store_destroy(s);
+  /* the journal: a put, a replacement with other ids, one without, a removal */
+  assert_ok(kvi_store_journal_open(e->s, jour, 0));
+  rfact g;
+  rfact_make(&g, &e->r, 1, 4, TL, 2, TH, TD, -3, 3);
+  const int32_t a[2] = {44, 45}, other[5] = {9, 8, 7, 6, 5};
+  put_ids(e->s, &g, a, 0);
+  put_ids(e->s, &e->f1, other, KVI_PUT_REPLACE);
+  put_ids(e->s, &e->f2, NULL, KVI_PUT_REPLACE);
+  assert_ok(kvi_store_remove(e->s, 1, 3));
+  assert_ok(kvi_store_journal_close(e->s));
+  s = load_file(e, jour, 0, KVI_OK);
+  expect_ids(s, 1, 1, other, 5);
+  expect_ids(s, 1, 2, NULL, 0);
+  expect_ids(s, 1, 4, a, 2);
+  int32_t num;
+  assert_status(kvi_store_fact_token_ids(s, 1, 3, NULL, 0, &num, NULL), KVI_ERR_NOT_FOUND);
+  kvi_store_destroy(s);
+  /* a damaged id in the snapshot is corruption (the body's CRC covers it) */
+  b = slurp(snap, &n);
+  const uint32_t hb = le32(b + 16);
+  /* the first entry is fact 1 of tenant 1 (sorted); its ids end its payload */
+  const size_t rec = hb + 48, payload = le32(b + rec + 24);
+  assert_int_equal(le32(b + rec), 0x10001u); /* PUT with token ids */
+  assert_int_equal(le32(b + rec + 32 + payload - 20), (uint32_t)e->ids1[0]);
+  b[rec + 32 + payload - 20] ^= 1;
+  spit(jour, b, n);
+  load_file(e, jour, 0, KVI_ERR_CORRUPT);
+  /* version 1 has no token ids: a flagged record there is corruption too */
+  b[rec + 32 + payload - 20] ^= 1;
+  spit(jour, b, n);
+  set_version(jour, 1);
+  load_file(e, jour, 0, KVI_ERR_CORRUPT);
+  assert_last_error_has("kvi_store_load", "unknown record type 65537");
+  set_version(jour, 3);
+  load_file(e, jour, 0, KVI_ERR_INCOMPATIBLE);
+  free(b);
+  rfact_free(&g);
+  unlink(snap);
+  unlink(jour);
+  rmdir(dir);
+}
+
+static void test_version_1_files_load(void **state) {
+  tenv *e = *state;
+  char dir[] = "/tmp/kvi-tokens-XXXXXX", path[64];
+  assert_non_null(mkdtemp(dir));
+  snprintf(path, sizeof path, "%s/old", dir);
+  /* a version-1 file: facts without ids, which version 2 writes as version 1 did */
+  assert_ok(kvi_store_remove(e->s, 1, 1));
+  assert_ok(kvi_store_remove(e->s, 1, 2));
+  rfact g;
+  rfact_make(&g, &e->r, 2, 8, TL, 6, TH, TD, -3, 3);
+  put_ids(e->s, &g, NULL, 0);
+  assert_ok(kvi_store_save(e->s, path, NULL));
+  set_version(path, 1);
+  kvi_store *s = load_file(e, path, 0, KVI_OK);
+  expect_ids(s, 1, 3, NULL, 0);
+  expect_ids(s, 2, 8, NULL, 0);
+  rfact h;
+  rfact_read(s, 2, 8, TL, TH, TD, &h);
+  assert_memory_equal(h.k, g.k, (size_t)TL * 6 * TH * TD * sizeof(float));
+  rfact_free(&h);
+  kvi_store_destroy(s);
+  /* journaling into it makes it a version-2 file, whose records may carry ids */
+  s = load_file(e, path, KVI_LOAD_JOURNAL, KVI_OK);
+  const int32_t ids[6] = {1, 2, 3, 4, 5, 6};
+  put_ids(s, &g, ids, KVI_PUT_REPLACE);
+  kvi_store_destroy(s);
+  size_t n;
+  unsigned char *b = slurp(path, &n);
+  assert_int_equal(le32(b + 8), 2);
+  free(b);
+  s = load_file(e, path, 0, KVI_OK);
+  expect_ids(s, 2, 8, ids, 6);
+  expect_ids(s, 1, 3, NULL, 0);
+  kvi_store_destroy(s);
+  rfact_free(&g);
+  unlink(path);
+  rmdir(dir);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_put_read_back, tenv_setup, tenv_teardown),
@@ -317,6 +478,8 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_checked_inject, tenv_setup, tenv_teardown),
       cmocka_unit_test_setup_teardown(test_capture_keeps_ids, tenv_setup, tenv_teardown),
       cmocka_unit_test_setup_teardown(test_batched_inject_checked, tenv_setup, tenv_teardown),
+      cmocka_unit_test_setup_teardown(test_files_keep_ids, tenv_setup, tenv_teardown),
+      cmocka_unit_test_setup_teardown(test_version_1_files_load, tenv_setup, tenv_teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
