@@ -306,7 +306,7 @@ class Store(Handle):
     def put(self, tenant: int, fact_id: int, k: Union[ArrayLike, KVView], v: Optional[ArrayLike] = None, *,
             embedding: Optional[FloatArrayLike] = None, embedding_dtype: Optional[DType] = None,
             replace: bool = False, dtype: Optional[DType] = None, num_tokens: Optional[int] = None,
-            stream: StreamLike = None) -> None:
+            stream: StreamLike = None, token_ids: Optional[IntArrayLike] = None) -> None:
         """kvi_store_put: stores a fact's pre-RoPE K and V.
 
         k, v: tensors of shape [layers, tokens, heads, head_size] (any strides
@@ -317,7 +317,9 @@ class Store(Handle):
         buffer). embedding: required when the store keeps embeddings: a
         sequence of floats, or a buffer/tensor (host or device) of fp32, fp16
         or bf16. replace: KVI_PUT_REPLACE. stream: see :func:`stream` rules
-        (None = the default stream).
+        (None = the default stream). token_ids (experimental): the fact's token
+        ids, one int32 per token (ints, a host buffer or a CPU tensor), kept with
+        it (:meth:`fact_token_ids`); None: none.
         """
         view, keep = self._view(k, v, "put", writable=False, dtype=dtype, num_tokens=num_tokens)
         L = lib()
@@ -330,9 +332,15 @@ class Store(Handle):
             po.embedding = emb.ptr
             po.embedding_dtype = int(edt)
             po.embedding_memory = int(emb.memory)
+        tk = None
+        if token_ids is not None:
+            tk = _buffers.int_array(token_ids, ctypes.c_int32, "token_ids")
+            if tk.numel != view.num_tokens:
+                raise ValueError("token_ids has %d ids for %d tokens" % (tk.numel, view.num_tokens))
+            po.token_ids = tk.ptr
         L.call("kvi_store_put", self.handle, fit(tenant, U64, "tenant"), fit(fact_id, U64, "fact_id"),
                ctypes.byref(view), ctypes.byref(po), _buffers.stream_handle(stream))
-        del keep, emb
+        del keep, emb, tk
 
     def read(self, tenant: int, fact_id: int, k: Union[ArrayLike, KVView, None] = None, v: Optional[ArrayLike] = None,
              *, dtype: Optional[DType] = None, stream: StreamLike = None):
@@ -415,6 +423,17 @@ class Store(Handle):
         """kvi_store_check_agreement (collective): raises MismatchError when the ranks
         hold different facts."""
         lib().call("kvi_store_check_agreement", self.handle)
+
+    def fact_token_ids(self, tenant: int, fact_id: int) -> Tuple[List[int], int]:
+        """kvi_store_fact_token_ids (experimental): the fact's token ids and their hash
+        (FNV-1a 64 over the ids as little-endian int32); ([], 0) for a fact stored
+        without token ids."""
+        t, f = fit(tenant, U64, "tenant"), fit(fact_id, U64, "fact_id")
+        cap = self.fact_tokens(tenant, fact_id)
+        buf = (ctypes.c_int32 * max(cap, 1))()
+        n, h = ctypes.c_int32(), ctypes.c_uint64()
+        lib().call("kvi_store_fact_token_ids", self.handle, t, f, buf, cap, ctypes.byref(n), ctypes.byref(h))
+        return list(buf[:n.value]), h.value
 
     def fact_tokens(self, tenant: int, fact_id: int) -> int:
         """kvi_store_fact_tokens."""
