@@ -364,7 +364,9 @@ class Store(Handle):
     def put_scatter(self, root: int, items: Sequence, *, stream: StreamLike = None) -> None:
         """kvi_store_put_scatter (collective, kvinject/comm.h): every rank passes the
         same (tenant, fact_id) list; on ``root`` each item is (tenant, fact_id, k, v)
-        or (tenant, fact_id, k, v, embedding) with every KV head ([layers, tokens,
+        or (tenant, fact_id, k, v, embedding) or (tenant, fact_id, k, v, embedding,
+        token_ids) (embedding None without embeddings; token_ids experimental: one
+        int32 per token, kept by every rank) with every KV head ([layers, tokens,
         num_kv_heads, head_size]); elsewhere (tenant, fact_id). Each rank keeps its
         heads. All items or none."""
         L = lib()
@@ -379,13 +381,22 @@ class Store(Handle):
                 views.append(view)
                 keep.append(kp)
                 c.full = ctypes.cast(ctypes.pointer(view), ctypes.c_void_p)
-                if len(it) > 4 and it[4] is not None:
+                emb_given = len(it) > 4 and it[4] is not None
+                ids_given = len(it) > 5 and it[5] is not None
+                if emb_given or ids_given:
                     po = L.new(PutOptions)
-                    emb, edt = _buffers.float_array(it[4], "items[%d] embedding" % i)
-                    _check_embedding(emb, self.embedding_dim, "embedding")
-                    po.embedding, po.embedding_dtype, po.embedding_memory = emb.ptr, int(edt), int(emb.memory)
+                    if emb_given:
+                        emb, edt = _buffers.float_array(it[4], "items[%d] embedding" % i)
+                        _check_embedding(emb, self.embedding_dim, "embedding")
+                        po.embedding, po.embedding_dtype, po.embedding_memory = emb.ptr, int(edt), int(emb.memory)
+                        keep.append(emb)
+                    if ids_given:
+                        tk = _buffers.int_array(it[5], ctypes.c_int32, "items[%d] token_ids" % i)
+                        if tk.numel != view.num_tokens:
+                            raise ValueError("items[%d]: %d token ids for %d tokens" % (i, tk.numel, view.num_tokens))
+                        po.token_ids = tk.ptr
+                        keep.append(tk)
                     opts.append(po)
-                    keep.append(emb)
                     c.opts = ctypes.cast(ctypes.pointer(po), ctypes.c_void_p)
             arr[i] = c
         L.call("kvi_store_put_scatter", self.handle, fit(root, ctypes.c_int32, "root"), arr, len(items),
