@@ -187,7 +187,8 @@ typedef struct kvi_scatter_item {
  * root: 0..size-1, the same on every rank.
  * items: host memory, num_items items (0..2^20); every rank passes the same
  *   tenants and fact ids in the same order (checked: KVI_ERR_MISMATCH);
- *   `full` and `opts` are read on root only. A key twice in the list is
+ *   `full` and `opts` are read on root only (root's opts->token_ids, if
+ *   given, are kept by every rank's store). A key twice in the list is
  *   KVI_ERR_INVALID_ARGUMENT.
  * stream: on a CUDA store, the stream the packing, the NCCL transfers and the
  *   copies into the store are enqueued on; a device `full` must stay valid
@@ -233,8 +234,8 @@ KVI_API kvi_status kvi_store_gather(kvi_store *store, int32_t root, const kvi_ga
 
 /*
  * Collective. Checks that every rank holds the same facts: the same
- * (tenant, id, token count) set, compared through a 128-bit digest and the
- * counts. KVI_OK on every rank when they agree; KVI_ERR_MISMATCH on every
+ * (tenant, id, token count, token ids' hash) set (the hash 0 for a fact
+ * without token ids), compared through a 128-bit digest and the counts. KVI_OK on every rank when they agree; KVI_ERR_MISMATCH on every
  * rank when not (kvi_last_error gives the ranks' fact counts). Reads only.
  * Errors: KVI_ERR_INVALID_ARGUMENT (NULL), KVI_ERR_UNSUPPORTED (no
  * communicator), KVI_ERR_CUDA.

@@ -135,7 +135,13 @@ typedef enum kvi_status {
   /* A collective call (kvinject/comm.h) failed on another rank of the
    * communicator; this rank changed nothing. The failing rank returned the
    * cause. */
-  KVI_ERR_PEER = -17
+  KVI_ERR_PEER = -17,
+  /* An injection that checks token ids (kvi_inject_request.expect_token_ids,
+   * experimental) found a fact whose stored token ids differ from the
+   * prompt's at its slots, or a fact stored without token ids;
+   * kvi_last_error() names the tenant, the fact and the first differing
+   * position. Nothing was written. */
+  KVI_ERR_TOKEN_MISMATCH = -18
 } kvi_status;
 
 /* Static English text for a status ("invalid argument", ...). Never NULL;
@@ -184,10 +190,13 @@ KVI_API const char *kvi_last_error(void);
 /*
  * Every public struct begins with `size_t struct_size`; later versions only
  * append fields. Each struct has a first version: the fields its 0.1.0
- * header declares, except five that also accept an earlier, shorter layout:
+ * header declares, except those that also accept an earlier, shorter layout:
  * kvi_store_options (the fields before comm), kvi_inject_request (before
  * num_positions), kvi_inject_options (before host_pages), kvi_cache_layout
- * (before dim_stride) and kvi_store_stats (before pages_host_total).
+ * (before dim_stride), kvi_store_stats (before pages_host_total), and the
+ * structs that gained token ids: kvi_put_options, kvi_capture,
+ * kvi_encode_batch and kvi_inject_batch (the fields before token_ids or
+ * expect_token_ids).
  *
  * Input structs (options, views, requests, layouts): set struct_size to
  * sizeof the struct as the caller's header declares it, through the _INIT

@@ -106,9 +106,17 @@ typedef struct kvi_inject_request {
                                     tokens, kvi_inject_plan) when > 0; 0 (default)
                                     trusts positions to hold one per token. Must be
                                     0 when positions is NULL. */
+  /* Experimental (common.h, "Stability"): host memory, the prompt's token ids
+   * at this request's injected slots, one per injected token in the order
+   * kvi_inject writes them (its facts in order, each fact's tokens in order);
+   * or NULL (default): unchecked. Each fact's stored token ids
+   * (kvinject/store.h, "Token ids") must equal its part of them: a fact whose
+   * ids differ, or that was stored without ids, is KVI_ERR_TOKEN_MISMATCH
+   * (checked on the host with the other checks: nothing is written). */
+  const int32_t *expect_token_ids;
 } kvi_inject_request;
 
-#define KVI_INJECT_REQUEST_INIT {sizeof(kvi_inject_request), 0, NULL, 0, NULL, 0, KVI_MEMORY_HOST, 0, NULL, 0, 0}
+#define KVI_INJECT_REQUEST_INIT {sizeof(kvi_inject_request), 0, NULL, 0, NULL, 0, KVI_MEMORY_HOST, 0, NULL, 0, 0, NULL}
 
 /* Fills *req with KVI_INJECT_REQUEST_INIT for a struct of `size` bytes (pass sizeof *req):
  * see "Size-versioned structs" in kvinject/common.h. */
@@ -160,7 +168,11 @@ KVI_API kvi_status kvi_inject_options_init(kvi_inject_options *opts, size_t size
  * request's tenant), KVI_ERR_MEMORY_KIND, KVI_ERR_CAPACITY (past the
  * transfer options; or, on a store with a host tier, the call's facts cannot
  * all be on the device at once, or the host tier has no room for the facts
- * that would have to move down: nothing moved, nothing written), KVI_ERR_CUDA.
+ * that would have to move down: nothing moved, nothing written), KVI_ERR_CUDA,
+ * KVI_ERR_TOKEN_MISMATCH (expect_token_ids given and a fact's stored token
+ * ids differ from them, or the fact has none; the message names the tenant,
+ * the fact, the first differing token's index in the fact, its sequence slot
+ * and both ids).
  * Host-tier facts (kvinject/store.h, Tiers): see kvi_inject_options.host_pages;
  * the copies that bring them up run on the store's copy stream and `stream`
  * waits for them with an event, so the call still returns once enqueued.
@@ -249,11 +261,21 @@ typedef struct kvi_inject_batch {
                                          token (host positions only). 0 without positions. */
   kvi_memory index_memory;            /* HOST or DEVICE (default HOST) */
   int32_t *out_tokens;                /* fact_ids_memory: num_requests, or NULL */
+  /* Experimental (common.h, "Stability"): host memory, request r's expected
+   * token ids (as kvi_inject_request.expect_token_ids) at
+   * expect_token_ids + expect_token_offsets[r], its count
+   * expect_token_offsets[r + 1] - expect_token_offsets[r], which must equal
+   * the tokens it injects (CSR: num_requests + 1 non-decreasing entries
+   * >= 0); or NULL (default, and expect_token_offsets NULL): unchecked.
+   * With device fact ids (fact_ids_memory DEVICE) the host does not know the
+   * facts: a non-NULL expect_token_ids is KVI_ERR_INVALID_ARGUMENT. */
+  const int32_t *expect_token_ids;
+  const int64_t *expect_token_offsets;
 } kvi_inject_batch;
 
 #define KVI_INJECT_BATCH_INIT                                                                                   \
   {sizeof(kvi_inject_batch), 0, 0, NULL, NULL, KVI_MEMORY_HOST, NULL, NULL, KVI_MEMORY_HOST, 0, 0, NULL, NULL, \
-   32, NULL, NULL, 0, KVI_MEMORY_HOST, NULL}
+   32, NULL, NULL, 0, KVI_MEMORY_HOST, NULL, NULL, NULL}
 
 /* Fills *batch with KVI_INJECT_BATCH_INIT for a struct of `size` bytes (pass sizeof *batch):
  * see "Size-versioned structs" in kvinject/common.h. */
@@ -417,10 +439,14 @@ typedef struct kvi_capture {
   const void *embedding;       /* as in kvi_put_options */
   kvi_dtype embedding_dtype;   /* default FP32 */
   kvi_memory embedding_memory; /* default HOST */
+  /* Experimental (common.h, "Stability"): host memory, the captured slots'
+   * token ids, num_tokens of them, given by the caller and kept with the
+   * fact (kvinject/store.h, "Token ids"); or NULL (default): none. */
+  const int32_t *token_ids;
 } kvi_capture;
 
 #define KVI_CAPTURE_INIT \
-  {sizeof(kvi_capture), 0, 0, NULL, 0, 0, 0, NULL, 0, 0u, NULL, KVI_DTYPE_FP32, KVI_MEMORY_HOST}
+  {sizeof(kvi_capture), 0, 0, NULL, 0, 0, 0, NULL, 0, 0u, NULL, KVI_DTYPE_FP32, KVI_MEMORY_HOST, NULL}
 
 /* Fills *cap with KVI_CAPTURE_INIT for a struct of `size` bytes (pass sizeof *cap):
  * see "Size-versioned structs" in kvinject/common.h. */
@@ -488,11 +514,15 @@ typedef struct kvi_encode_batch {
   kvi_dtype embedding_dtype;          /* default FP32 */
   kvi_memory embedding_memory;        /* default HOST */
   int64_t embedding_stride;           /* elements between rows; 0: the store's embedding_dim */
+  /* Experimental (common.h, "Stability"): host: one token id per captured
+   * token, capture 0's first (capture i's at the offset of its first token
+   * in the call, as positions), as kvi_capture.token_ids; or NULL: none. */
+  const int32_t *token_ids;
 } kvi_encode_batch;
 
 #define KVI_ENCODE_BATCH_INIT                                                                                 \
   {sizeof(kvi_encode_batch), 0, 0, NULL, NULL, NULL, NULL, 0, 0, NULL, NULL, 32, NULL, NULL, 0, 0u, NULL, \
-   KVI_DTYPE_FP32, KVI_MEMORY_HOST, 0}
+   KVI_DTYPE_FP32, KVI_MEMORY_HOST, 0, NULL}
 
 /* Fills *batch with KVI_ENCODE_BATCH_INIT for a struct of `size` bytes (pass sizeof *batch):
  * see "Size-versioned structs" in kvinject/common.h. */

@@ -7,8 +7,10 @@
  * A store file holds a header (model geometry, tensor-parallel slice, the
  * resolved RoPE of every layer, storage dtype, embedding size), a snapshot of
  * facts closed by an end record, and optionally a log of later changes. Every
- * part carries a CRC32C. docs/store-format.md describes the format byte by
- * byte; the format version is 1.
+ * part carries a CRC32C; facts keep their token ids (kvinject/store.h,
+ * "Token ids"). docs/store-format.md describes the format byte by byte; the
+ * format version is 2, and files of version 1 (facts without token ids)
+ * still load; KVI_LOAD_JOURNAL makes such a file version 2.
  *
  * Two ways to make a store durable:
  * - kvi_store_save writes a snapshot to a new file and renames it over the

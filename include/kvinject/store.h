@@ -103,6 +103,17 @@
  *
  * Failed calls change nothing: a put that fails leaves any existing fact with
  * that key as it was, a remove that fails removes nothing.
+ *
+ * Token ids (experimental). A fact may keep the token ids (int32) its K and V
+ * were computed from: given to kvi_store_put (kvi_put_options.token_ids) or
+ * kvi_encode (kvi_capture.token_ids), kept in host memory on every backend,
+ * replaced with the fact (KVI_PUT_REPLACE), freed with it, written to store
+ * files and journals (kvinject/persist.h), and checked by injections that ask
+ * for it (kvi_inject_request.expect_token_ids). With them the store keeps
+ * their hash: FNV-1a 64 over the ids' bytes as little-endian int32 (offset
+ * basis 0xcbf29ce484222325, prime 0x100000001b3; each id contributes its 4
+ * bytes, least significant first), so that a client computes the same value.
+ * A fact without token ids has hash 0.
  */
 #ifndef KVINJECT_STORE_H
 #define KVINJECT_STORE_H
@@ -266,9 +277,13 @@ typedef struct kvi_put_options {
                                   store keeps embeddings, else must be NULL */
   kvi_dtype embedding_dtype;   /* FP32 (default), FP16 or BF16 */
   kvi_memory embedding_memory; /* default KVI_MEMORY_HOST */
+  /* Experimental (common.h, "Stability"): host memory, the fact's token ids,
+   * kv->num_tokens of them, kept by the store with their hash (see "Token
+   * ids" below); or NULL (default): a fact without token ids. */
+  const int32_t *token_ids;
 } kvi_put_options;
 
-#define KVI_PUT_OPTIONS_INIT {sizeof(kvi_put_options), 0u, NULL, KVI_DTYPE_FP32, KVI_MEMORY_HOST}
+#define KVI_PUT_OPTIONS_INIT {sizeof(kvi_put_options), 0u, NULL, KVI_DTYPE_FP32, KVI_MEMORY_HOST, NULL}
 
 /* Fills *opts with KVI_PUT_OPTIONS_INIT for a struct of `size` bytes (pass sizeof *opts):
  * see "Size-versioned structs" in kvinject/common.h. */
@@ -322,6 +337,22 @@ KVI_API kvi_status kvi_store_read(const kvi_store *store, uint64_t tenant, uint6
  * Errors: KVI_ERR_INVALID_ARGUMENT, KVI_ERR_NOT_FOUND. */
 KVI_API kvi_status kvi_store_fact_tokens(const kvi_store *store, uint64_t tenant,
                                          uint64_t fact_id, int32_t *out_tokens);
+
+#ifdef KVI_ENABLE_EXPERIMENTAL
+/*
+ * A fact's token ids (see "Token ids" above): writes them to out_ids (host
+ * memory, capacity entries; may be NULL when capacity is 0), their count to
+ * *out_num and their hash to *out_hash (host memory; out_hash may be NULL).
+ * A fact stored without token ids gives *out_num 0 and hash 0. A fact with
+ * them has one per token: size out_ids with kvi_store_fact_tokens.
+ * Errors (nothing written): KVI_ERR_INVALID_ARGUMENT (NULL store or out_num,
+ * capacity < 0, out_ids NULL with capacity > 0), KVI_ERR_NOT_FOUND,
+ * KVI_ERR_CAPACITY (capacity smaller than the fact's count of ids).
+ */
+KVI_EXPERIMENTAL kvi_status kvi_store_fact_token_ids(const kvi_store *store, uint64_t tenant, uint64_t fact_id,
+                                                     int32_t *out_ids, int32_t capacity, int32_t *out_num,
+                                                     uint64_t *out_hash);
+#endif
 
 /* A fact's embedding as the store keeps it (scaled for KVI_METRIC_COSINE and
  * rounded to embedding_dtype), converted exactly to fp32, into out (host

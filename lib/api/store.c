@@ -2,7 +2,7 @@
  * Entry points of the store part (kvinject/store.h, and
  * kvi_store_embedding_rank of kvinject/comm.h); kvi_store_create is the tp
  * part's (lib/api/tp.c). Calls that may touch the store's device make it
- * current first; count, list, stats and fact_tokens read host state only
+ * current first; count, list, stats, fact_tokens and fact_token_ids read host state only
  * and enter no device.
  * SPDX-License-Identifier: Apache-2.0
  */
@@ -59,6 +59,13 @@ KVI_API kvi_status kvi_store_read(const kvi_store *store, uint64_t tenant_id, ui
 KVI_API kvi_status kvi_store_fact_tokens(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id,
                                          int32_t *out_tokens) {
   return kvi__store_fact_tokens(store, tenant_id, fact_id, out_tokens, "kvi_store_fact_tokens");
+}
+
+KVI_EXPERIMENTAL kvi_status kvi_store_fact_token_ids(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id,
+                                                     int32_t *out_ids, int32_t capacity, int32_t *out_num,
+                                                     uint64_t *out_hash) {
+  return kvi__store_fact_token_ids(store, tenant_id, fact_id, out_ids, capacity, out_num, out_hash,
+                                   "kvi_store_fact_token_ids");
 }
 
 KVI_API kvi_status kvi_store_get_embedding(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, float *out) {

@@ -72,6 +72,18 @@ kvi_status kvi__init_struct(void *user, size_t size, const void *defaults, size_
 #define KVI__ROPE_SPEC_V1 sizeof(kvi_rope_spec)
 #define KVI__KV_VIEW_V1 sizeof(kvi_kv_view)
 
+/* The hash of a fact's token ids (kvinject/store.h, "Token ids"): FNV-1a 64
+ * over the ids' bytes as little-endian int32. n == 0 gives the offset basis;
+ * a fact without ids has hash 0, which callers write themselves. */
+static inline uint64_t kvi__token_hash(const int32_t *ids, int64_t n) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (int64_t i = 0; i < n; i++) {
+    const uint32_t v = (uint32_t)ids[i];
+    for (int b = 0; b < 32; b += 8) h = (h ^ ((v >> b) & 0xffu)) * 0x100000001b3ull;
+  }
+  return h;
+}
+
 /* Checks an output struct's struct_size (>= min_size) and copies the first
  * min(struct_size, known) bytes of `full` into it, keeping its struct_size. */
 kvi_status kvi__write_struct(void *user, const void *full, size_t known, size_t min_size,

@@ -30,6 +30,7 @@ const char *kvi__status_string(kvi_status status) {
   case KVI_ERR_INCOMPATIBLE: return "incompatible store file";
   case KVI_ERR_IO: return "I/O error";
   case KVI_ERR_PEER: return "failed on another rank";
+  case KVI_ERR_TOKEN_MISMATCH: return "token ids differ";
   }
   return "unknown status";
 }

@@ -33,7 +33,8 @@ typedef struct kvi__journal kvi__journal;
 static const unsigned char FILE_MAGIC[8] = {'K', 'V', 'I', 'S', 'T', 'O', 'R', 'E'};
 
 enum {
-  FORMAT_VERSION = 1,
+  FORMAT_VERSION = 2,     /* written; 1 (facts without token ids) is read too */
+  FORMAT_VERSION_MIN = 1,
   HDR_FIXED = 88,  /* file header before the RoPE entries */
   ROPE_BYTES = 88, /* one layer's RoPE */
   ENTRY_HDR = 48,
@@ -43,6 +44,7 @@ enum {
   KIND_END = 2,
   OP_PUT = 1,
   OP_REMOVE = 2,
+  REC_TOKEN_IDS = 0x10000, /* version 2: a PUT record's type word has it when its payload ends with the token ids */
   MAX_LAYERS = 65536,
 };
 #define ENDIAN_MARK 0x01020304u
@@ -87,13 +89,17 @@ static inline uint64_t scale_bytes(uint64_t tokens, int32_t P, int32_t L, int32_
   return P > 0 ? (tokens + (uint64_t)P - 1u) / (uint64_t)P * 2u * (uint64_t)L * (uint64_t)H * 4u : 0u;
 }
 
-/* A stored fact's record payload: embedding, then K, then V, then (fp8) the scales. */
-static inline uint64_t put_payload(const kvi_store *s, int32_t tokens) {
+/* A stored fact's record payload: embedding, then K, then V, then (fp8) the
+ * scales, then (ids: a fact with token ids) its token ids as int32. */
+static inline uint64_t put_payload(const kvi_store *s, int32_t tokens, bool ids) {
   return (uint64_t)s->emb_dim * 4u + (uint64_t)tokens * token_bytes(s) +
-         scale_bytes((uint64_t)tokens, s->fp8 ? s->P : 0, s->geom.num_layers, s->geom.local_heads);
+         scale_bytes((uint64_t)tokens, s->fp8 ? s->P : 0, s->geom.num_layers, s->geom.local_heads) +
+         (ids ? (uint64_t)tokens * 4u : 0u);
 }
 
-static inline uint64_t put_record_bytes(const kvi_store *s, int32_t tokens) { return REC_HDR + pad8(put_payload(s, tokens)); }
+static inline uint64_t put_record_bytes(const kvi_store *s, int32_t tokens, bool ids) {
+  return REC_HDR + pad8(put_payload(s, tokens, ids));
+}
 
 /* The RoPE entries of a file header for n_layers layers (format.c). */
 void kvi__persist_rope_entries(unsigned char *out, const kvi__rope *rope, int32_t n_layers);
@@ -103,9 +109,10 @@ unsigned char *kvi__persist_make_header(const kvi_store *s, uint64_t file_id, si
 /* An entry header (ENTRY_HDR bytes) with its CRC. */
 void kvi__persist_entry_header(unsigned char *h, uint32_t kind, uint64_t file_id, uint64_t seq, uint64_t body_bytes,
                                uint32_t count, uint32_t body_crc);
-/* A PUT record (put_record_bytes) of a fact whose data is in `pages`. */
+/* A PUT record (put_record_bytes) of a fact whose data is in `pages`, with
+ * its token ids (NULL: none). */
 kvi_status kvi__persist_fill_put(const kvi_store *s, unsigned char *rec, uint64_t tenant, uint64_t id, int32_t tokens,
-                                 const uint32_t *pages, const float *emb, const char *fn);
+                                 const uint32_t *pages, const float *emb, const int32_t *ids, const char *fn);
 
 /* ---- files (file.c) ----------------------------------------------------- */
 

@@ -162,7 +162,7 @@ static kvi_status journal_put(void *ctx, const kvi__txn *t) {
     return st; /* the pages are complete once the stream has passed */
   if ((st = journal_usable(j, fn))) return st;
   uint64_t body = 0;
-  for (int32_t i = 0; i < n; i++) body += put_record_bytes(s, t->facts[i].tokens);
+  for (int32_t i = 0; i < n; i++) body += put_record_bytes(s, t->facts[i].tokens, t->facts[i].ids != NULL);
   unsigned char *entry = ENTRY_HDR + body <= SIZE_MAX ? malloc((size_t)(ENTRY_HDR + body)) : NULL;
   if (!entry)
     return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a %llu-byte journal entry",
@@ -170,8 +170,8 @@ static kvi_status journal_put(void *ctx, const kvi__txn *t) {
   unsigned char *rec = entry + ENTRY_HDR;
   for (int32_t i = 0; i < n && st == KVI_OK; i++) {
     const kvi__txn_fact *x = &t->facts[i];
-    st = kvi__persist_fill_put(s, rec, x->tenant, x->id, x->tokens, kvi__txn_pages(t, i), x->emb, fn);
-    rec += put_record_bytes(s, x->tokens);
+    st = kvi__persist_fill_put(s, rec, x->tenant, x->id, x->tokens, kvi__txn_pages(t, i), x->emb, x->ids, fn);
+    rec += put_record_bytes(s, x->tokens, x->ids != NULL);
   }
   if (st == KVI_OK) st = journal_append(j, entry, body, (uint32_t)n, fn);
   free(entry);

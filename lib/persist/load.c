@@ -46,6 +46,7 @@ typedef struct loader {
   kvi_dtype dtype;
   int32_t P; /* fp8 files: tokens per scale, else 0 */
   uint64_t token_bytes;
+  uint32_t version; /* the file's format version */
 } loader;
 
 static kvi_status corrupt(const loader *ld, uint64_t off, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -119,9 +120,10 @@ static kvi_status read_header(loader *ld, const kvi_model *model, const kvi_stor
     st = corrupt(ld, hb - 4, "header checksum mismatch (stored 0x%08x, computed 0x%08x)", get32(h + hb - 4), crc);
     goto out;
   }
-  if (get32(h + 8) != FORMAT_VERSION) {
-    st = kvi__fail(KVI_ERR_INCOMPATIBLE, ld->fn, "%s: format version %u; this library reads version %d", ld->path,
-                   get32(h + 8), FORMAT_VERSION);
+  ld->version = get32(h + 8);
+  if (ld->version < FORMAT_VERSION_MIN || ld->version > FORMAT_VERSION) {
+    st = kvi__fail(KVI_ERR_INCOMPATIBLE, ld->fn, "%s: format version %u; this library reads versions %d to %d",
+                   ld->path, ld->version, FORMAT_VERSION_MIN, FORMAT_VERSION);
     goto out;
   }
   if (get32(h + 12) != ENDIAN_MARK) {
@@ -269,6 +271,7 @@ static kvi_status check_tail(const loader *ld, uint64_t off, uint64_t want_seq, 
 
 typedef struct rec {
   uint32_t op;
+  bool ids; /* the payload ends with the fact's token ids */
   int32_t tokens;
   uint64_t tenant, id, payload;
   const unsigned char *data;
@@ -281,6 +284,8 @@ static kvi_status next_record(const loader *ld, const unsigned char *body, uint6
   if (len - *at < REC_HDR) return corrupt(ld, off, "record header past the end of its entry");
   const unsigned char *p = body + *at;
   r->op = get32(p);
+  r->ids = ld->version >= 2 && r->op == (OP_PUT | REC_TOKEN_IDS); /* else an unknown type below */
+  if (r->ids) r->op = OP_PUT;
   r->tokens = (int32_t)get32(p + 4);
   r->tenant = get64(p + 8);
   r->id = get64(p + 16);
@@ -299,7 +304,8 @@ static kvi_status next_record(const loader *ld, const unsigned char *body, uint6
   if (r->tokens < 1 || __builtin_mul_overflow((uint64_t)r->tokens, ld->token_bytes, &want) ||
       __builtin_add_overflow(want, (uint64_t)ld->E * 4u, &want) ||
       __builtin_mul_overflow((uint64_t)r->tokens, 8u * (uint64_t)ld->L * (uint64_t)ld->H, &groups) ||
-      __builtin_add_overflow(want, scale_bytes((uint64_t)r->tokens, ld->P, ld->L, ld->H), &want))
+      __builtin_add_overflow(want, scale_bytes((uint64_t)r->tokens, ld->P, ld->L, ld->H), &want) ||
+      __builtin_add_overflow(want, r->ids ? (uint64_t)r->tokens * 4u : 0u, &want))
     return corrupt(ld, off, "fact record with %d tokens", (int)r->tokens);
   if (r->payload != want)
     return corrupt(ld, off, "fact record of %d tokens with %llu payload bytes; the geometry needs %llu", (int)r->tokens,
@@ -331,7 +337,7 @@ static kvi_status next_record(const loader *ld, const unsigned char *body, uint6
  * with the pages' scales, kept as they are; emb: the embedding as it was
  * kept, or NULL) through a transaction of its own. */
 static kvi_status load_fact(kvi_store *s, uint64_t tenant, uint64_t id, const kvi_kv_view *kv, const float *scales,
-                            const float *emb, const char *fn) {
+                            const float *emb, const int32_t *ids, const char *fn) {
   kvi_kv_view v, w = *kv;
   if (scales) w.dtype = KVI_DTYPE_BF16; /* checked as a 2-byte view (a larger extent), then given its dtype back */
   kvi_status st = kvi__view_check(&v, &w, &s->geom, false, fn);
@@ -347,10 +353,28 @@ static kvi_status load_fact(kvi_store *s, uint64_t tenant, uint64_t id, const kv
   st = kvi__txn_begin(&t, s, 1, KVI__PLACE_ANY, NULL, NULL, fn);
   if (st == KVI_OK) st = kvi__txn_add(&t, tenant, id, v.num_tokens, 0, e);
   else free(e);
+  if (st == KVI_OK) st = kvi__txn_token_ids(&t, ids);
   if (st == KVI_OK) st = kvi__txn_take_pages(&t);
   if (st == KVI_OK) st = kvi__store_write_pages(s, kvi__txn_pages(&t, 0), &v, scales, NULL, fn);
   st = st == KVI_OK ? kvi__txn_commit(&t) : kvi__txn_abort(&t, st);
   kvi__store_unlock(s);
+  return st;
+}
+
+/* A journal appends records of this version: an older file's header is
+ * rewritten as this version's (what it holds reads the same), flushed. */
+static kvi_status upgrade_header(const loader *ld) {
+  const size_t hb = (size_t)HDR_BYTES(ld->L);
+  unsigned char *h = malloc(hb);
+  if (!h) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, ld->fn, "allocating a %zu-byte header", hb);
+  kvi_status st = rd(ld, 0, h, hb);
+  if (st == KVI_OK) {
+    put32(h + 8, FORMAT_VERSION);
+    put32(h + hb - 4, kvi__crc32c(0, h, hb - 4));
+    if (kvi__persist_pwrite_all(ld->fd, h, hb, 0) != 0 || fsync(ld->fd) != 0)
+      st = kvi__persist_io_fail(ld->fn, errno, "rewriting the header of", ld->path);
+  }
+  free(h);
   return st;
 }
 
@@ -379,16 +403,20 @@ static kvi_status apply(const loader *ld, const rec *r, bool in_log, uint64_t eo
   /* the embedding copied to aligned memory, as the fp8 scales */
   const size_t eb = (size_t)ld->E * 4u, sb = ld->P > 0 ? (size_t)scale_bytes((uint64_t)r->tokens, ld->P, ld->L, ld->H) : 0;
   float *emb = ld->E ? malloc(eb) : NULL, *scales = ld->P > 0 ? malloc(sb) : NULL;
-  if ((ld->E && !emb) || (ld->P > 0 && !scales)) {
+  int32_t *ids = r->ids ? malloc((size_t)r->tokens * sizeof *ids) : NULL;
+  if ((ld->E && !emb) || (ld->P > 0 && !scales) || (r->ids && !ids)) {
     free(emb);
     free(scales);
-    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, ld->fn, "allocating %zu bytes", eb + sb);
+    free(ids);
+    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, ld->fn, "allocating %zu bytes", eb + sb + (size_t)r->tokens * 4u);
   }
   if (emb) memcpy(emb, r->data, eb);
   if (scales) memcpy(scales, k + 2 * plane, sb); /* fp8: bytes and scales as they were */
-  st = load_fact(ld->s, r->tenant, r->id, &v, scales, emb, ld->fn);
+  for (int32_t i = 0; ids && i < r->tokens; i++) ids[i] = (int32_t)get32(k + 2 * plane + sb + 4 * (size_t)i);
+  st = load_fact(ld->s, r->tenant, r->id, &v, scales, emb, ids, ld->fn);
   free(emb);
   free(scales);
+  free(ids);
   if (st) {
     char msg[400];
     snprintf(msg, sizeof msg, "%s", kvi__last_error());
@@ -548,6 +576,7 @@ kvi_status kvi__store_load(kvi_store **out, const kvi_model *model, const kvi_st
   if ((st = kvi__shard_store_create(&ld.s, model, opts, fn))) goto fail;
   uint64_t valid_end = 0, next_seq = 0;
   if ((st = read_entries(&ld, HDR_BYTES(ld.L), &valid_end, &next_seq))) goto fail;
+  if (journal && ld.version < FORMAT_VERSION && (st = upgrade_header(&ld))) goto fail;
   if (journal) {
     if (valid_end < ld.size && (ftruncate(ld.fd, (off_t)valid_end) != 0 || fsync(ld.fd) != 0)) {
       st = kvi__persist_io_fail(fn, errno, "cutting the torn final entry off", path);

@@ -122,6 +122,7 @@ kvi_status kvi__store_put_views(kvi_store *store, kvi__put_item *items, int32_t 
     st = kvi__txn_add(&t, items[added].tenant, items[added].id, items[added].v->num_tokens, items[added].flags,
                       items[added].emb);
     items[added].emb = NULL; /* the transaction's */
+    if (st == KVI_OK) st = kvi__txn_token_ids(&t, items[added].ids);
   }
   if (st == KVI_OK) st = kvi__txn_take_pages(&t);
   bool copied = false;
@@ -151,6 +152,9 @@ kvi_status kvi__store_put_args(const kvi_store *store, const kvi_kv_view *v, con
   if (o->flags & ~KVI_PUT_REPLACE)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->flags has unknown bits 0x%x", o->flags & ~KVI_PUT_REPLACE);
   if ((st = kvi__store_view_memory(store, v, fn, "kv->k", "kv->v"))) return st;
+  if (o->token_ids && (st = kvi__check_memory(o->token_ids, KVI_MEMORY_HOST, store->backend == KVI_BACKEND_CUDA,
+                                              store->device, fn, "opts->token_ids")))
+    return st;
   return kvi__store_read_embedding(store, o->embedding, o->embedding_dtype, o->embedding_memory, stream, emb, fn);
 }
 
@@ -163,7 +167,7 @@ kvi_status kvi__store_put(kvi_store *store, uint64_t tenant_id, uint64_t fact_id
   kvi_put_options o;
   float *emb = NULL;
   if ((st = kvi__store_put_args(store, &v, opts, &o, &emb, stream, fn))) return st;
-  kvi__put_item it = {tenant_id, fact_id, &v, o.flags, emb};
+  kvi__put_item it = {tenant_id, fact_id, &v, o.flags, emb, o.token_ids};
   return kvi__store_put_views(store, &it, 1, stream, NULL, fn);
 }
 

@@ -44,6 +44,31 @@ kvi_status kvi__store_fact_tokens(const kvi_store *store, uint64_t tenant_id, ui
   return f ? KVI_OK : kvi__store_not_found(fn, tenant_id, fact_id);
 }
 
+kvi_status kvi__store_fact_token_ids(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, int32_t *out_ids,
+                                     int32_t capacity, int32_t *out_num, uint64_t *out_hash, const char *fn) {
+  if (!store || !out_num)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_num" : "store");
+  if (capacity < 0 || (capacity > 0 && !out_ids))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, capacity < 0 ? "capacity is %d" : "out_ids is NULL with capacity %d",
+                     (int)capacity);
+  kvi__store_lock(store);
+  const fact *f = kvi__map_get(&store->index.facts, tenant_id, fact_id);
+  const int32_t n = f && f->token_ids ? f->tokens : 0;
+  kvi_status st = KVI_OK;
+  if (!f) {
+    st = kvi__store_not_found(fn, tenant_id, fact_id);
+  } else if (n > capacity) {
+    st = kvi__fail(KVI_ERR_CAPACITY, fn, "fact %llu of tenant %llu has %d token ids, out_ids holds %d",
+                   (unsigned long long)fact_id, (unsigned long long)tenant_id, (int)n, (int)capacity);
+  } else {
+    if (n > 0) memcpy(out_ids, f->token_ids, (size_t)n * sizeof *out_ids);
+    *out_num = n;
+    if (out_hash) *out_hash = f->token_hash;
+  }
+  kvi__store_unlock(store);
+  return st;
+}
+
 kvi_status kvi__store_count(const kvi_store *store, uint64_t tenant_id, size_t *out_count, const char *fn) {
   if (!store || !out_count)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_count" : "store");

@@ -18,7 +18,7 @@
 /* kvi_store_options' first version: the fields before comm (older sizes are accepted) */
 #define KVI__STORE_OPTIONS_V1 offsetof(kvi_store_options, comm)
 /* kvi_put_options' first version */
-#define KVI__PUT_OPTIONS_V1 sizeof(kvi_put_options)
+#define KVI__PUT_OPTIONS_V1 offsetof(kvi_put_options, token_ids) /* before the token ids */
 
 #define KVI__TRACK_EVENTS 64 /* device operations tracked for deferred frees */
 
@@ -54,6 +54,10 @@ typedef struct fact {
    * clean copy (facts never change in place): demoting it again copies
    * nothing. NULL when there is none; dropped when the host needs room. */
   uint32_t *hpages;
+  /* Its token ids (host memory, `tokens` of them, owned) and their hash
+   * (kvi__token_hash), or NULL and 0: stored without them. */
+  int32_t *token_ids;
+  uint64_t token_hash;
 } fact;
 
 /* A tenant's embeddings (stores with embedding_dim > 0): row r < nrows of the
@@ -367,7 +371,7 @@ typedef struct kvi__gate {
  * store's lock held from begin to commit or abort:
  *   kvi__txn_begin    room for `cap` facts in the transaction (no store change)
  *   kvi__txn_add      a fact: reserves its record's room in the maps and its
- *                     embedding row
+ *                     embedding row (kvi__txn_token_ids: its token ids)
  *   kvi__txn_take_pages  refuses a key the store holds that was added without
  *                     KVI_PUT_REPLACE (all keys looked up in prefetched groups),
  *                     then takes every added fact's pages off the free stacks
@@ -401,6 +405,7 @@ typedef struct kvi__txn_fact {
   uint32_t flags;         /* KVI_PUT_REPLACE or 0 */
   uint32_t npages, first; /* its page ids: the transaction's pages[first, first + npages) */
   float *emb;             /* emb_dim fp32 values as the store keeps them, or NULL; owned */
+  int32_t *ids;           /* its token ids (tokens of them), or NULL; owned (kvi__txn_token_ids) */
   pool *into;             /* the pool its pages came from */
   fact *f;                /* records, allocated by kvi__txn_prepare */
   uint32_t *pages;
@@ -426,6 +431,9 @@ typedef struct kvi__txn {
 kvi_status kvi__txn_begin(kvi__txn *t, kvi_store *s, int32_t cap, kvi__place place, kvi__gate *gate,
                           struct CUstream_st *stream, const char *fn);
 kvi_status kvi__txn_add(kvi__txn *t, uint64_t tenant_id, uint64_t fact_id, int32_t tokens, uint32_t flags, float *emb);
+/* Gives the fact added last a copy of its token ids (`tokens` of them;
+ * NULL: none), kept by the fact once committed. */
+kvi_status kvi__txn_token_ids(kvi__txn *t, const int32_t *ids);
 kvi_status kvi__txn_take_pages(kvi__txn *t);
 static inline uint32_t *kvi__txn_pages(const kvi__txn *t, int32_t i) { return t->pages + t->facts[i].first; }
 void kvi__txn_wrote(kvi__txn *t);
@@ -479,6 +487,7 @@ typedef struct kvi__put_item {
   const kvi_kv_view *v;
   uint32_t flags;
   float *emb;
+  const int32_t *ids; /* v->num_tokens token ids (host memory; copied), or NULL */
 } kvi__put_item;
 
 /* The put of n facts, all or none (a key twice in the list is
@@ -529,6 +538,9 @@ kvi_status kvi__store_read(const kvi_store *store, uint64_t tenant_id, uint64_t 
 /* kvi_store_fact_tokens (no device work) */
 kvi_status kvi__store_fact_tokens(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, int32_t *out_tokens,
                                   const char *fn);
+/* kvi_store_fact_token_ids (no device work) */
+kvi_status kvi__store_fact_token_ids(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, int32_t *out_ids,
+                                     int32_t capacity, int32_t *out_num, uint64_t *out_hash, const char *fn);
 /* kvi_store_get_embedding */
 kvi_status kvi__store_get_embedding(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, float *out,
                                     const char *fn);

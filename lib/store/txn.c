@@ -48,6 +48,17 @@ kvi_status kvi__txn_add(kvi__txn *t, uint64_t tenant_id, uint64_t fact_id, int32
   return kvi__emb_reserve_rows(s, tenant_id, emb ? 1 : 0, tokens, fn);
 }
 
+kvi_status kvi__txn_token_ids(kvi__txn *t, const int32_t *ids) {
+  if (!ids) return KVI_OK;
+  if (!t->facts || t->n < 1 || t->facts[t->n - 1].ids)
+    return kvi__fail(KVI_ERR_INTERNAL, t->fn, "token ids given to a transaction without a fact for them");
+  kvi__txn_fact *x = &t->facts[t->n - 1];
+  x->ids = malloc((size_t)x->tokens * sizeof *x->ids);
+  if (!x->ids) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, t->fn, "allocating %d token ids", (int)x->tokens);
+  memcpy(x->ids, ids, (size_t)x->tokens * sizeof *x->ids);
+  return KVI_OK;
+}
+
 /* Refuses a key the store holds that was added without KVI_PUT_REPLACE;
  * the keys are looked up 64 at a time (kvi__store_find_many prefetches). */
 static kvi_status check_new(const kvi__txn *t) {
@@ -131,6 +142,7 @@ static void txn_end(kvi__txn *t) {
     free(t->facts[i].pages);
     free(t->facts[i].fresh);
     free(t->facts[i].emb);
+    free(t->facts[i].ids);
   }
   free(t->facts);
   free(t->pages);
@@ -174,6 +186,9 @@ kvi_status kvi__txn_commit(kvi__txn *t) {
   if (st) return kvi__txn_abort(t, st);
   for (int32_t i = 0; i < t->n; i++) {
     kvi__txn_fact *x = &t->facts[i];
+    x->f->token_ids = x->ids; /* f's now: kvi__fact_commit sets its other fields */
+    x->f->token_hash = x->ids ? kvi__token_hash(x->ids, x->tokens) : 0;
+    x->ids = NULL;
     kvi__fact_commit(s, x->f, x->pages, x->npages, x->fresh, &x->emb, x->tenant, x->id, x->tokens);
     x->f = NULL, x->pages = NULL, x->fresh = NULL; /* the store's now */
   }

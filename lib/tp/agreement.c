@@ -17,8 +17,9 @@ kvi_status kvi__store_check_agreement(kvi_store *store, const char *fn) {
   kvi__store_lock(store);
   size_t pos = 0;
   for (const fact *f; (f = kvi__store_next_fact(store, &pos));) {
+    /* the token ids' hash too (0 without ids): ranks must agree on what each fact is */
     const uint64_t x = kvi__mix64(f->tenant_id) ^ kvi__mix64(f->id + 0x9e3779b97f4a7c15ull) ^
-                       kvi__mix64((uint64_t)f->tokens << 1 | 1);
+                       kvi__mix64((uint64_t)f->tokens << 1 | 1) ^ kvi__mix64(f->token_hash ^ 0xd6e8feb86659fd93ull);
     me[0]++;
     me[1] += kvi__mix64(x);
     me[2] += kvi__mix64(x ^ 0x5851f42d4c957f2dull);
@@ -35,7 +36,7 @@ kvi_status kvi__store_check_agreement(kvi_store *store, const char *fn) {
       st = kvi__fail(KVI_ERR_MISMATCH, fn,
                      "the ranks hold different facts: rank 0 has %llu, rank %d has %llu%s", (unsigned long long)all[0],
                      (int)r, (unsigned long long)all[3 * r],
-                     all[0] == all[3 * r] ? " (same count, different ids or token counts)" : "");
+                     all[0] == all[3 * r] ? " (same count, different ids, token counts or token ids)" : "");
   free(all);
   return st;
 }

@@ -24,7 +24,7 @@ static kvi_status comm_decide(kvi__gate *g, kvi_status local) {
 /* What root tells the others about each fact of a scatter. */
 typedef struct item_rec {
   int32_t tokens, dtype;
-  uint32_t flags, has_emb;
+  uint32_t flags, has_emb, has_ids;
 } item_rec;
 
 /* A scatter in progress (kvi_store_put_scatter). */
@@ -36,6 +36,10 @@ typedef struct scatter {
   size_t info_bytes;
   item_rec *rec;
   float *embs;
+  /* the facts' token ids, back to back (those with has_ids), broadcast after the block */
+  const int32_t **ids_src; /* root: where item i's ids are */
+  int32_t *ids;
+  int64_t nids;
   size_t *mine_off; /* where my slice of fact i arrives */
   void *host_pack;
 } scatter;
@@ -55,12 +59,34 @@ static kvi_status scatter_read(scatter *sc) {
     else st = kvi__view_check(&op->v[i], it->full, &fg, false, fn);
     if (st == KVI_OK) st = kvi__store_put_args(store, &op->v[i], it->opts, &o, &emb, op->stream, fn);
     if (st) break;
-    const item_rec r = {op->v[i].num_tokens, (int32_t)op->v[i].dtype, o.flags, emb != NULL};
+    const item_rec r = {op->v[i].num_tokens, (int32_t)op->v[i].dtype, o.flags, emb != NULL, o.token_ids != NULL};
     sc->rec[i] = r;
+    sc->ids_src[i] = o.token_ids;
     if (emb) memcpy(sc->embs + (size_t)i * sc->E, emb, (size_t)sc->E * sizeof(float));
     free(emb);
   }
   return st;
+}
+
+/* Every rank gets root's token ids: their count is known from the block, so
+ * when any fact has them, the ranks allocate, agree that they could, and
+ * root broadcasts them. */
+static kvi_status scatter_ids(scatter *sc) {
+  shard_op *op = &sc->op;
+  for (int32_t i = 0; i < op->n; i++)
+    if (sc->rec[i].has_ids) sc->nids += sc->rec[i].tokens;
+  if (sc->nids == 0) return KVI_OK;
+  kvi_status st = (sc->ids = malloc((size_t)sc->nids * sizeof *sc->ids))
+                      ? KVI_OK
+                      : kvi__fail(KVI_ERR_OUT_OF_MEMORY, op->fn, "allocating %lld token ids", (long long)sc->nids);
+  if ((st = kvi__shard_combine(op->c, st, op->stream, op->fn))) return st;
+  int64_t at = 0;
+  for (int32_t i = 0; op->is_root && i < op->n; i++)
+    if (sc->rec[i].has_ids) {
+      memcpy(sc->ids + at, sc->ids_src[i], (size_t)sc->rec[i].tokens * sizeof *sc->ids);
+      at += sc->rec[i].tokens;
+    }
+  return kvi__comm_bcast_host(op->c, sc->ids, (size_t)sc->nids * sizeof *sc->ids, op->root, op->fn);
 }
 
 /* Rank r's buffer (root: packed from the full views; the others: room for
@@ -106,6 +132,7 @@ static kvi_status scatter_put(scatter *sc) {
   const int32_t n = op->n, E = sc->E;
   int32_t first, h;
   kvi__geom_rank_heads(g, c->rank, &first, &h);
+  int64_t ids_at = 0;
   kvi_kv_view *mine = calloc((size_t)n, sizeof *mine);
   kvi__put_item *put = calloc((size_t)n, sizeof *put);
   kvi_status st = mine && put ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d views", (int)n);
@@ -126,7 +153,9 @@ static kvi_status scatter_put(scatter *sc) {
       memcpy(emb, sc->embs + (size_t)i * E, (size_t)E * sizeof *emb);
     }
     const kvi_scatter_item *it = item_at(op->items, op->stride, i);
-    const kvi__put_item p = {it->tenant, it->fact_id, &mine[i], sc->rec[i].flags, emb};
+    const kvi__put_item p = {it->tenant, it->fact_id, &mine[i], sc->rec[i].flags, emb,
+                             sc->rec[i].has_ids ? sc->ids + ids_at : NULL};
+    if (sc->rec[i].has_ids) ids_at += T;
     put[i] = p;
   }
   comm_gate gate = {{comm_decide}, c, op->stream, fn};
@@ -156,10 +185,13 @@ kvi_status kvi__store_put_scatter(kvi_store *store, int32_t root, const kvi_scat
   if (!op->v || !sc.info) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d items", (int)n);
   sc.rec = (item_rec *)sc.info;
   sc.embs = sc.info ? (float *)(sc.info + (size_t)n * sizeof(item_rec)) : NULL;
+  sc.ids_src = calloc(n > 0 ? (size_t)n : 1, sizeof *sc.ids_src);
+  if (!sc.ids_src && st == KVI_OK) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %d items", (int)n);
   if (st == KVI_OK && op->is_root) st = scatter_read(&sc);
   op_rec me = {(int32_t)st, root, n, 0, st ? 0 : kvi__shard_keys_digest(items, op->stride, n)};
   if ((st = kvi__shard_exchange_op(c, &me, stream, fn)) == KVI_OK && n > 0) /* every rank knows n: all skip alike */
     st = kvi__comm_bcast_host(c, sc.info, sc.info_bytes, root, fn);
+  if (st == KVI_OK && n > 0) st = scatter_ids(&sc); /* every rank knows whether any fact has ids */
 
   /* root packs and sends; each other rank receives its own */
   if (st == KVI_OK && n > 0) {
@@ -175,5 +207,7 @@ kvi_status kvi__store_put_scatter(kvi_store *store, int32_t root, const kvi_scat
   free(sc.host_pack);
   free(sc.mine_off);
   free(sc.info);
+  free(sc.ids_src);
+  free(sc.ids);
   return st;
 }

@@ -133,6 +133,7 @@ kvi_status kvi__encode_batched(kvi_encoder *encoder, const kvi_encode_batch *bat
                        (long long)sp, (int)x->max_pos - 1);
       c->start_position = (int32_t)sp;
     }
+    c->token_ids = b.token_ids ? b.token_ids + at : NULL;
     if (c->num_tokens > 0) at += c->num_tokens;
     c->flags = b.flags;
     if (b.embeddings) {
@@ -327,6 +328,8 @@ kvi_status kvi__inject_batched(kvi_injector *injector, const kvi_inject_batch *b
                      "host tier and without sharded embeddings");
   if (dev_ids && b.positions)
     return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "per-token positions with device fact ids (give start_positions)");
+  if (dev_ids && b.expect_token_ids)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->expect_token_ids with device fact ids (unknown on the host)");
   if (n == 0) return KVI_OK;
   if (!b.fact_offsets)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->fact_offsets is NULL");
@@ -372,6 +375,7 @@ kvi_status kvi__inject_batched(kvi_injector *injector, const kvi_inject_batch *b
     goto out;
   }
   for (int32_t r = 0; r < n; r++) batch_request(&b, r, &rq[r]);
+  if ((st = kvi__batch_expect(x, rq, n, b.expect_token_ids, b.expect_token_offsets, fn))) goto out;
   const flat_pos fp = {b.positions, b.position_bits == 64, b.num_positions};
   kvi__lock_both(x);
   st = kvi__inject_locked(x, rq, n, &fp, lb, le, hp, NULL, b.out_tokens, stream, fn);

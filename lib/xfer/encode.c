@@ -136,6 +136,9 @@ static kvi_status read_captures(xfer *x, const kvi_capture *caps, int32_t num_ca
         break;
       checked_table = c->block_table;
     }
+    if (c->token_ids &&
+        (st = kvi__check_memory(c->token_ids, KVI_MEMORY_HOST, x->cuda, s->device, fn, "a capture's token_ids")))
+      break;
     job j;
     capture_job(c, pos64, &j);
     if ((st = kvi__check_job_slots(x, &j, i, "capture", fn))) break;
@@ -215,6 +218,7 @@ static kvi_status encode_locked(xfer *x, cap_read *r, int32_t num_captures, stru
   for (int32_t i = 0; i < num_captures && st == KVI_OK; i++) {
     st = kvi__txn_add(&t, cs[i].c.tenant, cs[i].c.fact_id, cs[i].c.num_tokens, cs[i].c.flags, cs[i].emb);
     cs[i].emb = NULL; /* the transaction's */
+    if (st == KVI_OK) st = kvi__txn_token_ids(&t, cs[i].c.token_ids);
   }
   if (st == KVI_OK) st = kvi__txn_take_pages(&t);
   bool launched = false;

@@ -11,6 +11,24 @@
 
 #include "xfer/transfer.h"
 
+/* Refuses request r's fact ft, injected from sequence index slot0 on, when
+ * its stored token ids are not want[0 .. ft->tokens). */
+static kvi_status check_token_ids(const ireq *rq, int32_t r, const fact *ft, const int32_t *want, int64_t slot0,
+                                  const char *fn) {
+  if (!ft->token_ids)
+    return kvi__fail(KVI_ERR_TOKEN_MISMATCH, fn,
+                     "request %d: fact %llu of tenant %llu has no stored token ids (expect_token_ids given)", (int)r,
+                     (unsigned long long)ft->id, (unsigned long long)rq->tenant);
+  if (memcmp(ft->token_ids, want, (size_t)ft->tokens * sizeof *want) == 0) return KVI_OK;
+  int32_t i = 0;
+  while (ft->token_ids[i] == want[i]) i++;
+  return kvi__fail(KVI_ERR_TOKEN_MISMATCH, fn,
+                   "request %d: fact %llu of tenant %llu: its token %d (sequence slot %lld) is %d in "
+                   "expect_token_ids, %d stored",
+                   (int)r, (unsigned long long)ft->id, (unsigned long long)rq->tenant, (int)i,
+                   (long long)(slot0 + i), (int)want[i], (int)ft->token_ids[i]);
+}
+
 /* Looks request r's facts up and sums their tokens and pages (store
  * locked); the job is checked later (kvi__check_request_job). */
 static kvi_status inject_job(const xfer *x, const ireq *rq, int32_t r, job *j, int64_t *npages, fact **found,
@@ -29,9 +47,21 @@ static kvi_status inject_job(const xfer *x, const ireq *rq, int32_t r, job *j, i
       return kvi__fail(KVI_ERR_NOT_FOUND, fn, "request %d: no fact %llu for tenant %llu", (int)r,
                        (unsigned long long)rq->fact_ids[f], (unsigned long long)rq->tenant);
     __builtin_prefetch(ft->pages); /* read when the plan is written */
+    kvi_status st;
+    if (rq->expect_ids && rq->expect_sized && j->tokens + ft->tokens > rq->num_expect)
+      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                       "request %d: %lld expected token ids, its facts have more tokens (one id per token)", (int)r,
+                       (long long)rq->num_expect);
+    if (rq->expect_ids &&
+        (st = check_token_ids(rq, r, ft, rq->expect_ids + j->tokens, rq->j.first_slot + j->tokens, fn)))
+      return st;
     j->tokens += ft->tokens;
     *npages += ft->npages;
   }
+  if (rq->expect_ids && rq->expect_sized && rq->num_expect != j->tokens)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                     "request %d: %lld expected token ids, its facts have %lld tokens (one id per token)", (int)r,
+                     (long long)rq->num_expect, (long long)j->tokens);
   if (rq->num_positions < 0 || (rq->num_positions > 0 && !rq->j.positions))
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "request %d: num_positions is %lld with positions %s", (int)r,
                      (long long)rq->num_positions, rq->j.positions ? "given" : "NULL");
@@ -150,6 +180,28 @@ kvi_status kvi__read_inject_options(const xfer *x, const kvi_inject_options *opt
   return kvi__check_rope_set(x, fn);
 }
 
+kvi_status kvi__batch_expect(const xfer *x, ireq *rq, int32_t n, const int32_t *ids, const int64_t *off,
+                             const char *fn) {
+  if (!ids) return KVI_OK;
+  if (!off) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->expect_token_offsets is NULL");
+  kvi_status st;
+  if (x->cuda && ((st = kvi__check_memory(ids, KVI_MEMORY_HOST, true, x->store->device, fn, "batch->expect_token_ids")) ||
+                  (st = kvi__check_memory(off, KVI_MEMORY_HOST, true, x->store->device, fn,
+                                          "batch->expect_token_offsets"))))
+    return st;
+  if (off[0] < 0)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->expect_token_offsets[0] is %lld", (long long)off[0]);
+  for (int32_t r = 0; r < n; r++) {
+    if (off[r + 1] < off[r])
+      return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->expect_token_offsets[%d] is %lld, below [%d] = %lld",
+                       (int)r + 1, (long long)off[r + 1], (int)r, (long long)off[r]);
+    rq[r].expect_ids = ids + off[r];
+    rq[r].expect_sized = true;
+    rq[r].num_expect = off[r + 1] - off[r];
+  }
+  return KVI_OK;
+}
+
 /* A kvi_inject_request (full-size copy) as the call's request. */
 kvi_status kvi__request_of(const xfer *x, const kvi_inject_request *q, int32_t r, ireq *out, const char *fn) {
   kvi_status st = kvi__check_table_kind(x, q->block_table_memory, r, fn);
@@ -159,6 +211,7 @@ kvi_status kvi__request_of(const xfer *x, const kvi_inject_request *q, int32_t r
   out->fact_ids = q->fact_ids;
   out->num_facts = q->num_facts;
   out->num_positions = q->num_positions;
+  out->expect_ids = q->expect_token_ids;
   out->j.table = q->block_table;
   out->j.table_len = q->block_table_len;
   out->j.table_on_host = q->block_table_memory == KVI_MEMORY_HOST;

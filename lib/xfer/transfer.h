@@ -122,12 +122,16 @@ typedef struct deviation {
 /* A request of an injection, as both forms of the call give it (kvi_inject's
  * structs, kvi_inject_batched's arrays): its tenant and facts, and its job
  * (table, first slot, positions; tokens still 0). num_positions: the
- * per-request form's check (0: none). */
+ * per-request form's check (0: none). expect_ids: the prompt's token ids
+ * its facts' stored ids must equal (kvi_inject_request.expect_token_ids). */
 typedef struct ireq {
   uint64_t tenant;
   const uint64_t *fact_ids;
   int32_t num_facts;
   int64_t num_positions;
+  const int32_t *expect_ids; /* host: one token id per injected token, or NULL (unchecked) */
+  bool expect_sized;         /* num_expect is expect_ids' count (the batched form); else trusted */
+  int64_t num_expect;
   job j;
 } ireq;
 
@@ -220,6 +224,10 @@ kvi_status kvi__inject_locked(xfer *x, const ireq *rq, int32_t num_requests, con
 /* kvi_inject_options read and checked. */
 kvi_status kvi__read_inject_options(const xfer *x, const kvi_inject_options *opts, int32_t *lb, int32_t *le,
                                     kvi_host_pages *hp, const char *fn);
+/* kvi_inject_batch's expected token ids (CSR, host memory; ids NULL: none)
+ * given to its requests, the offsets checked. */
+kvi_status kvi__batch_expect(const xfer *x, ireq *rq, int32_t n, const int32_t *ids, const int64_t *off,
+                             const char *fn);
 /* A kvi_inject_request as the call's request. */
 kvi_status kvi__request_of(const xfer *x, const kvi_inject_request *q, int32_t r, ireq *out, const char *fn);
 /* The tokens of a tenant's facts (kvi_inject_plan's sum), the store's lock held. */

@@ -30,10 +30,10 @@
 #define KVI__TRANSFER_OPTIONS_V1 sizeof(kvi_transfer_options)
 #define KVI__INJECT_REQUEST_V1 offsetof(kvi_inject_request, num_positions) /* the first layout */
 #define KVI__INJECT_OPTIONS_V1 offsetof(kvi_inject_options, host_pages) /* the fields before the host tier came first */
-#define KVI__CAPTURE_V1 sizeof(kvi_capture)
-#define KVI__ENCODE_BATCH_V1 sizeof(kvi_encode_batch)
+#define KVI__CAPTURE_V1 offsetof(kvi_capture, token_ids) /* before the token ids */
+#define KVI__ENCODE_BATCH_V1 offsetof(kvi_encode_batch, token_ids) /* before the token ids */
 #define KVI__RETRIEVE_REQUEST_V1 sizeof(kvi_retrieve_request)
-#define KVI__INJECT_BATCH_V1 sizeof(kvi_inject_batch)
+#define KVI__INJECT_BATCH_V1 offsetof(kvi_inject_batch, expect_token_ids) /* before the token ids */
 #define KVI__CACHE_LAYOUT_V1 offsetof(kvi_cache_layout, dim_stride) /* before the per-plane strides */
 #define KVI__RECOMPUTE_OPTIONS_V1 sizeof(kvi_recompute_options)
 #define KVI__LLAMA_STATE_SPEC_V1 sizeof(kvi_llama_state_spec)

@@ -46,7 +46,8 @@ from .enums import (FEATURE_CUBLASLT, FEATURE_CUDA, FEATURE_NCCL, LOAD_JOURNAL, 
                     RopeStyle, ScaleMode, Status)
 from .errors import (CapacityError, CorruptError, CudaError, ExistsError, IncompatibleError, IOError_, PeerError, InternalError, InvalidArgumentError, KviError,
                      MemoryKindError, MismatchError, NoDeviceError, NotBuiltError, NotFoundError,
-                     OutOfMemoryError, StaleLayoutError, StructSizeError, UnsupportedError, error_class)
+                     OutOfMemoryError, StaleLayoutError, StructSizeError, TokenMismatchError, UnsupportedError,
+                     error_class)
 from ._types import ArrayLike, CudaStreamLike, FloatArrayLike, IntArrayLike, StreamLike, TensorLike
 from .model import Model, ModelInfoData, RopeSpec
 from .store import KVView, SearchResults, Store, StoreStats
@@ -117,6 +118,6 @@ __all__ = [
     "LOAD_JOURNAL", "OutOfMemoryError", "PUT_REPLACE", "SAVE_ONE_TENANT", "RETRIEVE_BEST_LAST", "RopeScaling", "RopeSpec",
     "RopeStyle", "SEARCH_DEFAULT_WORKSPACE", "SEARCH_MAX_K", "SEARCH_NO_ID", "STRIDE_SAME", "ScaleMode", "SearchResults",
     "StaleLayoutError", "Status", "Store", "StoreStats",
-    "StructSizeError", "UnsupportedError", "cuda_device_count", "dtype_size", "embedding_rank", "error_class", "features",
+    "StructSizeError", "TokenMismatchError", "UnsupportedError", "cuda_device_count", "dtype_size", "embedding_rank", "error_class", "features",
     "last_error", "library_found_by", "library_path", "recompute_select", "status_string", "version", "version_number",
 ]

@@ -127,6 +127,7 @@ class PutOptions(ctypes.Structure):
         ("embedding", c_void_p),
         ("embedding_dtype", c_enum),
         ("embedding_memory", c_enum),
+        ("token_ids", c_void_p),  # experimental
     ]
 
 
@@ -216,6 +217,7 @@ class InjectRequestC(ctypes.Structure):
         ("positions", c_void_p),
         ("start_position", c_int32),
         ("num_positions", c_int32),
+        ("expect_token_ids", c_void_p),  # experimental
     ]
 
 
@@ -240,6 +242,8 @@ class InjectBatchC(ctypes.Structure):
         ("num_positions", c_int64),
         ("index_memory", c_enum),
         ("out_tokens", c_void_p),
+        ("expect_token_ids", c_void_p),  # experimental
+        ("expect_token_offsets", c_void_p),
     ]
 
 
@@ -265,6 +269,7 @@ class EncodeBatchC(ctypes.Structure):
         ("embedding_dtype", c_enum),
         ("embedding_memory", c_enum),
         ("embedding_stride", c_int64),
+        ("token_ids", c_void_p),  # experimental
     ]
 
 
@@ -301,6 +306,7 @@ class CaptureC(ctypes.Structure):
         ("embedding", c_void_p),
         ("embedding_dtype", c_enum),
         ("embedding_memory", c_enum),
+        ("token_ids", c_void_p),  # experimental
     ]
 
 
@@ -405,6 +411,7 @@ _PROTOTYPES = {
     "kvi_store_put": (c_int, [P, c_uint64, c_uint64, P, P, P]),
     "kvi_store_read": (c_int, [P, c_uint64, c_uint64, P, P]),
     "kvi_store_fact_tokens": (c_int, [P, c_uint64, c_uint64, POINTER(c_int32)]),
+    "kvi_store_fact_token_ids": (c_int, [P, c_uint64, c_uint64, P, c_int32, POINTER(c_int32), POINTER(c_uint64)]),
     "kvi_store_get_embedding": (c_int, [P, c_uint64, c_uint64, P]),
     "kvi_store_remove": (c_int, [P, c_uint64, c_uint64]),
     "kvi_store_prefetch": (c_int, [P, c_uint64, P, c_int32, P]),

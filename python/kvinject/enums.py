@@ -29,6 +29,7 @@ class Status(enum.IntEnum):
     ERR_INCOMPATIBLE = -15
     ERR_IO = -16
     ERR_PEER = -17
+    ERR_TOKEN_MISMATCH = -18
 
 
 class DType(enum.IntEnum):

@@ -106,6 +106,11 @@ class PeerError(KviError):
     """KVI_ERR_PEER: a collective call failed on another rank; nothing changed here."""
 
 
+class TokenMismatchError(KviError, ValueError):
+    """KVI_ERR_TOKEN_MISMATCH: a checked injection found a fact whose stored token ids are not the
+    prompt's at its slots (or a fact stored without token ids); nothing was written."""
+
+
 class StaleLayoutError(ValueError):
     """The binding's own check: a layout made from a Hugging Face cache object whose
     tensors the cache has since replaced (see :meth:`kvinject.CacheLayout.check`).
@@ -130,6 +135,7 @@ _BY_STATUS = {
     Status.ERR_INCOMPATIBLE: IncompatibleError,
     Status.ERR_IO: IOError_,
     Status.ERR_PEER: PeerError,
+    Status.ERR_TOKEN_MISMATCH: TokenMismatchError,
 }
 
 

@@ -307,7 +307,7 @@ class Store(Handle):
     def put(self, tenant: int, fact_id: int, k: Union[ArrayLike, KVView], v: Optional[ArrayLike] = None, *,
             embedding: Optional[FloatArrayLike] = None, embedding_dtype: Optional[DType] = None,
             replace: bool = False, dtype: Optional[DType] = None, num_tokens: Optional[int] = None,
-            stream: StreamLike = None) -> None:
+            stream: StreamLike = None, token_ids: Optional[IntArrayLike] = None) -> None:
         """kvi_store_put: stores a fact's pre-RoPE K and V.
 
         k, v: tensors of shape [layers, tokens, heads, head_size] (any strides
@@ -318,7 +318,9 @@ class Store(Handle):
         buffer). embedding: required when the store keeps embeddings: a
         sequence of floats, or a buffer/tensor (host or device) of fp32, fp16
         or bf16. replace: KVI_PUT_REPLACE. stream: see :func:`stream` rules
-        (None = the default stream).
+        (None = the default stream). token_ids (experimental): the fact's token
+        ids, one int32 per token (ints, a host buffer or a CPU tensor), kept with
+        it (:meth:`fact_token_ids`); None: none.
         """
         view, keep = self._view(k, v, "put", writable=False, dtype=dtype, num_tokens=num_tokens)
         L = lib()
@@ -331,9 +333,15 @@ class Store(Handle):
             po.embedding = emb.ptr
             po.embedding_dtype = int(edt)
             po.embedding_memory = int(emb.memory)
+        tk = None
+        if token_ids is not None:
+            tk = _buffers.int_array(token_ids, ctypes.c_int32, "token_ids")
+            if tk.numel != view.num_tokens:
+                raise ValueError("token_ids has %d ids for %d tokens" % (tk.numel, view.num_tokens))
+            po.token_ids = tk.ptr
         L.call("kvi_store_put", self.handle, fit(tenant, U64, "tenant"), fit(fact_id, U64, "fact_id"),
                ctypes.byref(view), ctypes.byref(po), _buffers.stream_handle(stream))
-        del keep, emb
+        del keep, emb, tk
 
     def read(self, tenant: int, fact_id: int, k: Union[ArrayLike, KVView, None] = None, v: Optional[ArrayLike] = None,
              *, dtype: Optional[DType] = None, stream: StreamLike = None):
@@ -357,7 +365,9 @@ class Store(Handle):
     def put_scatter(self, root: int, items: Sequence, *, stream: StreamLike = None) -> None:
         """kvi_store_put_scatter (collective, kvinject/comm.h): every rank passes the
         same (tenant, fact_id) list; on ``root`` each item is (tenant, fact_id, k, v)
-        or (tenant, fact_id, k, v, embedding) with every KV head ([layers, tokens,
+        or (tenant, fact_id, k, v, embedding) or (tenant, fact_id, k, v, embedding,
+        token_ids) (embedding None without embeddings; token_ids experimental: one
+        int32 per token, kept by every rank) with every KV head ([layers, tokens,
         num_kv_heads, head_size]); elsewhere (tenant, fact_id). Each rank keeps its
         heads. All items or none."""
         L = lib()
@@ -372,13 +382,22 @@ class Store(Handle):
                 views.append(view)
                 keep.append(kp)
                 c.full = ctypes.cast(ctypes.pointer(view), ctypes.c_void_p)
-                if len(it) > 4 and it[4] is not None:
+                emb_given = len(it) > 4 and it[4] is not None
+                ids_given = len(it) > 5 and it[5] is not None
+                if emb_given or ids_given:
                     po = L.new(PutOptions)
-                    emb, edt = _buffers.float_array(it[4], "items[%d] embedding" % i)
-                    _check_embedding(emb, self.embedding_dim, "embedding")
-                    po.embedding, po.embedding_dtype, po.embedding_memory = emb.ptr, int(edt), int(emb.memory)
+                    if emb_given:
+                        emb, edt = _buffers.float_array(it[4], "items[%d] embedding" % i)
+                        _check_embedding(emb, self.embedding_dim, "embedding")
+                        po.embedding, po.embedding_dtype, po.embedding_memory = emb.ptr, int(edt), int(emb.memory)
+                        keep.append(emb)
+                    if ids_given:
+                        tk = _buffers.int_array(it[5], ctypes.c_int32, "items[%d] token_ids" % i)
+                        if tk.numel != view.num_tokens:
+                            raise ValueError("items[%d]: %d token ids for %d tokens" % (i, tk.numel, view.num_tokens))
+                        po.token_ids = tk.ptr
+                        keep.append(tk)
                     opts.append(po)
-                    keep.append(emb)
                     c.opts = ctypes.cast(ctypes.pointer(po), ctypes.c_void_p)
             arr[i] = c
         L.call("kvi_store_put_scatter", self.handle, fit(root, ctypes.c_int32, "root"), arr,
@@ -418,6 +437,17 @@ class Store(Handle):
         """kvi_store_check_agreement (collective): raises MismatchError when the ranks
         hold different facts."""
         lib().call("kvi_store_check_agreement", self.handle)
+
+    def fact_token_ids(self, tenant: int, fact_id: int) -> Tuple[List[int], int]:
+        """kvi_store_fact_token_ids (experimental): the fact's token ids and their hash
+        (FNV-1a 64 over the ids as little-endian int32); ([], 0) for a fact stored
+        without token ids."""
+        t, f = fit(tenant, U64, "tenant"), fit(fact_id, U64, "fact_id")
+        cap = self.fact_tokens(tenant, fact_id)
+        buf = (ctypes.c_int32 * max(cap, 1))()
+        n, h = ctypes.c_int32(), ctypes.c_uint64()
+        lib().call("kvi_store_fact_token_ids", self.handle, t, f, buf, cap, ctypes.byref(n), ctypes.byref(h))
+        return list(buf[:n.value]), h.value
 
     def fact_tokens(self, tenant: int, fact_id: int) -> int:
         """kvi_store_fact_tokens."""

@@ -26,7 +26,11 @@ class InjectRequest:
     int32 block ids: a sequence of ints, a host buffer, or an int32 tensor on
     the CPU or on the store's CUDA device (checked by the kernel: see
     :meth:`Injector.async_errors`). positions: one RoPE position per injected
-    token (host), or None for start_position + i.
+    token (host), or None for start_position + i. expect_token_ids
+    (experimental): the prompt's token ids at the injected slots, one per
+    injected token (int32: ints, a host buffer or a CPU tensor); a fact whose
+    stored token ids differ, or that has none, raises
+    :class:`~kvinject.TokenMismatchError` and nothing is written. None: unchecked.
     """
 
     tenant: int
@@ -35,6 +39,7 @@ class InjectRequest:
     first_slot: int = 0
     positions: Optional[IntArrayLike] = None
     start_position: int = 0
+    expect_token_ids: Optional[IntArrayLike] = None
 
 
 @dataclasses.dataclass
@@ -54,7 +59,9 @@ class Capture:
     """kvi_capture: one fact to capture: ``num_tokens`` tokens of a sequence from
     ``first_slot`` on, whose keys the engine wrote rotated at ``positions``
     (None: start_position + i). block_table: host int32 (ints, a buffer or a
-    CPU tensor). embedding: as :meth:`Store.put`."""
+    CPU tensor). embedding: as :meth:`Store.put`. token_ids (experimental):
+    the captured slots' token ids, ``num_tokens`` int32, kept with the fact
+    (:meth:`Store.fact_token_ids`); None: none."""
 
     tenant: int
     fact_id: int
@@ -66,6 +73,7 @@ class Capture:
     replace: bool = False
     embedding: Optional[FloatArrayLike] = None
     embedding_dtype: Optional[DType] = None
+    token_ids: Optional[IntArrayLike] = None
 
 
 def _batch_indices(b, n: int, noun: str, block_tables, block_table_offsets, tenants, tenant, first_slots,
@@ -130,9 +138,10 @@ def _two_d_table(bt, n: int, what: str) -> Tuple[int, int]:
     return fit(max(stride, bt.cols, 1), ctypes.c_int64, what), fit(bt.cols, ctypes.c_int32, what)
 
 
-def _request_array(requests):
+def _request_array(requests, plan=None):
     """kvi_inject_request structs of InjectRequests, and what must stay alive while
-    the C call reads them."""
+    the C call reads them. plan: the injector's plan, which checks that
+    expect_token_ids hold one id per injected token (the library reads that many)."""
     if isinstance(requests, InjectRequest):
         requests = [requests]
     requests = list(requests)
@@ -160,6 +169,14 @@ def _request_array(requests):
             elif ids.numel > 0:
                 raise ValueError("requests[%d].positions is empty; give one position per token, or None" % i)
             keep.append(pos)
+        if r.expect_token_ids is not None:
+            et = _buffers.int_array(r.expect_token_ids, ctypes.c_int32, "requests[%d].expect_token_ids" % i)
+            need = plan(r.tenant, ids) if plan is not None else et.numel
+            if et.numel != need:
+                raise ValueError("requests[%d].expect_token_ids has %d ids, its facts have %d tokens"
+                                 % (i, et.numel, need))
+            c.expect_token_ids = et.ptr
+            keep.append(et)
         keep += [ids, bt]
         arr[i] = c
     return arr, len(requests), keep
@@ -248,7 +265,7 @@ class Injector(_Transfer):
         layer_begin/layer_end: write layers [begin, end) (end 0 = all). stream:
         None (default stream), an int handle or a torch.cuda.Stream; host arrays
         may be reused when this returns."""
-        arr, nreq, keep = _request_array(requests)
+        arr, nreq, keep = _request_array(requests, self.plan)
         L = lib()
         o = L.new(InjectOptions)
         assign(o, layer_begin=layer_begin, layer_end=layer_end)
@@ -258,7 +275,8 @@ class Injector(_Transfer):
 
     def inject_batch(self, fact_ids, block_tables, *, fact_offsets=None, tenant: int = 0, tenants=None,
                      block_table_offsets=None, first_slots=None, start_positions=None, positions=None,
-                     out_tokens=None, layer_begin: int = 0, layer_end: int = 0, stream=None) -> None:
+                     out_tokens=None, layer_begin: int = 0, layer_end: int = 0, stream=None,
+                     expect_token_ids=None, expect_token_offsets=None) -> None:
         """kvi_inject_batched: a whole batch from flat arrays in one call (no struct,
         no loop per request). Arrays: torch tensors, objects with
         __cuda_array_interface__, host buffers (numpy, array.array, ctypes) or
@@ -299,7 +317,12 @@ class Injector(_Transfer):
         copies them and checks them as host ones, but no length of fact_ids or
         block_tables reaches it, so their last entries are the caller's to keep
         inside those arrays. Device block-table entries outside the cache are
-        skipped and counted (:meth:`async_errors`)."""
+        skipped and counted (:meth:`async_errors`).
+
+        expect_token_ids and expect_token_offsets (experimental; host int32 ids and
+        int64 CSR offsets, num_requests + 1): request r's prompt token ids at its
+        injected slots, as :class:`InjectRequest`'s expect_token_ids (host fact ids
+        only)."""
         # A call with the torch tensors of the previous successful call (the same
         # addresses, shapes, strides, dtypes and devices: an engine's persistent
         # buffers, whose contents change) reuses its struct, which holds nothing
@@ -309,7 +332,7 @@ class Injector(_Transfer):
             key = (tensor_key(fact_ids), tensor_key(block_tables), tensor_key(fact_offsets),
                    tensor_key(tenants), tensor_key(block_table_offsets), tensor_key(first_slots),
                    tensor_key(start_positions), tensor_key(positions), tensor_key(out_tokens),
-                   tenant, layer_begin, layer_end)
+                   tensor_key(expect_token_ids), tensor_key(expect_token_offsets), tenant, layer_begin, layer_end)
         except NoKey:
             key = None
         last = self.__dict__.get("_batch_last")
@@ -380,6 +403,19 @@ class Injector(_Transfer):
                                  % (Memory(ids.memory).name, Memory(ot.memory).name))
             b.out_tokens = ot.ptr
             keep.append(ot)
+        if expect_token_ids is not None or expect_token_offsets is not None:
+            if expect_token_ids is None or expect_token_offsets is None:
+                raise ValueError("give expect_token_ids with expect_token_offsets")
+            et = _buffers.int_array(expect_token_ids, ctypes.c_int32, "expect_token_ids")
+            eo = _buffers.int_array(expect_token_offsets, ctypes.c_int64, "expect_token_offsets")
+            if eo.numel != n + 1:
+                raise ValueError("expect_token_offsets has %d entries for %d requests (num_requests + 1)"
+                                 % (eo.numel, n))
+            offs = ctypes.cast(eo.ptr, ctypes.POINTER(ctypes.c_int64))
+            if n >= 0 and (offs[0] < 0 or offs[n] > et.numel):
+                raise ValueError("expect_token_offsets reach %d, expect_token_ids has %d ids" % (offs[n], et.numel))
+            b.expect_token_ids, b.expect_token_offsets = et.ptr, eo.ptr
+            keep += [et, eo]
         opts = None
         if layer_begin or layer_end:
             opts = lib().new(InjectOptions)
@@ -418,7 +454,7 @@ class Injector(_Transfer):
         returns a list of floats (host, the call waits); or a contiguous float32 tensor or
         buffer, host or on the store's device, with at least one entry per token, which
         the call fills (device: on ``stream``, no synchronization) and returns."""
-        arr, nreq, keep = _request_array(requests)
+        arr, nreq, keep = _request_array(requests, self.plan)
         L = lib()
         n = 0
         for r in requests if not isinstance(requests, InjectRequest) else [requests]:
@@ -547,6 +583,12 @@ class Encoder(_Transfer):
                 _check_embedding(emb, self.store.embedding_dim, "captures[%d].embedding" % i)
                 c.embedding, c.embedding_dtype, c.embedding_memory = emb.ptr, int(edt), int(emb.memory)
                 keep.append(emb)
+            if cp.token_ids is not None:
+                tk = _buffers.int_array(cp.token_ids, ctypes.c_int32, "captures[%d].token_ids" % i)
+                if tk.numel != cp.num_tokens:
+                    raise ValueError("captures[%d]: %d token ids for %d tokens" % (i, tk.numel, cp.num_tokens))
+                c.token_ids = tk.ptr
+                keep.append(tk)
             keep.append(bt)
             arr[i] = c
         L.call("kvi_encode", self.handle, arr, fit(len(captures), ctypes.c_int32, "num_captures"),
@@ -556,7 +598,7 @@ class Encoder(_Transfer):
     def encode_batch(self, fact_ids, num_tokens, block_tables, *, tenant: int = 0, tenants=None,
                      block_table_offsets=None, first_slots=None, start_positions=None, positions=None,
                      replace: bool = False, embeddings=None, embedding_dtype: Optional[DType] = None,
-                     stream=None) -> None:
+                     stream=None, token_ids=None) -> None:
         """kvi_encode_batched: captures from flat host arrays in one call, all-or-nothing
         (as :meth:`encode`). fact_ids: uint64/int64 per capture; num_tokens: int32 per
         capture; block_tables: int32, a 2-D [captures, blocks] array (rows any stride
@@ -565,7 +607,9 @@ class Encoder(_Transfer):
         as :meth:`Injector.inject_batch`. embeddings: None, or a [captures, dim]
         buffer/tensor (host or device) of fp32, fp16 or bf16 with contiguous rows.
         The arrays are checked as :meth:`Injector.inject_batch`'s host arrays
-        (block_table_offsets' last entry at most the length of block_tables)."""
+        (block_table_offsets' last entry at most the length of block_tables).
+        token_ids (experimental): None, or host int32, one per captured token,
+        capture 0's first (as positions), kept with the facts."""
         ids = index_array(fact_ids, ("u64", "i64"), "fact_ids")
         n = ids.numel
         nt = index_array(num_tokens, ("i32",), "num_tokens")
@@ -601,5 +645,13 @@ class Encoder(_Transfer):
                 raise ValueError("embeddings: %d elements for %d captures of dimension %d" % (emb.numel, n, dim))
             b.embeddings, b.embedding_dtype, b.embedding_memory = emb.ptr, int(edt), int(emb.memory)
             keep.append(emb)
+        if token_ids is not None:
+            tk = _buffers.int_array(token_ids, ctypes.c_int32, "token_ids")
+            counts = ctypes.cast(nt.ptr, ctypes.POINTER(ctypes.c_int32))
+            total = sum(max(counts[i], 0) for i in range(n))
+            if tk.numel != total:
+                raise ValueError("token_ids has %d ids for %d captured tokens" % (tk.numel, total))
+            b.token_ids = tk.ptr
+            keep.append(tk)
         lib().call("kvi_encode_batched", self.handle, ctypes.byref(b), _buffers.stream_handle(stream))
         del keep

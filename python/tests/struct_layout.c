@@ -101,6 +101,7 @@ int main(void) {
   FIELD(kvi_put_options, embedding);
   FIELD(kvi_put_options, embedding_dtype);
   FIELD(kvi_put_options, embedding_memory);
+  FIELD(kvi_put_options, token_ids);
 
   SIZE(kvi_store_stats);
   FIELD(kvi_store_stats, struct_size);
@@ -195,6 +196,7 @@ int main(void) {
   FIELD(kvi_inject_request, positions);
   FIELD(kvi_inject_request, start_position);
   FIELD(kvi_inject_request, num_positions);
+  FIELD(kvi_inject_request, expect_token_ids);
 
   SIZE(kvi_encode_batch);
   FIELD(kvi_encode_batch, struct_size);
@@ -217,6 +219,7 @@ int main(void) {
   FIELD(kvi_encode_batch, embedding_dtype);
   FIELD(kvi_encode_batch, embedding_memory);
   FIELD(kvi_encode_batch, embedding_stride);
+  FIELD(kvi_encode_batch, token_ids);
 
   SIZE(kvi_inject_batch);
   FIELD(kvi_inject_batch, struct_size);
@@ -238,6 +241,8 @@ int main(void) {
   FIELD(kvi_inject_batch, num_positions);
   FIELD(kvi_inject_batch, index_memory);
   FIELD(kvi_inject_batch, out_tokens);
+  FIELD(kvi_inject_batch, expect_token_ids);
+  FIELD(kvi_inject_batch, expect_token_offsets);
 
   SIZE(kvi_recompute_options);
   FIELD(kvi_recompute_options, struct_size);
@@ -265,6 +270,7 @@ int main(void) {
   FIELD(kvi_capture, embedding);
   FIELD(kvi_capture, embedding_dtype);
   FIELD(kvi_capture, embedding_memory);
+  FIELD(kvi_capture, token_ids);
 
   /* enum sizes: ctypes declares every kvi_ enum as int */
   printf("enumsize kvi_status %zu\n", sizeof(kvi_status));
@@ -295,6 +301,7 @@ int main(void) {
   CONST(KVI_ERR_INCOMPATIBLE);
   CONST(KVI_ERR_IO);
   CONST(KVI_ERR_PEER);
+  CONST(KVI_ERR_TOKEN_MISMATCH);
   CONST(KVI_EMBEDDINGS_REPLICATED);
   CONST(KVI_EMBEDDINGS_SHARDED);
   CONST(KVI_RETRIEVE_BEST_LAST);

@@ -88,13 +88,17 @@ class TestTP:
             def rank_fn(c):
                 s = self.store(c, tp, c.rank, kvi.EmbeddingPlacement.SHARDED)
                 try:
-                    items = [(5, i, self.facts[i][1], self.facts[i][2], self.facts[i][3]) if c.rank == 1 else (5, i)
-                             for i in self.facts]
+                    # the even facts with token ids (experimental): every rank keeps root's
+                    ids = {i: [100 * i + t for t in range(self.facts[i][0])] if i % 2 == 0 else None
+                           for i in self.facts}
+                    items = [(5, i, self.facts[i][1], self.facts[i][2], self.facts[i][3], ids[i]) if c.rank == 1
+                             else (5, i) for i in self.facts]
                     s.put_scatter(1, items)
                     first, count = heads(tp, c.rank)
                     for i in self.facts:
                         k, v = s.read(5, i)
                         assert (k, v) == tuple(self.slice(i, first, count)), "tp %d rank %d fact %d" % (tp, c.rank, i)
+                        assert s.fact_token_ids(5, i)[0] == (ids[i] or []), "tp %d rank %d fact %d" % (tp, c.rank, i)
                     s.check_agreement()
                     got = list(s.search([q, [-x for x in q]], 5, 6))
                     back = s.gather(0, [(5, i) for i in self.facts])

@@ -216,16 +216,16 @@ static const init_case init_cases[] = {
     CASE(rope_spec, kvi_rope_spec, sizeof(kvi_rope_spec), m_rs),
     CASE(kv_view, kvi_kv_view, sizeof(kvi_kv_view), m_kv),
     CASE(store_options, kvi_store_options, offsetof(kvi_store_options, comm), m_so),
-    CASE(put_options, kvi_put_options, sizeof(kvi_put_options), m_po),
+    CASE(put_options, kvi_put_options, offsetof(kvi_put_options, token_ids), m_po),
     CASE(search_options, kvi_search_options, sizeof(kvi_search_options), m_sr),
     CASE(cache_layout, kvi_cache_layout, offsetof(kvi_cache_layout, dim_stride), m_cl),
     CASE(transfer_options, kvi_transfer_options, sizeof(kvi_transfer_options), m_to),
     CASE(inject_request, kvi_inject_request, offsetof(kvi_inject_request, num_positions), m_ir),
     CASE(inject_options, kvi_inject_options, offsetof(kvi_inject_options, host_pages), m_io),
-    CASE(inject_batch, kvi_inject_batch, sizeof(kvi_inject_batch), m_ib),
-    CASE(encode_batch, kvi_encode_batch, sizeof(kvi_encode_batch), m_eb),
+    CASE(inject_batch, kvi_inject_batch, offsetof(kvi_inject_batch, expect_token_ids), m_ib),
+    CASE(encode_batch, kvi_encode_batch, offsetof(kvi_encode_batch, token_ids), m_eb),
     CASE(retrieve_request, kvi_retrieve_request, sizeof(kvi_retrieve_request), m_rr),
-    CASE(capture, kvi_capture, sizeof(kvi_capture), m_cp),
+    CASE(capture, kvi_capture, offsetof(kvi_capture, token_ids), m_cp),
     CASE(save_options, kvi_save_options, sizeof(kvi_save_options), m_sv),
     CASE(load_options, kvi_load_options, sizeof(kvi_load_options), m_lo),
     CASE(recompute_options, kvi_recompute_options, sizeof(kvi_recompute_options), m_ro),
@@ -559,7 +559,7 @@ static void test_readers(void **state) {
   check_reader("kvi_store_save(opts)", &sv, sizeof sv, sizeof sv, 1, r_save_options, NULL);
   check_reader("kvi_store_put(kv)", &F.kv, sizeof F.kv, sizeof F.kv, 1, r_put_view, NULL);
   check_reader("kvi_store_read(dst)", &F.kv, sizeof F.kv, sizeof F.kv, 1, r_read_view, NULL);
-  check_reader("kvi_store_put(opts)", &F.po, sizeof F.po, sizeof F.po, 1, r_put_options, NULL);
+  check_reader("kvi_store_put(opts)", &F.po, sizeof F.po, offsetof(kvi_put_options, token_ids), 1, r_put_options, NULL);
   kvi_search_options sr = KVI_SEARCH_OPTIONS_INIT;
   check_reader("kvi_store_search(opts)", &sr, sizeof sr, sizeof sr, 1, r_search_options, NULL);
   check_reader("kvi_injector_create/kvi_encoder_create(layout)", &F.cl, sizeof F.cl, offsetof(kvi_cache_layout, dim_stride), 1, r_cache_layout,
@@ -583,16 +583,16 @@ static void test_readers(void **state) {
   kvi_inject_batch ib = KVI_INJECT_BATCH_INIT;
   ib.num_requests = 1, ib.tenant = 7, ib.fact_ids = F.fact_ids, ib.fact_offsets = ib_off;
   ib.block_tables = F.table, ib.block_table_stride = 2, ib.block_table_len = 2;
-  check_reader("kvi_inject_batched(batch)", &ib, sizeof ib, sizeof ib, 1, r_inject_batch, NULL);
+  check_reader("kvi_inject_batched(batch)", &ib, sizeof ib, offsetof(kvi_inject_batch, expect_token_ids), 1, r_inject_batch, NULL);
 
   kvi_capture cp = KVI_CAPTURE_INIT;
   cp.tenant = 8, cp.block_table = F.table, cp.block_table_len = 2, cp.num_tokens = T, cp.embedding = F.emb;
-  check_reader("kvi_encode(caps)", &cp, sizeof cp, sizeof cp, 1, r_capture, NULL);
+  check_reader("kvi_encode(caps)", &cp, sizeof cp, offsetof(kvi_capture, token_ids), 1, r_capture, NULL);
   static const int32_t eb_tokens[1] = {T};
   kvi_encode_batch eb = KVI_ENCODE_BATCH_INIT;
   eb.num_captures = 1, eb.tenant = 8, eb.fact_ids = &eb_id, eb.num_tokens = eb_tokens;
   eb.block_tables = F.table, eb.block_table_stride = 2, eb.block_table_len = 2, eb.embeddings = F.emb;
-  check_reader("kvi_encode_batched(batch)", &eb, sizeof eb, sizeof eb, 1, r_encode_batch, NULL);
+  check_reader("kvi_encode_batched(batch)", &eb, sizeof eb, offsetof(kvi_encode_batch, token_ids), 1, r_encode_batch, NULL);
 
   kvi_retrieve_request rr = KVI_RETRIEVE_REQUEST_INIT;
   rr.tenant = 7, rr.block_table = F.table, rr.block_table_len = 2;

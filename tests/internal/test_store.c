@@ -122,7 +122,7 @@ static kvi_status put_batch(kvi_store *s, int32_t n, const uint64_t *tenant, con
     float *e = malloc(EMB * sizeof *e);
     assert_non_null(e);
     for (int j = 0; j < EMB; j++) e[j] = (float)(100 + i + j);
-    kvi__put_item x = {tenant[i], id[i], &v[i], KVI_PUT_REPLACE, e};
+    kvi__put_item x = {tenant[i], id[i], &v[i], KVI_PUT_REPLACE, e, NULL};
     it[i] = x;
   }
   const kvi_status st = kvi__store_put_views(s, it, n, NULL, g, "test");

@@ -245,19 +245,36 @@ static void scatter_rank(rank_ctx *c) {
   int first, count;
   heads_of(sh->H, c->size, c->rank, &first, &count);
   const int root = 1 % c->size;
-  /* one call for all facts but the last, then the last alone */
+  /* one call for all facts but the last, then the last alone; root gives
+   * token ids for the even facts (every rank keeps them) */
   kvi_kv_view full[NFACTS];
   kvi_scatter_item items[NFACTS];
+  kvi_put_options po[NFACTS];
+  int32_t ids[NFACTS][16];
   for (int i = 0; i < NFACTS; i++) {
     full[i] = fact_view(&sh->facts[i]);
+    for (int t = 0; t < 16; t++) ids[i][t] = i * 100 + t;
+    po[i] = (kvi_put_options)KVI_PUT_OPTIONS_INIT;
+    po[i].token_ids = i % 2 == 0 ? ids[i] : NULL;
     kvi_scatter_item it = KVI_SCATTER_ITEM_INIT;
     it.tenant = 7;
     it.fact_id = (uint64_t)i;
     it.full = c->rank == root ? &full[i] : NULL;
+    it.opts = c->rank == root ? &po[i] : NULL;
     items[i] = it;
   }
   if (s) RSTATUS(c, kvi_store_put_scatter(s, root, items, NFACTS - 1, NULL), KVI_OK);
-  if (s) RSTATUS(c, scatter1(s, 7, NFACTS - 1, root, c->rank == root ? &full[NFACTS - 1] : NULL, NULL), KVI_OK);
+  if (s)
+    RSTATUS(c, scatter1(s, 7, NFACTS - 1, root, c->rank == root ? &full[NFACTS - 1] : NULL,
+                        c->rank == root ? &po[NFACTS - 1] : NULL),
+            KVI_OK);
+  for (int i = 0; s && i < NFACTS; i++) {
+    int32_t got[16], num = -1;
+    RSTATUS(c, kvi_store_fact_token_ids(s, 7, (uint64_t)i, got, 16, &num, NULL), KVI_OK);
+    const int want = i % 2 == 0 ? sh->facts[i].T : 0;
+    RCHECK(c, num == want && memcmp(got, ids[i], (size_t)want * sizeof *got) == 0, "fact %d: %d token ids, expected %d",
+           i, (int)num, want);
+  }
   for (int i = 0; s && direct && i < NFACTS; i++) {
     const kvi_kv_view mine = slice_view(&sh->facts[i], first, count);
     RSTATUS(c, kvi_store_put(direct, 7, (uint64_t)i, &mine, NULL, NULL), KVI_OK);
@@ -282,6 +299,15 @@ static void scatter_rank(rank_ctx *c) {
     free(back);
   }
   RSTATUS(c, kvi_store_check_agreement(s), KVI_OK);
+  /* the same facts, but other token ids for one of them on one rank: the ranks disagree */
+  if (s && c->rank == 0) {
+    const kvi_kv_view mine = slice_view(&sh->facts[0], first, count);
+    kvi_put_options o = KVI_PUT_OPTIONS_INIT;
+    o.flags = KVI_PUT_REPLACE;
+    o.token_ids = ids[1];
+    RSTATUS(c, kvi_store_put(s, 7, 0, &mine, &o, NULL), KVI_OK);
+  }
+  RSTATUS(c, kvi_store_check_agreement(s), c->size > 1 ? KVI_ERR_MISMATCH : KVI_OK); /* tp 1 agrees with itself */
   kvi_store_destroy(s);
   kvi_store_destroy(direct);
   kvi_model_destroy(m);
