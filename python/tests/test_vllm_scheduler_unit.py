@@ -149,6 +149,28 @@ def test_the_injected_prefix_is_claimed_and_its_facts_sent_with_the_blocks(sched
     assert sched.get_num_new_matched_tokens(r, 13) == (0, False)
 
 
+def test_the_prompts_token_ids_at_the_spans_go_with_the_job(sched, mp):
+    # whatever the prompt's form, the ids vLLM tokenized are what the worker
+    # checks the stored facts against; here one id of fact 2's span is altered
+    ids = list(mp.prompt_token_ids)
+    ids[4] = 99
+    r = FakeRequest("r", ids, mp.kv_transfer_params)
+    sched.on_new_request(r)
+    _, meta = claim(sched, r, computed=4, blocks=[7, 8, 9, 5])
+    (job,) = meta.injects
+    assert job.facts == [(2, 3, 5), (3, 8, 2)]
+    assert job.expect_token_ids == [21, 99, 23, 24, 25, 31, 32]
+
+
+def test_a_capture_carries_the_prompts_token_ids_of_its_span(sched):
+    cp = capture_prompt(9, [[1, 2, 3], Keep(5, [4, 5, 6, 7, 8], embedding=None), [9], Keep(6, [10, 11])])
+    r = request("c", cp)
+    sched.on_new_request(r)
+    _, meta = claim(sched, r, blocks=[3, 4])
+    (job,) = meta.captures
+    assert job.token_ids == [[4, 5, 6, 7, 8], [10, 11]]
+
+
 def test_a_local_prefix_hit_is_not_claimed_and_its_facts_not_written(sched, mp):
     r = request("r", mp)
     sched.on_new_request(r)

@@ -225,6 +225,28 @@ def test_failures_are_isolated_per_request(rig):
     rig.check_written(1, [1], 0, [2])
 
 
+def test_a_fact_whose_stored_token_ids_differ_from_the_prompts_fails_its_request_alone(rig):
+    rig.put(1, 1, 3, token_ids=[11, 12, 13])
+    rig.put(1, 2, 2, token_ids=[21, 22])
+    rig.put(1, 3, 2)  # stored without token ids
+    good = InjectJob("good", 1, [(1, 0, 3), (2, 3, 2)], [0], [11, 12, 13, 21, 22])
+    bad = [
+        InjectJob("differs", 1, [(1, 0, 3), (2, 3, 2)], [1], [11, 12, 13, 21, 99]),  # the last token
+        InjectJob("none", 1, [(3, 0, 2)], [2], [1, 2]),                               # no ids stored
+        InjectJob("count", 1, [(1, 0, 3)], [3], [11, 12]),                           # too few ids
+    ]
+    rig.worker.start_load_kv(meta([bad[0], good] + bad[1:]))
+    assert rig.worker.get_block_ids_with_load_errors() == {1, 2, 3}
+    rig.untouched_except(rig.check_written(1, [1, 2], 0, [0]))
+    errors = {e["req_id"]: e["message"] for e in rig.events("request_error")}
+    assert set(errors) == {"differs", "none", "count"}
+    assert "fact 2 of tenant 1: its token 1 (sequence slot 4) is 99 in expect_token_ids, 22 stored" in errors["differs"]
+    assert "has no stored token ids" in errors["none"]
+    # unchecked jobs (no expected ids) inject as before
+    rig.worker.start_load_kv(meta([InjectJob("unchecked", 1, [(3, 0, 2)], [2])]))
+    assert rig.worker.get_block_ids_with_load_errors() == set()
+
+
 def test_a_job_with_no_facts_left_writes_nothing(rig):
     rig.worker.start_load_kv(meta([InjectJob("cached", 1, [], [0, 1])]))
     assert rig.events("inject") == [] and rig.worker.get_block_ids_with_load_errors() == set()
@@ -291,6 +313,16 @@ def test_a_capture_stores_the_prefilled_span_with_its_keys_unrotated(rig):
         assert np.abs(ck - k).max() <= 1e-5 * max(1.0, float(np.abs(k).max()))
     (rec,) = rig.events("capture")
     assert (rec["captures"], rec["stored"], rec["tokens"]) == (2, 2, 25)
+
+
+def test_a_capture_keeps_the_prompts_token_ids_of_its_span(rig):
+    rig.put(1, 1, 5)
+    rig.worker.start_load_kv(meta([InjectJob("a", 1, [(1, 0, 5)], [3])]))
+    ids = [[7, 8, 9], [10, 11]]
+    cap = CaptureJob("c", 4, [(20, 0, 3, None, False), (21, 3, 2, None, False)], [3], ids)
+    rig.worker.wait_for_save(meta(captures=[cap]))
+    assert rig.store.fact_token_ids(4, 20)[0] == [7, 8, 9]
+    assert rig.store.fact_token_ids(4, 21)[0] == [10, 11]
 
 
 def test_capture_failures_are_isolated_per_fact(rig):

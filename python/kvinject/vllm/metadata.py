@@ -16,6 +16,9 @@ class InjectJob:
     tenant: int
     facts: List[Tuple[int, int, int]]  # (fact_id, start, length), the ones to write
     block_ids: List[int]
+    # the prompt's token ids at those facts' spans, in order: the worker's
+    # injection refuses a fact whose stored ids differ (None: unchecked)
+    expect_token_ids: Optional[List[int]] = None
 
 
 @dataclass
@@ -24,6 +27,8 @@ class CaptureJob:
     tenant: int
     captures: List[Tuple[int, int, int, Optional[List[float]], bool]]  # (fact_id, start, length, emb, replace)
     block_ids: List[int]
+    # per capture, the prompt's token ids at its span, kept with the fact (None: none)
+    token_ids: Optional[List[List[int]]] = None
 
 
 @dataclass

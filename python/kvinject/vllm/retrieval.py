@@ -108,8 +108,10 @@ class MemoryIndex:
 
         header: (fact id, token ids) of a fact every prompt starts with (a
         system prompt captured once), excluded from the search. tokens: the
-        retrieved facts' own token ids (a mapping or function of the fact id),
-        else ``filler_token`` repeated (the KV comes from the store either way).
+        retrieved facts' own token ids (a mapping or function of the fact id);
+        None: the ids the store keeps with each fact (the connector's captures
+        keep them), else ``filler_token`` repeated for a fact stored without
+        ids (the connector then refuses the request: its tokens are checked).
         order: "rank" (best first) or "id" (ascending fact id: with ids given in
         the order facts were said, the conversation's order). The retrieved
         facts, best first, are ``prompt.retrieved`` ([(fact id, tokens, score)])."""
@@ -121,7 +123,8 @@ class MemoryIndex:
         facts: List[Tuple[int, Union[Tokens, int]]] = [header] if header is not None else []
         for fid, n, _ in got:
             if tokens is None:
-                facts.append((fid, n))
+                stored, _ = self._store.fact_token_ids(tenant, fid)
+                facts.append((fid, stored if stored else n))
             else:
                 toks = tokens(fid) if callable(tokens) else tokens[fid]
                 if len(toks) != n:

@@ -33,6 +33,7 @@ logger = _compat.init_logger(__name__)
 class _ReqState:
     spec: Optional[RequestSpec]
     error: Optional[str]
+    prompt: List[int] = field(default_factory=list)  # the prompt's token ids up to its last span
     external: int = 0                      # tokens claimed at the last allocation
     block_ids: List[int] = field(default_factory=list)
     capture_pending: bool = False
@@ -65,7 +66,11 @@ class KVInjectScheduler:
             # blocks holding injected KV (or none valid) are reachable by this
             # request alone: a salt no other request has, block hashes redone
             _compat.set_cache_salt(request, self.salt(request.request_id))
-        self._reqs[request.request_id] = _ReqState(spec, error, capture_pending=bool(spec and spec.capture))
+        # the ids the facts' spans cover, whatever form the prompt came in
+        # (token ids, text, chat): injection checks them against the store's
+        end = max(spec.claim_end, spec.capture_end) if spec else 0
+        prompt = list(request.prompt_token_ids[:end]) if end else []
+        self._reqs[request.request_id] = _ReqState(spec, error, prompt, capture_pending=bool(spec and spec.capture))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         st = self._reqs.get(request.request_id)
@@ -106,13 +111,15 @@ class KVInjectScheduler:
             if s.first and st.external > 0:
                 local = computed - st.external
                 facts = [(f.fact_id, f.start, f.length) for f in spec.inject if f.start + f.length > local]
-                meta.injects.append(InjectJob(rid, spec.tenant, facts, list(st.block_ids)))
+                expect = [t for _, a, n in facts for t in st.prompt[a:a + n]]
+                meta.injects.append(InjectJob(rid, spec.tenant, facts, list(st.block_ids), expect))
                 st.external = 0
             done = computed + s.num_scheduled_tokens
             if st.capture_pending and done >= spec.capture_end:
                 meta.captures.append(CaptureJob(rid, spec.tenant,
                                                 [(c.fact_id, c.start, c.length, c.embedding, c.replace)
-                                                 for c in spec.capture], list(st.block_ids)))
+                                                 for c in spec.capture], list(st.block_ids),
+                                                [st.prompt[c.start:c.start + c.length] for c in spec.capture]))
                 st.capture_pending = False
         if meta.injects or meta.captures or meta.failures:
             self._events.write(event="schedule", injects=len(meta.injects), captures=len(meta.captures),

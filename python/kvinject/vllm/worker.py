@@ -123,7 +123,7 @@ class KVInjectWorker:
     def _request(self, job: InjectJob) -> InjectRequest:
         first = job.facts[0][1]
         return InjectRequest(job.tenant, [f[0] for f in job.facts], job.block_ids, first_slot=first,
-                             start_position=first)
+                             start_position=first, expect_token_ids=job.expect_token_ids)
 
     def _inject(self, jobs: List[Tuple[InjectJob, InjectRequest]], layer_begin=0, layer_end=0):
         """One kvi_inject for all jobs; on failure, the failing jobs are found and
@@ -133,7 +133,7 @@ class KVInjectWorker:
             self._injector.inject([r for _, r in jobs], layer_begin=layer_begin, layer_end=layer_end,
                                   stream=self._stream())
             return jobs, time.perf_counter() - t
-        except KviError:
+        except (KviError, ValueError):  # ValueError: the binding's own checks (expect_token_ids' count)
             pass
         good = []
         for job, req in jobs:
@@ -221,9 +221,10 @@ class KVInjectWorker:
         t0 = time.perf_counter()
         caps, owner = [], []
         for job in meta.captures:
-            for fid, start, length, emb, replace in job.captures:
+            for i, (fid, start, length, emb, replace) in enumerate(job.captures):
                 caps.append(Capture(job.tenant, fid, job.block_ids, length, first_slot=start, start_position=start,
-                                    replace=replace, embedding=emb))
+                                    replace=replace, embedding=emb,
+                                    token_ids=job.token_ids[i] if job.token_ids is not None else None))
                 owner.append(job.req_id)
         stream = self._stream()
         try:

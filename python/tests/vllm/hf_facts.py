@@ -65,13 +65,13 @@ def make_store_file(path, sc):
     pos = 0
     for fid, seg in zip([C.HEADER_ID] + C.FACT_IDS, segs):
         k, v = K[:, pos:pos + len(seg)].contiguous(), V[:, pos:pos + len(seg)].contiguous()
-        store.put(C.HF_TENANT, fid, k, v)
-        store.put(C.WRONG_ROPE_TENANT, fid, rotate_keys(k, C.WRONG_ROPE_SHIFT, theta), v)
-        store.put(C.ZERO_TENANT, fid, torch.zeros_like(k), torch.zeros_like(v))
+        store.put(C.HF_TENANT, fid, k, v, token_ids=seg)
+        store.put(C.WRONG_ROPE_TENANT, fid, rotate_keys(k, C.WRONG_ROPE_SHIFT, theta), v, token_ids=seg)
+        store.put(C.ZERO_TENANT, fid, torch.zeros_like(k), torch.zeros_like(v), token_ids=seg)
         pos += len(seg)
     for fid, seg in zip(C.ISO_IDS, sc.iso_facts):
         z = torch.zeros(K.shape[0], len(seg), K.shape[2], K.shape[3])
-        store.put(C.ZERO_TENANT, fid, z, z)
+        store.put(C.ZERO_TENANT, fid, z, z, token_ids=seg)
     store.save(path)
     store.close()
     model.close()

@@ -298,7 +298,8 @@ def test_isolation_the_zeros_tenant_again_gets_its_own_zeros(full, isolation):
 
 # ------------------------------------ (6) bad requests, in one batch with a good one
 
-BAD = ["unknown fact", "another tenant's fact", "span longer than its fact", "facts fill the prompt", "no tenant"]
+BAD = ["unknown fact", "another tenant's fact", "span longer than its fact", "facts fill the prompt", "no tenant",
+       "tokens other than the fact's"]
 
 
 @pytest.fixture(scope="module")
@@ -314,8 +315,13 @@ def bad(engine, scenario, tokenizer, isolation):
     filled.params["inject"].append([C.FACT_IDS[0], len(filled.prompt_token_ids) - 1, 1])
     malformed = memory_prompt(1, facts_of(sc, 1), sc.questions[0])
     del malformed.params["tenant"]
+    # the prompt a text or chat request tokenizes differently: one id of a
+    # fact's span is not the fact's; never served with the fact's KV
+    retok = memory_prompt(1, facts_of(sc, 1), sc.questions[0])
+    span = retok.params["inject"][1]
+    retok.prompt_token_ids[span[1] + span[2] - 1] = tokenizer.eos_token_id
     n_err = len(engine.worker_events("request_error"))
-    recs = engine.run([good, unknown, other, longer, filled, malformed])
+    recs = engine.run([good, unknown, other, longer, filled, malformed, retok])
     msgs = [e["message"] for e in engine.worker_events("request_error")[n_err:]]
     msgs += [e["message"] for e in engine.scheduler_events("request_error")]
     for m in msgs:
@@ -333,7 +339,8 @@ def test_bad_request_fails_alone(full, bad, name):
     assert r["finish"] == "error" and not r["tokens"], "finish %r, %d tokens" % (r["finish"], len(r["tokens"]))
 
 
-@pytest.mark.parametrize("want", ["12345", "tokens", "need a tenant", "at least one prompt token"])
+@pytest.mark.parametrize("want", ["12345", "tokens", "need a tenant", "at least one prompt token",
+                                  "in expect_token_ids"])
 def test_bad_a_message_names_the_problem(full, bad, want):
     assert any(want in m for m in bad.messages), bad.messages
 

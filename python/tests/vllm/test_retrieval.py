@@ -110,11 +110,14 @@ def test_retrieved_facts_in_id_order_are_served_as_the_full_prompt(index, engine
 
 @pytest.mark.parametrize("q", QS)
 def test_k_1_injects_the_best_fact_and_is_served(index, engine, scenario, tokenizer, q):
-    # filler tokens: the best fact alone behind the header
+    # no token table: the best fact alone behind the header, laid out with the
+    # ids the store kept at its capture (a filler would be refused by the check)
     sc = scenario
     mp1 = index.memory_prompt(1, embed(C.QUESTIONS[q]), 1, sc.questions[q], header=(C.HEADER_ID, sc.header),
                               filler_token=tokenizer.eos_token_id)
     best = want_of(q)[0][1]
+    best_ids = sc.facts[1][C.FACT_IDS.index(best)]
+    assert mp1.prompt_token_ids[len(sc.header):len(sc.header) + len(best_ids)] == best_ids
     rec1 = engine.run([mp1])[0]
     C.log("  q%d k=1 (fact %d): %r" % (q, best, rec1["text"]))
     assert [r[0] for r in mp1.retrieved] == [best] and rec1["finish"] != "error" \
