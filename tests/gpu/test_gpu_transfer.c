@@ -1397,6 +1397,226 @@ static void t_encode_embeddings(void **state) {
   kvi_encoder_destroy(de);
   free_world(&w);
 }
+/* Token ids on a CUDA store (store.h, "Token ids"), against the CPU store:
+ * captures (kvi_encode, kvi_encode_batched) and puts keep them; checked
+ * injections (kvi_inject, kvi_inject_batched) write exactly what unchecked
+ * ones write when the ids agree, and nothing (device cache byte for byte)
+ * with KVI_ERR_TOKEN_MISMATCH when one differs or a fact has none. */
+static void expect_token_ids_equal(const world *w, uint64_t tenant, uint64_t id, const int32_t *want, int32_t n) {
+  int32_t a[64], b[64], na = -1, nb = -2;
+  uint64_t ha = 1, hb = 2;
+  CHECK_OK(kvi_store_fact_token_ids(w->cpu, tenant, id, a, 64, &na, &ha));
+  CHECK_OK(kvi_store_fact_token_ids(w->gpu, tenant, id, b, 64, &nb, &hb));
+  assert_int_equal(na, n);
+  assert_int_equal(nb, n);
+  assert_true(ha == hb);
+  assert_true((n == 0) == (hb == 0));
+  if (n) {
+    assert_memory_equal(a, want, (size_t)n * sizeof *a);
+    assert_memory_equal(b, want, (size_t)n * sizeof *b);
+  }
+}
+
+static void expect_device_unchanged(const world *w, unsigned char *const *before, const char *what) {
+  unsigned char *d = malloc(w->layer_bytes);
+  for (int i = 0; i < w->ntensors; i++) {
+    CUDA_OK(cudaMemcpy(d, w->dev[i], w->layer_bytes, cudaMemcpyDeviceToHost));
+    if (memcmp(d, before[i], w->layer_bytes) != 0) fail_msg("%s: the device cache changed", what);
+  }
+  free(d);
+}
+
+static void t_token_ids(void **state) {
+  (void)state;
+  if (g_devices == 0) skip();
+  enum { NB = 64, T1 = 12, T2 = 7, T3 = 5, T4 = 9 };
+  const scen sc = {2, 2, 64, 16, NB, 16, 0, KVI_DTYPE_FP32, KVI_DTYPE_BF16, KVI_CACHE_VLLM_FLASH_ATTN, 2,
+                   KVI_SCALE_NONE};
+  world w;
+  static const float embv[4] = {0.5f, -1.0f, 2.0f, 0.25f}; /* embeddings: the device-id lookup needs them */
+  g_emb_dim = 4;
+  make_world(&w, &sc);
+  g_emb_dim = 0;
+  fill_bf16(&w);
+  kvi_encoder *he, *de;
+  kvi_injector *hi, *di;
+  CHECK_OK(kvi_encoder_create(&he, w.cpu, &w.hl, NULL));
+  CHECK_OK(kvi_encoder_create(&de, w.gpu, &w.dl, NULL));
+  CHECK_OK(kvi_injector_create(&hi, w.cpu, &w.hl, NULL));
+  CHECK_OK(kvi_injector_create(&di, w.gpu, &w.dl, NULL));
+  int32_t table[NB];
+  for (int32_t b = 0; b < NB; b++) table[b] = (b * 7) % NB;
+  int32_t ids1[T1], ids2[T2], ids4[T4], ids5[T3];
+  for (int i = 0; i < T1; i++) ids1[i] = 1000 + 13 * i;
+  for (int i = 0; i < T2; i++) ids2[i] = i % 2 ? -i : 0x7fffffff - i;
+  for (int i = 0; i < T4; i++) ids4[i] = 49000 + i;
+  for (int i = 0; i < T3; i++) ids5[i] = 77 * i;
+  /* tenant 3: facts 1, 2 captured with ids, 3 without (kvi_encode); 5 by kvi_encode_batched */
+  kvi_capture caps[3];
+  const int32_t ntok[3] = {T1, T2, T3};
+  const int32_t *cid[3] = {ids1, ids2, NULL};
+  for (int c = 0; c < 3; c++) {
+    kvi_capture_init(&caps[c], sizeof caps[c]);
+    caps[c].tenant = 3;
+    caps[c].fact_id = 1 + (uint64_t)c;
+    caps[c].block_table = table;
+    caps[c].block_table_len = NB;
+    caps[c].first_slot = 40 * c + 3;
+    caps[c].num_tokens = ntok[c];
+    caps[c].start_position = 40 * c + 3;
+    caps[c].token_ids = cid[c];
+    caps[c].embedding = embv;
+  }
+  CHECK_OK(kvi_encode(he, caps, 3, NULL));
+  CHECK_OK(kvi_encode(de, caps, 3, NULL));
+  kvi_encode_batch eb = KVI_ENCODE_BATCH_INIT;
+  const uint64_t btenant = 3, bfact = 5;
+  const int32_t boff[2] = {0, NB};
+  const int64_t bslot = 200;
+  const int32_t bnum = T3, bstart = 200;
+  eb.num_captures = 1;
+  eb.tenants = &btenant;
+  eb.fact_ids = &bfact;
+  eb.block_tables = table;
+  eb.block_table_offsets = boff;
+  eb.first_slots = &bslot;
+  eb.num_tokens = &bnum;
+  eb.start_positions = &bstart;
+  eb.token_ids = ids5;
+  eb.embeddings = embv;
+  CHECK_OK(kvi_encode_batched(he, &eb, NULL));
+  CHECK_OK(kvi_encode_batched(de, &eb, NULL));
+  /* fact 4: a put with ids, the same host data into both stores */
+  const size_t n4 = (size_t)sc.L * T4 * sc.H * sc.D;
+  float *k4 = malloc(n4 * sizeof *k4), *v4 = malloc(n4 * sizeof *v4);
+  for (size_t i = 0; i < n4; i++) k4[i] = rndf(), v4[i] = rndf();
+  kvi_kv_view kv;
+  kvi_kv_view_contiguous(&kv, KVI_MEMORY_HOST, KVI_DTYPE_FP32, sc.L, T4, sc.H, sc.D, k4, v4);
+  kvi_put_options po = KVI_PUT_OPTIONS_INIT;
+  po.token_ids = ids4;
+  po.embedding = embv;
+  CHECK_OK(kvi_store_put(w.cpu, 3, 4, &kv, &po, NULL));
+  CHECK_OK(kvi_store_put(w.gpu, 3, 4, &kv, &po, NULL));
+  free(k4);
+  free(v4);
+  CUDA_OK(cudaDeviceSynchronize());
+  expect_token_ids_equal(&w, 3, 1, ids1, T1);
+  expect_token_ids_equal(&w, 3, 2, ids2, T2);
+  expect_token_ids_equal(&w, 3, 3, NULL, 0);
+  expect_token_ids_equal(&w, 3, 4, ids4, T4);
+  expect_token_ids_equal(&w, 3, 5, ids5, T3);
+
+  /* checked injection of facts 4, 1, 2 behind slot 500 of another table: both
+   * stores; the caches must then agree as the unchecked path's do */
+  int32_t table2[NB];
+  for (int32_t b = 0; b < NB; b++) table2[b] = NB - 1 - b;
+  const uint64_t fids[3] = {4, 1, 2};
+  int32_t expect[T4 + T1 + T2];
+  memcpy(expect, ids4, sizeof ids4);
+  memcpy(expect + T4, ids1, sizeof ids1);
+  memcpy(expect + T4 + T1, ids2, sizeof ids2);
+  kvi_inject_request rq;
+  kvi_inject_request_init(&rq, sizeof rq);
+  rq.tenant = 3;
+  rq.fact_ids = fids;
+  rq.num_facts = 3;
+  rq.block_table = table2;
+  rq.block_table_len = NB;
+  rq.first_slot = 500;
+  rq.start_position = 500;
+  rq.expect_token_ids = expect;
+  CHECK_OK(kvi_inject(hi, &rq, 1, NULL, NULL));
+  CHECK_OK(kvi_inject(di, &rq, 1, NULL, NULL));
+  CUDA_OK(cudaDeviceSynchronize());
+  double worst;
+  size_t bad = compare_caches(&w, true, 0, &worst);
+  if (bad) fail_msg("checked inject: %zu elements differ from the CPU store's", bad);
+
+  /* snapshots of the device cache: every refused call below must leave it as it is */
+  unsigned char *before[64];
+  for (int i = 0; i < w.ntensors; i++) {
+    before[i] = malloc(w.layer_bytes);
+    CUDA_OK(cudaMemcpy(before[i], w.dev[i], w.layer_bytes, cudaMemcpyDeviceToHost));
+  }
+  /* one id differs inside fact 1 (its token 5): refused on both, naming it */
+  expect[T4 + 5] += 1;
+  rq.first_slot = rq.start_position = 700;
+  assert_int_equal(kvi_inject(hi, &rq, 1, NULL, NULL), KVI_ERR_TOKEN_MISMATCH);
+  assert_int_equal(kvi_inject(di, &rq, 1, NULL, NULL), KVI_ERR_TOKEN_MISMATCH);
+  const char *msg = kvi_last_error();
+  if (!strstr(msg, "fact 1 of tenant 3") || !strstr(msg, "token 5"))
+    fail_msg("the mismatch message does not name the fact and token: %s", msg);
+  CUDA_OK(cudaDeviceSynchronize());
+  expect_device_unchanged(&w, before, "a refused kvi_inject");
+  expect[T4 + 5] -= 1;
+  /* a fact without stored ids (fact 3) under a check: refused too */
+  const uint64_t fid3 = 3;
+  int32_t any3[T2] = {0};
+  rq.fact_ids = &fid3;
+  rq.num_facts = 1;
+  rq.expect_token_ids = any3;
+  assert_int_equal(kvi_inject(di, &rq, 1, NULL, NULL), KVI_ERR_TOKEN_MISMATCH);
+  CUDA_OK(cudaDeviceSynchronize());
+  expect_device_unchanged(&w, before, "a checked kvi_inject of a fact without ids");
+
+  /* kvi_inject_batched: two requests (facts {5}, {4, 2}), checked; then the
+   * same with one id of the second request changed: nothing written */
+  const uint64_t bf[3] = {5, 4, 2};
+  const int32_t foff[3] = {0, 1, 3};
+  int32_t btab[2 * NB];
+  for (int32_t b = 0; b < NB; b++) btab[b] = b, btab[NB + b] = NB - 1 - b;
+  const int64_t slots[2] = {300, 900};
+  const int32_t starts[2] = {300, 900};
+  int32_t bexp[T3 + T4 + T2];
+  memcpy(bexp, ids5, sizeof ids5);
+  memcpy(bexp + T3, ids4, sizeof ids4);
+  memcpy(bexp + T3 + T4, ids2, sizeof ids2);
+  const int64_t eoff[3] = {0, T3, T3 + T4 + T2};
+  kvi_inject_batch ib = KVI_INJECT_BATCH_INIT;
+  ib.num_requests = 2;
+  ib.tenant = 3;
+  ib.fact_ids = bf;
+  ib.fact_offsets = foff;
+  ib.block_tables = btab;
+  ib.block_table_stride = NB;
+  ib.block_table_len = NB;
+  ib.first_slots = slots;
+  ib.start_positions = starts;
+  ib.expect_token_ids = bexp;
+  ib.expect_token_offsets = eoff;
+  bexp[T3 + T4 + T2 - 1] ^= 1; /* the last token of fact 2 */
+  assert_int_equal(kvi_inject_batched(hi, &ib, NULL, NULL), KVI_ERR_TOKEN_MISMATCH);
+  assert_int_equal(kvi_inject_batched(di, &ib, NULL, NULL), KVI_ERR_TOKEN_MISMATCH);
+  CUDA_OK(cudaDeviceSynchronize());
+  expect_device_unchanged(&w, before, "a refused kvi_inject_batched");
+  bexp[T3 + T4 + T2 - 1] ^= 1;
+  CHECK_OK(kvi_inject_batched(hi, &ib, NULL, NULL));
+  CHECK_OK(kvi_inject_batched(di, &ib, NULL, NULL));
+  CUDA_OK(cudaDeviceSynchronize());
+  bad = compare_caches(&w, true, 0, &worst);
+  if (bad) fail_msg("checked kvi_inject_batched: %zu elements differ from the CPU store's", bad);
+  /* device fact ids cannot be checked on the host: refused, nothing written */
+  uint64_t *dfids;
+  CUDA_OK(cudaMalloc((void **)&dfids, sizeof bf));
+  CUDA_OK(cudaMemcpy(dfids, bf, sizeof bf, cudaMemcpyHostToDevice));
+  for (int i = 0; i < w.ntensors; i++)
+    CUDA_OK(cudaMemcpy(before[i], w.dev[i], w.layer_bytes, cudaMemcpyDeviceToHost));
+  ib.fact_ids = dfids;
+  ib.fact_ids_memory = KVI_MEMORY_DEVICE;
+  assert_int_equal(kvi_inject_batched(di, &ib, NULL, NULL), KVI_ERR_INVALID_ARGUMENT);
+  CUDA_OK(cudaDeviceSynchronize());
+  expect_device_unchanged(&w, before, "a checked kvi_inject_batched with device fact ids");
+  int64_t skipped = -1;
+  CHECK_OK(kvi_injector_async_errors(di, &skipped));
+  assert_int_equal(skipped, 0);
+  cudaFree(dfids);
+  for (int i = 0; i < w.ntensors; i++) free(before[i]);
+  kvi_injector_destroy(hi);
+  kvi_injector_destroy(di);
+  kvi_encoder_destroy(he);
+  kvi_encoder_destroy(de);
+  free_world(&w);
+}
 #else
 static void t_tier_inject(void **state) {
   (void)state;
@@ -1446,6 +1666,10 @@ static void t_encode_embeddings(void **state) {
   (void)state;
   skip();
 }
+static void t_token_ids(void **state) {
+  (void)state;
+  skip();
+}
 #endif
 
 int main(void) {
@@ -1464,6 +1688,7 @@ int main(void) {
       cmocka_unit_test(t_journal_encode),
       cmocka_unit_test(t_tier_inject),   cmocka_unit_test(t_tier_inflight), cmocka_unit_test(t_tier_prefetch),
       cmocka_unit_test(t_tier_encode),   cmocka_unit_test(t_caller_device), cmocka_unit_test(t_encode_embeddings),
+      cmocka_unit_test(t_token_ids),
   };
   int failed = cmocka_run_group_tests_name("gpu-transfer", tests, NULL, NULL);
   if (failed) return 1;
