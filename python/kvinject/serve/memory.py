@@ -249,7 +249,9 @@ class Service:
 
     def list(self, name: str) -> Dict[str, Any]:
         u = self.user_or_404(name)
-        return {"user": name, "results": [f.public(name) for f in self.db.facts(u.id)]}
+        rep = self.owner(u.id) if self.replicas.live() else None
+        return {"user": name, "tenant": u.id, "replica": rep.url if rep else None,
+                "results": [f.public(name) for f in self.db.facts(u.id)]}
 
     def _search(self, u: User, q: np.ndarray, k: int, min_score: Optional[float]) -> List[Tuple[Fact, float]]:
         t0 = time.perf_counter()
@@ -358,10 +360,10 @@ class Service:
             got.sort(key=lambda fs: fs[0].fid)        # the order they were said
         return u, got, tail
 
-    def _memory_field(self, got, injected: bool) -> Dict[str, Any]:
-        n = len(self.layout.header) + sum(len(f.tokens) for f, _ in got) if injected and got else 0
+    def _memory_field(self, got, rep: Replica) -> Dict[str, Any]:
+        n = len(self.layout.header) + sum(len(f.tokens) for f, _ in got) if got else 0
         return {"facts": [{"id": f.id, "fact_id": f.fid, "text": f.text, "score": s, "tokens": len(f.tokens)}
-                          for f, s in got], "injected_tokens": n}
+                          for f, s in got], "injected_tokens": n, "replica": rep.url}
 
     def _body(self, req: ChatRequest, u: Optional[User], got, tail) -> Dict[str, Any]:
         ids = self.layout.prompt([f.tokens for f, _ in got], tail)
@@ -447,7 +449,7 @@ class Service:
             if got and oc is not None and oc.get("errors"):
                 return "the connector reported: %s" % "; ".join(map(str, oc["errors"]))
             self.m.injected_facts.inc(len(got))
-            mem = self._memory_field(got, True)
+            mem = self._memory_field(got, rep)
             self.m.injected_tokens.inc(mem["injected_tokens"])
             return completion_to_chat(resp, req, self.model_name, mem, self.layout.decode_token)
         if status >= 500:
@@ -480,7 +482,7 @@ class Service:
                 first = ev
                 break
         self.m.injected_facts.inc(len(got))
-        mem = self._memory_field(got, True)
+        mem = self._memory_field(got, rep)
         self.m.injected_tokens.inc(mem["injected_tokens"])
         w = ChunkWriter(req, self.model_name, mem, self.layout.decode_token)
 
