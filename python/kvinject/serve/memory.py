@@ -127,9 +127,9 @@ class Service:
             self.m.captures.labels(kind).inc()
             try:
                 status, resp = await self._send(rep, r.body, "capture")
-            except ReplicaDown as e:
+            except ReplicaDown:
                 self.m.capture_failures.labels(kind).inc()
-                raise ApiError(502, "capture failed: %s" % e, "server_error", "replica_down")
+                raise
             inj = r.body["kv_transfer_params"]["kvinject"].get("inject")
             err, oc = cap.check(status, resp, asked=r.asked, injected=len(inj) if inj else -1)
             if err:
@@ -217,27 +217,33 @@ class Service:
         embs = await self.embed(texts, "facts")
         u = self.db.ensure_user(name)
         async with self.lock(u.id):
-            rep = self.owner(u.id)
-            u = self.db.user_by_id(u.id)
-            before = self.db.facts(u.id)
-            was_clean = self.clean(u, rep)
-            new = self.db.add_facts(u.id, list(zip(texts, toks, embs)))
-            try:
-                if was_clean:
-                    reqs = cap.plan(u.id, self.layout.header, [(f.fid, f.tokens) for f in new],
-                                    context=[(f.fid, f.tokens) for f in before], budget=self.budget(rep))
-                    await self.run_captures(rep, reqs, "add")
-                    self._set_clean(u.id, rep)
-                else:
-                    await self.full_capture(self.db.user_by_id(u.id), rep)
-            except (ApiError, cap.PlanError) as e:
-                # the add did not happen: its facts leave the database again
-                for f in new:
-                    self.db.delete_fact(f.id)
-                self._set_unknown(u.id, rep)
-                if isinstance(e, cap.PlanError):
-                    raise ApiError(502, "capture failed: %s" % e, "server_error", "capture_failed")
-                raise
+            for attempt in (1, 2):
+                rep = self.owner(u.id)
+                u = self.db.user_by_id(u.id)
+                before = self.db.facts(u.id)
+                was_clean = self.clean(u, rep)
+                new = self.db.add_facts(u.id, list(zip(texts, toks, embs)))
+                try:
+                    if was_clean:
+                        reqs = cap.plan(u.id, self.layout.header, [(f.fid, f.tokens) for f in new],
+                                        context=[(f.fid, f.tokens) for f in before], budget=self.budget(rep))
+                        await self.run_captures(rep, reqs, "add")
+                        self._set_clean(u.id, rep)
+                    else:
+                        await self.full_capture(self.db.user_by_id(u.id), rep)
+                    break
+                except (ApiError, cap.PlanError, ReplicaDown) as e:
+                    # the add did not happen: its facts leave the database again
+                    for f in new:
+                        self.db.delete_fact(f.id)
+                    self._set_unknown(u.id, rep)
+                    if isinstance(e, ReplicaDown) and attempt == 1:
+                        continue            # the user's next owner
+                    if isinstance(e, ReplicaDown):
+                        raise ApiError(502, "capture failed: %s" % e, "server_error", "replica_down")
+                    if isinstance(e, cap.PlanError):
+                        raise ApiError(502, "capture failed: %s" % e, "server_error", "capture_failed")
+                    raise
         self._gauges()
         return {"user": name, "replica": rep.url, "results": [f.public(name) for f in new]}
 
@@ -311,7 +317,7 @@ class Service:
                         await self.run_captures(rep, reqs, "reencode")
                         out["reencoded"] = [x.id for x in later]
                     self._set_clean(u.id, rep)
-                except (ApiError, cap.PlanError) as e:
+                except (ApiError, cap.PlanError, ReplicaDown) as e:
                     self._set_unknown(u.id, rep)
                     msg = e.message if isinstance(e, ApiError) else str(e)
                     raise ApiError(502, "memory %d was deleted, but re-encoding the later memories failed (they "

@@ -139,9 +139,16 @@ class Replicas:
         await self.client.aclose()
 
     async def _down(self, url: str, e: Exception) -> ReplicaDown:
-        self.all[url].last_error = "%s: %s" % (type(e).__name__, e)
-        asyncio.get_running_loop().create_task(self.check(url))
-        return ReplicaDown(url, self.all[url].last_error)
+        """A request found the replica not answering: out of the ring at once
+        (the next health check takes it back if it answers)."""
+        rep = self.all[url]
+        rep.last_error = "%s: %s" % (type(e).__name__, e)
+        if rep.up:
+            rep.up = False
+            log.info("replica %s is down: %s", url, rep.last_error)
+            if self.on_change is not None:
+                await self.on_change(rep, rep.epoch)
+        return ReplicaDown(url, rep.last_error)
 
     # ----------------------------------------------------------- requests
 
