@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from kvi_testutil import case
-from kvinject.vllm import PARAMS_KEY, Keep, capture_prompt, memory_prompt, notes_capture_prompts, parse_params
+from kvinject.vllm import (PARAMS_KEY, RESULT_TOKENS, Keep, capture_prompt, memory_prompt, notes_capture_prompts,
+                           parse_params, remove_prompt)
 
 
 class TestPrompts:
@@ -91,6 +92,59 @@ class TestPrompts:
             with case(name):
                 with pytest.raises(ValueError, match=msg):
                     parse_params(params, 5)
+
+
+
+class TestRemove:
+    def test_remove_prompt_is_one_token_and_its_parameters(self):
+        rp = remove_prompt(7, [3, 1, 2], 42)
+        assert rp.prompt_token_ids == [42]
+        assert rp.params == {"tenant": 7, "remove": [3, 1, 2]}
+        spec = parse_params(rp.params, 1)
+        assert (spec.tenant, spec.remove, spec.remove_all, spec.inject, spec.capture) == (7, [3, 1, 2], False, [], [])
+        every = remove_prompt(7, "all", 0)
+        assert every.params == {"tenant": 7, "remove": "all"}
+        spec = parse_params(every.params, 1)
+        assert (spec.remove, spec.remove_all) == (None, True)
+        assert RESULT_TOKENS == 2
+
+    def test_remove_prompt_refusals(self):
+        for name, args, msg in [
+            ("no ids", (7, [], 1), "fact_ids is empty"),
+            ("a string", (7, "every", 1), 'a list of fact ids or "all"'),
+            ("a repeated id", (7, [1, 2, 1], 1), "fact_ids\[2\]: fact 1 is named twice"),
+            ("a negative id", (7, [-1], 1), "fact_ids\[0\] = -1 is out of range"),
+            ("a token id of text", (7, [1], "a"), "token_id must be a token id"),
+            ("a negative token id", (7, [1], -3), "token_id must be a token id"),
+        ]:
+            with case(name):
+                with pytest.raises(ValueError, match=msg):
+                    remove_prompt(*args)
+
+    def test_remove_with_capture_and_inject(self):
+        # removal runs first: a request may remove a fact and capture it anew
+        spec = parse_params({"tenant": 1, "remove": [5], "capture": [{"fact_id": 5, "start": 0, "length": 2}]}, 3)
+        assert spec.remove == [5] and [c.fact_id for c in spec.capture] == [5]
+        spec = parse_params({"tenant": 1, "remove": [9], "inject": [[5, 0, 2]]}, 3)
+        assert spec.remove == [9] and spec.claim_end == 2
+
+    def test_remove_refusals_name_the_problem(self):
+        for name, params, msg in [
+            ("empty", {"tenant": 1, "remove": []}, "remove is empty"),
+            ("a dict", {"tenant": 1, "remove": {"ids": [1]}}, 'a list of fact ids or "all"'),
+            ("text", {"tenant": 1, "remove": "1,2"}, 'a list of fact ids or "all"'),
+            ("a float", {"tenant": 1, "remove": [1.5]}, "remove\[0\] must be an integer"),
+            ("a bool", {"tenant": 1, "remove": [True]}, "remove\[0\] must be an integer"),
+            ("too big", {"tenant": 1, "remove": [1 << 64]}, "remove\[0\] = .* out of range"),
+            ("twice", {"tenant": 1, "remove": [4, 4]}, "remove\[1\]: fact 4 is named twice"),
+            ("an injected fact", {"tenant": 1, "remove": [5], "inject": [[5, 0, 2]]},
+             "remove names fact 5, which the request injects"),
+            ("all with inject", {"tenant": 1, "remove": "all", "inject": [[5, 0, 2]]}, 'remove "all" with inject'),
+            ("no tenant", {"remove": [1]}, "need a tenant"),
+        ]:
+            with case(name):
+                with pytest.raises(ValueError, match=msg):
+                    parse_params(params, 3)
 
 
 if __name__ == "__main__":

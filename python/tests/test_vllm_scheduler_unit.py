@@ -206,7 +206,8 @@ def test_a_request_resumed_after_preemption_is_injected_again_into_its_new_block
 def test_requests_of_other_connectors_or_finished_ones_are_ignored(sched, mp):
     r = request("r", mp)
     sched.on_new_request(r)
-    assert sched.request_finished(r, [7, 8]) == (False, None)
+    assert sched.request_finished(r, [7, 8])[0] is False
+    assert sched.request_finished(r, [7, 8]) == (False, None)  # forgotten
     assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
     meta = sched.build_connector_meta(output([new_req("r", [7, 8, 9], 10), new_req("other", [1], 0)],
                                              scheduled={"r": 3, "other": 2}))
@@ -368,17 +369,17 @@ def test_settings_default_and_parse():
     c = KVInjectConfig.from_extra(None, 16)
     assert (c.block_size, c.store_budget_mb, c.store_dtype, c.page_tokens, c.embedding_dim) == (16, 256, "fp32", 16, 0)
     assert (c.store_path, c.layerwise, c.time_device, c.events_path, c.rope) == (None, False, False, None, None)
-    c = KVInjectConfig.from_extra({"store_budget_mb": "64", "embedding_dim": 8, "layerwise": 1, "rope": {"theta": 1e4},
-                                   "store_dtype": "bf16", "store_path": "/x", "time_device": True}, 32)
+    c = KVInjectConfig.from_extra({"store_budget_mb": 64, "embedding_dim": 8, "layerwise": True, "rope": {"theta": 1e4},
+                                   "store_dtype": "bf16", "store_path": "/x", "time_device": True}, 32, environ={})
     assert (c.store_budget_mb, c.embedding_dim, c.layerwise, c.rope, c.store_dtype, c.store_path, c.time_device) == \
         (64, 8, True, {"theta": 1e4}, "bf16", "/x", True)
     vc = types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(kv_connector_extra_config=None),
                                cache_config=types.SimpleNamespace(block_size=128))
-    assert KVInjectConfig.from_vllm_config(vc) == KVInjectConfig(block_size=128)
+    assert KVInjectConfig.from_vllm_config(vc, environ={}) == KVInjectConfig(block_size=128)
 
 
 def test_unknown_settings_are_refused_with_their_names():
-    with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config keys \['time_devices'\]"):
+    with pytest.raises(ValueError, match=r"unknown key\(s\) time_devices in kv_connector_extra_config \(known: "):
         KVInjectConfig.from_extra({"time_devices": True, "layerwise": True}, 16)
     KVInjectConfig.from_extra({k: None for k in ("events_path", "rope", "store_path")}, 16)
     assert "layerwise" in KNOWN and "store_dtype" in KNOWN

@@ -5,7 +5,8 @@ block_size, 2 * head_size] container per layer, all views of one array:
 numpy, and torch CPU tensors where torch is installed), driven through
 register_kv_caches, start_load_kv, wait_for_layer_load, wait_for_save,
 get_block_ids_with_load_errors and get_finished with the metadata the
-scheduler role sends.
+scheduler role sends; build_connector_worker_meta and get_kv_connector_stats
+give back what each step did (per request, and counted).
 
 What lands in the cache is compared with the library's own CPU reference (the
 same facts injected by kvi_inject into a plain contiguous cache at the same
@@ -19,6 +20,7 @@ Needs the library and numpy (pytest runs it: tests/vllm/launch.py).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import types
 
@@ -29,7 +31,7 @@ np = pytest.importorskip("numpy")
 import kvinject as kvi  # noqa: E402
 from kvinject.vllm import _compat  # noqa: E402
 from kvinject.vllm.config import KVInjectConfig  # noqa: E402
-from kvinject.vllm.metadata import CaptureJob, FailJob, InjectJob, KVInjectMetadata  # noqa: E402
+from kvinject.vllm.metadata import CaptureJob, FailJob, InjectJob, KVInjectMetadata, RemoveJob  # noqa: E402
 from kvinject.vllm.worker import KVInjectWorker  # noqa: E402
 
 L, H, D, BS, NB = 2, 2, 16, 16, 6
@@ -384,3 +386,106 @@ def test_with_tensor_parallelism_each_rank_has_its_heads_and_its_file(arrays, mo
     rig.worker.start_load_kv(meta([InjectJob("a", 1, [(1, 0, 5)], [4])]))
     rig.untouched_except(rig.check_written(1, [1], 0, [4]))
     rig.worker.shutdown()
+
+
+# -------------------------------------------- results, removal, statistics
+
+def test_the_startup_line_names_the_store(arrays, monkeypatch, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="vllm.kvinject.worker")
+    rig = Rig(arrays, monkeypatch, tmp_path)
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "vllm.kvinject.worker"]
+    assert line.startswith("kvinject: store budget 8 MiB, dtype fp32, no store file: 0 facts of 0 tenants; "
+                           "CPU_ATTN cache (vec) of 2 layers"), line
+    path = str(tmp_path / "facts.kvi")
+    rig.worker.shutdown()
+    rig = Rig(arrays, monkeypatch, tmp_path, extra={"store_path": path, "store_dtype": "bf16"})
+    rig.put(1, 1, 5)
+    rig.put(2, 1, 3)
+    rig.worker.shutdown()
+    caplog.clear()
+    again = Rig(arrays, monkeypatch, tmp_path, extra={"store_path": path, "store_dtype": "bf16"})
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "vllm.kvinject.worker"]
+    assert ("dtype bf16, store file %s loaded: 2 facts of 2 tenants" % path) in line, line
+    again.worker.shutdown()
+
+
+def test_each_requests_results_and_the_steps_statistics_go_back(rig):
+    rig.put(1, 1, 5)
+    rig.put(1, 2, 20)
+    assert rig.worker.get_kv_connector_stats() is not None  # the store at start
+    m = meta([InjectJob("a", 1, [(1, 0, 5), (2, 5, 20)], [0, 1]), InjectJob("cached", 1, [], [2]),
+              InjectJob("u", 1, [(9, 0, 4)], [3])],
+             captures=[CaptureJob("c", 4, [(10, 0, 5, None, False)], [0])])
+    rig.worker.start_load_kv(m)
+    rig.worker.wait_for_save(m)
+    res = rig.worker.build_connector_worker_meta()
+    assert res.ranks == 1 and set(res.results) == {"a", "cached", "u", "c"}
+    a, u, c = res.results["a"], res.results["u"], res.results["c"]
+    assert (a.injected_facts, a.injected_tokens, a.inject_failed, a.errors) == (2, 25, False, [])
+    assert res.results["cached"].injected_facts is None  # nothing to write: all in vLLM's prefix cache
+    assert u.inject_failed and "9" in u.errors[0] and u.injected_facts is None
+    assert c.captured == {10: 1} and c.errors == []
+    assert rig.worker.build_connector_worker_meta() is None  # reported once; a step without jobs has none
+    data = rig.worker.get_kv_connector_stats().data["ranks"]["0"]
+    assert (data["requests_injected"], data["facts_injected"], data["tokens_injected"]) == (1, 2, 25)
+    assert (data["captures_stored"], data["failures"]) == (1, {"not_found": 1})
+    assert [s for s, _ in data["inject_steps"]] == [1] and data["inject_steps"][0][1] > 0
+    assert data["store"] == {"bytes_used": rig.store.stats().bytes_used, "facts": 3, "tenants": 2}
+    assert rig.worker.get_kv_connector_stats() is None
+
+
+def test_failure_reasons_are_counted(rig):
+    rig.put(1, 1, 5, token_ids=[1, 2, 3, 4, 5])
+    rig.put(4, 10, 3)
+    m = meta([InjectJob("nf", 1, [(7, 0, 5)], [0]), InjectJob("len", 1, [(1, 0, 4)], [1]),
+              InjectJob("tok", 1, [(1, 0, 5)], [2], [1, 2, 3, 4, 9]), InjectJob("blk", 1, [(1, 0, 5)], [NB + 1])],
+             captures=[CaptureJob("x", 4, [(10, 0, 5, None, False)], [4])],
+             failures=[FailJob("p", "kvinject parameters need a tenant", [5])])
+    rig.worker.get_kv_connector_stats()
+    rig.worker.start_load_kv(m)
+    rig.worker.wait_for_save(m)
+    fails = rig.worker.get_kv_connector_stats().data["ranks"]["0"]["failures"]
+    assert fails == {"not_found": 1, "length": 1, "token_mismatch": 1, "other": 1, "parse": 1, "capture": 1}
+    res = rig.worker.build_connector_worker_meta().results
+    assert res["x"].captured == {} and res["x"].errors[0].startswith("capture of fact 10 (tenant 4) failed: ")
+    assert res["p"].errors == ["kvinject parameters need a tenant"]
+
+
+def test_a_request_whose_injection_failed_has_no_captures_taken_in_that_step(rig):
+    rig.put(1, 1, 5)
+    # "bad" injects an unknown fact and captures in the same step: its blocks
+    # hold no valid KV, so its capture is skipped; "good"'s capture is stored
+    m = meta([InjectJob("bad", 1, [(9, 0, 5)], [2]), InjectJob("good", 1, [(1, 0, 5)], [3])],
+             captures=[CaptureJob("bad", 4, [(20, 0, 5, None, False), (21, 1, 2, None, False)], [2]),
+                       CaptureJob("good", 4, [(30, 0, 5, None, False)], [3])])
+    rig.worker.start_load_kv(m)
+    rig.worker.wait_for_save(m)
+    assert rig.store.list(4) == [30]
+    res = rig.worker.build_connector_worker_meta().results
+    assert res["bad"].skipped == [20, 21] and res["bad"].captured == {} and res["bad"].inject_failed
+    assert res["good"].captured == {30: 1}
+    (rec,) = rig.events("capture")
+    assert (rec["captures"], rec["stored"], rec["skipped"]) == (1, 1, 2)
+    assert rig.worker.get_block_ids_with_load_errors() == {2}  # vLLM fails (or recomputes) it
+
+
+def test_removal_runs_first_skips_missing_facts_and_all_removes_the_tenants(rig):
+    for fid in (1, 2, 3):
+        rig.put(1, fid, 4)
+    rig.put(2, 1, 4)
+    used = rig.store.stats().bytes_used
+    rig.worker.get_kv_connector_stats()
+    # fact 2 removed before the same step's injection of it, which then fails
+    m = KVInjectMetadata(injects=[InjectJob("late", 1, [(2, 0, 4)], [0])],
+                         removes=[RemoveJob("rm", 1, [2, 7]), RemoveJob("all", 2, None)])
+    rig.worker.start_load_kv(m)
+    rig.worker.wait_for_save(m)
+    assert rig.store.list(1) == [1, 3] and rig.store.list(2) == []
+    res = rig.worker.build_connector_worker_meta().results
+    assert (res["rm"].removed, res["rm"].errors) == ([2], [])  # 7 was not there: not listed, no error
+    assert res["all"].removed == [1]
+    assert res["late"].inject_failed
+    data = rig.worker.get_kv_connector_stats().data["ranks"]["0"]
+    assert data["facts_removed"] == 2 and data["failures"] == {"not_found": 1}
+    assert data["store"]["facts"] == 2 and data["store"]["tenants"] == 1 and data["store"]["bytes_used"] < used
+    assert [(e["req_id"], e["asked"], e["removed"]) for e in rig.events("remove")] == [("rm", 2, 1), ("all", "all", 1)]

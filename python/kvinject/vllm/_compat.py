@@ -10,18 +10,32 @@ class before the roles), so importing the roles never imports vLLM.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
-from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
 
 from .layout import CPU_BACKEND, LayoutError
 
 _BASE_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
+_METRICS_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.metrics"
+
+
+def logger_name(name: str) -> str:
+    """The name of a connector module's logger: a child of vLLM's "vllm" logger
+    (``kvinject.vllm.worker`` -> ``vllm.kvinject.worker``). vLLM 0.32 configures
+    only that logger (its handler, format and level, propagate off): a logger
+    outside it would reach the root logger, where INFO is not shown."""
+    if name.startswith("kvinject.vllm."):
+        return "vllm.kvinject." + name[len("kvinject.vllm."):]
+    return name if name == "vllm" or name.startswith("vllm.") else "vllm." + name
 
 
 def init_logger(name: str):
-    """vLLM's logger for the name where vLLM is loaded, else the logging module's."""
+    """The logger of a connector module (``logger_name``): vLLM's init_logger
+    where vLLM is loaded, else the logging module's (the same logger)."""
+    name = logger_name(name)
     if "vllm" in sys.modules:
         try:
             from vllm.logger import init_logger as vllm_logger
@@ -31,15 +45,66 @@ def init_logger(name: str):
     return logging.getLogger(name)
 
 
+def _vllm_class(module: str, name: str, fallback: type) -> type:
+    # vLLM's class where the engine has loaded vLLM's connector base (the
+    # connector's module imports it before the roles); ``fallback`` for the
+    # roles alone and for vLLM versions without it
+    if _BASE_MODULE not in sys.modules:
+        return fallback
+    try:
+        mod = sys.modules.get(module) or importlib.import_module(module)
+    except Exception:  # pragma: no cover
+        return fallback
+    return getattr(mod, name, fallback)
+
+
 def _metadata_base() -> type:
-    # vLLM's KVConnectorMetadata (an empty ABC vLLM never checks against) when the
-    # connector's module has loaded it; object for the roles alone
-    base = sys.modules.get(_BASE_MODULE)
-    return getattr(base, "KVConnectorMetadata", object) if base is not None else object
+    # vLLM's KVConnectorMetadata (an empty ABC vLLM never checks against)
+    return _vllm_class(_BASE_MODULE, "KVConnectorMetadata", object)
+
+
+@dataclass
+class _Stats:
+    """vLLM 0.32's KVConnectorStats, where vLLM is not loaded: its data dict."""
+
+    data: Dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return self.data
+
+
+class _PromMetrics:
+    """vLLM 0.32's KVConnectorPromMetrics, where vLLM is not loaded: what its
+    constructor keeps."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        by_name = {k.__name__: v for k, v in metric_types.items()}  # keyed by prometheus_client's classes
+        self._gauge_cls, self._counter_cls = by_name["Gauge"], by_name["Counter"]
+        self._histogram_cls = by_name["Histogram"]
+        self._kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
+        self._labelnames = labelnames
+        self.per_engine_labelvalues = per_engine_labelvalues
 
 
 #: the base class of the connector's metadata (kvinject.vllm.metadata)
 KVConnectorMetadata = _metadata_base()
+#: the base class of what the workers send back each step (kvinject.vllm.results;
+#: vLLM 0.32's worker-metadata channel; object where this vLLM has none)
+KVConnectorWorkerMetadata = _vllm_class(_BASE_MODULE, "KVConnectorWorkerMetadata", object)
+#: the base classes of the connector's statistics and Prometheus metrics (kvinject.vllm.stats)
+KVConnectorStats = _vllm_class(_METRICS_MODULE, "KVConnectorStats", _Stats)
+KVConnectorPromMetrics = _vllm_class(_METRICS_MODULE, "KVConnectorPromMetrics", _PromMetrics)
+
+
+def worker_meta(connector_output) -> Any:
+    """The workers' combined metadata of a step in vLLM's KVConnectorOutput
+    (None: none, or a vLLM without the channel)."""
+    return getattr(connector_output, "kv_connector_worker_meta", None)
+
+
+def finished_with_error(request) -> bool:
+    """Whether vLLM finished the request with an error (RequestStatus.FINISHED_ERROR)."""
+    return getattr(getattr(request, "status", None), "name", "") == "FINISHED_ERROR"
 
 
 # ------------------------------------------------------------------ scheduler

@@ -1,24 +1,49 @@
-"""The connector's settings: ``kv_connector_extra_config`` parsed and checked
-once, for both roles (the keys are listed in kvinject.vllm.connector's
-docstring). An unknown key is refused, so a misspelt setting never goes
-unnoticed. No vLLM import here.
+"""The connector's settings, resolved once for both roles by kvinject.settings
+(section ``connector``): vLLM's ``kv_connector_extra_config`` (the explicit
+layer) over ``KVINJECT_CONNECTOR_<KEY>`` variables over the ``connector:``
+section of the YAML file ``KVINJECT_CONFIG_FILE`` names, over the defaults
+below. Every value is checked (type, range, choices) and an unknown key is
+refused, so a misspelt setting never goes unnoticed. No vLLM import here.
+
+vLLM 0.32 constructs both of the connector's roles after the model's weights
+are loaded (the worker's in ``initialize_from_config``, the scheduler's after
+the KV cache is sized); the settings are checked there, before the KV cache
+is allocated and before the server listens. With CUDA graphs of full mode,
+vLLM asks the connector class earlier, while it builds its configuration
+(``requires_piecewise_for_cudagraph``): the settings are checked then too.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional
 
-KNOWN = ("store_budget_mb", "store_dtype", "page_tokens", "embedding_dim", "layerwise", "events_path", "rope",
-         "store_path", "time_device")
+from ..settings import Field, resolve
+
+#: the settings, in kv_connector_extra_config, KVINJECT_CONNECTOR_<KEY> and the file's connector: section
+FIELDS = (
+    Field("store_budget_mb", int, 256, lo=1, hi=1 << 20, doc="memory the store reserves, per worker (MiB)"),
+    Field("store_dtype", str, "fp32", choices=("fp32", "bf16", "fp16", "fp8_e4m3"), doc="how facts are kept"),
+    Field("page_tokens", int, 16, lo=1, hi=4096, doc="store page size (tokens)"),
+    Field("embedding_dim", int, 0, lo=0, hi=65536, doc="embedding values kept with each captured fact"),
+    Field("store_path", str, None, doc="store file: loaded at start, kept as the journal"),
+    Field("layerwise", bool, False, doc="inject layer by layer (wait_for_layer_load)"),
+    Field("time_device", bool, False, doc="time each injecting step on the GPU (events file)"),
+    Field("events_path", str, None, doc="JSON-lines event files' prefix"),
+    Field("rope", dict, None, doc="kvi_rope_spec fields overriding the model config's"),
+)
+KNOWN = tuple(f.name for f in FIELDS)
+SECTION = "connector"
+SOURCE = "kv_connector_extra_config"
 
 
 @dataclass(frozen=True)
 class KVInjectConfig:
-    """The settings of one connector (defaults as documented in kvinject.vllm.connector)."""
+    """The settings of one connector (defaults: FIELDS)."""
 
     block_size: int                        # vLLM's (cache_config.block_size), not a setting
     store_budget_mb: int = 256
-    store_dtype: str = "fp32"              # a key of kvinject.vllm.retrieval.STORE_DTYPES
+    store_dtype: str = "fp32"              # a key of kvinject.hf.config.STORE_DTYPES
     page_tokens: int = 16
     embedding_dim: int = 0
     store_path: Optional[str] = None
@@ -28,29 +53,22 @@ class KVInjectConfig:
     rope: Optional[Mapping[str, Any]] = None
 
     @classmethod
-    def from_extra(cls, extra: Optional[Mapping[str, Any]], block_size: int) -> "KVInjectConfig":
-        """Parses a kv_connector_extra_config (None: every default). Raises
-        ValueError naming unknown keys."""
-        extra = dict(extra or {})
-        unknown = set(extra) - set(KNOWN)
-        if unknown:
-            raise ValueError("kvinject connector: unknown kv_connector_extra_config keys %s (known: %s)"
-                             % (sorted(unknown), ", ".join(sorted(KNOWN))))
-        return cls(block_size=block_size,
-                   store_budget_mb=int(extra.get("store_budget_mb", 256)),
-                   store_dtype=extra.get("store_dtype", "fp32"),
-                   page_tokens=int(extra.get("page_tokens", 16)),
-                   embedding_dim=int(extra.get("embedding_dim", 0)),
-                   store_path=extra.get("store_path"),
-                   layerwise=bool(extra.get("layerwise", False)),
-                   time_device=bool(extra.get("time_device", False)),
-                   events_path=extra.get("events_path"),
-                   rope=extra.get("rope"))
+    def from_extra(cls, extra: Optional[Mapping[str, Any]], block_size: int,
+                   environ: Mapping[str, str] = os.environ) -> "KVInjectConfig":
+        """The settings of a kv_connector_extra_config (None: none given) over the
+        environment's and the file's. Raises ValueError naming a bad or unknown
+        key and where it came from."""
+        return cls(block_size=block_size, **resolve_settings(extra, environ))
 
     @classmethod
-    def from_vllm_config(cls, vllm_config) -> "KVInjectConfig":
+    def from_vllm_config(cls, vllm_config, environ: Mapping[str, str] = os.environ) -> "KVInjectConfig":
         """The settings of vLLM's kv_transfer_config, with vLLM's block size."""
-        return cls.from_extra(extra_config(vllm_config), vllm_config.cache_config.block_size)
+        return cls.from_extra(extra_config(vllm_config), vllm_config.cache_config.block_size, environ)
+
+
+def resolve_settings(extra: Optional[Mapping[str, Any]], environ: Mapping[str, str] = os.environ) -> Dict[str, Any]:
+    """{key: value} of every setting (kvinject.settings.resolve, section connector)."""
+    return resolve(SECTION, FIELDS, extra, environ=environ, explicit_source=SOURCE)
 
 
 def extra_config(vllm_config) -> Dict[str, Any]:
@@ -59,6 +77,8 @@ def extra_config(vllm_config) -> Dict[str, Any]:
     return dict(getattr(ktc, "kv_connector_extra_config", None) or {})
 
 
-def requires_piecewise(extra: Optional[Mapping[str, Any]]) -> bool:
-    """Whether these settings need vLLM's piecewise CUDA graphs (``layerwise``)."""
-    return bool((extra or {}).get("layerwise", False))
+def requires_piecewise(extra: Optional[Mapping[str, Any]], environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether these settings need vLLM's piecewise CUDA graphs (``layerwise``).
+    Resolves and checks every setting (vLLM calls this while it builds its
+    configuration, before any model is loaded): a bad one raises ValueError."""
+    return bool(resolve_settings(extra, environ)["layerwise"])

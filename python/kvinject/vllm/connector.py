@@ -19,16 +19,22 @@ prefix as externally computed (less what vLLM's prefix cache already has), and
 tells the workers, per step, which blocks to fill and which spans to capture.
 Worker side (one per tensor-parallel rank): one store per worker holding this
 rank's KV heads; derives the cache layout from the tensors register_kv_caches
-receives and the attention backend (kvinject.vllm.layout); per step, one
-kvi_inject for all requests (or one per layer when ``layerwise``), and after
-the forward one kvi_encode for all captures.
+receives and the attention backend (kvinject.vllm.layout); per step, the
+removals, one kvi_inject for all requests (or one per layer when
+``layerwise``), and after the forward one kvi_encode for all captures.
+
+After each step the workers' results per request come back to the scheduler
+(vLLM's worker metadata: kvinject.vllm.results), which returns each finished
+request's outcome as its ``kv_transfer_params`` (``{"kvinject": {...}}``), and
+their statistics go to vLLM's log and Prometheus metrics (kvinject.vllm.stats).
 
 This module is the class vLLM loads; it hands each call to its role:
 kvinject.vllm.scheduler (KVInjectScheduler), kvinject.vllm.worker
 (KVInjectWorker), with kvinject.vllm.metadata (what the scheduler sends the
-workers each step), kvinject.vllm.config (kv_connector_extra_config) and
-kvinject.vllm._compat (the only module that reads vLLM's internals). The roles
-import no vLLM.
+workers each step), kvinject.vllm.results (what they send back),
+kvinject.vllm.stats (statistics and metrics), kvinject.vllm.config (the
+settings) and kvinject.vllm._compat (the only module that reads vLLM's
+internals). The roles import no vLLM.
 
 A request whose parameters are wrong, or whose facts cannot be injected
 (unknown fact, another tenant's fact, a span whose length is not the fact's),
@@ -37,7 +43,10 @@ with finish reason "error" (kv_load_failure_policy "fail", the default); the
 message is logged and, with ``events_path``, written to the event file. The
 other requests of the step are injected and served.
 
-kv_connector_extra_config (all optional):
+Settings (all optional) come from kv_connector_extra_config, over
+``KVINJECT_CONNECTOR_<KEY>`` environment variables, over the ``connector:``
+section of the YAML file ``KVINJECT_CONFIG_FILE`` names (kvinject.settings,
+kvinject.vllm.config; docs/guide/configuration.md):
 
 - ``store_budget_mb`` (256): the store's reserved memory per worker.
 - ``store_dtype`` ("fp32"; "bf16", "fp16", "fp8_e4m3"): how facts are kept.
@@ -66,6 +75,7 @@ kv_connector_extra_config (all optional):
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Dict, Optional, Set, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
@@ -73,11 +83,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from ..store import Store
 from . import _compat
 from .config import KVInjectConfig, requires_piecewise
-from .metadata import CaptureJob, FailJob, InjectJob, KVInjectMetadata
+from .metadata import CaptureJob, FailJob, InjectJob, KVInjectMetadata, RemoveJob
+from .results import KVInjectWorkerMeta
 from .scheduler import KVInjectScheduler
+from .stats import KVInjectPromMetrics, KVInjectStats
 from .worker import KVInjectWorker
 
-__all__ = ["CaptureJob", "FailJob", "InjectJob", "KVInjectConnector", "KVInjectMetadata"]
+__all__ = ["CaptureJob", "FailJob", "InjectJob", "KVInjectConnector", "KVInjectMetadata", "KVInjectStats",
+           "KVInjectWorkerMeta", "RemoveJob"]
 
 
 class KVInjectConnector(KVConnectorBase_V1):
@@ -102,6 +115,22 @@ class KVInjectConnector(KVConnectorBase_V1):
         graphs), or replays would skip it. Injection before the forward needs nothing."""
         return requires_piecewise(extra_config)
 
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> KVInjectStats:
+        """The workers' statistics from their data (in vLLM's API-server process)."""
+        return KVInjectStats(data=copy.deepcopy(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        """The connector's Prometheus metrics (kvinject.vllm.stats.METRICS)."""
+        return KVInjectPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_kv_connector_stats(self) -> Optional[KVInjectStats]:
+        """The worker's statistics since the last call (None: nothing new, or the scheduler)."""
+        if self.connector_worker is None:
+            return None
+        return self.connector_worker.get_kv_connector_stats()
+
     # ============================================================ scheduler
 
     def on_new_request(self, request) -> None:
@@ -115,6 +144,9 @@ class KVInjectConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output) -> KVInjectMetadata:
         return self.connector_scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        self.connector_scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request, block_ids):
         return self.connector_scheduler.request_finished(request, block_ids)
@@ -146,6 +178,9 @@ class KVInjectConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         return self.connector_worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> Optional[KVInjectWorkerMeta]:
+        return self.connector_worker.build_connector_worker_meta()
 
     def shutdown(self):
         if self.connector_worker is not None:

@@ -1,7 +1,8 @@
 """What the scheduler role tells the workers each step (vLLM passes it from
-the scheduler's process to every worker's): the requests to inject, the spans
-to capture once they are prefilled, and the requests that fail. Plain data,
-picklable. No vLLM import here (its base class comes through _compat)."""
+the scheduler's process to every worker's): the facts to remove, the requests
+to inject, the spans to capture once they are prefilled, and the requests that
+fail. Plain data, picklable. No vLLM import here (its base class comes
+through _compat). What the workers send back is kvinject.vllm.results."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -39,7 +40,22 @@ class FailJob:
 
 
 @dataclass
+class RemoveJob:
+    req_id: str
+    tenant: int
+    fact_ids: Optional[List[int]]  # None: every fact of the tenant
+
+
+@dataclass
 class KVInjectMetadata(KVConnectorMetadata):
     injects: List[InjectJob] = field(default_factory=list)
     captures: List[CaptureJob] = field(default_factory=list)
     failures: List[FailJob] = field(default_factory=list)
+    removes: List[RemoveJob] = field(default_factory=list)  # done first, before the step's injections
+
+    def req_ids(self) -> List[str]:
+        """The requests this step's jobs are for (each once, in job order)."""
+        out = {}
+        for j in (*self.removes, *self.failures, *self.injects, *self.captures):
+            out.setdefault(j.req_id, None)
+        return list(out)

@@ -9,7 +9,8 @@ parameters, ``SamplingParams(extra_args={"kv_transfer_params": {"kvinject":
      "inject": [[fact_id, start, length], ...],    # facts the prompt's prefix holds
      "capture": [{"fact_id": 9, "start": 40, "length": 12,
                   "embedding": [...],              # when the store keeps embeddings
-                  "replace": False}, ...]}
+                  "replace": False}, ...],
+     "remove": [fact_id, ...]}                     # or "all": every fact of the tenant
 
 - ``inject``: spans of the prompt whose KV comes from the store, in order,
   back to back from token 0 (the prefix vLLM is told is already computed);
@@ -20,10 +21,22 @@ parameters, ``SamplingParams(extra_args={"kv_transfer_params": {"kvinject":
 - ``capture``: spans of the prompt to keep as facts of ``tenant`` once vLLM has
   prefilled them (Context-Window Encoding: each span's KV as computed after
   everything before it). Captured keys are un-rotated at their positions.
+- ``remove``: facts of ``tenant`` to remove from the store (``"all"``: every
+  one), at the start of the first step the request is scheduled in, before
+  that step's injections and before the request's captures (so a request may
+  remove a fact and capture it anew). A fact that is not there is skipped. A
+  request may not remove a fact it injects (nor "all" when it injects).
+
+What the connector did comes back in the finished request's
+``kv_transfer_params["kvinject"]`` (kvinject.vllm.results): a request whose
+last jobs ran in the step it finished in (one output token) cannot know their
+results yet (``"pending": true``); ask for RESULT_TOKENS output tokens
+(``max_tokens`` and ``min_tokens``) to get them.
 
 :func:`memory_prompt` builds [facts | question] and its inject spans;
 :func:`capture_prompt` builds a prompt from segments, some to be captured;
-:func:`notes_capture_prompts` the capture prompts of the notes encoding.
+:func:`notes_capture_prompts` the capture prompts of the notes encoding;
+:func:`remove_prompt` a one-token request that removes facts.
 """
 from __future__ import annotations
 
@@ -31,6 +44,8 @@ import dataclasses
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 PARAMS_KEY = "kvinject"
+#: output tokens (max_tokens and min_tokens) a request asks for to get its results in its outcome
+RESULT_TOKENS = 2
 
 Tokens = Sequence[int]
 
@@ -169,6 +184,18 @@ def notes_capture_prompts(tenant: int, header: Union[Tokens, Keep], facts: Seque
     return out
 
 
+def remove_prompt(tenant: int, fact_ids: Union[str, Sequence[int]], token_id: int) -> MemoryPrompt:
+    """A request that removes facts of ``tenant`` from the connector's store:
+    ``fact_ids`` a list of fact ids, or ``"all"`` for every fact of the tenant.
+    Its prompt is the one token ``token_id`` (any token of the model: vLLM needs
+    a prompt); its output is of no use. Ask for RESULT_TOKENS output tokens to
+    find the ids removed in its outcome."""
+    if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+        raise ValueError("token_id must be a token id (an int >= 0), got %r" % (token_id,))
+    params: Dict[str, Any] = {"tenant": int(tenant), "remove": _remove_list(fact_ids, "fact_ids")}
+    return MemoryPrompt([token_id], params)
+
+
 # ------------------------------------------------------------------ parsing
 
 @dataclasses.dataclass
@@ -194,6 +221,8 @@ class RequestSpec:
     tenant: int
     inject: List[Span]
     capture: List[CaptureSpec]
+    remove: Optional[List[int]] = None  # fact ids to remove (None: none)
+    remove_all: bool = False            # every fact of the tenant
 
     @property
     def claim_end(self) -> int:
@@ -216,14 +245,37 @@ def _uint(v, what: str, lo: int = 0, hi: int = _U64) -> int:
     return v
 
 
+MAX_REMOVE = 1 << 20  # fact ids one request may name
+
+
+def _remove_list(v: Any, what: str) -> Union[str, List[int]]:
+    """A remove parameter checked: "all", or a non-empty list of distinct fact ids."""
+    if v == "all":
+        return "all"
+    if isinstance(v, (str, bytes, dict)) or not isinstance(v, (list, tuple)):
+        raise ValueError('%s must be a list of fact ids or "all", got %r' % (what, v))
+    if not v:
+        raise ValueError('%s is empty: name the fact ids to remove, or "all"' % what)
+    if len(v) > MAX_REMOVE:
+        raise ValueError("%s names %d facts; at most %d per request" % (what, len(v), MAX_REMOVE))
+    out, seen = [], set()
+    for i, f in enumerate(v):
+        f = _uint(f, "%s[%d]" % (what, i))
+        if f in seen:
+            raise ValueError("%s[%d]: fact %d is named twice" % (what, i, f))
+        seen.add(f)
+        out.append(f)
+    return out
+
+
 def parse_params(params: Any, prompt_len: int, embedding_dim: int = 0) -> RequestSpec:
     """Checks a request's kvinject parameters against its prompt length; raises
     ValueError with a message naming the problem."""
     if not isinstance(params, dict):
         raise ValueError("kv_transfer_params[%r] must be a dict, got %s" % (PARAMS_KEY, type(params).__name__))
-    unknown = set(params) - {"tenant", "inject", "capture"}
+    unknown = set(params) - {"tenant", "inject", "capture", "remove"}
     if unknown:
-        raise ValueError("unknown kvinject parameters %s (known: tenant, inject, capture)" % sorted(unknown))
+        raise ValueError("unknown kvinject parameters %s (known: tenant, inject, capture, remove)" % sorted(unknown))
     if "tenant" not in params:
         raise ValueError("kvinject parameters need a tenant")
     tenant = _uint(params["tenant"], "tenant")
@@ -268,6 +320,13 @@ def parse_params(params: Any, prompt_len: int, embedding_dim: int = 0) -> Reques
         elif cs.embedding is not None:
             raise ValueError("capture[%d]: an embedding, but the store keeps none (embedding_dim 0)" % i)
         capture.append(cs)
-    if not inject and not capture:
-        raise ValueError("kvinject parameters ask for nothing (no inject, no capture)")
-    return RequestSpec(tenant, inject, capture)
+    remove = None if params.get("remove") is None else _remove_list(params["remove"], "remove")
+    if remove == "all" and inject:
+        raise ValueError('remove "all" with inject: the removal runs first, so the injected facts would be gone')
+    if remove is not None and remove != "all":
+        both = [s.fact_id for s in inject if s.fact_id in set(remove)]
+        if both:
+            raise ValueError("remove names fact %d, which the request injects (the removal runs first)" % both[0])
+    if not inject and not capture and remove is None:
+        raise ValueError("kvinject parameters ask for nothing (no inject, capture or remove)")
+    return RequestSpec(tenant, inject, capture, None if remove in (None, "all") else remove, remove == "all")

@@ -3,12 +3,19 @@ request's kvinject parameters when it arrives, gives every request that
 injects a cache salt of its own (so vLLM's prefix cache can never hand its
 blocks, which hold KV a plain prefill would not compute, to another request),
 claims the injected prefix as externally computed (less what vLLM's prefix
-cache already has), and tells the workers, per step, which blocks to fill and
-which spans to capture (kvinject.vllm.metadata).
+cache already has), and tells the workers, per step, which facts to remove,
+which blocks to fill and which spans to capture (kvinject.vllm.metadata).
 
 A request whose parameters are wrong claims one token, so that it gets a
 block, and goes to the workers as a failure with that block: they report it as
 a failed load and vLLM finishes the request with an error.
+
+The workers' results come back each step (``update_connector_output``,
+kvinject.vllm.results) and make up the request's outcome, which
+``request_finished`` returns to vLLM as the request's ``kv_transfer_params``
+(``{"kvinject": {...}}``). A request whose injection failed and that vLLM
+recomputes (``kv_load_failure_policy: "recompute"``) is never injected again,
+and the captures its failed step skipped are taken from the recomputed prefill.
 
 No vLLM import here: vLLM's requests and scheduler outputs are read through
 their public attributes and kvinject.vllm._compat.
@@ -23,8 +30,9 @@ from typing import Dict, List, Optional
 from . import _compat
 from .config import KVInjectConfig
 from .events import Events
-from .metadata import CaptureJob, FailJob, InjectJob, KVInjectMetadata
-from .prompt import PARAMS_KEY, RequestSpec, parse_params
+from .metadata import CaptureJob, FailJob, InjectJob, KVInjectMetadata, RemoveJob
+from .prompt import _U64, PARAMS_KEY, RequestSpec, parse_params
+from .results import KVInjectWorkerMeta, Outcome
 
 logger = _compat.init_logger(__name__)
 
@@ -37,6 +45,15 @@ class _ReqState:
     external: int = 0                      # tokens claimed at the last allocation
     block_ids: List[int] = field(default_factory=list)
     capture_pending: bool = False
+    outcome: Outcome = field(default_factory=lambda: Outcome(None))
+    fail_sent: bool = False      # the failure of bad parameters went to the workers
+    remove_sent: bool = False
+    inject_failed: bool = False  # never injected again (vLLM recomputes it, or it has failed)
+
+
+def _tenant_of(params) -> Optional[int]:
+    t = params.get("tenant") if isinstance(params, dict) else None
+    return t if isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _U64 else None
 
 
 class KVInjectScheduler:
@@ -70,7 +87,11 @@ class KVInjectScheduler:
         # (token ids, text, chat): injection checks them against the store's
         end = max(spec.claim_end, spec.capture_end) if spec else 0
         prompt = list(request.prompt_token_ids[:end]) if end else []
-        self._reqs[request.request_id] = _ReqState(spec, error, prompt, capture_pending=bool(spec and spec.capture))
+        st = _ReqState(spec, error, prompt, capture_pending=bool(spec and spec.capture))
+        st.outcome.tenant = spec.tenant if spec else _tenant_of(params)
+        if error is not None:
+            st.outcome.add_error(error)
+        self._reqs[request.request_id] = st
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         st = self._reqs.get(request.request_id)
@@ -78,8 +99,11 @@ class KVInjectScheduler:
             return 0, False
         if st.error is not None:
             # one claimed token gives the request a block the worker reports as
-            # failed, which makes vLLM finish it with an error
-            return (1 if num_computed_tokens == 0 and request.num_prompt_tokens > 1 else 0), False
+            # failed, which makes vLLM finish it with an error (once)
+            first = num_computed_tokens == 0 and request.num_prompt_tokens > 1 and not st.fail_sent
+            return (1 if first else 0), False
+        if st.inject_failed:
+            return 0, False
         end = st.spec.claim_end
         return max(end - num_computed_tokens, 0), False
 
@@ -104,10 +128,14 @@ class KVInjectScheduler:
         for s, st in progressed:
             rid, computed = s.req_id, s.num_computed_tokens
             if st.error is not None:
-                if s.first:
+                if s.first and not st.fail_sent:
                     meta.failures.append(FailJob(rid, st.error, list(st.block_ids)))
+                    st.fail_sent = True
                 continue
             spec = st.spec
+            if (spec.remove is not None or spec.remove_all) and not st.remove_sent:
+                meta.removes.append(RemoveJob(rid, spec.tenant, None if spec.remove_all else list(spec.remove)))
+                st.remove_sent = True
             if s.first and st.external > 0:
                 local = computed - st.external
                 facts = [(f.fact_id, f.start, f.length) for f in spec.inject if f.start + f.length > local]
@@ -121,11 +149,38 @@ class KVInjectScheduler:
                                                  for c in spec.capture], list(st.block_ids),
                                                 [st.prompt[c.start:c.start + c.length] for c in spec.capture]))
                 st.capture_pending = False
-        if meta.injects or meta.captures or meta.failures:
+        for rid in meta.req_ids():  # one result per request and step comes back
+            self._reqs[rid].outcome.outstanding += 1
+        if meta.injects or meta.captures or meta.failures or meta.removes:
             self._events.write(event="schedule", injects=len(meta.injects), captures=len(meta.captures),
-                               failures=len(meta.failures), host_us=(time.perf_counter() - t0) * 1e6)
+                               failures=len(meta.failures), removes=len(meta.removes),
+                               host_us=(time.perf_counter() - t0) * 1e6)
         return meta
 
+    def update_connector_output(self, connector_output) -> None:
+        """The workers' results of a step (vLLM's worker metadata, the ranks'
+        combined): each request's outcome. A request whose injection failed is
+        never injected again, and the captures its failed step skipped are
+        taken again once vLLM has recomputed its prefill."""
+        meta = _compat.worker_meta(connector_output)
+        if not isinstance(meta, KVInjectWorkerMeta):
+            return
+        for rid, res in meta.results.items():
+            st = self._reqs.get(rid)
+            if st is None:  # finished already (its outcome said "pending")
+                continue
+            if st.outcome.add(res, meta.ranks) and st.spec is not None and st.spec.capture:
+                st.capture_pending = True
+            if res.inject_failed and st.spec is not None:
+                st.inject_failed, st.external = True, 0
+
     def request_finished(self, request, block_ids):
-        self._reqs.pop(request.request_id, None)
-        return False, None
+        """Forgets the request; its outcome goes into its output's kv_transfer_params."""
+        st = self._reqs.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        out = st.outcome
+        if _compat.finished_with_error(request) and not out.errors:
+            out.add_error("vLLM finished the request with an error before the connector's results arrived "
+                          "(a failed injection: its message is in vLLM's log)")
+        return False, {PARAMS_KEY: out.to_params()}

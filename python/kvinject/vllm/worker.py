@@ -1,14 +1,20 @@
 """The connector's worker role (one per tensor-parallel rank): one store per
 worker holding this rank's KV heads; the cache layout derived from the tensors
 register_kv_caches receives and the attention backend (kvinject.vllm.layout);
-per step, one kvi_inject for all requests (or one per layer when
-``layerwise``), and after the forward one kvi_encode for all captures.
+per step, the removals first, then one kvi_inject for all requests (or one
+per layer when ``layerwise``), and after the forward one kvi_encode for all
+captures.
 
 A request whose facts cannot be injected (unknown fact, another tenant's
 fact, a span whose length is not the fact's) fails alone: its blocks are
 reported as failed loads (get_block_ids_with_load_errors), the message is
 logged and written to the event file, and the other requests of the step are
-injected.
+injected. Its captures of that step are not taken (they would read KV that
+is not the prompt's); the scheduler takes them again if vLLM recomputes it.
+
+After each step the worker tells the scheduler what it did per request
+(``build_connector_worker_meta``: kvinject.vllm.results) and vLLM's metrics
+what happened (``get_kv_connector_stats``: kvinject.vllm.stats).
 
 No vLLM import here: what the worker needs of vLLM's internals (the attention
 backend, the tensor-parallel rank) comes through kvinject.vllm._compat.
@@ -20,17 +26,34 @@ import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..enums import Backend, Memory
-from ..errors import KviError
+from ..errors import KviError, NotFoundError, TokenMismatchError
 from ..store import Store
 from ..transfer import Capture, Encoder, InjectRequest, Injector
 from . import _compat
 from .config import KVInjectConfig
 from .events import Events
 from .layout import derive_layout, ordered_layers
-from .metadata import InjectJob, KVInjectMetadata
+from .metadata import InjectJob, KVInjectMetadata, RemoveJob
+from .results import KVInjectWorkerMeta, RequestResult
 from .retrieval import STORE_DTYPES, store_model
+from .stats import KVInjectStats, StatsRecorder
 
 logger = _compat.init_logger(__name__)
+
+
+class SpanLengthError(ValueError):
+    """A span of the prompt whose length is not its fact's."""
+
+
+def failure_reason(e: Exception) -> str:
+    """The ``reason`` label of a failed injection (kvinject.vllm.stats.REASONS)."""
+    if isinstance(e, NotFoundError):
+        return "not_found"
+    if isinstance(e, TokenMismatchError):
+        return "token_mismatch"
+    if isinstance(e, SpanLengthError):
+        return "length"
+    return "other"
 
 
 class KVInjectWorker:
@@ -54,6 +77,12 @@ class KVInjectWorker:
         self._events = Events(None)
         self._step = 0
         self._layers_done = 0
+        self._stats = StatsRecorder(0)
+        self._results: Dict[str, RequestResult] = {}  # this step's, per request (sent to the scheduler)
+        self._failed_reqs: Set[str] = set()           # requests failed in this step
+        self._step_jobs: List[InjectJob] = []         # injected in this step
+        self._inject_s = 0.0                          # host time of this step's injection
+        self._store_changed = False
 
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
         vc, cfg = self._vllm_config, self._cfg
@@ -75,10 +104,12 @@ class KVInjectWorker:
             path = "%s.rank%d" % (path, tp_rank)
         if path and os.path.exists(path):
             self._store = Store.load(model, path, budget, journal=True, **opts)
+            file_text = "store file %s loaded" % path
         else:
             self._store = Store(model, budget, **opts)
             if path:
                 self._store.journal_open(path)
+            file_text = "store file %s (new)" % path if path else "no store file"
         model.close()
         self._injector = Injector(self._store, layout)
         self._encoder = Encoder(self._store, layout)
@@ -88,9 +119,13 @@ class KVInjectWorker:
         self._events.write(event="register", backend=backend, isa=isa, layers=len(names),
                            local_heads=model.local_heads, head_size=model.head_size, block_size=layout.block_size,
                            num_blocks=layout.num_blocks, dtype=layout.dtype.name, tp_rank=tp_rank, tp_size=tp_size)
-        logger.info("kvinject: %s cache (%s) of %d layers x %d heads x %d, %d blocks of %d; store %s",
-                    backend, isa or "-", len(names), model.local_heads, model.head_size, layout.num_blocks,
-                    layout.block_size, self._store)
+        self._stats = StatsRecorder(tp_rank)
+        st = self._store.stats()
+        self._stats.store(st.bytes_used, st.facts, st.tenants)
+        logger.info("kvinject: store budget %d MiB, dtype %s, %s: %d facts of %d tenants; %s cache (%s) of %d "
+                    "layers x %d heads x %d, %d blocks of %d; tensor-parallel rank %d of %d", cfg.store_budget_mb,
+                    cfg.store_dtype, file_text, st.facts, st.tenants, backend, isa or "-", len(names),
+                    model.local_heads, model.head_size, layout.num_blocks, layout.block_size, tp_rank, tp_size)
 
     @property
     def store(self) -> Optional[Store]:
@@ -103,18 +138,27 @@ class KVInjectWorker:
         import torch
         return torch.cuda.current_stream()
 
-    def _fail(self, job_id: str, message: str, block_ids: List[int]) -> None:
+    def _result(self, req_id: str) -> RequestResult:
+        return self._results.setdefault(req_id, RequestResult())
+
+    def _fail(self, job_id: str, message: str, block_ids: List[int], reason: str) -> None:
         logger.error("kvinject: request %s fails: %s", job_id, message)
-        self._events.write(event="request_error", req_id=job_id, message=message, step=self._step)
+        self._events.write(event="request_error", req_id=job_id, message=message, reason=reason, step=self._step)
         self._failed_blocks.update(block_ids)
+        self._failed_reqs.add(job_id)
+        res = self._result(job_id)
+        res.inject_failed = True
+        if message not in res.errors:
+            res.errors.append(message)
+        self._stats.failed(reason)
 
     def _check(self, job: InjectJob) -> None:
         """Why a job cannot be injected (raises KviError / ValueError), on the host."""
         for fid, start, length in job.facts:
             n = self._store.fact_tokens(job.tenant, fid)  # NotFoundError: unknown for this tenant
             if n != length:
-                raise ValueError("fact %d of tenant %d has %d tokens; the prompt's span for it at token %d "
-                                 "has %d" % (fid, job.tenant, n, start, length))
+                raise SpanLengthError("fact %d of tenant %d has %d tokens; the prompt's span for it at token %d "
+                                      "has %d" % (fid, job.tenant, n, start, length))
         end = job.facts[-1][1] + job.facts[-1][2] if job.facts else 0
         if end > len(job.block_ids) * self._block_size:
             raise ValueError("the facts end at token %d; the request has %d blocks of %d"
@@ -142,16 +186,45 @@ class KVInjectWorker:
                 self._injector.inject(req, layer_begin=layer_begin, layer_end=layer_end, stream=self._stream())
                 good.append((job, req))
             except (KviError, ValueError) as e:
-                self._fail(job.req_id, str(e), job.block_ids)
+                self._fail(job.req_id, str(e), job.block_ids, failure_reason(e))
         return good, time.perf_counter() - t
+
+    def _remove(self, jobs: List[RemoveJob]) -> None:
+        """The step's removals: a fact that is not there is skipped (not listed)."""
+        for job in jobs:
+            res = self._result(job.req_id)
+            ids = self._store.list(job.tenant) if job.fact_ids is None else job.fact_ids
+            n = 0
+            for fid in ids:
+                try:
+                    self._store.remove(job.tenant, fid)
+                except NotFoundError:
+                    continue
+                except KviError as e:
+                    msg = "removal of fact %d (tenant %d) failed: %s" % (fid, job.tenant, e)
+                    logger.error("kvinject: request %s: %s", job.req_id, msg)
+                    res.errors.append(msg)
+                    self._stats.failed("remove")
+                    continue
+                res.removed.append(fid)
+                n += 1
+            self._stats.add("facts_removed", n)
+            self._store_changed |= n > 0
+            self._events.write(event="remove", req_id=job.req_id, tenant=job.tenant,
+                               asked="all" if job.fact_ids is None else len(job.fact_ids), removed=n,
+                               step=self._step)
 
     def start_load_kv(self, meta: Optional[KVInjectMetadata]) -> None:
         if not isinstance(meta, KVInjectMetadata):
             return
         self._step += 1
+        self._failed_reqs, self._step_jobs, self._inject_s = set(), [], 0.0
+        for rid in meta.req_ids():  # every request of the step gets a result, if only "done"
+            self._result(rid)
         t0 = time.perf_counter()
+        self._remove(meta.removes)
         for f in meta.failures:
-            self._fail(f.req_id, f.message, f.block_ids)
+            self._fail(f.req_id, f.message, f.block_ids, "parse")
         jobs = []
         for job in meta.injects:
             if not job.facts:
@@ -159,7 +232,7 @@ class KVInjectWorker:
             try:
                 self._check(job)
             except (KviError, ValueError) as e:
-                self._fail(job.req_id, str(e), job.block_ids)
+                self._fail(job.req_id, str(e), job.block_ids, failure_reason(e))
                 continue
             jobs.append((job, self._request(job)))
         if not jobs:
@@ -178,6 +251,8 @@ class KVInjectWorker:
             self._pending = []
             jobs, kvi_s = self._inject(jobs)
         t2 = time.perf_counter()
+        self._step_jobs = [j for j, _ in jobs]
+        self._inject_s = t2 - t0
         rec = dict(event="inject", step=self._step, requests=len(jobs), facts=sum(len(j.facts) for j, _ in jobs),
                    tokens=sum(n for j, _ in jobs for _, _, n in j.facts), layerwise=self._layerwise,
                    check_us=(t1 - t0) * 1e6, kvi_us=kvi_s * 1e6, host_us=(t2 - t0) * 1e6)
@@ -193,7 +268,9 @@ class KVInjectWorker:
         i = self._layer_index.get(layer_name)
         if i is None or i == 0:
             return
+        t = time.perf_counter()
         self._pending, _ = self._inject(self._pending, i, i + 1)
+        self._inject_s += time.perf_counter() - t
         self._layers_done += 1
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
@@ -216,36 +293,86 @@ class KVInjectWorker:
             done.synchronize()
             rec.update(device_us=start.elapsed_time(end) * 1e3, step_device_us=start.elapsed_time(done) * 1e3)
             self._events.write(**rec)
-        if not isinstance(meta, KVInjectMetadata) or not meta.captures:
+        self._count_injections()
+        if isinstance(meta, KVInjectMetadata) and meta.captures:
+            self._capture(meta)
+        if self._store_changed:
+            st = self._store.stats()
+            self._stats.store(st.bytes_used, st.facts, st.tenants)
+            self._store_changed = False
+
+    def _count_injections(self) -> None:
+        """The step's injections, once every layer is done: the requests that did
+        not fail are reported injected."""
+        jobs, self._step_jobs = self._step_jobs, []
+        if not jobs:
             return
+        for job in jobs:
+            if job.req_id in self._failed_reqs:
+                continue
+            res = self._result(job.req_id)
+            res.injected_facts = len(job.facts)
+            res.injected_tokens = sum(n for _, _, n in job.facts)
+            self._stats.add("requests_injected")
+            self._stats.add("facts_injected", res.injected_facts)
+            self._stats.add("tokens_injected", res.injected_tokens)
+        self._stats.inject_step(self._step, self._inject_s)
+
+    def _capture(self, meta: KVInjectMetadata) -> None:
+        """The step's captures in one kvi_encode (one by one when it fails), but
+        none of a request whose injection failed in this step."""
         t0 = time.perf_counter()
-        caps, owner = [], []
+        caps, owner, skipped = [], [], 0
         for job in meta.captures:
+            if job.req_id in self._failed_reqs:
+                self._result(job.req_id).skipped.extend(c[0] for c in job.captures)
+                skipped += len(job.captures)
+                continue
             for i, (fid, start, length, emb, replace) in enumerate(job.captures):
                 caps.append(Capture(job.tenant, fid, job.block_ids, length, first_slot=start, start_position=start,
                                     replace=replace, embedding=emb,
                                     token_ids=job.token_ids[i] if job.token_ids is not None else None))
                 owner.append(job.req_id)
         stream = self._stream()
+        stored = []
         try:
-            self._encoder.encode(caps, stream=stream)
-            stored = len(caps)
+            if caps:
+                self._encoder.encode(caps, stream=stream)
+            stored = list(zip(caps, owner))
         except KviError:
             # all-or-nothing: store the ones that can be, report the others
-            stored = 0
             for c, rid in zip(caps, owner):
                 try:
                     self._encoder.encode(c, stream=stream)
-                    stored += 1
+                    stored.append((c, rid))
                 except KviError as e:
-                    logger.error("kvinject: request %s: capture of fact %d (tenant %d) failed: %s",
-                                 rid, c.fact_id, c.tenant, e)
+                    msg = "capture of fact %d (tenant %d) failed: %s" % (c.fact_id, c.tenant, e)
+                    logger.error("kvinject: request %s: %s", rid, msg)
                     self._events.write(event="capture_error", req_id=rid, fact_id=c.fact_id, tenant=c.tenant,
                                        message=str(e), step=self._step)
+                    self._result(rid).errors.append(msg)
+                    self._stats.add("captures_failed")
+                    self._stats.failed("capture")
         if stream is not None:
             stream.synchronize()
-        self._events.write(event="capture", step=self._step, captures=len(caps), stored=stored,
-                           tokens=sum(c.num_tokens for c in caps), host_us=(time.perf_counter() - t0) * 1e6)
+        for c, rid in stored:
+            self._result(rid).captured[c.fact_id] = 1
+        self._stats.add("captures_stored", len(stored))
+        self._store_changed |= bool(stored)
+        self._events.write(event="capture", step=self._step, captures=len(caps), stored=len(stored),
+                           skipped=skipped, tokens=sum(c.num_tokens for c in caps),
+                           host_us=(time.perf_counter() - t0) * 1e6)
+
+    def build_connector_worker_meta(self) -> Optional[KVInjectWorkerMeta]:
+        """What this step did per request (None: no request had jobs), for the scheduler."""
+        if not self._results:
+            return None
+        out, self._results = KVInjectWorkerMeta(self._results), {}
+        return out
+
+    def get_kv_connector_stats(self) -> Optional[KVInjectStats]:
+        """What happened since vLLM last asked (None: nothing)."""
+        return self._stats.take()
 
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         """Every load and save is done within its step: nothing finishes later."""
