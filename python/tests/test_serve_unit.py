@@ -92,9 +92,28 @@ def test_check_reads_the_connectors_outcome():
     assert "pending" in cap.check(200, pend, asked=[1])[0]
     assert "HTTP 500" in cap.check(500, {"error": {"message": "Internal server error"}}, asked=[1])[0]
     assert cap.check(200, {"kv_transfer_params": None}, asked=[1]) == (None, None)   # no outcome reported
-    rm = {"kv_transfer_params": {"kvinject": {"removed": [4], "errors": []}}}
-    assert cap.check(200, rm, removed=[4])[0] is None
-    assert "removed 0 of 1" in cap.check(200, rm, removed=[5])[0]
+    rm = {"kv_transfer_params": {"kvinject": {"removed": [], "errors": []}}}
+    assert cap.check(200, rm)[0] is None            # a fact that was not there is skipped
+    inj = {"kv_transfer_params": {"kvinject": {"injected_facts": 2, "captured": [3], "errors": []}}}
+    assert cap.check(200, inj, asked=[3], injected=2)[0] is None
+    assert "injected 2 of 3" in cap.check(200, inj, asked=[3], injected=3)[0]
+
+
+def test_plan_removes_first_in_the_first_request_only():
+    reqs = cap.plan(4, HEADER, facts(10, size=10), header_held=False, replace=True, budget=40, remove="all")
+    assert reqs[0].params["remove"] == "all" and all("remove" not in r.params for r in reqs[1:])
+    for r in reqs:
+        parse_params(r.params, r.tokens)
+    reqs = cap.plan(4, HEADER, facts(2, start=6), context=facts(4), replace=True, budget=100, remove=[5])
+    assert reqs[0].params["remove"] == [5] and reqs[0].params["inject"][-1][0] == 4
+    spec = parse_params(reqs[0].params, reqs[0].tokens)
+    assert spec.remove == [5]
+    with pytest.raises(cap.PlanError):
+        cap.plan(4, HEADER, facts(1), remove="all", budget=100)      # "all" with injected context
+    r = cap.removal(4, "all", 1)
+    assert r.body["prompt"] == [1] and r.params == {"tenant": 4, "remove": "all"}
+    assert r.body["max_tokens"] == r.body["min_tokens"] == 2
+    parse_params(r.params, 1)
 
 
 # ------------------------------------------------------------------ chat
@@ -168,10 +187,14 @@ def test_settings_flags_env_and_checks(tmp_path):
     assert cfg.replicas == ["http://c:3"] and cfg.default_k == 7 and cfg.port == 9100   # flag > env
     with pytest.raises(ValueError, match="replica"):
         config.load(base, environ={})
-    with pytest.raises(ValueError, match="PORT|port"):
+    with pytest.raises(ValueError, match="KVINJECT_GATEWAY_PORT"):
         config.load(base + ["--replica", "http://a:1"], environ={"KVINJECT_GATEWAY_PORT": "x"})
     with pytest.raises(ValueError, match="range"):
         config.load(base + ["--replica", "http://a:1", "--default-k", "-1"], environ={})
+    with pytest.raises(ValueError, match="KVINJECT_GATEWAY_NONSENSE"):
+        config.load(base + ["--replica", "http://a:1"], environ={"KVINJECT_GATEWAY_NONSENSE": "1"})
+    with pytest.raises(SystemExit):
+        config.load(base + ["--replica", "http://a:1", "--port", "x"], environ={})
     with pytest.raises(ValueError, match="base URL"):
         config.load(base + ["--replica", "a:1"], environ={})
     with pytest.raises(ValueError, match="twice"):

@@ -11,16 +11,13 @@ import dataclasses
 import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-try:  # the connector's settings module (kvinject.settings); a minimal stand-in below until it is there
-    from ..settings import Field, resolve  # type: ignore
-except ImportError:  # pragma: no cover - exercised only without kvinject.settings
-    Field = None
-    resolve = None
+from ..settings import Field, resolve
 
+SECTION = "gateway"
 DEFAULT_EMBEDDER = "/var/cache/kvinject/vllm/model/all-MiniLM-L6-v2"
 
-# name, type, default, lo, hi, choices, doc
-_FIELDS = [
+# name, type, default, lo, hi, choices, doc (kvinject.settings.Field)
+_ROWS = [
     ("model", str, None, None, None, None,
      "the served model's directory (its tokenizer and chat template build the prompts)"),
     ("replica", str, None, None, None, None,
@@ -77,52 +74,7 @@ class GatewayConfig:
         return self.embedder.startswith(("http://", "https://"))
 
 
-def fields():
-    """The gateway's settings as kvinject.settings.Field objects (or tuples
-    without that module)."""
-    if Field is None:
-        return list(_FIELDS)
-    return [Field(name=n, type=t, default=d, lo=lo, hi=hi, choices=c, doc=doc) for n, t, d, lo, hi, c, doc in _FIELDS]
-
-
-def _fallback_resolve(explicit: Mapping[str, Any], environ: Mapping[str, str]) -> Dict[str, Any]:
-    """flags > KVINJECT_GATEWAY_<KEY> > the YAML file's gateway section > defaults."""
-    file_vals: Dict[str, Any] = {}
-    path = environ.get("KVINJECT_CONFIG_FILE")
-    if path:
-        import yaml
-        with open(path) as f:
-            doc = yaml.safe_load(f) or {}
-        if not isinstance(doc, dict) or not isinstance(doc.get("gateway", {}) or {}, dict):
-            raise ValueError("%s: the gateway section must be a mapping" % path)
-        file_vals = dict(doc.get("gateway") or {})
-        unknown = set(file_vals) - {f[0] for f in _FIELDS}
-        if unknown:
-            raise ValueError("%s: unknown gateway settings %s" % (path, sorted(unknown)))
-    out: Dict[str, Any] = {}
-    for name, typ, default, lo, hi, choices, _ in _FIELDS:
-        env = environ.get("KVINJECT_GATEWAY_" + name.upper())
-        if explicit.get(name) is not None:
-            v, src = explicit[name], "--" + name.replace("_", "-")
-        elif env is not None:
-            v, src = env, "KVINJECT_GATEWAY_" + name.upper()
-        elif name in file_vals:
-            v, src = file_vals[name], "%s: gateway.%s" % (path, name)
-        else:
-            out[name] = default
-            continue
-        try:
-            if typ is bool or isinstance(v, bool):
-                raise ValueError
-            v = typ(v)
-        except (TypeError, ValueError):
-            raise ValueError("%s: %r is not a%s %s" % (src, v, "n" if typ is int else "", typ.__name__))
-        if lo is not None and v < lo or hi is not None and v > hi:
-            raise ValueError("%s = %r is out of range [%s, %s]" % (src, v, lo, hi))
-        if choices and v not in choices:
-            raise ValueError("%s = %r is not one of %s" % (src, v, ", ".join(choices)))
-        out[name] = v
-    return out
+FIELDS = [Field(n, t, d, lo=lo, hi=hi, choices=c, doc=doc) for n, t, d, lo, hi, c, doc in _ROWS]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -131,28 +83,27 @@ def parser() -> argparse.ArgumentParser:
         description="An OpenAI-compatible memory service in front of vLLM replicas running the kvinject "
                     "connector (docs/guide/serve.md). Every flag can also come from KVINJECT_GATEWAY_<FLAG> "
                     "or the gateway section of the YAML file named by KVINJECT_CONFIG_FILE.")
-    for name, typ, default, lo, hi, choices, doc in _FIELDS:
-        flag = "--" + name.replace("_", "-")
-        if name == "replica":
-            p.add_argument(flag, action="append", metavar="URL", help=doc)
+    for f in FIELDS:
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "replica":
+            p.add_argument(flag, action="append", metavar="URL", help=f.doc)
             continue
-        p.add_argument(flag, type=str, default=None, choices=choices,
-                       help="%s (default: %s)" % (doc, default if default not in (None, "") else "none"))
+        rng = " (%s)" % f.range_text() if f.range_text() else ""
+        p.add_argument(flag, type=f.type, default=None, choices=f.choices, metavar=f.type.__name__.upper(),
+                       help="%s%s; default %s" % (f.doc, rng, f.default if f.default not in (None, "") else "none"))
     return p
 
 
 def load(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, str]] = None) -> GatewayConfig:
-    """The settings from argv (sys.argv[1:] when None) and the environment;
-    raises ValueError naming the setting that is wrong or missing."""
+    """The settings from argv (sys.argv[1:] when None), the environment and
+    the file (kvinject.settings.resolve); raises ValueError naming the setting
+    that is wrong or missing (argparse exits 2 on a flag of the wrong type)."""
     environ = os.environ if environ is None else environ
     ns = parser().parse_args(argv)
     explicit = {k: v for k, v in vars(ns).items() if v is not None}
     if "replica" in explicit:
         explicit["replica"] = ",".join(explicit["replica"])
-    if resolve is not None:
-        vals = resolve("gateway", fields(), explicit=explicit, environ=environ)
-    else:
-        vals = _fallback_resolve(explicit, environ)
+    vals = resolve(SECTION, FIELDS, explicit=explicit, environ=environ, explicit_source="the command line")
     return check(vals)
 
 

@@ -38,7 +38,6 @@ class Service:
                                  request_timeout=cfg.request_timeout, on_change=self._replica_changed)
         self._locks: Dict[int, asyncio.Lock] = {}
         self._embed_pool = ThreadPoolExecutor(1, thread_name_prefix="kvinject-embed")
-        self.outcomes: Dict[str, bool] = {}   # replica -> its connector reports outcomes (and removes)
         self.model_name = cfg.served_model_name or ""
 
     # ----------------------------------------------------------- lifecycle
@@ -115,8 +114,6 @@ class Service:
             self.m.replica_requests.labels(rep.url, kind, "down").inc()
             raise
         self.m.replica_requests.labels(rep.url, kind, str(status)).inc()
-        if cap.outcome(resp) is not None:
-            self.outcomes[rep.url] = True
         return status, resp
 
     async def run_captures(self, rep: Replica, reqs: List[cap.CaptureRequest], kind: str) -> int:
@@ -142,38 +139,36 @@ class Service:
         return n
 
     async def remove(self, rep: Replica, tenant: int, fids) -> Optional[str]:
-        """Asks the replica to remove facts (a list, or "all"); an error text or
-        None. Only replicas whose connector reports outcomes know removal."""
-        if not self.outcomes.get(rep.url):
-            return "the replica's connector does not report outcomes (no remove)"
-        body = {"prompt": list(self.layout.header) + [self.layout.header[-1]],
-                "max_tokens": cap.CAPTURE_MAX_TOKENS, "min_tokens": cap.CAPTURE_MAX_TOKENS, "temperature": 0.0,
-                "kv_transfer_params": {"kvinject": {"tenant": int(tenant), "remove": fids}}}
+        """Asks the replica to remove facts (a list, or "all"); an error text or None."""
+        r = cap.removal(tenant, fids, self.layout.header[0])
         try:
-            status, resp = await self._send(rep, body, "remove")
+            status, resp = await self._send(rep, r.body, "remove")
         except ReplicaDown as e:
             self.m.removals.labels("down").inc()
             return str(e)
-        err, _ = cap.check(status, resp, removed=fids if fids != "all" else ())
+        err, _ = cap.check(status, resp)
         self.m.removals.labels("failed" if err else "ok").inc()
         return err
 
     async def full_capture(self, u: User, rep: Replica) -> int:
-        """The user's whole memory (header and every fact, replace=true) on rep."""
+        """The user's whole memory on rep: in one request (or more when it does
+        not fit), every fact of the user there removed, then the header and
+        every fact captured."""
         facts = self.db.facts(u.id)
         self._set_unknown(u.id, rep)
-        if self.outcomes.get(rep.url):
-            err = await self.remove(rep, u.id, "all")
-            if err:
-                log.warning("removing user %s's facts on %s before a full capture: %s", u.name, rep.url, err)
         n = 0
         if facts:
             try:
                 reqs = cap.plan(u.id, self.layout.header, [(f.fid, f.tokens) for f in facts], header_held=False,
-                                replace=True, budget=self.budget(rep))
+                                replace=True, budget=self.budget(rep), remove="all")
             except cap.PlanError as e:
                 raise ApiError(502, "capture failed: %s" % e, "server_error", "capture_failed")
             n = await self.run_captures(rep, reqs, "full")
+        else:
+            err = await self.remove(rep, u.id, "all")
+            if err:
+                raise ApiError(502, "removing the facts of %s on %s failed: %s" % (u.name, rep.url, err),
+                               "server_error", "remove_failed")
         self._set_clean(u.id, rep)
         log.info("user %s (%d facts) captured on %s", u.name, len(facts), rep.url)
         return n
@@ -184,8 +179,6 @@ class Service:
 
     async def _remove_deleted(self, rep: Replica) -> None:
         for p in self.db.placements(rep.url, "deleted"):
-            if not self.outcomes.get(rep.url):
-                return
             err = await self.remove(rep, p.user, "all")
             if err is None:
                 self.db.drop_placement(p.user, rep.url)
@@ -297,32 +290,40 @@ class Service:
             later = [x for x in facts if x.fid > f.fid]
             out = {"deleted": fact_id, "user": u.name, "fact_id": f.fid, "reencoded": [], "replica": None,
                    "removed_from": []}
-            # every replica that may hold it is told to remove it
+            # every other replica that may hold it is told to remove it (best effort: it is
+            # never injected again either way, and a full capture there removes it)
             for url in live:
                 r = self.replicas.all[url]
-                if self.db.placement(u.id, url) is not None and self.outcomes.get(url):
+                if (r is not rep or not was_clean) and self.db.placement(u.id, url) is not None:
                     err = await self.remove(r, u.id, [f.fid])
                     if err is None:
                         out["removed_from"].append(url)
-                    elif r is rep:
-                        was_clean = False
+                    else:
                         log.warning("removing fact %d of %s on %s: %s", f.fid, u.name, url, err)
+                        if r is rep:
+                            self._set_unknown(u.id, rep)
             if rep is not None and was_clean:
+                # the owner: the fact removed and the later ones re-encoded, in one request
                 out["replica"] = rep.url
                 try:
                     if reencode and later:
                         reqs = cap.plan(u.id, self.layout.header, [(x.fid, x.tokens) for x in later],
                                         context=[(x.fid, x.tokens) for x in before], replace=True,
-                                        budget=self.budget(rep))
+                                        budget=self.budget(rep), remove=[f.fid])
                         await self.run_captures(rep, reqs, "reencode")
                         out["reencoded"] = [x.id for x in later]
+                    else:
+                        err = await self.remove(rep, u.id, [f.fid])
+                        if err:
+                            raise ApiError(502, err, "server_error", "remove_failed")
+                    out["removed_from"].append(rep.url)
                     self._set_clean(u.id, rep)
                 except (ApiError, cap.PlanError, ReplicaDown) as e:
                     self._set_unknown(u.id, rep)
                     msg = e.message if isinstance(e, ApiError) else str(e)
-                    raise ApiError(502, "memory %d was deleted, but re-encoding the later memories failed (they "
-                                   "will be captured again before their next use): %s" % (fact_id, msg),
-                                   "server_error", "capture_failed")
+                    raise ApiError(502, "memory %d was deleted, but removing it from %s or re-encoding the later "
+                                   "memories failed (the user's memory there will be captured again before its "
+                                   "next use): %s" % (fact_id, rep.url, msg), "server_error", "capture_failed")
         self._gauges()
         return out
 
@@ -336,7 +337,7 @@ class Service:
                 if p.user != u.id:
                     continue
                 r = self.replicas.all.get(p.replica)
-                if r is not None and r.up and self.outcomes.get(r.url):
+                if r is not None and r.up:
                     if await self.remove(r, u.id, "all") is None:
                         self.db.drop_placement(u.id, r.url)
                         removed.append(r.url)

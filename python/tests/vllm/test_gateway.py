@@ -266,6 +266,7 @@ def test_delete_reencodes_the_later_facts(gateway, replica, lay, added):
     r = gateway.ok("DELETE", "/v1/memories/%d" % victim["id"])
     assert r["deleted"] == victim["id"] and r["fact_id"] == 5
     assert r["reencoded"] == [m["id"] for m in added["ids"]["alice"][5:]]
+    assert r["removed_from"] == [replica.url]
     left = gateway.ok("GET", "/v1/memories?user=alice")["results"]
     assert victim["id"] not in {m["id"] for m in left} and len(left) == 19
     texts = [t for i, t in enumerate(G.facts_of("alice")) if i != 4]
@@ -287,9 +288,13 @@ def test_delete_without_reencoding_differs_from_plain_control(gateway, replica, 
     assert diff is not None, "later facts encoded with the deleted one in context gave plain vLLM's logprobs"
 
 
+def gateway_replica_url(gateway):
+    return gateway.ok("GET", "/health")["replicas"][0]["url"]
+
+
 def test_delete_user_forgets_everything(gateway, added):
     r = gateway.ok("DELETE", "/v1/memories?user=chen")
-    assert r["deleted"] == 20
+    assert r["deleted"] == 20 and r["removed_from"] == [gateway_replica_url(gateway)]
     status, out = gateway.req("GET", "/v1/memories?user=chen")
     assert status == 404, out
     chat = gateway.chat("chen", "Which instrument do I play?", k=5)
