@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
@@ -49,6 +50,7 @@ class Service:
                             "memory will be captured again before its next use")
             self.db.mark_all_unknown()
             self.db.set_meta("layout", self.layout.hash)
+        self._gauges()
         await self.replicas.check_all()
         if not self.model_name:
             self.model_name = next((r.model_id for r in self.replicas.all.values() if r.model_id), "") or \
@@ -406,8 +408,11 @@ class Service:
                 u = self.db.user_by_id(u.id)
                 if u is None:       # deleted meanwhile
                     got = []
+                else:               # facts deleted meanwhile are not injected
+                    got = [(f, sc) for f, sc in got if self.db.fact(f.id) is not None]
             body = self._body(req, u, got, tail)
-            rep = self.owner(uid if uid is not None else 0)
+            route = uid if uid is not None else zlib.crc32(req.user.encode())
+            rep = self.owner(route)
             self._check_length(rep, body, req)
             attempt = 0
             while True:
@@ -423,7 +428,7 @@ class Service:
                     if attempt > 2:
                         raise ApiError(502, "the replicas stopped answering", "server_error", "replica_down")
                     self.m.chat_retries.labels("replica_down").inc()
-                    rep = self.owner(uid if uid is not None else 0)
+                    rep = self.owner(route)
                     continue
                 if isinstance(res, str):          # the injection failed
                     if not got or attempt >= 2:
