@@ -14,6 +14,8 @@ replica with the connector (fp32 store, a store file), both real processes on
 - no user ever sees another's facts (chats' memory fields, search, list);
 - bad requests get their 4xx with a message and never reach vLLM;
 - /metrics counts the requests, captures and chats;
+- a chat whose injection fails (the user's facts removed on the replica
+  behind the gateway's back) is captured again and retried: the same answer;
 - deleting a memory re-encodes the later ones: a chat with the remaining 19
   equals plain vLLM with those 19 as text (and without re-encoding it does
   not: the control); deleting a user forgets every memory.
@@ -259,6 +261,21 @@ def test_metrics_count_requests_captures_and_chats(gateway, exact):
     assert val("kvinject_gateway_retrieval_seconds_count") >= 4
     assert val("kvinject_gateway_embedding_seconds_count", what="query") >= 4
     assert val("kvinject_gateway_facts") == 60
+
+
+def test_failed_injection_is_captured_again_and_retried(gateway, replica, exact):
+    """bruno's facts removed on the replica behind the gateway's back: the
+    chat's injection fails, the gateway captures bruno's memory again and the
+    retry answers as before."""
+    tenant = gateway.ok("GET", "/v1/memories?user=bruno")["tenant"]
+    out = replica.post("/v1/completions", {"model": replica.model, "prompt": [1], "max_tokens": 2, "min_tokens": 2,
+                                           "kv_transfer_params": {"kvinject": {"tenant": tenant, "remove": "all"}}})
+    assert len(out["kv_transfer_params"]["kvinject"]["removed"]) == 21, out["kv_transfer_params"]
+    chat = gateway.chat("bruno", QUESTION, k=20)
+    diff = G.same(G.answer(exact["bruno"][0]), G.answer(chat))
+    assert diff is None, diff
+    m = re.search(r'^kvinject_gateway_chat_retries_total\{why="injection_failed"\} (\S+)$', gateway.metrics(), re.M)
+    assert m and float(m.group(1)) == 1, "no retry counted"
 
 
 def test_delete_reencodes_the_later_facts(gateway, replica, lay, added):
