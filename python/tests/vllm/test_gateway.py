@@ -16,15 +16,21 @@ replica with the connector (fp32 store, a store file), both real processes on
 - /metrics counts the requests, captures and chats;
 - a chat whose injection fails (the user's facts removed on the replica
   behind the gateway's back) is captured again and retried: the same answer;
+- an OpenAI-compatible /v1/embeddings URL as the embedder (a stand-in server
+  here) serves adds and searches;
 - deleting a memory re-encodes the later ones: a chat with the remaining 19
   equals plain vLLM with those 19 as text (and without re-encoding it does
   not: the control); deleting a user forgets every memory.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -318,3 +324,47 @@ def test_delete_user_forgets_everything(gateway, added):
     assert chat["memory"]["facts"] == []
     for mid in (m["id"] for m in added["ids"]["chen"]):
         assert gateway.req("GET", "/v1/memories/%d" % mid)[0] == 404
+
+
+class _Embeddings(BaseHTTPRequestHandler):
+    """A stand-in /v1/embeddings: bags of hashed lower-case words, 64 values."""
+    seen = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        _Embeddings.seen.append((self.path, body.get("model"), len(body["input"])))
+        data = []
+        for i, text in enumerate(body["input"]):
+            v = [0.0] * 64
+            for w in re.findall(r"[a-z]+", text.lower()):
+                v[hashlib.sha256(w.encode()).digest()[0] % 64] += 1.0
+            data.append({"object": "embedding", "index": i, "embedding": v})
+        out = json.dumps({"object": "list", "data": data, "model": body.get("model")}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_an_embeddings_url_as_the_embedder(replica, work_dir, added):
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Embeddings)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    gw = G.Gateway([replica.url], os.path.join(work_dir, "gateway-http.db"), os.path.join(work_dir, "gateway-http.log"),
+                   extra=["--embedder", "http://127.0.0.1:%d" % srv.server_address[1], "--embedder-model", "bow"])
+    try:
+        gw.wait()
+        gw.ok("POST", "/v1/memories", {"user": "dora", "facts": ["My cat sleeps on the sofa.", "I drive a truck.",
+                                                                 "Lunch is at noon."]})
+        res = gw.ok("POST", "/v1/memories/search", {"user": "dora", "query": "where does the cat sleep", "k": 1})
+        assert [r["text"] for r in res["results"]] == ["My cat sleeps on the sofa."]
+        chat = gw.chat("dora", "What do I drive? A truck?", k=1, max_tokens=2)
+        assert [f["text"] for f in chat["memory"]["facts"]] == ["I drive a truck."]
+        assert chat["memory"]["injected_tokens"] > 0
+        assert ("/v1/embeddings", "bow", 3) in _Embeddings.seen
+    finally:
+        gw.stop()
+        srv.shutdown()
