@@ -290,6 +290,11 @@ def test_layerwise_injection_writes_each_layer_when_vllm_reaches_it(layerwise_ri
     (rec,) = rig.events("inject_layers")
     assert (rec["layers"], rec["requests"], rec["step"]) == (L, 1, 1)
     assert rig.events("inject")[0]["layerwise"] is True
+    # counted once every layer is in: "a" injected, "bad" failed
+    res = rig.worker.build_connector_worker_meta().results
+    assert (res["a"].injected_facts, res["a"].injected_tokens, res["bad"].inject_failed) == (2, 25, True)
+    data = rig.worker.get_kv_connector_stats().data["ranks"]["0"]
+    assert (data["requests_injected"], data["facts_injected"], len(data["inject_steps"])) == (1, 2, 1)
 
 
 # ------------------------------------------------------------------- capture

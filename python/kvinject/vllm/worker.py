@@ -221,8 +221,8 @@ class KVInjectWorker:
         self._failed_reqs, self._step_jobs, self._inject_s = set(), [], 0.0
         for rid in meta.req_ids():  # every request of the step gets a result, if only "done"
             self._result(rid)
-        t0 = time.perf_counter()
         self._remove(meta.removes)
+        t0 = time.perf_counter()
         for f in meta.failures:
             self._fail(f.req_id, f.message, f.block_ids, "parse")
         jobs = []

@@ -24,8 +24,9 @@ fp32 store file) serves, in order, over HTTP on 127.0.0.1 (a free port):
             its message in errors;
  metrics    /metrics holds every kvinject: metric with the counts of the
             requests above;
- log        the startup line (store budget, dtype, file, facts, tenants) and
-            the failed request's error with its request id.
+ log        the startup line (store budget, dtype, file, facts, tenants), the
+            connector's statistics in vLLM's periodic log line, and the failed
+            request's error with its request id.
 
 Then a second server start with ``store_budget_mb: 0`` must exit with the
 setting's message in its output and never listen. (vLLM 0.32 constructs the
@@ -81,6 +82,7 @@ class Server:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setdefault("HF_HUB_OFFLINE", "1")
         env["VLLM_LOGGING_COLOR"] = "0"
+        env.setdefault("VLLM_LOG_STATS_INTERVAL", "2")  # vLLM's periodic log line, ours with it
         self.log = open(log_path, "w")
         self.t0 = time.time()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
@@ -323,6 +325,19 @@ def test_log_the_startup_line(server):
     m = re.search(r"kvinject: store budget %d MiB, dtype fp32, store file %s \(new\): 0 facts of 0 tenants; "
                   % (STORE_BUDGET_MB, re.escape(server.store_path)), text)
     assert m, [line for line in text.splitlines() if "kvinject" in line][:10]
+
+
+def test_log_the_periodic_stats_line(server, served):
+    # vLLM's LoggingStatLogger logs the connector's reduced stats with its own line
+    deadline = time.time() + 20
+    while True:
+        lines = [line for line in server.text().splitlines() if "KV Transfer metrics: " in line]
+        if lines or time.time() > deadline:
+            break
+        time.sleep(1)
+    assert lines and all("requests_injected=" in line and "inject_ms_mean=" in line for line in lines), lines
+    assert any("store_facts=" in line for line in lines), lines  # in the intervals where the store changed
+    C.log("  " + lines[0].split("KV Transfer metrics: ", 1)[1])
 
 
 def test_log_errors_name_the_request(server, served):
