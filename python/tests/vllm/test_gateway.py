@@ -18,6 +18,8 @@ replica with the connector (fp32 store, a store file), both real processes on
   behind the gateway's back) is captured again and retried: the same answer;
 - an OpenAI-compatible /v1/embeddings URL as the embedder (a stand-in server
   here) serves adds and searches;
+- a capture the connector fails (a fact of that id already there) is a 502
+  with its message, the add undone, the memory captured again on next use;
 - deleting a memory re-encodes the later ones: a chat with the remaining 19
   equals plain vLLM with those 19 as text (and without re-encoding it does
   not: the control); deleting a user forgets every memory.
@@ -282,6 +284,27 @@ def test_failed_injection_is_captured_again_and_retried(gateway, replica, exact)
     assert diff is None, diff
     m = re.search(r'^kvinject_gateway_chat_retries_total\{why="injection_failed"\} (\S+)$', gateway.metrics(), re.M)
     assert m and float(m.group(1)) == 1, "no retry counted"
+
+
+def test_failed_capture_is_a_502_and_the_add_is_undone(gateway, replica, lay, exact):
+    """A fact with the id of chen's next one put on the replica behind the
+    gateway's back: the add's capture (replace false) fails, the gateway answers
+    502 with the connector's message and forgets the add; chen's next chat
+    captures the memory again (removing the stray fact) and answers as before."""
+    from kvinject.vllm import Keep, capture_prompt
+    tenant = gateway.ok("GET", "/v1/memories?user=chen")["tenant"]
+    stray = capture_prompt(tenant, [lay.header, Keep(21, lay.fact_tokens("I hate the flute."))])
+    out = replica.post("/v1/completions", {"model": replica.model, "prompt": stray.prompt_token_ids, "max_tokens": 2,
+                                           "min_tokens": 2, "kv_transfer_params": stray.kv_transfer_params})
+    assert out["kv_transfer_params"]["kvinject"]["captured"] == [21]
+    status, err = gateway.req("POST", "/v1/memories", {"user": "chen", "facts": ["I have a new bike."]})
+    assert status == 502, (status, err)
+    assert "capture" in err["error"]["message"] and "21" in err["error"]["message"], err
+    listed = gateway.ok("GET", "/v1/memories?user=chen")["results"]
+    assert [m["text"] for m in listed] == G.facts_of("chen")
+    chat = gateway.chat("chen", QUESTION, k=20)
+    diff = G.same(G.answer(exact["chen"][0]), G.answer(chat))
+    assert diff is None, diff
 
 
 def test_delete_reencodes_the_later_facts(gateway, replica, lay, added):
