@@ -53,7 +53,26 @@ from .model import Model, ModelInfoData, RopeSpec
 from .store import KVView, SearchResults, Store, StoreStats
 from .transfer import Capture, Encoder, InjectRequest, Injector, RetrieveRequest, recompute_select
 
-_L = _lib_loader()  # load at import: a missing library is an ImportError naming what was tried
+
+def _run_as_main() -> bool:
+    """Whether this import is ``python -m kvinject`` locating its __main__ (Python
+    sets sys.argv[0] to "-m" while it imports the package)."""
+    import sys
+    if sys.argv[:1] != ["-m"]:
+        return False
+    orig = getattr(sys, "orig_argv", None)  # Python >= 3.10: the -m module's name
+    if orig and "-m" in orig[:-1]:
+        return orig[orig.index("-m") + 1] == "kvinject"
+    return True
+
+
+try:
+    _L = _lib_loader()  # load at import: a missing library is an ImportError naming what was tried
+except ImportError as _e:
+    if _run_as_main():
+        # `python -m kvinject` says what is missing in one line, not a traceback
+        raise SystemExit(str(_e)) from None
+    raise
 
 __version__ = "0.1.0"
 

@@ -562,10 +562,13 @@ class _Lib:
             except OSError as e:
                 errors.append("%s (%s): %s" % (path, how, e))
         if self.dll is None:
-            raise ImportError("kvinject: cannot load libkvinject. Set KVINJECT_LIBRARY to the library file or a "
-                              "build directory (e.g. build/lib/libkvinject.so or build), install the library "
-                              "(meson install: pkg-config or the loader then finds it), or install a wheel that "
-                              "bundles it. Tried: " + "; ".join(errors))
+            # one line: `python -m kvinject` prints it alone
+            raise ImportError("kvinject: cannot load libkvinject (this package is the Python binding; the library "
+                              "is built by Meson). Install the wheel that bundles it (pip install "
+                              "kvinject-*-manylinux_*.whl), or build it (meson setup build && meson compile -C "
+                              "build) and set KVINJECT_LIBRARY to the build directory or the library file, or "
+                              "install it (meson install -C build: pkg-config or the loader then finds it). "
+                              "Tried: " + "; ".join(" ".join(e.split()) for e in errors))
         for name, (restype, argtypes) in _PROTOTYPES.items():
             try:
                 fn = getattr(self.dll, name)

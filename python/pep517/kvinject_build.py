@@ -16,6 +16,9 @@ offline with no build dependency to fetch. It builds:
   directory on sys.path, so the package imported is the source tree's.
 
 The version is ``__version__`` of kvinject/__init__.py (the library's).
+Console scripts are pyproject.toml's ``[project.scripts]`` table (``name =
+"module:function"`` lines, read without a TOML parser: Python 3.9 has none),
+written to every wheel's ``entry_points.txt``.
 """
 from __future__ import annotations
 
@@ -50,6 +53,33 @@ def _metadata() -> str:
             "License: Apache-2.0\nRequires-Python: >=3.9\n"
             "Classifier: Programming Language :: Python :: 3\nClassifier: Typing :: Typed\n"
             "Description-Content-Type: text/markdown\n\n%s" % (NAME, _version(), readme))
+
+
+def _scripts():
+    """[(name, "module:function")] of pyproject.toml's [project.scripts] table."""
+    out = []
+    section = None
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:
+        for line in f:
+            line = line.split("#", 1)[0].strip()
+            if line.startswith("["):
+                section = line.strip("[] ")
+                continue
+            if section != "project.scripts" or not line:
+                continue
+            m = re.match(r'^"?([A-Za-z0-9_.-]+)"?\s*=\s*"([A-Za-z0-9_.]+:[A-Za-z0-9_.]+)"$', line)
+            if not m:
+                raise ValueError("pyproject.toml [project.scripts]: cannot read %r (name = \"module:function\")"
+                                 % line)
+            out.append((m.group(1), m.group(2)))
+    return out
+
+
+def _entry_points() -> str:
+    scripts = _scripts()
+    if not scripts:
+        return ""
+    return "[console_scripts]\n" + "".join("%s = %s\n" % s for s in scripts)
 
 
 def _package_files():
@@ -111,6 +141,9 @@ class _Wheel:
     def close(self) -> str:
         di = self.dist_info
         self.add(di + "/METADATA", _metadata().encode())
+        ep = _entry_points()
+        if ep:
+            self.add(di + "/entry_points.txt", ep.encode())
         self.add(di + "/WHEEL", ("Wheel-Version: 1.0\nGenerator: kvinject_build\nRoot-Is-Purelib: %s\nTag: %s\n"
                                  % ("true" if self.tag.endswith("-any") else "false", self.tag)).encode())
         self.add(di + "/LICENSE", _license())

