@@ -90,6 +90,49 @@ def test_unknown_fact_fails_alone(server, scenario):
     assert status == 200 and ok["choices"][0]["finish_reason"] in ("length", "stop"), ok
 
 
+def test_text_and_chat_prompts_whose_tokens_differ_are_refused(server):
+    """The newcomer's case: a fact captured from its own token ids, then asked
+    for with a text prompt and with a chat prompt that vLLM tokenizes itself.
+    The fact ends in a space, which alone is a token of its own and before a
+    word merges into it: the prompt's ids at the fact's span differ from the
+    stored ones, and the request is refused (vLLM's HTTP 500 for a failed KV
+    load, the library's mismatch message in the log), never served with the
+    fact's KV on other tokens."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(C.MODEL)
+    tenant = 31
+    fact_text, question = "The user's cat is called Tom. ", "What is my cat called?"
+    fact = tok(fact_text, add_special_tokens=False).input_ids
+    asked = tok(fact_text + question, add_special_tokens=False).input_ids
+    assert asked[:len(fact)] != fact, "the premise: the text tokenizes otherwise at the fact's span"
+    status, cap = completion(server, fact + tok(question, add_special_tokens=False).input_ids,
+                             {"tenant": tenant, "capture": [{"fact_id": 1, "start": 0, "length": len(fact)}]},
+                             max_tokens=2, min_tokens=2)
+    assert status == 200, cap
+    outcome = (cap.get("kv_transfer_params") or {}).get("kvinject") or {}
+    assert outcome.get("captured") == [1] and not outcome.get("errors"), cap
+    # the same fact asked for by token ids is served (the ids agree)
+    status, ok = completion(server, fact + tok(question, add_special_tokens=False).input_ids,
+                            {"tenant": tenant, "inject": [[1, 0, len(fact)]]})
+    assert status == 200 and ok["choices"][0]["finish_reason"] in ("length", "stop"), ok
+    inject = {"kvinject": {"tenant": tenant, "inject": [[1, 0, len(fact)]]}}
+    # a text prompt: vLLM tokenizes it, the span's ids differ
+    status, text = server.request("POST", "/v1/completions", {
+        "model": server.model, "prompt": fact_text + question, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+        "kv_transfer_params": inject})
+    C.log("text prompt: HTTP %d %s" % (status, str(text)[:200]))
+    assert status != 200 or text["choices"][0]["finish_reason"] == "error", text
+    # a chat prompt: the chat template's tokens lie where the fact would go
+    status, chat = server.request("POST", "/v1/chat/completions", {
+        "model": server.model, "messages": [{"role": "user", "content": fact_text + question}],
+        "max_tokens": MAX_TOKENS, "temperature": 0.0, "kv_transfer_params": inject})
+    C.log("chat prompt: HTTP %d %s" % (status, str(chat)[:200]))
+    assert status != 200 or chat["choices"][0]["finish_reason"] == "error", chat
+    # the library's message names the tenant and the fact, in vLLM's log
+    log = server.log_text()
+    assert log.count("fact 1 of tenant %d: its token" % tenant) >= 2, log[-3000:]
+
+
 if __name__ == "__main__":
     import sys
     from launch import run_pytest
