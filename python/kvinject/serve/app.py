@@ -36,7 +36,14 @@ async def read_json(request: Request, limit: int) -> Any:
     if not data:
         raise bad("the body is empty; a JSON object is expected", code="invalid_json")
     try:
-        return json.loads(bytes(data))
+        body = json.loads(bytes(data))
+        # text that cannot be UTF-8 (a lone surrogate from "\ud800") reaches neither SQLite nor the tokenizer
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+        return body
+    except RecursionError:
+        raise bad("the body's JSON is nested too deeply", code="invalid_json")
+    except UnicodeEncodeError as e:
+        raise bad("the body holds text that is not valid Unicode: %s" % e, code="invalid_json")
     except (ValueError, UnicodeDecodeError) as e:
         raise bad("the body is not valid JSON: %s" % e, code="invalid_json")
 
@@ -167,11 +174,11 @@ def create_app(service: Service) -> FastAPI:
         return service.list(parse_user(user))
 
     @app.get("/v1/memories/{memory_id}")
-    async def get_memory(memory_id: str):
+    async def get_memory(memory_id: str, user: Optional[str] = None):
         f = service.db.fact(_memory_id(memory_id))
-        if f is None:
+        u = service.db.user_by_id(f.user) if f is not None else None
+        if u is None or (user is not None and parse_user(user) != u.name):
             raise ApiError(404, "unknown memory id %s" % memory_id, "not_found_error", "unknown_memory")
-        u = service.db.user_by_id(f.user)
         return f.public(u.name)
 
     @app.post("/v1/memories/search")
@@ -187,10 +194,11 @@ def create_app(service: Service) -> FastAPI:
         return await service.search(user, q, k, _min_score(body.get("min_score")))
 
     @app.delete("/v1/memories/{memory_id}")
-    async def delete_memory(memory_id: str, reencode: str = "true"):
+    async def delete_memory(memory_id: str, reencode: str = "true", user: Optional[str] = None):
         if reencode.lower() not in ("true", "false", "1", "0"):
             raise bad("reencode must be true or false", "reencode")
-        return await service.delete_fact(_memory_id(memory_id), reencode.lower() in ("true", "1"))
+        return await service.delete_fact(_memory_id(memory_id), reencode.lower() in ("true", "1"),
+                                         user=None if user is None else parse_user(user))
 
     @app.delete("/v1/memories")
     async def delete_user(user: Optional[str] = None):
@@ -216,6 +224,6 @@ def create_app(service: Service) -> FastAPI:
 
 
 def _memory_id(s: str) -> int:
-    if not s.isdigit() or len(s) > 18:
+    if not (s.isascii() and s.isdigit()) or len(s) > 18:      # "²".isdigit(), but int("²") fails
         raise bad("a memory id is a non-negative integer, got %r" % s, "id")
     return int(s)

@@ -273,16 +273,17 @@ class Service:
         got = self._search(u, q, k, min_score)
         return {"user": name, "results": [dict(f.public(name), score=s) for f, s in got]}
 
-    async def delete_fact(self, fact_id: int, reencode: bool = True) -> Dict[str, Any]:
+    async def delete_fact(self, fact_id: int, reencode: bool = True, user: Optional[str] = None) -> Dict[str, Any]:
+        """Forgets a memory; with ``user``, only one of that user's (else 404)."""
         f = self.db.fact(fact_id)
         if f is None:
             raise ApiError(404, "unknown memory id %d" % fact_id, "not_found_error", "unknown_memory")
         u = self.db.user_by_id(f.user)
         async with self.lock(u.id):
             f = self.db.fact(fact_id)
-            if f is None:
+            u = self.db.user_by_id(f.user) if f is not None else None
+            if u is None or (user is not None and u.name != user):
                 raise ApiError(404, "unknown memory id %d" % fact_id, "not_found_error", "unknown_memory")
-            u = self.db.user_by_id(f.user)
             live = self.replicas.live()
             rep = self.replicas.all[ring.owner(live, u.id)] if live else None
             was_clean = rep is not None and self.clean(u, rep)
