@@ -6,8 +6,8 @@ capture facts and inject them (docs/guide/quickstart.md does the same with curl)
 - /health answers, and /v1/models names the model;
 - a capture request ([header | fact | question], the header and the fact kept)
   is served; the same prompt with the header and the fact injected from the store
-  gets the capture request's greedy tokens, with the injected tokens reported
-  as cached;
+  gets the capture request's greedy text, with the injected tokens reported
+  as cached (usage.prompt_tokens_details.cached_tokens);
 - a request naming an unknown fact fails alone (HTTP 500 or finish reason
   "error", as vLLM reports a failed KV load) and the server serves after it;
 - stop() ends the server's process group.
@@ -21,7 +21,7 @@ import os
 import pytest
 
 import common as C
-from servers import start_vllm_serve
+from servers import CPU_ARGS, start_vllm_serve
 
 TENANT = 7
 MAX_TOKENS = 8
@@ -32,7 +32,8 @@ def server(work_dir):
     log = os.path.join(work_dir, "vllm-serve.log")
     # the CPU attention's reduction order independent of the batch, as the engine tests run it
     srv = start_vllm_serve(C.MODEL, None, {"store_budget_mb": 64, "store_dtype": "fp32"},
-                           log_path=log, env={"VLLM_CPU_ATTN_SPLIT_KV": "0"}, timeout=240)
+                           CPU_ARGS + ["--enable-prompt-tokens-details"], log_path=log,
+                           env={"VLLM_CPU_ATTN_SPLIT_KV": "0"}, timeout=240)
     yield srv
     status = srv.stop()
     C.log("vllm serve stopped (status %s)" % status)
@@ -71,10 +72,10 @@ def test_capture_then_inject(server, scenario):
     choice = inj["choices"][0]
     assert choice["finish_reason"] in ("length", "stop"), inj
     assert choice["text"] == cap["choices"][0]["text"], (choice["text"], cap["choices"][0]["text"])
-    details = inj["usage"].get("prompt_tokens_details") or {}
     C.log("inject request:", choice["text"][:60].replace("\n", " "), inj["usage"])
-    if details.get("cached_tokens") is not None:
-        assert details["cached_tokens"] >= len(header) + len(fact) - 1, inj["usage"]
+    # the injected tokens are reported as cached (--enable-prompt-tokens-details); the capture had none
+    assert inj["usage"]["prompt_tokens_details"]["cached_tokens"] == len(header) + len(fact), inj["usage"]
+    assert cap["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, cap["usage"]
     # the connector's log lines are in the server's log
     assert "KVInjectConnector" in server.log_text()
 
