@@ -81,6 +81,23 @@ def test_plan_cuts_long_captures_and_keeps_recent_context_within_half_the_budget
         cap.plan(1, HEADER, facts(1, size=50), budget=40)
 
 
+def test_plan_injects_all_the_context_when_it_fits_with_the_new_facts():
+    """An add after many facts: every earlier fact is the new ones' context
+    (exact notes encoding) while header, context and new facts fit the budget,
+    even past half of it; past the budget, the latest facts up to half of it."""
+    before, new = facts(40, size=10), facts(2, start=41, size=10)
+    reqs = cap.plan(2, HEADER, new, context=before, budget=3 + 420)
+    assert len(reqs) == 1
+    p = reqs[0].body["kv_transfer_params"]["kvinject"]
+    assert [f for f, _, _ in p["inject"]] == list(range(41))
+    assert [(c["fact_id"], c["start"]) for c in p["capture"]] == [(41, 403), (42, 413)]
+    assert reqs[0].tokens == 423
+    reqs = cap.plan(2, HEADER, new, context=before, budget=3 + 419)    # one token short
+    p = reqs[0].body["kv_transfer_params"]["kvinject"]
+    assert [f for f, _, _ in p["inject"]] == [0] + list(range(21, 41))     # 3 + 20 * 10 <= 422 // 2
+    assert sum(len(r.asked) for r in reqs) == 2
+
+
 def test_check_reads_the_connectors_outcome():
     ok = {"kv_transfer_params": {"kvinject": {"tenant": 1, "captured": [1, 2], "errors": [], "pending": False}}}
     assert cap.check(200, ok, asked=[1, 2])[0] is None

@@ -5,8 +5,9 @@ facts, each captured by the connector after the header and the facts said
 before it ([header | f1 | f2 | ...], the layout of a chat's memory prompt).
 :func:`plan` cuts a capture into /v1/completions bodies that fit a replica's
 context: each body injects what the replica already holds as context (the
-header and the latest facts before the first new one, up to half the budget)
-and captures new facts after it, as many as fit. :func:`check` reads the
+header and every fact before the first new one when they and the new facts
+fit the budget, else the latest of them up to half the budget) and captures
+new facts after it, as many as fit. :func:`check` reads the
 connector's outcome of a capture request.
 """
 from __future__ import annotations
@@ -67,8 +68,12 @@ def plan(tenant: int, header: Sequence[int], new: Sequence[FactToks], *, context
             segs.append(header)
             inject.append([HEADER_ID, 0, len(header)])
             pos = len(header)
-            # the latest held facts, up to half the budget
-            room = budget // 2 - pos
+            # every held fact when they and the rest of the new ones fit (each new fact
+            # is then captured after exactly what a memory prompt puts before it);
+            # else the latest held facts, up to half the budget
+            held = sum(len(t) for _, t in ctx)
+            rest = sum(len(t) for _, t in new[i:])
+            room = held if pos + held + rest <= budget else budget // 2 - pos
             chosen: List[FactToks] = []
             for fid, toks in reversed(ctx):
                 if len(toks) > room:
