@@ -138,12 +138,17 @@ def create_app(service: Service) -> FastAPI:
 
     # --------------------------------------------------------- memories
 
-    @app.post("/v1/memories")
-    async def add(request: Request):
+    async def read_user_object(request: Request, shape: str):
+        """(body, user) of a memory route's JSON object body: 400 when it is
+        not an object or has no valid user."""
         body = await read_json(request, cfg.max_body_bytes)
         if not isinstance(body, dict):
-            raise bad("the body must be a JSON object {user, facts} or {user, messages}")
-        user = parse_user(body.get("user"))
+            raise bad("the body must be a JSON object %s" % shape)
+        return body, parse_user(body.get("user"))
+
+    @app.post("/v1/memories")
+    async def add(request: Request):
+        body, user = await read_user_object(request, "{user, facts} or {user, messages}")
         if ("facts" in body) == ("messages" in body):
             raise bad("give either facts (a list of texts) or messages (a list of {role, content})")
         if "facts" in body:
@@ -183,10 +188,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/memories/search")
     async def search(request: Request):
-        body = await read_json(request, cfg.max_body_bytes)
-        if not isinstance(body, dict):
-            raise bad("the body must be a JSON object {user, query, k}")
-        user = parse_user(body.get("user"))
+        body, user = await read_user_object(request, "{user, query, k}")
         q = body.get("query")
         if not isinstance(q, str) or not q.strip():
             raise bad("query must be a non-empty string", "query")
