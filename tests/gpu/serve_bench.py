@@ -90,19 +90,23 @@ the library built without CUDA in build-nocuda::
       --device cpu --users 8 --facts 20 --k 5,20 --rates 1,2 --min-prompts 20 \\
       --duration 1 --output-len 8 --out /tmp/serve-bench
 
-On the GPU machine (tests/gpu/serve_bench.sh runs it there; its header lists
-the device commands and their expected durations)::
+On the GPU machine (tests/gpu/serve_bench.sh runs it there; its header gives
+the expected device time of each call), one call after the other::
 
-    tests/gpu/vllm_gpu.sh pack && tests/gpu/serve_bench.sh pack          # here
-    tests/gpu/vllm_gpu.sh stage        carry [".stage/vllmgpu.00"]        # there
-    tests/gpu/vllm_gpu.sh stage        carry [".stage/vllmgpu.01"]
-    VLLM_GPU_DUMMY=1 tests/gpu/vllm_gpu.sh setup   carry [".stage/vllmgpu.02"]
-    tests/gpu/serve_bench.sh setup     carry [".stage/servebench.00"]
-    tests/gpu/serve_bench.sh run --targets reprefill,inject --k 5,10   carry [".bench"]
-    tests/gpu/serve_bench.sh run --targets reprefill,inject --k 20,50  carry [".bench"]
-    tests/gpu/serve_bench.sh run --targets gateway --k 5,10,20,50      carry [".bench"]
+    tests/gpu/vllm_gpu.sh pack && tests/gpu/serve_bench.sh pack     # here (network)
+    tests/gpu/vllm_gpu.sh stage                      carry [".stage/vllmgpu.00"]
+    tests/gpu/vllm_gpu.sh stage                      carry [".stage/vllmgpu.01"]
+    VLLM_GPU_DUMMY=1 tests/gpu/vllm_gpu.sh setup     carry [".stage/vllmgpu.02"]
+    tests/gpu/serve_bench.sh run --targets reprefill,inject --k 5,10,20,50
+                                                     carry [".stage/servebench.00"]
+    (the same command again, carry [], while it exits 3: points left)
+    tests/gpu/serve_bench.sh run --targets gateway --k 5,10,20,50    carry []
+    tests/gpu/serve_bench.sh run --targets plain --k 5,10,20,50      (optional)
 
-then ``python3 tests/gpu/serve_bench.py --plot .bench/serve`` here.
+then, with the last call's serve_bench.json in DIR here,
+``/tmp/mpl/venv/bin/python tests/gpu/serve_bench.py --plot DIR``. Each call
+stays under 9 minutes (serve_bench.sh: SERVE_BENCH_TIMEOUT 540 s, points
+started only within --time-budget, 60 s less).
 """
 from __future__ import annotations
 
@@ -113,6 +117,7 @@ import math
 import os
 import random
 import re
+import signal
 import sys
 import time
 import uuid
@@ -447,6 +452,12 @@ def key_of(target, k, rate):
     return "%s/k%d/r%g" % (target, k, rate)
 
 
+def done(data, target, k, rate):
+    """Measured already (a point skipped as saturated is tried again)."""
+    p = data["points"].get(key_of(target, k, rate))
+    return p is not None and not p.get("skipped")
+
+
 def load(path):
     if os.path.exists(path):
         with open(path) as f:
@@ -573,9 +584,9 @@ def main(argv=None):
     ap.add_argument("--device", choices=("cpu", "gpu"), default="gpu")
     ap.add_argument("--targets", default="reprefill,inject,gateway", help="of %s" % ", ".join(TARGETS))
     ap.add_argument("--k", default="5,10,20,50", help="facts per request")
-    ap.add_argument("--rates", default="2,4,8,16,32,64", help="request rates (req/s), increasing")
-    ap.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per point")
-    ap.add_argument("--min-prompts", type=int, default=40)
+    ap.add_argument("--rates", default="4,8,16,32,64", help="request rates (req/s), increasing")
+    ap.add_argument("--duration", type=float, default=8.0, help="seconds of arrivals per point")
+    ap.add_argument("--min-prompts", type=int, default=50)
     ap.add_argument("--num-prompts", type=int, default=0, help="requests per point (overrides --duration)")
     ap.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson arrivals")
     ap.add_argument("--output-len", type=int, default=32)
@@ -591,7 +602,7 @@ def main(argv=None):
     ap.add_argument("--replica", help="a running vllm serve (with the connector) instead of starting one")
     ap.add_argument("--gateway", help="a running gateway in front of --replica")
     ap.add_argument("--store-dtype", default="bf16")
-    ap.add_argument("--store-mb", type=int, default=8192)
+    ap.add_argument("--store-mb", type=int, default=12288)
     ap.add_argument("--gpu-mem", type=float, default=0.6)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -603,6 +614,8 @@ def main(argv=None):
             report(json.load(f), args.plot)
         return 0
     t_start = time.monotonic()
+    # a timeout's SIGTERM stops the servers too (the finally below), not only this process
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     targets = parse_list(args.targets, str)
     bad = [t for t in targets if t not in TARGETS]
     if bad or not targets:
@@ -619,8 +632,7 @@ def main(argv=None):
     path = os.path.join(args.out, "serve_bench.json")
     data = load(path)
     data["threshold_ms"] = args.threshold_ms
-    todo = [(t, k, r) for t in targets for k in ks for r in rates
-            if args.redo or key_of(t, k, r) not in data["points"]]
+    todo = [(t, k, r) for t in targets for k in ks for r in rates if args.redo or not done(data, t, k, r)]
     if not todo:
         log("every point of this sweep is in %s already (--redo to measure again)" % path)
         report(data, args.out)
@@ -652,13 +664,13 @@ def main(argv=None):
         data["runs"].append(run)
         for t in targets:
             for k in ks:
-                pending = [r for r in rates if args.redo or key_of(t, k, r) not in data["points"]]
+                pending = [r for r in rates if args.redo or not done(data, t, k, r)]
                 if not pending:
                     continue
                 saturated = None
                 for r in rates:
                     p = data["points"].get(key_of(t, k, r))
-                    if p and not p.get("skipped") and p.get("p99_ttft_ms", 0) > args.saturate * args.threshold_ms:
+                    if done(data, t, k, r) and (p.get("p99_ttft_ms") or 0) > args.saturate * args.threshold_ms:
                         saturated = r
                 warmed = False
                 for r in pending:

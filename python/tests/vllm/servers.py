@@ -55,8 +55,9 @@ def free_port() -> int:
 
 
 def vllm_executable() -> str:
-    """The ``vllm`` console script of the environment running this interpreter."""
-    exe = os.path.join(os.path.dirname(sys.executable), "vllm")
+    """The ``vllm`` console script of the environment running this interpreter
+    (KVI_VLLM_EXECUTABLE when set: vLLM installed without its scripts)."""
+    exe = os.environ.get("KVI_VLLM_EXECUTABLE") or os.path.join(os.path.dirname(sys.executable), "vllm")
     if not os.path.exists(exe):
         raise ServerError("no vllm console script next to %s (run through launch.py, in the environment "
                           ".ci/install-vllm builds)" % sys.executable)
