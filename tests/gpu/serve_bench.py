@@ -133,6 +133,9 @@ DIRECT_TENANT = 1 << 32   # the inject target's tenants (the gateway numbers its
 HEADER_FACT = 0           # the header is each tenant's fact 0, as the gateway keeps it
 GATEWAY_USER = "bench-%03d"
 TTFT_HIST = "vllm:time_to_first_token_seconds"
+GATEWAY_METRICS = ("kvinject_gateway_injected_facts_total", "kvinject_gateway_embedding_seconds_sum",
+                   "kvinject_gateway_embedding_seconds_count", "kvinject_gateway_retrieval_seconds_sum",
+                   "kvinject_gateway_retrieval_seconds_count")
 
 # Mem0-style facts: "User's <kind> <subject> is <value><reason>."
 KINDS = ["favourite", "least favourite", "childhood favourite"]
@@ -417,7 +420,7 @@ class Bench:
         chat = target == "gateway"
         base = self.base(target)
         before = scrape(self.replica_url)
-        gw_before = scrape(self.gateway_url, ("kvinject_gateway_injected_facts_total",)) if chat else None
+        gw_before = scrape(self.gateway_url, GATEWAY_METRICS) if chat else None
         t0 = time.time()
         res = asyncio.run(benchmark(
             task_type=TaskType.GENERATION, endpoint_type="openai-chat" if chat else "openai",
@@ -440,9 +443,12 @@ class Bench:
             p["first_error"] = errs[0][:1000]
         p["replica_ttft"] = replica_ttft(before, after)
         if chat:
-            d = scrape(self.gateway_url, ("kvinject_gateway_injected_facts_total",))
-            p["gateway_facts_per_request"] = (d["kvinject_gateway_injected_facts_total"]
-                                              - gw_before["kvinject_gateway_injected_facts_total"]) / n
+            d = scrape(self.gateway_url, GATEWAY_METRICS)
+            d = {m: d[m] - gw_before[m] for m in GATEWAY_METRICS}
+            p["gateway_facts_per_request"] = d["kvinject_gateway_injected_facts_total"] / n
+            for what in ("embedding", "retrieval"):
+                c = d["kvinject_gateway_%s_seconds_count" % what]
+                p["gateway_%s_ms_mean" % what] = 1e3 * d["kvinject_gateway_%s_seconds_sum" % what] / c if c else None
         return p
 
 
@@ -496,8 +502,10 @@ def report(data, out):
             L.append("| %s | %d | %g | | | skipped: %s | | | | |" % (p["target"], p["k"], p["rate"], p["skipped"]))
             continue
         rt = p.get("replica_ttft") or {}
+        # the prompts' length as the replica counted it (the gateway lays its prompts out itself)
+        prompt = rt["prompt_tokens"] / rt["requests"] if rt.get("requests") else p["prompt_tokens_mean"]
         L.append("| %s | %d | %g | %.0f | %s | %s | %s | %s | %s / %s | %s / %s |" % (
-            p["target"], p["k"], p["rate"], p["prompt_tokens_mean"], fmt(p["p50_ttft_ms"]), fmt(p["p99_ttft_ms"]),
+            p["target"], p["k"], p["rate"], prompt, fmt(p["p50_ttft_ms"]), fmt(p["p99_ttft_ms"]),
             fmt(p["output_throughput"]), fmt(p["request_throughput"], "%.2f"), p["completed"], p["failed"],
             fmt(rt.get("p50_ms")), fmt(rt.get("p99_ms"))))
     L += ["", "Highest request rate with p99 TTFT <= %g ms and every request completed:" % thr, "",
@@ -519,17 +527,19 @@ def report(data, out):
               "rate (vs inject), and less the replica's own TTFT over the gateway's requests (vs replica: "
               "mean exact, p50 / p99 within the histogram's buckets)", "",
               "| k | rate | vs inject p50 | vs inject p99 | vs replica mean | vs replica p50 | vs replica p99 | "
-              "facts injected per request |", "|--:|--:|--:|--:|--:|--:|--:|--:|"]
+              "facts injected per request | its embedding / retrieval ms (mean) |",
+              "|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
         for p in gw:
             inj = data["points"].get(key_of("inject", p["k"], p["rate"]))
             inj = None if inj is None or inj.get("skipped") else inj
             rt = p.get("replica_ttft") or {}
             sub = lambda a, b: None if a is None or b is None else a - b  # noqa: E731
-            L.append("| %d | %g | %s | %s | %s | %s | %s | %s |" % (
+            L.append("| %d | %g | %s | %s | %s | %s | %s | %s | %s / %s |" % (
                 p["k"], p["rate"], fmt(sub(p["p50_ttft_ms"], inj and inj["p50_ttft_ms"])),
                 fmt(sub(p["p99_ttft_ms"], inj and inj["p99_ttft_ms"])), fmt(sub(p["mean_ttft_ms"], rt.get("mean_ms"))),
                 fmt(sub(p["p50_ttft_ms"], rt.get("p50_ms"))), fmt(sub(p["p99_ttft_ms"], rt.get("p99_ms"))),
-                fmt(p.get("gateway_facts_per_request"))))
+                fmt(p.get("gateway_facts_per_request")), fmt(p.get("gateway_embedding_ms_mean")),
+                fmt(p.get("gateway_retrieval_ms_mean"), "%.2f")))
     md = "\n".join(L) + "\n"
     with open(os.path.join(out, "serve_bench.md"), "w") as f:
         f.write(md)
