@@ -35,6 +35,15 @@ others of the user, drawn at random; the same requests (users, facts,
 questions) at a given k for every target, fixed by --seed. Every request asks
 for --output-len tokens (ignore_eos), greedy.
 
+The client: vLLM's ``benchmark`` coroutine with ``SampleRequest``s built here
+(the prompt, its length, the output length), through vLLM's own OpenAI
+request functions, wrapped so that each request's body carries its own fields
+(cache salt, ``kv_transfer_params``; the gateway's ``user``, ``memory`` and
+``messages``) whatever per-request fields the installed vLLM's SampleRequest
+has; ``benchmark`` is called with the arguments its signature takes. vLLM's
+readiness check and warm-up are off (--warmup requests go out one at a time
+first, with fresh salts).
+
 Per point (target, k, rate): max(--min-prompts, rate x --duration) requests at
 Poisson arrivals (--burstiness 1), vLLM's metrics of the run (TTFT mean, p50,
 p90, p99; TPOT, end-to-end latency; output tokens/s, requests/s; completed and
@@ -112,6 +121,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -252,6 +262,71 @@ def replica_ttft(before, after):
     return out
 
 
+# ---------------------------------------------------------------- vLLM's client
+
+# Each request's own body fields (cache salt, kv_transfer_params, the gateway's
+# user, memory and messages), by request id (or the prompt object where
+# SampleRequest has no request id): vLLM's request functions wrapped to merge
+# them into the body, for every vLLM version's SampleRequest (some have no
+# per-request fields).
+PER_REQUEST = {}
+
+
+def _with_fields(func):
+    async def request(request_func_input, session, pbar=None, **kw):
+        rid = getattr(request_func_input, "request_id", None)
+        extra = PER_REQUEST.get(rid) if rid else None
+        if extra is None:
+            extra = PER_REQUEST.get(id(request_func_input.prompt))
+        if extra:
+            request_func_input = dataclasses.replace(
+                request_func_input, extra_body=dict(request_func_input.extra_body or {}, **extra))
+        return await func(request_func_input=request_func_input, session=session, pbar=pbar, **kw)
+    return request
+
+
+def client_requests(items, output_len):
+    """vLLM's SampleRequests of (prompt, prompt tokens, fields) items."""
+    from vllm.benchmarks.datasets import SampleRequest
+    fields = {f.name for f in dataclasses.fields(SampleRequest)}
+    tag = uuid.uuid4().hex[:8]
+    out = []
+    for i, (prompt, n, extra) in enumerate(items):
+        kw = {"prompt": prompt, "prompt_len": n, "expected_output_len": output_len}
+        if "request_id" in fields:
+            kw["request_id"] = "kvi-%s-%d" % (tag, i)
+            PER_REQUEST[kw["request_id"]] = extra
+        PER_REQUEST[id(prompt)] = extra
+        out.append(SampleRequest(**kw))
+    return out
+
+
+def run_client(chat, base, model_id, tokenizer, reqs, rate, burstiness):
+    """vllm.benchmarks.serve.benchmark at one request rate; its result dict."""
+    import inspect
+    from vllm.benchmarks import serve as S
+    funcs = S.ASYNC_REQUEST_FUNCS
+    name = "kvinject-openai-chat" if chat else "kvinject-openai"
+    if name not in funcs:
+        funcs[name] = _with_fields(funcs["openai-chat" if chat else "openai"])
+    kw = dict(endpoint_type=name, api_url=base + ("/v1/chat/completions" if chat else "/v1/completions"),
+              base_url=base, model_id=model_id, model_name=None, tokenizer=tokenizer, input_requests=reqs,
+              logprobs=None, request_rate=rate, burstiness=burstiness, disable_tqdm=True, num_warmups=0,
+              profile=False, profile_num_steps=None, selected_percentile_metrics=["ttft", "tpot", "e2el"],
+              selected_percentiles=[50.0, 90.0, 99.0], ignore_eos=True, goodput_config_dict={},
+              max_concurrency=None, lora_modules=None, extra_headers=None, extra_body=None,
+              ready_check_timeout_sec=0)
+    params = inspect.signature(S.benchmark).parameters
+    if "task_type" in params:
+        kw["task_type"] = S.TaskType.GENERATION
+    if "endpoint_type" not in params:
+        kw["backend"] = kw.pop("endpoint_type")
+    missing = [p for p, v in params.items() if v.default is inspect.Parameter.empty and p not in kw]
+    if missing:
+        raise SystemExit("serve_bench: this vLLM's benchmark() needs %s" % missing)
+    return asyncio.run(S.benchmark(**{k: v for k, v in kw.items() if k in params}))
+
+
 # ---------------------------------------------------------------- the bench
 
 class Bench:
@@ -365,29 +440,28 @@ class Bench:
 
     # -- requests of one target
     def sample_requests(self, target, k, n):
+        """[(prompt, prompt tokens, the request body's fields of this request)]:
+        token ids for /v1/completions, the question for the gateway's chat."""
         from kvinject.vllm import prompt as P
-        from vllm.benchmarks.datasets import SampleRequest
         out = []
         for u, _, sel, question in Requests(self, k, n).items:
             tail, _ = self.lay.tail([{"role": "user", "content": question}])
             facts = [self.fact_ids[u][i] for i in sel]
             ids = self.lay.prompt(facts, tail)
-            over = {"temperature": 0.0}
+            extra = {"temperature": 0.0}
             prompt = ids
-            chat = None
             if target in ("reprefill", "plain"):
-                over["cache_salt"] = uuid.uuid4().hex
+                extra["cache_salt"] = uuid.uuid4().hex
             elif target == "inject":
                 mp = P.memory_prompt(DIRECT_TENANT + u, [(HEADER_FACT, self.lay.header)]
                                      + [(i + 1, f) for i, f in zip(sel, facts)], tail)
                 assert mp.prompt_token_ids == ids
-                over["kv_transfer_params"] = mp.kv_transfer_params
+                extra["kv_transfer_params"] = mp.kv_transfer_params
             elif target == "gateway":
                 prompt = question
-                chat = [{"role": "user", "content": question}]
-                over.update(user=GATEWAY_USER % u, memory={"k": k})
-            out.append(SampleRequest(prompt=prompt, prompt_len=len(ids), expected_output_len=self.args.output_len,
-                                     chat_messages=chat, request_overrides=over))
+                extra.update(messages=[{"role": "user", "content": question}], user=GATEWAY_USER % u,
+                             memory={"k": k})
+            out.append((prompt, len(ids), extra))
         return out
 
     def base(self, target):
@@ -396,14 +470,12 @@ class Bench:
     def warm(self, target, k):
         """A few requests one at a time before a (target, k) is timed."""
         import httpx
-        for r in self.sample_requests(target, k, self.args.warmup):
-            body = dict(r.request_overrides, model=self.model_id, max_tokens=self.args.output_len,
-                        ignore_eos=True)
+        for prompt, _, extra in self.sample_requests(target, k, self.args.warmup):
+            body = dict(extra, model=self.model_id, max_tokens=self.args.output_len, ignore_eos=True)
             if target == "gateway":
-                body["messages"] = r.chat_messages
                 path = "/v1/chat/completions"
             else:
-                body["prompt"] = r.prompt
+                body["prompt"] = prompt
                 path = "/v1/completions"
             if "cache_salt" in body:
                 body["cache_salt"] = uuid.uuid4().hex
@@ -413,26 +485,22 @@ class Bench:
                                                                            resp.text[:2000]))
 
     def point(self, target, k, rate):
-        from vllm.benchmarks.serve import TaskType, benchmark
         a = self.args
         n = a.num_prompts or max(a.min_prompts, int(math.ceil(rate * a.duration)))
-        reqs = self.sample_requests(target, k, n)
+        items = self.sample_requests(target, k, n)
         chat = target == "gateway"
         base = self.base(target)
+        reqs = client_requests(items, a.output_len)
         before = scrape(self.replica_url)
         gw_before = scrape(self.gateway_url, GATEWAY_METRICS) if chat else None
         t0 = time.time()
-        res = asyncio.run(benchmark(
-            task_type=TaskType.GENERATION, endpoint_type="openai-chat" if chat else "openai",
-            api_url=base + ("/v1/chat/completions" if chat else "/v1/completions"), base_url=base,
-            model_id=self.model_id, model_name=None, tokenizer=self.tok, input_requests=reqs, logprobs=None,
-            request_rate=rate, burstiness=a.burstiness, disable_tqdm=True, num_warmups=0, profile=False,
-            selected_percentile_metrics=["ttft", "tpot", "e2el"], selected_percentiles=[50.0, 90.0, 99.0],
-            ignore_eos=True, goodput_config_dict={}, max_concurrency=None, lora_modules=None, extra_headers=None,
-            extra_body=None, ready_check_timeout_sec=0))
+        try:
+            res = run_client(chat, base, self.model_id, self.tok, reqs, rate, a.burstiness)
+        finally:
+            PER_REQUEST.clear()
         after = scrape(self.replica_url)
         p = {"target": target, "k": k, "rate": rate, "requests": n, "started": t0,
-             "prompt_tokens_mean": sum(r.prompt_len for r in reqs) / n}
+             "prompt_tokens_mean": sum(x[1] for x in items) / n}
         for key in ("duration", "completed", "failed", "request_throughput", "output_throughput",
                     "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "p50_ttft_ms", "p90_ttft_ms",
                     "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_e2el_ms", "p99_e2el_ms"):
@@ -707,11 +775,17 @@ def main(argv=None):
                     data["points"][key] = p
                     run["measured"].append(key)
                     save(path, data)
-                    log("%s: %d/%d done, TTFT p50 %s / p99 %s ms, %.1f output tok/s, %.2f req/s, replica TTFT "
-                        "p50 %s ms%s" % (key, p["completed"] or 0, p["requests"], fmt(p["p50_ttft_ms"]),
-                                         fmt(p["p99_ttft_ms"]), p["output_throughput"] or 0,
-                                         p["request_throughput"] or 0, fmt(p["replica_ttft"].get("p50_ms")),
-                                         ("; first error: " + p["first_error"][:300]) if p.get("first_error") else ""))
+                    rt = p["replica_ttft"]
+                    log("%s: %d/%d done, TTFT p50 %s / p99 %s ms, %.1f output tok/s, %.2f req/s; the replica: TTFT "
+                        "p50 %s ms, %s prompt tokens, %s injected, %s from its prefix cache%s" % (
+                            key, p["completed"] or 0, p["requests"], fmt(p["p50_ttft_ms"]), fmt(p["p99_ttft_ms"]),
+                            p["output_throughput"] or 0, p["request_throughput"] or 0, fmt(rt.get("p50_ms")),
+                            rt.get("prompt_tokens"), rt.get("tokens_injected"), rt.get("prefix_cache_hits"),
+                            ("; first error: " + p["first_error"][:300]) if p.get("first_error") else ""))
+                    if t in ("inject", "gateway") and p["completed"] and not rt.get("tokens_injected"):
+                        log("%s: nothing injected (the replica's log: %s)" % (key, bench.replica.log_path
+                                                                               if bench.replica else "?"))
+                        rc = max(rc, 1)
                     if p["failed"]:
                         rc = max(rc, 1)
                     if (p.get("p99_ttft_ms") or 0) > args.saturate * args.threshold_ms:
