@@ -61,10 +61,13 @@ The gateway's own added latency, two ways (both in the report):
               including the queueing that this causes under load;
   vs replica  gateway TTFT less the replica's own TTFT over the same requests
               (the replica's histogram over the gateway run): exact for the
-              mean, the bucket resolution for p50 / p99 (vLLM's buckets are
-              20 ms wide up to 100 ms, then 150 ms); the replica's TTFT starts
-              at its engine's arrival, so its own HTTP front end counts as
-              the gateway's here.
+              mean, the buckets' resolution for p50 / p99 (vLLM's edges are
+              20 ms apart from 20 to 100 ms, then 250, 500, 750 ms, 1 s: coarse
+              around 200 ms); the replica's TTFT starts at its engine's
+              arrival, so its own HTTP front end counts as the gateway's here.
+  The gateway's own histograms over the run add its mean embedding and
+  retrieval time per call (kvinject_gateway_embedding_seconds,
+  kvinject_gateway_retrieval_seconds), and the facts it injected per request.
 
 Every point goes into OUT/serve_bench.json as soon as it is measured (a point
 already there is skipped: a run cut off, or a sweep split over several
@@ -97,7 +100,8 @@ the library built without CUDA in build-nocuda::
     KVINJECT_LIBRARY=$PWD/build-nocuda/lib/libkvinject.so \\
       python3 python/tests/vllm/launch.py $PWD/tests/gpu/serve_bench.py \\
       --device cpu --users 8 --facts 20 --k 5,20 --rates 1,2 --min-prompts 20 \\
-      --duration 1 --output-len 8 --out /tmp/serve-bench
+      --duration 1 --output-len 8 --warmup 2 --store-mb 256 --saturate 1000 \\
+      --out /tmp/serve-bench
 
 On the GPU machine (tests/gpu/serve_bench.sh runs it there; its header gives
 the expected device time of each call), one call after the other::
