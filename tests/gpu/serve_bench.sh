@@ -104,7 +104,7 @@ EOF
       PYTHONUNBUFFERED=1 KVI_EMBEDDER=$embedder KVI_VLLM_EXECUTABLE=/tmp/kvi-bin/vllm
     limit=${SERVE_BENCH_TIMEOUT:-540}
     set +e
-    timeout "$limit" python3 tests/gpu/serve_bench.py --device gpu --model "$model" --out "$results" \
+    timeout -k 30 "$limit" python3 tests/gpu/serve_bench.py --device gpu --model "$model" --out "$results" \
       --time-budget $((limit - 60)) "$@" >"$results/serve_bench.log" 2>&1
     rc=$?
     set -e
