@@ -289,8 +289,33 @@ def _with_fields(func):
     return request
 
 
+def benchmark_module():
+    """vllm.benchmarks.serve. Where Hugging Face's datasets package is absent
+    (the GPU machine's image), a stand-in for it goes into sys.modules first:
+    some vLLM versions import it unguarded at the top of
+    vllm.benchmarks.datasets, for datasets that this script never loads."""
+    import importlib.machinery
+    import importlib.util
+    import types
+    if "datasets" not in sys.modules and importlib.util.find_spec("datasets") is None:
+        stub = types.ModuleType("datasets")
+        stub.__spec__ = importlib.machinery.ModuleSpec("datasets", None)
+
+        class Dataset:  # noqa: D401 - a name to import, never used
+            pass
+
+        def load_dataset(*_a, **_k):
+            raise ImportError("Hugging Face's datasets package is not installed")
+
+        stub.Dataset, stub.load_dataset = Dataset, load_dataset
+        sys.modules["datasets"] = stub
+    from vllm.benchmarks import serve
+    return serve
+
+
 def client_requests(items, output_len):
     """vLLM's SampleRequests of (prompt, prompt tokens, fields) items."""
+    benchmark_module()
     from vllm.benchmarks.datasets import SampleRequest
     fields = {f.name for f in dataclasses.fields(SampleRequest)}
     tag = uuid.uuid4().hex[:8]
@@ -308,7 +333,7 @@ def client_requests(items, output_len):
 def run_client(chat, base, model_id, tokenizer, reqs, rate, burstiness):
     """vllm.benchmarks.serve.benchmark at one request rate; its result dict."""
     import inspect
-    from vllm.benchmarks import serve as S
+    S = benchmark_module()
     funcs = S.ASYNC_REQUEST_FUNCS
     name = "kvinject-openai-chat" if chat else "kvinject-openai"
     if name not in funcs:
