@@ -561,6 +561,23 @@ def done(data, target, k, rate):
     return p is not None and not p.get("skipped")
 
 
+def saturated_at(data, target, k, rates, args):
+    """The lowest measured rate whose p99 TTFT passed --saturate x the threshold (None: none)."""
+    for r in rates:
+        p = data["points"].get(key_of(target, k, r))
+        if done(data, target, k, r) and (p.get("p99_ttft_ms") or 0) > args.saturate * args.threshold_ms:
+            return r
+    return None
+
+
+def to_measure(data, target, k, rates, args):
+    """The rates of (target, k) still to measure: not measured, below any saturation."""
+    if args.redo:
+        return list(rates)
+    sat = saturated_at(data, target, k, rates, args)
+    return [r for r in rates if not done(data, target, k, r) and (sat is None or r < sat)]
+
+
 def load(path):
     if os.path.exists(path):
         with open(path) as f:
@@ -613,7 +630,7 @@ def report(data, out):
     for (t, k), ps in sorted(best.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1])):
         good = [p for p in ps if ok(p, thr)]
         top = max(good, key=lambda p: p["rate"]) if good else None
-        tried = max(p["rate"] for p in ps)
+        tried = max([p["rate"] for p in ps if not p.get("skipped")] or [0])
         L.append("| %s | %d | %s | %s | up to %g |" % (
             t, k, ("none" if top is None else "%g%s" % (top["rate"], " (the highest tried)"
                                                       if top["rate"] == tried else "")),
@@ -743,7 +760,7 @@ def main(argv=None):
     path = os.path.join(args.out, "serve_bench.json")
     data = load(path)
     data["threshold_ms"] = args.threshold_ms
-    todo = [(t, k, r) for t in targets for k in ks for r in rates if args.redo or not done(data, t, k, r)]
+    todo = [(t, k, r) for t in targets for k in ks for r in to_measure(data, t, k, rates, args)]
     if not todo:
         log("every point of this sweep is in %s already (--redo to measure again)" % path)
         report(data, args.out)
@@ -776,13 +793,9 @@ def main(argv=None):
         for t in targets:
             for k in ks:
                 pending = [r for r in rates if args.redo or not done(data, t, k, r)]
-                if not pending:
+                if not to_measure(data, t, k, rates, args):
                     continue
-                saturated = None
-                for r in rates:
-                    p = data["points"].get(key_of(t, k, r))
-                    if done(data, t, k, r) and (p.get("p99_ttft_ms") or 0) > args.saturate * args.threshold_ms:
-                        saturated = r
+                saturated = None if args.redo else saturated_at(data, t, k, rates, args)
                 warmed = False
                 for r in pending:
                     key = key_of(t, k, r)
