@@ -808,7 +808,7 @@ def main(argv=None):
                     expect = n / r + 30.0
                     if args.time_budget and time.monotonic() - t_start + expect > args.time_budget:
                         log("time budget: %s and later points left for the next run" % key)
-                        rc = 3
+                        rc = max(rc, 3)
                         raise StopIteration
                     if not warmed:
                         bench.warm(t, k)
