@@ -534,7 +534,7 @@ kvi_status kvi__store_load(kvi_store **out, const kvi_model *model, const kvi_st
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "load_opts->flags has unknown bits 0x%x", lo.flags & ~KVI_LOAD_JOURNAL);
   kvi_store_options so = KVI_STORE_OPTIONS_INIT;
   if ((st = kvi__read_struct(&so, sizeof so, opts, KVI__STORE_OPTIONS_V1, fn, "opts"))) return st;
-  if (kvi__dtype_size(so.dtype) == 0)
+  if (kvi__dtype_size(so.dtype) == 0 && so.dtype != KVI_DTYPE_Q4)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->dtype is %d, not a kvi_dtype", (int)so.dtype);
   const bool journal = (lo.flags & KVI_LOAD_JOURNAL) != 0;
 
