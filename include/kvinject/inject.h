@@ -154,7 +154,8 @@ KVI_API kvi_status kvi_inject_options_init(kvi_inject_options *opts, size_t size
  * key columns past rotary_dim are copied bit for bit (NaN payloads kept),
  * on both backends. An fp8 store's
  * elements are first dequantized with their page's scales (kvinject/store.h),
- * in the same kernel. On a CUDA
+ * in the same kernel; a 4-bit store's (KVI_DTYPE_Q4, CPU stores) with their
+ * groups' scales and minima, in the same pass. On a CUDA
  * store one fused kernel launch covers all requests, facts, layers and heads.
  * reqs: host array of num_requests requests, all with the same struct_size
  * (the library steps through the array by it). opts: NULL for all layers; a
@@ -459,6 +460,9 @@ KVI_API kvi_status kvi_capture_init(kvi_capture *cap, size_t size);
  * pre-RoPE K and V in the store's dtype (an fp8 store: quantized with a
  * scale per page, layer, K/V and head from the un-rotated values; on a CUDA
  * store that is four launches: zero the scales, fold amax, write, finish; a
+ * 4-bit store: each page's key channels and value tokens quantized from the
+ * un-rotated values, giving the codes and scales a put of those values
+ * gives; a
  * store and cache of the same dtype without scales: V and the key columns
  * past rotary_dim copied bit for bit). Every
  * capture is checked before any is launched (every capture's count, key

@@ -1,6 +1,7 @@
 /*
- * fp8_error — the error of fp8 e4m3 fact storage on K/V shaped like an LLM's,
- * and what the scale granularity buys. CPU only; prints a Markdown table.
+ * fp8_error — the error of fp8 e4m3 and 4-bit fact storage on K/V shaped like
+ * an LLM's, and what the scale granularity buys. CPU only; prints a Markdown
+ * table.
  *
  * Data (Llama-3.1-8B geometry: 32 layers, 8 KV heads, head size 128; facts of
  * 24 tokens; fixed seed): pre-RoPE keys have per-channel magnitudes — a
@@ -15,7 +16,9 @@
  *   fp8, P tokens   one scale per (page of P tokens, layer, K/V, head): the
  *                   library's granularity at page_tokens = P
  *   fp8, per fact   page_tokens >= the fact: one scale per (fact, layer,
- *                   K/V, head), the issue's coarsest proposal
+ *                   K/V, head), the coarsest choice
+ *   q4, P tokens    KVI_DTYPE_Q4: keys per channel over a page of P tokens,
+ *                   values per token (kvinject/store.h, "4-bit storage")
  * and the relative Frobenius error ||x - x'|| / ||x|| is reported for K and
  * V over everything, and the worst over (fact, layer, head).
  *
@@ -118,7 +121,7 @@ int main(void) {
     if (!ks[f] || !vs[f]) return 1;
     make_fact(ks[f], vs[f]);
   }
-  printf("fp8 e4m3 storage error, %d facts of %d tokens, %d layers x %d KV heads x %d (relative Frobenius)\n\n", FACTS,
+  printf("fp8 e4m3 and 4-bit storage error, %d facts of %d tokens, %d layers x %d KV heads x %d (relative Frobenius)\n\n", FACTS,
          T, L, H, D);
   printf("| storage            | K overall  | K worst head | V overall | V worst head | KiB/fact |\n");
   printf("|--------------------|------------|------------|------------|------------|-----------|\n");
@@ -127,6 +130,10 @@ int main(void) {
   bad |= run(m, KVI_DTYPE_FP8_E4M3, 8, ks, vs, rk, rv, "fp8, 8-token pages");
   bad |= run(m, KVI_DTYPE_FP8_E4M3, 16, ks, vs, rk, rv, "fp8, 16-token pages");
   bad |= run(m, KVI_DTYPE_FP8_E4M3, T, ks, vs, rk, rv, "fp8, per fact");
+  bad |= run(m, KVI_DTYPE_Q4, 4, ks, vs, rk, rv, "q4, 4-token pages");
+  bad |= run(m, KVI_DTYPE_Q4, 8, ks, vs, rk, rv, "q4, 8-token pages");
+  bad |= run(m, KVI_DTYPE_Q4, 16, ks, vs, rk, rv, "q4, 16-token pages");
+  bad |= run(m, KVI_DTYPE_Q4, T, ks, vs, rk, rv, "q4, per fact");
   for (int f = 0; f < FACTS; f++) free(ks[f]), free(vs[f]);
   free(rk);
   free(rv);
