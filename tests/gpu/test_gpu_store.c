@@ -212,6 +212,17 @@ static void test_backend_choice(void **state) {
   a = (kvi_store *)0x1;
   assert_int_equal(kvi_store_create(&a, f->model, &so), KVI_ERR_NO_DEVICE);
   assert_ptr_equal(a, (kvi_store *)0x1);
+  /* 4-bit storage is CPU-only in this version: a CUDA store of it (AUTO
+   * included, which takes the GPU) is refused, a CPU one is not */
+  so.device = -1;
+  so.dtype = KVI_DTYPE_Q4;
+  assert_int_equal(kvi_store_create(&a, f->model, &so), KVI_ERR_UNSUPPORTED);
+  so.backend = KVI_BACKEND_AUTO;
+  assert_int_equal(kvi_store_create(&a, f->model, &so), KVI_ERR_UNSUPPORTED);
+  assert_ptr_equal(a, (kvi_store *)0x1);
+  so.backend = KVI_BACKEND_CPU;
+  CHECK_OK(kvi_store_create(&a, f->model, &so));
+  kvi_store_destroy(a);
 }
 
 /* Host sources of every dtype, strided, into both stores; reads of every dtype agree bit for bit. */
