@@ -12,7 +12,8 @@
  *     at head size 128 and 64-token pages;
  *   - zeros, constant groups, NaN and infinities, values past fp16's range;
  *   - injection into every CPU cache dtype and layout against the float64
- *     rotation of the values a read gives;
+ *     rotation of the values a read gives; the deviation of what was
+ *     injected is zero (fp32 cache);
  *   - capture: the same codes and scales as a put of what an fp32 store
  *     captures;
  *   - tenants: same ids under two tenants stay apart;
@@ -374,6 +375,13 @@ static void inject_case(rng *r, kvi_cache_preset preset, kvi_dtype cdt, kvi_scal
   snprintf(what, sizeof what, "inject from a q4 store (P %d) into a %s %s cache", (int)P, cache_dtype_name(cdt),
            preset_name(preset));
   ec_check_request(&c, rr, ff, 1, table, 3, pos, 0, 0, L, 0.0, NULL, what);
+  if (cdt == KVI_DTYPE_FP32) /* the deviation reads the values the injection wrote: none */
+    for (int l = 0; l < L; l++) {
+      float dev[9];
+      assert_ok(kvi_inject_deviation(inj, &q, 1, l, dev, 9, KVI_MEMORY_HOST, NULL));
+      for (int t = 0; t < 9; t++)
+        if (dev[t] != 0.0f) fail_msg("%s: deviation of layer %d token %d is %g", what, l, t, (double)dev[t]);
+    }
   kvi_injector_destroy(inj);
   rfact_free(&dq);
   rfact_free(&f);
