@@ -36,6 +36,7 @@
 
 #include <type_traits>
 
+#include "base/q4.h"
 #include "gpu/kernels.h"
 #include "rope.cuh"
 #include "vec.cuh"
@@ -46,6 +47,7 @@ using kvi::cvt;
 using kvi::fp8e4;
 using kvi::fp8e5;
 using kvi::is_fp8;
+using kvi::is_q4;
 
 using kvi::ld;
 using kvi::st;
@@ -300,6 +302,50 @@ __device__ inline void plain(const Ctx &x, G *page, C *cache, int64_t plane, uns
   }
 }
 
+/* One layer of a 4-bit page injected (base/q4.h): element by element, each
+ * code decoded with its group's word (a key channel's, a value token's) as
+ * fmaf(code, scale, minimum), the key pairs rotated as the vector paths
+ * rotate them, converted to the cache's dtype. Items are (head, token,
+ * column), columns fastest; a thread takes every THREADS-th. */
+template <typename C, bool NEOX>
+__device__ inline void q4_layer(const Ctx &x, const kvi__xfer_args &a, const uint8_t *pg, int l, unsigned rot,
+                                C *kc, C *vc, const float *ks, const float *vs, const int64_t *s_coff, unsigned tok0) {
+  const uint32_t *words = reinterpret_cast<const uint32_t *>(pg + a.scale_off);
+  const unsigned H = x.H, D = x.D, half = rot >> 1;
+  const uint32_t *kw = words + (int64_t)l * H * D;                                     /* [h][d] */
+  const uint32_t *vw = words + (int64_t)a.L * H * D + (int64_t)l * H * a.P + tok0;     /* [h][P] */
+  const int64_t krow0 = x.page_row0, vrow0 = x.page_row0 + (int64_t)H * x.page_head;  /* elements */
+  /* K's rotated pairs */
+  for (unsigned i = threadIdx.x; i < H * x.ntok * half; i += THREADS) {
+    const unsigned u = i % half, r = i / half, j = r % x.ntok, h = r / x.ntok;
+    const int64_t coff = s_coff[j];
+    if (coff < 0) continue;
+    const unsigned ia = NEOX ? u : 2 * u, ib = NEOX ? u + half : 2 * u + 1;
+    const int64_t row = krow0 + h * x.page_head + (int64_t)j * D;
+    float v[2] = {kvi__q4_decode(pg, row + ia, kw[h * D + ia]), kvi__q4_decode(pg, row + ib, kw[h * D + ib])};
+    rotate<1, NEOX, true>(v, x.cs + j * x.HM + u);
+    scale_for_cache<C>(v, 2, is_fp8<C>::value ? ks[h] : 1.0f);
+    C *cr = kc + coff + h * a.head_stride;
+    st<C, 1>(cr + (int64_t)ia * a.dim_stride, v);
+    st<C, 1>(cr + (int64_t)ib * a.dim_stride, v + 1);
+  }
+  /* K's tail [rot, D), then V */
+  const unsigned nk = D - rot;
+  for (unsigned i = threadIdx.x; i < H * x.ntok * (nk + D); i += THREADS) {
+    const bool isv = i >= H * x.ntok * nk;
+    const unsigned ii = isv ? i - H * x.ntok * nk : i, n = isv ? D : nk;
+    const unsigned c = ii % n, r = ii / n, j = r % x.ntok, h = r / x.ntok, d = isv ? c : rot + c;
+    const int64_t coff = isv && a.split_v ? s_coff[a.seg_tokens + j] : s_coff[j];
+    if (coff < 0) continue;
+    const int64_t e = (isv ? vrow0 : krow0) + h * x.page_head + (int64_t)j * D + d;
+    float v = kvi__q4_decode(pg, e, isv ? vw[(int64_t)h * a.P + j] : kw[h * D + d]);
+    scale_for_cache<C>(&v, 1, is_fp8<C>::value ? (isv ? vs : ks)[h] : 1.0f);
+    st<C, 1>((isv ? vc : kc) + coff + h * (isv ? a.v_head_stride : a.head_stride) +
+                 (int64_t)d * (isv ? a.v_dim_stride : a.dim_stride),
+             &v);
+  }
+}
+
 /* Points the context at plane kv (0 K, 1 V): its per-token offsets, head and
  * dim strides (read from the parameters at each use, so nothing more stays
  * live across the layer loop), and the walk's row order: an injection into a
@@ -391,6 +437,14 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
     const float *ks = a.k_scale + l * a.H, *vs = a.v_scale + l * a.H;
     x.gs = gs ? gs + l * 2 * a.H : nullptr;
     C *kc = reinterpret_cast<C *>(ly.k), *vc = reinterpret_cast<C *>(ly.v);
+    if constexpr (is_q4<G>::value) { /* injection only: the host refuses the rest */
+      const uint8_t *pg = reinterpret_cast<const uint8_t *>(page);
+      if (ly.style == 1)
+        q4_layer<C, true>(x, a, pg, l, rot, kc, vc, ks, vs, s_coff, sg.tok0);
+      else
+        q4_layer<C, false>(x, a, pg, l, rot, kc, vc, ks, vs, s_coff, sg.tok0);
+      continue;
+    } else {
     set_plane<INJECT>(x, a, s_coff, 0);
     if (rot) {
       if (ly.style == 1)
@@ -402,6 +456,7 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
       plain<G, C, E, INJECT>(x, page, kc, 0, rot, (x.D - rot) / E, ks, x.gs);
     set_plane<INJECT>(x, a, s_coff, 1);
     plain<G, C, E, INJECT>(x, page, vc, (int64_t)x.H * x.page_head, 0, x.D / E, vs, x.gs ? x.gs + x.H : nullptr);
+    }
   }
 }
 
@@ -417,9 +472,13 @@ template <typename G, typename C, int E> int launch4(const kvi__xfer_args *a, cu
 }
 
 template <typename G, typename C> int launch3(const kvi__xfer_args *a, cudaStream_t s) {
-  if constexpr (is_fp8<G>::value) /* 16 e4m3 bytes: one 16-byte load */
-    if (a->vec == 16) return launch4<G, C, 16>(a, s);
-  return a->vec == 8 ? launch4<G, C, 8>(a, s) : launch4<G, C, 1>(a, s);
+  if constexpr (is_q4<G>::value) { /* element by element (q4_layer), injection only */
+    return a->inject ? launch4<G, C, 1>(a, s) : (int)cudaErrorInvalidValue;
+  } else {
+    if constexpr (is_fp8<G>::value) /* 16 e4m3 bytes: one 16-byte load */
+      if (a->vec == 16) return launch4<G, C, 16>(a, s);
+    return a->vec == 8 ? launch4<G, C, 8>(a, s) : launch4<G, C, 1>(a, s);
+  }
 }
 
 } // namespace
@@ -538,6 +597,7 @@ extern "C" int kvi__cuda_transfer(const kvi__xfer_args *a, struct CUstream_st *s
   case KVI_DTYPE_FP16: return launch2<__half>(a, s);
   case KVI_DTYPE_BF16: return launch2<__nv_bfloat16>(a, s);
   case KVI_DTYPE_FP8_E4M3: return launch2<fp8e4>(a, s);
+  case KVI_DTYPE_Q4: return launch2<kvi::q4>(a, s);
   }
   return (int)cudaErrorInvalidValue;
 }

@@ -269,7 +269,7 @@ typedef enum kvi_dtype {
                              kvinject/store.h), never dense K/V views */
   KVI_DTYPE_FP8_E5M2 = 5, /* OCP e5m2; caches only */
   KVI_DTYPE_Q4 = 6        /* group-wise 4-bit codes with fp16 scales and minima:
-                             CPU stores only (kvinject/store.h, "4-bit storage"),
+                             stores only (kvinject/store.h, "4-bit storage"),
                              never caches or dense K/V views */
 } kvi_dtype;
 

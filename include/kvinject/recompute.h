@@ -51,7 +51,7 @@ extern "C" {
  * all requests (kvi_inject_plan, summed), in the order of "Token indices"
  * above. For token t, whose slot holds K_c, V_c (the cache's values at layer
  * `layer`, as fp32; fp8 caches times their scale) and whose fact holds the
- * pre-RoPE key K_s and value V_s (fp8 stores dequantized):
+ * pre-RoPE key K_s and value V_s (fp8 and 4-bit stores dequantized):
  *
  *   score[t] = sum over the layer's KV heads h and elements d of
  *              (K_c[h][d] - rot(K_s)[h][d])^2 + (V_c[h][d] - V_s[h][d])^2
@@ -77,7 +77,8 @@ extern "C" {
  * Errors: those of kvi_inject (the same checks), and KVI_ERR_INVALID_ARGUMENT
  * (layer out of range, NULL out_scores with tokens to score, num_scores below
  * T, out_memory not HOST or DEVICE), KVI_ERR_MEMORY_KIND (out_scores not the
- * memory out_memory says, device memory on a CPU store).
+ * memory out_memory says, device memory on a CPU store), KVI_ERR_UNSUPPORTED
+ * (a CUDA store of KVI_DTYPE_Q4, in this version).
  * Thread rules: as kvi_inject.
  */
 KVI_EXPERIMENTAL kvi_status kvi_inject_deviation(kvi_injector *injector, const kvi_inject_request *reqs, int32_t num_requests,

@@ -97,8 +97,8 @@
  * relative K error within a few percent on LLM-shaped data
  * (tests/bench/fp8_error.c; BENCHMARKS.md).
  *
- * 4-bit storage (kvi_store_options.dtype = KVI_DTYPE_Q4; CPU stores only in
- * this version) keeps every element as a 4-bit code, two a byte, with an
+ * 4-bit storage (kvi_store_options.dtype = KVI_DTYPE_Q4) keeps every
+ * element as a 4-bit code, two a byte, with an
  * fp16 scale s and an fp16 minimum m per group, grouped as KV caches
  * quantize best: keys per channel (a group is one channel of one head and
  * layer over a page's tokens, at most page_tokens of them: keys' outlier
@@ -134,8 +134,13 @@
  * and scales as they are (a loaded 4-bit store equals the saved one bit for
  * bit; files load only into a 4-bit store of the same page_tokens). A
  * model whose head size is odd cannot have a 4-bit store
- * (KVI_ERR_UNSUPPORTED); nor can a CUDA backend in this version
- * (KVI_ERR_UNSUPPORTED from kvi_store_create).
+ * (KVI_ERR_UNSUPPORTED). Backends: a CPU store does everything above; a
+ * CUDA store takes puts from and reads into host views only (the CPU
+ * quantizes and dequantizes through the staging pages, the same bytes as a
+ * CPU store; a device view is KVI_ERR_UNSUPPORTED) and injects in the fused
+ * kernel (the same values, rotation and conversion as the CPU; with an
+ * engine cos/sin table the same bits), while kvi_encoder_create and
+ * kvi_inject_deviation on it are KVI_ERR_UNSUPPORTED in this version.
  *
  * Thread rules: every function below may be called from several threads at
  * once on the same store, except kvi_store_destroy, which must not overlap
@@ -248,7 +253,7 @@ typedef struct kvi_store_options {
                              current device. Ignored by the CPU backend. */
   kvi_dtype dtype;        /* storage type: BF16 (default), FP16, FP32, FP8_E4M3
                              (scaled per page, layer, K/V and head: see above)
-                             or Q4 (4-bit, CPU stores: "4-bit storage" above);
+                             or Q4 (4-bit: "4-bit storage" above);
                              FP8_E5M2 is KVI_ERR_UNSUPPORTED */
   int32_t page_tokens;    /* tokens per page, 1..4096, default 16 */
   uint64_t budget_bytes;  /* memory to reserve for pages (required, >= one page);

@@ -113,7 +113,7 @@ void kvi__q4_pack_row(uint8_t *dst, const float *x, int32_t n, const uint32_t *w
 }
 
 void kvi__q4_unpack_row(float *dst, const uint8_t *src, int32_t n, const uint32_t *w, int32_t wstep) {
-  for (int32_t i = 0; i < n; i++) dst[i] = kvi__q4_value((src[i / 2] >> (4 * (i & 1))) & 15u, w[i * wstep]);
+  for (int32_t i = 0; i < n; i++) dst[i] = kvi__q4_decode(src, i, w[i * wstep]);
 }
 
 uint32_t kvi__q4_fold_row(uint32_t bounds, const float *x, int32_t n) {

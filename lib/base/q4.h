@@ -151,6 +151,11 @@ static inline KVI__Q4_HD float kvi__q4_value(uint32_t code, uint32_t w) {
   return fmaf((float)code, kvi__q4_scale(w), kvi__q4_min(w));
 }
 
+/* The value of element e of packed codes (two a byte, even elements low). */
+static inline KVI__Q4_HD float kvi__q4_decode(const uint8_t *codes, int64_t e, uint32_t w) {
+  return kvi__q4_value((uint32_t)(codes[e >> 1] >> (4 * (unsigned)(e & 1))) & 15u, w);
+}
+
 #ifdef __cplusplus
 }
 #endif

@@ -213,9 +213,6 @@ static kvi_status check_options(const kvi_store_options *o, const kvi__geom *g, 
 /* The host tier's checks, once the backend is known. */
 static kvi_status check_host_tier(const kvi_store *s, const kvi_store_options *o, const page_layout *pl,
                                   const char *fn) {
-  if (pl->q4 && s->backend == KVI_BACKEND_CUDA)
-    return kvi__fail(KVI_ERR_UNSUPPORTED, fn,
-                     "4-bit fact storage (KVI_DTYPE_Q4) is CPU-only in this version: use KVI_BACKEND_CPU");
   if (o->host_budget_bytes > 0 && s->backend == KVI_BACKEND_CPU)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
                      "opts->host_budget_bytes is %llu, but a CPU store has a single tier (host memory): pass 0",

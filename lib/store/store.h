@@ -240,7 +240,7 @@ static inline float *page_scales(const kvi_store *s, uint32_t page) {
 
 /* The page stride the kernels use, in elements of the store's dtype. */
 static inline int64_t page_stride_elems(const kvi_store *s) {
-  return s->fp8 ? (int64_t)s->page_bytes : (int64_t)s->page_elems;
+  return s->scale_off ? (int64_t)s->page_bytes : (int64_t)s->page_elems; /* quantized: bytes */
 }
 
 static inline uint32_t pages_for(const kvi_store *s, int32_t tokens) {

@@ -14,10 +14,15 @@
  * host arrays (CSR fact ids, a 2-D block table) and kvi_inject_batched with
  * the fact ids and the block table in device memory (looked up and planned
  * on the device; the store keeps 64-element embeddings for that).
+ * KVI_BENCH_STORE_DTYPE=fp8 or q4 keeps the facts in that store dtype instead
+ * (fp8: 16-token pages; q4: 64-token pages, facts put from host memory, no
+ * capture cases: capture into a 4-bit CUDA store is not available); the
+ * cache stays bf16 and "MiB moved" still counts bf16 bytes on both sides.
  *
  * SPDX-License-Identifier: Apache-2.0
  */
 #define _POSIX_C_SOURCE 200809L
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -71,6 +76,15 @@ int main(void) {
   so.backend = KVI_BACKEND_CUDA;
   so.device = 0;
   so.budget_bytes = (uint64_t)(2 * POOL + 4 * 64 * 50) * 16 * TOKEN_BYTES; /* pages: pool + capture churn */
+  const char *sdt = getenv("KVI_BENCH_STORE_DTYPE");
+  const bool q4 = sdt && !strcmp(sdt, "q4");
+  if (sdt && !strcmp(sdt, "fp8")) so.dtype = KVI_DTYPE_FP8_E4M3;
+  if (q4) so.dtype = KVI_DTYPE_Q4, so.page_tokens = 64, so.budget_bytes *= 2; /* a 64-token page a fact */
+  if (sdt && !q4 && strcmp(sdt, "fp8") && strcmp(sdt, "bf16")) {
+    fprintf(stderr, "KVI_BENCH_STORE_DTYPE is %s: bf16, fp8 or q4\n", sdt);
+    return 1;
+  }
+  printf("store dtype %s\n\n", sdt ? sdt : "bf16");
   so.embedding_dim = EMB; /* device directories: kvi_inject_batched's device fact ids */
   kvi_store *store;
   CK(kvi_store_create(&store, model, &so));
@@ -84,7 +98,10 @@ int main(void) {
   CU(cudaMemcpy(dsrc, hbuf, fact_elems * 2 * 2, cudaMemcpyHostToDevice));
   for (int f = 0; f < POOL; f++) {
     kvi_kv_view kv;
-    kvi_kv_view_contiguous(&kv, KVI_MEMORY_DEVICE, KVI_DTYPE_BF16, L, FACT_T, H, D, dsrc, (uint16_t *)dsrc + fact_elems);
+    if (q4) /* 4-bit CUDA stores take host views */
+      kvi_kv_view_contiguous(&kv, KVI_MEMORY_HOST, KVI_DTYPE_BF16, L, FACT_T, H, D, hbuf, hbuf + fact_elems);
+    else
+      kvi_kv_view_contiguous(&kv, KVI_MEMORY_DEVICE, KVI_DTYPE_BF16, L, FACT_T, H, D, dsrc, (uint16_t *)dsrc + fact_elems);
     float emb[EMB];
     for (int e = 0; e < EMB; e++) emb[e] = (float)((f * 31 + e * 7) % 97) - 48.0f;
     kvi_put_options po = KVI_PUT_OPTIONS_INIT;
@@ -105,9 +122,9 @@ int main(void) {
   CK(kvi_cache_layout_preset(&cl, KVI_CACHE_VLLM_FLASH_ATTN, KVI_DTYPE_BF16, L, H, D, BS, NB, layers, NULL, NULL));
   cl.memory = KVI_MEMORY_DEVICE;
   kvi_injector *inj;
-  kvi_encoder *enc;
+  kvi_encoder *enc = NULL;
   CK(kvi_injector_create(&inj, store, &cl, NULL));
-  CK(kvi_encoder_create(&enc, store, &cl, NULL));
+  if (!q4) CK(kvi_encoder_create(&enc, store, &cl, NULL));
 
   /* copy baseline buffers: 2 GiB, well past the 60 MB L2 */
   const size_t span = (size_t)64 * 50 * FACT_T * TOKEN_BYTES; /* the largest case, 9.4 GiB */
@@ -195,7 +212,7 @@ int main(void) {
 
   static kvi_capture caps[64 * 50];
   static const float cap_emb[EMB]; /* the store keeps embeddings: every capture carries one */
-  for (int c = 0; c < 5; c++) {
+  for (int c = 0; c < (q4 ? 0 : 5); c++) {
     const int n = c < 4 ? ks[c] : 64 * 50;
     float t[ITERS], th[ITERS], tq[ITERS];
     for (int i = -bench_warm; i < bench_iters; i++) {

@@ -122,7 +122,7 @@ static void make_world(world *w, const scen *sc) {
   so.dtype = sc->store_dtype;
   /* fp8 stores: pages of 64 tokens, so that a page is several capture
    * segments (CTAs) whose amax meets in the page's scale slots */
-  so.page_tokens = sc->store_dtype == KVI_DTYPE_FP8_E4M3 ? 64 : 16;
+  so.page_tokens = sc->store_dtype == KVI_DTYPE_FP8_E4M3 || sc->store_dtype == KVI_DTYPE_Q4 ? 64 : 16;
   so.budget_bytes = 64u << 20;
   so.embedding_dim = g_emb_dim;
   so.backend = KVI_BACKEND_CPU;
@@ -366,6 +366,26 @@ static void run_inject(const scen *sc) {
   const bool exact = sc->rope == 2; /* same cos/sin: bit for bit */
   size_t bad = compare_caches(&w, exact, 2e-6, &worst);
   if (bad) fail_msg("inject: %zu elements differ (worst relative %.3g)", bad, worst);
+  if (sc->store_dtype == KVI_DTYPE_Q4) { /* 4-bit stores: injection only on CUDA stores (host puts, CPU-quantized) */
+    kvi_encoder *e = NULL;
+    assert_int_equal(kvi_encoder_create(&e, w.gpu, &w.dl, NULL), KVI_ERR_UNSUPPORTED);
+    float out[64];
+    assert_int_equal(kvi_inject_deviation(di, dq, 1, 0, out, 64, KVI_MEMORY_HOST, NULL), KVI_ERR_UNSUPPORTED);
+    float *dkv;
+    CUDA_OK(cudaMalloc((void **)&dkv, (size_t)sc->L * sc->H * sc->D * 8));
+    kvi_kv_view dv;
+    kvi_kv_view_contiguous(&dv, KVI_MEMORY_DEVICE, KVI_DTYPE_FP32, sc->L, 1, sc->H, sc->D, dkv,
+                           dkv + (size_t)sc->L * sc->H * sc->D);
+    assert_int_equal(kvi_store_put(w.gpu, 9, 9, &dv, NULL, NULL), KVI_ERR_UNSUPPORTED);
+    int32_t T;
+    assert_int_equal(kvi_store_fact_tokens(w.gpu, 9, 9, &T), KVI_ERR_NOT_FOUND);
+    cudaFree(dkv);
+    kvi_injector_destroy(hi);
+    kvi_injector_destroy(di);
+    cudaFree(dtable);
+    free_world(&w);
+    return;
+  }
 
   /* capture back: both stores capture the same range from their caches */
   kvi_encoder *he, *de;
@@ -457,6 +477,13 @@ SCEN(t_vt_fp16_table, 2, 2, 128, 16, 128, 24, 5, KVI_DTYPE_FP16, KVI_DTYPE_FP16,
 SCEN(t_vt_e5m2_gptj, 3, 2, 64, 1, 2048, 12, 4, KVI_DTYPE_BF16, KVI_DTYPE_FP8_E5M2, (kvi_cache_preset)GPU_TRANSPOSED_V, 1, KVI_SCALE_PER_TENSOR)
 SCEN(t_mixed_bf16, 4, 4, 128, 16, 256, 24, 6, KVI_DTYPE_BF16, KVI_DTYPE_BF16, (kvi_cache_preset)GPU_MIXED_PLANES, 0, KVI_SCALE_NONE)
 SCEN(t_mixed_fp8s, 2, 4, 128, 16, 128, 24, 5, KVI_DTYPE_FP8_E4M3, KVI_DTYPE_BF16, (kvi_cache_preset)GPU_MIXED_PLANES, 2, KVI_SCALE_NONE)
+/* 4-bit stores (CPU-quantized host puts): the kernel's element-wise dequantize-rotate-convert */
+SCEN(t_q4_table, 2, 4, 128, 16, 128, 24, 5, KVI_DTYPE_Q4, KVI_DTYPE_BF16, KVI_CACHE_VLLM_FLASH_ATTN, 2, KVI_SCALE_NONE)
+SCEN(t_q4_hnd_fp16, 3, 2, 128, 16, 128, 70, 5, KVI_DTYPE_Q4, KVI_DTYPE_FP16, KVI_CACHE_VLLM_FLASHINFER_HND, 2, KVI_SCALE_NONE)
+SCEN(t_q4_fp32_gptj, 2, 2, 64, 32, 64, 17, 4, KVI_DTYPE_Q4, KVI_DTYPE_FP32, KVI_CACHE_VLLM_PACKED, 1, KVI_SCALE_NONE)
+SCEN(t_q4_fp8cache, 3, 2, 128, 32, 64, 24, 5, KVI_DTYPE_Q4, KVI_DTYPE_FP8_E4M3, KVI_CACHE_TRTLLM, 2, KVI_SCALE_PER_HEAD)
+SCEN(t_q4_e5m2_vt, 2, 3, 40, 16, 64, 9, 4, KVI_DTYPE_Q4, KVI_DTYPE_FP8_E5M2, (kvi_cache_preset)GPU_TRANSPOSED_V, 3, KVI_SCALE_PER_TENSOR)
+SCEN(t_q4_mixed, 2, 4, 128, 16, 128, 24, 5, KVI_DTYPE_Q4, KVI_DTYPE_BF16, (kvi_cache_preset)GPU_MIXED_PLANES, 2, KVI_SCALE_NONE)
 
 #ifdef KVI_HAVE_CUDA
 /* A device block table naming blocks outside the cache: those tokens are
@@ -1683,6 +1710,8 @@ int main(void) {
       cmocka_unit_test(t_vllm_cpu_bf16), cmocka_unit_test(t_vllm_cpu_table), cmocka_unit_test(t_vllm_cpu_fp8),
       cmocka_unit_test(t_vt_fp16_table), cmocka_unit_test(t_vt_e5m2_gptj), cmocka_unit_test(t_mixed_bf16),
       cmocka_unit_test(t_mixed_fp8s),
+      cmocka_unit_test(t_q4_table),      cmocka_unit_test(t_q4_hnd_fp16), cmocka_unit_test(t_q4_fp32_gptj),
+      cmocka_unit_test(t_q4_fp8cache),   cmocka_unit_test(t_q4_e5m2_vt),  cmocka_unit_test(t_q4_mixed),
       cmocka_unit_test(t_bad_device_table), cmocka_unit_test(t_table_memory_kind), cmocka_unit_test(t_deferred_free),
       cmocka_unit_test(t_staging_ring), cmocka_unit_test(t_capture_chunks),
       cmocka_unit_test(t_journal_encode),

@@ -19,7 +19,7 @@
  *   - tenants: same ids under two tenants stay apart;
  *   - store files: records byte for byte the same after save and load, the
  *     journal, other dtypes and page sizes refused;
- *   - bad input: odd head sizes, 4-bit views and caches, CUDA stores.
+ *   - bad input: odd head sizes, 4-bit views and caches.
  * SPDX-License-Identifier: Apache-2.0
  */
 #include "ref64.h"
@@ -332,9 +332,6 @@ static void test_q4_bad_input(void **state) {
   s = NULL;
   assert_status(kvi_store_create(&s, odd, &o), KVI_ERR_UNSUPPORTED);
   assert_null(s);
-  /* CUDA stores: not in this version */
-  o.backend = KVI_BACKEND_CUDA;
-  assert_true(kvi_store_create(&s, odd, &o) != KVI_OK);
   kvi_model_destroy(odd);
 }
 
