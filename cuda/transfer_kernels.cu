@@ -346,6 +346,94 @@ __device__ inline void q4_layer(const Ctx &x, const kvi__xfer_args &a, const uin
   }
 }
 
+/* Capture into a 4-bit page, one layer (the CPU reference's phases,
+ * kvi__xfer_args.phase): 1 folds each key element, un-rotated, into its
+ * channel's bounds word (atomicCAS: folding commutes); 2 writes the key
+ * codes, a byte (two channels) per item, from the parameters the bounds
+ * give, and each value row's word and codes, a row per item (its bounds
+ * need the whole row). Phases 0 and 3 (bounds emptied, words made) run
+ * before the layer loop. The cache's values are read as the injection
+ * writes them: fp8 caches times their scale, keys un-rotated by the vector
+ * paths' rotate. */
+template <typename C, bool NEOX>
+__device__ inline float q4_unrotated(const C *cr, int64_t ds, unsigned d, unsigned rot, const float2 *cs, float sc) {
+  float v[2];
+  if (d >= rot) {
+    v[0] = kvi::cvt<C>::to(cr[(int64_t)d * ds]);
+    scale_from_cache<C>(v, 1, sc);
+    return v[0];
+  }
+  const unsigned half = rot >> 1, u = NEOX ? (d < half ? d : d - half) : d >> 1;
+  const unsigned ia = NEOX ? u : 2 * u, ib = NEOX ? u + half : 2 * u + 1;
+  v[0] = kvi::cvt<C>::to(cr[(int64_t)ia * ds]);
+  v[1] = kvi::cvt<C>::to(cr[(int64_t)ib * ds]);
+  scale_from_cache<C>(v, 2, sc);
+  rotate<1, NEOX, false>(v, cs + u);
+  return d == ia ? v[0] : v[1];
+}
+
+template <typename C, bool NEOX>
+__device__ inline void q4_capture_layer(const Ctx &x, const kvi__xfer_args &a, uint8_t *pg, int l, unsigned rot,
+                                        const C *kc, const C *vc, const float *ks, const float *vs,
+                                        const int64_t *s_coff, unsigned tok0) {
+  uint32_t *words = reinterpret_cast<uint32_t *>(pg + a.scale_off);
+  const unsigned H = x.H, D = x.D;
+  uint32_t *kw = words + (int64_t)l * H * D;                                 /* [h][d] */
+  uint32_t *vw = words + (int64_t)a.L * H * D + (int64_t)l * H * a.P + tok0; /* [h][P] */
+  const int64_t krow0 = x.page_row0, vrow0 = x.page_row0 + (int64_t)H * x.page_head;
+  if (a.phase == 1) {
+    for (unsigned i = threadIdx.x; i < H * x.ntok * D; i += THREADS) {
+      const unsigned d = i % D, r = i / D, j = r % x.ntok, h = r / x.ntok;
+      const int64_t coff = s_coff[j];
+      if (coff < 0) continue;
+      const float y = q4_unrotated<C, NEOX>(kc + coff + h * a.head_stride, a.dim_stride, d, rot, x.cs + j * x.HM,
+                                            is_fp8<C>::value ? ks[h] : 1.0f);
+      unsigned *w = reinterpret_cast<unsigned *>(kw + h * D + d);
+      unsigned old = *w, seen;
+      do {
+        seen = old;
+        const unsigned want = kvi__q4_fold(seen, y);
+        if (want == seen) break;
+        old = atomicCAS(w, seen, want);
+      } while (old != seen);
+    }
+    return;
+  }
+  for (unsigned i = threadIdx.x; i < H * x.ntok * (D / 2); i += THREADS) { /* K: a byte per item */
+    const unsigned b = i % (D / 2), r = i / (D / 2), j = r % x.ntok, h = r / x.ntok, d = 2 * b;
+    const int64_t coff = s_coff[j];
+    if (coff < 0) continue;
+    const C *cr = kc + coff + h * a.head_stride;
+    const float sc = is_fp8<C>::value ? ks[h] : 1.0f;
+    const float y0 = q4_unrotated<C, NEOX>(cr, a.dim_stride, d, rot, x.cs + j * x.HM, sc);
+    const float y1 = q4_unrotated<C, NEOX>(cr, a.dim_stride, d + 1, rot, x.cs + j * x.HM, sc);
+    const uint32_t c0 = kvi__q4_code(y0, kvi__q4_params(kw[h * D + d]));
+    const uint32_t c1 = kvi__q4_code(y1, kvi__q4_params(kw[h * D + d + 1]));
+    pg[(krow0 + h * x.page_head + (int64_t)j * D + d) >> 1] = (uint8_t)(c0 | c1 << 4);
+  }
+  for (unsigned i = threadIdx.x; i < H * x.ntok; i += THREADS) { /* V: a row per item */
+    const unsigned j = i % x.ntok, h = i / x.ntok;
+    const int64_t coff = a.split_v ? s_coff[a.seg_tokens + j] : s_coff[j];
+    if (coff < 0) continue;
+    const C *cr = vc + coff + h * a.v_head_stride;
+    const float sc = is_fp8<C>::value ? vs[h] : 1.0f;
+    uint32_t bounds = KVI__Q4_BOUNDS_EMPTY;
+    for (unsigned d = 0; d < D; d++) {
+      float f = kvi::cvt<C>::to(cr[(int64_t)d * a.v_dim_stride]);
+      scale_from_cache<C>(&f, 1, sc);
+      bounds = kvi__q4_fold(bounds, f);
+    }
+    const uint32_t w = kvi__q4_params(bounds);
+    vw[(int64_t)h * a.P + j] = w;
+    uint8_t *row = pg + ((vrow0 + h * x.page_head + (int64_t)j * D) >> 1);
+    for (unsigned d = 0; d < D; d += 2) {
+      float f[2] = {kvi::cvt<C>::to(cr[(int64_t)d * a.v_dim_stride]), kvi::cvt<C>::to(cr[(int64_t)(d + 1) * a.v_dim_stride])};
+      scale_from_cache<C>(f, 2, sc);
+      row[d >> 1] = (uint8_t)(kvi__q4_code(f[0], w) | kvi__q4_code(f[1], w) << 4);
+    }
+  }
+}
+
 /* Points the context at plane kv (0 K, 1 V): its per-token offsets, head and
  * dim strides (read from the parameters at each use, so nothing more stays
  * live across the layer loop), and the walk's row order: an injection into a
@@ -377,6 +465,18 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
                                    : static_cast<G *>(a.host_pool) + (int64_t)(sg.page - a.host_first) * a.page_elems;
   const int l0 = a.layer_begin + (int)blockIdx.y * a.layers_per_cta;
   const int l1 = min(l0 + a.layers_per_cta, a.layer_end);
+  if constexpr (is_q4<G>::value) { /* capture phases 0 and 3: the page's words, by its first segment */
+    if (!INJECT && (a.phase == 0 || a.phase == 3)) {
+      uint32_t *w = reinterpret_cast<uint32_t *>(reinterpret_cast<char *>(page) + a.scale_off);
+      const int HD = a.H * a.D, HP = a.H * a.P;
+      if (sg.tok0 == 0) {
+        for (int i = l0 * HD + (int)threadIdx.x; i < l1 * HD; i += THREADS)
+          w[i] = a.phase == 0 ? KVI__Q4_BOUNDS_EMPTY : kvi__q4_params(w[i]);
+        for (int i = l0 * HP + (int)threadIdx.x; a.phase == 0 && i < l1 * HP; i += THREADS) w[(int64_t)a.L * HD + i] = 0u;
+      }
+      return;
+    }
+  }
   float *gs = nullptr; /* fp8 stores: the page's scales, [layer][K, V][head] */
   if constexpr (is_fp8<G>::value) {
     gs = reinterpret_cast<float *>(reinterpret_cast<char *>(page) + a.scale_off);
@@ -437,12 +537,16 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
     const float *ks = a.k_scale + l * a.H, *vs = a.v_scale + l * a.H;
     x.gs = gs ? gs + l * 2 * a.H : nullptr;
     C *kc = reinterpret_cast<C *>(ly.k), *vc = reinterpret_cast<C *>(ly.v);
-    if constexpr (is_q4<G>::value) { /* injection only: the host refuses the rest */
-      const uint8_t *pg = reinterpret_cast<const uint8_t *>(page);
-      if (ly.style == 1)
+    if constexpr (is_q4<G>::value) { /* element by element: q4_layer, q4_capture_layer */
+      uint8_t *pg = reinterpret_cast<uint8_t *>(page);
+      if (INJECT && ly.style == 1)
         q4_layer<C, true>(x, a, pg, l, rot, kc, vc, ks, vs, s_coff, sg.tok0);
-      else
+      else if (INJECT)
         q4_layer<C, false>(x, a, pg, l, rot, kc, vc, ks, vs, s_coff, sg.tok0);
+      else if (ly.style == 1)
+        q4_capture_layer<C, true>(x, a, pg, l, rot, kc, vc, ks, vs, s_coff, sg.tok0);
+      else
+        q4_capture_layer<C, false>(x, a, pg, l, rot, kc, vc, ks, vs, s_coff, sg.tok0);
       continue;
     } else {
     set_plane<INJECT>(x, a, s_coff, 0);
@@ -472,8 +576,8 @@ template <typename G, typename C, int E> int launch4(const kvi__xfer_args *a, cu
 }
 
 template <typename G, typename C> int launch3(const kvi__xfer_args *a, cudaStream_t s) {
-  if constexpr (is_q4<G>::value) { /* element by element (q4_layer), injection only */
-    return a->inject ? launch4<G, C, 1>(a, s) : (int)cudaErrorInvalidValue;
+  if constexpr (is_q4<G>::value) { /* element by element (q4_layer, q4_capture_layer) */
+    return launch4<G, C, 1>(a, s);
   } else {
     if constexpr (is_fp8<G>::value) /* 16 e4m3 bytes: one 16-byte load */
       if (a->vec == 16) return launch4<G, C, 16>(a, s);

@@ -416,8 +416,7 @@ KVI_API kvi_status kvi_injector_async_errors(kvi_injector *injector, int64_t *ou
 /* ------------------------------------------------------------------------ */
 
 /* Creates an encoder capturing facts from the cache `layout` describes into
- * `store`. Arguments and errors as kvi_injector_create, and
- * KVI_ERR_UNSUPPORTED for a CUDA store of KVI_DTYPE_Q4 (in this version). */
+ * `store`. Arguments and errors as kvi_injector_create. */
 KVI_API kvi_status kvi_encoder_create(kvi_encoder **out, kvi_store *store, const kvi_cache_layout *layout,
                                       const kvi_transfer_options *opts);
 
@@ -462,10 +461,10 @@ KVI_API kvi_status kvi_capture_init(kvi_capture *cap, size_t size);
  * pre-RoPE K and V in the store's dtype (an fp8 store: quantized with a
  * scale per page, layer, K/V and head from the un-rotated values; on a CUDA
  * store that is four launches: zero the scales, fold amax, write, finish; a
- * 4-bit store (CPU stores; an encoder for a CUDA one is
- * KVI_ERR_UNSUPPORTED): each page's key channels and value tokens quantized
- * from the un-rotated values, giving the codes and scales a put of those
- * values gives; a
+ * 4-bit store: each page's key channels and value tokens quantized from the
+ * un-rotated values, giving the codes and scales a put of those values
+ * gives (on a CUDA store four launches too: empty the key channels' bounds,
+ * fold them, write codes and value words, make the key words); a
  * store and cache of the same dtype without scales: V and the key columns
  * past rotary_dim copied bit for bit). Every
  * capture is checked before any is launched (every capture's count, key

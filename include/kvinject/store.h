@@ -134,13 +134,13 @@
  * and scales as they are (a loaded 4-bit store equals the saved one bit for
  * bit; files load only into a 4-bit store of the same page_tokens). A
  * model whose head size is odd cannot have a 4-bit store
- * (KVI_ERR_UNSUPPORTED). Backends: a CPU store does everything above; a
- * CUDA store takes puts from and reads into host views only (the CPU
- * quantizes and dequantizes through the staging pages, the same bytes as a
- * CPU store; a device view is KVI_ERR_UNSUPPORTED) and injects in the fused
- * kernel (the same values, rotation and conversion as the CPU; with an
- * engine cos/sin table the same bits), while kvi_encoder_create and
- * kvi_inject_deviation on it are KVI_ERR_UNSUPPORTED in this version.
+ * (KVI_ERR_UNSUPPORTED). Both backends do everything above with the same
+ * arithmetic (lib/base/q4.h, compiled for host and device): a CUDA store's
+ * puts and reads of host views quantize on the CPU through the staging
+ * pages, of device views in a kernel, with the same bytes as a CPU store;
+ * injection and capture run in the fused kernel (with an engine cos/sin
+ * table, the same bits as the CPU). Only kvi_inject_deviation on a CUDA
+ * 4-bit store is KVI_ERR_UNSUPPORTED in this version.
  *
  * Thread rules: every function below may be called from several threads at
  * once on the same store, except kvi_store_destroy, which must not overlap

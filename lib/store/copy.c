@@ -203,9 +203,6 @@ kvi_status kvi__copy_fact(const kvi_store *s, const kvi_kv_view *v, const uint32
   }
   if (v->memory == KVI_MEMORY_DEVICE) {
     if (raw) return kvi__fail(KVI_ERR_INTERNAL, fn, "raw copies of quantized pages take host views");
-    if (s->q4)
-      return kvi__fail(KVI_ERR_UNSUPPORTED, fn,
-                       "a 4-bit store's facts are put and read through host memory in this version: pass a host view");
     return cuda_copy_device(s, v, pages, tokens, to_pages, stream, fn);
   }
   return cuda_copy_host(s, v, pages, tokens, to_pages, raw, fn);

@@ -293,8 +293,8 @@ kvi_status kvi__launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool inje
   kvi_status st = xfer_args(x, p, lb, le, inject, &a, stream, fn);
   if (st) return st;
 #ifdef KVI_HAVE_CUDA
-  const bool phased = !inject && x->store->fp8;
-  /* a capture into an fp8 store is four launches (kernels.h: phase), the rest one */
+  const bool phased = !inject && (x->store->fp8 || x->store->q4);
+  /* a capture into an fp8 or 4-bit store is four launches (kernels.h: phase), the rest one */
   for (int phase = phased ? 0 : 2; phase <= (phased ? 3 : 2); phase++) {
     a.phase = phase;
     /* the launcher returns (and so clears) the launch error: report that value */

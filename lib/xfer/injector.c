@@ -248,9 +248,6 @@ void kvi__injector_destroy(kvi_injector *injector, bool device_ok) {
 kvi_status kvi__encoder_create(kvi_encoder **out, kvi_store *store, const kvi_cache_layout *layout,
                                const kvi_transfer_options *opts, const char *fn) {
   if (!out) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "out is NULL");
-  if (store && store->q4 && store->backend == KVI_BACKEND_CUDA)
-    return kvi__fail(KVI_ERR_UNSUPPORTED, fn,
-                     "capture into a 4-bit store runs on CPU stores only in this version (a CUDA store injects it)");
   kvi_encoder *enc = calloc(1, sizeof *enc);
   if (!enc) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating the encoder");
   kvi_status st = xfer_create(&enc->x, store, layout, opts, fn);

@@ -15,9 +15,8 @@
  * the fact ids and the block table in device memory (looked up and planned
  * on the device; the store keeps 64-element embeddings for that).
  * KVI_BENCH_STORE_DTYPE=fp8 or q4 keeps the facts in that store dtype instead
- * (fp8: 16-token pages; q4: 64-token pages, facts put from host memory, no
- * capture cases: capture into a 4-bit CUDA store is not available); the
- * cache stays bf16 and "MiB moved" still counts bf16 bytes on both sides.
+ * (fp8: 16-token pages; q4: 64-token pages); the cache stays bf16 and "MiB
+ * moved" still counts bf16 bytes on both sides.
  *
  * SPDX-License-Identifier: Apache-2.0
  */
@@ -98,10 +97,7 @@ int main(void) {
   CU(cudaMemcpy(dsrc, hbuf, fact_elems * 2 * 2, cudaMemcpyHostToDevice));
   for (int f = 0; f < POOL; f++) {
     kvi_kv_view kv;
-    if (q4) /* 4-bit CUDA stores take host views */
-      kvi_kv_view_contiguous(&kv, KVI_MEMORY_HOST, KVI_DTYPE_BF16, L, FACT_T, H, D, hbuf, hbuf + fact_elems);
-    else
-      kvi_kv_view_contiguous(&kv, KVI_MEMORY_DEVICE, KVI_DTYPE_BF16, L, FACT_T, H, D, dsrc, (uint16_t *)dsrc + fact_elems);
+    kvi_kv_view_contiguous(&kv, KVI_MEMORY_DEVICE, KVI_DTYPE_BF16, L, FACT_T, H, D, dsrc, (uint16_t *)dsrc + fact_elems);
     float emb[EMB];
     for (int e = 0; e < EMB; e++) emb[e] = (float)((f * 31 + e * 7) % 97) - 48.0f;
     kvi_put_options po = KVI_PUT_OPTIONS_INIT;
@@ -122,9 +118,9 @@ int main(void) {
   CK(kvi_cache_layout_preset(&cl, KVI_CACHE_VLLM_FLASH_ATTN, KVI_DTYPE_BF16, L, H, D, BS, NB, layers, NULL, NULL));
   cl.memory = KVI_MEMORY_DEVICE;
   kvi_injector *inj;
-  kvi_encoder *enc = NULL;
+  kvi_encoder *enc;
   CK(kvi_injector_create(&inj, store, &cl, NULL));
-  if (!q4) CK(kvi_encoder_create(&enc, store, &cl, NULL));
+  CK(kvi_encoder_create(&enc, store, &cl, NULL));
 
   /* copy baseline buffers: 2 GiB, well past the 60 MB L2 */
   const size_t span = (size_t)64 * 50 * FACT_T * TOKEN_BYTES; /* the largest case, 9.4 GiB */
@@ -212,7 +208,7 @@ int main(void) {
 
   static kvi_capture caps[64 * 50];
   static const float cap_emb[EMB]; /* the store keeps embeddings: every capture carries one */
-  for (int c = 0; c < (q4 ? 0 : 5); c++) {
+  for (int c = 0; c < 5; c++) {
     const int n = c < 4 ? ks[c] : 64 * 50;
     float t[ITERS], th[ITERS], tq[ITERS];
     for (int i = -bench_warm; i < bench_iters; i++) {

@@ -269,10 +269,11 @@ static size_t compare_caches(const world *w, bool exact, double rel_tol, double 
   return bad;
 }
 
-/* fp8 stores: a put from device memory (the quantizing kernel) and reads
- * into device memory (the dequantizing one) equal the CPU store's bit for
- * bit: same amax, same fp32 scale, same e4m3 bytes. */
-static void check_fp8_device_copies(const world *w) {
+/* fp8 and 4-bit stores: a put from device memory (the quantizing kernel)
+ * and reads into device memory (the dequantizing one) equal the CPU store's
+ * bit for bit: same amax and fp32 scale, same e4m3 bytes; same bounds, fp16
+ * words and codes. */
+static void check_device_copies(const world *w) {
   const scen *sc = &w->sc;
   const int32_t T = 2 * sc->T + 5; /* pages of 64 tokens: a partial one */
   const size_t n = (size_t)sc->L * T * sc->H * sc->D;
@@ -299,11 +300,11 @@ static void check_fp8_device_copies(const world *w) {
   CUDA_OK(cudaMemcpy(b, dout, 2 * n * 4, cudaMemcpyDeviceToHost));
   size_t bad = 0;
   for (size_t i = 0; i < 2 * n; i++) bad += memcmp(&a[i], &b[i], 4) != 0;
-  if (bad) fail_msg("fp8 store: device put + device read differ from the CPU store in %zu of %zu elements", bad, 2 * n);
+  if (bad) fail_msg("quantized store: device put + device read differ from the CPU store in %zu of %zu elements", bad, 2 * n);
   /* and a host read of the device-put fact (staging path) */
   kvi_kv_view_contiguous(&rb, KVI_MEMORY_HOST, KVI_DTYPE_FP32, sc->L, T, sc->H, sc->D, b, b + n);
   CHECK_OK(kvi_store_read(w->gpu, 3, 1, &rb, NULL));
-  if (memcmp(a, b, 2 * n * 4)) fail_msg("fp8 store: host read of a device put differs from the CPU store");
+  if (memcmp(a, b, 2 * n * 4)) fail_msg("quantized store: host read of a device put differs from the CPU store");
   CHECK_OK(kvi_store_remove(w->cpu, 3, 1));
   CHECK_OK(kvi_store_remove(w->gpu, 3, 1));
   cudaFree(dk);
@@ -319,7 +320,7 @@ static void check_fp8_device_copies(const world *w) {
 static void run_inject(const scen *sc) {
   world w;
   make_world(&w, sc);
-  if (sc->store_dtype == KVI_DTYPE_FP8_E4M3) check_fp8_device_copies(&w);
+  if (sc->store_dtype == KVI_DTYPE_FP8_E4M3 || sc->store_dtype == KVI_DTYPE_Q4) check_device_copies(&w);
   kvi_injector *hi, *di;
   CHECK_OK(kvi_injector_create(&hi, w.cpu, &w.hl, NULL));
   CHECK_OK(kvi_injector_create(&di, w.gpu, &w.dl, NULL));
@@ -366,25 +367,9 @@ static void run_inject(const scen *sc) {
   const bool exact = sc->rope == 2; /* same cos/sin: bit for bit */
   size_t bad = compare_caches(&w, exact, 2e-6, &worst);
   if (bad) fail_msg("inject: %zu elements differ (worst relative %.3g)", bad, worst);
-  if (sc->store_dtype == KVI_DTYPE_Q4) { /* 4-bit stores: injection only on CUDA stores (host puts, CPU-quantized) */
-    kvi_encoder *e = NULL;
-    assert_int_equal(kvi_encoder_create(&e, w.gpu, &w.dl, NULL), KVI_ERR_UNSUPPORTED);
+  if (sc->store_dtype == KVI_DTYPE_Q4) { /* 4-bit CUDA stores: no deviation yet */
     float out[64];
     assert_int_equal(kvi_inject_deviation(di, dq, 1, 0, out, 64, KVI_MEMORY_HOST, NULL), KVI_ERR_UNSUPPORTED);
-    float *dkv;
-    CUDA_OK(cudaMalloc((void **)&dkv, (size_t)sc->L * sc->H * sc->D * 8));
-    kvi_kv_view dv;
-    kvi_kv_view_contiguous(&dv, KVI_MEMORY_DEVICE, KVI_DTYPE_FP32, sc->L, 1, sc->H, sc->D, dkv,
-                           dkv + (size_t)sc->L * sc->H * sc->D);
-    assert_int_equal(kvi_store_put(w.gpu, 9, 9, &dv, NULL, NULL), KVI_ERR_UNSUPPORTED);
-    int32_t T;
-    assert_int_equal(kvi_store_fact_tokens(w.gpu, 9, 9, &T), KVI_ERR_NOT_FOUND);
-    cudaFree(dkv);
-    kvi_injector_destroy(hi);
-    kvi_injector_destroy(di);
-    cudaFree(dtable);
-    free_world(&w);
-    return;
   }
 
   /* capture back: both stores capture the same range from their caches */
@@ -417,6 +402,10 @@ static void run_inject(const scen *sc) {
     const double store_unit = sc->store_dtype == KVI_DTYPE_FP32         ? 1e-5
                               : sc->store_dtype == KVI_DTYPE_FP8_E4M3 ? 1.0 / 8 /* one e4m3 step */
                                                                       : 1.0 / 64;
+    if (sc->store_dtype == KVI_DTYPE_Q4) { /* the same bits with the same cos/sin, else one code step */
+      if (!(exact ? memcmp(&a[i], &b[i], 4) == 0 : fabs(a[i] - b[i]) <= 0.4)) cbad++;
+      continue;
+    }
     const double cache_unit = sc->cache_dtype == KVI_DTYPE_BF16   ? 1.0 / 64
                               : sc->cache_dtype == KVI_DTYPE_FP16 ? 1.0 / 512
                                                                   : 1e-5;
