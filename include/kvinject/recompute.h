@@ -77,8 +77,7 @@ extern "C" {
  * Errors: those of kvi_inject (the same checks), and KVI_ERR_INVALID_ARGUMENT
  * (layer out of range, NULL out_scores with tokens to score, num_scores below
  * T, out_memory not HOST or DEVICE), KVI_ERR_MEMORY_KIND (out_scores not the
- * memory out_memory says, device memory on a CPU store), KVI_ERR_UNSUPPORTED
- * (a CUDA store of KVI_DTYPE_Q4, in this version).
+ * memory out_memory says, device memory on a CPU store).
  * Thread rules: as kvi_inject.
  */
 KVI_EXPERIMENTAL kvi_status kvi_inject_deviation(kvi_injector *injector, const kvi_inject_request *reqs, int32_t num_requests,

@@ -139,8 +139,7 @@
  * puts and reads of host views quantize on the CPU through the staging
  * pages, of device views in a kernel, with the same bytes as a CPU store;
  * injection and capture run in the fused kernel (with an engine cos/sin
- * table, the same bits as the CPU). Only kvi_inject_deviation on a CUDA
- * 4-bit store is KVI_ERR_UNSUPPORTED in this version.
+ * table, the same bits as the CPU), as does kvi_inject_deviation.
  *
  * Thread rules: every function below may be called from several threads at
  * once on the same store, except kvi_store_destroy, which must not overlap

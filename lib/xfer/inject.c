@@ -278,9 +278,6 @@ kvi_status kvi__inject_deviation(kvi_injector *injector, const kvi_inject_reques
                      (int)out_memory);
   if (out_memory == KVI_MEMORY_DEVICE && !x->cuda)
     return kvi__fail(KVI_ERR_MEMORY_KIND, fn, "a CPU store writes host out_scores only");
-  if (x->cuda && x->store->q4)
-    return kvi__fail(KVI_ERR_UNSUPPORTED, fn,
-                     "the deviation of a 4-bit store's facts is computed on CPU stores only in this version");
   kvi_status st;
   if ((st = kvi__check_rope_set(x, fn))) return st;
   if (num_requests == 0) return KVI_OK;

@@ -367,9 +367,19 @@ static void run_inject(const scen *sc) {
   const bool exact = sc->rope == 2; /* same cos/sin: bit for bit */
   size_t bad = compare_caches(&w, exact, 2e-6, &worst);
   if (bad) fail_msg("inject: %zu elements differ (worst relative %.3g)", bad, worst);
-  if (sc->store_dtype == KVI_DTYPE_Q4) { /* 4-bit CUDA stores: no deviation yet */
-    float out[64];
-    assert_int_equal(kvi_inject_deviation(di, dq, 1, 0, out, 64, KVI_MEMORY_HOST, NULL), KVI_ERR_UNSUPPORTED);
+  if (sc->store_dtype == KVI_DTYPE_Q4) { /* 4-bit stores: the deviation kernel reads them as the CPU does */
+    static float hs[8192], ds[8192];
+    int64_t ntok = 0;
+    for (int r = 0; r < R; r++)
+      for (int f = 0; f < nf[r]; f++) ntok += sc->T + (int32_t)((ids[r][f] - 100) % 3);
+    assert_true(ntok <= 8192);
+    for (int l = 0; l < sc->L; l++) {
+      CHECK_OK(kvi_inject_deviation(hi, hq, R, l, hs, 8192, KVI_MEMORY_HOST, NULL));
+      CHECK_OK(kvi_inject_deviation(di, dq, R, l, ds, 8192, KVI_MEMORY_HOST, NULL));
+      for (int64_t i = 0; i < ntok; i++)
+        if (!(fabs((double)hs[i] - ds[i]) <= 1e-3 * fabs((double)hs[i]) + 1e-6))
+          fail_msg("q4 deviation, layer %d token %lld: CPU %g, CUDA %g", l, (long long)i, (double)hs[i], (double)ds[i]);
+    }
   }
 
   /* capture back: both stores capture the same range from their caches */
