@@ -5,8 +5,8 @@
  * The injection plan (kernels.h: kvi__xseg, kvi__xreq, positions, host block
  * tables) drives a read-only pass over one layer: a CTA per segment, and for
  * each of its tokens the threads split the 2 * H * D elements, each
- * computing the stored element as kvi_inject would write it (fp8 pages
- * dequantized, keys rotated at the token's position in fp32) and the squared
+ * computing the stored element as kvi_inject would write it (fp8 and 4-bit
+ * pages dequantized, keys rotated at the token's position in fp32) and the squared
  * difference from the cache's element (fp8 caches times their scale); a
  * block reduction gives the token's score. One layer of a call's tokens is
  * little work next to the engine's prefill of that layer, so the kernel
@@ -19,6 +19,7 @@
 
 #include <cmath>
 
+#include "base/q4.h"
 #include "gpu/kernels.h"
 #include "rope.cuh"
 #include "vec.cuh"
@@ -52,6 +53,8 @@ __global__ void __launch_bounds__(THREADS) deviation_kernel(const __grid_constan
   const bool fp8_page = x.page_dtype == KVI_DTYPE_FP8_E4M3;
   const bool fp8_cache = x.cache_dtype == KVI_DTYPE_FP8_E4M3 || x.cache_dtype == KVI_DTYPE_FP8_E5M2;
   const float *gs = fp8_page ? reinterpret_cast<const float *>(page + x.scale_off) : nullptr;
+  /* 4-bit pages: key channels' words, then value tokens' (base/q4.h) */
+  const uint32_t *qw = x.page_dtype == KVI_DTYPE_Q4 ? reinterpret_cast<const uint32_t *>(page + x.scale_off) : nullptr;
   __shared__ float part[THREADS / 32];
   for (unsigned j = 0; j < sg.ntok; j++) {
     const int64_t s = sg.seq0 + j, bi = s / x.BS - rq.first_block;
@@ -70,14 +73,21 @@ __global__ void __launch_bounds__(THREADS) deviation_kernel(const __grid_constan
         const int kv = e / (H * D), h = (e / D) % H, d = e % D;
         const int64_t row = ((((int64_t)l * 2 + kv) * H + h) * x.P + sg.tok0 + j) * D;
         const float ps = gs ? gs[(l * 2 + kv) * H + h] : 1.0f;
-        float want = __fmul_rn(load(page, x.page_dtype, row + d), ps);
+        const uint32_t *kw = qw ? qw + ((int64_t)l * H + h) * D : nullptr;
+        const uint32_t vword = qw && kv ? qw[(int64_t)x.L * H * D + ((int64_t)l * H + h) * x.P + sg.tok0 + j] : 0u;
+        /* the stored element dd of this row, dequantized */
+        auto stored = [&](int dd) -> float {
+          if (qw) return kvi__q4_decode(reinterpret_cast<const uint8_t *>(page), row + dd, kv ? vword : kw[dd]);
+          return __fmul_rn(load(page, x.page_dtype, row + dd), ps);
+        };
+        float want = stored(d);
         if (kv == 0 && d < ly.rot) {
           const int half = ly.rot >> 1;
           const bool neox = ly.style == KVI_ROPE_NEOX;
           const bool first = neox ? d < half : (d & 1) == 0;
           const int i = neox ? (first ? d : d - half) : d >> 1;
           const int other = neox ? (first ? d + half : d - half) : (first ? d + 1 : d - 1);
-          const float xo = __fmul_rn(load(page, x.page_dtype, row + other), ps);
+          const float xo = stored(other);
           const float2 c = cos_sin(ly, pos, i);
           want = first ? __fsub_rn(__fmul_rn(want, c.x), __fmul_rn(xo, c.y))
                        : __fadd_rn(__fmul_rn(want, c.x), __fmul_rn(xo, c.y));

@@ -11,6 +11,7 @@
  */
 #include <cuda_runtime.h>
 
+#include "base/q4.h"
 #include "gpu/kernels.h"
 #include "vec.cuh"
 
@@ -159,12 +160,79 @@ template <typename V, bool TO_PAGES> int launch_fp8(const kvi__copy_args *a, cud
   return (int)cudaGetLastError();
 }
 
+/* 4-bit stores (base/q4.h): a CTA per (page, layer, plane, head) as for fp8.
+ * Put: keys a byte column (two channels) per thread, their bounds folded
+ * over the page's tokens, then their words and codes; values a token per
+ * thread, its row's bounds, word and codes (words of tokens past the fact
+ * zero). Read: an element per thread. The arithmetic is base/q4.h's, so the
+ * pages equal the CPU's byte for byte. */
+template <typename V, bool TO_PAGES>
+__global__ void __launch_bounds__(256) q4_kernel(const kvi__copy_args a) {
+  const int groups = a.L * 2 * a.H;
+  const int64_t total = (int64_t)a.count * groups;
+  for (int64_t u = blockIdx.x; u < total; u += gridDim.x) { /* uniform over the CTA */
+    const int pi = (int)(u / groups), grp = (int)(u % groups);
+    const int h = grp % a.H, kv = (grp / a.H) % 2, l = grp / (2 * a.H);
+    const int t0 = pi * a.P, n = min(a.P, a.num_tokens - t0), D = a.D;
+    uint8_t *page = static_cast<uint8_t *>(a.pool) + (int64_t)a.pages[pi] * a.page_elems;
+    uint8_t *g = page + (int64_t)grp * a.P * D / 2;
+    uint32_t *words = reinterpret_cast<uint32_t *>(page + a.scale_off);
+    uint32_t *kw = words + ((int64_t)l * a.H + h) * D, *vw = words + (int64_t)a.L * a.H * D + ((int64_t)l * a.H + h) * a.P;
+    V *vb = const_cast<V *>(static_cast<const V *>(kv ? a.vv : a.vk)) + (int64_t)l * a.layer_stride +
+            (int64_t)(a.token_first + t0) * a.token_stride + (int64_t)h * a.head_stride;
+    if (!TO_PAGES) {
+      for (int i = threadIdx.x; i < n * D; i += blockDim.x) {
+        const int t = i / D, d = i - t * D;
+        vb[(int64_t)t * a.token_stride + d] = kvi::cvt<V>::from(kvi__q4_decode(g, i, kv ? vw[t] : kw[d]));
+      }
+    } else if (kv == 0) {
+      for (int b = threadIdx.x; b < D / 2; b += blockDim.x) {
+        uint32_t b0 = KVI__Q4_BOUNDS_EMPTY, b1 = KVI__Q4_BOUNDS_EMPTY;
+        for (int t = 0; t < n; t++) {
+          b0 = kvi__q4_fold(b0, kvi::cvt<V>::to(vb[(int64_t)t * a.token_stride + 2 * b]));
+          b1 = kvi__q4_fold(b1, kvi::cvt<V>::to(vb[(int64_t)t * a.token_stride + 2 * b + 1]));
+        }
+        const uint32_t w0 = kvi__q4_params(b0), w1 = kvi__q4_params(b1);
+        kw[2 * b] = w0, kw[2 * b + 1] = w1;
+        for (int t = 0; t < n; t++) {
+          const float x0 = kvi::cvt<V>::to(vb[(int64_t)t * a.token_stride + 2 * b]);
+          const float x1 = kvi::cvt<V>::to(vb[(int64_t)t * a.token_stride + 2 * b + 1]);
+          g[(int64_t)t * D / 2 + b] = (uint8_t)(kvi__q4_code(x0, w0) | kvi__q4_code(x1, w1) << 4);
+        }
+      }
+    } else {
+      for (int t = threadIdx.x; t < a.P; t += blockDim.x) {
+        if (t >= n) {
+          vw[t] = 0u;
+          continue;
+        }
+        const V *row = vb + (int64_t)t * a.token_stride;
+        uint32_t bounds = KVI__Q4_BOUNDS_EMPTY;
+        for (int d = 0; d < D; d++) bounds = kvi__q4_fold(bounds, kvi::cvt<V>::to(row[d]));
+        const uint32_t w = kvi__q4_params(bounds);
+        vw[t] = w;
+        for (int d = 0; d < D; d += 2)
+          g[(int64_t)t * D / 2 + d / 2] =
+              (uint8_t)(kvi__q4_code(kvi::cvt<V>::to(row[d]), w) | kvi__q4_code(kvi::cvt<V>::to(row[d + 1]), w) << 4);
+      }
+    }
+  }
+}
+
+template <typename V, bool TO_PAGES> int launch_q4(const kvi__copy_args *a, cudaStream_t s) {
+  int64_t blocks = (int64_t)a->count * a->L * 2 * a->H;
+  if (blocks > 65535) blocks = 65535; /* grid-stride beyond this */
+  q4_kernel<V, TO_PAGES><<<(unsigned)blocks, 256, 0, s>>>(*a);
+  return (int)cudaGetLastError();
+}
+
 template <typename V, bool TO_PAGES> int launch2(const kvi__copy_args *a, cudaStream_t s) {
   switch (a->page_dtype) {
   case KVI_DTYPE_FP32: return launch3<V, float, TO_PAGES>(a, s);
   case KVI_DTYPE_FP16: return launch3<V, __half, TO_PAGES>(a, s);
   case KVI_DTYPE_BF16: return launch3<V, __nv_bfloat16, TO_PAGES>(a, s);
   case KVI_DTYPE_FP8_E4M3: return launch_fp8<V, TO_PAGES>(a, s);
+  case KVI_DTYPE_Q4: return launch_q4<V, TO_PAGES>(a, s);
   }
   return (int)cudaErrorInvalidValue;
 }

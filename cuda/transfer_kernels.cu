@@ -36,6 +36,7 @@
 
 #include <type_traits>
 
+#include "base/q4.h"
 #include "gpu/kernels.h"
 #include "rope.cuh"
 #include "vec.cuh"
@@ -46,6 +47,7 @@ using kvi::cvt;
 using kvi::fp8e4;
 using kvi::fp8e5;
 using kvi::is_fp8;
+using kvi::is_q4;
 
 using kvi::ld;
 using kvi::st;
@@ -300,6 +302,138 @@ __device__ inline void plain(const Ctx &x, G *page, C *cache, int64_t plane, uns
   }
 }
 
+/* One layer of a 4-bit page injected (base/q4.h): element by element, each
+ * code decoded with its group's word (a key channel's, a value token's) as
+ * fmaf(code, scale, minimum), the key pairs rotated as the vector paths
+ * rotate them, converted to the cache's dtype. Items are (head, token,
+ * column), columns fastest; a thread takes every THREADS-th. */
+template <typename C, bool NEOX>
+__device__ inline void q4_layer(const Ctx &x, const kvi__xfer_args &a, const uint8_t *pg, int l, unsigned rot,
+                                C *kc, C *vc, const float *ks, const float *vs, const int64_t *s_coff, unsigned tok0) {
+  const uint32_t *words = reinterpret_cast<const uint32_t *>(pg + a.scale_off);
+  const unsigned H = x.H, D = x.D, half = rot >> 1;
+  const uint32_t *kw = words + (int64_t)l * H * D;                                     /* [h][d] */
+  const uint32_t *vw = words + (int64_t)a.L * H * D + (int64_t)l * H * a.P + tok0;     /* [h][P] */
+  const int64_t krow0 = x.page_row0, vrow0 = x.page_row0 + (int64_t)H * x.page_head;  /* elements */
+  /* K's rotated pairs */
+  for (unsigned i = threadIdx.x; i < H * x.ntok * half; i += THREADS) {
+    const unsigned u = i % half, r = i / half, j = r % x.ntok, h = r / x.ntok;
+    const int64_t coff = s_coff[j];
+    if (coff < 0) continue;
+    const unsigned ia = NEOX ? u : 2 * u, ib = NEOX ? u + half : 2 * u + 1;
+    const int64_t row = krow0 + h * x.page_head + (int64_t)j * D;
+    float v[2] = {kvi__q4_decode(pg, row + ia, kw[h * D + ia]), kvi__q4_decode(pg, row + ib, kw[h * D + ib])};
+    rotate<1, NEOX, true>(v, x.cs + j * x.HM + u);
+    scale_for_cache<C>(v, 2, is_fp8<C>::value ? ks[h] : 1.0f);
+    C *cr = kc + coff + h * a.head_stride;
+    st<C, 1>(cr + (int64_t)ia * a.dim_stride, v);
+    st<C, 1>(cr + (int64_t)ib * a.dim_stride, v + 1);
+  }
+  /* K's tail [rot, D), then V */
+  const unsigned nk = D - rot;
+  for (unsigned i = threadIdx.x; i < H * x.ntok * (nk + D); i += THREADS) {
+    const bool isv = i >= H * x.ntok * nk;
+    const unsigned ii = isv ? i - H * x.ntok * nk : i, n = isv ? D : nk;
+    const unsigned c = ii % n, r = ii / n, j = r % x.ntok, h = r / x.ntok, d = isv ? c : rot + c;
+    const int64_t coff = isv && a.split_v ? s_coff[a.seg_tokens + j] : s_coff[j];
+    if (coff < 0) continue;
+    const int64_t e = (isv ? vrow0 : krow0) + h * x.page_head + (int64_t)j * D + d;
+    float v = kvi__q4_decode(pg, e, isv ? vw[(int64_t)h * a.P + j] : kw[h * D + d]);
+    scale_for_cache<C>(&v, 1, is_fp8<C>::value ? (isv ? vs : ks)[h] : 1.0f);
+    st<C, 1>((isv ? vc : kc) + coff + h * (isv ? a.v_head_stride : a.head_stride) +
+                 (int64_t)d * (isv ? a.v_dim_stride : a.dim_stride),
+             &v);
+  }
+}
+
+/* Capture into a 4-bit page, one layer (the CPU reference's phases,
+ * kvi__xfer_args.phase): 1 folds each key element, un-rotated, into its
+ * channel's bounds word (atomicCAS: folding commutes); 2 writes the key
+ * codes, a byte (two channels) per item, from the parameters the bounds
+ * give, and each value row's word and codes, a row per item (its bounds
+ * need the whole row). Phases 0 and 3 (bounds emptied, words made) run
+ * before the layer loop. The cache's values are read as the injection
+ * writes them: fp8 caches times their scale, keys un-rotated by the vector
+ * paths' rotate. */
+template <typename C, bool NEOX>
+__device__ inline float q4_unrotated(const C *cr, int64_t ds, unsigned d, unsigned rot, const float2 *cs, float sc) {
+  float v[2];
+  if (d >= rot) {
+    v[0] = kvi::cvt<C>::to(cr[(int64_t)d * ds]);
+    scale_from_cache<C>(v, 1, sc);
+    return v[0];
+  }
+  const unsigned half = rot >> 1, u = NEOX ? (d < half ? d : d - half) : d >> 1;
+  const unsigned ia = NEOX ? u : 2 * u, ib = NEOX ? u + half : 2 * u + 1;
+  v[0] = kvi::cvt<C>::to(cr[(int64_t)ia * ds]);
+  v[1] = kvi::cvt<C>::to(cr[(int64_t)ib * ds]);
+  scale_from_cache<C>(v, 2, sc);
+  rotate<1, NEOX, false>(v, cs + u);
+  return d == ia ? v[0] : v[1];
+}
+
+template <typename C, bool NEOX>
+__device__ inline void q4_capture_layer(const Ctx &x, const kvi__xfer_args &a, uint8_t *pg, int l, unsigned rot,
+                                        const C *kc, const C *vc, const float *ks, const float *vs,
+                                        const int64_t *s_coff, unsigned tok0) {
+  uint32_t *words = reinterpret_cast<uint32_t *>(pg + a.scale_off);
+  const unsigned H = x.H, D = x.D;
+  uint32_t *kw = words + (int64_t)l * H * D;                                 /* [h][d] */
+  uint32_t *vw = words + (int64_t)a.L * H * D + (int64_t)l * H * a.P + tok0; /* [h][P] */
+  const int64_t krow0 = x.page_row0, vrow0 = x.page_row0 + (int64_t)H * x.page_head;
+  if (a.phase == 1) {
+    for (unsigned i = threadIdx.x; i < H * x.ntok * D; i += THREADS) {
+      const unsigned d = i % D, r = i / D, j = r % x.ntok, h = r / x.ntok;
+      const int64_t coff = s_coff[j];
+      if (coff < 0) continue;
+      const float y = q4_unrotated<C, NEOX>(kc + coff + h * a.head_stride, a.dim_stride, d, rot, x.cs + j * x.HM,
+                                            is_fp8<C>::value ? ks[h] : 1.0f);
+      unsigned *w = reinterpret_cast<unsigned *>(kw + h * D + d);
+      unsigned old = *w, seen;
+      do {
+        seen = old;
+        const unsigned want = kvi__q4_fold(seen, y);
+        if (want == seen) break;
+        old = atomicCAS(w, seen, want);
+      } while (old != seen);
+    }
+    return;
+  }
+  for (unsigned i = threadIdx.x; i < H * x.ntok * (D / 2); i += THREADS) { /* K: a byte per item */
+    const unsigned b = i % (D / 2), r = i / (D / 2), j = r % x.ntok, h = r / x.ntok, d = 2 * b;
+    const int64_t coff = s_coff[j];
+    if (coff < 0) continue;
+    const C *cr = kc + coff + h * a.head_stride;
+    const float sc = is_fp8<C>::value ? ks[h] : 1.0f;
+    const float y0 = q4_unrotated<C, NEOX>(cr, a.dim_stride, d, rot, x.cs + j * x.HM, sc);
+    const float y1 = q4_unrotated<C, NEOX>(cr, a.dim_stride, d + 1, rot, x.cs + j * x.HM, sc);
+    const uint32_t c0 = kvi__q4_code(y0, kvi__q4_params(kw[h * D + d]));
+    const uint32_t c1 = kvi__q4_code(y1, kvi__q4_params(kw[h * D + d + 1]));
+    pg[(krow0 + h * x.page_head + (int64_t)j * D + d) >> 1] = (uint8_t)(c0 | c1 << 4);
+  }
+  for (unsigned i = threadIdx.x; i < H * x.ntok; i += THREADS) { /* V: a row per item */
+    const unsigned j = i % x.ntok, h = i / x.ntok;
+    const int64_t coff = a.split_v ? s_coff[a.seg_tokens + j] : s_coff[j];
+    if (coff < 0) continue;
+    const C *cr = vc + coff + h * a.v_head_stride;
+    const float sc = is_fp8<C>::value ? vs[h] : 1.0f;
+    uint32_t bounds = KVI__Q4_BOUNDS_EMPTY;
+    for (unsigned d = 0; d < D; d++) {
+      float f = kvi::cvt<C>::to(cr[(int64_t)d * a.v_dim_stride]);
+      scale_from_cache<C>(&f, 1, sc);
+      bounds = kvi__q4_fold(bounds, f);
+    }
+    const uint32_t w = kvi__q4_params(bounds);
+    vw[(int64_t)h * a.P + j] = w;
+    uint8_t *row = pg + ((vrow0 + h * x.page_head + (int64_t)j * D) >> 1);
+    for (unsigned d = 0; d < D; d += 2) {
+      float f[2] = {kvi::cvt<C>::to(cr[(int64_t)d * a.v_dim_stride]), kvi::cvt<C>::to(cr[(int64_t)(d + 1) * a.v_dim_stride])};
+      scale_from_cache<C>(f, 2, sc);
+      row[d >> 1] = (uint8_t)(kvi__q4_code(f[0], w) | kvi__q4_code(f[1], w) << 4);
+    }
+  }
+}
+
 /* Points the context at plane kv (0 K, 1 V): its per-token offsets, head and
  * dim strides (read from the parameters at each use, so nothing more stays
  * live across the layer loop), and the walk's row order: an injection into a
@@ -331,6 +465,18 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
                                    : static_cast<G *>(a.host_pool) + (int64_t)(sg.page - a.host_first) * a.page_elems;
   const int l0 = a.layer_begin + (int)blockIdx.y * a.layers_per_cta;
   const int l1 = min(l0 + a.layers_per_cta, a.layer_end);
+  if constexpr (is_q4<G>::value) { /* capture phases 0 and 3: the page's words, by its first segment */
+    if (!INJECT && (a.phase == 0 || a.phase == 3)) {
+      uint32_t *w = reinterpret_cast<uint32_t *>(reinterpret_cast<char *>(page) + a.scale_off);
+      const int HD = a.H * a.D, HP = a.H * a.P;
+      if (sg.tok0 == 0) {
+        for (int i = l0 * HD + (int)threadIdx.x; i < l1 * HD; i += THREADS)
+          w[i] = a.phase == 0 ? KVI__Q4_BOUNDS_EMPTY : kvi__q4_params(w[i]);
+        for (int i = l0 * HP + (int)threadIdx.x; a.phase == 0 && i < l1 * HP; i += THREADS) w[(int64_t)a.L * HD + i] = 0u;
+      }
+      return;
+    }
+  }
   float *gs = nullptr; /* fp8 stores: the page's scales, [layer][K, V][head] */
   if constexpr (is_fp8<G>::value) {
     gs = reinterpret_cast<float *>(reinterpret_cast<char *>(page) + a.scale_off);
@@ -391,6 +537,18 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
     const float *ks = a.k_scale + l * a.H, *vs = a.v_scale + l * a.H;
     x.gs = gs ? gs + l * 2 * a.H : nullptr;
     C *kc = reinterpret_cast<C *>(ly.k), *vc = reinterpret_cast<C *>(ly.v);
+    if constexpr (is_q4<G>::value) { /* element by element: q4_layer, q4_capture_layer */
+      uint8_t *pg = reinterpret_cast<uint8_t *>(page);
+      if (INJECT && ly.style == 1)
+        q4_layer<C, true>(x, a, pg, l, rot, kc, vc, ks, vs, s_coff, sg.tok0);
+      else if (INJECT)
+        q4_layer<C, false>(x, a, pg, l, rot, kc, vc, ks, vs, s_coff, sg.tok0);
+      else if (ly.style == 1)
+        q4_capture_layer<C, true>(x, a, pg, l, rot, kc, vc, ks, vs, s_coff, sg.tok0);
+      else
+        q4_capture_layer<C, false>(x, a, pg, l, rot, kc, vc, ks, vs, s_coff, sg.tok0);
+      continue;
+    } else {
     set_plane<INJECT>(x, a, s_coff, 0);
     if (rot) {
       if (ly.style == 1)
@@ -402,6 +560,7 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
       plain<G, C, E, INJECT>(x, page, kc, 0, rot, (x.D - rot) / E, ks, x.gs);
     set_plane<INJECT>(x, a, s_coff, 1);
     plain<G, C, E, INJECT>(x, page, vc, (int64_t)x.H * x.page_head, 0, x.D / E, vs, x.gs ? x.gs + x.H : nullptr);
+    }
   }
 }
 
@@ -417,9 +576,13 @@ template <typename G, typename C, int E> int launch4(const kvi__xfer_args *a, cu
 }
 
 template <typename G, typename C> int launch3(const kvi__xfer_args *a, cudaStream_t s) {
-  if constexpr (is_fp8<G>::value) /* 16 e4m3 bytes: one 16-byte load */
-    if (a->vec == 16) return launch4<G, C, 16>(a, s);
-  return a->vec == 8 ? launch4<G, C, 8>(a, s) : launch4<G, C, 1>(a, s);
+  if constexpr (is_q4<G>::value) { /* element by element (q4_layer, q4_capture_layer) */
+    return launch4<G, C, 1>(a, s);
+  } else {
+    if constexpr (is_fp8<G>::value) /* 16 e4m3 bytes: one 16-byte load */
+      if (a->vec == 16) return launch4<G, C, 16>(a, s);
+    return a->vec == 8 ? launch4<G, C, 8>(a, s) : launch4<G, C, 1>(a, s);
+  }
 }
 
 } // namespace
@@ -538,6 +701,7 @@ extern "C" int kvi__cuda_transfer(const kvi__xfer_args *a, struct CUstream_st *s
   case KVI_DTYPE_FP16: return launch2<__half>(a, s);
   case KVI_DTYPE_BF16: return launch2<__nv_bfloat16>(a, s);
   case KVI_DTYPE_FP8_E4M3: return launch2<fp8e4>(a, s);
+  case KVI_DTYPE_Q4: return launch2<kvi::q4>(a, s);
   }
   return (int)cudaErrorInvalidValue;
 }

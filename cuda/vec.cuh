@@ -32,6 +32,17 @@ struct fp8e4 {
 struct fp8e5 {
   uint8_t b;
 };
+/* 4-bit store pages (KVI_DTYPE_Q4): a tag for the page type; a page pointer
+ * of it addresses bytes (codes two a byte, then the scale words: base/q4.h) */
+struct q4 {
+  uint8_t b;
+};
+template <typename T> struct is_q4 {
+  static constexpr bool value = false;
+};
+template <> struct is_q4<q4> {
+  static constexpr bool value = true;
+};
 
 template <typename T> struct cvt;
 template <> struct cvt<float> {

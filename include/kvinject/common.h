@@ -267,10 +267,15 @@ typedef enum kvi_dtype {
   KVI_DTYPE_BF16 = 3,     /* bfloat16 */
   KVI_DTYPE_FP8_E4M3 = 4, /* OCP e4m3fn (max 448); caches, and stores (scaled:
                              kvinject/store.h), never dense K/V views */
-  KVI_DTYPE_FP8_E5M2 = 5  /* OCP e5m2; caches only */
+  KVI_DTYPE_FP8_E5M2 = 5, /* OCP e5m2; caches only */
+  KVI_DTYPE_Q4 = 6        /* group-wise 4-bit codes with fp16 scales and minima:
+                             stores only (kvinject/store.h, "4-bit storage"),
+                             never caches or dense K/V views */
 } kvi_dtype;
 
-/* Bytes per element of a dtype; 0 for a value that is not a kvi_dtype. */
+/* Bytes per element of a dtype; 0 for a value that is not a kvi_dtype, and
+ * for KVI_DTYPE_Q4 (half a byte per element plus its groups' scales:
+ * kvi_store_stats.page_bytes gives a page's bytes). */
 KVI_API size_t kvi_dtype_size(kvi_dtype dtype);
 
 /* Where a pointer points. 0 is deliberately not a kind: every buffer the

@@ -79,7 +79,8 @@ KVI_API kvi_status kvi_transfer_options_init(kvi_transfer_options *opts, size_t 
  * pointers or scales),
  * KVI_ERR_STRUCT_SIZE, KVI_ERR_MISMATCH (layers, heads or head size differ
  * from the store's model), KVI_ERR_MEMORY_KIND, KVI_ERR_OUT_OF_MEMORY,
- * KVI_ERR_CUDA.
+ * KVI_ERR_CUDA, KVI_ERR_UNSUPPORTED (layout->dtype KVI_DTYPE_Q4: a store
+ * dtype only).
  */
 KVI_API kvi_status kvi_injector_create(kvi_injector **out, kvi_store *store, const kvi_cache_layout *layout,
                                        const kvi_transfer_options *opts);
@@ -154,7 +155,8 @@ KVI_API kvi_status kvi_inject_options_init(kvi_inject_options *opts, size_t size
  * key columns past rotary_dim are copied bit for bit (NaN payloads kept),
  * on both backends. An fp8 store's
  * elements are first dequantized with their page's scales (kvinject/store.h),
- * in the same kernel. On a CUDA
+ * in the same kernel; a 4-bit store's (KVI_DTYPE_Q4) with their groups'
+ * scales and minima, in the same pass. On a CUDA
  * store one fused kernel launch covers all requests, facts, layers and heads.
  * reqs: host array of num_requests requests, all with the same struct_size
  * (the library steps through the array by it). opts: NULL for all layers; a
@@ -459,6 +461,10 @@ KVI_API kvi_status kvi_capture_init(kvi_capture *cap, size_t size);
  * pre-RoPE K and V in the store's dtype (an fp8 store: quantized with a
  * scale per page, layer, K/V and head from the un-rotated values; on a CUDA
  * store that is four launches: zero the scales, fold amax, write, finish; a
+ * 4-bit store: each page's key channels and value tokens quantized from the
+ * un-rotated values, giving the codes and scales a put of those values
+ * gives (on a CUDA store four launches too: empty the key channels' bounds,
+ * fold them, write codes and value words, make the key words); a
  * store and cache of the same dtype without scales: V and the key columns
  * past rotary_dim copied bit for bit). Every
  * capture is checked before any is launched (every capture's count, key

@@ -154,8 +154,8 @@ KVI_API kvi_status kvi_load_options_init(kvi_load_options *opts, size_t size);
  * opts:      host memory, required (as for kvi_store_create). opts->dtype and
  *            opts->embedding_dim must equal the file's; page_tokens, backend,
  *            device and budget_bytes are free (the budget must hold the
- *            facts), except that an fp8 file (scales per page) loads only
- *            with the page_tokens it was saved with.
+ *            facts), except that an fp8 or 4-bit file (scales per page)
+ *            loads only with the page_tokens it was saved with.
  * path:      host memory, a NUL-terminated path.
  * load_opts: host memory, or NULL for KVI_LOAD_OPTIONS_INIT.
  * The file is read with ordinary reads; nothing is allocated before the size

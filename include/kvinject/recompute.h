@@ -51,7 +51,7 @@ extern "C" {
  * all requests (kvi_inject_plan, summed), in the order of "Token indices"
  * above. For token t, whose slot holds K_c, V_c (the cache's values at layer
  * `layer`, as fp32; fp8 caches times their scale) and whose fact holds the
- * pre-RoPE key K_s and value V_s (fp8 stores dequantized):
+ * pre-RoPE key K_s and value V_s (fp8 and 4-bit stores dequantized):
  *
  *   score[t] = sum over the layer's KV heads h and elements d of
  *              (K_c[h][d] - rot(K_s)[h][d])^2 + (V_c[h][d] - V_s[h][d])^2

@@ -97,6 +97,54 @@
  * relative K error within a few percent on LLM-shaped data
  * (tests/bench/fp8_error.c; BENCHMARKS.md).
  *
+ * 4-bit storage (kvi_store_options.dtype = KVI_DTYPE_Q4) keeps every
+ * element as a 4-bit code, two a byte, with an fp16 scale s and an fp16
+ * minimum m per group, grouped as KV caches
+ * quantize best: keys per channel (a group is one channel of one head and
+ * layer over a page's tokens, at most page_tokens of them: keys' outlier
+ * channels get their own range), values per token (a group is one token's
+ * head vector, head_size channels). A fact's last page groups only the
+ * fact's tokens; every group lies in one page, so pages stay independent.
+ * Writing a group (kvi_store_put from an fp32/fp16/bf16 view, kvi_encode):
+ *   m = its smallest finite value rounded down to fp16, M = its largest
+ *       rounded up (both saturated to +-65504; none finite: m = M = 0);
+ *   s = (M - m) / 15 in fp32 rounded up to fp16, raised by fp16 steps while
+ *       fmaf(15, s, m) < M;
+ *   code = rint((x - m) / s) in fp32 (nearest even), clamped to 0..15
+ *       (s = 0: 0); NaN is code 0, +inf 15, -inf 0.
+ * Reading (kvi_store_read, kvi_inject): value = fmaf(code, s, m) in fp32,
+ * then (inject) rotation in fp32 and conversion to the cache's dtype (fp32,
+ * fp16, bf16, fp8 with its scale), in the same pass. Error: for every finite
+ * x of a group within fp16's range, |x - value| <= s / 2 (plus fp32
+ * rounding: a few 2^-24 of |x| + |m| + |M|), s being at most one fp16 step
+ * above (M - m) / 15; a group of equal values that fp16 holds is exact
+ * (-0 reads back as +0); values beyond +-65504 read back as +-65504 at
+ * most; NaN reads back as m. Bytes: a page holds its codes (layers x 2 x
+ * heads x page_tokens x head_size / 2 bytes), then 4 bytes per key channel
+ * and per value token of each layer and head (layers x heads x (head_size +
+ * page_tokens) x 4), each part 16-byte aligned. Per token and head, against
+ * bf16's 4 x head_size bytes (K and V), that is 1/4 + 1/page_tokens +
+ * 1/head_size of bf16: head size 128 with 64-token pages: (64 + 64 + 4 x
+ * 128 / 64 + 4) / 512 = 140 / 512 = 0.273 x bf16; 32-token pages 0.289 x,
+ * 16-token pages (the default) 0.320 x, 128-token pages 0.266 x. Larger
+ * pages also widen the key groups (the error grows with a channel's range
+ * over more tokens) and round facts up to more tokens; 64 is a fair
+ * choice for 4-bit stores. kvi_dtype_size(KVI_DTYPE_Q4) is 0;
+ * kvi_store_stats.page_bytes has a page's bytes. Store files keep codes
+ * and scales as they are (a loaded 4-bit store equals the saved one bit for
+ * bit; files load only into a 4-bit store of the same page_tokens). A
+ * model whose head size is odd cannot have a 4-bit store
+ * (KVI_ERR_UNSUPPORTED). Both backends do everything above with the same
+ * arithmetic (lib/base/q4.h, compiled for host and device): a CUDA store's
+ * puts and reads of host views quantize on the CPU through the staging
+ * pages, of device views in a kernel, with the same bytes as a CPU store;
+ * injection and capture run in the fused kernel (with an engine cos/sin
+ * table, the same bits as the CPU); kvi_inject_deviation reads the same
+ * values on both. Measured on LLM-shaped data (tests/bench/fp8_error.c,
+ * BENCHMARKS.md): relative error K 3-8.5% (4-token pages to one page per
+ * fact), V 10%, against fp8's 2-2.6%; 2-bit codes, simulated there, cost
+ * 4-5x more and are not offered.
+ *
  * Thread rules: every function below may be called from several threads at
  * once on the same store, except kvi_store_destroy, which must not overlap
  * any other call on it. Calls are serialized by a lock in the store.
@@ -206,8 +254,9 @@ typedef struct kvi_store_options {
   kvi_backend backend;    /* default KVI_BACKEND_AUTO */
   int32_t device;         /* CUDA ordinal; -1 (default) = the calling thread's
                              current device. Ignored by the CPU backend. */
-  kvi_dtype dtype;        /* storage type: BF16 (default), FP16, FP32 or FP8_E4M3
-                             (scaled per page, layer, K/V and head: see above);
+  kvi_dtype dtype;        /* storage type: BF16 (default), FP16, FP32, FP8_E4M3
+                             (scaled per page, layer, K/V and head: see above)
+                             or Q4 (4-bit: "4-bit storage" above);
                              FP8_E5M2 is KVI_ERR_UNSUPPORTED */
   int32_t page_tokens;    /* tokens per page, 1..4096, default 16 */
   uint64_t budget_bytes;  /* memory to reserve for pages (required, >= one page);
@@ -292,7 +341,8 @@ KVI_API kvi_status kvi_put_options_init(kvi_put_options *opts, size_t size);
 /*
  * Stores a fact: kv->num_tokens tokens of pre-RoPE K and V for every layer and
  * local head, converted to the store's dtype (round to nearest even; an fp8
- * store quantizes each page's heads with their own scale, see above), and the
+ * store quantizes each page's heads with their own scale, a 4-bit store its
+ * key channels and value tokens, see above), and the
  * embedding: converted to fp32, scaled to unit length for KVI_METRIC_COSINE
  * (in double precision), then rounded to the store's embedding_dtype. It is
  * searchable (kvi_store_search) as soon as this returns.
@@ -307,7 +357,7 @@ KVI_API kvi_status kvi_put_options_init(kvi_put_options *opts, size_t size);
  * infinity or a value too large for the store's embedding_dtype, an embedding
  * given to a store without embeddings or missing from one with),
  * KVI_ERR_STRUCT_SIZE, KVI_ERR_MISMATCH (layers, heads, head size,
- * or an FP8 dtype; a value that is no kvi_dtype is KVI_ERR_INVALID_ARGUMENT),
+ * or an FP8 or Q4 dtype; a value that is no kvi_dtype is KVI_ERR_INVALID_ARGUMENT),
  * KVI_ERR_MEMORY_KIND (device memory declared as
  * host or the reverse, where detectable; device memory given to a CPU store;
  * memory of another device), KVI_ERR_EXISTS (key present, no
@@ -322,9 +372,10 @@ KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant, uint64_t fac
 
 /*
  * Copies a stored fact's K and V into `dst`, converted to dst->dtype (FP32,
- * FP16 or BF16; an fp8 store's values are e4m3 * scale in fp32, then rounded
- * to dst->dtype). dst->num_tokens must equal the fact's token count and its
- * other dimensions the model's. A device destination (CUDA store only) is
+ * FP16 or BF16; an fp8 store's values are e4m3 * scale in fp32, a 4-bit
+ * store's fmaf(code, scale, minimum) in fp32, then rounded to dst->dtype).
+ * dst->num_tokens must equal the fact's token count and its other
+ * dimensions the model's. A device destination (CUDA store only) is
  * written on `stream`; a host destination is written before the call returns.
  * Errors: KVI_ERR_INVALID_ARGUMENT (NULL, strides that overlap),
  * KVI_ERR_STRUCT_SIZE, KVI_ERR_NOT_FOUND, KVI_ERR_MISMATCH,
@@ -418,8 +469,8 @@ typedef struct kvi_store_stats {
   int32_t page_tokens;
   int32_t embedding_dim;
   uint64_t page_bytes;     /* bytes of one page (K and V, all layers, local heads;
-                              fp8: then the page's scales, both parts rounded up
-                              to 16 bytes) */
+                              fp8, q4: then the page's scales, both parts
+                              rounded up to 16 bytes) */
   uint64_t pages_total;
   uint64_t pages_used;     /* includes (CUDA stores) pages of removed or
                               replaced facts that device work of the store
@@ -433,8 +484,8 @@ typedef struct kvi_store_stats {
                               returns */
   uint64_t bytes_reserved; /* pages_total * page_bytes */
   uint64_t bytes_used;     /* pages_used * page_bytes */
-  uint64_t bytes_payload;  /* tokens stored * bytes per token, plus (fp8) the
-                              scales of their pages (bytes_used minus the
+  uint64_t bytes_payload;  /* tokens stored * bytes per token, plus (fp8, q4)
+                              the scales of their pages (bytes_used minus the
                               unused tails of last pages) */
   uint64_t facts;
   uint64_t tenants;        /* tenants with at least one fact */

@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "base/fp8.h"
+#include "base/q4.h"
 #include "kvinject.h"
 
 /* ---- errors (error.c) ---------------------------------------------------- */
@@ -91,7 +92,19 @@ kvi_status kvi__write_struct(void *user, const void *full, size_t known, size_t 
 
 /* ---- element conversion (convert.c) --------------------------------------- */
 
-size_t kvi__dtype_size(kvi_dtype dtype); /* bytes per element; 0 for an unknown dtype */
+size_t kvi__dtype_size(kvi_dtype dtype); /* bytes per element; 0 for an unknown dtype and Q4 */
+uint64_t kvi__dtype_bytes(kvi_dtype dtype, uint64_t n); /* bytes of n elements (Q4: n / 2 rounded up) */
+/* Bytes of the scales of one page of a store of that dtype (L layers, H
+ * local heads, head size D, P tokens a page), unpadded; 0 for unquantized
+ * dtypes. */
+uint64_t kvi__page_scale_bytes(kvi_dtype dtype, int32_t L, int32_t H, int32_t D, int32_t P);
+/* 4-bit storage (base/q4.h): codes of n values packed two a byte, value i
+ * of the group whose parameter word is w[i * wstep] (keys: wstep 1, a word
+ * per channel; values: wstep 0, one word for the row); unpacked likewise;
+ * n values folded into a group's bounds (kvi__q4_fold). */
+void kvi__q4_pack_row(uint8_t *dst, const float *x, int32_t n, const uint32_t *w, int32_t wstep);
+void kvi__q4_unpack_row(float *dst, const uint8_t *src, int32_t n, const uint32_t *w, int32_t wstep);
+uint32_t kvi__q4_fold_row(uint32_t bounds, const float *x, int32_t n);
 float kvi__bf16_to_f32(uint16_t h);
 uint16_t kvi__f32_to_bf16(float f); /* round to nearest even; NaN stays NaN */
 float kvi__f16_to_f32(uint16_t h);

@@ -75,6 +75,7 @@ const char *kvi__dtype_name(kvi_dtype t) {
   case KVI_DTYPE_BF16: return "bf16";
   case KVI_DTYPE_FP8_E4M3: return "fp8_e4m3";
   case KVI_DTYPE_FP8_E5M2: return "fp8_e5m2";
+  case KVI_DTYPE_Q4: return "q4";
   }
   return "unknown dtype";
 }
@@ -86,8 +87,38 @@ size_t kvi__dtype_size(kvi_dtype dtype) {
   case KVI_DTYPE_BF16: return 2;
   case KVI_DTYPE_FP8_E4M3:
   case KVI_DTYPE_FP8_E5M2: return 1;
+  case KVI_DTYPE_Q4: return 0; /* half a byte: kvi__dtype_bytes */
   }
   return 0;
+}
+
+uint64_t kvi__dtype_bytes(kvi_dtype dtype, uint64_t n) {
+  return dtype == KVI_DTYPE_Q4 ? (n + 1u) / 2u : n * kvi__dtype_size(dtype);
+}
+
+uint64_t kvi__page_scale_bytes(kvi_dtype dtype, int32_t L, int32_t H, int32_t D, int32_t P) {
+  if (dtype == KVI_DTYPE_FP8_E4M3) return (uint64_t)L * 2u * (uint64_t)H * 4u;
+  if (dtype == KVI_DTYPE_Q4) return (uint64_t)L * (uint64_t)H * ((uint64_t)D + (uint64_t)P) * 4u;
+  return 0;
+}
+
+/* ---- 4-bit fact storage (base/q4.h) --------------------------------------- */
+
+void kvi__q4_pack_row(uint8_t *dst, const float *x, int32_t n, const uint32_t *w, int32_t wstep) {
+  for (int32_t i = 0; i < n; i += 2) {
+    const uint32_t lo = kvi__q4_code(x[i], w[i * wstep]);
+    const uint32_t hi = i + 1 < n ? kvi__q4_code(x[i + 1], w[(i + 1) * wstep]) : 0u;
+    dst[i / 2] = (uint8_t)(lo | hi << 4);
+  }
+}
+
+void kvi__q4_unpack_row(float *dst, const uint8_t *src, int32_t n, const uint32_t *w, int32_t wstep) {
+  for (int32_t i = 0; i < n; i++) dst[i] = kvi__q4_decode(src, i, w[i * wstep]);
+}
+
+uint32_t kvi__q4_fold_row(uint32_t bounds, const float *x, int32_t n) {
+  for (int32_t i = 0; i < n; i++) bounds = kvi__q4_fold(bounds, x[i]);
+  return bounds;
 }
 
 float kvi__load(const void *p, kvi_dtype t, int64_t i) {

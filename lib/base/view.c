@@ -57,7 +57,8 @@ kvi_status kvi__view_check(kvi_kv_view *out, const kvi_kv_view *user, const kvi_
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
                      "%s->memory is %d: set KVI_MEMORY_HOST or KVI_MEMORY_DEVICE", name, (int)v.memory);
   if (!kvi__dtype_is_float(v.dtype))
-    return kvi__fail(v.dtype == KVI_DTYPE_FP8_E4M3 || v.dtype == KVI_DTYPE_FP8_E5M2 ? KVI_ERR_MISMATCH
+    return kvi__fail(v.dtype == KVI_DTYPE_FP8_E4M3 || v.dtype == KVI_DTYPE_FP8_E5M2 || v.dtype == KVI_DTYPE_Q4
+                         ? KVI_ERR_MISMATCH
                                                                                   : KVI_ERR_INVALID_ARGUMENT,
                      fn, "%s->dtype is %s (%d); dense K/V buffers are fp32, fp16 or bf16", name,
                      kvi__dtype_name(v.dtype), (int)v.dtype);

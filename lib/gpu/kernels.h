@@ -94,8 +94,8 @@ typedef struct kvi__xfer_args {
   void *pool;
   void *host_pool;
   uint32_t host_first;
-  int64_t page_elems; /* page stride in elements (fp8 stores: page bytes) */
-  int64_t scale_off;  /* fp8 stores: byte offset of the scales in a page */
+  int64_t page_elems; /* page stride in elements (fp8, q4 stores: page bytes) */
+  int64_t scale_off;  /* fp8, q4 stores: byte offset of the scales in a page */
   int32_t page_dtype;
   int32_t P;
   int32_t L, H, D;
@@ -126,7 +126,9 @@ typedef struct kvi__xfer_args {
                              (host checked alignment), else 1 */
   int32_t phase;          /* capture into an fp8 store, four launches: 0 zero the
                              pages' amax slots, 1 fold amax in (atomicMax), 2 write
-                             e4m3 bytes, 3 turn amax into scales; else 2 */
+                             e4m3 bytes, 3 turn amax into scales (a 4-bit store
+                             likewise with its key channels' bounds words:
+                             base/q4.h); else 2 */
   unsigned long long *skipped; /* device-visible counter of skipped tokens */
   uint64_t inline_plan[KVI__INLINE_PLAN / 8];
 } kvi__xfer_args;

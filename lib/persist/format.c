@@ -89,7 +89,7 @@ unsigned char *kvi__persist_make_header(const kvi_store *s, uint64_t file_id, si
   put32(h + 72, (uint32_t)s->emb.dtype); /* how the store keeps embeddings (payloads are fp32, exact) */
   put32(h + 76, (uint32_t)s->emb.metric);
   put32(h + 80, ROPE_BYTES);
-  put32(h + 84, s->fp8 ? (uint32_t)s->P : 0u); /* fp8: scales are per page of P tokens */
+  put32(h + 84, s->scale_bytes ? (uint32_t)s->P : 0u); /* fp8, q4: scales are per page of P tokens */
   kvi__persist_rope_entries(h + HDR_FIXED, s->rope, g->num_layers);
   put32(h + len - 4, kvi__crc32c(0, h, len - 4));
   *out_len = len;
@@ -127,10 +127,10 @@ kvi_status kvi__persist_fill_put(const kvi_store *s, unsigned char *rec, uint64_
   kvi_kv_view v;
   kvi__kv_view_contiguous(&v, KVI_MEMORY_HOST, s->dtype, g->num_layers, tokens, g->local_heads, g->head_size, p,
                          p + plane);
-  const size_t sb = s->fp8 ? (size_t)scale_bytes((uint64_t)tokens, s->P, g->num_layers, g->local_heads) : 0;
+  const size_t sb = (size_t)scale_bytes((uint64_t)tokens, s->scale_bytes ? s->P : 0, s->scale_bytes);
   for (int32_t i = 0; ids && i < tokens; i++) put32(p + 2 * plane + sb + 4 * (size_t)i, (uint32_t)ids[i]);
-  if (!s->fp8) return kvi__store_read_pages(s, pages, tokens, &v, NULL, fn);
-  float *scales = malloc(sb);
+  if (!sb) return kvi__store_read_pages(s, pages, tokens, &v, NULL, fn);
+  unsigned char *scales = malloc(sb);
   if (!scales) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes of scales", sb);
   const kvi_status st = kvi__store_read_pages(s, pages, tokens, &v, scales, fn);
   if (st == KVI_OK) memcpy(p + 2 * plane, scales, sb); /* after V; not float-aligned in general */

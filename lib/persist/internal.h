@@ -79,22 +79,24 @@ static inline uint64_t pad8(uint64_t n) { return (n + 7u) & ~(uint64_t)7u; }
 
 /* Bytes of one token's K and V for every layer and local head. */
 static inline uint64_t token_bytes(const kvi_store *s) {
-  return 2u * (uint64_t)s->geom.num_layers * (uint64_t)s->geom.local_heads * (uint64_t)s->geom.head_size *
-         kvi__dtype_size(s->dtype);
+  return kvi__dtype_bytes(s->dtype,
+                          2u * (uint64_t)s->geom.num_layers * (uint64_t)s->geom.local_heads * (uint64_t)s->geom.head_size);
 }
 
-/* fp8 stores: bytes of the scales of a fact of `tokens` tokens (one fp32 per
- * page, layer, K/V and head); 0 for other dtypes. */
-static inline uint64_t scale_bytes(uint64_t tokens, int32_t P, int32_t L, int32_t H) {
-  return P > 0 ? (tokens + (uint64_t)P - 1u) / (uint64_t)P * 2u * (uint64_t)L * (uint64_t)H * 4u : 0u;
+/* Quantized stores: bytes of the scales of a fact of `tokens` tokens (each
+ * of its pages' scales as the page keeps them, page_scale of them: fp8 one
+ * fp32 per layer, K/V and head; q4 base/q4.h's words); 0 for other dtypes
+ * (P = 0). */
+static inline uint64_t scale_bytes(uint64_t tokens, int32_t P, uint64_t page_scale) {
+  return P > 0 ? (tokens + (uint64_t)P - 1u) / (uint64_t)P * page_scale : 0u;
 }
 
-/* A stored fact's record payload: embedding, then K, then V, then (fp8) the
- * scales, then (ids: a fact with token ids) its token ids as int32. */
+/* A stored fact's record payload: embedding, then K, then V, then
+ * (quantized stores) the scales, then (ids: a fact with token ids) its token
+ * ids as int32. */
 static inline uint64_t put_payload(const kvi_store *s, int32_t tokens, bool ids) {
   return (uint64_t)s->emb_dim * 4u + (uint64_t)tokens * token_bytes(s) +
-         scale_bytes((uint64_t)tokens, s->fp8 ? s->P : 0, s->geom.num_layers, s->geom.local_heads) +
-         (ids ? (uint64_t)tokens * 4u : 0u);
+         scale_bytes((uint64_t)tokens, s->scale_bytes ? s->P : 0, s->scale_bytes) + (ids ? (uint64_t)tokens * 4u : 0u);
 }
 
 static inline uint64_t put_record_bytes(const kvi_store *s, int32_t tokens, bool ids) {

@@ -44,7 +44,8 @@ typedef struct loader {
   kvi_store *s;
   int32_t L, H, D, E;
   kvi_dtype dtype;
-  int32_t P; /* fp8 files: tokens per scale, else 0 */
+  int32_t P; /* quantized (fp8, q4) files: tokens per page of scales, else 0 */
+  uint64_t page_scale; /* quantized files: bytes of a page's scales */
   uint64_t token_bytes;
   uint32_t version; /* the file's format version */
 } loader;
@@ -132,10 +133,10 @@ static kvi_status read_header(loader *ld, const kvi_model *model, const kvi_stor
     goto out;
   }
   const int32_t L = (int32_t)get32(h + 32);
-  const uint32_t fp8_P = get32(h + 84); /* page_tokens of an fp8 file, else 0 */
-  const bool fp8_file = get32(h + 64) == (uint32_t)KVI_DTYPE_FP8_E4M3;
+  const uint32_t scale_P = get32(h + 84); /* page_tokens of a quantized file, else 0 */
+  const bool quant_file = get32(h + 64) == (uint32_t)KVI_DTYPE_FP8_E4M3 || get32(h + 64) == (uint32_t)KVI_DTYPE_Q4;
   if (L < 1 || L > MAX_LAYERS || hb != HDR_BYTES(L) || get32(h + 80) != ROPE_BYTES ||
-      (fp8_file ? fp8_P < 1 || fp8_P > 4096 : fp8_P != 0)) {
+      (quant_file ? scale_P < 1 || scale_P > 4096 : scale_P != 0)) {
     st = corrupt(ld, 32, "inconsistent header (%d layers, %llu header bytes)", (int)L, (unsigned long long)hb);
     goto out;
   }
@@ -165,10 +166,10 @@ static kvi_status read_header(loader *ld, const kvi_model *model, const kvi_stor
                    kvi__dtype_name(dt), kvi__dtype_name(o->dtype));
     goto out;
   }
-  if (fp8_file && fp8_P != (uint32_t)o->page_tokens) {
+  if (quant_file && scale_P != (uint32_t)o->page_tokens) {
     st = kvi__fail(KVI_ERR_INCOMPATIBLE, ld->fn,
-                   "%s: the file's fp8 facts have a scale per page of %u tokens, opts->page_tokens is %d", ld->path,
-                   fp8_P, (int)o->page_tokens);
+                   "%s: the file's %s facts have scales per page of %u tokens, opts->page_tokens is %d", ld->path, kvi__dtype_name(dt),
+                   scale_P, (int)o->page_tokens);
     goto out;
   }
   const int32_t E = (int32_t)get32(h + 68);
@@ -300,11 +301,11 @@ static kvi_status next_record(const loader *ld, const unsigned char *body, uint6
     return KVI_OK;
   }
   if (r->op != OP_PUT) return corrupt(ld, off, "unknown record type %u", r->op);
-  uint64_t want, groups; /* fp8: the scales' (page, layer, K/V, head) groups, bounded before scale_bytes multiplies */
+  uint64_t want, groups; /* the scales' bytes, bounded before scale_bytes multiplies */
   if (r->tokens < 1 || __builtin_mul_overflow((uint64_t)r->tokens, ld->token_bytes, &want) ||
       __builtin_add_overflow(want, (uint64_t)ld->E * 4u, &want) ||
-      __builtin_mul_overflow((uint64_t)r->tokens, 8u * (uint64_t)ld->L * (uint64_t)ld->H, &groups) ||
-      __builtin_add_overflow(want, scale_bytes((uint64_t)r->tokens, ld->P, ld->L, ld->H), &want) ||
+      __builtin_mul_overflow((uint64_t)r->tokens, ld->page_scale, &groups) ||
+      __builtin_add_overflow(want, scale_bytes((uint64_t)r->tokens, ld->P, ld->page_scale), &want) ||
       __builtin_add_overflow(want, r->ids ? (uint64_t)r->tokens * 4u : 0u, &want))
     return corrupt(ld, off, "fact record with %d tokens", (int)r->tokens);
   if (r->payload != want)
@@ -319,24 +320,29 @@ static kvi_status next_record(const loader *ld, const unsigned char *body, uint6
     memcpy(&x, r->data + 4 * (size_t)i, 4);
     if (!isfinite(x)) return corrupt(ld, off, "embedding[%d] of fact %llu is %g", (int)i, (unsigned long long)r->id, (double)x);
   }
-  /* fp8 scales are what kvi__fp8_scale can give: 2^-126 .. FLT_MAX / 448 */
-  const uint64_t nsc = scale_bytes((uint64_t)r->tokens, ld->P, ld->L, ld->H) / 4u;
+  /* fp8 scales are what kvi__fp8_scale can give: 2^-126 .. FLT_MAX / 448;
+   * q4 words what kvi__q4_params can give: a finite scale >= 0 (fp16 bits
+   * below the sign) and a finite minimum */
+  const uint64_t nsc = scale_bytes((uint64_t)r->tokens, ld->P, ld->page_scale) / 4u;
   const unsigned char *sc = r->data + (size_t)ld->E * 4u + (size_t)r->tokens * (size_t)ld->token_bytes;
   for (uint64_t i = 0; i < nsc; i++) {
     float x;
+    uint32_t w;
     memcpy(&x, sc + 4 * (size_t)i, 4);
-    if (!(x >= KVI__FP8_SCALE_MIN && x <= FLT_MAX / KVI__FP8_STORE_MAX))
-      return corrupt(ld, off, "fp8 scale %llu of fact %llu is %g", (unsigned long long)i, (unsigned long long)r->id,
-                     (double)x);
+    memcpy(&w, sc + 4 * (size_t)i, 4);
+    if (ld->dtype == KVI_DTYPE_Q4 ? (w & 0xffffu) > 0x7bffu || ((w >> 16) & 0x7fffu) > 0x7bffu
+                                  : !(x >= KVI__FP8_SCALE_MIN && x <= FLT_MAX / KVI__FP8_STORE_MAX))
+      return corrupt(ld, off, "%s scale %llu of fact %llu is %s 0x%08x", kvi__dtype_name(ld->dtype),
+                     (unsigned long long)i, (unsigned long long)r->id, "out of range:", (unsigned)w);
   }
   *at += REC_HDR + pad8(r->payload);
   return KVI_OK;
 }
 
-/* Stores one fact of a file (host view v: for an fp8 store, e4m3 bytes
- * with the pages' scales, kept as they are; emb: the embedding as it was
+/* Stores one fact of a file (host view v: for a quantized store, the
+ * stored elements with the pages' scales, kept as they are; emb: the embedding as it was
  * kept, or NULL) through a transaction of its own. */
-static kvi_status load_fact(kvi_store *s, uint64_t tenant, uint64_t id, const kvi_kv_view *kv, const float *scales,
+static kvi_status load_fact(kvi_store *s, uint64_t tenant, uint64_t id, const kvi_kv_view *kv, const void *scales,
                             const float *emb, const int32_t *ids, const char *fn) {
   kvi_kv_view v, w = *kv;
   if (scales) w.dtype = KVI_DTYPE_BF16; /* checked as a 2-byte view (a larger extent), then given its dtype back */
@@ -400,9 +406,10 @@ static kvi_status apply(const loader *ld, const rec *r, bool in_log, uint64_t eo
   const size_t plane = (size_t)r->tokens * (size_t)(ld->token_bytes / 2u);
   kvi_kv_view v;
   kvi__kv_view_contiguous(&v, KVI_MEMORY_HOST, ld->dtype, ld->L, r->tokens, ld->H, ld->D, (void *)k, (void *)(k + plane));
-  /* the embedding copied to aligned memory, as the fp8 scales */
-  const size_t eb = (size_t)ld->E * 4u, sb = ld->P > 0 ? (size_t)scale_bytes((uint64_t)r->tokens, ld->P, ld->L, ld->H) : 0;
-  float *emb = ld->E ? malloc(eb) : NULL, *scales = ld->P > 0 ? malloc(sb) : NULL;
+  /* the embedding copied to aligned memory, as the scales */
+  const size_t eb = (size_t)ld->E * 4u, sb = (size_t)scale_bytes((uint64_t)r->tokens, ld->P, ld->page_scale);
+  float *emb = ld->E ? malloc(eb) : NULL;
+  unsigned char *scales = ld->P > 0 ? malloc(sb) : NULL;
   int32_t *ids = r->ids ? malloc((size_t)r->tokens * sizeof *ids) : NULL;
   if ((ld->E && !emb) || (ld->P > 0 && !scales) || (r->ids && !ids)) {
     free(emb);
@@ -411,7 +418,7 @@ static kvi_status apply(const loader *ld, const rec *r, bool in_log, uint64_t eo
     return kvi__fail(KVI_ERR_OUT_OF_MEMORY, ld->fn, "allocating %zu bytes", eb + sb + (size_t)r->tokens * 4u);
   }
   if (emb) memcpy(emb, r->data, eb);
-  if (scales) memcpy(scales, k + 2 * plane, sb); /* fp8: bytes and scales as they were */
+  if (scales) memcpy(scales, k + 2 * plane, sb); /* stored elements and scales as they were */
   for (int32_t i = 0; ids && i < r->tokens; i++) ids[i] = (int32_t)get32(k + 2 * plane + sb + 4 * (size_t)i);
   st = load_fact(ld->s, r->tenant, r->id, &v, scales, emb, ids, ld->fn);
   free(emb);
@@ -527,7 +534,7 @@ kvi_status kvi__store_load(kvi_store **out, const kvi_model *model, const kvi_st
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "load_opts->flags has unknown bits 0x%x", lo.flags & ~KVI_LOAD_JOURNAL);
   kvi_store_options so = KVI_STORE_OPTIONS_INIT;
   if ((st = kvi__read_struct(&so, sizeof so, opts, KVI__STORE_OPTIONS_V1, fn, "opts"))) return st;
-  if (kvi__dtype_size(so.dtype) == 0)
+  if (kvi__dtype_size(so.dtype) == 0 && so.dtype != KVI_DTYPE_Q4)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->dtype is %d, not a kvi_dtype", (int)so.dtype);
   const bool journal = (lo.flags & KVI_LOAD_JOURNAL) != 0;
 
@@ -571,8 +578,9 @@ kvi_status kvi__store_load(kvi_store **out, const kvi_model *model, const kvi_st
   ld.D = model->geom.head_size;
   ld.E = so.embedding_dim;
   ld.dtype = so.dtype;
-  ld.P = so.dtype == KVI_DTYPE_FP8_E4M3 ? so.page_tokens : 0;
-  ld.token_bytes = 2u * (uint64_t)ld.L * (uint64_t)ld.H * (uint64_t)ld.D * kvi__dtype_size(so.dtype);
+  ld.page_scale = kvi__page_scale_bytes(so.dtype, ld.L, ld.H, ld.D, so.page_tokens);
+  ld.P = ld.page_scale ? so.page_tokens : 0;
+  ld.token_bytes = kvi__dtype_bytes(so.dtype, 2u * (uint64_t)ld.L * (uint64_t)ld.H * (uint64_t)ld.D);
   if ((st = kvi__shard_store_create(&ld.s, model, opts, fn))) goto fail;
   uint64_t valid_end = 0, next_seq = 0;
   if ((st = read_entries(&ld, HDR_BYTES(ld.L), &valid_end, &next_seq))) goto fail;

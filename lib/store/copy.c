@@ -15,34 +15,74 @@
 /* ------------------------------------------------------------------------ */
 
 /* Copies tokens [tok0, tok0 + ntok) (tok0 on a page boundary) between the
- * view and the pages whose addresses are pages[0..]. An fp8 store quantizes
- * each (page, layer, plane, head) group with its own scale (kernels.h);
- * `raw` (persist) moves e4m3 bytes as they are, with the pages' scales
- * at raw[(fact page index) * L * 2 * H + ...] (a view of the store's dtype). */
+ * view and the pages whose addresses are pages[0..]. A quantized store
+ * quantizes each group with its own scale: fp8 a (page, layer, plane, head)
+ * group (kernels.h), q4 a key channel or a value token of a page's head
+ * (base/q4.h). `raw` (persist) moves stored elements as they are (a view of
+ * the store's dtype; q4: strides in 4-bit elements), with each page's
+ * scales, s->scale_bytes of them, at raw + (fact page index) * scale_bytes. */
 static void cpu_copy(const kvi_store *s, const kvi_kv_view *v, int32_t tok0, int32_t ntok, char *const *pages,
-                     bool to_pages, float *raw) {
+                     bool to_pages, unsigned char *raw) {
   const kvi__geom *g = &s->geom;
   const int32_t L = g->num_layers, H = g->local_heads, D = g->head_size, P = s->P;
-  const size_t ve = kvi__dtype_size(v->dtype), pe = kvi__dtype_size(s->dtype);
   float row[1024]; /* head_size <= 1024 (model.c) */
+  uint32_t b[1024];
+  for (int32_t t0 = 0; raw && t0 < ntok; t0 += P) {
+    unsigned char *r = raw + (size_t)((tok0 + t0) / P) * (size_t)s->scale_bytes;
+    if (to_pages) memcpy(pages[t0 / P] + s->scale_off, r, (size_t)s->scale_bytes);
+    else memcpy(r, pages[t0 / P] + s->scale_off, (size_t)s->scale_bytes);
+  }
   for (int32_t l = 0; l < L; l++)
     for (int kv = 0; kv < 2; kv++) {
       char *base = (char *)(kv ? v->v : v->k);
       for (int32_t h = 0; h < H; h++)
         for (int32_t t0 = 0; t0 < ntok; t0 += P) { /* one page's tokens */
           const int32_t n = ntok - t0 < P ? ntok - t0 : P, grp = (l * 2 + kv) * H + h;
-#define VR(t) (base + (size_t)(l * v->layer_stride + (tok0 + t0 + (t)) * v->token_stride + h * v->head_stride) * ve)
-#define PR(t) (pages[t0 / P] + (size_t)kvi__page_row_off(s, l, kv, h, t) * pe)
+#define VR(t)                                                                                                       \
+  (base + kvi__dtype_bytes(v->dtype,                                                                               \
+                           (uint64_t)(l * v->layer_stride + (tok0 + t0 + (t)) * v->token_stride + h * v->head_stride)))
+#define PR(t) (pages[t0 / P] + kvi__dtype_bytes(s->dtype, (uint64_t)kvi__page_row_off(s, l, kv, h, t)))
           float *scale = s->fp8 ? (float *)(pages[t0 / P] + s->scale_off) + grp : NULL;
-          float *rscale = raw ? raw + ((size_t)(tok0 + t0) / (size_t)P * (size_t)(2 * L * H) + (size_t)grp) : NULL;
-          if (!s->fp8 || raw) { /* plain conversion, or e4m3 bytes as they are */
+          uint32_t *kw = s->q4 ? (uint32_t *)(pages[t0 / P] + s->scale_off) + (size_t)(l * H + h) * (size_t)D : NULL;
+          uint32_t *vw = s->q4 ? (uint32_t *)(pages[t0 / P] + s->scale_off) + (size_t)L * H * D +
+                                     (size_t)(l * H + h) * (size_t)P
+                               : NULL;
+          if (raw && s->q4) { /* codes as they are */
+            for (int32_t t = 0; t < n; t++)
+              if (to_pages) memcpy(PR(t), VR(t), (size_t)D / 2u);
+              else memcpy(VR(t), PR(t), (size_t)D / 2u);
+          } else if (!s->scale_off || raw) { /* plain conversion, or e4m3 bytes as they are */
             for (int32_t t = 0; t < n; t++)
               if (to_pages)
                 kvi__convert(PR(t), s->dtype, VR(t), v->dtype, D);
               else
                 kvi__convert(VR(t), v->dtype, PR(t), s->dtype, D);
-            if (raw && to_pages) *scale = *rscale;
-            else if (raw) *rscale = *scale;
+          } else if (s->q4 && to_pages && kv == 0) { /* keys: a group per channel over the page's tokens */
+            for (int32_t d = 0; d < D; d++) b[d] = KVI__Q4_BOUNDS_EMPTY;
+            for (int32_t t = 0; t < n; t++) {
+              kvi__convert(row, KVI_DTYPE_FP32, VR(t), v->dtype, D);
+              for (int32_t d = 0; d < D; d++) b[d] = kvi__q4_fold(b[d], row[d]);
+            }
+            for (int32_t d = 0; d < D; d++) kw[d] = kvi__q4_params(b[d]);
+            for (int32_t t = 0; t < n; t++) {
+              kvi__convert(row, KVI_DTYPE_FP32, VR(t), v->dtype, D);
+              kvi__q4_pack_row((uint8_t *)PR(t), row, D, kw, 1);
+            }
+          } else if (s->q4 && to_pages) { /* values: a group per token; unused tokens' words zero */
+            for (int32_t t = 0; t < P; t++) {
+              if (t >= n) {
+                vw[t] = 0u;
+                continue;
+              }
+              kvi__convert(row, KVI_DTYPE_FP32, VR(t), v->dtype, D);
+              vw[t] = kvi__q4_params(kvi__q4_fold_row(KVI__Q4_BOUNDS_EMPTY, row, D));
+              kvi__q4_pack_row((uint8_t *)PR(t), row, D, &vw[t], 0);
+            }
+          } else if (s->q4) {
+            for (int32_t t = 0; t < n; t++) {
+              kvi__q4_unpack_row(row, (const uint8_t *)PR(t), D, kv ? &vw[t] : kw, kv ? 0 : 1);
+              kvi__convert(VR(t), v->dtype, row, KVI_DTYPE_FP32, D);
+            }
           } else if (to_pages) {
             float amax = 0.0f;
             for (int32_t t = 0; t < n; t++) {
@@ -115,7 +155,7 @@ static kvi_status cuda_copy_device(const kvi_store *s, const kvi_kv_view *v, con
  * store's copy stream; complete when this returns. Runs of consecutive page
  * ids move as one copy. */
 static kvi_status cuda_copy_host(const kvi_store *s, const kvi_kv_view *v, const uint32_t *pages,
-                                 int32_t tokens, bool to_pages, float *raw, const char *fn) {
+                                 int32_t tokens, bool to_pages, unsigned char *raw, const char *fn) {
   const uint32_t npages = pages_for(s, tokens);
   char *stage[KVI__LAUNCH_PAGES];
   kvi__ring_slot *sl = NULL; /* the ring's bookkeeping changes, not the store */
@@ -144,7 +184,7 @@ static kvi_status cuda_copy_host(const kvi_store *s, const kvi_kv_view *v, const
 }
 
 kvi_status kvi__copy_fact(const kvi_store *s, const kvi_kv_view *v, const uint32_t *pages, int32_t tokens,
-                          bool to_pages, float *raw, struct CUstream_st *stream, const char *fn) {
+                          bool to_pages, unsigned char *raw, struct CUstream_st *stream, const char *fn) {
   const bool host_tier = s->backend == KVI_BACKEND_CUDA && page_on_host_tier(s, pages[0]);
   if (host_tier && v->memory == KVI_MEMORY_HOST && !to_pages && kvi__tier_move_outstanding(s)) {
     /* a demotion may still be writing these pages */
@@ -162,18 +202,18 @@ kvi_status kvi__copy_fact(const kvi_store *s, const kvi_kv_view *v, const uint32
     return KVI_OK;
   }
   if (v->memory == KVI_MEMORY_DEVICE) {
-    if (raw) return kvi__fail(KVI_ERR_INTERNAL, fn, "raw fp8 copies take host views");
+    if (raw) return kvi__fail(KVI_ERR_INTERNAL, fn, "raw copies of quantized pages take host views");
     return cuda_copy_device(s, v, pages, tokens, to_pages, stream, fn);
   }
   return cuda_copy_host(s, v, pages, tokens, to_pages, raw, fn);
 }
 
-kvi_status kvi__store_write_pages(kvi_store *s, const uint32_t *pages, const kvi_kv_view *v, const float *scales,
+kvi_status kvi__store_write_pages(kvi_store *s, const uint32_t *pages, const kvi_kv_view *v, const void *scales,
                                   struct CUstream_st *stream, const char *fn) {
-  return kvi__copy_fact(s, v, pages, v->num_tokens, true, (float *)scales, stream, fn);
+  return kvi__copy_fact(s, v, pages, v->num_tokens, true, (unsigned char *)scales, stream, fn);
 }
 
 kvi_status kvi__store_read_pages(const kvi_store *s, const uint32_t *pages, int32_t tokens, const kvi_kv_view *host,
-                                 float *scales, const char *fn) {
-  return kvi__copy_fact(s, host, pages, tokens, false, scales, NULL, fn);
+                                 void *scales, const char *fn) {
+  return kvi__copy_fact(s, host, pages, tokens, false, (unsigned char *)scales, NULL, fn);
 }

@@ -128,8 +128,8 @@ kvi_status kvi__store_stats_get(const kvi_store *store, kvi_store_stats *out, co
   s.demotions = store->tier.demotions;
   s.facts = store->index.facts.len;
   s.tenants = store->index.tenants.len;
-  /* the bytes of stored tokens, plus (fp8) the scales of their pages */
-  const uint64_t token_bytes = store->page_elems / (uint64_t)store->P * kvi__dtype_size(store->dtype);
+  /* the bytes of stored tokens, plus (quantized stores) the scales of their pages */
+  const uint64_t token_bytes = kvi__dtype_bytes(store->dtype, store->page_elems / (uint64_t)store->P);
   s.bytes_payload = store->index.tokens_stored * token_bytes +
                     store->index.pages_stored * (store->page_bytes - (uint64_t)store->P * token_bytes);
   s.bytes_embeddings = store->emb.bytes;

@@ -155,18 +155,22 @@ static kvi_status reserve_memory(kvi_store *s, const char *fn) {
 
 /* A store's page layout, from its options: checked, then computed. */
 typedef struct page_layout {
-  uint64_t page_elems, page_bytes, scale_off;
+  uint64_t page_elems, page_bytes, scale_off, scale_bytes;
   uint64_t npages, hpages;
-  bool fp8;
+  bool fp8, q4;
 } page_layout;
 
 /* kvi_store_options' checks that need no backend; the page layout. */
 static kvi_status check_options(const kvi_store_options *o, const kvi__geom *g, page_layout *pl, const char *fn) {
   if (o->dtype == KVI_DTYPE_FP8_E5M2)
     return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "fp8 e5m2 fact storage is not supported; use KVI_DTYPE_FP8_E4M3");
-  if (!kvi__dtype_is_float(o->dtype) && o->dtype != KVI_DTYPE_FP8_E4M3)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->dtype is %d, expected KVI_DTYPE_BF16, FP16, FP32 or FP8_E4M3",
-                     (int)o->dtype);
+  if (!kvi__dtype_is_float(o->dtype) && o->dtype != KVI_DTYPE_FP8_E4M3 && o->dtype != KVI_DTYPE_Q4)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                     "opts->dtype is %d, expected KVI_DTYPE_BF16, FP16, FP32, FP8_E4M3 or Q4", (int)o->dtype);
+  if (o->dtype == KVI_DTYPE_Q4 && g->head_size % 2)
+    return kvi__fail(KVI_ERR_UNSUPPORTED, fn,
+                     "4-bit storage packs two elements a byte: the model's head size (%d) must be even",
+                     (int)g->head_size);
   if (o->page_tokens < 1 || o->page_tokens > 4096)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->page_tokens is %d, expected 1..4096", (int)o->page_tokens);
   if (o->embedding_dim < 0 || o->embedding_dim > 65536)
@@ -180,20 +184,24 @@ static kvi_status check_options(const kvi_store_options *o, const kvi__geom *g, 
   /* page_elems = L * 2 * H * P * D; each factor is bounded, the product fits in 64 bits */
   pl->page_elems = (uint64_t)g->num_layers * 2u * (uint64_t)g->local_heads * (uint64_t)o->page_tokens *
                    (uint64_t)g->head_size;
-  /* fp8: the e4m3 bytes, then one fp32 scale per (layer, plane, head), each
+  /* quantized stores: the elements (fp8: e4m3 bytes; q4: two codes a byte),
+   * then the scales (fp8: one fp32 per (layer, plane, head); q4: one word per
+   * key channel and per value token of each (layer, head): base/q4.h), each
    * part 16-byte aligned so every page keeps the kernels' vector alignment */
   pl->fp8 = o->dtype == KVI_DTYPE_FP8_E4M3;
-  pl->scale_off = pl->fp8 ? (pl->page_elems + 15u) & ~(uint64_t)15u : 0;
-  pl->page_bytes =
-      pl->fp8 ? pl->scale_off + (((uint64_t)g->num_layers * 2u * (uint64_t)g->local_heads * 4u + 15u) & ~(uint64_t)15u)
-              : pl->page_elems * kvi__dtype_size(o->dtype);
+  pl->q4 = o->dtype == KVI_DTYPE_Q4;
+  pl->scale_bytes = kvi__page_scale_bytes(o->dtype, g->num_layers, g->local_heads, g->head_size, o->page_tokens);
+  const uint64_t elem_bytes = kvi__dtype_bytes(o->dtype, pl->page_elems);
+  pl->scale_off = pl->scale_bytes ? (elem_bytes + 15u) & ~(uint64_t)15u : 0;
+  pl->page_bytes = pl->scale_bytes ? pl->scale_off + ((pl->scale_bytes + 15u) & ~(uint64_t)15u) : elem_bytes;
   if (o->budget_bytes < pl->page_bytes)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
                      "opts->budget_bytes is %llu, smaller than one page (%llu bytes: %d tokens x %d layers x 2 x "
-                     "%d heads x %d x %zu bytes%s)",
+                     "%d heads x %d x %s bytes%s)",
                      (unsigned long long)o->budget_bytes, (unsigned long long)pl->page_bytes, (int)o->page_tokens,
-                     (int)g->num_layers, (int)g->local_heads, (int)g->head_size, kvi__dtype_size(o->dtype),
-                     pl->fp8 ? ", then the scales" : "");
+                     (int)g->num_layers, (int)g->local_heads, (int)g->head_size,
+                     pl->q4 ? "1/2" : o->dtype == KVI_DTYPE_FP32 ? "4" : pl->fp8 ? "1" : "2",
+                     pl->scale_bytes ? ", then the scales" : "");
   pl->npages = o->budget_bytes / pl->page_bytes;
   if (pl->npages >= UINT32_MAX)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->budget_bytes gives %llu pages, more than 2^32 - 1; use larger pages",
@@ -229,7 +237,9 @@ static void set_fields(kvi_store *s, const kvi_store_options *o, const kvi__geom
   s->page_elems = pl->page_elems;
   s->page_bytes = pl->page_bytes;
   s->fp8 = pl->fp8;
+  s->q4 = pl->q4;
   s->scale_off = pl->scale_off;
+  s->scale_bytes = pl->scale_bytes;
   s->pool.dev.tier = s->backend == KVI_BACKEND_CUDA ? TIER_DEVICE : TIER_HOST;
   s->pool.dev.npages = (uint32_t)pl->npages;
   s->pool.dev.nfree = (uint32_t)pl->npages;
@@ -243,7 +253,8 @@ kvi_status kvi__store_create(kvi_store **out, const kvi_model *model, const kvi_
                              const char *fn) {
   const kvi_store_options o = *opts;
   const kvi__geom *g = &model->geom;
-  page_layout pl = {0, 0, 0, 0, 0, false};
+  page_layout pl;
+  memset(&pl, 0, sizeof pl);
   kvi_status st = check_options(&o, g, &pl, fn);
   if (st) return st;
   kvi_store *s = calloc(1, sizeof *s);

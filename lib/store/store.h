@@ -182,7 +182,10 @@ struct kvi_store {
   uint64_t page_bytes;
   uint64_t page_elems; /* elements (of dtype) of K and V in a page: L * 2 * H * P * D */
   bool fp8;            /* dtype is KVI_DTYPE_FP8_E4M3: scales follow the elements (kernels.h) */
-  uint64_t scale_off;  /* fp8: byte offset of a page's scales (page_elems rounded up to 16) */
+  bool q4;             /* dtype is KVI_DTYPE_Q4: codes, then scales (base/q4.h) */
+  uint64_t scale_off;  /* quantized stores: byte offset of a page's scales (the elements' bytes
+                          rounded up to 16), else 0 */
+  uint64_t scale_bytes; /* quantized stores: bytes of a page's scales (unpadded), else 0 */
   kvi__store_pools pool;
   kvi__store_index index;
   kvi__store_tier tier;
@@ -230,14 +233,14 @@ static inline bool fact_on_host(const kvi_store *s, const fact *f) {
   return s->pool.host.npages > 0 && f->npages > 0 && page_on_host_tier(s, f->pages[0]);
 }
 
-/* fp8 stores: the scales of a page, (l * 2 + kv) * H + h */
+/* fp8 stores: the scales of a page, (l * 2 + kv) * H + h (q4: base/q4.h's words) */
 static inline float *page_scales(const kvi_store *s, uint32_t page) {
   return (float *)(page_addr(s, page) + s->scale_off);
 }
 
 /* The page stride the kernels use, in elements of the store's dtype. */
 static inline int64_t page_stride_elems(const kvi_store *s) {
-  return s->fp8 ? (int64_t)s->page_bytes : (int64_t)s->page_elems;
+  return s->scale_off ? (int64_t)s->page_bytes : (int64_t)s->page_elems; /* quantized: bytes */
 }
 
 static inline uint32_t pages_for(const kvi_store *s, int32_t tokens) {
@@ -443,20 +446,22 @@ kvi_status kvi__txn_abort(kvi__txn *t, kvi_status why);
 
 /* Copies the host or device view v (checked) into a fact's pages (on
  * `stream` for a device view of a CUDA store, untracked: see
- * kvi__store_track). scales: NULL, or for an fp8 store a host view of its
- * dtype holding e4m3 bytes, stored as they are with these page scales
- * (as kvi__store_read_pages gives them). */
-kvi_status kvi__store_write_pages(kvi_store *s, const uint32_t *pages, const kvi_kv_view *v, const float *scales,
+ * kvi__store_track). scales: NULL, or for a quantized store a host view of
+ * its dtype holding the stored elements, stored as they are with these
+ * pages' scales (as kvi__store_read_pages gives them). */
+kvi_status kvi__store_write_pages(kvi_store *s, const uint32_t *pages, const kvi_kv_view *v, const void *scales,
                                   struct CUstream_st *stream, const char *fn);
 
 /* ---- reads for persist (the caller holds the store's lock) ------------- */
 
-/* Reads `tokens` tokens of K and V from `pages` into a host view. For an fp8
- * store, `host` has the store's dtype and receives the e4m3 bytes as they
- * are, and scales[ceil(tokens / P) * L * 2 * H] the pages' scales
- * ([page][layer][K, V][head]); else scales is NULL. */
+/* Reads `tokens` tokens of K and V from `pages` into a host view. For a
+ * quantized store, `host` has the store's dtype and receives the stored
+ * elements as they are (q4: the view's strides count 4-bit elements), and
+ * scales[ceil(tokens / P) * s->scale_bytes] each page's scales as the page
+ * keeps them (fp8: [page][layer][K, V][head] fp32; q4: base/q4.h); else
+ * scales is NULL. */
 kvi_status kvi__store_read_pages(const kvi_store *s, const uint32_t *pages, int32_t tokens, const kvi_kv_view *host,
-                                 float *scales, const char *fn);
+                                 void *scales, const char *fn);
 
 /* A stored fact's embedding as emb_dim fp32 values. */
 kvi_status kvi__store_fact_embedding(const kvi_store *s, const struct fact *f, float *out, const char *fn);

@@ -48,10 +48,11 @@ static inline kvi_status kvi__store_view_memory(const kvi_store *s, const kvi_kv
  * (to_pages: into them): the CPU copies for a CPU store and for host-tier
  * pages with a host view; kernels on `stream` for a device view (untracked);
  * pinned staging on the copy stream for a host view of device pages,
- * complete when this returns. raw: an fp8 store's e4m3 bytes as they are,
- * with the pages' scales in raw (host views only), or NULL. */
+ * complete when this returns. raw: a quantized store's stored elements as
+ * they are, with the pages' scales (s->scale_bytes a page) in raw (host
+ * views only), or NULL. */
 kvi_status kvi__copy_fact(const kvi_store *s, const kvi_kv_view *v, const uint32_t *pages, int32_t tokens,
-                          bool to_pages, float *raw, struct CUstream_st *stream, const char *fn);
+                          bool to_pages, unsigned char *raw, struct CUstream_st *stream, const char *fn);
 
 /* ---- embeddings (embeddings.c) -------------------------------------------- */
 

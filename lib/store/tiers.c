@@ -70,7 +70,7 @@ static kvi_status host_room(kvi_store *s, uint64_t need, const char *fn) {
  * pages src to pages dst (the other tier): runs of consecutive whole pages
  * as one copy each; a last page that is only partly used as one pitched
  * copy of its used rows (each (layer, K/V, head) run holds P rows of D
- * elements, the first `used` of which are the fact's), and on an fp8 store
+ * elements, the first `used` of which are the fact's), and on a quantized store
  * its scales. No copy is smaller than a page's used bytes. */
 static kvi_status copy_tier(kvi_store *s, const uint32_t *dst, const uint32_t *src, uint32_t n, int32_t tokens,
                             const char *fn) {
@@ -84,12 +84,12 @@ static kvi_status copy_tier(kvi_store *s, const uint32_t *dst, const uint32_t *s
     i += run;
   }
   if (st == KVI_OK && whole < n) {
-    const size_t row = (size_t)s->geom.head_size * kvi__dtype_size(s->dtype), pitch = (size_t)s->P * row;
+    const size_t row = (size_t)kvi__dtype_bytes(s->dtype, (uint64_t)s->geom.head_size), pitch = (size_t)s->P * row;
     char *d = page_addr(s, dst[n - 1]);
     const char *from = page_addr(s, src[n - 1]);
     st = kvi__cuda_copy2d(d, pitch, from, pitch, used * row, (size_t)s->geom.num_layers * 2u * (size_t)s->geom.local_heads,
                           s->copy_stream, fn);
-    if (st == KVI_OK && s->fp8)
+    if (st == KVI_OK && s->scale_off)
       st = kvi__cuda_copy(d + s->scale_off, from + s->scale_off, (size_t)(s->page_bytes - s->scale_off), s->copy_stream,
                           fn);
   }

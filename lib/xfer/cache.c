@@ -192,6 +192,8 @@ static kvi_status check_fields(const kvi_cache_layout *l, const kvi__geom *g, bo
   if (l->memory != (cuda ? KVI_MEMORY_DEVICE : KVI_MEMORY_HOST))
     return kvi__fail(KVI_ERR_MEMORY_KIND, fn, "a %s store writes a cache in %s memory; layout->memory says %s",
                      cuda ? "CUDA" : "CPU", cuda ? "device" : "host", l->memory == KVI_MEMORY_HOST ? "host" : "device");
+  if (l->dtype == KVI_DTYPE_Q4)
+    return kvi__fail(KVI_ERR_UNSUPPORTED, fn, "layout->dtype is KVI_DTYPE_Q4, a store dtype; caches are fp32, fp16, bf16 or fp8");
   if (kvi__dtype_size(l->dtype) == 0)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "layout->dtype is %d, not a kvi_dtype", (int)l->dtype);
   if (l->num_layers != g->num_layers || l->num_heads != g->local_heads || l->head_size != g->head_size)

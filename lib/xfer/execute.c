@@ -38,6 +38,21 @@ static void store_row(char *dst, kvi_dtype t, int64_t stride, float *src, int32_
     for (int32_t i = 0; i < n; i++) memcpy(dst + (size_t)(i * stride) * es, g + (size_t)i * es, es);
 }
 
+/* A stored row of the page at `page`: its D elements as fp32 (q4: decoded
+ * with its groups' words; fp8: times its group's scale `scale`). */
+static void load_page_row(float *dst, const kvi_store *s, const char *page, int32_t l, int kv, int32_t h, int32_t tok,
+                          int32_t n, float scale) {
+  const char *pr = page + kvi__dtype_bytes(s->dtype, (uint64_t)kvi__page_row_off(s, l, kv, h, tok));
+  if (s->q4) {
+    const int32_t L = s->geom.num_layers, H = s->geom.local_heads, D = s->geom.head_size;
+    const uint32_t *w = (const uint32_t *)(page + s->scale_off);
+    if (kv == 0) kvi__q4_unpack_row(dst, (const uint8_t *)pr, n, w + (size_t)(l * H + h) * (size_t)D, 1);
+    else kvi__q4_unpack_row(dst, (const uint8_t *)pr, n, w + (size_t)L * H * D + (size_t)(l * H + h) * s->P + tok, 0);
+    return;
+  }
+  load_row(dst, pr, s->dtype, n, 1, scale);
+}
+
 /* n elements of es bytes each, `ds` / `ss` elements apart, copied as they are. */
 static void copy_row(char *dst, int64_t ds, const char *src, int64_t ss, int32_t n, size_t es) {
   if (ds == 1 && ss == 1) {
@@ -51,8 +66,11 @@ static void copy_row(char *dst, int64_t ds, const char *src, int64_t ss, int32_t
  * kvi__xfer_args.phase): a capture into an fp8 store runs phases 0 (zero
  * each page's amax slots), 1 (fold the un-rotated values' largest finite
  * magnitude into them), 2 (write e4m3(x / scale), the scale derived from the
- * slot) and 3 (turn the slots into scales), as the kernel does; everything
- * else is phase 2 alone. */
+ * slot) and 3 (turn the slots into scales), as the kernel does; a capture
+ * into a q4 store the same phases with each key channel's bounds in its
+ * word (base/q4.h: 0 empty bounds, 1 fold, 2 codes from the parameters the
+ * bounds give, values' words and codes from their row, 3 the parameter
+ * words); everything else is phase 2 alone. */
 static void cpu_transfer(const xfer *x, const plan *p, int32_t lb, int32_t le, bool inject, int phase) {
   const kvi_store *s = x->store;
   const kvi__cache *c = &x->cache;
@@ -62,15 +80,24 @@ static void cpu_transfer(const xfer *x, const plan *p, int32_t lb, int32_t le, b
    * bit for bit (as in the kernel), only the rotated columns are converted */
   const bool raw = s->dtype == c->dtype && !s->fp8;
   float row[1024];
+  const int32_t L = s->geom.num_layers, P = s->P;
+  uint32_t w[1024];
   for (int32_t i = 0; i < p->nsegs; i++) {
     const kvi__xseg *sg = &p->segs[i];
     const kvi__xreq *rq = &p->reqs[sg->req];
     const int32_t *table = rq->table ? rq->table : (const int32_t *)(p->buf + rq->table_off);
     const char *page = page_addr(s, sg->page);
     float *slots = s->fp8 ? page_scales(s, sg->page) : NULL;
+    uint32_t *words = s->q4 ? (uint32_t *)(page + s->scale_off) : NULL; /* base/q4.h */
     if (phase == 0 || phase == 3) { /* once per page: its first segment starts at token 0 */
-      if (sg->tok0 == 0)
+      if (sg->tok0 == 0 && slots)
         for (int32_t g = lb * 2 * H; g < le * 2 * H; g++) slots[g] = phase == 0 ? 0.0f : kvi__fp8_scale(slots[g]);
+      if (sg->tok0 == 0 && words) /* q4: keys' bounds, then their words; values' words zero until written */
+        for (int32_t g = lb * H; g < le * H; g++) {
+          for (int32_t d = 0; d < D; d++)
+            words[g * D + d] = phase == 0 ? KVI__Q4_BOUNDS_EMPTY : kvi__q4_params(words[g * D + d]);
+          for (int32_t t = 0; phase == 0 && t < P; t++) words[(int64_t)L * H * D + g * P + t] = 0u;
+        }
       continue;
     }
     for (int32_t l = lb; l < le; l++)
@@ -82,7 +109,7 @@ static void cpu_transfer(const xfer *x, const plan *p, int32_t lb, int32_t le, b
         for (int kv = 0; kv < 2; kv++)
           for (int32_t h = 0; h < H; h++) {
             const kvi__strides *cs = kv ? &c->vs : &c->ks;
-            char *pr = (char *)page + (size_t)kvi__page_row_off(s, l, kv, h, sg->tok0 + j) * pe;
+            char *pr = (char *)page + kvi__dtype_bytes(s->dtype, (uint64_t)kvi__page_row_off(s, l, kv, h, sg->tok0 + j));
             char *cr = (kv ? c->v[l] : c->k[l]) + (size_t)(block * cs->block + t * cs->token + h * cs->head) * ce;
             const int64_t cd = cs->dim; /* the cache row's element stride */
             const float scale = (kv ? c->v_scale : c->k_scale)[l * H + h];
@@ -90,19 +117,33 @@ static void cpu_transfer(const xfer *x, const plan *p, int32_t lb, int32_t le, b
             const int32_t rot = kv || s->rope[l].style == KVI_ROPE_NONE ? 0 : s->rope[l].rotary_dim;
             const int32_t n = raw ? rot : D; /* columns converted (rotation touches [0, rot) only) */
             if (inject) {
-              load_row(row, pr, s->dtype, n, 1, slot ? *slot : 1.0f);
+              load_page_row(row, s, page, l, kv, h, sg->tok0 + j, n, slot ? *slot : 1.0f);
               if (kv == 0) kvi__rope_rotate(&s->rope[l], row, pos, false);
               store_row(cr, c->dtype, cd, row, n, scale);
               if (raw) copy_row(cr + (size_t)(rot * cd) * ce, cd, pr + (size_t)rot * pe, 1, D - rot, pe);
-            } else {
-              load_row(row, cr, c->dtype, n, cd, scale);
-              if (kv == 0) kvi__rope_rotate(&s->rope[l], row, pos, true);
-              if (phase == 1)
-                *slot = kvi__fp8_amax(*slot, row, n);
-              else
-                store_row(pr, s->dtype, 1, row, n, slot ? kvi__fp8_scale(*slot) : 1.0f);
-              if (raw) copy_row(pr + (size_t)rot * pe, 1, cr + (size_t)(rot * cd) * ce, cd, D - rot, ce);
+              continue;
             }
+            load_row(row, cr, c->dtype, n, cd, scale);
+            if (kv == 0) kvi__rope_rotate(&s->rope[l], row, pos, true);
+            if (words && kv == 0) { /* q4 keys: a group per channel over the page's tokens */
+              uint32_t *kw = words + (size_t)(l * H + h) * (size_t)D;
+              if (phase == 1)
+                for (int32_t d = 0; d < D; d++) kw[d] = kvi__q4_fold(kw[d], row[d]);
+              else {
+                for (int32_t d = 0; d < D; d++) w[d] = kvi__q4_params(kw[d]);
+                kvi__q4_pack_row((uint8_t *)pr, row, D, w, 1);
+              }
+            } else if (words) { /* q4 values: a group per token */
+              uint32_t *vw = words + (size_t)L * H * D + (size_t)(l * H + h) * (size_t)P + (size_t)(sg->tok0 + j);
+              if (phase == 2) {
+                *vw = kvi__q4_params(kvi__q4_fold_row(KVI__Q4_BOUNDS_EMPTY, row, D));
+                kvi__q4_pack_row((uint8_t *)pr, row, D, vw, 0);
+              }
+            } else if (phase == 1)
+              *slot = kvi__fp8_amax(*slot, row, n);
+            else
+              store_row(pr, s->dtype, 1, row, n, slot ? kvi__fp8_scale(*slot) : 1.0f);
+            if (raw) copy_row(pr + (size_t)rot * pe, 1, cr + (size_t)(rot * cd) * ce, cd, D - rot, ce);
           }
       }
   }
@@ -116,7 +157,7 @@ static void cpu_deviation(const xfer *x, const plan *p, int32_t l, float *out) {
   const kvi_store *s = x->store;
   const kvi__cache *c = &x->cache;
   const int32_t H = c->H, D = c->D;
-  const size_t pe = kvi__dtype_size(s->dtype), ce = kvi__dtype_size(c->dtype);
+  const size_t ce = kvi__dtype_size(c->dtype);
   float row[1024], got[1024];
   int64_t o = 0;
   for (int32_t i = 0; i < p->nsegs; i++) {
@@ -134,9 +175,8 @@ static void cpu_deviation(const xfer *x, const plan *p, int32_t l, float *out) {
       for (int kv = 0; kv < 2; kv++)
         for (int32_t h = 0; h < H; h++) {
           const kvi__strides *cs = kv ? &c->vs : &c->ks;
-          const char *pr = page + (size_t)kvi__page_row_off(s, l, kv, h, sg->tok0 + j) * pe;
           const char *cr = (kv ? c->v[l] : c->k[l]) + (size_t)(block * cs->block + t * cs->token + h * cs->head) * ce;
-          load_row(row, pr, s->dtype, D, 1, slots ? slots[(l * 2 + kv) * H + h] : 1.0f);
+          load_page_row(row, s, page, l, kv, h, sg->tok0 + j, D, slots ? slots[(l * 2 + kv) * H + h] : 1.0f);
           if (kv == 0) kvi__rope_rotate(&s->rope[l], row, pos, false);
           load_row(got, cr, c->dtype, D, cs->dim, (kv ? c->v_scale : c->k_scale)[l * H + h]);
           for (int32_t d = 0; d < D; d++) {
@@ -153,7 +193,7 @@ static void cpu_deviation(const xfer *x, const plan *p, int32_t l, float *out) {
 kvi_status kvi__execute(xfer *x, const plan *p, int32_t lb, int32_t le, bool inject, struct CUstream_st *stream,
                         const char *fn) {
   if (!x->cuda) {
-    if (!inject && x->store->fp8)
+    if (!inject && (x->store->fp8 || x->store->q4))
       for (int phase = 0; phase < 4; phase++) cpu_transfer(x, p, lb, le, false, phase);
     else
       cpu_transfer(x, p, lb, le, inject, 2);
@@ -253,8 +293,8 @@ kvi_status kvi__launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool inje
   kvi_status st = xfer_args(x, p, lb, le, inject, &a, stream, fn);
   if (st) return st;
 #ifdef KVI_HAVE_CUDA
-  const bool phased = !inject && x->store->fp8;
-  /* a capture into an fp8 store is four launches (kernels.h: phase), the rest one */
+  const bool phased = !inject && (x->store->fp8 || x->store->q4);
+  /* a capture into an fp8 or 4-bit store is four launches (kernels.h: phase), the rest one */
   for (int phase = phased ? 0 : 2; phase <= (phased ? 3 : 2); phase++) {
     a.phase = phase;
     /* the launcher returns (and so clears) the launch error: report that value */

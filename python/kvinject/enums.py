@@ -40,6 +40,7 @@ class DType(enum.IntEnum):
     BF16 = 3
     FP8_E4M3 = 4
     FP8_E5M2 = 5
+    Q4 = 6
 
 
 class Memory(enum.IntEnum):

@@ -151,7 +151,9 @@ class Store(Handle):
     the library's defaults (KVI_STORE_OPTIONS_INIT: AUTO backend, the current
     device, BF16 storage, 16-token pages, no embeddings, FP32 embeddings, inner
     product). ``dtype=DType.FP8_E4M3`` keeps K and V as e4m3 with a scale per
-    (page, layer, K/V, head): half the bytes of bf16; puts and reads still take
+    (page, layer, K/V, head): half the bytes of bf16; ``dtype=DType.Q4`` keeps 4-bit codes with fp16 scales and minima, keys per channel over a
+    page's tokens, values per token: 1/4 + 1/page_tokens + 1/head_size of bf16
+    (kvinject/store.h, "4-bit storage"); puts and reads still take
     fp32/fp16/bf16 tensors. ``host_budget_bytes`` (CUDA stores) adds a tier of pinned
     host pages (kvinject/store.h, Tiers; :meth:`prefetch`). Every method may be called from several threads at once (the C
     store has a lock); close() must not overlap them.

@@ -190,7 +190,8 @@ static void hc_check_common(void) {
   HC_CHECK(strcmp(kvi_status_string((kvi_status)7), "unknown status") == 0);
   HC_CHECK(kvi_dtype_size(KVI_DTYPE_FP32) == 4 && kvi_dtype_size(KVI_DTYPE_FP16) == 2 &&
            kvi_dtype_size(KVI_DTYPE_BF16) == 2 && kvi_dtype_size(KVI_DTYPE_FP8_E4M3) == 1 &&
-           kvi_dtype_size(KVI_DTYPE_FP8_E5M2) == 1 && kvi_dtype_size((kvi_dtype)0) == 0);
+           kvi_dtype_size(KVI_DTYPE_FP8_E5M2) == 1 && kvi_dtype_size(KVI_DTYPE_Q4) == 0 &&
+           kvi_dtype_size((kvi_dtype)0) == 0 && KVI_DTYPE_Q4 == 6);
   {
     const unsigned f = kvi_features();
     int count = -1;

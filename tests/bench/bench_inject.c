@@ -14,10 +14,14 @@
  * host arrays (CSR fact ids, a 2-D block table) and kvi_inject_batched with
  * the fact ids and the block table in device memory (looked up and planned
  * on the device; the store keeps 64-element embeddings for that).
+ * KVI_BENCH_STORE_DTYPE=fp8 or q4 keeps the facts in that store dtype instead
+ * (fp8: 16-token pages; q4: 64-token pages); the cache stays bf16 and "MiB
+ * moved" still counts bf16 bytes on both sides.
  *
  * SPDX-License-Identifier: Apache-2.0
  */
 #define _POSIX_C_SOURCE 200809L
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -71,6 +75,15 @@ int main(void) {
   so.backend = KVI_BACKEND_CUDA;
   so.device = 0;
   so.budget_bytes = (uint64_t)(2 * POOL + 4 * 64 * 50) * 16 * TOKEN_BYTES; /* pages: pool + capture churn */
+  const char *sdt = getenv("KVI_BENCH_STORE_DTYPE");
+  const bool q4 = sdt && !strcmp(sdt, "q4");
+  if (sdt && !strcmp(sdt, "fp8")) so.dtype = KVI_DTYPE_FP8_E4M3;
+  if (q4) so.dtype = KVI_DTYPE_Q4, so.page_tokens = 64, so.budget_bytes *= 2; /* a 64-token page a fact */
+  if (sdt && !q4 && strcmp(sdt, "fp8") && strcmp(sdt, "bf16")) {
+    fprintf(stderr, "KVI_BENCH_STORE_DTYPE is %s: bf16, fp8 or q4\n", sdt);
+    return 1;
+  }
+  printf("store dtype %s\n\n", sdt ? sdt : "bf16");
   so.embedding_dim = EMB; /* device directories: kvi_inject_batched's device fact ids */
   kvi_store *store;
   CK(kvi_store_create(&store, model, &so));

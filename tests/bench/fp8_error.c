@@ -1,6 +1,7 @@
 /*
- * fp8_error — the error of fp8 e4m3 fact storage on K/V shaped like an LLM's,
- * and what the scale granularity buys. CPU only; prints a Markdown table.
+ * fp8_error — the error of fp8 e4m3 and 4-bit fact storage on K/V shaped like
+ * an LLM's, and what the scale granularity buys. CPU only; prints a Markdown
+ * table.
  *
  * Data (Llama-3.1-8B geometry: 32 layers, 8 KV heads, head size 128; facts of
  * 24 tokens; fixed seed): pre-RoPE keys have per-channel magnitudes — a
@@ -15,7 +16,16 @@
  *   fp8, P tokens   one scale per (page of P tokens, layer, K/V, head): the
  *                   library's granularity at page_tokens = P
  *   fp8, per fact   page_tokens >= the fact: one scale per (fact, layer,
- *                   K/V, head), the issue's coarsest proposal
+ *                   K/V, head), the coarsest choice
+ *   q4, P tokens    KVI_DTYPE_Q4: keys per channel over a page of P tokens,
+ *                   values per token (kvinject/store.h, "4-bit storage")
+ *   sim Kb/Vb ...   no store: the same grouping and rounding computed here in
+ *                   float64 with b-bit codes (2^b - 1 steps between a group's
+ *                   minimum and maximum; scales and minima kept exact), to
+ *                   show what 2 bits for keys or values cost, and value
+ *                   groups narrower than a head (vG: G channels); KiB/fact
+ *                   counts codes and 4 bytes (fp16 scale and minimum) per
+ *                   group as a store would
  * and the relative Frobenius error ||x - x'|| / ||x|| is reported for K and
  * V over everything, and the worst over (fact, layer, head).
  *
@@ -106,6 +116,54 @@ static int run(kvi_model *m, kvi_dtype dt, int32_t P, float *const *ks, float *c
   return 0;
 }
 
+/* b-bit codes over [lo, hi] in float64: the value a code gives back. */
+static double sim_q(double x, double lo, double hi, int bits) {
+  const double steps = (double)((1 << bits) - 1), sc = (hi - lo) / steps;
+  if (sc == 0.0) return lo;
+  double q = rint((x - lo) / sc);
+  q = q < 0 ? 0 : q > steps ? steps : q;
+  return lo + q * sc;
+}
+
+/* sim rows: K b_k bits per channel over P-token pages, V b_v bits per token
+ * in groups of vg channels. */
+static void sim(int bk, int bv, int32_t P, int vg, float *const *ks, float *const *vs, const char *name) {
+  double num[2] = {0, 0}, den[2] = {0, 0}, worst[2] = {0, 0};
+  for (int f = 0; f < FACTS; f++)
+    for (int l = 0; l < L; l++)
+      for (int h = 0; h < H; h++) {
+        double n[2] = {0, 0}, dd[2] = {0, 0};
+        for (int t0 = 0; t0 < T; t0 += P) {
+          const int nt = T - t0 < P ? T - t0 : P;
+          for (int d = 0; d < D; d++) { /* K: channel d over the page */
+            double lo = INFINITY, hi = -INFINITY;
+            for (int t = t0; t < t0 + nt; t++) lo = fmin(lo, ks[f][IDX(l, t, h, d)]), hi = fmax(hi, ks[f][IDX(l, t, h, d)]);
+            for (int t = t0; t < t0 + nt; t++) {
+              const double x = ks[f][IDX(l, t, h, d)], e = sim_q(x, lo, hi, bk) - x;
+              n[0] += e * e, dd[0] += x * x;
+            }
+          }
+        }
+        for (int t = 0; t < T; t++) /* V: groups of vg channels of a token */
+          for (int d0 = 0; d0 < D; d0 += vg) {
+            double lo = INFINITY, hi = -INFINITY;
+            for (int d = d0; d < d0 + vg; d++) lo = fmin(lo, vs[f][IDX(l, t, h, d)]), hi = fmax(hi, vs[f][IDX(l, t, h, d)]);
+            for (int d = d0; d < d0 + vg; d++) {
+              const double x = vs[f][IDX(l, t, h, d)], e = sim_q(x, lo, hi, bv) - x;
+              n[1] += e * e, dd[1] += x * x;
+            }
+          }
+        for (int kv = 0; kv < 2; kv++) {
+          num[kv] += n[kv], den[kv] += dd[kv];
+          if (sqrt(n[kv] / dd[kv]) > worst[kv]) worst[kv] = sqrt(n[kv] / dd[kv]);
+        }
+      }
+  const double pages = (double)((T + P - 1) / P);
+  const double bytes = pages * (double)L * H * ((double)P * D * (bk + bv) / 8.0 + 4.0 * D + 4.0 * P * (D / vg));
+  printf("| %-18s | %10.5f | %10.5f | %10.5f | %10.5f | %9.1f |\n", name, sqrt(num[0] / den[0]), worst[0],
+         sqrt(num[1] / den[1]), worst[1], bytes / 1024.0);
+}
+
 int main(void) {
   kvi_model_options mo = KVI_MODEL_OPTIONS_INIT;
   mo.num_layers = L, mo.num_kv_heads = H, mo.head_size = D;
@@ -118,7 +176,7 @@ int main(void) {
     if (!ks[f] || !vs[f]) return 1;
     make_fact(ks[f], vs[f]);
   }
-  printf("fp8 e4m3 storage error, %d facts of %d tokens, %d layers x %d KV heads x %d (relative Frobenius)\n\n", FACTS,
+  printf("fp8 e4m3 and 4-bit storage error, %d facts of %d tokens, %d layers x %d KV heads x %d (relative Frobenius)\n\n", FACTS,
          T, L, H, D);
   printf("| storage            | K overall  | K worst head | V overall | V worst head | KiB/fact |\n");
   printf("|--------------------|------------|------------|------------|------------|-----------|\n");
@@ -127,6 +185,17 @@ int main(void) {
   bad |= run(m, KVI_DTYPE_FP8_E4M3, 8, ks, vs, rk, rv, "fp8, 8-token pages");
   bad |= run(m, KVI_DTYPE_FP8_E4M3, 16, ks, vs, rk, rv, "fp8, 16-token pages");
   bad |= run(m, KVI_DTYPE_FP8_E4M3, T, ks, vs, rk, rv, "fp8, per fact");
+  bad |= run(m, KVI_DTYPE_Q4, 4, ks, vs, rk, rv, "q4, 4-token pages");
+  bad |= run(m, KVI_DTYPE_Q4, 8, ks, vs, rk, rv, "q4, 8-token pages");
+  bad |= run(m, KVI_DTYPE_Q4, 16, ks, vs, rk, rv, "q4, 16-token pages");
+  bad |= run(m, KVI_DTYPE_Q4, T, ks, vs, rk, rv, "q4, per fact");
+  sim(4, 4, T, D, ks, vs, "sim K4/V4");
+  sim(4, 4, T, 32, ks, vs, "sim K4/V4 v32");
+  sim(4, 2, T, D, ks, vs, "sim K4/V2");
+  sim(4, 2, T, 32, ks, vs, "sim K4/V2 v32");
+  sim(2, 4, T, D, ks, vs, "sim K2/V4");
+  sim(2, 2, T, D, ks, vs, "sim K2/V2");
+  sim(2, 2, 8, 32, ks, vs, "sim K2/V2 P8 v32");
   for (int f = 0; f < FACTS; f++) free(ks[f]), free(vs[f]);
   free(rk);
   free(rv);

@@ -212,6 +212,50 @@ static void test_backend_choice(void **state) {
   a = (kvi_store *)0x1;
   assert_int_equal(kvi_store_create(&a, f->model, &so), KVI_ERR_NO_DEVICE);
   assert_ptr_equal(a, (kvi_store *)0x1);
+  /* 4-bit stores on both backends: host puts and reads of a CUDA store
+   * (quantized and dequantized on the CPU through the staging pages) and
+   * device ones (the store kernels) equal the CPU store's bit for bit */
+  so.device = -1;
+  so.dtype = KVI_DTYPE_Q4;
+  so.page_tokens = 64;
+  kvi_store *q[2] = {NULL, NULL};
+  so.backend = KVI_BACKEND_CUDA;
+  CHECK_OK(kvi_store_create(&q[0], f->model, &so));
+  so.backend = KVI_BACKEND_CPU;
+  CHECK_OK(kvi_store_create(&q[1], f->model, &so));
+  const int32_t T = 70, L = 3, H = 4, D = 128;
+  const size_t n = (size_t)L * T * H * D;
+  float *k = malloc(n * 4), *v = malloc(n * 4), *r = malloc(6 * n * 4);
+  assert_non_null(k);
+  assert_non_null(v);
+  assert_non_null(r);
+  for (size_t i = 0; i < n; i++) k[i] = (float)((int)(i * 2654435761u % 2001) - 1000) / 97.0f, v[i] = (float)(i % 37) / 11.0f;
+  kvi_kv_view kv, out;
+  kvi_kv_view_contiguous(&kv, KVI_MEMORY_HOST, KVI_DTYPE_FP32, L, T, H, D, k, v);
+  for (int i = 0; i < 2; i++) {
+    CHECK_OK(kvi_store_put(q[i], 1, 2, &kv, NULL, NULL));
+    kvi_kv_view_contiguous(&out, KVI_MEMORY_HOST, KVI_DTYPE_FP32, L, T, H, D, r + 2 * n * (size_t)i,
+                           r + 2 * n * (size_t)i + n);
+    CHECK_OK(kvi_store_read(q[i], 1, 2, &out, NULL));
+  }
+  assert_int_equal(memcmp(r, r + 2 * n, 2 * n * 4), 0);
+#ifdef KVI_HAVE_CUDA
+  float *dk;
+  CUDA_OK(cudaMalloc((void **)&dk, n * 8));
+  CUDA_OK(cudaMemcpy(dk, k, n * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dk + n, v, n * 4, cudaMemcpyHostToDevice));
+  kvi_kv_view_contiguous(&out, KVI_MEMORY_DEVICE, KVI_DTYPE_FP32, L, T, H, D, dk, dk + n);
+  CHECK_OK(kvi_store_put(q[0], 1, 3, &out, NULL, NULL)); /* from device memory */
+  CHECK_OK(kvi_store_read(q[0], 1, 3, &out, NULL));      /* into device memory */
+  CUDA_OK(cudaMemcpy(r + 4 * n, dk, n * 8, cudaMemcpyDeviceToHost));
+  assert_int_equal(memcmp(r, r + 4 * n, 2 * n * 4), 0);
+  cudaFree(dk);
+#endif
+  free(k);
+  free(v);
+  free(r);
+  kvi_store_destroy(q[0]);
+  kvi_store_destroy(q[1]);
 }
 
 /* Host sources of every dtype, strided, into both stores; reads of every dtype agree bit for bit. */

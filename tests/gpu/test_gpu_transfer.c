@@ -122,7 +122,7 @@ static void make_world(world *w, const scen *sc) {
   so.dtype = sc->store_dtype;
   /* fp8 stores: pages of 64 tokens, so that a page is several capture
    * segments (CTAs) whose amax meets in the page's scale slots */
-  so.page_tokens = sc->store_dtype == KVI_DTYPE_FP8_E4M3 ? 64 : 16;
+  so.page_tokens = sc->store_dtype == KVI_DTYPE_FP8_E4M3 || sc->store_dtype == KVI_DTYPE_Q4 ? 64 : 16;
   so.budget_bytes = 64u << 20;
   so.embedding_dim = g_emb_dim;
   so.backend = KVI_BACKEND_CPU;
@@ -269,10 +269,11 @@ static size_t compare_caches(const world *w, bool exact, double rel_tol, double 
   return bad;
 }
 
-/* fp8 stores: a put from device memory (the quantizing kernel) and reads
- * into device memory (the dequantizing one) equal the CPU store's bit for
- * bit: same amax, same fp32 scale, same e4m3 bytes. */
-static void check_fp8_device_copies(const world *w) {
+/* fp8 and 4-bit stores: a put from device memory (the quantizing kernel)
+ * and reads into device memory (the dequantizing one) equal the CPU store's
+ * bit for bit: same amax and fp32 scale, same e4m3 bytes; same bounds, fp16
+ * words and codes. */
+static void check_device_copies(const world *w) {
   const scen *sc = &w->sc;
   const int32_t T = 2 * sc->T + 5; /* pages of 64 tokens: a partial one */
   const size_t n = (size_t)sc->L * T * sc->H * sc->D;
@@ -299,11 +300,11 @@ static void check_fp8_device_copies(const world *w) {
   CUDA_OK(cudaMemcpy(b, dout, 2 * n * 4, cudaMemcpyDeviceToHost));
   size_t bad = 0;
   for (size_t i = 0; i < 2 * n; i++) bad += memcmp(&a[i], &b[i], 4) != 0;
-  if (bad) fail_msg("fp8 store: device put + device read differ from the CPU store in %zu of %zu elements", bad, 2 * n);
+  if (bad) fail_msg("quantized store: device put + device read differ from the CPU store in %zu of %zu elements", bad, 2 * n);
   /* and a host read of the device-put fact (staging path) */
   kvi_kv_view_contiguous(&rb, KVI_MEMORY_HOST, KVI_DTYPE_FP32, sc->L, T, sc->H, sc->D, b, b + n);
   CHECK_OK(kvi_store_read(w->gpu, 3, 1, &rb, NULL));
-  if (memcmp(a, b, 2 * n * 4)) fail_msg("fp8 store: host read of a device put differs from the CPU store");
+  if (memcmp(a, b, 2 * n * 4)) fail_msg("quantized store: host read of a device put differs from the CPU store");
   CHECK_OK(kvi_store_remove(w->cpu, 3, 1));
   CHECK_OK(kvi_store_remove(w->gpu, 3, 1));
   cudaFree(dk);
@@ -319,7 +320,7 @@ static void check_fp8_device_copies(const world *w) {
 static void run_inject(const scen *sc) {
   world w;
   make_world(&w, sc);
-  if (sc->store_dtype == KVI_DTYPE_FP8_E4M3) check_fp8_device_copies(&w);
+  if (sc->store_dtype == KVI_DTYPE_FP8_E4M3 || sc->store_dtype == KVI_DTYPE_Q4) check_device_copies(&w);
   kvi_injector *hi, *di;
   CHECK_OK(kvi_injector_create(&hi, w.cpu, &w.hl, NULL));
   CHECK_OK(kvi_injector_create(&di, w.gpu, &w.dl, NULL));
@@ -366,6 +367,20 @@ static void run_inject(const scen *sc) {
   const bool exact = sc->rope == 2; /* same cos/sin: bit for bit */
   size_t bad = compare_caches(&w, exact, 2e-6, &worst);
   if (bad) fail_msg("inject: %zu elements differ (worst relative %.3g)", bad, worst);
+  if (sc->store_dtype == KVI_DTYPE_Q4) { /* 4-bit stores: the deviation kernel reads them as the CPU does */
+    static float hs[8192], ds[8192];
+    int64_t ntok = 0;
+    for (int r = 0; r < R; r++)
+      for (int f = 0; f < nf[r]; f++) ntok += sc->T + (int32_t)((ids[r][f] - 100) % 3);
+    assert_true(ntok <= 8192);
+    for (int l = 0; l < sc->L; l++) {
+      CHECK_OK(kvi_inject_deviation(hi, hq, R, l, hs, 8192, KVI_MEMORY_HOST, NULL));
+      CHECK_OK(kvi_inject_deviation(di, dq, R, l, ds, 8192, KVI_MEMORY_HOST, NULL));
+      for (int64_t i = 0; i < ntok; i++)
+        if (!(fabs((double)hs[i] - ds[i]) <= 1e-3 * fabs((double)hs[i]) + 1e-6))
+          fail_msg("q4 deviation, layer %d token %lld: CPU %g, CUDA %g", l, (long long)i, (double)hs[i], (double)ds[i]);
+    }
+  }
 
   /* capture back: both stores capture the same range from their caches */
   kvi_encoder *he, *de;
@@ -397,6 +412,10 @@ static void run_inject(const scen *sc) {
     const double store_unit = sc->store_dtype == KVI_DTYPE_FP32         ? 1e-5
                               : sc->store_dtype == KVI_DTYPE_FP8_E4M3 ? 1.0 / 8 /* one e4m3 step */
                                                                       : 1.0 / 64;
+    if (sc->store_dtype == KVI_DTYPE_Q4) { /* the same bits with the same cos/sin, else one code step */
+      if (!(exact ? memcmp(&a[i], &b[i], 4) == 0 : fabs(a[i] - b[i]) <= 0.4)) cbad++;
+      continue;
+    }
     const double cache_unit = sc->cache_dtype == KVI_DTYPE_BF16   ? 1.0 / 64
                               : sc->cache_dtype == KVI_DTYPE_FP16 ? 1.0 / 512
                                                                   : 1e-5;
@@ -457,6 +476,13 @@ SCEN(t_vt_fp16_table, 2, 2, 128, 16, 128, 24, 5, KVI_DTYPE_FP16, KVI_DTYPE_FP16,
 SCEN(t_vt_e5m2_gptj, 3, 2, 64, 1, 2048, 12, 4, KVI_DTYPE_BF16, KVI_DTYPE_FP8_E5M2, (kvi_cache_preset)GPU_TRANSPOSED_V, 1, KVI_SCALE_PER_TENSOR)
 SCEN(t_mixed_bf16, 4, 4, 128, 16, 256, 24, 6, KVI_DTYPE_BF16, KVI_DTYPE_BF16, (kvi_cache_preset)GPU_MIXED_PLANES, 0, KVI_SCALE_NONE)
 SCEN(t_mixed_fp8s, 2, 4, 128, 16, 128, 24, 5, KVI_DTYPE_FP8_E4M3, KVI_DTYPE_BF16, (kvi_cache_preset)GPU_MIXED_PLANES, 2, KVI_SCALE_NONE)
+/* 4-bit stores (CPU-quantized host puts): the kernel's element-wise dequantize-rotate-convert */
+SCEN(t_q4_table, 2, 4, 128, 16, 128, 24, 5, KVI_DTYPE_Q4, KVI_DTYPE_BF16, KVI_CACHE_VLLM_FLASH_ATTN, 2, KVI_SCALE_NONE)
+SCEN(t_q4_hnd_fp16, 3, 2, 128, 16, 128, 70, 5, KVI_DTYPE_Q4, KVI_DTYPE_FP16, KVI_CACHE_VLLM_FLASHINFER_HND, 2, KVI_SCALE_NONE)
+SCEN(t_q4_fp32_gptj, 2, 2, 64, 32, 64, 17, 4, KVI_DTYPE_Q4, KVI_DTYPE_FP32, KVI_CACHE_VLLM_PACKED, 1, KVI_SCALE_NONE)
+SCEN(t_q4_fp8cache, 3, 2, 128, 32, 64, 24, 5, KVI_DTYPE_Q4, KVI_DTYPE_FP8_E4M3, KVI_CACHE_TRTLLM, 2, KVI_SCALE_PER_HEAD)
+SCEN(t_q4_e5m2_vt, 2, 3, 40, 16, 64, 9, 4, KVI_DTYPE_Q4, KVI_DTYPE_FP8_E5M2, (kvi_cache_preset)GPU_TRANSPOSED_V, 3, KVI_SCALE_PER_TENSOR)
+SCEN(t_q4_mixed, 2, 4, 128, 16, 128, 24, 5, KVI_DTYPE_Q4, KVI_DTYPE_BF16, (kvi_cache_preset)GPU_MIXED_PLANES, 2, KVI_SCALE_NONE)
 
 #ifdef KVI_HAVE_CUDA
 /* A device block table naming blocks outside the cache: those tokens are
@@ -1683,6 +1709,8 @@ int main(void) {
       cmocka_unit_test(t_vllm_cpu_bf16), cmocka_unit_test(t_vllm_cpu_table), cmocka_unit_test(t_vllm_cpu_fp8),
       cmocka_unit_test(t_vt_fp16_table), cmocka_unit_test(t_vt_e5m2_gptj), cmocka_unit_test(t_mixed_bf16),
       cmocka_unit_test(t_mixed_fp8s),
+      cmocka_unit_test(t_q4_table),      cmocka_unit_test(t_q4_hnd_fp16), cmocka_unit_test(t_q4_fp32_gptj),
+      cmocka_unit_test(t_q4_fp8cache),   cmocka_unit_test(t_q4_e5m2_vt),  cmocka_unit_test(t_q4_mixed),
       cmocka_unit_test(t_bad_device_table), cmocka_unit_test(t_table_memory_kind), cmocka_unit_test(t_deferred_free),
       cmocka_unit_test(t_staging_ring), cmocka_unit_test(t_capture_chunks),
       cmocka_unit_test(t_journal_encode),

@@ -1571,7 +1571,7 @@ static void test_create_errors(void **state) {
   BAD(KVI_ERR_MISMATCH, c.lay, l.num_heads = 4);
   BAD(KVI_ERR_MISMATCH, c.lay, l.head_size = 16);
   BAD(KVI_ERR_INVALID_ARGUMENT, c.lay, l.dtype = (kvi_dtype)0);
-  BAD(KVI_ERR_INVALID_ARGUMENT, c.lay, l.dtype = (kvi_dtype)6);
+  BAD(KVI_ERR_INVALID_ARGUMENT, c.lay, l.dtype = (kvi_dtype)7);
   BAD(KVI_ERR_INVALID_ARGUMENT, c.lay, l.block_size = 0);
   BAD(KVI_ERR_INVALID_ARGUMENT, c.lay, l.num_blocks = 0);
   BAD(KVI_ERR_INVALID_ARGUMENT, c.lay, l.num_blocks = -4);

@@ -93,7 +93,7 @@ static void test_create_invalid_fields(void **state) {
     snprintf(num, sizeof num, "%d", (int)bad_emb[i]);
     assert_last_error_has("kvi_store_create", num);
   }
-  const int bad_dtype[] = {0, 6, 99, -1};
+  const int bad_dtype[] = {0, 7, 99, -1};
   for (size_t i = 0; i < sizeof bad_dtype / sizeof bad_dtype[0]; i++) {
     o = cpu_store_options((kvi_dtype)bad_dtype[i], 16, 1u << 24);
     expect_fails(m, &o, KVI_ERR_INVALID_ARGUMENT);
