@@ -780,6 +780,8 @@ def parse_args(argv=None):
                     "(default 16384 on cuda, 2048 on cpu)")
     ap.add_argument("--bootstrap", type=int, default=2000)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--resume", action="store_true", help="with --json: keep the records of an earlier run of the "
+                    "same configuration written there, run only the questions it has not done, write all")
     ap.add_argument("--md", default=None)
     ap.add_argument("--label", default="")
     ap.add_argument("--check", action="store_true", help="CI assertions (see the docstring)")
@@ -805,6 +807,11 @@ def run(args, methods=None):
     users = recall_data.generate(args.seed, args.users)
     corpus = Corpus(tok, users)
     questions = recall_data.questions_of(users, args.questions_per_user)
+    n_questions = len(questions)
+    prior, done_before = resume_records(args)
+    questions = [q for q in questions if q.qid not in done_before]
+    if done_before:
+        log("resuming %s: %d questions done, %d to go" % (args.json, len(done_before), len(questions)))
     bench = Bench(args, torch, kvi, model, tok, corpus, device)
     methods = methods if methods is not None else make_methods(args)
     t0 = time.time()
@@ -870,6 +877,9 @@ def run(args, methods=None):
     t_cells = time.time() - t0
     done = {q.qid for q in questions[:asked]}
     records = [r for r in records if r["qid"] in done]  # no-memory rows of questions not reached go too
+    records = prior + records
+    done |= done_before
+    asked_qs = [q for q in recall_data.questions_of(users, args.questions_per_user) if q.qid in done]
     rows = summarize(records, args.bootstrap)
     dev = torch.cuda.get_device_name() if device.startswith("cuda") else "CPU (%d threads)" % torch.get_num_threads()
     times = dict(load=t_load, setup=t_setup, none=t_none, cells=t_cells, cells_n=cells,
@@ -881,7 +891,7 @@ def run(args, methods=None):
                  model.config._attn_implementation),
              "- %d users (seed %d), %d questions (%d referring to an earlier fact), k = %s, retrieval %s "
              "(search embedder: %s), orders %s, max %d new tokens"
-             % (args.users, args.seed, asked, sum(q.referring for q in questions[:asked]), args.ks, args.retrieval,
+             % (args.users, args.seed, len(asked_qs), sum(q.referring for q in asked_qs), args.ks, args.retrieval,
                 bench.embedder.name if bench.embedder is not None else "mean of layer %d" % args.embed_layer,
                 args.order, args.max_new),
              "- times (s): " + ", ".join("%s %.1f" % (k, v) if isinstance(v, float) else "%s %d" % (k, v)
@@ -896,6 +906,9 @@ def run(args, methods=None):
                          "of every %s store vs its fp32 twin mean %.2e, max %.2e (%d rows)"
                          % (dn, dn, sum(ex) / len(ex), max(ex), len(ex), dn, sum(sib) / max(len(sib), 1),
                             max(sib) if sib else float("nan"), len(sib)))
+    title.append("- questions done: %d of %d (%s)" % (len(done), n_questions,
+                                                     "complete" if len(done) == n_questions else "incomplete: "
+                                                     "run again with --resume to go on"))
     md = markdown(rows, title)
     orows = order_rows(records, args.bootstrap)
     md += order_markdown(orows)
@@ -905,14 +918,35 @@ def run(args, methods=None):
         md += "\n" + "\n".join("- " + x for x in lines) + "\n"
     print(md, flush=True)
     if args.json:
-        with open(args.json, "w") as f:
+        with open(args.json + ".tmp", "w") as f:  # renamed when whole: --resume reads it
             json.dump(dict(args=vars(args), times=times, rows=rows, order_rows=orows, device=dev,
                            records=[{k: v for k, v in r.items() if k != "tokens"} for r in records]), f)
+        os.replace(args.json + ".tmp", args.json)
     if args.md:
         with open(args.md, "w") as f:
             f.write(md)
     bench.close()
     return ok
+
+
+RESUME_KEYS = ("model", "dtype", "seed", "users", "questions_per_user", "ks", "retrieval", "windows", "stores",
+               "none", "max_new", "embed_layer", "embedder", "order")
+
+
+def resume_records(args):
+    """With --resume and an existing --json of the same configuration: its
+    records and the questions they cover (which this run leaves out)."""
+    if not (args.resume and args.json and os.path.exists(args.json)):
+        return [], set()
+    with open(args.json) as f:
+        prior = json.load(f)
+    pa = prior.get("args", {})
+    diff = [k for k in RESUME_KEYS if pa.get(k) != getattr(args, k, None)]
+    if diff:
+        raise SystemExit("--resume: %s was written with other %s" % (args.json, ", ".join(
+            "%s (%r, now %r)" % (k, pa.get(k), getattr(args, k, None)) for k in diff)))
+    recs = prior.get("records", [])
+    return recs, {r["qid"] for r in recs}
 
 
 def check(records):
@@ -925,7 +959,7 @@ def check(records):
         if e is None or ref is None:
             continue
         worst = max(worst, e["kl"])
-        if e["tokens"] != ref["tokens"]:
+        if e.get("tokens") is not None and ref.get("tokens") is not None and e["tokens"] != ref["tokens"]:
             diff.append((key, e["answer"], ref["answer"]))
         c = ms.get("exact-fp32-shift7")
         if c is not None:
