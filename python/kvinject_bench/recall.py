@@ -649,11 +649,37 @@ def summarize(records, reps):
                                                      [float(ref[q]["contains"]) for q in paired], reps)
                 row["d_logprob"] = paired_bootstrap([recs[q]["gold_logprob"] for q in paired],
                                                     [ref[q]["gold_logprob"] for q in paired], reps)
+            base, _, dn = m.rpartition("-")
+            twin = by.get(base + "-fp32") if dn in STORE_DTYPES and dn != "fp32" else None
+            tq = [q for q in qs if twin and q in twin]
+            if tq:  # the storage dtype's own cost: against the same configuration's fp32 store
+                row["d_contains_vs_fp32"] = paired_bootstrap([float(recs[q]["contains"]) for q in tq],
+                                                             [float(twin[q]["contains"]) for q in tq], reps)
+                row["d_logprob_vs_fp32"] = paired_bootstrap([recs[q]["gold_logprob"] for q in tq],
+                                                            [twin[q]["gold_logprob"] for q in tq], reps)
             rec = [recs[q].get("recall") for q in qs if recs[q].get("recall") is not None]
             if rec:
                 row["recall"] = sum(rec) / len(rec)
             rows.append(row)
     return rows
+
+
+def storage_markdown(rows):
+    """Every bf16 / fp8 configuration against its fp32 store: paired
+    differences of accuracy and gold log-prob, first-token KL."""
+    rs = [r for r in rows if "d_contains_vs_fp32" in r]
+    if not rs:
+        return ""
+    body = [[r["retrieval"], r["k"], r["order"], r["method"], r["n"],
+             "%.1f%%" % (100 * r["contains"][0]),
+             "%+.1f pp (%+.1f, %+.1f)" % tuple(100 * x for x in r["d_contains_vs_fp32"]),
+             "%+.3f (%+.3f, %+.3f)" % r["d_logprob_vs_fp32"],
+             "%s / %s" % (common.fmt(r.get("kl_vs_fp32_mean"), ".2e"), common.fmt(r.get("kl_vs_fp32_max"), ".2e"))]
+            for r in rs]
+    return ("\n### Storage dtypes against the fp32 store (same configuration, paired per question, 95% bootstrap "
+            "CIs)\n\n" + common.table(["retrieval", "k", "order", "method", "n", "contains",
+                                          "Δ contains vs fp32 store", "Δ gold log-prob vs fp32 store",
+                                          "first-token KL vs fp32 store mean / max"], body) + "\n")
 
 
 def order_rows(records, reps):
@@ -911,7 +937,7 @@ def run(args, methods=None):
                                                      "run again with --resume to go on"))
     md = markdown(rows, title)
     orows = order_rows(records, args.bootstrap)
-    md += order_markdown(orows)
+    md += order_markdown(orows) + storage_markdown(rows)
     ok = True
     if args.check:
         ok, lines = check(records)
