@@ -185,6 +185,7 @@ class Bench:
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         self.eos = {t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if t is not None}
         self.embed_center = None
+        self.search_store = True  # the fp32 store of w0 holds the search embeddings
         self.embedder = None
         if args.embedder == "minilm":  # the gateway's own loader (kvinject.serve.embed)
             from kvinject.serve.embed import LocalEmbedder
@@ -321,13 +322,24 @@ class Bench:
         stores = {}
         for dn in self.store_dtypes:
             kw = {}
-            if key == (0, False) and dn == "fp32":
+            if key == (0, False) and dn == "fp32" and self.search_store:
                 kw = dict(embedding_dim=self.embed_dim, metric=kvi.Metric.COSINE)
             stores[dn] = self.store(dn, **kw)
-        emb = self.fact_embeddings() if key == (0, False) else None
-        pre = len(self.corpus.header) if anchor else 0
-        head = self.forward(self.corpus.header, use_cache=True).past_key_values if pre else None
-        for batch in self._batches(self.window_units(w, anchor), self.args.batch_tokens):
+        emb = self.fact_embeddings() if key == (0, False) and self.search_store else None
+        self.encode_units(stores, self.window_units(w, anchor), self.corpus.header if anchor else None, emb)
+        self._windows[key] = stores
+        self.timing["encode %s" % window_name(w, anchor)] = time.time() - t0
+        return stores
+
+    def encode_units(self, stores, units, header=None, emb=None):
+        """Prefills units ((token ids, [(tenant, fact, slot, tokens)]), batched)
+        and captures their facts into every store of `stores` (dtype name ->
+        store); with `header`, every unit starts with it and it is prefilled
+        once; emb: (tenant, fact) -> embedding, put with the fp32 captures."""
+        kvi = self.kvi
+        pre = len(header) if header else 0
+        head = self.forward(header, use_cache=True).past_key_values if pre else None
+        for batch in self._batches(units, self.args.batch_tokens):
             rows = self._padded([u[0][pre:] for u in batch])
             past = self._expanded(head, len(rows)) if pre else None
             out = self.forward(rows, past_key_values=past, use_cache=True, logits_to_keep=1)
@@ -343,9 +355,6 @@ class Bench:
                 enc.encode(caps, stream=self.stream)
             common.sync(self.device)
             del out, kv
-        self._windows[key] = stores
-        self.timing["encode %s" % window_name(w, anchor)] = time.time() - t0
-        return stores
 
     # embeddings: the model's mean hidden state (layer --embed-layer), centered on the facts' mean
     def embed(self, texts_ids):
