@@ -173,7 +173,7 @@ def report(args, records, n_done, n_all, bench, torch, transformers, kvi):
     hdr = ["scenario", "configuration", "n", "old value in the answer (95% CI)", "new value in the answer",
            "log-prob of the old value", "Δ old value in the answer vs reprefill (95% CI)",
            "Δ log-prob of the old value vs reprefill (95% CI)"]
-    return "\n".join(title) + common.table(hdr, rows) + "\n"
+    return "\n".join(title) + "\n" + common.table(hdr, rows) + "\n"
 
 
 def parse_args(argv=None):
