@@ -909,6 +909,10 @@ def run(args, methods=None):
         asked += 1
         if asked % 10 == 0:
             log("%d questions, %d cells" % (asked, cells))
+            if args.json and args.resume:  # a checkpoint: a run killed later resumes from here
+                d = {x.qid for x in questions[:asked]}
+                write_json(args.json, dict(args=vars(args), records=prior + [
+                    {k: v for k, v in r.items() if k != "tokens"} for r in records if r["qid"] in d]))
     t_cells = time.time() - t0
     done = {q.qid for q in questions[:asked]}
     records = [r for r in records if r["qid"] in done]  # no-memory rows of questions not reached go too
@@ -953,15 +957,20 @@ def run(args, methods=None):
         md += "\n" + "\n".join("- " + x for x in lines) + "\n"
     print(md, flush=True)
     if args.json:
-        with open(args.json + ".tmp", "w") as f:  # renamed when whole: --resume reads it
-            json.dump(dict(args=vars(args), times=times, rows=rows, order_rows=orows, device=dev,
-                           records=[{k: v for k, v in r.items() if k != "tokens"} for r in records]), f)
-        os.replace(args.json + ".tmp", args.json)
+        write_json(args.json, dict(args=vars(args), times=times, rows=rows, order_rows=orows, device=dev,
+                                   records=[{k: v for k, v in r.items() if k != "tokens"} for r in records]))
     if args.md:
         with open(args.md, "w") as f:
             f.write(md)
     bench.close()
     return ok
+
+
+def write_json(path, obj):
+    """Writes obj to path through a temporary file renamed when whole (--resume reads it)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)
 
 
 RESUME_KEYS = ("model", "dtype", "seed", "users", "questions_per_user", "ks", "retrieval", "windows", "stores",

@@ -31,7 +31,6 @@ the differences against reprefill.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
@@ -119,12 +118,12 @@ def run(args):
         done.add(q.qid)
         if len(done) % 10 == 0:
             recall.log("%d targets" % len(done))
+            if args.json:  # a checkpoint: a run killed later resumes from here
+                recall.write_json(args.json, dict(args=vars(args), records=records))
     md = report(args, records, len(done), len(tg), bench, torch, transformers, kvi)
     print(md, flush=True)
     if args.json:
-        with open(args.json + ".tmp", "w") as f:
-            json.dump(dict(args=vars(args), records=records), f)
-        os.replace(args.json + ".tmp", args.json)
+        recall.write_json(args.json, dict(args=vars(args), records=records))
     if args.md:
         with open(args.md, "w") as f:
             f.write(md)

@@ -143,7 +143,7 @@ case "${1:-}" in
     tag=$part-$mtag
     mkdir -p "$results"
     # shellcheck disable=SC2086  # RECALL_ARGS are words
-    timeout $((limit + 240)) "$py" -m "kvinject_bench.$harness" ${RECOMPUTE_ARGS:-} --model "$model" --device cuda \
+    timeout $((limit + 120)) "$py" -m "kvinject_bench.$harness" ${RECOMPUTE_ARGS:-} --model "$model" --device cuda \
       "$@" --time-limit "$limit" --json "$results/recall-$tag.json" --resume --md "$out/recall-$tag.md" \
       --label "$tag" ${RECALL_ARGS:-} 2>"$out/recall-$tag.log"
     rc=$?
