@@ -114,8 +114,8 @@ class MemoryIndex:
         ids (the connector then refuses the request: its tokens are checked).
         order: "said" (the default; "id" is the same) lays the facts out in
         ascending fact id, the order they were said when ids are given as facts
-        are said: the order the notes encoding captured them in, which answers
-        as re-prefill does (BENCHMARKS.md, "The notes encoding"); "rank" best
+        are said: the order the notes encoding captured them in, where injected
+        facts come closest to re-prefilled ones (BENCHMARKS.md); "rank" best
         first. The retrieved facts, best first, are ``prompt.retrieved``
         ([(fact id, tokens, score)])."""
         if order not in ("said", "id", "rank"):
