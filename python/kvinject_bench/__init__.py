@@ -6,6 +6,8 @@ PYTHONPATH=python from the repository root):
     python3 -m kvinject_bench.hf_speed --device cuda           # TTFT and throughput
     python3 -m kvinject_bench.recall --model DIR ...           # recall on a real instruct model
     python3 -m kvinject_bench.recall_recompute ...             # recall.py with selective recompute
+    python3 -m kvinject_bench.recall_change --model DIR ...    # facts superseded or deleted: leaks
+    python3 -m kvinject_bench.recall_cost --model DIR ...      # encoding cost per fact and per add
     python3 -m kvinject_bench.recompute_eval MODEL_DIR ...     # selective recompute, KL and TTFT
     python3 -m kvinject_bench.gguf_to_safetensors MODEL.gguf OUT_DIR
 

@@ -94,6 +94,7 @@ SYSTEM = ("You are a helpful assistant. Answer the user's question with only the
 NOTES = " Notes from earlier conversations, in the user's words:"
 EXACT_TENANT = 1 << 40  # per-cell captures of exact-context methods
 STORE_DTYPES = ("fp32", "bf16", "fp8")
+DEFAULT_EMBEDDER = "/var/cache/kvinject/vllm/model/all-MiniLM-L6-v2"  # .ci/install-vllm unpacks it there
 T0 = time.time()
 
 
@@ -183,8 +184,15 @@ class Bench:
         self._stores = []
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         self.eos = {t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if t is not None}
-        self.embed_dim = model.config.hidden_size
         self.embed_center = None
+        self.search_store = True  # the fp32 store of w0 holds the search embeddings
+        self.embedder = None
+        if args.embedder == "minilm":  # the gateway's own loader (kvinject.serve.embed)
+            from kvinject.serve.embed import LocalEmbedder
+            self.embedder = LocalEmbedder(args.embedder_path)
+            self.embed_dim = self.embedder.dim
+        else:
+            self.embed_dim = model.config.hidden_size
         self.timing = {}
 
     # stores
@@ -314,13 +322,24 @@ class Bench:
         stores = {}
         for dn in self.store_dtypes:
             kw = {}
-            if key == (0, False) and dn == "fp32":
+            if key == (0, False) and dn == "fp32" and self.search_store:
                 kw = dict(embedding_dim=self.embed_dim, metric=kvi.Metric.COSINE)
             stores[dn] = self.store(dn, **kw)
-        emb = self.fact_embeddings() if key == (0, False) else None
-        pre = len(self.corpus.header) if anchor else 0
-        head = self.forward(self.corpus.header, use_cache=True).past_key_values if pre else None
-        for batch in self._batches(self.window_units(w, anchor), self.args.batch_tokens):
+        emb = self.fact_embeddings() if key == (0, False) and self.search_store else None
+        self.encode_units(stores, self.window_units(w, anchor), self.corpus.header if anchor else None, emb)
+        self._windows[key] = stores
+        self.timing["encode %s" % window_name(w, anchor)] = time.time() - t0
+        return stores
+
+    def encode_units(self, stores, units, header=None, emb=None):
+        """Prefills units ((token ids, [(tenant, fact, slot, tokens)]), batched)
+        and captures their facts into every store of `stores` (dtype name ->
+        store); with `header`, every unit starts with it and it is prefilled
+        once; emb: (tenant, fact) -> embedding, put with the fp32 captures."""
+        kvi = self.kvi
+        pre = len(header) if header else 0
+        head = self.forward(header, use_cache=True).past_key_values if pre else None
+        for batch in self._batches(units, self.args.batch_tokens):
             rows = self._padded([u[0][pre:] for u in batch])
             past = self._expanded(head, len(rows)) if pre else None
             out = self.forward(rows, past_key_values=past, use_cache=True, logits_to_keep=1)
@@ -336,9 +355,6 @@ class Bench:
                 enc.encode(caps, stream=self.stream)
             common.sync(self.device)
             del out, kv
-        self._windows[key] = stores
-        self.timing["encode %s" % window_name(w, anchor)] = time.time() - t0
-        return stores
 
     # embeddings: the model's mean hidden state (layer --embed-layer), centered on the facts' mean
     def embed(self, texts_ids):
@@ -356,8 +372,16 @@ class Bench:
         out = torch.stack(res)
         return out
 
+    def sentence_embed(self, texts):
+        """The sentence embedder's (normalized) vectors of texts, on the device."""
+        return self.torch.from_numpy(self.embedder.embed(texts)).to(self.device).contiguous()
+
     def fact_embeddings(self):
         keys = list(self.corpus.fact_ids)
+        if self.embedder is not None:
+            u = self.corpus.users
+            e = self.sentence_embed([u[uid].facts[fi].text for uid, fi in keys])
+            return {k: e[i] for i, k in enumerate(keys)}
         e = self.embed([self.corpus.fact_ids[k] for k in keys])
         self.embed_center = e.mean(0)
         e = (e - self.embed_center).contiguous()
@@ -365,6 +389,8 @@ class Bench:
 
     def question_embeddings(self, questions):
         self.window_stores(0)  # the center comes from the facts
+        if self.embedder is not None:
+            return self.sentence_embed([q.text for q in questions])
         e = self.embed([self.corpus.enc(" " + q.text) for q in questions])
         return (e - self.embed_center).contiguous()
 
@@ -609,9 +635,9 @@ def summarize(records, reps):
     against reprefill with paired bootstrap CIs, gold log-prob, KL."""
     groups = {}
     for r in records:
-        groups.setdefault((r["retrieval"], r["k"]), {}).setdefault(r["method"], {})[r["qid"]] = r
+        groups.setdefault((r["retrieval"], r["k"], r.get("order", "said")), {}).setdefault(r["method"], {})[r["qid"]] = r
     rows = []
-    for (ret, k), by in sorted(groups.items(), key=lambda x: (x[0][0], x[0][1])):
+    for (ret, k, order), by in sorted(groups.items(), key=lambda x: x[0]):
         ref = by.get("reprefill", {})
         for m, recs in by.items():
             qs = sorted(recs)
@@ -620,7 +646,7 @@ def summarize(records, reps):
             ex = wilson(sum(recs[q]["exact"] for q in qs), n)
             lp = sum(recs[q]["gold_logprob"] for q in qs) / n
             kls = [recs[q]["kl"] for q in qs if recs[q]["kl"] is not None]
-            row = dict(retrieval=ret, k=k, method=m, n=n, contains=acc, exact=ex, gold_logprob=lp,
+            row = dict(retrieval=ret, k=k, order=order, method=m, n=n, contains=acc, exact=ex, gold_logprob=lp,
                        kl_mean=sum(kls) / len(kls) if kls else float("nan"),
                        kl_max=max(kls) if kls else float("nan"))
             sib = [recs[q]["kl_vs_fp32"] for q in qs if "kl_vs_fp32" in recs[q]]
@@ -632,6 +658,14 @@ def summarize(records, reps):
                                                      [float(ref[q]["contains"]) for q in paired], reps)
                 row["d_logprob"] = paired_bootstrap([recs[q]["gold_logprob"] for q in paired],
                                                     [ref[q]["gold_logprob"] for q in paired], reps)
+            base, _, dn = m.rpartition("-")
+            twin = by.get(base + "-fp32") if dn in STORE_DTYPES and dn != "fp32" else None
+            tq = [q for q in qs if twin and q in twin]
+            if tq:  # the storage dtype's own cost: against the same configuration's fp32 store
+                row["d_contains_vs_fp32"] = paired_bootstrap([float(recs[q]["contains"]) for q in tq],
+                                                             [float(twin[q]["contains"]) for q in tq], reps)
+                row["d_logprob_vs_fp32"] = paired_bootstrap([recs[q]["gold_logprob"] for q in tq],
+                                                            [twin[q]["gold_logprob"] for q in tq], reps)
             rec = [recs[q].get("recall") for q in qs if recs[q].get("recall") is not None]
             if rec:
                 row["recall"] = sum(rec) / len(rec)
@@ -639,20 +673,80 @@ def summarize(records, reps):
     return rows
 
 
+def storage_markdown(rows):
+    """Every bf16 / fp8 configuration against its fp32 store: paired
+    differences of accuracy and gold log-prob, first-token KL."""
+    rs = [r for r in rows if "d_contains_vs_fp32" in r]
+    if not rs:
+        return ""
+    body = [[r["retrieval"], r["k"], r["order"], r["method"], r["n"],
+             "%.1f%%" % (100 * r["contains"][0]),
+             "%+.1f pp (%+.1f, %+.1f)" % tuple(100 * x for x in r["d_contains_vs_fp32"]),
+             "%+.3f (%+.3f, %+.3f)" % r["d_logprob_vs_fp32"],
+             "%s / %s" % (common.fmt(r.get("kl_vs_fp32_mean"), ".2e"), common.fmt(r.get("kl_vs_fp32_max"), ".2e"))]
+            for r in rs]
+    return ("\n### Storage dtypes against the fp32 store (same configuration, paired per question, 95% bootstrap "
+            "CIs)\n\n" + common.table(["retrieval", "k", "order", "method", "n", "contains",
+                                          "Δ contains vs fp32 store", "Δ gold log-prob vs fp32 store",
+                                          "first-token KL vs fp32 store mean / max"], body) + "\n")
+
+
+def order_rows(records, reps):
+    """Where a cell ran in both orders: per (retrieval, k, method), the
+    accuracy in rank and said order and the paired differences (same
+    questions) of said − rank for the method itself, of the method in said
+    order − reprefill in rank order, and of the method − reprefill in each
+    order."""
+    by = {}
+    for r in records:
+        by.setdefault((r["retrieval"], r["k"], r["method"]), {}).setdefault(r.get("order", "said"), {})[r["qid"]] = r
+    rows = []
+    for (ret, k, m), od in sorted(by.items()):
+        if m == "none" or "rank" not in od or "said" not in od:
+            continue
+        refs = by.get((ret, k, "reprefill"), {})
+        qs = sorted(set(od["rank"]) & set(od["said"]) & set(refs.get("rank", {})) & set(refs.get("said", {})))
+        if not qs:
+            continue
+        c = lambda d: [float(d[q]["contains"]) for q in qs]  # noqa: E731
+        row = dict(retrieval=ret, k=k, method=m, n=len(qs),
+                   rank=sum(c(od["rank"])) / len(qs), said=sum(c(od["said"])) / len(qs),
+                   d_said_rank=paired_bootstrap(c(od["said"]), c(od["rank"]), reps),
+                   d_said_vs_ref_rank=paired_bootstrap(c(od["said"]), c(refs["rank"]), reps))
+        if m != "reprefill":
+            row["d_vs_ref_rank"] = paired_bootstrap(c(od["rank"]), c(refs["rank"]), reps)
+            row["d_vs_ref_said"] = paired_bootstrap(c(od["said"]), c(refs["said"]), reps)
+        rows.append(row)
+    return rows
+
+
+def order_markdown(rows):
+    if not rows:
+        return ""
+    pp = lambda d: "%+.1f pp (%+.1f, %+.1f)" % tuple(100 * x for x in d) if d else "–"  # noqa: E731
+    body = [[r["retrieval"], r["k"], r["method"], r["n"], "%.1f%%" % (100 * r["rank"]), "%.1f%%" % (100 * r["said"]),
+             pp(r["d_said_rank"]), pp(r.get("d_vs_ref_rank")), pp(r.get("d_vs_ref_said")),
+             pp(r["d_said_vs_ref_rank"])] for r in rows]
+    return ("\n### Order: facts in rank order against the order they were said (contains, paired per question, "
+            "95% bootstrap CIs)\n\n" +
+            common.table(["retrieval", "k", "method", "n", "rank", "said", "Δ said − rank",
+                          "Δ vs reprefill, rank", "Δ vs reprefill, said", "Δ said − reprefill rank"], body) + "\n")
+
+
 def markdown(rows, title_lines):
     out = list(title_lines)
     for ret in sorted({r["retrieval"] for r in rows}):
         out.append("\n### Retrieval: %s\n" % ret)
-        hdr = ["k", "method", "n", "contains (95% CI)", "exact (95% CI)", "Δ contains vs reprefill (95% CI)",
+        hdr = ["k", "order", "method", "n", "contains (95% CI)", "exact (95% CI)", "Δ contains vs reprefill (95% CI)",
                "gold log-prob", "Δ log-prob (95% CI)", "KL vs reprefill mean / max", "KL vs fp32 store mean / max"]
         if ret == "search":
-            hdr.insert(3, "recall@k")
+            hdr.insert(4, "recall@k")
         body = []
         for r in [r for r in rows if r["retrieval"] == ret]:
             pct = lambda t: "%.1f%% (%.1f–%.1f)" % (100 * t[0], 100 * t[1], 100 * t[2])  # noqa: E731
             d = r.get("d_contains")
             dl = r.get("d_logprob")
-            line = [r["k"], r["method"], r["n"], pct(r["contains"]), pct(r["exact"]),
+            line = [r["k"], r["order"], r["method"], r["n"], pct(r["contains"]), pct(r["exact"]),
                     "%+.1f pp (%+.1f, %+.1f)" % tuple(100 * x for x in d) if d else "–",
                     "%.3f" % r["gold_logprob"],
                     "%+.3f (%+.3f, %+.3f)" % dl if dl else "–",
@@ -660,7 +754,7 @@ def markdown(rows, title_lines):
                     "%s / %s" % (common.fmt(r["kl_vs_fp32_mean"], ".2e"), common.fmt(r["kl_vs_fp32_max"], ".2e"))
                     if "kl_vs_fp32_mean" in r else "–"]
             if ret == "search":
-                line.insert(3, common.fmt(r.get("recall"), ".3f") if r.get("recall") is not None else "–")
+                line.insert(4, common.fmt(r.get("recall"), ".3f") if r.get("recall") is not None else "–")
             body.append(line)
         out.append(common.table(hdr, body))
     return "\n".join(out) + "\n"
@@ -703,6 +797,14 @@ def parse_args(argv=None):
     ap.add_argument("--questions-per-user", type=int, default=10)
     ap.add_argument("--ks", default="5,10,20,50")
     ap.add_argument("--retrieval", default="oracle,search")
+    ap.add_argument("--embedder", default="mean", choices=["mean", "minilm"],
+                    help="search's embeddings: mean (the model's mean hidden state, --embed-layer) or minilm (a "
+                         "sentence-transformers directory, --embedder-path, through the gateway's loader)")
+    ap.add_argument("--embedder-path", default=os.environ.get("KVI_EMBEDDER", DEFAULT_EMBEDDER),
+                    help="the sentence embedder's directory (default $KVI_EMBEDDER or %s)" % DEFAULT_EMBEDDER)
+    ap.add_argument("--order", default="said",
+                    help="fact layouts, comma-separated: said (the order the user said them) and/or rank (search: "
+                         "best first; oracle: shuffled); each cell is run in each order, paired per question")
     ap.add_argument("--windows", default="0,32,128,all")
     ap.add_argument("--stores", default="fp32,bf16,fp8")
     ap.add_argument("--no-none", dest="none", action="store_false", help="leave out the no-memory rows")
@@ -713,6 +815,8 @@ def parse_args(argv=None):
                     "(default 16384 on cuda, 2048 on cpu)")
     ap.add_argument("--bootstrap", type=int, default=2000)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--resume", action="store_true", help="with --json: keep the records of an earlier run of the "
+                    "same configuration written there, run only the questions it has not done, write all")
     ap.add_argument("--md", default=None)
     ap.add_argument("--label", default="")
     ap.add_argument("--check", action="store_true", help="CI assertions (see the docstring)")
@@ -738,6 +842,11 @@ def run(args, methods=None):
     users = recall_data.generate(args.seed, args.users)
     corpus = Corpus(tok, users)
     questions = recall_data.questions_of(users, args.questions_per_user)
+    n_questions = len(questions)
+    prior, done_before = resume_records(args)
+    questions = [q for q in questions if q.qid not in done_before]
+    if done_before:
+        log("resuming %s: %d questions done, %d to go" % (args.json, len(done_before), len(questions)))
     bench = Bench(args, torch, kvi, model, tok, corpus, device)
     methods = methods if methods is not None else make_methods(args)
     t0 = time.time()
@@ -749,6 +858,9 @@ def run(args, methods=None):
     t_setup = time.time() - t0
     ks = [int(x) for x in args.ks.split(",")]
     rets = args.retrieval.split(",")
+    orders = args.order.split(",")
+    if set(orders) - {"rank", "said"}:
+        raise SystemExit("--order: rank and/or said, got %r" % args.order)
     records = []
     t0 = time.time()
     if args.none:
@@ -758,7 +870,8 @@ def run(args, methods=None):
                 rec["kl"] = None  # its own reference: no KL against reprefill
                 for ret in rets:
                     for k in ks:
-                        records.append(dict(rec, retrieval=ret, k=k))
+                        for order in orders:
+                            records.append(dict(rec, retrieval=ret, k=k, order=order))
     t_none = time.time() - t0
     log("no-memory rows: %.1fs" % t_none)
     search_hits = {}
@@ -777,24 +890,35 @@ def run(args, methods=None):
         for ret in rets:
             for k in ks:
                 if ret == "oracle":
-                    sel = oracle_selection(corpus, q, k, args.seed)
+                    ranked = oracle_selection(corpus, q, k, args.seed)
+                    random.Random("%d/%d/%d/rank" % (args.seed, q.qid, k)).shuffle(ranked)  # no ranker: shuffled
                     rec_k = None
                 elif ret == "prefix":  # the user's first k facts: nall's context is the prompt's own
-                    sel = list(range(min(k, len(corpus.users[q.user].facts))))
+                    ranked = list(range(min(k, len(corpus.users[q.user].facts))))
                     rec_k = None
                 else:
-                    top = search_hits[q.qid][:k]
-                    sel = sorted(top)
-                    rec_k = float(all(g in top for g in q.gold))
-                for rec in run_cell(bench, make_cell(corpus, q, sel), methods):
-                    records.append(dict(rec, retrieval=ret, k=k, recall=rec_k))
-                cells += 1
+                    ranked = search_hits[q.qid][:k]
+                    rec_k = float(all(g in ranked for g in q.gold))
+                for order in orders:
+                    if order == "rank" and ret == "prefix":
+                        continue  # its rank is the said order
+                    sel = ranked if order == "rank" else sorted(ranked)
+                    for rec in run_cell(bench, make_cell(corpus, q, sel), methods):
+                        records.append(dict(rec, retrieval=ret, k=k, recall=rec_k, order=order))
+                    cells += 1
         asked += 1
         if asked % 10 == 0:
             log("%d questions, %d cells" % (asked, cells))
+            if args.json and args.resume:  # a checkpoint: a run killed later resumes from here
+                d = {x.qid for x in questions[:asked]}
+                write_json(args.json, dict(args=vars(args), records=prior + [
+                    {k: v for k, v in r.items() if k != "tokens"} for r in records if r["qid"] in d]))
     t_cells = time.time() - t0
     done = {q.qid for q in questions[:asked]}
     records = [r for r in records if r["qid"] in done]  # no-memory rows of questions not reached go too
+    records = prior + records
+    done |= done_before
+    asked_qs = [q for q in recall_data.questions_of(users, args.questions_per_user) if q.qid in done]
     rows = summarize(records, args.bootstrap)
     dev = torch.cuda.get_device_name() if device.startswith("cuda") else "CPU (%d threads)" % torch.get_num_threads()
     times = dict(load=t_load, setup=t_setup, none=t_none, cells=t_cells, cells_n=cells,
@@ -804,9 +928,11 @@ def run(args, methods=None):
              "- device: %s; torch %s, transformers %s; libkvinject %s; model %s, %s attention" % (
                  dev, torch.__version__, transformers.__version__, kvi.version(), args.dtype,
                  model.config._attn_implementation),
-             "- %d users (seed %d), %d questions (%d referring to an earlier fact), k = %s, retrieval %s, "
-             "max %d new tokens" % (args.users, args.seed, asked, sum(q.referring for q in questions[:asked]),
-                                     args.ks, args.retrieval, args.max_new),
+             "- %d users (seed %d), %d questions (%d referring to an earlier fact), k = %s, retrieval %s "
+             "(search embedder: %s), orders %s, max %d new tokens"
+             % (args.users, args.seed, len(asked_qs), sum(q.referring for q in asked_qs), args.ks, args.retrieval,
+                bench.embedder.name if bench.embedder is not None else "mean of layer %d" % args.embed_layer,
+                args.order, args.max_new),
              "- times (s): " + ", ".join("%s %.1f" % (k, v) if isinstance(v, float) else "%s %d" % (k, v)
                                          for k, v in times.items())]
     for dn in bench.store_dtypes:
@@ -819,16 +945,20 @@ def run(args, methods=None):
                          "of every %s store vs its fp32 twin mean %.2e, max %.2e (%d rows)"
                          % (dn, dn, sum(ex) / len(ex), max(ex), len(ex), dn, sum(sib) / max(len(sib), 1),
                             max(sib) if sib else float("nan"), len(sib)))
+    title.append("- questions done: %d of %d (%s)" % (len(done), n_questions,
+                                                     "complete" if len(done) == n_questions else "incomplete: "
+                                                     "run again with --resume to go on"))
     md = markdown(rows, title)
+    orows = order_rows(records, args.bootstrap)
+    md += order_markdown(orows) + storage_markdown(rows)
     ok = True
     if args.check:
         ok, lines = check(records)
         md += "\n" + "\n".join("- " + x for x in lines) + "\n"
     print(md, flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(args=vars(args), times=times, rows=rows, device=dev,
-                           records=[{k: v for k, v in r.items() if k != "tokens"} for r in records]), f)
+        write_json(args.json, dict(args=vars(args), times=times, rows=rows, order_rows=orows, device=dev,
+                                   records=[{k: v for k, v in r.items() if k != "tokens"} for r in records]))
     if args.md:
         with open(args.md, "w") as f:
             f.write(md)
@@ -836,24 +966,51 @@ def run(args, methods=None):
     return ok
 
 
+def write_json(path, obj):
+    """Writes obj to path through a temporary file renamed when whole (--resume reads it)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)
+
+
+RESUME_KEYS = ("model", "dtype", "seed", "users", "questions_per_user", "ks", "retrieval", "windows", "stores",
+               "none", "max_new", "embed_layer", "embedder", "order")
+
+
+def resume_records(args):
+    """With --resume and an existing --json of the same configuration: its
+    records and the questions they cover (which this run leaves out)."""
+    if not (args.resume and args.json and os.path.exists(args.json)):
+        return [], set()
+    with open(args.json) as f:
+        prior = json.load(f)
+    pa = prior.get("args", {})
+    diff = [k for k in RESUME_KEYS if pa.get(k) != getattr(args, k, None)]
+    if diff:
+        raise SystemExit("--resume: %s was written with other %s" % (args.json, ", ".join(
+            "%s (%r, now %r)" % (k, pa.get(k), getattr(args, k, None)) for k in diff)))
+    recs = prior.get("records", [])
+    return recs, {r["qid"] for r in recs}
+
+
 def check(records):
     by = {}
     for r in records:
-        by.setdefault((r["retrieval"], r["k"], r["qid"]), {})[r["method"]] = r
+        by.setdefault((r["retrieval"], r["k"], r["qid"], r.get("order", "said")), {})[r["method"]] = r
     worst, diff, ctrl = 0.0, [], []
     for key, ms in by.items():
         e, ref = ms.get("exact-fp32"), ms.get("reprefill")
         if e is None or ref is None:
             continue
         worst = max(worst, e["kl"])
-        if e["tokens"] != ref["tokens"]:
+        if e.get("tokens") is not None and ref.get("tokens") is not None and e["tokens"] != ref["tokens"]:
             diff.append((key, e["answer"], ref["answer"]))
         c = ms.get("exact-fp32-shift7")
         if c is not None:
             ctrl.append(c["kl"])
     ok = True
     lines = ["check: %d cells; exact-fp32 max first-token KL vs reprefill %.3e (must be < 1e-6)" % (len(by), worst)]
-    pre = [ms["nall-fp32"] for (ret, _, _), ms in by.items() if ret == "prefix" and "nall-fp32" in ms]
+    pre = [ms["nall-fp32"] for (ret, _, _, _), ms in by.items() if ret == "prefix" and "nall-fp32" in ms]
     if pre:  # the notes encoding over the user's first k facts is the prompt's own prefill
         w = max(r["kl"] for r in pre)
         lines.append("check: nall-fp32 on the user's first k facts (retrieval prefix): %d cells, max first-token "

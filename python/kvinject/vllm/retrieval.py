@@ -102,7 +102,7 @@ class MemoryIndex:
     def memory_prompt(self, tenant: int, query, k: int, question: Tokens, *,
                       header: Optional[Tuple[int, Union[Tokens, int]]] = None,
                       tokens: Union[None, Mapping[int, Tokens], Callable[[int], Tokens]] = None,
-                      filler_token: Optional[int] = None, order: str = "rank") -> MemoryPrompt:
+                      filler_token: Optional[int] = None, order: str = "said") -> MemoryPrompt:
         """[header | retrieved facts | question] and its inject spans, for
         ``SamplingParams(extra_args=...)`` (see :class:`MemoryPrompt`).
 
@@ -112,13 +112,16 @@ class MemoryIndex:
         None: the ids the store keeps with each fact (the connector's captures
         keep them), else ``filler_token`` repeated for a fact stored without
         ids (the connector then refuses the request: its tokens are checked).
-        order: "rank" (best first) or "id" (ascending fact id: with ids given in
-        the order facts were said, the conversation's order). The retrieved
-        facts, best first, are ``prompt.retrieved`` ([(fact id, tokens, score)])."""
-        if order not in ("rank", "id"):
-            raise ValueError("order must be 'rank' or 'id', got %r" % (order,))
+        order: "said" (the default; "id" is the same) lays the facts out in
+        ascending fact id, the order they were said when ids are given as facts
+        are said: the order the notes encoding captured them in, where injected
+        facts come closest to re-prefilled ones (BENCHMARKS.md); "rank" best
+        first. The retrieved facts, best first, are ``prompt.retrieved``
+        ([(fact id, tokens, score)])."""
+        if order not in ("said", "id", "rank"):
+            raise ValueError("order must be 'said' (or 'id') or 'rank', got %r" % (order,))
         got = self.retrieve(tenant, query, k, exclude=[header[0]] if header is not None else ())
-        if order == "id":
+        if order != "rank":
             got.sort(key=lambda r: r[0])
         facts: List[Tuple[int, Union[Tokens, int]]] = [header] if header is not None else []
         for fid, n, _ in got:

@@ -94,12 +94,19 @@ def test_the_search_ranks_the_facts_as_the_float64_reference(index, scenario, q)
 
 
 @pytest.mark.parametrize("q", QS)
-def test_retrieved_facts_in_id_order_are_served_as_the_full_prompt(index, engine, refs, scenario, q):
-    # k = 3 in the conversation's order: the prompt is the full prompt, served exactly
+def test_retrieved_facts_in_said_order_are_served_as_the_full_prompt(index, engine, refs, scenario, q):
+    # k = 3 in the conversation's order (the default; "id" names it too): the
+    # prompt is the full prompt, served exactly; "rank" lays them out best first
     sc = scenario
-    mp = index.memory_prompt(1, embed(C.QUESTIONS[q]), 3, sc.questions[q], header=(C.HEADER_ID, sc.header),
-                             tokens=dict(zip(C.FACT_IDS, sc.facts[1])), order="id")
-    assert mp.prompt_token_ids == sc.full_prompt(1, q), "retrieved facts in id order rebuild the full prompt"
+    args = (1, embed(C.QUESTIONS[q]), 3, sc.questions[q])
+    kw = dict(header=(C.HEADER_ID, sc.header), tokens=dict(zip(C.FACT_IDS, sc.facts[1])))
+    mp = index.memory_prompt(*args, **kw)
+    assert mp.prompt_token_ids == sc.full_prompt(1, q), "retrieved facts in said order rebuild the full prompt"
+    assert index.memory_prompt(*args, order="id", **kw).prompt_token_ids == mp.prompt_token_ids
+    ranked = index.memory_prompt(*args, order="rank", **kw)
+    best = [w[1] for w in want_of(q)[:3]]
+    want = list(sc.header) + [t for fid in best for t in sc.facts[1][C.FACT_IDS.index(fid)]]
+    assert ranked.prompt_token_ids[:len(want)] == want and ranked.retrieved == mp.retrieved, "rank order: best first"
     rec = engine.run([mp])[0]
     claim = len(sc.full_prompt(1, q)) - len(sc.questions[q])
     C.log("  q%d k=3: %r" % (q, rec["text"]))
