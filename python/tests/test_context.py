@@ -125,3 +125,22 @@ class TestContext:
                 assert other.fact_context(1, 2) == ([1], False)
             finally:
                 other.close()
+
+
+def test_memory_index_skips_stale_facts(closing):
+    from kvinject.vllm.retrieval import MemoryIndex
+    model = kvi.Model(L, H, D)
+    model.set_rope(layer=-1, style=kvi.RopeStyle.NEOX, theta=10000.0)
+    closing.append(model)
+    store = kvi.Store(model, 1 << 20, backend=kvi.Backend.CPU, dtype=DType.FP32, page_tokens=4, embedding_dim=2)
+    closing.append(store)
+    kv = array.array("f", [0.5] * (L * 2 * H * D))
+    for fid in (1, 2, 3):
+        store.put(1, fid, kv, kv, embedding=[1.0, 0.1 * fid], context_ids=list(range(1, fid)))
+    index = MemoryIndex.__new__(MemoryIndex)  # its store without a file: what retrieve reads
+    index._store = store
+    assert sorted(f for f, _, _ in index.retrieve(1, [1.0, 0.0], 3)) == [1, 2, 3]
+    store.remove(1, 2, keep_dependents=True)
+    store.remove(1, 1)  # 3 was computed after 1: stale
+    assert store.stale(1) == [3]
+    assert index.retrieve(1, [1.0, 0.0], 3) == []
