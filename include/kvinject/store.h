@@ -339,7 +339,9 @@ KVI_API kvi_status kvi_put_options_init(kvi_put_options *opts, size_t size);
  * Errors: KVI_ERR_INVALID_ARGUMENT (NULL, num_tokens < 1, negative strides, a
  * view whose extent overflows, unknown flags, an embedding containing NaN or
  * infinity or a value too large for the store's embedding_dtype, an embedding
- * given to a store without embeddings or missing from one with),
+ * given to a store without embeddings or missing from one with,
+ * num_context_ids < 0, context_ids NULL with num_context_ids > 0, a context id
+ * equal to fact_id),
  * KVI_ERR_STRUCT_SIZE, KVI_ERR_MISMATCH (layers, heads, head size,
  * or an FP8 dtype; a value that is no kvi_dtype is KVI_ERR_INVALID_ARGUMENT),
  * KVI_ERR_MEMORY_KIND (device memory declared as
