@@ -123,6 +123,10 @@ class TestRemove:
                              "capture": [{"fact_id": 9, "start": 8, "length": 2}, {"fact_id": 7, "start": 5, "length": 3},
                                          {"fact_id": 8, "start": 6, "length": 1}]}, 11)
         assert [spec.context_of(c) for c in spec.capture] == [[0, 4, 7, 8], [0, 4], [0, 4]]
+        # a fact injected, then captured again after it: not its own context
+        spec = parse_params({"tenant": 1, "inject": [[4, 0, 2]],
+                             "capture": [{"fact_id": 4, "start": 2, "length": 2, "replace": True}]}, 5)
+        assert spec.context_of(spec.capture[0]) == []
 
     def test_remove_prompt_refusals(self):
         for name, args, msg in [

@@ -241,10 +241,11 @@ class RequestSpec:
 
     def context_of(self, c: "CaptureSpec") -> List[int]:
         """A capture's context: the facts whose spans (injected, then captured) end
-        before it starts, in prompt order."""
+        before it starts, in prompt order, but not its own fact (a span of the same
+        fact injected before it, which the capture replaces)."""
         spans = [(s.start, s.fact_id) for s in self.inject if s.start + s.length <= c.start]
         spans += [(d.start, d.fact_id) for d in self.capture if d is not c and d.start + d.length <= c.start]
-        return [fid for _, fid in sorted(spans)]
+        return [fid for _, fid in sorted(spans) if fid != c.fact_id]
 
     @property
     def claim_end(self) -> int:
