@@ -199,7 +199,8 @@ typedef struct kvi_scatter_item {
  * status, the others KVI_ERR_PEER), KVI_ERR_MISMATCH (the ranks disagree on
  * root or on the list), KVI_ERR_INVALID_ARGUMENT (NULL store or items, root
  * or num_items out of range, NULL full on root), KVI_ERR_STRUCT_SIZE,
- * KVI_ERR_UNSUPPORTED (a store without a communicator), KVI_ERR_CUDA.
+ * KVI_ERR_UNSUPPORTED (a store without a communicator; root's opts with
+ * context ids: a scattered put keeps no context), KVI_ERR_CUDA.
  */
 KVI_API kvi_status kvi_store_put_scatter(kvi_store *store, int32_t root, const kvi_scatter_item *items,
                                          int32_t num_items, struct CUstream_st *stream);

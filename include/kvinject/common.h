@@ -141,7 +141,13 @@ typedef enum kvi_status {
    * prompt's at its slots, or a fact stored without token ids;
    * kvi_last_error() names the tenant, the fact and the first differing
    * position. Nothing was written. */
-  KVI_ERR_TOKEN_MISMATCH = -18
+  KVI_ERR_TOKEN_MISMATCH = -18,
+  /* A call that reads facts' K and V for serving (kvi_inject,
+   * kvi_inject_batched, kvi_retrieve_inject) named a stale fact: one whose
+   * K and V were computed with a fact in context that has since been removed
+   * (kvinject/store.h, "Context and stale facts"); kvi_last_error() names
+   * the tenant and the fact. Nothing was written. */
+  KVI_ERR_STALE = -19
 } kvi_status;
 
 /* Static English text for a status ("invalid argument", ...). Never NULL;

@@ -174,7 +174,8 @@ KVI_API kvi_status kvi_inject_options_init(kvi_inject_options *opts, size_t size
  * KVI_ERR_TOKEN_MISMATCH (expect_token_ids given and a fact's stored token
  * ids differ from them, or the fact has none; the message names the tenant,
  * the fact, the first differing token's index in the fact, its sequence slot
- * and both ids).
+ * and both ids), KVI_ERR_STALE (a stale fact, kvinject/store.h "Context and
+ * stale facts"; the message names the tenant and the fact).
  * Host-tier facts (kvinject/store.h, Tiers): see kvi_inject_options.host_pages;
  * the copies that bring them up run on the store's copy stream and `stream`
  * waits for them with an event, so the call still returns once enqueued.
@@ -309,7 +310,9 @@ KVI_API kvi_status kvi_inject_batch_init(kvi_inject_batch *batch, size_t size);
  * pass PTRDIFF_MAX bytes), KVI_ERR_STRUCT_SIZE,
  * KVI_ERR_MEMORY_KIND (an array not in the memory declared, device memory on
  * a CPU store), KVI_ERR_UNSUPPORTED (device fact ids with per-token
- * positions, or on a store whose kvi_retrieve_inject runs on the host).
+ * positions, or on a store whose kvi_retrieve_inject runs on the host),
+ * KVI_ERR_STALE (a stale fact; with device fact ids, which the host cannot
+ * read, any request whose tenant has a stale fact).
  */
 KVI_API kvi_status kvi_inject_batched(kvi_injector *injector, const kvi_inject_batch *batch,
                                       const kvi_inject_options *opts, struct CUstream_st *stream);
@@ -390,7 +393,9 @@ KVI_API kvi_status kvi_retrieve_request_init(kvi_retrieve_request *req, size_t s
  * Errors: those of kvi_store_search and kvi_inject; KVI_ERR_INVALID_ARGUMENT
  * (NULL injector, reqs or output, unknown flags, too small a reserve),
  * KVI_ERR_STRUCT_SIZE, KVI_ERR_MEMORY_KIND, KVI_ERR_CAPACITY (the reserves
- * exceed the injector's transfer limits); an unset RoPE layer as kvi_inject.
+ * exceed the injector's transfer limits), KVI_ERR_STALE (a query's tenant has
+ * a stale fact, which the search could pick: nothing searched or written);
+ * an unset RoPE layer as kvi_inject.
  */
 KVI_API kvi_status kvi_retrieve_inject(kvi_injector *injector, const void *queries, int32_t num_queries, int32_t dim,
                                        const kvi_retrieve_request *reqs, int32_t k, const kvi_search_options *opts,
@@ -445,10 +450,16 @@ typedef struct kvi_capture {
    * token ids, num_tokens of them, given by the caller and kept with the
    * fact (kvinject/store.h, "Token ids"); or NULL (default): none. */
   const int32_t *token_ids;
+  /* Experimental: host memory, the fact's context, num_context_ids fact ids
+   * of the same tenant whose K and V were in context when the captured
+   * slots were computed (kvinject/store.h, "Context and stale facts"): each
+   * stored, or captured earlier in the same call; or NULL with 0 (default). */
+  const uint64_t *context_ids;
+  int32_t num_context_ids; /* >= 0 */
 } kvi_capture;
 
 #define KVI_CAPTURE_INIT \
-  {sizeof(kvi_capture), 0, 0, NULL, 0, 0, 0, NULL, 0, 0u, NULL, KVI_DTYPE_FP32, KVI_MEMORY_HOST, NULL}
+  {sizeof(kvi_capture), 0, 0, NULL, 0, 0, 0, NULL, 0, 0u, NULL, KVI_DTYPE_FP32, KVI_MEMORY_HOST, NULL, NULL, 0}
 
 /* Fills *cap with KVI_CAPTURE_INIT for a struct of `size` bytes (pass sizeof *cap):
  * see "Size-versioned structs" in kvinject/common.h. */
@@ -475,7 +486,9 @@ KVI_API kvi_status kvi_capture_init(kvi_capture *cap, size_t size);
  * of them), or a launch fails, none is stored. caps: host array, all with the same struct_size.
  * Errors: as kvi_store_put and kvi_inject (KVI_ERR_EXISTS, KVI_ERR_CAPACITY,
  * KVI_ERR_INVALID_ARGUMENT (an unset RoPE layer too), ...); two captures of
- * one call with the same (tenant, fact id) are KVI_ERR_INVALID_ARGUMENT.
+ * one call with the same (tenant, fact id) are KVI_ERR_INVALID_ARGUMENT; a
+ * context id naming no fact of the tenant that is stored or captured earlier
+ * in the call is KVI_ERR_NOT_FOUND.
  */
 KVI_API kvi_status kvi_encode(kvi_encoder *encoder, const kvi_capture *caps, int32_t num_captures,
                               struct CUstream_st *stream);
@@ -524,11 +537,17 @@ typedef struct kvi_encode_batch {
    * token, capture 0's first (capture i's at the offset of its first token
    * in the call, as positions), as kvi_capture.token_ids; or NULL: none. */
   const int32_t *token_ids;
+  /* Experimental: host: the captures' contexts as CSR, capture i's
+   * context_ids[context_offsets[i] .. context_offsets[i + 1]) (offsets
+   * num_captures + 1 entries, non-decreasing, from >= 0), as
+   * kvi_capture.context_ids; or both NULL (default): none. */
+  const uint64_t *context_ids;
+  const int32_t *context_offsets;
 } kvi_encode_batch;
 
 #define KVI_ENCODE_BATCH_INIT                                                                                 \
   {sizeof(kvi_encode_batch), 0, 0, NULL, NULL, NULL, NULL, 0, 0, NULL, NULL, 32, NULL, NULL, 0, 0u, NULL, \
-   KVI_DTYPE_FP32, KVI_MEMORY_HOST, 0, NULL}
+   KVI_DTYPE_FP32, KVI_MEMORY_HOST, 0, NULL, NULL, NULL}
 
 /* Fills *batch with KVI_ENCODE_BATCH_INIT for a struct of `size` bytes (pass sizeof *batch):
  * see "Size-versioned structs" in kvinject/common.h. */

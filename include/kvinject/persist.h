@@ -8,9 +8,11 @@
  * resolved RoPE of every layer, storage dtype, embedding size), a snapshot of
  * facts closed by an end record, and optionally a log of later changes. Every
  * part carries a CRC32C; facts keep their token ids (kvinject/store.h,
- * "Token ids"). docs/store-format.md describes the format byte by byte; the
- * format version is 2, and files of version 1 (facts without token ids)
- * still load; KVI_LOAD_JOURNAL makes such a file version 2.
+ * "Token ids"), their context and stale flag (kvinject/store.h, "Context and
+ * stale facts": a loaded store refuses the facts the saved one refused).
+ * docs/store-format.md describes the format byte by byte; the format version
+ * is 3, and files of versions 1 (facts without token ids) and 2 (without
+ * contexts) still load; KVI_LOAD_JOURNAL makes such a file version 3.
  *
  * Two ways to make a store durable:
  * - kvi_store_save writes a snapshot to a new file and renames it over the
@@ -182,7 +184,7 @@ KVI_API kvi_status kvi_store_load(kvi_store **out, const kvi_model *model, const
  * Makes `store` durable in the file `path` (host memory, a NUL-terminated
  * path): writes a snapshot of its current state as kvi_store_save does, then
  * keeps the file open and locked as the store's journal. From then on each
- * successful kvi_store_put, kvi_store_remove and kvi_encode on the store
+ * successful kvi_store_put, kvi_store_remove (kvi_store_remove_ex) and kvi_encode on the store
  * appends its change (one record per fact; an encode call's captures as one
  * all-or-nothing group) and flushes it before returning KVI_OK. If appending
  * or flushing fails, that call fails with KVI_ERR_IO and changes nothing in

@@ -162,6 +162,35 @@
  * basis 0xcbf29ce484222325, prime 0x100000001b3; each id contributes its 4
  * bytes, least significant first), so that a client computes the same value.
  * A fact without token ids has hash 0.
+ *
+ * Context and stale facts (experimental). A fact's K and V may have been
+ * computed with other facts of its tenant in context (an encoding that puts
+ * a user's earlier facts before each new one): their information then lives
+ * on in its K and V. A fact may record those facts' ids, its context: given
+ * to kvi_store_put (kvi_put_options.context_ids) or kvi_encode
+ * (kvi_capture.context_ids, kvi_encode_batch.context_ids), kept in host
+ * memory on every backend, replaced with the fact (KVI_PUT_REPLACE), freed
+ * with it, written to store files and journals (kvinject/persist.h), and
+ * read back by kvi_store_fact_context. Each context id must name a fact of
+ * the same tenant that is stored when the call is made, or that the same
+ * call stores before it (an earlier capture or item of the call), and not
+ * the fact itself: else the call fails and stores nothing.
+ * Removing a fact makes stale, so that forgetting holds by construction,
+ * every fact of its tenant whose context names it, and then every fact
+ * whose context names a stale fact, until none is left (kvi_store_remove;
+ * kvi_store_remove_ex with KVI_REMOVE_KEEP_DEPENDENTS removes the fact
+ * alone). A fact stored with a stale fact in its context is stale from the
+ * start. A stale fact stays stored and readable (kvi_store_read), but every
+ * call that reads K and V for serving (kvi_inject, kvi_inject_batched,
+ * kvi_retrieve_inject) refuses it with KVI_ERR_STALE and writes nothing;
+ * calls that take fact ids in device memory, and retrieval (whose search
+ * may pick any fact), refuse a tenant that has stale facts. A stale fact
+ * becomes fresh only when it is put again (KVI_PUT_REPLACE, or a capture
+ * with KVI_PUT_REPLACE) with a context free of stale facts; kvi_store_stale
+ * lists a tenant's stale facts, the ones to encode again (or remove).
+ * Replacing a fact does not make the facts that name it stale: a caller that
+ * supersedes a fact's content removes it first. The stale flag is written
+ * to store files and journals: a reloaded store refuses the same facts.
  */
 #ifndef KVINJECT_STORE_H
 #define KVINJECT_STORE_H
@@ -330,9 +359,14 @@ typedef struct kvi_put_options {
    * kv->num_tokens of them, kept by the store with their hash (see "Token
    * ids" below); or NULL (default): a fact without token ids. */
   const int32_t *token_ids;
+  /* Experimental: host memory, the fact's context (see "Context and stale
+   * facts" below), num_context_ids fact ids of the same tenant; or NULL with
+   * num_context_ids 0 (default): none. */
+  const uint64_t *context_ids;
+  int32_t num_context_ids; /* >= 0 */
 } kvi_put_options;
 
-#define KVI_PUT_OPTIONS_INIT {sizeof(kvi_put_options), 0u, NULL, KVI_DTYPE_FP32, KVI_MEMORY_HOST, NULL}
+#define KVI_PUT_OPTIONS_INIT {sizeof(kvi_put_options), 0u, NULL, KVI_DTYPE_FP32, KVI_MEMORY_HOST, NULL, NULL, 0}
 
 /* Fills *opts with KVI_PUT_OPTIONS_INIT for a struct of `size` bytes (pass sizeof *opts):
  * see "Size-versioned structs" in kvinject/common.h. */
@@ -355,12 +389,15 @@ KVI_API kvi_status kvi_put_options_init(kvi_put_options *opts, size_t size);
  * Errors: KVI_ERR_INVALID_ARGUMENT (NULL, num_tokens < 1, negative strides, a
  * view whose extent overflows, unknown flags, an embedding containing NaN or
  * infinity or a value too large for the store's embedding_dtype, an embedding
- * given to a store without embeddings or missing from one with),
+ * given to a store without embeddings or missing from one with,
+ * num_context_ids < 0, context_ids NULL with num_context_ids > 0, a context id
+ * equal to fact_id),
  * KVI_ERR_STRUCT_SIZE, KVI_ERR_MISMATCH (layers, heads, head size,
  * or an FP8 or Q4 dtype; a value that is no kvi_dtype is KVI_ERR_INVALID_ARGUMENT),
  * KVI_ERR_MEMORY_KIND (device memory declared as
  * host or the reverse, where detectable; device memory given to a CPU store;
- * memory of another device), KVI_ERR_EXISTS (key present, no
+ * memory of another device), KVI_ERR_NOT_FOUND (a context id that names no
+ * stored fact of the tenant), KVI_ERR_EXISTS (key present, no
  * KVI_PUT_REPLACE), KVI_ERR_CAPACITY (not enough free pages; with
  * KVI_PUT_REPLACE the new copy is written before the old one is freed, so it
  * needs room for both), KVI_ERR_OUT_OF_MEMORY (including the tenant's
@@ -417,8 +454,52 @@ KVI_API kvi_status kvi_store_get_embedding(const kvi_store *store, uint64_t tena
 /* Removes a fact and returns its pages to the pool: at once, or on a CUDA
  * store with device work of the store still in flight, once that work has
  * completed (see the note on in-flight work above). It waits for nothing.
+ * The facts of the tenant whose context names it become stale, and those
+ * that name a stale fact, transitively (see "Context and stale facts").
  * Errors: KVI_ERR_INVALID_ARGUMENT, KVI_ERR_NOT_FOUND. */
 KVI_API kvi_status kvi_store_remove(kvi_store *store, uint64_t tenant, uint64_t fact_id);
+
+#ifdef KVI_ENABLE_EXPERIMENTAL
+/* kvi_store_remove_ex flags */
+#define KVI_REMOVE_KEEP_DEPENDENTS 0x1u /* remove the fact alone: no fact becomes stale */
+
+/*
+ * kvi_store_remove with flags: 0 is kvi_store_remove; KVI_REMOVE_KEEP_DEPENDENTS
+ * removes the fact and leaves every other fact as it was (the caller takes on
+ * that facts computed with it in context keep its information).
+ * Thread rules: as kvi_store_remove. Errors (nothing removed, nothing made
+ * stale): KVI_ERR_INVALID_ARGUMENT (NULL store, unknown flag bits),
+ * KVI_ERR_NOT_FOUND, and the journal's errors (kvinject/persist.h).
+ */
+KVI_EXPERIMENTAL kvi_status kvi_store_remove_ex(kvi_store *store, uint64_t tenant, uint64_t fact_id, uint32_t flags);
+
+/*
+ * A fact's context (see "Context and stale facts"): writes its context ids,
+ * in the order they were given, to out_ids (host memory, capacity entries;
+ * may be NULL when capacity is 0), their count to *out_num and, when
+ * out_stale is not NULL, 1 to *out_stale for a stale fact, else 0 (host
+ * memory). Call with capacity 0 to size out_ids (*out_num is written, the
+ * call fails with KVI_ERR_CAPACITY when the fact has ids). No device work.
+ * Errors: KVI_ERR_INVALID_ARGUMENT (NULL store or out_num, capacity < 0,
+ * out_ids NULL with capacity > 0), KVI_ERR_NOT_FOUND (nothing written),
+ * KVI_ERR_CAPACITY (capacity smaller than the count: only *out_num and
+ * *out_stale written).
+ */
+KVI_EXPERIMENTAL kvi_status kvi_store_fact_context(const kvi_store *store, uint64_t tenant, uint64_t fact_id,
+                                                   uint64_t *out_ids, int32_t capacity, int32_t *out_num,
+                                                   int32_t *out_stale);
+
+/*
+ * Lists `tenant`'s stale facts (see "Context and stale facts") in ascending
+ * order of id, as kvi_store_list lists its facts: the first min(capacity, n)
+ * to ids (host memory; may be NULL when capacity is 0), n to *out_total (host
+ * memory); 0 for a tenant the store has never seen. No device work.
+ * Errors: KVI_ERR_INVALID_ARGUMENT (NULL store or out_total, ids NULL with
+ * capacity > 0), KVI_ERR_OUT_OF_MEMORY.
+ */
+KVI_EXPERIMENTAL kvi_status kvi_store_stale(const kvi_store *store, uint64_t tenant, uint64_t *ids, size_t capacity,
+                                            size_t *out_total);
+#endif
 
 /* Number of facts of `tenant` into *out_count (host memory); 0 for a tenant
  * the store has never seen. Errors: KVI_ERR_INVALID_ARGUMENT. */
@@ -503,10 +584,12 @@ typedef struct kvi_store_stats {
   uint64_t pages_host_used; /* includes host pages waiting as pages_used's do */
   uint64_t promotions;      /* facts moved host -> device since creation */
   uint64_t demotions;       /* facts moved device -> host since creation */
+  uint64_t facts_stale;     /* experimental: stale facts of every tenant (see
+                               "Context and stale facts"), counted in facts */
 } kvi_store_stats;
 
 #define KVI_STORE_STATS_INIT                                                                                     \
-  {sizeof(kvi_store_stats), KVI_BACKEND_AUTO, 0, KVI_ENUM_ZERO(kvi_dtype), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+  {sizeof(kvi_store_stats), KVI_BACKEND_AUTO, 0, KVI_ENUM_ZERO(kvi_dtype), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
 
 /* Fills *out (host memory). Errors: KVI_ERR_INVALID_ARGUMENT, KVI_ERR_STRUCT_SIZE. */
 KVI_API kvi_status kvi_store_stats_get(const kvi_store *store, kvi_store_stats *out);

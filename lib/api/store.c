@@ -2,7 +2,7 @@
  * Entry points of the store part (kvinject/store.h, and
  * kvi_store_embedding_rank of kvinject/comm.h); kvi_store_create is the tp
  * part's (lib/api/tp.c). Calls that may touch the store's device make it
- * current first; count, list, stats, fact_tokens and fact_token_ids read host state only
+ * current first; count, list, stats, fact_tokens, fact_token_ids, fact_context and stale read host state only
  * and enter no device.
  * SPDX-License-Identifier: Apache-2.0
  */
@@ -44,8 +44,27 @@ KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant_id, uint64_t 
 KVI_API kvi_status kvi_store_remove(kvi_store *store, uint64_t tenant_id, uint64_t fact_id) {
   static const char fn[] = "kvi_store_remove";
   kvi_status st;
-  KVI__API_ON(st, kvi__store_device(store), fn, kvi__store_remove(store, tenant_id, fact_id, fn));
+  KVI__API_ON(st, kvi__store_device(store), fn, kvi__store_remove(store, tenant_id, fact_id, 0, fn));
   return st;
+}
+
+KVI_EXPERIMENTAL kvi_status kvi_store_remove_ex(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, uint32_t flags) {
+  static const char fn[] = "kvi_store_remove_ex";
+  kvi_status st;
+  KVI__API_ON(st, kvi__store_device(store), fn, kvi__store_remove(store, tenant_id, fact_id, flags, fn));
+  return st;
+}
+
+KVI_EXPERIMENTAL kvi_status kvi_store_fact_context(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id,
+                                                   uint64_t *out_ids, int32_t capacity, int32_t *out_num,
+                                                   int32_t *out_stale) {
+  return kvi__store_fact_context(store, tenant_id, fact_id, out_ids, capacity, out_num, out_stale,
+                                 "kvi_store_fact_context");
+}
+
+KVI_EXPERIMENTAL kvi_status kvi_store_stale(const kvi_store *store, uint64_t tenant_id, uint64_t *ids, size_t capacity,
+                                            size_t *out_total) {
+  return kvi__store_stale(store, tenant_id, ids, capacity, out_total, "kvi_store_stale");
 }
 
 KVI_API kvi_status kvi_store_read(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *dst,

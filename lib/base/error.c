@@ -31,6 +31,7 @@ const char *kvi__status_string(kvi_status status) {
   case KVI_ERR_IO: return "I/O error";
   case KVI_ERR_PEER: return "failed on another rank";
   case KVI_ERR_TOKEN_MISMATCH: return "token ids differ";
+  case KVI_ERR_STALE: return "fact is stale";
   }
   return "unknown status";
 }

@@ -111,10 +111,11 @@ void kvi__persist_entry_header(unsigned char *h, uint32_t kind, uint64_t file_id
 
 /* Writes a PUT record for a fact whose data is in `pages` (store lock held). */
 kvi_status kvi__persist_fill_put(const kvi_store *s, unsigned char *rec, uint64_t tenant, uint64_t id, int32_t tokens,
-                                 const uint32_t *pages, const float *emb, const int32_t *ids, const char *fn) {
-  const uint64_t payload = put_payload(s, tokens, ids != NULL);
+                                 const uint32_t *pages, const float *emb, const int32_t *ids, const uint64_t *ctx,
+                                 int32_t nctx, bool stale, const char *fn) {
+  const uint64_t payload = put_payload(s, tokens, ids != NULL, nctx);
   memset(rec, 0, (size_t)(REC_HDR + pad8(payload)));
-  put32(rec, ids ? OP_PUT | REC_TOKEN_IDS : OP_PUT);
+  put32(rec, OP_PUT | (ids ? REC_TOKEN_IDS : 0u) | (nctx > 0 ? REC_CONTEXT : 0u));
   put32(rec + 4, (uint32_t)tokens);
   put64(rec + 8, tenant);
   put64(rec + 16, id);
@@ -129,6 +130,12 @@ kvi_status kvi__persist_fill_put(const kvi_store *s, unsigned char *rec, uint64_
                          p + plane);
   const size_t sb = (size_t)scale_bytes((uint64_t)tokens, s->scale_bytes ? s->P : 0, s->scale_bytes);
   for (int32_t i = 0; ids && i < tokens; i++) put32(p + 2 * plane + sb + 4 * (size_t)i, (uint32_t)ids[i]);
+  if (nctx > 0) {
+    unsigned char *c = p + 2 * plane + sb + (ids ? 4 * (size_t)tokens : 0);
+    put32(c, (uint32_t)nctx);
+    put32(c + 4, stale ? 1u : 0u);
+    for (int32_t i = 0; i < nctx; i++) put64(c + 8 + 8 * (size_t)i, ctx[i]);
+  }
   if (!sb) return kvi__store_read_pages(s, pages, tokens, &v, NULL, fn);
   unsigned char *scales = malloc(sb);
   if (!scales) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes of scales", sb);

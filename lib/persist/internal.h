@@ -33,7 +33,7 @@ typedef struct kvi__journal kvi__journal;
 static const unsigned char FILE_MAGIC[8] = {'K', 'V', 'I', 'S', 'T', 'O', 'R', 'E'};
 
 enum {
-  FORMAT_VERSION = 2,     /* written; 1 (facts without token ids) is read too */
+  FORMAT_VERSION = 3,     /* written; 1 (facts without token ids) and 2 (without contexts) are read too */
   FORMAT_VERSION_MIN = 1,
   HDR_FIXED = 88,  /* file header before the RoPE entries */
   ROPE_BYTES = 88, /* one layer's RoPE */
@@ -45,6 +45,8 @@ enum {
   OP_PUT = 1,
   OP_REMOVE = 2,
   REC_TOKEN_IDS = 0x10000, /* version 2: a PUT record's type word has it when its payload ends with the token ids */
+  REC_CONTEXT = 0x20000,   /* version 3: a PUT record's type word has it when its payload ends with the context */
+  REC_KEEP_DEPENDENTS = 0x40000, /* version 3: a REMOVE record's, for a removal that made nothing stale */
   MAX_LAYERS = 65536,
 };
 #define ENDIAN_MARK 0x01020304u
@@ -91,16 +93,21 @@ static inline uint64_t scale_bytes(uint64_t tokens, int32_t P, uint64_t page_sca
   return P > 0 ? (tokens + (uint64_t)P - 1u) / (uint64_t)P * page_scale : 0u;
 }
 
+/* The context section of a fact with nctx > 0 context ids: their count
+ * (u32), its stale flag (u32: 0 or 1), the ids (u64); 0 bytes without. */
+static inline uint64_t context_bytes(int32_t nctx) { return nctx > 0 ? 8u + 8u * (uint64_t)nctx : 0u; }
+
 /* A stored fact's record payload: embedding, then K, then V, then
  * (quantized stores) the scales, then (ids: a fact with token ids) its token
- * ids as int32. */
-static inline uint64_t put_payload(const kvi_store *s, int32_t tokens, bool ids) {
+ * ids as int32, then (nctx > 0) its context section. */
+static inline uint64_t put_payload(const kvi_store *s, int32_t tokens, bool ids, int32_t nctx) {
   return (uint64_t)s->emb_dim * 4u + (uint64_t)tokens * token_bytes(s) +
-         scale_bytes((uint64_t)tokens, s->scale_bytes ? s->P : 0, s->scale_bytes) + (ids ? (uint64_t)tokens * 4u : 0u);
+         scale_bytes((uint64_t)tokens, s->scale_bytes ? s->P : 0, s->scale_bytes) + (ids ? (uint64_t)tokens * 4u : 0u) +
+         context_bytes(nctx);
 }
 
-static inline uint64_t put_record_bytes(const kvi_store *s, int32_t tokens, bool ids) {
-  return REC_HDR + pad8(put_payload(s, tokens, ids));
+static inline uint64_t put_record_bytes(const kvi_store *s, int32_t tokens, bool ids, int32_t nctx) {
+  return REC_HDR + pad8(put_payload(s, tokens, ids, nctx));
 }
 
 /* The RoPE entries of a file header for n_layers layers (format.c). */
@@ -112,9 +119,10 @@ unsigned char *kvi__persist_make_header(const kvi_store *s, uint64_t file_id, si
 void kvi__persist_entry_header(unsigned char *h, uint32_t kind, uint64_t file_id, uint64_t seq, uint64_t body_bytes,
                                uint32_t count, uint32_t body_crc);
 /* A PUT record (put_record_bytes) of a fact whose data is in `pages`, with
- * its token ids (NULL: none). */
+ * its token ids (NULL: none) and its context (nctx ids, stale flag; 0: none). */
 kvi_status kvi__persist_fill_put(const kvi_store *s, unsigned char *rec, uint64_t tenant, uint64_t id, int32_t tokens,
-                                 const uint32_t *pages, const float *emb, const int32_t *ids, const char *fn);
+                                 const uint32_t *pages, const float *emb, const int32_t *ids, const uint64_t *ctx,
+                                 int32_t nctx, bool stale, const char *fn);
 
 /* ---- files (file.c) ----------------------------------------------------- */
 

@@ -24,7 +24,8 @@ static void journal_free(kvi__journal *j) {
 }
 
 static kvi_status journal_put(void *ctx, const kvi__txn *t);
-static kvi_status journal_remove(void *ctx, kvi_store *s, uint64_t tenant, uint64_t id, const char *fn);
+static kvi_status journal_remove(void *ctx, kvi_store *s, uint64_t tenant, uint64_t id, uint32_t flags,
+                                 const char *fn);
 static void journal_release(void *ctx) { journal_free(ctx); }
 
 /* The store's journal hooks (store/store.h), registered with a journal. */
@@ -162,7 +163,8 @@ static kvi_status journal_put(void *ctx, const kvi__txn *t) {
     return st; /* the pages are complete once the stream has passed */
   if ((st = journal_usable(j, fn))) return st;
   uint64_t body = 0;
-  for (int32_t i = 0; i < n; i++) body += put_record_bytes(s, t->facts[i].tokens, t->facts[i].ids != NULL);
+  for (int32_t i = 0; i < n; i++)
+    body += put_record_bytes(s, t->facts[i].tokens, t->facts[i].ids != NULL, t->facts[i].nctx);
   unsigned char *entry = ENTRY_HDR + body <= SIZE_MAX ? malloc((size_t)(ENTRY_HDR + body)) : NULL;
   if (!entry)
     return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a %llu-byte journal entry",
@@ -170,8 +172,9 @@ static kvi_status journal_put(void *ctx, const kvi__txn *t) {
   unsigned char *rec = entry + ENTRY_HDR;
   for (int32_t i = 0; i < n && st == KVI_OK; i++) {
     const kvi__txn_fact *x = &t->facts[i];
-    st = kvi__persist_fill_put(s, rec, x->tenant, x->id, x->tokens, kvi__txn_pages(t, i), x->emb, x->ids, fn);
-    rec += put_record_bytes(s, x->tokens, x->ids != NULL);
+    st = kvi__persist_fill_put(s, rec, x->tenant, x->id, x->tokens, kvi__txn_pages(t, i), x->emb, x->ids, x->ctx,
+                               x->nctx, x->stale, fn);
+    rec += put_record_bytes(s, x->tokens, x->ids != NULL, x->nctx);
   }
   if (st == KVI_OK) st = journal_append(j, entry, body, (uint32_t)n, fn);
   free(entry);
@@ -179,7 +182,8 @@ static kvi_status journal_put(void *ctx, const kvi__txn *t) {
 }
 
 /* The journal's remove hook. */
-static kvi_status journal_remove(void *ctx, kvi_store *s, uint64_t tenant, uint64_t id, const char *fn) {
+static kvi_status journal_remove(void *ctx, kvi_store *s, uint64_t tenant, uint64_t id, uint32_t flags,
+                                 const char *fn) {
   (void)s;
   kvi__journal *j = ctx;
   kvi_status st = journal_usable(j, fn);
@@ -187,7 +191,7 @@ static kvi_status journal_remove(void *ctx, kvi_store *s, uint64_t tenant, uint6
   unsigned char entry[ENTRY_HDR + REC_HDR];
   unsigned char *rec = entry + ENTRY_HDR;
   memset(rec, 0, REC_HDR);
-  put32(rec, OP_REMOVE);
+  put32(rec, OP_REMOVE | ((flags & KVI_REMOVE_KEEP_DEPENDENTS) ? REC_KEEP_DEPENDENTS : 0u));
   put64(rec + 8, tenant);
   put64(rec + 16, id);
   return journal_append(j, entry, REC_HDR, 1, fn);

@@ -272,7 +272,12 @@ static kvi_status check_tail(const loader *ld, uint64_t off, uint64_t want_seq, 
 
 typedef struct rec {
   uint32_t op;
-  bool ids; /* the payload ends with the fact's token ids */
+  bool ids; /* the payload ends with the fact's token ids (then its context, with ctx) */
+  bool ctx; /* the payload ends with the fact's context section */
+  bool keep; /* a removal that made nothing stale */
+  int32_t nctx;
+  bool stale;
+  const unsigned char *ctx_ids; /* nctx u64 ids */
   int32_t tokens;
   uint64_t tenant, id, payload;
   const unsigned char *data;
@@ -285,8 +290,19 @@ static kvi_status next_record(const loader *ld, const unsigned char *body, uint6
   if (len - *at < REC_HDR) return corrupt(ld, off, "record header past the end of its entry");
   const unsigned char *p = body + *at;
   r->op = get32(p);
-  r->ids = ld->version >= 2 && r->op == (OP_PUT | REC_TOKEN_IDS); /* else an unknown type below */
-  if (r->ids) r->op = OP_PUT;
+  const uint32_t put_bits = ld->version >= 3 ? REC_TOKEN_IDS | REC_CONTEXT : ld->version >= 2 ? REC_TOKEN_IDS : 0u;
+  r->ids = r->ctx = r->keep = false;
+  r->nctx = 0;
+  r->stale = false;
+  r->ctx_ids = NULL;
+  if ((r->op & 0xffffu) == OP_PUT && !(r->op & ~(0xffffu | put_bits))) { /* else an unknown type below */
+    r->ids = (r->op & REC_TOKEN_IDS) != 0;
+    r->ctx = (r->op & REC_CONTEXT) != 0;
+    r->op = OP_PUT;
+  } else if (ld->version >= 3 && r->op == (OP_REMOVE | REC_KEEP_DEPENDENTS)) {
+    r->keep = true;
+    r->op = OP_REMOVE;
+  }
   r->tokens = (int32_t)get32(p + 4);
   r->tenant = get64(p + 8);
   r->id = get64(p + 16);
@@ -308,6 +324,16 @@ static kvi_status next_record(const loader *ld, const unsigned char *body, uint6
       __builtin_add_overflow(want, scale_bytes((uint64_t)r->tokens, ld->P, ld->page_scale), &want) ||
       __builtin_add_overflow(want, r->ids ? (uint64_t)r->tokens * 4u : 0u, &want))
     return corrupt(ld, off, "fact record with %d tokens", (int)r->tokens);
+  if (r->ctx) { /* the context section's count and flag, then its ids */
+    if (want > room || room - want < 8u) return corrupt(ld, off, "context section past the end of its entry");
+    const uint32_t nc = get32(r->data + want), stale = get32(r->data + want + 4);
+    if (nc < 1 || nc > (uint32_t)INT32_MAX || stale > 1u)
+      return corrupt(ld, off, "context section of %u ids with stale flag %u", nc, stale);
+    r->nctx = (int32_t)nc;
+    r->stale = stale != 0;
+    r->ctx_ids = r->data + want + 8;
+    want += 8u + 8u * (uint64_t)nc; /* nc < 2^31: cannot wrap after a bound by room below */
+  }
   if (r->payload != want)
     return corrupt(ld, off, "fact record of %d tokens with %llu payload bytes; the geometry needs %llu", (int)r->tokens,
                    (unsigned long long)r->payload, (unsigned long long)want);
@@ -343,7 +369,8 @@ static kvi_status next_record(const loader *ld, const unsigned char *body, uint6
  * stored elements with the pages' scales, kept as they are; emb: the embedding as it was
  * kept, or NULL) through a transaction of its own. */
 static kvi_status load_fact(kvi_store *s, uint64_t tenant, uint64_t id, const kvi_kv_view *kv, const void *scales,
-                            const float *emb, const int32_t *ids, const char *fn) {
+                            const float *emb, const int32_t *ids, const uint64_t *ctx, int32_t nctx, bool stale,
+                            const char *fn) {
   kvi_kv_view v, w = *kv;
   if (scales) w.dtype = KVI_DTYPE_BF16; /* checked as a 2-byte view (a larger extent), then given its dtype back */
   kvi_status st = kvi__view_check(&v, &w, &s->geom, false, fn);
@@ -360,6 +387,7 @@ static kvi_status load_fact(kvi_store *s, uint64_t tenant, uint64_t id, const kv
   if (st == KVI_OK) st = kvi__txn_add(&t, tenant, id, v.num_tokens, 0, e);
   else free(e);
   if (st == KVI_OK) st = kvi__txn_token_ids(&t, ids);
+  if (st == KVI_OK) st = kvi__txn_context(&t, ctx, nctx, stale ? 1 : 0); /* as the file has it */
   if (st == KVI_OK) st = kvi__txn_take_pages(&t);
   if (st == KVI_OK) st = kvi__store_write_pages(s, kvi__txn_pages(&t, 0), &v, scales, NULL, fn);
   st = st == KVI_OK ? kvi__txn_commit(&t) : kvi__txn_abort(&t, st);
@@ -393,14 +421,14 @@ static kvi_status apply(const loader *ld, const rec *r, bool in_log, uint64_t eo
     if (!exists)
       return corrupt(ld, eoff, "removal of fact %llu of tenant %llu, which is not stored", (unsigned long long)r->id,
                      (unsigned long long)r->tenant);
-    return kvi__store_remove(ld->s, r->tenant, r->id, ld->fn);
+    return kvi__store_remove(ld->s, r->tenant, r->id, r->keep ? KVI_REMOVE_KEEP_DEPENDENTS : 0u, ld->fn);
   }
   if (exists) {
     if (!in_log)
       return corrupt(ld, eoff, "fact %llu of tenant %llu appears twice in the snapshot", (unsigned long long)r->id,
                      (unsigned long long)r->tenant);
     /* a replacement: room for one copy */
-    if ((st = kvi__store_remove(ld->s, r->tenant, r->id, ld->fn))) return st;
+    if ((st = kvi__store_remove(ld->s, r->tenant, r->id, KVI_REMOVE_KEEP_DEPENDENTS, ld->fn))) return st;
   }
   const unsigned char *k = r->data + (size_t)ld->E * 4u;
   const size_t plane = (size_t)r->tokens * (size_t)(ld->token_bytes / 2u);
@@ -411,19 +439,23 @@ static kvi_status apply(const loader *ld, const rec *r, bool in_log, uint64_t eo
   float *emb = ld->E ? malloc(eb) : NULL;
   unsigned char *scales = ld->P > 0 ? malloc(sb) : NULL;
   int32_t *ids = r->ids ? malloc((size_t)r->tokens * sizeof *ids) : NULL;
-  if ((ld->E && !emb) || (ld->P > 0 && !scales) || (r->ids && !ids)) {
+  uint64_t *ctx = r->nctx > 0 ? malloc((size_t)r->nctx * sizeof *ctx) : NULL;
+  if ((ld->E && !emb) || (ld->P > 0 && !scales) || (r->ids && !ids) || (r->nctx > 0 && !ctx)) {
     free(emb);
     free(scales);
     free(ids);
+    free(ctx);
     return kvi__fail(KVI_ERR_OUT_OF_MEMORY, ld->fn, "allocating %zu bytes", eb + sb + (size_t)r->tokens * 4u);
   }
   if (emb) memcpy(emb, r->data, eb);
   if (scales) memcpy(scales, k + 2 * plane, sb); /* stored elements and scales as they were */
   for (int32_t i = 0; ids && i < r->tokens; i++) ids[i] = (int32_t)get32(k + 2 * plane + sb + 4 * (size_t)i);
-  st = load_fact(ld->s, r->tenant, r->id, &v, scales, emb, ids, ld->fn);
+  for (int32_t i = 0; i < r->nctx; i++) ctx[i] = get64(r->ctx_ids + 8 * (size_t)i);
+  st = load_fact(ld->s, r->tenant, r->id, &v, scales, emb, ids, ctx, r->nctx, r->stale, ld->fn);
   free(emb);
   free(scales);
   free(ids);
+  free(ctx);
   if (st) {
     char msg[400];
     snprintf(msg, sizeof msg, "%s", kvi__last_error());

@@ -52,7 +52,7 @@ static kvi_status write_snapshot(const kvi_store *s, writer *w, uint64_t file_id
   size_t cap = 0;
   for (size_t i = 0; i < n && st == KVI_OK; i++) {
     const fact *f = facts[i];
-    const uint64_t body = put_record_bytes(s, f->tokens, f->token_ids != NULL);
+    const uint64_t body = put_record_bytes(s, f->tokens, f->token_ids != NULL, f->ncontext);
     if (ENTRY_HDR + body > cap) {
       unsigned char *nb = realloc(buf, (size_t)(ENTRY_HDR + body));
       if (!nb) {
@@ -64,7 +64,8 @@ static kvi_status write_snapshot(const kvi_store *s, writer *w, uint64_t file_id
       cap = (size_t)(ENTRY_HDR + body);
     }
     if (s->emb_dim > 0 && (st = kvi__store_fact_embedding(s, f, emb, fn))) break;
-    st = kvi__persist_fill_put(s, buf + ENTRY_HDR, f->tenant_id, f->id, f->tokens, f->pages, emb, f->token_ids, fn);
+    st = kvi__persist_fill_put(s, buf + ENTRY_HDR, f->tenant_id, f->id, f->tokens, f->pages, emb, f->token_ids, f->context,
+                              f->ncontext, f->stale, fn);
     if (st) break;
     const uint32_t crc = kvi__crc32c(0, buf + ENTRY_HDR, (size_t)body);
     kvi__persist_entry_header(buf, KIND_FACTS, file_id, seq++, body, 1, crc);
@@ -72,7 +73,7 @@ static kvi_status write_snapshot(const kvi_store *s, writer *w, uint64_t file_id
     unsigned char c4[4];
     put32(c4, crc);
     chain = kvi__crc32c(chain, c4, 4);
-    payload_total += put_payload(s, f->tokens, f->token_ids != NULL);
+    payload_total += put_payload(s, f->tokens, f->token_ids != NULL, f->ncontext);
   }
   free(buf);
   free(facts);

@@ -15,6 +15,7 @@ static void unlink_fact(kvi_store *s, fact *f) {
   if (f->next) f->next->prev = f->prev;
   if (s->emb_dim > 0) kvi__emb_remove(s, t, f);
   t->count--;
+  if (f->stale) t->stale--, s->index.stale--;
   if (t->count == 0 && t->pending == 0) { /* a replace keeps the tenant: its new fact is pending */
     kvi__map_del(&s->index.tenants, t->id, 0);
     kvi__emb_free(s, t, true);
@@ -71,6 +72,7 @@ void kvi__fact_commit(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, ten
   if (t->head) t->head->prev = f;
   t->head = f;
   t->count++;
+  if (f->stale) t->stale++, s->index.stale++;
   f->hpages = NULL;
   f->in_lru = false;
   f->pins = 0;
@@ -123,6 +125,7 @@ kvi_status kvi__store_put_views(kvi_store *store, kvi__put_item *items, int32_t 
                       items[added].emb);
     items[added].emb = NULL; /* the transaction's */
     if (st == KVI_OK) st = kvi__txn_token_ids(&t, items[added].ids);
+    if (st == KVI_OK) st = kvi__txn_context(&t, items[added].ctx, items[added].nctx, -1);
   }
   if (st == KVI_OK) st = kvi__txn_take_pages(&t);
   bool copied = false;
@@ -155,6 +158,14 @@ kvi_status kvi__store_put_args(const kvi_store *store, const kvi_kv_view *v, con
   if (o->token_ids && (st = kvi__check_memory(o->token_ids, KVI_MEMORY_HOST, store->backend == KVI_BACKEND_CUDA,
                                               store->device, fn, "opts->token_ids")))
     return st;
+  if (o->num_context_ids < 0 || (o->num_context_ids > 0 && !o->context_ids))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, o->num_context_ids < 0 ? "opts->num_context_ids is %d"
+                                                                          : "opts->context_ids is NULL with num_context_ids %d",
+                     (int)o->num_context_ids);
+  if (o->context_ids && o->num_context_ids > 0 &&
+      (st = kvi__check_memory(o->context_ids, KVI_MEMORY_HOST, store->backend == KVI_BACKEND_CUDA, store->device, fn,
+                              "opts->context_ids")))
+    return st;
   return kvi__store_read_embedding(store, o->embedding, o->embedding_dtype, o->embedding_memory, stream, emb, fn);
 }
 
@@ -167,18 +178,44 @@ kvi_status kvi__store_put(kvi_store *store, uint64_t tenant_id, uint64_t fact_id
   kvi_put_options o;
   float *emb = NULL;
   if ((st = kvi__store_put_args(store, &v, opts, &o, &emb, stream, fn))) return st;
-  kvi__put_item it = {tenant_id, fact_id, &v, o.flags, emb, o.token_ids};
+  kvi__put_item it = {tenant_id, fact_id, &v, o.flags, emb, o.token_ids, o.context_ids, o.num_context_ids};
   return kvi__store_put_views(store, &it, 1, stream, NULL, fn);
 }
 
-kvi_status kvi__store_remove(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const char *fn) {
+/* Makes stale the facts of `tenant_id` whose context names `removed` or a
+ * stale fact, until none is left (a fixed point: each pass goes over the
+ * tenant's fresh facts once). */
+static void mark_dependents(kvi_store *s, uint64_t tenant_id, uint64_t removed) {
+  tenant *t = kvi__store_tenant(s, tenant_id);
+  for (bool changed = t != NULL; changed;) {
+    changed = false;
+    for (fact *f = t->head; f; f = f->next) {
+      if (f->stale) continue;
+      for (int32_t k = 0; k < f->ncontext; k++) {
+        const fact *g = f->context[k] == removed ? NULL : kvi__store_find(s, tenant_id, f->context[k]);
+        if (f->context[k] == removed || (g && g->stale)) {
+          f->stale = true;
+          t->stale++, s->index.stale++;
+          changed = true;
+          break;
+        }
+      }
+    }
+  }
+}
+
+kvi_status kvi__store_remove(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, uint32_t flags, const char *fn) {
   if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
+  if (flags & ~KVI_REMOVE_KEEP_DEPENDENTS)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "flags has unknown bits 0x%x", flags & ~KVI_REMOVE_KEEP_DEPENDENTS);
   kvi__store_lock(store);
   fact *f = kvi__store_find(store, tenant_id, fact_id);
-  const kvi_status st =
-      f && store->journal.ops ? store->journal.ops->remove(store->journal.ctx, store, tenant_id, fact_id, fn) : KVI_OK;
+  const kvi_status st = f && store->journal.ops
+                            ? store->journal.ops->remove(store->journal.ctx, store, tenant_id, fact_id, flags, fn)
+                            : KVI_OK;
   if (f && st == KVI_OK) {
     unlink_fact(store, f);
+    if (!(flags & KVI_REMOVE_KEEP_DEPENDENTS)) mark_dependents(store, tenant_id, fact_id);
     /* its pages wait for the device work tracked so far (kvi__pool_release);
      * when that has completed they go back now, not at the next put's
      * kvi__pool_room: a query of the tracker's events, which waits for

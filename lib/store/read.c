@@ -3,6 +3,7 @@
  * the tenants' counts and lists, the statistics.
  * SPDX-License-Identifier: Apache-2.0
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -128,6 +129,7 @@ kvi_status kvi__store_stats_get(const kvi_store *store, kvi_store_stats *out, co
   s.demotions = store->tier.demotions;
   s.facts = store->index.facts.len;
   s.tenants = store->index.tenants.len;
+  s.facts_stale = store->index.stale;
   /* the bytes of stored tokens, plus (quantized stores) the scales of their pages */
   const uint64_t token_bytes = kvi__dtype_bytes(store->dtype, store->page_elems / (uint64_t)store->P);
   s.bytes_payload = store->index.tokens_stored * token_bytes +
@@ -137,4 +139,75 @@ kvi_status kvi__store_stats_get(const kvi_store *store, kvi_store_stats *out, co
   s.bytes_reserved = s.pages_total * s.page_bytes;
   s.bytes_used = s.pages_used * s.page_bytes;
   return kvi__write_struct(out, &s, sizeof s, STORE_STATS_V1, fn, "out");
+}
+
+kvi_status kvi__store_fact_context(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, uint64_t *out_ids,
+                                   int32_t capacity, int32_t *out_num, int32_t *out_stale, const char *fn) {
+  if (!store || !out_num)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_num" : "store");
+  if (capacity < 0 || (capacity > 0 && !out_ids))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, capacity < 0 ? "capacity is %d" : "out_ids is NULL with capacity %d",
+                     (int)capacity);
+  kvi__store_lock(store);
+  const fact *f = kvi__map_get(&store->index.facts, tenant_id, fact_id);
+  kvi_status st = KVI_OK;
+  if (!f) {
+    st = kvi__store_not_found(fn, tenant_id, fact_id);
+  } else {
+    *out_num = f->ncontext;
+    if (out_stale) *out_stale = f->stale ? 1 : 0;
+    if (f->ncontext > capacity)
+      st = kvi__fail(KVI_ERR_CAPACITY, fn, "fact %llu of tenant %llu has %d context ids, out_ids holds %d",
+                     (unsigned long long)fact_id, (unsigned long long)tenant_id, (int)f->ncontext, (int)capacity);
+    else if (f->ncontext > 0)
+      memcpy(out_ids, f->context, (size_t)f->ncontext * sizeof *out_ids);
+  }
+  kvi__store_unlock(store);
+  return st;
+}
+
+kvi_status kvi__store_stale(const kvi_store *store, uint64_t tenant_id, uint64_t *ids, size_t capacity,
+                            size_t *out_total, const char *fn) {
+  if (!store || !out_total)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_total" : "store");
+  if (capacity > 0 && !ids) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "ids is NULL and capacity is %zu", capacity);
+  kvi_status st = KVI_OK;
+  kvi__store_lock(store);
+  const tenant *t = kvi__map_get(&store->index.tenants, tenant_id, 0);
+  const size_t n = t ? t->stale : 0;
+  if (capacity > 0 && n > 0) {
+    uint64_t *all = malloc(n * sizeof *all);
+    if (!all) {
+      st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu ids", n);
+    } else {
+      size_t i = 0;
+      for (const fact *f = t->head; f && i < n; f = f->next)
+        if (f->stale) all[i++] = f->id;
+      qsort(all, n, sizeof *all, cmp_u64);
+      memcpy(ids, all, (capacity < n ? capacity : n) * sizeof *ids);
+      free(all);
+    }
+  }
+  kvi__store_unlock(store);
+  if (st == KVI_OK) *out_total = n;
+  return st;
+}
+
+kvi_status kvi__store_stale_fail(const fact *f, int32_t r, const char *fn) {
+  char at[32] = "";
+  if (r >= 0) snprintf(at, sizeof at, "request %d: ", (int)r);
+  return kvi__fail(KVI_ERR_STALE, fn,
+                   "%sfact %llu of tenant %llu is stale: a fact in its context was removed; encode it again "
+                   "(KVI_PUT_REPLACE) or remove it (kvi_store_stale lists them)",
+                   at, (unsigned long long)f->id, (unsigned long long)f->tenant_id);
+}
+
+kvi_status kvi__store_tenant_fresh(const tenant *t, int32_t r, const char *fn) {
+  if (!t || t->stale == 0) return KVI_OK;
+  char at[32] = "";
+  if (r >= 0) snprintf(at, sizeof at, "request %d: ", (int)r);
+  return kvi__fail(KVI_ERR_STALE, fn,
+                   "%stenant %llu has %zu stale facts, which this call cannot tell apart from the others (device fact "
+                   "ids, or a search); encode them again or remove them (kvi_store_stale lists them)",
+                   at, (unsigned long long)t->id, t->stale);
 }

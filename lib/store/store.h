@@ -58,6 +58,12 @@ typedef struct fact {
    * (kvi__token_hash), or NULL and 0: stored without them. */
   int32_t *token_ids;
   uint64_t token_hash;
+  /* Its context (kvinject/store.h, "Context and stale facts"): ncontext
+   * fact ids of its tenant (host memory, owned; NULL and 0 without), and
+   * whether it is stale (counted in its tenant's and the index's `stale`). */
+  uint64_t *context;
+  int32_t ncontext;
+  bool stale;
 } fact;
 
 /* A tenant's embeddings (stores with embedding_dim > 0): row r < nrows of the
@@ -79,6 +85,7 @@ struct tenant {
   size_t cap;     /* rows allocated */
   size_t pending; /* rows reserved by the call holding the lock (kvi__emb_reserve_rows, a transaction) */
   int32_t max_tokens; /* the largest fact it has held (never lowered) */
+  size_t stale;       /* its stale facts */
   /* The directory of a store with emb.dir_on (kernels.h, kvi__rquery): [cap] rows
    * of dir_stride words, in device memory, changed with the matrix. */
   uint32_t *dir;
@@ -105,6 +112,7 @@ typedef struct kvi__store_index {
   kvi__map tenants; /* (tenant, 0) -> tenant */
   uint64_t tokens_stored;
   uint64_t pages_stored; /* pages of stored facts (kvi_store_stats.bytes_payload) */
+  uint64_t stale;        /* stale facts (kvi_store_stats.facts_stale) */
 } kvi__store_index;
 
 /* The tiers of a tiered store (tiers.c). */
@@ -409,6 +417,9 @@ typedef struct kvi__txn_fact {
   uint32_t npages, first; /* its page ids: the transaction's pages[first, first + npages) */
   float *emb;             /* emb_dim fp32 values as the store keeps them, or NULL; owned */
   int32_t *ids;           /* its token ids (tokens of them), or NULL; owned (kvi__txn_token_ids) */
+  uint64_t *ctx;          /* its context (nctx ids), or NULL; owned (kvi__txn_context) */
+  int32_t nctx;
+  bool stale;             /* it is stored stale (kvi__txn_context) */
   pool *into;             /* the pool its pages came from */
   fact *f;                /* records, allocated by kvi__txn_prepare */
   uint32_t *pages;
@@ -437,6 +448,12 @@ kvi_status kvi__txn_add(kvi__txn *t, uint64_t tenant_id, uint64_t fact_id, int32
 /* Gives the fact added last a copy of its token ids (`tokens` of them;
  * NULL: none), kept by the fact once committed. */
 kvi_status kvi__txn_token_ids(kvi__txn *t, const int32_t *ids);
+/* Gives the fact added last a copy of its context (n ids; NULL and 0:
+ * none). stale < 0: each id must name a fact of its tenant that the store
+ * holds or that the transaction added before it (else KVI_ERR_NOT_FOUND;
+ * its own id is KVI_ERR_INVALID_ARGUMENT), and the fact is stale when one of
+ * them is; 0 or 1: the flag as given, the ids unchecked (a store file's). */
+kvi_status kvi__txn_context(kvi__txn *t, const uint64_t *ids, int32_t n, int stale);
 kvi_status kvi__txn_take_pages(kvi__txn *t);
 static inline uint32_t *kvi__txn_pages(const kvi__txn *t, int32_t i) { return t->pages + t->facts[i].first; }
 void kvi__txn_wrote(kvi__txn *t);
@@ -480,7 +497,7 @@ kvi_status kvi__store_wait_device(kvi_store *s, const char *fn);
  * failing put or remove changes nothing in the store. */
 typedef struct kvi__journal_ops {
   kvi_status (*put)(void *ctx, const kvi__txn *t);
-  kvi_status (*remove)(void *ctx, kvi_store *s, uint64_t tenant, uint64_t id, const char *fn);
+  kvi_status (*remove)(void *ctx, kvi_store *s, uint64_t tenant, uint64_t id, uint32_t flags, const char *fn);
   void (*release)(void *ctx);
 } kvi__journal_ops;
 
@@ -493,6 +510,8 @@ typedef struct kvi__put_item {
   uint32_t flags;
   float *emb;
   const int32_t *ids; /* v->num_tokens token ids (host memory; copied), or NULL */
+  const uint64_t *ctx; /* nctx context ids (host memory; copied), or NULL */
+  int32_t nctx;
 } kvi__put_item;
 
 /* The put of n facts, all or none (a key twice in the list is
@@ -535,8 +554,8 @@ kvi_status kvi__store_prefetch(kvi_store *store, uint64_t tenant_id, const uint6
 /* kvi_store_put */
 kvi_status kvi__store_put(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *kv,
                           const kvi_put_options *opts, struct CUstream_st *stream, const char *fn);
-/* kvi_store_remove */
-kvi_status kvi__store_remove(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const char *fn);
+/* kvi_store_remove_ex (kvi_store_remove: flags 0) */
+kvi_status kvi__store_remove(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, uint32_t flags, const char *fn);
 /* kvi_store_read */
 kvi_status kvi__store_read(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *dst,
                            struct CUstream_st *stream, const char *fn);
@@ -546,6 +565,17 @@ kvi_status kvi__store_fact_tokens(const kvi_store *store, uint64_t tenant_id, ui
 /* kvi_store_fact_token_ids (no device work) */
 kvi_status kvi__store_fact_token_ids(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, int32_t *out_ids,
                                      int32_t capacity, int32_t *out_num, uint64_t *out_hash, const char *fn);
+/* kvi_store_fact_context (no device work) */
+kvi_status kvi__store_fact_context(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, uint64_t *out_ids,
+                                   int32_t capacity, int32_t *out_num, int32_t *out_stale, const char *fn);
+/* kvi_store_stale (no device work) */
+kvi_status kvi__store_stale(const kvi_store *store, uint64_t tenant_id, uint64_t *ids, size_t capacity,
+                            size_t *out_total, const char *fn);
+/* KVI_ERR_STALE for a stale fact f, naming it (request r >= 0: "request r: ") */
+kvi_status kvi__store_stale_fail(const fact *f, int32_t r, const char *fn);
+/* KVI_ERR_STALE when `tenant` has stale facts (calls that cannot look facts
+ * up one by one: device fact ids, retrieval); r as above */
+kvi_status kvi__store_tenant_fresh(const tenant *t, int32_t r, const char *fn);
 /* kvi_store_get_embedding */
 kvi_status kvi__store_get_embedding(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, float *out,
                                     const char *fn);

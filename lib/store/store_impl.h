@@ -25,6 +25,7 @@ static inline void kvi__fact_free(fact *f) {
   free(f->pages);
   free(f->hpages);
   free(f->token_ids);
+  free(f->context);
   free(f);
 }
 

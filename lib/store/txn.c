@@ -59,6 +59,46 @@ kvi_status kvi__txn_token_ids(kvi__txn *t, const int32_t *ids) {
   return KVI_OK;
 }
 
+kvi_status kvi__txn_context(kvi__txn *t, const uint64_t *ids, int32_t n, int stale) {
+  if (!ids || n <= 0) return KVI_OK;
+  if (!t->facts || t->n < 1 || t->facts[t->n - 1].ctx)
+    return kvi__fail(KVI_ERR_INTERNAL, t->fn, "context ids given to a transaction without a fact for them");
+  kvi__txn_fact *x = &t->facts[t->n - 1];
+  const int32_t me = t->n - 1;
+  bool is_stale = stale > 0;
+  for (int32_t k = 0; stale < 0 && k < n; k++) {
+    const uint64_t c = ids[k];
+    if (c == x->id)
+      return t->item ? kvi__fail(KVI_ERR_INVALID_ARGUMENT, t->fn, "%s %d: fact %llu of tenant %llu names itself in its context",
+                                 t->item, (int)me, (unsigned long long)x->id, (unsigned long long)x->tenant)
+                     : kvi__fail(KVI_ERR_INVALID_ARGUMENT, t->fn, "fact %llu of tenant %llu names itself in its context",
+                                 (unsigned long long)x->id, (unsigned long long)x->tenant);
+    int32_t i = me; /* the latest earlier fact of the transaction with that key */
+    while (i-- > 0)
+      if (t->facts[i].id == c && t->facts[i].tenant == x->tenant) break;
+    if (i >= 0) {
+      is_stale = is_stale || t->facts[i].stale;
+      continue;
+    }
+    const fact *g = kvi__store_find(t->s, x->tenant, c);
+    if (!g)
+      return t->item ? kvi__fail(KVI_ERR_NOT_FOUND, t->fn,
+                                 "%s %d: context id %d (%llu) of fact %llu names no fact of tenant %llu", t->item,
+                                 (int)me, (int)k, (unsigned long long)c, (unsigned long long)x->id,
+                                 (unsigned long long)x->tenant)
+                     : kvi__fail(KVI_ERR_NOT_FOUND, t->fn, "context id %d (%llu) of fact %llu names no fact of tenant %llu",
+                                 (int)k, (unsigned long long)c, (unsigned long long)x->id,
+                                 (unsigned long long)x->tenant);
+    is_stale = is_stale || g->stale;
+  }
+  x->ctx = malloc((size_t)n * sizeof *x->ctx);
+  if (!x->ctx) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, t->fn, "allocating %d context ids", (int)n);
+  memcpy(x->ctx, ids, (size_t)n * sizeof *x->ctx);
+  x->nctx = n;
+  x->stale = is_stale;
+  return KVI_OK;
+}
+
 /* Refuses a key the store holds that was added without KVI_PUT_REPLACE;
  * the keys are looked up 64 at a time (kvi__store_find_many prefetches). */
 static kvi_status check_new(const kvi__txn *t) {
@@ -143,6 +183,7 @@ static void txn_end(kvi__txn *t) {
     free(t->facts[i].fresh);
     free(t->facts[i].emb);
     free(t->facts[i].ids);
+    free(t->facts[i].ctx);
   }
   free(t->facts);
   free(t->pages);
@@ -189,6 +230,10 @@ kvi_status kvi__txn_commit(kvi__txn *t) {
     x->f->token_ids = x->ids; /* f's now: kvi__fact_commit sets its other fields */
     x->f->token_hash = x->ids ? kvi__token_hash(x->ids, x->tokens) : 0;
     x->ids = NULL;
+    x->f->context = x->ctx;
+    x->f->ncontext = x->nctx;
+    x->f->stale = x->stale;
+    x->ctx = NULL;
     kvi__fact_commit(s, x->f, x->pages, x->npages, x->fresh, &x->emb, x->tenant, x->id, x->tokens);
     x->f = NULL, x->pages = NULL, x->fresh = NULL; /* the store's now */
   }

@@ -58,7 +58,12 @@ static kvi_status scatter_read(scatter *sc) {
     if (!it->full) st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "items[%d].full is NULL on the root rank", (int)i);
     else st = kvi__view_check(&op->v[i], it->full, &fg, false, fn);
     if (st == KVI_OK) st = kvi__store_put_args(store, &op->v[i], it->opts, &o, &emb, op->stream, fn);
-    if (st) break;
+    if (st == KVI_OK && o.num_context_ids > 0)
+      st = kvi__fail(KVI_ERR_UNSUPPORTED, fn, "items[%d].opts->context_ids: a scattered put keeps no context", (int)i);
+    if (st) {
+      free(emb);
+      break;
+    }
     const item_rec r = {op->v[i].num_tokens, (int32_t)op->v[i].dtype, o.flags, emb != NULL, o.token_ids != NULL};
     sc->rec[i] = r;
     sc->ids_src[i] = o.token_ids;
@@ -154,7 +159,7 @@ static kvi_status scatter_put(scatter *sc) {
     }
     const kvi_scatter_item *it = item_at(op->items, op->stride, i);
     const kvi__put_item p = {it->tenant, it->fact_id, &mine[i], sc->rec[i].flags, emb,
-                             sc->rec[i].has_ids ? sc->ids + ids_at : NULL};
+                             sc->rec[i].has_ids ? sc->ids + ids_at : NULL, NULL, 0};
     if (sc->rec[i].has_ids) ids_at += T;
     put[i] = p;
   }

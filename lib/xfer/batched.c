@@ -81,6 +81,14 @@ kvi_status kvi__encode_batched(kvi_encoder *encoder, const kvi_encode_batch *bat
                                                                                   : "block_table_offsets");
   if (b.block_table_stride == 0 && (st = check_offsets(b.block_table_offsets, n, "batch->block_table_offsets", fn)))
     return st;
+  if (!b.context_ids != !b.context_offsets)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "batch->%s is NULL and batch->%s is not (give both or neither)",
+                     b.context_ids ? "context_offsets" : "context_ids", b.context_ids ? "context_ids" : "context_offsets");
+  if (x->cuda && b.context_ids &&
+      ((st = kvi__check_memory(b.context_ids, KVI_MEMORY_HOST, true, x->store->device, fn, "context_ids")) ||
+       (st = kvi__check_memory(b.context_offsets, KVI_MEMORY_HOST, true, x->store->device, fn, "context_offsets"))))
+    return st;
+  if (b.context_offsets && (st = check_offsets(b.context_offsets, n, "batch->context_offsets", fn))) return st;
   if (x->cuda) { /* read here: host memory (each array once) */
     const void *ptr[7] = {b.fact_ids, b.num_tokens, b.block_tables, b.block_table_offsets, b.first_slots, b.tenants,
                           b.start_positions ? b.start_positions : b.positions};
@@ -134,6 +142,10 @@ kvi_status kvi__encode_batched(kvi_encoder *encoder, const kvi_encode_batch *bat
       c->start_position = (int32_t)sp;
     }
     c->token_ids = b.token_ids ? b.token_ids + at : NULL;
+    if (b.context_ids) {
+      c->context_ids = b.context_ids + b.context_offsets[i];
+      c->num_context_ids = b.context_offsets[i + 1] - b.context_offsets[i];
+    }
     if (c->num_tokens > 0) at += c->num_tokens;
     c->flags = b.flags;
     if (b.embeddings) {
@@ -228,6 +240,7 @@ static kvi_status batch_on_device(xfer *x, const kvi_inject_batch *b, int32_t lb
     batch_request(b, r, &q);
     d[r].j = q.j;
     d[r].t = kvi__store_tenant(s, q.tenant);
+    if ((st = kvi__store_tenant_fresh(d[r].t, r, fn))) break; /* the ids are on the device: any fact may be named */
     d[r].nres = d[r].t && d[r].t->count > 0 ? q.num_facts : 0;
     d[r].best_last = false;
     d[r].j.tokens = (int64_t)d[r].nres * (d[r].t ? d[r].t->max_tokens : 0);

@@ -139,6 +139,16 @@ static kvi_status read_captures(xfer *x, const kvi_capture *caps, int32_t num_ca
     if (c->token_ids &&
         (st = kvi__check_memory(c->token_ids, KVI_MEMORY_HOST, x->cuda, s->device, fn, "a capture's token_ids")))
       break;
+    if (c->num_context_ids < 0 || (c->num_context_ids > 0 && !c->context_ids)) {
+      st = kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
+                     c->num_context_ids < 0 ? "capture %d: num_context_ids is %d"
+                                            : "capture %d: context_ids is NULL with num_context_ids %d",
+                     (int)i, (int)c->num_context_ids);
+      break;
+    }
+    if (c->num_context_ids > 0 &&
+        (st = kvi__check_memory(c->context_ids, KVI_MEMORY_HOST, x->cuda, s->device, fn, "a capture's context_ids")))
+      break;
     job j;
     capture_job(c, pos64, &j);
     if ((st = kvi__check_job_slots(x, &j, i, "capture", fn))) break;
@@ -219,6 +229,7 @@ static kvi_status encode_locked(xfer *x, cap_read *r, int32_t num_captures, stru
     st = kvi__txn_add(&t, cs[i].c.tenant, cs[i].c.fact_id, cs[i].c.num_tokens, cs[i].c.flags, cs[i].emb);
     cs[i].emb = NULL; /* the transaction's */
     if (st == KVI_OK) st = kvi__txn_token_ids(&t, cs[i].c.token_ids);
+    if (st == KVI_OK) st = kvi__txn_context(&t, cs[i].c.context_ids, cs[i].c.num_context_ids, -1);
   }
   if (st == KVI_OK) st = kvi__txn_take_pages(&t);
   bool launched = false;

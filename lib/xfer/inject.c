@@ -48,6 +48,7 @@ static kvi_status inject_job(const xfer *x, const ireq *rq, int32_t r, job *j, i
                        (unsigned long long)rq->fact_ids[f], (unsigned long long)rq->tenant);
     __builtin_prefetch(ft->pages); /* read when the plan is written */
     kvi_status st;
+    if (ft->stale) return kvi__store_stale_fail(ft, r, fn);
     if (rq->expect_ids && rq->expect_sized && j->tokens + ft->tokens > rq->num_expect)
       return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
                        "request %d: %lld expected token ids, its facts have more tokens (one id per token)", (int)r,

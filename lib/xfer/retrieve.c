@@ -36,7 +36,8 @@ static kvi_status check_reserve(const xfer *x, const kvi_retrieve_request *rq, i
   *t = kvi__store_tenant(x->store, rq->tenant);
   const size_t n = *t ? (*t)->count : 0;
   *nres = n < (size_t)k ? (int32_t)n : k;
-  kvi_status st = kvi__check_table_kind(x, rq->block_table_memory, i, fn);
+  kvi_status st = kvi__store_tenant_fresh(*t, i, fn); /* the search may pick any of its facts */
+  if (st == KVI_OK) st = kvi__check_table_kind(x, rq->block_table_memory, i, fn);
   if (st) return st;
   retrieve_job(rq, (int64_t)*nres * (*t ? (*t)->max_tokens : 0), j);
   return kvi__check_request_job(x, j, i, fn);

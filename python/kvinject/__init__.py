@@ -39,14 +39,15 @@ from __future__ import annotations
 from ._lib import lib as _lib_loader
 from .cache import CacheLayout
 from .comm import Comm, CommGroup, embedding_rank
-from .enums import (FEATURE_CUBLASLT, FEATURE_CUDA, FEATURE_NCCL, LOAD_JOURNAL, PUT_REPLACE, RETRIEVE_BEST_LAST,
+from .enums import (FEATURE_CUBLASLT, FEATURE_CUDA, FEATURE_NCCL, LOAD_JOURNAL, PUT_REPLACE, REMOVE_KEEP_DEPENDENTS,
+                    RETRIEVE_BEST_LAST,
                     SAVE_ONE_TENANT, SEARCH_DEFAULT_WORKSPACE, SEARCH_MAX_K, SEARCH_NO_ID, STRIDE_SAME, Backend,
                     CachePreset, DType, EmbeddingPlacement, Memory, Metric,
                     RopeScaling,
                     RopeStyle, ScaleMode, Status)
 from .errors import (CapacityError, CorruptError, CudaError, ExistsError, IncompatibleError, IOError_, PeerError, InternalError, InvalidArgumentError, KviError,
                      MemoryKindError, MismatchError, NoDeviceError, NotBuiltError, NotFoundError,
-                     OutOfMemoryError, StaleLayoutError, StructSizeError, TokenMismatchError, UnsupportedError,
+                     OutOfMemoryError, StaleFactError, StaleLayoutError, StructSizeError, TokenMismatchError, UnsupportedError,
                      error_class)
 from ._types import ArrayLike, CudaStreamLike, FloatArrayLike, IntArrayLike, StreamLike, TensorLike
 from .model import Model, ModelInfoData, RopeSpec
@@ -134,9 +135,9 @@ __all__ = [
     "ExistsError", "FEATURE_CUBLASLT", "FEATURE_CUDA", "FEATURE_NCCL", "InjectRequest", "Injector", "RetrieveRequest",
     "InternalError", "InvalidArgumentError", "KVView", "KviError", "Memory", "MemoryKindError", "Metric",
     "MismatchError", "Model", "ModelInfoData", "NoDeviceError", "NotBuiltError", "NotFoundError",
-    "LOAD_JOURNAL", "OutOfMemoryError", "PUT_REPLACE", "SAVE_ONE_TENANT", "RETRIEVE_BEST_LAST", "RopeScaling", "RopeSpec",
+    "LOAD_JOURNAL", "OutOfMemoryError", "PUT_REPLACE", "REMOVE_KEEP_DEPENDENTS", "SAVE_ONE_TENANT", "RETRIEVE_BEST_LAST", "RopeScaling", "RopeSpec",
     "RopeStyle", "SEARCH_DEFAULT_WORKSPACE", "SEARCH_MAX_K", "SEARCH_NO_ID", "STRIDE_SAME", "ScaleMode", "SearchResults",
     "StaleLayoutError", "Status", "Store", "StoreStats",
-    "StructSizeError", "TokenMismatchError", "UnsupportedError", "cuda_device_count", "dtype_size", "embedding_rank", "error_class", "features",
+    "StaleFactError", "StructSizeError", "TokenMismatchError", "UnsupportedError", "cuda_device_count", "dtype_size", "embedding_rank", "error_class", "features",
     "last_error", "library_found_by", "library_path", "recompute_select", "status_string", "version", "version_number",
 ]

@@ -128,6 +128,8 @@ class PutOptions(ctypes.Structure):
         ("embedding_dtype", c_enum),
         ("embedding_memory", c_enum),
         ("token_ids", c_void_p),  # experimental
+        ("context_ids", c_void_p),  # experimental
+        ("num_context_ids", c_int32),
     ]
 
 
@@ -152,6 +154,7 @@ class StoreStatsC(ctypes.Structure):
         ("pages_host_used", c_uint64),
         ("promotions", c_uint64),
         ("demotions", c_uint64),
+        ("facts_stale", c_uint64),  # experimental
     ]
 
 
@@ -270,6 +273,8 @@ class EncodeBatchC(ctypes.Structure):
         ("embedding_memory", c_enum),
         ("embedding_stride", c_int64),
         ("token_ids", c_void_p),  # experimental
+        ("context_ids", c_void_p),  # experimental
+        ("context_offsets", c_void_p),
     ]
 
 
@@ -307,6 +312,8 @@ class CaptureC(ctypes.Structure):
         ("embedding_dtype", c_enum),
         ("embedding_memory", c_enum),
         ("token_ids", c_void_p),  # experimental
+        ("context_ids", c_void_p),  # experimental
+        ("num_context_ids", c_int32),
     ]
 
 
@@ -414,6 +421,9 @@ _PROTOTYPES = {
     "kvi_store_fact_token_ids": (c_int, [P, c_uint64, c_uint64, P, c_int32, POINTER(c_int32), POINTER(c_uint64)]),
     "kvi_store_get_embedding": (c_int, [P, c_uint64, c_uint64, P]),
     "kvi_store_remove": (c_int, [P, c_uint64, c_uint64]),
+    "kvi_store_remove_ex": (c_int, [P, c_uint64, c_uint64, c_uint32]),
+    "kvi_store_fact_context": (c_int, [P, c_uint64, c_uint64, P, c_int32, POINTER(c_int32), POINTER(c_int32)]),
+    "kvi_store_stale": (c_int, [P, c_uint64, P, c_size_t, POINTER(c_size_t)]),
     "kvi_store_prefetch": (c_int, [P, c_uint64, P, c_int32, P]),
     "kvi_store_count": (c_int, [P, c_uint64, POINTER(c_size_t)]),
     "kvi_store_list": (c_int, [P, c_uint64, P, c_size_t, POINTER(c_size_t)]),

@@ -30,6 +30,7 @@ class Status(enum.IntEnum):
     ERR_IO = -16
     ERR_PEER = -17
     ERR_TOKEN_MISMATCH = -18
+    ERR_STALE = -19
 
 
 class DType(enum.IntEnum):
@@ -117,6 +118,7 @@ FEATURE_NCCL = 0x4
 
 # kvi_put_options.flags / kvi_capture.flags
 PUT_REPLACE = 0x1
+REMOVE_KEEP_DEPENDENTS = 0x1  # kvi_store_remove_ex (experimental)
 SAVE_ONE_TENANT = 0x1  # kvi_save_options.flags (Store.save(tenant=...))
 LOAD_JOURNAL = 0x1  # kvi_load_options.flags (Store.load(journal=True))
 #: kvi_retrieve_request.flags: inject the best fact last

@@ -111,6 +111,12 @@ class TokenMismatchError(KviError, ValueError):
     prompt's at its slots (or a fact stored without token ids); nothing was written."""
 
 
+class StaleFactError(KviError):
+    """KVI_ERR_STALE: an injection or retrieval named a stale fact, one whose K and V were computed
+    with a fact in context that has since been removed (:meth:`kvinject.Store.stale` lists them;
+    put or capture them again with ``replace=True``, or remove them); nothing was written."""
+
+
 class StaleLayoutError(ValueError):
     """The binding's own check: a layout made from a Hugging Face cache object whose
     tensors the cache has since replaced (see :meth:`kvinject.CacheLayout.check`).
@@ -136,6 +142,7 @@ _BY_STATUS = {
     Status.ERR_IO: IOError_,
     Status.ERR_PEER: PeerError,
     Status.ERR_TOKEN_MISMATCH: TokenMismatchError,
+    Status.ERR_STALE: StaleFactError,
 }
 
 
@@ -145,6 +152,8 @@ _C_NAMES = {
     "kvi_model_rope_cos_sin": "Model.rope_cos_sin", "kvi_model_info_get": "Model.info",
     "kvi_store_create": "Store", "kvi_store_put": "Store.put", "kvi_store_read": "Store.read",
     "kvi_store_remove": "Store.remove", "kvi_store_fact_tokens": "Store.fact_tokens",
+    "kvi_store_remove_ex": "Store.remove", "kvi_store_stale": "Store.stale",
+    "kvi_store_fact_context": "Store.fact_context",
     "kvi_store_get_embedding": "Store.get_embedding", "kvi_store_prefetch": "Store.prefetch",
     "kvi_store_count": "Store.count", "kvi_store_list": "Store.list", "kvi_store_stats_get": "Store.stats",
     "kvi_store_search": "Store.search", "kvi_store_async_errors": "Store.async_errors",
@@ -174,6 +183,7 @@ _REWRITES = [
     # option structs: their fields are keyword arguments or attributes of the same name
     (re.compile(r"\b(?:load_opts|opts|spec|layout|batch)->"), ""),
     (re.compile(r"\bKVI_PUT_REPLACE\b"), "replace=True"),
+    (re.compile(r"\bKVI_REMOVE_KEEP_DEPENDENTS\b"), "keep_dependents=True"),
     (re.compile(r"\b(" + "|".join(sorted(_ENUM_PREFIXES, key=len, reverse=True)) + r")([A-Z0-9_]+)"),
      lambda m: _ENUM_PREFIXES[m.group(1)] + m.group(2)),
     (re.compile(r"\b(kvi_[a-z_]+)\b(?:\(\))?"),

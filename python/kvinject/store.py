@@ -18,8 +18,9 @@ from ._lib import (GatherItemC, KVViewC, LoadOptionsC, PutOptions, SaveOptionsC,
                    fit, lib)
 
 U64 = ctypes.c_uint64
-from .enums import (LOAD_JOURNAL, PUT_REPLACE, SAVE_ONE_TENANT, SEARCH_MAX_K, SEARCH_NO_ID, Backend, DType,
+from .enums import (LOAD_JOURNAL, PUT_REPLACE, REMOVE_KEEP_DEPENDENTS, SAVE_ONE_TENANT, SEARCH_MAX_K, SEARCH_NO_ID, Backend, DType,
                     EmbeddingPlacement, Memory, Metric)
+from .errors import CapacityError
 from .model import Model
 
 
@@ -76,6 +77,7 @@ class StoreStats:
     pages_host_used: int
     promotions: int
     demotions: int
+    facts_stale: int = 0  # experimental
 
 
 class SearchResults:
@@ -309,7 +311,8 @@ class Store(Handle):
     def put(self, tenant: int, fact_id: int, k: Union[ArrayLike, KVView], v: Optional[ArrayLike] = None, *,
             embedding: Optional[FloatArrayLike] = None, embedding_dtype: Optional[DType] = None,
             replace: bool = False, dtype: Optional[DType] = None, num_tokens: Optional[int] = None,
-            stream: StreamLike = None, token_ids: Optional[IntArrayLike] = None) -> None:
+            stream: StreamLike = None, token_ids: Optional[IntArrayLike] = None,
+            context_ids: Optional[IntArrayLike] = None) -> None:
         """kvi_store_put: stores a fact's pre-RoPE K and V.
 
         k, v: tensors of shape [layers, tokens, heads, head_size] (any strides
@@ -322,7 +325,10 @@ class Store(Handle):
         or bf16. replace: KVI_PUT_REPLACE. stream: see :func:`stream` rules
         (None = the default stream). token_ids (experimental): the fact's token
         ids, one int32 per token (ints, a host buffer or a CPU tensor), kept with
-        it (:meth:`fact_token_ids`); None: none.
+        it (:meth:`fact_token_ids`); None: none. context_ids (experimental): the
+        ids of the tenant's facts that were in context when k and v were
+        computed (each stored; not fact_id): removing one of them makes this
+        fact stale (:meth:`stale`); None: none.
         """
         view, keep = self._view(k, v, "put", writable=False, dtype=dtype, num_tokens=num_tokens)
         L = lib()
@@ -341,9 +347,14 @@ class Store(Handle):
             if tk.numel != view.num_tokens:
                 raise ValueError("token_ids has %d ids for %d tokens" % (tk.numel, view.num_tokens))
             po.token_ids = tk.ptr
+        ctx = None
+        if context_ids is not None:
+            ctx = _buffers.int_array(context_ids, ctypes.c_uint64, "context_ids")
+            po.context_ids = ctx.ptr
+            po.num_context_ids = fit(ctx.numel, ctypes.c_int32, "len(context_ids)")
         L.call("kvi_store_put", self.handle, fit(tenant, U64, "tenant"), fit(fact_id, U64, "fact_id"),
                ctypes.byref(view), ctypes.byref(po), _buffers.stream_handle(stream))
-        del keep, emb, tk
+        del keep, emb, tk, ctx
 
     def read(self, tenant: int, fact_id: int, k: Union[ArrayLike, KVView, None] = None, v: Optional[ArrayLike] = None,
              *, dtype: Optional[DType] = None, stream: StreamLike = None):
@@ -467,9 +478,45 @@ class Store(Handle):
                    fit(fact_id, U64, "fact_id"), out)
         return array.array("f", out[:self.embedding_dim])
 
-    def remove(self, tenant: int, fact_id: int) -> None:
-        """kvi_store_remove."""
-        lib().call("kvi_store_remove", self.handle, fit(tenant, U64, "tenant"), fit(fact_id, U64, "fact_id"))
+    def remove(self, tenant: int, fact_id: int, *, keep_dependents: bool = False) -> None:
+        """kvi_store_remove: removes the fact and makes stale the tenant's facts
+        computed with it in context, transitively (see :meth:`stale`).
+        keep_dependents (experimental; kvi_store_remove_ex with
+        KVI_REMOVE_KEEP_DEPENDENTS): remove the fact alone."""
+        t, f = fit(tenant, U64, "tenant"), fit(fact_id, U64, "fact_id")
+        if keep_dependents:
+            lib().call("kvi_store_remove_ex", self.handle, t, f, REMOVE_KEEP_DEPENDENTS)
+        else:
+            lib().call("kvi_store_remove", self.handle, t, f)
+
+    def fact_context(self, tenant: int, fact_id: int) -> Tuple[List[int], bool]:
+        """kvi_store_fact_context (experimental): the fact's context ids, in the
+        order given, and whether it is stale."""
+        t, f = fit(tenant, U64, "tenant"), fit(fact_id, U64, "fact_id")
+        n, st = ctypes.c_int32(), ctypes.c_int32()
+        cap, buf = 0, None
+        while True:
+            try:
+                lib().call("kvi_store_fact_context", self.handle, t, f, buf, cap, ctypes.byref(n), ctypes.byref(st))
+                return (list(buf[:n.value]) if buf is not None else []), bool(st.value)
+            except CapacityError:
+                cap = n.value  # the fact may be replaced by another thread in between
+                buf = (ctypes.c_uint64 * max(cap, 1))()
+
+    def stale(self, tenant: int) -> List[int]:
+        """kvi_store_stale (experimental): the tenant's stale facts, ascending: those
+        computed with a fact in context that has since been removed. Injections and
+        retrievals refuse them (:class:`StaleFactError`); put or capture them again
+        with ``replace=True`` (and a context of fresh facts) or remove them."""
+        total = ctypes.c_size_t()
+        cap = 0
+        buf = None
+        while True:
+            lib().call("kvi_store_stale", self.handle, fit(tenant, U64, "tenant"), buf, cap, ctypes.byref(total))
+            if total.value <= cap:
+                return list(buf[:total.value]) if buf is not None else []
+            cap = total.value + 16
+            buf = (ctypes.c_uint64 * cap)()
 
     def prefetch(self, tenant: int, fact_ids: Optional[IntArrayLike] = None, stream: StreamLike = None) -> None:
         """kvi_store_prefetch: start moving the facts (all of the tenant's for None) to the

@@ -61,7 +61,10 @@ class Capture:
     (None: start_position + i). block_table: host int32 (ints, a buffer or a
     CPU tensor). embedding: as :meth:`Store.put`. token_ids (experimental):
     the captured slots' token ids, ``num_tokens`` int32, kept with the fact
-    (:meth:`Store.fact_token_ids`); None: none."""
+    (:meth:`Store.fact_token_ids`); None: none. context_ids (experimental):
+    the ids of the tenant's facts whose K and V were in context when the
+    captured slots were computed (each stored, or captured earlier in the
+    same call), as :meth:`Store.put`'s; None: none."""
 
     tenant: int
     fact_id: int
@@ -74,6 +77,7 @@ class Capture:
     embedding: Optional[FloatArrayLike] = None
     embedding_dtype: Optional[DType] = None
     token_ids: Optional[IntArrayLike] = None
+    context_ids: Optional[IntArrayLike] = None
 
 
 def _batch_indices(b, n: int, noun: str, block_tables, block_table_offsets, tenants, tenant, first_slots,
@@ -589,6 +593,11 @@ class Encoder(_Transfer):
                     raise ValueError("captures[%d]: %d token ids for %d tokens" % (i, tk.numel, cp.num_tokens))
                 c.token_ids = tk.ptr
                 keep.append(tk)
+            if cp.context_ids is not None:
+                cx = _buffers.int_array(cp.context_ids, ctypes.c_uint64, "captures[%d].context_ids" % i)
+                c.context_ids = cx.ptr
+                c.num_context_ids = fit(cx.numel, ctypes.c_int32, "len(captures[%d].context_ids)" % i)
+                keep.append(cx)
             keep.append(bt)
             arr[i] = c
         L.call("kvi_encode", self.handle, arr, fit(len(captures), ctypes.c_int32, "num_captures"),
@@ -598,7 +607,7 @@ class Encoder(_Transfer):
     def encode_batch(self, fact_ids, num_tokens, block_tables, *, tenant: int = 0, tenants=None,
                      block_table_offsets=None, first_slots=None, start_positions=None, positions=None,
                      replace: bool = False, embeddings=None, embedding_dtype: Optional[DType] = None,
-                     stream=None, token_ids=None) -> None:
+                     stream=None, token_ids=None, contexts=None) -> None:
         """kvi_encode_batched: captures from flat host arrays in one call, all-or-nothing
         (as :meth:`encode`). fact_ids: uint64/int64 per capture; num_tokens: int32 per
         capture; block_tables: int32, a 2-D [captures, blocks] array (rows any stride
@@ -609,7 +618,9 @@ class Encoder(_Transfer):
         The arrays are checked as :meth:`Injector.inject_batch`'s host arrays
         (block_table_offsets' last entry at most the length of block_tables).
         token_ids (experimental): None, or host int32, one per captured token,
-        capture 0's first (as positions), kept with the facts."""
+        capture 0's first (as positions), kept with the facts. contexts
+        (experimental): None, or one sequence of context ids per capture (None
+        for none), as :class:`Capture`'s context_ids."""
         ids = index_array(fact_ids, ("u64", "i64"), "fact_ids")
         n = ids.numel
         nt = index_array(num_tokens, ("i32",), "num_tokens")
@@ -653,5 +664,17 @@ class Encoder(_Transfer):
                 raise ValueError("token_ids has %d ids for %d captured tokens" % (tk.numel, total))
             b.token_ids = tk.ptr
             keep.append(tk)
+        if contexts is not None:
+            contexts = list(contexts)
+            if len(contexts) != n:
+                raise ValueError("contexts has %d entries for %d captures" % (len(contexts), n))
+            flat, offs = [], [0]
+            for i, cx in enumerate(contexts):
+                flat += [] if cx is None else list(cx)
+                offs.append(fit(len(flat), ctypes.c_int32, "the context ids of captures 0..%d" % i))
+            ca = _buffers.int_array(flat, ctypes.c_uint64, "contexts")
+            co = _buffers.int_array(offs, ctypes.c_int32, "context offsets")
+            b.context_ids, b.context_offsets = ca.ptr, co.ptr
+            keep += [ca, co]
         lib().call("kvi_encode_batched", self.handle, ctypes.byref(b), _buffers.stream_handle(stream))
         del keep

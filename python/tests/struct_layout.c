@@ -102,6 +102,8 @@ int main(void) {
   FIELD(kvi_put_options, embedding_dtype);
   FIELD(kvi_put_options, embedding_memory);
   FIELD(kvi_put_options, token_ids);
+  FIELD(kvi_put_options, context_ids);
+  FIELD(kvi_put_options, num_context_ids);
 
   SIZE(kvi_store_stats);
   FIELD(kvi_store_stats, struct_size);
@@ -123,6 +125,7 @@ int main(void) {
   FIELD(kvi_store_stats, pages_host_used);
   FIELD(kvi_store_stats, promotions);
   FIELD(kvi_store_stats, demotions);
+  FIELD(kvi_store_stats, facts_stale);
 
   SIZE(kvi_search_options);
   FIELD(kvi_search_options, struct_size);
@@ -220,6 +223,8 @@ int main(void) {
   FIELD(kvi_encode_batch, embedding_memory);
   FIELD(kvi_encode_batch, embedding_stride);
   FIELD(kvi_encode_batch, token_ids);
+  FIELD(kvi_encode_batch, context_ids);
+  FIELD(kvi_encode_batch, context_offsets);
 
   SIZE(kvi_inject_batch);
   FIELD(kvi_inject_batch, struct_size);
@@ -271,6 +276,8 @@ int main(void) {
   FIELD(kvi_capture, embedding_dtype);
   FIELD(kvi_capture, embedding_memory);
   FIELD(kvi_capture, token_ids);
+  FIELD(kvi_capture, context_ids);
+  FIELD(kvi_capture, num_context_ids);
 
   /* enum sizes: ctypes declares every kvi_ enum as int */
   printf("enumsize kvi_status %zu\n", sizeof(kvi_status));
@@ -302,6 +309,7 @@ int main(void) {
   CONST(KVI_ERR_IO);
   CONST(KVI_ERR_PEER);
   CONST(KVI_ERR_TOKEN_MISMATCH);
+  CONST(KVI_ERR_STALE);
   CONST(KVI_EMBEDDINGS_REPLICATED);
   CONST(KVI_EMBEDDINGS_SHARDED);
   CONST(KVI_RETRIEVE_BEST_LAST);
@@ -345,6 +353,7 @@ int main(void) {
   CONST(KVI_FEATURE_CUBLASLT);
   CONST(KVI_FEATURE_NCCL);
   CONST(KVI_PUT_REPLACE);
+  CONST(KVI_REMOVE_KEEP_DEPENDENTS);
   CONST(KVI_SAVE_ONE_TENANT);
   CONST(KVI_LOAD_JOURNAL);
   CONST(KVI_SEARCH_MAX_K);

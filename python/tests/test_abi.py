@@ -92,6 +92,7 @@ class TestStructs:
         seen.update("KVI_ROPE_" + k for k in styles)
         singles = {"KVI_FEATURE_CUDA": kvi.FEATURE_CUDA, "KVI_FEATURE_CUBLASLT": kvi.FEATURE_CUBLASLT,
                    "KVI_FEATURE_NCCL": kvi.FEATURE_NCCL, "KVI_PUT_REPLACE": kvi.PUT_REPLACE,
+                   "KVI_REMOVE_KEEP_DEPENDENTS": kvi.REMOVE_KEEP_DEPENDENTS,
                    "KVI_SEARCH_MAX_K": kvi.SEARCH_MAX_K, "KVI_SEARCH_NO_ID": kvi.SEARCH_NO_ID,
                    "KVI_SEARCH_DEFAULT_WORKSPACE": kvi.SEARCH_DEFAULT_WORKSPACE,
                    "KVI_RETRIEVE_BEST_LAST": kvi.RETRIEVE_BEST_LAST, "KVI_SAVE_ONE_TENANT": kvi.SAVE_ONE_TENANT,

@@ -131,6 +131,16 @@ def test_plan_removes_first_in_the_first_request_only():
     assert r.body["prompt"] == [1] and r.params == {"tenant": 4, "remove": "all"}
     assert r.body["max_tokens"] == r.body["min_tokens"] == 2
     parse_params(r.params, 1)
+    # a DELETE with reencode=false: the later facts keep their KV (the library's opt-out)
+    r = cap.removal(4, [5], 1, keep_dependents=True)
+    assert r.params == {"tenant": 4, "remove": [5], "keep_dependents": True}
+    assert parse_params(r.params, 1).keep_dependents
+    # the re-encoding request: each later fact's context is the header, the facts before the
+    # deleted one and the later facts captured before it
+    reqs = cap.plan(4, HEADER, facts(3, start=6), context=facts(4), replace=True, budget=1000, remove=[5])
+    spec = parse_params(reqs[0].params, reqs[0].tokens)
+    assert [spec.context_of(c) for c in spec.capture] == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 6],
+                                                          [0, 1, 2, 3, 4, 6, 7]]
 
 
 # ------------------------------------------------------------------ chat

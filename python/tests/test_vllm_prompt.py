@@ -108,6 +108,26 @@ class TestRemove:
         assert (spec.remove, spec.remove_all) == (None, True)
         assert RESULT_TOKENS == 2
 
+    def test_keep_dependents(self):
+        rp = remove_prompt(7, [3], 42, keep_dependents=True)
+        assert rp.params == {"tenant": 7, "remove": [3], "keep_dependents": True}
+        assert parse_params(rp.params, 1).keep_dependents is True
+        assert parse_params(remove_prompt(7, [3], 42).params, 1).keep_dependents is False
+        with pytest.raises(ValueError, match="keep_dependents without remove"):
+            parse_params({"tenant": 1, "keep_dependents": True, "capture": [{"fact_id": 5, "start": 0, "length": 2}]}, 3)
+        with pytest.raises(ValueError, match="keep_dependents must be true or false"):
+            parse_params({"tenant": 1, "remove": [1], "keep_dependents": 1}, 3)
+
+    def test_a_captures_context_is_the_spans_before_it(self):
+        spec = parse_params({"tenant": 1, "inject": [[0, 0, 2], [4, 2, 3]],
+                             "capture": [{"fact_id": 9, "start": 8, "length": 2}, {"fact_id": 7, "start": 5, "length": 3},
+                                         {"fact_id": 8, "start": 6, "length": 1}]}, 11)
+        assert [spec.context_of(c) for c in spec.capture] == [[0, 4, 7, 8], [0, 4], [0, 4]]
+        # a fact injected, then captured again after it: not its own context
+        spec = parse_params({"tenant": 1, "inject": [[4, 0, 2]],
+                             "capture": [{"fact_id": 4, "start": 2, "length": 2, "replace": True}]}, 5)
+        assert spec.context_of(spec.capture[0]) == []
+
     def test_remove_prompt_refusals(self):
         for name, args, msg in [
             ("no ids", (7, [], 1), "fact_ids is empty"),

@@ -169,6 +169,7 @@ def test_a_capture_carries_the_prompts_token_ids_of_its_span(sched):
     _, meta = claim(sched, r, blocks=[3, 4])
     (job,) = meta.captures
     assert job.token_ids == [[4, 5, 6, 7, 8], [10, 11]]
+    assert job.contexts == [[], [5]]  # the second after the first: its context in the store
 
 
 def test_a_local_prefix_hit_is_not_claimed_and_its_facts_not_written(sched, mp):

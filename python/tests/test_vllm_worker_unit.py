@@ -332,6 +332,31 @@ def test_a_capture_keeps_the_prompts_token_ids_of_its_span(rig):
     assert rig.store.fact_token_ids(4, 21)[0] == [10, 11]
 
 
+def test_captures_keep_their_context_and_removal_makes_them_stale(rig):
+    rig.put(1, 1, 5)
+    rig.worker.start_load_kv(meta([InjectJob("a", 1, [(1, 0, 5)], [3])]))
+    rig.put(4, 1, 2)  # the injected fact, as tenant 4's
+    # listed out of prompt order: the worker captures 20 (slots 0..2) before 21, which names it
+    cap = CaptureJob("c", 4, [(21, 3, 2, None, False), (20, 0, 3, None, False)], [3], None, [[1, 20], [1]])
+    rig.worker.wait_for_save(meta(captures=[cap]))
+    assert rig.store.fact_context(4, 20) == ([1], False)
+    assert rig.store.fact_context(4, 21) == ([1, 20], False)
+    m = KVInjectMetadata(removes=[RemoveJob("rm", 4, [1])])
+    rig.worker.start_load_kv(m)
+    rig.worker.wait_for_save(m)
+    assert rig.store.stale(4) == [20, 21]
+    # a stale fact fails its request, counted as "stale"
+    rig.worker.get_kv_connector_stats()
+    rig.worker.start_load_kv(meta([InjectJob("s", 4, [(21, 0, 2)], [3])]))
+    assert rig.worker.build_connector_worker_meta().results["s"].inject_failed
+    assert rig.worker.get_kv_connector_stats().data["ranks"]["0"]["failures"] == {"stale": 1}
+    # keep_dependents: removed alone
+    m = KVInjectMetadata(removes=[RemoveJob("k", 4, [20], True)])
+    rig.worker.start_load_kv(m)
+    rig.worker.wait_for_save(m)
+    assert rig.store.stale(4) == [21] and rig.store.list(4) == [21]
+
+
 def test_capture_failures_are_isolated_per_fact(rig):
     rig.put(1, 1, 5)
     rig.worker.start_load_kv(meta([InjectJob("a", 1, [(1, 0, 5)], [2])]))

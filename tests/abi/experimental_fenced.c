@@ -10,11 +10,18 @@
 static int kvi_inject_deviation = 1;
 static int kvi_recompute_options_init = 2;
 static int kvi_recompute_select = 3;
+static int kvi_store_remove_ex = 4;
+static int kvi_store_fact_context = 5;
+static int kvi_store_stale = 6;
 
 int main(void) {
-#ifdef KVI_RECOMPUTE_OPTIONS_INIT
+#if defined(KVI_RECOMPUTE_OPTIONS_INIT) || defined(KVI_REMOVE_KEEP_DEPENDENTS)
   return 1; /* the fenced section's macros leaked */
 #else
-  return kvi_inject_deviation + kvi_recompute_options_init + kvi_recompute_select == 6 ? 0 : 1;
+  return kvi_inject_deviation + kvi_recompute_options_init + kvi_recompute_select + kvi_store_remove_ex +
+                     kvi_store_fact_context + kvi_store_stale ==
+                 21
+             ? 0
+             : 1;
 #endif
 }

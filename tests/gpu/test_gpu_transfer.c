@@ -1643,6 +1643,212 @@ static void t_token_ids(void **state) {
   kvi_encoder_destroy(de);
   free_world(&w);
 }
+
+/* Contexts and stale facts on a CUDA store (store.h, "Context and stale
+ * facts"), against the CPU store: captures and puts keep their context; a
+ * removal makes the facts after it stale on both; kvi_inject,
+ * kvi_inject_batched (host and device fact ids) and kvi_retrieve_inject
+ * refuse with KVI_ERR_STALE and leave the device cache byte for byte; a
+ * saved and loaded CUDA store refuses the same facts; captured again, the
+ * facts inject as the CPU store's do. */
+static void expect_stale_both(const world *w, uint64_t tenant, const uint64_t *want, size_t n) {
+  uint64_t a[16], b[16];
+  size_t na = 99, nb = 98;
+  CHECK_OK(kvi_store_stale(w->cpu, tenant, a, 16, &na));
+  CHECK_OK(kvi_store_stale(w->gpu, tenant, b, 16, &nb));
+  assert_int_equal(na, n);
+  assert_int_equal(nb, n);
+  if (n) {
+    assert_memory_equal(a, want, n * sizeof *a);
+    assert_memory_equal(b, want, n * sizeof *b);
+  }
+}
+
+static void expect_refused_stale(kvi_status got, const char *needle) {
+  assert_int_equal(got, KVI_ERR_STALE);
+  if (!strstr(kvi_last_error(), needle)) fail_msg("the stale message does not say \"%s\": %s", needle, kvi_last_error());
+}
+
+static void t_stale(void **state) {
+  (void)state;
+  if (g_devices == 0) skip();
+  enum { NB = 64, T1 = 12, T2 = 7, T3 = 5, T4 = 9 };
+  const scen sc = {2, 2, 64, 16, NB, 16, 0, KVI_DTYPE_FP32, KVI_DTYPE_BF16, KVI_CACHE_VLLM_FLASH_ATTN, 2,
+                   KVI_SCALE_NONE};
+  world w;
+  static const float embv[4] = {0.5f, -1.0f, 2.0f, 0.25f}; /* the device paths need a store with embeddings */
+  g_emb_dim = 4;
+  make_world(&w, &sc);
+  g_emb_dim = 0;
+  fill_bf16(&w);
+  kvi_encoder *he, *de;
+  kvi_injector *hi, *di;
+  CHECK_OK(kvi_encoder_create(&he, w.cpu, &w.hl, NULL));
+  CHECK_OK(kvi_encoder_create(&de, w.gpu, &w.dl, NULL));
+  CHECK_OK(kvi_injector_create(&hi, w.cpu, &w.hl, NULL));
+  CHECK_OK(kvi_injector_create(&di, w.gpu, &w.dl, NULL));
+  int32_t table[NB];
+  for (int32_t b = 0; b < NB; b++) table[b] = (b * 7) % NB;
+  /* tenant 3, the notes encoding's shape: 1; 2 after 1; 3 after 1 and 2 (captured in one call) */
+  const uint64_t ctx2[1] = {1}, ctx3[2] = {1, 2}, ctx4[1] = {3};
+  const uint64_t *cx[3] = {NULL, ctx2, ctx3};
+  const int32_t ncx[3] = {0, 1, 2}, ntok[3] = {T1, T2, T3};
+  kvi_capture caps[3];
+  int32_t at = 3;
+  for (int c = 0; c < 3; c++) {
+    kvi_capture_init(&caps[c], sizeof caps[c]);
+    caps[c].tenant = 3;
+    caps[c].fact_id = 1 + (uint64_t)c;
+    caps[c].block_table = table;
+    caps[c].block_table_len = NB;
+    caps[c].first_slot = at;
+    caps[c].num_tokens = ntok[c];
+    caps[c].start_position = at;
+    caps[c].embedding = embv;
+    caps[c].context_ids = cx[c];
+    caps[c].num_context_ids = ncx[c];
+    at += ntok[c];
+  }
+  CHECK_OK(kvi_encode(he, caps, 3, NULL));
+  CHECK_OK(kvi_encode(de, caps, 3, NULL));
+  /* fact 4 after 3: a put from host memory into both */
+  const size_t n4 = (size_t)sc.L * T4 * sc.H * sc.D;
+  float *k4 = malloc(n4 * sizeof *k4), *v4 = malloc(n4 * sizeof *v4);
+  for (size_t i = 0; i < n4; i++) k4[i] = rndf(), v4[i] = rndf();
+  kvi_kv_view kv;
+  kvi_kv_view_contiguous(&kv, KVI_MEMORY_HOST, KVI_DTYPE_FP32, sc.L, T4, sc.H, sc.D, k4, v4);
+  kvi_put_options po = KVI_PUT_OPTIONS_INIT;
+  po.embedding = embv;
+  po.context_ids = ctx4;
+  po.num_context_ids = 1;
+  CHECK_OK(kvi_store_put(w.cpu, 3, 4, &kv, &po, NULL));
+  CHECK_OK(kvi_store_put(w.gpu, 3, 4, &kv, &po, NULL));
+  CUDA_OK(cudaDeviceSynchronize());
+  uint64_t got[4];
+  int32_t n = -1, st = -1;
+  CHECK_OK(kvi_store_fact_context(w.gpu, 3, 3, got, 4, &n, &st));
+  assert_true(n == 2 && st == 0 && got[0] == 1 && got[1] == 2);
+  expect_stale_both(&w, 3, NULL, 0);
+
+  /* removing 2 makes 3 (after it) and 4 (after 3) stale on both */
+  CHECK_OK(kvi_store_remove(w.cpu, 3, 2));
+  CHECK_OK(kvi_store_remove(w.gpu, 3, 2));
+  const uint64_t s34[2] = {3, 4};
+  expect_stale_both(&w, 3, s34, 2);
+  kvi_store_stats ss = KVI_STORE_STATS_INIT;
+  CHECK_OK(kvi_store_stats_get(w.gpu, &ss));
+  assert_int_equal(ss.facts_stale, 2);
+
+  unsigned char *before[64];
+  for (int i = 0; i < w.ntensors; i++) {
+    before[i] = malloc(w.layer_bytes);
+    CUDA_OK(cudaMemcpy(before[i], w.dev[i], w.layer_bytes, cudaMemcpyDeviceToHost));
+  }
+  int32_t table2[NB];
+  for (int32_t b = 0; b < NB; b++) table2[b] = NB - 1 - b;
+  const uint64_t fids[2] = {1, 3};
+  kvi_inject_request rq;
+  kvi_inject_request_init(&rq, sizeof rq);
+  rq.tenant = 3, rq.fact_ids = fids, rq.num_facts = 2, rq.block_table = table2, rq.block_table_len = NB;
+  rq.first_slot = rq.start_position = 500;
+  expect_refused_stale(kvi_inject(hi, &rq, 1, NULL, NULL), "fact 3 of tenant 3 is stale");
+  expect_refused_stale(kvi_inject(di, &rq, 1, NULL, NULL), "fact 3 of tenant 3 is stale");
+  CUDA_OK(cudaDeviceSynchronize());
+  expect_device_unchanged(&w, before, "a kvi_inject of a stale fact");
+  /* kvi_inject_batched: host fact ids ({1}, {4}), then the same ids in device memory */
+  const uint64_t bf[2] = {1, 4};
+  const int32_t foff[3] = {0, 1, 2};
+  int32_t btab[2 * NB];
+  for (int32_t b = 0; b < NB; b++) btab[b] = b, btab[NB + b] = NB - 1 - b;
+  const int64_t slots[2] = {300, 900};
+  const int32_t starts[2] = {300, 900};
+  kvi_inject_batch ib = KVI_INJECT_BATCH_INIT;
+  ib.num_requests = 2, ib.tenant = 3, ib.fact_ids = bf, ib.fact_offsets = foff, ib.block_tables = btab;
+  ib.block_table_stride = NB, ib.block_table_len = NB, ib.first_slots = slots, ib.start_positions = starts;
+  expect_refused_stale(kvi_inject_batched(hi, &ib, NULL, NULL), "request 1: fact 4 of tenant 3 is stale");
+  expect_refused_stale(kvi_inject_batched(di, &ib, NULL, NULL), "request 1: fact 4 of tenant 3 is stale");
+  uint64_t *dfids;
+  CUDA_OK(cudaMalloc((void **)&dfids, sizeof bf));
+  CUDA_OK(cudaMemcpy(dfids, bf, sizeof bf, cudaMemcpyHostToDevice));
+  ib.fact_ids = dfids;
+  ib.fact_ids_memory = KVI_MEMORY_DEVICE;
+  expect_refused_stale(kvi_inject_batched(di, &ib, NULL, NULL), "tenant 3 has 2 stale facts");
+  ib.fact_ids = bf;
+  ib.fact_ids_memory = KVI_MEMORY_HOST;
+  /* retrieval: the search could pick a stale fact */
+  kvi_retrieve_request rr = KVI_RETRIEVE_REQUEST_INIT;
+  rr.tenant = 3, rr.block_table = table2, rr.block_table_len = NB, rr.first_slot = 700, rr.start_position = 700;
+  uint64_t rids[4];
+  int32_t rcnt, rtok;
+  expect_refused_stale(kvi_retrieve_inject(hi, embv, 1, 4, &rr, 2, NULL, rids, &rcnt, &rtok, NULL),
+                       "tenant 3 has 2 stale facts");
+  expect_refused_stale(kvi_retrieve_inject(di, embv, 1, 4, &rr, 2, NULL, rids, &rcnt, &rtok, NULL),
+                       "tenant 3 has 2 stale facts");
+  CUDA_OK(cudaDeviceSynchronize());
+  expect_device_unchanged(&w, before, "a batched or retrieving injection of stale facts");
+  int64_t skipped = -1;
+  CHECK_OK(kvi_injector_async_errors(di, &skipped));
+  assert_int_equal(skipped, 0);
+
+  /* a saved CUDA store, loaded into a CUDA store, refuses the same facts */
+  char dir[] = "/tmp/kvi-gpu-stale-XXXXXX";
+  assert_non_null(mkdtemp(dir));
+  char path[64];
+  snprintf(path, sizeof path, "%s/stale.kvi", dir);
+  CHECK_OK(kvi_store_save(w.gpu, path, NULL));
+  kvi_store_options so = KVI_STORE_OPTIONS_INIT;
+  so.backend = KVI_BACKEND_CUDA;
+  so.device = 0;
+  so.budget_bytes = 64u << 20;
+  so.embedding_dim = 4;
+  kvi_store *l = NULL;
+  CHECK_OK(kvi_store_load(&l, w.model, &so, path, NULL));
+  size_t nl = 0;
+  CHECK_OK(kvi_store_stale(l, 3, got, 4, &nl));
+  assert_true(nl == 2 && got[0] == 3 && got[1] == 4);
+  kvi_injector *li;
+  CHECK_OK(kvi_injector_create(&li, l, &w.dl, NULL));
+  assert_int_equal(kvi_inject(li, &rq, 1, NULL, NULL), KVI_ERR_STALE);
+  CUDA_OK(cudaDeviceSynchronize());
+  expect_device_unchanged(&w, before, "a loaded store's injection of a stale fact");
+  kvi_injector_destroy(li);
+  kvi_store_destroy(l);
+  unlink(path);
+  rmdir(dir);
+
+  /* captured again after 1 alone, then 4 put again after 3: fresh, injected as the CPU store's */
+  caps[2].flags = KVI_PUT_REPLACE;
+  caps[2].context_ids = ctx2;
+  caps[2].num_context_ids = 1;
+  CHECK_OK(kvi_encode(he, &caps[2], 1, NULL));
+  CHECK_OK(kvi_encode(de, &caps[2], 1, NULL));
+  expect_stale_both(&w, 3, s34 + 1, 1);
+  po.flags = KVI_PUT_REPLACE;
+  CHECK_OK(kvi_store_put(w.cpu, 3, 4, &kv, &po, NULL));
+  CHECK_OK(kvi_store_put(w.gpu, 3, 4, &kv, &po, NULL));
+  expect_stale_both(&w, 3, NULL, 0);
+  CHECK_OK(kvi_inject(hi, &rq, 1, NULL, NULL));
+  CHECK_OK(kvi_inject(di, &rq, 1, NULL, NULL));
+  CHECK_OK(kvi_inject_batched(hi, &ib, NULL, NULL));
+  CHECK_OK(kvi_inject_batched(di, &ib, NULL, NULL));
+  CUDA_OK(cudaDeviceSynchronize());
+  double worst;
+  const size_t bad = compare_caches(&w, true, 0, &worst);
+  if (bad) fail_msg("fresh facts again: %zu elements differ from the CPU store's", bad);
+  /* KVI_REMOVE_KEEP_DEPENDENTS: 1 removed alone on both */
+  CHECK_OK(kvi_store_remove_ex(w.cpu, 3, 1, KVI_REMOVE_KEEP_DEPENDENTS));
+  CHECK_OK(kvi_store_remove_ex(w.gpu, 3, 1, KVI_REMOVE_KEEP_DEPENDENTS));
+  expect_stale_both(&w, 3, NULL, 0);
+  free(k4);
+  free(v4);
+  cudaFree(dfids);
+  for (int i = 0; i < w.ntensors; i++) free(before[i]);
+  kvi_injector_destroy(hi);
+  kvi_injector_destroy(di);
+  kvi_encoder_destroy(he);
+  kvi_encoder_destroy(de);
+  free_world(&w);
+}
 #else
 static void t_tier_inject(void **state) {
   (void)state;
@@ -1696,6 +1902,10 @@ static void t_token_ids(void **state) {
   (void)state;
   skip();
 }
+static void t_stale(void **state) {
+  (void)state;
+  skip();
+}
 #endif
 
 int main(void) {
@@ -1716,7 +1926,7 @@ int main(void) {
       cmocka_unit_test(t_journal_encode),
       cmocka_unit_test(t_tier_inject),   cmocka_unit_test(t_tier_inflight), cmocka_unit_test(t_tier_prefetch),
       cmocka_unit_test(t_tier_encode),   cmocka_unit_test(t_caller_device), cmocka_unit_test(t_encode_embeddings),
-      cmocka_unit_test(t_token_ids),
+      cmocka_unit_test(t_token_ids),     cmocka_unit_test(t_stale),
   };
   int failed = cmocka_run_group_tests_name("gpu-transfer", tests, NULL, NULL);
   if (failed) return 1;

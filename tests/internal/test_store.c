@@ -122,7 +122,7 @@ static kvi_status put_batch(kvi_store *s, int32_t n, const uint64_t *tenant, con
     float *e = malloc(EMB * sizeof *e);
     assert_non_null(e);
     for (int j = 0; j < EMB; j++) e[j] = (float)(100 + i + j);
-    kvi__put_item x = {tenant[i], id[i], &v[i], KVI_PUT_REPLACE, e, NULL};
+    kvi__put_item x = {tenant[i], id[i], &v[i], KVI_PUT_REPLACE, e, NULL, NULL, 0};
     it[i] = x;
   }
   const kvi_status st = kvi__store_put_views(s, it, n, NULL, g, "test");
@@ -319,9 +319,9 @@ static kvi_status hook_put(void *ctx, const kvi__txn *t) {
   return h->real->put(h->real_ctx, t);
 }
 
-static kvi_status hook_remove(void *ctx, kvi_store *s, uint64_t tenant, uint64_t id, const char *fn) {
+static kvi_status hook_remove(void *ctx, kvi_store *s, uint64_t tenant, uint64_t id, uint32_t flags, const char *fn) {
   hook_probe *h = ctx;
-  return h->real->remove(h->real_ctx, s, tenant, id, fn);
+  return h->real->remove(h->real_ctx, s, tenant, id, flags, fn);
 }
 
 static void hook_release(void *ctx) {
@@ -651,7 +651,7 @@ static void test_remove_frees_after_completed_work(void **state) {
   kvbuf_free(&b);
   assert_int_equal(store_stats(s).pages_used, 9);
   /* a CPU store frees at once */
-  assert_ok(kvi__store_remove(s, 1, 3, "test"));
+  assert_ok(kvi__store_remove(s, 1, 3, 0, "test"));
   assert_int_equal(store_stats(s).pages_used, 6);
   /* the CUDA store: one tracked operation, complete, not yet found so */
   struct CUevent_st *evs[1] = {ev};
@@ -660,7 +660,7 @@ static void test_remove_frees_after_completed_work(void **state) {
   s->backend = KVI_BACKEND_CUDA;
   s->track.ev = evs, s->track.n = 1, s->track.next = 1, s->track.done = 0;
   s->deferred_page = dpage, s->deferred_tag = dtag, s->ndeferred = 0;
-  assert_ok(kvi__store_remove(s, 1, 2, "test"));
+  assert_ok(kvi__store_remove(s, 1, 2, 0, "test"));
   const uint32_t waiting = s->ndeferred;
   const uint64_t used = store_stats(s).pages_used;
   const uint64_t done = s->track.done;

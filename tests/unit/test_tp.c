@@ -786,6 +786,13 @@ static void root_rank(rank_ctx *c) {
     two[1].fact_id = 6;
     RSTATUS(c, kvi_store_put_scatter(s, 0, two, 1, NULL), KVI_OK);
     RSTATUS(c, kvi_store_put_scatter(s, 0, two, 2, NULL), KVI_ERR_EXISTS); /* 5 is on every rank */
+    /* a context (store.h, "Context and stale facts") is not scattered: refused on root, nothing stored */
+    const uint64_t ctx[1] = {5};
+    kvi_put_options po = KVI_PUT_OPTIONS_INIT;
+    po.context_ids = ctx, po.num_context_ids = 1;
+    two[1].fact_id = 8;
+    two[1].opts = &po;
+    RSTATUS(c, kvi_store_put_scatter(s, 0, two + 1, 1, NULL), c->rank == 0 ? KVI_ERR_UNSUPPORTED : KVI_ERR_PEER);
     size_t cnt = 0;
     RSTATUS(c, kvi_store_count(s, 1, &cnt), KVI_OK);
     RCHECK(c, cnt == 2, "tenant 1 has %zu facts after a failed batch, expected 2", cnt);

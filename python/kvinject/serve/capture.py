@@ -116,9 +116,13 @@ def plan(tenant: int, header: Sequence[int], new: Sequence[FactToks], *, context
     return out
 
 
-def removal(tenant: int, fids: Union[str, Sequence[int]], token_id: int) -> CaptureRequest:
-    """A request that only removes facts (a list of ids, or "all")."""
-    mp = remove_prompt(tenant, fids if fids == "all" else [int(f) for f in fids], token_id)
+def removal(tenant: int, fids: Union[str, Sequence[int]], token_id: int, *,
+            keep_dependents: bool = False) -> CaptureRequest:
+    """A request that only removes facts (a list of ids, or "all"); keep_dependents:
+    the facts captured after them keep their KV (the connector makes them stale
+    otherwise, and refuses to inject them until they are captured again)."""
+    mp = remove_prompt(tenant, fids if fids == "all" else [int(f) for f in fids], token_id,
+                       keep_dependents=keep_dependents)
     body = {"prompt": list(mp.prompt_token_ids), "max_tokens": CAPTURE_MAX_TOKENS,
             "min_tokens": CAPTURE_MAX_TOKENS, "temperature": 0.0, "kv_transfer_params": {PARAMS_KEY: mp.params}}
     return CaptureRequest(body, [], [])

@@ -140,9 +140,11 @@ class Service:
             self.m.captured_facts.inc(len(r.asked))
         return n
 
-    async def remove(self, rep: Replica, tenant: int, fids) -> Optional[str]:
-        """Asks the replica to remove facts (a list, or "all"); an error text or None."""
-        r = cap.removal(tenant, fids, self.layout.header[0])
+    async def remove(self, rep: Replica, tenant: int, fids, keep_dependents: bool = False) -> Optional[str]:
+        """Asks the replica to remove facts (a list, or "all"); an error text or None.
+        keep_dependents: the facts captured after them there keep their KV (else the
+        replica's store makes them stale: see delete_fact)."""
+        r = cap.removal(tenant, fids, self.layout.header[0], keep_dependents=keep_dependents)
         try:
             status, resp = await self._send(rep, r.body, "remove")
         except ReplicaDown as e:
@@ -316,7 +318,9 @@ class Service:
                         await self.run_captures(rep, reqs, "reencode")
                         out["reencoded"] = [x.id for x in later]
                     else:
-                        err = await self.remove(rep, u.id, [f.fid])
+                        # reencode=false: the later facts keep their KV, computed with this one in
+                        # context (the caller's choice); with reencode and no later fact there is none
+                        err = await self.remove(rep, u.id, [f.fid], keep_dependents=not reencode)
                         if err:
                             raise ApiError(502, err, "server_error", "remove_failed")
                     out["removed_from"].append(rep.url)

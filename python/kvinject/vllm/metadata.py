@@ -30,6 +30,9 @@ class CaptureJob:
     block_ids: List[int]
     # per capture, the prompt's token ids at its span, kept with the fact (None: none)
     token_ids: Optional[List[List[int]]] = None
+    # per capture, the facts whose spans (injected or captured) end before it in
+    # the prompt: its context in the store (None: none)
+    contexts: Optional[List[List[int]]] = None
 
 
 @dataclass
@@ -44,6 +47,7 @@ class RemoveJob:
     req_id: str
     tenant: int
     fact_ids: Optional[List[int]]  # None: every fact of the tenant
+    keep_dependents: bool = False  # remove the facts alone: no fact captured after them becomes stale
 
 
 @dataclass

@@ -10,7 +10,8 @@ parameters, ``SamplingParams(extra_args={"kv_transfer_params": {"kvinject":
      "capture": [{"fact_id": 9, "start": 40, "length": 12,
                   "embedding": [...],              # when the store keeps embeddings
                   "replace": False}, ...],
-     "remove": [fact_id, ...]}                     # or "all": every fact of the tenant
+     "remove": [fact_id, ...],                     # or "all": every fact of the tenant
+     "keep_dependents": False}                     # with remove: make no fact stale
 
 - ``inject``: spans of the prompt whose KV comes from the store, in order,
   back to back from token 0 (the prefix vLLM is told is already computed);
@@ -26,6 +27,15 @@ parameters, ``SamplingParams(extra_args={"kv_transfer_params": {"kvinject":
   that step's injections and before the request's captures (so a request may
   remove a fact and capture it anew). A fact that is not there is skipped. A
   request may not remove a fact it injects (nor "all" when it injects).
+  Removing a fact makes stale every fact of the tenant captured with it in
+  context (kvinject/store.h, "Context and stale facts"): injecting one then
+  fails the request until it is captured again (``replace``);
+  ``keep_dependents: true`` removes the facts alone.
+
+Each capture keeps as its context (Store.fact_context) the facts whose spans,
+injected or captured, end before its own in the prompt: removing one of them
+makes it stale. Tokens of the prompt that are no span are no fact and are
+not named.
 
 What the connector did comes back in the finished request's
 ``kv_transfer_params["kvinject"]`` (kvinject.vllm.results): a request whose
@@ -184,15 +194,19 @@ def notes_capture_prompts(tenant: int, header: Union[Tokens, Keep], facts: Seque
     return out
 
 
-def remove_prompt(tenant: int, fact_ids: Union[str, Sequence[int]], token_id: int) -> MemoryPrompt:
+def remove_prompt(tenant: int, fact_ids: Union[str, Sequence[int]], token_id: int, *,
+                  keep_dependents: bool = False) -> MemoryPrompt:
     """A request that removes facts of ``tenant`` from the connector's store:
     ``fact_ids`` a list of fact ids, or ``"all"`` for every fact of the tenant.
     Its prompt is the one token ``token_id`` (any token of the model: vLLM needs
     a prompt); its output is of no use. Ask for RESULT_TOKENS output tokens to
-    find the ids removed in its outcome."""
+    find the ids removed in its outcome. keep_dependents: the facts captured
+    with them in context stay as they are (else they become stale)."""
     if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
         raise ValueError("token_id must be a token id (an int >= 0), got %r" % (token_id,))
     params: Dict[str, Any] = {"tenant": int(tenant), "remove": _remove_list(fact_ids, "fact_ids")}
+    if keep_dependents:
+        params["keep_dependents"] = True
     return MemoryPrompt([token_id], params)
 
 
@@ -223,6 +237,15 @@ class RequestSpec:
     capture: List[CaptureSpec]
     remove: Optional[List[int]] = None  # fact ids to remove (None: none)
     remove_all: bool = False            # every fact of the tenant
+    keep_dependents: bool = False       # the removal makes no fact stale
+
+    def context_of(self, c: "CaptureSpec") -> List[int]:
+        """A capture's context: the facts whose spans (injected, then captured) end
+        before it starts, in prompt order, but not its own fact (a span of the same
+        fact injected before it, which the capture replaces)."""
+        spans = [(s.start, s.fact_id) for s in self.inject if s.start + s.length <= c.start]
+        spans += [(d.start, d.fact_id) for d in self.capture if d is not c and d.start + d.length <= c.start]
+        return [fid for _, fid in sorted(spans) if fid != c.fact_id]
 
     @property
     def claim_end(self) -> int:
@@ -273,9 +296,10 @@ def parse_params(params: Any, prompt_len: int, embedding_dim: int = 0) -> Reques
     ValueError with a message naming the problem."""
     if not isinstance(params, dict):
         raise ValueError("kv_transfer_params[%r] must be a dict, got %s" % (PARAMS_KEY, type(params).__name__))
-    unknown = set(params) - {"tenant", "inject", "capture", "remove"}
+    unknown = set(params) - {"tenant", "inject", "capture", "remove", "keep_dependents"}
     if unknown:
-        raise ValueError("unknown kvinject parameters %s (known: tenant, inject, capture, remove)" % sorted(unknown))
+        raise ValueError("unknown kvinject parameters %s (known: tenant, inject, capture, remove, keep_dependents)"
+                         % sorted(unknown))
     if "tenant" not in params:
         raise ValueError("kvinject parameters need a tenant")
     tenant = _uint(params["tenant"], "tenant")
@@ -327,6 +351,11 @@ def parse_params(params: Any, prompt_len: int, embedding_dim: int = 0) -> Reques
         both = [s.fact_id for s in inject if s.fact_id in set(remove)]
         if both:
             raise ValueError("remove names fact %d, which the request injects (the removal runs first)" % both[0])
+    keep = params.get("keep_dependents", False)
+    if not isinstance(keep, bool):
+        raise ValueError("keep_dependents must be true or false, got %r" % (keep,))
+    if keep and remove is None:
+        raise ValueError("keep_dependents without remove")
     if not inject and not capture and remove is None:
         raise ValueError("kvinject parameters ask for nothing (no inject, capture or remove)")
-    return RequestSpec(tenant, inject, capture, None if remove in (None, "all") else remove, remove == "all")
+    return RequestSpec(tenant, inject, capture, None if remove in (None, "all") else remove, remove == "all", keep)

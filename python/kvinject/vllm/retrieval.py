@@ -83,12 +83,13 @@ class MemoryIndex:
         """The best min(k, facts of tenant) facts for one query embedding
         (embedding_dim floats, or a host tensor/buffer), best first, as
         (fact id, tokens, score); fact ids in ``exclude`` (e.g. a header that
-        every prompt injects) are never returned."""
+        every prompt injects) are never returned, nor stale facts (Store.stale:
+        the connector refuses to inject them)."""
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError("k must be a non-negative integer, got %r" % (k,))
         if self._store is None or k == 0:
             return []
-        skip = {int(x) for x in exclude}
+        skip = {int(x) for x in exclude} | set(self._store.stale(tenant))
         res = self._store.search([query] if _is_vector(query) else query, tenant, k + len(skip))
         out: List[Retrieved] = []
         for fid, score in res[0]:

@@ -134,7 +134,8 @@ class KVInjectScheduler:
                 continue
             spec = st.spec
             if (spec.remove is not None or spec.remove_all) and not st.remove_sent:
-                meta.removes.append(RemoveJob(rid, spec.tenant, None if spec.remove_all else list(spec.remove)))
+                meta.removes.append(RemoveJob(rid, spec.tenant, None if spec.remove_all else list(spec.remove),
+                                              spec.keep_dependents))
                 st.remove_sent = True
             if s.first and st.external > 0:
                 local = computed - st.external
@@ -147,7 +148,8 @@ class KVInjectScheduler:
                 meta.captures.append(CaptureJob(rid, spec.tenant,
                                                 [(c.fact_id, c.start, c.length, c.embedding, c.replace)
                                                  for c in spec.capture], list(st.block_ids),
-                                                [st.prompt[c.start:c.start + c.length] for c in spec.capture]))
+                                                [st.prompt[c.start:c.start + c.length] for c in spec.capture],
+                                                [spec.context_of(c) for c in spec.capture]))
                 st.capture_pending = False
         for rid in meta.req_ids():  # one result per request and step comes back
             self._reqs[rid].outcome.outstanding += 1

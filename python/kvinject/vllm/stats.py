@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ._compat import KVConnectorPromMetrics, KVConnectorStats
 
 #: failure reasons (the ``reason`` label of kvinject:failures)
-REASONS = ("parse", "not_found", "token_mismatch", "length", "capture", "remove", "other")
+REASONS = ("parse", "not_found", "token_mismatch", "stale", "length", "capture", "remove", "other")
 #: the counters each rank keeps
 COUNTERS = ("requests_injected", "facts_injected", "tokens_injected", "captures_stored", "captures_failed",
             "facts_removed")

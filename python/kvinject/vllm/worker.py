@@ -26,7 +26,7 @@ import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..enums import Backend, Memory
-from ..errors import KviError, NotFoundError, TokenMismatchError
+from ..errors import KviError, NotFoundError, StaleFactError, TokenMismatchError
 from ..store import Store
 from ..transfer import Capture, Encoder, InjectRequest, Injector
 from . import _compat
@@ -51,6 +51,8 @@ def failure_reason(e: Exception) -> str:
         return "not_found"
     if isinstance(e, TokenMismatchError):
         return "token_mismatch"
+    if isinstance(e, StaleFactError):
+        return "stale"
     if isinstance(e, SpanLengthError):
         return "length"
     return "other"
@@ -197,7 +199,7 @@ class KVInjectWorker:
             n = 0
             for fid in ids:
                 try:
-                    self._store.remove(job.tenant, fid)
+                    self._store.remove(job.tenant, fid, keep_dependents=job.keep_dependents)
                 except NotFoundError:
                     continue
                 except KviError as e:
@@ -328,10 +330,14 @@ class KVInjectWorker:
                 self._result(job.req_id).skipped.extend(c[0] for c in job.captures)
                 skipped += len(job.captures)
                 continue
-            for i, (fid, start, length, emb, replace) in enumerate(job.captures):
+            # in prompt order: a capture's context names the captures before it, which the call stores first
+            order = sorted(range(len(job.captures)), key=lambda i: job.captures[i][1])
+            for i in order:
+                fid, start, length, emb, replace = job.captures[i]
                 caps.append(Capture(job.tenant, fid, job.block_ids, length, first_slot=start, start_position=start,
                                     replace=replace, embedding=emb,
-                                    token_ids=job.token_ids[i] if job.token_ids is not None else None))
+                                    token_ids=job.token_ids[i] if job.token_ids is not None else None,
+                                    context_ids=job.contexts[i] if job.contexts is not None else None))
                 owner.append(job.req_id)
         stream = self._stream()
         stored = []

@@ -22,7 +22,9 @@ replica with the connector (fp32 store, a store file), both real processes on
   with its message, the add undone, the memory captured again on next use;
 - deleting a memory re-encodes the later ones: a chat with the remaining 19
   equals plain vLLM with those 19 as text (and without re-encoding it does
-  not: the control); deleting a user forgets every memory.
+  not: the control); in the replica's store file no fact is stale and none
+  names the deleted one in its context (without re-encoding the later ones
+  still do, kept by keep_dependents); deleting a user forgets every memory.
 """
 from __future__ import annotations
 
@@ -307,7 +309,21 @@ def test_failed_capture_is_a_502_and_the_add_is_undone(gateway, replica, lay, ex
     assert diff is None, diff
 
 
-def test_delete_reencodes_the_later_facts(gateway, replica, lay, added):
+def replica_store(work_dir, fact_ids):
+    """The replica's store file loaded on the CPU, and the tenants whose facts are the
+    header (0) and ``fact_ids`` (users' fact ids are alike: several may match)."""
+    import transformers
+    import kvinject as kvi
+    from kvinject.hf.config import store_model
+    model = store_model(transformers.AutoConfig.from_pretrained(C.MODEL))
+    store = kvi.Store.load(model, os.path.join(work_dir, "replica.kvi"), 256 << 20, backend=kvi.Backend.CPU,
+                           dtype=kvi.DType.FP32)
+    found = [t for t in range(1, 64) if store.list(t) == sorted([0] + list(fact_ids))]
+    assert found, "no tenant of the replica's store holds facts %s" % sorted(fact_ids)
+    return store, found
+
+
+def test_delete_reencodes_the_later_facts(gateway, replica, lay, added, work_dir):
     victim = added["ids"]["alice"][4]        # fact 5
     r = gateway.ok("DELETE", "/v1/memories/%d" % victim["id"])
     assert r["deleted"] == victim["id"] and r["fact_id"] == 5
@@ -315,6 +331,15 @@ def test_delete_reencodes_the_later_facts(gateway, replica, lay, added):
     assert r["removed_from"] == [replica.url]
     left = gateway.ok("GET", "/v1/memories?user=alice")["results"]
     assert victim["id"] not in {m["id"] for m in left} and len(left) == 19
+    # the replica's store (the connector's contexts): no fact is stale, none was computed after fact 5
+    store, tenants = replica_store(work_dir, [m["fact_id"] for m in left])
+    assert any(all(5 not in store.fact_context(t, m["fact_id"])[0] for m in left) for t in tenants)  # alice's
+    for t in tenants:
+        assert store.stale(t) == []
+        for m in left:
+            ctx, stale = store.fact_context(t, m["fact_id"])
+            assert not stale and 0 in ctx and ctx == sorted(ctx), (m, ctx)
+    store.close()
     texts = [t for i, t in enumerate(G.facts_of("alice")) if i != 4]
     chat = gateway.chat("alice", QUESTION, k=20)
     assert [f["text"] for f in chat["memory"]["facts"]] == texts
@@ -324,10 +349,16 @@ def test_delete_reencodes_the_later_facts(gateway, replica, lay, added):
     assert status == 404
 
 
-def test_delete_without_reencoding_differs_from_plain_control(gateway, replica, lay, added):
+def test_delete_without_reencoding_differs_from_plain_control(gateway, replica, lay, added, work_dir):
     victim = added["ids"]["bruno"][4]
     r = gateway.ok("DELETE", "/v1/memories/%d?reencode=false" % victim["id"])
     assert r["reencoded"] == []
+    # removed with keep_dependents: the later facts keep their KV, computed after fact 5, and are not stale
+    left = gateway.ok("GET", "/v1/memories?user=bruno")["results"]
+    store, tenants = replica_store(work_dir, [m["fact_id"] for m in left])  # alice's and bruno's
+    assert all(store.stale(t) == [] for t in tenants)
+    assert any(5 in store.fact_context(t, m["fact_id"])[0] for t in tenants for m in left)  # bruno's 6..8
+    store.close()
     texts = [t for i, t in enumerate(G.facts_of("bruno")) if i != 4]
     chat = gateway.chat("bruno", QUESTION, k=20)
     diff, _ = ref_check(replica, lay, chat, texts)

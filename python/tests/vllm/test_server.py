@@ -19,7 +19,9 @@ fp32 store file) serves, in order, over HTTP on 127.0.0.1 (a free port):
  remove     a list (one id absent: not listed), then "all" of tenant 2;
  recompute  a request injecting a removed fact and capturing a span: vLLM
             recomputes it, the outcome carries the worker's message, no
-            injected facts, and the capture taken from the recomputed prefill;
+            injected facts, and the capture after the removed fact's text is
+            refused (its context names the removed fact: kvinject/store.h,
+            "Context and stale facts"), with the library's message;
             and a request with bad parameters (recomputed: served plainly),
             its message in errors;
  metrics    /metrics holds every kvinject: metric with the counts of the
@@ -258,9 +260,12 @@ def test_a_failed_injection_recomputed_reports_the_message_and_its_capture(serve
     resp, oc = served.out["recompute"]
     assert resp["choices"][0]["finish_reason"] == "length" and len(resp["choices"][0]["text"]) > 0
     assert (oc["injected_facts"], oc["injected_tokens"], oc["pending"]) == (0, 0, False), oc
-    (msg,) = oc["errors"]
+    msg, cap = oc["errors"]
     assert "%d" % C.FACT_IDS[2] in msg and "tenant 1" in msg, msg
-    assert oc["captured"] == [50], oc  # from the recomputed prefill
+    # the recomputed prefill holds the removed fact's text: the capture after it is not kept
+    assert cap.startswith("capture of fact 50 (tenant 1) failed: ") and "(%d) of fact 50 names no fact of tenant 1" \
+        % C.FACT_IDS[2] in cap, cap
+    assert oc["captured"] == [], oc
 
 
 def test_bad_parameters_are_reported_in_errors(served):
@@ -278,7 +283,7 @@ def metrics(server, served):
     deadline = time.time() + 30
     while True:
         vals = metric_values(server.get("/metrics"))
-        done = (sample(vals, "kvinject:captures_stored_total") >= 9
+        done = (sample(vals, "kvinject:captures_failed_total") >= 2
                 and sample(vals, "kvinject:failures_total", reason="parse") >= 1)
         if done or time.time() > deadline:
             return vals
@@ -302,18 +307,18 @@ def test_metrics_count_the_requests(metrics, served):
     assert v("kvinject:requests_injected_total") == 2
     assert v("kvinject:facts_injected_total") == 8
     assert v("kvinject:tokens_injected_total") == served.claim + served.claim2
-    assert v("kvinject:captures_stored_total") == 4 + 4 + 1  # two tenants' header and facts, the recomputed one
-    assert v("kvinject:captures_failed_total") == 1
+    assert v("kvinject:captures_stored_total") == 4 + 4  # two tenants' header and facts
+    assert v("kvinject:captures_failed_total") == 2     # a fact that exists; one after a removed fact
     assert v("kvinject:facts_removed_total") == 1 + 4
-    assert v("kvinject:failures_total", reason="capture") == 1
+    assert v("kvinject:failures_total", reason="capture") == 2
     assert v("kvinject:failures_total", reason="not_found") == 1
     assert v("kvinject:failures_total", reason="parse") == 1
     assert v("kvinject:inject_seconds_count") == 2 and v("kvinject:inject_seconds_sum") > 0
 
 
 def test_metrics_the_store_gauges(metrics):
-    # left: tenant 1's header and facts 1, 2 and the recomputed capture 50
-    assert sample(metrics, "kvinject:store_facts") == 4
+    # left: tenant 1's header and facts 1, 2
+    assert sample(metrics, "kvinject:store_facts") == 3
     assert sample(metrics, "kvinject:store_tenants") == 1
     assert 0 < sample(metrics, "kvinject:store_bytes_used") <= STORE_BUDGET_MB << 20
 
