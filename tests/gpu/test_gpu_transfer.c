@@ -1799,6 +1799,7 @@ static void t_stale(void **state) {
   kvi_store_options so = KVI_STORE_OPTIONS_INIT;
   so.backend = KVI_BACKEND_CUDA;
   so.device = 0;
+  so.dtype = sc.store_dtype; /* the file's dtype (the options' default is bf16) */
   so.budget_bytes = 64u << 20;
   so.embedding_dim = 4;
   kvi_store *l = NULL;
