@@ -85,7 +85,9 @@ static int cmp_u64(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
-kvi_status kvi__store_list(const kvi_store *store, uint64_t tenant_id, uint64_t *ids, size_t capacity,
+/* The ids of a tenant's facts (stale_only: of its stale facts), ascending:
+ * kvi_store_list and kvi_store_stale. */
+static kvi_status list_ids(const kvi_store *store, uint64_t tenant_id, bool stale_only, uint64_t *ids, size_t capacity,
                            size_t *out_total, const char *fn) {
   if (!store || !out_total)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_total" : "store");
@@ -93,14 +95,15 @@ kvi_status kvi__store_list(const kvi_store *store, uint64_t tenant_id, uint64_t 
   kvi_status st = KVI_OK;
   kvi__store_lock(store);
   const tenant *t = kvi__map_get(&store->index.tenants, tenant_id, 0);
-  const size_t n = t ? t->count : 0;
+  const size_t n = !t ? 0 : stale_only ? t->stale : t->count;
   if (capacity > 0 && n > 0) {
     uint64_t *all = malloc(n * sizeof *all);
     if (!all) {
       st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu ids", n);
     } else {
       size_t i = 0;
-      for (const fact *f = t->head; f; f = f->next) all[i++] = f->id;
+      for (const fact *f = t->head; f && i < n; f = f->next)
+        if (!stale_only || f->stale) all[i++] = f->id;
       qsort(all, n, sizeof *all, cmp_u64);
       memcpy(ids, all, (capacity < n ? capacity : n) * sizeof *ids);
       free(all);
@@ -109,6 +112,11 @@ kvi_status kvi__store_list(const kvi_store *store, uint64_t tenant_id, uint64_t 
   kvi__store_unlock(store);
   if (st == KVI_OK) *out_total = n;
   return st;
+}
+
+kvi_status kvi__store_list(const kvi_store *store, uint64_t tenant_id, uint64_t *ids, size_t capacity,
+                           size_t *out_total, const char *fn) {
+  return list_ids(store, tenant_id, false, ids, capacity, out_total, fn);
 }
 
 kvi_status kvi__store_stats_get(const kvi_store *store, kvi_store_stats *out, const char *fn) {
@@ -168,29 +176,7 @@ kvi_status kvi__store_fact_context(const kvi_store *store, uint64_t tenant_id, u
 
 kvi_status kvi__store_stale(const kvi_store *store, uint64_t tenant_id, uint64_t *ids, size_t capacity,
                             size_t *out_total, const char *fn) {
-  if (!store || !out_total)
-    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_total" : "store");
-  if (capacity > 0 && !ids) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "ids is NULL and capacity is %zu", capacity);
-  kvi_status st = KVI_OK;
-  kvi__store_lock(store);
-  const tenant *t = kvi__map_get(&store->index.tenants, tenant_id, 0);
-  const size_t n = t ? t->stale : 0;
-  if (capacity > 0 && n > 0) {
-    uint64_t *all = malloc(n * sizeof *all);
-    if (!all) {
-      st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu ids", n);
-    } else {
-      size_t i = 0;
-      for (const fact *f = t->head; f && i < n; f = f->next)
-        if (f->stale) all[i++] = f->id;
-      qsort(all, n, sizeof *all, cmp_u64);
-      memcpy(ids, all, (capacity < n ? capacity : n) * sizeof *ids);
-      free(all);
-    }
-  }
-  kvi__store_unlock(store);
-  if (st == KVI_OK) *out_total = n;
-  return st;
+  return list_ids(store, tenant_id, true, ids, capacity, out_total, fn);
 }
 
 kvi_status kvi__store_stale_fail(const fact *f, int32_t r, const char *fn) {
