@@ -330,15 +330,18 @@ __device__ inline void plain(const Ctx &x, G *page, C *cache, int64_t plane, uns
  *
  * Capture (phases: kvi__xfer_args.phase). Phase 1: each key item reduces
  * its channels' finite values over its tokens to fp32 (min, max) in
- * registers, then merges kvi__q4_bounds of them into the channel's word with
- * one compare-and-swap per channel (items of other slices and other
- * segments of the page merge into the same word; folding commutes). Phase 2:
+ * registers, then folds those two into the channel's word with one
+ * compare-and-swap per channel (items of other slices and other segments of
+ * the page merge into the same word; folding commutes, and folding a
+ * group's min and max gives the word folding all of it gives:
+ * kvi__q4_bounds). Phase 2:
  * key items turn their channels' bounds into (s, m) once and write codes,
  * a word (or byte) per token; values go a row per group of G lanes of a
  * warp (G the power of two >= the row's chunks, at most 32), min and max
  * reduced with shuffles, then the row's word and codes. min and max are
  * exact, so every order gives the CPU's bounds; the rest is base/q4.h's
- * arithmetic. */
+ * arithmetic. A page that one segment covers does phase 2's work in phase 1,
+ * after a barrier (q4_capture). */
 
 /* A word's (scale, minimum) as floats: fp16 -> fp32 is exact (NaN payloads
  * aside, which any fmaf with them makes the canonical NaN anyway). (The
@@ -621,7 +624,7 @@ __device__ inline void q4_capture_keys(const Ctx &x, const kvi__xfer_args &a, ui
 #pragma unroll
     for (int i = 0; i < W; i++) {
       mn[i] = INFINITY, mx[i] = -INFINITY;
-      if constexpr (!bounds) sm[i] = q4_sm(kvi__q4_params(kw[i]));
+      if constexpr (!bounds) sm[i] = q4_sm(kvi__q4_params(__ldcg(kw + i))); /* bounds merged in L2 */
     }
     for (unsigned jb = q.j0; jb < q.j1; jb += BT) {
       Vec<C, W> o[BT], p[BT];
@@ -697,16 +700,21 @@ __device__ inline void q4_capture_keys(const Ctx &x, const kvi__xfer_args &a, ui
 }
 
 /* Capture into a 4-bit page, one layer: phase 1 (keys' bounds) or 2 (keys'
- * codes, then the values). */
+ * codes, then the values). A page that the CTA's segment alone covers
+ * (sole, CTA-uniform) has all its bounds merged when the CTA's threads are:
+ * it takes its codes and values in phase 1 too, right after a barrier, its
+ * keys read again while the L2 still holds them, and skips phase 2. */
 template <typename C, int E, bool NEOX>
 __device__ inline void q4_capture(const Ctx &x, const kvi__xfer_args &a, uint8_t *pg, int l, unsigned rot, const C *kc,
-                                  const C *vc, const float *ks, const float *vs, const int64_t *s_coff, unsigned tok0) {
+                                  const C *vc, const float *ks, const float *vs, const int64_t *s_coff, unsigned tok0,
+                                  bool sole) {
   if (a.phase == 1) {
     q4_capture_keys<C, E, NEOX, true>(x, a, pg, l, rot, kc, ks, s_coff);
-  } else {
-    q4_capture_keys<C, E, NEOX, false>(x, a, pg, l, rot, kc, ks, s_coff);
-    q4_capture_values<C, E>(x, a, pg, l, vc, vs, s_coff, tok0);
+    if (!sole) return;
+    __syncthreads(); /* the words' compare-and-swaps are done (read back through L2: __ldcg) */
   }
+  q4_capture_keys<C, E, NEOX, false>(x, a, pg, l, rot, kc, ks, s_coff);
+  q4_capture_values<C, E>(x, a, pg, l, vc, vs, s_coff, tok0);
 }
 
 /* Points the context at plane kv (0 K, 1 V): its per-token offsets, head and
@@ -751,6 +759,15 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
       }
       return;
     }
+  }
+  /* capture into a 4-bit page that this segment alone covers (its first,
+   * and the plan's next segment, if any, is another page's: a page's
+   * segments are consecutive) runs whole in phase 1 (q4_capture) */
+  bool q4_sole = false;
+  if constexpr (is_q4<G>::value && !INJECT) {
+    q4_sole = sg.tok0 == 0 && (blockIdx.x + 1 == (unsigned)a.nsegs ||
+                               reinterpret_cast<const kvi__xseg *>(plan)[blockIdx.x + 1].page != sg.page);
+    if (a.phase == 2 && q4_sole) return;
   }
   float *gs = nullptr; /* fp8 stores: the page's scales, [layer][K, V][head] */
   if constexpr (is_fp8<G>::value) {
@@ -821,9 +838,9 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
           q4_inject<C, E, false>(x, a, pg, l, rot, kc, vc, ks, vs, s_coff, sg.tok0);
       } else {
         if (ly.style == 1)
-          q4_capture<C, E, true>(x, a, pg, l, rot, kc, vc, ks, vs, s_coff, sg.tok0);
+          q4_capture<C, E, true>(x, a, pg, l, rot, kc, vc, ks, vs, s_coff, sg.tok0, q4_sole);
         else
-          q4_capture<C, E, false>(x, a, pg, l, rot, kc, vc, ks, vs, s_coff, sg.tok0);
+          q4_capture<C, E, false>(x, a, pg, l, rot, kc, vc, ks, vs, s_coff, sg.tok0, q4_sole);
       }
       continue;
     } else {
