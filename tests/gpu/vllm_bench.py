@@ -321,7 +321,7 @@ def run_engine(args):
            "prefix_tokens": {k: wl.prefix_len(k) for k in ks}}
     ev_path = os.path.join(args.out, "events-%s" % res["key"])  # .worker0.jsonl, .scheduler.jsonl
     for suffix in (".worker0.jsonl", ".scheduler.jsonl"):
-        if os.path.exists(ev_path + suffix):
+        if spec["connector"] and os.path.exists(ev_path + suffix):
             os.remove(ev_path + suffix)
 
     import torch
@@ -585,6 +585,7 @@ def drive(args):
     """Each engine of --engines in a subprocess (skipping those whose part is
     there), then the report. Exit 3: engines left for lack of time."""
     t0 = time.time()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # unwinds through the child's clean-up
     os.makedirs(args.out, exist_ok=True)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in ENGINES]
@@ -608,17 +609,19 @@ def drive(args):
         log("engine %s: %s" % (e, " ".join(cmd[1:])))
         t = time.time()
         p = subprocess.Popen(cmd, start_new_session=True)   # its own group: vLLM's engine core goes with it
+        rc = None
         try:
             rc = p.wait(timeout=remaining)
         except subprocess.TimeoutExpired:
-            rc = None
-        for sig in (signal.SIGTERM, signal.SIGKILL):   # whatever of the group is left (a timeout, an orphan)
-            try:
-                os.killpg(p.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                break
-            time.sleep(3)
-        p.wait()
+            pass
+        finally:   # also when this process is stopped (SIGTERM from timeout): the group's processes first
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(p.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    break
+                time.sleep(3)
+            p.wait()
         took.append(time.time() - t)
         if rc is None:
             log("engine %s: stopped at the time budget after %.0f s" % (e, took[-1]))
