@@ -75,6 +75,7 @@ OUT/vllm_bench.json and OUT/vllm_bench.md merged from the parts present.
         [--engines connector,apc,plain] [--time-budget S] [--profile DIR]
     python3 tests/gpu/vllm_bench.py --engine connector|apc|plain ...   (one engine, in this process)
     python3 tests/gpu/vllm_bench.py --report DIR [--model DIR ...]     (merge the parts; no vLLM needed)
+    python3 tests/gpu/vllm_bench.py --report X --profile DIR           (DIR/profile.md from its parts)
 
 Before building an engine, the weights (from config.json: fp8 linear layers
 where its quantization_config says fp8), an activation allowance and the KV
@@ -173,6 +174,8 @@ def parse_args(argv=None):
         args.engines = "connector,apc" if args.profile else "connector,apc,plain"
     if args.model:
         args.model = os.path.abspath(args.model)
+    if args.profile_k is not None and args.profile_k not in lists(args)[0]:
+        ap.error("--profile-k %d is none of --k %s" % (args.profile_k, args.k))
     return args
 
 
@@ -258,13 +261,25 @@ def model_bytes(cfg):
     return linear * (1 if fp8 else 2) + embed * 2, L * 2 * nkv * hd * 2, (2 * I + 4 * H) * 2
 
 
-def gpu_total_bytes():
+def gpu_bytes(what="total"):
+    """The first GPU's memory.total or memory.used (nvidia-smi), None without one."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.%s" % what, "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=30).stdout.split()
         return int(out[0]) << 20 if out else None
     except (OSError, ValueError, subprocess.TimeoutExpired):
         return None
+
+
+def wait_gpu_free(limit_s=60):
+    """Until the GPU holds under 2 GiB (the last engine's processes gone)."""
+    t = time.time()
+    while time.time() - t < limit_s:
+        used = gpu_bytes("used")
+        if used is None or used < 2 << 30:
+            return
+        time.sleep(2)
+    log("WARNING: the GPU still holds %.1f GiB after %d s" % (gpu_bytes("used") / 2**30, limit_s))
 
 
 def fit(args, cfg):
@@ -272,7 +287,7 @@ def fit(args, cfg):
     model cannot fit (no check without a GPU)."""
     G = 1 << 30
     w, kv_tok, act_tok = model_bytes(cfg)
-    total = gpu_total_bytes()
+    total = gpu_bytes("total")
     est = {"weights_gib": w / G, "kv_kib_per_token": kv_tok / 1024, "gpu_gib": total / G if total else None}
     if not total:
         est["gpu_mem"] = args.gpu_mem or 0.6
@@ -543,8 +558,9 @@ def profile(args, spec, wl, gen, res, k):
 
 def summarize_trace(trace, n, top=20):
     """Per request: host-side functions (Python frames, operators, CUDA runtime
-    calls) with most self and inclusive time, summed over threads, and device
-    time (kernels, copies)."""
+    calls) with most self and inclusive time, summed over the threads that ran
+    torch operators (inclusive time counts a recursive frame at every level),
+    and device time (kernels, copies)."""
     evs = [e for e in (trace.get("traceEvents", trace) if isinstance(trace, dict) else trace)
            if e.get("ph") == "X" and "dur" in e]
     agg, dev, dev_total = {}, {}, 0.0
@@ -557,6 +573,8 @@ def summarize_trace(trace, n, top=20):
         elif cat in HOST_CATS:
             threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
     for es in threads.values():
+        if not any(e.get("cat") in ("cpu_op", "cuda_runtime") for e in es):
+            continue   # threads that ran no torch operator: idle waits (tqdm's monitor, pools)
         es.sort(key=lambda e: (e["ts"], -e["dur"]))
         stack = []   # [end, agg entry]
         for e in es:
@@ -605,6 +623,7 @@ def drive(args):
                 % (e, remaining, max(took or [0])))
             left.append(e)
             continue
+        wait_gpu_free()
         cmd = [sys.executable, os.path.abspath(__file__)] + sys.argv[1:] + ["--engine", e, "--child"]
         log("engine %s: %s" % (e, " ".join(cmd[1:])))
         t = time.time()
@@ -623,7 +642,9 @@ def drive(args):
                 time.sleep(3)
             p.wait()
         took.append(time.time() - t)
-        if rc is None:
+        if rc is None and os.path.exists(path):
+            log("engine %s: its part is written; stopped at the time budget while exiting" % e)
+        elif rc is None:
             log("engine %s: stopped at the time budget after %.0f s" % (e, took[-1]))
             left.append(e)
         elif rc != 0 or not os.path.exists(path):
@@ -815,7 +836,8 @@ def main():
         args.out = args.report
         if args.profile:
             write_profile_report(args)
-        write_report(args, args.report)
+        else:
+            write_report(args, args.report)
         return 0
     if args.engine == "all":
         return drive(args)
