@@ -58,10 +58,11 @@
 #       torch.compile, CUDA graphs), apc and plain 2-3 min each; exit 3 when plain is left
 #    5. the same command again while it exits 3 (carry [])    2-3 min
 #    6. tests/gpu/vllm_gpu.sh profile            carry []   5 min
-#   session 2 (about 28 min): steps 1-3 with VLLM_GPU_DUMMY=1 on setup, then
+#   session 2 (about 28 min): steps 1-3, then
 #    4. tests/gpu/vllm_gpu.sh run --shape paper                  9-11 min, in two calls (exit 3)
 #    5. VLLM_GPU_MODEL=32b tests/gpu/vllm_gpu.sh run             10-12 min, in two or three calls
-#   session 3 (about 20 min): steps 1-3 with VLLM_GPU_DUMMY=1, then
+#       (if the session's time runs out first: 5 opens session 3, after its steps 1-3)
+#   session 3 (about 20 min): steps 1-3 with VLLM_GPU_DUMMY=1 (the 8B is not used), then
 #    4. VLLM_GPU_MODEL=70b tests/gpu/vllm_gpu.sh run --max-batched-tokens 8192     12-15 min, two or three
 #       calls. 70B fp8: 65 GiB of weights; on an H100 (79.6 GiB) ~6 GiB of KV cache (~20k tokens: the 64
 #       concurrent requests at k = 50 queue), on an H200 ~64 GiB; vllm_bench.py refuses a GPU it cannot fit.
@@ -193,6 +194,8 @@ case "$cmd" in
     fi
     KVINJECT_LIBRARY=$build/lib/libkvinject.so PYTHONPATH=$site:$PWD/python python3 -c \
       "import kvinject.vllm.connector as c; print('vllm_gpu.sh: connector imports:', c.KVInjectConnector)" 2>&1 | tail -2
+    PYTHONPATH=$site python3 -c "import vllm.model_executor.layers.quantization.fp8 as m; print('vllm_gpu.sh: fp8 \
+(the 70B shape) imports:', m.Fp8Config)" 2>&1 | tail -2 || true
     [ $mrc -eq 0 ]
     ;;
   run|profile)
