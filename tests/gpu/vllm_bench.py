@@ -74,7 +74,8 @@ OUT/vllm_bench.json and OUT/vllm_bench.md merged from the parts present.
     python3 tests/gpu/vllm_bench.py --model DIR --out DIR [--shape paper] [--dummy] [--eager]
         [--engines connector,apc,plain] [--time-budget S] [--profile DIR]
     python3 tests/gpu/vllm_bench.py --engine connector|apc|plain ...   (one engine, in this process)
-    python3 tests/gpu/vllm_bench.py --report DIR [--model DIR ...]     (merge the parts; no vLLM needed)
+    python3 tests/gpu/vllm_bench.py --report DIR [--model DIR ...]     (merge the parts; no vLLM needed;
+                   without the run's arguments, every run in DIR: vllm_bench-<key>.md when several)
     python3 tests/gpu/vllm_bench.py --report X --profile DIR           (DIR/profile.md from its parts)
 
 Before building an engine, the weights (from config.json: fp8 linear layers
@@ -189,6 +190,7 @@ def lists(args):
 def run_key(args):
     d = {a: getattr(args, a) for a in KEY_ARGS}
     d["profile"] = bool(d["profile"])
+    d["model"] = os.path.basename(d["model"].rstrip("/"))   # /dev/shm or /tmp: the same model
     return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -661,18 +663,21 @@ def drive(args):
 
 # ---------------------------------------------------------------- the report
 
-def load_parts(args, d, prefix="part"):
-    parts, key = {}, run_key(args) if args.model else None
+def load_runs(args, d, prefix="part"):
+    """[(file name stem, {engine: part})] of the runs whose parts are in d: the
+    run of these arguments (stem vllm_bench / profile), or, with --report and
+    no --model, every run there (one: the same stems; several: stem-<key>)."""
+    runs, key = {}, run_key(args) if args.model else None
     for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
         if name.startswith(prefix + "-") and name.endswith(".json"):
             with open(os.path.join(d, name)) as f:
                 p = json.load(f)
             if key is None or p.get("key") == key:
-                if key is None and p["engine"] in parts and parts[p["engine"]]["key"] != p["key"]:
-                    raise SystemExit("vllm_bench: parts of several runs in %s: name the run's arguments "
-                                     "(--model, --shape, ...) beside --report" % d)
-                parts[p["engine"]] = p
-    return parts
+                runs.setdefault(p["key"], {})[p["engine"]] = p
+    stem = "vllm_bench" if prefix == "part" else "profile"
+    if not runs:
+        log("no %s-*.json in %s for these arguments" % (prefix, d))
+    return [(stem if len(runs) == 1 else "%s-%s" % (stem, k), parts) for k, parts in sorted(runs.items())]
 
 
 def fmt(x, f="%.2f"):
@@ -680,10 +685,11 @@ def fmt(x, f="%.2f"):
 
 
 def write_report(args, d):
-    parts = load_parts(args, d)
-    if not parts:
-        log("no parts in %s for these arguments" % d)
-        return
+    for stem, parts in load_runs(args, d):
+        write_run_report(d, stem, parts)
+
+
+def write_run_report(d, stem, parts):
     any_part = next(iter(parts.values()))
     a = any_part["args"]
     c, ap, pl = parts.get("connector"), parts.get("apc"), parts.get("plain")
@@ -747,10 +753,10 @@ def write_report(args, d):
     hi = [t for t in tput if t["concurrent"] == max(x["concurrent"] for x in tput)] if tput else []
     merged["targets"]["tput_all"] = (all((t["inject_over_prefill"] or 0) >= TARGET_TPUT for t in hi)
                                      if hi and c else None)
-    with open(os.path.join(d, "vllm_bench.json"), "w") as f:
+    with open(os.path.join(d, stem + ".json"), "w") as f:
         json.dump(merged, f, indent=1)
     md = report_md(merged, sorted(parts))
-    with open(os.path.join(d, "vllm_bench.md"), "w") as f:
+    with open(os.path.join(d, stem + ".md"), "w") as f:
         f.write(md)
     print(md, flush=True)
 
@@ -810,7 +816,11 @@ def report_md(m, engines):
 
 
 def write_profile_report(args):
-    parts = load_parts(args, args.profile, "profile")
+    for stem, parts in load_runs(args, args.profile, "profile"):
+        write_profile_run(args.profile, stem, parts)
+
+
+def write_profile_run(d, stem, parts):
     L = ["## Profiles (engine core in-process; torch.profiler, Python stacks on)", ""]
     for e, p in sorted(parts.items()):
         pr = p["profile"]
@@ -825,9 +835,9 @@ def write_profile_report(args):
                   for r in s["host_inclusive"]]
             L += ["", "| device ms / request | kernel |", "|--:|---|"]
             L += ["| %.3f | %s |" % (r["ms"], r["name"].replace("|", "/")) for r in s["kernels"]] + [""]
-    with open(os.path.join(args.profile, "profile.md"), "w") as f:
+    with open(os.path.join(d, stem + ".md"), "w") as f:
         f.write("\n".join(L))
-    log("profile summary: %s" % os.path.join(args.profile, "profile.md"))
+    log("profile summary: %s" % os.path.join(d, stem + ".md"))
 
 
 def main():
