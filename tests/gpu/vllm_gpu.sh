@@ -49,8 +49,8 @@
 #
 # The device calls, one right after the other (the machine keeps /tmp while
 # held, 30 min in all), and the device time each is expected to take (an
-# estimate until measured):
-#   session 1 (the 8B, about 25 min):
+# estimate until measured): "machine N" is one held machine (30 min of device time)
+#   machine 1 (the 8B, about 25 min):
 #    1. tests/gpu/vllm_gpu.sh stage              carry [".stage/vllmgpu.00"]   1-2 min start + < 1 min
 #    2. tests/gpu/vllm_gpu.sh stage              carry [".stage/vllmgpu.01"]   < 1 min
 #    3. tests/gpu/vllm_gpu.sh setup              carry [".stage/vllmgpu.02"]   3-4 min
@@ -58,11 +58,11 @@
 #       torch.compile, CUDA graphs), apc and plain 2-3 min each; exit 3 when plain is left
 #    5. the same command again while it exits 3 (carry [])    2-3 min
 #    6. tests/gpu/vllm_gpu.sh profile            carry []   5 min
-#   session 2 (about 28 min): steps 1-3, then
+#   machine 2 (about 28 min): steps 1-3, then
 #    4. tests/gpu/vllm_gpu.sh run --shape paper                  9-11 min, in two calls (exit 3)
 #    5. VLLM_GPU_MODEL=32b tests/gpu/vllm_gpu.sh run             10-12 min, in two or three calls
-#       (if the session's time runs out first: 5 opens session 3, after its steps 1-3)
-#   session 3 (about 20 min): steps 1-3 with VLLM_GPU_DUMMY=1 (the 8B is not used), then
+#       (if the device time runs out first: 5 opens machine 3, after its steps 1-3)
+#   machine 3 (about 20 min): steps 1-3 with VLLM_GPU_DUMMY=1 (the 8B is not used), then
 #    4. VLLM_GPU_MODEL=70b tests/gpu/vllm_gpu.sh run --max-batched-tokens 8192     12-15 min, two or three
 #       calls. 70B fp8: 65 GiB of weights; on an H100 (79.6 GiB) ~6 GiB of KV cache (~20k tokens: the 64
 #       concurrent requests at k = 50 queue), on an H200 ~64 GiB; vllm_bench.py refuses a GPU it cannot fit.
