@@ -128,8 +128,18 @@
  *     and the system's error; either way the call changes nothing and the
  *     stored facts stay usable. A damaged tenant file (anything but a torn
  *     final entry) is KVI_ERR_CORRUPT for calls on that tenant only.
- *   - Threads. Disk reads and writes happen under the store's lock (other
- *     calls on the store wait for them); prefetch reads synchronously.
+ *   - Threads. Writes, and the reads back of a call that needs a fact,
+ *     happen under the store's lock (other calls on the store wait for
+ *     them). kvi_store_prefetch's reads are asynchronous: it takes each
+ *     fact's pages under the lock and queues the read on a thread the store
+ *     starts at its first such prefetch; the thread reads the file without
+ *     the lock, so calls on facts in memory go on meanwhile, then publishes
+ *     the fact under the lock (a CUDA store's: the next call that needs the
+ *     fact, or the next prefetch). A call that needs a fact being read waits
+ *     for that read instead of reading it again; a call short of memory
+ *     waits for the reads in flight, whose pages it may then reclaim. Until
+ *     published a fact counts as on disk (kvi_store_fact_tier,
+ *     facts_on_disk_only). kvi_store_destroy stops the thread.
  *   - Not with: a communicator (KVI_ERR_UNSUPPORTED), kvi_store_load
  *     (KVI_ERR_UNSUPPORTED: create the store and prefetch its tenants).
  *     kvi_store_fact_tier says where a fact is; kvi_store_stats counts the
@@ -610,11 +620,15 @@ KVI_API kvi_status kvi_store_list(const kvi_store *store, uint64_t tenant, uint6
  *   later calls on any stream that read these facts wait for the copies.
  * A CPU store, or a CUDA store without a host tier, has one memory tier:
  * without a disk tier the call only checks its arguments and returns KVI_OK.
- * Disk tier (see above): named facts that are on disk are read back first
- * (as many as fit; KVI_ERR_CORRUPT, KVI_ERR_IO from their file); with
- * fact_ids NULL, a tenant the store does not have (or whose file changed,
- * when the store holds no lease on it) is first indexed from its file, then
- * as many of its facts as fit are read back. The reads are synchronous.
+ * Disk tier (see above): the named facts that are on disk start to be read
+ * back, as many as fit (in order), on the store's I/O thread (see
+ * "Threads" there); with fact_ids NULL, a tenant the store does not have
+ * (or whose file changed, when the store holds no lease on it) is first
+ * indexed from its file (synchronously: KVI_ERR_CORRUPT, KVI_ERR_IO,
+ * KVI_ERR_INCOMPATIBLE for a damaged or foreign file; the tenant is then
+ * not in the store), then as many of its facts as fit start to be read
+ * back, most recently written first. A read back that fails leaves its fact
+ * on disk; the call that needs it then reads it and reports the error.
  * Thread rules: as every store call (serialized by the store's lock).
  * Errors: KVI_ERR_INVALID_ARGUMENT (NULL store, fact_ids NULL with count > 0,
  * count < 0), KVI_ERR_NOT_FOUND (an id unknown for the tenant: nothing

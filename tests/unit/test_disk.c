@@ -11,6 +11,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -178,9 +179,14 @@ static void test_tier_moves_roundtrip(void **state) {
     st = store_stats(s);
     assert_true(st.disk_reads >= 12);
     assert_true(st.disk_read_bytes > 0);
-    /* prefetch of the named facts brings them up */
+    /* prefetch of the named facts brings them up, on the store's I/O thread */
+    for (uint64_t id = 0; id < 12; id++) /* 0 and 1 go down */
+      if (id > 1) assert_true(same_fact(s, ref, 5, id));
+    assert_int_equal(tier_of(s, 5, 0), KVI_TIER_DISK);
     const uint64_t want[2] = {0, 1};
     assert_ok(kvi_store_prefetch(s, 5, want, 2, NULL));
+    const double t0 = now_s();
+    while ((tier_of(s, 5, 0) != KVI_TIER_HOST || tier_of(s, 5, 1) != KVI_TIER_HOST) && now_s() - t0 < 10) usleep(1000);
     assert_int_equal(tier_of(s, 5, 0), KVI_TIER_HOST);
     assert_int_equal(tier_of(s, 5, 1), KVI_TIER_HOST);
     kvi_store_destroy(s);
@@ -718,6 +724,62 @@ static void test_compaction_and_save(void **state) {
   kvi_store_destroy(ref);
 }
 
+/* Prefetch reads on the store's I/O thread: readers that come before it is
+ * done wait for its reads (each fact is read once), and reads, prefetches
+ * and writes from several threads at once leave every fact byte-exact. */
+static void test_async_prefetch(void **state) {
+  fx *f = *state;
+  kvi_store *s = mk_store(f, KVI_DTYPE_BF16, 64, f->dir, "a", 0, 0), *ref = mk_store(f, KVI_DTYPE_BF16, 64, NULL, NULL, 0, 0);
+  for (uint64_t id = 0; id < 20; id++) {
+    assert_ok(put_tag(s, 6, id, id + 3, 0));
+    assert_ok(put_tag(ref, 6, id, id + 3, 0));
+  }
+  kvi_store_destroy(s);
+  s = mk_store(f, KVI_DTYPE_BF16, 64, f->dir, "a", 0, 0);
+  assert_ok(kvi_store_prefetch(s, 6, NULL, 0, NULL));
+  for (uint64_t id = 20; id-- > 0;) assert_true(same_fact(s, ref, 6, id)); /* the last queued first */
+  kvi_store_stats st = store_stats(s);
+  assert_int_equal(st.disk_reads, 20); /* once each: no reader read a fact the thread was reading */
+  assert_int_equal(st.facts_on_disk_only, 0);
+  kvi_store_destroy(s);
+  kvi_store_destroy(ref);
+}
+
+typedef struct worker {
+  kvi_store *s, *ref;
+  int kind;
+  bool ok;
+} worker;
+
+static void *work(void *arg) {
+  worker *w = arg;
+  w->ok = true;
+  for (int i = 0; i < 150 && w->ok; i++) {
+    const uint64_t id = (uint64_t)(i * 7 + w->kind) % 20;
+    if (w->kind == 0) w->ok = kvi_store_prefetch(w->s, 6, NULL, 0, NULL) == KVI_OK;
+    else if (w->kind == 1) w->ok = same_fact(w->s, w->ref, 6, id);
+    else w->ok = put_tag(w->s, 7, id, id, KVI_PUT_REPLACE) == KVI_OK;
+  }
+  return NULL;
+}
+
+static void test_async_threads(void **state) {
+  fx *f = *state;
+  kvi_store *s = mk_store(f, KVI_DTYPE_BF16, 8, f->dir, "a", 0, 0), *ref = mk_store(f, KVI_DTYPE_BF16, 64, NULL, NULL, 0, 0);
+  for (uint64_t id = 0; id < 20; id++) {
+    assert_ok(put_tag(s, 6, id, id + 3, 0));
+    assert_ok(put_tag(ref, 6, id, id + 3, 0));
+  }
+  worker w[4] = {{s, ref, 0, false}, {s, ref, 1, false}, {s, ref, 2, false}, {s, ref, 1, false}};
+  pthread_t th[4];
+  for (int i = 0; i < 4; i++) assert_int_equal(pthread_create(&th[i], NULL, work, &w[i]), 0);
+  for (int i = 0; i < 4; i++) pthread_join(th[i], NULL);
+  for (int i = 0; i < 4; i++) assert_true(w[i].ok);
+  for (uint64_t id = 0; id < 20; id++) assert_true(same_fact(s, ref, 6, id));
+  kvi_store_destroy(s);
+  kvi_store_destroy(ref);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_tier_moves_roundtrip, fx_setup, fx_teardown),
@@ -731,6 +793,8 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_disk_full, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_tenant_isolation, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_compaction_and_save, fx_setup, fx_teardown),
+      cmocka_unit_test_setup_teardown(test_async_prefetch, fx_setup, fx_teardown),
+      cmocka_unit_test_setup_teardown(test_async_threads, fx_setup, fx_teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
