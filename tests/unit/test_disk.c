@@ -780,6 +780,58 @@ static void test_async_threads(void **state) {
   kvi_store_destroy(ref);
 }
 
+/* Captures (kvi_encode) write through like puts: after the store is gone,
+ * another store reads them from the file as the memory-only store has them. */
+static void encode3(kvi_store *s, float *pool) {
+  kvi_cache_layout cl;
+  assert_ok(kvi_cache_layout_preset(&cl, KVI_CACHE_TRTLLM, KVI_DTYPE_FP32, L, H, D, 4, 8, NULL, NULL, pool));
+  cl.memory = KVI_MEMORY_HOST;
+  kvi_encoder *enc = NULL;
+  assert_ok(kvi_encoder_create(&enc, s, &cl, NULL));
+  const int32_t table[] = {3, 1, 6, 0};
+  kvi_capture caps[3];
+  for (int i = 0; i < 3; i++) {
+    kvi_capture_init(&caps[i], sizeof caps[i]);
+    caps[i].tenant = 5;
+    caps[i].fact_id = 10 + (uint64_t)i;
+    caps[i].block_table = table;
+    caps[i].block_table_len = 4;
+    caps[i].first_slot = 3 * i + 1;
+    caps[i].num_tokens = 2 + i;
+    caps[i].start_position = 17 * i;
+  }
+  assert_ok(kvi_encode(enc, caps, 3, NULL));
+  kvi_encoder_destroy(enc);
+}
+
+static void test_encode_writes_through(void **state) {
+  fx *f = *state;
+  const size_t elems = (size_t)8 * L * 2 * H * 4 * D;
+  float *pool = malloc(elems * sizeof *pool);
+  rng r;
+  rng_seed(&r, __func__);
+  for (size_t i = 0; i < elems; i++) pool[i] = rand_float(&r);
+  kvi_store *s = mk_store(f, KVI_DTYPE_BF16, 3, f->dir, NULL, 0, 0), *ref = mk_store(f, KVI_DTYPE_BF16, 64, NULL, NULL, 0, 0);
+  for (uint64_t id = 0; id < 3; id++) { /* memory full: the captures drop these */
+    assert_ok(put_tag(s, 5, id, id, 0));
+    assert_ok(put_tag(ref, 5, id, id, 0));
+  }
+  const uint64_t writes = store_stats(s).disk_writes;
+  encode3(s, pool);
+  encode3(ref, pool);
+  assert_int_equal(store_stats(s).disk_writes, writes + 1); /* one entry for the call */
+  for (uint64_t id = 0; id < 3; id++) assert_true(same_fact(s, ref, 5, id));
+  kvi_store_destroy(s);
+  s = mk_store(f, KVI_DTYPE_BF16, 3, f->dir, NULL, 0, 0);
+  assert_ok(kvi_store_prefetch(s, 5, NULL, 0, NULL));
+  assert_int_equal(count_of(s, 5), 6);
+  for (uint64_t id = 0; id < 3; id++) assert_true(same_fact(s, ref, 5, id));
+  for (uint64_t id = 10; id < 13; id++) assert_true(same_fact(s, ref, 5, id));
+  kvi_store_destroy(s);
+  kvi_store_destroy(ref);
+  free(pool);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_tier_moves_roundtrip, fx_setup, fx_teardown),
@@ -795,6 +847,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_compaction_and_save, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_async_prefetch, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_async_threads, fx_setup, fx_teardown),
+      cmocka_unit_test_setup_teardown(test_encode_writes_through, fx_setup, fx_teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
