@@ -539,6 +539,11 @@ static void test_create_errors(void **state) {
   assert_status(kvi_store_create(&s, f->m, &o), KVI_ERR_IO);
   assert_last_error_has("kvi_store_create", "not a directory");
   unlink(path);
+  /* a directory no one may create files in, root included */
+  o.disk_dir = "/proc/self";
+  assert_status(kvi_store_create(&s, f->m, &o), KVI_ERR_IO);
+  assert_last_error_has("kvi_store_create", "/proc/self is not writable");
+  assert_null(s);
   o.disk_dir = f->dir;
   o.disk_owner = "two\nlines";
   assert_status(kvi_store_create(&s, f->m, &o), KVI_ERR_INVALID_ARGUMENT);
