@@ -233,7 +233,9 @@ static void set_fields(kvi_store *s, const kvi_store_options *o, const kvi__geom
   s->dtype = o->dtype;
   s->P = o->page_tokens;
   s->emb_dim = o->embedding_dim;
-  kvi__emb_setup(s, o, pl->hpages > 0);
+  /* a disk-tier store's facts change pages when dropped and read back: no
+   * device directory of page ids (as a tiered store's) */
+  kvi__emb_setup(s, o, pl->hpages > 0 || o->disk_dir != NULL);
   s->page_elems = pl->page_elems;
   s->page_bytes = pl->page_bytes;
   s->fp8 = pl->fp8;
@@ -301,6 +303,7 @@ fail:
 void kvi__store_destroy(kvi_store *store, bool device_ok) {
   if (!store) return;
   if (store->search.release) store->search.release(store, device_ok);
+  kvi__disk_stop(store); /* before the facts its jobs read go */
   for (size_t i = 0; i < store->index.facts.cap; i++)
     if (store->index.facts.slots[i].val) kvi__fact_free(store->index.facts.slots[i].val);
   for (size_t i = 0; i < store->index.tenants.cap; i++) {
@@ -317,5 +320,6 @@ void kvi__store_destroy(kvi_store *store, bool device_ok) {
   for (int32_t l = 0; l < store->geom.num_layers; l++) kvi__rope_release(&store->rope[l]);
   free(store->rope);
   if (store->journal.ops) store->journal.ops->release(store->journal.ctx);
+  if (store->disk.ops) store->disk.ops->release(store->disk.ctx);
   free(store);
 }
