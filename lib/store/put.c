@@ -80,7 +80,7 @@ void kvi__fact_commit(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, ten
   f->hpages = NULL;
   f->in_lru = false;
   f->pins = 0;
-  kvi__store_touch(s, f); /* a new device-tier fact counts as used */
+  kvi__store_touch(s, f); /* a new fact counts as used */
   kvi__map_put(&s->index.facts, tenant_id, fact_id, f);
   s->index.tokens_stored += (uint64_t)tokens;
   if (pages) s->index.pages_stored += need;

@@ -44,8 +44,9 @@ typedef struct fact {
   size_t row; /* its row of the tenant's embedding matrix (stores with embeddings) */
   struct fact *prev, *next; /* the tenant's list */
   tenant *owner;
-  /* Tiered stores: device-tier facts are on the store's LRU list (most
-   * recently injected, put or captured first); `pins` counts the leases
+  /* Tiered and disk-tier stores: facts with pages (every tier) are on the
+   * store's LRU list (most recently injected, read, put, captured, promoted
+   * or read back first); `pins` counts the leases
    * (kvi__store_lease) of the call holding the lock: a pinned fact is not
    * demoted. */
   struct fact *lru_prev, *lru_next;
@@ -127,7 +128,7 @@ typedef struct kvi__store_index {
 
 /* The tiers of a tiered store (tiers.c). */
 typedef struct kvi__store_tier {
-  fact *lru_head, *lru_tail; /* device-tier facts, most recently used first */
+  fact *lru_head, *lru_tail; /* facts with pages (every tier), most recently used first */
   uint64_t promotions, demotions;
   /* The last tier move: tracked event number move_seq (valid while
    * move_pending) recorded on copy_stream after its copies. Calls that read
@@ -332,7 +333,7 @@ kvi_status kvi__store_track(kvi_store *s, struct CUstream_st *stream, const char
 /* ---- tiers (tiered CUDA stores; tiers.c) -------------------------------- */
 
 /* The pages of the device-tier facts a tier move may demote now: those of
- * the facts on the LRU list that no lease pins. */
+ * the device-tier facts on the LRU list that no lease pins. */
 uint64_t kvi__store_evictable(const kvi_store *s);
 
 /* The facts a tier move that needs `need` free device pages demotes: the
@@ -355,8 +356,8 @@ kvi_status kvi__store_lease(kvi_store *s, fact *const *facts, size_t n, bool pro
  * become the most recently used, the first named the most recent. */
 void kvi__store_unlease(kvi_store *s, fact *const *facts, size_t n, bool used);
 
-/* Marks f as the most recently used device-tier fact (no-op for host-tier
- * facts and stores without a host tier). */
+/* Marks f (with pages, any tier) as the most recently used fact (no-op on a
+ * store with neither a host tier nor a disk tier, and for a fact on disk). */
 void kvi__store_touch(kvi_store *s, fact *f);
 
 /* Reads and checks an embedding into a fresh fp32 array holding the values

@@ -20,12 +20,14 @@ void kvi__tier_lru_remove(kvi_store *s, fact *f) {
   f->in_lru = false;
 }
 
-/* Whether the store keeps an LRU list: a tiered store's device-tier facts,
- * a disk-tier store's facts in its first pool (a CPU store's memory). */
+/* Whether the store keeps an LRU list (a tiered or disk-tier store): one
+ * list of every fact that has pages, whatever its tier. Demotions and drops
+ * choose their victims on it from the tail, skipping the facts of other
+ * tiers, so each tier gives up its least recently used facts first. */
 static bool lru_on(const kvi_store *s) { return s->pool.host.npages > 0 || s->disk.ops; }
 
 void kvi__store_touch(kvi_store *s, fact *f) {
-  if (!lru_on(s) || !f->pages || fact_on_host(s, f)) return;
+  if (!lru_on(s) || !f->pages) return;
   kvi__tier_lru_remove(s, f);
   f->lru_prev = NULL;
   f->lru_next = s->tier.lru_head;
@@ -100,26 +102,16 @@ static bool droppable(const kvi_store *s, const fact *f, const pool *p) {
 }
 
 /* The facts to drop from pool p for `need` free pages, least recently used
- * first (the first pool's LRU list; a host tier's facts, which no list
- * orders, in the index's order); with out NULL only counted. Returns the
- * pages they free (stopping at `want`). */
+ * first (p's facts on the LRU list, from its tail); with drop false only
+ * counted. Returns the pages they free (stopping at `want`). */
 static uint64_t drop_candidates(kvi_store *s, pool *p, uint64_t want, bool drop) {
   uint64_t got = 0;
-  if (p == &s->pool.dev) {
-    for (fact *f = s->tier.lru_tail, *prev; f && got < want; f = prev) {
-      prev = f->lru_prev;
-      if (!droppable(s, f, p)) continue;
-      got += f->npages;
-      if (drop) drop_to_disk(s, f);
-    }
-    return got;
+  for (fact *f = s->tier.lru_tail, *prev; f && got < want; f = prev) {
+    prev = f->lru_prev;
+    if (!droppable(s, f, p)) continue;
+    got += f->npages;
+    if (drop) drop_to_disk(s, f);
   }
-  size_t pos = 0;
-  for (const fact *c; got < want && (c = kvi__store_next_fact(s, &pos));)
-    if (droppable(s, c, p)) {
-      got += c->npages;
-      if (drop) drop_to_disk(s, (fact *)c);
-    }
   return got;
 }
 
@@ -181,7 +173,7 @@ static kvi_status copy_tier(kvi_store *s, const uint32_t *dst, const uint32_t *s
 uint64_t kvi__store_evictable(const kvi_store *s) {
   uint64_t n = 0;
   for (const fact *f = s->tier.lru_tail; f; f = f->lru_prev)
-    if (!f->pins) n += f->npages;
+    if (!f->pins && !fact_on_host(s, f)) n += f->npages;
   return n;
 }
 
@@ -189,7 +181,7 @@ size_t kvi__store_victims(const kvi_store *s, uint64_t need, fact **out) {
   uint64_t got = 0;
   size_t n = 0;
   for (fact *f = s->tier.lru_tail; f && s->pool.dev.nfree + got < need; f = f->lru_prev)
-    if (!f->pins) {
+    if (!f->pins && !fact_on_host(s, f)) {
       got += f->npages;
       if (out) out[n] = f;
       n++;
@@ -292,8 +284,7 @@ kvi_status kvi__tier_move(kvi_store *s, fact *const *up, size_t nup, uint32_t ex
       memcpy(f->pages, hdst + hj, f->npages * sizeof *hdst);
       hj += f->npages;
     }
-    kvi__tier_lru_remove(s, f);
-    f->pins--;
+    f->pins--; /* it keeps its place on the LRU list: a host-tier fact now */
     s->tier.demotions++;
   }
   for (size_t i = 0; i < nup; i++) {

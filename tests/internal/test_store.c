@@ -260,16 +260,20 @@ static void test_lru_order(void **state) {
   for (int step = 0; step < 2000; step++) {
     fact *x = &f[rng_range(&r, 0, NF - 1)];
     kvi__store_touch(s, x);
-    if (x->pages[0] < s->pool.dev.npages) { /* device tier: to the front */
-      int at = 0;
-      while (at < n && model[at] != x) at++;
-      if (at == n) n++;
-      memmove(model + 1, model, (size_t)at * sizeof *model);
-      model[0] = x;
-    }
+    int at = 0; /* every tier: to the front (one list; victims skip other tiers' facts) */
+    while (at < n && model[at] != x) at++;
+    if (at == n) n++;
+    memmove(model + 1, model, (size_t)at * sizeof *model);
+    model[0] = x;
     check_lru(s, model, n, f, NF);
   }
-  assert_int_equal(n, NF - NF / 4);
+  assert_int_equal(n, NF);
+  /* demotions take device-tier facts only, least recently used first */
+  fact *v[NF];
+  assert_int_equal(kvi__store_evictable(s), NF - NF / 4);
+  assert_int_equal(kvi__store_victims(s, 1000, v), NF - NF / 4);
+  for (int i = n - 1, k = 0; i >= 0; i--)
+    if (model[i]->pages[0] < s->pool.dev.npages) assert_true(v[k++] == model[i]);
   /* a store without a host tier keeps no list */
   kvi_store *flat = calloc(1, sizeof *flat);
   assert_non_null(flat);

@@ -751,6 +751,30 @@ static void test_async_prefetch(void **state) {
   kvi_store_destroy(ref);
 }
 
+/* Drops choose the least recently used facts: put, read back from disk and
+ * injected facts become the most recent (one-page facts in 4 pages). */
+static void test_lru_order(void **state) {
+  fx *f = *state;
+  kvi_store *s = mk_store(f, KVI_DTYPE_BF16, 4, f->dir, NULL, 0, 0), *ref = mk_store(f, KVI_DTYPE_BF16, 64, NULL, NULL, 0, 0);
+  for (uint64_t id = 0; id < 6; id++) { /* tag 9 id + 1: 2 tokens; 4 and 5 drop 0 and 1 */
+    assert_ok(put_tag(s, 3, id, 9 * id + 1, 0));
+    assert_ok(put_tag(ref, 3, id, 9 * id + 1, 0));
+  }
+  assert_int_equal(tier_of(s, 3, 0), KVI_TIER_DISK);
+  assert_int_equal(tier_of(s, 3, 1), KVI_TIER_DISK);
+  assert_true(same_fact(s, ref, 3, 0)); /* read back: drops 2 */
+  const uint64_t three = 3;
+  inject_all(s, &three, 1); /* 3 becomes the most recent */
+  assert_ok(put_tag(s, 3, 6, 9 * 6 + 1, 0)); /* drops 4 */
+  assert_ok(put_tag(ref, 3, 6, 9 * 6 + 1, 0));
+  static const int32_t want[7] = {KVI_TIER_HOST, KVI_TIER_DISK, KVI_TIER_DISK, KVI_TIER_HOST,
+                                  KVI_TIER_DISK, KVI_TIER_HOST, KVI_TIER_HOST};
+  for (uint64_t id = 0; id < 7; id++) assert_int_equal(tier_of(s, 3, id), want[id]);
+  for (uint64_t id = 0; id < 7; id++) assert_true(same_fact(s, ref, 3, id));
+  kvi_store_destroy(s);
+  kvi_store_destroy(ref);
+}
+
 typedef struct worker {
   kvi_store *s, *ref;
   int kind;
@@ -852,6 +876,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_tenant_isolation, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_compaction_and_save, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_async_prefetch, fx_setup, fx_teardown),
+      cmocka_unit_test_setup_teardown(test_lru_order, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_async_threads, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_encode_writes_through, fx_setup, fx_teardown),
   };
