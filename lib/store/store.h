@@ -45,7 +45,7 @@ typedef struct fact {
   struct fact *prev, *next; /* the tenant's list */
   tenant *owner;
   /* Tiered and disk-tier stores: facts with pages (every tier) are on the
-   * store's LRU list (most recently injected, read, put, captured, promoted
+   * store's LRU list (most recently injected, put, captured, promoted
    * or read back first); `pins` counts the leases
    * (kvi__store_lease) of the call holding the lock: a pinned fact is not
    * demoted. */

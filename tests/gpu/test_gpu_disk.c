@@ -225,11 +225,17 @@ static void caches_make(caches *c) {
   for (int b = 0; b < NB; b++) c->table[b] = (b * 37) % NB;
 }
 
-/* Both caches get the same random (finite) values. */
+/* Both caches get the same random values, finite and exact in bf16 (a
+ * bf16 capture is then the same on both backends whatever their rounding). */
 static void caches_fill(caches *c) {
   const size_t n = c->layer_bytes / sizeof(float);
   for (int l = 0; l < L; l++) {
-    for (size_t i = 0; i < n; i++) ((float *)c->host[l])[i] = rndf();
+    uint32_t *u = c->host[l];
+    for (size_t i = 0; i < n; i++) {
+      const float x = rndf();
+      memcpy(&u[i], &x, sizeof x);
+      u[i] &= 0xffff0000u;
+    }
     CUDA_OK(cudaMemcpy(c->dev[l], c->host[l], c->layer_bytes, cudaMemcpyHostToDevice));
   }
   CUDA_OK(cudaDeviceSynchronize());
