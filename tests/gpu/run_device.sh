@@ -123,6 +123,8 @@ qrc=${PIPESTATUS[0]}
 tprc=${PIPESTATUS[0]}
 "$build"/tests/gpu/test_gpu_retrieve 2>&1 | tee "$out/gpu-retrieve.log"
 rrc=${PIPESTATUS[0]}
+"$build"/tests/gpu/test_gpu_disk 2>&1 | tee "$out/gpu-disk.log"
+drc=${PIPESTATUS[0]}
 # the Python binding with torch on the device: skips become failures here
 KVINJECT_REQUIRE_CUDA=1 meson test -C "$build" --suite python --no-rebuild --verbose 2>&1 | tee "$out/python.log" |
   grep -E ' passed| failed| skipped| error|^FAILED|^SKIPPED|^ERROR|libkvinject:python'
@@ -130,7 +132,7 @@ prc=${PIPESTATUS[0]}
 # memcheck: no out-of-bounds or misaligned device accesses in the kernels
 src=0
 if command -v compute-sanitizer >/dev/null; then
-  for t in test_gpu_transfer test_gpu_store test_gpu_search test_gpu_retrieve; do
+  for t in test_gpu_transfer test_gpu_store test_gpu_search test_gpu_retrieve test_gpu_disk; do
     [ $t = test_gpu_search ] && export KVI_TEST_QUICK=1 || unset KVI_TEST_QUICK
     timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 "$build"/tests/gpu/$t >"$out/memcheck-$t.log" 2>&1
     r=$?; echo "memcheck $t: rc=$r"; tail -3 "$out/memcheck-$t.log"; [ $r -eq 0 ] || src=1
@@ -150,6 +152,6 @@ if command -v compute-sanitizer >/dev/null; then
 fi
 [ "$phase" = all ] && meson test -C "$build" --benchmark --verbose 2>&1 | tee "$out/bench.log" |
   grep -E '^\||^\(|device:|MiB moved counts|torch'
-echo "meson test rc=$rc, gpu suite rc=$grc, gpu-transfer rc=$trc, gpu-search rc=$qrc, gpu-tp rc=$tprc, gpu-retrieve rc=$rrc, python rc=$prc, memcheck rc=$src"
-[ "$rc" -eq 0 ] && [ "$grc" -eq 0 ] && [ "$trc" -eq 0 ] && [ "$qrc" -eq 0 ] && [ "$tprc" -eq 0 ] && [ "$rrc" -eq 0 ] &&
+echo "meson test rc=$rc, gpu suite rc=$grc, gpu-transfer rc=$trc, gpu-search rc=$qrc, gpu-tp rc=$tprc, gpu-retrieve rc=$rrc, gpu-disk rc=$drc, python rc=$prc, memcheck rc=$src"
+[ "$rc" -eq 0 ] && [ "$grc" -eq 0 ] && [ "$trc" -eq 0 ] && [ "$qrc" -eq 0 ] && [ "$tprc" -eq 0 ] && [ "$rrc" -eq 0 ] && [ "$drc" -eq 0 ] &&
   [ "$prc" -eq 0 ] && [ "$src" -eq 0 ]
