@@ -67,7 +67,7 @@ static void drop_dir_cache(const char *dir) {
   DIR *d = opendir(dir);
   if (!d) return;
   struct dirent *e;
-  char p[4096];
+  char p[4096 + 256 + 2];
   while ((e = readdir(d))) {
     if (e->d_name[0] == '.') continue;
     snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
@@ -84,7 +84,7 @@ static void remove_dir(const char *dir) {
   DIR *d = opendir(dir);
   if (!d) return;
   struct dirent *e;
-  char p[4096];
+  char p[4096 + 256 + 2];
   while ((e = readdir(d))) {
     if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
     snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
@@ -97,7 +97,7 @@ static void remove_dir(const char *dir) {
 /* The sequential read rate of the directory's file system in GB/s: a file
  * of mb MiB written, synced, dropped, read back in 16 MiB preads; median of 3. */
 static double disk_read_gbps(const char *dir, long mb, int *direct) {
-  char p[4096];
+  char p[4096 + 256 + 2];
   snprintf(p, sizeof p, "%s/seq-read.bin", dir);
   const size_t chunk = (size_t)16 << 20, total = (size_t)mb << 20;
   char *buf;
