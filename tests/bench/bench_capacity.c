@@ -40,10 +40,11 @@
  * Environment (KVI_BENCH_*): USERS (100000), SESSIONS (10000 per s), WARM
  * (SESSIONS / 2), R (4), K (10), LAYERS (2), HEADS (1), HEAD_SIZE (32),
  * STORE_DTYPE (bf16, fp8, q4), PAGE_TOKENS (16), MEM_FRACTION (0.1),
- * HOST_FRACTION (0.3, CUDA stores), POPULATE (touch, all),
- * PREFILL_TOKENS_PER_S, DISK_GBPS, BACKEND (cpu or cuda; default: CUDA when
- * built with it and a device answers), DIR (where the temporary directory
- * goes; default $TMPDIR or /tmp), SEED (1).
+ * HOST_FRACTION (0.48, CUDA stores: the capacity model's node, whose host
+ * tier is 4.8x its GPU tier), POPULATE (touch, all), PREFILL_TOKENS_PER_S,
+ * DISK_GBPS, BACKEND (cpu or cuda; default: CUDA when built with it and a
+ * device answers), DIR (where the temporary directory goes; default $TMPDIR
+ * or /tmp), SEED (1).
  * Quick CPU run: KVI_BENCH_USERS=2000 KVI_BENCH_SESSIONS=2000.
  *
  * SPDX-License-Identifier: Apache-2.0
@@ -234,7 +235,7 @@ int main(void) {
   const int R = (int)env_long("KVI_BENCH_R", 4), K = (int)env_long("KVI_BENCH_K", 10);
   const int L = (int)env_long("KVI_BENCH_LAYERS", 2), H = (int)env_long("KVI_BENCH_HEADS", 1),
             D = (int)env_long("KVI_BENCH_HEAD_SIZE", 32), P = (int)env_long("KVI_BENCH_PAGE_TOKENS", 16);
-  const double mem_frac = env_double("KVI_BENCH_MEM_FRACTION", 0.1), host_frac = env_double("KVI_BENCH_HOST_FRACTION", 0.3);
+  const double mem_frac = env_double("KVI_BENCH_MEM_FRACTION", 0.1), host_frac = env_double("KVI_BENCH_HOST_FRACTION", 0.48);
   rng_state = (uint64_t)env_long("KVI_BENCH_SEED", 1) * 0x100000001b3ull;
   const char *pop = getenv("KVI_BENCH_POPULATE");
   const int all = pop && !strcmp(pop, "all");
