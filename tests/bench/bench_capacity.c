@@ -229,6 +229,7 @@ static void session(ctx *c, uint64_t u, tally *t) {
 }
 
 int main(void) {
+  setvbuf(stdout, NULL, _IOLBF, 0); /* progress as it comes, also into a file */
   const long users = env_long("KVI_BENCH_USERS", 100000);
   const long sessions = env_long("KVI_BENCH_SESSIONS", 10000);
   const long warm = env_long("KVI_BENCH_WARM", sessions / 2);
@@ -422,7 +423,7 @@ int main(void) {
              (unsigned long long)(b.drops_to_disk - a.drops_to_disk), (unsigned long long)(b.promotions - a.promotions),
              p50, p99, d50, d99, 100.0 * t.fallbacks / Rq);
       snprintf(trace + strlen(trace), sizeof trace - strlen(trace), "%s\"%.1f\": {\"device\": %.4f, \"host\": %.4f, \"disk\": %.4f}",
-               si ? ", " : "", s, t.on[0] / F, t.on[1] / F, t.on[2] / F);
+               si ? ", " : "", s, (t.on[0] + (cuda ? 0 : t.on[1])) / F, cuda ? t.on[1] / F : 0.0, t.on[2] / F);
     }
   }
   printf("\nnew users: sessions that met their user first and put (captured) its facts; their requests are left\n"
@@ -431,7 +432,9 @@ int main(void) {
          "first of a session includes its prefetch). to text: requests whose disk-only facts would load slower\n"
          "(at %.2f GB/s) than prefilling their tokens at %.0f tokens/s. Counters over the measured sessions.\n",
          c.disk_s_per_byte > 0 ? 1e-9 / c.disk_s_per_byte : 0.0, c.prefill_tps);
-  printf("\ncapacity model input: {\"trace\": {%s}}\n", trace);
+  /* a CPU store's memory is the top tier: the model's "device" */
+  printf("\ncapacity model input%s: {\"trace\": {%s}}\n", cuda ? "" : " (the CPU store's memory as the top tier)",
+         trace);
 
   kvi_injector_destroy(c.inj);
   kvi_store_destroy(store);
