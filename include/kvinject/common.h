@@ -147,7 +147,12 @@ typedef enum kvi_status {
    * K and V were computed with a fact in context that has since been removed
    * (kvinject/store.h, "Context and stale facts"); kvi_last_error() names
    * the tenant and the fact. Nothing was written. */
-  KVI_ERR_STALE = -19
+  KVI_ERR_STALE = -19,
+  /* A write (put, remove, encode) of a tenant of a store with a disk tier
+   * (kvinject/store.h, "Disk tier") whose ownership lease another replica
+   * holds; kvi_last_error() names the owner and the milliseconds left.
+   * Nothing was written. */
+  KVI_ERR_LEASED = -20
 } kvi_status;
 
 /* Static English text for a status ("invalid argument", ...). Never NULL;

@@ -305,11 +305,23 @@ typedef struct kvi_store_options {
                                  whole pages; 0 (default) = device pages only. A CPU
                                  store (also one chosen by KVI_BACKEND_AUTO) takes
                                  only 0: anything else is KVI_ERR_INVALID_ARGUMENT. */
+  /* The disk tier (see "Disk tier" below). */
+  const char *disk_dir;       /* host memory, a NUL-terminated path of an existing,
+                                 writable directory that keeps one file per tenant;
+                                 copied. NULL (default): no disk tier. */
+  uint64_t disk_budget_bytes; /* bytes of tenant files this store may hold in
+                                 disk_dir (the files it wrote or read); 0 (default):
+                                 no limit but the file system's */
+  const char *disk_owner;     /* host memory, this replica's name in leases (at most
+                                 200 bytes, no newline); copied. NULL (default):
+                                 "<hostname>:<pid>" */
+  int32_t disk_lease_ms;      /* length of a tenant's ownership lease, 1..2^31-1 ms;
+                                 0 or the default: 30000 */
 } kvi_store_options;
 
 #define KVI_STORE_OPTIONS_INIT                                                                                   \
   {sizeof(kvi_store_options), KVI_BACKEND_AUTO, -1, KVI_DTYPE_BF16, 16, 0, 0, KVI_DTYPE_FP32, KVI_METRIC_INNER_PRODUCT, \
-   NULL, KVI_EMBEDDINGS_REPLICATED, 0}
+   NULL, KVI_EMBEDDINGS_REPLICATED, 0, NULL, 0, NULL, 30000}
 
 /* Fills *opts with KVI_STORE_OPTIONS_INIT for a struct of `size` bytes (pass sizeof *opts):
  * see "Size-versioned structs" in kvinject/common.h. */
@@ -586,13 +598,57 @@ typedef struct kvi_store_stats {
   uint64_t demotions;       /* facts moved device -> host since creation */
   uint64_t facts_stale;     /* experimental: stale facts of every tenant (see
                                "Context and stale facts"), counted in facts */
+  /* The disk tier (0 without one; see "Disk tier"). */
+  uint64_t facts_on_disk_only; /* facts, counted in facts, whose K and V are in no
+                                  memory tier now (only in their tenant's file) */
+  uint64_t disk_bytes;         /* bytes of the tenant files the store wrote or read */
+  uint64_t disk_reads;         /* facts read back from tenant files since creation */
+  uint64_t disk_read_bytes;    /* bytes read for them (whole entries) */
+  uint64_t disk_writes;        /* entries appended to tenant files (and files rewritten) */
+  uint64_t disk_write_bytes;   /* bytes written for them */
+  uint64_t drops_to_disk;      /* facts dropped from memory (kept on disk) since creation */
 } kvi_store_stats;
 
 #define KVI_STORE_STATS_INIT                                                                                     \
-  {sizeof(kvi_store_stats), KVI_BACKEND_AUTO, 0, KVI_ENUM_ZERO(kvi_dtype), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+  {sizeof(kvi_store_stats), KVI_BACKEND_AUTO, 0, KVI_ENUM_ZERO(kvi_dtype), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, \
+   0, 0, 0, 0, 0, 0, 0}
 
 /* Fills *out (host memory). Errors: KVI_ERR_INVALID_ARGUMENT, KVI_ERR_STRUCT_SIZE. */
 KVI_API kvi_status kvi_store_stats_get(const kvi_store *store, kvi_store_stats *out);
+
+/* ------------------------------------------------------------------------ */
+/* Disk tier                                                                */
+/* ------------------------------------------------------------------------ */
+
+/* Where a fact's K and V are (kvi_store_fact_tier). A CPU store's pages are
+ * host memory: its resident facts are KVI_TIER_HOST. */
+typedef enum kvi_tier {
+  KVI_TIER_DEVICE = 0, /* device pages of a CUDA store */
+  KVI_TIER_HOST = 1,   /* host pages: a CPU store's, or a CUDA store's host tier */
+  KVI_TIER_DISK = 2    /* only in its tenant's file (disk tier): read back when used */
+} kvi_tier;
+
+/*
+ * Where fact `fact_id` of `tenant` is now, into *out_tier (host memory; a
+ * kvi_tier value). No device work, no file I/O. The answer may change at
+ * once under calls on other threads.
+ * Errors: KVI_ERR_INVALID_ARGUMENT (NULL store or out_tier), KVI_ERR_NOT_FOUND.
+ */
+KVI_API kvi_status kvi_store_fact_tier(const kvi_store *store, uint64_t tenant, uint64_t fact_id, int32_t *out_tier);
+
+/*
+ * Gives up this store's ownership lease of `tenant` (see "Disk tier"), so
+ * that another replica sharing the directory may write the tenant at once.
+ * The tenant's facts stay readable here (memory, or read back from its
+ * file); the next write of the tenant here takes the lease again (and
+ * re-reads the file if another replica changed it). A tenant whose lease
+ * the store does not hold, or a store without a disk tier: KVI_OK, nothing
+ * done. Thread rules: as every store call.
+ * Errors: KVI_ERR_INVALID_ARGUMENT (NULL store), KVI_ERR_IO (the lease file
+ * could not be written: kvi_last_error() names it; the lease then runs out
+ * by itself).
+ */
+KVI_API kvi_status kvi_store_tenant_release(kvi_store *store, uint64_t tenant);
 
 #ifdef __cplusplus
 }

@@ -45,3 +45,8 @@ KVI_API kvi_status kvi_store_load(kvi_store **out, const kvi_model *model, const
   KVI__API_ON(st, kvi__shard_store_device(opts, fn), fn, kvi__store_load(out, model, opts, path, load_opts, fn));
   return st;
 }
+
+/* Giving up a lease writes a small file: no device is made current. */
+KVI_API kvi_status kvi_store_tenant_release(kvi_store *store, uint64_t tenant) {
+  return kvi__store_tenant_release(store, tenant, "kvi_store_tenant_release");
+}

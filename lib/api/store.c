@@ -2,7 +2,7 @@
  * Entry points of the store part (kvinject/store.h, and
  * kvi_store_embedding_rank of kvinject/comm.h); kvi_store_create is the tp
  * part's (lib/api/tp.c). Calls that may touch the store's device make it
- * current first; count, list, stats, fact_tokens, fact_token_ids, fact_context and stale read host state only
+ * current first; count, list, stats, fact_tier, fact_tokens, fact_token_ids, fact_context and stale read host state only
  * and enter no device.
  * SPDX-License-Identifier: Apache-2.0
  */
@@ -109,4 +109,8 @@ KVI_API kvi_status kvi_store_stats_get(const kvi_store *store, kvi_store_stats *
 
 KVI_API int32_t kvi_store_embedding_rank(uint64_t tenant, uint64_t fact_id, int32_t tp_size) {
   return kvi__store_embedding_rank(tenant, fact_id, tp_size);
+}
+
+KVI_API kvi_status kvi_store_fact_tier(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, int32_t *out_tier) {
+  return kvi__store_fact_tier(store, tenant_id, fact_id, out_tier, "kvi_store_fact_tier");
 }

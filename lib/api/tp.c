@@ -5,6 +5,7 @@
  * SPDX-License-Identifier: Apache-2.0
  */
 #include "api/api.h"
+#include "persist/persist.h"
 #include "store/store.h"
 #include "tp/tp.h"
 
@@ -41,10 +42,25 @@ KVI_API kvi_status kvi_comm_async_errors(kvi_comm *comm, int64_t *out_count) {
   return kvi__comm_async_errors(comm, out_count, "kvi_comm_async_errors");
 }
 
+/* The store of kvi_store_create, then its disk tier (opts->disk_dir): *out
+ * is written only once both are made. */
+static kvi_status store_create(kvi_store **out, const kvi_model *model, const kvi_store_options *opts, const char *fn) {
+  if (!out) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "out is NULL");
+  kvi_store *s = NULL;
+  kvi_status st = kvi__shard_store_create(&s, model, opts, fn);
+  if (st) return st;
+  if ((st = kvi__disk_attach(s, opts, fn))) {
+    kvi__store_destroy(s, true);
+    return st;
+  }
+  *out = s;
+  return KVI_OK;
+}
+
 KVI_API kvi_status kvi_store_create(kvi_store **out, const kvi_model *model, const kvi_store_options *opts) {
   static const char fn[] = "kvi_store_create";
   kvi_status st;
-  KVI__API_ON(st, kvi__shard_store_device(opts, fn), fn, kvi__shard_store_create(out, model, opts, fn));
+  KVI__API_ON(st, kvi__shard_store_device(opts, fn), fn, store_create(out, model, opts, fn));
   return st;
 }
 

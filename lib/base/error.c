@@ -32,6 +32,7 @@ const char *kvi__status_string(kvi_status status) {
   case KVI_ERR_PEER: return "failed on another rank";
   case KVI_ERR_TOKEN_MISMATCH: return "token ids differ";
   case KVI_ERR_STALE: return "fact is stale";
+  case KVI_ERR_LEASED: return "tenant leased by another replica";
   }
   return "unknown status";
 }

@@ -165,11 +165,21 @@ typedef struct snapfile {
   ino_t ino;
 } snapfile;
 
+/* Where a snapshot wrote each fact's entry (offs: facts[i]'s at entry[i]),
+ * for a disk tier's rewritten tenant file. */
+typedef struct snapoffs {
+  const fact **facts;
+  uint64_t *entry;
+  size_t n;
+} snapoffs;
+void kvi__persist_snapoffs_free(snapoffs *o);
+
 /* Writes the store's facts (one: only `tenant`'s) as a new file at `path`;
- * keep: *out's fd stays open and locked, for a journal. The store's lock
- * is held. */
+ * keep: *out's fd stays open and locked, for a journal; offs (or NULL):
+ * receives where each fact's entry went (freed on error). Facts on disk only
+ * (disk tier) are copied from their tenant's file. The store's lock is held. */
 kvi_status kvi__persist_snapshot_file(const kvi_store *s, const char *path, bool one, uint64_t tenant, bool keep,
-                                      const kvi__journal *own, snapfile *out, const char *fn);
+                                      const kvi__journal *own, snapfile *out, snapoffs *offs, const char *fn);
 
 /* ---- the journal (journal.c) -------------------------------------------- */
 
@@ -186,9 +196,71 @@ struct kvi__journal {
   bool failed; /* a flush failed: the file's state is unknown */
 };
 
+/* Completes the entry at `entry` (header space, then body_bytes of records),
+ * writes it at the end of j's file and flushes it (a failed write is cut
+ * back off; a failed flush marks j failed). */
+kvi_status kvi__persist_journal_append(kvi__journal *j, unsigned char *entry, uint64_t body_bytes, uint32_t count,
+                                      const char *fn);
+/* KVI_ERR_IO when j failed to flush, or its file is no longer the one at
+ * its path. */
+kvi_status kvi__persist_journal_usable(const kvi__journal *j, const char *fn);
 /* Makes j (or none) the store's journal; returns the one it had. */
 kvi__journal *kvi__persist_journal_set(kvi_store *s, kvi__journal *j);
 /* Gives j its path (a copy it now owns) and opens the directory holding it. */
 void kvi__persist_journal_bind(kvi__journal *j, char *path);
+
+/* ---- the loader (load.c; header.c reads the file header) ----------------- */
+
+/* The fuzz target checks everything but the checksums, so that mutated
+ * files reach the parser's deeper checks. */
+#ifdef KVI_FUZZING
+#define CRC_OK(stored, computed) ((void)(stored), (void)(computed), true)
+#else
+#define CRC_OK(stored, computed) ((stored) == (computed))
+#endif
+
+/* A file being read. */
+typedef struct loader {
+  const char *fn, *path;
+  int fd;
+  uint64_t size;
+  uint64_t file_id;
+  kvi_store *s;
+  int32_t L, H, D, E;
+  kvi_dtype dtype;
+  int32_t P; /* quantized (fp8, q4) files: tokens per page of scales, else 0 */
+  uint64_t page_scale; /* quantized files: bytes of a page's scales */
+  uint64_t token_bytes;
+  uint32_t version; /* the file's format version */
+  bool index_only;  /* a disk tier's tenant file: facts indexed on disk only (index_apply) */
+  uint64_t tenant;  /* with index_only: the file's tenant */
+} loader;
+
+/* KVI_ERR_CORRUPT naming the file and the offset. */
+kvi_status kvi__persist_corrupt(const loader *ld, uint64_t off, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* Reads n bytes at off (KVI_ERR_IO when the file is shorter). */
+kvi_status kvi__persist_rd(const loader *ld, uint64_t off, void *buf, size_t n);
+/* Reads and checks the header against the model and the store options;
+ * sets ld->version and ld->file_id. */
+kvi_status kvi__persist_read_header(loader *ld, const kvi_model *model, const kvi_store_options *o);
+
+/* ---- the disk tier (disk.c, and load.c's readers of tenant files) ------- */
+
+/* Indexes the tenant file open at fd (the store's configuration checked in
+ * its header) into s, its facts on disk only; the store's lock is held and
+ * the tenant is not in the store. *valid_end: the end of its last complete
+ * entry (a torn final entry is left out), *next_seq the next entry's
+ * number. */
+kvi_status kvi__persist_index_tenant(kvi_store *s, uint64_t tenant, int fd, const char *path, uint64_t *file_id,
+                                     uint64_t *valid_end, uint64_t *next_seq, const char *fn);
+/* Reads fact f's record from the tenant file open at fd, its entry's
+ * checksum checked: into `pages` (raw NULL), or as the record's bytes
+ * (put_record_bytes) into raw, its stale flag as f has it now. Adds the
+ * bytes read to *bytes_read. */
+kvi_status kvi__persist_read_fact(const kvi_store *s, int fd, const char *path, const fact *f, const uint32_t *pages,
+                                  unsigned char *raw, uint64_t *bytes_read, const char *fn);
+/* A fact on disk only: its record's bytes (put_record_bytes) into rec, read
+ * from its tenant's file (a snapshot of it). */
+kvi_status kvi__persist_disk_record(const kvi_store *s, const fact *f, unsigned char *rec, const char *fn);
 
 #endif /* KVI_PERSIST_INTERNAL_H */

@@ -70,7 +70,7 @@ kvi_status kvi__store_journal_open(kvi_store *store, const char *path, uint32_t 
   kvi__store_lock(store);
   st = kvi__store_wait_device(store, fn);
   snapfile sf;
-  if (st == KVI_OK) st = kvi__persist_snapshot_file(store, path, false, 0, true, journal_of(store), &sf, fn);
+  if (st == KVI_OK) st = kvi__persist_snapshot_file(store, path, false, 0, true, journal_of(store), &sf, NULL, fn);
   kvi__journal *old = NULL;
   if (st == KVI_OK) {
     j->fd = sf.fd;
@@ -107,8 +107,8 @@ kvi_status kvi__store_journal_close(kvi_store *store, const char *fn) {
 
 /* Completes the entry at `entry` (header space, then body_bytes of records),
  * writes it at the end of the journal and flushes it. */
-static kvi_status journal_append(kvi__journal *j, unsigned char *entry, uint64_t body_bytes, uint32_t count,
-                                 const char *fn) {
+kvi_status kvi__persist_journal_append(kvi__journal *j, unsigned char *entry, uint64_t body_bytes, uint32_t count,
+                                      const char *fn) {
   kvi__persist_entry_header(entry, KIND_FACTS, j->file_id, j->seq, body_bytes, count,
                             kvi__crc32c(0, entry + ENTRY_HDR, (size_t)body_bytes));
   const size_t total = (size_t)(ENTRY_HDR + body_bytes);
@@ -135,7 +135,7 @@ static kvi_status journal_append(kvi__journal *j, unsigned char *entry, uint64_t
 /* A journaled call appends only to a journal whose flushes all succeeded and
  * whose file is still the one at its path (appends to a file unlinked or
  * replaced since would be durable nowhere a load looks). */
-static kvi_status journal_usable(const kvi__journal *j, const char *fn) {
+kvi_status kvi__persist_journal_usable(const kvi__journal *j, const char *fn) {
   if (j->failed)
     return kvi__fail(KVI_ERR_IO, fn,
                      "the journal %s failed to flush earlier; reopen it with kvi_store_journal_open (nothing changed)",
@@ -161,7 +161,7 @@ static kvi_status journal_put(void *ctx, const kvi__txn *t) {
   kvi_status st = KVI_OK;
   if (t->device_work && s->backend == KVI_BACKEND_CUDA && (st = kvi__cuda_sync(t->stream, fn)))
     return st; /* the pages are complete once the stream has passed */
-  if ((st = journal_usable(j, fn))) return st;
+  if ((st = kvi__persist_journal_usable(j, fn))) return st;
   uint64_t body = 0;
   for (int32_t i = 0; i < n; i++)
     body += put_record_bytes(s, t->facts[i].tokens, t->facts[i].ids != NULL, t->facts[i].nctx);
@@ -176,7 +176,7 @@ static kvi_status journal_put(void *ctx, const kvi__txn *t) {
                                x->nctx, x->stale, fn);
     rec += put_record_bytes(s, x->tokens, x->ids != NULL, x->nctx);
   }
-  if (st == KVI_OK) st = journal_append(j, entry, body, (uint32_t)n, fn);
+  if (st == KVI_OK) st = kvi__persist_journal_append(j, entry, body, (uint32_t)n, fn);
   free(entry);
   return st;
 }
@@ -186,7 +186,7 @@ static kvi_status journal_remove(void *ctx, kvi_store *s, uint64_t tenant, uint6
                                  const char *fn) {
   (void)s;
   kvi__journal *j = ctx;
-  kvi_status st = journal_usable(j, fn);
+  kvi_status st = kvi__persist_journal_usable(j, fn);
   if (st) return st;
   unsigned char entry[ENTRY_HDR + REC_HDR];
   unsigned char *rec = entry + ENTRY_HDR;
@@ -194,5 +194,5 @@ static kvi_status journal_remove(void *ctx, kvi_store *s, uint64_t tenant, uint6
   put32(rec, OP_REMOVE | ((flags & KVI_REMOVE_KEEP_DEPENDENTS) ? REC_KEEP_DEPENDENTS : 0u));
   put64(rec + 8, tenant);
   put64(rec + 16, id);
-  return journal_append(j, entry, REC_HDR, 1, fn);
+  return kvi__persist_journal_append(j, entry, REC_HDR, 1, fn);
 }

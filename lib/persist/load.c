@@ -28,30 +28,7 @@
 
 #define SCAN_CHUNK (1u << 20)
 
-/* The fuzz target checks everything but the checksums, so that mutated
- * files reach the parser's deeper checks. */
-#ifdef KVI_FUZZING
-#define CRC_OK(stored, computed) ((void)(stored), (void)(computed), true)
-#else
-#define CRC_OK(stored, computed) ((stored) == (computed))
-#endif
-
-typedef struct loader {
-  const char *fn, *path;
-  int fd;
-  uint64_t size;
-  uint64_t file_id;
-  kvi_store *s;
-  int32_t L, H, D, E;
-  kvi_dtype dtype;
-  int32_t P; /* quantized (fp8, q4) files: tokens per page of scales, else 0 */
-  uint64_t page_scale; /* quantized files: bytes of a page's scales */
-  uint64_t token_bytes;
-  uint32_t version; /* the file's format version */
-} loader;
-
-static kvi_status corrupt(const loader *ld, uint64_t off, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static kvi_status corrupt(const loader *ld, uint64_t off, const char *fmt, ...) {
+kvi_status kvi__persist_corrupt(const loader *ld, uint64_t off, const char *fmt, ...) {
   char msg[320];
   va_list ap;
   va_start(ap, fmt);
@@ -60,7 +37,7 @@ static kvi_status corrupt(const loader *ld, uint64_t off, const char *fmt, ...) 
   return kvi__fail(KVI_ERR_CORRUPT, ld->fn, "%s: offset %llu: %s", ld->path, (unsigned long long)off, msg);
 }
 
-static kvi_status rd(const loader *ld, uint64_t off, void *buf, size_t n) {
+kvi_status kvi__persist_rd(const loader *ld, uint64_t off, void *buf, size_t n) {
   unsigned char *p = buf;
   while (n > 0) {
     const ssize_t r = pread(ld->fd, p, n, (off_t)off);
@@ -71,132 +48,6 @@ static kvi_status rd(const loader *ld, uint64_t off, void *buf, size_t n) {
     p += r, off += (uint64_t)r, n -= (size_t)r;
   }
   return KVI_OK;
-}
-
-static const char *const rope_fields[] = {
-    "style",     "rotary_dim", "scaling",          "original_max_position", "theta",      "factor",
-    "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "yarn_truncate",
-    "table_positions", "cos_sin_table (hash)"};
-static const int rope_offsets[] = {0, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 72, 76, 80};
-
-static kvi_status rope_mismatch(const loader *ld, int32_t layer, const unsigned char *file, const unsigned char *model) {
-  for (int i = 0; i < 14; i++) {
-    const int off = rope_offsets[i], size = i < 4 || i == 11 || i == 12 ? 4 : 8;
-    if (memcmp(file + off, model + off, (size_t)size) == 0) continue;
-    char a[64], b[64];
-    if (size == 4) {
-      snprintf(a, sizeof a, "%d", (int)get32(file + off));
-      snprintf(b, sizeof b, "%d", (int)get32(model + off));
-    } else if (i == 13) {
-      snprintf(a, sizeof a, "0x%016llx", (unsigned long long)get64(file + off));
-      snprintf(b, sizeof b, "0x%016llx", (unsigned long long)get64(model + off));
-    } else {
-      snprintf(a, sizeof a, "%.17g", getf64(file + off));
-      snprintf(b, sizeof b, "%.17g", getf64(model + off));
-    }
-    return kvi__fail(KVI_ERR_INCOMPATIBLE, ld->fn, "%s: layer %d RoPE %s is %s in the file, %s in the model", ld->path,
-                     (int)layer, rope_fields[i], a, b);
-  }
-  return kvi__fail(KVI_ERR_INCOMPATIBLE, ld->fn, "%s: layer %d RoPE differs from the model's", ld->path, (int)layer);
-}
-
-/* Reads and checks the header against the model and the store options. */
-static kvi_status read_header(loader *ld, const kvi_model *model, const kvi_store_options *o) {
-  unsigned char fixed[HDR_FIXED];
-  if (ld->size < HDR_BYTES(1))
-    return corrupt(ld, 0, "the file is %llu bytes, shorter than a store file header (%llu)",
-                   (unsigned long long)ld->size, (unsigned long long)HDR_BYTES(1));
-  kvi_status st = rd(ld, 0, fixed, sizeof fixed);
-  if (st) return st;
-  if (memcmp(fixed, FILE_MAGIC, 8) != 0) return corrupt(ld, 0, "not a libkvinject store file (no KVISTORE magic)");
-  const uint64_t hb = get32(fixed + 16);
-  if (hb < HDR_BYTES(1) || hb > HDR_BYTES(MAX_LAYERS) || hb > ld->size)
-    return corrupt(ld, 16, "header size %llu is impossible (file size %llu)", (unsigned long long)hb,
-                   (unsigned long long)ld->size);
-  unsigned char *h = malloc((size_t)hb);
-  if (!h) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, ld->fn, "allocating a %llu-byte header", (unsigned long long)hb);
-  if ((st = rd(ld, 0, h, (size_t)hb))) goto out;
-  const uint32_t crc = kvi__crc32c(0, h, (size_t)hb - 4);
-  if (!CRC_OK(get32(h + hb - 4), crc)) {
-    st = corrupt(ld, hb - 4, "header checksum mismatch (stored 0x%08x, computed 0x%08x)", get32(h + hb - 4), crc);
-    goto out;
-  }
-  ld->version = get32(h + 8);
-  if (ld->version < FORMAT_VERSION_MIN || ld->version > FORMAT_VERSION) {
-    st = kvi__fail(KVI_ERR_INCOMPATIBLE, ld->fn, "%s: format version %u; this library reads versions %d to %d",
-                   ld->path, ld->version, FORMAT_VERSION_MIN, FORMAT_VERSION);
-    goto out;
-  }
-  if (get32(h + 12) != ENDIAN_MARK) {
-    st = kvi__fail(KVI_ERR_INCOMPATIBLE, ld->fn, "%s: written with another byte order (mark 0x%08x)", ld->path,
-                   get32(h + 12));
-    goto out;
-  }
-  const int32_t L = (int32_t)get32(h + 32);
-  const uint32_t scale_P = get32(h + 84); /* page_tokens of a quantized file, else 0 */
-  const bool quant_file = get32(h + 64) == (uint32_t)KVI_DTYPE_FP8_E4M3 || get32(h + 64) == (uint32_t)KVI_DTYPE_Q4;
-  if (L < 1 || L > MAX_LAYERS || hb != HDR_BYTES(L) || get32(h + 80) != ROPE_BYTES ||
-      (quant_file ? scale_P < 1 || scale_P > 4096 : scale_P != 0)) {
-    st = corrupt(ld, 32, "inconsistent header (%d layers, %llu header bytes)", (int)L, (unsigned long long)hb);
-    goto out;
-  }
-  if (get32(h + 20) != 0) {
-    st = kvi__fail(KVI_ERR_INCOMPATIBLE, ld->fn, "%s: unknown header flags 0x%x", ld->path, get32(h + 20));
-    goto out;
-  }
-  ld->file_id = get64(h + 24);
-
-  const kvi__geom *g = &model->geom;
-  static const char *const names[8] = {"num_layers", "num_kv_heads", "head_size",   "tp_rank",
-                                       "tp_size",    "local_head_first", "local_heads", "head_replicas"};
-  const int32_t want[8] = {g->num_layers, g->num_kv_heads, g->head_size,  g->tp_rank,
-                           g->tp_size,    g->head_first,   g->local_heads, g->head_replicas};
-  for (int i = 0; i < 8; i++) {
-    const int32_t have = (int32_t)get32(h + 32 + 4 * i);
-    if (have != want[i]) {
-      st = kvi__fail(KVI_ERR_INCOMPATIBLE, ld->fn, "%s: the file was made for %s %d, the model has %d%s", ld->path,
-                     names[i], (int)have, (int)want[i],
-                     i >= 3 ? " (a store file holds one tensor-parallel rank's heads)" : "");
-      goto out;
-    }
-  }
-  const kvi_dtype dt = (kvi_dtype)get32(h + 64);
-  if (dt != o->dtype) {
-    st = kvi__fail(KVI_ERR_INCOMPATIBLE, ld->fn, "%s: the file holds %s facts, opts->dtype is %s", ld->path,
-                   kvi__dtype_name(dt), kvi__dtype_name(o->dtype));
-    goto out;
-  }
-  if (quant_file && scale_P != (uint32_t)o->page_tokens) {
-    st = kvi__fail(KVI_ERR_INCOMPATIBLE, ld->fn,
-                   "%s: the file's %s facts have scales per page of %u tokens, opts->page_tokens is %d", ld->path, kvi__dtype_name(dt),
-                   scale_P, (int)o->page_tokens);
-    goto out;
-  }
-  const int32_t E = (int32_t)get32(h + 68);
-  if (E != o->embedding_dim) {
-    st = kvi__fail(KVI_ERR_INCOMPATIBLE, ld->fn, "%s: the file's embeddings have %d elements, opts->embedding_dim is %d",
-                   ld->path, (int)E, (int)o->embedding_dim);
-    goto out;
-  }
-  if (E > 0 && (get32(h + 72) != (uint32_t)o->embedding_dtype || get32(h + 76) != (uint32_t)o->metric)) {
-    st = kvi__fail(KVI_ERR_INCOMPATIBLE, ld->fn,
-                   "%s: the file's embeddings are kept as dtype %u with metric %u, opts asks for dtype %u with metric %u",
-                   ld->path, get32(h + 72), get32(h + 76), (unsigned)o->embedding_dtype, (unsigned)o->metric);
-    goto out;
-  }
-  unsigned char *mine = malloc((size_t)L * ROPE_BYTES);
-  if (!mine) {
-    st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, ld->fn, "allocating RoPE entries");
-    goto out;
-  }
-  kvi__persist_rope_entries(mine, model->rope, L);
-  for (int32_t l = 0; l < L && st == KVI_OK; l++)
-    if (memcmp(h + HDR_FIXED + (size_t)l * ROPE_BYTES, mine + (size_t)l * ROPE_BYTES, ROPE_BYTES) != 0)
-      st = rope_mismatch(ld, l, h + HDR_FIXED + (size_t)l * ROPE_BYTES, mine + (size_t)l * ROPE_BYTES);
-  free(mine);
-out:
-  free(h);
-  return st;
 }
 
 typedef struct entry {
@@ -256,12 +107,12 @@ static kvi_status check_tail(const loader *ld, uint64_t off, uint64_t want_seq, 
   for (uint64_t at = off + 1; at + ENTRY_HDR <= ld->size && st == KVI_OK; at += SCAN_CHUNK) {
     const uint64_t left = ld->size - at;
     const size_t n = (size_t)(left < SCAN_CHUNK + ENTRY_HDR - 1 ? left : SCAN_CHUNK + ENTRY_HDR - 1);
-    if ((st = rd(ld, at, buf, n))) break;
+    if ((st = kvi__persist_rd(ld, at, buf, n))) break;
     for (size_t i = 0; i + ENTRY_HDR <= n && i < SCAN_CHUNK; i++) {
       const unsigned char *h = buf + i;
       if (get32(h) != ENTRY_MAGIC || get64(h + 8) != ld->file_id || get64(h + 16) < want_seq) continue;
       if (!CRC_OK(get32(h + 44), kvi__crc32c(0, h, 44))) continue;
-      st = corrupt(ld, off, "damaged entry (%s), followed by a valid entry at offset %llu", why,
+      st = kvi__persist_corrupt(ld, off, "damaged entry (%s), followed by a valid entry at offset %llu", why,
                    (unsigned long long)(at + i));
       break;
     }
@@ -280,6 +131,7 @@ typedef struct rec {
   const unsigned char *ctx_ids; /* nctx u64 ids */
   int32_t tokens;
   uint64_t tenant, id, payload;
+  uint64_t off; /* the record's offset in the file */
   const unsigned char *data;
 } rec;
 
@@ -287,7 +139,8 @@ typedef struct rec {
 static kvi_status next_record(const loader *ld, const unsigned char *body, uint64_t len, uint64_t *at, uint64_t eoff,
                               rec *r) {
   const uint64_t off = eoff + ENTRY_HDR + *at;
-  if (len - *at < REC_HDR) return corrupt(ld, off, "record header past the end of its entry");
+  r->off = off;
+  if (len - *at < REC_HDR) return kvi__persist_corrupt(ld, off, "record header past the end of its entry");
   const unsigned char *p = body + *at;
   r->op = get32(p);
   const uint32_t put_bits = ld->version >= 3 ? REC_TOKEN_IDS | REC_CONTEXT : ld->version >= 2 ? REC_TOKEN_IDS : 0u;
@@ -311,40 +164,40 @@ static kvi_status next_record(const loader *ld, const unsigned char *body, uint6
   const uint64_t room = len - *at - REC_HDR;
   if (r->op == OP_REMOVE) {
     if (r->tokens != 0 || r->payload != 0)
-      return corrupt(ld, off, "removal record with %d tokens and %llu payload bytes", (int)r->tokens,
+      return kvi__persist_corrupt(ld, off, "removal record with %d tokens and %llu payload bytes", (int)r->tokens,
                      (unsigned long long)r->payload);
     *at += REC_HDR;
     return KVI_OK;
   }
-  if (r->op != OP_PUT) return corrupt(ld, off, "unknown record type %u", r->op);
+  if (r->op != OP_PUT) return kvi__persist_corrupt(ld, off, "unknown record type %u", r->op);
   uint64_t want, groups; /* the scales' bytes, bounded before scale_bytes multiplies */
   if (r->tokens < 1 || __builtin_mul_overflow((uint64_t)r->tokens, ld->token_bytes, &want) ||
       __builtin_add_overflow(want, (uint64_t)ld->E * 4u, &want) ||
       __builtin_mul_overflow((uint64_t)r->tokens, ld->page_scale, &groups) ||
       __builtin_add_overflow(want, scale_bytes((uint64_t)r->tokens, ld->P, ld->page_scale), &want) ||
       __builtin_add_overflow(want, r->ids ? (uint64_t)r->tokens * 4u : 0u, &want))
-    return corrupt(ld, off, "fact record with %d tokens", (int)r->tokens);
+    return kvi__persist_corrupt(ld, off, "fact record with %d tokens", (int)r->tokens);
   if (r->ctx) { /* the context section's count and flag, then its ids */
-    if (want > room || room - want < 8u) return corrupt(ld, off, "context section past the end of its entry");
+    if (want > room || room - want < 8u) return kvi__persist_corrupt(ld, off, "context section past the end of its entry");
     const uint32_t nc = get32(r->data + want), stale = get32(r->data + want + 4);
     if (nc < 1 || nc > (uint32_t)INT32_MAX || stale > 1u)
-      return corrupt(ld, off, "context section of %u ids with stale flag %u", nc, stale);
+      return kvi__persist_corrupt(ld, off, "context section of %u ids with stale flag %u", nc, stale);
     r->nctx = (int32_t)nc;
     r->stale = stale != 0;
     r->ctx_ids = r->data + want + 8;
     want += 8u + 8u * (uint64_t)nc; /* nc < 2^31: cannot wrap after a bound by room below */
   }
   if (r->payload != want)
-    return corrupt(ld, off, "fact record of %d tokens with %llu payload bytes; the geometry needs %llu", (int)r->tokens,
+    return kvi__persist_corrupt(ld, off, "fact record of %d tokens with %llu payload bytes; the geometry needs %llu", (int)r->tokens,
                    (unsigned long long)r->payload, (unsigned long long)want);
   if (r->payload > room || pad8(r->payload) > room)
-    return corrupt(ld, off, "fact record of %llu bytes past the end of its entry", (unsigned long long)r->payload);
+    return kvi__persist_corrupt(ld, off, "fact record of %llu bytes past the end of its entry", (unsigned long long)r->payload);
   for (uint64_t i = r->payload; i < pad8(r->payload); i++)
-    if (r->data[i]) return corrupt(ld, off, "non-zero padding after a fact record");
+    if (r->data[i]) return kvi__persist_corrupt(ld, off, "non-zero padding after a fact record");
   for (int32_t i = 0; i < ld->E; i++) {
     float x;
     memcpy(&x, r->data + 4 * (size_t)i, 4);
-    if (!isfinite(x)) return corrupt(ld, off, "embedding[%d] of fact %llu is %g", (int)i, (unsigned long long)r->id, (double)x);
+    if (!isfinite(x)) return kvi__persist_corrupt(ld, off, "embedding[%d] of fact %llu is %g", (int)i, (unsigned long long)r->id, (double)x);
   }
   /* fp8 scales are what kvi__fp8_scale can give: 2^-126 .. FLT_MAX / 448;
    * q4 words what kvi__q4_params can give: a finite scale >= 0 (fp16 bits
@@ -358,11 +211,62 @@ static kvi_status next_record(const loader *ld, const unsigned char *body, uint6
     memcpy(&w, sc + 4 * (size_t)i, 4);
     if (ld->dtype == KVI_DTYPE_Q4 ? (w & 0xffffu) > 0x7bffu || ((w >> 16) & 0x7fffu) > 0x7bffu
                                   : !(x >= KVI__FP8_SCALE_MIN && x <= FLT_MAX / KVI__FP8_STORE_MAX))
-      return corrupt(ld, off, "%s scale %llu of fact %llu is %s 0x%08x", kvi__dtype_name(ld->dtype),
+      return kvi__persist_corrupt(ld, off, "%s scale %llu of fact %llu is %s 0x%08x", kvi__dtype_name(ld->dtype),
                      (unsigned long long)i, (unsigned long long)r->id, "out of range:", (unsigned)w);
   }
   *at += REC_HDR + pad8(r->payload);
   return KVI_OK;
+}
+
+/* A PUT record's parts as a host view of the store's dtype (k: its K
+ * plane) and copies of what needs alignment or decoding: the embedding (emb,
+ * E floats), the scales (quantized), the token ids and the context; NULL for
+ * the parts the record lacks. Frees them all with rec_parts_free. */
+typedef struct rec_parts {
+  kvi_kv_view v;
+  float *emb;
+  unsigned char *scales;
+  int32_t *ids;
+  uint64_t *ctx;
+} rec_parts;
+
+static void rec_parts_free(rec_parts *p) {
+  free(p->emb);
+  free(p->scales);
+  free(p->ids);
+  free(p->ctx);
+}
+
+static kvi_status rec_parts_get(const loader *ld, const rec *r, rec_parts *p) {
+  memset(p, 0, sizeof *p);
+  const unsigned char *k = r->data + (size_t)ld->E * 4u;
+  const size_t plane = (size_t)r->tokens * (size_t)(ld->token_bytes / 2u);
+  kvi__kv_view_contiguous(&p->v, KVI_MEMORY_HOST, ld->dtype, ld->L, r->tokens, ld->H, ld->D, (void *)k,
+                          (void *)(k + plane));
+  const size_t eb = (size_t)ld->E * 4u, sb = (size_t)scale_bytes((uint64_t)r->tokens, ld->P, ld->page_scale);
+  p->emb = ld->E ? malloc(eb) : NULL;
+  p->scales = ld->P > 0 ? malloc(sb) : NULL;
+  p->ids = r->ids ? malloc((size_t)r->tokens * sizeof *p->ids) : NULL;
+  p->ctx = r->nctx > 0 ? malloc((size_t)r->nctx * sizeof *p->ctx) : NULL;
+  if ((ld->E && !p->emb) || (ld->P > 0 && !p->scales) || (r->ids && !p->ids) || (r->nctx > 0 && !p->ctx)) {
+    rec_parts_free(p);
+    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, ld->fn, "allocating %zu bytes", eb + sb + (size_t)r->tokens * 4u);
+  }
+  if (p->emb) memcpy(p->emb, r->data, eb);
+  if (p->scales) memcpy(p->scales, k + 2 * plane, sb); /* stored elements and scales as they were */
+  for (int32_t i = 0; p->ids && i < r->tokens; i++) p->ids[i] = (int32_t)get32(k + 2 * plane + sb + 4 * (size_t)i);
+  for (int32_t i = 0; i < r->nctx; i++) p->ctx[i] = get64(r->ctx_ids + 8 * (size_t)i);
+  return KVI_OK;
+}
+
+/* The checked form of a record's view (for a quantized store, checked as a
+ * 2-byte view, a larger extent, then given its dtype back). */
+static kvi_status rec_view(const kvi_store *s, const rec_parts *p, kvi_kv_view *v, const char *fn) {
+  kvi_kv_view w = p->v;
+  if (p->scales) w.dtype = KVI_DTYPE_BF16;
+  kvi_status st = kvi__view_check(v, &w, &s->geom, false, fn);
+  v->dtype = p->v.dtype;
+  return st;
 }
 
 /* Stores one fact of a file (host view v: for a quantized store, the
@@ -371,11 +275,10 @@ static kvi_status next_record(const loader *ld, const unsigned char *body, uint6
 static kvi_status load_fact(kvi_store *s, uint64_t tenant, uint64_t id, const kvi_kv_view *kv, const void *scales,
                             const float *emb, const int32_t *ids, const uint64_t *ctx, int32_t nctx, bool stale,
                             const char *fn) {
-  kvi_kv_view v, w = *kv;
-  if (scales) w.dtype = KVI_DTYPE_BF16; /* checked as a 2-byte view (a larger extent), then given its dtype back */
-  kvi_status st = kvi__view_check(&v, &w, &s->geom, false, fn);
+  kvi_kv_view v;
+  const rec_parts rp = {*kv, NULL, (unsigned char *)scales, NULL, NULL};
+  kvi_status st = rec_view(s, &rp, &v, fn);
   if (st) return st;
-  v.dtype = kv->dtype;
   float *e = NULL;
   if (emb && (st = kvi__store_kept_embedding(s, emb, &e, fn))) return st;
   if (!emb && s->emb_dim > 0)
@@ -401,7 +304,7 @@ static kvi_status upgrade_header(const loader *ld) {
   const size_t hb = (size_t)HDR_BYTES(ld->L);
   unsigned char *h = malloc(hb);
   if (!h) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, ld->fn, "allocating a %zu-byte header", hb);
-  kvi_status st = rd(ld, 0, h, hb);
+  kvi_status st = kvi__persist_rd(ld, 0, h, hb);
   if (st == KVI_OK) {
     put32(h + 8, FORMAT_VERSION);
     put32(h + hb - 4, kvi__crc32c(0, h, hb - 4));
@@ -412,50 +315,72 @@ static kvi_status upgrade_header(const loader *ld) {
   return st;
 }
 
+/* A disk tier's tenant file, read by kvi__persist_index_tenant (the store's
+ * lock held): each PUT record becomes a fact on disk only, its record's
+ * offsets kept; removals apply as kvi_store_remove_ex's. */
+static kvi_status index_apply(const loader *ld, const rec *r, bool in_log, uint64_t eoff) {
+  kvi_store *s = ld->s;
+  const char *fn = ld->fn;
+  if (r->tenant != ld->tenant)
+    return kvi__persist_corrupt(ld, eoff, "a record of tenant %llu in the file of tenant %llu", (unsigned long long)r->tenant,
+                   (unsigned long long)ld->tenant);
+  const bool exists = kvi__store_find(s, r->tenant, r->id) != NULL;
+  if (r->op == OP_REMOVE) {
+    if (!in_log) return kvi__persist_corrupt(ld, eoff, "a removal record inside the snapshot");
+    if (!exists)
+      return kvi__persist_corrupt(ld, eoff, "removal of fact %llu of tenant %llu, which is not stored", (unsigned long long)r->id,
+                     (unsigned long long)r->tenant);
+    return kvi__store_unindex(s, r->tenant, r->id, r->keep ? KVI_REMOVE_KEEP_DEPENDENTS : 0u, fn);
+  }
+  if (exists && !in_log)
+    return kvi__persist_corrupt(ld, eoff, "fact %llu of tenant %llu appears twice in the snapshot", (unsigned long long)r->id,
+                   (unsigned long long)r->tenant);
+  kvi_status st;
+  if (exists && (st = kvi__store_unindex(s, r->tenant, r->id, KVI_REMOVE_KEEP_DEPENDENTS, fn))) return st;
+  rec_parts p;
+  if ((st = rec_parts_get(ld, r, &p))) return st;
+  float *e = NULL;
+  if (p.emb && (st = kvi__store_kept_embedding(s, p.emb, &e, fn))) {
+    rec_parts_free(&p);
+    return st;
+  }
+  kvi__txn t;
+  st = kvi__txn_begin(&t, s, 1, KVI__PLACE_DISK, NULL, NULL, fn);
+  if (st == KVI_OK) st = kvi__txn_add(&t, r->tenant, r->id, r->tokens, 0, e);
+  else free(e);
+  if (st == KVI_OK) st = kvi__txn_token_ids(&t, p.ids);
+  if (st == KVI_OK) st = kvi__txn_context(&t, p.ctx, r->nctx, r->stale ? 1 : 0);
+  if (st == KVI_OK) st = kvi__txn_take_pages(&t);
+  st = st == KVI_OK ? kvi__txn_commit(&t) : kvi__txn_abort(&t, st);
+  rec_parts_free(&p);
+  fact *f = st == KVI_OK ? kvi__store_find(s, r->tenant, r->id) : NULL;
+  if (f) f->disk_entry = eoff, f->disk_rec = r->off;
+  return st;
+}
+
 /* Applies one checked record to the new store. */
 static kvi_status apply(const loader *ld, const rec *r, bool in_log, uint64_t eoff) {
+  if (ld->index_only) return index_apply(ld, r, in_log, eoff);
   const bool exists = kvi__store_find(ld->s, r->tenant, r->id) != NULL; /* the store is not shared yet */
   kvi_status st;
   if (r->op == OP_REMOVE) {
-    if (!in_log) return corrupt(ld, eoff, "a removal record inside the snapshot");
+    if (!in_log) return kvi__persist_corrupt(ld, eoff, "a removal record inside the snapshot");
     if (!exists)
-      return corrupt(ld, eoff, "removal of fact %llu of tenant %llu, which is not stored", (unsigned long long)r->id,
+      return kvi__persist_corrupt(ld, eoff, "removal of fact %llu of tenant %llu, which is not stored", (unsigned long long)r->id,
                      (unsigned long long)r->tenant);
     return kvi__store_remove(ld->s, r->tenant, r->id, r->keep ? KVI_REMOVE_KEEP_DEPENDENTS : 0u, ld->fn);
   }
   if (exists) {
     if (!in_log)
-      return corrupt(ld, eoff, "fact %llu of tenant %llu appears twice in the snapshot", (unsigned long long)r->id,
+      return kvi__persist_corrupt(ld, eoff, "fact %llu of tenant %llu appears twice in the snapshot", (unsigned long long)r->id,
                      (unsigned long long)r->tenant);
     /* a replacement: room for one copy */
     if ((st = kvi__store_remove(ld->s, r->tenant, r->id, KVI_REMOVE_KEEP_DEPENDENTS, ld->fn))) return st;
   }
-  const unsigned char *k = r->data + (size_t)ld->E * 4u;
-  const size_t plane = (size_t)r->tokens * (size_t)(ld->token_bytes / 2u);
-  kvi_kv_view v;
-  kvi__kv_view_contiguous(&v, KVI_MEMORY_HOST, ld->dtype, ld->L, r->tokens, ld->H, ld->D, (void *)k, (void *)(k + plane));
-  /* the embedding copied to aligned memory, as the scales */
-  const size_t eb = (size_t)ld->E * 4u, sb = (size_t)scale_bytes((uint64_t)r->tokens, ld->P, ld->page_scale);
-  float *emb = ld->E ? malloc(eb) : NULL;
-  unsigned char *scales = ld->P > 0 ? malloc(sb) : NULL;
-  int32_t *ids = r->ids ? malloc((size_t)r->tokens * sizeof *ids) : NULL;
-  uint64_t *ctx = r->nctx > 0 ? malloc((size_t)r->nctx * sizeof *ctx) : NULL;
-  if ((ld->E && !emb) || (ld->P > 0 && !scales) || (r->ids && !ids) || (r->nctx > 0 && !ctx)) {
-    free(emb);
-    free(scales);
-    free(ids);
-    free(ctx);
-    return kvi__fail(KVI_ERR_OUT_OF_MEMORY, ld->fn, "allocating %zu bytes", eb + sb + (size_t)r->tokens * 4u);
-  }
-  if (emb) memcpy(emb, r->data, eb);
-  if (scales) memcpy(scales, k + 2 * plane, sb); /* stored elements and scales as they were */
-  for (int32_t i = 0; ids && i < r->tokens; i++) ids[i] = (int32_t)get32(k + 2 * plane + sb + 4 * (size_t)i);
-  for (int32_t i = 0; i < r->nctx; i++) ctx[i] = get64(r->ctx_ids + 8 * (size_t)i);
-  st = load_fact(ld->s, r->tenant, r->id, &v, scales, emb, ids, ctx, r->nctx, r->stale, ld->fn);
-  free(emb);
-  free(scales);
-  free(ids);
-  free(ctx);
+  rec_parts p; /* the embedding copied to aligned memory, as the scales */
+  if ((st = rec_parts_get(ld, r, &p))) return st;
+  st = load_fact(ld->s, r->tenant, r->id, &p.v, p.scales, p.emb, p.ids, p.ctx, r->nctx, r->stale, ld->fn);
+  rec_parts_free(&p);
   if (st) {
     char msg[400];
     snprintf(msg, sizeof msg, "%s", kvi__last_error());
@@ -477,7 +402,7 @@ static kvi_status read_entries(loader *ld, uint64_t start, uint64_t *valid_end, 
   unsigned char *body = NULL;
   for (;;) {
     if (pos == ld->size) {
-      if (!in_log) st = corrupt(ld, pos, "the file ends before the snapshot's end entry (truncated)");
+      if (!in_log) st = kvi__persist_corrupt(ld, pos, "the file ends before the snapshot's end entry (truncated)");
       break;
     }
     unsigned char h[ENTRY_HDR];
@@ -488,12 +413,12 @@ static kvi_status read_entries(loader *ld, uint64_t start, uint64_t *valid_end, 
       snprintf(why, sizeof why, "%llu bytes left, an entry header needs %d", (unsigned long long)(ld->size - pos),
                ENTRY_HDR);
     } else {
-      if ((st = rd(ld, pos, h, ENTRY_HDR))) break;
+      if ((st = kvi__persist_rd(ld, pos, h, ENTRY_HDR))) break;
       ok = entry_ok(ld, h, pos, seq, &e, why, sizeof why, &hard);
     }
     if (!ok) {
       /* in the log, a torn final entry is ignored (check_tail leaves st KVI_OK) */
-      if (!in_log || hard) st = corrupt(ld, pos, "%s%s", why, in_log ? "" : " (inside the snapshot)");
+      if (!in_log || hard) st = kvi__persist_corrupt(ld, pos, "%s%s", why, in_log ? "" : " (inside the snapshot)");
       else st = check_tail(ld, pos, seq, why);
       break;
     }
@@ -503,22 +428,22 @@ static kvi_status read_entries(loader *ld, uint64_t start, uint64_t *valid_end, 
       st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, ld->fn, "allocating a %llu-byte entry", (unsigned long long)e.body);
       break;
     }
-    if ((st = rd(ld, pos + ENTRY_HDR, body, (size_t)e.body))) break;
+    if ((st = kvi__persist_rd(ld, pos + ENTRY_HDR, body, (size_t)e.body))) break;
     const uint32_t crc = kvi__crc32c(0, body, (size_t)e.body);
     if (!CRC_OK(e.body_crc, crc)) {
       if (in_log && pos + ENTRY_HDR + e.body == ld->size) break; /* torn final entry */
-      st = corrupt(ld, pos, "entry %llu: body checksum mismatch (stored 0x%08x, computed 0x%08x)%s",
+      st = kvi__persist_corrupt(ld, pos, "entry %llu: body checksum mismatch (stored 0x%08x, computed 0x%08x)%s",
                    (unsigned long long)e.seq, e.body_crc, crc, in_log ? "" : " (inside the snapshot)");
       break;
     }
     if (e.kind == KIND_END) {
       if (in_log) {
-        st = corrupt(ld, pos, "a second end entry");
+        st = kvi__persist_corrupt(ld, pos, "a second end entry");
         break;
       }
       if (get64(body) != facts || get64(body + 8) != payload_total || !CRC_OK(get32(body + 16), chain) ||
           get32(body + 20) != 0) {
-        st = corrupt(ld, pos, "the end entry counts %llu facts of %llu bytes; the snapshot has %llu of %llu",
+        st = kvi__persist_corrupt(ld, pos, "the end entry counts %llu facts of %llu bytes; the snapshot has %llu of %llu",
                      (unsigned long long)get64(body), (unsigned long long)get64(body + 8), (unsigned long long)facts,
                      (unsigned long long)payload_total);
         break;
@@ -530,7 +455,7 @@ static kvi_status read_entries(loader *ld, uint64_t start, uint64_t *valid_end, 
       uint64_t at = 0;
       for (uint32_t i = 0; i < e.count && st == KVI_OK; i++) st = next_record(ld, body, e.body, &at, pos, &r);
       if (st == KVI_OK && at != e.body)
-        st = corrupt(ld, pos, "entry %llu has %llu bytes after its %u records", (unsigned long long)e.seq,
+        st = kvi__persist_corrupt(ld, pos, "entry %llu has %llu bytes after its %u records", (unsigned long long)e.seq,
                      (unsigned long long)(e.body - at), e.count);
       at = 0;
       for (uint32_t i = 0; i < e.count && st == KVI_OK; i++) {
@@ -569,6 +494,10 @@ kvi_status kvi__store_load(kvi_store **out, const kvi_model *model, const kvi_st
   if (kvi__dtype_size(so.dtype) == 0 && so.dtype != KVI_DTYPE_Q4)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "opts->dtype is %d, not a kvi_dtype", (int)so.dtype);
   const bool journal = (lo.flags & KVI_LOAD_JOURNAL) != 0;
+  if (so.disk_dir)
+    return kvi__fail(KVI_ERR_UNSUPPORTED, fn,
+                     "opts->disk_dir: kvi_store_load makes no disk tier; create the store with it (kvi_store_create): "
+                     "its tenants are read from their files in that directory");
 
   loader ld;
   memset(&ld, 0, sizeof ld);
@@ -604,7 +533,7 @@ kvi_status kvi__store_load(kvi_store **out, const kvi_model *model, const kvi_st
       goto fail;
     }
   }
-  if ((st = read_header(&ld, model, &so))) goto fail;
+  if ((st = kvi__persist_read_header(&ld, model, &so))) goto fail;
   ld.L = model->geom.num_layers;
   ld.H = model->geom.local_heads;
   ld.D = model->geom.head_size;
@@ -640,5 +569,110 @@ fail:
   close(ld.fd);
   free(j);
   free(jpath);
+  return st;
+}
+
+/* ------------------------------------------------------------------------ */
+/* The disk tier's tenant files (persist/disk.c)                             */
+/* ------------------------------------------------------------------------ */
+
+/* A loader of a file that a store with this configuration wrote: the
+ * header read and checked against the store's own geometry and options. */
+static kvi_status tenant_loader(loader *ld, const kvi_store *s, int fd, const char *path, const char *fn) {
+  memset(ld, 0, sizeof *ld);
+  ld->fn = fn;
+  ld->path = path;
+  ld->fd = fd;
+  struct stat sb;
+  if (fstat(fd, &sb) != 0) return kvi__persist_io_fail(fn, errno, "reading the size of", path);
+  ld->size = (uint64_t)sb.st_size;
+  const kvi_model m = {s->geom, s->rope};
+  kvi_store_options o = KVI_STORE_OPTIONS_INIT;
+  o.dtype = s->dtype;
+  o.page_tokens = s->P;
+  o.embedding_dim = s->emb_dim;
+  o.embedding_dtype = s->emb.dtype;
+  o.metric = s->emb.metric;
+  kvi_status st = kvi__persist_read_header(ld, &m, &o);
+  if (st) return st;
+  ld->L = s->geom.num_layers;
+  ld->H = s->geom.local_heads;
+  ld->D = s->geom.head_size;
+  ld->E = s->emb_dim;
+  ld->dtype = s->dtype;
+  ld->page_scale = s->scale_bytes;
+  ld->P = s->scale_bytes ? s->P : 0;
+  ld->token_bytes = token_bytes(s);
+  return KVI_OK;
+}
+
+kvi_status kvi__persist_index_tenant(kvi_store *s, uint64_t tenant, int fd, const char *path, uint64_t *file_id,
+                                     uint64_t *valid_end, uint64_t *next_seq, const char *fn) {
+  loader ld;
+  kvi_status st = tenant_loader(&ld, s, fd, path, fn);
+  if (st) return st;
+  ld.s = s;
+  ld.index_only = true;
+  ld.tenant = tenant;
+  if ((st = read_entries(&ld, HDR_BYTES(ld.L), valid_end, next_seq))) return st;
+  *file_id = ld.file_id;
+  return KVI_OK;
+}
+
+kvi_status kvi__persist_read_fact(const kvi_store *s, int fd, const char *path, const fact *f, const uint32_t *pages,
+                                  unsigned char *raw, uint64_t *bytes_read, const char *fn) {
+  loader ld;
+  kvi_status st = tenant_loader(&ld, s, fd, path, fn);
+  if (st) return st;
+  const uint64_t eoff = f->disk_entry;
+  unsigned char h[ENTRY_HDR];
+  if (eoff < HDR_BYTES(ld.L) || eoff + ENTRY_HDR > ld.size)
+    return kvi__persist_corrupt(&ld, eoff, "fact %llu of tenant %llu: its entry is past the end of the file (%llu bytes); was the "
+                              "file replaced?",
+                   (unsigned long long)f->id, (unsigned long long)f->tenant_id, (unsigned long long)ld.size);
+  if ((st = kvi__persist_rd(&ld, eoff, h, ENTRY_HDR))) return st;
+  entry e;
+  char why[160];
+  bool hard;
+  if (!entry_ok(&ld, h, eoff, get64(h + 16), &e, why, sizeof why, &hard) || e.kind != KIND_FACTS)
+    return kvi__persist_corrupt(&ld, eoff, "fact %llu of tenant %llu: %s", (unsigned long long)f->id,
+                   (unsigned long long)f->tenant_id, e.kind != KIND_FACTS ? "not a facts entry" : why);
+  unsigned char *body = malloc(e.body ? (size_t)e.body : 1);
+  if (!body) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a %llu-byte entry", (unsigned long long)e.body);
+  if ((st = kvi__persist_rd(&ld, eoff + ENTRY_HDR, body, (size_t)e.body))) goto out;
+  *bytes_read += ENTRY_HDR + e.body;
+  const uint32_t crc = kvi__crc32c(0, body, (size_t)e.body);
+  if (!CRC_OK(e.body_crc, crc)) {
+    st = kvi__persist_corrupt(&ld, eoff, "fact %llu of tenant %llu: body checksum mismatch (stored 0x%08x, computed 0x%08x)",
+                 (unsigned long long)f->id, (unsigned long long)f->tenant_id, e.body_crc, crc);
+    goto out;
+  }
+  uint64_t at = f->disk_rec - eoff - ENTRY_HDR;
+  rec r;
+  if (f->disk_rec < eoff + ENTRY_HDR || at >= e.body) {
+    st = kvi__persist_corrupt(&ld, f->disk_rec, "fact %llu: its record is outside its entry", (unsigned long long)f->id);
+    goto out;
+  }
+  const uint64_t start = at;
+  if ((st = next_record(&ld, body, e.body, &at, eoff, &r))) goto out;
+  if (r.op != OP_PUT || r.tenant != f->tenant_id || r.id != f->id || r.tokens != f->tokens) {
+    st = kvi__persist_corrupt(&ld, r.off, "the record of fact %llu of tenant %llu (%d tokens) holds %s of fact %llu of tenant %llu",
+                 (unsigned long long)f->id, (unsigned long long)f->tenant_id, (int)f->tokens,
+                 r.op == OP_PUT ? "the data" : "a removal", (unsigned long long)r.id, (unsigned long long)r.tenant);
+    goto out;
+  }
+  if (raw) { /* the record as it is, with the fact's stale flag as it is now */
+    memcpy(raw, body + start, (size_t)(at - start));
+    if (r.ctx) put32(raw + REC_HDR + r.payload - context_bytes(r.nctx) + 4, f->stale ? 1u : 0u);
+    goto out;
+  }
+  rec_parts p;
+  if ((st = rec_parts_get(&ld, &r, &p))) goto out;
+  kvi_kv_view v;
+  st = rec_view(s, &p, &v, fn);
+  if (st == KVI_OK) st = kvi__store_write_pages((kvi_store *)s, pages, &v, p.scales, NULL, fn);
+  rec_parts_free(&p);
+out:
+  free(body);
   return st;
 }

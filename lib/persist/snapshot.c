@@ -24,7 +24,7 @@ static int cmp_fact(const void *a, const void *b) {
 /* Writes the header, one FACTS entry per fact (sorted by tenant and id) and
  * the END entry. The store's lock is held. */
 static kvi_status write_snapshot(const kvi_store *s, writer *w, uint64_t file_id, bool one, uint64_t tenant,
-                                 uint64_t *out_seq, const char *fn) {
+                                 uint64_t *out_seq, snapoffs *offs, const char *fn) {
   size_t hlen;
   unsigned char *hdr = kvi__persist_make_header(s, file_id, &hlen);
   if (!hdr) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a file header");
@@ -46,8 +46,10 @@ static kvi_status write_snapshot(const kvi_store *s, writer *w, uint64_t file_id
     if (!one || f->tenant_id == tenant) facts[n++] = f;
   qsort(facts, n, sizeof *facts, cmp_fact);
 
-  uint64_t seq = 0, payload_total = 0;
+  uint64_t seq = 0, payload_total = 0, fpos = hlen;
   uint32_t chain = 0;
+  uint64_t *entry_off = offs ? malloc((n ? n : 1) * sizeof *entry_off) : NULL;
+  if (offs && !entry_off) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "listing %zu facts", n);
   unsigned char *buf = NULL;
   size_t cap = 0;
   for (size_t i = 0; i < n && st == KVI_OK; i++) {
@@ -63,10 +65,16 @@ static kvi_status write_snapshot(const kvi_store *s, writer *w, uint64_t file_id
       buf = nb;
       cap = (size_t)(ENTRY_HDR + body);
     }
-    if (s->emb_dim > 0 && (st = kvi__store_fact_embedding(s, f, emb, fn))) break;
-    st = kvi__persist_fill_put(s, buf + ENTRY_HDR, f->tenant_id, f->id, f->tokens, f->pages, emb, f->token_ids, f->context,
-                              f->ncontext, f->stale, fn);
+    if (!f->pages) { /* on disk only (disk tier): its record as its tenant's file holds it */
+      st = kvi__persist_disk_record(s, f, buf + ENTRY_HDR, fn);
+    } else {
+      if (s->emb_dim > 0 && (st = kvi__store_fact_embedding(s, f, emb, fn))) break;
+      st = kvi__persist_fill_put(s, buf + ENTRY_HDR, f->tenant_id, f->id, f->tokens, f->pages, emb, f->token_ids,
+                                 f->context, f->ncontext, f->stale, fn);
+    }
     if (st) break;
+    if (entry_off) entry_off[i] = fpos;
+    fpos += ENTRY_HDR + body;
     const uint32_t crc = kvi__crc32c(0, buf + ENTRY_HDR, (size_t)body);
     kvi__persist_entry_header(buf, KIND_FACTS, file_id, seq++, body, 1, crc);
     st = kvi__persist_w_put(w, buf, (size_t)(ENTRY_HDR + body), fn);
@@ -76,8 +84,15 @@ static kvi_status write_snapshot(const kvi_store *s, writer *w, uint64_t file_id
     payload_total += put_payload(s, f->tokens, f->token_ids != NULL, f->ncontext);
   }
   free(buf);
-  free(facts);
   free(emb);
+  if (st == KVI_OK && offs) { /* the caller's: where each fact's entry is */
+    offs->facts = facts;
+    offs->entry = entry_off;
+    offs->n = n;
+  } else {
+    free(facts);
+    free(entry_off);
+  }
   if (st) return st;
 
   unsigned char end[ENTRY_HDR + END_BODY];
@@ -86,9 +101,11 @@ static kvi_status write_snapshot(const kvi_store *s, writer *w, uint64_t file_id
   put32(end + ENTRY_HDR + 16, chain);
   put32(end + ENTRY_HDR + 20, 0);
   kvi__persist_entry_header(end, KIND_END, file_id, seq++, END_BODY, 0, kvi__crc32c(0, end + ENTRY_HDR, END_BODY));
-  if ((st = kvi__persist_w_put(w, end, sizeof end, fn))) return st;
-  *out_seq = seq;
-  return kvi__persist_w_flush(w, fn);
+  if (st == KVI_OK) st = kvi__persist_w_put(w, end, sizeof end, fn);
+  if (st == KVI_OK) st = kvi__persist_w_flush(w, fn);
+  if (st == KVI_OK) *out_seq = seq;
+  else if (offs) kvi__persist_snapoffs_free(offs);
+  return st;
 }
 
 /* Refuses `path` when the file there is locked as a store's journal (in this
@@ -119,8 +136,14 @@ static kvi_status check_not_journal(const char *path, const kvi__journal *own, c
  * file stays open and locked as a journal (*out). On error before the
  * rename the temporary file is removed and `path` is untouched. The store's
  * lock is held. */
+void kvi__persist_snapoffs_free(snapoffs *o) {
+  free(o->facts);
+  free(o->entry);
+  memset(o, 0, sizeof *o);
+}
+
 kvi_status kvi__persist_snapshot_file(const kvi_store *s, const char *path, bool one, uint64_t tenant, bool keep,
-                                      const kvi__journal *own, snapfile *out, const char *fn) {
+                                      const kvi__journal *own, snapfile *out, snapoffs *offs, const char *fn) {
   kvi_status st = check_not_journal(path, own, fn);
   if (st) return st;
   const size_t tlen = strlen(path) + 64;
@@ -139,7 +162,7 @@ kvi_status kvi__persist_snapshot_file(const kvi_store *s, const char *path, bool
   const uint64_t file_id = kvi__persist_new_file_id();
   writer w = {fd, tmp, wbuf, 0};
   uint64_t seq = 0;
-  if ((st = write_snapshot(s, &w, file_id, one, tenant, &seq, fn))) goto fail;
+  if ((st = write_snapshot(s, &w, file_id, one, tenant, &seq, offs, fn))) goto fail;
   if (fsync(fd) != 0) {
     st = kvi__persist_io_fail(fn, errno, "flushing", tmp);
     goto fail;
@@ -172,6 +195,7 @@ kvi_status kvi__persist_snapshot_file(const kvi_store *s, const char *path, bool
 fail:
   close(fd);
   unlink(tmp);
+  if (offs) kvi__persist_snapoffs_free(offs);
 out:
   free(tmp);
   free(wbuf);
@@ -195,7 +219,8 @@ kvi_status kvi__store_save(const kvi_store *store, const char *path, const kvi_s
   snapfile sf;
   /* no `own` journal: saving over this store's own journal would orphan it */
   if (st == KVI_OK)
-    st = kvi__persist_snapshot_file(s, path, (o.flags & KVI_SAVE_ONE_TENANT) != 0, o.tenant, false, NULL, &sf, fn);
+    st = kvi__persist_snapshot_file(s, path, (o.flags & KVI_SAVE_ONE_TENANT) != 0, o.tenant, false, NULL, &sf, NULL,
+                                    fn);
   kvi__store_unlock(s);
   return st;
 }

@@ -89,6 +89,7 @@ kvi_status kvi__pool_room(kvi_store *s, pool *p, uint64_t need, const char *fn) 
 }
 
 kvi_status kvi__pool_device_room(kvi_store *s, uint32_t need, const char *fn) {
+  if (s->disk.ops) return kvi__disk_room(s, &s->pool.dev, need, fn); /* drops facts to disk when short */
   kvi_status st = kvi__pool_room(s, &s->pool.dev, need, fn);
   if (st) return st;
   if (s->pool.dev.nfree < need)

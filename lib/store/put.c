@@ -16,6 +16,7 @@ static void unlink_fact(kvi_store *s, fact *f) {
   if (s->emb_dim > 0) kvi__emb_remove(s, t, f);
   t->count--;
   if (f->stale) t->stale--, s->index.stale--;
+  if (!f->pages) t->on_disk--, s->index.on_disk--;
   if (t->count == 0 && t->pending == 0) { /* a replace keeps the tenant: its new fact is pending */
     kvi__map_del(&s->index.tenants, t->id, 0);
     kvi__emb_free(s, t, true);
@@ -23,10 +24,12 @@ static void unlink_fact(kvi_store *s, fact *f) {
   }
   kvi__map_del(&s->index.facts, f->tenant_id, f->id);
   kvi__tier_lru_remove(s, f);
-  kvi__pool_release(s, f->pages, f->npages);
+  if (f->pages) {
+    kvi__pool_release(s, f->pages, f->npages);
+    s->index.pages_stored -= f->npages;
+  }
   if (f->hpages) kvi__pool_release(s, f->hpages, f->npages);
   s->index.tokens_stored -= (uint64_t)f->tokens;
-  s->index.pages_stored -= f->npages;
 }
 
 void kvi__fact_commit(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, tenant *fresh, float **emb,
@@ -79,7 +82,8 @@ void kvi__fact_commit(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, ten
   kvi__store_touch(s, f); /* a new device-tier fact counts as used */
   kvi__map_put(&s->index.facts, tenant_id, fact_id, f);
   s->index.tokens_stored += (uint64_t)tokens;
-  s->index.pages_stored += need;
+  if (pages) s->index.pages_stored += need;
+  else t->on_disk++, s->index.on_disk++; /* indexed from its tenant's file */
 }
 
 static int cmp_key(const void *a, const void *b) {
@@ -116,6 +120,8 @@ kvi_status kvi__store_put_views(kvi_store *store, kvi__put_item *items, int32_t 
   if (n < 1) return gate ? gate->decide(gate, KVI_OK) : KVI_OK;
   kvi_status st = check_items(store, items, n, fn);
   kvi__store_lock(store);
+  for (int32_t i = 0; i < n && st == KVI_OK; i++) /* before any lookup: a claim may re-read the tenant */
+    if (i == 0 || items[i].tenant != items[i - 1].tenant) st = kvi__disk_claim(store, items[i].tenant, fn);
   kvi__txn t;
   if (st == KVI_OK) st = kvi__txn_begin(&t, store, n, KVI__PLACE_ANY, gate, stream, fn);
   else kvi__txn_begin(&t, store, 0, KVI__PLACE_ANY, gate, stream, fn);
@@ -209,22 +215,36 @@ kvi_status kvi__store_remove(kvi_store *store, uint64_t tenant_id, uint64_t fact
   if (flags & ~KVI_REMOVE_KEEP_DEPENDENTS)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "flags has unknown bits 0x%x", flags & ~KVI_REMOVE_KEEP_DEPENDENTS);
   kvi__store_lock(store);
-  fact *f = kvi__store_find(store, tenant_id, fact_id);
-  const kvi_status st = f && store->journal.ops
-                            ? store->journal.ops->remove(store->journal.ctx, store, tenant_id, fact_id, flags, fn)
-                            : KVI_OK;
-  if (f && st == KVI_OK) {
-    unlink_fact(store, f);
-    if (!(flags & KVI_REMOVE_KEEP_DEPENDENTS)) mark_dependents(store, tenant_id, fact_id);
-    /* its pages wait for the device work tracked so far (kvi__pool_release);
-     * when that has completed they go back now, not at the next put's
-     * kvi__pool_room: a query of the tracker's events, which waits for
-     * nothing and cannot fail */
-    if (store->ndeferred > 0) (void)kvi__pool_reap(store, false, fn);
-  }
+  kvi_status st = kvi__disk_claim(store, tenant_id, fn);
+  fact *f = st == KVI_OK ? kvi__store_find(store, tenant_id, fact_id) : NULL;
+  if (f && store->disk.ops) st = store->disk.ops->remove(store->disk.ctx, store, tenant_id, fact_id, flags, fn);
+  if (f && st == KVI_OK && store->journal.ops)
+    st = store->journal.ops->remove(store->journal.ctx, store, tenant_id, fact_id, flags, fn);
+  if (f && st == KVI_OK) st = kvi__store_unindex(store, tenant_id, fact_id, flags, fn);
   kvi__store_unlock(store);
   if (st) return st;
   if (!f) return kvi__store_not_found(fn, tenant_id, fact_id);
+  return KVI_OK;
+}
+
+kvi_status kvi__store_unindex(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, uint32_t flags, const char *fn) {
+  fact *f = kvi__store_find(store, tenant_id, fact_id);
+  if (!f) return kvi__store_not_found(fn, tenant_id, fact_id);
+  unlink_fact(store, f);
+  if (!(flags & KVI_REMOVE_KEEP_DEPENDENTS)) mark_dependents(store, tenant_id, fact_id);
+  /* its pages wait for the device work tracked so far (kvi__pool_release);
+   * when that has completed they go back now, not at the next put's
+   * kvi__pool_room: a query of the tracker's events, which waits for
+   * nothing and cannot fail */
+  if (store->ndeferred > 0) (void)kvi__pool_reap(store, false, fn);
   kvi__fact_free(f);
   return KVI_OK;
+}
+
+void kvi__store_forget_tenant(kvi_store *s, uint64_t tenant_id) {
+  for (tenant *t; (t = kvi__store_tenant(s, tenant_id)) && t->head;) {
+    fact *f = t->head;
+    unlink_fact(s, f); /* frees t with its last fact */
+    kvi__fact_free(f);
+  }
 }

@@ -19,11 +19,16 @@ kvi_status kvi__store_read(const kvi_store *store, uint64_t tenant_id, uint64_t 
   if (st) return st;
   if ((st = kvi__store_view_memory(store, &v, fn, "dst->k", "dst->v"))) return st;
   kvi__store_lock(store);
-  const fact *f = kvi__map_get(&store->index.facts, tenant_id, fact_id);
+  fact *f = kvi__map_get(&store->index.facts, tenant_id, fact_id);
   if (!f) st = kvi__store_not_found(fn, tenant_id, fact_id);
   else if (f->tokens != v.num_tokens)
     st = kvi__fail(KVI_ERR_MISMATCH, fn, "dst->num_tokens is %d, the fact has %d tokens", (int)v.num_tokens,
                    (int)f->tokens);
+  else if (!f->pages) { /* on disk only: read back first, as every reader (kvi__store_lease) */
+    f->pins++;
+    st = kvi__disk_resident((kvi_store *)store, &f, 1, fn);
+    f->pins--;
+  }
   else if (store->backend == KVI_BACKEND_CUDA && v.memory == KVI_MEMORY_DEVICE)
     st = kvi__tier_order_moves((kvi_store *)store, stream, fn); /* a move may still write them */
   if (st == KVI_OK && f)
@@ -138,6 +143,13 @@ kvi_status kvi__store_stats_get(const kvi_store *store, kvi_store_stats *out, co
   s.facts = store->index.facts.len;
   s.tenants = store->index.tenants.len;
   s.facts_stale = store->index.stale;
+  s.facts_on_disk_only = store->index.on_disk;
+  s.disk_bytes = store->disk.bytes;
+  s.disk_reads = store->disk.reads;
+  s.disk_read_bytes = store->disk.read_bytes;
+  s.disk_writes = store->disk.writes;
+  s.disk_write_bytes = store->disk.write_bytes;
+  s.drops_to_disk = store->disk.drops;
   /* the bytes of stored tokens, plus (quantized stores) the scales of their pages */
   const uint64_t token_bytes = kvi__dtype_bytes(store->dtype, store->page_elems / (uint64_t)store->P);
   s.bytes_payload = store->index.tokens_stored * token_bytes +
@@ -196,4 +208,17 @@ kvi_status kvi__store_tenant_fresh(const tenant *t, int32_t r, const char *fn) {
                    "%stenant %llu has %zu stale facts, which this call cannot tell apart from the others (device fact "
                    "ids, or a search); encode them again or remove them (kvi_store_stale lists them)",
                    at, (unsigned long long)t->id, t->stale);
+}
+
+kvi_status kvi__store_fact_tier(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, int32_t *out_tier,
+                                const char *fn) {
+  if (!store || !out_tier) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_tier" : "store");
+  kvi__store_lock(store);
+  const fact *f = kvi__map_get(&store->index.facts, tenant_id, fact_id);
+  if (f)
+    *out_tier = !f->pages                                                   ? KVI_TIER_DISK
+                : fact_on_host(store, f) || store->backend != KVI_BACKEND_CUDA ? KVI_TIER_HOST
+                                                                             : KVI_TIER_DEVICE;
+  kvi__store_unlock(store);
+  return f ? KVI_OK : kvi__store_not_found(fn, tenant_id, fact_id);
 }

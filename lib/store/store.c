@@ -233,7 +233,9 @@ static void set_fields(kvi_store *s, const kvi_store_options *o, const kvi__geom
   s->dtype = o->dtype;
   s->P = o->page_tokens;
   s->emb_dim = o->embedding_dim;
-  kvi__emb_setup(s, o, pl->hpages > 0);
+  /* a disk-tier store's facts change pages when dropped and read back: no
+   * device directory of page ids (as a tiered store's) */
+  kvi__emb_setup(s, o, pl->hpages > 0 || o->disk_dir != NULL);
   s->page_elems = pl->page_elems;
   s->page_bytes = pl->page_bytes;
   s->fp8 = pl->fp8;
@@ -317,5 +319,6 @@ void kvi__store_destroy(kvi_store *store, bool device_ok) {
   for (int32_t l = 0; l < store->geom.num_layers; l++) kvi__rope_release(&store->rope[l]);
   free(store->rope);
   if (store->journal.ops) store->journal.ops->release(store->journal.ctx);
+  if (store->disk.ops) store->disk.ops->release(store->disk.ctx);
   free(store);
 }

@@ -34,6 +34,7 @@ typedef struct pool {
 
 typedef struct tenant tenant;
 struct kvi__journal_ops;
+struct kvi__disk_ops;
 
 typedef struct fact {
   uint64_t tenant_id, id;
@@ -64,6 +65,10 @@ typedef struct fact {
   uint64_t *context;
   int32_t ncontext;
   bool stale;
+  /* Disk tier: where its record is in its tenant's file (the entry's
+   * offset and the record's; 0: none yet). pages NULL: on disk only (npages
+   * pages when read back), counted in its tenant's and the index's on_disk. */
+  uint64_t disk_entry, disk_rec;
 } fact;
 
 /* A tenant's embeddings (stores with embedding_dim > 0): row r < nrows of the
@@ -86,6 +91,7 @@ struct tenant {
   size_t pending; /* rows reserved by the call holding the lock (kvi__emb_reserve_rows, a transaction) */
   int32_t max_tokens; /* the largest fact it has held (never lowered) */
   size_t stale;       /* its stale facts */
+  size_t on_disk;     /* its facts on disk only (disk tier) */
   /* The directory of a store with emb.dir_on (kernels.h, kvi__rquery): [cap] rows
    * of dir_stride words, in device memory, changed with the matrix. */
   uint32_t *dir;
@@ -113,6 +119,7 @@ typedef struct kvi__store_index {
   uint64_t tokens_stored;
   uint64_t pages_stored; /* pages of stored facts (kvi_store_stats.bytes_payload) */
   uint64_t stale;        /* stale facts (kvi_store_stats.facts_stale) */
+  uint64_t on_disk;      /* facts on disk only (kvi_store_stats.facts_on_disk_only) */
 } kvi__store_index;
 
 /* The tiers of a tiered store (tiers.c). */
@@ -224,6 +231,13 @@ struct kvi_store {
     const struct kvi__journal_ops *ops; /* persist/journal.c's hooks, NULL without a journal */
     void *ctx;
   } journal;
+  /* The disk tier (persist/disk.c registers its hooks and keeps the
+   * counters; the store counts drops and reads back through fetch). */
+  struct {
+    const struct kvi__disk_ops *ops; /* NULL without a disk tier */
+    void *ctx;
+    uint64_t bytes, reads, read_bytes, writes, write_bytes, drops;
+  } disk;
   kvi__store_shard shard;
 };
 
@@ -238,7 +252,7 @@ static inline char *page_addr(const kvi_store *s, uint32_t page) {
 
 /* Whether a tiered store keeps f on the host (all its pages are there). */
 static inline bool fact_on_host(const kvi_store *s, const fact *f) {
-  return s->pool.host.npages > 0 && f->npages > 0 && page_on_host_tier(s, f->pages[0]);
+  return s->pool.host.npages > 0 && f->npages > 0 && f->pages && page_on_host_tier(s, f->pages[0]);
 }
 
 /* fp8 stores: the scales of a page, (l * 2 + kv) * H + h (q4: base/q4.h's words) */
@@ -408,6 +422,8 @@ typedef struct kvi__gate {
 typedef enum kvi__place {
   KVI__PLACE_ANY = 0,    /* per fact: the device tier when it has room, else the host tier (puts) */
   KVI__PLACE_DEVICE = 1, /* all on the device tier, demoting facts there if it is short (encodes) */
+  KVI__PLACE_DISK = 2,   /* no pages: facts indexed from their tenant's file (disk tier), on disk
+                            only; no pages are taken or written and no hook is called */
 } kvi__place;
 
 typedef struct kvi__txn_fact {
@@ -501,6 +517,46 @@ typedef struct kvi__journal_ops {
   void (*release)(void *ctx);
 } kvi__journal_ops;
 
+/* persist/disk.c: the disk tier (kvinject/store.h, "Disk tier"), the lock
+ * held by every hook.
+ *   claim    before a call writes `tenant`: takes or renews its lease
+ *            (KVI_ERR_LEASED when another replica holds it), re-reads the
+ *            tenant from its file when it was taken over or the file changed
+ *            (every fact of the tenant may be replaced: call it before
+ *            looking any up), compacts the file; nothing is pinned then
+ *   open     kvi_store_prefetch of a whole tenant: indexes it from its file
+ *            when the store does not have it or (without the lease) the file
+ *            changed since it was read
+ *   put      appends a transaction's facts to their tenants' files, flushed,
+ *            and sets each record's disk_entry and disk_rec (as the journal's)
+ *   remove   appends the removal of a stored fact
+ *   fetch    reads fact f's record back into `pages` (f->npages pages of
+ *            the store, taken off their free stack), its checksum checked
+ *   release  ends the tier (kvi_store_destroy) */
+typedef struct kvi__disk_ops {
+  kvi_status (*claim)(void *ctx, kvi_store *s, uint64_t tenant, const char *fn);
+  kvi_status (*open)(void *ctx, kvi_store *s, uint64_t tenant, const char *fn);
+  kvi_status (*put)(void *ctx, const kvi__txn *t);
+  kvi_status (*remove)(void *ctx, kvi_store *s, uint64_t tenant, uint64_t id, uint32_t flags, const char *fn);
+  kvi_status (*fetch)(void *ctx, kvi_store *s, const fact *f, const uint32_t *pages, const char *fn);
+  void (*release)(void *ctx);
+} kvi__disk_ops;
+
+/* The disk tier's part of the store (tiers.c), the lock held: */
+/* claim (above) for a call that writes `tenant`; KVI_OK without a disk tier. */
+kvi_status kvi__disk_claim(kvi_store *s, uint64_t tenant, const char *fn);
+/* Gives every fact of facts[0..n) without pages its pages back, read from
+ * its tenant's file (the host tier on a tiered CUDA store, else the first
+ * pool), dropping least-recently-used unpinned facts of that pool to disk
+ * when it is short. The caller pins the facts (kvi__store_lease does). */
+kvi_status kvi__disk_resident(kvi_store *s, fact *const *facts, size_t n, const char *fn);
+/* Forgets every fact of `tenant` (no hook is called, no fact becomes stale):
+ * its file is about to be read again. */
+void kvi__store_forget_tenant(kvi_store *s, uint64_t tenant);
+/* Removes a fact as kvi_store_remove_ex does, the lock held, calling no
+ * hook (a removal read from a tenant's file). */
+kvi_status kvi__store_unindex(kvi_store *s, uint64_t tenant, uint64_t id, uint32_t flags, const char *fn);
+
 /* One fact of a put: view v (checked against the store's geometry, memory
  * kind checked), flags, emb (owned: freed by the put; NULL for a store
  * without embeddings). */
@@ -584,6 +640,9 @@ kvi_status kvi__store_count(const kvi_store *store, uint64_t tenant_id, size_t *
 /* kvi_store_list (no device work) */
 kvi_status kvi__store_list(const kvi_store *store, uint64_t tenant_id, uint64_t *ids, size_t capacity,
                            size_t *out_total, const char *fn);
+/* kvi_store_fact_tier (no device work) */
+kvi_status kvi__store_fact_tier(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, int32_t *out_tier,
+                                const char *fn);
 /* kvi_store_stats_get (no device work) */
 kvi_status kvi__store_stats_get(const kvi_store *store, kvi_store_stats *out, const char *fn);
 /* kvi_store_embedding_rank (-1 for tp_size < 1; no error is set) */

@@ -7,7 +7,8 @@
  *   embeddings.c  the embedding state (struct kvi__store_emb) and the
  *                 tenants' matrices; it alone changes s->emb
  *   pools.c       the page pools and their deferred frees
- *   tiers.c       the LRU list, tier moves, prefetch, leases
+ *   tiers.c       the LRU list, tier moves, prefetch, leases, the disk
+ *                 tier's drops and reads back
  *   txn.c         the write transaction
  *   put.c         facts in and out of the index, put and remove
  *   read.c        reads and queries
@@ -153,6 +154,11 @@ kvi_status kvi__tier_move(kvi_store *s, fact *const *up, size_t nup, uint32_t ex
 /* Where a put of `need` pages goes: the device tier when it has room, else
  * the host tier; waiting for in-flight work only when nothing is free now. */
 kvi_status kvi__tier_put_room(kvi_store *s, uint32_t need, pool **into, const char *fn);
+
+/* Makes `need` pages of pool p free, dropping least-recently-used unpinned
+ * facts that have a copy on disk (disk tier) when it must; KVI_ERR_CAPACITY,
+ * nothing dropped, when that cannot make enough. */
+kvi_status kvi__disk_room(kvi_store *s, pool *p, uint64_t need, const char *fn);
 
 /* ---- the index (put.c) ---------------------------------------------------- */
 

@@ -20,8 +20,12 @@ void kvi__tier_lru_remove(kvi_store *s, fact *f) {
   f->in_lru = false;
 }
 
+/* Whether the store keeps an LRU list: a tiered store's device-tier facts,
+ * a disk-tier store's facts in its first pool (a CPU store's memory). */
+static bool lru_on(const kvi_store *s) { return s->pool.host.npages > 0 || s->disk.ops; }
+
 void kvi__store_touch(kvi_store *s, fact *f) {
-  if (s->pool.host.npages == 0 || fact_on_host(s, f)) return;
+  if (!lru_on(s) || !f->pages || fact_on_host(s, f)) return;
   kvi__tier_lru_remove(s, f);
   f->lru_prev = NULL;
   f->lru_next = s->tier.lru_head;
@@ -47,9 +51,17 @@ static kvi_status wait_tracked(kvi_store *s, struct CUstream_st *on, const char 
 
 /* Makes `need` host-tier pages free if it can: completed work first, then
  * the clean host copies of device-tier facts (most recently used first:
- * they are the last to be demoted), except those of pinned facts.
- * Leaves the shortage, if any, to the caller, having dropped nothing. */
+ * they are the last to be demoted), except those of pinned facts, then
+ * (disk tier) host-tier facts dropped to disk. Without a disk tier it
+ * leaves the shortage, if any, to the caller, having dropped nothing. */
+static kvi_status host_room_copies(kvi_store *s, uint64_t need, const char *fn);
 static kvi_status host_room(kvi_store *s, uint64_t need, const char *fn) {
+  kvi_status st = host_room_copies(s, need, fn);
+  if (st == KVI_OK && s->pool.host.nfree < need && s->disk.ops) st = kvi__disk_room(s, &s->pool.host, need, fn);
+  return st;
+}
+
+static kvi_status host_room_copies(kvi_store *s, uint64_t need, const char *fn) {
   kvi_status st = kvi__pool_room(s, &s->pool.host, need, fn);
   if (st || s->pool.host.nfree >= need) return st;
   uint64_t have = (uint64_t)s->pool.host.nfree + kvi__pool_deferred(s, &s->pool.host), drop = 0;
@@ -64,6 +76,99 @@ static kvi_status host_room(kvi_store *s, uint64_t need, const char *fn) {
       f->hpages = NULL;
     }
   return kvi__pool_room(s, &s->pool.host, need, fn);
+}
+
+/* ---- the disk tier's drops and reads back --------------------------------- */
+
+/* Drops f's pages (and a clean host copy): f stays indexed, on disk only. */
+static void drop_to_disk(kvi_store *s, fact *f) {
+  kvi__tier_lru_remove(s, f);
+  kvi__pool_release(s, f->pages, f->npages); /* after device work still reading them */
+  if (f->hpages) kvi__pool_release(s, f->hpages, f->npages);
+  free(f->pages);
+  free(f->hpages);
+  f->pages = f->hpages = NULL;
+  s->index.pages_stored -= f->npages;
+  f->owner->on_disk++, s->index.on_disk++;
+  s->disk.drops++;
+}
+
+/* Whether f may be dropped from pool p now: it has a copy on disk, no lease
+ * pins it, and its pages are in p. */
+static bool droppable(const kvi_store *s, const fact *f, const pool *p) {
+  return f->pages && f->disk_entry && !f->pins && (p == &s->pool.host) == fact_on_host(s, f);
+}
+
+/* The facts to drop from pool p for `need` free pages, least recently used
+ * first (the first pool's LRU list; a host tier's facts, which no list
+ * orders, in the index's order); with out NULL only counted. Returns the
+ * pages they free (stopping at `want`). */
+static uint64_t drop_candidates(kvi_store *s, pool *p, uint64_t want, bool drop) {
+  uint64_t got = 0;
+  if (p == &s->pool.dev) {
+    for (fact *f = s->tier.lru_tail, *prev; f && got < want; f = prev) {
+      prev = f->lru_prev;
+      if (!droppable(s, f, p)) continue;
+      got += f->npages;
+      if (drop) drop_to_disk(s, f);
+    }
+    return got;
+  }
+  size_t pos = 0;
+  for (const fact *c; got < want && (c = kvi__store_next_fact(s, &pos));)
+    if (droppable(s, c, p)) {
+      got += c->npages;
+      if (drop) drop_to_disk(s, (fact *)c);
+    }
+  return got;
+}
+
+/* Makes `need` pages of pool p free, dropping facts to disk when it must
+ * (nothing dropped when that cannot make enough). */
+kvi_status kvi__disk_room(kvi_store *s, pool *p, uint64_t need, const char *fn) {
+  kvi_status st = kvi__pool_room(s, p, need, fn);
+  if (st || p->nfree >= need || !s->disk.ops) return st;
+  const uint64_t have = (uint64_t)p->nfree + kvi__pool_deferred(s, p);
+  if (have + drop_candidates(s, p, need - have, false) < need)
+    return kvi__fail(KVI_ERR_CAPACITY, fn,
+                     "%llu pages of %d tokens are needed in %s; %u of %u are free, the rest held by facts this call "
+                     "uses or waiting for in-flight work",
+                     (unsigned long long)need, (int)s->P,
+                     p == &s->pool.host ? "the host tier" : s->backend == KVI_BACKEND_CUDA ? "the device tier" : "memory",
+                     p->nfree, p->npages);
+  drop_candidates(s, p, need - have, true);
+  return kvi__pool_room(s, p, need, fn);
+}
+
+kvi_status kvi__disk_claim(kvi_store *s, uint64_t tenant, const char *fn) {
+  return s->disk.ops ? s->disk.ops->claim(s->disk.ctx, s, tenant, fn) : KVI_OK;
+}
+
+kvi_status kvi__disk_resident(kvi_store *s, fact *const *facts, size_t n, const char *fn) {
+  if (!s->disk.ops) return KVI_OK;
+  pool *p = s->pool.host.npages > 0 ? &s->pool.host : &s->pool.dev; /* promotion moves them on */
+  kvi_status st = KVI_OK;
+  for (size_t i = 0; i < n && st == KVI_OK; i++) {
+    fact *f = facts[i];
+    if (f->pages) continue;
+    if ((st = kvi__disk_room(s, p, f->npages, fn))) break;
+    uint32_t *pages = malloc((f->npages ? f->npages : 1) * sizeof *pages);
+    if (!pages) {
+      st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %u page ids", f->npages);
+      break;
+    }
+    kvi__pool_take(p, pages, f->npages);
+    if ((st = s->disk.ops->fetch(s->disk.ctx, s, f, pages, fn))) {
+      kvi__pool_untake(p, pages, f->npages);
+      free(pages);
+      break;
+    }
+    f->pages = pages;
+    f->owner->on_disk--, s->index.on_disk--;
+    s->index.pages_stored += f->npages;
+    kvi__store_touch(s, f);
+  }
+  return st;
 }
 
 /* Enqueues, on the copy stream, the copy of a fact of `tokens` tokens from
@@ -246,6 +351,7 @@ kvi_status kvi__tier_put_room(kvi_store *s, uint32_t need, pool **into, const ch
                      "%u pages of %d tokens are needed; the device tier has %u of %u pages free, the host tier %u of %u",
                      need, (int)s->P, s->pool.dev.nfree, s->pool.dev.npages, s->pool.host.nfree, s->pool.host.npages);
   }
+  if (s->disk.ops) return kvi__disk_room(s, &s->pool.dev, need, fn);
   return kvi__fail(KVI_ERR_CAPACITY, fn, "%u pages of %d tokens are needed; %u of %u pages are free", need, (int)s->P,
                    s->pool.dev.nfree, s->pool.dev.npages);
 }
@@ -257,6 +363,7 @@ kvi_status kvi__store_prefetch(kvi_store *store, uint64_t tenant_id, const uint6
   if (count > 0 && !fact_ids) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "fact_ids is NULL and count is %d", (int)count);
   kvi_status st = KVI_OK;
   kvi__store_lock(store);
+  if (store->disk.ops && !fact_ids) st = store->disk.ops->open(store->disk.ctx, store, tenant_id, fn);
   const tenant *t = kvi__map_get(&store->index.tenants, tenant_id, 0);
   const size_t n = fact_ids ? (size_t)count : t ? t->count : 0;
   fact **list = malloc((n ? 2 * n : 1) * sizeof *list), **up = list ? list + n : NULL; /* up: the facts to move */
@@ -269,6 +376,18 @@ kvi_status kvi__store_prefetch(kvi_store *store, uint64_t tenant_id, const uint6
   } else if (st == KVI_OK && t) {
     for (fact *f = t->head; f; f = f->next) list[m++] = f;
   }
+  if (st == KVI_OK && store->disk.ops && m > 0) { /* read back from disk, in order, what fits */
+    for (size_t i = 0; i < m; i++) list[i]->pins++; /* none of them is dropped for another */
+    for (size_t i = 0; i < m && st == KVI_OK; i++) {
+      if (list[i]->pages) continue;
+      st = kvi__disk_resident(store, &list[i], 1, fn);
+      if (st == KVI_ERR_CAPACITY) { /* memory is full of facts of this list: the prefix that fits is up */
+        st = KVI_OK;
+        break;
+      }
+    }
+    for (size_t i = 0; i < m; i++) list[i]->pins--;
+  }
   if (st == KVI_OK && store->pool.host.npages > 0 && m > 0) {
     for (size_t i = 0; i < m; i++) list[i]->pins++; /* none of them moves down */
     /* the longest prefix that fits beside the facts it must not move down */
@@ -279,7 +398,7 @@ kvi_status kvi__store_prefetch(kvi_store *store, uint64_t tenant_id, const uint6
       kvi__store_touch(store, list[i]);
     size_t nup = 0;
     for (size_t i = 0; i < m; i++) {
-      if (!fact_on_host(store, list[i])) continue;
+      if (!fact_on_host(store, list[i])) continue; /* on the device, or on disk (what did not fit) */
       if (need + list[i]->npages > room) break;
       need += list[i]->npages;
       up[nup++] = list[i];
@@ -300,14 +419,20 @@ kvi_status kvi__store_prefetch(kvi_store *store, uint64_t tenant_id, const uint6
 
 kvi_status kvi__store_lease(kvi_store *s, fact *const *facts, size_t n, bool promote, struct CUstream_st *stream,
                             const char *fn) {
-  if (s->pool.host.npages == 0) return KVI_OK;
+  if (!lru_on(s)) return KVI_OK;
+  promote = promote && s->pool.host.npages > 0;
   fact **up = promote ? malloc((n ? n : 1) * sizeof *up) : NULL;
   if (promote && !up) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu fact references", n);
   size_t nup = 0;
   for (size_t i = 0; i < n; i++) /* each once */
-    if (facts[i]->pins++ == 0 && promote && fact_on_host(s, facts[i])) up[nup++] = facts[i];
-  kvi_status st = KVI_OK;
-  if (s->backend == KVI_BACKEND_CUDA) {
+    if (facts[i]->pins++ == 0 && promote) up[nup++] = facts[i];
+  /* facts on disk only are read back first (onto the host tier of a tiered store) */
+  kvi_status st = kvi__disk_resident(s, facts, n, fn);
+  size_t k = 0;
+  for (size_t i = 0; i < nup; i++)
+    if (fact_on_host(s, up[i])) up[k++] = up[i];
+  nup = k;
+  if (st == KVI_OK && s->backend == KVI_BACKEND_CUDA && s->pool.host.npages > 0) {
     st = kvi__tier_order_moves(s, stream, fn);
     if (st == KVI_OK && nup > 0) st = kvi__tier_move(s, up, nup, 0, NULL, stream, fn);
   }
@@ -317,7 +442,7 @@ kvi_status kvi__store_lease(kvi_store *s, fact *const *facts, size_t n, bool pro
 }
 
 void kvi__store_unlease(kvi_store *s, fact *const *facts, size_t n, bool used) {
-  if (s->pool.host.npages == 0) return;
+  if (!lru_on(s)) return;
   for (size_t i = n; i-- > 0;) { /* the first named ends the most recent */
     facts[i]->pins--;
     if (used) kvi__store_touch(s, facts[i]);

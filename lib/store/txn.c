@@ -40,7 +40,7 @@ kvi_status kvi__txn_add(kvi__txn *t, uint64_t tenant_id, uint64_t fact_id, int32
   x->first = t->npages;
   if (t->npages > UINT32_MAX - x->npages) /* more than both tiers can hold */
     return kvi__fail(KVI_ERR_CAPACITY, fn, "the call's facts need more than 2^32 - 1 pages of %d tokens", (int)s->P);
-  t->npages += x->npages;
+  if (t->place != KVI__PLACE_DISK) t->npages += x->npages; /* on disk: none taken */
   kvi_status st = kvi__map_reserve(&s->index.facts, (size_t)t->n, fn);
   if (st == KVI_OK) st = kvi__map_reserve(&s->index.tenants, (size_t)t->n, fn);
   if (st) return st;
@@ -132,6 +132,7 @@ kvi_status kvi__txn_take_pages(kvi__txn *t) {
   if (st) return st;
   t->pages = malloc((t->npages ? t->npages : 1) * sizeof *t->pages);
   if (!t->pages) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %u page ids", t->npages);
+  if (t->place == KVI__PLACE_DISK) return KVI_OK;
   if (t->place == KVI__PLACE_DEVICE && s->backend == KVI_BACKEND_CUDA && s->pool.host.npages > 0) {
     /* the device tier, demoting least-recently-used facts if it is short */
     if ((st = kvi__pool_room(s, &s->pool.dev, 0, fn))) return st;
@@ -164,12 +165,13 @@ kvi_status kvi__txn_prepare(kvi__txn *t) {
     /* a spare tenant only where the tenant differs from the previous fact's
      * (whose commit leaves its tenant in the store) */
     const bool spare = i == 0 || x->tenant != t->facts[i - 1].tenant;
+    const bool disk = t->place == KVI__PLACE_DISK; /* a fact on disk only has no pages */
     x->f = calloc(1, sizeof *x->f);
-    x->pages = malloc((x->npages ? x->npages : 1) * sizeof *x->pages);
+    x->pages = disk ? NULL : malloc((x->npages ? x->npages : 1) * sizeof *x->pages);
     if (spare) x->fresh = calloc(1, sizeof *x->fresh);
-    if (!x->f || !x->pages || (spare && !x->fresh))
+    if (!x->f || (!disk && !x->pages) || (spare && !x->fresh))
       return kvi__fail(KVI_ERR_OUT_OF_MEMORY, t->fn, "allocating fact metadata");
-    memcpy(x->pages, t->pages + x->first, x->npages * sizeof *x->pages);
+    if (!disk) memcpy(x->pages, t->pages + x->first, x->npages * sizeof *x->pages);
   }
   t->prepared = true;
   return KVI_OK;
@@ -223,7 +225,9 @@ kvi_status kvi__txn_commit(kvi__txn *t) {
     t->decided = true;
     st = t->gate->decide(t->gate, st);
   }
-  if (st == KVI_OK && s->journal.ops) st = s->journal.ops->put(s->journal.ctx, t); /* durable before it is visible */
+  const bool hooks = t->place != KVI__PLACE_DISK; /* facts read from a tenant's file are written nowhere */
+  if (st == KVI_OK && hooks && s->disk.ops) st = s->disk.ops->put(s->disk.ctx, t); /* durable before it is visible */
+  if (st == KVI_OK && hooks && s->journal.ops) st = s->journal.ops->put(s->journal.ctx, t);
   if (st) return kvi__txn_abort(t, st);
   for (int32_t i = 0; i < t->n; i++) {
     kvi__txn_fact *x = &t->facts[i];

@@ -222,8 +222,12 @@ static kvi_status run_captures(xfer *x, const cap_state *cs, bool pos64, int32_t
 static kvi_status encode_locked(xfer *x, cap_read *r, int32_t num_captures, struct CUstream_st *stream,
                                 const char *fn) {
   cap_state *cs = r->cs;
+  kvi_status st = KVI_OK;
+  for (int32_t i = 0; i < num_captures && st == KVI_OK; i++) /* a disk tier's leases, before any lookup */
+    if (i == 0 || cs[i].c.tenant != cs[i - 1].c.tenant) st = kvi__disk_claim(x->store, cs[i].c.tenant, fn);
+  if (st) return st; /* the captures' embeddings are still theirs */
   kvi__txn t;
-  kvi_status st = kvi__txn_begin(&t, x->store, num_captures, KVI__PLACE_DEVICE, NULL, stream, fn);
+  st = kvi__txn_begin(&t, x->store, num_captures, KVI__PLACE_DEVICE, NULL, stream, fn);
   t.item = "capture";
   for (int32_t i = 0; i < num_captures && st == KVI_OK; i++) {
     st = kvi__txn_add(&t, cs[i].c.tenant, cs[i].c.fact_id, cs[i].c.num_tokens, cs[i].c.flags, cs[i].emb);

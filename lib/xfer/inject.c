@@ -130,9 +130,9 @@ kvi_status kvi__inject_locked(xfer *x, const ireq *rq, int32_t num_requests, con
                             fn)))
     goto out;
   /* a tiered store keeps the call's facts on their tier (promoting, moves
-   * those on the host to the device) until the work is enqueued */
-  if (x->cuda &&
-      (st = kvi__store_lease(x->store, found, (size_t)nfacts, host_pages == KVI_HOST_PAGES_PROMOTE, stream, fn))) {
+   * those on the host to the device) until the work is enqueued; a
+   * disk-tier store reads those on disk only back first */
+  if ((st = kvi__store_lease(x->store, found, (size_t)nfacts, host_pages == KVI_HOST_PAGES_PROMOTE, stream, fn))) {
     kvi__plan_free(x, &p);
     goto out;
   }
@@ -151,7 +151,7 @@ kvi_status kvi__inject_locked(xfer *x, const ireq *rq, int32_t num_requests, con
   }
   st = dv ? kvi__run_deviation(x, &p, dv, stream, fn) : kvi__execute(x, &p, lb, le, true, stream, fn);
   kvi__plan_free(x, &p);
-  if (x->cuda) kvi__store_unlease(x->store, found, (size_t)nfacts, st == KVI_OK); /* used: the first named the most recent */
+  kvi__store_unlease(x->store, found, (size_t)nfacts, st == KVI_OK); /* used: the first named the most recent */
   if (st == KVI_OK && out_tokens)
     for (int32_t r = 0; r < num_requests; r++) out_tokens[r] = (int32_t)jobs[r].tokens;
 out:

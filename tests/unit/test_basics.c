@@ -13,6 +13,7 @@ static const kvi_status all_statuses[] = {
     KVI_ERR_MEMORY_KIND, KVI_ERR_NOT_BUILT,     KVI_ERR_NO_DEVICE,   KVI_ERR_CUDA,
     KVI_ERR_UNSUPPORTED, KVI_ERR_INTERNAL,     KVI_ERR_CORRUPT,     KVI_ERR_INCOMPATIBLE,
     KVI_ERR_IO,           KVI_ERR_PEER,             KVI_ERR_TOKEN_MISMATCH, KVI_ERR_STALE,
+    KVI_ERR_LEASED,
 };
 #define N_STATUSES (sizeof all_statuses / sizeof all_statuses[0])
 
@@ -38,7 +39,7 @@ static void test_status_strings_distinct(void **state) {
 
 static void test_status_string_unknown(void **state) {
   (void)state;
-  const int unknown[] = {1, 2, -20, -100, 12345, INT32_MIN, INT32_MAX};
+  const int unknown[] = {1, 2, -21, -100, 12345, INT32_MIN, INT32_MAX};
   for (size_t i = 0; i < sizeof unknown / sizeof unknown[0]; i++)
     assert_string_equal(kvi_status_string((kvi_status)unknown[i]), "unknown status");
 }
