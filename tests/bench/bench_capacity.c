@@ -307,7 +307,8 @@ int main(void) {
   so.backend = cuda ? KVI_BACKEND_CUDA : KVI_BACKEND_CPU;
   so.device = cuda ? 0 : -1;
   uint64_t mem = (uint64_t)(mem_frac * (double)total_bytes);
-  if (mem < 64 * page_bytes) mem = 64 * page_bytes; /* room for a whole user, and a request */
+  const uint64_t largest_user = (uint64_t)50 * (uint64_t)((20 + P - 1) / P) * page_bytes; /* 50 facts of 20 tokens */
+  if (mem < largest_user) mem = largest_user;
   so.budget_bytes = mem;
   so.host_budget_bytes = cuda ? (uint64_t)(host_frac * (double)total_bytes) : 0;
   so.disk_dir = dir;
