@@ -222,7 +222,8 @@ static int count_on(const kvi_store *store, uint64_t tenant, int first, int tier
   return n;
 }
 
-static void inject(kvi_injector *inj, uint64_t tenant, int first, int i, const kvi_inject_options *io, const setup *su) {
+static kvi_status inject(kvi_injector *inj, uint64_t tenant, int first, int i, const kvi_inject_options *io,
+                         const setup *su) {
   uint64_t ids[4096];
   for (int f = 0; f < K; f++) ids[f] = (uint64_t)(first + f);
   kvi_inject_request rq = KVI_INJECT_REQUEST_INIT;
@@ -232,7 +233,7 @@ static void inject(kvi_injector *inj, uint64_t tenant, int first, int i, const k
   rq.block_table = su->table + (i & 7) * 8;
   rq.block_table_len = (int32_t)(su->NB - 64);
   rq.start_position = 100;
-  CK(kvi_inject(inj, &rq, 1, io, NULL));
+  return kvi_inject(inj, &rq, 1, io, NULL);
 }
 
 static void row(const char *dt, int P, const char *what, double bytes, float ms, float hms, const char *ceil_name,
@@ -241,10 +242,11 @@ static void row(const char *dt, int P, const char *what, double bytes, float ms,
          bytes / 1048576.0, ms, hms, bytes / (ms * 1e-3) / 1e9, ceil_name, ceil_ms, 100.0 * ceil_ms / ms, note);
 }
 
-/* Times one case: ITERS (or `iters`) calls of before(i) untimed, then the injection. */
+/* Times one case: its warm-ups and `iters` calls, each before(i) untimed, then the
+ * injection; a failed call ends the case and is returned (its row then says so). */
 typedef void (*before_fn)(void *arg, int i, uint64_t *tenant, int *first);
 
-static void time_case(kvi_injector *inj, const setup *su, const kvi_inject_options *io, int iters, before_fn before,
+static kvi_status time_case(kvi_injector *inj, const setup *su, const kvi_inject_options *io, int iters, before_fn before,
                       void *arg, float *ms, float *hms) {
   float t[ITERS], th[ITERS];
   const int warm = bench_warm < 2 ? bench_warm : 2;
@@ -255,8 +257,9 @@ static void time_case(kvi_injector *inj, const setup *su, const kvi_inject_optio
     CU(cudaDeviceSynchronize());
     CU(cudaEventRecord(e0, 0));
     const double h0 = now_ms();
-    inject(inj, tenant, first, i + warm, io, su);
+    const kvi_status st = inject(inj, tenant, first, i + warm, io, su);
     const double h1 = now_ms();
+    if (st != KVI_OK) return st;
     CU(cudaEventRecord(e1, 0));
     CU(cudaEventSynchronize(e1));
     if (i >= 0) CU(cudaEventElapsedTime(&t[i], e0, e1));
@@ -264,6 +267,14 @@ static void time_case(kvi_injector *inj, const setup *su, const kvi_inject_optio
   }
   *ms = median(t, iters);
   *hms = median(th, iters);
+  return KVI_OK;
+}
+
+/* A case's row, or the error that ended it. */
+static void row_or_error(kvi_status st, const char *dt, int P, const char *what, double bytes, float ms, float hms,
+                         const char *ceil_name, float ceil_ms, const char *note) {
+  if (st == KVI_OK) row(dt, P, what, bytes, ms, hms, ceil_name, ceil_ms, note);
+  else printf("| %-5s | %2d | %-15s | failed: %s: %s |\n", dt, P, what, kvi_status_string(st), kvi_last_error());
 }
 
 /* the cases' set-up before each call */
@@ -274,7 +285,7 @@ typedef struct {
   int mode; /* 0 device, 1 promote, 2 mapped, 3 disk cold, 4 disk prefetched */
   int found; /* calls whose facts were all where the case wants them */
   double prefetch_ms;
-  uint64_t disk_bytes0;
+  int turn; /* disk cases: the next of tenants 1..4, least recently used first */
 } case_arg;
 
 static void before(void *p, int i, uint64_t *tenant, int *first) {
@@ -284,7 +295,8 @@ static void before(void *p, int i, uint64_t *tenant, int *first) {
   case 1: *tenant = 1, *first = i % 2 ? 0 : K; a->found += count_on(a->store, 1, *first, KVI_TIER_HOST) == K; break;
   case 2: *tenant = 1, *first = 2 * K; a->found += count_on(a->store, 1, *first, KVI_TIER_HOST) == K; break;
   default: {
-    *tenant = 1 + (uint64_t)(i % 4), *first = 0;
+    (void)i;
+    *tenant = 1 + (uint64_t)(a->turn++ % 4), *first = 0;
     drop_dir_cache(a->dir);
     if (a->mode == 4) {
       const double t0 = now_ms();
@@ -322,19 +334,19 @@ static void run_dtype(const setup *su, const dtype_case *dc, const char *base) {
   cudaFreeHost(pin);
   cudaFree(dev);
   case_arg a = {store, inj, NULL, 0, 0, 0, 0};
-  inject(inj, 1, 0, 0, NULL, su); /* A up */
-  time_case(inj, su, NULL, bench_iters, before, &a, &ms, &hms);
-  row(dc->name, dc->P, "device", bf16_bytes, ms, hms, "D2D", su->d2d_ms, "bf16 bytes written");
+  CK(inject(inj, 1, 0, 0, NULL, su)); /* A up */
+  kvi_status st0 = time_case(inj, su, NULL, bench_iters, before, &a, &ms, &hms);
+  row_or_error(st0, dc->name, dc->P, "device", bf16_bytes, ms, hms, "D2D", su->d2d_ms, "bf16 bytes written");
   kvi_inject_options io = KVI_INJECT_OPTIONS_INIT;
   a.mode = 1, a.found = 0;
-  time_case(inj, su, &io, bench_iters, before, &a, &ms, &hms);
+  st0 = time_case(inj, su, &io, bench_iters, before, &a, &ms, &hms);
   snprintf(note, sizeof note, "%d/%d calls found their set on the host", a.found, calls_of(bench_iters));
-  row(dc->name, dc->P, "host promote", set_bytes, ms, hms, "H2D", h2d, note);
+  row_or_error(st0, dc->name, dc->P, "host promote", set_bytes, ms, hms, "H2D", h2d, note);
   io.host_pages = KVI_HOST_PAGES_READ_MAPPED;
   a.mode = 2, a.found = 0;
-  time_case(inj, su, &io, bench_iters, before, &a, &ms, &hms);
+  st0 = time_case(inj, su, &io, bench_iters, before, &a, &ms, &hms);
   snprintf(note, sizeof note, "%d/%d calls found their set on the host", a.found, calls_of(bench_iters));
-  row(dc->name, dc->P, "host mapped", set_bytes, ms, hms, "H2D", h2d, note);
+  row_or_error(st0, dc->name, dc->P, "host mapped", set_bytes, ms, hms, "H2D", h2d, note);
   kvi_injector_destroy(inj);
   kvi_store_destroy(store);
 
@@ -348,22 +360,28 @@ static void run_dtype(const setup *su, const dtype_case *dc, const char *base) {
   store = make_store(su, dc, 1, 2, dir);
   for (uint64_t tn = 1; tn <= 4; tn++) put_set(store, su, tn, 0);
   CK(kvi_injector_create(&inj, store, &cl, NULL));
+  /* injected in turn once, the least recently used of the four (on disk only) is always the next */
+  for (uint64_t tn = 1; tn <= 4; tn++) CK(inject(inj, tn, 0, 0, NULL, su));
+  CU(cudaDeviceSynchronize());
+  int turn = 0;
   const int iters = bench_iters < DISK_ITERS ? bench_iters : DISK_ITERS;
   for (int mode = 3; mode <= 4; mode++) {
     kvi_store_stats s0 = KVI_STORE_STATS_INIT, s1 = KVI_STORE_STATS_INIT;
-    a = (case_arg){store, inj, dir, mode, 0, 0, 0};
+    a = (case_arg){store, inj, dir, mode, 0, 0, turn};
     CK(kvi_store_stats_get(store, &s0));
-    time_case(inj, su, NULL, iters, before, &a, &ms, &hms);
+    st0 = time_case(inj, su, NULL, iters, before, &a, &ms, &hms);
     CK(kvi_store_stats_get(store, &s1));
+    turn = a.turn;
     const int calls = calls_of(iters);
     if (mode == 3) {
       const double per_call = (double)(s1.disk_read_bytes - s0.disk_read_bytes) / calls;
       snprintf(note, sizeof note, "%d/%d calls found their set on disk only", a.found, calls);
-      row(dc->name, dc->P, "disk cold", per_call, ms, hms, "disk", (float)(per_call / (su->disk_gbps * 1e9) * 1e3), note);
+      row_or_error(st0, dc->name, dc->P, "disk cold", per_call, ms, hms, "disk",
+                   (float)(per_call / (su->disk_gbps * 1e9) * 1e3), note);
     } else {
       snprintf(note, sizeof note, "prefetch %.3f ms; %d/%d calls found their set on the device", a.prefetch_ms / calls,
                a.found, calls);
-      row(dc->name, dc->P, "disk prefetched", bf16_bytes, ms, hms, "D2D", su->d2d_ms, note);
+      row_or_error(st0, dc->name, dc->P, "disk prefetched", bf16_bytes, ms, hms, "D2D", su->d2d_ms, note);
     }
   }
   kvi_injector_destroy(inj);
