@@ -147,6 +147,7 @@ static void put_user(ctx *c, uint64_t u) {
 
 typedef struct {
   uint64_t sessions, new_users, requests, facts, on[3], disk_requests, fallbacks, tokens;
+  uint64_t all_facts, all_on[3]; /* new users' sessions too, their first request as from disk */
   size_t n_all, n_disk;
   double disk_load_ms, disk_load_bytes; /* requests with disk facts: time and bytes read */
   double *t_all, *t_disk;               /* kept by reset() */
@@ -191,7 +192,9 @@ static void session(ctx *c, uint64_t u, tally *t) {
       CK(kvi_store_fact_tier(c->store, tenant, ids[f], &tier));
       const int T = fact_tokens(u, pick[f]);
       tokens += T;
-      if (!fresh) t->on[tier == KVI_TIER_DEVICE ? 0 : tier == KVI_TIER_HOST ? 1 : 2]++;
+      const int where = tier == KVI_TIER_DEVICE ? 0 : tier == KVI_TIER_HOST ? 1 : 2;
+      if (!fresh) t->on[where]++;
+      t->all_on[fresh && r == 0 ? 2 : where]++, t->all_facts++;
       if (tier == KVI_TIER_DISK) disk_tokens += T, disk_bytes += (uint64_t)T * c->token_bytes;
     }
     const int k = c->K < nf ? c->K : nf;
@@ -413,7 +416,7 @@ int main(void) {
                             : t.disk_load_bytes > 0 ? t.disk_load_ms * 1e-3 / t.disk_load_bytes : c.disk_s_per_byte;
         continue;
       }
-      const double F = t.facts ? (double)t.facts : 1, Rq = t.requests ? (double)t.requests : 1;
+      const double F = t.facts ? (double)t.facts : 1, A = t.all_facts ? (double)t.all_facts : 1, Rq = t.requests ? (double)t.requests : 1;
       const double p50 = quantile(t.t_all, t.n_all, 0.5), p99 = quantile(t.t_all, t.n_all, 0.99);
       const double d50 = quantile(t.t_disk, t.n_disk, 0.5), d99 = quantile(t.t_disk, t.n_disk, 0.99);
       printf("| %.1f | %ld | %llu | %llu | %llu | %.2f%% | %.2f%% | %.2f%% | %.2f%% | %.1f | %llu | %llu | %llu | %.3f "
@@ -424,7 +427,8 @@ int main(void) {
              (unsigned long long)(b.drops_to_disk - a.drops_to_disk), (unsigned long long)(b.promotions - a.promotions),
              p50, p99, d50, d99, 100.0 * t.fallbacks / Rq);
       snprintf(trace + strlen(trace), sizeof trace - strlen(trace), "%s\"%.1f\": {\"device\": %.4f, \"host\": %.4f, \"disk\": %.4f}",
-               si ? ", " : "", s, (t.on[0] + (cuda ? 0 : t.on[1])) / F, cuda ? t.on[1] / F : 0.0, t.on[2] / F);
+               si ? ", " : "", s, (t.all_on[0] + (cuda ? 0 : t.all_on[1])) / A, cuda ? t.all_on[1] / A : 0.0,
+               t.all_on[2] / A);
     }
   }
   printf("\nnew users: sessions that met their user first and put (captured) its facts; their requests are left\n"
@@ -433,9 +437,10 @@ int main(void) {
          "first of a session includes its prefetch). to text: requests whose disk-only facts would load slower\n"
          "(at %.2f GB/s) than prefilling their tokens at %.0f tokens/s. Counters over the measured sessions.\n",
          c.disk_s_per_byte > 0 ? 1e-9 / c.disk_s_per_byte : 0.0, c.prefill_tps);
-  /* a CPU store's memory is the top tier: the model's "device" */
-  printf("\ncapacity model input%s: {\"trace\": {%s}}\n", cuda ? "" : " (the CPU store's memory as the top tier)",
-         trace);
+  /* as the model's placement counts them: every session, a new user's first request from disk; a CPU
+   * store's memory is the top tier, the model's "device" */
+  printf("\ncapacity model input (new users' sessions included, their first request as from disk%s):\n"
+         "{\"trace\": {%s}}\n", cuda ? "" : "; the CPU store's memory as the model's device tier", trace);
 
   kvi_injector_destroy(c.inj);
   kvi_store_destroy(store);
