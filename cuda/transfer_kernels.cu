@@ -302,136 +302,419 @@ __device__ inline void plain(const Ctx &x, G *page, C *cache, int64_t plane, uns
   }
 }
 
-/* One layer of a 4-bit page injected (base/q4.h): element by element, each
- * code decoded with its group's word (a key channel's, a value token's) as
- * fmaf(code, scale, minimum), the key pairs rotated as the vector paths
- * rotate them, converted to the cache's dtype. Items are (head, token,
- * column), columns fastest; a thread takes every THREADS-th. */
-template <typename C, bool NEOX>
-__device__ inline void q4_layer(const Ctx &x, const kvi__xfer_args &a, const uint8_t *pg, int l, unsigned rot,
-                                C *kc, C *vc, const float *ks, const float *vs, const int64_t *s_coff, unsigned tok0) {
+/* ---- 4-bit pages (base/q4.h) ------------------------------------------------
+ *
+ * Thread mapping. A layer's elements are cut into chunks of W consecutive
+ * columns of one (plane, head) — W = 8 (one 32-bit word of codes) when the
+ * host allows vectors (E 8: D % 8 == 0, rotated widths multiples of 16,
+ * contiguous and aligned cache rows), else W = 2 (one byte of codes) — and
+ * the segment's tokens into slices of Q4Item::TS (16). An item is (slice, head, chunk)
+ * of K (inject: then the same of V), numbered chunk fastest, then head, then
+ * slice; thread t takes items t, t + THREADS, ... So a thread's columns stay
+ * fixed while it walks its slice's tokens: it loads its key channels' words
+ * (s, m) once per item into registers (their codes' groups are the
+ * channels), a value token's word once per token (its row is the group), and
+ * a warp covers whole head rows of one token (consecutive bytes in both the
+ * page and the cache). Within an item the tokens go in batches of BT whose
+ * loads are all issued before any is used.
+ *
+ * Rotation. An element of K's rotated columns [0, 2 half) needs its pair's
+ * other element (NeoX: d +- half, GPT-J: d ^ 1). GPT-J pairs lie inside a
+ * chunk (d0 and W even). NeoX partners form the chunk at d0 +- half: with
+ * W = 8 that is one more word of codes (half % 8 == 0, so a chunk is all
+ * first or all second elements of its pairs), with W = 2 two nibbles, each
+ * partner found on its own (half may be odd). Each element is rotated on
+ * its own with the pair's arithmetic for that element (q4_rot): the same
+ * operations, in the same order, as rotate() and the CPU reference. A chunk
+ * never straddles 2 half (it is even, and a multiple of 16 with W = 8).
+ *
+ * Capture (phases: kvi__xfer_args.phase). Phase 1: each key item reduces
+ * its channels' finite values over its tokens to fp32 (min, max) in
+ * registers, then folds those two into the channel's word with one
+ * compare-and-swap per channel (items of other slices and other segments of
+ * the page merge into the same word; folding commutes, and folding a
+ * group's min and max gives the word folding all of it gives:
+ * kvi__q4_bounds). Phase 2:
+ * key items turn their channels' bounds into (s, m) once and write codes,
+ * a word (or byte) per token; values go a row per group of G lanes of a
+ * warp (G the power of two >= the row's chunks, at most 32), min and max
+ * reduced with shuffles, then the row's word and codes. min and max are
+ * exact, so every order gives the CPU's bounds; the rest is base/q4.h's
+ * arithmetic. A page that one segment covers does phase 2's work in phase 1,
+ * after a barrier (q4_capture). */
+
+/* A word's (scale, minimum) as floats: fp16 -> fp32 is exact (NaN payloads
+ * aside, which any fmaf with them makes the canonical NaN anyway). (The
+ * helpers are templates so that the other pairs' units, which leave them
+ * unused, do not warn.) */
+template <int = 0> __device__ inline float2 q4_sm(uint32_t w) {
+  __half2 h;
+  memcpy(&h, &w, 4);
+  return __half22float2(h); /* .x: the low half (scale), .y: the high half (minimum) */
+}
+
+/* Code i of a word of codes, decoded: fmaf(code, s, m) as kvi__q4_value. */
+template <int = 0> __device__ inline float q4_val(uint32_t codes, int i, float2 sm) {
+  const float c = __fsub_rn(__uint_as_float(0x4b000000u | ((codes >> (4 * i)) & 15u)), 8388608.0f); /* exact */
+  return __fmaf_rn(c, sm.x, sm.y);
+}
+
+/* The nibble of element e. */
+template <int = 0> __device__ inline uint32_t q4_nib(const uint8_t *pg, int64_t e) {
+  return (uint32_t)(pg[e >> 1] >> (4 * (unsigned)(e & 1))) & 15u;
+}
+
+/* W codes from element e (W == 8: e % 8 == 0, a 4-byte word; W == 2: e even, a byte). */
+template <int W> __device__ inline uint32_t q4_ld(const uint8_t *pg, int64_t e) {
+  if constexpr (W == 8) return *reinterpret_cast<const uint32_t *>(pg + (e >> 1));
+  else return pg[e >> 1];
+}
+template <int W> __device__ inline void q4_st(uint8_t *pg, int64_t e, uint32_t c) {
+  if constexpr (W == 8) *reinterpret_cast<uint32_t *>(pg + (e >> 1)) = c;
+  else pg[e >> 1] = (uint8_t)c;
+}
+
+/* W consecutive words (W == 8: 32-byte aligned) as (s, m). */
+template <int W> __device__ inline void q4_words(float2 *sm, const uint32_t *w) {
+  if constexpr (W == 8) {
+    const uint4 a = reinterpret_cast<const uint4 *>(w)[0], b = reinterpret_cast<const uint4 *>(w)[1];
+    sm[0] = q4_sm(a.x), sm[1] = q4_sm(a.y), sm[2] = q4_sm(a.z), sm[3] = q4_sm(a.w);
+    sm[4] = q4_sm(b.x), sm[5] = q4_sm(b.y), sm[6] = q4_sm(b.z), sm[7] = q4_sm(b.w);
+  } else {
+#pragma unroll
+    for (int i = 0; i < W; i++) sm[i] = q4_sm(w[i]);
+  }
+}
+
+/* Cache elements of a chunk (E == W: one vector; else W elements ds apart). */
+template <typename C, int E, int W> __device__ inline void q4_ld_cache(Vec<C, W> &r, const C *p, int64_t ds) {
+  if constexpr (E == W) ld<C, W>(r, p);
+  else
+#pragma unroll
+    for (int i = 0; i < W; i++) r.v[i] = p[i * ds];
+}
+template <typename C, int E, int W> __device__ inline void q4_st_cache(C *p, int64_t ds, const float *v) {
+  if constexpr (E == W) st<C, W>(p, v);
+  else
+#pragma unroll
+    for (int i = 0; i < W; i++) st<C, 1>(p + i * ds, v + i);
+}
+
+/* Element own of a pair rotated forward (inject) or back (capture) with its
+ * pair's other element p: rotate()'s operations for that element. */
+template <bool FORWARD> __device__ inline float q4_rot(float own, float p, float2 cs, bool first) {
+  const float t = __fmul_rn(own, cs.x), u = __fmul_rn(p, cs.y);
+  return FORWARD == first ? __fsub_rn(t, u) : __fadd_rn(t, u);
+}
+
+/* A K chunk's place in the rotation (columns d0 .. d0 + W): whether it is
+ * rotated (d0 < 2 half), and of its element i whether it is the first of its
+ * pair, the pair (cos/sin column) and the partner's column. With W == 8 a
+ * NeoX chunk is all first or all second elements (half % 8 == 0), so its
+ * pairs and partners are consecutive: they follow from element 0's. */
+template <int W, bool NEOX> struct Q4Pairs {
+  unsigned d0, half;
+  bool on;
+  __device__ Q4Pairs(unsigned d, unsigned hf) : d0(d), half(hf), on(d < 2 * hf) {}
+  __device__ bool first(int i) const {
+    if constexpr (NEOX) return (W == 8 ? d0 : d0 + i) < half;
+    else return (i & 1) == 0; /* d0 even */
+  }
+  __device__ unsigned k(int i) const {
+    const unsigned d = d0 + i;
+    if constexpr (NEOX) return first(i) ? d : d - half;
+    else return d >> 1;
+  }
+  __device__ unsigned p(int i) const {
+    const unsigned d = d0 + i;
+    if constexpr (NEOX) return first(i) ? d + half : d - half;
+    else return d ^ 1;
+  }
+};
+
+/* The NeoX partners' codes of a chunk in row e0 (element offset of column 0). */
+template <int W, bool NEOX>
+__device__ inline uint32_t q4_partner_codes(const Q4Pairs<W, NEOX> &g, const uint8_t *pg, int64_t e0) {
+  if constexpr (W == 8) return q4_ld<8>(pg, e0 + g.p(0)); /* p(i) == p(0) + i */
+  else return q4_nib(pg, e0 + g.p(0)) | q4_nib(pg, e0 + g.p(1)) << 4;
+}
+
+/* An item's coordinates (see the mapping above). */
+struct Q4Item {
+  enum : unsigned { TS = 16 }; /* tokens per item */
+  unsigned kv, h, d0, j0, j1;
+};
+template <int = 0>
+__device__ inline Q4Item q4_item(unsigned it, unsigned nk, unsigned units, unsigned nch, unsigned W, unsigned ntok) {
+  Q4Item q;
+  q.kv = it >= nk ? 1u : 0u;
+  const unsigned r = it - q.kv * nk, sl = r / units, un = r - sl * units;
+  q.h = un / nch;
+  q.d0 = (un - q.h * nch) * W;
+  q.j0 = sl * Q4Item::TS;
+  q.j1 = min(q.j0 + Q4Item::TS, ntok);
+  return q;
+}
+
+/* One layer injected from a 4-bit page: K's items, then V's. */
+template <typename C, int E, bool NEOX>
+__device__ inline void q4_inject(const Ctx &x, const kvi__xfer_args &a, const uint8_t *pg, int l, unsigned rot, C *kc,
+                                 C *vc, const float *ks, const float *vs, const int64_t *s_coff, unsigned tok0) {
+  constexpr int W = E == 1 ? 2 : E, BT = 8;
   const uint32_t *words = reinterpret_cast<const uint32_t *>(pg + a.scale_off);
-  const unsigned H = x.H, D = x.D, half = rot >> 1;
-  const uint32_t *kw = words + (int64_t)l * H * D;                                     /* [h][d] */
-  const uint32_t *vw = words + (int64_t)a.L * H * D + (int64_t)l * H * a.P + tok0;     /* [h][P] */
-  const int64_t krow0 = x.page_row0, vrow0 = x.page_row0 + (int64_t)H * x.page_head;  /* elements */
-  /* K's rotated pairs */
-  for (unsigned i = threadIdx.x; i < H * x.ntok * half; i += THREADS) {
-    const unsigned u = i % half, r = i / half, j = r % x.ntok, h = r / x.ntok;
-    const int64_t coff = s_coff[j];
-    if (coff < 0) continue;
-    const unsigned ia = NEOX ? u : 2 * u, ib = NEOX ? u + half : 2 * u + 1;
-    const int64_t row = krow0 + h * x.page_head + (int64_t)j * D;
-    float v[2] = {kvi__q4_decode(pg, row + ia, kw[h * D + ia]), kvi__q4_decode(pg, row + ib, kw[h * D + ib])};
-    rotate<1, NEOX, true>(v, x.cs + j * x.HM + u);
-    scale_for_cache<C>(v, 2, is_fp8<C>::value ? ks[h] : 1.0f);
-    C *cr = kc + coff + h * a.head_stride;
-    st<C, 1>(cr + (int64_t)ia * a.dim_stride, v);
-    st<C, 1>(cr + (int64_t)ib * a.dim_stride, v + 1);
-  }
-  /* K's tail [rot, D), then V */
-  const unsigned nk = D - rot;
-  for (unsigned i = threadIdx.x; i < H * x.ntok * (nk + D); i += THREADS) {
-    const bool isv = i >= H * x.ntok * nk;
-    const unsigned ii = isv ? i - H * x.ntok * nk : i, n = isv ? D : nk;
-    const unsigned c = ii % n, r = ii / n, j = r % x.ntok, h = r / x.ntok, d = isv ? c : rot + c;
-    const int64_t coff = isv && a.split_v ? s_coff[a.seg_tokens + j] : s_coff[j];
-    if (coff < 0) continue;
-    const int64_t e = (isv ? vrow0 : krow0) + h * x.page_head + (int64_t)j * D + d;
-    float v = kvi__q4_decode(pg, e, isv ? vw[(int64_t)h * a.P + j] : kw[h * D + d]);
-    scale_for_cache<C>(&v, 1, is_fp8<C>::value ? (isv ? vs : ks)[h] : 1.0f);
-    st<C, 1>((isv ? vc : kc) + coff + h * (isv ? a.v_head_stride : a.head_stride) +
-                 (int64_t)d * (isv ? a.v_dim_stride : a.dim_stride),
-             &v);
+  const unsigned H = x.H, D = x.D, half = rot >> 1, nch = D / W, units = H * nch;
+  const unsigned nk = units * ((x.ntok + Q4Item::TS - 1) / Q4Item::TS);
+  for (unsigned it = threadIdx.x; it < 2 * nk; it += THREADS) {
+    const Q4Item q = q4_item(it, nk, units, nch, W, x.ntok);
+    const Q4Pairs<W, NEOX> pr(q.d0, q.kv ? 0u : half);
+    const uint32_t *kw = words + (int64_t)(l * H + q.h) * D;                                 /* [d] */
+    const uint32_t *vw = words + (int64_t)a.L * H * D + (int64_t)(l * H + q.h) * a.P + tok0; /* [token] */
+    const int64_t *coff = q.kv && a.split_v ? s_coff + a.seg_tokens : s_coff;
+    const int64_t e0 = x.page_row0 + (int64_t)(q.kv * H + q.h) * x.page_head; /* the head's row of token 0 */
+    const int64_t ds = q.kv ? a.v_dim_stride : a.dim_stride;
+    C *cb = (q.kv ? vc : kc) + q.h * (q.kv ? a.v_head_stride : a.head_stride) + (int64_t)q.d0 * ds;
+    const float sc = is_fp8<C>::value ? (q.kv ? vs : ks)[q.h] : 1.0f;
+    float2 ow[W], pw[W]; /* K: the chunk's and (NeoX) its partners' words */
+    if (!q.kv) {
+      q4_words<W>(ow, kw + q.d0);
+      if (NEOX && pr.on) {
+        if constexpr (W == 8) q4_words<W>(pw, kw + pr.p(0));
+        else
+#pragma unroll
+          for (int i = 0; i < W; i++) pw[i] = q4_sm(kw[pr.p(i)]);
+      }
+    }
+    for (unsigned jb = q.j0; jb < q.j1; jb += BT) {
+      uint32_t oc[BT], pc[BT];
+      float2 tw[BT]; /* V: the token's word */
+#pragma unroll
+      for (int b = 0; b < BT; b++) {
+        const unsigned j = jb + b;
+        oc[b] = pc[b] = 0u;
+        tw[b] = make_float2(0.0f, 0.0f);
+        if (j >= q.j1 || coff[j] < 0) continue;
+        const int64_t e = e0 + (int64_t)j * D;
+        oc[b] = q4_ld<W>(pg, e + q.d0);
+        if (q.kv) tw[b] = q4_sm(vw[j]);
+        else if (NEOX && pr.on) pc[b] = q4_partner_codes(pr, pg, e);
+      }
+#pragma unroll
+      for (int b = 0; b < BT; b++) {
+        const unsigned j = jb + b;
+        if (j >= q.j1) continue;
+        const int64_t co = coff[j];
+        if (co < 0) continue;
+        float u[W], v[W];
+#pragma unroll
+        for (int i = 0; i < W; i++) u[i] = v[i] = q4_val(oc[b], i, q.kv ? tw[b] : ow[i]);
+        if (pr.on) {
+          const float2 *cs = x.cs + j * x.HM;
+#pragma unroll
+          for (int i = 0; i < W; i++)
+            v[i] = q4_rot<true>(u[i], NEOX ? q4_val(pc[b], i, pw[i]) : u[i ^ 1], cs[pr.k(i)], pr.first(i));
+        }
+        scale_for_cache<C>(v, W, sc);
+        q4_st_cache<C, E, W>(cb + co, ds, v);
+      }
+    }
   }
 }
 
-/* Capture into a 4-bit page, one layer (the CPU reference's phases,
- * kvi__xfer_args.phase): 1 folds each key element, un-rotated, into its
- * channel's bounds word (atomicCAS: folding commutes); 2 writes the key
- * codes, a byte (two channels) per item, from the parameters the bounds
- * give, and each value row's word and codes, a row per item (its bounds
- * need the whole row). Phases 0 and 3 (bounds emptied, words made) run
- * before the layer loop. The cache's values are read as the injection
- * writes them: fp8 caches times their scale, keys un-rotated by the vector
- * paths' rotate. */
-template <typename C, bool NEOX>
-__device__ inline float q4_unrotated(const C *cr, int64_t ds, unsigned d, unsigned rot, const float2 *cs, float sc) {
-  float v[2];
-  if (d >= rot) {
-    v[0] = kvi::cvt<C>::to(cr[(int64_t)d * ds]);
-    scale_from_cache<C>(v, 1, sc);
-    return v[0];
+/* Capture into a 4-bit page, phase 2: the values, a row per group of G lanes. */
+template <typename C, int E>
+__device__ inline void q4_capture_values(const Ctx &x, const kvi__xfer_args &a, uint8_t *pg, int l, const C *vc,
+                                         const float *vs, const int64_t *s_coff, unsigned tok0) {
+  constexpr int W = E == 1 ? 2 : E, R = 2; /* rows per group in flight */
+  uint32_t *vw = reinterpret_cast<uint32_t *>(pg + a.scale_off) + (int64_t)a.L * x.H * x.D +
+                 (int64_t)l * x.H * a.P + tok0; /* [head][token] */
+  const int64_t *coff = a.split_v ? s_coff + a.seg_tokens : s_coff;
+  const unsigned nch = x.D / W, rows = x.H * x.ntok;
+  unsigned G = 1;
+  while (G < nch && G < 32) G <<= 1;
+  const unsigned lane = threadIdx.x & 31, lg = lane & (G - 1), rpw = 32 / G, step = (THREADS / 32) * rpw * R;
+  /* (warp-uniform: every lane reaches the shuffles) */
+  for (unsigned r0 = (threadIdx.x >> 5) * rpw * R + lane / G; r0 - lane / G < rows; r0 += step) {
+    const C *cr[R];
+    unsigned h[R], j[R];
+    bool on[R];
+    float mn[R], mx[R], sc[R];
+#pragma unroll
+    for (int q = 0; q < R; q++) {
+      const unsigned r = r0 + q * rpw;
+      h[q] = r < rows ? r / x.ntok : 0u;
+      j[q] = r < rows ? r - h[q] * x.ntok : 0u;
+      const int64_t co = r < rows ? coff[j[q]] : -1;
+      on[q] = co >= 0;
+      cr[q] = vc + (on[q] ? co : 0) + h[q] * a.v_head_stride;
+      sc[q] = is_fp8<C>::value ? vs[h[q]] : 1.0f;
+      mn[q] = INFINITY, mx[q] = -INFINITY;
+    }
+    for (unsigned c = lg; c < nch; c += G) {
+      Vec<C, W> t[R];
+#pragma unroll
+      for (int q = 0; q < R; q++)
+        if (on[q]) q4_ld_cache<C, E, W>(t[q], cr[q] + (int64_t)c * W * a.v_dim_stride, a.v_dim_stride);
+#pragma unroll
+      for (int q = 0; q < R; q++) {
+        if (!on[q]) continue;
+        float f[W];
+        to_f32<C, W>(f, t[q]);
+        scale_from_cache<C>(f, W, sc[q]);
+#pragma unroll
+        for (int i = 0; i < W; i++)
+          if (f[i] - f[i] == 0.0f) mn[q] = fminf(mn[q], f[i]), mx[q] = fmaxf(mx[q], f[i]); /* finite only */
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < R; q++)
+      for (unsigned o = G >> 1; o; o >>= 1) {
+        mn[q] = fminf(mn[q], __shfl_xor_sync(0xffffffffu, mn[q], o));
+        mx[q] = fmaxf(mx[q], __shfl_xor_sync(0xffffffffu, mx[q], o));
+      }
+    float2 sm[R];
+#pragma unroll
+    for (int q = 0; q < R; q++) {
+      if (!on[q]) continue;
+      const uint32_t w = kvi__q4_params(kvi__q4_bounds(mn[q], mx[q]));
+      if (lg == 0) vw[(int64_t)h[q] * a.P + j[q]] = w;
+      sm[q] = q4_sm(w);
+    }
+    for (unsigned c = lg; c < nch; c += G) { /* the codes (the row again, from L1) */
+      Vec<C, W> t[R];
+#pragma unroll
+      for (int q = 0; q < R; q++)
+        if (on[q]) q4_ld_cache<C, E, W>(t[q], cr[q] + (int64_t)c * W * a.v_dim_stride, a.v_dim_stride);
+#pragma unroll
+      for (int q = 0; q < R; q++) {
+        if (!on[q]) continue;
+        float f[W];
+        to_f32<C, W>(f, t[q]);
+        scale_from_cache<C>(f, W, sc[q]);
+        uint32_t codes = 0u;
+#pragma unroll
+        for (int i = 0; i < W; i++) codes |= kvi__q4_code_sm(f[i], sm[q].x, sm[q].y) << (4 * i);
+        q4_st<W>(pg, x.page_row0 + (int64_t)(x.H + h[q]) * x.page_head + (int64_t)j[q] * x.D + c * W, codes);
+      }
+    }
   }
-  const unsigned half = rot >> 1, u = NEOX ? (d < half ? d : d - half) : d >> 1;
-  const unsigned ia = NEOX ? u : 2 * u, ib = NEOX ? u + half : 2 * u + 1;
-  v[0] = kvi::cvt<C>::to(cr[(int64_t)ia * ds]);
-  v[1] = kvi::cvt<C>::to(cr[(int64_t)ib * ds]);
-  scale_from_cache<C>(v, 2, sc);
-  rotate<1, NEOX, false>(v, cs + u);
-  return d == ia ? v[0] : v[1];
 }
 
-template <typename C, bool NEOX>
-__device__ inline void q4_capture_layer(const Ctx &x, const kvi__xfer_args &a, uint8_t *pg, int l, unsigned rot,
-                                        const C *kc, const C *vc, const float *ks, const float *vs,
-                                        const int64_t *s_coff, unsigned tok0) {
+/* Capture into a 4-bit page, one layer's keys: their bounds (phase 1,
+ * BOUNDS) or codes (phase 2). The cache's values are read as the injection
+ * writes them: fp8 caches times their scale, keys un-rotated. (The phases
+ * are two instantiations so that neither's registers add to the other's.) */
+template <typename C, int E, bool NEOX, bool BOUNDS>
+__device__ inline void q4_capture_keys(const Ctx &x, const kvi__xfer_args &a, uint8_t *pg, int l, unsigned rot,
+                                       const C *kc, const float *ks, const int64_t *s_coff) {
+  constexpr int W = E == 1 ? 2 : E, BT = 4;
+  constexpr bool bounds = BOUNDS;
   uint32_t *words = reinterpret_cast<uint32_t *>(pg + a.scale_off);
-  const unsigned H = x.H, D = x.D;
-  uint32_t *kw = words + (int64_t)l * H * D;                                 /* [h][d] */
-  uint32_t *vw = words + (int64_t)a.L * H * D + (int64_t)l * H * a.P + tok0; /* [h][P] */
-  const int64_t krow0 = x.page_row0, vrow0 = x.page_row0 + (int64_t)H * x.page_head;
+  const unsigned H = x.H, D = x.D, half = rot >> 1, nch = D / W, units = H * nch;
+  const unsigned nk = units * ((x.ntok + Q4Item::TS - 1) / Q4Item::TS);
+  for (unsigned it = threadIdx.x; it < nk; it += THREADS) {
+    const Q4Item q = q4_item(it, nk, units, nch, W, x.ntok);
+    const Q4Pairs<W, NEOX> pr(q.d0, half);
+    uint32_t *kw = words + (int64_t)(l * H + q.h) * D + q.d0; /* the chunk's channels */
+    const int64_t e0 = x.page_row0 + (int64_t)q.h * x.page_head + q.d0;
+    const int64_t ds = a.dim_stride;
+    const C *hb = kc + q.h * a.head_stride; /* the head's row (plus a token's offset) */
+    const float sc = is_fp8<C>::value ? ks[q.h] : 1.0f;
+    float2 sm[W];
+    float mn[W], mx[W];
+#pragma unroll
+    for (int i = 0; i < W; i++) {
+      mn[i] = INFINITY, mx[i] = -INFINITY;
+      if constexpr (!bounds) sm[i] = q4_sm(kvi__q4_params(__ldcg(kw + i))); /* bounds merged in L2 */
+    }
+    for (unsigned jb = q.j0; jb < q.j1; jb += BT) {
+      Vec<C, W> o[BT], p[BT];
+#pragma unroll
+      for (int b = 0; b < BT; b++) {
+        const unsigned j = jb + b;
+        if (j >= q.j1 || s_coff[j] < 0) continue;
+        const C *cr = hb + s_coff[j];
+        q4_ld_cache<C, E, W>(o[b], cr + (int64_t)q.d0 * ds, ds);
+        if (NEOX && pr.on) {
+          if constexpr (W == 8) ld<C, W>(p[b], cr + pr.p(0)); /* p(i) == p(0) + i; ds == 1 */
+          else
+#pragma unroll
+            for (int i = 0; i < W; i++) p[b].v[i] = cr[pr.p(i) * ds];
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < BT; b++) {
+        const unsigned j = jb + b;
+        if (j >= q.j1 || s_coff[j] < 0) continue;
+        float u[W], v[W];
+        to_f32<C, W>(u, o[b]);
+        scale_from_cache<C>(u, W, sc);
+#pragma unroll
+        for (int i = 0; i < W; i++) v[i] = u[i];
+        if (pr.on) {
+          float pv[W];
+          if (NEOX) {
+            to_f32<C, W>(pv, p[b]);
+            scale_from_cache<C>(pv, W, sc);
+          }
+          const float2 *cs = x.cs + j * x.HM;
+#pragma unroll
+          for (int i = 0; i < W; i++) v[i] = q4_rot<false>(u[i], NEOX ? pv[i] : u[i ^ 1], cs[pr.k(i)], pr.first(i));
+        }
+        if constexpr (bounds) {
+#pragma unroll
+          for (int i = 0; i < W; i++)
+            if (v[i] - v[i] == 0.0f) mn[i] = fminf(mn[i], v[i]), mx[i] = fmaxf(mx[i], v[i]); /* finite only */
+        } else {
+          uint32_t codes = 0u;
+#pragma unroll
+          for (int i = 0; i < W; i++) codes |= kvi__q4_code_sm(v[i], sm[i].x, sm[i].y) << (4 * i);
+          q4_st<W>(pg, e0 + (int64_t)j * D, codes);
+        }
+      }
+    }
+    if constexpr (!bounds) continue;
+    /* merge into the channels' words: all compare-and-swaps in flight at
+     * once; a channel whose word moved meanwhile goes round again */
+    uint32_t cur[W];
+    unsigned todo = 0u;
+#pragma unroll
+    for (int i = 0; i < W; i++) {
+      cur[i] = __ldcg(kw + i);
+      if (mn[i] <= mx[i]) todo |= 1u << i;
+    }
+    while (todo) {
+      uint32_t seen[W];
+#pragma unroll
+      for (int i = 0; i < W; i++) {
+        seen[i] = cur[i];
+        if (!(todo >> i & 1u)) continue;
+        const uint32_t want = kvi__q4_fold(kvi__q4_fold(cur[i], mn[i]), mx[i]);
+        if (want == cur[i]) todo &= ~(1u << i);
+        else cur[i] = atomicCAS(kw + i, seen[i], want);
+      }
+#pragma unroll
+      for (int i = 0; i < W; i++)
+        if ((todo >> i & 1u) && cur[i] == seen[i]) todo &= ~(1u << i); /* swapped */
+    }
+  }
+}
+
+/* Capture into a 4-bit page, one layer: phase 1 (keys' bounds) or 2 (keys'
+ * codes, then the values). A page that the CTA's segment alone covers
+ * (sole, CTA-uniform) has all its bounds merged when the CTA's threads are:
+ * it takes its codes and values in phase 1 too, right after a barrier, its
+ * keys read again while the L2 still holds them, and skips phase 2. */
+template <typename C, int E, bool NEOX>
+__device__ inline void q4_capture(const Ctx &x, const kvi__xfer_args &a, uint8_t *pg, int l, unsigned rot, const C *kc,
+                                  const C *vc, const float *ks, const float *vs, const int64_t *s_coff, unsigned tok0,
+                                  bool sole) {
   if (a.phase == 1) {
-    for (unsigned i = threadIdx.x; i < H * x.ntok * D; i += THREADS) {
-      const unsigned d = i % D, r = i / D, j = r % x.ntok, h = r / x.ntok;
-      const int64_t coff = s_coff[j];
-      if (coff < 0) continue;
-      const float y = q4_unrotated<C, NEOX>(kc + coff + h * a.head_stride, a.dim_stride, d, rot, x.cs + j * x.HM,
-                                            is_fp8<C>::value ? ks[h] : 1.0f);
-      unsigned *w = reinterpret_cast<unsigned *>(kw + h * D + d);
-      unsigned old = *w, seen;
-      do {
-        seen = old;
-        const unsigned want = kvi__q4_fold(seen, y);
-        if (want == seen) break;
-        old = atomicCAS(w, seen, want);
-      } while (old != seen);
-    }
-    return;
+    q4_capture_keys<C, E, NEOX, true>(x, a, pg, l, rot, kc, ks, s_coff);
+    if (!sole) return;
+    __syncthreads(); /* the words' compare-and-swaps are done (read back through L2: __ldcg) */
   }
-  for (unsigned i = threadIdx.x; i < H * x.ntok * (D / 2); i += THREADS) { /* K: a byte per item */
-    const unsigned b = i % (D / 2), r = i / (D / 2), j = r % x.ntok, h = r / x.ntok, d = 2 * b;
-    const int64_t coff = s_coff[j];
-    if (coff < 0) continue;
-    const C *cr = kc + coff + h * a.head_stride;
-    const float sc = is_fp8<C>::value ? ks[h] : 1.0f;
-    const float y0 = q4_unrotated<C, NEOX>(cr, a.dim_stride, d, rot, x.cs + j * x.HM, sc);
-    const float y1 = q4_unrotated<C, NEOX>(cr, a.dim_stride, d + 1, rot, x.cs + j * x.HM, sc);
-    const uint32_t c0 = kvi__q4_code(y0, kvi__q4_params(kw[h * D + d]));
-    const uint32_t c1 = kvi__q4_code(y1, kvi__q4_params(kw[h * D + d + 1]));
-    pg[(krow0 + h * x.page_head + (int64_t)j * D + d) >> 1] = (uint8_t)(c0 | c1 << 4);
-  }
-  for (unsigned i = threadIdx.x; i < H * x.ntok; i += THREADS) { /* V: a row per item */
-    const unsigned j = i % x.ntok, h = i / x.ntok;
-    const int64_t coff = a.split_v ? s_coff[a.seg_tokens + j] : s_coff[j];
-    if (coff < 0) continue;
-    const C *cr = vc + coff + h * a.v_head_stride;
-    const float sc = is_fp8<C>::value ? vs[h] : 1.0f;
-    uint32_t bounds = KVI__Q4_BOUNDS_EMPTY;
-    for (unsigned d = 0; d < D; d++) {
-      float f = kvi::cvt<C>::to(cr[(int64_t)d * a.v_dim_stride]);
-      scale_from_cache<C>(&f, 1, sc);
-      bounds = kvi__q4_fold(bounds, f);
-    }
-    const uint32_t w = kvi__q4_params(bounds);
-    vw[(int64_t)h * a.P + j] = w;
-    uint8_t *row = pg + ((vrow0 + h * x.page_head + (int64_t)j * D) >> 1);
-    for (unsigned d = 0; d < D; d += 2) {
-      float f[2] = {kvi::cvt<C>::to(cr[(int64_t)d * a.v_dim_stride]), kvi::cvt<C>::to(cr[(int64_t)(d + 1) * a.v_dim_stride])};
-      scale_from_cache<C>(f, 2, sc);
-      row[d >> 1] = (uint8_t)(kvi__q4_code(f[0], w) | kvi__q4_code(f[1], w) << 4);
-    }
-  }
+  q4_capture_keys<C, E, NEOX, false>(x, a, pg, l, rot, kc, ks, s_coff);
+  q4_capture_values<C, E>(x, a, pg, l, vc, vs, s_coff, tok0);
 }
 
 /* Points the context at plane kv (0 K, 1 V): its per-token offsets, head and
@@ -476,6 +759,15 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
       }
       return;
     }
+  }
+  /* capture into a 4-bit page that this segment alone covers (its first,
+   * and the plan's next segment, if any, is another page's: a page's
+   * segments are consecutive) runs whole in phase 1 (q4_capture) */
+  bool q4_sole = false;
+  if constexpr (is_q4<G>::value && !INJECT) {
+    q4_sole = sg.tok0 == 0 && (blockIdx.x + 1 == (unsigned)a.nsegs ||
+                               reinterpret_cast<const kvi__xseg *>(plan)[blockIdx.x + 1].page != sg.page);
+    if (a.phase == 2 && q4_sole) return;
   }
   float *gs = nullptr; /* fp8 stores: the page's scales, [layer][K, V][head] */
   if constexpr (is_fp8<G>::value) {
@@ -537,16 +829,19 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
     const float *ks = a.k_scale + l * a.H, *vs = a.v_scale + l * a.H;
     x.gs = gs ? gs + l * 2 * a.H : nullptr;
     C *kc = reinterpret_cast<C *>(ly.k), *vc = reinterpret_cast<C *>(ly.v);
-    if constexpr (is_q4<G>::value) { /* element by element: q4_layer, q4_capture_layer */
+    if constexpr (is_q4<G>::value) { /* q4_inject, q4_capture */
       uint8_t *pg = reinterpret_cast<uint8_t *>(page);
-      if (INJECT && ly.style == 1)
-        q4_layer<C, true>(x, a, pg, l, rot, kc, vc, ks, vs, s_coff, sg.tok0);
-      else if (INJECT)
-        q4_layer<C, false>(x, a, pg, l, rot, kc, vc, ks, vs, s_coff, sg.tok0);
-      else if (ly.style == 1)
-        q4_capture_layer<C, true>(x, a, pg, l, rot, kc, vc, ks, vs, s_coff, sg.tok0);
-      else
-        q4_capture_layer<C, false>(x, a, pg, l, rot, kc, vc, ks, vs, s_coff, sg.tok0);
+      if constexpr (INJECT) {
+        if (ly.style == 1)
+          q4_inject<C, E, true>(x, a, pg, l, rot, kc, vc, ks, vs, s_coff, sg.tok0);
+        else
+          q4_inject<C, E, false>(x, a, pg, l, rot, kc, vc, ks, vs, s_coff, sg.tok0);
+      } else {
+        if (ly.style == 1)
+          q4_capture<C, E, true>(x, a, pg, l, rot, kc, vc, ks, vs, s_coff, sg.tok0, q4_sole);
+        else
+          q4_capture<C, E, false>(x, a, pg, l, rot, kc, vc, ks, vs, s_coff, sg.tok0, q4_sole);
+      }
       continue;
     } else {
     set_plane<INJECT>(x, a, s_coff, 0);
@@ -576,8 +871,8 @@ template <typename G, typename C, int E> int launch4(const kvi__xfer_args *a, cu
 }
 
 template <typename G, typename C> int launch3(const kvi__xfer_args *a, cudaStream_t s) {
-  if constexpr (is_q4<G>::value) { /* element by element (q4_layer, q4_capture_layer) */
-    return launch4<G, C, 1>(a, s);
+  if constexpr (is_q4<G>::value) { /* chunks of 8 columns (a 32-bit word of codes) or 2 (a byte) */
+    return a->vec >= 8 ? launch4<G, C, 8>(a, s) : launch4<G, C, 1>(a, s);
   } else {
     if constexpr (is_fp8<G>::value) /* 16 e4m3 bytes: one 16-byte load */
       if (a->vec == 16) return launch4<G, C, 16>(a, s);

@@ -115,6 +115,14 @@ static inline KVI__Q4_HD uint32_t kvi__q4_fold(uint32_t bounds, float x) {
   return (uint32_t)mh | ((uint32_t)Mh << 16);
 }
 
+/* The bounds of a group whose finite values have smallest mn and largest
+ * mx (mn > mx: none finite): the word that folding all of them gives, as
+ * folding is monotone (rounding down or up to fp16 keeps the order). The
+ * kernels reduce a group to (mn, mx) in fp32 first, then call this. */
+static inline KVI__Q4_HD uint32_t kvi__q4_bounds(float mn, float mx) {
+  return mn <= mx ? kvi__q4_fold(kvi__q4_fold(KVI__Q4_BOUNDS_EMPTY, mn), mx) : KVI__Q4_BOUNDS_EMPTY;
+}
+
 /* A group's parameter word from its bounds (no finite value: the word of
  * a group of zeros). */
 static inline KVI__Q4_HD uint32_t kvi__q4_params(uint32_t bounds) {
@@ -134,9 +142,8 @@ static inline KVI__Q4_HD uint32_t kvi__q4_params(uint32_t bounds) {
 static inline KVI__Q4_HD float kvi__q4_scale(uint32_t w) { return kvi__q4_h2f((uint16_t)(w & 0xffffu)); }
 static inline KVI__Q4_HD float kvi__q4_min(uint32_t w) { return kvi__q4_h2f((uint16_t)(w >> 16)); }
 
-/* The code of x in a group of parameter word w. */
-static inline KVI__Q4_HD uint32_t kvi__q4_code(float x, uint32_t w) {
-  const float s = kvi__q4_scale(w), m = kvi__q4_min(w);
+/* The code of x in a group of scale s and minimum m (a word's, as floats). */
+static inline KVI__Q4_HD uint32_t kvi__q4_code_sm(float x, float s, float m) {
   if (!(s > 0.0f)) return 0u;
 #ifdef __CUDA_ARCH__
   const float r = rintf(__fdiv_rn(__fsub_rn(x, m), s));
@@ -144,6 +151,11 @@ static inline KVI__Q4_HD uint32_t kvi__q4_code(float x, uint32_t w) {
   const float r = rintf((x - m) / s);
 #endif
   return r > 0.0f ? (r < 15.0f ? (uint32_t)r : 15u) : 0u;
+}
+
+/* The code of x in a group of parameter word w. */
+static inline KVI__Q4_HD uint32_t kvi__q4_code(float x, uint32_t w) {
+  return kvi__q4_code_sm(x, kvi__q4_scale(w), kvi__q4_min(w));
 }
 
 /* The value of a code. */

@@ -198,7 +198,7 @@ class Bench:
     # stores
     def kvi_dtype(self, name):
         D_ = self.kvi.DType
-        return {"fp32": D_.FP32, "bf16": D_.BF16, "fp16": D_.FP16, "fp8": D_.FP8_E4M3}[name]
+        return {"fp32": D_.FP32, "bf16": D_.BF16, "fp16": D_.FP16, "fp8": D_.FP8_E4M3, "q4": D_.Q4, "q4p64": D_.Q4}[name]
 
     def store(self, dtype_name, budget=None, **kw):
         # whole pages per fact (the store's default page of 16 tokens): short
@@ -207,6 +207,8 @@ class Bench:
         cfg = self.model.config
         per_tok = 2 * cfg.num_hidden_layers * common.kv_heads_of(cfg) * common.head_dim_of(cfg) * 4
         budget = budget or max(64 << 20, int(per_tok * n_tok * 1.25) + (64 << 20))
+        if dtype_name == "q4p64":  # 4-bit with 64-token pages: 0.273x bf16's bytes per page token
+            kw.setdefault("page_tokens", 64)
         s = self.kvi.Store(self.kvi_model, budget, backend=self.backend, dtype=self.kvi_dtype(dtype_name), **kw)
         self._stores.append(s)
         return s
@@ -806,7 +808,9 @@ def parse_args(argv=None):
                     help="fact layouts, comma-separated: said (the order the user said them) and/or rank (search: "
                          "best first; oracle: shuffled); each cell is run in each order, paired per question")
     ap.add_argument("--windows", default="0,32,128,all")
-    ap.add_argument("--stores", default="fp32,bf16,fp8")
+    ap.add_argument("--stores", default="fp32,bf16,fp8",
+                    help="storage dtypes, comma-separated: fp32, bf16, fp16, fp8, q4 (4-bit, 16-token pages), "
+                    "q4p64 (4-bit, 64-token pages)")
     ap.add_argument("--no-none", dest="none", action="store_false", help="leave out the no-memory rows")
     ap.add_argument("--max-new", type=int, default=10)
     ap.add_argument("--embed-layer", type=int, default=0, help="hidden state layer of the embedding "

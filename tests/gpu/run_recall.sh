@@ -21,7 +21,9 @@
 #                                        re-prefill, n4 and nall (fp32), every cell
 #                                        in rank and in said order, 500 questions
 #   tests/gpu/run_recall.sh dtypes       the notes encoding's storage dtypes:
-#                                        oracle, k = 20, nall in fp32, bf16, fp8
+#                                        oracle, k = 20, nall in DTYPE_STORES (default
+#                                        fp32,bf16,fp8,q4,q4p64: q4 is 4-bit with
+#                                        16-token pages, q4p64 with 64-token pages)
 #   tests/gpu/run_recall.sh change       facts that change (kvinject_bench.recall_change)
 #   tests/gpu/run_recall.sh cost         encoding cost (kvinject_bench.recall_cost)
 #
@@ -139,7 +141,7 @@ case "${1:-}" in
            set -- --retrieval search --embedder minilm --order rank,said --ks "${ORDER_KS:-5,20}" \
              --windows n4,nall --stores fp32 --no-none --users 50 --questions-per-user 10 --check ;;
       dtypes) part=dtypes
-           set -- --retrieval oracle --ks 20 --windows nall --stores fp32,bf16,fp8 --no-none \
+           set -- --retrieval oracle --ks 20 --windows nall --stores "${DTYPE_STORES:-fp32,bf16,fp8,q4,q4p64}" --no-none \
              --users 50 --questions-per-user 10 --check ;;
       change) part=change harness=recall_change; set -- ;;
       cost) part=cost harness=recall_cost; set -- ;;

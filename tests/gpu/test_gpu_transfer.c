@@ -483,6 +483,8 @@ SCEN(t_q4_fp32_gptj, 2, 2, 64, 32, 64, 17, 4, KVI_DTYPE_Q4, KVI_DTYPE_FP32, KVI_
 SCEN(t_q4_fp8cache, 3, 2, 128, 32, 64, 24, 5, KVI_DTYPE_Q4, KVI_DTYPE_FP8_E4M3, KVI_CACHE_TRTLLM, 2, KVI_SCALE_PER_HEAD)
 SCEN(t_q4_e5m2_vt, 2, 3, 40, 16, 64, 9, 4, KVI_DTYPE_Q4, KVI_DTYPE_FP8_E5M2, (kvi_cache_preset)GPU_TRANSPOSED_V, 3, KVI_SCALE_PER_TENSOR)
 SCEN(t_q4_mixed, 2, 4, 128, 16, 128, 24, 5, KVI_DTYPE_Q4, KVI_DTYPE_BF16, (kvi_cache_preset)GPU_MIXED_PLANES, 2, KVI_SCALE_NONE)
+/* head size 64: 64-token segments, so each captured page is one segment (captured whole in phase 1), bit for bit */
+SCEN(t_q4_table_sole, 2, 4, 64, 16, 128, 24, 5, KVI_DTYPE_Q4, KVI_DTYPE_BF16, KVI_CACHE_VLLM_FLASH_ATTN, 2, KVI_SCALE_NONE)
 
 #ifdef KVI_HAVE_CUDA
 /* A device block table naming blocks outside the cache: those tokens are
@@ -1922,6 +1924,7 @@ int main(void) {
       cmocka_unit_test(t_mixed_fp8s),
       cmocka_unit_test(t_q4_table),      cmocka_unit_test(t_q4_hnd_fp16), cmocka_unit_test(t_q4_fp32_gptj),
       cmocka_unit_test(t_q4_fp8cache),   cmocka_unit_test(t_q4_e5m2_vt),  cmocka_unit_test(t_q4_mixed),
+      cmocka_unit_test(t_q4_table_sole),
       cmocka_unit_test(t_bad_device_table), cmocka_unit_test(t_table_memory_kind), cmocka_unit_test(t_deferred_free),
       cmocka_unit_test(t_staging_ring), cmocka_unit_test(t_capture_chunks),
       cmocka_unit_test(t_journal_encode),

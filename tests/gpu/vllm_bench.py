@@ -1,46 +1,120 @@
 #!/usr/bin/env python3
-"""Time to first token and throughput inside vLLM on a GPU: re-prefill against the
-kvinject connector. One engine (the connector loaded, vLLM's prefix cache off, CUDA
-graphs as vLLM sets them unless --eager) serves both kinds of request:
+"""Time to first token and throughput inside vLLM on a GPU: the kvinject
+connector against re-prefill and against vLLM's own prefix cache (APC), each
+engine kind built in a subprocess of its own (one engine per process: two 8B
+engines do not share a GPU cleanly, and a killed run leaves nothing behind):
 
-  re-prefill  [header | k facts | question] as plain tokens: vLLM prefills all of it;
-  injected    the same prompt with the header and facts injected from the store
-              (kvinject.vllm.memory_prompt): vLLM prefills the question alone.
+  connector  the connector loaded, prefix caching off. Serves
+             prefill   [header | k facts | pad | question] as plain tokens,
+                       vLLM prefills all of it (a request without memory);
+             inject    the same prompt with [header | facts | pad] injected
+                       from the store (kvinject.vllm.memory_prompt): vLLM
+                       prefills the question alone.
+  apc        no connector, prefix caching on. Serves
+             apc       the same prompt, its [header | facts | pad] in vLLM's
+                       prefix cache (sent once first, with another question):
+                       vLLM prefills the question alone. The floor: the target
+                       is inject <= 1.05 x apc at every k.
+  plain      no connector, prefix caching off. Serves
+             prefill   as the connector engine's: does loading the connector
+                       slow requests without memory (target: within 5%)?
 
-Before timing, one request captures the header and all facts from vLLM's own
-prefill of [header | facts | question] (capture_prompt: each fact's KV computed
-after everything before it), so the injected KV is the KV re-prefill computes
-(up to the store's dtype) at the same positions.
+pad: vLLM's prefix cache keeps whole blocks only, so each k's [header | facts]
+is followed by pad_k filler tokens (0 .. block-1) that make it a whole number
+of blocks (--no-align: none); the pad is part of the injected prefix (a fact
+of its own, captured per k) and of every kind's prompt. The APC requests'
+num_cached_tokens is reported against the prefix's tokens.
 
-A request is a 32-token header, k facts of 24 tokens and a 32-token question,
-random token ids (the model's weights are random too). Measured:
+Before timing, the connector engine captures the header and all facts from
+one prefill of [header | facts | question] (capture_prompt: each fact's KV
+computed after everything before it), then each k's pad after [header | k
+facts], so the injected KV is the KV re-prefill computes (up to the store's
+dtype) at the same positions.
 
-  TTFT        one request at a time, k in --k; wall time of LLM.generate with
-              max_tokens=1 (the first token), --warmup calls first, then --reps
+Shapes (--shape, random token ids; the model's weights are random too):
+  fixed  a 32-token header, k facts of 24 tokens, a 32-token question;
+         k = 0, 5, 10, 20, 50;
+  paper  Mem0-like facts of 10 to 20 tokens (drawn per fact), a 40-token
+         chat-template-like header, a 15-token question; k = 5, 10, 20, 50.
+--header-tokens, --fact-tokens (N or LO-HI), --question-tokens, --k override.
+Every timed request has a question of its own (drawn from its tag: the same
+in every engine), so vLLM's prefix cache never holds a question's blocks.
+
+Measured, per engine:
+  TTFT        one request at a time, wall time of LLM.generate with
+              max_tokens=1; --warmup calls of each kind first, then --reps
               calls of each kind interleaved; medians;
-  throughput  --concurrency requests submitted together at the largest k
-              (requests/s = n / wall time of the generate call; median of
-              --tput-reps after one warm-up), for each of --tput-tokens;
-  connector   from its events (time_device on): host time in start_load_kv per
-              injecting step, the injection's device time and the step's device
-              time (injection start to end of forward); shares of TTFT and step.
+  throughput  --concurrency requests submitted together at the largest k,
+              requests/s (median of --tput-reps after one warm-up; fresh
+              questions every call), for each of --tput-tokens; the
+              connector engine (prefill, inject) and apc engine (apc);
+  connector   from its events (time_device on): host time in start_load_kv
+              per injecting step, the injection's device time and the step's
+              device time; shares of TTFT and step.
 
-Writes vllm_bench.json and vllm_bench.md into --out; prints the tables.
+--profile DIR: instead of the sweep, each engine (default connector, apc)
+runs its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
+times --reps requests per kind at --profile-k (in-process TTFT, unprofiled),
+then wraps --profile-requests requests of each kind in torch.profiler (CPU +
+CUDA activities, record_shapes off, Python stacks on) and writes
+DIR/<engine>-<kind>-k<k>.trace.json.gz (chrome://tracing, ui.perfetto.dev),
+DIR/<engine>-<kind>-k<k>.ops.txt (torch's operator table) and DIR/profile.md:
+per kind the host-side functions with most self and inclusive time per
+request, and device time per request.
 
-    python3 tests/gpu/vllm_bench.py --model DIR --out DIR [--dummy] [--eager]
+Results: each engine writes OUT/part-<engine>-<key>.json (or
+DIR/profile-<engine>-<key>.json) when it is done; key is a hash of the
+arguments that shape the figures. A part already there with the same key is
+not measured again (--redo: measure again), so a run cut off or split over
+several commands goes on where it stopped; --time-budget S starts no engine
+that would end past S seconds (by the longest engine run so far; exit 3:
+engines left, run the same command again). Every command writes
+OUT/vllm_bench.json and OUT/vllm_bench.md merged from the parts present.
 
-Needs vLLM (with CUDA) and kvinject importable, KVINJECT_LIBRARY pointing at a
-CUDA build of libkvinject.
+    python3 tests/gpu/vllm_bench.py --model DIR --out DIR [--shape paper] [--dummy] [--eager]
+        [--engines connector,apc,plain] [--time-budget S] [--profile DIR]
+    python3 tests/gpu/vllm_bench.py --engine connector|apc|plain ...   (one engine, in this process)
+    python3 tests/gpu/vllm_bench.py --report DIR [--model DIR ...]     (merge the parts; no vLLM needed;
+                   without the run's arguments, every run in DIR: vllm_bench-<key>.md when several)
+    python3 tests/gpu/vllm_bench.py --report X --profile DIR           (DIR/profile.md from its parts)
+
+Before building an engine, the weights (from config.json: fp8 linear layers
+where its quantization_config says fp8), an activation allowance and the KV
+cache of one --max-model-len sequence are checked against the GPU's memory
+(nvidia-smi) at --gpu-mem (default: 0.6 for weights under 20 GiB, as the
+8B runs before, else all but the store and 4 GiB, at most 0.95): an engine that cannot fit is refused with the
+figures (exit 2).
+
+Needs vLLM and kvinject importable, KVINJECT_LIBRARY pointing at a build of
+libkvinject (CUDA on the GPU machine).
 """
 import argparse
+import gzip
+import hashlib
 import json
 import os
 import random
+import signal
 import statistics
+import subprocess
 import sys
 import time
 
-TENANT, HEADER_ID = 7, 1000
+TENANT, HEADER_ID, PAD_ID = 7, 1000, 5000   # fact ids: header 1000, facts 1001.., pad of k 5000 + k
+ENGINES = {  # engine kind: its vLLM settings and the request kinds it serves
+    "connector": dict(connector=True, prefix_caching=False, ttft=("prefill", "inject"), tput=("prefill", "inject")),
+    "apc": dict(connector=False, prefix_caching=True, ttft=("apc",), tput=("apc",)),
+    "plain": dict(connector=False, prefix_caching=False, ttft=("prefill",), tput=()),
+}
+SHAPES = {"fixed": dict(header=32, fact="24", question=32, k="0,5,10,20,50"),
+          "paper": dict(header=40, fact="10-20", question=15, k="5,10,20,50")}
+# the arguments that shape the figures: a part is reused only when they are the same
+KEY_ARGS = ("model", "shape", "k", "header_tokens", "fact_tokens", "question_tokens", "no_align", "block_size",
+            "concurrency", "tput_tokens", "reps", "warmup", "tput_reps", "store_dtype", "store_mb", "gpu_mem",
+            "max_model_len", "max_batched_tokens", "layerwise", "eager", "dummy", "no_device_timing", "seed",
+            "profile", "profile_k", "profile_requests")
+TARGET_FLOOR = 1.05      # inject TTFT <= 1.05 x apc TTFT; connector's prefill <= 1.05 x plain's
+TARGET_TPUT = 10.0       # inject requests/s >= 10 x re-prefill's at the highest concurrency, largest k
 
 
 def med(xs):
@@ -48,65 +122,245 @@ def med(xs):
 
 
 def log(*a):
-    print(*a, flush=True)
+    print("vllm_bench:", *a, flush=True)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model directory (config.json; weights unless --dummy)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--k", default="0,5,10,20,50")
+    ap.add_argument("--engine", default="all", choices=["all"] + list(ENGINES),
+                    help="all: each of --engines in a subprocess, then the report; else that engine here")
+    ap.add_argument("--engines", default=None, help="engines of --engine all (default connector,apc,plain; "
+                                                    "connector,apc with --profile)")
+    ap.add_argument("--report", metavar="DIR", help="write DIR/vllm_bench.md from the parts in DIR and stop")
+    ap.add_argument("--redo", action="store_true", help="measure again engines whose part is there")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)   # run by the driver: no report
+    ap.add_argument("--time-budget", type=float, default=0, help="seconds; 0: no limit")
+    ap.add_argument("--shape", default="fixed", choices=sorted(SHAPES))
+    ap.add_argument("--k", default=None, help="fact counts (default: the shape's)")
+    ap.add_argument("--header-tokens", type=int, default=None)
+    ap.add_argument("--fact-tokens", default=None, help="N, or LO-HI drawn per fact")
+    ap.add_argument("--question-tokens", type=int, default=None)
+    ap.add_argument("--no-align", action="store_true", help="no pad: [header | facts] not block-aligned")
+    ap.add_argument("--block-size", type=int, default=16, help="vLLM's block size, every engine")
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--tput-tokens", default="1,16", help="output tokens per request in the throughput runs")
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--tput-reps", type=int, default=3)
-    ap.add_argument("--header-tokens", type=int, default=32)
-    ap.add_argument("--fact-tokens", type=int, default=24)
-    ap.add_argument("--question-tokens", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--store-dtype", default="bf16")
     ap.add_argument("--store-mb", type=int, default=1024)
-    ap.add_argument("--gpu-mem", type=float, default=0.6, help="vLLM gpu_memory_utilization")
+    ap.add_argument("--gpu-mem", type=float, default=None, help="vLLM gpu_memory_utilization (default: see above)")
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-batched-tokens", type=int, default=None, help="max_num_batched_tokens (vLLM's default)")
     ap.add_argument("--layerwise", action="store_true")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs, no torch.compile)")
     ap.add_argument("--dummy", action="store_true", help="load_format='dummy' (the model directory holds a config)")
     ap.add_argument("--no-device-timing", action="store_true")
-    args = ap.parse_args()
-    ks = [int(x) for x in args.k.split(",")]
-    concs = [int(x) for x in args.concurrency.split(",")]
-    tput_tokens = [int(x) for x in args.tput_tokens.split(",")]
-    kmax = max(ks)
+    ap.add_argument("--profile", metavar="DIR", default=None, help="profile instead of the sweep (see above)")
+    ap.add_argument("--profile-k", type=int, default=None, help="k of the profiled requests (default: the largest)")
+    ap.add_argument("--profile-requests", type=int, default=5)
+    args = ap.parse_args(argv)
+    if not args.report and not args.model:
+        ap.error("--model is needed (or --report DIR)")
+    sh = SHAPES[args.shape]
+    for name, key in (("header_tokens", "header"), ("fact_tokens", "fact"), ("question_tokens", "question"),
+                      ("k", "k")):
+        if getattr(args, name) is None:
+            setattr(args, name, sh[key])
+    if args.engines is None:
+        args.engines = "connector,apc" if args.profile else "connector,apc,plain"
+    if args.model:
+        args.model = os.path.abspath(args.model)
+    if args.profile_k is not None and args.profile_k not in lists(args)[0]:
+        ap.error("--profile-k %d is none of --k %s" % (args.profile_k, args.k))
+    return args
+
+
+def lists(args):
+    ks = [int(x) for x in str(args.k).split(",")]
+    lo, _, hi = str(args.fact_tokens).partition("-")
+    return ks, [int(x) for x in args.concurrency.split(",")], [int(x) for x in args.tput_tokens.split(",")], \
+        (int(lo), int(hi or lo))
+
+
+def run_key(args):
+    d = {a: getattr(args, a) for a in KEY_ARGS}
+    d["profile"] = bool(d["profile"])
+    d["model"] = os.path.basename(d["model"].rstrip("/"))   # /dev/shm or /tmp: the same model
+    return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def part_path(args, engine):
+    if args.profile:
+        return os.path.join(args.profile, "profile-%s-%s.json" % (engine, run_key(args)))
+    return os.path.join(args.out, "part-%s-%s.json" % (engine, run_key(args)))
+
+
+# ---------------------------------------------------------------- the requests
+
+class Workload:
+    """Token ids of every request, the same in every engine process (drawn from
+    the seed and each item's tag)."""
+
+    def __init__(self, args, vocab, block):
+        self.seed, self.vocab = args.seed, vocab
+        ks, _, _, (flo, fhi) = lists(args)
+        rng = random.Random("%d/facts" % args.seed)
+        self.header = self.draw(rng, args.header_tokens)
+        self.facts = [self.draw(rng, rng.randint(flo, fhi)) for _ in range(max(ks))]
+        self.fact_ids = [HEADER_ID + 1 + i for i in range(max(ks))]
+        self.qlen = args.question_tokens
+        self.pads = {}
+        for k in ks:
+            n = 0 if args.no_align else -self.prefix_len(k, False) % block
+            self.pads[k] = self.draw(random.Random("%d/pad/%d" % (args.seed, k)), n)
+
+    def draw(self, rng, n):
+        return [rng.randrange(100, self.vocab - 1) for _ in range(n)]
+
+    def prefix_len(self, k, pad=True):
+        return len(self.header) + sum(len(f) for f in self.facts[:k]) + (len(self.pads[k]) if pad else 0)
+
+    def question(self, *tag):
+        return self.draw(random.Random("%d/q/%s" % (self.seed, "/".join(map(str, tag)))), self.qlen)
+
+    def segments(self, k):
+        """[(fact id, tokens)] of the prefix of k facts: header, facts, pad."""
+        out = [(HEADER_ID, self.header)] + list(zip(self.fact_ids[:k], self.facts[:k]))
+        if self.pads[k]:
+            out.append((PAD_ID + k, self.pads[k]))
+        return out
+
+    def request(self, kind, k, question, n_out=1):
+        """(prompt, SamplingParams) of one request of kind prefill / apc / inject."""
+        from vllm import SamplingParams
+        ign = n_out > 1
+        if kind == "inject":
+            import kvinject.vllm as kv
+            mp = kv.memory_prompt(TENANT, self.segments(k), question)
+            return mp.prompt, mp.sampling_params(temperature=0.0, max_tokens=n_out, ignore_eos=ign)
+        ids = [t for _, seg in self.segments(k) for t in seg] + list(question)
+        return {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=ign)
+
+
+# ---------------------------------------------------------------- memory
+
+def model_bytes(cfg):
+    """(weight bytes, KV-cache bytes per token, activation bytes per batched token)
+    of a dense decoder from its config.json: linear layers in fp8 when its
+    quantization_config says fp8, else 2 bytes; embeddings 2 bytes; bf16 KV."""
+    H, I, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    nh = cfg["num_attention_heads"]
+    nkv = cfg.get("num_key_value_heads", nh)
+    hd = cfg.get("head_dim") or H // nh
+    fp8 = "fp8" in str((cfg.get("quantization_config") or {}).get("quant_method", ""))
+    linear = L * (2 * H * nh * hd + 2 * H * nkv * hd + 3 * H * I)
+    embed = cfg["vocab_size"] * H * (1 if cfg.get("tie_word_embeddings") else 2)
+    return linear * (1 if fp8 else 2) + embed * 2, L * 2 * nkv * hd * 2, (2 * I + 4 * H) * 2
+
+
+def gpu_bytes(what="total"):
+    """The first GPU's memory.total or memory.used (nvidia-smi), None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.%s" % what, "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout.split()
+        return int(out[0]) << 20 if out else None
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+
+
+def wait_gpu_free(limit_s=60):
+    """Until the GPU holds under 2 GiB (the last engine's processes gone)."""
+    t = time.time()
+    while time.time() - t < limit_s:
+        used = gpu_bytes("used")
+        if used is None or used < 2 << 30:
+            return
+        time.sleep(2)
+    log("WARNING: the GPU still holds %.1f GiB after %d s" % (gpu_bytes("used") / 2**30, limit_s))
+
+
+def fit(args, cfg):
+    """gpu_memory_utilization to use and the estimate; SystemExit(2) when the
+    model cannot fit (no check without a GPU)."""
+    G = 1 << 30
+    w, kv_tok, act_tok = model_bytes(cfg)
+    total = gpu_bytes("total")
+    est = {"weights_gib": w / G, "kv_kib_per_token": kv_tok / 1024, "gpu_gib": total / G if total else None}
+    if not total:
+        est["gpu_mem"] = args.gpu_mem or 0.6
+        return est
+    act = (args.max_batched_tokens or 16384) * act_tok + G      # activations of one step, logits, slack
+    reserve = args.store_mb * (1 << 20) + 4 * G                 # the store and CUDA graphs, outside vLLM's share
+    gm = args.gpu_mem
+    if gm is None:
+        gm = 0.6 if w < 20 * G else min(0.95, 1 - reserve / total)   # 0.6: the 8B runs before issue 32
+    kv = gm * total - w - act
+    est.update(gpu_mem=gm, activation_gib=act / G, kv_cache_gib=kv / G, kv_tokens=int(max(kv, 0) // kv_tok))
+    log("memory: weights %.1f GiB, activations ~%.1f GiB, KV cache ~%.1f GiB (%d tokens of %.0f KiB) at "
+        "gpu_memory_utilization %.2f of %.1f GiB; store %d MiB outside" % (
+            w / G, act / G, kv / G, est["kv_tokens"], kv_tok / 1024, gm, total / G, args.store_mb))
+    if est["kv_tokens"] < args.max_model_len or (1 - gm) * total < reserve - 2 * G:
+        raise SystemExit("vllm_bench: refused: this model cannot fit on this GPU (%.1f GiB): weights %.1f GiB + "
+                         "activations ~%.1f GiB + one %d-token sequence's KV cache (%.2f GiB) need more than "
+                         "gpu_memory_utilization %.2f gives (%.1f GiB), with %d MiB of store and ~2 GiB of CUDA "
+                         "graphs beside it" % (total / G, w / G, act / G, args.max_model_len,
+                                               args.max_model_len * kv_tok / G, gm, gm * total / G, args.store_mb))
+    ks, concs, outs, (_, fhi) = lists(args)
+    need = max(concs) * (args.header_tokens + max(ks) * fhi + args.block_size + args.question_tokens + max(outs))
+    if est["kv_tokens"] < need:
+        log("memory: %d concurrent requests at k = %d need up to %d tokens of KV cache: vLLM will queue some"
+            % (max(concs), max(ks), need))
+    return est
+
+
+# ---------------------------------------------------------------- one engine
+
+def run_engine(args):
+    spec = ENGINES[args.engine]
+    if args.profile:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # the engine core in this process, for the profiler
+        os.makedirs(args.profile, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
-    ev_path = os.path.join(args.out, "events")  # events.worker0.jsonl, events.scheduler.jsonl
-    for suffix in (".worker0.jsonl", ".scheduler.jsonl"):
-        if os.path.exists(ev_path + suffix):
-            os.remove(ev_path + suffix)
-    res = {"args": vars(args)}
     t_all = time.time()
+    ks, concs, tput_tokens, _ = lists(args)
+    kmax = max(ks)
+    with open(os.path.join(args.model, "config.json")) as f:
+        cfg = json.load(f)
+    mem = fit(args, cfg)
+    wl = Workload(args, cfg["vocab_size"], args.block_size)
+    res = {"engine": args.engine, "key": run_key(args), "args": vars(args), "memory": mem,
+           "pads": {k: len(p) for k, p in wl.pads.items()},
+           "prefix_tokens": {k: wl.prefix_len(k) for k in ks}}
+    ev_path = os.path.join(args.out, "events-%s" % res["key"])  # .worker0.jsonl, .scheduler.jsonl
+    for suffix in (".worker0.jsonl", ".scheduler.jsonl"):
+        if spec["connector"] and os.path.exists(ev_path + suffix):
+            os.remove(ev_path + suffix)
 
     import torch
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     import kvinject
     import kvinject.vllm as kv
 
     # no CUDA call in this process before the engine is up (vLLM forks its engine core)
     res["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__,
                        "kvinject": getattr(kvinject, "__version__", None), "gpu": None}
-    try:
-        import transformers
-        res["versions"]["transformers"] = transformers.__version__
-    except Exception:  # pragma: no cover
-        pass
-    log("vllm_bench: vllm %s, torch %s" % (vllm.__version__, torch.__version__))
-
-    extra = dict(store_dtype=args.store_dtype, store_budget_mb=args.store_mb, events_path=ev_path,
-                 layerwise=args.layerwise, time_device=not args.no_device_timing)
-    engine = dict(model=args.model, dtype="bfloat16", enable_prefix_caching=False, seed=0,
-                  gpu_memory_utilization=args.gpu_mem, max_model_len=args.max_model_len,
-                  max_num_seqs=max(64, max(concs)), enforce_eager=args.eager,
-                  kv_transfer_config=kv.kv_transfer_config(**extra))
+    log("engine %s: vllm %s, torch %s, prefix tokens %s (pads %s)" % (
+        args.engine, vllm.__version__, torch.__version__, res["prefix_tokens"], res["pads"]))
+    engine = dict(model=args.model, dtype="bfloat16", enable_prefix_caching=spec["prefix_caching"], seed=0,
+                  gpu_memory_utilization=mem["gpu_mem"], max_model_len=args.max_model_len,
+                  max_num_seqs=max(64, max(concs)), enforce_eager=args.eager, block_size=args.block_size)
+    if spec["connector"]:
+        engine["kv_transfer_config"] = kv.kv_transfer_config(
+            store_dtype=args.store_dtype, store_budget_mb=args.store_mb, events_path=ev_path,
+            layerwise=args.layerwise, time_device=not args.no_device_timing)
+    if args.max_batched_tokens:
+        engine["max_num_batched_tokens"] = args.max_batched_tokens
     if args.dummy:
         engine["load_format"] = "dummy"
     t0 = time.time()
@@ -114,71 +368,40 @@ def main():
     res["engine_start_s"] = time.time() - t0
     try:
         vc = llm.llm_engine.vllm_config
-        res["engine"] = {"cudagraph_mode": str(vc.compilation_config.cudagraph_mode),
-                         "compilation_mode": str(vc.compilation_config.mode),
-                         "block_size": vc.cache_config.block_size,
-                         "v2_model_runner": bool(getattr(vc, "use_v2_model_runner", False)),
-                         "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens}
+        res["engine_config"] = {"cudagraph_mode": str(vc.compilation_config.cudagraph_mode),
+                                "compilation_mode": str(getattr(vc.compilation_config, "mode", None)),
+                                "block_size": vc.cache_config.block_size,
+                                "prefix_caching": vc.cache_config.enable_prefix_caching,
+                                "quantization": vc.model_config.quantization,
+                                "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens}
+        if vc.cache_config.block_size != args.block_size:
+            log("WARNING: the engine's block size is %s, not --block-size %d: pads miss the block edge"
+                % (vc.cache_config.block_size, args.block_size))
     except Exception as e:  # the config's shape differs between versions: report, go on
-        res["engine"] = {"error": repr(e)}
+        res["engine_config"] = {"error": repr(e)}
     if torch.cuda.is_available():
         res["versions"]["gpu"] = torch.cuda.get_device_name(0)
-    log("vllm_bench: engine up in %.0f s: %s" % (res["engine_start_s"], res["engine"]))
+    log("engine %s up in %.0f s: %s" % (args.engine, res["engine_start_s"], res["engine_config"]))
 
-    with open(os.path.join(args.model, "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
-    rng = random.Random(0)
-    draw = lambda n: [rng.randrange(100, vocab - 1) for _ in range(n)]  # noqa: E731
-    header = draw(args.header_tokens)
-    facts = [draw(args.fact_tokens) for _ in range(kmax)]
-    questions = [draw(args.question_tokens) for _ in range(max(64, max(concs)) + 8)]
-    fact_ids = [HEADER_ID + 1 + i for i in range(kmax)]
-
-    def plain(k, j):
-        ids = list(header)
-        for f in facts[:k]:
-            ids += f
-        return {"prompt_token_ids": ids + questions[j]}, SamplingParams(temperature=0.0, max_tokens=1)
-
-    def plain_n(k, j, n_out):
-        return plain(k, j)[0], SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
-
-    def injected(k, j, n_out=1, ignore_eos=False):
-        mp = kv.memory_prompt(TENANT, [(HEADER_ID, header)] + list(zip(fact_ids[:k], facts[:k])), questions[j])
-        return mp.prompt, mp.sampling_params(temperature=0.0, max_tokens=n_out, ignore_eos=ignore_eos)
-
-    def events():
-        out = []
-        p = ev_path + ".worker0.jsonl"
-        if os.path.exists(p):
-            with open(p) as f:
-                out = [json.loads(line) for line in f if line.strip()]
-        return out
+    def events(which="worker0"):
+        p = "%s.%s.jsonl" % (ev_path, which)
+        if not os.path.exists(p):
+            return []
+        with open(p) as f:
+            return [json.loads(line) for line in f if line.strip()]
 
     def gen(reqs):
         t = time.perf_counter()
         outs = llm.generate([r[0] for r in reqs], [r[1] for r in reqs], use_tqdm=False)
-        return time.perf_counter() - t, outs
-
-    def check_outputs(outs, what):
+        dt = time.perf_counter() - t
         bad = [o for o in outs if o.outputs[0].finish_reason == "error" or not o.outputs[0].token_ids]
         if bad:
-            raise SystemExit("vllm_bench: %s: %d requests failed (finish reason %s)"
-                             % (what, len(bad), bad[0].outputs[0].finish_reason))
+            raise SystemExit("vllm_bench: %d requests failed (finish reason %s)"
+                             % (len(bad), bad[0].outputs[0].finish_reason))
+        return dt, outs
 
-    # ---- capture header + every fact once, from vLLM's own prefill
-    cp = kv.capture_prompt(TENANT, [kv.Keep(HEADER_ID, header)] + [kv.Keep(i, f) for i, f in zip(fact_ids, facts)]
-                           + [questions[-1]])
-    _, outs = gen([(cp.prompt, cp.sampling_params(temperature=0.0, max_tokens=1))])
-    check_outputs(outs, "capture")
-    cap = [e for e in events() if e["event"] == "capture"]
-    if not cap or cap[-1]["stored"] != kmax + 1:
-        raise SystemExit("vllm_bench: the capture stored %s facts, expected %d: %s"
-                         % (cap[-1]["stored"] if cap else 0, kmax + 1, cap[-1:]))
-    reg = [e for e in events() if e["event"] == "register"]
-    res["register"] = reg[-1] if reg else None
-    log("vllm_bench: captured %d facts (%d tokens) in one request; cache %s" % (
-        cap[-1]["stored"], cap[-1]["tokens"], reg[-1] if reg else "?"))
+    if spec["connector"]:
+        capture(gen, events, wl, ks, res)
 
     windows = []  # (label, t0, t1) in time.time(), to assign the connector's events
 
@@ -186,60 +409,94 @@ def main():
         a = time.time()
         dt, outs = gen(reqs)
         windows.append((label, a, time.time()))
-        check_outputs(outs, label)
         return dt, outs
 
-    # ---- TTFT
-    ttft = []
+    if args.profile:
+        profile(args, spec, wl, gen, res, kmax if args.profile_k is None else args.profile_k)
+    else:
+        # ---- TTFT, the engine's kinds interleaved
+        res["ttft"] = {}
+        for k in ks:
+            if "apc" in spec["ttft"]:
+                gen([wl.request("apc", k, wl.question("prime", k))])   # [header | facts | pad] cached
+                log("TTFT k=%d: primed the prefix cache (%d prefix tokens)" % (k, wl.prefix_len(k)))
+            for w in range(args.warmup):
+                for kind in spec["ttft"]:
+                    gen([wl.request(kind, k, wl.question("warm", k, w))])
+            row = {kind: {"ms": [], "first": [], "cached": []} for kind in spec["ttft"]}
+            for r in range(args.reps):
+                q = wl.question("ttft", k, r)
+                for kind in spec["ttft"]:
+                    dt, o = timed("ttft-%s-%d" % (kind, k), [wl.request(kind, k, q)])
+                    row[kind]["ms"].append(dt * 1e3)
+                    row[kind]["first"].append(o[0].outputs[0].token_ids[0])
+                    row[kind]["cached"].append(getattr(o[0], "num_cached_tokens", None))
+            for kind, d in row.items():
+                d["median_ms"] = med(d["ms"])
+            res["ttft"][k] = row
+            log("TTFT k=%d (%d prefix + %d question tokens): %s; num_cached_tokens %s" % (
+                k, wl.prefix_len(k), wl.qlen, ", ".join("%s %.2f ms" % (kd, d["median_ms"]) for kd, d in row.items()),
+                {kd: d["cached"][-1] for kd, d in row.items()}))
+
+        # ---- throughput at the largest k, fresh questions every call
+        res["throughput"] = []
+        for n_out in tput_tokens:
+            for n in concs:
+                row = {"k": kmax, "concurrent": n, "output_tokens": n_out}
+                for kind in spec["tput"]:
+                    ts = []
+                    for rep in range(args.tput_reps + 1):
+                        reqs = [wl.request(kind, kmax, wl.question("tput", n_out, n, rep, i), n_out)
+                                for i in range(n)]
+                        dt = timed("tput-%s-%d-%d" % (kind, n, n_out), reqs)[0]
+                        if rep:
+                            ts.append(dt)   # rep 0: the warm-up
+                    row[kind + "_rps"] = n / med(ts)
+                    row[kind + "_s_all"] = ts
+                res["throughput"].append(row)
+                log("throughput k=%d, %d concurrent, %d output tokens: %s" % (
+                    kmax, n, n_out, ", ".join("%s %.1f req/s" % (kd, row[kd + "_rps"]) for kd in spec["tput"])))
+        windows[:] = [w for w in windows if "-inject-" in w[0]]
+        if spec["connector"]:
+            res["connector"] = connector_share(events(), windows)
+            res["scheduler_host_us_median"] = med([e["host_us"] for e in events("scheduler")
+                                                   if e.get("event") == "schedule"])
+    res["duration_s"] = time.time() - t_all
+    path = part_path(args, args.engine)
+    with open(path + ".tmp", "w") as f:
+        json.dump(res, f, indent=1)
+    os.replace(path + ".tmp", path)
+    log("engine %s done in %.0f s: %s" % (args.engine, res["duration_s"], path))
+    return 0
+
+
+def capture(gen, events, wl, ks, res):
+    """Header and every fact from one prefill; then each k's pad after [header | k facts]."""
+    import kvinject.vllm as kv
+    kmax = max(ks)
+    cp = kv.capture_prompt(TENANT, [kv.Keep(HEADER_ID, wl.header)]
+                           + [kv.Keep(i, f) for i, f in zip(wl.fact_ids, wl.facts)] + [wl.question("capture")])
+    gen([(cp.prompt, cp.sampling_params(temperature=0.0, max_tokens=1))])
+    pads = []
     for k in ks:
-        for w in range(args.warmup):
-            gen([plain(k, w)])
-            gen([injected(k, w)])
-        tp, ti, agree = [], [], 0
-        for r in range(args.reps):
-            j = r % 8
-            dt, op = timed("ttft-prefill-%d" % k, [plain(k, j)])
-            tp.append(dt)
-            dt, oi = timed("ttft-inject-%d" % k, [injected(k, j)])
-            ti.append(dt)
-            cached = getattr(oi[0], "num_cached_tokens", None)
-            agree += int(op[0].outputs[0].token_ids[:1] == oi[0].outputs[0].token_ids[:1])
-        row = {"k": k, "prompt_tokens": args.header_tokens + k * args.fact_tokens + args.question_tokens,
-               "injected_tokens": args.header_tokens + k * args.fact_tokens, "num_cached_tokens": cached,
-               "prefill_ms": med(tp) * 1e3, "inject_ms": med(ti) * 1e3,
-               "prefill_ms_all": [x * 1e3 for x in tp], "inject_ms_all": [x * 1e3 for x in ti],
-               "first_token_agree": "%d/%d" % (agree, args.reps)}
-        row["change"] = row["inject_ms"] / row["prefill_ms"] - 1
-        ttft.append(row)
-        log("vllm_bench: TTFT k=%d: re-prefill %.2f ms, injected %.2f ms (%+.0f%%), first tokens agree %s, "
-            "num_cached_tokens %s" % (k, row["prefill_ms"], row["inject_ms"], row["change"] * 100,
-                                      row["first_token_agree"], cached))
-    res["ttft"] = ttft
+        if wl.pads[k]:
+            segs = [seg for _, seg in wl.segments(k)[:-1]]
+            pads.append(kv.capture_prompt(TENANT, segs + [kv.Keep(PAD_ID + k, wl.pads[k]), wl.question("pad", k)]))
+    if pads:
+        gen([(p.prompt, p.sampling_params(temperature=0.0, max_tokens=1)) for p in pads])
+    stored = sum(e["stored"] for e in events() if e["event"] == "capture")
+    if stored != kmax + 1 + len(pads):
+        raise SystemExit("vllm_bench: the captures stored %d facts, expected %d (header, %d facts, %d pads)"
+                         % (stored, kmax + 1 + len(pads), kmax, len(pads)))
+    reg = [e for e in events() if e["event"] == "register"]
+    res["register"] = reg[-1] if reg else None
+    log("captured %d facts and %d pads; cache %s" % (kmax + 1, len(pads), res["register"] or "?"))
 
-    # ---- throughput at the largest k
-    tput = []
-    for n_out in tput_tokens:
-        for n in concs:
-            row = {"k": kmax, "concurrent": n, "output_tokens": n_out}
-            for mode in ("prefill", "inject"):
-                reqs = [plain_n(kmax, i, n_out) if mode == "prefill" else injected(kmax, i, n_out, True)
-                        for i in range(n)]
-                gen(reqs)  # warm-up
-                ts = [timed("tput-%s-%d-%d" % (mode, n, n_out), reqs)[0] for _ in range(args.tput_reps)]
-                row[mode + "_s"] = med(ts)
-                row[mode + "_rps"] = n / med(ts)
-            row["ratio"] = row["inject_rps"] / row["prefill_rps"]
-            tput.append(row)
-            log("vllm_bench: throughput k=%d, %d concurrent, %d output tokens: re-prefill %.1f req/s, injected "
-                "%.1f req/s (%.2fx)" % (kmax, n, n_out, row["prefill_rps"], row["inject_rps"], row["ratio"]))
-    res["throughput"] = tput
 
-    # ---- the connector's share, from its events
-    ev = [e for e in events() if e["event"] == "inject"]
+def connector_share(ev, windows):
+    ev = [e for e in ev if e["event"] == "inject"]
     share = {}
     for label, a, b in windows:
-        if "inject" not in label:
-            continue
         inw = [e for e in ev if a <= e["t"] <= b + 0.05]
         s = share.setdefault(label, {"calls": 0, "wall_s": 0.0, "steps": 0, "host_us": [], "kvi_us": [],
                                      "device_us": [], "step_device_us": [], "requests": []})
@@ -250,67 +507,357 @@ def main():
             for key in ("host_us", "kvi_us", "device_us", "step_device_us", "requests"):
                 if key in e:
                     s[key].append(e[key])
-    summary = []
-    for label, s in share.items():
-        summary.append({"run": label, "calls": s["calls"], "inject_steps": s["steps"],
-                        "requests_per_step": med(s["requests"]), "host_us": med(s["host_us"]),
-                        "kvi_call_us": med(s["kvi_us"]), "device_us": med(s["device_us"]),
-                        "step_device_us": med(s["step_device_us"]),
-                        "host_share_of_wall": sum(s["host_us"]) * 1e-6 / s["wall_s"] if s["wall_s"] else float("nan"),
-                        "device_share_of_step": (sum(s["device_us"]) / sum(s["step_device_us"])
-                                                 if s["step_device_us"] else float("nan"))})
-    res["connector"] = summary
-    sched = []
-    p = ev_path + ".scheduler.jsonl"
-    if os.path.exists(p):
-        with open(p) as f:
-            sched = [json.loads(line) for line in f if line.strip()]
-    res["scheduler_host_us_median"] = med([e["host_us"] for e in sched if e.get("event") == "schedule"])
-    res["total_s"] = time.time() - t_all
+    return [{"run": label, "calls": s["calls"], "inject_steps": s["steps"],
+             "requests_per_step": med(s["requests"]), "host_us": med(s["host_us"]),
+             "kvi_call_us": med(s["kvi_us"]), "device_us": med(s["device_us"]),
+             "step_device_us": med(s["step_device_us"]),
+             "host_share_of_wall": sum(s["host_us"]) * 1e-6 / s["wall_s"] if s["wall_s"] else float("nan"),
+             "device_share_of_step": (sum(s["device_us"]) / sum(s["step_device_us"])
+                                      if s["step_device_us"] else float("nan"))} for label, s in share.items()]
 
-    with open(os.path.join(args.out, "vllm_bench.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    md = report(res)
-    with open(os.path.join(args.out, "vllm_bench.md"), "w") as f:
+
+# ---------------------------------------------------------------- profiling
+
+HOST_CATS = ("python_function", "cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def profile(args, spec, wl, gen, res, k):
+    import torch
+    from torch.profiler import ProfilerActivity, profile as tprofile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    if "apc" in spec["ttft"]:
+        gen([wl.request("apc", k, wl.question("prime", k))])
+    for w in range(args.warmup):
+        for kind in spec["ttft"]:
+            gen([wl.request(kind, k, wl.question("warm", k, w))])
+    ms = {kind: [] for kind in spec["ttft"]}
+    for r in range(args.reps):
+        for kind in spec["ttft"]:
+            ms[kind].append(gen([wl.request(kind, k, wl.question("ttft", k, r))])[0] * 1e3)
+    res["profile"] = {"k": k, "prefix_tokens": wl.prefix_len(k), "kinds": {}}
+    for kind in spec["ttft"]:
+        reqs = [wl.request(kind, k, wl.question("profile", k, i)) for i in range(args.profile_requests)]
+        walls = []
+        with tprofile(activities=acts, record_shapes=False, with_stack=True) as prof:
+            for r in reqs:
+                walls.append(gen([r])[0] * 1e3)
+        base = os.path.join(args.profile, "%s-%s-k%d" % (args.engine, kind, k))
+        prof.export_chrome_trace(base + ".trace.json")
+        with open(base + ".trace.json", "rb") as fin, gzip.open(base + ".trace.json.gz", "wb") as fout:
+            fout.writelines(fin)
+        with open(base + ".trace.json") as f:
+            summary = summarize_trace(json.load(f), len(reqs))
+        os.remove(base + ".trace.json")
+        with open(base + ".ops.txt", "w") as f:
+            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+        summary.update(ttft_ms=med(ms[kind]), profiled_wall_ms=med(walls), requests=len(reqs),
+                       trace=os.path.basename(base) + ".trace.json.gz")
+        res["profile"]["kinds"][kind] = summary
+        log("profile %s %s k=%d: TTFT %.2f ms in-process (unprofiled), %.2f ms profiled; device %.2f ms/request"
+            % (args.engine, kind, k, summary["ttft_ms"], summary["profiled_wall_ms"], summary["device_ms"]))
+
+
+def summarize_trace(trace, n, top=20):
+    """Per request: host-side functions (Python frames, operators, CUDA runtime
+    calls) with most self and inclusive time, summed over the threads that ran
+    torch operators (inclusive time counts a recursive frame at every level),
+    and device time (kernels, copies)."""
+    evs = [e for e in (trace.get("traceEvents", trace) if isinstance(trace, dict) else trace)
+           if e.get("ph") == "X" and "dur" in e]
+    agg, dev, dev_total = {}, {}, 0.0
+    threads = {}
+    for e in evs:
+        cat = e.get("cat", "")
+        if cat in DEVICE_CATS:
+            dev_total += e["dur"]
+            dev[e["name"]] = dev.get(e["name"], 0.0) + e["dur"]
+        elif cat in HOST_CATS:
+            threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    for es in threads.values():
+        if not any(e.get("cat") in ("cpu_op", "cuda_runtime") for e in es):
+            continue   # threads that ran no torch operator: idle waits (tqdm's monitor, pools)
+        es.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack = []   # [end, agg entry]
+        for e in es:
+            end = e["ts"] + e["dur"]
+            while stack and stack[-1][0] <= e["ts"]:
+                stack.pop()
+            a = agg.setdefault(e["name"], [0, 0.0, 0.0])   # calls, inclusive µs, self µs
+            a[0] += 1
+            a[1] += e["dur"]
+            a[2] += e["dur"]
+            if stack and end <= stack[-1][0] + 1e-3:
+                stack[-1][1][2] -= e["dur"]
+            stack.append([end, a])
+
+    def rows(i):
+        best = sorted(agg.items(), key=lambda kv: -kv[1][i])[:top]
+        return [{"name": name[:160], "ms": v[i] / n / 1e3, "calls": v[0] / n} for name, v in best]
+    return {"device_ms": dev_total / n / 1e3, "host_self": rows(2), "host_inclusive": rows(1),
+            "kernels": [{"name": name[:120], "ms": t / n / 1e3} for name, t in
+                        sorted(dev.items(), key=lambda kv: -kv[1])[:10]]}
+
+
+# ---------------------------------------------------------------- the driver
+
+def drive(args):
+    """Each engine of --engines in a subprocess (skipping those whose part is
+    there), then the report. Exit 3: engines left for lack of time."""
+    t0 = time.time()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # unwinds through the child's clean-up
+    os.makedirs(args.out, exist_ok=True)
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    bad = [e for e in engines if e not in ENGINES]
+    if bad:
+        raise SystemExit("vllm_bench: unknown engines %s" % bad)
+    left, failed, took = [], [], []
+    for e in engines:
+        path = part_path(args, e)
+        if os.path.exists(path) and not args.redo:
+            with open(path) as f:
+                took.append(json.load(f).get("duration_s", 0))
+            log("engine %s: its part is there (%s): not measured again (--redo measures)" % (e, path))
+            continue
+        remaining = args.time_budget - (time.time() - t0) if args.time_budget else None
+        if remaining is not None and (remaining <= 30 or (took and max(took) > remaining)):
+            log("engine %s: %.0f s left of the budget, the longest engine took %.0f s: run again to go on"
+                % (e, remaining, max(took or [0])))
+            left.append(e)
+            continue
+        wait_gpu_free()
+        cmd = [sys.executable, os.path.abspath(__file__)] + sys.argv[1:] + ["--engine", e, "--child"]
+        log("engine %s: %s" % (e, " ".join(cmd[1:])))
+        t = time.time()
+        p = subprocess.Popen(cmd, start_new_session=True)   # its own group: vLLM's engine core goes with it
+        rc = None
+        try:
+            rc = p.wait(timeout=remaining)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:   # also when this process is stopped (SIGTERM from timeout): the group's processes first
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(p.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    break
+                time.sleep(3)
+            p.wait()
+        took.append(time.time() - t)
+        if rc is None and os.path.exists(path):
+            log("engine %s: its part is written; stopped at the time budget while exiting" % e)
+        elif rc is None:
+            log("engine %s: stopped at the time budget after %.0f s" % (e, took[-1]))
+            left.append(e)
+        elif rc != 0 or not os.path.exists(path):
+            log("engine %s: failed (exit %s) after %.0f s" % (e, rc, took[-1]))
+            failed.append(e)
+    if args.profile:
+        write_profile_report(args)
+    else:
+        write_report(args, args.out)
+    if failed:
+        return 1
+    return 3 if left else 0
+
+
+# ---------------------------------------------------------------- the report
+
+def load_runs(args, d, prefix="part"):
+    """[(file name stem, {engine: part})] of the runs whose parts are in d: the
+    run of these arguments (stem vllm_bench / profile), or, with --report and
+    no --model, every run there (one: the same stems; several: stem-<key>)."""
+    runs, key = {}, run_key(args) if args.model else None
+    for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+        if name.startswith(prefix + "-") and name.endswith(".json"):
+            with open(os.path.join(d, name)) as f:
+                p = json.load(f)
+            if key is None or p.get("key") == key:
+                runs.setdefault(p["key"], {})[p["engine"]] = p
+    stem = "vllm_bench" if prefix == "part" else "profile"
+    if not runs:
+        log("no %s-*.json in %s for these arguments" % (prefix, d))
+    return [(stem if len(runs) == 1 else "%s-%s" % (stem, k), parts) for k, parts in sorted(runs.items())]
+
+
+def fmt(x, f="%.2f"):
+    return "—" if x is None or x != x else f % x
+
+
+def write_report(args, d):
+    for stem, parts in load_runs(args, d):
+        write_run_report(d, stem, parts)
+
+
+def write_run_report(d, stem, parts):
+    any_part = next(iter(parts.values()))
+    a = any_part["args"]
+    c, ap, pl = parts.get("connector"), parts.get("apc"), parts.get("plain")
+
+    def ttft(part, kind, k):   # parts come from JSON: keys are strings
+        row = (part or {}).get("ttft", {}).get(str(k))
+        return row.get(kind) if row else None
+
+    def ms(part, kind, k):
+        r = ttft(part, kind, k)
+        return r["median_ms"] if r else None
+
+    def ratio(x, y):
+        return x / y if x is not None and y else None
+
+    def agree(p1, k1, p2, k2, k):
+        r1, r2 = ttft(p1, k1, k), ttft(p2, k2, k)
+        if not r1 or not r2:
+            return "—"
+        return "%d/%d" % (sum(x == y for x, y in zip(r1["first"], r2["first"])), min(len(r1["first"]),
+                                                                                      len(r2["first"])))
+    ks = sorted(int(k) for k in any_part["prefix_tokens"])
+    rows, floor_ok, plain_ok = [], [], []
+    for k in ks:
+        r = {"k": k, "prefix_tokens": any_part["prefix_tokens"][str(k)], "pad": any_part["pads"][str(k)],
+             "prefill_ms": ms(c, "prefill", k), "inject_ms": ms(c, "inject", k), "apc_ms": ms(ap, "apc", k),
+             "plain_ms": ms(pl, "prefill", k)}
+        r["inject_over_apc"] = ratio(r["inject_ms"], r["apc_ms"])
+        r["prefill_over_plain"] = ratio(r["prefill_ms"], r["plain_ms"])
+        r["inject_change"] = ratio(r["inject_ms"], r["prefill_ms"])
+        r["inject_change"] = None if r["inject_change"] is None else r["inject_change"] - 1
+        apc_row = ttft(ap, "apc", k)
+        r["apc_cached"] = min(x for x in apc_row["cached"] if x is not None) \
+            if apc_row and any(x is not None for x in apc_row["cached"]) else None
+        r["agree_inject"] = agree(c, "inject", c, "prefill", k)
+        r["agree_apc"] = agree(ap, "apc", c, "prefill", k)
+        if r["inject_over_apc"] is not None:
+            floor_ok.append(r["inject_over_apc"] <= TARGET_FLOOR)
+        if r["prefill_over_plain"] is not None:
+            plain_ok.append(r["prefill_over_plain"] <= TARGET_FLOOR)
+        rows.append(r)
+    tput = []
+    for i, row in enumerate((c or ap or {}).get("throughput", [])):
+        t = dict(k=row["k"], concurrent=row["concurrent"], output_tokens=row["output_tokens"],
+                 prefill_rps=row.get("prefill_rps"), inject_rps=row.get("inject_rps"))
+        if ap and c:
+            m = [x for x in ap.get("throughput", []) if x["concurrent"] == row["concurrent"]
+                 and x["output_tokens"] == row["output_tokens"]]
+            t["apc_rps"] = m[0]["apc_rps"] if m else None
+        else:
+            t["apc_rps"] = row.get("apc_rps")
+        t["inject_over_prefill"] = ratio(t["inject_rps"], t["prefill_rps"])
+        t["inject_over_apc"] = ratio(t["inject_rps"], t["apc_rps"])
+        tput.append(t)
+    merged = {"args": a, "versions": any_part.get("versions"), "engines": {
+        e: {k: p.get(k) for k in ("engine_start_s", "engine_config", "memory", "duration_s", "register",
+                                  "scheduler_host_us_median")} for e, p in parts.items()},
+        "ttft": rows, "throughput": tput, "connector": (c or {}).get("connector", []),
+        "targets": {"inject_over_apc_all_k": all(floor_ok) if len(floor_ok) == len(ks) else None,
+                    "prefill_over_plain_all_k": all(plain_ok) if len(plain_ok) == len(ks) else None}}
+    hi = [t for t in tput if t["concurrent"] == max(x["concurrent"] for x in tput)] if tput else []
+    merged["targets"]["tput_all"] = (all((t["inject_over_prefill"] or 0) >= TARGET_TPUT for t in hi)
+                                     if hi and c else None)
+    with open(os.path.join(d, stem + ".json"), "w") as f:
+        json.dump(merged, f, indent=1)
+    md = report_md(merged, sorted(parts))
+    with open(os.path.join(d, stem + ".md"), "w") as f:
         f.write(md)
     print(md, flush=True)
-    return 0
 
 
-def report(res):
-    a = res["args"]
-    L = ["## vLLM %s: re-prefill vs kvinject connector (%s)" % (res["versions"]["vllm"], res["versions"]["gpu"]), "",
-         "engine: %s; start %.0f s; cache %s" % (res.get("engine"), res.get("engine_start_s", 0),
-                                                  {k: res["register"][k] for k in ("backend", "block_size", "dtype",
-                                                                                   "num_blocks")}
-                                                  if res.get("register") else "?"),
-         "request: %d-token header, k facts of %d tokens, %d-token question; store %s; median of %d (TTFT), "
-         "%d (throughput)" % (a["header_tokens"], a["fact_tokens"], a["question_tokens"], a["store_dtype"], a["reps"],
-                              a["tput_reps"]), "",
-         "| k | prompt tokens | re-prefill TTFT ms | injected TTFT ms | change | first tokens agree |",
-         "|--:|--:|--:|--:|--:|--:|"]
-    for r in res["ttft"]:
-        L.append("| %d | %d | %.2f | %.2f | %+.0f%% | %s |" % (r["k"], r["prompt_tokens"], r["prefill_ms"],
-                                                            r["inject_ms"], r["change"] * 100, r["first_token_agree"]))
-    L += ["", "| k | concurrent | output tokens | re-prefill req/s | injected req/s | ratio |", "|--:|--:|--:|--:|--:|--:|"]
-    for r in res["throughput"]:
-        L.append("| %d | %d | %d | %.1f | %.1f | %.2fx |" % (r["k"], r["concurrent"], r["output_tokens"],
-                                                            r["prefill_rps"], r["inject_rps"], r["ratio"]))
-    L += ["", "| run | inject steps | req/step | connector host µs | kvi_inject call µs | injection device µs | "
-          "step device µs | host share of wall | injection share of step |", "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
-    for s in res["connector"]:
-        L.append("| %s | %d | %g | %.0f | %.0f | %.0f | %.0f | %.1f%% | %.1f%% |" % (
-            s["run"], s["inject_steps"], s["requests_per_step"], s["host_us"], s["kvi_call_us"], s["device_us"],
-            s["step_device_us"], s["host_share_of_wall"] * 100, s["device_share_of_step"] * 100))
-    k50 = [r for r in res["ttft"] if r["k"] == max(x["k"] for x in res["ttft"])][0]
-    t64 = [r for r in res["throughput"] if r["output_tokens"] == res["throughput"][0]["output_tokens"]]
-    t64 = max(t64, key=lambda r: r["concurrent"])
-    L += ["", "targets: TTFT at k = %d %+.0f%% (target <= -85%%): %s; throughput at %d concurrent %.2fx "
-          "(target >= 5x): %s; scheduler build_connector_meta median %.0f µs; total %.0f s" % (
-              k50["k"], k50["change"] * 100, "met" if k50["change"] <= -0.85 else "NOT met", t64["concurrent"],
-              t64["ratio"], "met" if t64["ratio"] >= 5 else "NOT met", res["scheduler_host_us_median"],
-              res["total_s"]), ""]
+def report_md(m, engines):
+    a, v = m["args"], m["versions"] or {}
+    flo, fhi = lists(argparse.Namespace(**a))[3]
+    facts = ("%d tokens" % flo) if flo == fhi else ("%d-%d tokens (drawn per fact)" % (flo, fhi))
+    L = ["## vLLM %s: the kvinject connector against re-prefill and vLLM's prefix cache (%s)" % (
+        v.get("vllm"), v.get("gpu")), "",
+         "model %s; shape %s: %d-token header, k facts of %s, %d-token question; block %d (%s); store %s; "
+         "TTFT median of %d, throughput median of %d; engines measured: %s" % (
+             os.path.basename(a["model"].rstrip("/")), a["shape"], a["header_tokens"], facts, a["question_tokens"],
+             a["block_size"], "no pad" if a["no_align"] else "prefix padded to whole blocks", a["store_dtype"],
+             a["reps"], a["tput_reps"], ", ".join(engines)), ""]
+    for e, info in m["engines"].items():
+        mem = info.get("memory") or {}
+        L.append("- %s: start %s s, run %s s; %s; gpu_memory_utilization %s, KV cache ~%s GiB" % (
+            e, fmt(info.get("engine_start_s"), "%.0f"), fmt(info.get("duration_s"), "%.0f"), info.get("engine_config"),
+            mem.get("gpu_mem"), fmt(mem.get("kv_cache_gib"), "%.1f")))
+    L += ["", "| k | prefix tokens (pad) | APC cached | re-prefill ms | re-prefill, no connector ms | APC ms | "
+          "injected ms | injected / APC | re-prefill / no connector | injected vs re-prefill | first tokens agree "
+          "(inject, APC vs re-prefill) |", "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in m["ttft"]:
+        L.append("| %d | %d (%s) | %s | %s | %s | %s | %s | %s | %s | %s | %s, %s |" % (
+            r["k"], r["prefix_tokens"], r["pad"], fmt(r["apc_cached"], "%d"), fmt(r["prefill_ms"]),
+            fmt(r["plain_ms"]), fmt(r["apc_ms"]), fmt(r["inject_ms"]), fmt(r["inject_over_apc"], "%.3f"),
+            fmt(r["prefill_over_plain"], "%.3f"), fmt(None if r["inject_change"] is None else r["inject_change"] * 100,
+                                                      "%+.0f%%"), r["agree_inject"], r["agree_apc"]))
+    if m["throughput"]:
+        L += ["", "| k | concurrent | output tokens | re-prefill req/s | APC req/s | injected req/s | "
+              "injected / re-prefill | injected / APC |", "|--:|--:|--:|--:|--:|--:|--:|--:|"]
+        for t in m["throughput"]:
+            L.append("| %d | %d | %d | %s | %s | %s | %s | %s |" % (
+                t["k"], t["concurrent"], t["output_tokens"], fmt(t["prefill_rps"], "%.1f"), fmt(t["apc_rps"], "%.1f"),
+                fmt(t["inject_rps"], "%.1f"), fmt(t["inject_over_prefill"], "%.2fx"),
+                fmt(t["inject_over_apc"], "%.2fx")))
+    if m["connector"]:
+        L += ["", "| run | inject steps | req/step | connector host µs | kvi_inject call µs | injection device µs | "
+              "step device µs | host share of wall | injection share of step |",
+              "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+        for s in m["connector"]:
+            L.append("| %s | %d | %s | %s | %s | %s | %s | %s | %s |" % (
+                s["run"], s["inject_steps"], fmt(s["requests_per_step"], "%g"), fmt(s["host_us"], "%.0f"),
+                fmt(s["kvi_call_us"], "%.0f"), fmt(s["device_us"], "%.0f"), fmt(s["step_device_us"], "%.0f"),
+                fmt(s["host_share_of_wall"] * 100, "%.1f%%"), fmt(s["device_share_of_step"] * 100, "%.1f%%")))
+
+    def verdict(x):
+        return "not measured" if x is None else ("met" if x else "NOT met")
+    tg = m["targets"]
+    L += ["", "targets: injected TTFT <= %.2f x APC at every k: %s; re-prefill with the connector loaded <= %.2f x "
+          "without at every k: %s; injected >= %gx re-prefill's requests/s at the highest concurrency (k = %s, each "
+          "output length): %s" % (TARGET_FLOOR, verdict(tg["inject_over_apc_all_k"]), TARGET_FLOOR,
+                                  verdict(tg["prefill_over_plain_all_k"]), TARGET_TPUT,
+                                  m["throughput"][0]["k"] if m["throughput"] else "—", verdict(tg["tput_all"])), ""]
     return "\n".join(L)
+
+
+def write_profile_report(args):
+    for stem, parts in load_runs(args, args.profile, "profile"):
+        write_profile_run(args.profile, stem, parts)
+
+
+def write_profile_run(d, stem, parts):
+    L = ["## Profiles (engine core in-process; torch.profiler, Python stacks on)", ""]
+    for e, p in sorted(parts.items()):
+        pr = p["profile"]
+        for kind, s in pr["kinds"].items():
+            L += ["### %s engine, %s, k = %d (%d prefix tokens): TTFT %.2f ms in-process, %.2f ms profiled; "
+                  "device %.2f ms per request; %s" % (e, kind, pr["k"], pr["prefix_tokens"], s["ttft_ms"],
+                                                      s["profiled_wall_ms"], s["device_ms"], s["trace"]), "",
+                  "| host, self ms / request | calls | function |", "|--:|--:|---|"]
+            L += ["| %.3f | %g | %s |" % (r["ms"], r["calls"], r["name"].replace("|", "/")) for r in s["host_self"]]
+            L += ["", "| host, inclusive ms / request | calls | function |", "|--:|--:|---|"]
+            L += ["| %.3f | %g | %s |" % (r["ms"], r["calls"], r["name"].replace("|", "/"))
+                  for r in s["host_inclusive"]]
+            L += ["", "| device ms / request | kernel |", "|--:|---|"]
+            L += ["| %.3f | %s |" % (r["ms"], r["name"].replace("|", "/")) for r in s["kernels"]] + [""]
+    with open(os.path.join(d, stem + ".md"), "w") as f:
+        f.write("\n".join(L))
+    log("profile summary: %s" % os.path.join(d, stem + ".md"))
+
+
+def main():
+    args = parse_args()
+    if args.report:
+        args.out = args.report
+        if args.profile:
+            write_profile_report(args)
+        else:
+            write_report(args, args.report)
+        return 0
+    if args.engine == "all":
+        return drive(args)
+    rc = run_engine(args)
+    if not args.child:
+        if args.profile:
+            write_profile_report(args)
+        else:
+            write_report(args, args.out)
+    return rc
 
 
 if __name__ == "__main__":

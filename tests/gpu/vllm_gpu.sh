@@ -19,33 +19,62 @@
 #       pip-installs vllm and the wheels --no-deps into /tmp/vllm-site, builds
 #       libkvinject for sm_90 in /tmp/kvi-build and writes a random-weight
 #       Llama-3.1-8B-shaped bf16 model (tests/gpu/vllm_model.py; /dev/shm when it
-#       has room, else /tmp) at the same time; then imports vLLM's engine and
-#       the connector. If vLLM does not import, it says which module is missing
-#       and runs tests/gpu/run_vllm_layouts.sh (the connector's GPU layouts,
-#       without vLLM) instead. VLLM_GPU_DUMMY=1: config only (vLLM draws the
-#       weights, load_format dummy).
-#   tests/gpu/vllm_gpu.sh run [ARGS]   (there) tests/gpu/vllm_bench.py on that
-#       model: TTFT at k = 0, 5, 10, 20, 50, throughput at 1 / 16 / 64 concurrent
-#       requests at k = 50, the connector's share per step; vllm_bench.md,
-#       vllm_bench.json, the log and the connector's events into $OUT. ARGS go
-#       to vllm_bench.py (e.g. --eager, --layerwise, --reps 20).
+#       has room, else /tmp) at the same time, with the configs of the 32B
+#       (bf16) and 70B (fp8) shapes in /tmp/kvi-model-32b and /tmp/kvi-model-70b
+#       (vLLM draws their weights: load_format dummy); then imports vLLM's engine
+#       and the connector. If vLLM does not import, it says which module is
+#       missing and runs tests/gpu/run_vllm_layouts.sh (the connector's GPU
+#       layouts, without vLLM) instead. VLLM_GPU_DUMMY=1: the 8B as a config only
+#       too.
+#   tests/gpu/vllm_gpu.sh run [ARGS]   (there) tests/gpu/vllm_bench.py on the
+#       model VLLM_GPU_MODEL names (8b, the default; 32b; 70b): three engines,
+#       one subprocess each: the connector (re-prefill and injected requests),
+#       vLLM's prefix cache without the connector (apc: the floor) and neither
+#       (plain); TTFT at each k (default 0, 5, 10, 20, 50; --shape paper: Mem0-
+#       sized facts, k = 5, 10, 20, 50), throughput at 1 / 16 / 64 concurrent
+#       requests at the largest k, the connector's share per step. Each engine
+#       writes its part into /tmp/kvi-vllm-bench (kept while the machine is
+#       held; a carried .vllm-bench/ is copied there first); an engine whose part
+#       is there is not run again; no engine starts that would end past the
+#       call's time (VLLM_GPU_TIMEOUT, 570 s, less 30): exit 3, run the same
+#       command again. Every call copies vllm_bench.md / .json (merged from the
+#       parts there), the parts, the log and the connector's events into $OUT.
+#       ARGS go to vllm_bench.py (e.g. --shape paper, --eager, --reps 30,
+#       --engines apc,plain, --redo).
+#   tests/gpu/vllm_gpu.sh profile [ARGS]   (there) the same with --profile: the
+#       connector and apc engines, each with its engine core in-process, a few
+#       injected / re-prefill / APC requests at the largest k under
+#       torch.profiler; traces (.trace.json.gz), operator tables and profile.md
+#       (top host-side functions per request kind) into $OUT/profile.
 #
-# The device calls, one right after the other (the machine keeps /tmp for 30 s
-# between calls, 30 min in all):
-#   1. tests/gpu/vllm_gpu.sh stage    carry [".stage/vllmgpu.00"]
-#   2. tests/gpu/vllm_gpu.sh stage    carry [".stage/vllmgpu.01"]
-#   3. tests/gpu/vllm_gpu.sh setup    carry [".stage/vllmgpu.02"]
-#   4. tests/gpu/vllm_gpu.sh run      carry []
-# A call that finds a fresh machine (parts missing) says which; start again at 1.
+# The device calls, one right after the other (the machine keeps /tmp while
+# held, 30 min in all), and the device time each is expected to take (an
+# estimate until measured): "machine N" is one held machine (30 min of device time)
+#   machine 1 (the 8B, about 25 min):
+#    1. tests/gpu/vllm_gpu.sh stage              carry [".stage/vllmgpu.00"]   1-2 min start + < 1 min
+#    2. tests/gpu/vllm_gpu.sh stage              carry [".stage/vllmgpu.01"]   < 1 min
+#    3. tests/gpu/vllm_gpu.sh setup              carry [".stage/vllmgpu.02"]   3-4 min
+#    4. tests/gpu/vllm_gpu.sh run                carry []   9 min: connector 4 min (engine start 2 min:
+#       torch.compile, CUDA graphs), apc and plain 2-3 min each; exit 3 when plain is left
+#    5. the same command again while it exits 3 (carry [])    2-3 min
+#    6. tests/gpu/vllm_gpu.sh profile            carry []   5 min
+#   machine 2 (about 28 min): steps 1-3, then
+#    4. tests/gpu/vllm_gpu.sh run --shape paper                  9-11 min, in two calls (exit 3)
+#    5. VLLM_GPU_MODEL=32b tests/gpu/vllm_gpu.sh run             10-12 min, in two or three calls
+#       (if the device time runs out first: 5 opens machine 3, after its steps 1-3)
+#   machine 3 (about 20 min): steps 1-3 with VLLM_GPU_DUMMY=1 (the 8B is not used), then
+#    4. VLLM_GPU_MODEL=70b tests/gpu/vllm_gpu.sh run --max-batched-tokens 8192     12-15 min, two or three
+#       calls. 70B fp8: 65 GiB of weights; on an H100 (79.6 GiB) ~6 GiB of KV cache (~20k tokens: the 64
+#       concurrent requests at k = 50 queue), on an H200 ~64 GiB; vllm_bench.py refuses a GPU it cannot fit.
+# A call that finds a fresh machine (parts missing) says which; start again at 1;
+# to go on with a run's engines on a fresh machine, put the last call's part-*.json
+# into .vllm-bench/ and carry it with `run` (carry [".vllm-bench"]). Here, the
+# parts of several calls merge into one table: python3 tests/gpu/vllm_bench.py --report DIR.
 # Give `run` the full 600 s (it stops itself at VLLM_GPU_TIMEOUT, 570 s).
 # vLLM 0.23 imports flashinfer for its sampler unless VLLM_USE_FLASHINFER_SAMPLER=0, which
 # `run` sets (flashinfer is not carried; seen on the H200: ModuleNotFoundError at engine start).
 # Sizes at pack time: parts of 56, 56 and 55 MiB; installed, /tmp/vllm-site is
-# 437 MB. Device time expected (an estimate until measured): machine start 1-2
-# min, each stage call under a minute, setup 3-4 min (the library's nvcc build
-# is the longest; pip and the model are written meanwhile), run 4-6 min (engine
-# start with torch.compile and graph capture, then about two minutes of
-# requests): about 12 minutes.
+# 437 MB.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -69,6 +98,7 @@ site=/tmp/vllm-site
 pkg=/tmp/vllm-pkg/.vllm-gpu/pkg
 build=/tmp/kvi-build
 out=${OUT:-/tmp/kvi-out}
+results=/tmp/kvi-vllm-bench
 
 die() { echo "vllm_gpu.sh: $*" >&2; exit 1; }
 
@@ -139,7 +169,11 @@ case "$cmd" in
     bpid=$!
     margs=()
     [ "${VLLM_GPU_DUMMY:-0}" = 1 ] && margs=(--config-only)
-    python3 tests/gpu/vllm_model.py --tokenizer "$pkg/tokenizer" --out "$model" "${margs[@]}" >"$out/model.log" 2>&1 &
+    (python3 tests/gpu/vllm_model.py --tokenizer "$pkg/tokenizer" --out "$model" "${margs[@]}" &&
+       for shape in 32b 70b; do
+         rm -rf /tmp/kvi-model-$shape
+         python3 tests/gpu/vllm_model.py --tokenizer "$pkg/tokenizer" --out /tmp/kvi-model-$shape --shape $shape
+       done) >"$out/model.log" 2>&1 &
     mpid=$!
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
       "$pkg"/*.whl "$pkg"/deps/*.whl >"$out/pip.log" 2>&1 || { cat "$out/pip.log"; die "pip install failed"; }
@@ -160,28 +194,48 @@ case "$cmd" in
     fi
     KVINJECT_LIBRARY=$build/lib/libkvinject.so PYTHONPATH=$site:$PWD/python python3 -c \
       "import kvinject.vllm.connector as c; print('vllm_gpu.sh: connector imports:', c.KVInjectConnector)" 2>&1 | tail -2
+    PYTHONPATH=$site python3 -c "import vllm.model_executor.layers.quantization.fp8 as m; print('vllm_gpu.sh: fp8 \
+(the 70B shape) imports:', m.Fp8Config)" 2>&1 | tail -2 || true
     [ $mrc -eq 0 ]
     ;;
-  run)
+  run|profile)
     model=$(model_dir)
+    case "${VLLM_GPU_MODEL:-8b}" in
+      8b) ;;
+      32b|70b) model=/tmp/kvi-model-$VLLM_GPU_MODEL ;;
+      *) die "VLLM_GPU_MODEL=$VLLM_GPU_MODEL: 8b, 32b or 70b" ;;
+    esac
     [ -f "$site/vllm/__init__.py" ] || die "no vLLM in $site (run stage x2 and setup first, on this machine)"
     [ -f "$build/lib/libkvinject.so" ] || die "no $build/lib/libkvinject.so (setup builds it)"
     [ -f "$model/config.json" ] || die "no model in $model (setup writes it)"
-    mkdir -p "$out"
-    bargs=()
-    compgen -G "$model/*.safetensors" >/dev/null || bargs=(--dummy)
+    mkdir -p "$out" "$results"
+    if compgen -G ".vllm-bench/part-*.json" >/dev/null; then
+      cp -n .vllm-bench/part-*.json "$results/" && echo "vllm_gpu.sh: the carried parts: $(ls .vllm-bench)"
+    fi
+    bargs=(--model "$model" --out "$results")
+    compgen -G "$model/*.safetensors" >/dev/null || bargs+=(--dummy)
+    [ "$cmd" = profile ] && bargs+=(--profile "$results/profile")
+    limit=${VLLM_GPU_TIMEOUT:-570}
     export PYTHONPATH=$site:$PWD/python KVINJECT_LIBRARY=$build/lib/libkvinject.so HF_HUB_OFFLINE=1 \
       VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
     set +e
-    timeout "${VLLM_GPU_TIMEOUT:-570}" python3 tests/gpu/vllm_bench.py --model "$model" --out "$out" "${bargs[@]}" "$@" \
+    timeout -k 15 "$limit" python3 tests/gpu/vllm_bench.py "${bargs[@]}" --time-budget $((limit - 30)) "$@" \
       >"$out/vllm_bench.log" 2>&1
     rc=$?
-    grep -E "^vllm_bench|Error|error|Traceback|CUDA graph|cudagraph|backend" "$out/vllm_bench.log" | grep -v "^\s*$" | tail -40
-    [ -f "$out/vllm_bench.md" ] && cat "$out/vllm_bench.md" || tail -60 "$out/vllm_bench.log"
+    set -e
+    grep -E "^vllm_bench|Error|error|Traceback|CUDA graph|cudagraph|backend" "$out/vllm_bench.log" | grep -v "^\s*$" | tail -60
+    cp "$results"/vllm_bench.md "$results"/vllm_bench.json "$results"/part-*.json "$results"/events-* "$out/" 2>/dev/null || true
+    if [ "$cmd" = profile ]; then
+      mkdir -p "$out/profile" && cp -r "$results"/profile/. "$out/profile/" 2>/dev/null || true
+      [ -f "$out/profile/profile.md" ] && head -120 "$out/profile/profile.md"
+    else
+      [ -f "$out/vllm_bench.md" ] && cat "$out/vllm_bench.md" || tail -60 "$out/vllm_bench.log"
+    fi
+    [ $rc -eq 3 ] && echo "vllm_gpu.sh: engines left: run the same command again"
     echo "vllm_gpu.sh: vllm_bench.py rc=$rc"
     exit $rc
     ;;
   *)
-    die "usage: vllm_gpu.sh pack | stage | setup | run [vllm_bench.py args]"
+    die "usage: vllm_gpu.sh pack | stage | setup | run [vllm_bench.py args] | profile [vllm_bench.py args]"
     ;;
 esac

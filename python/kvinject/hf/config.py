@@ -147,7 +147,8 @@ def kvi_model_for(config, rope_fields=None, *, tp_rank: int = 0, tp_size: int = 
 
 # --------------------------------------------------- the vLLM connector's stores
 
-STORE_DTYPES = {"fp32": DType.FP32, "bf16": DType.BF16, "fp16": DType.FP16, "fp8_e4m3": DType.FP8_E4M3}
+STORE_DTYPES = {"fp32": DType.FP32, "bf16": DType.BF16, "fp16": DType.FP16, "fp8_e4m3": DType.FP8_E4M3,
+                "q4": DType.Q4}
 
 
 def store_rope_fields(hf_config, overrides: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:

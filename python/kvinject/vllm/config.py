@@ -23,7 +23,8 @@ from ..settings import Field, resolve
 #: the settings, in kv_connector_extra_config, KVINJECT_CONNECTOR_<KEY> and the file's connector: section
 FIELDS = (
     Field("store_budget_mb", int, 256, lo=1, hi=1 << 20, doc="memory the store reserves, per worker (MiB)"),
-    Field("store_dtype", str, "fp32", choices=("fp32", "bf16", "fp16", "fp8_e4m3"), doc="how facts are kept"),
+    Field("store_dtype", str, "fp32", choices=("fp32", "bf16", "fp16", "fp8_e4m3", "q4"),
+          doc="how facts are kept"),
     Field("page_tokens", int, 16, lo=1, hi=4096, doc="store page size (tokens)"),
     Field("embedding_dim", int, 0, lo=0, hi=65536, doc="embedding values kept with each captured fact"),
     Field("store_path", str, None, doc="store file: loaded at start, kept as the journal"),
