@@ -10,8 +10,9 @@ PYTHONPATH=python from the repository root):
     python3 -m kvinject_bench.recall_cost --model DIR ...      # encoding cost per fact and per add
     python3 -m kvinject_bench.recompute_eval MODEL_DIR ...     # selective recompute, KL and TTFT
     python3 -m kvinject_bench.gguf_to_safetensors MODEL.gguf OUT_DIR
+    python3 -m kvinject_bench.capacity --markdown              # users per node, break-even (no torch)
 
 common holds what they share (the models, the RoPE checks and the device
 helpers come from kvinject.hf.testing, which the tests use too). Not part of
-the kvinject wheel; no test imports this package.
+the kvinject wheel; one test imports it: test_capacity (capacity's arithmetic).
 """
