@@ -20,7 +20,7 @@ import types
 
 import pytest
 
-from kvinject.vllm import Keep, capture_prompt, memory_prompt, prefetch_prompt
+from kvinject.vllm import Keep, capture_prompt, memory_prompt, prefetch_prompt, remove_prompt
 from kvinject.vllm.config import KNOWN, KVInjectConfig, requires_piecewise
 from kvinject.vllm.metadata import CaptureJob, FailJob, InjectJob, KVInjectMetadata, PrefetchJob
 from kvinject.vllm.prompt import PARAMS_KEY, parse_params
@@ -506,3 +506,22 @@ def test_a_prefetch_request_sends_one_prefetch_of_the_whole_tenant(sched):
     assert nxt.prefetches == []
     with pytest.raises(ValueError, match="prefetch must be true or false"):
         parse_params({"tenant": 1, "prefetch": 1}, 4)
+
+
+def test_a_release_goes_with_the_step_that_stores_the_requests_captures(sched):
+    mp = capture_prompt(4, [[1, 2], Keep(9, [3, 4, 5, 6, 7, 8])])
+    mp.params["release"] = True
+    r = request("c", mp)
+    sched.on_new_request(r)
+    _, m1 = claim(sched, r, blocks=[0, 1], scheduled=4)  # chunked: the capture's span is not prefilled yet
+    assert m1.captures == [] and m1.releases == []
+    m2 = sched.build_connector_meta(output(cached=cached_reqs(("c", None, 4)), scheduled={"c": 4}))
+    assert [c.req_id for c in m2.captures] == ["c"] and m2.releases == [4]
+    m3 = sched.build_connector_meta(output(cached=cached_reqs(("c", None, 8)), scheduled={"c": 1}))
+    assert m3.releases == []
+    # with a removal alone, in its step
+    rr = request("rm", remove_prompt(4, [9], 1))
+    rr.kv_transfer_params[PARAMS_KEY]["release"] = True
+    sched.on_new_request(rr)
+    _, m = claim(sched, rr, blocks=[2])
+    assert [j.req_id for j in m.removes] == ["rm"] and m.releases == [4]

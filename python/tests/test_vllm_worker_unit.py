@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import types
 
 import pytest
@@ -603,6 +604,45 @@ def test_a_replica_loads_a_tenant_another_replica_wrote_to_the_shared_directory(
         b.worker.wait_for_save(meta(captures=[cap]))
         assert b.worker.build_connector_worker_meta().results["c"].captured == {9: 1}
         assert b.store.list(5) == [1, 2, 3, 9]
+    finally:
+        a.worker.shutdown()
+        b.worker.shutdown()
+
+
+def test_an_injection_waits_for_its_tenants_prefetch_and_a_release_frees_the_lease(arrays, monkeypatch, tmp_path):
+    a = disk_rig(arrays, monkeypatch, tmp_path, "replica-a")
+    b = disk_rig(arrays, monkeypatch, tmp_path, "replica-b")
+    try:
+        # A captures fact 9 of tenant 6 and gives the lease up in the same step
+        a.put(6, 1, 4)
+        a.store.tenant_release(6)
+        cap = CaptureJob("c", 6, [(9, 0, 4, None, False)], [2])
+        m = KVInjectMetadata(captures=[cap], releases=[6])
+        a.worker.start_load_kv(m)
+        a.worker.wait_for_save(m)
+        assert a.worker.build_connector_worker_meta().results["c"].captured == {9: 1}
+        assert [e["tenant"] for e in a.events("release")] == [6]
+        b.put(6, 2, 4)  # at once: A holds no lease
+        # A's prefetch of the whole tenant reads B's fact from the file; the injection of the same step waits
+        store = a.worker._store
+
+        class SlowPrefetch:  # the store, its prefetch slow: the injection must wait for it
+            def __getattr__(self, name):
+                return getattr(store, name)
+
+            def prefetch(self, *args):
+                time.sleep(0.3)
+                store.prefetch(*args)
+        a.worker._store = SlowPrefetch()
+        p = KVInjectMetadata(prefetches=[PrefetchJob("p", 6, None)])
+        a.worker.start_load_kv(p)  # an earlier step starts the prefetch
+        a.worker.wait_for_save(p)
+        m = KVInjectMetadata(injects=[InjectJob("r", 6, [(2, 0, 4)], [3])])
+        a.worker.start_load_kv(m)
+        a.worker.wait_for_save(m)
+        assert a.worker.build_connector_worker_meta().results["r"].injected_facts == 1
+        a.untouched_except(a.check_written(6, [2], 0, [3]))
+        assert a.store.list(6) == [1, 2, 9]
     finally:
         a.worker.shutdown()
         b.worker.shutdown()

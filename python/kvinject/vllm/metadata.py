@@ -65,6 +65,8 @@ class KVInjectMetadata(KVConnectorMetadata):
     removes: List[RemoveJob] = field(default_factory=list)  # done first, before the step's injections
     # started in the background after the step's injections; no result comes back for them
     prefetches: List[PrefetchJob] = field(default_factory=list)
+    # tenants whose disk lease to give up at the end of the step, after its captures; no result comes back
+    releases: List[int] = field(default_factory=list)
     # the hybrid policy's decisions of the step's requests, facts per decision (inject, await, text)
     hybrid: Dict[str, int] = field(default_factory=dict)
 

@@ -12,7 +12,8 @@ parameters, ``SamplingParams(extra_args={"kv_transfer_params": {"kvinject":
                   "replace": False}, ...],
      "remove": [fact_id, ...],                     # or "all": every fact of the tenant
      "keep_dependents": False,                     # with remove: make no fact stale
-     "prefetch": True}                             # move the tenant's facts up the store's tiers
+     "prefetch": True,                             # move the tenant's facts up the store's tiers
+     "release": True}                              # give the tenant's disk lease up after the writes
 
 - ``inject``: spans of the prompt whose KV comes from the store, in order,
   back to back from token 0 (the prefix vLLM is told is already computed);
@@ -38,6 +39,11 @@ parameters, ``SamplingParams(extra_args={"kv_transfer_params": {"kvinject":
   device), so that the tenant's next requests find their facts resident. The
   request is not delayed by it (a one-token request that only prefetches:
   :func:`prefetch_prompt`).
+- ``release``: ``true`` gives up the store's ownership lease of ``tenant``
+  (Store.tenant_release) at the end of the step that stores the request's
+  captures (or runs its removal), so that another replica sharing the disk
+  tier's directory may write the tenant at once. Without a disk tier it does
+  nothing.
 
 With a disk tier (connector setting ``disk_dir``) and ``hybrid`` (the
 default), the scheduler plans each injected fact by where the store has it:
@@ -265,6 +271,7 @@ class RequestSpec:
     remove_all: bool = False            # every fact of the tenant
     keep_dependents: bool = False       # the removal makes no fact stale
     prefetch: bool = False              # prefetch every fact of the tenant
+    release: bool = False               # give the tenant's disk lease up after the request's writes
 
     def context_of(self, c: "CaptureSpec") -> List[int]:
         """A capture's context: the facts whose spans (injected, then captured) end
@@ -323,10 +330,10 @@ def parse_params(params: Any, prompt_len: int, embedding_dim: int = 0) -> Reques
     ValueError with a message naming the problem."""
     if not isinstance(params, dict):
         raise ValueError("kv_transfer_params[%r] must be a dict, got %s" % (PARAMS_KEY, type(params).__name__))
-    unknown = set(params) - {"tenant", "inject", "capture", "remove", "keep_dependents", "prefetch"}
+    unknown = set(params) - {"tenant", "inject", "capture", "remove", "keep_dependents", "prefetch", "release"}
     if unknown:
         raise ValueError("unknown kvinject parameters %s (known: tenant, inject, capture, remove, keep_dependents, "
-                         "prefetch)" % sorted(unknown))
+                         "prefetch, release)" % sorted(unknown))
     if "tenant" not in params:
         raise ValueError("kvinject parameters need a tenant")
     tenant = _uint(params["tenant"], "tenant")
@@ -383,10 +390,11 @@ def parse_params(params: Any, prompt_len: int, embedding_dim: int = 0) -> Reques
         raise ValueError("keep_dependents must be true or false, got %r" % (keep,))
     if keep and remove is None:
         raise ValueError("keep_dependents without remove")
-    prefetch = params.get("prefetch", False)
-    if not isinstance(prefetch, bool):
-        raise ValueError("prefetch must be true or false, got %r" % (prefetch,))
-    if not inject and not capture and remove is None and not prefetch:
-        raise ValueError("kvinject parameters ask for nothing (no inject, capture, remove or prefetch)")
+    prefetch, release = params.get("prefetch", False), params.get("release", False)
+    for name, v in (("prefetch", prefetch), ("release", release)):
+        if not isinstance(v, bool):
+            raise ValueError("%s must be true or false, got %r" % (name, v))
+    if not inject and not capture and remove is None and not prefetch and not release:
+        raise ValueError("kvinject parameters ask for nothing (no inject, capture, remove, prefetch or release)")
     return RequestSpec(tenant, inject, capture, None if remove in (None, "all") else remove, remove == "all", keep,
-                       prefetch)
+                       prefetch, release)

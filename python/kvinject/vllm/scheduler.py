@@ -76,6 +76,7 @@ class _ReqState:
     plan: Optional["Plan"] = None  # the injected facts' plan, made at the first claim
     plan_sent: bool = False      # its prefetch and decisions went to the workers
     prefetch_sent: bool = False  # the request's own prefetch parameter
+    release_sent: bool = False
 
 
 @dataclass
@@ -240,12 +241,17 @@ class KVInjectScheduler:
                                                 [st.prompt[c.start:c.start + c.length] for c in spec.capture],
                                                 [spec.context_of(c) for c in spec.capture]))
                 st.capture_pending = False
+            if spec.release and not st.release_sent and not st.capture_pending:
+                meta.releases.append(spec.tenant)  # after this step's captures and removals
+                st.release_sent = True
         for rid in meta.req_ids():  # one result per request and step comes back
             self._reqs[rid].outcome.outstanding += 1
-        if meta.injects or meta.captures or meta.failures or meta.removes or meta.prefetches or meta.hybrid:
+        if (meta.injects or meta.captures or meta.failures or meta.removes or meta.prefetches or meta.releases
+                or meta.hybrid):
             self._events.write(event="schedule", injects=len(meta.injects), captures=len(meta.captures),
                                failures=len(meta.failures), removes=len(meta.removes),
-                               prefetches=len(meta.prefetches), hybrid=dict(meta.hybrid),
+                               prefetches=len(meta.prefetches), releases=len(meta.releases),
+                               hybrid=dict(meta.hybrid),
                                host_us=(time.perf_counter() - t0) * 1e6)
         return meta
 

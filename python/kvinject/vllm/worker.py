@@ -109,6 +109,7 @@ class KVInjectWorker:
         self._prefetch_q: "queue.Queue[Optional[Tuple[int, Optional[List[int]]]]]" = queue.Queue()
         self._prefetch_done: "queue.Queue[Tuple[int, Optional[str]]]" = queue.Queue()
         self._prefetch_thread: Optional[threading.Thread] = None
+        self._prefetching: Set[int] = set()           # tenants of prefetches started (maybe not done)
 
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
         vc, cfg = self._vllm_config, self._cfg
@@ -270,6 +271,7 @@ class KVInjectWorker:
     def _start_prefetches(self, jobs: List[PrefetchJob]) -> None:
         for job in jobs:
             self._prefetch_q.put((job.tenant, job.fact_ids))
+            self._prefetching.add(job.tenant)
             self._events.write(event="prefetch", req_id=job.req_id, tenant=job.tenant,
                                facts="all" if job.fact_ids is None else len(job.fact_ids), step=self._step)
 
@@ -333,6 +335,13 @@ class KVInjectWorker:
     def _load(self, meta: KVInjectMetadata) -> None:
         self._remove(meta.removes)
         t0 = time.perf_counter()
+        if self._prefetching:
+            # an injection of a tenant being prefetched waits for it: a prefetch of a whole tenant
+            # may read its file (anew, when another replica changed it), and the injection must see that
+            if any(job.facts and job.tenant in self._prefetching for job in meta.injects):
+                self.wait_prefetches()
+            if self._prefetch_q.unfinished_tasks == 0:
+                self._prefetching.clear()
         for f in meta.failures:
             self._fail(f.req_id, f.message, f.block_ids, "parse")
         jobs = []
@@ -418,6 +427,8 @@ class KVInjectWorker:
         self._count_injections()
         if isinstance(meta, KVInjectMetadata) and meta.captures:
             self._capture(meta)
+        if isinstance(meta, KVInjectMetadata):
+            self._release(meta.releases)
         if self._store_changed:
             st = self._store.stats()
             self._stats.store(st.bytes_used, st.facts, st.tenants)
@@ -489,6 +500,16 @@ class KVInjectWorker:
         self._events.write(event="capture", step=self._step, captures=len(caps), stored=len(stored),
                            skipped=skipped, tokens=sum(c.num_tokens for c in caps),
                            host_us=(time.perf_counter() - t0) * 1e6)
+
+    def _release(self, tenants: List[int]) -> None:
+        """Gives up the disk leases of the step's releases (after its captures)."""
+        for t in tenants:
+            try:
+                self._store.tenant_release(t)
+            except KviError as e:  # the lease runs out by itself
+                logger.error("kvinject: releasing tenant %d failed: %s", t, e)
+                self._stats.failed("other")
+            self._events.write(event="release", tenant=t, step=self._step)
 
     def build_connector_worker_meta(self) -> Optional[KVInjectWorkerMeta]:
         """What this step did per request, and with a disk tier the tenants whose
