@@ -525,3 +525,20 @@ def test_a_release_goes_with_the_step_that_stores_the_requests_captures(sched):
     sched.on_new_request(rr)
     _, m = claim(sched, rr, blocks=[2])
     assert [j.req_id for j in m.removes] == ["rm"] and m.releases == [4]
+
+
+def test_hybrid_injects_no_more_than_the_stores_memory_holds_at_once(tmp_path, mp):
+    # pages of 4 tokens of 2^18 bytes: 1 MiB holds 4 pages; facts of 3, 5 and 2 tokens take 1, 2 and 1 pages...
+    sched = hybrid_sched(tmp_path, store_budget_mb=1, page_tokens=4, disk_read_mb_s=1e7, prefill_tokens_s=1.0)
+    report(sched, {9: [2]}, bytes_per_token=1 << 16)
+    assert sched.memory_pages() == 4
+    r = request("r", mp)
+    sched.on_new_request(r)
+    n, meta = claim(sched, r, blocks=[0, 1, 2, 3])
+    assert n == 10 and meta.hybrid == {"inject": 2, "await": 1, "text": 0}  # 4 pages: all fit
+    report(sched, {9: [2]}, bytes_per_token=1 << 17)  # ... 2 pages of 2^19 bytes
+    r2 = request("r2", mp)
+    sched.on_new_request(r2)
+    n, meta = claim(sched, r2, blocks=[4, 5, 6, 7])
+    assert n == 3 and meta.hybrid == {"inject": 1, "await": 0, "text": 2}
+    assert meta.prefetches == [PrefetchJob("r2", 9, [2])]

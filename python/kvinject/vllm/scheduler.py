@@ -28,6 +28,9 @@ first asked for, its injected facts are planned in prompt order (:meth:`plan`):
   when its predicted load time (tokens * bytes per token / the read rate:
   ``disk_read_mb_s``, or measured) is below the predicted time to prefill its
   tokens (``prefill_tokens_s``);
+- a fact past what the store's memory holds at once (an injection's facts are
+  all in memory together: store_budget_mb over the page size the workers
+  report) ends the claim as below, wherever it is;
 - else the claim ends where that fact starts: vLLM prefills it and everything
   after it as text (``text``, for it and every later fact), and the disk-only
   facts from there on are prefetched in the background so that the next
@@ -145,6 +148,14 @@ class KVInjectScheduler:
             return self._cfg.disk_read_mb_s * 1e6
         return self._measured_read_bytes_s or DEFAULT_DISK_READ_BYTES_S
 
+    def memory_pages(self) -> Optional[int]:
+        """Pages of a worker's store memory (store_budget_mb over the reported page
+        size); None until the workers reported their bytes per token."""
+        if self._bytes_per_token <= 0:
+            return None
+        page_bytes = int(round(self._bytes_per_token * self._cfg.page_tokens))
+        return (self._cfg.store_budget_mb << 20) // page_bytes
+
     def plan(self, spec: RequestSpec, req_id: str = "") -> Plan:
         """The hybrid plan of a request's injected facts (all injected without hybrid serving)."""
         n = len(spec.inject)
@@ -155,7 +166,14 @@ class KVInjectScheduler:
             return Plan(0, {"text": n}, PrefetchJob(req_id, spec.tenant, None))
         decisions = {"inject": 0, "await": 0, "text": 0}
         cut = n
+        pt = self._cfg.page_tokens
+        capacity = self.memory_pages()
+        pages = 0
         for i, f in enumerate(spec.inject):
+            pages += -(-f.length // pt)
+            if capacity is not None and pages > capacity:
+                cut = i  # an injection's facts are all in memory at once: what does not fit is text
+                break
             if f.fact_id not in disk:
                 decisions["inject"] += 1
                 continue
