@@ -485,7 +485,7 @@ def test_without_a_disk_tier_every_fact_is_injected_whatever_is_reported(sched, 
     r = request("r", mp)
     sched.on_new_request(r)
     n, meta = claim(sched, r, blocks=[0, 1, 2, 3])
-    assert n == 10 and meta.prefetches == []
+    assert n == 10 and meta.prefetches == [] and meta.hybrid == {}
 
 
 def test_hybrid_is_off_when_the_setting_says_so(tmp_path, mp):

@@ -160,7 +160,7 @@ class KVInjectScheduler:
         """The hybrid plan of a request's injected facts (all injected without hybrid serving)."""
         n = len(spec.inject)
         if not self._cfg.hybrid_serving or not n:
-            return Plan(n, {"inject": n} if n else {})
+            return Plan(n, {})  # every fact injected; nothing counted (no hybrid policy)
         disk = self._disk_facts.get(spec.tenant)
         if disk is None:  # never reported: a cold tenant, all text; load it for the next request
             return Plan(0, {"text": n}, PrefetchJob(req_id, spec.tenant, None))
