@@ -68,6 +68,83 @@
  * ordered after the move. Tiers change no result: an injection reads the
  * same bytes from either tier.
  *
+ * Disk tier. A store created with kvi_store_options.disk_dir (CPU or CUDA,
+ * with or without a host tier) keeps every fact of a tenant in that tenant's
+ * file, "<disk_dir>/<tenant as 16 lowercase hex digits>.kvi", a store file
+ * of kvinject/persist.h's format holding that tenant's facts only
+ * (docs/store-format.md), and its memory tiers become a cache of the files:
+ *   - Written through. kvi_store_put (and put_scatter), kvi_store_remove(_ex)
+ *     and kvi_encode append their records to the tenant's file and flush
+ *     them (fdatasync) before they return KVI_OK, as a journal does: one
+ *     entry per call and tenant, all or nothing; a crash loses nothing
+ *     acknowledged and a torn final entry is ignored (the next writer cuts it
+ *     off). A failed append or flush fails the call, which changes nothing in
+ *     memory (a call over several tenants takes back what it appended to the
+ *     others). Files are mode 0600. Once the bytes of a file's superseded
+ *     records pass those of its live ones, the next write of the tenant first
+ *     rewrites the file (a temporary renamed over it, as kvi_store_save).
+ *   - Memory as a cache. When a put, capture, read back or promotion needs
+ *     pages and the pool is short, the least recently used facts that no call
+ *     is reading are dropped from memory (a tiered store's host tier first):
+ *     their pages go back to the pool and the facts stay stored, "on disk".
+ *     Every call that reads a fact's K and V (kvi_inject, kvi_inject_batched
+ *     with host fact ids, kvi_retrieve_inject, kvi_store_read, kvi_store_save)
+ *     reads a fact that is on disk back first, synchronously: its record read
+ *     and its checksum checked, into pages (a tiered store's host tier, then
+ *     promoted as usual; a CUDA store without one through pinned staging).
+ *     A call whose facts do not fit in memory at once fails with
+ *     KVI_ERR_CAPACITY. A disk-tier store keeps no device directory: fact ids
+ *     in device memory (kvi_inject_batched) are KVI_ERR_UNSUPPORTED, and
+ *     kvi_retrieve_inject looks facts up on the host (as on a tiered store).
+ *     Embeddings, token ids and contexts stay in memory for every fact.
+ *   - Leases. A store writes a tenant only while it holds the tenant's
+ *     lease, the file "<tenant>.lease" beside it (owner name and wall-clock
+ *     expiry, read and written under flock(LOCK_EX) on it). The first write
+ *     takes it when it is free, expired or this store's, for
+ *     disk_lease_ms; a write renews it when less than half is left. Another
+ *     owner's live lease fails the write with KVI_ERR_LEASED (the message
+ *     names the owner and the milliseconds left), changing nothing. Taking a
+ *     lease that another owner had, or for a tenant whose file changed (size,
+ *     mtime or inode) since this store last read or wrote it, first reads the
+ *     tenant again from its file: a user who moves to another replica finds
+ *     all their facts there. kvi_store_tenant_release gives a lease up;
+ *     kvi_store_destroy gives up the store's. Replicas' clocks must agree to
+ *     well within disk_lease_ms. On NFS, flock is emulated with byte-range
+ *     locks (NFSv4: lock state held by the server; NFSv3: needs lockd) and
+ *     close-to-open consistency is what makes a file's changes visible to
+ *     another client: use NFSv4 and leases of seconds, not milliseconds.
+ *   - Loading. Any store may read any tenant's file, without its lease:
+ *     kvi_store_prefetch(store, tenant, NULL, 0, stream) of a tenant the
+ *     store does not have, or whose file changed since the store read it
+ *     while the store holds no lease on it, indexes the tenant from its file
+ *     (facts on disk), then reads back as many of its facts as fit in memory
+ *     (most recently written first). This is the one way a store learns of
+ *     tenants written by others; a store also reads a tenant's file when it
+ *     first writes it.
+ *   - Errors. A directory that is missing or cannot be written fails
+ *     kvi_store_create with KVI_ERR_IO naming it. A write that would pass
+ *     disk_budget_bytes is KVI_ERR_CAPACITY ("the disk tier is full"); a
+ *     full file system (ENOSPC, EDQUOT, EFBIG) is KVI_ERR_IO naming the file
+ *     and the system's error; either way the call changes nothing and the
+ *     stored facts stay usable. A damaged tenant file (anything but a torn
+ *     final entry) is KVI_ERR_CORRUPT for calls on that tenant only.
+ *   - Threads. Writes, and the reads back of a call that needs a fact,
+ *     happen under the store's lock (other calls on the store wait for
+ *     them). kvi_store_prefetch's reads are asynchronous: it takes each
+ *     fact's pages under the lock and queues the read on a thread the store
+ *     starts at its first such prefetch; the thread reads the file without
+ *     the lock, so calls on facts in memory go on meanwhile, then publishes
+ *     the fact under the lock (a CUDA store's: the next call that needs the
+ *     fact, or the next prefetch). A call that needs a fact being read waits
+ *     for that read instead of reading it again; a call short of memory
+ *     waits for the reads in flight, whose pages it may then reclaim. Until
+ *     published a fact counts as on disk (kvi_store_fact_tier,
+ *     facts_on_disk_only). kvi_store_destroy stops the thread.
+ *   - Not with: a communicator (KVI_ERR_UNSUPPORTED), kvi_store_load
+ *     (KVI_ERR_UNSUPPORTED: create the store and prefetch its tenants).
+ *     kvi_store_fact_tier says where a fact is; kvi_store_stats counts the
+ *     facts on disk only, file bytes, reads, writes and drops.
+ *
  * fp8 storage (kvi_store_options.dtype = KVI_DTYPE_FP8_E4M3) halves the
  * bytes of bf16. Every page keeps, beside its e4m3 elements, one fp32 scale
  * per (layer, K/V, head) for that page's tokens: a group is one head's tokens
@@ -541,8 +618,17 @@ KVI_API kvi_status kvi_store_list(const kvi_store *store, uint64_t tenant, uint6
  * stream: the copies start once the work enqueued on `stream` before this
  *   call has run (NULL: the default stream), on the store's own copy stream;
  *   later calls on any stream that read these facts wait for the copies.
- * A CPU store, or a CUDA store without a host tier, has one tier: the call
- * only checks its arguments and returns KVI_OK.
+ * A CPU store, or a CUDA store without a host tier, has one memory tier:
+ * without a disk tier the call only checks its arguments and returns KVI_OK.
+ * Disk tier (see above): the named facts that are on disk start to be read
+ * back, as many as fit (in order), on the store's I/O thread (see
+ * "Threads" there); with fact_ids NULL, a tenant the store does not have
+ * (or whose file changed, when the store holds no lease on it) is first
+ * indexed from its file (synchronously: KVI_ERR_CORRUPT, KVI_ERR_IO,
+ * KVI_ERR_INCOMPATIBLE for a damaged or foreign file; the tenant is then
+ * not in the store), then as many of its facts as fit start to be read
+ * back, most recently written first. A read back that fails leaves its fact
+ * on disk; the call that needs it then reads it and reports the error.
  * Thread rules: as every store call (serialized by the store's lock).
  * Errors: KVI_ERR_INVALID_ARGUMENT (NULL store, fact_ids NULL with count > 0,
  * count < 0), KVI_ERR_NOT_FOUND (an id unknown for the tenant: nothing

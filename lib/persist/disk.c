@@ -404,25 +404,65 @@ static kvi_status open_for_read(kvi__disk *d, dtenant *dt, const char *fn) {
   return dt->j.fd >= 0 ? KVI_OK : kvi__persist_io_fail(fn, errno, "opening the tenant file", dt->j.path);
 }
 
-static kvi_status disk_fetch(void *ctx, kvi_store *s, const fact *f, const uint32_t *pages, const char *fn) {
+/* A read of f's record: the tenant file's fd duplicated (it stays valid
+ * whatever happens to the tenant's state meanwhile), its path copied. */
+static kvi_status disk_prep(void *ctx, kvi_store *s, const fact *f, void **out, const char *fn) {
+  (void)s;
   kvi__disk *d = ctx;
   dtenant *dt = kvi__map_get(&d->tenants, f->tenant_id, 0);
   if (!dt) return kvi__fail(KVI_ERR_INTERNAL, fn, "fact %llu of tenant %llu is on disk, its tenant file unknown",
                             (unsigned long long)f->id, (unsigned long long)f->tenant_id);
   kvi_status st = open_for_read(d, dt, fn);
-  if (st == KVI_OK) st = kvi__persist_read_fact(s, dt->j.fd, dt->j.path, f, pages, NULL, &s->disk.read_bytes, fn);
+  if (st) return st;
+  fact_io *io = calloc(1, sizeof *io);
+  if (!io || !(io->path = strdup(dt->j.path))) {
+    free(io);
+    return oom(fn);
+  }
+  if ((io->fd = fcntl(dt->j.fd, F_DUPFD_CLOEXEC, 0)) < 0) {
+    st = kvi__persist_io_fail(fn, errno, "duplicating the descriptor of", dt->j.path);
+    free(io->path);
+    free(io);
+    return st;
+  }
+  io->entry = f->disk_entry, io->rec = f->disk_rec;
+  io->tenant = f->tenant_id, io->id = f->id, io->tokens = f->tokens;
+  *out = io;
+  return KVI_OK;
+}
+
+static void disk_read(const kvi_store *s, void *io, const char *fn) { (void)kvi__persist_fact_io_read(s, io, fn); }
+
+static kvi_status disk_publish(void *ctx, kvi_store *s, const fact *f, void *vio, const uint32_t *pages,
+                               const char *fn) {
+  (void)ctx;
+  const fact_io *io = vio;
+  s->disk.read_bytes += io->bytes;
+  const kvi_status st = kvi__persist_fact_io_decode(s, io, f->stale, pages, NULL, fn);
   if (st == KVI_OK) s->disk.reads++;
   return st;
 }
 
+static void disk_discard(void *vio) {
+  fact_io *io = vio;
+  if (!io) return;
+  close(io->fd);
+  free(io->path);
+  free(io->body);
+  free(io);
+}
+
 kvi_status kvi__persist_disk_record(const kvi_store *s, const fact *f, unsigned char *rec, const char *fn) {
-  kvi__disk *d = s->disk.ctx;
-  dtenant *dt = d ? kvi__map_get(&d->tenants, f->tenant_id, 0) : NULL;
-  if (!dt) return kvi__fail(KVI_ERR_INTERNAL, fn, "fact %llu of tenant %llu is on disk, its tenant file unknown",
-                            (unsigned long long)f->id, (unsigned long long)f->tenant_id);
-  kvi_store *w = (kvi_store *)s; /* its counters */
-  kvi_status st = open_for_read(d, dt, fn);
-  if (st == KVI_OK) st = kvi__persist_read_fact(s, dt->j.fd, dt->j.path, f, NULL, rec, &w->disk.read_bytes, fn);
+  kvi_store *w = (kvi_store *)s; /* its counters, and the tenant's open file */
+  void *io = NULL;
+  kvi_status st = s->disk.ctx ? disk_prep(s->disk.ctx, w, f, &io, fn)
+                              : kvi__fail(KVI_ERR_INTERNAL, fn, "a fact on disk in a store without a disk tier");
+  if (st == KVI_OK) {
+    disk_read(s, io, fn);
+    w->disk.read_bytes += ((fact_io *)io)->bytes;
+    st = kvi__persist_fact_io_decode(s, io, f->stale, NULL, rec, fn);
+  }
+  disk_discard(io);
   return st;
 }
 
@@ -444,7 +484,9 @@ static void disk_release(void *ctx) {
   free(d);
 }
 
-static const kvi__disk_ops disk_ops = {disk_claim, disk_open, disk_put, disk_remove, disk_fetch, disk_release};
+static const kvi__disk_ops disk_ops = {disk_claim,   disk_open, disk_put,     disk_remove,
+                                       disk_prep,    disk_read, disk_publish, disk_discard,
+                                       disk_release};
 
 /* ---- creation and the entry points' work ------------------------------------ */
 

@@ -253,12 +253,30 @@ kvi_status kvi__persist_read_header(loader *ld, const kvi_model *model, const kv
  * number. */
 kvi_status kvi__persist_index_tenant(kvi_store *s, uint64_t tenant, int fd, const char *path, uint64_t *file_id,
                                      uint64_t *valid_end, uint64_t *next_seq, const char *fn);
-/* Reads fact f's record from the tenant file open at fd, its entry's
- * checksum checked: into `pages` (raw NULL), or as the record's bytes
- * (put_record_bytes) into raw, its stale flag as f has it now. Adds the
- * bytes read to *bytes_read. */
-kvi_status kvi__persist_read_fact(const kvi_store *s, int fd, const char *path, const fact *f, const uint32_t *pages,
-                                  unsigned char *raw, uint64_t *bytes_read, const char *fn);
+/* A read of one fact's record back from its tenant file: what it needs,
+ * taken under the store's lock (fd, path: owned by whoever made it), then
+ * kvi__persist_fact_io_read, which touches no state of the store but its
+ * geometry (so it may run without the lock, on another thread), then
+ * kvi__persist_fact_io_decode under the lock. */
+typedef struct fact_io {
+  int fd;
+  char *path;
+  uint64_t entry, rec; /* the fact's entry and record offsets */
+  uint64_t tenant, id;
+  int32_t tokens;
+  unsigned char *body; /* the entry's body, read and checked; owned */
+  uint64_t body_len, bytes;
+  kvi_status st;       /* of the read, with its message */
+  char msg[512];
+} fact_io;
+/* Reads the fact's entry (its checksum checked) into io->body; sets io->st
+ * and io->msg; adds the bytes read to io->bytes. */
+kvi_status kvi__persist_fact_io_read(const kvi_store *s, fact_io *io, const char *fn);
+/* The read's failure (for fn), or its record decoded: into `pages` (raw
+ * NULL), or as the record's bytes (put_record_bytes) into raw, its stale
+ * flag as `stale`. */
+kvi_status kvi__persist_fact_io_decode(const kvi_store *s, const fact_io *io, bool stale, const uint32_t *pages,
+                                       unsigned char *raw, const char *fn);
 /* A fact on disk only: its record's bytes (put_record_bytes) into rec, read
  * from its tenant's file (a snapshot of it). */
 kvi_status kvi__persist_disk_record(const kvi_store *s, const fact *f, unsigned char *rec, const char *fn);

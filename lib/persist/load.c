@@ -619,60 +619,69 @@ kvi_status kvi__persist_index_tenant(kvi_store *s, uint64_t tenant, int fd, cons
   return KVI_OK;
 }
 
-kvi_status kvi__persist_read_fact(const kvi_store *s, int fd, const char *path, const fact *f, const uint32_t *pages,
-                                  unsigned char *raw, uint64_t *bytes_read, const char *fn) {
+kvi_status kvi__persist_fact_io_read(const kvi_store *s, fact_io *io, const char *fn) {
   loader ld;
-  kvi_status st = tenant_loader(&ld, s, fd, path, fn);
-  if (st) return st;
-  const uint64_t eoff = f->disk_entry;
+  kvi_status st = tenant_loader(&ld, s, io->fd, io->path, fn);
+  const uint64_t eoff = io->entry;
   unsigned char h[ENTRY_HDR];
-  if (eoff < HDR_BYTES(ld.L) || eoff + ENTRY_HDR > ld.size)
-    return kvi__persist_corrupt(&ld, eoff, "fact %llu of tenant %llu: its entry is past the end of the file (%llu bytes); was the "
-                              "file replaced?",
-                   (unsigned long long)f->id, (unsigned long long)f->tenant_id, (unsigned long long)ld.size);
-  if ((st = kvi__persist_rd(&ld, eoff, h, ENTRY_HDR))) return st;
   entry e;
   char why[160];
   bool hard;
-  if (!entry_ok(&ld, h, eoff, get64(h + 16), &e, why, sizeof why, &hard) || e.kind != KIND_FACTS)
-    return kvi__persist_corrupt(&ld, eoff, "fact %llu of tenant %llu: %s", (unsigned long long)f->id,
-                   (unsigned long long)f->tenant_id, e.kind != KIND_FACTS ? "not a facts entry" : why);
-  unsigned char *body = malloc(e.body ? (size_t)e.body : 1);
-  if (!body) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a %llu-byte entry", (unsigned long long)e.body);
-  if ((st = kvi__persist_rd(&ld, eoff + ENTRY_HDR, body, (size_t)e.body))) goto out;
-  *bytes_read += ENTRY_HDR + e.body;
-  const uint32_t crc = kvi__crc32c(0, body, (size_t)e.body);
-  if (!CRC_OK(e.body_crc, crc)) {
-    st = kvi__persist_corrupt(&ld, eoff, "fact %llu of tenant %llu: body checksum mismatch (stored 0x%08x, computed 0x%08x)",
-                 (unsigned long long)f->id, (unsigned long long)f->tenant_id, e.body_crc, crc);
-    goto out;
+  if (st == KVI_OK && (eoff < HDR_BYTES(ld.L) || eoff + ENTRY_HDR > ld.size))
+    st = kvi__persist_corrupt(&ld, eoff, "fact %llu of tenant %llu: its entry is past the end of the file (%llu bytes)",
+                              (unsigned long long)io->id, (unsigned long long)io->tenant, (unsigned long long)ld.size);
+  if (st == KVI_OK) st = kvi__persist_rd(&ld, eoff, h, ENTRY_HDR);
+  if (st == KVI_OK && (!entry_ok(&ld, h, eoff, get64(h + 16), &e, why, sizeof why, &hard) || e.kind != KIND_FACTS))
+    st = kvi__persist_corrupt(&ld, eoff, "fact %llu of tenant %llu: %s", (unsigned long long)io->id,
+                              (unsigned long long)io->tenant, e.kind != KIND_FACTS ? "not a facts entry" : why);
+  if (st == KVI_OK && !(io->body = malloc(e.body ? (size_t)e.body : 1)))
+    st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a %llu-byte entry", (unsigned long long)e.body);
+  if (st == KVI_OK) st = kvi__persist_rd(&ld, eoff + ENTRY_HDR, io->body, (size_t)e.body);
+  if (st == KVI_OK) {
+    io->body_len = e.body;
+    io->bytes += ENTRY_HDR + e.body;
+    const uint32_t crc = kvi__crc32c(0, io->body, (size_t)e.body);
+    if (!CRC_OK(e.body_crc, crc))
+      st = kvi__persist_corrupt(&ld, eoff, "fact %llu of tenant %llu: body checksum mismatch (stored 0x%08x, computed 0x%08x)",
+                                (unsigned long long)io->id, (unsigned long long)io->tenant, e.body_crc, crc);
   }
-  uint64_t at = f->disk_rec - eoff - ENTRY_HDR;
-  rec r;
-  if (f->disk_rec < eoff + ENTRY_HDR || at >= e.body) {
-    st = kvi__persist_corrupt(&ld, f->disk_rec, "fact %llu: its record is outside its entry", (unsigned long long)f->id);
-    goto out;
-  }
+  io->st = st;
+  if (st) snprintf(io->msg, sizeof io->msg, "%s", kvi__last_error());
+  return st;
+}
+
+kvi_status kvi__persist_fact_io_decode(const kvi_store *s, const fact_io *io, bool stale, const uint32_t *pages,
+                                       unsigned char *raw, const char *fn) {
+  if (io->st) return kvi__fail(io->st, fn, "%s", io->msg); /* the read's failure, perhaps on another thread */
+  loader ld;
+  memset(&ld, 0, sizeof ld);
+  ld.fn = fn, ld.path = io->path, ld.fd = io->fd, ld.version = FORMAT_VERSION;
+  ld.L = s->geom.num_layers, ld.H = s->geom.local_heads, ld.D = s->geom.head_size, ld.E = s->emb_dim;
+  ld.dtype = s->dtype, ld.page_scale = s->scale_bytes, ld.P = s->scale_bytes ? s->P : 0;
+  ld.token_bytes = token_bytes(s);
+  const uint64_t eoff = io->entry;
+  uint64_t at = io->rec - eoff - ENTRY_HDR;
+  if (io->rec < eoff + ENTRY_HDR || at >= io->body_len)
+    return kvi__persist_corrupt(&ld, io->rec, "fact %llu: its record is outside its entry", (unsigned long long)io->id);
   const uint64_t start = at;
-  if ((st = next_record(&ld, body, e.body, &at, eoff, &r))) goto out;
-  if (r.op != OP_PUT || r.tenant != f->tenant_id || r.id != f->id || r.tokens != f->tokens) {
-    st = kvi__persist_corrupt(&ld, r.off, "the record of fact %llu of tenant %llu (%d tokens) holds %s of fact %llu of tenant %llu",
-                 (unsigned long long)f->id, (unsigned long long)f->tenant_id, (int)f->tokens,
-                 r.op == OP_PUT ? "the data" : "a removal", (unsigned long long)r.id, (unsigned long long)r.tenant);
-    goto out;
-  }
+  rec r;
+  kvi_status st = next_record(&ld, io->body, io->body_len, &at, eoff, &r);
+  if (st) return st;
+  if (r.op != OP_PUT || r.tenant != io->tenant || r.id != io->id || r.tokens != io->tokens)
+    return kvi__persist_corrupt(&ld, r.off, "the record of fact %llu of tenant %llu (%d tokens) holds %s of fact %llu of tenant %llu",
+                                (unsigned long long)io->id, (unsigned long long)io->tenant, (int)io->tokens,
+                                r.op == OP_PUT ? "the data" : "a removal", (unsigned long long)r.id,
+                                (unsigned long long)r.tenant);
   if (raw) { /* the record as it is, with the fact's stale flag as it is now */
-    memcpy(raw, body + start, (size_t)(at - start));
-    if (r.ctx) put32(raw + REC_HDR + r.payload - context_bytes(r.nctx) + 4, f->stale ? 1u : 0u);
-    goto out;
+    memcpy(raw, io->body + start, (size_t)(at - start));
+    if (r.ctx) put32(raw + REC_HDR + r.payload - context_bytes(r.nctx) + 4, stale ? 1u : 0u);
+    return KVI_OK;
   }
   rec_parts p;
-  if ((st = rec_parts_get(&ld, &r, &p))) goto out;
+  if ((st = rec_parts_get(&ld, &r, &p))) return st;
   kvi_kv_view v;
   st = rec_view(s, &p, &v, fn);
   if (st == KVI_OK) st = kvi__store_write_pages((kvi_store *)s, pages, &v, p.scales, NULL, fn);
   rec_parts_free(&p);
-out:
-  free(body);
   return st;
 }

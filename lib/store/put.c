@@ -9,6 +9,7 @@
 #include "store/store_impl.h"
 
 static void unlink_fact(kvi_store *s, fact *f) {
+  if (f->loading) (void)kvi__disk_settle(s, f, false, "kvi_store_remove"); /* its read back is dropped */
   tenant *t = f->owner;
   if (f->prev) f->prev->next = f->next;
   else t->head = f->next;

@@ -303,6 +303,7 @@ fail:
 void kvi__store_destroy(kvi_store *store, bool device_ok) {
   if (!store) return;
   if (store->search.release) store->search.release(store, device_ok);
+  kvi__disk_stop(store); /* before the facts its jobs read go */
   for (size_t i = 0; i < store->index.facts.cap; i++)
     if (store->index.facts.slots[i].val) kvi__fact_free(store->index.facts.slots[i].val);
   for (size_t i = 0; i < store->index.tenants.cap; i++) {

@@ -69,6 +69,9 @@ typedef struct fact {
    * offset and the record's; 0: none yet). pages NULL: on disk only (npages
    * pages when read back), counted in its tenant's and the index's on_disk. */
   uint64_t disk_entry, disk_rec;
+  /* Being read back by the store's I/O thread (kvi_store_prefetch): its job
+   * (fetch.c), whose pages it gets when the read is published; else NULL. */
+  struct kvi__disk_job *loading;
 } fact;
 
 /* A tenant's embeddings (stores with embedding_dim > 0): row r < nrows of the
@@ -237,6 +240,15 @@ struct kvi_store {
     const struct kvi__disk_ops *ops; /* NULL without a disk tier */
     void *ctx;
     uint64_t bytes, reads, read_bytes, writes, write_bytes, drops;
+    /* Reads back by the store's I/O thread (fetch.c): the jobs not yet
+     * published, oldest first, and the thread; jobs, their states and
+     * `stop` are guarded by qm (taken after the store's lock, never before
+     * it). */
+    struct kvi__disk_job *jobs;
+    pthread_mutex_t qm;
+    pthread_cond_t qcv;
+    pthread_t thread;
+    bool thread_on, stop;
   } disk;
   kvi__store_shard shard;
 };
@@ -530,15 +542,23 @@ typedef struct kvi__journal_ops {
  *   put      appends a transaction's facts to their tenants' files, flushed,
  *            and sets each record's disk_entry and disk_rec (as the journal's)
  *   remove   appends the removal of a stored fact
- *   fetch    reads fact f's record back into `pages` (f->npages pages of
- *            the store, taken off their free stack), its checksum checked
+ *   prep     a read of fact f's record back: what it needs, in *io
+ *   read     does it: reads the record's entry and checks its checksum;
+ *            touches nothing of the store but its geometry (no lock needed:
+ *            the store's I/O thread runs it without), and fails into *io
+ *   publish  the read's failure, or the record decoded into `pages` (f->npages
+ *            pages of the store, taken off their free stack)
+ *   discard  frees *io (after publish, or instead of it)
  *   release  ends the tier (kvi_store_destroy) */
 typedef struct kvi__disk_ops {
   kvi_status (*claim)(void *ctx, kvi_store *s, uint64_t tenant, const char *fn);
   kvi_status (*open)(void *ctx, kvi_store *s, uint64_t tenant, const char *fn);
   kvi_status (*put)(void *ctx, const kvi__txn *t);
   kvi_status (*remove)(void *ctx, kvi_store *s, uint64_t tenant, uint64_t id, uint32_t flags, const char *fn);
-  kvi_status (*fetch)(void *ctx, kvi_store *s, const fact *f, const uint32_t *pages, const char *fn);
+  kvi_status (*prep)(void *ctx, kvi_store *s, const fact *f, void **io, const char *fn);
+  void (*read)(const kvi_store *s, void *io, const char *fn);
+  kvi_status (*publish)(void *ctx, kvi_store *s, const fact *f, void *io, const uint32_t *pages, const char *fn);
+  void (*discard)(void *io);
   void (*release)(void *ctx);
 } kvi__disk_ops;
 
@@ -548,8 +568,25 @@ kvi_status kvi__disk_claim(kvi_store *s, uint64_t tenant, const char *fn);
 /* Gives every fact of facts[0..n) without pages its pages back, read from
  * its tenant's file (the host tier on a tiered CUDA store, else the first
  * pool), dropping least-recently-used unpinned facts of that pool to disk
- * when it is short. The caller pins the facts (kvi__store_lease does). */
+ * when it is short; a fact the I/O thread is reading is waited for, not
+ * read twice. The caller pins the facts (kvi__store_lease does). */
 kvi_status kvi__disk_resident(kvi_store *s, fact *const *facts, size_t n, const char *fn);
+/* Starts reading fact f (on disk, not loading, pinned by the caller) back
+ * on the store's I/O thread: its pages taken now (KVI_ERR_CAPACITY when
+ * they cannot be), the read without the lock, the publication under it (by
+ * the thread on a CPU store; on a CUDA store by the next call that needs f,
+ * or kvi__disk_drain). */
+kvi_status kvi__disk_start(kvi_store *s, fact *f, const char *fn);
+/* Settles every read back still running or queued (kvi__disk_room, when
+ * their pages are what memory lacks). */
+void kvi__disk_settle_all(kvi_store *s, const char *fn);
+/* Publishes the reads the I/O thread has finished (a CUDA store's). */
+kvi_status kvi__disk_drain(kvi_store *s, const char *fn);
+/* Ends f's read back (f->loading): waits for the read if it is running,
+ * then publishes it (keep) or gives its pages back. */
+kvi_status kvi__disk_settle(kvi_store *s, fact *f, bool keep, const char *fn);
+/* Stops the I/O thread and drops the jobs left (kvi_store_destroy). */
+void kvi__disk_stop(kvi_store *s);
 /* Forgets every fact of `tenant` (no hook is called, no fact becomes stale):
  * its file is about to be read again. */
 void kvi__store_forget_tenant(kvi_store *s, uint64_t tenant);

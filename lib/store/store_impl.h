@@ -9,6 +9,7 @@
  *   pools.c       the page pools and their deferred frees
  *   tiers.c       the LRU list, tier moves, prefetch, leases, the disk
  *                 tier's drops and reads back
+ *   fetch.c       the disk tier's reads back: at once, or by the I/O thread
  *   txn.c         the write transaction
  *   put.c         facts in and out of the index, put and remove
  *   read.c        reads and queries

@@ -128,7 +128,11 @@ static uint64_t drop_candidates(kvi_store *s, pool *p, uint64_t want, bool drop)
 kvi_status kvi__disk_room(kvi_store *s, pool *p, uint64_t need, const char *fn) {
   kvi_status st = kvi__pool_room(s, p, need, fn);
   if (st || p->nfree >= need || !s->disk.ops) return st;
-  const uint64_t have = (uint64_t)p->nfree + kvi__pool_deferred(s, p);
+  uint64_t have = (uint64_t)p->nfree + kvi__pool_deferred(s, p);
+  if (s->disk.jobs && have + drop_candidates(s, p, need - have, false) < need) {
+    kvi__disk_settle_all(s, fn); /* reads back in flight hold pages: finished, their facts may drop */
+    have = (uint64_t)p->nfree + kvi__pool_deferred(s, p);
+  }
   if (have + drop_candidates(s, p, need - have, false) < need)
     return kvi__fail(KVI_ERR_CAPACITY, fn,
                      "%llu pages of %d tokens are needed in %s; %u of %u are free, the rest held by facts this call "
@@ -142,33 +146,6 @@ kvi_status kvi__disk_room(kvi_store *s, pool *p, uint64_t need, const char *fn) 
 
 kvi_status kvi__disk_claim(kvi_store *s, uint64_t tenant, const char *fn) {
   return s->disk.ops ? s->disk.ops->claim(s->disk.ctx, s, tenant, fn) : KVI_OK;
-}
-
-kvi_status kvi__disk_resident(kvi_store *s, fact *const *facts, size_t n, const char *fn) {
-  if (!s->disk.ops) return KVI_OK;
-  pool *p = s->pool.host.npages > 0 ? &s->pool.host : &s->pool.dev; /* promotion moves them on */
-  kvi_status st = KVI_OK;
-  for (size_t i = 0; i < n && st == KVI_OK; i++) {
-    fact *f = facts[i];
-    if (f->pages) continue;
-    if ((st = kvi__disk_room(s, p, f->npages, fn))) break;
-    uint32_t *pages = malloc((f->npages ? f->npages : 1) * sizeof *pages);
-    if (!pages) {
-      st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %u page ids", f->npages);
-      break;
-    }
-    kvi__pool_take(p, pages, f->npages);
-    if ((st = s->disk.ops->fetch(s->disk.ctx, s, f, pages, fn))) {
-      kvi__pool_untake(p, pages, f->npages);
-      free(pages);
-      break;
-    }
-    f->pages = pages;
-    f->owner->on_disk--, s->index.on_disk--;
-    s->index.pages_stored += f->npages;
-    kvi__store_touch(s, f);
-  }
-  return st;
 }
 
 /* Enqueues, on the copy stream, the copy of a fact of `tokens` tokens from
@@ -363,7 +340,8 @@ kvi_status kvi__store_prefetch(kvi_store *store, uint64_t tenant_id, const uint6
   if (count > 0 && !fact_ids) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "fact_ids is NULL and count is %d", (int)count);
   kvi_status st = KVI_OK;
   kvi__store_lock(store);
-  if (store->disk.ops && !fact_ids) st = store->disk.ops->open(store->disk.ctx, store, tenant_id, fn);
+  if (store->disk.ops) st = kvi__disk_drain(store, fn); /* reads the I/O thread finished (CUDA stores) */
+  if (st == KVI_OK && store->disk.ops && !fact_ids) st = store->disk.ops->open(store->disk.ctx, store, tenant_id, fn);
   const tenant *t = kvi__map_get(&store->index.tenants, tenant_id, 0);
   const size_t n = fact_ids ? (size_t)count : t ? t->count : 0;
   fact **list = malloc((n ? 2 * n : 1) * sizeof *list), **up = list ? list + n : NULL; /* up: the facts to move */
@@ -379,9 +357,9 @@ kvi_status kvi__store_prefetch(kvi_store *store, uint64_t tenant_id, const uint6
   if (st == KVI_OK && store->disk.ops && m > 0) { /* read back from disk, in order, what fits */
     for (size_t i = 0; i < m; i++) list[i]->pins++; /* none of them is dropped for another */
     for (size_t i = 0; i < m && st == KVI_OK; i++) {
-      if (list[i]->pages) continue;
-      st = kvi__disk_resident(store, &list[i], 1, fn);
-      if (st == KVI_ERR_CAPACITY) { /* memory is full of facts of this list: the prefix that fits is up */
+      if (list[i]->pages || list[i]->loading) continue;
+      st = kvi__disk_start(store, list[i], fn); /* read by the store's I/O thread */
+      if (st == KVI_ERR_CAPACITY) { /* memory is full of facts of this list: the prefix that fits is coming */
         st = KVI_OK;
         break;
       }

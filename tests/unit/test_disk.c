@@ -11,6 +11,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -178,9 +179,14 @@ static void test_tier_moves_roundtrip(void **state) {
     st = store_stats(s);
     assert_true(st.disk_reads >= 12);
     assert_true(st.disk_read_bytes > 0);
-    /* prefetch of the named facts brings them up */
+    /* prefetch of the named facts brings them up, on the store's I/O thread */
+    for (uint64_t id = 0; id < 12; id++) /* 0 and 1 go down */
+      if (id > 1) assert_true(same_fact(s, ref, 5, id));
+    assert_int_equal(tier_of(s, 5, 0), KVI_TIER_DISK);
     const uint64_t want[2] = {0, 1};
     assert_ok(kvi_store_prefetch(s, 5, want, 2, NULL));
+    const double t0 = now_s();
+    while ((tier_of(s, 5, 0) != KVI_TIER_HOST || tier_of(s, 5, 1) != KVI_TIER_HOST) && now_s() - t0 < 10) usleep(1000);
     assert_int_equal(tier_of(s, 5, 0), KVI_TIER_HOST);
     assert_int_equal(tier_of(s, 5, 1), KVI_TIER_HOST);
     kvi_store_destroy(s);
@@ -315,6 +321,7 @@ static void test_kill_during_write(void **state) {
     const pid_t pid = fork();
     assert_true(pid >= 0);
     if (pid == 0) {
+      alarm(30);
       close(pfd[0]);
       kvi_store *c = mk_store(f, KVI_DTYPE_BF16, 3, f->dir, "child", 100, 0);
       for (uint64_t id = (uint64_t)round * 100; id < 400; id++) {
@@ -332,6 +339,7 @@ static void test_kill_during_write(void **state) {
     size_t nacked = 0;
     while (read(pfd[0], &id, sizeof id) == sizeof id) acked[nacked++] = id;
     close(pfd[0]);
+    print_message("round %d: killed after %zu acknowledged puts\n", round, nacked);
     /* another replica reads the files without the lease */
     kvi_store *s = mk_store(f, KVI_DTYPE_BF16, 3, f->dir, "parent", 100, 0);
     for (uint64_t t = 1; t <= 2; t++) assert_ok(kvi_store_prefetch(s, t, NULL, 0, NULL));
@@ -365,6 +373,7 @@ static void test_kill_during_prefetch(void **state) {
   for (int round = 0; round < 3; round++) {
     const pid_t pid = fork();
     if (pid == 0) {
+      alarm(30);
       for (;;) {
         kvi_store *c = mk_store(f, KVI_DTYPE_BF16, 3, f->dir, "c", 0, 0);
         if (kvi_store_prefetch(c, 4, NULL, 0, NULL) != KVI_OK) _exit(3);
@@ -402,7 +411,7 @@ static void test_torn_and_corrupt_files(void **state) {
     assert_ok(put_tag(ref, 2, id, id + 60, 0));
   }
   const off_t before_last = fsize(p1);
-  assert_ok(put_tag(s, 1, 6, 56, 0));
+  assert_ok(put_tag(s, 1, 6, 53, 0)); /* 9 tokens: the largest entry */
   const off_t full = fsize(p1);
   kvi_store_destroy(s);
   assert_true(full > before_last);
@@ -412,14 +421,18 @@ static void test_torn_and_corrupt_files(void **state) {
   assert_ok(kvi_store_prefetch(s, 1, NULL, 0, NULL));
   assert_int_equal(count_of(s, 1), 6);
   for (uint64_t id = 0; id < 6; id++) assert_true(same_fact(s, ref, 1, id));
-  /* the next writer cuts the torn tail off and appends after it */
+  /* the next writer cuts the torn tail off and appends after it: a removal
+   * entry (48 + 32 bytes), shorter than the torn bytes it replaces */
+  assert_ok(kvi_store_remove(s, 1, 0));
+  assert_ok(kvi_store_remove(ref, 1, 0));
+  assert_int_equal(fsize(p1), before_last + 80);
   assert_ok(put_tag(s, 1, 6, 57, 0));
   assert_ok(put_tag(ref, 1, 6, 57, 0));
   kvi_store_destroy(s);
   s = mk_store(f, KVI_DTYPE_BF16, 64, f->dir, "b", 0, 0);
   assert_ok(kvi_store_prefetch(s, 1, NULL, 0, NULL));
-  assert_int_equal(count_of(s, 1), 7);
-  assert_true(same_fact(s, ref, 1, 6));
+  assert_int_equal(count_of(s, 1), 6);
+  for (uint64_t id = 1; id < 7; id++) assert_true(same_fact(s, ref, 1, id));
   kvi_store_destroy(s);
   /* a flipped byte inside an entry that is not the last: corrupt, tenant 1 only */
   int fd = open(p1, O_RDWR);
@@ -454,6 +467,9 @@ static void test_two_replicas(void **state) {
   const pid_t pid = fork();
   assert_true(pid >= 0);
   if (pid == 0) { /* replica B */
+    alarm(30); /* never outlives a parent whose test failed */
+    close(to_child[1]);
+    close(to_parent[0]);
     char c;
     kvi_store *b = mk_store(f, KVI_DTYPE_BF16, 3, f->dir, "replica-b", 300, 0);
     int rc = 0;
@@ -470,6 +486,8 @@ static void test_two_replicas(void **state) {
     kvi_store_destroy(b); /* gives its leases up */
     _exit(rc);
   }
+  close(to_child[0]);
+  close(to_parent[1]);
   char c;
   assert_int_equal(read(to_parent[0], &c, 1), 1);
   kvi_store *a = mk_store(f, KVI_DTYPE_BF16, 3, f->dir, "replica-a", 300, 0);
@@ -491,6 +509,8 @@ static void test_two_replicas(void **state) {
   assert_int_equal(write(to_child[1], "y", 1), 1);
   int wst = 0;
   assert_int_equal(waitpid(pid, &wst, 0), pid);
+  close(to_child[1]);
+  close(to_parent[0]);
   assert_true(WIFEXITED(wst));
   assert_int_equal(WEXITSTATUS(wst), 0);
   /* B wrote (and released on destroy): A takes the tenant again and has B's fact */
@@ -519,6 +539,11 @@ static void test_create_errors(void **state) {
   assert_status(kvi_store_create(&s, f->m, &o), KVI_ERR_IO);
   assert_last_error_has("kvi_store_create", "not a directory");
   unlink(path);
+  /* a directory no one may create files in, root included */
+  o.disk_dir = "/proc/self";
+  assert_status(kvi_store_create(&s, f->m, &o), KVI_ERR_IO);
+  assert_last_error_has("kvi_store_create", "/proc/self is not writable");
+  assert_null(s);
   o.disk_dir = f->dir;
   o.disk_owner = "two\nlines";
   assert_status(kvi_store_create(&s, f->m, &o), KVI_ERR_INVALID_ARGUMENT);
@@ -592,6 +617,7 @@ static void test_disk_full(void **state) {
   /* a write error (EFBIG past RLIMIT_FSIZE, as ENOSPC would be) in a child */
   const pid_t pid = fork();
   if (pid == 0) {
+    alarm(30);
     kvi_store *c = mk_store(f, KVI_DTYPE_BF16, 4, f->dir, NULL, 0, 0);
     if (kvi_store_prefetch(c, 3, NULL, 0, NULL) != KVI_OK) _exit(2);
     char p[600];
@@ -703,6 +729,114 @@ static void test_compaction_and_save(void **state) {
   kvi_store_destroy(ref);
 }
 
+/* Prefetch reads on the store's I/O thread: readers that come before it is
+ * done wait for its reads (each fact is read once), and reads, prefetches
+ * and writes from several threads at once leave every fact byte-exact. */
+static void test_async_prefetch(void **state) {
+  fx *f = *state;
+  kvi_store *s = mk_store(f, KVI_DTYPE_BF16, 64, f->dir, "a", 0, 0), *ref = mk_store(f, KVI_DTYPE_BF16, 64, NULL, NULL, 0, 0);
+  for (uint64_t id = 0; id < 20; id++) {
+    assert_ok(put_tag(s, 6, id, id + 3, 0));
+    assert_ok(put_tag(ref, 6, id, id + 3, 0));
+  }
+  kvi_store_destroy(s);
+  s = mk_store(f, KVI_DTYPE_BF16, 64, f->dir, "a", 0, 0);
+  assert_ok(kvi_store_prefetch(s, 6, NULL, 0, NULL));
+  for (uint64_t id = 20; id-- > 0;) assert_true(same_fact(s, ref, 6, id)); /* the last queued first */
+  kvi_store_stats st = store_stats(s);
+  assert_int_equal(st.disk_reads, 20); /* once each: no reader read a fact the thread was reading */
+  assert_int_equal(st.facts_on_disk_only, 0);
+  kvi_store_destroy(s);
+  kvi_store_destroy(ref);
+}
+
+typedef struct worker {
+  kvi_store *s, *ref;
+  int kind;
+  bool ok;
+} worker;
+
+static void *work(void *arg) {
+  worker *w = arg;
+  w->ok = true;
+  for (int i = 0; i < 150 && w->ok; i++) {
+    const uint64_t id = (uint64_t)(i * 7 + w->kind) % 20;
+    if (w->kind == 0) w->ok = kvi_store_prefetch(w->s, 6, NULL, 0, NULL) == KVI_OK;
+    else if (w->kind == 1) w->ok = same_fact(w->s, w->ref, 6, id);
+    else w->ok = put_tag(w->s, 7, id, id, KVI_PUT_REPLACE) == KVI_OK;
+  }
+  return NULL;
+}
+
+static void test_async_threads(void **state) {
+  fx *f = *state;
+  kvi_store *s = mk_store(f, KVI_DTYPE_BF16, 8, f->dir, "a", 0, 0), *ref = mk_store(f, KVI_DTYPE_BF16, 64, NULL, NULL, 0, 0);
+  for (uint64_t id = 0; id < 20; id++) {
+    assert_ok(put_tag(s, 6, id, id + 3, 0));
+    assert_ok(put_tag(ref, 6, id, id + 3, 0));
+  }
+  worker w[4] = {{s, ref, 0, false}, {s, ref, 1, false}, {s, ref, 2, false}, {s, ref, 1, false}};
+  pthread_t th[4];
+  for (int i = 0; i < 4; i++) assert_int_equal(pthread_create(&th[i], NULL, work, &w[i]), 0);
+  for (int i = 0; i < 4; i++) pthread_join(th[i], NULL);
+  for (int i = 0; i < 4; i++) assert_true(w[i].ok);
+  for (uint64_t id = 0; id < 20; id++) assert_true(same_fact(s, ref, 6, id));
+  kvi_store_destroy(s);
+  kvi_store_destroy(ref);
+}
+
+/* Captures (kvi_encode) write through like puts: after the store is gone,
+ * another store reads them from the file as the memory-only store has them. */
+static void encode3(kvi_store *s, float *pool) {
+  kvi_cache_layout cl;
+  assert_ok(kvi_cache_layout_preset(&cl, KVI_CACHE_TRTLLM, KVI_DTYPE_FP32, L, H, D, 4, 8, NULL, NULL, pool));
+  cl.memory = KVI_MEMORY_HOST;
+  kvi_encoder *enc = NULL;
+  assert_ok(kvi_encoder_create(&enc, s, &cl, NULL));
+  const int32_t table[] = {3, 1, 6, 0};
+  kvi_capture caps[3];
+  for (int i = 0; i < 3; i++) {
+    kvi_capture_init(&caps[i], sizeof caps[i]);
+    caps[i].tenant = 5;
+    caps[i].fact_id = 10 + (uint64_t)i;
+    caps[i].block_table = table;
+    caps[i].block_table_len = 4;
+    caps[i].first_slot = 3 * i + 1;
+    caps[i].num_tokens = 2 + i;
+    caps[i].start_position = 17 * i;
+  }
+  assert_ok(kvi_encode(enc, caps, 3, NULL));
+  kvi_encoder_destroy(enc);
+}
+
+static void test_encode_writes_through(void **state) {
+  fx *f = *state;
+  const size_t elems = (size_t)8 * L * 2 * H * 4 * D;
+  float *pool = malloc(elems * sizeof *pool);
+  rng r;
+  rng_seed(&r, __func__);
+  for (size_t i = 0; i < elems; i++) pool[i] = rand_float(&r);
+  kvi_store *s = mk_store(f, KVI_DTYPE_BF16, 3, f->dir, NULL, 0, 0), *ref = mk_store(f, KVI_DTYPE_BF16, 64, NULL, NULL, 0, 0);
+  for (uint64_t id = 0; id < 3; id++) { /* memory full: the captures drop these */
+    assert_ok(put_tag(s, 5, id, id, 0));
+    assert_ok(put_tag(ref, 5, id, id, 0));
+  }
+  const uint64_t writes = store_stats(s).disk_writes;
+  encode3(s, pool);
+  encode3(ref, pool);
+  assert_int_equal(store_stats(s).disk_writes, writes + 1); /* one entry for the call */
+  for (uint64_t id = 0; id < 3; id++) assert_true(same_fact(s, ref, 5, id));
+  kvi_store_destroy(s);
+  s = mk_store(f, KVI_DTYPE_BF16, 3, f->dir, NULL, 0, 0);
+  assert_ok(kvi_store_prefetch(s, 5, NULL, 0, NULL));
+  assert_int_equal(count_of(s, 5), 6);
+  for (uint64_t id = 0; id < 3; id++) assert_true(same_fact(s, ref, 5, id));
+  for (uint64_t id = 10; id < 13; id++) assert_true(same_fact(s, ref, 5, id));
+  kvi_store_destroy(s);
+  kvi_store_destroy(ref);
+  free(pool);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_tier_moves_roundtrip, fx_setup, fx_teardown),
@@ -716,6 +850,9 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_disk_full, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_tenant_isolation, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_compaction_and_save, fx_setup, fx_teardown),
+      cmocka_unit_test_setup_teardown(test_async_prefetch, fx_setup, fx_teardown),
+      cmocka_unit_test_setup_teardown(test_async_threads, fx_setup, fx_teardown),
+      cmocka_unit_test_setup_teardown(test_encode_writes_through, fx_setup, fx_teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
