@@ -546,7 +546,14 @@ class Store(Handle):
 
     def prefetch(self, tenant: int, fact_ids: Optional[IntArrayLike] = None, stream: StreamLike = None) -> None:
         """kvi_store_prefetch: start moving the facts (all of the tenant's for None) to the
-        device tier; returns without waiting. A no-op for a store without a host tier."""
+        device tier; returns without waiting. A no-op for a store without a host tier or a
+        disk tier. With a disk tier, the facts that are only on disk start to be read back
+        (as many as fit, in order) on the store's I/O thread; for None, a tenant the store
+        does not have, or whose file another store changed, is first indexed from its file
+        (synchronously; this is how a store learns of a tenant another replica wrote), then
+        as many of its facts as fit start to be read back, most recently written first. A
+        call that needs a fact being read waits for it; :meth:`fact_tier` says DISK until
+        the read is done."""
         if fact_ids is None:
             lib().call("kvi_store_prefetch", self.handle, fit(tenant, U64, "tenant"), None, 0,
                        _buffers.stream_handle(stream))

@@ -115,6 +115,14 @@ def reads_as(s, tenant, fact_id, tag) -> bool:
     return list(k) == list(ek) and list(v) == list(ev)
 
 
+def until(cond, timeout=10.0):
+    """Waits for cond() (prefetch reads the disk on the store's I/O thread); asserts it came."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "not within %.0f s" % timeout
+        time.sleep(0.01)
+
+
 def tiers(s, tenant, ids):
     return [s.fact_tier(tenant, i) for i in ids]
 
@@ -155,9 +163,9 @@ class TestDiskTier:
         # a new store on the directory: the tenant is in its file, loaded by prefetch
         t = self.store(3, self.dir)
         assert t.count(5) == 0
-        t.prefetch(5)
+        t.prefetch(5)  # indexes the tenant from its file, then reads back what fits in the background
         assert t.list(5) == list(range(12))
-        assert 0 < tiers(t, 5, range(12)).count(Tier.HOST) <= 3
+        until(lambda: tiers(t, 5, range(12)).count(Tier.HOST) == 3)
         for i in range(12):
             assert reads_as(t, 5, i, i), i
 
@@ -174,8 +182,8 @@ class TestDiskTier:
         s.read(1, 0)  # back up; 1 is now the least recently used
         assert tiers(s, 1, [0, 1, 2]) == [Tier.HOST, Tier.DISK, Tier.HOST]
         assert s.stats().drops_to_disk == 2
-        s.prefetch(1, [1])
-        assert s.fact_tier(1, 1) == Tier.HOST
+        s.prefetch(1, [1])  # read back in the background
+        until(lambda: s.fact_tier(1, 1) == Tier.HOST)
         assert tiers(s, 1, [0, 1, 2]).count(Tier.DISK) == 1 == s.stats().facts_on_disk_only
         s.remove(1, 1)
         with pytest.raises(kvi.NotFoundError):

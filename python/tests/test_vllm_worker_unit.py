@@ -561,8 +561,11 @@ def test_a_disk_tier_store_injects_facts_read_back_and_reports_what_is_on_disk(a
         m = KVInjectMetadata(prefetches=[PrefetchJob("p", 1, down)], hybrid={"inject": 1, "text": 2})
         rig.worker.start_load_kv(m)
         rig.worker.wait_for_save(m)
-        rig.worker.wait_prefetches()
-        assert [rig.store.fact_tier(1, f) for f in down] == [kvi.Tier.HOST] * 2
+        rig.worker.wait_prefetches()  # the library reads them back on its own thread: wait for that too
+        deadline = time.monotonic() + 10
+        while [rig.store.fact_tier(1, f) for f in down] != [kvi.Tier.HOST] * 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         wm = rig.worker.build_connector_worker_meta()
         assert set(down).isdisjoint(wm.disk_facts[1]) and wm.disk_facts[1] == disk_only(rig.store, 1)
         data = rig.worker.get_kv_connector_stats().data["ranks"]["0"]
