@@ -24,8 +24,9 @@ read rate its injections measure (bytes read back / the injection's time), for
 the scheduler's hybrid plan (kvinject.vllm.scheduler). Prefetches (the
 scheduler's, and requests' ``prefetch`` parameter) run on a thread of the
 worker's, one after another, after the step's injections were started: the
-step does not wait for them (the store's lock orders them with the
-injections and captures of later steps).
+step does not wait for them (a whole-tenant prefetch indexes the tenant from
+its file synchronously; the library reads facts back on its own I/O thread).
+An injection of a tenant whose prefetch is still running waits for it.
 
 No vLLM import here: what the worker needs of vLLM's internals (the attention
 backend, the tensor-parallel rank) comes through kvinject.vllm._compat.
