@@ -701,6 +701,7 @@ static void test_compaction_and_save(void **state) {
   struct stat sb;
   assert_int_equal(stat(p, &sb), 0);
   assert_int_equal(sb.st_mode & 0777, 0600);
+  assert_int_equal(store_stats(s).disk_bytes, (uint64_t)sb.st_size); /* the one tenant file it wrote */
   char lp[600];
   tenant_file(f, 2, ".lease", lp, sizeof lp);
   assert_int_equal(stat(lp, &sb), 0);
