@@ -22,9 +22,9 @@ hybrid policy, and an injection waits for the prefetch) and the placement
 there becomes clean. A failed injection distrusts the file: every placement of
 the user becomes unknown, and the next use captures the user again.
 
-Sessions: a chat after ``session_idle_s`` without one from the user asks the
-user's replica to prefetch the user's memory (not waited for), as
-``POST /v1/memory/{user}/prefetch`` does (waited for).
+Sessions: a chat after ``session_idle_s`` without one from the user first asks
+the user's replica to prefetch the user's memory (the request is waited for,
+the replica's reads are not), as ``POST /v1/memory/{user}/prefetch`` does.
 """
 from __future__ import annotations
 
@@ -58,7 +58,6 @@ class Service:
         self._embed_pool = ThreadPoolExecutor(1, thread_name_prefix="kvinject-embed")
         self.model_name = cfg.served_model_name or ""
         self._last_chat: Dict[int, float] = {}   # user -> time.monotonic() of its last chat
-        self._background: set = set()             # session prefetches in flight (kept referenced)
 
     # ----------------------------------------------------------- lifecycle
 
@@ -524,10 +523,10 @@ class Service:
             rep = self.owner(route)
             self._check_length(rep, body, req)
             if u is not None and self._new_session(u.id) and self.clean(u, rep):
-                # a session starts: the replica moves the user's memory up (not waited for)
-                t = asyncio.get_running_loop().create_task(self.prefetch(rep, u.id, "session"))
-                self._background.add(t)
-                t.add_done_callback(self._background.discard)
+                # a session starts: the replica starts moving the user's memory up. The request is
+                # waited for (one engine step; the reads are not): sent alongside the chat, it would
+                # share the chat's batch, whose numerics then differ from a chat alone
+                await self.prefetch(rep, u.id, "session")
             attempt = 0
             while True:
                 attempt += 1
