@@ -313,7 +313,7 @@ class KVInjectWorker:
                 try:
                     if self._store.fact_tier(t, fid) == Tier.DISK:
                         disk.append(fid)
-                except NotFoundError:  # removed meanwhile (a capture of another thread: none here)
+                except NotFoundError:  # removed since the list
                     continue
             if self._reported.get(t) != disk:
                 self._reported[t] = out[t] = disk
@@ -387,8 +387,9 @@ class KVInjectWorker:
             self._events.write(**rec)
 
     def _measure_reads(self, nbytes: int, seconds: float) -> None:
-        """An injection that read ``nbytes`` back from disk in ``seconds`` (all of its
-        time counted: a lower bound of the rate), averaged with the earlier ones."""
+        """An injection that read ``nbytes`` back from disk in ``seconds``, averaged with
+        the earlier ones: an estimate (all of the injection's time counts, and so do
+        the reads the store's I/O thread finished meanwhile for prefetches)."""
         if nbytes <= 0 or seconds <= 0:
             return
         rate = nbytes / seconds
