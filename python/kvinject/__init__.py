@@ -44,8 +44,8 @@ from .enums import (FEATURE_CUBLASLT, FEATURE_CUDA, FEATURE_NCCL, LOAD_JOURNAL, 
                     SAVE_ONE_TENANT, SEARCH_DEFAULT_WORKSPACE, SEARCH_MAX_K, SEARCH_NO_ID, STRIDE_SAME, Backend,
                     CachePreset, DType, EmbeddingPlacement, Memory, Metric,
                     RopeScaling,
-                    RopeStyle, ScaleMode, Status)
-from .errors import (CapacityError, CorruptError, CudaError, ExistsError, IncompatibleError, IOError_, PeerError, InternalError, InvalidArgumentError, KviError,
+                    RopeStyle, ScaleMode, Status, Tier)
+from .errors import (CapacityError, CorruptError, CudaError, ExistsError, IncompatibleError, IOError_, PeerError, InternalError, InvalidArgumentError, KviError, LeasedError,
                      MemoryKindError, MismatchError, NoDeviceError, NotBuiltError, NotFoundError,
                      OutOfMemoryError, StaleFactError, StaleLayoutError, StructSizeError, TokenMismatchError, UnsupportedError,
                      error_class)
@@ -137,7 +137,7 @@ __all__ = [
     "MismatchError", "Model", "ModelInfoData", "NoDeviceError", "NotBuiltError", "NotFoundError",
     "LOAD_JOURNAL", "OutOfMemoryError", "PUT_REPLACE", "REMOVE_KEEP_DEPENDENTS", "SAVE_ONE_TENANT", "RETRIEVE_BEST_LAST", "RopeScaling", "RopeSpec",
     "RopeStyle", "SEARCH_DEFAULT_WORKSPACE", "SEARCH_MAX_K", "SEARCH_NO_ID", "STRIDE_SAME", "ScaleMode", "SearchResults",
-    "StaleLayoutError", "Status", "Store", "StoreStats",
+    "LeasedError", "StaleLayoutError", "Status", "Store", "StoreStats", "Tier",
     "StaleFactError", "StructSizeError", "TokenMismatchError", "UnsupportedError", "cuda_device_count", "dtype_size", "embedding_rank", "error_class", "features",
     "last_error", "library_found_by", "library_path", "recompute_select", "status_string", "version", "version_number",
 ]

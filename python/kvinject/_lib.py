@@ -117,6 +117,10 @@ class StoreOptions(ctypes.Structure):
         ("comm", c_void_p),
         ("embedding_placement", c_enum),
         ("host_budget_bytes", c_uint64),
+        ("disk_dir", c_char_p),
+        ("disk_budget_bytes", c_uint64),
+        ("disk_owner", c_char_p),
+        ("disk_lease_ms", c_int32),
     ]
 
 
@@ -155,6 +159,13 @@ class StoreStatsC(ctypes.Structure):
         ("promotions", c_uint64),
         ("demotions", c_uint64),
         ("facts_stale", c_uint64),  # experimental
+        ("facts_on_disk_only", c_uint64),
+        ("disk_bytes", c_uint64),
+        ("disk_reads", c_uint64),
+        ("disk_read_bytes", c_uint64),
+        ("disk_writes", c_uint64),
+        ("disk_write_bytes", c_uint64),
+        ("drops_to_disk", c_uint64),
     ]
 
 
@@ -428,6 +439,8 @@ _PROTOTYPES = {
     "kvi_store_count": (c_int, [P, c_uint64, POINTER(c_size_t)]),
     "kvi_store_list": (c_int, [P, c_uint64, P, c_size_t, POINTER(c_size_t)]),
     "kvi_store_stats_get": (c_int, [P, P]),
+    "kvi_store_fact_tier": (c_int, [P, c_uint64, c_uint64, POINTER(c_int32)]),
+    "kvi_store_tenant_release": (c_int, [P, c_uint64]),
     # search.h
     "kvi_search_options_init": (c_int, [P, c_size_t]),
     "kvi_store_search": (c_int, [P, P, c_int32, c_int32, P, c_int32, P, P, P, P, P]),

@@ -31,6 +31,7 @@ class Status(enum.IntEnum):
     ERR_PEER = -17
     ERR_TOKEN_MISMATCH = -18
     ERR_STALE = -19
+    ERR_LEASED = -20
 
 
 class DType(enum.IntEnum):
@@ -128,6 +129,15 @@ RETRIEVE_BEST_LAST = 0x1
 SEARCH_MAX_K = 1024
 SEARCH_NO_ID = 0xFFFFFFFFFFFFFFFF
 SEARCH_DEFAULT_WORKSPACE = 64 << 20
+
+
+class Tier(enum.IntEnum):
+    """kvi_tier: where a fact's K and V are now (:meth:`kvinject.Store.fact_tier`;
+    kvinject/store.h, "Disk tier"). A CPU store's resident facts are HOST."""
+
+    DEVICE = 0  #: device pages of a CUDA store
+    HOST = 1  #: host pages: a CPU store's, or a CUDA store's host tier
+    DISK = 2  #: only in the tenant's file of the disk tier: read back when used
 
 
 class EmbeddingPlacement(enum.IntEnum):

@@ -117,6 +117,13 @@ class StaleFactError(KviError):
     put or capture them again with ``replace=True``, or remove them); nothing was written."""
 
 
+class LeasedError(KviError):
+    """KVI_ERR_LEASED: a write (put, remove, encode) of a tenant of a store with a disk tier whose
+    ownership lease another replica sharing the directory holds; the message names the owner and
+    the milliseconds left. Nothing was written. The lease ends when the owner calls
+    :meth:`kvinject.Store.tenant_release` (or closes), or runs out after its ``disk_lease_ms``."""
+
+
 class StaleLayoutError(ValueError):
     """The binding's own check: a layout made from a Hugging Face cache object whose
     tensors the cache has since replaced (see :meth:`kvinject.CacheLayout.check`).
@@ -143,6 +150,7 @@ _BY_STATUS = {
     Status.ERR_PEER: PeerError,
     Status.ERR_TOKEN_MISMATCH: TokenMismatchError,
     Status.ERR_STALE: StaleFactError,
+    Status.ERR_LEASED: LeasedError,
 }
 
 
@@ -153,7 +161,8 @@ _C_NAMES = {
     "kvi_store_create": "Store", "kvi_store_put": "Store.put", "kvi_store_read": "Store.read",
     "kvi_store_remove": "Store.remove", "kvi_store_fact_tokens": "Store.fact_tokens",
     "kvi_store_remove_ex": "Store.remove", "kvi_store_stale": "Store.stale",
-    "kvi_store_fact_context": "Store.fact_context",
+    "kvi_store_fact_context": "Store.fact_context", "kvi_store_fact_tier": "Store.fact_tier",
+    "kvi_store_tenant_release": "Store.tenant_release",
     "kvi_store_get_embedding": "Store.get_embedding", "kvi_store_prefetch": "Store.prefetch",
     "kvi_store_count": "Store.count", "kvi_store_list": "Store.list", "kvi_store_stats_get": "Store.stats",
     "kvi_store_search": "Store.search", "kvi_store_async_errors": "Store.async_errors",

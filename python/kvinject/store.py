@@ -19,7 +19,7 @@ from ._lib import (GatherItemC, KVViewC, LoadOptionsC, PutOptions, SaveOptionsC,
 
 U64 = ctypes.c_uint64
 from .enums import (LOAD_JOURNAL, PUT_REPLACE, REMOVE_KEEP_DEPENDENTS, SAVE_ONE_TENANT, SEARCH_MAX_K, SEARCH_NO_ID, Backend, DType,
-                    EmbeddingPlacement, Memory, Metric)
+                    EmbeddingPlacement, Memory, Metric, Tier)
 from .errors import CapacityError
 from .model import Model
 
@@ -78,6 +78,14 @@ class StoreStats:
     promotions: int
     demotions: int
     facts_stale: int = 0  # experimental
+    # the disk tier (0 without one; kvinject/store.h, "Disk tier")
+    facts_on_disk_only: int = 0  #: facts (counted in facts) in no memory tier now, only in their tenant's file
+    disk_bytes: int = 0  #: bytes of the tenant files the store wrote or read
+    disk_reads: int = 0  #: facts read back from tenant files since creation
+    disk_read_bytes: int = 0  #: bytes read for them (whole entries)
+    disk_writes: int = 0  #: entries appended to tenant files (and files rewritten)
+    disk_write_bytes: int = 0  #: bytes written for them
+    drops_to_disk: int = 0  #: facts dropped from memory (kept on disk) since creation
 
 
 class SearchResults:
@@ -159,6 +167,22 @@ class Store(Handle):
     fp32/fp16/bf16 tensors. ``host_budget_bytes`` (CUDA stores) adds a tier of pinned
     host pages (kvinject/store.h, Tiers; :meth:`prefetch`). Every method may be called from several threads at once (the C
     store has a lock); close() must not overlap them.
+
+    The disk tier (kvinject/store.h, "Disk tier"): ``disk_dir`` (str, bytes or
+    os.PathLike; an existing, writable directory) keeps one file per tenant,
+    ``<disk_dir>/<tenant hex>.kvi``, written through on every put, remove and
+    Encoder.encode; the memory tiers (``budget_bytes``, ``host_budget_bytes``)
+    become an LRU cache of those files: facts that do not fit are dropped from
+    memory and read back when used (an injection reads them back synchronously;
+    :meth:`prefetch` moves a tenant up ahead of use, and loads a tenant that
+    another store sharing the directory wrote). :meth:`fact_tier` says where a
+    fact is now (:class:`~kvinject.Tier`). ``disk_budget_bytes``: the bytes of
+    tenant files this store may hold (0, the default: no limit but the file
+    system's). Stores of several processes (replicas) may share one directory:
+    a write of a tenant takes that tenant's ownership lease for
+    ``disk_lease_ms`` (default 30000), named ``disk_owner`` (default
+    "<hostname>:<pid>"); a write while another store holds it raises
+    :class:`~kvinject.LeasedError`. :meth:`tenant_release` gives a lease up at once.
     """
 
     _destroy = "kvi_store_destroy"
@@ -167,9 +191,11 @@ class Store(Handle):
                  device: Optional[int] = None, dtype: Optional[DType] = None, page_tokens: Optional[int] = None,
                  embedding_dim: Optional[int] = None, embedding_dtype: Optional[DType] = None,
                  metric: Optional[Metric] = None, host_budget_bytes: Optional[int] = None, comm=None,
-                 embedding_placement: Optional[EmbeddingPlacement] = None):
+                 embedding_placement: Optional[EmbeddingPlacement] = None, disk_dir: Optional[PathLike] = None,
+                 disk_budget_bytes: int = 0, disk_owner: Optional[str] = None, disk_lease_ms: Optional[int] = None):
         o = _store_options(budget_bytes, backend, device, dtype, page_tokens, embedding_dim, embedding_dtype,
-                           metric, host_budget_bytes, comm, embedding_placement)
+                           metric, host_budget_bytes, comm, embedding_placement, disk_dir, disk_budget_bytes,
+                           disk_owner, disk_lease_ms)
         h = ctypes.c_void_p()
         lib().call("kvi_store_create", ctypes.byref(h), model.handle, ctypes.byref(o))
         self._adopt(h, model, comm)
@@ -520,7 +546,14 @@ class Store(Handle):
 
     def prefetch(self, tenant: int, fact_ids: Optional[IntArrayLike] = None, stream: StreamLike = None) -> None:
         """kvi_store_prefetch: start moving the facts (all of the tenant's for None) to the
-        device tier; returns without waiting. A no-op for a store without a host tier."""
+        device tier; returns without waiting. A no-op for a store without a host tier or a
+        disk tier. With a disk tier, the facts that are only on disk start to be read back
+        (as many as fit, in order) on the store's I/O thread; for None, a tenant the store
+        does not have, or whose file another store changed, is first indexed from its file
+        (synchronously; this is how a store learns of a tenant another replica wrote), then
+        as many of its facts as fit start to be read back, most recently written first. A
+        call that needs a fact being read waits for it; :meth:`fact_tier` says DISK until
+        the read is done."""
         if fact_ids is None:
             lib().call("kvi_store_prefetch", self.handle, fit(tenant, U64, "tenant"), None, 0,
                        _buffers.stream_handle(stream))
@@ -528,6 +561,27 @@ class Store(Handle):
         ids = _buffers.int_array(fact_ids, ctypes.c_uint64, "fact_ids")
         lib().call("kvi_store_prefetch", self.handle, fit(tenant, U64, "tenant"), ids.c_ptr(),
                    fit(ids.numel, ctypes.c_int32, "count"), _buffers.stream_handle(stream))
+
+    def fact_tier(self, tenant: int, fact_id: int) -> Tier:
+        """kvi_store_fact_tier: where the fact's K and V are now: :attr:`Tier.DEVICE`,
+        :attr:`Tier.HOST` (a CPU store's resident facts) or :attr:`Tier.DISK` (only in the
+        tenant's file of the disk tier; an injection reads it back). No device work, no
+        file I/O; the answer may change at once under calls on other threads.
+        Raises NotFoundError for an unknown fact."""
+        t = ctypes.c_int32()
+        lib().call("kvi_store_fact_tier", self.handle, fit(tenant, U64, "tenant"), fit(fact_id, U64, "fact_id"),
+                   ctypes.byref(t))
+        return Tier(t.value)
+
+    def tenant_release(self, tenant: int) -> None:
+        """kvi_store_tenant_release: gives up this store's ownership lease of ``tenant``
+        (see the disk tier in the class docstring), so that another store sharing
+        ``disk_dir`` may write the tenant at once. The tenant's facts stay readable
+        here; the next write here takes the lease again (re-reading the file if another
+        store changed it). A tenant whose lease this store does not hold, or a store
+        without a disk tier: nothing is done. Raises IOError_ when the lease file could
+        not be written (the lease then runs out by itself)."""
+        lib().call("kvi_store_tenant_release", self.handle, fit(tenant, U64, "tenant"))
 
     def count(self, tenant: int) -> int:
         """kvi_store_count: facts of a tenant (0 for one never seen)."""
@@ -633,7 +687,8 @@ class Store(Handle):
 
 
 def _store_options(budget_bytes, backend=None, device=None, dtype=None, page_tokens=None, embedding_dim=None,
-                   embedding_dtype=None, metric=None, host_budget_bytes=None, comm=None, embedding_placement=None):
+                   embedding_dtype=None, metric=None, host_budget_bytes=None, comm=None, embedding_placement=None,
+                   disk_dir=None, disk_budget_bytes=0, disk_owner=None, disk_lease_ms=None):
     """kvi_store_options from Store's keyword arguments (None: the library's default)."""
     o = lib().new(StoreOptions)
     assign(o, budget_bytes=budget_bytes)
@@ -657,6 +712,16 @@ def _store_options(budget_bytes, backend=None, device=None, dtype=None, page_tok
         o.comm = comm.handle
     if embedding_placement is not None:
         o.embedding_placement = int(EmbeddingPlacement(embedding_placement))
+    if disk_dir is not None:
+        o.disk_dir = _path(disk_dir)  # the struct keeps the bytes alive; the C store copies them
+    assign(o, disk_budget_bytes=disk_budget_bytes or 0)
+    if disk_owner is not None:
+        owner = disk_owner.encode() if isinstance(disk_owner, str) else bytes(disk_owner)
+        if b"\0" in owner:
+            raise ValueError("disk_owner: expected a name without NUL bytes, got %r" % (disk_owner,))
+        o.disk_owner = owner
+    if disk_lease_ms is not None:
+        assign(o, disk_lease_ms=disk_lease_ms)
     return o
 
 

@@ -94,6 +94,10 @@ int main(void) {
   FIELD(kvi_store_options, comm);
   FIELD(kvi_store_options, embedding_placement);
   FIELD(kvi_store_options, host_budget_bytes);
+  FIELD(kvi_store_options, disk_dir);
+  FIELD(kvi_store_options, disk_budget_bytes);
+  FIELD(kvi_store_options, disk_owner);
+  FIELD(kvi_store_options, disk_lease_ms);
 
   SIZE(kvi_put_options);
   FIELD(kvi_put_options, struct_size);
@@ -126,6 +130,13 @@ int main(void) {
   FIELD(kvi_store_stats, promotions);
   FIELD(kvi_store_stats, demotions);
   FIELD(kvi_store_stats, facts_stale);
+  FIELD(kvi_store_stats, facts_on_disk_only);
+  FIELD(kvi_store_stats, disk_bytes);
+  FIELD(kvi_store_stats, disk_reads);
+  FIELD(kvi_store_stats, disk_read_bytes);
+  FIELD(kvi_store_stats, disk_writes);
+  FIELD(kvi_store_stats, disk_write_bytes);
+  FIELD(kvi_store_stats, drops_to_disk);
 
   SIZE(kvi_search_options);
   FIELD(kvi_search_options, struct_size);
@@ -310,6 +321,7 @@ int main(void) {
   CONST(KVI_ERR_PEER);
   CONST(KVI_ERR_TOKEN_MISMATCH);
   CONST(KVI_ERR_STALE);
+  CONST(KVI_ERR_LEASED);
   CONST(KVI_EMBEDDINGS_REPLICATED);
   CONST(KVI_EMBEDDINGS_SHARDED);
   CONST(KVI_RETRIEVE_BEST_LAST);
@@ -335,6 +347,9 @@ int main(void) {
   CONST(KVI_ROPE_SCALING_NTK);
   CONST(KVI_METRIC_INNER_PRODUCT);
   CONST(KVI_METRIC_COSINE);
+  CONST(KVI_TIER_DEVICE);
+  CONST(KVI_TIER_HOST);
+  CONST(KVI_TIER_DISK);
   CONST(KVI_SCALE_NONE);
   CONST(KVI_SCALE_PER_TENSOR);
   CONST(KVI_SCALE_PER_HEAD);

@@ -75,7 +75,8 @@ class TestStructs:
         groups = [("KVI_ERR_", kvi.Status, "ERR_"), ("KVI_DTYPE_", kvi.DType, ""), ("KVI_MEMORY_", kvi.Memory, ""),
                   ("KVI_BACKEND_", kvi.Backend, ""), ("KVI_ROPE_SCALING_", kvi.RopeScaling, ""),
                   ("KVI_METRIC_", kvi.Metric, ""), ("KVI_SCALE_", kvi.ScaleMode, ""),
-                  ("KVI_CACHE_", kvi.CachePreset, ""), ("KVI_EMBEDDINGS_", kvi.EmbeddingPlacement, "")]
+                  ("KVI_CACHE_", kvi.CachePreset, ""), ("KVI_EMBEDDINGS_", kvi.EmbeddingPlacement, ""),
+                  ("KVI_TIER_", kvi.Tier, "")]
         seen = set()
         for prefix, enum, pyprefix in groups:
             members = {m.name: m.value for m in enum}
@@ -117,6 +118,7 @@ class TestInitPath:
         assert (o.backend, o.device, o.dtype, o.page_tokens, o.budget_bytes, o.embedding_dim,
                 o.embedding_dtype, o.metric) == \
                (kvi.Backend.AUTO, -1, kvi.DType.BF16, 16, 0, 0, kvi.DType.FP32, kvi.Metric.INNER_PRODUCT)
+        assert (o.disk_dir, o.disk_budget_bytes, o.disk_owner, o.disk_lease_ms) == (None, 0, None, 30000)
         r = L.new(_lib.RopeSpecC)
         assert (r.style, r.theta, r.original_max_position, r.high_freq_factor, r.beta_fast, r.yarn_truncate,
                 r.table_dtype) == (kvi.RopeStyle.NEOX, 10000.0, 8192, 4.0, 32.0, 1, kvi.DType.FP32)

@@ -24,7 +24,7 @@ class TestMapping:
             kvi.Status.ERR_INTERNAL: kvi.InternalError, kvi.Status.ERR_CORRUPT: kvi.CorruptError,
             kvi.Status.ERR_INCOMPATIBLE: kvi.IncompatibleError, kvi.Status.ERR_IO: kvi.IOError_,
             kvi.Status.ERR_PEER: kvi.PeerError, kvi.Status.ERR_TOKEN_MISMATCH: kvi.TokenMismatchError,
-            kvi.Status.ERR_STALE: kvi.StaleFactError,
+            kvi.Status.ERR_STALE: kvi.StaleFactError, kvi.Status.ERR_LEASED: kvi.LeasedError,
         }
         assert set(expected) == set(kvi.Status) - {kvi.Status.OK}
         classes = set()

@@ -22,7 +22,7 @@ from kvinject.vllm.config import FIELDS, KVInjectConfig, requires_piecewise
 from kvinject.vllm.prompt import PARAMS_KEY
 from kvinject.vllm.results import KVInjectWorkerMeta, Outcome, RequestResult
 from kvinject.vllm.scheduler import KVInjectScheduler
-from kvinject.vllm.stats import COUNTERS, REASONS, KVInjectPromMetrics, KVInjectStats, StatsRecorder, combine_ranks
+from kvinject.vllm.stats import COUNTERS, DECISIONS, REASONS, KVInjectPromMetrics, KVInjectStats, StatsRecorder, combine_ranks
 from test_vllm_scheduler_unit import BS, FakeRequest, cached_reqs, claim, output, request
 
 ENV = {}  # the settings' environment: none
@@ -255,6 +255,9 @@ def rank_stats(rank, **kw):
                 rec.inject_step(step, s)
         elif k == "store":
             rec.store(*v)
+        elif k == "hybrid":
+            for decision, n in v.items():
+                rec.hybrid(decision, n)
         else:
             rec.add(k, v)
     return rec.take()
@@ -316,16 +319,23 @@ def test_prometheus_metrics_record_the_combined_ranks_per_engine():
     labels = {"model_name": "m", "engine": "0"}
     for reason in REASONS:  # every reason is there from the start
         assert reg.get_sample_value("kvinject:failures_total", dict(labels, reason=reason)) == 0
+    for decision in DECISIONS:
+        assert reg.get_sample_value("kvinject:hybrid_facts_total", dict(labels, decision=decision)) == 0
     a = rank_stats(0, requests_injected=1, facts_injected=3, tokens_injected=30, captures_stored=2,
-                   facts_removed=1, fail=["token_mismatch"], steps=[(4, 0.004)], store=(4096, 7, 2))
+                   facts_removed=1, prefetches=1, fail=["token_mismatch"], steps=[(4, 0.004)], store=(4096, 7, 2),
+                   hybrid={"inject": 2, "await": 1, "text": 3})
     a.aggregate(rank_stats(1, requests_injected=1, facts_injected=3, tokens_injected=30, captures_stored=2,
-                           facts_removed=1, fail=["token_mismatch"], steps=[(4, 0.006)], store=(4096, 7, 2)))
+                           facts_removed=1, prefetches=1, fail=["token_mismatch"], steps=[(4, 0.006)],
+                           store=(4096, 7, 2), hybrid={"inject": 2, "await": 1, "text": 3}))
     m.observe(a.to_dict(), 0)
     m.observe(rank_stats(0, captures_failed=1, fail=["capture"]).to_dict(), 0)
     m.observe(a.to_dict(), 5)  # an engine it was not made for: ignored
     got = {c: reg.get_sample_value("kvinject:%s_total" % c, labels) for c in COUNTERS}
     assert got == {"requests_injected": 1, "facts_injected": 3, "tokens_injected": 30, "captures_stored": 2,
-                   "captures_failed": 1, "facts_removed": 1}
+                   "captures_failed": 1, "facts_removed": 1, "prefetches": 1}
+    # the ranks decided the same: counted once
+    assert {d: reg.get_sample_value("kvinject:hybrid_facts_total", dict(labels, decision=d)) for d in DECISIONS} \
+        == {"inject": 2, "await": 1, "text": 3}
     assert reg.get_sample_value("kvinject:failures_total", dict(labels, reason="token_mismatch")) == 1
     assert reg.get_sample_value("kvinject:failures_total", dict(labels, reason="capture")) == 1
     assert reg.get_sample_value("kvinject:inject_seconds_count", labels) == 1
@@ -381,7 +391,7 @@ def test_the_connectors_settings_come_from_the_environment_and_the_file(tmp_path
     ({"layerwise": "yes"}, ["layerwise", "must be a boolean"]),
     ({"time_device": 1}, ["time_device", "must be a boolean"]),
     ({"rope": 10000.0}, ["rope", "must be a mapping"]),
-    ({"store_budget": 1}, ["unknown key(s) store_budget in kv_connector_extra_config", "known: embedding_dim"]),
+    ({"store_budget": 1}, ["unknown key(s) store_budget in kv_connector_extra_config", "known: disk_budget_bytes, disk_dir"]),
 ])
 def test_every_bad_setting_is_refused_by_name(extra, words):
     with pytest.raises(ValueError) as e:

@@ -20,10 +20,11 @@ import types
 
 import pytest
 
-from kvinject.vllm import Keep, capture_prompt, memory_prompt
+from kvinject.vllm import Keep, capture_prompt, memory_prompt, prefetch_prompt, remove_prompt
 from kvinject.vllm.config import KNOWN, KVInjectConfig, requires_piecewise
-from kvinject.vllm.metadata import CaptureJob, FailJob, InjectJob, KVInjectMetadata
-from kvinject.vllm.prompt import PARAMS_KEY
+from kvinject.vllm.metadata import CaptureJob, FailJob, InjectJob, KVInjectMetadata, PrefetchJob
+from kvinject.vllm.prompt import PARAMS_KEY, parse_params
+from kvinject.vllm.results import KVInjectWorkerMeta
 from kvinject.vllm.scheduler import KVInjectScheduler
 
 BS = 4
@@ -403,3 +404,141 @@ def test_the_roles_import_no_vllm():
             "sys.exit(1 if bad else 0)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+# ------------------------------------------------------------ hybrid serving
+
+def hybrid_sched(tmp_path, **extra):
+    return KVInjectScheduler(KVInjectConfig.from_extra(dict({"disk_dir": str(tmp_path)}, **extra), BS))
+
+
+def report(sched, disk_facts, bytes_per_token=1e6, read_bytes_s=0.0):
+    """The workers' metadata of a step that says which facts are only on disk."""
+    wm = KVInjectWorkerMeta(disk_facts=disk_facts, bytes_per_token=bytes_per_token, disk_read_bytes_s=read_bytes_s)
+    sched.update_connector_output(types.SimpleNamespace(kv_connector_worker_meta=wm))
+
+
+def test_hybrid_a_cold_tenant_is_prefilled_as_text_and_prefetched_whole(tmp_path, mp):
+    sched = hybrid_sched(tmp_path)
+    r = request("r", mp)
+    sched.on_new_request(r)
+    n, meta = claim(sched, r, blocks=[0, 1, 2, 3])
+    assert n == 0 and meta.injects == []  # vLLM prefills all 13 tokens
+    assert meta.prefetches == [PrefetchJob("r", 9, None)]
+    assert meta.hybrid == {"text": 3}
+    # sent once: the next step has neither
+    nxt = sched.build_connector_meta(output(cached=cached_reqs(("r", None, 13)), scheduled={"r": 1}))
+    assert nxt.prefetches == [] and nxt.hybrid == {}
+
+
+def test_hybrid_facts_in_memory_are_injected(tmp_path, mp):
+    sched = hybrid_sched(tmp_path)
+    report(sched, {9: []})
+    r = request("r", mp)
+    sched.on_new_request(r)
+    n, meta = claim(sched, r, blocks=[0, 1, 2, 3])
+    assert n == 10 and meta.injects[0].facts == [(1, 0, 3), (2, 3, 5), (3, 8, 2)]
+    assert meta.prefetches == [] and meta.hybrid == {"inject": 3, "await": 0, "text": 0}
+
+
+def test_hybrid_a_disk_only_fact_is_awaited_when_reading_it_is_faster_than_prefill(tmp_path, mp):
+    # fact 2: 5 tokens of 1 MB each; prefill at 5000 tokens/s takes 1 ms; reading 5 MB at 10 GB/s 0.5 ms
+    sched = hybrid_sched(tmp_path, disk_read_mb_s=10000.0, prefill_tokens_s=5000.0)
+    report(sched, {9: [2, 77]})
+    r = request("r", mp)
+    sched.on_new_request(r)
+    n, meta = claim(sched, r, blocks=[0, 1, 2, 3])
+    assert n == 10 and meta.injects[0].facts == [(1, 0, 3), (2, 3, 5), (3, 8, 2)]
+    assert meta.hybrid == {"inject": 2, "await": 1, "text": 0} and meta.prefetches == []
+
+
+def test_hybrid_a_slow_disk_only_fact_and_everything_after_it_are_prefilled_as_text(tmp_path, mp):
+    # reading 5 MB at 1000 MB/s takes 5 ms, more than the 1 ms of prefilling 5 tokens
+    sched = hybrid_sched(tmp_path, disk_read_mb_s=1000.0, prefill_tokens_s=5000.0)
+    report(sched, {9: [2, 3]})
+    r = request("r", mp)
+    sched.on_new_request(r)
+    n, meta = claim(sched, r, blocks=[0, 1, 2, 3])
+    assert n == 3  # fact 1 only: vLLM prefills tokens 3..12
+    (job,) = meta.injects
+    assert job.facts == [(1, 0, 3)] and job.expect_token_ids == [11, 12, 13]
+    assert meta.hybrid == {"inject": 1, "await": 0, "text": 2}
+    assert meta.prefetches == [PrefetchJob("r", 9, [2, 3])]  # the disk-only facts not injected
+    assert sched.get_num_new_matched_tokens(r, 3) == (0, False)  # the plan holds
+
+
+def test_hybrid_the_measured_read_rate_decides_when_none_is_set(tmp_path, mp):
+    sched = hybrid_sched(tmp_path)  # disk_read_mb_s 0: measured
+    report(sched, {9: [2]}, read_bytes_s=1e6)  # 1 MB/s: 5 s for fact 2
+    r1 = request("r1", mp)
+    sched.on_new_request(r1)
+    assert claim(sched, r1, blocks=[0, 1, 2, 3])[0] == 3
+    report(sched, {}, read_bytes_s=1e12)  # a later, fast measurement; tenant 9's facts as before
+    r2 = request("r2", mp)
+    sched.on_new_request(r2)
+    n, meta = claim(sched, r2, blocks=[4, 5, 6, 7])
+    assert n == 10 and meta.hybrid == {"inject": 2, "await": 1, "text": 0}
+
+
+def test_without_a_disk_tier_every_fact_is_injected_whatever_is_reported(sched, mp):
+    report(sched, {9: [1, 2, 3]}, read_bytes_s=1.0)
+    r = request("r", mp)
+    sched.on_new_request(r)
+    n, meta = claim(sched, r, blocks=[0, 1, 2, 3])
+    assert n == 10 and meta.prefetches == [] and meta.hybrid == {}
+
+
+def test_hybrid_is_off_when_the_setting_says_so(tmp_path, mp):
+    sched = hybrid_sched(tmp_path, hybrid=False)
+    r = request("r", mp)
+    sched.on_new_request(r)
+    assert claim(sched, r, blocks=[0, 1, 2, 3])[0] == 10  # a cold tenant, injected all the same
+
+
+def test_a_prefetch_request_sends_one_prefetch_of_the_whole_tenant(sched):
+    r = request("p", prefetch_prompt(12, 5))
+    sched.on_new_request(r)
+    assert r.cache_salt is None  # it injects nothing
+    n, meta = claim(sched, r, blocks=[0])
+    assert n == 0 and meta.prefetches == [PrefetchJob("p", 12, None)]
+    assert meta.req_ids() == []  # no result comes back for a prefetch
+    nxt = sched.build_connector_meta(output(cached=cached_reqs(("p", None, 1)), scheduled={"p": 1}))
+    assert nxt.prefetches == []
+    with pytest.raises(ValueError, match="prefetch must be true or false"):
+        parse_params({"tenant": 1, "prefetch": 1}, 4)
+
+
+def test_a_release_goes_with_the_step_that_stores_the_requests_captures(sched):
+    mp = capture_prompt(4, [[1, 2], Keep(9, [3, 4, 5, 6, 7, 8])])
+    mp.params["release"] = True
+    r = request("c", mp)
+    sched.on_new_request(r)
+    _, m1 = claim(sched, r, blocks=[0, 1], scheduled=4)  # chunked: the capture's span is not prefilled yet
+    assert m1.captures == [] and m1.releases == []
+    m2 = sched.build_connector_meta(output(cached=cached_reqs(("c", None, 4)), scheduled={"c": 4}))
+    assert [c.req_id for c in m2.captures] == ["c"] and m2.releases == [4]
+    m3 = sched.build_connector_meta(output(cached=cached_reqs(("c", None, 8)), scheduled={"c": 1}))
+    assert m3.releases == []
+    # with a removal alone, in its step
+    rr = request("rm", remove_prompt(4, [9], 1))
+    rr.kv_transfer_params[PARAMS_KEY]["release"] = True
+    sched.on_new_request(rr)
+    _, m = claim(sched, rr, blocks=[2])
+    assert [j.req_id for j in m.removes] == ["rm"] and m.releases == [4]
+
+
+def test_hybrid_injects_no_more_than_the_stores_memory_holds_at_once(tmp_path, mp):
+    # pages of 4 tokens of 2^18 bytes: 1 MiB holds 4 pages; facts of 3, 5 and 2 tokens take 1, 2 and 1 pages...
+    sched = hybrid_sched(tmp_path, store_budget_mb=1, page_tokens=4, disk_read_mb_s=1e7, prefill_tokens_s=1.0)
+    report(sched, {9: [2]}, bytes_per_token=1 << 16)
+    assert sched.memory_pages() == 4
+    r = request("r", mp)
+    sched.on_new_request(r)
+    n, meta = claim(sched, r, blocks=[0, 1, 2, 3])
+    assert n == 10 and meta.hybrid == {"inject": 2, "await": 1, "text": 0}  # 4 pages: all fit
+    report(sched, {9: [2]}, bytes_per_token=1 << 17)  # ... 2 pages of 2^19 bytes
+    r2 = request("r2", mp)
+    sched.on_new_request(r2)
+    n, meta = claim(sched, r2, blocks=[4, 5, 6, 7])
+    assert n == 3 and meta.hybrid == {"inject": 1, "await": 0, "text": 2}
+    assert meta.prefetches == [PrefetchJob("r2", 9, [2])]

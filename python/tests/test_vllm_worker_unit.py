@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import types
 
 import pytest
@@ -31,7 +32,7 @@ np = pytest.importorskip("numpy")
 import kvinject as kvi  # noqa: E402
 from kvinject.vllm import _compat  # noqa: E402
 from kvinject.vllm.config import KVInjectConfig  # noqa: E402
-from kvinject.vllm.metadata import CaptureJob, FailJob, InjectJob, KVInjectMetadata, RemoveJob  # noqa: E402
+from kvinject.vllm.metadata import CaptureJob, FailJob, InjectJob, KVInjectMetadata, PrefetchJob, RemoveJob  # noqa: E402
 from kvinject.vllm.worker import KVInjectWorker  # noqa: E402
 
 L, H, D, BS, NB = 2, 2, 16, 16, 6
@@ -519,3 +520,132 @@ def test_removal_runs_first_skips_missing_facts_and_all_removes_the_tenants(rig)
     assert data["facts_removed"] == 2 and data["failures"] == {"not_found": 1}
     assert data["store"]["facts"] == 2 and data["store"]["tenants"] == 1 and data["store"]["bytes_used"] < used
     assert [(e["req_id"], e["asked"], e["removed"]) for e in rig.events("remove")] == [("rm", 2, 1), ("all", "all", 1)]
+
+
+# ------------------------------------------------------------- the disk tier
+
+def disk_rig(arrays, monkeypatch, tmp_path, owner, **extra):
+    disk = tmp_path / "disk"
+    disk.mkdir(exist_ok=True)
+    return Rig(arrays, monkeypatch, tmp_path, dict({"store_budget_mb": 1, "disk_dir": str(disk), "disk_owner": owner},
+                                                   **extra))
+
+
+def disk_only(store, tenant):
+    return [f for f in store.list(tenant) if store.fact_tier(tenant, f) == kvi.Tier.DISK]
+
+
+def test_a_disk_tier_store_injects_facts_read_back_and_reports_what_is_on_disk(arrays, monkeypatch, tmp_path):
+    rig = disk_rig(arrays, monkeypatch, tmp_path, "a")
+    try:
+        st = rig.store.stats()
+        per = st.pages_total  # 1 MiB of one-page facts (BS == page_tokens == 16)
+        for fid in range(per + 8):
+            rig.put(1, fid, BS)
+        assert disk_only(rig.store, 1)[:8] == list(range(8))  # the oldest went to disk
+        rig.worker.get_kv_connector_stats()
+        m = meta([InjectJob("r", 1, [(0, 0, BS), (per + 7, BS, BS)], [2, 4])])  # 0 only on disk
+        rig.worker.start_load_kv(m)
+        rig.worker.wait_for_save(m)
+        cells = rig.check_written(1, [0, per + 7], 0, [2, 4])
+        rig.untouched_except(cells)
+        assert rig.store.fact_tier(1, 0) == kvi.Tier.HOST  # read back by the injection
+        wm = rig.worker.build_connector_worker_meta()
+        assert wm.results["r"].injected_facts == 2
+        assert wm.disk_facts == {1: disk_only(rig.store, 1)} and 0 not in wm.disk_facts[1]
+        assert wm.bytes_per_token == st.page_bytes / st.page_tokens
+        assert wm.disk_read_bytes_s > 0  # measured: the injection read fact 0 back
+        assert rig.worker.build_connector_worker_meta() is None  # nothing changed since
+        # a prefetch of two disk-only facts runs in the background; the next report has them in memory
+        down = disk_only(rig.store, 1)[:2]
+        m = KVInjectMetadata(prefetches=[PrefetchJob("p", 1, down)], hybrid={"inject": 1, "text": 2})
+        rig.worker.start_load_kv(m)
+        rig.worker.wait_for_save(m)
+        rig.worker.wait_prefetches()  # the library reads them back on its own thread: wait for that too
+        deadline = time.monotonic() + 10
+        while [rig.store.fact_tier(1, f) for f in down] != [kvi.Tier.HOST] * 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        wm = rig.worker.build_connector_worker_meta()
+        assert set(down).isdisjoint(wm.disk_facts[1]) and wm.disk_facts[1] == disk_only(rig.store, 1)
+        data = rig.worker.get_kv_connector_stats().data["ranks"]["0"]
+        assert data["prefetches"] == 1 and data["hybrid"] == {"inject": 1, "text": 2}
+        assert [(e["req_id"], e["tenant"], e["facts"]) for e in rig.events("prefetch")] == [("p", 1, 2)]
+    finally:
+        rig.worker.shutdown()
+
+
+def test_a_replica_loads_a_tenant_another_replica_wrote_to_the_shared_directory(arrays, monkeypatch, tmp_path):
+    a = disk_rig(arrays, monkeypatch, tmp_path, "replica-a")
+    b = disk_rig(arrays, monkeypatch, tmp_path, "replica-b")
+    try:
+        for fid in (1, 2, 3):
+            a.put(5, fid, 6)
+        assert b.store.list(5) == []  # not read yet
+        m = KVInjectMetadata(prefetches=[PrefetchJob("p", 5, None)])
+        b.worker.start_load_kv(m)
+        b.worker.wait_for_save(m)
+        b.worker.wait_prefetches()
+        assert b.store.list(5) == [1, 2, 3]
+        for fid in (1, 2, 3):
+            k, v = b.store.read(5, fid)
+            assert np.array_equal(np.asarray(k).reshape(a.facts[(5, fid)][0].shape), a.facts[(5, fid)][0])
+            assert np.array_equal(np.asarray(v).reshape(a.facts[(5, fid)][1].shape), a.facts[(5, fid)][1])
+        assert b.worker.build_connector_worker_meta().disk_facts == {5: []}  # all in memory now
+        m = meta([InjectJob("r", 5, [(1, 0, 6), (3, 6, 6)], [1])])
+        b.worker.start_load_kv(m)
+        b.worker.wait_for_save(m)
+        b.untouched_except(b.check_written(5, [1, 3], 0, [1]))
+        # B may not write the tenant while A holds its lease; once A gives it up, it may
+        cap = CaptureJob("c", 5, [(9, 0, 4, None, False)], [1])
+        b.worker.start_load_kv(meta(captures=[cap]))
+        b.worker.wait_for_save(meta(captures=[cap]))
+        res = b.worker.build_connector_worker_meta().results["c"]
+        assert res.captured == {} and "ERR_LEASED" in res.errors[0] and "replica-a" in res.errors[0]
+        a.worker.shutdown()  # closing the store gives its leases up
+        b.worker.start_load_kv(meta(captures=[cap]))
+        b.worker.wait_for_save(meta(captures=[cap]))
+        assert b.worker.build_connector_worker_meta().results["c"].captured == {9: 1}
+        assert b.store.list(5) == [1, 2, 3, 9]
+    finally:
+        a.worker.shutdown()
+        b.worker.shutdown()
+
+
+def test_an_injection_waits_for_its_tenants_prefetch_and_a_release_frees_the_lease(arrays, monkeypatch, tmp_path):
+    a = disk_rig(arrays, monkeypatch, tmp_path, "replica-a")
+    b = disk_rig(arrays, monkeypatch, tmp_path, "replica-b")
+    try:
+        # A captures fact 9 of tenant 6 and gives the lease up in the same step
+        a.put(6, 1, 4)
+        a.store.tenant_release(6)
+        cap = CaptureJob("c", 6, [(9, 0, 4, None, False)], [2])
+        m = KVInjectMetadata(captures=[cap], releases=[6])
+        a.worker.start_load_kv(m)
+        a.worker.wait_for_save(m)
+        assert a.worker.build_connector_worker_meta().results["c"].captured == {9: 1}
+        assert [e["tenant"] for e in a.events("release")] == [6]
+        b.put(6, 2, 4)  # at once: A holds no lease
+        # A's prefetch of the whole tenant reads B's fact from the file; the injection of the same step waits
+        store = a.worker._store
+
+        class SlowPrefetch:  # the store, its prefetch slow: the injection must wait for it
+            def __getattr__(self, name):
+                return getattr(store, name)
+
+            def prefetch(self, *args):
+                time.sleep(0.3)
+                store.prefetch(*args)
+        a.worker._store = SlowPrefetch()
+        p = KVInjectMetadata(prefetches=[PrefetchJob("p", 6, None)])
+        a.worker.start_load_kv(p)  # an earlier step starts the prefetch
+        a.worker.wait_for_save(p)
+        m = KVInjectMetadata(injects=[InjectJob("r", 6, [(2, 0, 4)], [3])])
+        a.worker.start_load_kv(m)
+        a.worker.wait_for_save(m)
+        assert a.worker.build_connector_worker_meta().results["r"].injected_facts == 1
+        a.untouched_except(a.check_written(6, [2], 0, [3]))
+        assert a.store.list(6) == [1, 2, 9]
+    finally:
+        a.worker.shutdown()
+        b.worker.shutdown()

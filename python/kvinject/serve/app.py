@@ -206,6 +206,10 @@ def create_app(service: Service) -> FastAPI:
     async def delete_user(user: Optional[str] = None):
         return await service.delete_user(parse_user(user))
 
+    @app.post("/v1/memory/{user}/prefetch")
+    async def prefetch(user: str):
+        return await service.prefetch_user(parse_user(user))
+
     # ------------------------------------------------------------ status
 
     @app.get("/health")

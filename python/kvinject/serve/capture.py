@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from ..vllm.prompt import PARAMS_KEY, RESULT_TOKENS, Keep, capture_prompt, remove_prompt
+from ..vllm.prompt import PARAMS_KEY, RESULT_TOKENS, Keep, capture_prompt, prefetch_prompt, remove_prompt
 
 FactToks = Tuple[int, Sequence[int]]  # (fact id, token ids)
 HEADER_ID = 0
@@ -125,6 +125,16 @@ def removal(tenant: int, fids: Union[str, Sequence[int]], token_id: int, *,
                        keep_dependents=keep_dependents)
     body = {"prompt": list(mp.prompt_token_ids), "max_tokens": CAPTURE_MAX_TOKENS,
             "min_tokens": CAPTURE_MAX_TOKENS, "temperature": 0.0, "kv_transfer_params": {PARAMS_KEY: mp.params}}
+    return CaptureRequest(body, [], [])
+
+
+def prefetch(tenant: int, token_id: int) -> CaptureRequest:
+    """A request that asks the replica's connector to prefetch every fact of the
+    tenant (from its disk tier, or the tenant file another replica wrote) in the
+    background; it returns once the request is served, not when the facts are up."""
+    mp = prefetch_prompt(tenant, token_id)
+    body = {"prompt": list(mp.prompt_token_ids), "max_tokens": 1, "temperature": 0.0,
+            "kv_transfer_params": {PARAMS_KEY: mp.params}}
     return CaptureRequest(body, [], [])
 
 

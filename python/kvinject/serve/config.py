@@ -44,6 +44,12 @@ _ROWS = [
     ("capture_tokens", int, 0, 0, 1000000, None,
      "the most tokens of one capture prompt (0: each replica's max_model_len less 8)"),
     ("log_level", str, "info", None, None, ("debug", "info", "warning", "error"), "log level"),
+    ("session_idle_s", float, 300.0, 0.0, 1e9, None,
+     "a chat after this many seconds without one from the user starts a session: the user's replica is asked "
+     "to prefetch the user's memory (0: never)"),
+    ("shared_disk", bool, False, None, None, None,
+     "the replicas' connectors share one disk_dir: a user moved to another replica loads its memory from the "
+     "shared tenant file there instead of being captured again"),
 ]
 
 
@@ -68,6 +74,8 @@ class GatewayConfig:
     request_timeout: float = 600.0
     capture_tokens: int = 0
     log_level: str = "info"
+    session_idle_s: float = 300.0
+    shared_disk: bool = False
 
     @property
     def embedder_is_url(self) -> bool:
@@ -89,7 +97,9 @@ def parser() -> argparse.ArgumentParser:
             p.add_argument(flag, action="append", metavar="URL", help=f.doc)
             continue
         rng = " (%s)" % f.range_text() if f.range_text() else ""
-        p.add_argument(flag, type=f.type, default=None, choices=f.choices, metavar=f.type.__name__.upper(),
+        # a boolean is parsed as the environment's are (1/0/true/false/yes/no), in load()
+        p.add_argument(flag, type=str if f.type is bool else f.type, default=None, choices=f.choices,
+                       metavar=f.type.__name__.upper(),
                        help="%s%s; default %s" % (f.doc, rng, f.default if f.default not in (None, "") else "none"))
     return p
 
@@ -101,6 +111,9 @@ def load(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
     environ = os.environ if environ is None else environ
     ns = parser().parse_args(argv)
     explicit = {k: v for k, v in vars(ns).items() if v is not None}
+    for f in FIELDS:
+        if f.type is bool and f.name in explicit:
+            explicit[f.name] = f.parse(explicit[f.name], "the command line")
     if "replica" in explicit:
         explicit["replica"] = ",".join(explicit["replica"])
     vals = resolve(SECTION, FIELDS, explicit=explicit, environ=environ, explicit_source="the command line")

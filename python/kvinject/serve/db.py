@@ -232,8 +232,12 @@ class Database:
     def drop_placement(self, uid: int, replica: str) -> None:
         self.conn.execute("DELETE FROM placements WHERE user = ? AND replica = ?", (uid, replica))
 
-    def placements(self, replica: Optional[str] = None, state: Optional[str] = None) -> List[Placement]:
+    def placements(self, replica: Optional[str] = None, state: Optional[str] = None,
+                   user: Optional[int] = None) -> List[Placement]:
         q, a = "SELECT user, replica, state, version, epoch FROM placements WHERE 1", []
+        if user is not None:
+            q += " AND user = ?"
+            a.append(user)
         if replica is not None:
             q += " AND replica = ?"
             a.append(replica)

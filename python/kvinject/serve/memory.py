@@ -8,6 +8,23 @@ version, same replica epoch); otherwise the gateway captures the user's whole
 memory there first (the header and every fact, replace=true). Every
 operation on a user runs under the user's lock, so captures and chats of one
 user never interleave.
+
+Shared disk (``shared_disk``: the replicas' connectors share one ``disk_dir``,
+their stores' disk tier): every capture and removal is written through to the
+user's tenant file there, and carries ``release`` so that no replica keeps the
+user's write lease after the gateway's request. A user whose memory at its
+current version is clean on some replica (any epoch: the file outlives
+restarts) and who is routed to another replica (its owner went down, the ring
+changed) is not captured again: the new replica is asked to prefetch the user
+(the connector reads the tenant file, anew when another replica changed it,
+in the background; a chat meanwhile is prefilled as text by the connector's
+hybrid policy, and an injection waits for the prefetch) and the placement
+there becomes clean. A failed injection distrusts the file: every placement of
+the user becomes unknown, and the next use captures the user again.
+
+Sessions: a chat after ``session_idle_s`` without one from the user first asks
+the user's replica to prefetch the user's memory (the request is waited for,
+the replica's reads are not), as ``POST /v1/memory/{user}/prefetch`` does.
 """
 from __future__ import annotations
 
@@ -40,6 +57,7 @@ class Service:
         self._locks: Dict[int, asyncio.Lock] = {}
         self._embed_pool = ThreadPoolExecutor(1, thread_name_prefix="kvinject-embed")
         self.model_name = cfg.served_model_name or ""
+        self._last_chat: Dict[int, float] = {}   # user -> time.monotonic() of its last chat
 
     # ----------------------------------------------------------- lifecycle
 
@@ -109,6 +127,20 @@ class Service:
     def _set_unknown(self, uid: int, rep: Replica) -> None:
         self.db.set_placement(uid, rep.url, "unknown")
 
+    def _distrust(self, uid: int, rep: Replica) -> None:
+        """The user's memory on rep is not what the database says: unknown there, and
+        with a shared disk everywhere (the replicas read the same file)."""
+        self._set_unknown(uid, rep)
+        if self.cfg.shared_disk:
+            for p in self.db.placements(user=uid, state="clean"):
+                self.db.set_placement(uid, p.replica, "unknown")
+
+    def _writes(self, body: Dict[str, Any]) -> Dict[str, Any]:
+        """A capture or removal body; with a shared disk it gives the tenant's lease up after its writes."""
+        if self.cfg.shared_disk:
+            body["kv_transfer_params"]["kvinject"]["release"] = True
+        return body
+
     async def _send(self, rep: Replica, body: Dict[str, Any], kind: str) -> Tuple[int, Any]:
         try:
             status, resp = await self.replicas.complete(rep.url, body)
@@ -125,7 +157,7 @@ class Service:
         for r in reqs:
             self.m.captures.labels(kind).inc()
             try:
-                status, resp = await self._send(rep, r.body, "capture")
+                status, resp = await self._send(rep, self._writes(r.body), "capture")
             except ReplicaDown:
                 self.m.capture_failures.labels(kind).inc()
                 raise
@@ -146,7 +178,7 @@ class Service:
         replica's store makes them stale: see delete_fact)."""
         r = cap.removal(tenant, fids, self.layout.header[0], keep_dependents=keep_dependents)
         try:
-            status, resp = await self._send(rep, r.body, "remove")
+            status, resp = await self._send(rep, self._writes(r.body), "remove")
         except ReplicaDown as e:
             self.m.removals.labels("down").inc()
             return str(e)
@@ -177,9 +209,80 @@ class Service:
         log.info("user %s (%d facts) captured on %s", u.name, len(facts), rep.url)
         return n
 
-    async def ensure(self, u: User, rep: Replica) -> None:
-        if not self.clean(u, rep):
-            await self.full_capture(u, rep)
+    async def prefetch(self, rep: Replica, tenant: int, why: str) -> Optional[str]:
+        """Asks the replica to prefetch every fact of the tenant (in the background
+        there); an error text or None."""
+        r = cap.prefetch(tenant, self.layout.header[0])
+        try:
+            status, resp = await self._send(rep, r.body, "prefetch")
+        except ReplicaDown as e:
+            self.m.prefetches.labels(why, "down").inc()
+            return str(e)
+        err, _ = cap.check(status, resp)
+        self.m.prefetches.labels(why, "failed" if err else "ok").inc()
+        return err
+
+    def shared_current(self, u: User) -> bool:
+        """Shared disk: whether some replica wrote the user's memory at its current
+        version to the shared tenant file (a clean placement of that version)."""
+        return self.cfg.shared_disk and any(p.version == u.version
+                                            for p in self.db.placements(user=u.id, state="clean"))
+
+    async def from_shared(self, u: User, rep: Replica) -> bool:
+        """Shared disk: rep loads the user's memory from the shared tenant file
+        (a prefetch) instead of capturing it; True when it was asked to."""
+        if not self.shared_current(u):
+            return False
+        err = await self.prefetch(rep, u.id, "shared")
+        if err is not None:
+            log.warning("user %s: prefetch from the shared disk on %s failed (%s): capturing it", u.name,
+                        rep.url, err)
+            return False
+        self._set_clean(u.id, rep)
+        log.info("user %s loaded from the shared disk on %s", u.name, rep.url)
+        return True
+
+    async def ensure(self, u: User, rep: Replica) -> str:
+        """The user's memory on rep: "clean" (there already), "shared" (loaded from the
+        shared disk) or "captured"."""
+        if self.clean(u, rep):
+            return "clean"
+        if await self.from_shared(u, rep):
+            return "shared"
+        await self.full_capture(u, rep)
+        return "captured"
+
+    def _new_session(self, uid: int) -> bool:
+        """Notes a chat of the user; True when it starts a session (the first chat, or
+        the first after session_idle_s without one)."""
+        now = time.monotonic()
+        last = self._last_chat.get(uid)
+        self._last_chat[uid] = now
+        idle = self.cfg.session_idle_s
+        return idle > 0 and (last is None or now - last >= idle)
+
+    async def prefetch_user(self, name: str) -> Dict[str, Any]:
+        """POST /v1/memory/{user}/prefetch: the user's memory made ready on its
+        replica: prefetched there when it holds it, else loaded from the shared
+        disk or captured."""
+        u = self.user_or_404(name)
+        async with self.lock(u.id):
+            u = self.db.user_by_id(u.id)
+            if u is None:
+                raise ApiError(404, "unknown user %r" % name, "not_found_error", "unknown_user", "user")
+            rep = self.owner(u.id)
+            try:
+                how = await self.ensure(u, rep)
+            except ReplicaDown as e:
+                raise ApiError(502, "prefetch failed: %s" % e, "server_error", "replica_down")
+            if how == "clean":
+                err = await self.prefetch(rep, u.id, "explicit")
+                if err is not None:
+                    raise ApiError(502, "prefetch on %s failed: %s" % (rep.url, err), "server_error",
+                                   "prefetch_failed")
+                how = "prefetched"
+            self._last_chat[u.id] = time.monotonic()
+        return {"user": name, "replica": rep.url, "memories": len(self.db.facts(u.id)), "done": how}
 
     async def _remove_deleted(self, rep: Replica) -> None:
         for p in self.db.placements(rep.url, "deleted"):
@@ -218,7 +321,7 @@ class Service:
                 rep = self.owner(u.id)
                 u = self.db.user_by_id(u.id)
                 before = self.db.facts(u.id)
-                was_clean = self.clean(u, rep)
+                was_clean = self.clean(u, rep) or await self.from_shared(u, rep)
                 new = self.db.add_facts(u.id, list(zip(texts, toks, embs)))
                 try:
                     if was_clean:
@@ -419,6 +522,11 @@ class Service:
             route = uid if uid is not None else zlib.crc32(req.user.encode())
             rep = self.owner(route)
             self._check_length(rep, body, req)
+            if u is not None and self._new_session(u.id) and self.clean(u, rep):
+                # a session starts: the replica starts moving the user's memory up. The request is
+                # waited for (one engine step; the reads are not): sent alongside the chat, it would
+                # share the chat's batch, whose numerics then differ from a chat alone
+                await self.prefetch(rep, u.id, "session")
             attempt = 0
             while True:
                 attempt += 1
@@ -441,7 +549,7 @@ class Service:
                                        "injection_failed" if got else "replica_failed")
                     log.warning("chat of %s on %s failed (%s): capturing its memory again", u.name, rep.url, res)
                     self.m.chat_retries.labels("injection_failed").inc()
-                    self._set_unknown(u.id, rep)
+                    self._distrust(u.id, rep)
                     continue
                 break
         except BaseException:

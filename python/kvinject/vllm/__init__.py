@@ -21,7 +21,7 @@ This package imports neither vLLM nor torch; only the connector module does.
 """
 from .layout import LayoutError, derive_layout
 from .prompt import (PARAMS_KEY, RESULT_TOKENS, Keep, MemoryPrompt, capture_prompt, memory_prompt,
-                     notes_capture_prompts, parse_params, remove_prompt)
+                     notes_capture_prompts, parse_params, prefetch_prompt, remove_prompt)
 from .retrieval import MemoryIndex
 
 CONNECTOR = "KVInjectConnector"
@@ -38,4 +38,4 @@ def kv_transfer_config(**extra):
 
 __all__ = ["CONNECTOR", "MODULE", "Keep", "LayoutError", "MemoryIndex", "MemoryPrompt", "PARAMS_KEY", "RESULT_TOKENS",
            "capture_prompt", "derive_layout", "kv_transfer_config", "memory_prompt", "notes_capture_prompts",
-           "parse_params", "remove_prompt"]
+           "parse_params", "prefetch_prompt", "remove_prompt"]

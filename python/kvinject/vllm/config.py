@@ -32,6 +32,19 @@ FIELDS = (
     Field("time_device", bool, False, doc="time each injecting step on the GPU (events file)"),
     Field("events_path", str, None, doc="JSON-lines event files' prefix"),
     Field("rope", dict, None, doc="kvi_rope_spec fields overriding the model config's"),
+    # the disk tier (kvinject/store.h, "Disk tier") and hybrid serving
+    Field("disk_dir", str, None, doc="directory of the store's disk tier: one file per tenant, may be shared "
+          "by replicas; memory (store_budget_mb) becomes a cache of it"),
+    Field("disk_budget_bytes", int, 0, lo=0, hi=(1 << 63) - 1, doc="bytes of tenant files the store may hold "
+          "in disk_dir (0: no limit but the file system's)"),
+    Field("disk_owner", str, None, doc="this replica's name in the tenants' leases (default <hostname>:<pid>)"),
+    Field("disk_lease_ms", int, 30000, lo=1, hi=(1 << 31) - 1, doc="length of a tenant's ownership lease (ms)"),
+    Field("hybrid", bool, True, doc="with disk_dir: prefill a fact that is only on disk as text (and prefetch "
+          "it) when reading it back is predicted slower than prefilling it"),
+    Field("disk_read_mb_s", float, 0.0, lo=0.0, hi=1e7, doc="predicted disk read rate (MB/s) of the hybrid "
+          "policy; 0: measured from the injections' reads (1000 until measured)"),
+    Field("prefill_tokens_s", float, 5000.0, lo=1.0, hi=1e9, doc="predicted prefill rate (tokens/s) of the "
+          "hybrid policy"),
 )
 KNOWN = tuple(f.name for f in FIELDS)
 SECTION = "connector"
@@ -52,6 +65,23 @@ class KVInjectConfig:
     time_device: bool = False
     events_path: Optional[str] = None
     rope: Optional[Mapping[str, Any]] = None
+    disk_dir: Optional[str] = None
+    disk_budget_bytes: int = 0
+    disk_owner: Optional[str] = None
+    disk_lease_ms: int = 30000
+    hybrid: bool = True
+    disk_read_mb_s: float = 0.0
+    prefill_tokens_s: float = 5000.0
+
+    def __post_init__(self):
+        if self.disk_dir is not None and self.store_path is not None:
+            raise ValueError("kvinject settings: store_path and disk_dir are both set; a store with a disk tier "
+                             "keeps its facts in disk_dir (one file per tenant) and takes no store file")
+
+    @property
+    def hybrid_serving(self) -> bool:
+        """Whether the scheduler plans each fact by its tier (a disk tier and ``hybrid``)."""
+        return self.disk_dir is not None and self.hybrid
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]], block_size: int,

@@ -72,6 +72,11 @@ kvinject.vllm.config; docs/guide/configuration.md):
   ``<events_path>.worker<rank>.jsonl`` and ``<events_path>.scheduler.jsonl``.
 - ``rope``: kvi_rope_spec fields overriding the mapping of the model's config
   (kvinject.hf.kvi_rope_fields), e.g. ``{"theta": 10000.0}``.
+- ``disk_dir``, ``disk_budget_bytes``, ``disk_owner``, ``disk_lease_ms``: the
+  store's disk tier (one file per tenant, shared by replicas; memory a cache of
+  it; not with ``store_path``); ``hybrid`` (True), ``disk_read_mb_s`` (0:
+  measured), ``prefill_tokens_s`` (5000): the hybrid plan of facts only on disk
+  (awaited, or prefilled as text and prefetched: kvinject.vllm.scheduler).
 """
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """What the scheduler role tells the workers each step (vLLM passes it from
 the scheduler's process to every worker's): the facts to remove, the requests
-to inject, the spans to capture once they are prefilled, and the requests that
-fail. Plain data, picklable. No vLLM import here (its base class comes
+to inject, the spans to capture once they are prefilled, the requests that
+fail, the tenants to prefetch and the hybrid policy's decisions (counted). Plain data, picklable. No vLLM import here (its base class comes
 through _compat). What the workers send back is kvinject.vllm.results."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ._compat import KVConnectorMetadata
 
@@ -51,11 +51,24 @@ class RemoveJob:
 
 
 @dataclass
+class PrefetchJob:
+    req_id: str
+    tenant: int
+    fact_ids: Optional[List[int]]  # None: every fact of the tenant (and its file, written by any replica)
+
+
+@dataclass
 class KVInjectMetadata(KVConnectorMetadata):
     injects: List[InjectJob] = field(default_factory=list)
     captures: List[CaptureJob] = field(default_factory=list)
     failures: List[FailJob] = field(default_factory=list)
     removes: List[RemoveJob] = field(default_factory=list)  # done first, before the step's injections
+    # started in the background after the step's injections; no result comes back for them
+    prefetches: List[PrefetchJob] = field(default_factory=list)
+    # tenants whose disk lease to give up at the end of the step, after its captures; no result comes back
+    releases: List[int] = field(default_factory=list)
+    # the hybrid policy's decisions of the step's requests, facts per decision (inject, await, text)
+    hybrid: Dict[str, int] = field(default_factory=dict)
 
     def req_ids(self) -> List[str]:
         """The requests this step's jobs are for (each once, in job order)."""

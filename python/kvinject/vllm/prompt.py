@@ -11,7 +11,9 @@ parameters, ``SamplingParams(extra_args={"kv_transfer_params": {"kvinject":
                   "embedding": [...],              # when the store keeps embeddings
                   "replace": False}, ...],
      "remove": [fact_id, ...],                     # or "all": every fact of the tenant
-     "keep_dependents": False}                     # with remove: make no fact stale
+     "keep_dependents": False,                     # with remove: make no fact stale
+     "prefetch": True,                             # move the tenant's facts up the store's tiers
+     "release": True}                              # give the tenant's disk lease up after the writes
 
 - ``inject``: spans of the prompt whose KV comes from the store, in order,
   back to back from token 0 (the prefix vLLM is told is already computed);
@@ -31,6 +33,26 @@ parameters, ``SamplingParams(extra_args={"kv_transfer_params": {"kvinject":
   context (kvinject/store.h, "Context and stale facts"): injecting one then
   fails the request until it is captured again (``replace``);
   ``keep_dependents: true`` removes the facts alone.
+- ``prefetch``: ``true`` asks the workers to move every fact of ``tenant`` up
+  the store's tiers in the background (Store.prefetch: from the disk tier, or
+  a tenant file another replica wrote, into memory; from the host tier to the
+  device), so that the tenant's next requests find their facts resident. The
+  request is not delayed by it (a one-token request that only prefetches:
+  :func:`prefetch_prompt`).
+- ``release``: ``true`` gives up the store's ownership lease of ``tenant``
+  (Store.tenant_release) at the end of the step that stores the request's
+  captures (or runs its removal), so that another replica sharing the disk
+  tier's directory may write the tenant at once. Without a disk tier it does
+  nothing.
+
+With a disk tier (connector setting ``disk_dir``) and ``hybrid`` (the
+default), the scheduler plans each injected fact by where the store has it:
+a fact in memory is injected; a fact only on disk is awaited (the injection
+reads it back) when reading it is predicted faster than prefilling its
+tokens, else the prompt is claimed only up to it, vLLM prefills it and every
+token after it as text, and the disk-only facts not injected are prefetched.
+The text fallback needs prompts whose spans hold the facts' own tokens (as
+checked injection does; not :func:`memory_prompt` with filler token counts).
 
 Each capture keeps as its context (Store.fact_context) the facts whose spans,
 injected or captured, end before its own in the prompt: removing one of them
@@ -46,7 +68,8 @@ results yet (``"pending": true``); ask for RESULT_TOKENS output tokens
 :func:`memory_prompt` builds [facts | question] and its inject spans;
 :func:`capture_prompt` builds a prompt from segments, some to be captured;
 :func:`notes_capture_prompts` the capture prompts of the notes encoding;
-:func:`remove_prompt` a one-token request that removes facts.
+:func:`remove_prompt` a one-token request that removes facts;
+:func:`prefetch_prompt` a one-token request that prefetches a tenant.
 """
 from __future__ import annotations
 
@@ -210,6 +233,15 @@ def remove_prompt(tenant: int, fact_ids: Union[str, Sequence[int]], token_id: in
     return MemoryPrompt([token_id], params)
 
 
+def prefetch_prompt(tenant: int, token_id: int) -> MemoryPrompt:
+    """A request that asks the connector's workers to prefetch every fact of
+    ``tenant`` (the ``prefetch`` parameter). Its prompt is the one token
+    ``token_id`` (any token of the model); its output is of no use."""
+    if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+        raise ValueError("token_id must be a token id (an int >= 0), got %r" % (token_id,))
+    return MemoryPrompt([token_id], {"tenant": int(tenant), "prefetch": True})
+
+
 # ------------------------------------------------------------------ parsing
 
 @dataclasses.dataclass
@@ -238,6 +270,8 @@ class RequestSpec:
     remove: Optional[List[int]] = None  # fact ids to remove (None: none)
     remove_all: bool = False            # every fact of the tenant
     keep_dependents: bool = False       # the removal makes no fact stale
+    prefetch: bool = False              # prefetch every fact of the tenant
+    release: bool = False               # give the tenant's disk lease up after the request's writes
 
     def context_of(self, c: "CaptureSpec") -> List[int]:
         """A capture's context: the facts whose spans (injected, then captured) end
@@ -296,10 +330,10 @@ def parse_params(params: Any, prompt_len: int, embedding_dim: int = 0) -> Reques
     ValueError with a message naming the problem."""
     if not isinstance(params, dict):
         raise ValueError("kv_transfer_params[%r] must be a dict, got %s" % (PARAMS_KEY, type(params).__name__))
-    unknown = set(params) - {"tenant", "inject", "capture", "remove", "keep_dependents"}
+    unknown = set(params) - {"tenant", "inject", "capture", "remove", "keep_dependents", "prefetch", "release"}
     if unknown:
-        raise ValueError("unknown kvinject parameters %s (known: tenant, inject, capture, remove, keep_dependents)"
-                         % sorted(unknown))
+        raise ValueError("unknown kvinject parameters %s (known: tenant, inject, capture, remove, keep_dependents, "
+                         "prefetch, release)" % sorted(unknown))
     if "tenant" not in params:
         raise ValueError("kvinject parameters need a tenant")
     tenant = _uint(params["tenant"], "tenant")
@@ -356,6 +390,11 @@ def parse_params(params: Any, prompt_len: int, embedding_dim: int = 0) -> Reques
         raise ValueError("keep_dependents must be true or false, got %r" % (keep,))
     if keep and remove is None:
         raise ValueError("keep_dependents without remove")
-    if not inject and not capture and remove is None:
-        raise ValueError("kvinject parameters ask for nothing (no inject, capture or remove)")
-    return RequestSpec(tenant, inject, capture, None if remove in (None, "all") else remove, remove == "all", keep)
+    prefetch, release = params.get("prefetch", False), params.get("release", False)
+    for name, v in (("prefetch", prefetch), ("release", release)):
+        if not isinstance(v, bool):
+            raise ValueError("%s must be true or false, got %r" % (name, v))
+    if not inject and not capture and remove is None and not prefetch and not release:
+        raise ValueError("kvinject parameters ask for nothing (no inject, capture, remove, prefetch or release)")
+    return RequestSpec(tenant, inject, capture, None if remove in (None, "all") else remove, remove == "all", keep,
+                       prefetch, release)

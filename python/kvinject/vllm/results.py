@@ -65,17 +65,32 @@ class RequestResult:
 
 @dataclass
 class KVInjectWorkerMeta(KVConnectorWorkerMetadata):
-    """A step's results on ``ranks`` tensor-parallel ranks, per request."""
+    """A step's results on ``ranks`` tensor-parallel ranks, per request; with a
+    disk tier also what the hybrid policy plans with: ``disk_facts`` (tenant ->
+    the ids of its facts that are only on disk now, for the tenants whose list
+    changed since the worker last said), ``bytes_per_token`` (bytes a rank reads
+    back per token of a fact) and ``disk_read_bytes_s`` (the read rate measured
+    by the injections that read facts back; 0: not measured)."""
 
     results: Dict[str, RequestResult] = field(default_factory=dict)
     ranks: int = 1
+    disk_facts: Dict[int, List[int]] = field(default_factory=dict)
+    bytes_per_token: float = 0.0
+    disk_read_bytes_s: float = 0.0
 
     def aggregate(self, other: "KVInjectWorkerMeta") -> "KVInjectWorkerMeta":
-        """The results of both (vLLM combines the ranks' metadata of a step with this)."""
+        """The results of both (vLLM combines the ranks' metadata of a step with this):
+        a fact is on disk if it is on any rank; the larger bytes per token; the slower
+        measured read rate."""
         out = dict(self.results)
         for rid, r in other.results.items():
             out[rid] = out[rid].combine(r) if rid in out else r
-        return KVInjectWorkerMeta(out, self.ranks + other.ranks)
+        disk = {t: list(ids) for t, ids in self.disk_facts.items()}
+        for t, ids in other.disk_facts.items():
+            disk[t] = _union(disk.get(t, []), ids)
+        rates = [r for r in (self.disk_read_bytes_s, other.disk_read_bytes_s) if r > 0]
+        return KVInjectWorkerMeta(out, self.ranks + other.ranks, disk,
+                                  max(self.bytes_per_token, other.bytes_per_token), min(rates, default=0.0))
 
 
 @dataclass

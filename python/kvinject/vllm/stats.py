@@ -15,7 +15,7 @@ largest of the ranks' (not their sum), a step's injection time the slowest
 rank's, the store's bytes the sum of the ranks' and its facts and tenants the
 largest. No vLLM import here (the base classes come through _compat).
 
-Metrics (labels ``model_name`` and ``engine`` as vLLM's own, and ``reason``):
+Metrics (labels ``model_name`` and ``engine`` as vLLM's own, ``reason`` and ``decision``):
 see :data:`METRICS` and docs/guide/observability.md.
 """
 from __future__ import annotations
@@ -26,10 +26,12 @@ from typing import Any, Dict, List, Optional, Tuple
 from ._compat import KVConnectorPromMetrics, KVConnectorStats
 
 #: failure reasons (the ``reason`` label of kvinject:failures)
-REASONS = ("parse", "not_found", "token_mismatch", "stale", "length", "capture", "remove", "other")
+REASONS = ("parse", "not_found", "token_mismatch", "stale", "length", "capture", "remove", "prefetch", "other")
+#: the hybrid policy's decisions per fact (the ``decision`` label of kvinject:hybrid_facts)
+DECISIONS = ("inject", "await", "text")
 #: the counters each rank keeps
 COUNTERS = ("requests_injected", "facts_injected", "tokens_injected", "captures_stored", "captures_failed",
-            "facts_removed")
+            "facts_removed", "prefetches")
 #: (name, kind, documentation) of every metric; counters are exported with "_total"
 METRICS = (
     ("kvinject:requests_injected", "counter", "Requests whose facts the connector injected (per injecting step)."),
@@ -37,10 +39,14 @@ METRICS = (
     ("kvinject:tokens_injected", "counter", "Tokens of KV injected into vLLM's KV cache."),
     ("kvinject:failures", "counter", "Failed operations of the connector, by reason: parse (bad kvinject "
      "parameters), not_found (unknown fact), token_mismatch, length (a span not its fact's length), capture, "
-     "remove, other."),
+     "remove, prefetch, other."),
     ("kvinject:captures_stored", "counter", "Facts captured from vLLM's prefill and stored."),
     ("kvinject:captures_failed", "counter", "Captures that failed (not stored)."),
     ("kvinject:facts_removed", "counter", "Facts removed from the store by remove requests."),
+    ("kvinject:prefetches", "counter", "Background prefetches of tenants (or of a request's disk-only facts) done."),
+    ("kvinject:hybrid_facts", "counter", "Injected facts of requests planned by the hybrid policy (a disk tier), "
+     "by decision: inject (in memory), await (only on disk, read back by the injection), text (prefilled by "
+     "vLLM as text: the fact was only on disk and slower to read than to prefill, or came after such a fact)."),
     ("kvinject:inject_seconds", "histogram", "Host time of the connector's injection per injecting step "
      "(checks and kvi_inject; the slowest rank)."),
     ("kvinject:store_bytes_used", "gauge", "Bytes of the store's pool in use (all ranks)."),
@@ -53,16 +59,17 @@ STORE_KEYS = ("bytes_used", "facts", "tenants")
 
 def _rank_data() -> Dict[str, Any]:
     d: Dict[str, Any] = {c: 0 for c in COUNTERS}
-    d.update(failures={}, inject_steps=[], store=None)
+    d.update(failures={}, hybrid={}, inject_steps=[], store=None)
     return d
 
 
 def _merge_rank(into: Dict[str, Any], other: Dict[str, Any]) -> None:
     for c in COUNTERS:
         into[c] = into.get(c, 0) + other.get(c, 0)
-    fails = into.setdefault("failures", {})
-    for r, n in (other.get("failures") or {}).items():
-        fails[r] = fails.get(r, 0) + n
+    for key in ("failures", "hybrid"):
+        into_d = into.setdefault(key, {})
+        for r, n in (other.get(key) or {}).items():
+            into_d[r] = into_d.get(r, 0) + n
     into.setdefault("inject_steps", []).extend(copy.deepcopy(other.get("inject_steps") or []))
     if other.get("store") is not None:  # the later snapshot
         into["store"] = dict(other["store"])
@@ -76,6 +83,7 @@ def combine_ranks(data: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     out: Dict[str, Any] = {c: max((r.get(c, 0) for r in ranks.values()), default=0) for c in COUNTERS}
     reasons = sorted({k for r in ranks.values() for k in (r.get("failures") or {})})
     out["failures"] = {k: max((r.get("failures") or {}).get(k, 0) for r in ranks.values()) for k in reasons}
+    out["hybrid"] = {k: max(((r.get("hybrid") or {}).get(k, 0) for r in ranks.values()), default=0) for k in DECISIONS}
     steps: Dict[int, float] = {}
     for r in ranks.values():
         for step, s in r.get("inject_steps") or []:
@@ -110,6 +118,7 @@ class KVInjectStats(KVConnectorStats):
         c = combine_ranks(self.data)
         out: Dict[str, Any] = {k: c[k] for k in COUNTERS}
         out["failures"] = sum(c["failures"].values())
+        out.update(("hybrid_" + k, n) for k, n in c["hybrid"].items() if n)
         secs = c["inject_seconds"]
         out["inject_steps"] = len(secs)
         out["inject_ms_mean"] = round(1e3 * sum(secs) / len(secs), 3) if secs else 0.0
@@ -121,7 +130,8 @@ class KVInjectStats(KVConnectorStats):
     def is_empty(self) -> bool:
         """Nothing happened (a store snapshot alone is not worth a log line)."""
         c = combine_ranks(self.data)
-        return not any(c[k] for k in COUNTERS) and not c["failures"] and not c["inject_seconds"]
+        return (not any(c[k] for k in COUNTERS) and not c["failures"] and not c["inject_seconds"]
+                and not any(c["hybrid"].values()))
 
 
 class StatsRecorder:
@@ -142,6 +152,13 @@ class StatsRecorder:
             reason = "other"
         self._d["failures"][reason] = self._d["failures"].get(reason, 0) + n
         self._dirty = True
+
+    def hybrid(self, decision: str, n: int) -> None:
+        """n facts the hybrid policy decided ``decision`` (DECISIONS) for."""
+        if n:
+            h = self._d["hybrid"]
+            h[decision] = h.get(decision, 0) + n
+            self._dirty = True
 
     def inject_step(self, step: int, seconds: float) -> None:
         self._d["inject_steps"].append([step, seconds])
@@ -164,7 +181,11 @@ _REGISTERED: List[Any] = []  # our collectors, unregistered when vLLM makes its 
 
 class KVInjectPromMetrics(KVConnectorPromMetrics):
     """The connector's Prometheus metrics (vLLM's KVConnectorPromMetrics): one
-    child per engine of each metric, and one per reason of kvinject:failures."""
+    child per engine of each metric, and one per reason of kvinject:failures and per
+    decision of kvinject:hybrid_facts."""
+
+    #: counters with a label of their own: (label, its values)
+    _LABELS = {"kvinject:failures": ("reason", REASONS), "kvinject:hybrid_facts": ("decision", DECISIONS)}
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -173,7 +194,7 @@ class KVInjectPromMetrics(KVConnectorPromMetrics):
         made: Dict[str, Any] = {}
         for name, kind, doc in METRICS:
             if kind == "counter":
-                labels = labelnames + ["reason"] if name == "kvinject:failures" else labelnames
+                labels = labelnames + [self._LABELS[name][0]] if name in self._LABELS else labelnames
                 made[name] = self._counter_cls(name=name, documentation=doc, labelnames=labels)
             elif kind == "histogram":
                 made[name] = self._histogram_cls(name=name, documentation=doc, labelnames=labelnames,
@@ -182,18 +203,20 @@ class KVInjectPromMetrics(KVConnectorPromMetrics):
                 made[name] = self._gauge_cls(name=name, documentation=doc, labelnames=labelnames,
                                              multiprocess_mode="mostrecent")
         _REGISTERED.extend(made.values())
-        self._engines: Dict[int, Tuple[Dict[str, Any], Dict[str, Any]]] = {}
+        self._engines: Dict[int, Dict[str, Any]] = {}
         for idx, values in per_engine_labelvalues.items():
-            children = {name: m.labels(*values) for name, m in made.items() if name != "kvinject:failures"}
-            fails = {r: made["kvinject:failures"].labels(*values, r) for r in REASONS}
-            self._engines[idx] = (children, fails)
+            children = {name: m.labels(*values) for name, m in made.items() if name not in self._LABELS}
+            for name, (_, keys) in self._LABELS.items():
+                children[name] = {k: made[name].labels(*values, k) for k in keys}
+            self._engines[idx] = children
         self._store: Dict[int, Dict[str, Dict[str, int]]] = {idx: {} for idx in per_engine_labelvalues}
 
     def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0) -> None:
         """Records one step's (or interval's) stats data of engine ``engine_idx``."""
         if engine_idx not in self._engines:
             return
-        children, fails = self._engines[engine_idx]
+        children = self._engines[engine_idx]
+        fails, decisions = children["kvinject:failures"], children["kvinject:hybrid_facts"]
         c = combine_ranks(transfer_stats_data)
         for counter in COUNTERS:
             if c[counter]:
@@ -201,6 +224,9 @@ class KVInjectPromMetrics(KVConnectorPromMetrics):
         for reason, n in c["failures"].items():
             if n:
                 fails.get(reason, fails["other"]).inc(n)
+        for decision, n in c["hybrid"].items():
+            if n:
+                decisions[decision].inc(n)
         for s in c["inject_seconds"]:
             children["kvinject:inject_seconds"].observe(s)
         if c["store"]:

@@ -16,16 +16,30 @@ After each step the worker tells the scheduler what it did per request
 (``build_connector_worker_meta``: kvinject.vllm.results) and vLLM's metrics
 what happened (``get_kv_connector_stats``: kvinject.vllm.stats).
 
+With ``disk_dir`` the store has a disk tier (kvinject/store.h, "Disk tier"):
+its memory is a cache of one file per tenant, which replicas may share. The
+worker then also reports which facts of the tenants it has touched are only
+on disk (when that changed), the bytes a rank reads back per token, and the
+read rate its injections measure (bytes read back / the injection's time), for
+the scheduler's hybrid plan (kvinject.vllm.scheduler). Prefetches (the
+scheduler's, and requests' ``prefetch`` parameter) run on a thread of the
+worker's, one after another, after the step's injections were started: the
+step does not wait for them (a whole-tenant prefetch indexes the tenant from
+its file synchronously; the library reads facts back on its own I/O thread).
+An injection of a tenant whose prefetch is still running waits for it.
+
 No vLLM import here: what the worker needs of vLLM's internals (the attention
 backend, the tensor-parallel rank) comes through kvinject.vllm._compat.
 """
 from __future__ import annotations
 
 import os
+import queue
+import threading
 import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from ..enums import Backend, Memory
+from ..enums import Backend, Memory, Tier
 from ..errors import KviError, NotFoundError, StaleFactError, TokenMismatchError
 from ..store import Store
 from ..transfer import Capture, Encoder, InjectRequest, Injector
@@ -33,7 +47,7 @@ from . import _compat
 from .config import KVInjectConfig
 from .events import Events
 from .layout import derive_layout, ordered_layers
-from .metadata import InjectJob, KVInjectMetadata, RemoveJob
+from .metadata import InjectJob, KVInjectMetadata, PrefetchJob, RemoveJob
 from .results import KVInjectWorkerMeta, RequestResult
 from .retrieval import STORE_DTYPES, store_model
 from .stats import KVInjectStats, StatsRecorder
@@ -85,6 +99,18 @@ class KVInjectWorker:
         self._step_jobs: List[InjectJob] = []         # injected in this step
         self._inject_s = 0.0                          # host time of this step's injection
         self._store_changed = False
+        # the disk tier: tenants to report, what was reported, the measured read rate
+        self._disk = config.disk_dir is not None
+        self._touched: Set[int] = set()               # tenants of this step's jobs
+        self._reported: Dict[int, List[int]] = {}     # tenant -> disk-only facts last reported
+        self._disk_counts = (0, 0)                    # (drops_to_disk, disk_reads) at the last report
+        self._read_bytes_s = 0.0
+        self._bytes_per_token = 0.0
+        # background prefetches: (tenant, fact ids or None) in; tenants done (or failed: message) out
+        self._prefetch_q: "queue.Queue[Optional[Tuple[int, Optional[List[int]]]]]" = queue.Queue()
+        self._prefetch_done: "queue.Queue[Tuple[int, Optional[str]]]" = queue.Queue()
+        self._prefetch_thread: Optional[threading.Thread] = None
+        self._prefetching: Set[int] = set()           # tenants of prefetches started (maybe not done)
 
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
         vc, cfg = self._vllm_config, self._cfg
@@ -100,6 +126,9 @@ class KVInjectWorker:
         dtype = STORE_DTYPES[cfg.store_dtype]
         opts = dict(backend=Backend.CPU if on_cpu else Backend.CUDA, device=None if on_cpu else tensors[0].device.index,
                     dtype=dtype, page_tokens=cfg.page_tokens, embedding_dim=cfg.embedding_dim or None)
+        if cfg.disk_dir is not None:
+            opts.update(disk_dir=cfg.disk_dir, disk_budget_bytes=cfg.disk_budget_bytes, disk_owner=cfg.disk_owner,
+                        disk_lease_ms=cfg.disk_lease_ms)
         budget = cfg.store_budget_mb << 20
         path = cfg.store_path
         if path and tp_size > 1:
@@ -112,6 +141,8 @@ class KVInjectWorker:
             if path:
                 self._store.journal_open(path)
             file_text = "store file %s (new)" % path if path else "no store file"
+            if cfg.disk_dir is not None:
+                file_text = "disk tier %s" % cfg.disk_dir
         model.close()
         self._injector = Injector(self._store, layout)
         self._encoder = Encoder(self._store, layout)
@@ -124,6 +155,9 @@ class KVInjectWorker:
         self._stats = StatsRecorder(tp_rank)
         st = self._store.stats()
         self._stats.store(st.bytes_used, st.facts, st.tenants)
+        self._bytes_per_token = st.page_bytes / st.page_tokens
+        self._prefetch_thread = threading.Thread(target=self._prefetcher, name="kvinject-prefetch", daemon=True)
+        self._prefetch_thread.start()
         logger.info("kvinject: store budget %d MiB, dtype %s, %s: %d facts of %d tenants; %s cache (%s) of %d "
                     "layers x %d heads x %d, %d blocks of %d; tensor-parallel rank %d of %d", cfg.store_budget_mb,
                     cfg.store_dtype, file_text, st.facts, st.tenants, backend, isa or "-", len(names),
@@ -195,6 +229,7 @@ class KVInjectWorker:
         """The step's removals: a fact that is not there is skipped (not listed)."""
         for job in jobs:
             res = self._result(job.req_id)
+            self._touched.add(job.tenant)
             ids = self._store.list(job.tenant) if job.fact_ids is None else job.fact_ids
             n = 0
             for fid in ids:
@@ -216,6 +251,74 @@ class KVInjectWorker:
                                asked="all" if job.fact_ids is None else len(job.fact_ids), removed=n,
                                step=self._step)
 
+    # ------------------------------------------------------------ the disk tier
+    def _prefetcher(self) -> None:
+        """The prefetch thread: one Store.prefetch after another (the store's lock
+        orders them with the steps' calls; ctypes lets go of the GIL meanwhile)."""
+        while True:
+            item = self._prefetch_q.get()
+            if item is None:
+                self._prefetch_q.task_done()
+                return
+            tenant, ids = item
+            try:
+                self._store.prefetch(tenant, ids)
+                self._prefetch_done.put((tenant, None))
+            except (KviError, ValueError) as e:
+                self._prefetch_done.put((tenant, str(e)))
+            finally:
+                self._prefetch_q.task_done()
+
+    def _start_prefetches(self, jobs: List[PrefetchJob]) -> None:
+        for job in jobs:
+            self._prefetch_q.put((job.tenant, job.fact_ids))
+            self._prefetching.add(job.tenant)
+            self._events.write(event="prefetch", req_id=job.req_id, tenant=job.tenant,
+                               facts="all" if job.fact_ids is None else len(job.fact_ids), step=self._step)
+
+    def wait_prefetches(self) -> None:
+        """Waits until every prefetch started so far is done (tests; shutdown)."""
+        if self._prefetch_thread is not None:
+            self._prefetch_q.join()
+
+    def _disk_report(self) -> Dict[int, List[int]]:
+        """The tenants whose disk-only facts changed since the last report: those the
+        step's jobs or finished prefetches touched, and every tenant reported before
+        when facts were dropped to disk or read back since."""
+        while True:
+            try:
+                tenant, err = self._prefetch_done.get_nowait()
+            except queue.Empty:
+                break
+            self._touched.add(tenant)
+            if err is None:
+                self._stats.add("prefetches")
+            else:
+                logger.error("kvinject: prefetch of tenant %d failed: %s", tenant, err)
+                self._stats.failed("prefetch")
+        if not self._disk:
+            self._touched.clear()
+            return {}
+        st = self._store.stats()
+        counts = (st.drops_to_disk, st.disk_reads)
+        tenants = set(self._touched)
+        if counts != self._disk_counts:
+            tenants |= set(self._reported)
+        self._touched.clear()
+        self._disk_counts = counts
+        out = {}
+        for t in sorted(tenants):
+            disk = []
+            for fid in self._store.list(t):
+                try:
+                    if self._store.fact_tier(t, fid) == Tier.DISK:
+                        disk.append(fid)
+                except NotFoundError:  # removed since the list
+                    continue
+            if self._reported.get(t) != disk:
+                self._reported[t] = out[t] = disk
+        return out
+
     def start_load_kv(self, meta: Optional[KVInjectMetadata]) -> None:
         if not isinstance(meta, KVInjectMetadata):
             return
@@ -223,14 +326,30 @@ class KVInjectWorker:
         self._failed_reqs, self._step_jobs, self._inject_s = set(), [], 0.0
         for rid in meta.req_ids():  # every request of the step gets a result, if only "done"
             self._result(rid)
+        for decision, n in meta.hybrid.items():
+            self._stats.hybrid(decision, n)
+        try:
+            self._load(meta)
+        finally:
+            self._start_prefetches(meta.prefetches)
+
+    def _load(self, meta: KVInjectMetadata) -> None:
         self._remove(meta.removes)
         t0 = time.perf_counter()
+        if self._prefetching:
+            # an injection of a tenant being prefetched waits for it: a prefetch of a whole tenant
+            # may read its file (anew, when another replica changed it), and the injection must see that
+            if any(job.facts and job.tenant in self._prefetching for job in meta.injects):
+                self.wait_prefetches()
+            if self._prefetch_q.unfinished_tasks == 0:
+                self._prefetching.clear()
         for f in meta.failures:
             self._fail(f.req_id, f.message, f.block_ids, "parse")
         jobs = []
         for job in meta.injects:
             if not job.facts:
                 continue
+            self._touched.add(job.tenant)
             try:
                 self._check(job)
             except (KviError, ValueError) as e:
@@ -251,7 +370,10 @@ class KVInjectWorker:
             self._layers_done = 1
         else:
             self._pending = []
+            before = self._store.stats().disk_read_bytes if self._disk else 0
             jobs, kvi_s = self._inject(jobs)
+            if self._disk:
+                self._measure_reads(self._store.stats().disk_read_bytes - before, kvi_s)
         t2 = time.perf_counter()
         self._step_jobs = [j for j, _ in jobs]
         self._inject_s = t2 - t0
@@ -263,6 +385,15 @@ class KVInjectWorker:
             self._timing = (start, end, rec)  # written when the step ends (wait_for_save)
         else:
             self._events.write(**rec)
+
+    def _measure_reads(self, nbytes: int, seconds: float) -> None:
+        """An injection that read ``nbytes`` back from disk in ``seconds``, averaged with
+        the earlier ones: an estimate (all of the injection's time counts, and so do
+        the reads the store's I/O thread finished meanwhile for prefetches)."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        rate = nbytes / seconds
+        self._read_bytes_s = rate if self._read_bytes_s == 0 else 0.7 * self._read_bytes_s + 0.3 * rate
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._pending:
@@ -298,6 +429,8 @@ class KVInjectWorker:
         self._count_injections()
         if isinstance(meta, KVInjectMetadata) and meta.captures:
             self._capture(meta)
+        if isinstance(meta, KVInjectMetadata):
+            self._release(meta.releases)
         if self._store_changed:
             st = self._store.stats()
             self._stats.store(st.bytes_used, st.facts, st.tenants)
@@ -326,6 +459,7 @@ class KVInjectWorker:
         t0 = time.perf_counter()
         caps, owner, skipped = [], [], 0
         for job in meta.captures:
+            self._touched.add(job.tenant)
             if job.req_id in self._failed_reqs:
                 self._result(job.req_id).skipped.extend(c[0] for c in job.captures)
                 skipped += len(job.captures)
@@ -369,11 +503,26 @@ class KVInjectWorker:
                            skipped=skipped, tokens=sum(c.num_tokens for c in caps),
                            host_us=(time.perf_counter() - t0) * 1e6)
 
+    def _release(self, tenants: List[int]) -> None:
+        """Gives up the disk leases of the step's releases (after its captures)."""
+        for t in tenants:
+            try:
+                self._store.tenant_release(t)
+            except KviError as e:  # the lease runs out by itself
+                logger.error("kvinject: releasing tenant %d failed: %s", t, e)
+                self._stats.failed("other")
+            self._events.write(event="release", tenant=t, step=self._step)
+
     def build_connector_worker_meta(self) -> Optional[KVInjectWorkerMeta]:
-        """What this step did per request (None: no request had jobs), for the scheduler."""
-        if not self._results:
+        """What this step did per request, and with a disk tier the tenants whose
+        disk-only facts changed (None: nothing to say), for the scheduler."""
+        disk = self._disk_report() if self._store is not None else {}
+        if not self._results and not disk:
             return None
-        out, self._results = KVInjectWorkerMeta(self._results), {}
+        out = KVInjectWorkerMeta(self._results, disk_facts=disk,
+                                 bytes_per_token=self._bytes_per_token if self._disk else 0.0,
+                                 disk_read_bytes_s=self._read_bytes_s)
+        self._results = {}
         return out
 
     def get_kv_connector_stats(self) -> Optional[KVInjectStats]:
@@ -389,6 +538,10 @@ class KVInjectWorker:
         return out
 
     def shutdown(self) -> None:
+        if self._prefetch_thread is not None:
+            self._prefetch_q.put(None)
+            self._prefetch_thread.join()
+            self._prefetch_thread = None
         if self._store is not None:
             self._store.close()
             self._store = None

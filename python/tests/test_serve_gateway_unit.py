@@ -1,0 +1,263 @@
+"""The memory gateway's session prefetch and shared-disk moves (kvinject.serve.memory)
+without vLLM: the Service with a real database and fakes of the layout, the embedder
+and the replicas. Each fake replica keeps what its connector's store would hold per
+tenant, over one "shared disk" of tenant files: captures and removals write through
+to the file, ``prefetch`` reads the file into the replica's memory, ``release`` is
+noted; an injection of a fact the replica's memory lacks fails as the connector's
+does (a tenant the replica never saw is prefilled as text, as the hybrid policy
+does). The tests check which requests reach which replica.
+
+Needs numpy, httpx, prometheus_client and fastapi (tests/vllm/launch.py runs it in
+the vLLM environment).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+np = pytest.importorskip("numpy")
+pytest.importorskip("httpx")
+pytest.importorskip("prometheus_client")
+
+from kvinject.serve.chat import ApiError, parse_chat  # noqa: E402
+from kvinject.serve.config import GatewayConfig  # noqa: E402
+from kvinject.serve.db import Database  # noqa: E402
+from kvinject.serve.memory import Service  # noqa: E402
+from kvinject.serve.metrics import Metrics  # noqa: E402
+from kvinject.serve import ring  # noqa: E402
+
+HEADER = [1, 2, 3]
+
+
+class FakeLayout:
+    header = HEADER
+    hash = "fake"
+
+    def fact_tokens(self, text):
+        return [100 + (ord(c) % 50) for c in text[:6]]
+
+    def tail(self, messages):
+        return [7, 8], messages[-1]["content"]
+
+    def prompt(self, facts, tail):
+        return HEADER + [t for f in facts for t in f] + list(tail)
+
+    def decode_token(self, tid):
+        return str(tid)
+
+
+class FakeEmbedder:
+    def embed(self, texts):
+        return np.array([[1.0, 0.5, 0.25, 0.125]] * len(texts), dtype=np.float32)
+
+
+class FakeReplicas:
+    """The replicas' connectors: per replica its store's memory {tenant: set of fact ids},
+    over one shared disk {tenant: set of fact ids}."""
+
+    def __init__(self, urls, shared=True):
+        self.disk = {}
+        self.memory = {u: {} for u in urls}
+        self.sent = []  # (url, kind, params)
+        self.shared = shared
+
+    def kind(self, p):
+        if p.get("prefetch"):
+            return "prefetch"
+        if p.get("capture"):
+            return "capture"
+        if p.get("remove") is not None:
+            return "remove"
+        return "chat"
+
+    async def complete(self, url, body):
+        p = body.get("kv_transfer_params", {}).get("kvinject", {})
+        self.sent.append((url, self.kind(p), p))
+        mem = self.memory[url]
+        out = {"tenant": p.get("tenant"), "injected_facts": 0, "injected_tokens": 0, "captured": [], "removed": [],
+               "errors": [], "pending": False}
+        if p:
+            t = p["tenant"]
+            if p.get("prefetch") and self.shared:
+                mem[t] = set(self.disk.get(t, ()))
+            if p.get("remove") is not None:
+                ids = set(mem.get(t, ())) if p["remove"] == "all" else set(p["remove"])
+                out["removed"] = sorted(ids & mem.get(t, set()))
+                mem.setdefault(t, set()).difference_update(ids)
+                if self.shared:
+                    self.disk.setdefault(t, set()).difference_update(ids)
+            inject = [s[0] for s in p.get("inject") or []]
+            if inject and t in mem:  # a tenant never seen is prefilled as text
+                missing = [f for f in inject if f not in mem[t]]
+                if missing:
+                    out["errors"].append("Store.fact_tokens: no fact %d for tenant %d" % (missing[0], t))
+            out["injected_facts"] = len(inject)
+            for c in p.get("capture") or []:
+                mem.setdefault(t, set()).add(c["fact_id"])
+                if self.shared:
+                    self.disk.setdefault(t, set()).add(c["fact_id"])
+                out["captured"].append(c["fact_id"])
+        return 200, {"id": "cmpl-1", "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
+                     "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1},
+                     "kv_transfer_params": {"kvinject": out}}
+
+    def kinds(self, url=None):
+        return [k for u, k, _ in self.sent if url is None or u == url]
+
+
+A, B = "http://a:1", "http://b:1"
+
+
+@pytest.fixture
+def gateway(tmp_path):
+    made = []
+
+    def make(shared_disk=True, session_idle_s=300.0, urls=(A, B)):
+        cfg = GatewayConfig(model="m", replicas=list(urls), db=str(tmp_path / ("g%d.db" % len(made))),
+                            shared_disk=shared_disk, session_idle_s=session_idle_s)
+        svc = Service(cfg, Database(cfg.db), FakeLayout(), FakeEmbedder(), Metrics())
+        fake = FakeReplicas(urls, shared=shared_disk)
+        for r in svc.replicas.all.values():
+            r.up, r.epoch, r.model_id, r.max_model_len = True, "e1", "m", 4096
+        svc.replicas.complete = fake.complete
+        made.append(svc)
+        return svc, fake
+    yield make
+    for svc in made:
+        asyncio.run(svc.replicas.client.aclose())
+        svc.db.close()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def chat(svc, user, q="what?"):
+    return await svc.chat(parse_chat({"user": user, "messages": [{"role": "user", "content": q}]}, 5, 1000))
+
+
+def metric(svc, name, **labels):
+    return svc.m.registry.get_sample_value("kvinject_gateway_" + name, labels) or 0
+
+
+def owner_of(svc, user):
+    return ring.owner(svc.replicas.live(), svc.db.user(user).id)
+
+
+def add(svc, user, *facts):
+    return run(svc.add(user, list(facts), "facts"))
+
+
+def test_a_sessions_first_chat_asks_the_users_replica_to_prefetch(gateway):
+    svc, fake = gateway(session_idle_s=100.0)
+    add(svc, "ann", "likes tea", "has a cat")
+    own = owner_of(svc, "ann")
+    tenant = svc.db.user("ann").id
+    fake.sent.clear()
+    res = run(chat(svc, "ann"))
+    assert [f["fact_id"] for f in res["memory"]["facts"]] == [1, 2]
+    assert fake.kinds() == ["prefetch", "chat"]  # the prefetch first, waited for
+    (url, _, params), = [s for s in fake.sent if s[1] == "prefetch"]
+    assert url == own and params == {"tenant": tenant, "prefetch": True}
+    assert metric(svc, "prefetches_total", why="session", status="ok") == 1
+    run(chat(svc, "ann"))  # the same session: no prefetch
+    assert fake.kinds().count("prefetch") == 1
+    svc._last_chat[tenant] -= 101  # idle for longer than session_idle_s: a new session
+    run(chat(svc, "ann"))
+    assert fake.kinds().count("prefetch") == 2
+    # a user without memories has nothing to prefetch; session_idle_s 0 never prefetches
+    run(chat(svc, "nobody"))
+    assert fake.kinds().count("prefetch") == 2
+    svc2, fake2 = gateway(session_idle_s=0.0)
+    add(svc2, "ann", "likes tea")
+    run(chat(svc2, "ann"))
+    assert "prefetch" not in fake2.kinds()
+
+
+def test_explicit_prefetch_of_a_user(gateway):
+    svc, fake = gateway()
+    add(svc, "bo", "plays chess")
+    fake.sent.clear()
+    out = run(svc.prefetch_user("bo"))
+    assert out == {"user": "bo", "replica": owner_of(svc, "bo"), "memories": 1, "done": "prefetched"}
+    assert fake.kinds() == ["prefetch"]
+    assert metric(svc, "prefetches_total", why="explicit", status="ok") == 1
+    with pytest.raises(ApiError) as e:
+        run(svc.prefetch_user("nobody"))
+    assert e.value.status == 404
+    # through the HTTP route
+    from fastapi.testclient import TestClient
+    from kvinject.serve.app import create_app
+    client = TestClient(create_app(svc))  # no lifespan: the fake replicas stay as they are
+    r = client.post("/v1/memory/bo/prefetch")
+    assert r.status_code == 200 and r.json()["done"] == "prefetched"
+    assert client.post("/v1/memory/nobody/prefetch").status_code == 404
+    assert fake.kinds() == ["prefetch", "prefetch"]
+
+
+def test_writes_release_the_lease_with_a_shared_disk(gateway):
+    svc, fake = gateway()
+    add(svc, "cy", "owns a boat")
+    (cap_params,) = [p for _, k, p in fake.sent if k == "capture"]
+    assert cap_params["release"] is True
+    svc2, fake2 = gateway(shared_disk=False)
+    add(svc2, "cy", "owns a boat")
+    assert all("release" not in p for _, _, p in fake2.sent)
+
+
+def moved(svc, user):
+    """Takes the user's owner down; returns (old owner, new owner)."""
+    old = owner_of(svc, user)
+    svc.replicas.all[old].up = False
+    return old, owner_of(svc, user)
+
+
+def test_a_moved_user_loads_from_the_shared_disk_instead_of_being_captured(gateway):
+    svc, fake = gateway()
+    add(svc, "dee", "likes jazz", "lives in Oslo")
+    tenant = svc.db.user("dee").id
+    old, new = moved(svc, "dee")
+    assert new != old
+    fake.sent.clear()
+    res = run(chat(svc, "dee"))
+    assert res["memory"]["replica"] == new and len(res["memory"]["facts"]) == 2
+    assert fake.kinds(new) == ["prefetch", "chat"]  # no capture: the tenant file has the memory
+    assert fake.memory[new][tenant] == {0, 1, 2}
+    assert metric(svc, "prefetches_total", why="shared", status="ok") == 1
+    assert svc.clean(svc.db.user("dee"), svc.replicas.all[new])
+    # a memory added on the new owner, then the old one comes back: it reads the file anew
+    add(svc, "dee", "has a dog")
+    assert fake.kinds(new)[-1] == "capture"
+    svc.replicas.all[old].up = True
+    fake.sent.clear()
+    res = run(chat(svc, "dee"))
+    assert res["memory"]["replica"] == old and len(res["memory"]["facts"]) == 3
+    assert fake.kinds(old) == ["prefetch", "chat"]
+    assert metric(svc, "chat_retries_total", why="injection_failed") == 0
+
+
+def test_without_a_shared_disk_a_moved_user_is_captured_again(gateway):
+    svc, fake = gateway(shared_disk=False)
+    add(svc, "eve", "likes jazz")
+    old, new = moved(svc, "eve")
+    fake.sent.clear()
+    run(chat(svc, "eve"))
+    assert fake.kinds(new) == ["capture", "chat"]
+
+
+def test_a_failed_injection_distrusts_the_shared_file(gateway):
+    svc, fake = gateway()
+    add(svc, "fay", "likes jazz", "plays golf")
+    tenant = svc.db.user("fay").id
+    old, new = moved(svc, "fay")
+    fake.disk[tenant] = set()  # the shared file lost the memory
+    fake.memory[new][tenant] = set()  # and the new replica knows the tenant (so it injects, and fails)
+    fake.sent.clear()
+    res = run(chat(svc, "fay"))
+    assert len(res["memory"]["facts"]) == 2
+    # loaded from the file, the injection failed, every placement distrusted, captured again
+    assert fake.kinds(new) == ["prefetch", "chat", "capture", "chat"]
+    assert metric(svc, "chat_retries_total", why="injection_failed") == 1
+    assert not svc.clean(svc.db.user("fay"), svc.replicas.all[old])
