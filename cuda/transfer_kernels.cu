@@ -304,7 +304,7 @@ __device__ inline void plain(const Ctx &x, G *page, C *cache, int64_t plane, uns
 
 /* ---- 4-bit pages (base/q4.h) ------------------------------------------------
  *
- * Thread mapping. A layer's elements are cut into chunks of W consecutive
+ * Injection's thread mapping. A layer's elements are cut into chunks of W consecutive
  * columns of one (plane, head) — W = 8 (one 32-bit word of codes) when the
  * host allows vectors (E 8: D % 8 == 0, rotated widths multiples of 16,
  * contiguous and aligned cache rows), else W = 2 (one byte of codes) — and
@@ -328,20 +328,24 @@ __device__ inline void plain(const Ctx &x, G *page, C *cache, int64_t plane, uns
  * operations, in the same order, as rotate() and the CPU reference. A chunk
  * never straddles 2 half (it is even, and a multiple of 16 with W = 8).
  *
- * Capture (phases: kvi__xfer_args.phase). Phase 1: each key item reduces
- * its channels' finite values over its tokens to fp32 (min, max) in
- * registers, then folds those two into the channel's word with one
- * compare-and-swap per channel (items of other slices and other segments of
- * the page merge into the same word; folding commutes, and folding a
- * group's min and max gives the word folding all of it gives:
- * kvi__q4_bounds). Phase 2:
- * key items turn their channels' bounds into (s, m) once and write codes,
- * a word (or byte) per token; values go a row per group of G lanes of a
- * warp (G the power of two >= the row's chunks, at most 32), min and max
- * reduced with shuffles, then the row's word and codes. min and max are
- * exact, so every order gives the CPU's bounds; the rest is base/q4.h's
- * arithmetic. A page that one segment covers does phase 2's work in phase 1,
- * after a barrier (q4_capture). */
+ * Capture maps keys otherwise (q4_capture_keys): a thread owns a unit
+ * (head, chunk) for all the segment's tokens (a slice of them when there
+ * are fewer units than threads, merged through shared memory), so a key
+ * channel's bounds are reduced to fp32 (min, max) in registers, no atomics.
+ * A page that one segment covers (the plan's usual case: facts no longer
+ * than a segment) is captured whole in one launch, phase 1: the channels'
+ * parameter words, then the codes (the keys read again, from L1 or L2),
+ * then the values; the host launches phase 1 alone when every page of a
+ * plan is such a page. A page split over segments takes the phases
+ * (kvi__xfer_args.phase): 0 empty bounds, 1 each segment's bounds folded
+ * into the channels' words with one compare-and-swap per channel (folding
+ * commutes, and folding a group's min and max gives the word folding all
+ * of it gives: kvi__q4_bounds), 2 the key codes from the parameters the
+ * merged bounds give and the values, 3 the parameter words. Values go a
+ * row per group of G lanes of a warp (G the power of two >= the row's
+ * chunks, at most 32), min and max reduced with shuffles, then the row's
+ * word and codes. min and max are exact, so every order gives the CPU's
+ * bounds; the rest is base/q4.h's arithmetic. */
 
 /* A word's (scale, minimum) as floats: fp16 -> fp32 is exact (NaN payloads
  * aside, which any fmaf with them makes the canonical NaN anyway). (The
@@ -520,11 +524,13 @@ __device__ inline void q4_inject(const Ctx &x, const kvi__xfer_args &a, const ui
   }
 }
 
-/* Capture into a 4-bit page, phase 2: the values, a row per group of G lanes. */
+/* Capture into a 4-bit page: the values, a row per group of G lanes, R rows
+ * a group in flight (64 bytes a lane); a skipped token's word is zero. */
 template <typename C, int E>
 __device__ inline void q4_capture_values(const Ctx &x, const kvi__xfer_args &a, uint8_t *pg, int l, const C *vc,
                                          const float *vs, const int64_t *s_coff, unsigned tok0) {
-  constexpr int W = E == 1 ? 2 : E, R = 2; /* rows per group in flight */
+  /* (the element-wise path, E 1, keeps 2: its loads are single elements anyway) */
+  constexpr int W = E == 1 ? 2 : E, R0 = E == 1 ? 2 : 64 / (W * (int)sizeof(C)), R = R0 < 2 ? 2 : R0 > 4 ? 4 : R0;
   uint32_t *vw = reinterpret_cast<uint32_t *>(pg + a.scale_off) + (int64_t)a.L * x.H * x.D +
                  (int64_t)l * x.H * a.P + tok0; /* [head][token] */
   const int64_t *coff = a.split_v ? s_coff + a.seg_tokens : s_coff;
@@ -536,14 +542,15 @@ __device__ inline void q4_capture_values(const Ctx &x, const kvi__xfer_args &a, 
   for (unsigned r0 = (threadIdx.x >> 5) * rpw * R + lane / G; r0 - lane / G < rows; r0 += step) {
     const C *cr[R];
     unsigned h[R], j[R];
-    bool on[R];
+    bool in[R], on[R];
     float mn[R], mx[R], sc[R];
 #pragma unroll
     for (int q = 0; q < R; q++) {
       const unsigned r = r0 + q * rpw;
       h[q] = r < rows ? r / x.ntok : 0u;
       j[q] = r < rows ? r - h[q] * x.ntok : 0u;
-      const int64_t co = r < rows ? coff[j[q]] : -1;
+      in[q] = r < rows;
+      const int64_t co = in[q] ? coff[j[q]] : -1;
       on[q] = co >= 0;
       cr[q] = vc + (on[q] ? co : 0) + h[q] * a.v_head_stride;
       sc[q] = is_fp8<C>::value ? vs[h[q]] : 1.0f;
@@ -572,12 +579,13 @@ __device__ inline void q4_capture_values(const Ctx &x, const kvi__xfer_args &a, 
         mx[q] = fmaxf(mx[q], __shfl_xor_sync(0xffffffffu, mx[q], o));
       }
     float2 sm[R];
+    float rc[R];
 #pragma unroll
     for (int q = 0; q < R; q++) {
-      if (!on[q]) continue;
-      const uint32_t w = kvi__q4_params(kvi__q4_bounds(mn[q], mx[q]));
-      if (lg == 0) vw[(int64_t)h[q] * a.P + j[q]] = w;
+      const uint32_t w = on[q] ? kvi__q4_params(kvi__q4_bounds(mn[q], mx[q])) : 0u;
+      if (lg == 0 && in[q]) vw[(int64_t)h[q] * a.P + j[q]] = w;
       sm[q] = q4_sm(w);
+      rc[q] = kvi__q4_rcp(sm[q].x);
     }
     for (unsigned c = lg; c < nch; c += G) { /* the codes (the row again, from L1) */
       Vec<C, W> t[R];
@@ -592,129 +600,209 @@ __device__ inline void q4_capture_values(const Ctx &x, const kvi__xfer_args &a, 
         scale_from_cache<C>(f, W, sc[q]);
         uint32_t codes = 0u;
 #pragma unroll
-        for (int i = 0; i < W; i++) codes |= kvi__q4_code_sm(f[i], sm[q].x, sm[q].y) << (4 * i);
+        for (int i = 0; i < W; i++) codes |= kvi__q4_code_rcp(f[i], sm[q].x, sm[q].y, rc[q]) << (4 * i);
         q4_st<W>(pg, x.page_row0 + (int64_t)(x.H + h[q]) * x.page_head + (int64_t)j[q] * x.D + c * W, codes);
       }
     }
   }
 }
 
-/* Capture into a 4-bit page, one layer's keys: their bounds (phase 1,
- * BOUNDS) or codes (phase 2). The cache's values are read as the injection
- * writes them: fp8 caches times their scale, keys un-rotated. (The phases
- * are two instantiations so that neither's registers add to the other's.) */
+/* Folds W channels' fp32 bounds (mn > mx: no finite value) into their
+ * words, one compare-and-swap per channel, all in flight at once; a channel
+ * whose word moved meanwhile goes round again. */
+template <int W> __device__ inline void q4_fold_words(uint32_t *kw, const float *mn, const float *mx) {
+  uint32_t cur[W];
+  unsigned todo = 0u;
+#pragma unroll
+  for (int i = 0; i < W; i++) {
+    cur[i] = __ldcg(kw + i);
+    if (mn[i] <= mx[i]) todo |= 1u << i;
+  }
+  while (todo) {
+    uint32_t seen[W];
+#pragma unroll
+    for (int i = 0; i < W; i++) {
+      seen[i] = cur[i];
+      if (!(todo >> i & 1u)) continue;
+      const uint32_t want = kvi__q4_fold(kvi__q4_fold(cur[i], mn[i]), mx[i]);
+      if (want == cur[i]) todo &= ~(1u << i);
+      else cur[i] = atomicCAS(kw + i, seen[i], want);
+    }
+#pragma unroll
+    for (int i = 0; i < W; i++)
+      if ((todo >> i & 1u) && cur[i] == seen[i]) todo &= ~(1u << i); /* swapped */
+  }
+}
+
+/* Shared memory where a unit's slices merge their bounds (q4_capture_keys):
+ * one array whatever the rotation style. */
+template <int W> __device__ inline float2 *q4_red() {
+  __shared__ float2 red[W * THREADS];
+  return red;
+}
+
+/* The keys of one unit (head h, chunk d0: W channels) over the segment's
+ * tokens [j0, j1), read from the cache as the injection writes them (fp8
+ * caches times their scale, un-rotated): their finite values' fp32 bounds
+ * folded into mn, mx (BOUNDS), or their codes written with the channels'
+ * (s, m) in sm and 1 / s in rc. Tokens go in batches of BT whose loads are all issued before
+ * any is used (vectors: 128 bytes a thread in flight). */
 template <typename C, int E, bool NEOX, bool BOUNDS>
+__device__ inline void q4_key_rows(const Ctx &x, const kvi__xfer_args &a, uint8_t *pg, unsigned half, const C *kc,
+                                   float sc, const int64_t *s_coff, unsigned h, unsigned d0, unsigned j0, unsigned j1,
+                                   float *mn, float *mx, const float2 *sm, const float *rc) {
+  constexpr int W = E == 1 ? 2 : E;
+  constexpr int BT0 = E == 1 ? 4 : 128 / (W * (int)sizeof(C) * (NEOX ? 2 : 1)), BT = BT0 < 2 ? 2 : BT0 > 8 ? 8 : BT0;
+  const Q4Pairs<W, NEOX> pr(d0, half);
+  const int64_t e0 = x.page_row0 + (int64_t)h * x.page_head + d0, ds = a.dim_stride;
+  const C *hb = kc + h * a.head_stride; /* the head's row (plus a token's offset) */
+  for (unsigned jb = j0; jb < j1; jb += BT) {
+    Vec<C, W> o[BT], p[BT];
+#pragma unroll
+    for (int b = 0; b < BT; b++) {
+      const unsigned j = jb + b;
+      if (j >= j1 || s_coff[j] < 0) continue;
+      const C *cr = hb + s_coff[j];
+      q4_ld_cache<C, E, W>(o[b], cr + (int64_t)d0 * ds, ds);
+      if (NEOX && pr.on) {
+        if constexpr (W == 8) ld<C, W>(p[b], cr + pr.p(0)); /* p(i) == p(0) + i; ds == 1 */
+        else
+#pragma unroll
+          for (int i = 0; i < W; i++) p[b].v[i] = cr[pr.p(i) * ds];
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < BT; b++) {
+      const unsigned j = jb + b;
+      if (j >= j1 || s_coff[j] < 0) continue;
+      float u[W], v[W];
+      to_f32<C, W>(u, o[b]);
+      scale_from_cache<C>(u, W, sc);
+#pragma unroll
+      for (int i = 0; i < W; i++) v[i] = u[i];
+      if (pr.on) {
+        float pv[W];
+        if (NEOX) {
+          to_f32<C, W>(pv, p[b]);
+          scale_from_cache<C>(pv, W, sc);
+        }
+        const float2 *cs = x.cs + j * x.HM;
+#pragma unroll
+        for (int i = 0; i < W; i++) v[i] = q4_rot<false>(u[i], NEOX ? pv[i] : u[i ^ 1], cs[pr.k(i)], pr.first(i));
+      }
+      if constexpr (BOUNDS) {
+#pragma unroll
+        for (int i = 0; i < W; i++)
+          if (v[i] - v[i] == 0.0f) mn[i] = fminf(mn[i], v[i]), mx[i] = fmaxf(mx[i], v[i]); /* finite only */
+      } else {
+        uint32_t codes = 0u;
+#pragma unroll
+        for (int i = 0; i < W; i++) codes |= kvi__q4_code_rcp(v[i], sm[i].x, sm[i].y, rc[i]) << (4 * i);
+        q4_st<W>(pg, e0 + (int64_t)j * x.D, codes);
+      }
+    }
+  }
+}
+
+/* Capture into a 4-bit page, one layer's keys. Units (head, chunk of W
+ * channels), numbered chunk fastest; a unit's channels are its thread's for
+ * the whole segment: their bounds stay in registers while the thread walks
+ * the tokens (no atomics within a segment). With fewer units than threads,
+ * S = THREADS / units threads share a unit, each a slice of the tokens,
+ * and merge their bounds through shared memory (min and max are exact: any
+ * order gives the same bounds). Then:
+ *  - sole page (phase 1): the channels' words from the bounds, written
+ *    as parameters, and the codes (the tokens read again, from L1 or L2);
+ *  - else phase 1: the bounds folded into the channels' words with one
+ *    compare-and-swap per channel and segment (the page's other segments
+ *    merge into the same words); phase 2: the codes from the parameters
+ *    the merged bounds give. */
+template <typename C, int E, bool NEOX>
 __device__ inline void q4_capture_keys(const Ctx &x, const kvi__xfer_args &a, uint8_t *pg, int l, unsigned rot,
-                                       const C *kc, const float *ks, const int64_t *s_coff) {
-  constexpr int W = E == 1 ? 2 : E, BT = 4;
-  constexpr bool bounds = BOUNDS;
+                                       const C *kc, const float *ks, const int64_t *s_coff, bool sole) {
+  constexpr int W = E == 1 ? 2 : E;
+  float2 *red = q4_red<W>(); /* S > 1: [channel][thread] (min, max) */
   uint32_t *words = reinterpret_cast<uint32_t *>(pg + a.scale_off);
-  const unsigned H = x.H, D = x.D, half = rot >> 1, nch = D / W, units = H * nch;
-  const unsigned nk = units * ((x.ntok + Q4Item::TS - 1) / Q4Item::TS);
-  for (unsigned it = threadIdx.x; it < nk; it += THREADS) {
-    const Q4Item q = q4_item(it, nk, units, nch, W, x.ntok);
-    const Q4Pairs<W, NEOX> pr(q.d0, half);
-    uint32_t *kw = words + (int64_t)(l * H + q.h) * D + q.d0; /* the chunk's channels */
-    const int64_t e0 = x.page_row0 + (int64_t)q.h * x.page_head + q.d0;
-    const int64_t ds = a.dim_stride;
-    const C *hb = kc + q.h * a.head_stride; /* the head's row (plus a token's offset) */
-    const float sc = is_fp8<C>::value ? ks[q.h] : 1.0f;
+  const unsigned H = x.H, D = x.D, nch = D / W, units = H * nch;
+  const unsigned S = units < THREADS ? THREADS / units : 1u, ts = (x.ntok + S - 1) / S;
+  for (unsigned it0 = 0; it0 < units * S; it0 += THREADS) { /* (uniform: S > 1 makes it one round) */
+    const unsigned it = it0 + threadIdx.x, s = it / units, un = it - s * units, h = un / nch;
+    const unsigned d0 = (un - h * nch) * W, j0 = min(s * ts, x.ntok), j1 = min(j0 + ts, x.ntok);
+    const bool mine = it < units * S;
+    uint32_t *kw = words + (int64_t)(l * H + h) * D + d0; /* the unit's channels */
+    const float sc = is_fp8<C>::value && mine ? ks[h] : 1.0f;
     float2 sm[W];
-    float mn[W], mx[W];
+    if (a.phase == 2) { /* (not sole) */
+      if (!mine) continue;
 #pragma unroll
-    for (int i = 0; i < W; i++) {
-      mn[i] = INFINITY, mx[i] = -INFINITY;
-      if constexpr (!bounds) sm[i] = q4_sm(kvi__q4_params(__ldcg(kw + i))); /* bounds merged in L2 */
-    }
-    for (unsigned jb = q.j0; jb < q.j1; jb += BT) {
-      Vec<C, W> o[BT], p[BT];
+      for (int i = 0; i < W; i++) sm[i] = q4_sm(kvi__q4_params(__ldcg(kw + i))); /* bounds merged in L2 */
+    } else {
+      float mn[W], mx[W];
 #pragma unroll
-      for (int b = 0; b < BT; b++) {
-        const unsigned j = jb + b;
-        if (j >= q.j1 || s_coff[j] < 0) continue;
-        const C *cr = hb + s_coff[j];
-        q4_ld_cache<C, E, W>(o[b], cr + (int64_t)q.d0 * ds, ds);
-        if (NEOX && pr.on) {
-          if constexpr (W == 8) ld<C, W>(p[b], cr + pr.p(0)); /* p(i) == p(0) + i; ds == 1 */
-          else
+      for (int i = 0; i < W; i++) mn[i] = INFINITY, mx[i] = -INFINITY;
+      if (mine)
+        q4_key_rows<C, E, NEOX, true>(x, a, pg, rot >> 1, kc, sc, s_coff, h, d0, j0, j1, mn, mx, nullptr, nullptr);
+      if (S > 1) { /* merge the unit's slices */
+        __syncthreads(); /* the previous layer's readers are done */
 #pragma unroll
-            for (int i = 0; i < W; i++) p[b].v[i] = cr[pr.p(i) * ds];
-        }
-      }
+        for (int i = 0; i < W; i++) red[i * THREADS + threadIdx.x] = make_float2(mn[i], mx[i]);
+        __syncthreads();
+        if (!mine) continue;
+        for (unsigned q = 0; q < S; q++)
 #pragma unroll
-      for (int b = 0; b < BT; b++) {
-        const unsigned j = jb + b;
-        if (j >= q.j1 || s_coff[j] < 0) continue;
-        float u[W], v[W];
-        to_f32<C, W>(u, o[b]);
-        scale_from_cache<C>(u, W, sc);
-#pragma unroll
-        for (int i = 0; i < W; i++) v[i] = u[i];
-        if (pr.on) {
-          float pv[W];
-          if (NEOX) {
-            to_f32<C, W>(pv, p[b]);
-            scale_from_cache<C>(pv, W, sc);
+          for (int i = 0; i < W; i++) {
+            const float2 r = red[i * THREADS + q * units + un];
+            mn[i] = fminf(mn[i], r.x), mx[i] = fmaxf(mx[i], r.y);
           }
-          const float2 *cs = x.cs + j * x.HM;
-#pragma unroll
-          for (int i = 0; i < W; i++) v[i] = q4_rot<false>(u[i], NEOX ? pv[i] : u[i ^ 1], cs[pr.k(i)], pr.first(i));
-        }
-        if constexpr (bounds) {
-#pragma unroll
-          for (int i = 0; i < W; i++)
-            if (v[i] - v[i] == 0.0f) mn[i] = fminf(mn[i], v[i]), mx[i] = fmaxf(mx[i], v[i]); /* finite only */
-        } else {
-          uint32_t codes = 0u;
-#pragma unroll
-          for (int i = 0; i < W; i++) codes |= kvi__q4_code_sm(v[i], sm[i].x, sm[i].y) << (4 * i);
-          q4_st<W>(pg, e0 + (int64_t)j * D, codes);
-        }
       }
-    }
-    if constexpr (!bounds) continue;
-    /* merge into the channels' words: all compare-and-swaps in flight at
-     * once; a channel whose word moved meanwhile goes round again */
-    uint32_t cur[W];
-    unsigned todo = 0u;
-#pragma unroll
-    for (int i = 0; i < W; i++) {
-      cur[i] = __ldcg(kw + i);
-      if (mn[i] <= mx[i]) todo |= 1u << i;
-    }
-    while (todo) {
-      uint32_t seen[W];
+      if (!mine) continue;
+      if (!sole) { /* phase 1: fold into the channels' words */
+        if (s == 0) q4_fold_words<W>(kw, mn, mx);
+        continue;
+      }
+      uint32_t w[W];
 #pragma unroll
       for (int i = 0; i < W; i++) {
-        seen[i] = cur[i];
-        if (!(todo >> i & 1u)) continue;
-        const uint32_t want = kvi__q4_fold(kvi__q4_fold(cur[i], mn[i]), mx[i]);
-        if (want == cur[i]) todo &= ~(1u << i);
-        else cur[i] = atomicCAS(kw + i, seen[i], want);
+        w[i] = kvi__q4_params(kvi__q4_bounds(mn[i], mx[i]));
+        sm[i] = q4_sm(w[i]);
       }
+      if (s == 0) {
+        if constexpr (W == 8) { /* 32-byte aligned */
+          reinterpret_cast<uint4 *>(kw)[0] = make_uint4(w[0], w[1], w[2], w[3]);
+          reinterpret_cast<uint4 *>(kw)[1] = make_uint4(w[4], w[5], w[6], w[7]);
+        } else
 #pragma unroll
-      for (int i = 0; i < W; i++)
-        if ((todo >> i & 1u) && cur[i] == seen[i]) todo &= ~(1u << i); /* swapped */
+          for (int i = 0; i < W; i++) kw[i] = w[i];
+      }
     }
+    float rc[W];
+#pragma unroll
+    for (int i = 0; i < W; i++) rc[i] = kvi__q4_rcp(sm[i].x);
+    q4_key_rows<C, E, NEOX, false>(x, a, pg, rot >> 1, kc, sc, s_coff, h, d0, j0, j1, nullptr, nullptr, sm, rc);
   }
 }
 
 /* Capture into a 4-bit page, one layer: phase 1 (keys' bounds) or 2 (keys'
  * codes, then the values). A page that the CTA's segment alone covers
- * (sole, CTA-uniform) has all its bounds merged when the CTA's threads are:
- * it takes its codes and values in phase 1 too, right after a barrier, its
- * keys read again while the L2 still holds them, and skips phase 2. */
+ * (sole, CTA-uniform) is captured whole in phase 1: its key channels'
+ * parameters, its codes and its value tokens' words, the words of the
+ * page's tokens past the segment zero (what phase 0 gives other pages);
+ * phases 0, 2 and 3 leave it alone. */
 template <typename C, int E, bool NEOX>
 __device__ inline void q4_capture(const Ctx &x, const kvi__xfer_args &a, uint8_t *pg, int l, unsigned rot, const C *kc,
                                   const C *vc, const float *ks, const float *vs, const int64_t *s_coff, unsigned tok0,
                                   bool sole) {
-  if (a.phase == 1) {
-    q4_capture_keys<C, E, NEOX, true>(x, a, pg, l, rot, kc, ks, s_coff);
-    if (!sole) return;
-    __syncthreads(); /* the words' compare-and-swaps are done (read back through L2: __ldcg) */
-  }
-  q4_capture_keys<C, E, NEOX, false>(x, a, pg, l, rot, kc, ks, s_coff);
+  q4_capture_keys<C, E, NEOX>(x, a, pg, l, rot, kc, ks, s_coff, sole);
+  if (a.phase == 1 && !sole) return;
   q4_capture_values<C, E>(x, a, pg, l, vc, vs, s_coff, tok0);
+  if (sole) { /* tok0 == 0 */
+    uint32_t *vw = reinterpret_cast<uint32_t *>(pg + a.scale_off) + (int64_t)a.L * x.H * x.D + (int64_t)l * x.H * a.P;
+    const unsigned rest = (unsigned)a.P - x.ntok;
+    for (unsigned i = threadIdx.x; i < x.H * rest; i += THREADS) {
+      const unsigned h = i / rest;
+      vw[(int64_t)h * a.P + x.ntok + (i - h * rest)] = 0u;
+    }
+  }
 }
 
 /* Points the context at plane kv (0 K, 1 V): its per-token offsets, head and
@@ -748,8 +836,15 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
                                    : static_cast<G *>(a.host_pool) + (int64_t)(sg.page - a.host_first) * a.page_elems;
   const int l0 = a.layer_begin + (int)blockIdx.y * a.layers_per_cta;
   const int l1 = min(l0 + a.layers_per_cta, a.layer_end);
-  if constexpr (is_q4<G>::value) { /* capture phases 0 and 3: the page's words, by its first segment */
-    if (!INJECT && (a.phase == 0 || a.phase == 3)) {
+  /* capture into a 4-bit page that this segment alone covers (its first,
+   * and the plan's next segment, if any, is another page's: a page's
+   * segments are consecutive) runs whole in phase 1 (q4_capture) */
+  bool q4_sole = false;
+  if constexpr (is_q4<G>::value && !INJECT) {
+    q4_sole = sg.tok0 == 0 && (blockIdx.x + 1 == (unsigned)a.nsegs ||
+                               reinterpret_cast<const kvi__xseg *>(plan)[blockIdx.x + 1].page != sg.page);
+    if (a.phase != 1 && q4_sole) return;
+    if (a.phase == 0 || a.phase == 3) { /* the page's words, by its first segment */
       uint32_t *w = reinterpret_cast<uint32_t *>(reinterpret_cast<char *>(page) + a.scale_off);
       const int HD = a.H * a.D, HP = a.H * a.P;
       if (sg.tok0 == 0) {
@@ -759,15 +854,6 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
       }
       return;
     }
-  }
-  /* capture into a 4-bit page that this segment alone covers (its first,
-   * and the plan's next segment, if any, is another page's: a page's
-   * segments are consecutive) runs whole in phase 1 (q4_capture) */
-  bool q4_sole = false;
-  if constexpr (is_q4<G>::value && !INJECT) {
-    q4_sole = sg.tok0 == 0 && (blockIdx.x + 1 == (unsigned)a.nsegs ||
-                               reinterpret_cast<const kvi__xseg *>(plan)[blockIdx.x + 1].page != sg.page);
-    if (a.phase == 2 && q4_sole) return;
   }
   float *gs = nullptr; /* fp8 stores: the page's scales, [layer][K, V][head] */
   if constexpr (is_fp8<G>::value) {

@@ -153,6 +153,37 @@ static inline KVI__Q4_HD uint32_t kvi__q4_code_sm(float x, float s, float m) {
   return r > 0.0f ? (r < 15.0f ? (uint32_t)r : 15u) : 0u;
 }
 
+/* kvi__q4_code_sm(x, s, m) given r, 1 / s rounded to nearest (the kernels'
+ * shortcut, the same codes): the quotient as (x - m) * r. While the
+ * quotient is below 16 in magnitude, that is within 3 * 2^-20 of
+ * (x - m) / s rounded (three roundings of 2^-24 relative at most between
+ * them), so the two round to the same integer unless they straddle a
+ * half-integer (or the quotient is one: a tie); past 16 both give 15 or 0
+ * alike. A product within 2^-17 of
+ * a half-integer, and one not finite, takes the division. (q - t is exact:
+ * |q - t| <= 0.5 with t = rint(q); so is f - 0.5 for f >= 0.25.) */
+static inline KVI__Q4_HD uint32_t kvi__q4_code_rcp(float x, float s, float m, float r) {
+  if (!(s > 0.0f)) return 0u;
+#ifdef __CUDA_ARCH__
+  const float q = __fmul_rn(__fsub_rn(x, m), r), t = rintf(q), f = fabsf(__fsub_rn(q, t));
+  if (!(fabsf(__fsub_rn(f, 0.5f)) > 0x1p-17f)) return kvi__q4_code_sm(x, s, m);
+#else
+  const float q = (x - m) * r, t = rintf(q), f = fabsf(q - t);
+  if (!(fabsf(f - 0.5f) > 0x1p-17f)) return kvi__q4_code_sm(x, s, m);
+#endif
+  return t > 0.0f ? (t < 15.0f ? (uint32_t)t : 15u) : 0u;
+}
+
+/* 1 / s rounded to nearest, for kvi__q4_code_rcp (s = 0: 0, unused). */
+static inline KVI__Q4_HD float kvi__q4_rcp(float s) {
+  if (!(s > 0.0f)) return 0.0f;
+#ifdef __CUDA_ARCH__
+  return __frcp_rn(s);
+#else
+  return 1.0f / s;
+#endif
+}
+
 /* The code of x in a group of parameter word w. */
 static inline KVI__Q4_HD uint32_t kvi__q4_code(float x, uint32_t w) {
   return kvi__q4_code_sm(x, kvi__q4_scale(w), kvi__q4_min(w));

@@ -128,7 +128,9 @@ typedef struct kvi__xfer_args {
                              pages' amax slots, 1 fold amax in (atomicMax), 2 write
                              e4m3 bytes, 3 turn amax into scales (a 4-bit store
                              likewise with its key channels' bounds words:
-                             base/q4.h); else 2 */
+                             base/q4.h; a page one segment covers is captured
+                             whole in phase 1, and a plan of such pages is
+                             phase 1 alone); else 2 */
   unsigned long long *skipped; /* device-visible counter of skipped tokens */
   uint64_t inline_plan[KVI__INLINE_PLAN / 8];
 } kvi__xfer_args;

@@ -287,6 +287,18 @@ static kvi_status launched(xfer *x, const plan *p, struct CUstream_st *stream, c
   return kvi__store_track(x->store, stream, fn);
 }
 
+#ifdef KVI_HAVE_CUDA
+/* Whether every segment of a capture plan is the only one of its page (it
+ * starts at the page's token 0 and the next segment is another page's: a
+ * page's segments are consecutive). The kernel captures such a page whole
+ * in phase 1 and leaves it alone in phases 0, 2 and 3 (its q4_sole). */
+static bool q4_all_sole(const plan *p) {
+  for (int32_t i = 0; i < p->nsegs; i++)
+    if (p->segs[i].tok0 != 0 || (i + 1 < p->nsegs && p->segs[i + 1].page == p->segs[i].page)) return false;
+  return true;
+}
+#endif
+
 kvi_status kvi__launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool inject, struct CUstream_st *stream,
                        const char *fn) {
   kvi__xfer_args a;
@@ -294,8 +306,11 @@ kvi_status kvi__launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool inje
   if (st) return st;
 #ifdef KVI_HAVE_CUDA
   const bool phased = !inject && (x->store->fp8 || x->store->q4);
-  /* a capture into an fp8 or 4-bit store is four launches (kernels.h: phase), the rest one */
+  /* a capture into an fp8 or 4-bit store is four launches (kernels.h: phase), the rest one;
+   * a 4-bit capture whose pages are one segment each is phase 1 alone */
+  const bool q4_sole = phased && x->store->q4 && q4_all_sole(p);
   for (int phase = phased ? 0 : 2; phase <= (phased ? 3 : 2); phase++) {
+    if (q4_sole && phase != 1) continue;
     a.phase = phase;
     /* the launcher returns (and so clears) the launch error: report that value */
     const int launch_err = kvi__cuda_transfer(&a, stream);

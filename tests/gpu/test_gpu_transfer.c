@@ -485,6 +485,10 @@ SCEN(t_q4_e5m2_vt, 2, 3, 40, 16, 64, 9, 4, KVI_DTYPE_Q4, KVI_DTYPE_FP8_E5M2, (kv
 SCEN(t_q4_mixed, 2, 4, 128, 16, 128, 24, 5, KVI_DTYPE_Q4, KVI_DTYPE_BF16, (kvi_cache_preset)GPU_MIXED_PLANES, 2, KVI_SCALE_NONE)
 /* head size 64: 64-token segments, so each captured page is one segment (captured whole in phase 1), bit for bit */
 SCEN(t_q4_table_sole, 2, 4, 64, 16, 128, 24, 5, KVI_DTYPE_Q4, KVI_DTYPE_BF16, KVI_CACHE_VLLM_FLASH_ATTN, 2, KVI_SCALE_NONE)
+/* capture's key units (head, 8-column chunk) as many as the threads (Llama's 8 x 128: one a thread, no
+ * slices), pages of one segment (32 tokens); twice as many (two a thread), pages of two segments */
+SCEN(t_q4_sole_h8, 2, 8, 128, 16, 128, 16, 5, KVI_DTYPE_Q4, KVI_DTYPE_BF16, KVI_CACHE_VLLM_FLASH_ATTN, 2, KVI_SCALE_NONE)
+SCEN(t_q4_split_h16, 2, 16, 128, 16, 128, 24, 4, KVI_DTYPE_Q4, KVI_DTYPE_FP16, KVI_CACHE_VLLM_FLASHINFER_HND, 2, KVI_SCALE_NONE)
 
 #ifdef KVI_HAVE_CUDA
 /* A device block table naming blocks outside the cache: those tokens are
@@ -1924,7 +1928,7 @@ int main(void) {
       cmocka_unit_test(t_mixed_fp8s),
       cmocka_unit_test(t_q4_table),      cmocka_unit_test(t_q4_hnd_fp16), cmocka_unit_test(t_q4_fp32_gptj),
       cmocka_unit_test(t_q4_fp8cache),   cmocka_unit_test(t_q4_e5m2_vt),  cmocka_unit_test(t_q4_mixed),
-      cmocka_unit_test(t_q4_table_sole),
+      cmocka_unit_test(t_q4_table_sole), cmocka_unit_test(t_q4_sole_h8), cmocka_unit_test(t_q4_split_h16),
       cmocka_unit_test(t_bad_device_table), cmocka_unit_test(t_table_memory_kind), cmocka_unit_test(t_deferred_free),
       cmocka_unit_test(t_staging_ring), cmocka_unit_test(t_capture_chunks),
       cmocka_unit_test(t_journal_encode),
