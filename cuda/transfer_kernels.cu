@@ -411,19 +411,19 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
     if constexpr (is_q4<G>::value) {
       q4_layer<C, E, INJECT>(x, a, reinterpret_cast<uint8_t *>(page), l, ly.style, rot, kc, vc, ks, vs, s_coff, sg.tok0,
                              q4_sole);
-      continue;
+    } else { /* discarded for 4-bit pages: the vector walk has no 4-bit element type */
+      set_plane<INJECT>(x, a, s_coff, 0);
+      if (rot) {
+        if (ly.style == 1)
+          rotated<G, C, E, INJECT, true>(x, page, kc, half, ks);
+        else
+          rotated<G, C, E, INJECT, false>(x, page, kc, half, ks);
+      }
+      if (rot < x.D) /* K's pass-through tail */
+        plain<G, C, E, INJECT>(x, page, kc, 0, rot, (x.D - rot) / E, ks, x.gs);
+      set_plane<INJECT>(x, a, s_coff, 1);
+      plain<G, C, E, INJECT>(x, page, vc, (int64_t)x.H * x.page_head, 0, x.D / E, vs, x.gs ? x.gs + x.H : nullptr);
     }
-    set_plane<INJECT>(x, a, s_coff, 0);
-    if (rot) {
-      if (ly.style == 1)
-        rotated<G, C, E, INJECT, true>(x, page, kc, half, ks);
-      else
-        rotated<G, C, E, INJECT, false>(x, page, kc, half, ks);
-    }
-    if (rot < x.D) /* K's pass-through tail */
-      plain<G, C, E, INJECT>(x, page, kc, 0, rot, (x.D - rot) / E, ks, x.gs);
-    set_plane<INJECT>(x, a, s_coff, 1);
-    plain<G, C, E, INJECT>(x, page, vc, (int64_t)x.H * x.page_head, 0, x.D / E, vs, x.gs ? x.gs + x.H : nullptr);
   }
 }
 
