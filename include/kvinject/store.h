@@ -128,6 +128,14 @@
  *     and the system's error; either way the call changes nothing and the
  *     stored facts stay usable. A damaged tenant file (anything but a torn
  *     final entry) is KVI_ERR_CORRUPT for calls on that tenant only.
+ *   - Descriptors. A store keeps at most 256 tenant files open (and one
+ *     descriptor per lease file only while it reads or writes it): past that
+ *     it closes the least recently used one and reopens a file when the
+ *     tenant is used again, so a store of any number of tenants stays within
+ *     the process's descriptor limit. A file that another replica replaced
+ *     while it was closed is read anew before this store writes the tenant;
+ *     a read back of a fact from it is KVI_ERR_IO until
+ *     kvi_store_prefetch(store, tenant, NULL, 0, ...) indexes it again.
  *   - Threads. Writes, and the reads back of a call that needs a fact,
  *     happen under the store's lock (other calls on the store wait for
  *     them). kvi_store_prefetch's reads are asynchronous: it takes each

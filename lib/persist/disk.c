@@ -31,6 +31,8 @@ typedef struct dtenant {
   uint64_t live, dead;  /* bytes of its live records; of records and removals superseded since written */
   int64_t lease_until;  /* wall-clock ms until which this store holds its lease; 0: not held */
   bool seen;            /* the file's identity below is what this store last read or wrote */
+  bool rw;              /* j.fd is open for writing too */
+  uint64_t used;        /* when j.fd was last used (kvi__disk.tick): the least recent closes first */
   dev_t dev;
   ino_t ino;
   off_t size;
@@ -42,7 +44,13 @@ typedef struct kvi__disk {
   uint64_t budget;
   int32_t lease_ms;
   kvi__map tenants; /* (tenant, 0) -> dtenant */
+  uint64_t tick;    /* counts uses of tenant files */
+  size_t nopen;     /* tenant files open now; at most OPEN_MAX */
 } kvi__disk;
+
+/* Tenant files a store keeps open at once (each write and read reopens a
+ * closed one): a store of many tenants stays far below the descriptor limit. */
+#define OPEN_MAX 256
 
 static int64_t now_ms(void) {
   struct timespec ts;
@@ -74,13 +82,63 @@ static dtenant *dt_get(kvi__disk *d, uint64_t tenant, const char *fn) {
   dt->id = tenant;
   dt->j.fd = -1;
   kvi__persist_journal_bind(&dt->j, path);
+  if (dt->j.dir_fd >= 0) close(dt->j.dir_fd); /* one descriptor less per tenant: journal_usable stats the path */
+  dt->j.dir_fd = -1;
   kvi__map_put(&d->tenants, tenant, 0, dt);
   return dt;
 }
 
-static void dt_close(dtenant *dt) {
-  if (dt->j.fd >= 0) close(dt->j.fd);
+static void dt_close(kvi__disk *d, dtenant *dt) {
+  if (dt->j.fd < 0) return;
+  close(dt->j.fd);
   dt->j.fd = -1;
+  d->nopen--;
+}
+
+/* Counts fd, just opened on dt's file, as dt's (rw: for writing too), and
+ * closes the least recently used other tenant's file while more than
+ * OPEN_MAX are open. */
+static void dt_opened(kvi__disk *d, dtenant *dt, int fd, bool rw) {
+  dt->j.fd = fd;
+  dt->rw = rw;
+  dt->used = ++d->tick;
+  d->nopen++;
+  while (d->nopen > OPEN_MAX) {
+    dtenant *lru = NULL;
+    for (size_t i = 0; i < d->tenants.cap; i++) {
+      dtenant *o = d->tenants.slots[i].val;
+      if (o && o != dt && o->j.fd >= 0 && (!lru || o->used < lru->used)) lru = o;
+    }
+    if (!lru) break;
+    dt_close(d, lru);
+  }
+}
+
+/* dt's file open (for writing too: rw) as this store left it, reopened if
+ * it was closed: KVI_OK; *changed when the file at the path is another one
+ * (replaced since: its records' offsets are not the index's), nothing open.
+ * A tenant without a file yet: KVI_OK, nothing open. */
+static kvi_status dt_reopen(kvi__disk *d, dtenant *dt, bool rw, bool *changed, const char *fn) {
+  *changed = false;
+  if (dt->j.fd >= 0 && (dt->rw || !rw)) {
+    dt->used = ++d->tick;
+    return KVI_OK;
+  }
+  dt_close(d, dt);
+  if (dt->j.file_id == 0) return KVI_OK;
+  bool w = true;
+  int fd = open(dt->j.path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0 && (errno == EACCES || errno == EROFS) && !rw)
+    w = false, fd = open(dt->j.path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0) return errno == ENOENT ? (*changed = true, KVI_OK) : kvi__persist_io_fail(fn, errno, "opening the tenant file", dt->j.path);
+  struct stat sb;
+  if (fstat(fd, &sb) != 0 || sb.st_dev != dt->j.dev || sb.st_ino != dt->j.ino) {
+    close(fd);
+    *changed = true;
+    return KVI_OK;
+  }
+  dt_opened(d, dt, fd, w);
+  return KVI_OK;
 }
 
 /* Remembers the identity of the file as this store leaves it. */
@@ -166,14 +224,15 @@ static kvi_status lease_rmw(kvi__disk *d, dtenant *dt, bool take, int64_t now, b
 /* Forgets the tenant and indexes it again from its file (no file: no facts).
  * write: the store holds the lease: a torn final entry is cut off. */
 static kvi_status reload(kvi__disk *d, kvi_store *s, dtenant *dt, bool write, const char *fn) {
-  (void)d;
   kvi__store_forget_tenant(s, dt->id);
-  dt_close(dt);
+  dt_close(d, dt);
   dt->live = dt->dead = 0;
   dt->j.failed = false;
   set_end(s, dt, 0);
+  bool rw = true;
   int fd = open(dt->j.path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
-  if (fd < 0 && (errno == EACCES || errno == EROFS) && !write) fd = open(dt->j.path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0 && (errno == EACCES || errno == EROFS) && !write)
+    rw = false, fd = open(dt->j.path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0) {
     dt->seen = false;
     if (errno == ENOENT) return KVI_OK;
@@ -191,7 +250,7 @@ static kvi_status reload(kvi__disk *d, kvi_store *s, dtenant *dt, bool write, co
     dt->seen = false;
     return st;
   }
-  dt->j.fd = fd;
+  dt_opened(d, dt, fd, rw);
   dt->j.file_id = file_id;
   dt->j.seq = seq;
   dt->j.dev = sb.st_dev;
@@ -210,7 +269,7 @@ static kvi_status reload(kvi__disk *d, kvi_store *s, dtenant *dt, bool write, co
 /* Writes the tenant's file anew (tmp + rename, as kvi_store_save): every
  * fact of the tenant, those on disk only copied from the old file; then the
  * facts' record offsets point into the new one. */
-static kvi_status rewrite(kvi_store *s, dtenant *dt, const char *fn) {
+static kvi_status rewrite(kvi__disk *d, kvi_store *s, dtenant *dt, const char *fn) {
   snapfile sf;
   snapoffs offs = {0};
   kvi_status st = kvi__persist_snapshot_file(s, dt->j.path, true, dt->id, false, NULL, &sf, &offs, fn);
@@ -227,8 +286,8 @@ static kvi_status rewrite(kvi_store *s, dtenant *dt, const char *fn) {
     f->disk_rec = offs.entry[i] + ENTRY_HDR;
   }
   kvi__persist_snapoffs_free(&offs);
-  dt_close(dt);
-  dt->j.fd = fd;
+  dt_close(d, dt);
+  dt_opened(d, dt, fd, true);
   dt->j.file_id = sf.file_id;
   dt->j.seq = sf.seq;
   dt->j.dev = sf.dev;
@@ -258,7 +317,10 @@ static kvi_status disk_claim(void *ctx, kvi_store *s, uint64_t tenant, const cha
     st = reload(d, s, dt, true, fn); /* a flush failed: what the file holds now is the truth */
   }
   if (st) return st;
-  if (dt->j.fd < 0 || dt->dead > dt->live) st = rewrite(s, dt, fn); /* a new file, or compaction */
+  bool changed = false;
+  if ((st = dt_reopen(d, dt, true, &changed, fn))) return st;
+  if (changed && (st = reload(d, s, dt, true, fn))) return st; /* replaced while closed: its records are the truth */
+  if (dt->j.fd < 0 || dt->dead > dt->live) st = rewrite(d, s, dt, fn); /* a new file, or compaction */
   return st;
 }
 
@@ -334,8 +396,11 @@ static kvi_status disk_put(void *ctx, const kvi__txn *t) {
     for (int32_t k = 0; k < i && first; k++) first = t->facts[k].tenant != t->facts[i].tenant;
     if (!first) continue;
     dtenant *dt = kvi__map_get(&d->tenants, t->facts[i].tenant, 0);
-    if (!dt || dt->j.fd < 0) {
-      st = kvi__fail(KVI_ERR_INTERNAL, fn, "tenant %llu written without its lease", (unsigned long long)t->facts[i].tenant);
+    bool changed = false;
+    if (dt && (st = dt_reopen(d, dt, true, &changed, fn))) break;
+    if (!dt || dt->j.fd < 0 || changed) {
+      st = kvi__fail(KVI_ERR_IO, fn, "tenant %llu: its file %s was replaced or is not open for writing; nothing was written",
+                     (unsigned long long)t->facts[i].tenant, dt ? dt->j.path : "(none)");
       break;
     }
     if ((st = kvi__persist_journal_usable(&dt->j, fn))) break;
@@ -347,7 +412,10 @@ static kvi_status disk_put(void *ctx, const kvi__txn *t) {
   if (st) { /* the call fails: the tenants written before take their entries back */
     for (int32_t k = 0; k < ndone; k++) {
       dtenant *dt = done[k];
-      if (ftruncate(dt->j.fd, (off_t)ends[2 * k]) != 0 || fdatasync(dt->j.fd) != 0) dt->j.failed = true;
+      bool changed = false;
+      if (dt_reopen(d, dt, true, &changed, fn) != KVI_OK || changed || dt->j.fd < 0 ||
+          ftruncate(dt->j.fd, (off_t)ends[2 * k]) != 0 || fdatasync(dt->j.fd) != 0)
+        dt->j.failed = true;
       set_end(s, dt, ends[2 * k]);
       dt->j.seq = ends[2 * k + 1];
       dt_remember(dt);
@@ -370,9 +438,13 @@ static kvi_status disk_remove(void *ctx, kvi_store *s, uint64_t tenant, uint64_t
   kvi__disk *d = ctx;
   dtenant *dt = kvi__map_get(&d->tenants, tenant, 0);
   const fact *f = kvi__store_find(s, tenant, id);
-  if (!dt || dt->j.fd < 0 || !f)
-    return kvi__fail(KVI_ERR_INTERNAL, fn, "tenant %llu written without its lease", (unsigned long long)tenant);
-  kvi_status st = kvi__persist_journal_usable(&dt->j, fn);
+  bool changed = false;
+  kvi_status st = dt && f ? dt_reopen(d, dt, true, &changed, fn) : KVI_OK;
+  if (st) return st;
+  if (!dt || dt->j.fd < 0 || !f || changed)
+    return kvi__fail(KVI_ERR_IO, fn, "tenant %llu: its file was replaced or is not open for writing; nothing was removed",
+                     (unsigned long long)tenant);
+  st = kvi__persist_journal_usable(&dt->j, fn);
   if (st) return st;
   if (d->budget && s->disk.bytes + ENTRY_HDR + REC_HDR > d->budget)
     return kvi__fail(KVI_ERR_CAPACITY, fn,
@@ -396,12 +468,17 @@ static kvi_status disk_remove(void *ctx, kvi_store *s, uint64_t tenant, uint64_t
   return KVI_OK;
 }
 
-/* The tenant's file open for reading (it stays open). */
+/* The tenant's file open for reading (it stays open while it is among the
+ * OPEN_MAX most recently used). */
 static kvi_status open_for_read(kvi__disk *d, dtenant *dt, const char *fn) {
-  (void)d;
-  if (dt->j.fd >= 0) return KVI_OK;
-  dt->j.fd = open(dt->j.path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-  return dt->j.fd >= 0 ? KVI_OK : kvi__persist_io_fail(fn, errno, "opening the tenant file", dt->j.path);
+  bool changed = false;
+  kvi_status st = dt_reopen(d, dt, false, &changed, fn);
+  if (st == KVI_OK && (changed || dt->j.fd < 0))
+    st = kvi__fail(KVI_ERR_IO, fn,
+                   "tenant %llu: its file %s was replaced by another replica since this store indexed it; "
+                   "kvi_store_prefetch(store, tenant, NULL, 0, ...) reads it anew",
+                   (unsigned long long)dt->id, dt->j.path);
+  return st;
 }
 
 /* A read of f's record: the tenant file's fd duplicated (it stays valid
@@ -473,7 +550,7 @@ static void disk_release(void *ctx) {
     dtenant *dt = d->tenants.slots[i].val;
     if (!dt) continue;
     if (dt->lease_until > now) (void)lease_rmw(d, dt, false, now, NULL, "kvi_store_destroy"); /* best effort */
-    dt_close(dt);
+    dt_close(d, dt);
     if (dt->j.dir_fd >= 0) close(dt->j.dir_fd);
     free(dt->j.path);
     free(dt);

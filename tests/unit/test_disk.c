@@ -753,6 +753,47 @@ static void test_async_prefetch(void **state) {
 
 /* Drops choose the least recently used facts: put, read back from disk and
  * injected facts become the most recent (one-page facts in 4 pages). */
+/* Many tenants under a low descriptor limit: a store keeps at most a few
+ * hundred tenant files open (closing the least recently used, reopening on
+ * use), so 1,500 tenants written, dropped, read back and removed from work
+ * with RLIMIT_NOFILE at 400 (before, two descriptors stayed open per tenant:
+ * the writes failed with EMFILE). In a child: the limit stays there. */
+static void test_many_tenants_few_descriptors(void **state) {
+  fx *f = *state;
+  fflush(NULL);
+  const pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    struct rlimit rl = {400, 400};
+    if (setrlimit(RLIMIT_NOFILE, &rl) != 0) _exit(2);
+    kvi_store *s = mk_store(f, KVI_DTYPE_BF16, 8, f->dir, NULL, 0, 0), *ref = mk_store(f, KVI_DTYPE_BF16, 8192, NULL, NULL, 0, 0);
+    if (!s || !ref) _exit(3);
+    enum { T = 1500 };
+    for (uint64_t t = 1; t <= T; t++)
+      if (put_tag(s, t, 7, t * 31, 0) != KVI_OK || put_tag(ref, t, 7, t * 31, 0) != KVI_OK) _exit(4);
+    for (uint64_t t = 1; t <= T; t++) /* most were dropped: read back from their files */
+      if (!same_fact(s, ref, t, 7)) _exit(5);
+    for (uint64_t t = 1; t <= T; t += 7) /* writes to tenants whose files were closed */
+      if (kvi_store_remove(s, t, 7) != KVI_OK || put_tag(s, t, 8, t, 0) != KVI_OK || put_tag(ref, t, 8, t, 0) != KVI_OK)
+        _exit(6);
+    kvi_store_destroy(s);
+    s = mk_store(f, KVI_DTYPE_BF16, 8, f->dir, NULL, 0, 0); /* every file as the store left it */
+    for (uint64_t t = 1; t <= T; t += 7) {
+      int32_t n;
+      if (kvi_store_prefetch(s, t, NULL, 0, NULL) != KVI_OK || kvi_store_fact_tokens(s, t, 7, &n) != KVI_ERR_NOT_FOUND ||
+          !same_fact(s, ref, t, 8))
+        _exit(7);
+    }
+    kvi_store_destroy(s);
+    kvi_store_destroy(ref);
+    _exit(0);
+  }
+  int ws = 0;
+  assert_int_equal(waitpid(pid, &ws, 0), pid);
+  assert_true(WIFEXITED(ws));
+  assert_int_equal(WEXITSTATUS(ws), 0);
+}
+
 static void test_lru_order(void **state) {
   fx *f = *state;
   kvi_store *s = mk_store(f, KVI_DTYPE_BF16, 4, f->dir, NULL, 0, 0), *ref = mk_store(f, KVI_DTYPE_BF16, 64, NULL, NULL, 0, 0);
@@ -877,6 +918,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_compaction_and_save, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_async_prefetch, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_lru_order, fx_setup, fx_teardown),
+      cmocka_unit_test_setup_teardown(test_many_tenants_few_descriptors, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_async_threads, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_encode_writes_through, fx_setup, fx_teardown),
   };
