@@ -32,7 +32,7 @@ typedef struct dtenant {
   int64_t lease_until;  /* wall-clock ms until which this store holds its lease; 0: not held */
   bool seen;            /* the file's identity below is what this store last read or wrote */
   bool rw;              /* j.fd is open for writing too */
-  uint64_t used;        /* when j.fd was last used (kvi__disk.tick): the least recent closes first */
+  struct dtenant *prev, *next; /* while j.fd is open: the list of open files, most recently used first */
   dev_t dev;
   ino_t ino;
   off_t size;
@@ -44,8 +44,8 @@ typedef struct kvi__disk {
   uint64_t budget;
   int32_t lease_ms;
   kvi__map tenants; /* (tenant, 0) -> dtenant */
-  uint64_t tick;    /* counts uses of tenant files */
-  size_t nopen;     /* tenant files open now; at most OPEN_MAX */
+  struct dtenant *mru, *lru; /* the tenants whose files are open, most recently used first */
+  size_t nopen;              /* how many; at most OPEN_MAX */
 } kvi__disk;
 
 /* Tenant files a store keeps open at once (each write and read reopens a
@@ -88,30 +88,46 @@ static dtenant *dt_get(kvi__disk *d, uint64_t tenant, const char *fn) {
   return dt;
 }
 
+static void open_unlink(kvi__disk *d, dtenant *dt) {
+  if (dt->prev) dt->prev->next = dt->next;
+  else d->mru = dt->next;
+  if (dt->next) dt->next->prev = dt->prev;
+  else d->lru = dt->prev;
+  dt->prev = dt->next = NULL;
+}
+
+static void open_link(kvi__disk *d, dtenant *dt) {
+  dt->prev = NULL;
+  dt->next = d->mru;
+  if (d->mru) d->mru->prev = dt;
+  else d->lru = dt;
+  d->mru = dt;
+}
+
+/* Makes dt, whose file is open (in the list), the most recently used. */
+static void open_touch(kvi__disk *d, dtenant *dt) {
+  if (d->mru == dt) return;
+  open_unlink(d, dt);
+  open_link(d, dt);
+}
+
 static void dt_close(kvi__disk *d, dtenant *dt) {
   if (dt->j.fd < 0) return;
   close(dt->j.fd);
   dt->j.fd = -1;
+  open_unlink(d, dt);
   d->nopen--;
 }
 
 /* Counts fd, just opened on dt's file, as dt's (rw: for writing too), and
- * closes the least recently used other tenant's file while more than
- * OPEN_MAX are open. */
+ * closes the least recently used tenant's file while more than OPEN_MAX are
+ * open (never dt's: it is the most recent). */
 static void dt_opened(kvi__disk *d, dtenant *dt, int fd, bool rw) {
   dt->j.fd = fd;
   dt->rw = rw;
-  dt->used = ++d->tick;
   d->nopen++;
-  while (d->nopen > OPEN_MAX) {
-    dtenant *lru = NULL;
-    for (size_t i = 0; i < d->tenants.cap; i++) {
-      dtenant *o = d->tenants.slots[i].val;
-      if (o && o != dt && o->j.fd >= 0 && (!lru || o->used < lru->used)) lru = o;
-    }
-    if (!lru) break;
-    dt_close(d, lru);
-  }
+  open_link(d, dt);
+  while (d->nopen > OPEN_MAX && d->lru != dt) dt_close(d, d->lru);
 }
 
 /* dt's file open (for writing too: rw) as this store left it, reopened if
@@ -121,7 +137,7 @@ static void dt_opened(kvi__disk *d, dtenant *dt, int fd, bool rw) {
 static kvi_status dt_reopen(kvi__disk *d, dtenant *dt, bool rw, bool *changed, const char *fn) {
   *changed = false;
   if (dt->j.fd >= 0 && (dt->rw || !rw)) {
-    dt->used = ++d->tick;
+    open_touch(d, dt);
     return KVI_OK;
   }
   dt_close(d, dt);
@@ -451,14 +467,8 @@ static kvi_status disk_remove(void *ctx, kvi_store *s, uint64_t tenant, uint64_t
                      "the disk tier is full: recording the removal in %s would pass opts->disk_budget_bytes (%llu "
                      "bytes); nothing was removed",
                      dt->j.path, (unsigned long long)d->budget);
-  unsigned char entry[ENTRY_HDR + REC_HDR];
-  unsigned char *rec = entry + ENTRY_HDR;
-  memset(rec, 0, REC_HDR);
-  put32(rec, OP_REMOVE | ((flags & KVI_REMOVE_KEEP_DEPENDENTS) ? REC_KEEP_DEPENDENTS : 0u));
-  put64(rec + 8, tenant);
-  put64(rec + 16, id);
   const uint64_t old_end = dt->j.end;
-  if ((st = kvi__persist_journal_append(&dt->j, entry, REC_HDR, 1, fn))) return st;
+  if ((st = kvi__persist_journal_remove(&dt->j, tenant, id, flags, fn))) return st;
   s->disk.bytes += dt->j.end - old_end;
   s->disk.writes++;
   s->disk.write_bytes += dt->j.end - old_end;

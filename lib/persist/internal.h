@@ -201,6 +201,10 @@ struct kvi__journal {
  * back off; a failed flush marks j failed). */
 kvi_status kvi__persist_journal_append(kvi__journal *j, unsigned char *entry, uint64_t body_bytes, uint32_t count,
                                       const char *fn);
+/* Appends one REMOVE record (KVI_REMOVE_* flags) for fact `id` of `tenant`
+ * to j, as kvi__persist_journal_append (the caller has checked that j is
+ * usable). */
+kvi_status kvi__persist_journal_remove(kvi__journal *j, uint64_t tenant, uint64_t id, uint32_t flags, const char *fn);
 /* KVI_ERR_IO when j failed to flush, or its file is no longer the one at
  * its path. */
 kvi_status kvi__persist_journal_usable(const kvi__journal *j, const char *fn);

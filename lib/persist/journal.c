@@ -187,7 +187,10 @@ static kvi_status journal_remove(void *ctx, kvi_store *s, uint64_t tenant, uint6
   (void)s;
   kvi__journal *j = ctx;
   kvi_status st = kvi__persist_journal_usable(j, fn);
-  if (st) return st;
+  return st ? st : kvi__persist_journal_remove(j, tenant, id, flags, fn);
+}
+
+kvi_status kvi__persist_journal_remove(kvi__journal *j, uint64_t tenant, uint64_t id, uint32_t flags, const char *fn) {
   unsigned char entry[ENTRY_HDR + REC_HDR];
   unsigned char *rec = entry + ENTRY_HDR;
   memset(rec, 0, REC_HDR);
