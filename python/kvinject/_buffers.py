@@ -20,11 +20,16 @@ object with ``cuda_stream`` (torch.cuda.Stream) or ``ptr`` (cupy).
 """
 from __future__ import annotations
 
+import array as _array
 import ctypes
 import operator
 from typing import Optional, Sequence, Tuple
 
 from .enums import DType, Memory
+
+# array.array type codes of the C integer types int_array fills, where the sizes agree
+_TYPECODE = {c: t for c, t in ((ctypes.c_int32, "i"), (ctypes.c_int64, "q"), (ctypes.c_uint64, "Q"))
+             if _array.array(t).itemsize == ctypes.sizeof(c)}
 
 # element kinds: names for every type the API reads or writes
 _ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2, "f8e4m3": 1, "f8e5m2": 1, "f64": 8,
@@ -333,6 +338,18 @@ def int_array(values, ctype, what: str, *, allow_device: bool = False, writable:
     except TypeError:
         raise TypeError("%s: expected a sequence of ints, a buffer or a tensor, got %s"
                         % (what, type(values).__name__)) from None
+    kind = {ctypes.c_int32: "i32", ctypes.c_uint64: "u64", ctypes.c_int64: "i64"}[ctype]
+    if seq and ctype in _TYPECODE:
+        # the common case, in C: array.array takes what has __index__, as the loop
+        # below does, and raises OverflowError or TypeError for anything else (then
+        # the loop names the element)
+        try:
+            packed = _array.array(_TYPECODE[ctype], seq)
+        except (OverflowError, TypeError):
+            packed = None
+        if packed is not None:
+            return Array(packed.buffer_info()[0], (len(seq),), (1,), kind, Memory.HOST, -1,
+                         len(seq) * ctypes.sizeof(ctype), packed, False)
     arr = (ctype * max(len(seq), 1))()
     for i, v in enumerate(seq):
         if isinstance(v, bool) or not isinstance(v, int):
@@ -343,7 +360,6 @@ def int_array(values, ctype, what: str, *, allow_device: bool = False, writable:
         arr[i] = v
         if arr[i] != v:
             raise OverflowError("%s[%d] = %d does not fit in %s" % (what, i, v, ctype.__name__))
-    kind = {ctypes.c_int32: "i32", ctypes.c_uint64: "u64", ctypes.c_int64: "i64"}[ctype]
     return Array(ctypes.addressof(arr), (len(seq),), (1,), kind, Memory.HOST, -1,
                  len(seq) * ctypes.sizeof(ctype), arr, False)
 

@@ -107,6 +107,24 @@ class TestArrays:
         r = B.int_array(array.array("q", [5, 6]), ctypes.c_uint64, "x")  # int64 ids pass as uint64
         assert r.numel == 2
 
+    def test_int_arrays_of_long_lists(self):
+        # the packed path (lists of plain ints) and the element-wise one agree, and
+        # the element-wise one still names what is wrong
+        big = list(range(-5000, 5000))
+        r = B.int_array(big, ctypes.c_int32, "x")
+        assert r.numel == len(big) and list((ctypes.c_int32 * len(big)).from_address(r.ptr)) == big
+        u = [(1 << 64) - 1, 0, 1 << 40]
+        r = B.int_array(u, ctypes.c_uint64, "x")
+        assert list((ctypes.c_uint64 * 3).from_address(r.ptr)) == u
+        r = B.int_array([-(1 << 63), (1 << 63) - 1], ctypes.c_int64, "x")
+        assert list((ctypes.c_int64 * 2).from_address(r.ptr)) == [-(1 << 63), (1 << 63) - 1]
+        with pytest.raises(OverflowError, match=r"x\[2\]"):
+            B.int_array([0, 1, 1 << 31], ctypes.c_int32, "x")
+        with pytest.raises(TypeError, match=r"x\[2\]"):
+            B.int_array([0, 1, "2"], ctypes.c_int32, "x")
+        r = B.int_array([], ctypes.c_int32, "x")
+        assert r.numel == 0
+
     def test_streams(self):
         assert B.stream_handle(None) is None
         assert B.stream_handle(0) is None

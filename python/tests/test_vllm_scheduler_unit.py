@@ -235,6 +235,17 @@ def test_an_injecting_request_gets_a_salt_of_its_own_and_its_blocks_new_hashes(s
     assert other.salt("a") != sched.salt("a")
 
 
+def test_without_the_prefix_cache_no_request_is_salted(mp):
+    # nothing shares blocks, so the block hashes are left as vLLM made them
+    sched = KVInjectScheduler(KVInjectConfig.from_extra({}, BS), prefix_caching=False)
+    r = request("a", mp)
+    hashes = list(r.block_hashes)
+    sched.on_new_request(r)
+    assert r.cache_salt is None and r.block_hashes == hashes
+    n, _ = sched.get_num_new_matched_tokens(r, 0)
+    assert n == 10  # the facts are still claimed
+
+
 def test_a_capture_only_request_shares_blocks_as_a_plain_one(sched):
     cp = capture_prompt(9, [[1, 2, 3], Keep(5, [4, 5, 6, 7, 8]), [9]])
     r = request("c", cp)

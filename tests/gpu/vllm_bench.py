@@ -111,7 +111,7 @@ SHAPES = {"fixed": dict(header=32, fact="24", question=32, k="0,5,10,20,50"),
 # the arguments that shape the figures: a part is reused only when they are the same
 KEY_ARGS = ("model", "shape", "k", "header_tokens", "fact_tokens", "question_tokens", "no_align", "block_size",
             "concurrency", "tput_tokens", "reps", "warmup", "tput_reps", "store_dtype", "store_mb", "gpu_mem",
-            "max_model_len", "max_batched_tokens", "layerwise", "eager", "dummy", "no_device_timing", "seed",
+            "max_model_len", "max_batched_tokens", "layerwise", "eager", "dummy", "device_timing", "seed",
             "profile", "profile_k", "profile_requests")
 TARGET_FLOOR = 1.05      # inject TTFT <= 1.05 x apc TTFT; connector's prefill <= 1.05 x plain's
 TARGET_TPUT = 10.0       # inject requests/s >= 10 x re-prefill's at the highest concurrency, largest k
@@ -159,7 +159,9 @@ def parse_args(argv=None):
     ap.add_argument("--layerwise", action="store_true")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs, no torch.compile)")
     ap.add_argument("--dummy", action="store_true", help="load_format='dummy' (the model directory holds a config)")
-    ap.add_argument("--no-device-timing", action="store_true")
+    ap.add_argument("--device-timing", action="store_true",
+                    help="the connector times each injecting step on the GPU (time_device: an event "
+                         "synchronize per step, so TTFT is measured without it)")
     ap.add_argument("--profile", metavar="DIR", default=None, help="profile instead of the sweep (see above)")
     ap.add_argument("--profile-k", type=int, default=None, help="k of the profiled requests (default: the largest)")
     ap.add_argument("--profile-requests", type=int, default=5)
@@ -242,9 +244,13 @@ class Workload:
         if kind == "inject":
             import kvinject.vllm as kv
             mp = kv.memory_prompt(TENANT, self.segments(k), question)
-            return mp.prompt, mp.sampling_params(temperature=0.0, max_tokens=n_out, ignore_eos=ign)
+            return mp.prompt, mp.sampling_params(temperature=0.0, max_tokens=n_out, ignore_eos=ign,
+                                                 skip_clone=True)
         ids = [t for _, seg in self.segments(k) for t in seg] + list(question)
-        return {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=ign)
+        # skip_clone: each request's parameters are its own, as the OpenAI server makes them
+        # (LLM.generate would deep-copy them per request, the kvinject parameters included)
+        return {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=ign,
+                                                         skip_clone=True)
 
 
 # ---------------------------------------------------------------- memory
@@ -354,11 +360,12 @@ def run_engine(args):
         args.engine, vllm.__version__, torch.__version__, res["prefix_tokens"], res["pads"]))
     engine = dict(model=args.model, dtype="bfloat16", enable_prefix_caching=spec["prefix_caching"], seed=0,
                   gpu_memory_utilization=mem["gpu_mem"], max_model_len=args.max_model_len,
-                  max_num_seqs=max(64, max(concs)), enforce_eager=args.eager, block_size=args.block_size)
+                  max_num_seqs=max(64, max(concs)), enforce_eager=args.eager, block_size=args.block_size,
+                  disable_log_stats=False)  # RequestOutput.metrics: the engine core's own timestamps
     if spec["connector"]:
         engine["kv_transfer_config"] = kv.kv_transfer_config(
             store_dtype=args.store_dtype, store_budget_mb=args.store_mb, events_path=ev_path,
-            layerwise=args.layerwise, time_device=not args.no_device_timing)
+            layerwise=args.layerwise, time_device=args.device_timing)
     if args.max_batched_tokens:
         engine["max_num_batched_tokens"] = args.max_batched_tokens
     if args.dummy:
@@ -423,7 +430,8 @@ def run_engine(args):
             for w in range(args.warmup):
                 for kind in spec["ttft"]:
                     gen([wl.request(kind, k, wl.question("warm", k, w))])
-            row = {kind: {"ms": [], "first": [], "cached": []} for kind in spec["ttft"]}
+            row = {kind: {"ms": [], "first": [], "cached": [], "core_ms": [], "queue_ms": []}
+                   for kind in spec["ttft"]}
             for r in range(args.reps):
                 q = wl.question("ttft", k, r)
                 for kind in spec["ttft"]:
@@ -431,8 +439,14 @@ def run_engine(args):
                     row[kind]["ms"].append(dt * 1e3)
                     row[kind]["first"].append(o[0].outputs[0].token_ids[0])
                     row[kind]["cached"].append(getattr(o[0], "num_cached_tokens", None))
+                    m = getattr(o[0], "metrics", None)  # scheduled -> first token, in the engine core
+                    if m is not None and getattr(m, "first_token_ts", 0) and getattr(m, "scheduled_ts", 0):
+                        row[kind]["core_ms"].append((m.first_token_ts - m.scheduled_ts) * 1e3)
+                        row[kind]["queue_ms"].append((m.scheduled_ts - m.queued_ts) * 1e3)
             for kind, d in row.items():
                 d["median_ms"] = med(d["ms"])
+                d["core_median_ms"] = med(d["core_ms"]) if d["core_ms"] else None
+                d["queue_median_ms"] = med(d["queue_ms"]) if d["queue_ms"] else None
             res["ttft"][k] = row
             log("TTFT k=%d (%d prefix + %d question tokens): %s; num_cached_tokens %s" % (
                 k, wl.prefix_len(k), wl.qlen, ", ".join("%s %.2f ms" % (kd, d["median_ms"]) for kd, d in row.items()),
@@ -705,6 +719,10 @@ def write_run_report(d, stem, parts):
     def ratio(x, y):
         return x / y if x is not None and y else None
 
+    def core(part, kind, k):  # scheduled -> first token in the engine core (parts before it: None)
+        r = ttft(part, kind, k)
+        return r.get("core_median_ms") if r else None
+
     def agree(p1, k1, p2, k2, k):
         r1, r2 = ttft(p1, k1, k), ttft(p2, k2, k)
         if not r1 or not r2:
@@ -718,6 +736,9 @@ def write_run_report(d, stem, parts):
              "prefill_ms": ms(c, "prefill", k), "inject_ms": ms(c, "inject", k), "apc_ms": ms(ap, "apc", k),
              "plain_ms": ms(pl, "prefill", k)}
         r["inject_over_apc"] = ratio(r["inject_ms"], r["apc_ms"])
+        r.update(prefill_core_ms=core(c, "prefill", k), inject_core_ms=core(c, "inject", k),
+                 apc_core_ms=core(ap, "apc", k), plain_core_ms=core(pl, "prefill", k))
+        r["inject_over_apc_core"] = ratio(r["inject_core_ms"], r["apc_core_ms"])
         r["prefill_over_plain"] = ratio(r["prefill_ms"], r["plain_ms"])
         r["inject_change"] = ratio(r["inject_ms"], r["prefill_ms"])
         r["inject_change"] = None if r["inject_change"] is None else r["inject_change"] - 1
@@ -786,6 +807,17 @@ def report_md(m, engines):
             fmt(r["plain_ms"]), fmt(r["apc_ms"]), fmt(r["inject_ms"]), fmt(r["inject_over_apc"], "%.3f"),
             fmt(r["prefill_over_plain"], "%.3f"), fmt(None if r["inject_change"] is None else r["inject_change"] * 100,
                                                       "%+.0f%%"), r["agree_inject"], r["agree_apc"]))
+    if any(r.get("inject_core_ms") is not None or r.get("apc_core_ms") is not None for r in m["ttft"]):
+        L += ["", "Inside the engine core (vLLM's request metrics: scheduled to first token), and the rest of the "
+              "TTFT above (input processing, the engine's queue and IPC, output):", "",
+              "| k | re-prefill core ms | no connector core ms | APC core ms | injected core ms | injected / APC "
+              "(core) | APC rest ms | injected rest ms |", "|--:|--:|--:|--:|--:|--:|--:|--:|"]
+        for r in m["ttft"]:
+            rest = [None if x is None or y is None else x - y
+                    for x, y in ((r["apc_ms"], r["apc_core_ms"]), (r["inject_ms"], r["inject_core_ms"]))]
+            L.append("| %d | %s | %s | %s | %s | %s | %s | %s |" % (
+                r["k"], fmt(r["prefill_core_ms"]), fmt(r["plain_core_ms"]), fmt(r["apc_core_ms"]),
+                fmt(r["inject_core_ms"]), fmt(r["inject_over_apc_core"], "%.3f"), fmt(rest[0]), fmt(rest[1])))
     if m["throughput"]:
         L += ["", "| k | concurrent | output tokens | re-prefill req/s | APC req/s | injected req/s | "
               "injected / re-prefill | injected / APC |", "|--:|--:|--:|--:|--:|--:|--:|--:|"]

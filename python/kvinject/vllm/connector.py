@@ -109,7 +109,10 @@ class KVInjectConnector(KVConnectorBase_V1):
         self.connector_scheduler: Optional[KVInjectScheduler] = None
         self.connector_worker: Optional[KVInjectWorker] = None
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = KVInjectScheduler(config)
+            # without vLLM's prefix cache no block is shared: requests need no salt
+            cache = getattr(vllm_config, "cache_config", None)
+            self.connector_scheduler = KVInjectScheduler(
+                config, prefix_caching=bool(getattr(cache, "enable_prefix_caching", True)))
         else:
             self.connector_worker = KVInjectWorker(vllm_config, config)
 

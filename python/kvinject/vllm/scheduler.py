@@ -104,8 +104,12 @@ def _tenant_of(params) -> Optional[int]:
 class KVInjectScheduler:
     """The scheduler side of KVInjectConnector (vLLM's scheduler-side connector calls)."""
 
-    def __init__(self, config: KVInjectConfig):
+    def __init__(self, config: KVInjectConfig, prefix_caching: bool = True):
         self._cfg = config
+        # salts keep vLLM's prefix cache from sharing injected blocks; with the
+        # prefix cache off there is nothing to keep apart (and rehashing a
+        # request's blocks is a cost on its way to the first token)
+        self._salted = prefix_caching
         self._reqs: Dict[str, _ReqState] = {}
         self._nonce = uuid.uuid4().hex  # salts are unique to this engine and request
         self._events = Events(config.events_path + ".scheduler.jsonl" if config.events_path else None)
@@ -128,7 +132,7 @@ class KVInjectScheduler:
             spec, error = None, str(e)
             logger.error("kvinject: request %s fails: %s", request.request_id, error)
             self._events.write(event="request_error", req_id=request.request_id, message=error)
-        if error is not None or spec.inject:
+        if self._salted and (error is not None or spec.inject):
             # blocks holding injected KV (or none valid) are reachable by this
             # request alone: a salt no other request has, block hashes redone
             _compat.set_cache_salt(request, self.salt(request.request_id))
