@@ -42,25 +42,31 @@ in every engine), so vLLM's prefix cache never holds a question's blocks.
 
 Measured, per engine:
   TTFT        one request at a time, wall time of LLM.generate with
-              max_tokens=1; --warmup calls of each kind first, then --reps
-              calls of each kind interleaved; medians;
+              max_tokens=1 (parameters made with skip_clone, as vLLM's
+              OpenAI server makes them); --warmup calls of each kind first,
+              then --reps calls of each kind interleaved; medians; and of
+              vLLM's request metrics the engine core's part, scheduled to
+              first token (the rest: input processing, queue, IPC, output);
   throughput  --concurrency requests submitted together at the largest k,
               requests/s (median of --tput-reps after one warm-up; fresh
               questions every call), for each of --tput-tokens; the
               connector engine (prefill, inject) and apc engine (apc);
-  connector   from its events (time_device on): host time in start_load_kv
-              per injecting step, the injection's device time and the step's
-              device time; shares of TTFT and step.
+  connector   from its events: host time in start_load_kv per injecting
+              step; with --device-timing (the connector's time_device: an
+              event synchronize per step, which costs TTFT) also the
+              injection's device time and the step's device time.
 
 --profile DIR: instead of the sweep, each engine (default connector, apc)
 runs its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
 times --reps requests per kind at --profile-k (in-process TTFT, unprofiled),
 then wraps --profile-requests requests of each kind in torch.profiler (CPU +
-CUDA activities, record_shapes off, Python stacks on) and writes
+CUDA activities, record_shapes off, Python stacks only with --profile-stack:
+they slow the host several times over) and writes
 DIR/<engine>-<kind>-k<k>.trace.json.gz (chrome://tracing, ui.perfetto.dev),
 DIR/<engine>-<kind>-k<k>.ops.txt (torch's operator table) and DIR/profile.md:
 per kind the host-side functions with most self and inclusive time per
-request, and device time per request.
+request, device time per request, and the GPU's idle gaps within requests by
+what the host was doing meanwhile.
 
 Results: each engine writes OUT/part-<engine>-<key>.json (or
 DIR/profile-<engine>-<key>.json) when it is done; key is a hash of the
@@ -89,6 +95,7 @@ Needs vLLM and kvinject importable, KVINJECT_LIBRARY pointing at a build of
 libkvinject (CUDA on the GPU machine).
 """
 import argparse
+import bisect
 import gzip
 import hashlib
 import json
@@ -112,7 +119,7 @@ SHAPES = {"fixed": dict(header=32, fact="24", question=32, k="0,5,10,20,50"),
 KEY_ARGS = ("model", "shape", "k", "header_tokens", "fact_tokens", "question_tokens", "no_align", "block_size",
             "concurrency", "tput_tokens", "reps", "warmup", "tput_reps", "store_dtype", "store_mb", "gpu_mem",
             "max_model_len", "max_batched_tokens", "layerwise", "eager", "dummy", "device_timing", "seed",
-            "profile", "profile_k", "profile_requests")
+            "profile", "profile_k", "profile_requests", "profile_stack")
 TARGET_FLOOR = 1.05      # inject TTFT <= 1.05 x apc TTFT; connector's prefill <= 1.05 x plain's
 TARGET_TPUT = 10.0       # inject requests/s >= 10 x re-prefill's at the highest concurrency, largest k
 
@@ -165,6 +172,9 @@ def parse_args(argv=None):
     ap.add_argument("--profile", metavar="DIR", default=None, help="profile instead of the sweep (see above)")
     ap.add_argument("--profile-k", type=int, default=None, help="k of the profiled requests (default: the largest)")
     ap.add_argument("--profile-requests", type=int, default=5)
+    ap.add_argument("--profile-stack", action="store_true",
+                    help="record Python frames too (names the host's functions, but slows the host several "
+                         "times: the GPU then waits on it everywhere, and its idle gaps say little)")
     args = ap.parse_args(argv)
     if not args.report and not args.model:
         ap.error("--model is needed (or --report DIR)")
@@ -553,7 +563,7 @@ def profile(args, spec, wl, gen, res, k):
     for kind in spec["ttft"]:
         reqs = [wl.request(kind, k, wl.question("profile", k, i)) for i in range(args.profile_requests)]
         walls = []
-        with tprofile(activities=acts, record_shapes=False, with_stack=True) as prof:
+        with tprofile(activities=acts, record_shapes=False, with_stack=args.profile_stack) as prof:
             for r in reqs:
                 walls.append(gen([r])[0] * 1e3)
         base = os.path.join(args.profile, "%s-%s-k%d" % (args.engine, kind, k))
@@ -610,7 +620,37 @@ def summarize_trace(trace, n, top=20):
         return [{"name": name[:160], "ms": v[i] / n / 1e3, "calls": v[0] / n} for name, v in best]
     return {"device_ms": dev_total / n / 1e3, "host_self": rows(2), "host_inclusive": rows(1),
             "kernels": [{"name": name[:120], "ms": t / n / 1e3} for name, t in
-                        sorted(dev.items(), key=lambda kv: -kv[1])[:10]]}
+                        sorted(dev.items(), key=lambda kv: -kv[1])[:10]],
+            "gaps": idle_gaps(evs, threads, n, top)}
+
+
+def idle_gaps(evs, threads, n, top, min_us=50.0):
+    """The GPU's idle time between its kernels and copies (gaps of at least
+    min_us while requests run: between two requests the GPU idles by design, so
+    gaps over 20 ms are left out), each gap given to what the host was doing
+    at its middle: the innermost host event then, on the thread that ran torch
+    operators, else "host idle or elsewhere". Per request, by host event."""
+    gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in evs if e.get("cat", "") in DEVICE_CATS)
+    host = sorted((e for es in threads.values() if any(x.get("cat") in ("cpu_op", "cuda_runtime") for x in es)
+                   for e in es), key=lambda e: (e["ts"], -e["dur"]))
+    starts = [e["ts"] for e in host]
+    out, end = {}, None
+    for a, b in gpu:
+        if end is not None and min_us <= a - end <= 20000:
+            mid = (a + end) / 2
+            i = bisect.bisect_right(starts, mid)
+            inner = None
+            for e in reversed(host[max(0, i - 400):i]):   # the innermost event covering mid
+                if e["ts"] <= mid <= e["ts"] + e["dur"]:
+                    if inner is None or e["dur"] < inner["dur"]:
+                        inner = e
+            name = inner["name"][:160] if inner else "host idle or elsewhere"
+            g = out.setdefault(name, [0, 0.0])
+            g[0] += 1
+            g[1] += a - end
+        end = b if end is None else max(end, b)
+    return [{"name": k, "ms": v[1] / n / 1e3, "gaps": v[0] / n}
+            for k, v in sorted(out.items(), key=lambda kv: -kv[1][1])[:top]]
 
 
 # ---------------------------------------------------------------- the driver
@@ -780,6 +820,35 @@ def write_run_report(d, stem, parts):
     with open(os.path.join(d, stem + ".md"), "w") as f:
         f.write(md)
     print(md, flush=True)
+    plot_ttft(merged, os.path.join(d, stem + ".png"))
+
+
+def plot_ttft(m, path):
+    """TTFT against k for each path measured (a PNG beside the table), where matplotlib is."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("no matplotlib here: no plot (vllm_bench.py --report DIR where it is)")
+        return
+    rows = m["ttft"]
+    ks = [r["k"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for key, label in (("prefill_ms", "re-prefill (connector loaded)"), ("plain_ms", "re-prefill, no connector"),
+                       ("apc_ms", "vLLM prefix cache, prefix cached (floor)"), ("inject_ms", "injected")):
+        pts = [(k, r[key]) for k, r in zip(ks, rows) if r.get(key) is not None]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    v = m.get("versions") or {}
+    ax.set_title("vLLM %s, %s: TTFT, one request at a time" % (v.get("vllm"), v.get("gpu")), fontsize=9)
+    ax.set_xlabel("facts in the prompt (k)")
+    ax.set_ylabel("TTFT, median ms")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log("plot: %s" % path)
 
 
 def report_md(m, engines):
@@ -853,7 +922,8 @@ def write_profile_report(args):
 
 
 def write_profile_run(d, stem, parts):
-    L = ["## Profiles (engine core in-process; torch.profiler, Python stacks on)", ""]
+    stack = any((p.get("args") or {}).get("profile_stack") for p in parts.values())
+    L = ["## Profiles (engine core in-process; torch.profiler, Python stacks %s)" % ("on" if stack else "off"), ""]
     for e, p in sorted(parts.items()):
         pr = p["profile"]
         for kind, s in pr["kinds"].items():
@@ -867,6 +937,10 @@ def write_profile_run(d, stem, parts):
                   for r in s["host_inclusive"]]
             L += ["", "| device ms / request | kernel |", "|--:|---|"]
             L += ["| %.3f | %s |" % (r["ms"], r["name"].replace("|", "/")) for r in s["kernels"]] + [""]
+            if s.get("gaps"):
+                L += ["| GPU idle ms / request | gaps | what the host was doing |", "|--:|--:|---|"]
+                L += ["| %.3f | %g | %s |" % (r["ms"], r["gaps"], r["name"].replace("|", "/"))
+                      for r in s["gaps"]] + [""]
     with open(os.path.join(d, stem + ".md"), "w") as f:
         f.write("\n".join(L))
     log("profile summary: %s" % os.path.join(d, stem + ".md"))
