@@ -13,8 +13,8 @@ Requests say what they want through ``kv_transfer_params["kvinject"]``
 (kvinject.vllm.prompt: the parameters, and helpers that build them with the
 prompt). Scheduler side (one per engine): parses and checks each request's
 parameters when it arrives, gives every request that injects a cache salt of
-its own (so vLLM's prefix cache can never hand its blocks, which hold KV a
-plain prefill would not compute, to another request), claims the injected
+its own where vLLM's prefix cache is on (so it can never hand its blocks, which
+hold KV a plain prefill would not compute, to another request), claims the injected
 prefix as externally computed (less what vLLM's prefix cache already has), and
 tells the workers, per step, which blocks to fill and which spans to capture.
 Worker side (one per tensor-parallel rank): one store per worker holding this
