@@ -18,6 +18,38 @@ engines do not share a GPU cleanly, and a killed run leaves nothing behind):
   plain      no connector, prefix caching off. Serves
              prefill   as the connector engine's: does loading the connector
                        slow requests without memory (target: within 5%)?
+  cold       (not among the defaults: --engines cold, or added to the list)
+             the connector with a disk tier (disk_dir: OUT/cold-disk-<key>,
+             made fresh at the start, removed at the end) and hybrid serving,
+             its store's memory --cold-store-mb (default 1.25 x the pages of
+             one user's [header | facts | pad] at the largest k in the store's
+             dtype: 255 MiB for the 8B's fixed shape at k = 50), prefix caching
+             off. Users: one tenant per (k, rep), --cold-reps (10) at each k
+             of --k but 0, each with the workload's facts. All are captured
+             first, one prefill each ([header | k facts | pad | question],
+             capture_prompt), in k order, so the later ones push the earlier
+             ones' facts out of memory to disk; then, in the same order, per
+             user:
+             reprefill [header | k facts | pad | question] as plain tokens
+                       (the control);
+             cold      the same prompt with its facts injected-as-asked
+                       (memory_prompt): they are only on disk, and the
+                       scheduler's hybrid plan prefills them as text (or awaits
+                       a read it predicts faster) and prefetches them;
+             (a pause, --cold-settle-ms, and two small plain requests: steps
+              that bring the finished prefetch's report to the scheduler)
+             warm      another question with the same facts injected, now from
+                       memory.
+             Target: cold <= 1.05 x reprefill at every k. Reported per k: the
+             medians, the engine core's part, the cold requests that injected
+             nothing and the warm ones that injected every fact (each
+             request's outcome, kv_transfer_params["kvinject"], or, pending
+             after one token, the worker's inject events of its time), and
+             the scheduler's hybrid decisions (its events). The plan's rates
+             are settings: --cold-read-mb-s (disk_read_mb_s; 0: measured) and
+             --cold-prefill-tokens-s (prefill_tokens_s; default 1e9: every
+             disk-only fact is text, the case the target is about; give the
+             engine's measured prefill rate to let the plan await reads).
 
 pad: vLLM's prefix cache keeps whole blocks only, so each k's [header | facts]
 is followed by pad_k filler tokens (0 .. block-1) that make it a whole number
@@ -78,8 +110,8 @@ engines left, run the same command again). Every command writes
 OUT/vllm_bench.json and OUT/vllm_bench.md merged from the parts present.
 
     python3 tests/gpu/vllm_bench.py --model DIR --out DIR [--shape paper] [--dummy] [--eager]
-        [--engines connector,apc,plain] [--time-budget S] [--profile DIR]
-    python3 tests/gpu/vllm_bench.py --engine connector|apc|plain ...   (one engine, in this process)
+        [--engines connector,apc,plain,cold] [--cold-reps N] [--time-budget S] [--profile DIR]
+    python3 tests/gpu/vllm_bench.py --engine connector|apc|plain|cold ...   (one engine, in this process)
     python3 tests/gpu/vllm_bench.py --report DIR [--model DIR ...]     (merge the parts; no vLLM needed;
                    without the run's arguments, every run in DIR: vllm_bench-<key>.md when several)
     python3 tests/gpu/vllm_bench.py --report X --profile DIR           (DIR/profile.md from its parts)
@@ -564,7 +596,7 @@ def cold_settings(args, cfg, wl, ks):
     """The cold engine's connector settings: a disk tier in a fresh directory under
     --out, hybrid serving, and a store memory of --cold-store-mb (default: 1.25 x
     the pages of one user's [header | facts | pad] at the largest k in the store's
-    dtype, e.g. 103 pages of 2 MiB = 258 MiB for the 8B's fixed shape at k = 50;
+    dtype, e.g. 102 pages of 2 MiB (255 MiB) for the 8B's fixed shape at k = 50;
     so memory holds about one user at the largest k, and capturing the next users
     pushes a user's facts out to disk)."""
     import shutil
