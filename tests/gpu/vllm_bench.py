@@ -674,7 +674,7 @@ def cold_users(args, gen, events, wl, ks, res):
         out[k] = dict(row, users=args.cold_reps, facts=len(wl.segments(k)))
     cold_outcomes(events, reqs, out)
     disk = res["cold_settings"]["disk_dir"]
-    res["cold_disk_mb"] = sum(os.path.getsize(os.path.join(disk, f)) for f in os.listdir(disk)) / 2**20
+    res["cold_disk_mb"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(disk) for f in fs) / 2**20
     shutil.rmtree(disk, ignore_errors=True)   # up to GiBs of tenant files
     res["cold"] = out
 
@@ -1114,9 +1114,10 @@ def report_md(m, engines):
             e, fmt(info.get("engine_start_s"), "%.0f"), fmt(info.get("duration_s"), "%.0f"), info.get("engine_config"),
             mem.get("gpu_mem"), fmt(mem.get("kv_cache_gib"), "%.1f")))
     main = any(r[x] is not None for r in m["ttft"] for x in ("prefill_ms", "plain_ms", "apc_ms", "inject_ms"))
-    L += [] if not main else ["", "| k | prefix tokens (pad) | APC cached | re-prefill ms | re-prefill, no connector ms | APC ms | "
-          "injected ms | injected / APC | re-prefill / no connector | injected vs re-prefill | first tokens agree "
-          "(inject, APC vs re-prefill) |", "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    if main:   # the connector, apc and plain engines' table (not with the cold engine's part alone)
+        L += ["", "| k | prefix tokens (pad) | APC cached | re-prefill ms | re-prefill, no connector ms | APC ms | "
+              "injected ms | injected / APC | re-prefill / no connector | injected vs re-prefill | first tokens "
+              "agree (inject, APC vs re-prefill) |", "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in m["ttft"] if main else []:
         L.append("| %d | %d (%s) | %s | %s | %s | %s | %s | %s | %s | %s | %s, %s |" % (
             r["k"], r["prefix_tokens"], r["pad"], fmt(r["apc_cached"], "%d"), fmt(r["prefill_ms"]),
