@@ -45,7 +45,10 @@ engines do not share a GPU cleanly, and a killed run leaves nothing behind):
              nothing and the warm ones that injected every fact (each
              request's outcome, kv_transfer_params["kvinject"], or, pending
              after one token, the worker's inject events of its time), and
-             the scheduler's hybrid decisions (its events). The plan's rates
+             the scheduler's hybrid decisions (its events): a warm request
+             that did not inject every fact (decisions text) was planned
+             before the workers reported the prefetch done and its facts in
+             memory. The plan's rates
              are settings: --cold-read-mb-s (disk_read_mb_s; 0: measured) and
              --cold-prefill-tokens-s (prefill_tokens_s; default 1e9: every
              disk-only fact is text, the case the target is about; give the
@@ -237,6 +240,8 @@ def parse_args(argv=None):
         args.engines = "connector,apc" if args.profile else "connector,apc,plain"
     if args.model:
         args.model = os.path.abspath(args.model)
+    if args.profile and "cold" in args.engines.split(",") or args.profile and args.engine == "cold":
+        ap.error("--profile profiles the connector, apc and plain engines, not cold")
     if args.profile_k is not None and args.profile_k not in lists(args)[0]:
         ap.error("--profile-k %d is none of --k %s" % (args.profile_k, args.k))
     return args
