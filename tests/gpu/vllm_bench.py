@@ -36,8 +36,12 @@ engines do not share a GPU cleanly, and a killed run leaves nothing behind):
                        (memory_prompt): they are only on disk, and the
                        scheduler's hybrid plan prefills them as text (or awaits
                        a read it predicts faster) and prefetches them;
-             (a pause, --cold-settle-ms, and two small plain requests: steps
-              that bring the finished prefetch's report to the scheduler)
+             (twice a pause, --cold-settle-ms, and a small plain request:
+              steps that bring the finished prefetch's report to the
+              scheduler; --cold-settle-prefetch: the first a prefetch
+              request of the user, kv.prefetch_prompt, whose Store.prefetch
+              publishes the reads the store finished: a CUDA store publishes
+              them only at a call that needs them)
              warm      another question with the same facts injected, now from
                        memory.
              Target: cold <= 1.05 x reprefill at every k. Reported per k: the
@@ -157,7 +161,7 @@ KEY_ARGS = ("model", "shape", "k", "header_tokens", "fact_tokens", "question_tok
             "concurrency", "tput_tokens", "reps", "warmup", "tput_reps", "store_dtype", "store_mb", "gpu_mem",
             "max_model_len", "max_batched_tokens", "layerwise", "eager", "dummy", "device_timing", "seed",
             "profile", "profile_k", "profile_requests", "profile_stack", "cold_reps", "cold_store_mb",
-            "cold_read_mb_s", "cold_prefill_tokens_s", "cold_settle_ms")
+            "cold_read_mb_s", "cold_prefill_tokens_s", "cold_settle_ms", "cold_settle_prefetch")
 TARGET_FLOOR = 1.05      # inject TTFT <= 1.05 x apc TTFT; connector's prefill <= 1.05 x plain's;
                          # a cold user's first request <= 1.05 x the re-prefill of its prompt
 COLD_TENANT = 100000     # the cold engine's users: tenants 100000, 100001, ... (one per k and rep)
@@ -228,6 +232,10 @@ def parse_args(argv=None):
     ap.add_argument("--cold-settle-ms", type=float, default=100.0,
                     help="cold engine: pause after a cold request before the plain requests that carry "
                          "the prefetch's report to the scheduler")
+    ap.add_argument("--cold-settle-prefetch", action="store_true",
+                    help="cold engine: the first of those requests asks for a prefetch of the user's tenant "
+                         "(prefetch_prompt), whose Store.prefetch also publishes the reads the store finished "
+                         "(a CUDA store publishes them only at its next call that needs them)")
     args = ap.parse_args(argv)
     if not args.report and not args.model:
         ap.error("--model is needed (or --report DIR)")
@@ -638,11 +646,10 @@ def cold_capture(gen, events, wl, users, res):
 def cold_users(args, gen, events, wl, ks, res):
     """The cold engine (see the docstring): every user captured first, then, in
     capture order, per user: re-prefill (the control), cold (its facts only on
-    disk), a pause and two small plain requests (the steps that bring the
-    prefetch's report to the scheduler), warm (another question)."""
+    disk), settle (steps that bring the prefetch's report to the scheduler),
+    warm (another question)."""
     import shutil
     import kvinject.vllm as kv
-    from vllm import SamplingParams
     users = [(COLD_TENANT + i, k, rep) for i, (k, rep) in
              enumerate((k, rep) for k in ks if k > 0 for rep in range(args.cold_reps))]
     cold_capture(gen, events, wl, users, res)
@@ -665,10 +672,7 @@ def cold_users(args, gen, events, wl, ks, res):
             warm = mem(tenant, k, wl.question("cold-warm", k, rep))
             for kind, r in (("reprefill", control), ("cold", cold), ("warm", warm)):
                 if kind == "warm":
-                    time.sleep(args.cold_settle_ms / 1e3)   # the prefetch runs on the worker's thread
-                    for i in range(2):
-                        gen([({"prompt_token_ids": wl.question("settle", k, rep, i)[:4]},
-                              SamplingParams(temperature=0.0, max_tokens=1, skip_clone=True))])
+                    settle(args, gen, wl, tenant, k, rep)
                 a = time.time()
                 dt, o = gen([r])
                 reqs.append({"kind": kind, "k": k, "t": (a, time.time()),
@@ -682,6 +686,23 @@ def cold_users(args, gen, events, wl, ks, res):
     res["cold_disk_mb"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(disk) for f in fs) / 2**20
     shutil.rmtree(disk, ignore_errors=True)   # up to GiBs of tenant files
     res["cold"] = out
+
+
+def settle(args, gen, wl, tenant, k, rep):
+    """Between a cold user's cold and warm requests: twice a pause (the prefetch runs
+    on the worker's thread, its reads on the store's) and a small plain request (a
+    step whose report brings the prefetched facts' tiers to the scheduler); with
+    --cold-settle-prefetch the first is a prefetch request of the user's tenant."""
+    import kvinject.vllm as kv
+    from vllm import SamplingParams
+    for i in range(2):
+        time.sleep(args.cold_settle_ms / 1e3)
+        q = wl.question("settle", k, rep, i)
+        if i == 0 and args.cold_settle_prefetch:
+            pp = kv.prefetch_prompt(tenant, q[0])
+            gen([(pp.prompt, pp.sampling_params(temperature=0.0, max_tokens=1, skip_clone=True))])
+        else:
+            gen([({"prompt_token_ids": q[:4]}, SamplingParams(temperature=0.0, max_tokens=1, skip_clone=True))])
 
 
 def cold_outcomes(events, reqs, out):
