@@ -18,6 +18,45 @@ engines do not share a GPU cleanly, and a killed run leaves nothing behind):
   plain      no connector, prefix caching off. Serves
              prefill   as the connector engine's: does loading the connector
                        slow requests without memory (target: within 5%)?
+  cold       (not among the defaults: --engines cold, or added to the list)
+             the connector with a disk tier (disk_dir: OUT/cold-disk-<key>,
+             made fresh at the start, removed at the end) and hybrid serving,
+             its store's memory --cold-store-mb (default 1.25 x the pages of
+             one user's [header | facts | pad] at the largest k in the store's
+             dtype: 255 MiB for the 8B's fixed shape at k = 50), prefix caching
+             off. Users: one tenant per (k, rep), --cold-reps (10) at each k
+             of --k but 0, each with the workload's facts. All are captured
+             first, one prefill each ([header | k facts | pad | question],
+             capture_prompt), in k order, so the later ones push the earlier
+             ones' facts out of memory to disk; then, in the same order, per
+             user:
+             reprefill [header | k facts | pad | question] as plain tokens
+                       (the control);
+             cold      the same prompt with its facts injected-as-asked
+                       (memory_prompt): they are only on disk, and the
+                       scheduler's hybrid plan prefills them as text (or awaits
+                       a read it predicts faster) and prefetches them;
+             (twice a pause, --cold-settle-ms, and a small plain request:
+              steps that bring the finished prefetch's report to the
+              scheduler; --cold-settle-prefetch: the first a prefetch
+              request of the user, kv.prefetch_prompt, whose Store.prefetch
+              publishes the reads the store finished: a CUDA store publishes
+              them only at a call that needs them)
+             warm      another question with the same facts injected, now from
+                       memory.
+             Target: cold <= 1.05 x reprefill at every k. Reported per k: the
+             medians, the engine core's part, the cold requests that injected
+             nothing and the warm ones that injected every fact (each
+             request's outcome, kv_transfer_params["kvinject"], or, pending
+             after one token, the worker's inject events of its time), and
+             the scheduler's hybrid decisions (its events): a warm request
+             that did not inject every fact (decisions text) was planned
+             before the workers reported the prefetch done and its facts in
+             memory. The plan's rates
+             are settings: --cold-read-mb-s (disk_read_mb_s; 0: measured) and
+             --cold-prefill-tokens-s (prefill_tokens_s; default 1e9: every
+             disk-only fact is text, the case the target is about; give the
+             engine's measured prefill rate to let the plan await reads).
 
 pad: vLLM's prefix cache keeps whole blocks only, so each k's [header | facts]
 is followed by pad_k filler tokens (0 .. block-1) that make it a whole number
@@ -78,8 +117,8 @@ engines left, run the same command again). Every command writes
 OUT/vllm_bench.json and OUT/vllm_bench.md merged from the parts present.
 
     python3 tests/gpu/vllm_bench.py --model DIR --out DIR [--shape paper] [--dummy] [--eager]
-        [--engines connector,apc,plain] [--time-budget S] [--profile DIR]
-    python3 tests/gpu/vllm_bench.py --engine connector|apc|plain ...   (one engine, in this process)
+        [--engines connector,apc,plain,cold] [--cold-reps N] [--time-budget S] [--profile DIR]
+    python3 tests/gpu/vllm_bench.py --engine connector|apc|plain|cold ...   (one engine, in this process)
     python3 tests/gpu/vllm_bench.py --report DIR [--model DIR ...]     (merge the parts; no vLLM needed;
                    without the run's arguments, every run in DIR: vllm_bench-<key>.md when several)
     python3 tests/gpu/vllm_bench.py --report X --profile DIR           (DIR/profile.md from its parts)
@@ -112,6 +151,8 @@ ENGINES = {  # engine kind: its vLLM settings and the request kinds it serves
     "connector": dict(connector=True, prefix_caching=False, ttft=("prefill", "inject"), tput=("prefill", "inject")),
     "apc": dict(connector=False, prefix_caching=True, ttft=("apc",), tput=("apc",)),
     "plain": dict(connector=False, prefix_caching=False, ttft=("prefill",), tput=()),
+    # not among the defaults: --engines cold (or added to the list)
+    "cold": dict(connector=True, prefix_caching=False, cold=True, ttft=(), tput=()),
 }
 SHAPES = {"fixed": dict(header=32, fact="24", question=32, k="0,5,10,20,50"),
           "paper": dict(header=40, fact="10-20", question=15, k="5,10,20,50")}
@@ -119,8 +160,13 @@ SHAPES = {"fixed": dict(header=32, fact="24", question=32, k="0,5,10,20,50"),
 KEY_ARGS = ("model", "shape", "k", "header_tokens", "fact_tokens", "question_tokens", "no_align", "block_size",
             "concurrency", "tput_tokens", "reps", "warmup", "tput_reps", "store_dtype", "store_mb", "gpu_mem",
             "max_model_len", "max_batched_tokens", "layerwise", "eager", "dummy", "device_timing", "seed",
-            "profile", "profile_k", "profile_requests", "profile_stack")
-TARGET_FLOOR = 1.05      # inject TTFT <= 1.05 x apc TTFT; connector's prefill <= 1.05 x plain's
+            "profile", "profile_k", "profile_requests", "profile_stack", "cold_reps", "cold_store_mb",
+            "cold_read_mb_s", "cold_prefill_tokens_s", "cold_settle_ms", "cold_settle_prefetch")
+TARGET_FLOOR = 1.05      # inject TTFT <= 1.05 x apc TTFT; connector's prefill <= 1.05 x plain's;
+                         # a cold user's first request <= 1.05 x the re-prefill of its prompt
+COLD_TENANT = 100000     # the cold engine's users: tenants 100000, 100001, ... (one per k and rep)
+STORE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "q4": 1}   # per KV value (q4: an upper bound)
+PAGE_TOKENS = 16         # the connector's page_tokens (its default; the bench does not set it)
 TARGET_TPUT = 10.0       # inject requests/s >= 10 x re-prefill's at the highest concurrency, largest k
 
 
@@ -175,6 +221,21 @@ def parse_args(argv=None):
     ap.add_argument("--profile-stack", action="store_true",
                     help="record Python frames too (names the host's functions, but slows the host several "
                          "times: the GPU then waits on it everywhere, and its idle gaps say little)")
+    ap.add_argument("--cold-reps", type=int, default=10, help="cold engine: users per k (k = 0 left out)")
+    ap.add_argument("--cold-store-mb", type=int, default=None,
+                    help="cold engine: store_budget_mb (default: 1.25 users' facts at the largest k)")
+    ap.add_argument("--cold-read-mb-s", type=float, default=0.0,
+                    help="cold engine: the connector's disk_read_mb_s (0: measured by its injections)")
+    ap.add_argument("--cold-prefill-tokens-s", type=float, default=1e9,
+                    help="cold engine: the connector's prefill_tokens_s (default 1e9: every disk-only fact "
+                         "is text; a measured rate lets it await reads it predicts faster)")
+    ap.add_argument("--cold-settle-ms", type=float, default=100.0,
+                    help="cold engine: pause after a cold request before the plain requests that carry "
+                         "the prefetch's report to the scheduler")
+    ap.add_argument("--cold-settle-prefetch", action="store_true",
+                    help="cold engine: the first of those requests asks for a prefetch of the user's tenant "
+                         "(prefetch_prompt), whose Store.prefetch also publishes the reads the store finished "
+                         "(a CUDA store publishes them only at its next call that needs them)")
     args = ap.parse_args(argv)
     if not args.report and not args.model:
         ap.error("--model is needed (or --report DIR)")
@@ -187,6 +248,8 @@ def parse_args(argv=None):
         args.engines = "connector,apc" if args.profile else "connector,apc,plain"
     if args.model:
         args.model = os.path.abspath(args.model)
+    if args.profile and "cold" in args.engines.split(",") or args.profile and args.engine == "cold":
+        ap.error("--profile profiles the connector, apc and plain engines, not cold")
     if args.profile_k is not None and args.profile_k not in lists(args)[0]:
         ap.error("--profile-k %d is none of --k %s" % (args.profile_k, args.k))
     return args
@@ -352,7 +415,8 @@ def run_engine(args):
     res = {"engine": args.engine, "key": run_key(args), "args": vars(args), "memory": mem,
            "pads": {k: len(p) for k, p in wl.pads.items()},
            "prefix_tokens": {k: wl.prefix_len(k) for k in ks}}
-    ev_path = os.path.join(args.out, "events-%s" % res["key"])  # .worker0.jsonl, .scheduler.jsonl
+    # .worker0.jsonl, .scheduler.jsonl; the cold engine's apart (same key as the connector engine's)
+    ev_path = os.path.join(args.out, "events-%s%s" % ("cold-" if spec.get("cold") else "", res["key"]))
     for suffix in (".worker0.jsonl", ".scheduler.jsonl"):
         if spec["connector"] and os.path.exists(ev_path + suffix):
             os.remove(ev_path + suffix)
@@ -373,9 +437,12 @@ def run_engine(args):
                   max_num_seqs=max(64, max(concs)), enforce_eager=args.eager, block_size=args.block_size,
                   disable_log_stats=False)  # RequestOutput.metrics: the engine core's own timestamps
     if spec["connector"]:
-        engine["kv_transfer_config"] = kv.kv_transfer_config(
-            store_dtype=args.store_dtype, store_budget_mb=args.store_mb, events_path=ev_path,
-            layerwise=args.layerwise, time_device=args.device_timing)
+        extra = dict(store_dtype=args.store_dtype, store_budget_mb=args.store_mb, events_path=ev_path,
+                     layerwise=args.layerwise, time_device=args.device_timing)
+        if spec.get("cold"):
+            extra.update(cold_settings(args, cfg, wl, ks))
+            res["cold_settings"] = extra
+        engine["kv_transfer_config"] = kv.kv_transfer_config(**extra)
     if args.max_batched_tokens:
         engine["max_num_batched_tokens"] = args.max_batched_tokens
     if args.dummy:
@@ -417,7 +484,7 @@ def run_engine(args):
                              % (len(bad), bad[0].outputs[0].finish_reason))
         return dt, outs
 
-    if spec["connector"]:
+    if spec["connector"] and not spec.get("cold"):
         capture(gen, events, wl, ks, res)
 
     windows = []  # (label, t0, t1) in time.time(), to assign the connector's events
@@ -428,58 +495,13 @@ def run_engine(args):
         windows.append((label, a, time.time()))
         return dt, outs
 
-    if args.profile:
+    if spec.get("cold"):
+        cold_users(args, gen, events, wl, ks, res)
+    elif args.profile:
         profile(args, spec, wl, gen, res, kmax if args.profile_k is None else args.profile_k)
     else:
-        # ---- TTFT, the engine's kinds interleaved
-        res["ttft"] = {}
-        for k in ks:
-            if "apc" in spec["ttft"]:
-                gen([wl.request("apc", k, wl.question("prime", k))])   # [header | facts | pad] cached
-                log("TTFT k=%d: primed the prefix cache (%d prefix tokens)" % (k, wl.prefix_len(k)))
-            for w in range(args.warmup):
-                for kind in spec["ttft"]:
-                    gen([wl.request(kind, k, wl.question("warm", k, w))])
-            row = {kind: {"ms": [], "first": [], "cached": [], "core_ms": [], "queue_ms": []}
-                   for kind in spec["ttft"]}
-            for r in range(args.reps):
-                q = wl.question("ttft", k, r)
-                for kind in spec["ttft"]:
-                    dt, o = timed("ttft-%s-%d" % (kind, k), [wl.request(kind, k, q)])
-                    row[kind]["ms"].append(dt * 1e3)
-                    row[kind]["first"].append(o[0].outputs[0].token_ids[0])
-                    row[kind]["cached"].append(getattr(o[0], "num_cached_tokens", None))
-                    m = getattr(o[0], "metrics", None)  # scheduled -> first token, in the engine core
-                    if m is not None and getattr(m, "first_token_ts", 0) and getattr(m, "scheduled_ts", 0):
-                        row[kind]["core_ms"].append((m.first_token_ts - m.scheduled_ts) * 1e3)
-                        row[kind]["queue_ms"].append((m.scheduled_ts - m.queued_ts) * 1e3)
-            for kind, d in row.items():
-                d["median_ms"] = med(d["ms"])
-                d["core_median_ms"] = med(d["core_ms"]) if d["core_ms"] else None
-                d["queue_median_ms"] = med(d["queue_ms"]) if d["queue_ms"] else None
-            res["ttft"][k] = row
-            log("TTFT k=%d (%d prefix + %d question tokens): %s; num_cached_tokens %s" % (
-                k, wl.prefix_len(k), wl.qlen, ", ".join("%s %.2f ms" % (kd, d["median_ms"]) for kd, d in row.items()),
-                {kd: d["cached"][-1] for kd, d in row.items()}))
-
-        # ---- throughput at the largest k, fresh questions every call
-        res["throughput"] = []
-        for n_out in tput_tokens:
-            for n in concs:
-                row = {"k": kmax, "concurrent": n, "output_tokens": n_out}
-                for kind in spec["tput"]:
-                    ts = []
-                    for rep in range(args.tput_reps + 1):
-                        reqs = [wl.request(kind, kmax, wl.question("tput", n_out, n, rep, i), n_out)
-                                for i in range(n)]
-                        dt = timed("tput-%s-%d-%d" % (kind, n, n_out), reqs)[0]
-                        if rep:
-                            ts.append(dt)   # rep 0: the warm-up
-                    row[kind + "_rps"] = n / med(ts)
-                    row[kind + "_s_all"] = ts
-                res["throughput"].append(row)
-                log("throughput k=%d, %d concurrent, %d output tokens: %s" % (
-                    kmax, n, n_out, ", ".join("%s %.1f req/s" % (kd, row[kd + "_rps"]) for kd in spec["tput"])))
+        res["ttft"] = ttft_sweep(args, spec, wl, gen, timed, ks)
+        res["throughput"] = throughput(args, spec, wl, timed, kmax, concs, tput_tokens)
         windows[:] = [w for w in windows if "-inject-" in w[0]]
         if spec["connector"]:
             res["connector"] = connector_share(events(), windows)
@@ -492,6 +514,72 @@ def run_engine(args):
     os.replace(path + ".tmp", path)
     log("engine %s done in %.0f s: %s" % (args.engine, res["duration_s"], path))
     return 0
+
+
+def note(d, dt, o):
+    """One timed request into its kind's lists: wall ms, first token, cached tokens and, of
+    vLLM's request metrics, the engine core's scheduled -> first token and the queue."""
+    d["ms"].append(dt * 1e3)
+    d["first"].append(o.outputs[0].token_ids[0])
+    d["cached"].append(getattr(o, "num_cached_tokens", None))
+    m = getattr(o, "metrics", None)  # scheduled -> first token, in the engine core
+    if m is not None and getattr(m, "first_token_ts", 0) and getattr(m, "scheduled_ts", 0):
+        d["core_ms"].append((m.first_token_ts - m.scheduled_ts) * 1e3)
+        d["queue_ms"].append((m.scheduled_ts - m.queued_ts) * 1e3)
+
+
+def medians(d):
+    d["median_ms"] = med(d["ms"])
+    d["core_median_ms"] = med(d["core_ms"]) if d["core_ms"] else None
+    d["queue_median_ms"] = med(d["queue_ms"]) if d["queue_ms"] else None
+
+
+def ttft_sweep(args, spec, wl, gen, timed, ks):
+    """TTFT at each k, the engine's kinds interleaved: {k: {kind: lists and medians}}."""
+    out = {}
+    for k in ks:
+        if "apc" in spec["ttft"]:
+            gen([wl.request("apc", k, wl.question("prime", k))])   # [header | facts | pad] cached
+            log("TTFT k=%d: primed the prefix cache (%d prefix tokens)" % (k, wl.prefix_len(k)))
+        for w in range(args.warmup):
+            for kind in spec["ttft"]:
+                gen([wl.request(kind, k, wl.question("warm", k, w))])
+        row = {kind: {"ms": [], "first": [], "cached": [], "core_ms": [], "queue_ms": []}
+               for kind in spec["ttft"]}
+        for r in range(args.reps):
+            q = wl.question("ttft", k, r)
+            for kind in spec["ttft"]:
+                dt, o = timed("ttft-%s-%d" % (kind, k), [wl.request(kind, k, q)])
+                note(row[kind], dt, o[0])
+        for d in row.values():
+            medians(d)
+        out[k] = row
+        log("TTFT k=%d (%d prefix + %d question tokens): %s; num_cached_tokens %s" % (
+            k, wl.prefix_len(k), wl.qlen, ", ".join("%s %.2f ms" % (kd, d["median_ms"]) for kd, d in row.items()),
+            {kd: d["cached"][-1] for kd, d in row.items()}))
+    return out
+
+
+def throughput(args, spec, wl, timed, kmax, concs, tput_tokens):
+    """Requests/s at the largest k, fresh questions every call: [row per (output tokens, concurrency)]."""
+    out = []
+    for n_out in tput_tokens:
+        for n in concs:
+            row = {"k": kmax, "concurrent": n, "output_tokens": n_out}
+            for kind in spec["tput"]:
+                ts = []
+                for rep in range(args.tput_reps + 1):
+                    reqs = [wl.request(kind, kmax, wl.question("tput", n_out, n, rep, i), n_out)
+                            for i in range(n)]
+                    dt = timed("tput-%s-%d-%d" % (kind, n, n_out), reqs)[0]
+                    if rep:
+                        ts.append(dt)   # rep 0: the warm-up
+                row[kind + "_rps"] = n / med(ts)
+                row[kind + "_s_all"] = ts
+            out.append(row)
+            log("throughput k=%d, %d concurrent, %d output tokens: %s" % (
+                kmax, n, n_out, ", ".join("%s %.1f req/s" % (kd, row[kd + "_rps"]) for kd in spec["tput"])))
+    return out
 
 
 def capture(gen, events, wl, ks, res):
@@ -515,6 +603,136 @@ def capture(gen, events, wl, ks, res):
     reg = [e for e in events() if e["event"] == "register"]
     res["register"] = reg[-1] if reg else None
     log("captured %d facts and %d pads; cache %s" % (kmax + 1, len(pads), res["register"] or "?"))
+
+
+def cold_settings(args, cfg, wl, ks):
+    """The cold engine's connector settings: a disk tier in a fresh directory under
+    --out, hybrid serving, and a store memory of --cold-store-mb (default: 1.25 x
+    the pages of one user's [header | facts | pad] at the largest k in the store's
+    dtype, e.g. 102 pages of 2 MiB (255 MiB) for the 8B's fixed shape at k = 50;
+    so memory holds about one user at the largest k, and capturing the next users
+    pushes a user's facts out to disk)."""
+    import shutil
+    disk = os.path.join(args.out, "cold-disk-%s" % run_key(args))
+    shutil.rmtree(disk, ignore_errors=True)
+    os.makedirs(disk)
+    mb = args.cold_store_mb
+    if mb is None:
+        page = model_bytes(cfg)[1] // 2 * STORE_BYTES[args.store_dtype] * PAGE_TOKENS
+        pages = sum(-(-len(seg) // PAGE_TOKENS) for _, seg in wl.segments(max(ks)))
+        mb = max(1, -(-int(1.25 * pages * page) // (1 << 20)))
+    log("cold engine: disk tier %s, store memory %d MiB, hybrid (disk_read_mb_s %g, prefill_tokens_s %g)"
+        % (disk, mb, args.cold_read_mb_s, args.cold_prefill_tokens_s))
+    return dict(disk_dir=disk, hybrid=True, store_budget_mb=mb, disk_read_mb_s=args.cold_read_mb_s,
+                prefill_tokens_s=args.cold_prefill_tokens_s)
+
+
+def cold_capture(gen, events, wl, users, res):
+    """Each cold user's [header | k facts | pad] from one prefill of its own, in order."""
+    import kvinject.vllm as kv
+    for tenant, k, rep in users:
+        cp = kv.capture_prompt(tenant, [kv.Keep(fid, seg) for fid, seg in wl.segments(k)]
+                               + [wl.question("cold-capture", k, rep)])
+        gen([(cp.prompt, cp.sampling_params(temperature=0.0, max_tokens=1))])
+    want = sum(len(wl.segments(k)) for _, k, _ in users)
+    stored = sum(e["stored"] for e in events() if e["event"] == "capture")
+    if stored != want:
+        raise SystemExit("vllm_bench: the cold users' captures stored %d facts, expected %d" % (stored, want))
+    reg = [e for e in events() if e["event"] == "register"]
+    res["register"] = reg[-1] if reg else None
+    log("cold engine: captured %d users (%d facts with headers and pads)" % (len(users), want))
+
+
+def cold_users(args, gen, events, wl, ks, res):
+    """The cold engine (see the docstring): every user captured first, then, in
+    capture order, per user: re-prefill (the control), cold (its facts only on
+    disk), settle (steps that bring the prefetch's report to the scheduler),
+    warm (another question)."""
+    import shutil
+    import kvinject.vllm as kv
+    users = [(COLD_TENANT + i, k, rep) for i, (k, rep) in
+             enumerate((k, rep) for k in ks if k > 0 for rep in range(args.cold_reps))]
+    cold_capture(gen, events, wl, users, res)
+
+    def mem(tenant, k, q):
+        mp = kv.memory_prompt(tenant, wl.segments(k), q)
+        return mp.prompt, mp.sampling_params(temperature=0.0, max_tokens=1, skip_clone=True)
+
+    reqs = []   # per timed request: kind, k, window, outcome (kv_transfer_params["kvinject"])
+    out = {}
+    for k in sorted({u[1] for u in users}):
+        for w in range(args.warmup):
+            gen([wl.request("prefill", k, wl.question("cold-warmup", k, w))])
+        row = {kind: {"ms": [], "first": [], "cached": [], "core_ms": [], "queue_ms": []}
+               for kind in ("reprefill", "cold", "warm")}
+        for tenant, _, rep in [u for u in users if u[1] == k]:
+            q = wl.question("cold", k, rep)
+            control, cold = wl.request("prefill", k, q), mem(tenant, k, q)
+            assert control[0] == cold[0], "the cold request's prompt is not its control's"
+            warm = mem(tenant, k, wl.question("cold-warm", k, rep))
+            for kind, r in (("reprefill", control), ("cold", cold), ("warm", warm)):
+                if kind == "warm":
+                    settle(args, gen, wl, tenant, k, rep)
+                a = time.time()
+                dt, o = gen([r])
+                reqs.append({"kind": kind, "k": k, "t": (a, time.time()),
+                             "outcome": (o[0].kv_transfer_params or {}).get("kvinject")})
+                note(row[kind], dt, o[0])
+        for d in row.values():
+            medians(d)
+        out[k] = dict(row, users=args.cold_reps, facts=len(wl.segments(k)))
+    cold_outcomes(events, reqs, out)
+    disk = res["cold_settings"]["disk_dir"]
+    res["cold_disk_mb"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(disk) for f in fs) / 2**20
+    shutil.rmtree(disk, ignore_errors=True)   # up to GiBs of tenant files
+    res["cold"] = out
+
+
+def settle(args, gen, wl, tenant, k, rep):
+    """Between a cold user's cold and warm requests: twice a pause (the prefetch runs
+    on the worker's thread, its reads on the store's) and a small plain request (a
+    step whose report brings the prefetched facts' tiers to the scheduler); with
+    --cold-settle-prefetch the first is a prefetch request of the user's tenant."""
+    import kvinject.vllm as kv
+    from vllm import SamplingParams
+    for i in range(2):
+        time.sleep(args.cold_settle_ms / 1e3)
+        q = wl.question("settle", k, rep, i)
+        if i == 0 and args.cold_settle_prefetch:
+            pp = kv.prefetch_prompt(tenant, q[0])
+            gen([(pp.prompt, pp.sampling_params(temperature=0.0, max_tokens=1, skip_clone=True))])
+        else:
+            gen([({"prompt_token_ids": q[:4]}, SamplingParams(temperature=0.0, max_tokens=1, skip_clone=True))])
+
+
+def cold_outcomes(events, reqs, out):
+    """Per kind and k: facts injected per request (the outcome's injected_facts; the
+    worker's inject events in the request's time where the outcome is pending: one
+    output token), the hybrid decisions the scheduler made meanwhile; logged."""
+    inj = [e for e in events() if e["event"] == "inject"]
+    sched = [e for e in events("scheduler") if e.get("event") == "schedule" and e.get("hybrid")]
+    for r in reqs:
+        a, b = r["t"]
+        d = out[r["k"]][r["kind"]]
+        oc = r["outcome"] or {}
+        n = oc.get("injected_facts", 0)
+        if oc.get("pending") or not oc:
+            n = sum(e["facts"] for e in inj if a <= e["t"] <= b)
+        d.setdefault("injected", []).append(n)
+        d.setdefault("pending", []).append(bool(oc.get("pending")))
+        h = d.setdefault("hybrid", {})
+        for e in sched:
+            if a <= e["t"] <= b:
+                for dec, m in e["hybrid"].items():
+                    h[dec] = h.get(dec, 0) + m
+    for k, row in sorted(out.items()):
+        row["cold_none"] = sum(n == 0 for n in row["cold"].get("injected", []))
+        row["warm_all"] = sum(n == row["facts"] for n in row["warm"].get("injected", []))
+        log("cold users k=%d (%d facts with header and pad): re-prefill %.2f ms, cold %.2f ms, warm %.2f ms; "
+            "cold requests injecting nothing %d/%d, warm injecting all %d/%d; hybrid decisions cold %s, warm %s"
+            % (k, row["facts"], row["reprefill"]["median_ms"], row["cold"]["median_ms"], row["warm"]["median_ms"],
+               row["cold_none"], row["users"], row["warm_all"], row["users"], row["cold"].get("hybrid"),
+               row["warm"].get("hybrid")))
 
 
 def connector_share(ev, windows):
@@ -811,6 +1029,13 @@ def write_run_report(d, stem, parts):
         "ttft": rows, "throughput": tput, "connector": (c or {}).get("connector", []),
         "targets": {"inject_over_apc_all_k": all(floor_ok) if len(floor_ok) == len(ks) else None,
                     "prefill_over_plain_all_k": all(plain_ok) if len(plain_ok) == len(ks) else None}}
+    cp = parts.get("cold")
+    merged["cold"] = cold_rows(cp)
+    if cp:
+        merged["cold_engine"] = {"settings": cp.get("cold_settings"), "disk_mb": cp.get("cold_disk_mb")}
+    cr = [r["cold_over_reprefill"] for r in merged["cold"]]
+    merged["targets"]["cold_over_reprefill_all_k"] = (all(x <= TARGET_FLOOR for x in cr)
+                                                      if cr and None not in cr else None)
     hi = [t for t in tput if t["concurrent"] == max(x["concurrent"] for x in tput)] if tput else []
     merged["targets"]["tput_all"] = (all((t["inject_over_prefill"] or 0) >= TARGET_TPUT for t in hi)
                                      if hi and c else None)
@@ -821,6 +1046,53 @@ def write_run_report(d, stem, parts):
         f.write(md)
     print(md, flush=True)
     plot_ttft(merged, os.path.join(d, stem + ".png"))
+
+
+def cold_rows(part):
+    """The cold engine's rows of the merged report, per k ([] without its part)."""
+    def ratio(x, y):
+        return x / y if x is not None and y else None
+    rows = []
+    for k, r in sorted((int(k), r) for k, r in ((part or {}).get("cold") or {}).items()):
+        rp, cd, wm = r["reprefill"], r["cold"], r["warm"]
+        row = {"k": k, "prefix_tokens": part["prefix_tokens"][str(k)], "facts": r["facts"], "users": r["users"],
+               "reprefill_ms": rp["median_ms"], "cold_ms": cd["median_ms"], "warm_ms": wm["median_ms"],
+               "reprefill_core_ms": rp["core_median_ms"], "cold_core_ms": cd["core_median_ms"],
+               "warm_core_ms": wm["core_median_ms"], "cold_none": r["cold_none"], "warm_all": r["warm_all"],
+               "cold_hybrid": cd.get("hybrid") or {}, "warm_hybrid": wm.get("hybrid") or {},
+               "agree_cold": "%d/%d" % (sum(x == y for x, y in zip(cd["first"], rp["first"])), len(cd["first"]))}
+        row["cold_over_reprefill"] = ratio(row["cold_ms"], row["reprefill_ms"])
+        row["warm_over_reprefill"] = ratio(row["warm_ms"], row["reprefill_ms"])
+        rows.append(row)
+    return rows
+
+
+def cold_md(m):
+    """The cold engine's table (report_md)."""
+    ce = m.get("cold_engine") or {}
+    st = ce.get("settings") or {}
+
+    def dec(h):
+        return ", ".join("%s %d" % (d, h[d]) for d in ("inject", "await", "text") if d in h) or "—"
+    L = ["", "Cold users (engine cold: the connector with a disk tier and hybrid serving, store memory %s MiB, "
+         "disk_read_mb_s %s, prefill_tokens_s %s; %s MiB of tenant files): each user's [header | facts | pad] "
+         "captured, then per user in capture order its prompt re-prefilled without memory (the control), the "
+         "same prompt with its facts only on disk (cold: the connector's hybrid plan), and after the prefetch "
+         "another question (warm). Medians over the users of each k; the engine core's scheduled to first "
+         "token beside; the scheduler's hybrid decisions (facts) of the cold and warm requests:" % (
+             st.get("store_budget_mb"), fmt(st.get("disk_read_mb_s"), "%g"), fmt(st.get("prefill_tokens_s"), "%g"),
+             fmt(ce.get("disk_mb"), "%.0f")), "",
+         "| k | prefix tokens (facts) | re-prefill ms | cold ms | cold / re-prefill | warm ms | warm / re-prefill | "
+         "cold requests with 0 facts injected | warm requests with all injected | first tokens agree (cold vs "
+         "re-prefill) | core ms: re-prefill, cold, warm | hybrid decisions: cold; warm |",
+         "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
+    for r in m["cold"]:
+        L.append("| %d | %d (%d) | %s | %s | %s | %s | %s | %d/%d | %d/%d | %s | %s, %s, %s | %s; %s |" % (
+            r["k"], r["prefix_tokens"], r["facts"], fmt(r["reprefill_ms"]), fmt(r["cold_ms"]),
+            fmt(r["cold_over_reprefill"], "%.3f"), fmt(r["warm_ms"]), fmt(r["warm_over_reprefill"], "%.3f"),
+            r["cold_none"], r["users"], r["warm_all"], r["users"], r["agree_cold"], fmt(r["reprefill_core_ms"]),
+            fmt(r["cold_core_ms"]), fmt(r["warm_core_ms"]), dec(r["cold_hybrid"]), dec(r["warm_hybrid"])))
+    return L
 
 
 def plot_ttft(m, path):
@@ -867,10 +1139,12 @@ def report_md(m, engines):
         L.append("- %s: start %s s, run %s s; %s; gpu_memory_utilization %s, KV cache ~%s GiB" % (
             e, fmt(info.get("engine_start_s"), "%.0f"), fmt(info.get("duration_s"), "%.0f"), info.get("engine_config"),
             mem.get("gpu_mem"), fmt(mem.get("kv_cache_gib"), "%.1f")))
-    L += ["", "| k | prefix tokens (pad) | APC cached | re-prefill ms | re-prefill, no connector ms | APC ms | "
-          "injected ms | injected / APC | re-prefill / no connector | injected vs re-prefill | first tokens agree "
-          "(inject, APC vs re-prefill) |", "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
-    for r in m["ttft"]:
+    main = any(r[x] is not None for r in m["ttft"] for x in ("prefill_ms", "plain_ms", "apc_ms", "inject_ms"))
+    if main:   # the connector, apc and plain engines' table (not with the cold engine's part alone)
+        L += ["", "| k | prefix tokens (pad) | APC cached | re-prefill ms | re-prefill, no connector ms | APC ms | "
+              "injected ms | injected / APC | re-prefill / no connector | injected vs re-prefill | first tokens "
+              "agree (inject, APC vs re-prefill) |", "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in m["ttft"] if main else []:
         L.append("| %d | %d (%s) | %s | %s | %s | %s | %s | %s | %s | %s | %s, %s |" % (
             r["k"], r["prefix_tokens"], r["pad"], fmt(r["apc_cached"], "%d"), fmt(r["prefill_ms"]),
             fmt(r["plain_ms"]), fmt(r["apc_ms"]), fmt(r["inject_ms"]), fmt(r["inject_over_apc"], "%.3f"),
@@ -887,6 +1161,8 @@ def report_md(m, engines):
             L.append("| %d | %s | %s | %s | %s | %s | %s | %s |" % (
                 r["k"], fmt(r["prefill_core_ms"]), fmt(r["plain_core_ms"]), fmt(r["apc_core_ms"]),
                 fmt(r["inject_core_ms"]), fmt(r["inject_over_apc_core"], "%.3f"), fmt(rest[0]), fmt(rest[1])))
+    if m.get("cold"):
+        L += cold_md(m)
     if m["throughput"]:
         L += ["", "| k | concurrent | output tokens | re-prefill req/s | APC req/s | injected req/s | "
               "injected / re-prefill | injected / APC |", "|--:|--:|--:|--:|--:|--:|--:|--:|"]
@@ -912,7 +1188,9 @@ def report_md(m, engines):
           "without at every k: %s; injected >= %gx re-prefill's requests/s at the highest concurrency (k = %s, each "
           "output length): %s" % (TARGET_FLOOR, verdict(tg["inject_over_apc_all_k"]), TARGET_FLOOR,
                                   verdict(tg["prefill_over_plain_all_k"]), TARGET_TPUT,
-                                  m["throughput"][0]["k"] if m["throughput"] else "—", verdict(tg["tput_all"])), ""]
+                                  m["throughput"][0]["k"] if m["throughput"] else "—", verdict(tg["tput_all"])),
+          "", "target: a cold user's first request (facts only on disk) <= %.2f x the re-prefill of its prompt at "
+          "every k: %s" % (TARGET_FLOOR, verdict(tg.get("cold_over_reprefill_all_k"))), ""]
     return "\n".join(L)
 
 

@@ -40,7 +40,13 @@
 #       command again. Every call copies vllm_bench.md / .json (merged from the
 #       parts there), the parts, the log and the connector's events into $OUT.
 #       ARGS go to vllm_bench.py (e.g. --shape paper, --eager, --reps 30,
-#       --engines apc,plain, --redo).
+#       --engines apc,plain, --redo). --engines cold: the cold-user engine
+#       (not among the defaults): the connector with a disk tier under
+#       /tmp/kvi-vllm-bench and hybrid serving, 10 users per k captured until
+#       their facts are only on disk, then each user's first request (the facts
+#       prefilled as text, prefetched) against the re-prefill of its prompt
+#       (target: within 5%) and its next request (injected from memory); with
+#       the same other ARGS its table merges into the run's vllm_bench.md.
 #   tests/gpu/vllm_gpu.sh profile [ARGS]   (there) the same with --profile: the
 #       connector and apc engines, each with its engine core in-process, a few
 #       injected / re-prefill / APC requests at the largest k under
@@ -50,14 +56,16 @@
 # The device calls, one right after the other (the machine keeps /tmp while
 # held, 30 min in all), and the device time each is expected to take (an
 # estimate until measured): "machine N" is one held machine (30 min of device time)
-#   machine 1 (the 8B, about 25 min):
+#   machine 1 (the 8B, about 28 min; profile about 33: on machine 2 if time is short):
 #    1. tests/gpu/vllm_gpu.sh stage              carry [".stage/vllmgpu.00"]   1-2 min start + < 1 min
 #    2. tests/gpu/vllm_gpu.sh stage              carry [".stage/vllmgpu.01"]   < 1 min
 #    3. tests/gpu/vllm_gpu.sh setup              carry [".stage/vllmgpu.02"]   3-4 min
 #    4. tests/gpu/vllm_gpu.sh run                carry []   9 min: connector 4 min (engine start 2 min:
 #       torch.compile, CUDA graphs), apc and plain 2-3 min each; exit 3 when plain is left
 #    5. the same command again while it exits 3 (carry [])    2-3 min
-#    6. tests/gpu/vllm_gpu.sh profile            carry []   5 min
+#    6. tests/gpu/vllm_gpu.sh run --engines cold  carry []   3 min (engine start 2 min; 40 users
+#       captured, 5 requests each; up to 4 GiB of tenant files in /tmp, removed at the end)
+#    7. tests/gpu/vllm_gpu.sh profile            carry []   5 min (past the 30 min: first on machine 2)
 #   machine 2 (about 28 min): steps 1-3, then
 #    4. tests/gpu/vllm_gpu.sh run --shape paper                  9-11 min, in two calls (exit 3)
 #    5. VLLM_GPU_MODEL=32b tests/gpu/vllm_gpu.sh run             10-12 min, in two or three calls
