@@ -143,7 +143,7 @@
  *     starts at its first such prefetch; the thread reads the file without
  *     the lock, so calls on facts in memory go on meanwhile, then publishes
  *     the fact under the lock (a CUDA store's: the next call that needs the
- *     fact, or the next prefetch). A call that needs a fact being read waits
+ *     fact, the next prefetch, or kvi_store_prefetch_wait). A call that needs a fact being read waits
  *     for that read instead of reading it again; a call short of memory
  *     waits for the reads in flight, whose pages it may then reclaim. Until
  *     published a fact counts as on disk (kvi_store_fact_tier,
@@ -646,6 +646,26 @@ KVI_API kvi_status kvi_store_list(const kvi_store *store, uint64_t tenant, uint6
 KVI_API kvi_status kvi_store_prefetch(kvi_store *store, uint64_t tenant, const uint64_t *fact_ids, int32_t count,
                                       struct CUstream_st *stream);
 
+/*
+ * Waits until every read back that kvi_store_prefetch started on this store
+ * (its disk tier, on the I/O thread) has ended, and publishes those the
+ * thread finished: their facts are then in memory, as kvi_store_fact_tier
+ * and kvi_store_stats report (a read that failed leaves its fact on disk; the
+ * call that needs it reports the error). A CPU store's thread publishes its
+ * reads itself, a CUDA store's are otherwise published only by the next call
+ * that needs the fact or by kvi_store_prefetch: until then
+ * kvi_store_fact_tier reports them KVI_TIER_DISK. The store's lock is not held
+ * while the thread reads, so other calls, on other threads, go on meanwhile;
+ * reads that other threads start during the wait are waited for too. A store
+ * without a disk tier, or with no read under way: returns at once. For a
+ * serving engine's background thread: prefetch, wait, then tell the
+ * scheduler the facts are in memory.
+ * Thread rules: as every store call, except that it waits without the lock.
+ * Errors: KVI_ERR_INVALID_ARGUMENT (NULL store), KVI_ERR_CUDA (a finished
+ * read could not be copied to the device: that fact stays on disk).
+ */
+KVI_API kvi_status kvi_store_prefetch_wait(kvi_store *store);
+
 /* Store statistics. An output struct: set struct_size (KVI_STORE_STATS_INIT);
  * the library writes only the first struct_size bytes. */
 typedef struct kvi_store_stats {
@@ -725,7 +745,8 @@ typedef enum kvi_tier {
 /*
  * Where fact `fact_id` of `tenant` is now, into *out_tier (host memory; a
  * kvi_tier value). No device work, no file I/O. The answer may change at
- * once under calls on other threads.
+ * once under calls on other threads. A fact being read back counts as on
+ * disk until its read is published (kvi_store_prefetch_wait).
  * Errors: KVI_ERR_INVALID_ARGUMENT (NULL store or out_tier), KVI_ERR_NOT_FOUND.
  */
 KVI_API kvi_status kvi_store_fact_tier(const kvi_store *store, uint64_t tenant, uint64_t fact_id, int32_t *out_tier);

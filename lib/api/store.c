@@ -33,6 +33,14 @@ KVI_API kvi_status kvi_store_prefetch(kvi_store *store, uint64_t tenant_id, cons
   return st;
 }
 
+KVI_API kvi_status kvi_store_prefetch_wait(kvi_store *store) {
+  static const char fn[] = "kvi_store_prefetch_wait";
+  if (!store) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "store is NULL");
+  kvi_status st;
+  KVI__API_ON(st, kvi__store_device(store), fn, kvi__disk_wait(store, fn));
+  return st;
+}
+
 KVI_API kvi_status kvi_store_put(kvi_store *store, uint64_t tenant_id, uint64_t fact_id, const kvi_kv_view *kv,
                                  const kvi_put_options *opts, struct CUstream_st *stream) {
   static const char fn[] = "kvi_store_put";

@@ -219,6 +219,37 @@ kvi_status kvi__disk_drain(kvi_store *s, const char *fn) {
   }
 }
 
+kvi_status kvi__disk_wait(kvi_store *s, const char *fn) {
+  if (!s->disk.ops) return KVI_OK;
+  kvi_status st = KVI_OK;
+  for (;;) {
+    kvi__store_lock(s);
+    if (!s->disk.thread_on) {
+      kvi__store_unlock(s);
+      return st;
+    }
+    pthread_mutex_lock(&s->disk.qm);
+    kvi__disk_job *j = s->disk.jobs, *done = NULL;
+    for (kvi__disk_job *k = j; k && !done; k = k->next) done = k->state == JOB_READ ? k : NULL;
+    if (done) unlist(s, done); /* published here (a CPU store's thread may not have come to it yet) */
+    pthread_mutex_unlock(&s->disk.qm);
+    if (done) {
+      const kvi_status one = publish_job(s, done, true, fn); /* a failed read leaves its fact on disk */
+      if (one == KVI_ERR_CUDA && st == KVI_OK) st = one;
+    }
+    kvi__store_unlock(s);
+    if (!j) return st;
+    if (done) continue;
+    /* reads still queued or running: wait for one to end without the store's lock,
+     * so that other calls go on meanwhile */
+    pthread_mutex_lock(&s->disk.qm);
+    bool busy = false;
+    for (kvi__disk_job *k = s->disk.jobs; k && !busy; k = k->next) busy = k->state != JOB_READ;
+    if (busy) pthread_cond_wait(&s->disk.qcv, &s->disk.qm);
+    pthread_mutex_unlock(&s->disk.qm);
+  }
+}
+
 void kvi__disk_stop(kvi_store *s) {
   if (!s->disk.thread_on) return;
   pthread_mutex_lock(&s->disk.qm);

@@ -583,6 +583,9 @@ kvi_status kvi__disk_start(kvi_store *s, fact *f, const char *fn);
 void kvi__disk_settle_all(kvi_store *s, const char *fn);
 /* Publishes the reads the I/O thread has finished (a CUDA store's). */
 kvi_status kvi__disk_drain(kvi_store *s, const char *fn);
+/* kvi_store_prefetch_wait: takes the store's lock itself, and leaves it
+ * while the I/O thread reads. */
+kvi_status kvi__disk_wait(kvi_store *s, const char *fn);
 /* Ends f's read back (f->loading): waits for the read if it is running,
  * then publishes it (keep) or gives its pages back. */
 kvi_status kvi__disk_settle(kvi_store *s, fact *f, bool keep, const char *fn);

@@ -436,6 +436,7 @@ _PROTOTYPES = {
     "kvi_store_fact_context": (c_int, [P, c_uint64, c_uint64, P, c_int32, POINTER(c_int32), POINTER(c_int32)]),
     "kvi_store_stale": (c_int, [P, c_uint64, P, c_size_t, POINTER(c_size_t)]),
     "kvi_store_prefetch": (c_int, [P, c_uint64, P, c_int32, P]),
+    "kvi_store_prefetch_wait": (c_int, [P]),
     "kvi_store_count": (c_int, [P, c_uint64, POINTER(c_size_t)]),
     "kvi_store_list": (c_int, [P, c_uint64, P, c_size_t, POINTER(c_size_t)]),
     "kvi_store_stats_get": (c_int, [P, P]),

@@ -164,6 +164,7 @@ _C_NAMES = {
     "kvi_store_fact_context": "Store.fact_context", "kvi_store_fact_tier": "Store.fact_tier",
     "kvi_store_tenant_release": "Store.tenant_release",
     "kvi_store_get_embedding": "Store.get_embedding", "kvi_store_prefetch": "Store.prefetch",
+    "kvi_store_prefetch_wait": "Store.prefetch_wait",
     "kvi_store_count": "Store.count", "kvi_store_list": "Store.list", "kvi_store_stats_get": "Store.stats",
     "kvi_store_search": "Store.search", "kvi_store_async_errors": "Store.async_errors",
     "kvi_store_put_scatter": "Store.put_scatter", "kvi_store_gather": "Store.gather",

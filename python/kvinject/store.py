@@ -553,7 +553,7 @@ class Store(Handle):
         (synchronously; this is how a store learns of a tenant another replica wrote), then
         as many of its facts as fit start to be read back, most recently written first. A
         call that needs a fact being read waits for it; :meth:`fact_tier` says DISK until
-        the read is done."""
+        the read is published (:meth:`prefetch_wait`)."""
         if fact_ids is None:
             lib().call("kvi_store_prefetch", self.handle, fit(tenant, U64, "tenant"), None, 0,
                        _buffers.stream_handle(stream))
@@ -561,6 +561,14 @@ class Store(Handle):
         ids = _buffers.int_array(fact_ids, ctypes.c_uint64, "fact_ids")
         lib().call("kvi_store_prefetch", self.handle, fit(tenant, U64, "tenant"), ids.c_ptr(),
                    fit(ids.numel, ctypes.c_int32, "count"), _buffers.stream_handle(stream))
+
+    def prefetch_wait(self) -> None:
+        """kvi_store_prefetch_wait: waits until every read back :meth:`prefetch` started has
+        ended and publishes those the I/O thread finished, so that :meth:`fact_tier` and
+        :meth:`stats` see the facts in memory (a CUDA store's reads are otherwise published
+        only by the next call that needs them). Other threads' calls go on meanwhile (the
+        store's lock is not held while the thread reads); ctypes lets go of the GIL."""
+        lib().call("kvi_store_prefetch_wait", self.handle)
 
     def fact_tier(self, tenant: int, fact_id: int) -> Tier:
         """kvi_store_fact_tier: where the fact's K and V are now: :attr:`Tier.DEVICE`,

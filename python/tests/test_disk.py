@@ -182,8 +182,9 @@ class TestDiskTier:
         s.read(1, 0)  # back up; 1 is now the least recently used
         assert tiers(s, 1, [0, 1, 2]) == [Tier.HOST, Tier.DISK, Tier.HOST]
         assert s.stats().drops_to_disk == 2
-        s.prefetch(1, [1])  # read back in the background
-        until(lambda: s.fact_tier(1, 1) == Tier.HOST)
+        s.prefetch(1, [1])  # read back in the background; prefetch_wait: until published
+        s.prefetch_wait()
+        assert s.fact_tier(1, 1) == Tier.HOST
         assert tiers(s, 1, [0, 1, 2]).count(Tier.DISK) == 1 == s.stats().facts_on_disk_only
         s.remove(1, 1)
         with pytest.raises(kvi.NotFoundError):

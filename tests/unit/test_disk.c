@@ -751,6 +751,40 @@ static void test_async_prefetch(void **state) {
   kvi_store_destroy(ref);
 }
 
+/* kvi_store_prefetch_wait: once it returns every read the prefetch started is
+ * published (no fact on disk only, each read once, before any reader asked
+ * for them), the facts byte-exact; with nothing under way, or without a disk
+ * tier, it returns at once; a NULL store is an argument error. */
+static void test_prefetch_wait(void **state) {
+  fx *f = *state;
+  kvi_store *s = mk_store(f, KVI_DTYPE_BF16, 64, f->dir, "a", 0, 0), *ref = mk_store(f, KVI_DTYPE_BF16, 64, NULL, NULL, 0, 0);
+  for (uint64_t id = 0; id < 20; id++) {
+    assert_ok(put_tag(s, 6, id, id + 3, 0));
+    assert_ok(put_tag(ref, 6, id, id + 3, 0));
+  }
+  kvi_store_destroy(s);
+  s = mk_store(f, KVI_DTYPE_BF16, 64, f->dir, "a", 0, 0);
+  assert_ok(kvi_store_prefetch_wait(s)); /* no read under way yet */
+  assert_ok(kvi_store_prefetch(s, 6, NULL, 0, NULL));
+  assert_ok(kvi_store_prefetch_wait(s));
+  kvi_store_stats st = store_stats(s);
+  assert_int_equal(st.facts_on_disk_only, 0);
+  assert_int_equal(st.disk_reads, 20);
+  for (uint64_t id = 0; id < 20; id++) {
+    int32_t tier = -1;
+    assert_ok(kvi_store_fact_tier(s, 6, id, &tier));
+    assert_int_equal(tier, KVI_TIER_HOST);
+    assert_true(same_fact(s, ref, 6, id));
+  }
+  assert_int_equal(store_stats(s).disk_reads, 20); /* the readers found them in memory */
+  assert_ok(kvi_store_prefetch_wait(s));
+  assert_ok(kvi_store_prefetch_wait(ref)); /* no disk tier */
+  assert_status(kvi_store_prefetch_wait(NULL), KVI_ERR_INVALID_ARGUMENT);
+  assert_last_error_has("kvi_store_prefetch_wait", "NULL");
+  kvi_store_destroy(s);
+  kvi_store_destroy(ref);
+}
+
 /* Drops choose the least recently used facts: put, read back from disk and
  * injected facts become the most recent (one-page facts in 4 pages). */
 /* Many tenants under a low descriptor limit: a store keeps at most a few
@@ -827,7 +861,8 @@ static void *work(void *arg) {
   w->ok = true;
   for (int i = 0; i < 150 && w->ok; i++) {
     const uint64_t id = (uint64_t)(i * 7 + w->kind) % 20;
-    if (w->kind == 0) w->ok = kvi_store_prefetch(w->s, 6, NULL, 0, NULL) == KVI_OK;
+    if (w->kind == 0)
+      w->ok = kvi_store_prefetch(w->s, 6, NULL, 0, NULL) == KVI_OK && kvi_store_prefetch_wait(w->s) == KVI_OK;
     else if (w->kind == 1) w->ok = same_fact(w->s, w->ref, 6, id);
     else w->ok = put_tag(w->s, 7, id, id, KVI_PUT_REPLACE) == KVI_OK;
   }
@@ -917,6 +952,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_tenant_isolation, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_compaction_and_save, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_async_prefetch, fx_setup, fx_teardown),
+      cmocka_unit_test_setup_teardown(test_prefetch_wait, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_lru_order, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_many_tenants_few_descriptors, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_async_threads, fx_setup, fx_teardown),

@@ -263,6 +263,9 @@ class KVInjectWorker:
             tenant, ids = item
             try:
                 self._store.prefetch(tenant, ids)
+                # done once published: a CUDA store's reads stay "on disk" for the
+                # scheduler until a call publishes them
+                self._store.prefetch_wait()
                 self._prefetch_done.put((tenant, None))
             except (KviError, ValueError) as e:
                 self._prefetch_done.put((tenant, str(e)))
