@@ -50,24 +50,28 @@
 #   tests/gpu/vllm_gpu.sh profile [ARGS]   (there) the same with --profile: the
 #       connector and apc engines, each with its engine core in-process, a few
 #       injected / re-prefill / APC requests at the largest k under
-#       torch.profiler; traces (.trace.json.gz), operator tables and profile.md
-#       (top host-side functions per request kind) into $OUT/profile.
+#       torch.profiler (Python frames only with --profile-stack: they slow the
+#       host several times); traces (.trace.json.gz), operator tables and
+#       profile.md (top host-side functions per request kind, and the GPU's idle
+#       gaps by what the host was doing) into $OUT/profile. Only the profile's
+#       small files come back with it (the call's file count is limited): copy
+#       a trace into $OUT in a call of its own right after.
 #
 # The device calls, one right after the other (the machine keeps /tmp while
-# held, 30 min in all), and the device time each is expected to take (an
-# estimate until measured): "machine N" is one held machine (30 min of device time)
-#   machine 1 (the 8B, about 28 min; profile about 33: on machine 2 if time is short):
-#    1. tests/gpu/vllm_gpu.sh stage              carry [".stage/vllmgpu.00"]   1-2 min start + < 1 min
-#    2. tests/gpu/vllm_gpu.sh stage              carry [".stage/vllmgpu.01"]   < 1 min
-#    3. tests/gpu/vllm_gpu.sh setup              carry [".stage/vllmgpu.02"]   3-4 min
-#    4. tests/gpu/vllm_gpu.sh run                carry []   9 min: connector 4 min (engine start 2 min:
-#       torch.compile, CUDA graphs), apc and plain 2-3 min each; exit 3 when plain is left
-#    5. the same command again while it exits 3 (carry [])    2-3 min
-#    6. tests/gpu/vllm_gpu.sh run --engines cold  carry []   3 min (engine start 2 min; 40 users
+# held, 30 min in all), and the device time each took on an H100 (2026-12-06;
+# the same machine, one after the other): "machine N" is one held machine
+# (30 min of device time)
+#   machine 1 (the 8B, about 17 min):
+#    1. tests/gpu/vllm_gpu.sh stage              carry [".stage/vllmgpu.00"]   1-2 min start + 0.3 s
+#    2. tests/gpu/vllm_gpu.sh stage              carry [".stage/vllmgpu.01"]   0.2 s
+#    3. tests/gpu/vllm_gpu.sh setup              carry [".stage/vllmgpu.02"]   97-101 s
+#    4. tests/gpu/vllm_gpu.sh run                carry []   5 min: connector 2.5 min (engine start
+#       1-1.5 min: torch.compile, CUDA graphs), apc and plain about 1 min each, in one call
+#    5. tests/gpu/vllm_gpu.sh run --shape paper  carry []   2.5-3 min (vLLM's compile cache is warm)
+#    6. tests/gpu/vllm_gpu.sh run --engines cold  carry []   about 3 min (an estimate; 40 users
 #       captured, 5 requests each; up to 4 GiB of tenant files in /tmp, removed at the end)
-#    7. tests/gpu/vllm_gpu.sh profile            carry []   5 min (past the 30 min: first on machine 2)
+#    7. tests/gpu/vllm_gpu.sh profile            carry []   1.6 min
 #   machine 2 (about 28 min): steps 1-3, then
-#    4. tests/gpu/vllm_gpu.sh run --shape paper                  9-11 min, in two calls (exit 3)
 #    5. VLLM_GPU_MODEL=32b tests/gpu/vllm_gpu.sh run             10-12 min, in two or three calls
 #       (if the device time runs out first: 5 opens machine 3, after its steps 1-3)
 #   machine 3 (about 20 min): steps 1-3 with VLLM_GPU_DUMMY=1 (the 8B is not used), then
