@@ -71,9 +71,9 @@
 #    6. tests/gpu/vllm_gpu.sh run --engines cold  carry []   about 3 min (an estimate; 40 users
 #       captured, 5 requests each; up to 4 GiB of tenant files in /tmp, removed at the end)
 #    7. tests/gpu/vllm_gpu.sh profile            carry []   1.6 min
-#   machine 2 (about 28 min): steps 1-3, then
-#    5. VLLM_GPU_MODEL=32b tests/gpu/vllm_gpu.sh run             10-12 min, in two or three calls
-#       (if the device time runs out first: 5 opens machine 3, after its steps 1-3)
+#   machine 2 (about 20 min): steps 1-3, then
+#    4. VLLM_GPU_MODEL=32b tests/gpu/vllm_gpu.sh run             10-12 min (an estimate), in two or
+#       three calls
 #   machine 3 (about 20 min): steps 1-3 with VLLM_GPU_DUMMY=1 (the 8B is not used), then
 #    4. VLLM_GPU_MODEL=70b tests/gpu/vllm_gpu.sh run --max-batched-tokens 8192     12-15 min, two or three
 #       calls. 70B fp8: 65 GiB of weights; on an H100 (79.6 GiB) ~6 GiB of KV cache (~20k tokens: the 64
