@@ -185,9 +185,11 @@ static kvi_status check_options(const kvi_store_options *o, const kvi__geom *g, 
   pl->page_elems = (uint64_t)g->num_layers * 2u * (uint64_t)g->local_heads * (uint64_t)o->page_tokens *
                    (uint64_t)g->head_size;
   /* quantized stores: the elements (fp8: e4m3 bytes; q4: two codes a byte),
-   * then the scales (fp8: one fp32 per (layer, plane, head); q4: one word per
-   * key channel and per value token of each (layer, head): base/q4.h), each
-   * part 16-byte aligned so every page keeps the kernels' vector alignment */
+   * then the scales (fp8: one fp32 per (layer, plane, head), then one fp16
+   * offset per key channel of each (layer, head): base/fp8.h; q4: one word
+   * per key channel and per value token of each (layer, head): base/q4.h),
+   * each part 16-byte aligned so every page keeps the kernels' vector
+   * alignment */
   pl->fp8 = o->dtype == KVI_DTYPE_FP8_E4M3;
   pl->q4 = o->dtype == KVI_DTYPE_Q4;
   pl->scale_bytes = kvi__page_scale_bytes(o->dtype, g->num_layers, g->local_heads, g->head_size, o->page_tokens);
