@@ -679,8 +679,8 @@ typedef struct kvi_store_stats {
   int32_t page_tokens;
   int32_t embedding_dim;
   uint64_t page_bytes;     /* bytes of one page (K and V, all layers, local heads;
-                              fp8, q4: then the page's scales, both parts
-                              rounded up to 16 bytes) */
+                              fp8, q4: then the page's scales, fp8 then its
+                              key offsets, each part rounded up to 16 bytes) */
   uint64_t pages_total;
   uint64_t pages_used;     /* includes (CUDA stores) pages of removed or
                               replaced facts that device work of the store
@@ -695,8 +695,9 @@ typedef struct kvi_store_stats {
   uint64_t bytes_reserved; /* pages_total * page_bytes */
   uint64_t bytes_used;     /* pages_used * page_bytes */
   uint64_t bytes_payload;  /* tokens stored * bytes per token, plus (fp8, q4)
-                              the scales of their pages (bytes_used minus the
-                              unused tails of last pages) */
+                              the scales (fp8: and key offsets) of their pages
+                              (bytes_used minus the unused tails of last
+                              pages) */
   uint64_t facts;
   uint64_t tenants;        /* tenants with at least one fact */
   uint64_t bytes_embeddings; /* memory the embedding matrices hold (device
