@@ -24,10 +24,13 @@ extern "C" {
  * at kvi__fp8_offsets_at (16-byte aligned), one fp16 offset per key channel
  * (layer l, local head h, channel d) at index (l * H + h) * D + d: the
  * channel's offset m over the same tokens (values have none: m = 0).
- *   m     = the midpoint of the channel's bounds word (base/q4.h: its finite
- *           minimum rounded down to fp16, its maximum rounded up, saturated
- *           to +-65504), (lo + hi) * 0.5 in fp32 rounded to the nearest fp16
- *           (ties to even; -0 is +0); no finite value: +0;
+ *   m     = from the channel's bounds word (base/q4.h: its finite minimum
+ *           lo rounded down to fp16, its maximum hi rounded up, saturated to
+ *           +-65504): when 0 < lo and hi - lo < lo, or hi < 0 and
+ *           hi - lo < -hi (one side of zero, a band narrower than its
+ *           distance from zero; hi - lo in fp32), the midpoint
+ *           (lo + hi) * 0.5 in fp32 rounded to the nearest fp16 (ties to
+ *           even); else (a channel around zero, no finite value) +0;
  *   amax  = the largest finite |x - m| of the group (x - m one fp32
  *           subtraction; values: |x|);
  *   scale = max(amax / KVI__FP8_STORE_MAX, KVI__FP8_SCALE_MIN), one fp32
@@ -76,15 +79,22 @@ static inline KVI__HOST_DEVICE uint64_t kvi__fp8_meta_bytes(int32_t L, int32_t H
 }
 
 /* A key channel's fp16 offset from its bounds word (kvi__q4_fold,
- * kvi__q4_bounds; KVI__Q4_BOUNDS_EMPTY: +0). */
+ * kvi__q4_bounds; KVI__Q4_BOUNDS_EMPTY: +0): the midpoint of lo .. hi when
+ * the channel lies on one side of zero in a band narrower than its distance
+ * from zero (0 < lo and hi - lo < lo, or hi < 0 and hi - lo < -hi, hi - lo
+ * in fp32), so that every |x - m| is at most about half of |x| (a bias
+ * channel: 358 +- 3); else +0, keys stored as values are (a channel around
+ * zero keeps e4m3's relative precision near zero). */
 static inline KVI__HOST_DEVICE uint16_t kvi__fp8_offset_of(uint32_t bounds) {
   const uint16_t lh = (uint16_t)(bounds & 0xffffu), hh = (uint16_t)(bounds >> 16);
   if (lh == 0x7c00u) return 0; /* no finite value */
+  const float lo = kvi__q4_h2f(lh), hi = kvi__q4_h2f(hh);
 #ifdef __CUDA_ARCH__
-  const float mid = __fmul_rn(__fadd_rn(kvi__q4_h2f(lh), kvi__q4_h2f(hh)), 0.5f);
+  const float spread = __fsub_rn(hi, lo), mid = __fmul_rn(__fadd_rn(lo, hi), 0.5f);
 #else
-  const float mid = (kvi__q4_h2f(lh) + kvi__q4_h2f(hh)) * 0.5f;
+  const float spread = hi - lo, mid = (lo + hi) * 0.5f;
 #endif
+  if (!((lo > 0.0f && spread < lo) || (hi < 0.0f && spread < -hi))) return 0;
   /* nearest of the fp16 values around mid (within -65504 .. 65504) */
   const uint16_t dn = kvi__q4_f2h_dir(mid, 0), up = kvi__q4_f2h_dir(mid, 1);
   if (dn == up) return dn;

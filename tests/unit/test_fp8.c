@@ -2,8 +2,10 @@
  * unit-fp8: fp8 e4m3 fact storage on the CPU backend (the reference the CUDA
  * kernels match bit for bit), against an independent float64 model of the
  * quantization written here: per (page, layer, K/V, head) group, keys with
- * one offset m per channel (the midpoint of the channel's bounds rounded
- * outward to fp16, itself rounded to the nearest fp16; values m = 0),
+ * one offset m per channel (for a channel on one side of zero in a band
+ * narrower than its distance from zero, the midpoint of its bounds rounded
+ * outward to fp16, itself rounded to the nearest fp16; else, and for
+ * values, m = 0),
  * amax = largest finite |x - m|, scale = max(amax / 448, 2^-126) rounded to
  * fp32, code = nearest-even e4m3 of (x - m) / scale (saturating), value =
  * code * scale + m rounded once (values code * scale).
@@ -59,10 +61,12 @@ static int f16_floor(double x) {
   return lo;
 }
 
-/* A key channel's offset: the midpoint of its finite values' bounds, the
- * minimum rounded down and the maximum rounded up to fp16 (saturated), their
- * fp32 sum halved, rounded to the nearest fp16 (ties to the even bits); no
- * finite value: 0. */
+/* A key channel's offset: with its finite values' bounds, the minimum lo
+ * rounded down and the maximum hi rounded up to fp16 (saturated), and the
+ * channel on one side of zero in a band narrower than its distance from it
+ * (0 < lo, hi - lo < lo; or hi < 0, hi - lo < -hi), their fp32 sum halved,
+ * rounded to the nearest fp16 (ties to the even bits); else (no finite
+ * value too) 0. */
 static double ref_offset(const float *const *rows, int n, int d) {
   f16_grid_init();
   double mn = INFINITY, mx = -INFINITY;
@@ -72,7 +76,9 @@ static double ref_offset(const float *const *rows, int n, int d) {
   const double lo = mn <= f16_val[0] ? f16_val[0] : f16_val[f16_floor(mn)];
   int iu = mx >= f16_val[f16_n - 1] ? f16_n - 1 : f16_floor(mx);
   if (f16_val[iu] < mx) iu++;
-  const double mid = (double)(float)(lo + f16_val[iu]) * 0.5; /* the fp32 sum (one rounding), halved exactly */
+  const double hi = f16_val[iu], spread = (double)(float)(hi - lo); /* the fp32 difference */
+  if (!((lo > 0 && spread < lo) || (hi < 0 && spread < -hi))) return 0.0; /* around zero, or wide: none */
+  const double mid = (double)(float)(lo + hi) * 0.5; /* the fp32 sum (one rounding), halved exactly */
   const int i = f16_floor(mid);
   if (f16_val[i] == mid) return mid;
   const double below = mid - f16_val[i], above = f16_val[i + 1] - mid;
@@ -524,9 +530,10 @@ static double f16_ulp(double x) { return ldexp(1.0, ilogb(fabs(x) < 0x1p-14 ? 0x
 
 /* Keys of N(0, 1)-like channels and one at 358 + N(0, 1) (as Qwen2.5's layer
  * 0 has): each page's offsets take the bias out, so every key comes back
- * within 2^-4 of the group's largest |x - m| (m within half a range plus two
- * fp16 steps of the channel's values), a fraction of a unit where a scale
- * over |x| alone (the format before the offsets) errs by up to 2^-4 x 358. */
+ * within 2^-4 of the group's largest |x - m| (the bias channel's m within
+ * half its range plus two fp16 steps of its values, the others' 0), a
+ * fraction of a unit where a scale over |x| alone (the format before the
+ * offsets) errs by up to 2^-4 x 358. */
 static void test_fp8_bias_channel(void **state) {
   (void)state;
   rng r;
@@ -546,14 +553,16 @@ static void test_fp8_bias_channel(void **state) {
     for (int l = 0; l < L; l++)
       for (int h = 0; h < HT; h++) {
         const int32_t nt = T - t0 < P ? T - t0 : P;
-        double g = 0.0; /* the group's largest |x - m| any offset within two fp16 steps of the midrange allows */
+        double g = 0.0; /* the group's largest |x - m|: m 0, or within two fp16 steps of a banded channel's midpoint */
         for (int d = 0; d < D; d++) {
           double mn = INFINITY, mx = -INFINITY;
           for (int32_t t = 0; t < nt; t++) {
             const double x = rfact_row(&f, 0, l, t0 + t, h)[d];
             mn = fmin(mn, x), mx = fmax(mx, x);
           }
-          g = fmax(g, (mx - mn) / 2 + 2 * f16_ulp(fmax(fabs(mn), fabs(mx))));
+          const double a = fmax(fabs(mn), fabs(mx));
+          const bool banded = (mn > 0 && mx - mn < mn) || (mx < 0 && mx - mn < -mx); /* the offset: its midpoint */
+          g = fmax(g, banded ? (mx - mn) / 2 + 2 * f16_ulp(a) : a);
         }
         for (int32_t t = 0; t < nt; t++)
           for (int d = 0; d < D; d++) {
