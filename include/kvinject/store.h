@@ -165,10 +165,15 @@
  * (kvi_store_put from an fp32/fp16/bf16 view, kvi_encode), x in fp32 (after
  * conversion from the view's dtype or, for kvi_encode, after un-rotation
  * and the cache's own fp8 scale):
- *   m     = keys: the midpoint of the channel's finite values, its minimum
- *           rounded down and its maximum rounded up to fp16 (saturated to
- *           +-65504), (lo + hi) * 0.5 in fp32, rounded to the nearest fp16
- *           (ties to even; -0 is +0); no finite value: 0. Values: none;
+ *   m     = keys: with lo the channel's smallest finite value rounded
+ *           down and hi its largest rounded up to fp16 (saturated to
+ *           +-65504): when the channel lies on one side of zero in a band
+ *           narrower than its distance from zero (0 < lo and hi - lo < lo,
+ *           or hi < 0 and hi - lo < -hi; hi - lo in fp32), the midpoint
+ *           (lo + hi) * 0.5 in fp32 rounded to the nearest fp16 (ties to
+ *           even), so every |x - m| is at most about half of |x|; else (a
+ *           channel around zero keeps e4m3's relative precision near zero;
+ *           no finite value) 0. Values: none;
  *   amax  = the largest |x - m| (values |x|) over the group's finite values,
  *           x - m one fp32 subtraction;
  *   scale = max(amax / 448, 2^-126), one fp32 division;
@@ -183,10 +188,11 @@
  * cos/sin table). Error: at most 2^-4 of |x - m| (values |x|) for |x - m|
  * within 2^-6 * scale .. amax (e4m3's normal range), plus the fp32
  * roundings of x - m and of the value (a few 2^-24 of |x| + |m|); smaller
- * ones are kept in steps of 2^-9 * scale. So a key's error is bounded by
- * 2^-4 of its group's largest |x - m| (m within half the channel's range,
- * plus an fp16 step or two, of every value), no longer by 2^-4 of its
- * largest |x|. A group of zeros is exact (values keep the sign of zero,
+ * ones are kept in steps of 2^-9 * scale. So a banded channel's (a bias
+ * channel's) key error is bounded by 2^-4 of its group's largest |x - m|
+ * (m within half the channel's range, plus an fp16 step or two, of every
+ * value), no longer by 2^-4 of its largest |x|; other channels' errors are
+ * as without offsets. A group of zeros is exact (values keep the sign of zero,
  * keys read back +0). Non-finite input is accepted, not rejected (device
  * sources and captures could only report it late): NaN stays NaN;
  * +-infinity is stored as the code +-448 (keys read back
