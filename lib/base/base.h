@@ -95,9 +95,9 @@ kvi_status kvi__write_struct(void *user, const void *full, size_t known, size_t 
 size_t kvi__dtype_size(kvi_dtype dtype); /* bytes per element; 0 for an unknown dtype and Q4 */
 uint64_t kvi__dtype_bytes(kvi_dtype dtype, uint64_t n); /* bytes of n elements (Q4: n / 2 rounded up) */
 /* Bytes of the scales of one page of a store of that dtype (L layers, H
- * local heads, head size D, P tokens a page), unpadded (fp8: the scales,
- * padded to 16 bytes, then the key offsets: base/fp8.h); 0 for unquantized
- * dtypes. */
+ * local heads, head size D, P tokens a page), unpadded, as store files keep
+ * them (fp8: the scales, then the key offsets: base/fp8.h); 0 for
+ * unquantized dtypes. */
 uint64_t kvi__page_scale_bytes(kvi_dtype dtype, int32_t L, int32_t H, int32_t D, int32_t P);
 /* 4-bit storage (base/q4.h): codes of n values packed two a byte, value i
  * of the group whose parameter word is w[i * wstep] (keys: wstep 1, a word

@@ -72,10 +72,16 @@ static inline KVI__HOST_DEVICE uint64_t kvi__fp8_offsets_rel(int32_t L, int32_t 
   return ((uint64_t)L * 2u * (uint64_t)H * 4u + 15u) & ~(uint64_t)15u;
 }
 
-/* Bytes of a page's scales and key offsets together (from scale_off, the
- * offsets unpadded): what a store keeps per page beside its elements. */
+/* Bytes of a page's scales and key offsets as store files and raw copies
+ * keep them, back to back: L * 2 * H fp32, then L * H * D fp16. */
 static inline KVI__HOST_DEVICE uint64_t kvi__fp8_meta_bytes(int32_t L, int32_t H, int32_t D) {
-  return kvi__fp8_offsets_rel(L, H) + (uint64_t)L * (uint64_t)H * (uint64_t)D * 2u;
+  return (uint64_t)L * 2u * (uint64_t)H * 4u + (uint64_t)L * (uint64_t)H * (uint64_t)D * 2u;
+}
+
+/* Bytes of a page from scale_off on: the scales, padded to 16 bytes, then
+ * the key offsets, padded to 16 bytes. */
+static inline KVI__HOST_DEVICE uint64_t kvi__fp8_page_meta(int32_t L, int32_t H, int32_t D) {
+  return kvi__fp8_offsets_rel(L, H) + (((uint64_t)L * (uint64_t)H * (uint64_t)D * 2u + 15u) & ~(uint64_t)15u);
 }
 
 /* A key channel's fp16 offset from its bounds word (kvi__q4_fold,

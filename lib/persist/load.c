@@ -158,7 +158,7 @@ static kvi_status check_scales(const loader *ld, const rec *r, uint64_t off) {
                                     (unsigned long long)(p * nsc + i), (unsigned long long)r->id, "out of range:",
                                     (unsigned)w);
     }
-    const unsigned char *ko = pg + (size_t)kvi__fp8_offsets_rel(ld->L, ld->H);
+    const unsigned char *ko = pg + (size_t)nsc * 4u; /* the key offsets follow the scales */
     for (uint64_t i = 0; i < noff; i++) {
       const unsigned h = (unsigned)ko[2 * i] | (unsigned)ko[2 * i + 1] << 8;
       if ((h & 0x7fffu) > 0x7bffu)
@@ -259,16 +259,15 @@ static void rec_parts_free(rec_parts *p) {
 }
 
 /* The page scales of an fp8 fact of `tokens` tokens from a file before
- * version 4 (scales alone) as the store keeps them (spage bytes a page):
- * the scales, zero padding, then every key offset -0 (KVI__FP8_OFFSET_LEGACY:
+ * version 4 (scales alone) as this version keeps them (spage bytes a page):
+ * the scales, then every key offset -0 (KVI__FP8_OFFSET_LEGACY:
  * fmaf(e4m3, scale, -0) is e4m3 * scale, the values these files held). */
 static void legacy_fp8_scales(const loader *ld, unsigned char *out, const unsigned char *in, int32_t tokens,
                               uint64_t spage) {
   const uint64_t npages = ((uint64_t)tokens + (uint64_t)ld->P - 1u) / (uint64_t)ld->P;
-  const uint64_t rel = kvi__fp8_offsets_rel(ld->L, ld->H), noff = (uint64_t)ld->L * ld->H * ld->D;
+  const uint64_t rel = ld->page_scale, noff = (uint64_t)ld->L * ld->H * ld->D;
   for (uint64_t p = 0; p < npages; p++) {
     unsigned char *o = out + (size_t)(p * spage);
-    memset(o, 0, (size_t)rel);
     memcpy(o, in + (size_t)(p * ld->page_scale), (size_t)ld->page_scale);
     for (uint64_t i = 0; i < noff; i++) {
       const uint16_t h = KVI__FP8_OFFSET_LEGACY;

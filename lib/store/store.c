@@ -195,7 +195,9 @@ static kvi_status check_options(const kvi_store_options *o, const kvi__geom *g, 
   pl->scale_bytes = kvi__page_scale_bytes(o->dtype, g->num_layers, g->local_heads, g->head_size, o->page_tokens);
   const uint64_t elem_bytes = kvi__dtype_bytes(o->dtype, pl->page_elems);
   pl->scale_off = pl->scale_bytes ? (elem_bytes + 15u) & ~(uint64_t)15u : 0;
-  pl->page_bytes = pl->scale_bytes ? pl->scale_off + ((pl->scale_bytes + 15u) & ~(uint64_t)15u) : elem_bytes;
+  const uint64_t meta = pl->fp8 ? kvi__fp8_page_meta(g->num_layers, g->local_heads, g->head_size)
+                                : (pl->scale_bytes + 15u) & ~(uint64_t)15u;
+  pl->page_bytes = pl->scale_bytes ? pl->scale_off + meta : elem_bytes;
   if (o->budget_bytes < pl->page_bytes)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
                      "opts->budget_bytes is %llu, smaller than one page (%llu bytes: %d tokens x %d layers x 2 x "

@@ -204,8 +204,8 @@ struct kvi_store {
   bool q4;             /* dtype is KVI_DTYPE_Q4: codes, then scales (base/q4.h) */
   uint64_t scale_off;  /* quantized stores: byte offset of a page's scales (the elements' bytes
                           rounded up to 16), else 0 */
-  uint64_t scale_bytes; /* quantized stores: bytes of a page's scales (unpadded; fp8: with the key
-                           offsets, kvi__fp8_meta_bytes), else 0 */
+  uint64_t scale_bytes; /* quantized stores: bytes of a page's scales as files keep them (unpadded;
+                           fp8: then the key offsets, kvi__fp8_meta_bytes), else 0 */
   kvi__store_pools pool;
   kvi__store_index index;
   kvi__store_tier tier;

@@ -87,35 +87,28 @@ static inline unsigned char *stored_record(const kvi_store *s, uint64_t tenant, 
 
 /* Fact (tenant, id) keeps the same stored bytes in stores a and b (a store
  * of dtype dt, L layers, H heads of D, P-token pages, E-element
- * embeddings): its elements (e4m3 bytes, 4-bit codes), each page's scales
- * and, fp8, its key offsets (the padding between an fp8 page's scales and
- * offsets, which nothing writes, left out; kvinject/store.h, "fp8
- * storage"), its token ids and context. */
+ * embeddings): its elements (e4m3 bytes, 4-bit codes), then each page's
+ * scales and, fp8, its key offsets (kvinject/store.h, "fp8 storage"), its
+ * token ids and context; the first difference is named. */
 static inline void expect_same_bytes(const kvi_store *a, const kvi_store *b, uint64_t tenant, uint64_t id, kvi_dtype dt,
                                      int32_t L, int32_t H, int32_t D, int32_t P, int32_t E) {
   size_t na = 0, nb = 0;
   unsigned char *x = stored_record(a, tenant, id, &na), *y = stored_record(b, tenant, id, &nb);
-  if (na != nb) fail_msg("fact %llu/%llu: %zu stored bytes against %zu", (unsigned long long)tenant, (unsigned long long)id, na, nb);
+  const unsigned long long t = (unsigned long long)tenant, f = (unsigned long long)id;
+  if (na != nb) fail_msg("fact %llu/%llu: %zu stored bytes against %zu", t, f, na, nb);
   int32_t T = 0;
   CHECK_OK(kvi_store_fact_tokens(a, tenant, id, &T));
-  const size_t lhd = (size_t)L * H * D, el = (size_t)E * 4 + 2 * (size_t)T * lhd * (dt == KVI_DTYPE_FP8_E4M3 ? 1 : 0);
-  if (dt != KVI_DTYPE_FP8_E4M3) {
-    if (memcmp(x, y, na)) fail_msg("fact %llu/%llu: the stored bytes differ", (unsigned long long)tenant, (unsigned long long)id);
-  } else {
-    const size_t sc = (size_t)L * 2 * H * 4, rel = (sc + 15) & ~(size_t)15, page = rel + lhd * 2;
-    const size_t pages = (size_t)(T + P - 1) / (size_t)P, end = el + pages * page;
-    if (end > na) fail_msg("fact %llu/%llu: %zu stored bytes, fewer than %zu", (unsigned long long)tenant, (unsigned long long)id, na, end);
-    for (size_t i = 0; i < el; i++)
-      if (x[i] != y[i]) fail_msg("fact %llu/%llu: e4m3 byte %zu differs (0x%02x, 0x%02x)", (unsigned long long)tenant, (unsigned long long)id, i - (size_t)E * 4, x[i], y[i]);
-    for (size_t p = 0; p < pages; p++) {
-      const unsigned char *u = x + el + p * page, *v = y + el + p * page;
-      if (memcmp(u, v, sc)) fail_msg("fact %llu/%llu: the scales of page %zu differ", (unsigned long long)tenant, (unsigned long long)id, p);
-      for (size_t i = 0; i < lhd; i++)
-        if (memcmp(u + rel + 2 * i, v + rel + 2 * i, 2))
-          fail_msg("fact %llu/%llu: page %zu's key offset %zu differs (0x%04x, 0x%04x)", (unsigned long long)tenant, (unsigned long long)id, p, i,
-                   (unsigned)gpu_le(u + rel + 2 * i, 2), (unsigned)gpu_le(v + rel + 2 * i, 2));
-    }
-    if (memcmp(x + end, y + end, na - end)) fail_msg("fact %llu/%llu: the token ids or context differ", (unsigned long long)tenant, (unsigned long long)id);
+  const size_t lhd = (size_t)L * H * D, el = (size_t)E * 4 + (dt == KVI_DTYPE_Q4 ? (size_t)T * lhd : 2 * (size_t)T * lhd);
+  const size_t sc = dt == KVI_DTYPE_Q4 ? (size_t)L * H * (D + P) * 4 : (size_t)L * 2 * H * 4;
+  const size_t page = sc + (dt == KVI_DTYPE_FP8_E4M3 ? lhd * 2 : 0), pages = (size_t)(T + P - 1) / (size_t)P;
+  for (size_t i = 0; i < na; i++) {
+    if (x[i] == y[i]) continue;
+    if (i < (size_t)E * 4) fail_msg("fact %llu/%llu: embedding byte %zu differs", t, f, i);
+    if (i < el) fail_msg("fact %llu/%llu: element byte %zu differs (0x%02x, 0x%02x)", t, f, i - (size_t)E * 4, x[i], y[i]);
+    const size_t q = i - el, p = q / page, r = q % page;
+    if (p < pages && r < sc) fail_msg("fact %llu/%llu: page %zu's scales differ (byte %zu)", t, f, p, r);
+    if (p < pages) fail_msg("fact %llu/%llu: page %zu's key offset %zu differs", t, f, p, (r - sc) / 2);
+    fail_msg("fact %llu/%llu: the token ids or context differ", t, f);
   }
   free(x);
   free(y);
