@@ -5,7 +5,8 @@
  * The injection plan (kernels.h: kvi__xseg, kvi__xreq, positions, host block
  * tables) drives a read-only pass over one layer: a CTA per segment, and for
  * each of its tokens the threads split the 2 * H * D elements, each
- * computing the stored element as kvi_inject would write it (fp8 and 4-bit
+ * computing the stored element as kvi_inject would write it (fp8, keys with
+ * their channels' offsets, and 4-bit
  * pages dequantized, keys rotated at the token's position in fp32) and the squared
  * difference from the cache's element (fp8 caches times their scale); a
  * block reduction gives the token's score. One layer of a call's tokens is
@@ -53,6 +54,9 @@ __global__ void __launch_bounds__(THREADS) deviation_kernel(const __grid_constan
   const bool fp8_page = x.page_dtype == KVI_DTYPE_FP8_E4M3;
   const bool fp8_cache = x.cache_dtype == KVI_DTYPE_FP8_E4M3 || x.cache_dtype == KVI_DTYPE_FP8_E5M2;
   const float *gs = fp8_page ? reinterpret_cast<const float *>(page + x.scale_off) : nullptr;
+  /* fp8 pages: the key offsets, [layer][head][D] (base/fp8.h) */
+  const uint16_t *ko = fp8_page ? reinterpret_cast<const uint16_t *>(page + x.scale_off + kvi__fp8_offsets_rel(x.L, x.H))
+                                : nullptr;
   /* 4-bit pages: key channels' words, then value tokens' (base/q4.h) */
   const uint32_t *qw = x.page_dtype == KVI_DTYPE_Q4 ? reinterpret_cast<const uint32_t *>(page + x.scale_off) : nullptr;
   __shared__ float part[THREADS / 32];
@@ -78,6 +82,8 @@ __global__ void __launch_bounds__(THREADS) deviation_kernel(const __grid_constan
         /* the stored element dd of this row, dequantized */
         auto stored = [&](int dd) -> float {
           if (qw) return kvi__q4_decode(reinterpret_cast<const uint8_t *>(page), row + dd, kv ? vword : kw[dd]);
+          if (ko && kv == 0) /* fmaf(e4m3, scale, m), as kvi__fp8_value */
+            return kvi__fp8_value(load(page, x.page_dtype, row + dd), ps, __half2float(__ushort_as_half(ko[((int64_t)l * H + h) * D + dd])));
           return __fmul_rn(load(page, x.page_dtype, row + dd), ps);
         };
         float want = stored(d);

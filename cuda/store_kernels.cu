@@ -103,14 +103,18 @@ int launch3(const kvi__copy_args *a, cudaStream_t s) {
 }
 
 /* fp8 stores: a CTA per (page, layer, plane, head) group, the unit a scale
- * covers. Put: amax over the group's tokens (a first read), the scale, then
- * the e4m3 bytes (a second read, from L2); read: e4m3 * scale. The scale and
- * the rounding are lib/base/convert.c's (kvi__fp8_*), operation for operation, so
- * the bytes equal the CPU's. Not the injector's hot path: scalar accesses,
- * coalesced along d. */
+ * covers. Put: for keys, each channel's bounds (a thread per channel over
+ * the group's tokens) and its offset (base/fp8.h), kept in shared memory;
+ * amax over the group's |x - m| (values |x|: m none), the scale, then the
+ * e4m3 bytes (further reads, from L2); read: fmaf(e4m3, scale, m) (values
+ * e4m3 * scale). The offsets, the scale and the rounding are
+ * lib/base/convert.c's (base/fp8.h), operation for operation, so the bytes
+ * equal the CPU's. Not the injector's hot path: scalar accesses, coalesced
+ * along d. */
 template <typename V, bool TO_PAGES>
 __global__ void __launch_bounds__(256) fp8_kernel(const kvi__copy_args a) {
   __shared__ float s_red[8];
+  __shared__ float s_m[1024]; /* keys: the channels' offsets (head_size <= 1024) */
   const int groups = a.L * 2 * a.H;
   const int64_t total = (int64_t)a.count * groups;
   for (int64_t u = blockIdx.x; u < total; u += gridDim.x) { /* uniform over the CTA */
@@ -121,13 +125,29 @@ __global__ void __launch_bounds__(256) fp8_kernel(const kvi__copy_args a) {
     uint8_t *page = static_cast<uint8_t *>(a.pool) + (int64_t)a.pages[pi] * a.page_elems;
     uint8_t *g = page + (int64_t)grp * a.P * a.D;
     float *scale = reinterpret_cast<float *>(page + a.scale_off) + grp;
+    uint16_t *ko = reinterpret_cast<uint16_t *>(page + a.scale_off + kvi__fp8_offsets_rel(a.L, a.H)) +
+                   ((int64_t)l * a.H + h) * a.D; /* keys: the channels' offsets */
     V *vb = const_cast<V *>(static_cast<const V *>(kv ? a.vv : a.vk)) + (int64_t)l * a.layer_stride +
             (int64_t)(a.token_first + t0) * a.token_stride + (int64_t)h * a.head_stride;
     if (TO_PAGES) {
+      if (kv == 0) { /* keys: each channel's offset from its finite values' bounds */
+        for (int d = threadIdx.x; d < a.D; d += blockDim.x) {
+          float mn = INFINITY, mx = -INFINITY;
+          for (int t = 0; t < n; t++) {
+            const float x = kvi::cvt<V>::to(vb[(int64_t)t * a.token_stride + d]);
+            if (x - x == 0.0f) mn = fminf(mn, x), mx = fmaxf(mx, x); /* finite only */
+          }
+          const uint16_t off = kvi__fp8_offset_of(kvi__q4_bounds(mn, mx));
+          ko[d] = off;
+          s_m[d] = kvi::fp8_offset(off);
+        }
+        __syncthreads();
+      }
       float amax = 0.0f;
       for (int i = threadIdx.x; i < m; i += blockDim.x) {
         const int t = i / a.D, d = i - t * a.D;
-        amax = kvi::fp8_amax(amax, kvi::cvt<V>::to(vb[(int64_t)t * a.token_stride + d])); /* finite |x| only */
+        const float x = kvi::cvt<V>::to(vb[(int64_t)t * a.token_stride + d]);
+        amax = kv ? kvi::fp8_amax(amax, x) : fmaxf(amax, kvi__fp8_key_mag(x, s_m[d])); /* finite only */
       }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -139,16 +159,22 @@ __global__ void __launch_bounds__(256) fp8_kernel(const kvi__copy_args a) {
       for (int i = threadIdx.x; i < m; i += blockDim.x) {
         const int t = i / a.D, d = i - t * a.D;
         const float x = kvi::cvt<V>::to(vb[(int64_t)t * a.token_stride + d]);
-        g[i] = kvi::fp8_quantize(x, sc);
+        g[i] = kv ? kvi::fp8_quantize(x, sc) : kvi::fp8_quantize_key(x, s_m[d], sc);
       }
       if (threadIdx.x == 0) *scale = sc;
-      __syncthreads(); /* s_red is reused by the next group */
+      __syncthreads(); /* s_red and s_m are reused by the next group */
     } else {
       const float sc = *scale;
+      if (kv == 0) {
+        for (int d = threadIdx.x; d < a.D; d += blockDim.x) s_m[d] = kvi::fp8_offset(ko[d]);
+        __syncthreads();
+      }
       for (int i = threadIdx.x; i < m; i += blockDim.x) {
         const int t = i / a.D, d = i - t * a.D;
-        vb[(int64_t)t * a.token_stride + d] = kvi::cvt<V>::from(kvi::fp8_dequantize(g[i], sc));
+        vb[(int64_t)t * a.token_stride + d] =
+            kvi::cvt<V>::from(kv ? kvi::fp8_dequantize(g[i], sc) : kvi::fp8_dequantize_key(g[i], sc, s_m[d]));
       }
+      if (kv == 0) __syncthreads(); /* s_m is reused by the next group */
     }
   }
 }

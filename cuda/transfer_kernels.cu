@@ -55,18 +55,57 @@ using kvi::st_raw;
 using kvi::to_f32;
 using kvi::Vec;
 
-/* Capture into an fp8 store: phase 1 folds the group's amax into its slot
- * (non-negative floats order as their bits), phase 2 divides by the scale
- * that the slot's amax gives; the caller then stores (phase 2 only). */
-template <typename G> __device__ inline void to_store(float *v, int n, float *slot, int phase) {
+/* Capture into an fp8 store (kernels.h, KVI__FP8_PH_*): n values of one
+ * row. Keys come with their columns' offset slots ko (in the bounds phase,
+ * the low bound halves) and high bound halves hi (base/fp8.h); values with
+ * ko null. The bounds phase folds the keys' bounds (16-bit compare-and-swap)
+ * or the values' amax into the slot (non-negative floats order as their
+ * bits: atomicMax), the amax phase the keys' amax of |x - m|, the write
+ * phase turns v into the quotients to store under the scale the slot's
+ * amax gives. Returns whether the caller stores v (the write phase; other
+ * page dtypes always). */
+template <typename G>
+__device__ inline bool to_store(float *v, int n, float *slot, int phase, const uint16_t *ko, uint16_t *hi) {
   if constexpr (is_fp8<G>::value) {
-    if (phase == 1) {
-      const float m = kvi::finite_amax(v, n);
-      if (m > 0.0f) atomicMax(reinterpret_cast<unsigned *>(slot), __float_as_uint(m));
-    } else {
-      const float sc = kvi::fp8_scale(*slot);
-      for (int i = 0; i < n; i++) v[i] = __fdiv_rn(v[i], sc);
+    if (phase == KVI__FP8_PH_BOUNDS) {
+      if (ko) {
+        for (int i = 0; i < n; i++) {
+          kvi::fp8_fold_bound(const_cast<uint16_t *>(ko) + i, v[i], true);
+          kvi::fp8_fold_bound(hi + i, v[i], false);
+        }
+      } else {
+        const float m = kvi::finite_amax(v, n);
+        if (m > 0.0f) atomicMax(reinterpret_cast<unsigned *>(slot), __float_as_uint(m));
+      }
+      return false;
     }
+    if (phase == KVI__FP8_PH_AMAX) {
+      if (ko) {
+        float m = 0.0f;
+        for (int i = 0; i < n; i++) m = fmaxf(m, kvi__fp8_key_mag(v[i], kvi::fp8_offset(ko[i])));
+        if (m > 0.0f) atomicMax(reinterpret_cast<unsigned *>(slot), __float_as_uint(m));
+      }
+      return false;
+    }
+    const float sc = kvi::fp8_scale(*slot);
+    for (int i = 0; i < n; i++)
+      v[i] = ko ? kvi__fp8_key_quotient(v[i], kvi::fp8_offset(ko[i]), sc) : __fdiv_rn(v[i], sc);
+  }
+  return true;
+}
+
+/* Injection from an fp8 store: E stored values (as fp32) times the page
+ * scale sc, plus (keys) their columns' offsets from ko: base/fp8.h's
+ * fmaf(e4m3, scale, m); values e4m3 * scale. */
+template <int E> __device__ inline void from_store_fp8(float *v, float sc, const uint16_t *ko) {
+  if (ko) {
+    float m[E];
+    kvi::fp8_offsets<E>(m, ko);
+#pragma unroll
+    for (int i = 0; i < E; i++) v[i] = kvi__fp8_value(v[i], sc, m[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < E; i++) v[i] = __fmul_rn(v[i], sc);
   }
 }
 
@@ -116,6 +155,8 @@ struct Ctx {
   int64_t head_stride; /* cache elements between heads */
   int64_t dim_stride;  /* cache elements between dims: E == 1 only (vectors: 1) */
   float *gs;           /* fp8 stores: the page's scales of this layer, K heads then V heads */
+  uint16_t *koff;      /* fp8 stores: the page's key offsets of this layer, [head][D] */
+  uint16_t *khi;       /* fp8 stores, capture: the keys' high bound halves, [head][D] (base/fp8.h) */
   int phase;           /* kvi__xfer_args.phase */
   bool heads_inner;    /* the walk's row order (see Walk) */
 };
@@ -219,9 +260,10 @@ __device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, cons
       to_f32<S, E>(v, va[b]);
       to_f32<S, E>(v + E, vb[b]);
       if (INJECT) {
-        if constexpr (is_fp8<G>::value)
-#pragma unroll
-          for (int i = 0; i < 2 * E; i++) v[i] = __fmul_rn(v[i], gsc[b]);
+        if constexpr (is_fp8<G>::value) { /* keys: with their columns' offsets */
+          from_store_fp8<E>(v, gsc[b], x.koff + h * x.D + da);
+          from_store_fp8<E>(v + E, gsc[b], x.koff + h * x.D + da + off_b);
+        }
         rotate<E, NEOX, true>(v, c);
         scale_for_cache<C>(v, 2 * E, is_fp8<C>::value ? ks[h] : 1.0f);
         st<C, E>(cr, v);
@@ -229,8 +271,12 @@ __device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, cons
       } else {
         scale_from_cache<C>(v, 2 * E, is_fp8<C>::value ? ks[h] : 1.0f);
         rotate<E, NEOX, false>(v, c);
-        to_store<G>(v, 2 * E, is_fp8<G>::value ? x.gs + h : nullptr, x.phase);
-        if (is_fp8<G>::value && x.phase == 1) continue;
+        if constexpr (is_fp8<G>::value) { /* keys: the two vectors' columns da.. and da + off_b.. */
+          const int64_t c0 = (int64_t)h * x.D + da;
+          const bool put = to_store<G>(v, E, x.gs + h, x.phase, x.koff + c0, x.khi + c0);
+          to_store<G>(v + E, E, x.gs + h, x.phase, x.koff + c0 + off_b, x.khi + c0 + off_b);
+          if (!put) continue;
+        }
         st<G, E>(pg, v);
         st<G, E>(pg + off_b, v + E);
       }
@@ -241,10 +287,11 @@ __device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, cons
 /* A converting copy of columns [col0, col0 + nl * E) of every (head, token)
  * row of one plane: K's pass-through tail [rot, D) (plane 0) or all of V
  * (plane 1). cscale: the cache's scales of the plane (fp8 caches); gs: the
- * page's scales of the plane (fp8 stores). */
+ * page's scales of the plane, koff and khi (keys; values null) its key
+ * offsets and high bound halves, [head][D] (fp8 stores). */
 template <typename G, typename C, int E, bool INJECT>
 __device__ inline void plain(const Ctx &x, G *page, C *cache, int64_t plane, unsigned col0, unsigned nl,
-                             const float *cscale, float *gs) {
+                             const float *cscale, float *gs, uint16_t *koff, uint16_t *khi) {
   using S = typename std::conditional<INJECT, G, C>::type;
   /* equal dtypes without scales: the bits move as they are (as on the CPU) */
   constexpr bool RAW = std::is_same<G, C>::value && !is_fp8<G>::value;
@@ -287,17 +334,40 @@ __device__ inline void plain(const Ctx &x, G *page, C *cache, int64_t plane, uns
       float f[E];
       to_f32<S, E>(f, v[b]);
       if (INJECT) {
-        if constexpr (is_fp8<G>::value)
-#pragma unroll
-          for (int i = 0; i < E; i++) f[i] = __fmul_rn(f[i], gsc[b]);
+        if constexpr (is_fp8<G>::value) from_store_fp8<E>(f, gsc[b], koff ? koff + h * x.D + d : nullptr);
         scale_for_cache<C>(f, E, is_fp8<C>::value ? sc[b] : 1.0f);
         st<C, E>(cache + coff + h * x.head_stride + dim_off<E>(x, d), f);
       } else {
         scale_from_cache<C>(f, E, is_fp8<C>::value ? sc[b] : 1.0f);
-        to_store<G>(f, E, is_fp8<G>::value ? gs + h : nullptr, x.phase);
-        if (is_fp8<G>::value && x.phase == 1) continue;
+        if (!to_store<G>(f, E, is_fp8<G>::value ? gs + h : nullptr, x.phase, koff ? koff + h * x.D + d : nullptr,
+                         khi ? khi + h * x.D + d : nullptr))
+          continue;
         st<G, E>(page + x.page_row0 + plane + h * x.page_head + (int64_t)j * x.D + d, f);
       }
+    }
+  }
+}
+
+/* The phases of a capture into an fp8 page done once per page, by its first
+ * segment, for layers l0..l1 (kernels.h, KVI__FP8_PH_*): empty amax slots
+ * and key bounds (low halves in the offset slots, high halves at
+ * kvi__fp8_capture_hi), the key offsets from the bounds, or the scales from
+ * the slots. */
+template <typename G>
+__device__ inline void fp8_page_phase(const kvi__xfer_args &a, G *page, float *gs, uint16_t *koff, int l0, int l1) {
+  for (int i = l0 * 2 * a.H + (int)threadIdx.x; i < l1 * 2 * a.H; i += THREADS)
+    if (a.phase == KVI__FP8_PH_EMPTY) gs[i] = 0.0f;
+    else if (a.phase == KVI__FP8_PH_SCALES) gs[i] = kvi::fp8_scale(gs[i]);
+  if (a.phase == KVI__FP8_PH_SCALES) return;
+  const int HD = a.H * a.D;
+  for (int i = l0 * HD + (int)threadIdx.x; i < l1 * HD; i += THREADS) {
+    const int l = i / HD;
+    uint16_t *hi = kvi__fp8_capture_hi(page, l, a.H, a.P, a.D) + (i - l * HD);
+    if (a.phase == KVI__FP8_PH_EMPTY) {
+      koff[i] = KVI__FP8_LO_EMPTY;
+      *hi = KVI__FP8_HI_EMPTY;
+    } else {
+      koff[i] = kvi__fp8_offset_of((uint32_t)koff[i] | (uint32_t)*hi << 16);
     }
   }
 }
@@ -348,13 +418,13 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
       return;
     }
   }
-  float *gs = nullptr; /* fp8 stores: the page's scales, [layer][K, V][head] */
+  float *gs = nullptr;      /* fp8 stores: the page's scales, [layer][K, V][head] */
+  uint16_t *koff = nullptr; /* fp8 stores: the page's key offsets, [layer][head][D] */
   if constexpr (is_fp8<G>::value) {
     gs = reinterpret_cast<float *>(reinterpret_cast<char *>(page) + a.scale_off);
-    if (!INJECT && (a.phase == 0 || a.phase == 3)) { /* a page's slots, by its first segment */
-      if (sg.tok0 == 0)
-        for (int i = l0 * 2 * a.H + (int)threadIdx.x; i < l1 * 2 * a.H; i += THREADS)
-          gs[i] = a.phase == 0 ? 0.0f : kvi::fp8_scale(gs[i]);
+    koff = reinterpret_cast<uint16_t *>(reinterpret_cast<char *>(page) + a.scale_off + kvi__fp8_offsets_rel(a.L, a.H));
+    if (!INJECT && (a.phase == KVI__FP8_PH_EMPTY || a.phase == KVI__FP8_PH_OFFSETS || a.phase == KVI__FP8_PH_SCALES)) {
+      if (sg.tok0 == 0) fp8_page_phase(a, page, gs, koff, l0, l1); /* a page's, by its first segment */
       return;
     }
   }
@@ -407,6 +477,8 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
     x.page_row0 = ((int64_t)l * 2 * a.H * a.P + sg.tok0) * a.D;
     const float *ks = a.k_scale + l * a.H, *vs = a.v_scale + l * a.H;
     x.gs = gs ? gs + l * 2 * a.H : nullptr;
+    x.koff = koff ? koff + (int64_t)l * a.H * a.D : nullptr;
+    x.khi = koff ? kvi__fp8_capture_hi(page, l, a.H, a.P, a.D) : nullptr;
     C *kc = reinterpret_cast<C *>(ly.k), *vc = reinterpret_cast<C *>(ly.v);
     if constexpr (is_q4<G>::value) {
       q4_layer<C, E, INJECT>(x, a, reinterpret_cast<uint8_t *>(page), l, ly.style, rot, kc, vc, ks, vs, s_coff, sg.tok0,
@@ -420,9 +492,10 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
           rotated<G, C, E, INJECT, false>(x, page, kc, half, ks);
       }
       if (rot < x.D) /* K's pass-through tail */
-        plain<G, C, E, INJECT>(x, page, kc, 0, rot, (x.D - rot) / E, ks, x.gs);
+        plain<G, C, E, INJECT>(x, page, kc, 0, rot, (x.D - rot) / E, ks, x.gs, x.koff, x.khi);
       set_plane<INJECT>(x, a, s_coff, 1);
-      plain<G, C, E, INJECT>(x, page, vc, (int64_t)x.H * x.page_head, 0, x.D / E, vs, x.gs ? x.gs + x.H : nullptr);
+      plain<G, C, E, INJECT>(x, page, vc, (int64_t)x.H * x.page_head, 0, x.D / E, vs, x.gs ? x.gs + x.H : nullptr,
+                             nullptr, nullptr);
     }
   }
 }

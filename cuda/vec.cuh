@@ -2,8 +2,8 @@
  * libkvinject — the kernels' element access: element types and their fp32
  * conversions (round to nearest even; fp8 saturating to the largest finite
  * value, as the CPU reference in lib/base/convert.c does), vector loads and
- * stores, and the fp8 fact-storage scale (kernels.h's kvi__fp8_scale_of,
- * the function lib/base/convert.c computes it with). Every kernel file that
+ * stores, and the fp8 fact-storage arithmetic (base/fp8.h's scale and key
+ * offsets, the functions lib/base/convert.c computes them with). Every kernel file that
  * reads or writes elements goes through this header.
  * SPDX-License-Identifier: Apache-2.0
  */
@@ -214,9 +214,55 @@ __device__ inline float finite_amax(const float *v, int n) {
   return m;
 }
 
-/* A value as a stored e4m3 byte under `scale`, and back. */
+/* A value as a stored e4m3 byte under `scale`, and back (values: no
+ * offset; e4m3 * scale, which is fmaf(e4m3, scale, -0): base/fp8.h). */
 __device__ inline uint8_t fp8_quantize(float x, float scale) { return cvt<fp8e4>::from(__fdiv_rn(x, scale)).b; }
 __device__ inline float fp8_dequantize(uint8_t b, float scale) { return __fmul_rn(cvt<fp8e4>::to(fp8e4{b}), scale); }
+
+/* A key under its channel's offset m (base/fp8.h): the stored byte, and back. */
+__device__ inline uint8_t fp8_quantize_key(float x, float m, float scale) {
+  return cvt<fp8e4>::from(kvi__fp8_key_quotient(x, m, scale)).b;
+}
+__device__ inline float fp8_dequantize_key(uint8_t b, float scale, float m) {
+  return kvi__fp8_value(cvt<fp8e4>::to(fp8e4{b}), scale, m);
+}
+
+/* A stored fp16 offset as fp32 (exact). */
+__device__ inline float fp8_offset(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+
+/* E consecutive key offsets from p as fp32 (E % 8 == 0: p 16-byte aligned). */
+template <int E> __device__ inline void fp8_offsets(float *m, const uint16_t *p) {
+  if constexpr (E % 8 == 0) {
+#pragma unroll
+    for (int q = 0; q < E / 8; q++) {
+      const uint4 w = reinterpret_cast<const uint4 *>(p)[q];
+      const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        m[q * 8 + 2 * i] = fp8_offset((uint16_t)(u[i] & 0xffffu));
+        m[q * 8 + 2 * i + 1] = fp8_offset((uint16_t)(u[i] >> 16));
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < E; i++) m[i] = fp8_offset(p[i]);
+  }
+}
+
+/* A capture's fold of x into a key channel's low (lo) or high bound half
+ * (base/fp8.h: kvi__fp8_fold_half), one 16-bit compare-and-swap at a time.
+ * Halves only move outward, so a stale first read only costs a retry. */
+__device__ inline void fp8_fold_bound(uint16_t *p, float x, bool lo) {
+  if (!(x - x == 0.0f)) return;
+  unsigned short old = *reinterpret_cast<volatile unsigned short *>(p);
+  for (;;) {
+    const unsigned short nw = kvi__fp8_fold_half(old, x, lo ? 1 : 0);
+    if (nw == old) return;
+    const unsigned short prev = atomicCAS(reinterpret_cast<unsigned short *>(p), old, nw);
+    if (prev == old) return;
+    old = prev;
+  }
+}
 
 } // namespace kvi
 

@@ -11,8 +11,13 @@
  * "Token ids"), their context and stale flag (kvinject/store.h, "Context and
  * stale facts": a loaded store refuses the facts the saved one refused).
  * docs/store-format.md describes the format byte by byte; the format version
- * is 3, and files of versions 1 (facts without token ids) and 2 (without
- * contexts) still load; KVI_LOAD_JOURNAL makes such a file version 3.
+ * is 4, and files of versions 1 (facts without token ids), 2 (without
+ * contexts) and 3 (fp8 pages without their keys' offsets: kvinject/store.h,
+ * "fp8 storage") still load; KVI_LOAD_JOURNAL makes such a file version 4,
+ * except an fp8 file before version 4, which takes no appends (load it
+ * without the flag and save it, or open a journal: both write version 4).
+ * An fp8 file before version 4 loads with every key offset -0: its facts
+ * read back exactly as they did (e4m3 * scale).
  *
  * Two ways to make a store durable:
  * - kvi_store_save writes a snapshot to a new file and renames it over the
@@ -169,7 +174,8 @@ KVI_API kvi_status kvi_load_options_init(kvi_load_options *opts, size_t size);
  * truncated, a checksum mismatch, an inconsistent record: a damaged final
  * change of the log is not an error, see above), KVI_ERR_INCOMPATIBLE (the
  * file was made for another geometry, tp slice, RoPE, dtype or embedding
- * size, or has an unknown format version or byte order; kvi_last_error()
+ * size, or has an unknown format version or byte order, or is an fp8 file
+ * before format version 4 loaded with KVI_LOAD_JOURNAL; kvi_last_error()
  * names the field and both values), KVI_ERR_CAPACITY (the facts do not fit
  * opts->budget_bytes), and the errors of kvi_store_create.
  */

@@ -153,34 +153,63 @@
  *     kvi_store_fact_tier says where a fact is; kvi_store_stats counts the
  *     facts on disk only, file bytes, reads, writes and drops.
  *
- * fp8 storage (kvi_store_options.dtype = KVI_DTYPE_FP8_E4M3) halves the
- * bytes of bf16. Every page keeps, beside its e4m3 elements, one fp32 scale
- * per (layer, K/V, head) for that page's tokens: a group is one head's tokens
- * of one page (at most page_tokens of them), finer than a scale per fact.
- * Writing a group (kvi_store_put from an fp32/fp16/bf16 view, kvi_encode):
- *   amax  = the largest |x| over the group's finite values (in fp32, after
- *           conversion from the view's dtype or, for kvi_encode, after
- *           un-rotation and the cache's own fp8 scale);
+ * fp8 storage (kvi_store_options.dtype = KVI_DTYPE_FP8_E4M3) about halves
+ * the bytes of bf16. Every page keeps, beside its e4m3 elements, one fp32
+ * scale per (layer, K/V, head) for that page's tokens: a group is one head's
+ * tokens of one page (at most page_tokens of them; a fact's last page only
+ * the fact's tokens), finer than a scale per fact. Keys also keep one fp16
+ * offset m per channel of each (layer, head) and page, over the same tokens:
+ * a key channel with a large bias (LLM keys have them: Qwen2.5-1.5B's layer
+ * 0 channel 63 is about 358 with a standard deviation of 1) is stored as its
+ * variation around m, not as its magnitude. Writing a group
+ * (kvi_store_put from an fp32/fp16/bf16 view, kvi_encode), x in fp32 (after
+ * conversion from the view's dtype or, for kvi_encode, after un-rotation
+ * and the cache's own fp8 scale):
+ *   m     = keys: with lo the channel's smallest finite value rounded
+ *           down and hi its largest rounded up to fp16 (saturated to
+ *           +-65504): when the channel lies on one side of zero in a band
+ *           narrower than its distance from zero (0 < lo and hi - lo < lo,
+ *           or hi < 0 and hi - lo < -hi; hi - lo in fp32), the midpoint
+ *           (lo + hi) * 0.5 in fp32 rounded to the nearest fp16 (ties to
+ *           even), so every |x - m| is at most about half of |x|; else (a
+ *           channel around zero keeps e4m3's relative precision near zero;
+ *           no finite value) 0. Values: none;
+ *   amax  = the largest |x - m| (values |x|) over the group's finite values,
+ *           x - m one fp32 subtraction;
  *   scale = max(amax / 448, 2^-126), one fp32 division;
- *   byte  = e4m3(x / scale), x / scale one fp32 division, rounded to nearest
- *           even; as amax maps to 448, only infinities saturate.
- * Reading (kvi_store_read, kvi_inject): value = e4m3 * scale in fp32, then
- * (inject) rotation in fp32 and conversion to the cache's dtype, in the same
- * fused kernel. The CPU and CUDA backends produce the same bytes and scales
- * for the same input (a capture only where the rotation itself is bit-exact:
- * an engine cos/sin table). Error: at most 2^-4 relative for values within
- * 2^-6 * scale .. amax (e4m3's normal range); values below are kept in steps
- * of 2^-9 * scale; a group of zeros is exact (signed zeros kept).
- * Non-finite input is accepted, not rejected (device sources and captures
- * could only report it late): NaN stays NaN; +-infinity is stored as
- * +-448 * scale, the group's largest finite magnitude rounded to e4m3; both
- * are left out of amax. kvi_store_stats.page_bytes includes the scales
- * (16-byte aligned), and store files keep bytes and scales as they are, so a
- * loaded fp8 store equals the saved one bit for bit (kvinject/persist.h).
- * page_tokens trades the error against the scales' bytes (4 bytes per group:
- * 1/32 of a 16-token page of head size 128); 16 (the default) keeps
- * relative K error within a few percent on LLM-shaped data
- * (tests/bench/fp8_error.c; BENCHMARKS.md).
+ *   byte  = e4m3((x - m) / scale) (values e4m3(x / scale)), one fp32
+ *           subtraction then one fp32 division, rounded to nearest even;
+ *           as amax maps to 448, only infinities saturate.
+ * Reading (kvi_store_read, kvi_inject): value = fmaf(e4m3, scale, m) in
+ * fp32, one rounding (values e4m3 * scale), then (inject) rotation in fp32
+ * and conversion to the cache's dtype, in the same fused kernel. The CPU
+ * and CUDA backends produce the same bytes, scales and offsets for the same
+ * input (a capture only where the rotation itself is bit-exact: an engine
+ * cos/sin table). Error: at most 2^-4 of |x - m| (values |x|) for |x - m|
+ * within 2^-6 * scale .. amax (e4m3's normal range), plus the fp32
+ * roundings of x - m and of the value (a few 2^-24 of |x| + |m|); smaller
+ * ones are kept in steps of 2^-9 * scale. So a banded channel's (a bias
+ * channel's) key error is bounded by 2^-4 of its group's largest |x - m|
+ * (m within half the channel's range, plus an fp16 step or two, of every
+ * value), no longer by 2^-4 of its largest |x|; other channels' errors are
+ * as without offsets. A group of zeros is exact (values keep the sign of zero,
+ * keys read back +0). Non-finite input is accepted, not rejected (device
+ * sources and captures could only report it late): NaN stays NaN;
+ * +-infinity is stored as the code +-448 (keys read back
+ * fmaf(+-448, scale, m)); both are left out of m and amax.
+ * Bytes: a page holds its elements (layers x 2 x heads x page_tokens x
+ * head_size bytes), then the scales (layers x 2 x heads x 4), then the key
+ * offsets (layers x heads x head_size x 2), each part 16-byte aligned;
+ * kvi_store_stats.page_bytes includes them, and bytes_payload counts them
+ * for every page used. Per token and head, against bf16's 4 x head_size
+ * bytes (K and V), that is 1/2 + 1/(2 x page_tokens) of bf16 plus the
+ * scales: 16-token pages (the default) 0.53 x bf16, 64-token pages 0.51 x.
+ * Store files keep elements, scales and offsets as they are, so a loaded
+ * fp8 store equals the saved one bit for bit (kvinject/persist.h; files
+ * before format version 4 have no offsets: their keys read back as before,
+ * e4m3 * scale). page_tokens trades the error against the scales' and
+ * offsets' bytes; 16 (the default) keeps relative K error within a few
+ * percent on LLM-shaped data (tests/bench/fp8_error.c; BENCHMARKS.md).
  *
  * 4-bit storage (kvi_store_options.dtype = KVI_DTYPE_Q4) keeps every
  * element as a 4-bit code, two a byte, with an fp16 scale s and an fp16
@@ -676,8 +705,8 @@ typedef struct kvi_store_stats {
   int32_t page_tokens;
   int32_t embedding_dim;
   uint64_t page_bytes;     /* bytes of one page (K and V, all layers, local heads;
-                              fp8, q4: then the page's scales, both parts
-                              rounded up to 16 bytes) */
+                              fp8, q4: then the page's scales, fp8 then its
+                              key offsets, each part rounded up to 16 bytes) */
   uint64_t pages_total;
   uint64_t pages_used;     /* includes (CUDA stores) pages of removed or
                               replaced facts that device work of the store
@@ -692,8 +721,9 @@ typedef struct kvi_store_stats {
   uint64_t bytes_reserved; /* pages_total * page_bytes */
   uint64_t bytes_used;     /* pages_used * page_bytes */
   uint64_t bytes_payload;  /* tokens stored * bytes per token, plus (fp8, q4)
-                              the scales of their pages (bytes_used minus the
-                              unused tails of last pages) */
+                              the scales (fp8: and key offsets) of their pages
+                              (bytes_used minus the unused tails of last
+                              pages) */
   uint64_t facts;
   uint64_t tenants;        /* tenants with at least one fact */
   uint64_t bytes_embeddings; /* memory the embedding matrices hold (device

@@ -95,8 +95,9 @@ kvi_status kvi__write_struct(void *user, const void *full, size_t known, size_t 
 size_t kvi__dtype_size(kvi_dtype dtype); /* bytes per element; 0 for an unknown dtype and Q4 */
 uint64_t kvi__dtype_bytes(kvi_dtype dtype, uint64_t n); /* bytes of n elements (Q4: n / 2 rounded up) */
 /* Bytes of the scales of one page of a store of that dtype (L layers, H
- * local heads, head size D, P tokens a page), unpadded; 0 for unquantized
- * dtypes. */
+ * local heads, head size D, P tokens a page), unpadded, as store files keep
+ * them (fp8: the scales, then the key offsets: base/fp8.h); 0 for
+ * unquantized dtypes. */
 uint64_t kvi__page_scale_bytes(kvi_dtype dtype, int32_t L, int32_t H, int32_t D, int32_t P);
 /* 4-bit storage (base/q4.h): codes of n values packed two a byte, value i
  * of the group whose parameter word is w[i * wstep] (keys: wstep 1, a word
@@ -113,16 +114,22 @@ uint16_t kvi__f32_to_f16(float f);  /* round to nearest even; overflow -> inf */
 uint8_t kvi__f32_to_fp8(float x, kvi_dtype t); /* E4M3/E5M2: nearest even, saturating, NaN kept */
 float kvi__fp8_to_f32(uint8_t b, kvi_dtype t);
 
-/* fp8 fact storage (KVI_DTYPE_FP8_E4M3 stores; the constants live in
- * kernels.h so the kernels share them). A group is one (page, layer, K/V,
- * head): amax is the largest finite |x| of its values in fp32 (NaN and
- * infinities skipped), scale = max(amax / 448, 2^-126) in fp32, each value is
- * stored as e4m3(x / scale) (nearest even, saturating: infinities become
- * +-448, NaN stays NaN) and read back as e4m3 * scale. */
-float kvi__fp8_amax(float amax, const float *x, int64_t n); /* amax folded over n more values */
+/* fp8 fact storage (KVI_DTYPE_FP8_E4M3 stores; base/fp8.h defines the
+ * arithmetic, shared with the kernels). A group is one (page, layer, K/V,
+ * head); m: its key channels' offsets as fp32 (one per element of a row of
+ * n), NULL for values (no offset). amax folds the largest finite |x - m|
+ * (values |x|) of n more values; each value is stored as
+ * e4m3((x - m) / scale) (values e4m3(x / scale)) and read back as
+ * fmaf(e4m3, scale, m) (values e4m3 * scale). */
+float kvi__fp8_amax(float amax, const float *x, const float *m, int64_t n);
 float kvi__fp8_scale(float amax);
-void kvi__fp8_quantize(uint8_t *dst, const float *x, int64_t n, float scale);
-void kvi__fp8_dequantize(float *dst, const uint8_t *src, int64_t n, float scale);
+void kvi__fp8_quantize(uint8_t *dst, const float *x, const float *m, int64_t n, float scale);
+void kvi__fp8_dequantize(float *dst, const uint8_t *src, const float *m, int64_t n, float scale);
+/* Key offsets: n channels' fp16 offsets (stored) and their fp32 values (m)
+ * from the channels' bounds words (kvi__q4_fold); stored or m may be NULL. */
+void kvi__fp8_key_offsets(uint16_t *stored, float *m, const uint32_t *bounds, int32_t n);
+/* n stored fp16 offsets as fp32 (NULL: none, all -0, e4m3 * scale). */
+void kvi__fp8_offsets_f32(float *m, const uint16_t *stored, int32_t n);
 
 bool kvi__dtype_is_float(kvi_dtype t); /* FP32, FP16, BF16 */
 const char *kvi__dtype_name(kvi_dtype t);

@@ -97,7 +97,7 @@ uint64_t kvi__dtype_bytes(kvi_dtype dtype, uint64_t n) {
 }
 
 uint64_t kvi__page_scale_bytes(kvi_dtype dtype, int32_t L, int32_t H, int32_t D, int32_t P) {
-  if (dtype == KVI_DTYPE_FP8_E4M3) return (uint64_t)L * 2u * (uint64_t)H * 4u;
+  if (dtype == KVI_DTYPE_FP8_E4M3) return kvi__fp8_meta_bytes(L, H, D); /* scales, then key offsets */
   if (dtype == KVI_DTYPE_Q4) return (uint64_t)L * (uint64_t)H * ((uint64_t)D + (uint64_t)P) * 4u;
   return 0;
 }
@@ -202,20 +202,34 @@ float kvi__fp8_to_f32(uint8_t b, kvi_dtype t) { return from_fp8(b, t == KVI_DTYP
 
 /* ---- fp8 fact storage: one scale per (page, layer, K/V, head) ------------- */
 
-float kvi__fp8_amax(float amax, const float *x, int64_t n) {
+float kvi__fp8_amax(float amax, const float *x, const float *m, int64_t n) {
   for (int64_t i = 0; i < n; i++) {
-    const float a = fabsf(x[i]);
+    const float a = m ? kvi__fp8_key_mag(x[i], m[i]) : fabsf(x[i]);
     if (a <= FLT_MAX && a > amax) amax = a; /* false for NaN and infinities */
   }
   return amax;
 }
 
-float kvi__fp8_scale(float amax) { return kvi__fp8_scale_of(amax); /* kernels.h: the kernels' too */ }
+float kvi__fp8_scale(float amax) { return kvi__fp8_scale_of(amax); /* base/fp8.h: the kernels' too */ }
 
-void kvi__fp8_quantize(uint8_t *dst, const float *x, int64_t n, float scale) {
-  for (int64_t i = 0; i < n; i++) dst[i] = kvi__f32_to_fp8(x[i] / scale, KVI_DTYPE_FP8_E4M3);
+void kvi__fp8_quantize(uint8_t *dst, const float *x, const float *m, int64_t n, float scale) {
+  for (int64_t i = 0; i < n; i++)
+    dst[i] = kvi__f32_to_fp8(m ? kvi__fp8_key_quotient(x[i], m[i], scale) : x[i] / scale, KVI_DTYPE_FP8_E4M3);
 }
 
-void kvi__fp8_dequantize(float *dst, const uint8_t *src, int64_t n, float scale) {
-  for (int64_t i = 0; i < n; i++) dst[i] = kvi__fp8_to_f32(src[i], KVI_DTYPE_FP8_E4M3) * scale;
+void kvi__fp8_dequantize(float *dst, const uint8_t *src, const float *m, int64_t n, float scale) {
+  for (int64_t i = 0; i < n; i++)
+    dst[i] = kvi__fp8_value(kvi__fp8_to_f32(src[i], KVI_DTYPE_FP8_E4M3), scale, m ? m[i] : -0.0f);
+}
+
+void kvi__fp8_key_offsets(uint16_t *stored, float *m, const uint32_t *bounds, int32_t n) {
+  for (int32_t i = 0; i < n; i++) {
+    const uint16_t h = kvi__fp8_offset_of(bounds[i]);
+    if (stored) stored[i] = h;
+    if (m) m[i] = kvi__q4_h2f(h);
+  }
+}
+
+void kvi__fp8_offsets_f32(float *m, const uint16_t *stored, int32_t n) {
+  for (int32_t i = 0; i < n; i++) m[i] = stored ? kvi__q4_h2f(stored[i]) : -0.0f;
 }

@@ -38,7 +38,8 @@ typedef struct kvi__copy_args {
   int32_t page_dtype; /* storage dtype */
   int32_t P;          /* tokens per page */
   int64_t page_elems; /* page stride in elements: L * 2 * H * P * D (fp8: page bytes) */
-  int64_t scale_off;  /* fp8 stores: byte offset of the scales in a page, else 0 */
+  int64_t scale_off;  /* fp8 stores: byte offset of the scales in a page (the key offsets follow
+                         at kvi__fp8_offsets_rel), else 0 */
   /* this launch: `count` pages covering tokens [token_first, token_first + num_tokens) */
   int32_t count;
   int32_t token_first;
@@ -95,7 +96,8 @@ typedef struct kvi__xfer_args {
   void *host_pool;
   uint32_t host_first;
   int64_t page_elems; /* page stride in elements (fp8, q4 stores: page bytes) */
-  int64_t scale_off;  /* fp8, q4 stores: byte offset of the scales in a page */
+  int64_t scale_off;  /* fp8, q4 stores: byte offset of the scales in a page (fp8: the key
+                         offsets follow at kvi__fp8_offsets_rel) */
   int32_t page_dtype;
   int32_t P;
   int32_t L, H, D;
@@ -124,16 +126,31 @@ typedef struct kvi__xfer_args {
   int32_t inject;         /* 1: pages -> cache (rotate); 0: cache -> pages (un-rotate) */
   int32_t vec;            /* 16 (fp8 stores only) or 8: vectors of that many elements
                              (host checked alignment), else 1 */
-  int32_t phase;          /* capture into an fp8 store, four launches: 0 zero the
-                             pages' amax slots, 1 fold amax in (atomicMax), 2 write
-                             e4m3 bytes, 3 turn amax into scales (a 4-bit store
-                             likewise with its key channels' bounds words:
-                             base/q4.h; a page one segment covers is captured
-                             whole in phase 1, and a plan of such pages is
-                             phase 1 alone); else 2 */
+  int32_t phase;          /* capture into an fp8 store, six launches (KVI__FP8_PH_*):
+                             0 empty the pages' amax slots and key bounds
+                             (base/fp8.h), 1 fold the keys' bounds (16-bit
+                             compare-and-swap) and the values' amax (atomicMax),
+                             2 turn the bounds into the key offsets, 3 fold the
+                             keys' amax of |x - offset|, 4 write e4m3 bytes, 5
+                             turn amax into scales; into a 4-bit store four: 0
+                             empty bounds, 1 fold them, 2 write codes, 3 the
+                             parameter words (base/q4.h; a page one segment
+                             covers is captured whole in phase 1, and a plan of
+                             such pages is phase 1 alone); else 2 */
   unsigned long long *skipped; /* device-visible counter of skipped tokens */
   uint64_t inline_plan[KVI__INLINE_PLAN / 8];
 } kvi__xfer_args;
+
+/* The phases of a capture into an fp8 store (kvi__xfer_args.phase). */
+enum {
+  KVI__FP8_PH_EMPTY = 0,   /* per page: amax slots 0, key bounds empty */
+  KVI__FP8_PH_BOUNDS = 1,  /* per segment: keys' bounds, values' amax */
+  KVI__FP8_PH_OFFSETS = 2, /* per page: the key offsets from the bounds */
+  KVI__FP8_PH_AMAX = 3,    /* per segment: keys' amax of |x - offset| */
+  KVI__FP8_PH_WRITE = 4,   /* per segment: the e4m3 bytes */
+  KVI__FP8_PH_SCALES = 5,  /* per page: amax slots into scales */
+  KVI__FP8_PHASES = 6
+};
 
 /* Bytes of shared memory a launch needs: cos/sin of seg_tokens x half_max
  * pairs, then per-token cache offsets (K's; V's too with split_v) and

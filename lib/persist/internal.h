@@ -33,7 +33,9 @@ typedef struct kvi__journal kvi__journal;
 static const unsigned char FILE_MAGIC[8] = {'K', 'V', 'I', 'S', 'T', 'O', 'R', 'E'};
 
 enum {
-  FORMAT_VERSION = 3,     /* written; 1 (facts without token ids) and 2 (without contexts) are read too */
+  FORMAT_VERSION = 4,     /* written; 1 (facts without token ids), 2 (without contexts) and 3 (fp8
+                             pages without key offsets) are read too */
+  FORMAT_VERSION_FP8_OFFSETS = 4, /* the first whose fp8 pages keep key offsets (base/fp8.h) */
   FORMAT_VERSION_MIN = 1,
   HDR_FIXED = 88,  /* file header before the RoPE entries */
   ROPE_BYTES = 88, /* one layer's RoPE */
@@ -91,6 +93,14 @@ static inline uint64_t token_bytes(const kvi_store *s) {
  * (P = 0). */
 static inline uint64_t scale_bytes(uint64_t tokens, int32_t P, uint64_t page_scale) {
   return P > 0 ? (tokens + (uint64_t)P - 1u) / (uint64_t)P * page_scale : 0u;
+}
+
+/* Bytes of a page's scales in a file of format `version`: the store's
+ * (kvi__page_scale_bytes), but fp8 pages of files before version 4 keep
+ * their scales alone, no key offsets. */
+static inline uint64_t file_page_scale(kvi_dtype dtype, int32_t L, int32_t H, int32_t D, int32_t P, uint32_t version) {
+  if (dtype == KVI_DTYPE_FP8_E4M3 && version < FORMAT_VERSION_FP8_OFFSETS) return (uint64_t)L * 2u * (uint64_t)H * 4u;
+  return kvi__page_scale_bytes(dtype, L, H, D, P);
 }
 
 /* The context section of a fact with nctx > 0 context ids: their count
@@ -233,7 +243,8 @@ typedef struct loader {
   int32_t L, H, D, E;
   kvi_dtype dtype;
   int32_t P; /* quantized (fp8, q4) files: tokens per page of scales, else 0 */
-  uint64_t page_scale; /* quantized files: bytes of a page's scales */
+  uint64_t page_scale; /* quantized files: bytes of a page's scales as the file keeps them
+                          (file_page_scale) */
   uint64_t token_bytes;
   uint32_t version; /* the file's format version */
   bool index_only;  /* a disk tier's tenant file: facts indexed on disk only (index_apply) */

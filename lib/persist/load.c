@@ -135,6 +135,40 @@ typedef struct rec {
   const unsigned char *data;
 } rec;
 
+/* A PUT record's scales: fp8 scales are what kvi__fp8_scale can give,
+ * 2^-126 .. FLT_MAX / 448, and (version 4 on) its key offsets finite fp16;
+ * q4 words what kvi__q4_params can give: a finite scale >= 0 (fp16 bits
+ * below the sign) and a finite minimum. */
+static kvi_status check_scales(const loader *ld, const rec *r, uint64_t off) {
+  const uint64_t npages = ld->P > 0 ? ((uint64_t)r->tokens + (uint64_t)ld->P - 1u) / (uint64_t)ld->P : 0u;
+  const unsigned char *sc = r->data + (size_t)ld->E * 4u + (size_t)r->tokens * (size_t)ld->token_bytes;
+  const bool fp8 = ld->dtype == KVI_DTYPE_FP8_E4M3;
+  const uint64_t nsc = fp8 ? (uint64_t)ld->L * 2u * (uint64_t)ld->H : ld->page_scale / 4u; /* per page */
+  const uint64_t noff = fp8 && ld->version >= FORMAT_VERSION_FP8_OFFSETS ? (uint64_t)ld->L * ld->H * ld->D : 0u;
+  for (uint64_t p = 0; p < npages; p++) {
+    const unsigned char *pg = sc + (size_t)(p * ld->page_scale);
+    for (uint64_t i = 0; i < nsc; i++) {
+      float x;
+      uint32_t w;
+      memcpy(&x, pg + 4 * (size_t)i, 4);
+      memcpy(&w, pg + 4 * (size_t)i, 4);
+      if (fp8 ? !(x >= KVI__FP8_SCALE_MIN && x <= FLT_MAX / KVI__FP8_STORE_MAX)
+              : (w & 0xffffu) > 0x7bffu || ((w >> 16) & 0x7fffu) > 0x7bffu)
+        return kvi__persist_corrupt(ld, off, "%s scale %llu of fact %llu is %s 0x%08x", kvi__dtype_name(ld->dtype),
+                                    (unsigned long long)(p * nsc + i), (unsigned long long)r->id, "out of range:",
+                                    (unsigned)w);
+    }
+    const unsigned char *ko = pg + (size_t)nsc * 4u; /* the key offsets follow the scales */
+    for (uint64_t i = 0; i < noff; i++) {
+      const unsigned h = (unsigned)ko[2 * i] | (unsigned)ko[2 * i + 1] << 8;
+      if ((h & 0x7fffu) > 0x7bffu)
+        return kvi__persist_corrupt(ld, off, "fp8 key offset %llu of fact %llu is not finite: 0x%04x",
+                                    (unsigned long long)(p * noff + i), (unsigned long long)r->id, h);
+    }
+  }
+  return KVI_OK;
+}
+
 /* Decodes and checks the record at body[*at]; advances *at. */
 static kvi_status next_record(const loader *ld, const unsigned char *body, uint64_t len, uint64_t *at, uint64_t eoff,
                               rec *r) {
@@ -199,21 +233,8 @@ static kvi_status next_record(const loader *ld, const unsigned char *body, uint6
     memcpy(&x, r->data + 4 * (size_t)i, 4);
     if (!isfinite(x)) return kvi__persist_corrupt(ld, off, "embedding[%d] of fact %llu is %g", (int)i, (unsigned long long)r->id, (double)x);
   }
-  /* fp8 scales are what kvi__fp8_scale can give: 2^-126 .. FLT_MAX / 448;
-   * q4 words what kvi__q4_params can give: a finite scale >= 0 (fp16 bits
-   * below the sign) and a finite minimum */
-  const uint64_t nsc = scale_bytes((uint64_t)r->tokens, ld->P, ld->page_scale) / 4u;
-  const unsigned char *sc = r->data + (size_t)ld->E * 4u + (size_t)r->tokens * (size_t)ld->token_bytes;
-  for (uint64_t i = 0; i < nsc; i++) {
-    float x;
-    uint32_t w;
-    memcpy(&x, sc + 4 * (size_t)i, 4);
-    memcpy(&w, sc + 4 * (size_t)i, 4);
-    if (ld->dtype == KVI_DTYPE_Q4 ? (w & 0xffffu) > 0x7bffu || ((w >> 16) & 0x7fffu) > 0x7bffu
-                                  : !(x >= KVI__FP8_SCALE_MIN && x <= FLT_MAX / KVI__FP8_STORE_MAX))
-      return kvi__persist_corrupt(ld, off, "%s scale %llu of fact %llu is %s 0x%08x", kvi__dtype_name(ld->dtype),
-                     (unsigned long long)i, (unsigned long long)r->id, "out of range:", (unsigned)w);
-  }
+  const kvi_status st = check_scales(ld, r, off);
+  if (st) return st;
   *at += REC_HDR + pad8(r->payload);
   return KVI_OK;
 }
@@ -237,6 +258,24 @@ static void rec_parts_free(rec_parts *p) {
   free(p->ctx);
 }
 
+/* The page scales of an fp8 fact of `tokens` tokens from a file before
+ * version 4 (scales alone) as this version keeps them (spage bytes a page):
+ * the scales, then every key offset -0 (KVI__FP8_OFFSET_LEGACY:
+ * fmaf(e4m3, scale, -0) is e4m3 * scale, the values these files held). */
+static void legacy_fp8_scales(const loader *ld, unsigned char *out, const unsigned char *in, int32_t tokens,
+                              uint64_t spage) {
+  const uint64_t npages = ((uint64_t)tokens + (uint64_t)ld->P - 1u) / (uint64_t)ld->P;
+  const uint64_t rel = ld->page_scale, noff = (uint64_t)ld->L * ld->H * ld->D;
+  for (uint64_t p = 0; p < npages; p++) {
+    unsigned char *o = out + (size_t)(p * spage);
+    memcpy(o, in + (size_t)(p * ld->page_scale), (size_t)ld->page_scale);
+    for (uint64_t i = 0; i < noff; i++) {
+      const uint16_t h = KVI__FP8_OFFSET_LEGACY;
+      memcpy(o + rel + 2 * (size_t)i, &h, 2);
+    }
+  }
+}
+
 static kvi_status rec_parts_get(const loader *ld, const rec *r, rec_parts *p) {
   memset(p, 0, sizeof *p);
   const unsigned char *k = r->data + (size_t)ld->E * 4u;
@@ -244,8 +283,11 @@ static kvi_status rec_parts_get(const loader *ld, const rec *r, rec_parts *p) {
   kvi__kv_view_contiguous(&p->v, KVI_MEMORY_HOST, ld->dtype, ld->L, r->tokens, ld->H, ld->D, (void *)k,
                           (void *)(k + plane));
   const size_t eb = (size_t)ld->E * 4u, sb = (size_t)scale_bytes((uint64_t)r->tokens, ld->P, ld->page_scale);
+  /* fp8 pages of files before version 4 get the store's page scales: theirs, then key offsets of -0 */
+  const uint64_t spage = ld->P > 0 ? kvi__page_scale_bytes(ld->dtype, ld->L, ld->H, ld->D, ld->P) : 0u;
+  const size_t ssb = (size_t)scale_bytes((uint64_t)r->tokens, ld->P, spage);
   p->emb = ld->E ? malloc(eb) : NULL;
-  p->scales = ld->P > 0 ? malloc(sb) : NULL;
+  p->scales = ld->P > 0 ? malloc(ssb) : NULL;
   p->ids = r->ids ? malloc((size_t)r->tokens * sizeof *p->ids) : NULL;
   p->ctx = r->nctx > 0 ? malloc((size_t)r->nctx * sizeof *p->ctx) : NULL;
   if ((ld->E && !p->emb) || (ld->P > 0 && !p->scales) || (r->ids && !p->ids) || (r->nctx > 0 && !p->ctx)) {
@@ -253,7 +295,8 @@ static kvi_status rec_parts_get(const loader *ld, const rec *r, rec_parts *p) {
     return kvi__fail(KVI_ERR_OUT_OF_MEMORY, ld->fn, "allocating %zu bytes", eb + sb + (size_t)r->tokens * 4u);
   }
   if (p->emb) memcpy(p->emb, r->data, eb);
-  if (p->scales) memcpy(p->scales, k + 2 * plane, sb); /* stored elements and scales as they were */
+  if (p->scales && spage == ld->page_scale) memcpy(p->scales, k + 2 * plane, sb); /* stored elements and scales as they were */
+  else if (p->scales) legacy_fp8_scales(ld, p->scales, k + 2 * plane, r->tokens, spage);
   for (int32_t i = 0; p->ids && i < r->tokens; i++) p->ids[i] = (int32_t)get32(k + 2 * plane + sb + 4 * (size_t)i);
   for (int32_t i = 0; i < r->nctx; i++) p->ctx[i] = get64(r->ctx_ids + 8 * (size_t)i);
   return KVI_OK;
@@ -539,7 +582,14 @@ kvi_status kvi__store_load(kvi_store **out, const kvi_model *model, const kvi_st
   ld.D = model->geom.head_size;
   ld.E = so.embedding_dim;
   ld.dtype = so.dtype;
-  ld.page_scale = kvi__page_scale_bytes(so.dtype, ld.L, ld.H, ld.D, so.page_tokens);
+  ld.page_scale = file_page_scale(so.dtype, ld.L, ld.H, ld.D, so.page_tokens, ld.version);
+  if (journal && so.dtype == KVI_DTYPE_FP8_E4M3 && ld.version < FORMAT_VERSION_FP8_OFFSETS) {
+    st = kvi__fail(KVI_ERR_INCOMPATIBLE, fn,
+                   "%s: an fp8 store file of format version %u (pages without key offsets) takes no appends; "
+                   "load it without a journal and save it again (format version %d) to append to it",
+                   path, ld.version, FORMAT_VERSION);
+    goto fail;
+  }
   ld.P = ld.page_scale ? so.page_tokens : 0;
   ld.token_bytes = kvi__dtype_bytes(so.dtype, 2u * (uint64_t)ld.L * (uint64_t)ld.H * (uint64_t)ld.D);
   if ((st = kvi__shard_store_create(&ld.s, model, opts, fn))) goto fail;
@@ -603,6 +653,11 @@ static kvi_status tenant_loader(loader *ld, const kvi_store *s, int fd, const ch
   ld->page_scale = s->scale_bytes;
   ld->P = s->scale_bytes ? s->P : 0;
   ld->token_bytes = token_bytes(s);
+  if (s->fp8 && ld->version < FORMAT_VERSION_FP8_OFFSETS) /* the disk tier appends this version's records */
+    return kvi__fail(KVI_ERR_INCOMPATIBLE, fn,
+                     "%s: an fp8 tenant file of format version %u (pages without key offsets); this library's "
+                     "disk tier keeps version %d files",
+                     path, ld->version, FORMAT_VERSION);
   return KVI_OK;
 }
 

@@ -14,10 +14,22 @@
 /* CPU copies between a dense view and pages (the reference)                 */
 /* ------------------------------------------------------------------------ */
 
+/* A page's scales between the page and r, where they lie as files keep them
+ * (s->scale_bytes): fp8 the scales then the key offsets back to back (the
+ * page pads the scales to 16 bytes), q4 the words as they are. */
+static void raw_scales(const kvi_store *s, char *page, unsigned char *r, bool to_pages) {
+  const size_t sc = s->fp8 ? (size_t)s->geom.num_layers * 2u * (size_t)s->geom.local_heads * 4u : (size_t)s->scale_bytes;
+  char *at[2] = {page + s->scale_off, (char *)page_key_offsets(s, page)};
+  const size_t n[2] = {sc, (size_t)s->scale_bytes - sc}, off[2] = {0, sc};
+  for (int i = 0; i < 2; i++)
+    if (to_pages) memcpy(at[i], r + off[i], n[i]);
+    else memcpy(r + off[i], at[i], n[i]);
+}
+
 /* Copies tokens [tok0, tok0 + ntok) (tok0 on a page boundary) between the
  * view and the pages whose addresses are pages[0..]. A quantized store
  * quantizes each group with its own scale: fp8 a (page, layer, plane, head)
- * group (kernels.h), q4 a key channel or a value token of a page's head
+ * group, keys with their channels' offsets (base/fp8.h), q4 a key channel or a value token of a page's head
  * (base/q4.h). `raw` (persist) moves stored elements as they are (a view of
  * the store's dtype; q4: strides in 4-bit elements), with each page's
  * scales, s->scale_bytes of them, at raw + (fact page index) * scale_bytes. */
@@ -25,13 +37,10 @@ static void cpu_copy(const kvi_store *s, const kvi_kv_view *v, int32_t tok0, int
                      bool to_pages, unsigned char *raw) {
   const kvi__geom *g = &s->geom;
   const int32_t L = g->num_layers, H = g->local_heads, D = g->head_size, P = s->P;
-  float row[1024]; /* head_size <= 1024 (model.c) */
+  float row[1024], mk[1024]; /* head_size <= 1024 (model.c); mk: fp8 keys' offsets */
   uint32_t b[1024];
-  for (int32_t t0 = 0; raw && t0 < ntok; t0 += P) {
-    unsigned char *r = raw + (size_t)((tok0 + t0) / P) * (size_t)s->scale_bytes;
-    if (to_pages) memcpy(pages[t0 / P] + s->scale_off, r, (size_t)s->scale_bytes);
-    else memcpy(r, pages[t0 / P] + s->scale_off, (size_t)s->scale_bytes);
-  }
+  for (int32_t t0 = 0; raw && t0 < ntok; t0 += P)
+    raw_scales(s, pages[t0 / P], raw + (size_t)((tok0 + t0) / P) * (size_t)s->scale_bytes, to_pages);
   for (int32_t l = 0; l < L; l++)
     for (int kv = 0; kv < 2; kv++) {
       char *base = (char *)(kv ? v->v : v->k);
@@ -83,20 +92,30 @@ static void cpu_copy(const kvi_store *s, const kvi_kv_view *v, int32_t tok0, int
               kvi__q4_unpack_row(row, (const uint8_t *)PR(t), D, kv ? &vw[t] : kw, kv ? 0 : 1);
               kvi__convert(VR(t), v->dtype, row, KVI_DTYPE_FP32, D);
             }
-          } else if (to_pages) {
+          } else if (to_pages) { /* fp8: keys' offsets (their channels' bounds), amax, scale, bytes */
+            const float *m = kv == 0 ? mk : NULL;
+            if (kv == 0) {
+              for (int32_t d = 0; d < D; d++) b[d] = KVI__Q4_BOUNDS_EMPTY;
+              for (int32_t t = 0; t < n; t++) {
+                kvi__convert(row, KVI_DTYPE_FP32, VR(t), v->dtype, D);
+                for (int32_t d = 0; d < D; d++) b[d] = kvi__q4_fold(b[d], row[d]);
+              }
+              kvi__fp8_key_offsets(page_key_offsets(s, pages[t0 / P]) + (size_t)(l * H + h) * (size_t)D, mk, b, D);
+            }
             float amax = 0.0f;
             for (int32_t t = 0; t < n; t++) {
               kvi__convert(row, KVI_DTYPE_FP32, VR(t), v->dtype, D);
-              amax = kvi__fp8_amax(amax, row, D);
+              amax = kvi__fp8_amax(amax, row, m, D);
             }
             *scale = kvi__fp8_scale(amax);
             for (int32_t t = 0; t < n; t++) {
               kvi__convert(row, KVI_DTYPE_FP32, VR(t), v->dtype, D);
-              kvi__fp8_quantize((uint8_t *)PR(t), row, D, *scale);
+              kvi__fp8_quantize((uint8_t *)PR(t), row, m, D, *scale);
             }
           } else {
+            if (kv == 0) kvi__fp8_offsets_f32(mk, page_key_offsets(s, pages[t0 / P]) + (size_t)(l * H + h) * (size_t)D, D);
             for (int32_t t = 0; t < n; t++) {
-              kvi__fp8_dequantize(row, (const uint8_t *)PR(t), D, *scale);
+              kvi__fp8_dequantize(row, (const uint8_t *)PR(t), kv == 0 ? mk : NULL, D, *scale);
               kvi__convert(VR(t), v->dtype, row, KVI_DTYPE_FP32, D);
             }
           }

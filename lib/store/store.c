@@ -185,15 +185,19 @@ static kvi_status check_options(const kvi_store_options *o, const kvi__geom *g, 
   pl->page_elems = (uint64_t)g->num_layers * 2u * (uint64_t)g->local_heads * (uint64_t)o->page_tokens *
                    (uint64_t)g->head_size;
   /* quantized stores: the elements (fp8: e4m3 bytes; q4: two codes a byte),
-   * then the scales (fp8: one fp32 per (layer, plane, head); q4: one word per
-   * key channel and per value token of each (layer, head): base/q4.h), each
-   * part 16-byte aligned so every page keeps the kernels' vector alignment */
+   * then the scales (fp8: one fp32 per (layer, plane, head), then one fp16
+   * offset per key channel of each (layer, head): base/fp8.h; q4: one word
+   * per key channel and per value token of each (layer, head): base/q4.h),
+   * each part 16-byte aligned so every page keeps the kernels' vector
+   * alignment */
   pl->fp8 = o->dtype == KVI_DTYPE_FP8_E4M3;
   pl->q4 = o->dtype == KVI_DTYPE_Q4;
   pl->scale_bytes = kvi__page_scale_bytes(o->dtype, g->num_layers, g->local_heads, g->head_size, o->page_tokens);
   const uint64_t elem_bytes = kvi__dtype_bytes(o->dtype, pl->page_elems);
   pl->scale_off = pl->scale_bytes ? (elem_bytes + 15u) & ~(uint64_t)15u : 0;
-  pl->page_bytes = pl->scale_bytes ? pl->scale_off + ((pl->scale_bytes + 15u) & ~(uint64_t)15u) : elem_bytes;
+  const uint64_t meta = pl->fp8 ? kvi__fp8_page_meta(g->num_layers, g->local_heads, g->head_size)
+                                : (pl->scale_bytes + 15u) & ~(uint64_t)15u;
+  pl->page_bytes = pl->scale_bytes ? pl->scale_off + meta : elem_bytes;
   if (o->budget_bytes < pl->page_bytes)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn,
                      "opts->budget_bytes is %llu, smaller than one page (%llu bytes: %d tokens x %d layers x 2 x "

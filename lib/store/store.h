@@ -200,11 +200,12 @@ struct kvi_store {
   int32_t emb_dim;
   uint64_t page_bytes;
   uint64_t page_elems; /* elements (of dtype) of K and V in a page: L * 2 * H * P * D */
-  bool fp8;            /* dtype is KVI_DTYPE_FP8_E4M3: scales follow the elements (kernels.h) */
+  bool fp8;            /* dtype is KVI_DTYPE_FP8_E4M3: scales, then key offsets, follow the elements (base/fp8.h) */
   bool q4;             /* dtype is KVI_DTYPE_Q4: codes, then scales (base/q4.h) */
   uint64_t scale_off;  /* quantized stores: byte offset of a page's scales (the elements' bytes
                           rounded up to 16), else 0 */
-  uint64_t scale_bytes; /* quantized stores: bytes of a page's scales (unpadded), else 0 */
+  uint64_t scale_bytes; /* quantized stores: bytes of a page's scales as files keep them (unpadded;
+                           fp8: then the key offsets, kvi__fp8_meta_bytes), else 0 */
   kvi__store_pools pool;
   kvi__store_index index;
   kvi__store_tier tier;
@@ -271,6 +272,12 @@ static inline bool fact_on_host(const kvi_store *s, const fact *f) {
 /* fp8 stores: the scales of a page, (l * 2 + kv) * H + h (q4: base/q4.h's words) */
 static inline float *page_scales(const kvi_store *s, uint32_t page) {
   return (float *)(page_addr(s, page) + s->scale_off);
+}
+
+/* fp8 stores: a page's key offsets at the page address `page`, fp16 bits,
+ * (l * H + h) * D + d (base/fp8.h) */
+static inline uint16_t *page_key_offsets(const kvi_store *s, const char *page) {
+  return (uint16_t *)(page + s->scale_off + kvi__fp8_offsets_rel(s->geom.num_layers, s->geom.local_heads));
 }
 
 /* The page stride the kernels use, in elements of the store's dtype. */

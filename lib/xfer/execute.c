@@ -39,18 +39,66 @@ static void store_row(char *dst, kvi_dtype t, int64_t stride, float *src, int32_
 }
 
 /* A stored row of the page at `page`: its D elements as fp32 (q4: decoded
- * with its groups' words; fp8: times its group's scale `scale`). */
+ * with its groups' words; fp8: with its group's scale `scale` and, keys,
+ * its channels' offsets). */
 static void load_page_row(float *dst, const kvi_store *s, const char *page, int32_t l, int kv, int32_t h, int32_t tok,
                           int32_t n, float scale) {
   const char *pr = page + kvi__dtype_bytes(s->dtype, (uint64_t)kvi__page_row_off(s, l, kv, h, tok));
+  const int32_t L = s->geom.num_layers, H = s->geom.local_heads, D = s->geom.head_size;
   if (s->q4) {
-    const int32_t L = s->geom.num_layers, H = s->geom.local_heads, D = s->geom.head_size;
     const uint32_t *w = (const uint32_t *)(page + s->scale_off);
     if (kv == 0) kvi__q4_unpack_row(dst, (const uint8_t *)pr, n, w + (size_t)(l * H + h) * (size_t)D, 1);
     else kvi__q4_unpack_row(dst, (const uint8_t *)pr, n, w + (size_t)L * H * D + (size_t)(l * H + h) * s->P + tok, 0);
     return;
   }
+  if (s->fp8) {
+    float m[1024];
+    if (kv == 0) kvi__fp8_offsets_f32(m, page_key_offsets(s, page) + (size_t)(l * H + h) * (size_t)D, n);
+    kvi__fp8_dequantize(dst, (const uint8_t *)pr, kv == 0 ? m : NULL, n, scale);
+    return;
+  }
   load_row(dst, pr, s->dtype, n, 1, scale);
+}
+
+/* A capture into an fp8 page, the phases done once per page (kernels.h,
+ * KVI__FP8_PH_*) for layers [lb, le): empty amax slots and key bounds,
+ * the key offsets from the bounds, or the scales from the slots. */
+static void fp8_page_phase(const kvi_store *s, char *page, int32_t lb, int32_t le, int phase) {
+  const int32_t H = s->geom.local_heads, D = s->geom.head_size;
+  float *slots = (float *)(page + s->scale_off);
+  uint16_t *off = page_key_offsets(s, page);
+  for (int32_t l = lb; l < le; l++) {
+    uint16_t *hi = kvi__fp8_capture_hi(page, l, H, s->P, D), *lo = off + (size_t)l * H * D;
+    for (int32_t g = l * 2 * H; g < (l + 1) * 2 * H; g++)
+      if (phase == KVI__FP8_PH_EMPTY) slots[g] = 0.0f;
+      else if (phase == KVI__FP8_PH_SCALES) slots[g] = kvi__fp8_scale(slots[g]);
+    for (int32_t i = 0; i < H * D; i++)
+      if (phase == KVI__FP8_PH_EMPTY) lo[i] = KVI__FP8_LO_EMPTY, hi[i] = KVI__FP8_HI_EMPTY;
+      else if (phase == KVI__FP8_PH_OFFSETS) lo[i] = kvi__fp8_offset_of((uint32_t)lo[i] | (uint32_t)hi[i] << 16);
+  }
+}
+
+/* A capture into an fp8 page, one row (un-rotated, fp32) of plane kv, head
+ * h, layer l, in a per-segment phase: fold the keys' bounds or the values'
+ * amax (KVI__FP8_PH_BOUNDS), the keys' amax (KVI__FP8_PH_AMAX), or write
+ * the row's bytes (KVI__FP8_PH_WRITE). */
+static void fp8_capture_row(const kvi_store *s, char *page, char *pr, int32_t l, int kv, int32_t h, const float *row,
+                            float *slot, int phase) {
+  const int32_t H = s->geom.local_heads, D = s->geom.head_size;
+  uint16_t *lo = page_key_offsets(s, page) + (size_t)(l * H + h) * (size_t)D;
+  float m[1024];
+  if (phase == KVI__FP8_PH_BOUNDS) {
+    uint16_t *hi = kvi__fp8_capture_hi(page, l, H, s->P, D) + (size_t)h * (size_t)D;
+    if (kv) *slot = kvi__fp8_amax(*slot, row, NULL, D);
+    for (int32_t d = 0; kv == 0 && d < D; d++) {
+      lo[d] = kvi__fp8_fold_half(lo[d], row[d], 1);
+      hi[d] = kvi__fp8_fold_half(hi[d], row[d], 0);
+    }
+    return;
+  }
+  if (kv == 0) kvi__fp8_offsets_f32(m, lo, D);
+  if (phase == KVI__FP8_PH_AMAX && kv == 0) *slot = kvi__fp8_amax(*slot, row, m, D);
+  if (phase == KVI__FP8_PH_WRITE) kvi__fp8_quantize((uint8_t *)pr, row, kv == 0 ? m : NULL, D, kvi__fp8_scale(*slot));
 }
 
 /* n elements of es bytes each, `ds` / `ss` elements apart, copied as they are. */
@@ -63,14 +111,13 @@ static void copy_row(char *dst, int64_t ds, const char *src, int64_t ss, int32_t
 }
 
 /* The CPU reference of the fused kernel, one phase of it (kernels.h,
- * kvi__xfer_args.phase): a capture into an fp8 store runs phases 0 (zero
- * each page's amax slots), 1 (fold the un-rotated values' largest finite
- * magnitude into them), 2 (write e4m3(x / scale), the scale derived from the
- * slot) and 3 (turn the slots into scales), as the kernel does; a capture
- * into a q4 store the same phases with each key channel's bounds in its
- * word (base/q4.h: 0 empty bounds, 1 fold, 2 codes from the parameters the
- * bounds give, values' words and codes from their row, 3 the parameter
- * words); everything else is phase 2 alone. */
+ * kvi__xfer_args.phase): a capture into an fp8 store runs the six phases
+ * KVI__FP8_PH_* (empty slots and key bounds; fold keys' bounds and values'
+ * amax; key offsets; keys' amax of |x - offset|; bytes; scales), as the
+ * kernel does; a capture into a q4 store phases 0 to 3 with each key
+ * channel's bounds in its word (base/q4.h: 0 empty bounds, 1 fold, 2 codes
+ * from the parameters the bounds give, values' words and codes from their
+ * row, 3 the parameter words); everything else is phase 2 alone. */
 static void cpu_transfer(const xfer *x, const plan *p, int32_t lb, int32_t le, bool inject, int phase) {
   const kvi_store *s = x->store;
   const kvi__cache *c = &x->cache;
@@ -89,10 +136,13 @@ static void cpu_transfer(const xfer *x, const plan *p, int32_t lb, int32_t le, b
     const char *page = page_addr(s, sg->page);
     float *slots = s->fp8 ? page_scales(s, sg->page) : NULL;
     uint32_t *words = s->q4 ? (uint32_t *)(page + s->scale_off) : NULL; /* base/q4.h */
-    if (phase == 0 || phase == 3) { /* once per page: its first segment starts at token 0 */
-      if (sg->tok0 == 0 && slots)
-        for (int32_t g = lb * 2 * H; g < le * 2 * H; g++) slots[g] = phase == 0 ? 0.0f : kvi__fp8_scale(slots[g]);
-      if (sg->tok0 == 0 && words) /* q4: keys' bounds, then their words; values' words zero until written */
+    if (!inject && s->fp8 &&
+        (phase == KVI__FP8_PH_EMPTY || phase == KVI__FP8_PH_OFFSETS || phase == KVI__FP8_PH_SCALES)) {
+      if (sg->tok0 == 0) fp8_page_phase(s, (char *)page, lb, le, phase); /* once per page: its first segment */
+      continue;
+    }
+    if (!inject && s->q4 && (phase == 0 || phase == 3)) { /* once per page: its first segment starts at token 0 */
+      if (sg->tok0 == 0) /* q4: keys' bounds, then their words; values' words zero until written */
         for (int32_t g = lb * H; g < le * H; g++) {
           for (int32_t d = 0; d < D; d++)
             words[g * D + d] = phase == 0 ? KVI__Q4_BOUNDS_EMPTY : kvi__q4_params(words[g * D + d]);
@@ -139,10 +189,10 @@ static void cpu_transfer(const xfer *x, const plan *p, int32_t lb, int32_t le, b
                 *vw = kvi__q4_params(kvi__q4_fold_row(KVI__Q4_BOUNDS_EMPTY, row, D));
                 kvi__q4_pack_row((uint8_t *)pr, row, D, vw, 0);
               }
-            } else if (phase == 1)
-              *slot = kvi__fp8_amax(*slot, row, n);
+            } else if (slot)
+              fp8_capture_row(s, (char *)page, pr, l, kv, h, row, slot, phase);
             else
-              store_row(pr, s->dtype, 1, row, n, slot ? kvi__fp8_scale(*slot) : 1.0f);
+              store_row(pr, s->dtype, 1, row, n, 1.0f);
             if (raw) copy_row(pr + (size_t)rot * pe, 1, cr + (size_t)(rot * cd) * ce, cd, D - rot, ce);
           }
       }
@@ -194,7 +244,7 @@ kvi_status kvi__execute(xfer *x, const plan *p, int32_t lb, int32_t le, bool inj
                         const char *fn) {
   if (!x->cuda) {
     if (!inject && (x->store->fp8 || x->store->q4))
-      for (int phase = 0; phase < 4; phase++) cpu_transfer(x, p, lb, le, false, phase);
+      for (int phase = 0; phase < (x->store->fp8 ? KVI__FP8_PHASES : 4); phase++) cpu_transfer(x, p, lb, le, false, phase);
     else
       cpu_transfer(x, p, lb, le, inject, 2);
     return KVI_OK;
@@ -306,10 +356,11 @@ kvi_status kvi__launch(xfer *x, const plan *p, int32_t lb, int32_t le, bool inje
   if (st) return st;
 #ifdef KVI_HAVE_CUDA
   const bool phased = !inject && (x->store->fp8 || x->store->q4);
-  /* a capture into an fp8 or 4-bit store is four launches (kernels.h: phase), the rest one;
-   * a 4-bit capture whose pages are one segment each is phase 1 alone */
+  /* a capture into an fp8 store is six launches, into a 4-bit store four (kernels.h: phase), the
+   * rest one; a 4-bit capture whose pages are one segment each is phase 1 alone */
   const bool q4_sole = phased && x->store->q4 && q4_all_sole(p);
-  for (int phase = phased ? 0 : 2; phase <= (phased ? 3 : 2); phase++) {
+  const int last = !phased ? 2 : x->store->fp8 ? KVI__FP8_PHASES - 1 : 3;
+  for (int phase = phased ? 0 : 2; phase <= last; phase++) {
     if (q4_sole && phase != 1) continue;
     a.phase = phase;
     /* the launcher returns (and so clears) the launch error: report that value */

@@ -161,7 +161,8 @@ class Store(Handle):
     the library's defaults (KVI_STORE_OPTIONS_INIT: AUTO backend, the current
     device, BF16 storage, 16-token pages, no embeddings, FP32 embeddings, inner
     product). ``dtype=DType.FP8_E4M3`` keeps K and V as e4m3 with a scale per
-    (page, layer, K/V, head): half the bytes of bf16; ``dtype=DType.Q4`` keeps 4-bit codes with fp16 scales and minima, keys per channel over a
+    (page, layer, K/V, head), keys also with an fp16 offset per channel of each page
+    (kvinject/store.h, "fp8 storage"): about half the bytes of bf16; ``dtype=DType.Q4`` keeps 4-bit codes with fp16 scales and minima, keys per channel over a
     page's tokens, values per token: 1/4 + 1/page_tokens + 1/head_size of bf16
     (kvinject/store.h, "4-bit storage"); puts and reads still take
     fp32/fp16/bf16 tensors. ``host_budget_bytes`` (CUDA stores) adds a tier of pinned

@@ -127,13 +127,14 @@ def align16(n):
 
 
 def page_bytes(m, dtype, P):
-    """A store page's bytes (lib/store/store.c): elements, then scales, each part 16-byte aligned."""
+    """A store page's bytes (lib/store/store.c): elements, then scales (fp8: then the fp16 key
+    offsets, one per key channel of each layer and head), each part 16-byte aligned."""
     L, H, D = m["layers"], m["kv_heads"], m["head_size"]
     elems = L * 2 * H * P * D
     if dtype == "bf16":
         return elems * 2
     if dtype == "fp8":
-        return align16(elems) + align16(L * 2 * H * 4)
+        return align16(elems) + align16(L * 2 * H * 4) + align16(L * H * D * 2)
     if dtype == "q4":
         return align16((elems + 1) // 2) + align16(L * H * (D + P) * 4)
     raise ValueError("dtype %r: bf16, fp8 or q4" % dtype)
@@ -150,7 +151,8 @@ def fact_bytes(m, dtype, P, T):
     mem = pages * page_bytes(m, dtype, P)
     per_elem = {"bf16": 2.0, "fp8": 1.0, "q4": 0.5}[dtype]
     elems = T * bf16_token_bytes(m) / 2 * per_elem
-    scales = {"bf16": 0, "fp8": m["layers"] * 2 * m["kv_heads"] * 4,
+    scales = {"bf16": 0,
+              "fp8": align16(m["layers"] * 2 * m["kv_heads"] * 4) + m["layers"] * m["kv_heads"] * m["head_size"] * 2,
               "q4": m["layers"] * m["kv_heads"] * (m["head_size"] + P) * 4}[dtype]
     return mem, int(elems) + pages * scales
 

@@ -21,8 +21,8 @@ def test_page_bytes_by_hand():
     assert cap.page_bytes(M8, "bf16", 16) == 2_097_152
     assert cap.bf16_token_bytes(M8) == 131_072  # 128 KiB
     assert cap.bf16_token_bytes(M70) == 327_680
-    # fp8: 1,048,576 element bytes + 32 x 2 x 8 fp32 scales
-    assert cap.page_bytes(M8, "fp8", 16) == 1_048_576 + 2_048
+    # fp8: 1,048,576 element bytes + 32 x 2 x 8 fp32 scales + 32 x 8 x 128 fp16 key offsets
+    assert cap.page_bytes(M8, "fp8", 16) == 1_048_576 + 2_048 + 65_536
     # q4, 64-token pages: codes 4,194,304 / 2, words 32 x 8 x (128 + 64) x 4
     assert cap.page_bytes(M8, "q4", 64) == 2_097_152 + 196_608
     # store.h: 140 / 512 of bf16 at 64-token pages, 0.320 at 16
@@ -35,8 +35,9 @@ def test_page_bytes_by_hand():
 
 def test_odd_geometry_alignment():
     odd = {"layers": 1, "kv_heads": 1, "head_size": 6}
-    # fp8: 1 x 2 x 1 x 3 x 6 = 36 element bytes -> 48, then 1 x 2 x 1 x 4 = 8 scale bytes -> 16
-    assert cap.page_bytes(odd, "fp8", 3) == 48 + 16
+    # fp8: 1 x 2 x 1 x 3 x 6 = 36 element bytes -> 48, then 1 x 2 x 1 x 4 = 8 scale bytes -> 16,
+    # then 1 x 1 x 6 x 2 = 12 key offset bytes -> 16
+    assert cap.page_bytes(odd, "fp8", 3) == 48 + 16 + 16
     # q4: 18 code bytes -> 32, then 1 x 1 x (6 + 3) x 4 = 36 -> 48
     assert cap.page_bytes(odd, "q4", 3) == 32 + 48
 
@@ -44,8 +45,8 @@ def test_odd_geometry_alignment():
 def test_fact_and_user_bytes():
     # a 20-token fact takes two 16-token pages in memory, its 20 tokens on disk
     assert cap.fact_bytes(M8, "bf16", 16, 20) == (2 * 2_097_152, 20 * 131_072)
-    # fp8 on disk: 20 tokens x 65,536 + 2 pages x 2,048 scale bytes
-    assert cap.fact_bytes(M8, "fp8", 16, 20)[1] == 20 * 65_536 + 2 * 2_048
+    # fp8 on disk: 20 tokens x 65,536 + 2 pages x (2,048 scale bytes + 65,536 key offset bytes)
+    assert cap.fact_bytes(M8, "fp8", 16, 20)[1] == 20 * 65_536 + 2 * (2_048 + 65_536)
     # q4, 64-token pages: one page in memory; on disk 20 x 32,768 + one page's words
     assert cap.fact_bytes(M8, "q4", 64, 20) == (2_293_760, 20 * 32_768 + 196_608)
     inp = cap.load_inputs()[0]

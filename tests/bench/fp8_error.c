@@ -9,7 +9,12 @@
  * the median (the pattern reported for LLM keys, which is why keys quantize
  * worse than values) — times per-token noise; the first token of each fact
  * is a large-norm "sink" token (4x). Values are Gaussian with a per-head
- * scale and rare (1/64) per-token outliers of 8x.
+ * scale and rare (1/64) per-token outliers of 8x. The second table adds
+ * bias channels to the keys, as Qwen2.5-1.5B has them (layer 0, channel 63:
+ * mean about 358, standard deviation 1.06): in every (layer, head) one
+ * channel of mean 358 and standard deviation 1.06 and two of means drawn in
+ * +-(10 .. 60), standard deviation 1. fp8 keys keep one offset per channel
+ * and page (kvinject/store.h, "fp8 storage"), which takes such a bias out.
  *
  * For each layout the facts are put into a CPU store and read back as fp32:
  *   bf16            reference: bf16 storage
@@ -27,7 +32,13 @@
  *                   counts codes and 4 bytes (fp16 scale and minimum) per
  *                   group as a store would
  * and the relative Frobenius error ||x - x'|| / ||x|| is reported for K and
- * V over everything, and the worst over (fact, layer, head).
+ * V over everything, and the worst over (fact, layer, head); for K also
+ * against the keys' variation, ||x - x'|| / ||x - c|| with c each channel's
+ * mean over the fact (what attention logits see of a bias is constant over
+ * the keys: the variation is what matters), and on the bias channels the
+ * RMS error over their standard deviation and the largest |x - x'|. The
+ * third table drops the outlier channels and the sink token, so that the
+ * 358 channel alone sets its head's range (as in Qwen2.5-1.5B's layer 0).
  *
  * SPDX-License-Identifier: Apache-2.0
  */
@@ -49,25 +60,45 @@ static double gauss(void) { return sqrt(-2.0 * log(unif())) * cos(6.283185307179
 
 #define IDX(l, t, h, d) ((((size_t)(l) * T + (t)) * H + (h)) * D + (d))
 
+static int g_bias; /* 1: keys with bias channels (the second table); 2: and without outlier channels (the third) */
+/* The bias channels' own draws (xorshift64*, [0, 1)), so that the first
+ * table's data stay those of the tables before it had bias channels. */
+static uint64_t g_b = 0x9e3779b97f4a7c15ull;
+static double bunif(void) {
+  g_b ^= g_b >> 12, g_b ^= g_b << 25, g_b ^= g_b >> 27;
+  return (double)((g_b * 0x2545f4914f6cdd1dull) >> 11) * 0x1p-53;
+}
+
+/* Per (layer, head, channel): key magnitude with and without the outliers,
+ * bias channels' mean and standard deviation (0: not a bias channel). */
+static double g_chan[L][H][D], g_base[L][H][D], g_bias_mean[L][H][D], g_bias_std[L][H][D], g_vsc[L][H];
+
 static void make_fact(float *k, float *v) {
-  static double chan[L][H][D], vsc[L][H];
   static int init;
-  if (!init) { /* per-channel key magnitudes, fixed across facts as in a model */
+  if (!init) { /* per-channel key magnitudes and biases, fixed across facts as in a model */
     for (int l = 0; l < L; l++)
       for (int h = 0; h < H; h++) {
-        for (int d = 0; d < D; d++) chan[l][h][d] = exp(0.5 * gauss());
-        for (int o = 0; o < 4; o++) chan[l][h][(int)(unif() * D)] *= 10.0 + 40.0 * unif();
-        vsc[l][h] = 0.3 * exp(0.5 * gauss());
+        for (int d = 0; d < D; d++) g_chan[l][h][d] = g_base[l][h][d] = exp(0.5 * gauss());
+        for (int o = 0; o < 4; o++) g_chan[l][h][(int)(unif() * D)] *= 10.0 + 40.0 * unif();
+        g_vsc[l][h] = 0.3 * exp(0.5 * gauss());
+        const int b0 = 63 % D; /* Qwen2.5-1.5B's layer 0 channel 63: 358, std 1.06 */
+        g_bias_mean[l][h][b0] = 358.0, g_bias_std[l][h][b0] = 1.06;
+        for (int o = 0; o < 2; o++) {
+          const int d = (b0 + 1 + (int)(bunif() * (D - 1))) % D;
+          g_bias_mean[l][h][d] = (bunif() < 0.5 ? -1.0 : 1.0) * (10.0 + 50.0 * bunif()), g_bias_std[l][h][d] = 1.0;
+        }
       }
     init = 1;
   }
   for (int l = 0; l < L; l++)
     for (int t = 0; t < T; t++)
       for (int h = 0; h < H; h++) {
-        const double sink = t == 0 ? 4.0 : 1.0, vout = unif() < 1.0 / 64 ? 8.0 : 1.0;
+        const double sink = t == 0 && g_bias < 2 ? 4.0 : 1.0, vout = unif() < 1.0 / 64 ? 8.0 : 1.0;
         for (int d = 0; d < D; d++) {
-          k[IDX(l, t, h, d)] = (float)(sink * chan[l][h][d] * gauss());
-          v[IDX(l, t, h, d)] = (float)(vout * vsc[l][h] * gauss());
+          const double g = gauss(), bs = g_bias ? g_bias_std[l][h][d] : 0.0;
+          k[IDX(l, t, h, d)] = (float)(bs > 0 ? g_bias_mean[l][h][d] + bs * g
+                                              : sink * (g_bias == 2 ? g_base : g_chan)[l][h][d] * g);
+          v[IDX(l, t, h, d)] = (float)(vout * g_vsc[l][h] * gauss());
         }
       }
 }
@@ -84,7 +115,7 @@ static int run(kvi_model *m, kvi_dtype dt, int32_t P, float *const *ks, float *c
     fprintf(stderr, "%s\n", kvi_last_error());
     return 1;
   }
-  double num[2] = {0, 0}, den[2] = {0, 0}, worst[2] = {0, 0};
+  double num[2] = {0, 0}, den[2] = {0, 0}, worst[2] = {0, 0}, cden = 0, bsq = 0, bn = 0, bmax = 0;
   for (int f = 0; f < FACTS; f++) {
     kvi_kv_view v;
     kvi_kv_view_contiguous(&v, KVI_MEMORY_HOST, KVI_DTYPE_FP32, L, T, H, D, ks[f], vs[f]);
@@ -106,12 +137,27 @@ static int run(kvi_model *m, kvi_dtype dt, int32_t P, float *const *ks, float *c
             }
           num[kv] += n, den[kv] += dd;
           if (sqrt(n / dd) > worst[kv]) worst[kv] = sqrt(n / dd);
+          for (int d = 0; kv == 0 && d < D; d++) { /* K: against the channel's variation over the fact */
+            double c = 0;
+            for (int t = 0; t < T; t++) c += x[IDX(l, t, h, d)];
+            c /= T;
+            for (int t = 0; t < T; t++) {
+              const double xc = x[IDX(l, t, h, d)] - c, e = fabs((double)y[IDX(l, t, h, d)] - x[IDX(l, t, h, d)]);
+              cden += xc * xc;
+              if (g_bias && g_bias_std[l][h][d] > 0) { /* a bias channel: its error against its std */
+                bsq += (e / g_bias_std[l][h][d]) * (e / g_bias_std[l][h][d]), bn += 1;
+                if (e > bmax) bmax = e;
+              }
+            }
+          }
         }
   }
   kvi_store_stats st = KVI_STORE_STATS_INIT;
   kvi_store_stats_get(s, &st);
-  printf("| %-18s | %10.5f | %10.5f | %10.5f | %10.5f | %9.1f |\n", name, sqrt(num[0] / den[0]), worst[0],
-         sqrt(num[1] / den[1]), worst[1], (double)st.bytes_used / FACTS / 1024.0);
+  char b1[16] = "", b2[16] = "";
+  if (bn > 0) snprintf(b1, sizeof b1, "%.4f", sqrt(bsq / bn)), snprintf(b2, sizeof b2, "%.4f", bmax);
+  printf("| %-19s | %10.5f | %10.5f | %10.5f | %10s | %10s | %10.5f | %10.5f | %9.1f |\n", name, sqrt(num[0] / den[0]),
+         worst[0], sqrt(num[0] / cden), b1, b2, sqrt(num[1] / den[1]), worst[1], (double)st.bytes_used / FACTS / 1024.0);
   kvi_store_destroy(s);
   return 0;
 }
@@ -160,8 +206,8 @@ static void sim(int bk, int bv, int32_t P, int vg, float *const *ks, float *cons
       }
   const double pages = (double)((T + P - 1) / P);
   const double bytes = pages * (double)L * H * ((double)P * D * (bk + bv) / 8.0 + 4.0 * D + 4.0 * P * (D / vg));
-  printf("| %-18s | %10.5f | %10.5f | %10.5f | %10.5f | %9.1f |\n", name, sqrt(num[0] / den[0]), worst[0],
-         sqrt(num[1] / den[1]), worst[1], bytes / 1024.0);
+  printf("| %-19s | %10.5f | %10.5f | %10s | %10s | %10s | %10.5f | %10.5f | %9.1f |\n", name, sqrt(num[0] / den[0]),
+         worst[0], "", "", "", sqrt(num[1] / den[1]), worst[1], bytes / 1024.0);
 }
 
 int main(void) {
@@ -174,28 +220,36 @@ int main(void) {
   for (int f = 0; f < FACTS; f++) {
     ks[f] = malloc(n * 4), vs[f] = malloc(n * 4);
     if (!ks[f] || !vs[f]) return 1;
-    make_fact(ks[f], vs[f]);
   }
-  printf("fp8 e4m3 and 4-bit storage error, %d facts of %d tokens, %d layers x %d KV heads x %d (relative Frobenius)\n\n", FACTS,
-         T, L, H, D);
-  printf("| storage            | K overall  | K worst head | V overall | V worst head | KiB/fact |\n");
-  printf("|--------------------|------------|------------|------------|------------|-----------|\n");
-  int bad = run(m, KVI_DTYPE_BF16, 16, ks, vs, rk, rv, "bf16");
-  bad |= run(m, KVI_DTYPE_FP8_E4M3, 4, ks, vs, rk, rv, "fp8, 4-token pages");
-  bad |= run(m, KVI_DTYPE_FP8_E4M3, 8, ks, vs, rk, rv, "fp8, 8-token pages");
-  bad |= run(m, KVI_DTYPE_FP8_E4M3, 16, ks, vs, rk, rv, "fp8, 16-token pages");
-  bad |= run(m, KVI_DTYPE_FP8_E4M3, T, ks, vs, rk, rv, "fp8, per fact");
-  bad |= run(m, KVI_DTYPE_Q4, 4, ks, vs, rk, rv, "q4, 4-token pages");
-  bad |= run(m, KVI_DTYPE_Q4, 8, ks, vs, rk, rv, "q4, 8-token pages");
-  bad |= run(m, KVI_DTYPE_Q4, 16, ks, vs, rk, rv, "q4, 16-token pages");
-  bad |= run(m, KVI_DTYPE_Q4, T, ks, vs, rk, rv, "q4, per fact");
-  sim(4, 4, T, D, ks, vs, "sim K4/V4");
-  sim(4, 4, T, 32, ks, vs, "sim K4/V4 v32");
-  sim(4, 2, T, D, ks, vs, "sim K4/V2");
-  sim(4, 2, T, 32, ks, vs, "sim K4/V2 v32");
-  sim(2, 4, T, D, ks, vs, "sim K2/V4");
-  sim(2, 2, T, D, ks, vs, "sim K2/V2");
-  sim(2, 2, 8, 32, ks, vs, "sim K2/V2 P8 v32");
+  int bad = 0;
+  static const char *const what[3] = {"", ", keys with bias channels (358 +- 1.06, two of +-10..60)",
+                                       ", keys with bias channels and no outlier channels or sink"};
+  for (g_bias = 0; g_bias < 3; g_bias++) {
+    for (int f = 0; f < FACTS; f++) make_fact(ks[f], vs[f]);
+    printf("%sfp8 e4m3 and 4-bit storage error, %d facts of %d tokens, %d layers x %d KV heads x %d (relative Frobenius)%s\n\n",
+           g_bias ? "\n" : "", FACTS, T, L, H, D, what[g_bias]);
+    printf("| storage             | K overall  | K worst head | K/centered | bias ch. RMS/std | bias ch. max | V overall | "
+           "V worst head | KiB/fact |\n");
+    printf("|---------------------|------------|------------|------------|------------|------------|------------|------------|"
+           "-----------|\n");
+    bad |= run(m, KVI_DTYPE_BF16, 16, ks, vs, rk, rv, "bf16");
+    bad |= run(m, KVI_DTYPE_FP8_E4M3, 4, ks, vs, rk, rv, "fp8, 4-token pages");
+    bad |= run(m, KVI_DTYPE_FP8_E4M3, 8, ks, vs, rk, rv, "fp8, 8-token pages");
+    bad |= run(m, KVI_DTYPE_FP8_E4M3, 16, ks, vs, rk, rv, "fp8, 16-token pages");
+    bad |= run(m, KVI_DTYPE_FP8_E4M3, T, ks, vs, rk, rv, "fp8, per fact");
+    bad |= run(m, KVI_DTYPE_Q4, 4, ks, vs, rk, rv, "q4, 4-token pages");
+    bad |= run(m, KVI_DTYPE_Q4, 8, ks, vs, rk, rv, "q4, 8-token pages");
+    bad |= run(m, KVI_DTYPE_Q4, 16, ks, vs, rk, rv, "q4, 16-token pages");
+    bad |= run(m, KVI_DTYPE_Q4, T, ks, vs, rk, rv, "q4, per fact");
+    if (g_bias) continue;
+    sim(4, 4, T, D, ks, vs, "sim K4/V4");
+    sim(4, 4, T, 32, ks, vs, "sim K4/V4 v32");
+    sim(4, 2, T, D, ks, vs, "sim K4/V2");
+    sim(4, 2, T, 32, ks, vs, "sim K4/V2 v32");
+    sim(2, 4, T, D, ks, vs, "sim K2/V4");
+    sim(2, 2, T, D, ks, vs, "sim K2/V2");
+    sim(2, 2, 8, 32, ks, vs, "sim K2/V2 P8 v32");
+  }
   for (int f = 0; f < FACTS; f++) free(ks[f]), free(vs[f]);
   free(rk);
   free(rv);

@@ -1,9 +1,14 @@
 /*
  * unit-fp8: fp8 e4m3 fact storage on the CPU backend (the reference the CUDA
  * kernels match bit for bit), against an independent float64 model of the
- * quantization written here: per (page, layer, K/V, head) group,
- * amax = largest finite |x|, scale = max(amax / 448, 2^-126) rounded to fp32,
- * code = nearest-even e4m3 of x / scale (saturating), value = code * scale.
+ * quantization written here: per (page, layer, K/V, head) group, keys with
+ * one offset m per channel (for a channel on one side of zero in a band
+ * narrower than its distance from zero, the midpoint of its bounds rounded
+ * outward to fp16, itself rounded to the nearest fp16; else, and for
+ * values, m = 0),
+ * amax = largest finite |x - m|, scale = max(amax / 448, 2^-126) rounded to
+ * fp32, code = nearest-even e4m3 of (x - m) / scale (saturating), value =
+ * code * scale + m rounded once (values code * scale).
  *   - put from fp32/bf16 views and read back into fp32/bf16: bit-exact against
  *     the model; the e4m3 bound (2^-4 relative per element in the normal
  *     range) and the per-head relative Frobenius error, reported;
@@ -14,10 +19,15 @@
  *   - capture into an fp8 store (pages split into several segments or not)
  *     against the model applied to what an fp32 store captures;
  *   - store files: save/load and the journal round trip bit for bit; a file
- *     loads only into an fp8 store of the same page size.
+ *     loads only into an fp8 store of the same page size; a version-3 file
+ *     (before the key offsets, fp8_v3_file.h) loads and reads as it did;
+ *   - a key channel with a large bias (358 + N(0, 1)): within 2^-4 of the
+ *     group's largest |x - m|.
  * SPDX-License-Identifier: Apache-2.0
  */
 #include "ref64.h"
+
+#include "fp8_v3_file.h"
 
 #include <float.h>
 #include <unistd.h>
@@ -26,27 +36,83 @@ enum { L = 3, HT = 4, D = 32 };
 
 /* ---- the float64 model -------------------------------------------------- */
 
-static float ref_scale(const float *const *rows, int n, int d) {
+/* The finite fp16 values, ascending (-0 left out), with their bits. */
+static double f16_val[63488];
+static uint16_t f16_bits[63488];
+static int f16_n;
+
+static void f16_grid_init(void) {
+  if (f16_n) return;
+  for (uint32_t b = 0xfbffu;; b--) { /* negative: descending bits ascend in value */
+    if (b != 0x8000u) f16_val[f16_n] = ref_f16_to_f32((uint16_t)b), f16_bits[f16_n++] = (uint16_t)b;
+    if (b == 0x8000u) break;
+  }
+  for (uint32_t b = 0; b <= 0x7bffu; b++) f16_val[f16_n] = ref_f16_to_f32((uint16_t)b), f16_bits[f16_n++] = (uint16_t)b;
+}
+
+/* Index of the largest fp16 value <= x (x within the grid). */
+static int f16_floor(double x) {
+  int lo = 0, hi = f16_n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (f16_val[mid] <= x) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+/* A key channel's offset: with its finite values' bounds, the minimum lo
+ * rounded down and the maximum hi rounded up to fp16 (saturated), and the
+ * channel on one side of zero in a band narrower than its distance from it
+ * (0 < lo, hi - lo < lo; or hi < 0, hi - lo < -hi), their fp32 sum halved,
+ * rounded to the nearest fp16 (ties to the even bits); else (no finite
+ * value too) 0. */
+static double ref_offset(const float *const *rows, int n, int d) {
+  f16_grid_init();
+  double mn = INFINITY, mx = -INFINITY;
+  for (int t = 0; t < n; t++)
+    if (isfinite(rows[t][d])) mn = fmin(mn, rows[t][d]), mx = fmax(mx, rows[t][d]);
+  if (mn > mx) return 0.0;
+  const double lo = mn <= f16_val[0] ? f16_val[0] : f16_val[f16_floor(mn)];
+  int iu = mx >= f16_val[f16_n - 1] ? f16_n - 1 : f16_floor(mx);
+  if (f16_val[iu] < mx) iu++;
+  const double hi = f16_val[iu], spread = (double)(float)(hi - lo); /* the fp32 difference */
+  if (!((lo > 0 && spread < lo) || (hi < 0 && spread < -hi))) return 0.0; /* around zero, or wide: none */
+  const double mid = (double)(float)(lo + hi) * 0.5; /* the fp32 sum (one rounding), halved exactly */
+  const int i = f16_floor(mid);
+  if (f16_val[i] == mid) return mid;
+  const double below = mid - f16_val[i], above = f16_val[i + 1] - mid;
+  if (below != above) return below < above ? f16_val[i] : f16_val[i + 1];
+  return (f16_bits[i] & 1) ? f16_val[i + 1] : f16_val[i];
+}
+
+/* m: the group's offsets, one per channel (NULL: values, none). */
+static float ref_scale(const float *const *rows, int n, int d, const double *m) {
   double amax = 0.0;
   for (int t = 0; t < n; t++)
     for (int i = 0; i < d; i++) {
-      const double a = fabs((double)rows[t][i]);
+      const double a = fabs((double)(float)((double)rows[t][i] - (m ? m[i] : 0.0))); /* the fp32 difference */
       if (isfinite(a) && a > amax) amax = a;
     }
   float s = (float)(amax / 448.0); /* a float quotient rounded once: the fp32 division */
   return s < 0x1p-126f ? 0x1p-126f : s;
 }
 
-static float ref_value(float x, float scale) {
+/* keys: code = e4m3((x - m) / scale), value = code * scale + m rounded once;
+ * values (key = false): e4m3(x / scale), code * scale. */
+static float ref_value(float x, float scale, double m, bool key) {
   if (isnan(x)) return NAN; /* NaN stays NaN */
-  const uint8_t c = ref_fp8_encode((float)((double)x / (double)scale), KVI_DTYPE_FP8_E4M3);
+  const float dx = key ? (float)((double)x - m) : x; /* one fp32 subtraction */
+  const uint8_t c = ref_fp8_encode((float)((double)dx / (double)scale), KVI_DTYPE_FP8_E4M3);
   const double v = ref_fp8_decode(c, KVI_DTYPE_FP8_E4M3);
-  return isnan(v) ? NAN : (float)(v * (double)scale); /* exact product, rounded once */
+  if (isnan(v)) return NAN;
+  return key ? (float)(v * (double)scale + m) : (float)(v * (double)scale); /* exact product (and sum), rounded once */
 }
 
 /* What an fp8 store of page size P keeps of f (src rounded to the put view's
- * dtype first), as fp32; and the scales, [page][l][kv][h], if wanted. */
-static void ref_quantize(const rfact *f, int32_t P, rfact *out, float *scales) {
+ * dtype first), as fp32; and the scales, [page][l][kv][h], and the key
+ * offsets, [page][l][h][d], if wanted. */
+static void ref_quantize_ex(const rfact *f, int32_t P, rfact *out, float *scales, double *offsets, bool key_offsets) {
   *out = *f;
   const size_t n = (size_t)f->L * f->T * f->H * f->D;
   out->k = malloc(n * sizeof(float));
@@ -54,20 +120,32 @@ static void ref_quantize(const rfact *f, int32_t P, rfact *out, float *scales) {
   assert_non_null(out->k);
   assert_non_null(out->v);
   const float **rows = malloc((size_t)P * sizeof *rows);
+  double *m = malloc((size_t)f->D * sizeof *m);
   assert_non_null(rows);
+  assert_non_null(m);
   for (int32_t t0 = 0, pg = 0; t0 < f->T; t0 += P, pg++) {
     const int32_t nt = f->T - t0 < P ? f->T - t0 : P;
     for (int l = 0; l < f->L; l++)
       for (int kv = 0; kv < 2; kv++)
         for (int h = 0; h < f->H; h++) {
           for (int32_t t = 0; t < nt; t++) rows[t] = rfact_row(f, kv, l, t0 + t, h);
-          const float sc = ref_scale(rows, nt, f->D);
+          for (int d = 0; d < f->D; d++) {
+            m[d] = kv || !key_offsets ? 0.0 : ref_offset(rows, nt, d);
+            if (offsets && !kv) offsets[(((size_t)pg * f->L + l) * f->H + h) * f->D + d] = m[d];
+          }
+          const float sc = ref_scale(rows, nt, f->D, kv || !key_offsets ? NULL : m);
           if (scales) scales[(((size_t)pg * f->L + l) * 2 + kv) * f->H + h] = sc;
           for (int32_t t = 0; t < nt; t++)
-            for (int d = 0; d < f->D; d++) rfact_row(out, kv, l, t0 + t, h)[d] = ref_value(rows[t][d], sc);
+            for (int d = 0; d < f->D; d++)
+              rfact_row(out, kv, l, t0 + t, h)[d] = ref_value(rows[t][d], sc, m[d], !kv && key_offsets);
         }
   }
+  free(m);
   free(rows);
+}
+
+static void ref_quantize(const rfact *f, int32_t P, rfact *out, float *scales) {
+  ref_quantize_ex(f, P, out, scales, NULL, true);
 }
 
 static bool same_float(float a, float b) { return f2u(a) == f2u(b) || (isnan(a) && isnan(b)); }
@@ -83,7 +161,9 @@ static void expect_fact(const rfact *got, const rfact *want, const char *what) {
 
 static kvi_store *fp8_store(kvi_model *m, int32_t P, uint32_t pages) {
   const int32_t H = HT;
-  const uint64_t page = (((uint64_t)L * 2 * H * P * D + 15) & ~15ull) + (((uint64_t)L * 2 * H * 4 + 15) & ~15ull);
+  /* e4m3 bytes, the scales, the key offsets (fp16 per key channel), each 16-byte aligned */
+  const uint64_t page = (((uint64_t)L * 2 * H * P * D + 15) & ~15ull) + (((uint64_t)L * 2 * H * 4 + 15) & ~15ull) +
+                        (((uint64_t)L * H * D * 2 + 15) & ~15ull);
   kvi_store_options o = cpu_store_options(KVI_DTYPE_FP8_E4M3, P, page * pages);
   kvi_store *s = NULL;
   assert_ok(kvi_store_create(&s, m, &o));
@@ -94,14 +174,15 @@ static kvi_store *fp8_store(kvi_model *m, int32_t P, uint32_t pages) {
   return s;
 }
 
-/* K with a few channels 10-50x the others (as LLM keys have), V plain. */
+/* K with a few channels 10-50x the others and one with a large bias (as
+ * LLM keys have: 358 + N(0, 1)-like), V plain. */
 static void fill_outliers(rfact *f, rng *r) {
   for (int l = 0; l < f->L; l++)
     for (int t = 0; t < f->T; t++)
       for (int h = 0; h < f->H; h++)
         for (int d = 0; d < f->D; d++) {
           const float g = rand_val(r, -3, 1);
-          rfact_row(f, 0, l, t, h)[d] = d % 11 == 3 ? g * (float)(10 + (d * 7) % 41) : g;
+          rfact_row(f, 0, l, t, h)[d] = d % 11 == 3 ? g * (float)(10 + (d * 7) % 41) : d == 5 ? 358.0f + g : g;
           rfact_row(f, 1, l, t, h)[d] = rand_val(r, -4, 0);
         }
 }
@@ -122,8 +203,10 @@ static void test_fp8_put_read(void **state) {
     fill_outliers(&f, &r);
     rfact_put(s, &f, 0);
     float *scales = malloc(div_up(T, P) * L * 2 * HT * sizeof *scales);
+    double *offs = malloc(div_up(T, P) * L * HT * D * sizeof *offs);
     assert_non_null(scales);
-    ref_quantize(&f, P, &want, scales);
+    assert_non_null(offs);
+    ref_quantize_ex(&f, P, &want, scales, offs, true);
     rfact_read(s, 1, 7, L, HT, D, &got);
     char what[64];
     snprintf(what, sizeof what, "fp32 put, P %d", (int)P);
@@ -138,10 +221,12 @@ static void test_fp8_put_read(void **state) {
             for (int d = 0; d < D; d++) {
               const double e = fabs((double)y[d] - x[d]);
               num[kv] += e * e, den[kv] += (double)x[d] * x[d];
-              /* in e4m3's normal range (|x| / scale >= 2^-6) the error is at most 2^-4 |x| */
+              /* in e4m3's normal range (|x - m| / scale >= 2^-6) the error is at most 2^-4 |x - m|, plus
+               * the fp32 roundings of x - m and of the value (keys; values: m = 0) */
               const double sc = scales[(((size_t)(t / P) * L + l) * 2 + kv) * HT + h];
-              if (fabs((double)x[d]) >= 0x1p-6 * sc && e > 0x1p-4 * fabs((double)x[d]))
-                fail_msg("P %d: |%g - %g| exceeds 2^-4 relative", (int)P, (double)y[d], (double)x[d]);
+              const double mo = kv ? 0.0 : offs[(((size_t)(t / P) * L + l) * HT + h) * D + d], dx = fabs(x[d] - mo);
+              if (dx >= 0x1p-6 * sc && e > 0x1p-4 * dx + 0x1p-23 * (fabs((double)x[d]) + fabs(mo)))
+                fail_msg("P %d: |%g - %g| exceeds 2^-4 of |x - m| (m %g)", (int)P, (double)y[d], (double)x[d], mo);
               if (e / fabs((double)x[d]) > worst && fabs((double)x[d]) > 0.25) worst = e / fabs((double)x[d]);
             }
           }
@@ -182,6 +267,7 @@ static void test_fp8_put_read(void **state) {
     rfact_free(&want);
     rfact_free(&f);
     free(scales);
+    free(offs);
     kvi_store_destroy(s);
   }
   kvi_model_destroy(m);
@@ -195,9 +281,10 @@ static void test_fp8_special_values(void **state) {
   kvi_store *s = fp8_store(m, 4, 16);
   rfact f, want, got;
   rfact_make(&f, &r, 1, 1, L, 6, HT, D, -6, 2);
-  /* layer 0, K, head 0: zeros and -0 (a zero group: exact, signs kept) */
+  /* layer 0, K and V, head 0: zeros and -0 (a zero group: exact; values keep their signs, keys read
+   * back +0: fmaf(-0, scale, +0)) */
   for (int t = 0; t < 4; t++)
-    for (int d = 0; d < D; d++) rfact_row(&f, 0, 0, t, 0)[d] = (d & 1) ? -0.0f : 0.0f;
+    for (int d = 0; d < D; d++) rfact_row(&f, 0, 0, t, 0)[d] = rfact_row(&f, 1, 0, t, 0)[d] = (d & 1) ? -0.0f : 0.0f;
   /* layer 0, K, head 1: fp32 subnormals and tiny normals (the scale floor) */
   for (int t = 0; t < 4; t++)
     for (int d = 0; d < D; d++) rfact_row(&f, 0, 0, t, 1)[d] = (float)((d - 16) * 3) * 0x1p-140f;
@@ -213,7 +300,10 @@ static void test_fp8_special_values(void **state) {
   rfact_read(s, 1, 1, L, HT, D, &got);
   expect_fact(&got, &want, "special values");
   for (int t = 0; t < 4; t++)
-    for (int d = 0; d < D; d++) assert_int_equal(f2u(rfact_row(&got, 0, 0, t, 0)[d]), (d & 1) ? 0x80000000u : 0u);
+    for (int d = 0; d < D; d++) {
+      assert_int_equal(f2u(rfact_row(&got, 0, 0, t, 0)[d]), 0u);
+      assert_int_equal(f2u(rfact_row(&got, 1, 0, t, 0)[d]), (d & 1) ? 0x80000000u : 0u);
+    }
   assert_true(isnan(rfact_row(&got, 1, 1, 1, 2)[3]));
   /* infinities come back as +-448 * scale: the largest finite magnitude of the group, in e4m3 */
   const float big = rfact_row(&got, 1, 1, 2, 2)[5], nbig = rfact_row(&got, 1, 1, 3, 2)[7];
@@ -433,11 +523,140 @@ static void test_fp8_persist(void **state) {
   kvi_model_destroy(m);
 }
 
+/* ---- a key channel with a large bias ------------------------------------- */
+
+/* The fp16 spacing at |x| (x normal in fp16). */
+static double f16_ulp(double x) { return ldexp(1.0, ilogb(fabs(x) < 0x1p-14 ? 0x1p-14 : fabs(x)) - 10); }
+
+/* Keys of N(0, 1)-like channels and one at 358 + N(0, 1) (as Qwen2.5's layer
+ * 0 has): each page's offsets take the bias out, so every key comes back
+ * within 2^-4 of the group's largest |x - m| (the bias channel's m within
+ * half its range plus two fp16 steps of its values, the others' 0), a
+ * fraction of a unit where a scale over |x| alone (the format before the
+ * offsets) errs by up to 2^-4 x 358. */
+static void test_fp8_bias_channel(void **state) {
+  (void)state;
+  rng r;
+  rng_seed(&r, __func__);
+  kvi_model *m = make_model(L, HT, D, 0, 1);
+  const int32_t P = 16, T = 40;
+  kvi_store *s = fp8_store(m, P, 64);
+  rfact f, got;
+  rfact_make(&f, &r, 1, 3, L, T, HT, D, -6, 0);
+  for (int l = 0; l < L; l++)
+    for (int t = 0; t < T; t++)
+      for (int h = 0; h < HT; h++) rfact_row(&f, 0, l, t, h)[7] = 358.0f + rand_val(&r, -4, 0);
+  rfact_put(s, &f, 0);
+  rfact_read(s, 1, 3, L, HT, D, &got);
+  double worst = 0.0, worst_bound = 0.0;
+  for (int32_t t0 = 0; t0 < T; t0 += P)
+    for (int l = 0; l < L; l++)
+      for (int h = 0; h < HT; h++) {
+        const int32_t nt = T - t0 < P ? T - t0 : P;
+        double g = 0.0; /* the group's largest |x - m|: m 0, or within two fp16 steps of a banded channel's midpoint */
+        for (int d = 0; d < D; d++) {
+          double mn = INFINITY, mx = -INFINITY;
+          for (int32_t t = 0; t < nt; t++) {
+            const double x = rfact_row(&f, 0, l, t0 + t, h)[d];
+            mn = fmin(mn, x), mx = fmax(mx, x);
+          }
+          const double a = fmax(fabs(mn), fabs(mx));
+          const bool banded = (mn > 0 && mx - mn < mn) || (mx < 0 && mx - mn < -mx); /* the offset: its midpoint */
+          g = fmax(g, banded ? (mx - mn) / 2 + 2 * f16_ulp(a) : a);
+        }
+        for (int32_t t = 0; t < nt; t++)
+          for (int d = 0; d < D; d++) {
+            const double x = rfact_row(&f, 0, l, t0 + t, h)[d], y = rfact_row(&got, 0, l, t0 + t, h)[d];
+            const double e = fabs(y - x), bound = 0x1p-4 * g + 0x1p-22 * fabs(x);
+            if (e > bound) fail_msg("layer %d head %d token %d channel %d: |%g - %g| = %g exceeds %g", l, h, (int)(t0 + t), d, y, x, e, bound);
+            if (d == 7 && e > worst) worst = e, worst_bound = bound;
+          }
+      }
+  print_message("bias channel (358 + N(0,1)): largest error %.4f (bound %.4f)\n", worst, worst_bound);
+  /* and bit for bit the model */
+  rfact want;
+  ref_quantize(&f, P, &want, NULL);
+  expect_fact(&got, &want, "bias channel");
+  rfact_free(&want);
+  rfact_free(&got);
+  rfact_free(&f);
+  kvi_store_destroy(s);
+  kvi_model_destroy(m);
+}
+
+/* ---- a store file of format version 3 ------------------------------------- */
+
+/* fp8_v3_file.h's file (written before the key offsets) loads: its pages get
+ * offsets of -0, so every element reads back as e4m3 * scale, the values
+ * that version held (the model without offsets), bit for bit; it takes no
+ * journal; saved again it is a version-4 file that reads the same. */
+static void test_fp8_version3_file(void **state) {
+  (void)state;
+  char dir[] = "/tmp/kvi-fp8v3-XXXXXX", path[64], path4[64];
+  assert_non_null(mkdtemp(dir));
+  snprintf(path, sizeof path, "%s/v3", dir);
+  snprintf(path4, sizeof path4, "%s/v4", dir);
+  FILE *fp = fopen(path, "wb");
+  assert_non_null(fp);
+  assert_int_equal(fwrite(fp8_v3_file, 1, sizeof fp8_v3_file, fp), sizeof fp8_v3_file);
+  assert_int_equal(fclose(fp), 0);
+  kvi_model *m = make_model(V3_L, V3_H, V3_D, 0, 1);
+  kvi_store_options o = cpu_store_options(KVI_DTYPE_FP8_E4M3, V3_P, 1u << 20);
+  kvi_store *s = NULL, *s4 = NULL;
+  kvi_load_options lo = KVI_LOAD_OPTIONS_INIT;
+  lo.flags = KVI_LOAD_JOURNAL;
+  assert_status(kvi_store_load(&s, m, &o, path, &lo), KVI_ERR_INCOMPATIBLE);
+  assert_last_error_has("kvi_store_load", "format version 3");
+  assert_null(s);
+  assert_ok(kvi_store_load(&s, m, &o, path, NULL));
+  assert_ok(kvi_store_save(s, path4, NULL));
+  assert_ok(kvi_store_load(&s4, m, &o, path4, NULL));
+  fp = fopen(path4, "rb");
+  assert_non_null(fp);
+  unsigned char hdr[12];
+  assert_int_equal(fread(hdr, 1, sizeof hdr, fp), sizeof hdr);
+  fclose(fp);
+  assert_int_equal(hdr[8], 4);
+  for (int id = 1; id <= 2; id++) {
+    const int32_t T = id == 1 ? 6 : 3;
+    rfact f = {1, (uint64_t)id, V3_L, T, V3_H, V3_D, NULL, NULL};
+    const size_t n = (size_t)V3_L * T * V3_H * V3_D;
+    f.k = malloc(n * sizeof(float));
+    f.v = malloc(n * sizeof(float));
+    assert_non_null(f.k);
+    assert_non_null(f.v);
+    for (int l = 0; l < V3_L; l++)
+      for (int t = 0; t < T; t++)
+        for (int h = 0; h < V3_H; h++)
+          for (int d = 0; d < V3_D; d++) {
+            rfact_row(&f, 0, l, t, h)[d] = fp8_v3_k(l, t, h, d, id);
+            rfact_row(&f, 1, l, t, h)[d] = fp8_v3_v(l, t, h, d, id);
+          }
+    rfact want, got;
+    ref_quantize_ex(&f, V3_P, &want, NULL, NULL, false); /* the format without offsets */
+    rfact_read(s, 1, (uint64_t)id, V3_L, V3_H, V3_D, &got);
+    expect_fact(&got, &want, "version-3 file");
+    rfact_free(&got);
+    rfact_read(s4, 1, (uint64_t)id, V3_L, V3_H, V3_D, &got);
+    expect_fact(&got, &want, "version-3 file saved as version 4");
+    rfact_free(&got);
+    rfact_free(&want);
+    rfact_free(&f);
+  }
+  kvi_store_destroy(s4);
+  kvi_store_destroy(s);
+  kvi_model_destroy(m);
+  unlink(path);
+  unlink(path4);
+  rmdir(dir);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_fp8_put_read),   cmocka_unit_test(test_fp8_special_values),
       cmocka_unit_test(test_fp8_inject),     cmocka_unit_test(test_fp8_capture),
-      cmocka_unit_test(test_fp8_persist),
+      cmocka_unit_test(test_fp8_persist),    cmocka_unit_test(test_fp8_bias_channel),
+      cmocka_unit_test(test_fp8_version3_file),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -304,7 +304,7 @@ typedef struct pentry {
 static int parse_file(const unsigned char *b, size_t n, const geo *g, pentry *out, int max) {
   assert_true(n >= 92);
   assert_memory_equal(b, "KVISTORE", 8);
-  assert_int_equal(rd32(b + 8), 3);
+  assert_int_equal(rd32(b + 8), 4);
   assert_int_equal(rd32(b + 12), 0x01020304u);
   const uint32_t hb = rd32(b + 16);
   assert_int_equal(hb, 88 + 88 * (uint32_t)g->L + 4);
@@ -982,12 +982,12 @@ static void test_hostile_records(void **state) {
   assert_status(load(&s, &j.g, j.m, bad, 0), KVI_ERR_CORRUPT);
   assert_last_error_has("kvi_store_load", "header size");
   memcpy(b, orig, n);
-  put32le(b + 8, 4);
+  put32le(b + 8, 5);
   const uint32_t hb = rd32(b + 16);
   put32le(b + hb - 4, ref_crc32c(0, b, hb - 4));
   write_all_file(bad, b, n);
   assert_status(load(&s, &j.g, j.m, bad, 0), KVI_ERR_INCOMPATIBLE);
-  assert_last_error_has("kvi_store_load", "format version 4");
+  assert_last_error_has("kvi_store_load", "format version 5");
   /* trailing garbage after the end of the snapshot is a torn tail (no valid entry follows) */
   memcpy(b, orig, pe[4].off);
   memset(b + pe[4].off, 0, 40);

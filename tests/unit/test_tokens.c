@@ -383,7 +383,7 @@ static void test_files_keep_ids(void **state) {
   assert_ok(kvi_store_save(e->s, snap, NULL));
   size_t n;
   unsigned char *b = slurp(snap, &n);
-  assert_int_equal(le32(b + 8), 3);
+  assert_int_equal(le32(b + 8), 4);
   free(b);
   kvi_store *s = load_file(e, snap, 0, KVI_OK);
   expect_ids(s, 1, 1, e->ids1, 5);
@@ -423,7 +423,7 @@ static void test_files_keep_ids(void **state) {
   set_version(jour, 1);
   load_file(e, jour, 0, KVI_ERR_CORRUPT);
   assert_last_error_has("kvi_store_load", "unknown record type 65537");
-  set_version(jour, 4);
+  set_version(jour, 5);
   load_file(e, jour, 0, KVI_ERR_INCOMPATIBLE);
   free(b);
   rfact_free(&g);
@@ -453,14 +453,14 @@ static void test_version_1_files_load(void **state) {
   assert_memory_equal(h.k, g.k, (size_t)TL * 6 * TH * TD * sizeof(float));
   rfact_free(&h);
   kvi_store_destroy(s);
-  /* journaling into it makes it a file of the current version (3), whose records may carry ids */
+  /* journaling into it makes it a file of the current version (4), whose records may carry ids */
   s = load_file(e, path, KVI_LOAD_JOURNAL, KVI_OK);
   const int32_t ids[6] = {1, 2, 3, 4, 5, 6};
   put_ids(s, &g, ids, KVI_PUT_REPLACE);
   kvi_store_destroy(s);
   size_t n;
   unsigned char *b = slurp(path, &n);
-  assert_int_equal(le32(b + 8), 3);
+  assert_int_equal(le32(b + 8), 4);
   free(b);
   s = load_file(e, path, 0, KVI_OK);
   expect_ids(s, 2, 8, ids, 6);
