@@ -366,13 +366,14 @@ static void run_disk(kvi_dtype dt, bool host) {
   CHECK_OK(kvi_store_prefetch(other, 1, NULL, 0, NULL));
   CHECK_OK(kvi_store_count(other, 1, &count));
   assert_int_equal(count, NF);
-  /* a CUDA store's I/O thread publishes nothing: every fact counts as on
-   * disk until kvi_store_prefetch_wait publishes the reads (as many facts as
-   * memory holds), with no reader having asked for one */
-  assert_int_equal(stats_of(other).facts_on_disk_only, NF);
+  /* a CUDA store's I/O thread publishes nothing: the facts whose reads it
+   * runs count as on disk until kvi_store_prefetch_wait publishes them, with
+   * no reader having asked for one (the prefetch itself publishes the reads
+   * it settles to take their pages back when memory is short) */
+  const uint64_t queued = stats_of(other).facts_on_disk_only;
   CHECK_OK(kvi_store_prefetch_wait(other));
   const uint64_t on_disk = stats_of(other).facts_on_disk_only;
-  assert_true(on_disk < NF);
+  assert_true(on_disk < queued);
   uint64_t disk_tier = 0;
   for (uint64_t id = 0; id < NF; id++) disk_tier += tier_of(other, 1, id) == KVI_TIER_DISK;
   assert_int_equal(disk_tier, on_disk);
