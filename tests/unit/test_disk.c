@@ -730,18 +730,27 @@ static void test_compaction_and_save(void **state) {
   kvi_store_destroy(ref);
 }
 
+/* Tenant 6's 20 facts written by one store on the directory, then a fresh
+ * store there (*s: it has them on disk only) and a memory-only store with the
+ * same facts (*ref). */
+static void twenty_on_disk(fx *f, kvi_store **s, kvi_store **ref) {
+  *s = mk_store(f, KVI_DTYPE_BF16, 64, f->dir, "a", 0, 0);
+  *ref = mk_store(f, KVI_DTYPE_BF16, 64, NULL, NULL, 0, 0);
+  for (uint64_t id = 0; id < 20; id++) {
+    assert_ok(put_tag(*s, 6, id, id + 3, 0));
+    assert_ok(put_tag(*ref, 6, id, id + 3, 0));
+  }
+  kvi_store_destroy(*s);
+  *s = mk_store(f, KVI_DTYPE_BF16, 64, f->dir, "a", 0, 0);
+}
+
 /* Prefetch reads on the store's I/O thread: readers that come before it is
  * done wait for its reads (each fact is read once), and reads, prefetches
  * and writes from several threads at once leave every fact byte-exact. */
 static void test_async_prefetch(void **state) {
   fx *f = *state;
-  kvi_store *s = mk_store(f, KVI_DTYPE_BF16, 64, f->dir, "a", 0, 0), *ref = mk_store(f, KVI_DTYPE_BF16, 64, NULL, NULL, 0, 0);
-  for (uint64_t id = 0; id < 20; id++) {
-    assert_ok(put_tag(s, 6, id, id + 3, 0));
-    assert_ok(put_tag(ref, 6, id, id + 3, 0));
-  }
-  kvi_store_destroy(s);
-  s = mk_store(f, KVI_DTYPE_BF16, 64, f->dir, "a", 0, 0);
+  kvi_store *s, *ref;
+  twenty_on_disk(f, &s, &ref);
   assert_ok(kvi_store_prefetch(s, 6, NULL, 0, NULL));
   for (uint64_t id = 20; id-- > 0;) assert_true(same_fact(s, ref, 6, id)); /* the last queued first */
   kvi_store_stats st = store_stats(s);
@@ -757,13 +766,8 @@ static void test_async_prefetch(void **state) {
  * tier, it returns at once; a NULL store is an argument error. */
 static void test_prefetch_wait(void **state) {
   fx *f = *state;
-  kvi_store *s = mk_store(f, KVI_DTYPE_BF16, 64, f->dir, "a", 0, 0), *ref = mk_store(f, KVI_DTYPE_BF16, 64, NULL, NULL, 0, 0);
-  for (uint64_t id = 0; id < 20; id++) {
-    assert_ok(put_tag(s, 6, id, id + 3, 0));
-    assert_ok(put_tag(ref, 6, id, id + 3, 0));
-  }
-  kvi_store_destroy(s);
-  s = mk_store(f, KVI_DTYPE_BF16, 64, f->dir, "a", 0, 0);
+  kvi_store *s, *ref;
+  twenty_on_disk(f, &s, &ref);
   assert_ok(kvi_store_prefetch_wait(s)); /* no read under way yet */
   assert_ok(kvi_store_prefetch(s, 6, NULL, 0, NULL));
   assert_ok(kvi_store_prefetch_wait(s));
