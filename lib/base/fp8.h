@@ -21,9 +21,9 @@ extern "C" {
  * offsets of kernels.h's page layout, then, at scale_off (16-byte aligned),
  * one fp32 scale per (layer l, plane kv, local head h) at index
  * (l * 2 + kv) * H + h: the scale of that head's tokens in that page; then,
- * at kvi__fp8_offsets_at (16-byte aligned), one fp16 offset per key channel
- * (layer l, local head h, channel d) at index (l * H + h) * D + d: the
- * channel's offset m over the same tokens (values have none: m = 0).
+ * kvi__fp8_offsets_rel bytes further (16-byte aligned), one fp16 offset per
+ * key channel (layer l, local head h, channel d) at index (l * H + h) * D +
+ * d: the channel's offset m over the same tokens (values have none: m = 0).
  *   m     = from the channel's bounds word (base/q4.h: its finite minimum
  *           lo rounded down to fp16, its maximum hi rounded up, saturated to
  *           +-65504): when 0 < lo and hi - lo < lo, or hi < 0 and
@@ -42,7 +42,9 @@ extern "C" {
  *           e4m3 * scale, which fmaf(e4m3, scale, -0) equals bit for bit).
  * Pages of store files older than version 4 have no offsets: they load with
  * every offset -0 (KVI__FP8_OFFSET_LEGACY), so they read back bit for bit
- * as before. */
+ * as before. Store files keep each page's scales and offsets back to back
+ * (kvi__fp8_meta_bytes); the page pads the scales to 16 bytes
+ * (kvi__fp8_page_meta). */
 #define KVI__FP8_STORE_MAX 448.0f
 #define KVI__FP8_SCALE_MIN 0x1p-126f
 #define KVI__FP8_OFFSET_LEGACY 0x8000u /* fp16 -0 */

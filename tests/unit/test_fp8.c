@@ -366,6 +366,13 @@ static void inject_case(rng *r, kvi_dtype cdt, kvi_scale_mode sm, int32_t P) {
   char what[96];
   snprintf(what, sizeof what, "inject from an fp8 store (P %d) into a %s cache", (int)P, cache_dtype_name(cdt));
   ec_check_request(&c, rr, ff, 1, table, 3, pos, 0, 0, L, 0.0, NULL, what);
+  if (cdt == KVI_DTYPE_FP32) /* the deviation reads the values the injection wrote (keys with their offsets): none */
+    for (int l = 0; l < L; l++) {
+      float dev[9];
+      assert_ok(kvi_inject_deviation(inj, &q, 1, l, dev, 9, KVI_MEMORY_HOST, NULL));
+      for (int t = 0; t < 9; t++)
+        if (dev[t] != 0.0f) fail_msg("%s: deviation of layer %d token %d is %g", what, l, t, (double)dev[t]);
+    }
   kvi_injector_destroy(inj);
   rfact_free(&dq);
   rfact_free(&f);
