@@ -395,6 +395,9 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
   int64_t *s_coff = reinterpret_cast<int64_t *>(s_cs + T * HM);
   int32_t *s_pos = reinterpret_cast<int32_t *>(s_coff + (a.split_v ? 2 * T : T));
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (a.pdl) asm volatile("griddepcontrol.wait;" ::: "memory"); /* the plan kernel's segments */
+#endif
   /* the plan: in the parameters (generic addresses into the constant bank) or uploaded */
   const char *plan = a.inline_bytes ? reinterpret_cast<const char *>(a.inline_plan) : a.plan_dev;
   const kvi__xseg sg = reinterpret_cast<const kvi__xseg *>(plan)[blockIdx.x];
@@ -504,6 +507,22 @@ template <typename G, typename C, int E> int launch4(const kvi__xfer_args *a, cu
   const unsigned chunks = (unsigned)((a->layer_end - a->layer_begin + a->layers_per_cta - 1) / a->layers_per_cta);
   const dim3 grid((unsigned)a->nsegs, chunks);
   const size_t smem = KVI__XFER_SMEM(a->seg_tokens, a->half_max, a->split_v);
+  if (a->pdl) { /* a programmatic dependent of the plan kernel: its launch overlaps that kernel */
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(THREADS);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    const cudaError_t e = a->inject ? cudaLaunchKernelEx(&cfg, xfer_kernel<G, C, E, true>, *a)
+                                    : cudaLaunchKernelEx(&cfg, xfer_kernel<G, C, E, false>, *a);
+    (void)cudaGetLastError();
+    return (int)e;
+  }
   if (a->inject)
     xfer_kernel<G, C, E, true><<<grid, THREADS, smem, s>>>(*a);
   else
@@ -528,7 +547,7 @@ template <typename G, typename C> int launch3(const kvi__xfer_args *a, cudaStrea
  * (cuda/meson.build) compiles this file once per pair with KVI_XFER_PAGE and
  * KVI_XFER_CACHE naming the two types, which instantiates xfer_launch for that
  * pair only, and once without them for everything below it: the dispatch,
- * which calls the pairs' xfer_launch, and the retrieve planner. */
+ * which calls the pairs' xfer_launch. */
 namespace kvi {
 template <typename G, typename C> int xfer_launch(const kvi__xfer_args *a, cudaStream_t s);
 #ifdef KVI_XFER_PAGE
@@ -553,81 +572,7 @@ template <typename G> int launch2(const kvi__xfer_args *a, cudaStream_t s) {
   return (int)cudaErrorInvalidValue;
 }
 
-/* One CTA per query (kernels.h, kvi__rplan_args). Thread j places the
- * query's j-th fact in injection order; a block-wide scan gives its first
- * token. */
-constexpr int RP_THREADS = 256;
-__global__ void __launch_bounds__(RP_THREADS) rplan_kernel(const kvi__rplan_args a) {
-  __shared__ int64_t part[RP_THREADS];
-  __shared__ int64_t total;
-  const kvi__rquery q = a.queries[blockIdx.x];
-  const int n = q.dir ? min(a.counts[blockIdx.x], q.nres) : 0;
-  kvi__xseg *segs = a.segs + q.seg0;
-  /* each thread takes nres / RP_THREADS consecutive facts (in injection order) */
-  const int per = (q.nres + RP_THREADS - 1) / RP_THREADS, f0 = (int)threadIdx.x * per;
-  int64_t mine = 0;
-  for (int f = f0; f < f0 + per && f < n; f++) {
-    const int rank = q.best_last ? n - 1 - f : f;
-    const int32_t row = a.rows[(int64_t)blockIdx.x * a.k + rank];
-    mine += row >= 0 ? (int64_t)q.dir[(int64_t)row * q.stride] : 0;
-  }
-  part[threadIdx.x] = mine;
-  __syncthreads();
-  for (int o = 1; o < RP_THREADS; o <<= 1) { /* inclusive scan */
-    const int64_t v = threadIdx.x >= (unsigned)o ? part[threadIdx.x - o] : 0;
-    __syncthreads();
-    part[threadIdx.x] += v;
-    __syncthreads();
-  }
-  if (threadIdx.x == RP_THREADS - 1) total = part[RP_THREADS - 1];
-  __syncthreads();
-  const bool fits = total <= q.cap;
-  int64_t t0 = part[threadIdx.x] - mine; /* tokens before this thread's first fact */
-  for (int f = f0; f < f0 + per && f < q.nres; f++) {
-    kvi__xseg *fs = segs + (int64_t)f * q.spf;
-    int s = 0;
-    if (fits && f < n) {
-      const int rank = q.best_last ? n - 1 - f : f;
-      const int32_t row = a.rows[(int64_t)blockIdx.x * a.k + rank];
-      const uint32_t *d = q.dir + (int64_t)row * q.stride;
-      const int32_t tokens = row >= 0 ? (int32_t)d[0] : 0;
-      for (int32_t t = 0; t < tokens && s < q.spf;) {
-        const int32_t in_page = t % a.P;
-        int32_t m = tokens - t;
-        if (m > a.P - in_page) m = a.P - in_page;
-        if (m > a.seg_tokens) m = a.seg_tokens;
-        kvi__xseg g;
-        g.seq0 = q.first_slot + t0 + t;
-        g.page = d[1 + t / a.P];
-        g.req = (int32_t)blockIdx.x;
-        g.pos0 = q.start_position + (int32_t)(t0 + t);
-        g.tok0 = (uint16_t)in_page;
-        g.ntok = (uint16_t)m;
-        g.explicit_pos = 0;
-        fs[s++] = g;
-        t += m;
-      }
-      t0 += tokens;
-    }
-    for (; s < q.spf; s++) { /* unused: the injection kernel skips them */
-      kvi__xseg g = {};
-      fs[s] = g;
-    }
-  }
-  if (threadIdx.x == 0) {
-    a.out_counts[blockIdx.x] = fits ? n : 0;
-    a.out_tokens[blockIdx.x] = fits ? (int32_t)total : 0;
-    if (!fits) atomicAdd(a.skipped, (unsigned long long)total);
-  }
-}
-
 } // namespace
-
-extern "C" int kvi__cuda_retrieve_plan(const kvi__rplan_args *a, struct CUstream_st *stream) {
-  if (a->nq == 0) return 0;
-  rplan_kernel<<<(unsigned)a->nq, RP_THREADS, 0, (cudaStream_t)stream>>>(*a);
-  return (int)cudaGetLastError();
-}
 
 extern "C" int kvi__cuda_transfer(const kvi__xfer_args *a, struct CUstream_st *stream) {
   if (a->nsegs == 0 || a->layer_end <= a->layer_begin) return 0;

@@ -192,6 +192,11 @@ kvi_status kvi__cuda_sm_count(int device, int *count, const char *fn) {
   return e == cudaSuccess ? KVI_OK : cuda_fail(e, fn, "cudaDeviceGetAttribute (multiprocessors)");
 }
 
+kvi_status kvi__cuda_cc_major(int device, int *major, const char *fn) {
+  cudaError_t e = cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, device);
+  return e == cudaSuccess ? KVI_OK : cuda_fail(e, fn, "cudaDeviceGetAttribute (compute capability)");
+}
+
 kvi_status kvi__cuda_copy(void *dst, const void *src, size_t bytes, struct CUstream_st *s, const char *fn) {
   cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, (cudaStream_t)s);
   return e == cudaSuccess ? KVI_OK : cuda_fail(e, fn, "cudaMemcpyAsync");
@@ -300,6 +305,11 @@ kvi_status kvi__cuda_stream_wait(struct CUstream_st *s, struct CUevent_st *e, co
 kvi_status kvi__cuda_sm_count(int device, int *count, const char *fn) {
   (void)device;
   *count = 0;
+  return not_built(fn);
+}
+kvi_status kvi__cuda_cc_major(int device, int *major, const char *fn) {
+  (void)device;
+  *major = 0;
   return not_built(fn);
 }
 kvi_status kvi__cuda_copy(void *dst, const void *src, size_t bytes, struct CUstream_st *s, const char *fn) {

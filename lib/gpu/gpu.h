@@ -63,6 +63,7 @@ kvi_status kvi__cuda_free_async(void *p, struct CUstream_st *s, const char *fn);
 kvi_status kvi__cuda_d2d(void *dst, const void *src, size_t bytes, struct CUstream_st *s, const char *fn);
 kvi_status kvi__cuda_stream_wait(struct CUstream_st *s, struct CUevent_st *e, const char *fn);
 kvi_status kvi__cuda_sm_count(int device, int *count, const char *fn);
+kvi_status kvi__cuda_cc_major(int device, int *major, const char *fn); /* compute capability's major */
 /* Copies between any two of device and pinned host memory (the runtime
  * tells which from the addresses), and the pitched form. */
 kvi_status kvi__cuda_copy(void *dst, const void *src, size_t bytes, struct CUstream_st *s, const char *fn);

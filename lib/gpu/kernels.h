@@ -138,6 +138,10 @@ typedef struct kvi__xfer_args {
                              covers is captured whole in phase 1, and a plan of
                              such pages is phase 1 alone); else 2 */
   unsigned long long *skipped; /* device-visible counter of skipped tokens */
+  int32_t pdl;                 /* 1: launched as a programmatic dependent of the kernel
+                                  before it on the stream (the retrieve plan, compute
+                                  capability 9.0 on): its CTAs wait for that kernel's
+                                  completion and memory before anything else */
   uint64_t inline_plan[KVI__INLINE_PLAN / 8];
 } kvi__xfer_args;
 
@@ -194,26 +198,8 @@ typedef struct kvi__rquery {
   int32_t best_last;    /* 1: inject the best fact last */
 } kvi__rquery;
 
-/* Writes the injection plan's segments from the search's results: one CTA
- * per query; a query's facts land back to back in rank order. Unused
- * segments get ntok 0. A query whose winners need more than `cap` tokens
- * injects nothing (count 0, its tokens added to *skipped). */
-typedef struct kvi__rplan_args {
-  const kvi__rquery *queries; /* device */
-  int32_t nq, k, P, seg_tokens;
-  const int32_t *rows;        /* nq x k tenant rows (search output, device) */
-  const int32_t *counts;      /* nq facts found (device) */
-  kvi__xseg *segs;            /* the plan's segments (device) */
-  int32_t *out_counts;        /* nq facts injected (device) */
-  int32_t *out_tokens;        /* nq tokens injected (device) */
-  unsigned long long *skipped;
-} kvi__rplan_args;
-
-int kvi__cuda_retrieve_plan(const kvi__rplan_args *a, struct CUstream_st *stream);
-
-/* ---- batched injection with device fact ids (cuda/batch_kernels.cu) ----- */
-
-/* One request's fact ids to look up in its tenant's row ids. */
+/* One request's fact ids to look up in its tenant's row ids
+ * (kvi_inject_batched with device fact ids). */
 typedef struct kvi__idreq {
   const uint64_t *ids; /* the tenant's row ids (device; row r is fact ids[r]), or NULL: no facts */
   int64_t f0;          /* its first id's index in fact_ids */
@@ -221,19 +207,44 @@ typedef struct kvi__idreq {
   int32_t nrows;       /* rows of ids */
 } kvi__idreq;
 
-/* rows[r * k + f] = the row of request r's f-th id, -1 for KVI_SEARCH_NO_ID
- * (not counted) and for an id its tenant does not hold (one added to
- * *skipped); counts[r] = nf. One CTA per request, a warp per id. */
-typedef struct kvi__idlookup_args {
-  const kvi__idreq *reqs; /* device */
-  int32_t n, k;
-  const uint64_t *fact_ids; /* device */
-  int32_t *rows;            /* n x k (device) */
-  int32_t *counts;          /* n (device) */
-  unsigned long long *skipped;
-} kvi__idlookup_args;
+/* Host-built bytes that travel inside the plan kernel's parameters, no
+ * upload, when they fit (kvi__rplan_args.blob). */
+#define KVI__RPLAN_INLINE 8192
 
-int kvi__cuda_lookup_ids(const kvi__idlookup_args *a, struct CUstream_st *stream);
+/* Writes the injection plan's segments from the search's results: one CTA
+ * per query; a query's facts land back to back in rank order. Unused
+ * segments get ntok 0. A query whose winners need more than `cap` tokens
+ * injects nothing (count 0, its tokens added to *skipped).
+ *
+ * With `look` (device fact ids), each CTA first finds its request's rows:
+ * rows[q * k + f] = the row of fact_ids[look[q].f0 + f] in look[q].ids, -1
+ * for KVI_SEARCH_NO_ID (not counted) and for an id its tenant does not hold
+ * (one added to *skipped); the query's count is then its nres. The CTA scans
+ * the tenant's ids once (every thread a row at a time) against a hash table
+ * of the request's ids in shared memory.
+ *
+ * With blob_bytes > 0 the launch first writes blob[0, blob_bytes) to
+ * blob_dst (device, 8-aligned), the plan's host-built part (its requests,
+ * tables, queries and lookups); `queries` and `look` may point into it and
+ * are then read from the parameters. Its first instruction lets a
+ * dependent launch (kvi__xfer_args.pdl) start. */
+typedef struct kvi__rplan_args {
+  const kvi__rquery *queries; /* device */
+  int32_t nq, k, P, seg_tokens;
+  int32_t *rows;              /* nq x k tenant rows (device): the search's output, or written here with look */
+  const int32_t *counts;      /* nq facts found (device); unused with look */
+  kvi__xseg *segs;            /* the plan's segments (device) */
+  int32_t *out_counts;        /* nq facts injected (device) */
+  int32_t *out_tokens;        /* nq tokens injected (device) */
+  unsigned long long *skipped;
+  const kvi__idreq *look;     /* nq lookups (device), or NULL */
+  const uint64_t *fact_ids;   /* device */
+  char *blob_dst;
+  int32_t blob_bytes;
+  uint64_t blob[KVI__RPLAN_INLINE / 8];
+} kvi__rplan_args;
+
+int kvi__cuda_retrieve_plan(const kvi__rplan_args *a, struct CUstream_st *stream);
 
 /* The embedding rows, ids and directory rows of one commit, written by one
  * launch from pinned host memory the device reads in place (unified

@@ -220,10 +220,10 @@ static void batch_request(const kvi_inject_batch *b, int32_t r, ireq *q) {
 }
 
 /* Device fact ids (CUDA store with device directories; index arrays on the
- * host, both locks held): each request's reserve checked on the host, the
- * plan's queries and lookups uploaded, then on `stream`: the id lookup, the
- * retrieve-plan kernel and one injection launch, ordered after the last
- * change to the store's embeddings and before the next. */
+ * host, both locks held): each request's reserve checked on the host, then
+ * on `stream` the retrieve-plan kernel (which looks the ids up) and one
+ * injection launch, ordered after the last change to the store's embeddings
+ * and before the next. */
 static kvi_status batch_on_device(xfer *x, const kvi_inject_batch *b, int32_t lb, int32_t le, struct CUstream_st *stream,
                                   const char *fn) {
   kvi_store *s = x->store;
@@ -271,30 +271,12 @@ static kvi_status batch_on_device(xfer *x, const kvi_inject_batch *b, int32_t lb
       lk[r].nf = d[r].nres;
     }
     char *dev = p.sl->dev + p.off;
-    /* the plan's host tables, queries and lookups (the segments and what follows the lookups are written on the device) */
-    st = kvi__cuda_h2d(dev + p.o_reqs, p.buf + p.o_reqs, o_mine + o_rows - p.o_reqs, stream, fn);
-    p.uploaded = true;
-    if (st == KVI_OK) st = kvi__emb_read_begin(s, stream, fn);
-    bool enqueued = false;
-    int32_t *rows = (int32_t *)(dev + o_mine + o_rows), *counts = (int32_t *)(dev + o_mine + o_counts);
-    if (st == KVI_OK) {
-      kvi__idlookup_args la;
-      memset(&la, 0, sizeof la);
-      la.reqs = (const kvi__idreq *)(dev + o_mine + o_look);
-      la.n = n;
-      la.k = kmax;
-      la.fact_ids = b->fact_ids;
-      la.rows = rows;
-      la.counts = counts;
-      la.skipped = x->skipped.dev;
-      enqueued = true;
-#ifdef KVI_HAVE_CUDA
-      const int err = kvi__cuda_lookup_ids(&la, stream);
-      if (err) st = kvi__cuda_error(err, fn, "fact id lookup kernel launch");
-#endif
-    }
-    if (st == KVI_OK)
-      st = kvi__plan_and_inject(x, &p, n, kmax, rows, counts, counts,
+    st = kvi__emb_read_begin(s, stream, fn);
+    const bool enqueued = st == KVI_OK;
+    if (st == KVI_OK) /* the lookups travel with the plan's host-built part, written on the device after them */
+      st = kvi__plan_and_inject(x, &p, o_mine + o_rows, n, kmax, (int32_t *)(dev + o_mine + o_rows),
+                                NULL, (const kvi__idreq *)(dev + o_mine + o_look), b->fact_ids,
+                                (int32_t *)(dev + o_mine + o_counts),
                                 b->out_tokens ? b->out_tokens : (int32_t *)(dev + o_mine + o_tokens), lb, le,
                                 stream, fn);
     if (enqueued) { /* later changes to the tenants' rows and directories wait for what was enqueued */

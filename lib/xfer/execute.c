@@ -326,6 +326,7 @@ static kvi_status xfer_args(xfer *x, const plan *p, int32_t lb, int32_t le, bool
   a->inject = inject;
   a->vec = kvi__xfer_vec(x);
   a->skipped = x->skipped.dev;
+  a->pdl = p->after_plan_kernel && x->pdl;
   return KVI_OK;
 }
 

@@ -214,6 +214,9 @@ static kvi_status xfer_create(xfer *x, kvi_store *store, const kvi_cache_layout 
   if (!x->cuda) return KVI_OK;
   x->slot_bytes = slot_size(&o);
   st = kvi__cuda_sm_count(store->device, &x->sms, fn);
+  int major = 0;
+  if (st == KVI_OK) st = kvi__cuda_cc_major(store->device, &major, fn);
+  x->pdl = major >= 9;
   if (st == KVI_OK) st = upload_tables(x, fn);
   if (st == KVI_OK) st = kvi__ring_init(&x->ring, KVI__XFER_SLOTS, x->slot_bytes, KVI__RING_DEVICE, fn);
   for (int i = 0; i < KVI__XFER_SLOTS && st == KVI_OK; i++) st = kvi__cuda_event_create(&x->up[i], fn);

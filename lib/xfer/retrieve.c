@@ -8,6 +8,8 @@
  * SPDX-License-Identifier: Apache-2.0
  */
 #include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -125,10 +127,7 @@ typedef struct retr {
   plan p;
 } retr;
 
-/* The plan of n device-planned requests: segments reserved for each
- * request's facts (filled by the retrieve-plan kernel), its kvi__rquery at
- * o_ext, and `extra` bytes of the caller's after them (16-aligned, at
- * o_ext + kvi__align_up(n * sizeof(kvi__rquery))). */
+/* The plan of n device-planned requests (transfer.h). */
 kvi_status kvi__plan_on_device(xfer *x, plan *p, const dreq *d, int32_t n, size_t extra, const char *fn) {
   const kvi_store *s = x->store;
   int32_t *spf = malloc((size_t)n * sizeof *spf);
@@ -171,16 +170,14 @@ kvi_status kvi__plan_on_device(xfer *x, plan *p, const dreq *d, int32_t n, size_
   return st;
 }
 
-/* The device work of a device-planned call once its plan is on the device:
- * the retrieve-plan kernel turns rows (n x k tenant rows, -1 skipped) and
- * counts into the plan's segments, out_counts and out_tokens (device;
- * out_counts may be counts), then one injection launch. */
-kvi_status kvi__plan_and_inject(xfer *x, plan *p, int32_t n, int32_t k, const int32_t *rows, const int32_t *counts,
+/* The device work of a device-planned call (transfer.h). */
+kvi_status kvi__plan_and_inject(xfer *x, plan *p, size_t host_end, int32_t n, int32_t k, int32_t *rows,
+                                const int32_t *counts, const kvi__idreq *look, const uint64_t *fact_ids,
                                 int32_t *out_counts, int32_t *out_tokens, int32_t lb, int32_t le,
                                 struct CUstream_st *stream, const char *fn) {
   char *dev = p->sl->dev + p->off;
   kvi__rplan_args a;
-  memset(&a, 0, sizeof a);
+  memset(&a, 0, offsetof(kvi__rplan_args, blob));
   a.queries = (const kvi__rquery *)(dev + p->o_ext);
   a.nq = n;
   a.k = k;
@@ -192,6 +189,21 @@ kvi_status kvi__plan_and_inject(xfer *x, plan *p, int32_t n, int32_t k, const in
   a.out_counts = out_counts;
   a.out_tokens = out_tokens;
   a.skipped = x->skipped.dev;
+  a.look = look;
+  a.fact_ids = fact_ids;
+  /* the host-built part (the segments before o_reqs are the kernel's to write): in the
+   * kernel's parameters when it fits, else uploaded */
+  const size_t bytes = host_end - p->o_reqs;
+  if (bytes <= KVI__RPLAN_INLINE && bytes % 8 == 0 && (uintptr_t)(dev + p->o_reqs) % 8 == 0) {
+    a.blob_dst = dev + p->o_reqs;
+    a.blob_bytes = (int32_t)bytes;
+    memcpy(a.blob, p->buf + p->o_reqs, bytes);
+  } else {
+    kvi_status st = kvi__cuda_h2d(dev + p->o_reqs, p->buf + p->o_reqs, bytes, stream, fn);
+    if (st) return st;
+  }
+  p->uploaded = true;
+  p->after_plan_kernel = true;
 #ifdef KVI_HAVE_CUDA
   const int err = kvi__cuda_retrieve_plan(&a, stream);
   if (err) return kvi__cuda_error(err, fn, "retrieve plan kernel launch");
@@ -231,11 +243,9 @@ kvi_status kvi__retrieve_prepare(kvi_injector *injector, const kvi_retrieve_requ
 static kvi_status retr_enqueue(void *ctx, const int32_t *rows, int32_t *counts, int32_t *tokens,
                                struct CUstream_st *stream, const char *fn) {
   retr *r = ctx;
-  plan *p = &r->p;
-  kvi_status st = kvi__cuda_h2d(p->sl->dev + p->off, p->buf, p->bytes, stream, fn);
-  if (st) return st;
-  p->uploaded = true;
-  return kvi__plan_and_inject(r->x, p, r->nq, r->k, rows, counts, counts, tokens, 0, r->x->cache.L, stream, fn);
+  /* the search's rows are only read: no lookups */
+  return kvi__plan_and_inject(r->x, &r->p, r->p.bytes, r->nq, r->k, (int32_t *)rows, counts, NULL, NULL, counts,
+                              tokens, 0, r->x->cache.L, stream, fn);
 }
 
 kvi_status kvi__retrieve_inject(kvi_injector *injector, const void *queries, int32_t num_queries, int32_t dim,

@@ -55,6 +55,7 @@ typedef struct xfer {
   int32_t seg_tokens; /* longest segment: bounds the kernel's shared memory */
   int32_t half_max;   /* largest rotary_dim / 2 over the layers */
   int32_t sms;        /* multiprocessors of the store's device */
+  bool pdl;           /* the device has programmatic dependent launch (compute capability 9.0 on) */
   /* CUDA */
   char *dev_tables; /* xlayer[L] | k_scale[L*H] | v_scale[L*H] | inv_freq... | tables... */
   kvi__xlayer *d_layers;
@@ -108,6 +109,7 @@ typedef struct plan {
   size_t off; /* where buf lies in the slot (a chunk's plan shares the call's slot) */
   size_t o_reqs, o_pos, o_tab, o_ext, bytes; /* o_ext: the caller's own area, after the tables */
   bool uploaded; /* the caller copied it to the slot's device buffer already */
+  bool after_plan_kernel; /* its segments are the retrieve-plan kernel's, launched just before */
 } plan;
 
 /* What kvi_inject_deviation asks of an injection's plan: scores at `layer`
@@ -245,11 +247,24 @@ kvi_status kvi__encode_captures(kvi_encoder *encoder, const kvi_capture *caps, i
 
 /* ---- retrieve.c ----------------------------------------------------------- */
 
-/* The plan of n device-planned requests, and the device work that completes
- * and runs it (kvi_retrieve_inject's device path, kvi_inject_batched's
- * device fact ids). */
+/* The plan of n device-planned requests (kvi_retrieve_inject's device path,
+ * kvi_inject_batched's device fact ids): segments reserved for each
+ * request's facts (written on the device), its kvi__rquery at o_ext, and
+ * `extra` bytes of the caller's after them (16-aligned, at
+ * o_ext + kvi__align_up(n * sizeof(kvi__rquery))). */
 kvi_status kvi__plan_on_device(xfer *x, plan *p, const dreq *d, int32_t n, size_t extra, const char *fn);
-kvi_status kvi__plan_and_inject(xfer *x, plan *p, int32_t n, int32_t k, const int32_t *rows, const int32_t *counts,
+/* The device work that completes and runs it, on `stream`: the plan's
+ * host-built bytes [o_reqs, host_end) reach the slot (inside the plan
+ * kernel's parameters when they fit, else an upload), the retrieve-plan
+ * kernel turns rows (n x k tenant rows, -1 skipped; device) and counts into
+ * the segments, out_counts and out_tokens (device; out_counts may be
+ * counts), then one injection launch, a programmatic dependent of the plan
+ * kernel where the device has them. With look (n lookups inside the
+ * host-built bytes, and the device fact_ids they index) the plan kernel
+ * first writes rows itself and counts go unread (kernels.h,
+ * kvi__rplan_args). */
+kvi_status kvi__plan_and_inject(xfer *x, plan *p, size_t host_end, int32_t n, int32_t k, int32_t *rows,
+                                const int32_t *counts, const kvi__idreq *look, const uint64_t *fact_ids,
                                 int32_t *out_counts, int32_t *out_tokens, int32_t lb, int32_t le,
                                 struct CUstream_st *stream, const char *fn);
 

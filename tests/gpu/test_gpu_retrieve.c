@@ -945,6 +945,135 @@ static void test_batched_device_ids(void **state) {
 #endif
 }
 
+/* Device fact ids at the planner's edges, against host ids into a second
+ * cache (byte for byte): a tenant of WT facts (more rows than one pass of
+ * the lookup's loads), a request of 300 ids (more than one chunk of the
+ * lookup's hash table) with repeats, NO_ID gaps and ids the tenant does not
+ * hold, then the same ids spread over WN requests (a plan too large for the
+ * kernel's parameters: uploaded) and over 2 (inline). */
+static void test_device_ids_wide(void **state) {
+  (void)state;
+  REQUIRE_GPU();
+#ifdef KVI_HAVE_CUDA
+  enum { WT = 1300, WK = 300, WN = 160, WTBL = 64, WNB = WN * WTBL, WFT = 3 };
+  kvi_model *model;
+  kvi_model_options mo = KVI_MODEL_OPTIONS_INIT;
+  mo.num_layers = L, mo.num_kv_heads = H, mo.head_size = D;
+  CHECK_OK(kvi_model_create(&model, &mo));
+  kvi_rope_spec rs = KVI_ROPE_SPEC_INIT;
+  rs.theta = 10000;
+  CHECK_OK(kvi_model_set_rope(model, -1, &rs));
+  kvi_store_options so = KVI_STORE_OPTIONS_INIT;
+  so.backend = KVI_BACKEND_CUDA, so.device = 0, so.page_tokens = P, so.embedding_dim = DIM;
+  so.budget_bytes = (uint64_t)(WT + 16) * L * 2 * H * D * P * 2;
+  kvi_store *s;
+  CHECK_OK(kvi_store_create(&s, model, &so));
+  static uint64_t ids[WT];
+  static int32_t ntok[WT];
+  for (int f = 0; f < WT; f++) {
+    ids[f] = 50000 + 3 * (uint64_t)f;
+    ntok[f] = rand_len(1, WFT);
+    const size_t n = (size_t)L * ntok[f] * H * D;
+    float *k = malloc(n * sizeof *k), *v = malloc(n * sizeof *v), e[DIM];
+    for (size_t i = 0; i < n; i++) k[i] = rndf(), v[i] = rndf();
+    rand_ints(e, DIM, -4, 4);
+    kvi_kv_view kv;
+    kvi_kv_view_contiguous(&kv, KVI_MEMORY_HOST, KVI_DTYPE_FP32, L, ntok[f], H, D, k, v);
+    kvi_put_options po = KVI_PUT_OPTIONS_INIT;
+    po.embedding = e;
+    CHECK_OK(kvi_store_put(s, 9, ids[f], &kv, &po, NULL));
+    free(k);
+    free(v);
+  }
+  const size_t elems = (size_t)L * 2 * WNB * BS * H * D, bytes = elems * sizeof(uint16_t);
+  uint16_t *dcache[2];
+  kvi_injector *inj[2];
+  for (int c = 0; c < 2; c++) {
+    CUDA_OK(cudaMalloc((void **)&dcache[c], bytes));
+    void *layers[L];
+    for (int l = 0; l < L; l++) layers[l] = dcache[c] + (size_t)l * (elems / L);
+    kvi_cache_layout cl;
+    CHECK_OK(kvi_cache_layout_preset(&cl, KVI_CACHE_VLLM_FLASH_ATTN, KVI_DTYPE_BF16, L, H, D, BS, WNB, layers, NULL,
+                                     NULL));
+    cl.memory = KVI_MEMORY_DEVICE;
+    CHECK_OK(kvi_injector_create(&inj[c], s, &cl, NULL));
+  }
+  static int32_t tab[WN * WTBL];
+  for (int i = 0; i < WN * WTBL; i++) tab[i] = (int32_t)((i * 7919) % WNB); /* a permutation: 7919 is prime */
+  int32_t *dtab;
+  CUDA_OK(cudaMalloc((void **)&dtab, sizeof tab));
+  CUDA_OK(cudaMemcpy(dtab, tab, sizeof tab, cudaMemcpyHostToDevice));
+  /* the 300 ids: tenant rows (repeats allowed), every 37th NO_ID, every 53rd not the tenant's */
+  static uint64_t want[WK], host_ids[WK];
+  int64_t unknown = 0;
+  for (int i = 0; i < WK; i++) {
+    if (i % 37 == 5) want[i] = KVI_SEARCH_NO_ID;
+    else if (i % 53 == 7) want[i] = 1 + (uint64_t)i, unknown++;
+    else want[i] = ids[rnd() % WT];
+  }
+  want[11] = want[12] = ids[WT - 1]; /* the last row, twice */
+  int32_t nh = 0; /* the host ids: the same facts in the same order, without the gaps */
+  for (int i = 0; i < WK; i++)
+    if (want[i] != KVI_SEARCH_NO_ID && !(i % 53 == 7)) host_ids[nh++] = want[i];
+  uint64_t *dids;
+  CUDA_OK(cudaMalloc((void **)&dids, sizeof want));
+  CUDA_OK(cudaMemcpy(dids, want, sizeof want, cudaMemcpyHostToDevice));
+  cudaStream_t st;
+  CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  const int splits[3] = {1, WN, 2}; /* requests the 300 ids are spread over */
+  for (int sp = 0; sp < 3; sp++) {
+    const int nreq = splits[sp];
+    static int32_t doff[WN + 1], hoff[WN + 1], starts[WN];
+    static int64_t first[WN];
+    int32_t h = 0;
+    for (int r = 0; r <= nreq; r++) {
+      doff[r] = (int32_t)((int64_t)WK * r / nreq);
+      if (r == 0) {
+        hoff[0] = 0;
+        continue;
+      }
+      for (int i = doff[r - 1]; i < doff[r]; i++) h += want[i] != KVI_SEARCH_NO_ID && !(i % 53 == 7);
+      hoff[r] = h;
+      first[r - 1] = r % 5, starts[r - 1] = 100 * r + 3;
+    }
+    for (int c = 0; c < 2; c++) CUDA_OK(cudaMemset(dcache[c], 0x7f, bytes));
+    CUDA_OK(cudaDeviceSynchronize());
+    kvi_inject_batch b = KVI_INJECT_BATCH_INIT;
+    b.num_requests = nreq, b.tenant = 9, b.first_slots = first, b.start_positions = starts;
+    b.block_tables = dtab, b.block_tables_memory = KVI_MEMORY_DEVICE, b.block_table_stride = WTBL,
+    b.block_table_len = WTBL;
+    kvi_inject_batch dv = b, hb = b;
+    dv.fact_ids = dids, dv.fact_ids_memory = KVI_MEMORY_DEVICE, dv.fact_offsets = doff;
+    hb.fact_ids = host_ids, hb.fact_offsets = hoff;
+    CHECK_OK(kvi_inject_batched(inj[0], &dv, NULL, (struct CUstream_st *)st));
+    CHECK_OK(kvi_inject_batched(inj[1], &hb, NULL, (struct CUstream_st *)st));
+    CUDA_OK(cudaStreamSynchronize(st));
+    uint16_t *a = malloc(bytes), *bb = malloc(bytes);
+    CUDA_OK(cudaMemcpy(a, dcache[0], bytes, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(bb, dcache[1], bytes, cudaMemcpyDeviceToHost));
+    size_t bad = 0, written = 0;
+    for (size_t i = 0; i < elems; i++) bad += a[i] != bb[i], written += a[i] != 0x7f7f;
+    int64_t skipped = -1, sref = -1;
+    CHECK_OK(kvi_injector_async_errors(inj[0], &skipped));
+    CHECK_OK(kvi_injector_async_errors(inj[1], &sref));
+    if (bad || written == 0 || skipped != unknown || sref != 0)
+      fail_msg("%d requests: %zu of %zu written elements differ from host ids; %lld skipped (want %lld), %lld with "
+               "host ids", nreq, bad, written, (long long)skipped, (long long)unknown, (long long)sref);
+    free(a);
+    free(bb);
+  }
+  cudaStreamDestroy(st);
+  cudaFree(dids);
+  cudaFree(dtab);
+  for (int c = 0; c < 2; c++) {
+    kvi_injector_destroy(inj[c]);
+    cudaFree(dcache[c]);
+  }
+  kvi_store_destroy(s);
+  kvi_model_destroy(model);
+#endif
+}
+
 int main(void) {
   if (kvi_cuda_device_count(&g_devices) != KVI_OK) g_devices = 0;
   g_retrieve = g_devices > 0 && (kvi_features() & KVI_FEATURE_CUBLASLT);
@@ -959,6 +1088,7 @@ int main(void) {
       cmocka_unit_test_setup(test_short_table, setup),
       cmocka_unit_test_setup(test_tiered, setup),
       cmocka_unit_test_setup(test_batched_device_ids, setup),
+      cmocka_unit_test_setup(test_device_ids_wide, setup),
   };
   int failed = cmocka_run_group_tests_name("gpu-retrieve", tests, NULL, NULL);
   if (failed) return 1;
