@@ -226,6 +226,30 @@ __device__ inline void q4_inject(const Ctx &x, const kvi__xfer_args &a, const ui
   }
 }
 
+/* A group's walk over its R value rows in q4_capture_values (lane lg of G,
+ * chunks c = lg, lg + G, ... of W columns): each chunk's R loads issued
+ * before any is used, then each row that is on (cr[q]: its cache row)
+ * converted to fp32 and taken from the cache's scale (sc[q]), handed to
+ * use(q, c, f). The bounds pass and the codes pass both walk so. */
+template <typename C, int E, int W, int R, typename F>
+__device__ inline void q4_value_chunks(const kvi__xfer_args &a, const C *const *cr, const bool *on, const float *sc,
+                                       unsigned lg, unsigned G, unsigned nch, F &&use) {
+  for (unsigned c = lg; c < nch; c += G) {
+    Vec<C, W> t[R];
+#pragma unroll
+    for (int q = 0; q < R; q++)
+      if (on[q]) q4_ld_cache<C, E, W>(t[q], cr[q] + (int64_t)c * W * a.v_dim_stride, a.v_dim_stride);
+#pragma unroll
+    for (int q = 0; q < R; q++) {
+      if (!on[q]) continue;
+      float f[W];
+      to_f32<C, W>(f, t[q]);
+      scale_from_cache<C>(f, W, sc[q]);
+      use(q, c, f);
+    }
+  }
+}
+
 /* Capture into a 4-bit page: the values, a row per group of G lanes, R rows
  * a group in flight (64 bytes a lane); a skipped token's word is zero. */
 template <typename C, int E>
@@ -258,22 +282,11 @@ __device__ inline void q4_capture_values(const Ctx &x, const kvi__xfer_args &a, 
       sc[q] = is_fp8<C>::value ? vs[h[q]] : 1.0f;
       mn[q] = INFINITY, mx[q] = -INFINITY;
     }
-    for (unsigned c = lg; c < nch; c += G) {
-      Vec<C, W> t[R];
+    q4_value_chunks<C, E, W, R>(a, cr, on, sc, lg, G, nch, [&](int q, unsigned, const float *f) {
 #pragma unroll
-      for (int q = 0; q < R; q++)
-        if (on[q]) q4_ld_cache<C, E, W>(t[q], cr[q] + (int64_t)c * W * a.v_dim_stride, a.v_dim_stride);
-#pragma unroll
-      for (int q = 0; q < R; q++) {
-        if (!on[q]) continue;
-        float f[W];
-        to_f32<C, W>(f, t[q]);
-        scale_from_cache<C>(f, W, sc[q]);
-#pragma unroll
-        for (int i = 0; i < W; i++)
-          if (f[i] - f[i] == 0.0f) mn[q] = fminf(mn[q], f[i]), mx[q] = fmaxf(mx[q], f[i]); /* finite only */
-      }
-    }
+      for (int i = 0; i < W; i++)
+        if (f[i] - f[i] == 0.0f) mn[q] = fminf(mn[q], f[i]), mx[q] = fmaxf(mx[q], f[i]); /* finite only */
+    });
 #pragma unroll
     for (int q = 0; q < R; q++)
       for (unsigned o = G >> 1; o; o >>= 1) {
@@ -289,23 +302,13 @@ __device__ inline void q4_capture_values(const Ctx &x, const kvi__xfer_args &a, 
       sm[q] = q4_sm(w);
       rc[q] = kvi__q4_rcp(sm[q].x);
     }
-    for (unsigned c = lg; c < nch; c += G) { /* the codes (the row again, from L1) */
-      Vec<C, W> t[R];
+    /* the codes (the row again, from L1) */
+    q4_value_chunks<C, E, W, R>(a, cr, on, sc, lg, G, nch, [&](int q, unsigned c, const float *f) {
+      uint32_t codes = 0u;
 #pragma unroll
-      for (int q = 0; q < R; q++)
-        if (on[q]) q4_ld_cache<C, E, W>(t[q], cr[q] + (int64_t)c * W * a.v_dim_stride, a.v_dim_stride);
-#pragma unroll
-      for (int q = 0; q < R; q++) {
-        if (!on[q]) continue;
-        float f[W];
-        to_f32<C, W>(f, t[q]);
-        scale_from_cache<C>(f, W, sc[q]);
-        uint32_t codes = 0u;
-#pragma unroll
-        for (int i = 0; i < W; i++) codes |= kvi__q4_code_rcp(f[i], sm[q].x, sm[q].y, rc[q]) << (4 * i);
-        q4_st<W>(pg, x.page_row0 + (int64_t)(x.H + h[q]) * x.page_head + (int64_t)j[q] * x.D + c * W, codes);
-      }
-    }
+      for (int i = 0; i < W; i++) codes |= kvi__q4_code_rcp(f[i], sm[q].x, sm[q].y, rc[q]) << (4 * i);
+      q4_st<W>(pg, x.page_row0 + (int64_t)(x.H + h[q]) * x.page_head + (int64_t)j[q] * x.D + c * W, codes);
+    });
   }
 }
 

@@ -127,8 +127,9 @@ def align16(n):
 
 
 def page_bytes(m, dtype, P):
-    """A store page's bytes (lib/store/store.c): elements, then scales (fp8: then the fp16 key
-    offsets, one per key channel of each layer and head), each part 16-byte aligned."""
+    """A store page's bytes (lib/store/store.c, kvi_store_stats.page_bytes): elements, then
+    scales (fp8: then the fp16 key offsets, one per key channel of each layer and head, as
+    lib/base/fp8.h's kvi__fp8_page_meta), each part 16-byte aligned."""
     L, H, D = m["layers"], m["kv_heads"], m["head_size"]
     elems = L * 2 * H * P * D
     if dtype == "bf16":
@@ -146,13 +147,15 @@ def bf16_token_bytes(m):
 
 def fact_bytes(m, dtype, P, T):
     """(memory, disk) bytes of a T-token fact: memory rounds up to whole pages; a file keeps
-    the T tokens' elements and the scales of the pages they span (docs/store-format.md)."""
+    the T tokens' elements and the scales of the pages they span (docs/store-format.md; fp8:
+    each page's scales and key offsets back to back, unpadded, as lib/base/fp8.h's
+    kvi__fp8_meta_bytes)."""
     pages = -(-T // P)
     mem = pages * page_bytes(m, dtype, P)
     per_elem = {"bf16": 2.0, "fp8": 1.0, "q4": 0.5}[dtype]
     elems = T * bf16_token_bytes(m) / 2 * per_elem
     scales = {"bf16": 0,
-              "fp8": align16(m["layers"] * 2 * m["kv_heads"] * 4) + m["layers"] * m["kv_heads"] * m["head_size"] * 2,
+              "fp8": m["layers"] * 2 * m["kv_heads"] * 4 + m["layers"] * m["kv_heads"] * m["head_size"] * 2,
               "q4": m["layers"] * m["kv_heads"] * (m["head_size"] + P) * 4}[dtype]
     return mem, int(elems) + pages * scales
 

@@ -42,6 +42,30 @@ def test_odd_geometry_alignment():
     assert cap.page_bytes(odd, "q4", 3) == 32 + 48
 
 
+def test_page_bytes_match_the_library(closing):
+    """page_bytes against kvi_store_stats.page_bytes of a CPU store of each model and layout
+    (and the odd geometry above): the model's page is the library's, byte for byte."""
+    try:
+        import kvinject as kvi
+    except ImportError as e:
+        pytest.skip("no libkvinject to compare with: %s" % e)
+    dtypes = {"bf16": kvi.DType.BF16, "fp8": kvi.DType.FP8_E4M3, "q4": kvi.DType.Q4}
+    odd = {"layers": 1, "kv_heads": 1, "head_size": 6}
+    cases = [(m, dtype, P) for m in (M8, M70) for dtype, P in cap.INPUTS["layouts"]]
+    cases += [(odd, "fp8", 3), (odd, "q4", 3), (odd, "bf16", 3)]
+    for m, dtype, P in cases:
+        want = cap.page_bytes(m, dtype, P)
+        model = kvi.Model(m["layers"], m["kv_heads"], m["head_size"])
+        closing.append(model)
+        store = kvi.Store(model, want, backend=kvi.Backend.CPU, dtype=dtypes[dtype], page_tokens=P)
+        closing.append(store)
+        st = store.stats()
+        assert (st.page_bytes, st.pages_total) == (want, 1), (m, dtype, P)
+    # the example of CHANGELOG.md: a 24-token fact in 16-token fp8 pages, 2,180 KiB, 0.532 of bf16
+    assert 2 * cap.page_bytes(M8, "fp8", 16) == 2_180 * 1024
+    assert round(cap.page_bytes(M8, "fp8", 16) / cap.page_bytes(M8, "bf16", 16), 3) == 0.532
+
+
 def test_fact_and_user_bytes():
     # a 20-token fact takes two 16-token pages in memory, its 20 tokens on disk
     assert cap.fact_bytes(M8, "bf16", 16, 20) == (2 * 2_097_152, 20 * 131_072)
@@ -49,6 +73,11 @@ def test_fact_and_user_bytes():
     assert cap.fact_bytes(M8, "fp8", 16, 20)[1] == 20 * 65_536 + 2 * (2_048 + 65_536)
     # q4, 64-token pages: one page in memory; on disk 20 x 32,768 + one page's words
     assert cap.fact_bytes(M8, "q4", 64, 20) == (2_293_760, 20 * 32_768 + 196_608)
+    # a file keeps an fp8 page's scales and key offsets back to back, unpadded (store-format.md):
+    # odd geometry, 4 tokens in 3-token pages: 1 x 2 x 1 x 4 x 6 element bytes, then 2 pages x
+    # (8 scale bytes + 12 key offset bytes); in memory 2 pages of 48 + 16 + 16
+    odd = {"layers": 1, "kv_heads": 1, "head_size": 6}
+    assert cap.fact_bytes(odd, "fp8", 3, 4) == (2 * 80, 48 + 2 * (8 + 12))
     inp = cap.load_inputs()[0]
     assert cap.user_bytes(inp, M8, "bf16", 16) == (200 * 4_194_304, 200 * 2_621_440)
 
