@@ -88,7 +88,13 @@ Measured, per engine:
               first token (the rest: input processing, queue, IPC, output);
   throughput  --concurrency requests submitted together at the largest k,
               requests/s (median of --tput-reps after one warm-up; fresh
-              questions every call), for each of --tput-tokens; the
+              questions every call), for each of --tput-tokens; request i
+              is user i mod --tput-users (default 1: every request has the
+              same facts, so APC's requests share one cached prefix: the
+              same blocks, nothing written per request; with U users each
+              has facts of its own, of the same lengths, captured into its
+              own tenant, and APC caches each user's prefix in the warm-up:
+              a memory service's many users); the
               connector engine (prefill, inject) and apc engine (apc);
   connector   from its events: host time in start_load_kv per injecting
               step; with --device-timing (the connector's time_device: an
@@ -158,7 +164,7 @@ SHAPES = {"fixed": dict(header=32, fact="24", question=32, k="0,5,10,20,50"),
           "paper": dict(header=40, fact="10-20", question=15, k="5,10,20,50")}
 # the arguments that shape the figures: a part is reused only when they are the same
 KEY_ARGS = ("model", "shape", "k", "header_tokens", "fact_tokens", "question_tokens", "no_align", "block_size",
-            "concurrency", "tput_tokens", "reps", "warmup", "tput_reps", "store_dtype", "store_mb", "gpu_mem",
+            "concurrency", "tput_tokens", "tput_users", "reps", "warmup", "tput_reps", "store_dtype", "store_mb", "gpu_mem",
             "max_model_len", "max_batched_tokens", "layerwise", "eager", "dummy", "device_timing", "seed",
             "profile", "profile_k", "profile_requests", "profile_stack", "cold_reps", "cold_store_mb",
             "cold_read_mb_s", "cold_prefill_tokens_s", "cold_settle_ms", "cold_settle_prefetch")
@@ -203,6 +209,9 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--tput-reps", type=int, default=3)
+    ap.add_argument("--tput-users", type=int, default=1,
+                    help="users the throughput requests cycle through (each its own facts and tenant); the "
+                         "connector's store is raised to hold them all")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--store-dtype", default="bf16")
     ap.add_argument("--store-mb", type=int, default=1024)
@@ -288,6 +297,7 @@ class Workload:
         self.header = self.draw(rng, args.header_tokens)
         self.facts = [self.draw(rng, rng.randint(flo, fhi)) for _ in range(max(ks))]
         self.fact_ids = [HEADER_ID + 1 + i for i in range(max(ks))]
+        self.users = {0: self.facts}   # user u > 0: facts of user 0's lengths, tokens of its own
         self.qlen = args.question_tokens
         self.pads = {}
         for k in ks:
@@ -303,23 +313,31 @@ class Workload:
     def question(self, *tag):
         return self.draw(random.Random("%d/q/%s" % (self.seed, "/".join(map(str, tag)))), self.qlen)
 
-    def segments(self, k):
-        """[(fact id, tokens)] of the prefix of k facts: header, facts, pad."""
-        out = [(HEADER_ID, self.header)] + list(zip(self.fact_ids[:k], self.facts[:k]))
+    def facts_of(self, user):
+        if user not in self.users:
+            rng = random.Random("%d/facts/user%d" % (self.seed, user))
+            self.users[user] = [self.draw(rng, len(f)) for f in self.facts]
+        return self.users[user]
+
+    def segments(self, k, user=0):
+        """[(fact id, tokens)] of the prefix of k facts: header, facts, pad (one pad per k:
+        every user's facts have user 0's lengths)."""
+        out = [(HEADER_ID, self.header)] + list(zip(self.fact_ids[:k], self.facts_of(user)[:k]))
         if self.pads[k]:
             out.append((PAD_ID + k, self.pads[k]))
         return out
 
-    def request(self, kind, k, question, n_out=1):
-        """(prompt, SamplingParams) of one request of kind prefill / apc / inject."""
+    def request(self, kind, k, question, n_out=1, user=0):
+        """(prompt, SamplingParams) of one request of kind prefill / apc / inject, of a user
+        (tenant TENANT + user)."""
         from vllm import SamplingParams
         ign = n_out > 1
         if kind == "inject":
             import kvinject.vllm as kv
-            mp = kv.memory_prompt(TENANT, self.segments(k), question)
+            mp = kv.memory_prompt(TENANT + user, self.segments(k, user), question)
             return mp.prompt, mp.sampling_params(temperature=0.0, max_tokens=n_out, ignore_eos=ign,
                                                  skip_clone=True)
-        ids = [t for _, seg in self.segments(k) for t in seg] + list(question)
+        ids = [t for _, seg in self.segments(k, user) for t in seg] + list(question)
         # skip_clone: each request's parameters are its own, as the OpenAI server makes them
         # (LLM.generate would deep-copy them per request, the kvinject parameters included)
         return {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=ign,
@@ -363,7 +381,7 @@ def wait_gpu_free(limit_s=60):
     log("WARNING: the GPU still holds %.1f GiB after %d s" % (gpu_bytes("used") / 2**30, limit_s))
 
 
-def fit(args, cfg):
+def fit(args, cfg, store_mb):
     """gpu_memory_utilization to use and the estimate; SystemExit(2) when the
     model cannot fit (no check without a GPU)."""
     G = 1 << 30
@@ -374,7 +392,7 @@ def fit(args, cfg):
         est["gpu_mem"] = args.gpu_mem or 0.6
         return est
     act = (args.max_batched_tokens or 16384) * act_tok + G      # activations of one step, logits, slack
-    reserve = args.store_mb * (1 << 20) + 4 * G                 # the store and CUDA graphs, outside vLLM's share
+    reserve = store_mb * (1 << 20) + 4 * G                 # the store and CUDA graphs, outside vLLM's share
     gm = args.gpu_mem
     if gm is None:
         gm = 0.6 if w < 20 * G else min(0.95, 1 - reserve / total)   # 0.6: the 8B runs before issue 32
@@ -382,13 +400,13 @@ def fit(args, cfg):
     est.update(gpu_mem=gm, activation_gib=act / G, kv_cache_gib=kv / G, kv_tokens=int(max(kv, 0) // kv_tok))
     log("memory: weights %.1f GiB, activations ~%.1f GiB, KV cache ~%.1f GiB (%d tokens of %.0f KiB) at "
         "gpu_memory_utilization %.2f of %.1f GiB; store %d MiB outside" % (
-            w / G, act / G, kv / G, est["kv_tokens"], kv_tok / 1024, gm, total / G, args.store_mb))
+            w / G, act / G, kv / G, est["kv_tokens"], kv_tok / 1024, gm, total / G, store_mb))
     if est["kv_tokens"] < args.max_model_len or (1 - gm) * total < reserve - 2 * G:
         raise SystemExit("vllm_bench: refused: this model cannot fit on this GPU (%.1f GiB): weights %.1f GiB + "
                          "activations ~%.1f GiB + one %d-token sequence's KV cache (%.2f GiB) need more than "
                          "gpu_memory_utilization %.2f gives (%.1f GiB), with %d MiB of store and ~2 GiB of CUDA "
                          "graphs beside it" % (total / G, w / G, act / G, args.max_model_len,
-                                               args.max_model_len * kv_tok / G, gm, gm * total / G, args.store_mb))
+                                               args.max_model_len * kv_tok / G, gm, gm * total / G, store_mb))
     ks, concs, outs, (_, fhi) = lists(args)
     need = max(concs) * (args.header_tokens + max(ks) * fhi + args.block_size + args.question_tokens + max(outs))
     if est["kv_tokens"] < need:
@@ -410,8 +428,12 @@ def run_engine(args):
     kmax = max(ks)
     with open(os.path.join(args.model, "config.json")) as f:
         cfg = json.load(f)
-    mem = fit(args, cfg)
     wl = Workload(args, cfg["vocab_size"], args.block_size)
+    store_mb = args.store_mb
+    if spec["connector"] and args.tput_users > 1:   # every user's [header | facts | pad] at the largest k
+        store_mb = max(store_mb, int(1.25 * args.tput_users * wl.prefix_len(kmax) * model_bytes(cfg)[1] / (1 << 20)))
+    mem = fit(args, cfg, store_mb)
+    mem["store_mb"] = store_mb
     res = {"engine": args.engine, "key": run_key(args), "args": vars(args), "memory": mem,
            "pads": {k: len(p) for k, p in wl.pads.items()},
            "prefix_tokens": {k: wl.prefix_len(k) for k in ks}}
@@ -437,7 +459,7 @@ def run_engine(args):
                   max_num_seqs=max(64, max(concs)), enforce_eager=args.eager, block_size=args.block_size,
                   disable_log_stats=False)  # RequestOutput.metrics: the engine core's own timestamps
     if spec["connector"]:
-        extra = dict(store_dtype=args.store_dtype, store_budget_mb=args.store_mb, events_path=ev_path,
+        extra = dict(store_dtype=args.store_dtype, store_budget_mb=store_mb, events_path=ev_path,
                      layerwise=args.layerwise, time_device=args.device_timing)
         if spec.get("cold"):
             extra.update(cold_settings(args, cfg, wl, ks))
@@ -485,7 +507,7 @@ def run_engine(args):
         return dt, outs
 
     if spec["connector"] and not spec.get("cold"):
-        capture(gen, events, wl, ks, res)
+        capture(gen, events, wl, ks, res, args.tput_users if spec["tput"] else 1)
 
     windows = []  # (label, t0, t1) in time.time(), to assign the connector's events
 
@@ -565,12 +587,12 @@ def throughput(args, spec, wl, timed, kmax, concs, tput_tokens):
     out = []
     for n_out in tput_tokens:
         for n in concs:
-            row = {"k": kmax, "concurrent": n, "output_tokens": n_out}
+            row = {"k": kmax, "concurrent": n, "output_tokens": n_out, "users": min(n, args.tput_users)}
             for kind in spec["tput"]:
                 ts = []
                 for rep in range(args.tput_reps + 1):
-                    reqs = [wl.request(kind, kmax, wl.question("tput", n_out, n, rep, i), n_out)
-                            for i in range(n)]
+                    reqs = [wl.request(kind, kmax, wl.question("tput", n_out, n, rep, i), n_out,
+                                       user=i % args.tput_users) for i in range(n)]
                     dt = timed("tput-%s-%d-%d" % (kind, n, n_out), reqs)[0]
                     if rep:
                         ts.append(dt)   # rep 0: the warm-up
@@ -582,8 +604,9 @@ def throughput(args, spec, wl, timed, kmax, concs, tput_tokens):
     return out
 
 
-def capture(gen, events, wl, ks, res):
-    """Header and every fact from one prefill; then each k's pad after [header | k facts]."""
+def capture(gen, events, wl, ks, res, users=1):
+    """Header and every fact from one prefill; then each k's pad after [header | k facts];
+    users 1 .. users - 1: header, facts and the largest k's pad from one prefill each."""
     import kvinject.vllm as kv
     kmax = max(ks)
     cp = kv.capture_prompt(TENANT, [kv.Keep(HEADER_ID, wl.header)]
@@ -596,10 +619,17 @@ def capture(gen, events, wl, ks, res):
             pads.append(kv.capture_prompt(TENANT, segs + [kv.Keep(PAD_ID + k, wl.pads[k]), wl.question("pad", k)]))
     if pads:
         gen([(p.prompt, p.sampling_params(temperature=0.0, max_tokens=1)) for p in pads])
+    more = []
+    for u in range(1, users):
+        segs = [kv.Keep(i, seg) for i, seg in wl.segments(kmax, u)]
+        more.append(kv.capture_prompt(TENANT + u, segs + [wl.question("capture", u)]))
+    for i in range(0, len(more), 16):
+        gen([(p.prompt, p.sampling_params(temperature=0.0, max_tokens=1)) for p in more[i:i + 16]])
+    want = kmax + 1 + len(pads) + (users - 1) * len(wl.segments(kmax))
     stored = sum(e["stored"] for e in events() if e["event"] == "capture")
-    if stored != kmax + 1 + len(pads):
-        raise SystemExit("vllm_bench: the captures stored %d facts, expected %d (header, %d facts, %d pads)"
-                         % (stored, kmax + 1 + len(pads), kmax, len(pads)))
+    if stored != want:
+        raise SystemExit("vllm_bench: the captures stored %d facts, expected %d (header, %d facts, %d pads; "
+                         "%d more users)" % (stored, want, kmax, len(pads), users - 1))
     reg = [e for e in events() if e["event"] == "register"]
     res["register"] = reg[-1] if reg else None
     log("captured %d facts and %d pads; cache %s" % (kmax + 1, len(pads), res["register"] or "?"))
@@ -1013,7 +1043,7 @@ def write_run_report(d, stem, parts):
     tput = []
     for i, row in enumerate((c or ap or {}).get("throughput", [])):
         t = dict(k=row["k"], concurrent=row["concurrent"], output_tokens=row["output_tokens"],
-                 prefill_rps=row.get("prefill_rps"), inject_rps=row.get("inject_rps"))
+                 users=row.get("users", 1), prefill_rps=row.get("prefill_rps"), inject_rps=row.get("inject_rps"))
         if ap and c:
             m = [x for x in ap.get("throughput", []) if x["concurrent"] == row["concurrent"]
                  and x["output_tokens"] == row["output_tokens"]]
@@ -1164,11 +1194,12 @@ def report_md(m, engines):
     if m.get("cold"):
         L += cold_md(m)
     if m["throughput"]:
-        L += ["", "| k | concurrent | output tokens | re-prefill req/s | APC req/s | injected req/s | "
-              "injected / re-prefill | injected / APC |", "|--:|--:|--:|--:|--:|--:|--:|--:|"]
+        L += ["", "| k | concurrent | users | output tokens | re-prefill req/s | APC req/s | injected req/s | "
+              "injected / re-prefill | injected / APC |", "|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
         for t in m["throughput"]:
-            L.append("| %d | %d | %d | %s | %s | %s | %s | %s |" % (
-                t["k"], t["concurrent"], t["output_tokens"], fmt(t["prefill_rps"], "%.1f"), fmt(t["apc_rps"], "%.1f"),
+            L.append("| %d | %d | %d | %d | %s | %s | %s | %s | %s |" % (
+                t["k"], t["concurrent"], t.get("users", 1), t["output_tokens"], fmt(t["prefill_rps"], "%.1f"),
+                fmt(t["apc_rps"], "%.1f"),
                 fmt(t["inject_rps"], "%.1f"), fmt(t["inject_over_prefill"], "%.2fx"),
                 fmt(t["inject_over_apc"], "%.2fx")))
     if m["connector"]:
