@@ -503,11 +503,26 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
   }
 }
 
+/* Whether a kernel's code was compiled for compute capability 9.0 or later
+ * (its griddepcontrol.wait is there): code JIT-compiled from an older
+ * architecture's PTX has none, and must not be launched as a programmatic
+ * dependent. Asked once per kernel. */
+template <typename G, typename C, int E, bool INJECT> bool waits_for_primary() {
+  static int known = -1; /* a benign race: every thread finds the same answer */
+  if (known < 0) {
+    cudaFuncAttributes fa;
+    known = cudaFuncGetAttributes(&fa, xfer_kernel<G, C, E, INJECT>) == cudaSuccess && fa.ptxVersion >= 90;
+    (void)cudaGetLastError();
+  }
+  return known == 1;
+}
+
 template <typename G, typename C, int E> int launch4(const kvi__xfer_args *a, cudaStream_t s) {
   const unsigned chunks = (unsigned)((a->layer_end - a->layer_begin + a->layers_per_cta - 1) / a->layers_per_cta);
   const dim3 grid((unsigned)a->nsegs, chunks);
   const size_t smem = KVI__XFER_SMEM(a->seg_tokens, a->half_max, a->split_v);
-  if (a->pdl) { /* a programmatic dependent of the plan kernel: its launch overlaps that kernel */
+  if (a->pdl && (a->inject ? waits_for_primary<G, C, E, true>() : waits_for_primary<G, C, E, false>())) {
+    /* a programmatic dependent of the plan kernel: its launch overlaps that kernel */
     cudaLaunchAttribute attr;
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr.val.programmaticStreamSerializationAllowed = 1;
