@@ -607,6 +607,7 @@ kvi_status kvi__disk_attach(kvi_store *s, const kvi_store_options *opts, const c
   } else {
     close(fd);
     unlink(probe);
+    kvi__persist_remove_stale_temporaries_in(o.disk_dir); /* once here, not per tenant file written */
   }
   free(probe);
   if (st == KVI_OK) {

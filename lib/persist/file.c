@@ -148,26 +148,25 @@ int kvi__persist_create_temporary(const char *path, char *tmp, size_t tlen, cons
   return -1;
 }
 
-/* Removes the temporaries of `path` (its name, ".tmp." and 16 hex digits)
- * that are regular files of this user that nobody holds locked: left by a
- * save or journal open that died. Best effort; symlinks are never followed
- * or removed. */
-void kvi__persist_remove_stale_temporaries(const char *path) {
-  const char *base;
-  char *dir = kvi__persist_path_dir(path, &base);
-  const int dfd = dir ? open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC) : -1;
-  free(dir);
+/* Removes, in directory `dir`, the temporaries of the file named `base` (its
+ * name, ".tmp." and 16 hex digits; base NULL: of any file) that are regular
+ * files of this user that nobody holds locked: left by a save or journal
+ * open that died. Best effort; symlinks are never followed or removed. */
+static void sweep(const char *dir, const char *base) {
+  const int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   DIR *d = dfd >= 0 ? fdopendir(dfd) : NULL;
   if (!d) {
     if (dfd >= 0) close(dfd);
     return;
   }
-  const size_t bl = strlen(base), tl = strlen(TMP_TAG);
+  const size_t tl = strlen(TMP_TAG);
   struct dirent *e;
   while ((e = readdir(d))) {
     const char *n = e->d_name;
-    if (strlen(n) != bl + tl + TMP_HEX || strncmp(n, base, bl) != 0 || strncmp(n + bl, TMP_TAG, tl) != 0) continue;
-    if (strspn(n + bl + tl, "0123456789abcdef") != TMP_HEX) continue;
+    const size_t nl = strlen(n);
+    if (nl <= tl + TMP_HEX || strncmp(n + nl - TMP_HEX - tl, TMP_TAG, tl) != 0) continue;
+    if (base && (nl != strlen(base) + tl + TMP_HEX || strncmp(n, base, strlen(base)) != 0)) continue;
+    if (strspn(n + nl - TMP_HEX, "0123456789abcdef") != TMP_HEX) continue;
     const int fd = openat(dfd, n, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) continue;
     struct stat a, b;
@@ -178,3 +177,12 @@ void kvi__persist_remove_stale_temporaries(const char *path) {
   }
   closedir(d);
 }
+
+void kvi__persist_remove_stale_temporaries(const char *path) {
+  const char *base;
+  char *dir = kvi__persist_path_dir(path, &base);
+  if (dir) sweep(dir, base);
+  free(dir);
+}
+
+void kvi__persist_remove_stale_temporaries_in(const char *dir) { sweep(dir, NULL); }

@@ -163,8 +163,12 @@ kvi_status kvi__persist_w_put(writer *w, const void *data, size_t n, const char 
 
 /* A locked temporary file beside `path`, its name into tmp; the fd or -1. */
 int kvi__persist_create_temporary(const char *path, char *tmp, size_t tlen, const char *fn);
-/* Removes the temporaries of `path` that a save which died left. */
+/* Removes the temporaries of `path` that a save which died left (a scan of
+ * its directory). */
 void kvi__persist_remove_stale_temporaries(const char *path);
+/* The same for every file of directory `dir`, in one scan (a disk tier's
+ * directory, when the store opens it). */
+void kvi__persist_remove_stale_temporaries_in(const char *dir);
 
 /* ---- snapshots (snapshot.c) --------------------------------------------- */
 
@@ -187,7 +191,11 @@ void kvi__persist_snapoffs_free(snapoffs *o);
 /* Writes the store's facts (one: only `tenant`'s) as a new file at `path`;
  * keep: *out's fd stays open and locked, for a journal; offs (or NULL):
  * receives where each fact's entry went (freed on error). Facts on disk only
- * (disk tier) are copied from their tenant's file. The store's lock is held. */
+ * (disk tier) are copied from their tenant's file. Then the stale
+ * temporaries beside `path` are removed, but for a disk tier's tenant files
+ * (offs given), whose directory is swept once when the store opens it: a
+ * scan per file would cost a disk tier of N tenants N^2 directory entries.
+ * The store's lock is held. */
 kvi_status kvi__persist_snapshot_file(const kvi_store *s, const char *path, bool one, uint64_t tenant, bool keep,
                                       const kvi__journal *own, snapfile *out, snapoffs *offs, const char *fn);
 

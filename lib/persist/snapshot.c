@@ -190,7 +190,7 @@ kvi_status kvi__persist_snapshot_file(const kvi_store *s, const char *path, bool
   out->ino = sb.st_ino;
   if (keep) out->fd = fd;
   else close(fd);
-  kvi__persist_remove_stale_temporaries(path);
+  if (!offs) kvi__persist_remove_stale_temporaries(path); /* a disk tier's directory: swept at its open */
   goto out;
 fail:
   close(fd);

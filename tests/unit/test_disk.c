@@ -13,7 +13,9 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -730,6 +732,68 @@ static void test_compaction_and_save(void **state) {
   kvi_store_destroy(ref);
 }
 
+static void touch_file(const char *path) {
+  const int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  assert_true(fd >= 0);
+  assert_int_equal(write(fd, "x", 1), 1);
+  close(fd);
+}
+
+static bool exists(const char *path) {
+  struct stat sb;
+  return lstat(path, &sb) == 0;
+}
+
+/* Temporaries that a dying writer left in the directory are removed when a
+ * store opens it (unlocked ones of any file; a locked one and other names
+ * stay), and only then: rewriting a tenant's file does not scan the
+ * directory again (one scan per file written made N tenants cost N^2
+ * directory entries). */
+static void test_stale_temporaries(void **state) {
+  fx *f = *state;
+  char t5[600], t9[600], held[600], other[600], bad[600], later[600];
+  tenant_file(f, 5, ".kvi.tmp.0123456789abcdef", t5, sizeof t5);
+  tenant_file(f, 9, ".kvi.tmp.00000000000000aa", t9, sizeof t9);
+  tenant_file(f, 6, ".kvi.tmp.fedcba9876543210", held, sizeof held);
+  snprintf(other, sizeof other, "%s/notes.txt", f->dir);
+  snprintf(bad, sizeof bad, "%s/0000000000000007.kvi.tmp.12", f->dir);
+  tenant_file(f, 9, ".kvi.tmp.00000000000000bb", later, sizeof later);
+  touch_file(t5);
+  touch_file(t9);
+  touch_file(held);
+  touch_file(other);
+  touch_file(bad);
+  const int hfd = open(held, O_RDONLY | O_CLOEXEC);
+  assert_true(hfd >= 0);
+  assert_int_equal(flock(hfd, LOCK_EX | LOCK_NB), 0); /* a live writer's */
+  kvi_store *s = mk_store(f, KVI_DTYPE_BF16, 3, f->dir, NULL, 0, 0);
+  assert_false(exists(t5));
+  assert_false(exists(t9));
+  assert_true(exists(held));
+  assert_true(exists(other));
+  assert_true(exists(bad));
+  /* tenant 9's file rewritten many times (replacements past its live bytes): the directory is not scanned */
+  touch_file(later);
+  char p[600];
+  tenant_file(f, 9, ".kvi", p, sizeof p);
+  off_t largest = 0;
+  for (int i = 0; i < 60; i++) {
+    assert_ok(put_tag(s, 9, (uint64_t)(i % 3), (uint64_t)i, KVI_PUT_REPLACE));
+    if (fsize(p) > largest) largest = fsize(p);
+  }
+  assert_true(largest < 16 * 1024); /* it was rewritten: 60 puts' records would be larger */
+  assert_true(exists(later));
+  kvi_store_destroy(s);
+  s = mk_store(f, KVI_DTYPE_BF16, 3, f->dir, NULL, 0, 0);
+  assert_false(exists(later));
+  assert_true(exists(held));
+  kvi_store_destroy(s);
+  close(hfd);
+  s = mk_store(f, KVI_DTYPE_BF16, 3, f->dir, NULL, 0, 0); /* its writer gone: stale now */
+  assert_false(exists(held));
+  kvi_store_destroy(s);
+}
+
 /* Tenant 6's 20 facts written by one store on the directory, then a fresh
  * store there (*s: it has them on disk only) and a memory-only store with the
  * same facts (*ref). */
@@ -955,6 +1019,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_disk_full, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_tenant_isolation, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_compaction_and_save, fx_setup, fx_teardown),
+      cmocka_unit_test_setup_teardown(test_stale_temporaries, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_async_prefetch, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_prefetch_wait, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_lru_order, fx_setup, fx_teardown),
