@@ -33,7 +33,10 @@ static kvi_status write_snapshot(const kvi_store *s, writer *w, uint64_t file_id
   if (st) return st;
 
   size_t n = 0;
-  const size_t nall = kvi__store_fact_count(s);
+  /* one tenant: its own list (a disk tier writes a tenant's file at a time; a walk of the
+   * whole store per file made N tenants cost N^2 facts) */
+  const struct tenant *t1 = one ? kvi__store_tenant(s, tenant) : NULL;
+  const size_t nall = one ? (t1 ? t1->count : 0) : kvi__store_fact_count(s);
   const fact **facts = malloc((nall ? nall : 1) * sizeof *facts);
   float *emb = malloc((size_t)(s->emb_dim ? s->emb_dim : 1) * sizeof *emb);
   if (!facts || !emb) {
@@ -42,8 +45,10 @@ static kvi_status write_snapshot(const kvi_store *s, writer *w, uint64_t file_id
     return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "listing %zu facts", nall);
   }
   size_t pos = 0;
-  for (const fact *f; (f = kvi__store_next_fact(s, &pos));)
-    if (!one || f->tenant_id == tenant) facts[n++] = f;
+  if (one)
+    for (const fact *f = t1 ? t1->head : NULL; f && n < nall; f = f->next) facts[n++] = f;
+  else
+    for (const fact *f; (f = kvi__store_next_fact(s, &pos));) facts[n++] = f;
   qsort(facts, n, sizeof *facts, cmp_fact);
 
   uint64_t seq = 0, payload_total = 0, fpos = hlen;
