@@ -191,11 +191,10 @@ void kvi__persist_snapoffs_free(snapoffs *o);
 /* Writes the store's facts (one: only `tenant`'s) as a new file at `path`;
  * keep: *out's fd stays open and locked, for a journal; offs (or NULL):
  * receives where each fact's entry went (freed on error). Facts on disk only
- * (disk tier) are copied from their tenant's file. Then the stale
- * temporaries beside `path` are removed, but for a disk tier's tenant files
- * (offs given), whose directory is swept once when the store opens it: a
- * scan per file would cost a disk tier of N tenants N^2 directory entries.
- * The store's lock is held. */
+ * (disk tier) are copied from their tenant's file. Stale temporaries are
+ * the caller's: a save or journal sweeps beside its file, a disk tier its
+ * directory once when the store opens it (a scan per tenant file would cost
+ * N tenants N^2 directory entries). The store's lock is held. */
 kvi_status kvi__persist_snapshot_file(const kvi_store *s, const char *path, bool one, uint64_t tenant, bool keep,
                                       const kvi__journal *own, snapfile *out, snapoffs *offs, const char *fn);
 

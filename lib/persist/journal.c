@@ -71,6 +71,7 @@ kvi_status kvi__store_journal_open(kvi_store *store, const char *path, uint32_t 
   st = kvi__store_wait_device(store, fn);
   snapfile sf;
   if (st == KVI_OK) st = kvi__persist_snapshot_file(store, path, false, 0, true, journal_of(store), &sf, NULL, fn);
+  if (st == KVI_OK) kvi__persist_remove_stale_temporaries(path);
   kvi__journal *old = NULL;
   if (st == KVI_OK) {
     j->fd = sf.fd;

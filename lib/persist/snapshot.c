@@ -137,7 +137,7 @@ static kvi_status check_not_journal(const char *path, const kvi__journal *own, c
 
 /* Writes a snapshot to a temporary file beside `path`
  * (kvi__persist_create_temporary), flushes it, renames it over `path`,
- * flushes the directory and removes stale temporaries of `path`. keep: the
+ * and flushes the directory (stale temporaries are the caller's). keep: the
  * file stays open and locked as a journal (*out). On error before the
  * rename the temporary file is removed and `path` is untouched. The store's
  * lock is held. */
@@ -195,7 +195,6 @@ kvi_status kvi__persist_snapshot_file(const kvi_store *s, const char *path, bool
   out->ino = sb.st_ino;
   if (keep) out->fd = fd;
   else close(fd);
-  if (!offs) kvi__persist_remove_stale_temporaries(path); /* a disk tier's directory: swept at its open */
   goto out;
 fail:
   close(fd);
@@ -227,6 +226,7 @@ kvi_status kvi__store_save(const kvi_store *store, const char *path, const kvi_s
     st = kvi__persist_snapshot_file(s, path, (o.flags & KVI_SAVE_ONE_TENANT) != 0, o.tenant, false, NULL, &sf, NULL,
                                     fn);
   kvi__store_unlock(s);
+  if (st == KVI_OK) kvi__persist_remove_stale_temporaries(path);
   return st;
 }
 

@@ -21,7 +21,7 @@
  * small paged cache (host memory on a CPU store, device memory on a CUDA
  * store); after the first request the benchmark waits, untimed, until the
  * prefetch has completed (a user's next request comes seconds later). WARM sessions first (not
- * counted), then SESSIONS measured ones. Per request, before anything
+ * counted), then VISITS measured ones. Per request, before anything
  * moves, kvi_store_fact_tier says where each requested fact is: the shares
  * of facts on the device, the host and only on disk are the trace's tier
  * hit rates. Timed per request: from the session's prefetch (first request)
@@ -39,15 +39,15 @@
  * costs that an 8B model's 2.6 MB facts amortize: the measured rate is a
  * lower bound, and DISK_GBPS puts a real one in.
  *
- * Environment (KVI_BENCH_*): USERS (100000), SESSIONS (10000 per s), WARM
- * (SESSIONS / 2), R (4), K (10), LAYERS (2), HEADS (1), HEAD_SIZE (32),
+ * Environment (KVI_BENCH_*): USERS (100000), VISITS (10000 per s: sessions, each one user's run of requests), WARM
+ * (VISITS / 2), R (4), K (10), LAYERS (2), HEADS (1), HEAD_SIZE (32),
  * STORE_DTYPE (bf16, fp8, q4), PAGE_TOKENS (16), MEM_FRACTION (0.1),
  * HOST_FRACTION (0.48, CUDA stores: the capacity model's node, whose host
  * tier is 4.8x its GPU tier), POPULATE (touch, all), PREFILL_TOKENS_PER_S,
  * DISK_GBPS, BACKEND (cpu or cuda; default: CUDA when built with it and a
  * device answers), DIR (where the temporary directory goes; default $TMPDIR
  * or /tmp), SEED (1).
- * Quick CPU run: KVI_BENCH_USERS=2000 KVI_BENCH_SESSIONS=2000.
+ * Quick CPU run: KVI_BENCH_USERS=2000 KVI_BENCH_VISITS=2000.
  *
  * SPDX-License-Identifier: Apache-2.0
  */
@@ -256,7 +256,7 @@ static void session(ctx *c, uint64_t u, tally *t) {
 int main(void) {
   setvbuf(stdout, NULL, _IOLBF, 0); /* progress as it comes, also into a file */
   const long users = env_long("KVI_BENCH_USERS", 100000);
-  const long sessions = env_long("KVI_BENCH_SESSIONS", 10000);
+  const long sessions = env_long("KVI_BENCH_VISITS", 10000);
   const long warm = env_long("KVI_BENCH_WARM", sessions / 2);
   const int R = (int)env_long("KVI_BENCH_R", 4), K = (int)env_long("KVI_BENCH_K", 10);
   const int L = (int)env_long("KVI_BENCH_LAYERS", 2), H = (int)env_long("KVI_BENCH_HEADS", 1),
