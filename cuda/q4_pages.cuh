@@ -115,15 +115,16 @@ template <bool FORWARD> __device__ inline float q4_rot(float own, float p, float
 
 /* A K chunk's place in the rotation (columns d0 .. d0 + W): whether it is
  * rotated (d0 < 2 half), and of its element i whether it is the first of its
- * pair, the pair (cos/sin column) and the partner's column. With W == 8 a
- * NeoX chunk is all first or all second elements (half % 8 == 0), so its
- * pairs and partners are consecutive: they follow from element 0's. */
+ * pair, the pair (cos/sin column) and the partner's column. With W == 8 or
+ * 16 (the vector paths: half % W == 0) a NeoX chunk is all first or all
+ * second elements, so its pairs and partners are consecutive: they follow
+ * from element 0's. */
 template <int W, bool NEOX> struct Q4Pairs {
   unsigned d0, half;
   bool on;
   __device__ Q4Pairs(unsigned d, unsigned hf) : d0(d), half(hf), on(d < 2 * hf) {}
   __device__ bool first(int i) const {
-    if constexpr (NEOX) return (W == 8 ? d0 : d0 + i) < half;
+    if constexpr (NEOX) return (W % 8 == 0 ? d0 : d0 + i) < half;
     else return (i & 1) == 0; /* d0 even */
   }
   __device__ unsigned k(int i) const {
@@ -312,36 +313,34 @@ __device__ inline void q4_capture_values(const Ctx &x, const kvi__xfer_args &a, 
   }
 }
 
-/* Folds W channels' fp32 bounds (mn > mx: no finite value) into their
- * words, one compare-and-swap per channel, all in flight at once; a channel
- * whose word moved meanwhile goes round again. */
-template <int W> __device__ inline void q4_fold_words(uint32_t *kw, const float *mn, const float *mx) {
-  uint32_t cur[W];
+/* Folds N words in place: word i becomes want(i, current word), one
+ * compare-and-swap per word, all in flight at once; a word that moved
+ * meanwhile goes round again. want must be a fold (want(i, want(i, w)) ==
+ * want(i, w), and folds of other threads commute with it). */
+template <int N, typename F> __device__ inline void fold_words(uint32_t *w, F want) {
+  uint32_t cur[N];
   unsigned todo = 0u;
 #pragma unroll
-  for (int i = 0; i < W; i++) {
-    cur[i] = __ldcg(kw + i);
-    if (mn[i] <= mx[i]) todo |= 1u << i;
-  }
+  for (int i = 0; i < N; i++) cur[i] = __ldcg(w + i), todo |= 1u << i;
   while (todo) {
-    uint32_t seen[W];
+    uint32_t seen[N];
 #pragma unroll
-    for (int i = 0; i < W; i++) {
+    for (int i = 0; i < N; i++) {
       seen[i] = cur[i];
       if (!(todo >> i & 1u)) continue;
-      const uint32_t want = kvi__q4_fold(kvi__q4_fold(cur[i], mn[i]), mx[i]);
-      if (want == cur[i]) todo &= ~(1u << i);
-      else cur[i] = atomicCAS(kw + i, seen[i], want);
+      const uint32_t nw = want(i, cur[i]);
+      if (nw == cur[i]) todo &= ~(1u << i);
+      else cur[i] = atomicCAS(w + i, seen[i], nw);
     }
 #pragma unroll
-    for (int i = 0; i < W; i++)
+    for (int i = 0; i < N; i++)
       if ((todo >> i & 1u) && cur[i] == seen[i]) todo &= ~(1u << i); /* swapped */
   }
 }
 
-/* Shared memory where a unit's slices merge their bounds (q4_capture_keys):
- * one array whatever the rotation style. */
-template <int W> __device__ inline float2 *q4_red() {
+/* Shared memory where a unit's slices merge their bounds (key_bounds): one
+ * array whatever the rotation style. */
+template <int W> __device__ inline float2 *key_red() {
   __shared__ float2 red[W * THREADS];
   return red;
 }
@@ -353,7 +352,7 @@ template <int W> __device__ inline float2 *q4_red() {
  * (s, m) in sm and 1 / s in rc. Tokens go in batches of BT whose loads are all issued before
  * any is used (vectors: 128 bytes a thread in flight). */
 template <typename C, int E, bool NEOX, bool BOUNDS>
-__device__ inline void q4_key_rows(const Ctx &x, const kvi__xfer_args &a, uint8_t *pg, unsigned half, const C *kc,
+__device__ inline void key_rows(const Ctx &x, const kvi__xfer_args &a, uint8_t *pg, unsigned half, const C *kc,
                                    float sc, const int64_t *s_coff, unsigned h, unsigned d0, unsigned j0, unsigned j1,
                                    float *mn, float *mx, const float2 *sm, const float *rc) {
   constexpr int W = E == 1 ? 2 : E;
@@ -370,7 +369,7 @@ __device__ inline void q4_key_rows(const Ctx &x, const kvi__xfer_args &a, uint8_
       const C *cr = hb + s_coff[j];
       q4_ld_cache<C, E, W>(o[b], cr + (int64_t)d0 * ds, ds);
       if (NEOX && pr.on) {
-        if constexpr (W == 8) ld<C, W>(p[b], cr + pr.p(0)); /* p(i) == p(0) + i; ds == 1 */
+        if constexpr (W % 8 == 0) ld<C, W>(p[b], cr + pr.p(0)); /* p(i) == p(0) + i; ds == 1 */
         else
 #pragma unroll
           for (int i = 0; i < W; i++) p[b].v[i] = cr[pr.p(i) * ds];
@@ -409,13 +408,65 @@ __device__ inline void q4_key_rows(const Ctx &x, const kvi__xfer_args &a, uint8_
   }
 }
 
-/* Capture into a 4-bit page, one layer's keys. Units (head, chunk of W
- * channels), numbered chunk fastest; a unit's channels are its thread's for
- * the whole segment: their bounds stay in registers while the thread walks
- * the tokens (no atomics within a segment). With fewer units than threads,
- * S = THREADS / units threads share a unit, each a slice of the tokens,
- * and merge their bounds through shared memory (min and max are exact: any
- * order gives the same bounds). Then:
+/* A thread's unit in a layer's key capture (q4_capture_keys,
+ * fp8_key_bounds): units are (head, chunk of W channels), numbered chunk
+ * fastest; a unit's channels are its thread's for the whole segment, so
+ * their bounds stay in registers while the thread walks the tokens (no
+ * atomics within a segment). With fewer units than threads, S = THREADS /
+ * units threads share a unit, each a slice s of the tokens [j0, j1). The
+ * threads walk items it = it0 + threadIdx.x for it0 = 0, THREADS, ... below
+ * units * S (one round when S > 1). */
+struct KeyUnit {
+  unsigned units, S, s, un, h, d0, j0, j1;
+  bool mine;
+};
+template <int W> __device__ inline KeyUnit key_unit(const Ctx &x, unsigned it) {
+  KeyUnit u;
+  const unsigned nch = x.D / W;
+  u.units = x.H * nch;
+  u.S = u.units < THREADS ? THREADS / u.units : 1u;
+  const unsigned ts = (x.ntok + u.S - 1) / u.S;
+  u.s = it / u.units;
+  u.un = it - u.s * u.units;
+  u.h = u.un / nch;
+  u.d0 = (u.un - u.h * nch) * W;
+  u.j0 = min(u.s * ts, x.ntok);
+  u.j1 = min(u.j0 + ts, x.ntok);
+  u.mine = it < u.units * u.S;
+  return u;
+}
+
+/* The finite bounds (mn > mx: none) of the keys of the thread's unit over
+ * the whole segment: its slice's, merged with the unit's other slices
+ * through shared memory when S > 1 (min and max are exact: any order gives
+ * the same bounds). Every thread of the CTA calls it (S > 1 synchronizes);
+ * sc: the cache's scale of the unit's head (fp8 caches). */
+template <typename C, int E, bool NEOX>
+__device__ inline void key_bounds(const Ctx &x, const kvi__xfer_args &a, unsigned rot, const C *kc, float sc,
+                                  const int64_t *s_coff, const KeyUnit &u, float *mn, float *mx) {
+  constexpr int W = E == 1 ? 2 : E;
+#pragma unroll
+  for (int i = 0; i < W; i++) mn[i] = INFINITY, mx[i] = -INFINITY;
+  if (u.mine)
+    key_rows<C, E, NEOX, true>(x, a, nullptr, rot >> 1, kc, sc, s_coff, u.h, u.d0, u.j0, u.j1, mn, mx, nullptr,
+                               nullptr);
+  if (u.S == 1) return;
+  float2 *red = key_red<W>(); /* [channel][thread] (min, max) */
+  __syncthreads();            /* the previous layer's readers are done */
+#pragma unroll
+  for (int i = 0; i < W; i++) red[i * THREADS + threadIdx.x] = make_float2(mn[i], mx[i]);
+  __syncthreads();
+  if (!u.mine) return;
+  for (unsigned q = 0; q < u.S; q++)
+#pragma unroll
+    for (int i = 0; i < W; i++) {
+      const float2 r = red[i * THREADS + q * u.units + u.un];
+      mn[i] = fminf(mn[i], r.x), mx[i] = fmaxf(mx[i], r.y);
+    }
+}
+
+/* Capture into a 4-bit page, one layer's keys, unit by unit (KeyUnit),
+ * from the unit's bounds (key_bounds):
  *  - sole page (phase 1): the channels' words from the bounds, written
  *    as parameters, and the codes (the tokens read again, from L1 or L2);
  *  - else phase 1: the bounds folded into the channels' words with one
@@ -426,43 +477,24 @@ template <typename C, int E, bool NEOX>
 __device__ inline void q4_capture_keys(const Ctx &x, const kvi__xfer_args &a, uint8_t *pg, int l, unsigned rot,
                                        const C *kc, const float *ks, const int64_t *s_coff, bool sole) {
   constexpr int W = E == 1 ? 2 : E;
-  float2 *red = q4_red<W>(); /* S > 1: [channel][thread] (min, max) */
   uint32_t *words = reinterpret_cast<uint32_t *>(pg + a.scale_off);
-  const unsigned H = x.H, D = x.D, nch = D / W, units = H * nch;
-  const unsigned S = units < THREADS ? THREADS / units : 1u, ts = (x.ntok + S - 1) / S;
-  for (unsigned it0 = 0; it0 < units * S; it0 += THREADS) { /* (uniform: S > 1 makes it one round) */
-    const unsigned it = it0 + threadIdx.x, s = it / units, un = it - s * units, h = un / nch;
-    const unsigned d0 = (un - h * nch) * W, j0 = min(s * ts, x.ntok), j1 = min(j0 + ts, x.ntok);
-    const bool mine = it < units * S;
-    uint32_t *kw = words + (int64_t)(l * H + h) * D + d0; /* the unit's channels */
-    const float sc = is_fp8<C>::value && mine ? ks[h] : 1.0f;
+  const KeyUnit u0 = key_unit<W>(x, 0);
+  for (unsigned it0 = 0; it0 < u0.units * u0.S; it0 += THREADS) {
+    const KeyUnit u = key_unit<W>(x, it0 + threadIdx.x);
+    uint32_t *kw = words + (int64_t)(l * x.H + u.h) * x.D + u.d0; /* the unit's channels */
+    const float sc = is_fp8<C>::value && u.mine ? ks[u.h] : 1.0f;
     float2 sm[W];
     if (a.phase == 2) { /* (not sole) */
-      if (!mine) continue;
+      if (!u.mine) continue;
 #pragma unroll
       for (int i = 0; i < W; i++) sm[i] = q4_sm(kvi__q4_params(__ldcg(kw + i))); /* bounds merged in L2 */
     } else {
       float mn[W], mx[W];
-#pragma unroll
-      for (int i = 0; i < W; i++) mn[i] = INFINITY, mx[i] = -INFINITY;
-      if (mine)
-        q4_key_rows<C, E, NEOX, true>(x, a, pg, rot >> 1, kc, sc, s_coff, h, d0, j0, j1, mn, mx, nullptr, nullptr);
-      if (S > 1) { /* merge the unit's slices */
-        __syncthreads(); /* the previous layer's readers are done */
-#pragma unroll
-        for (int i = 0; i < W; i++) red[i * THREADS + threadIdx.x] = make_float2(mn[i], mx[i]);
-        __syncthreads();
-        if (!mine) continue;
-        for (unsigned q = 0; q < S; q++)
-#pragma unroll
-          for (int i = 0; i < W; i++) {
-            const float2 r = red[i * THREADS + q * units + un];
-            mn[i] = fminf(mn[i], r.x), mx[i] = fmaxf(mx[i], r.y);
-          }
-      }
-      if (!mine) continue;
+      key_bounds<C, E, NEOX>(x, a, rot, kc, sc, s_coff, u, mn, mx);
+      if (!u.mine) continue;
       if (!sole) { /* phase 1: fold into the channels' words */
-        if (s == 0) q4_fold_words<W>(kw, mn, mx);
+        if (u.s == 0)
+          fold_words<W>(kw, [&](int i, uint32_t w) { return kvi__q4_fold(kvi__q4_fold(w, mn[i]), mx[i]); });
         continue;
       }
       uint32_t w[W];
@@ -471,7 +503,7 @@ __device__ inline void q4_capture_keys(const Ctx &x, const kvi__xfer_args &a, ui
         w[i] = kvi__q4_params(kvi__q4_bounds(mn[i], mx[i]));
         sm[i] = q4_sm(w[i]);
       }
-      if (s == 0) {
+      if (u.s == 0) {
         if constexpr (W == 8) { /* 32-byte aligned */
           reinterpret_cast<uint4 *>(kw)[0] = make_uint4(w[0], w[1], w[2], w[3]);
           reinterpret_cast<uint4 *>(kw)[1] = make_uint4(w[4], w[5], w[6], w[7]);
@@ -483,7 +515,35 @@ __device__ inline void q4_capture_keys(const Ctx &x, const kvi__xfer_args &a, ui
     float rc[W];
 #pragma unroll
     for (int i = 0; i < W; i++) rc[i] = kvi__q4_rcp(sm[i].x);
-    q4_key_rows<C, E, NEOX, false>(x, a, pg, rot >> 1, kc, sc, s_coff, h, d0, j0, j1, nullptr, nullptr, sm, rc);
+    key_rows<C, E, NEOX, false>(x, a, pg, rot >> 1, kc, sc, s_coff, u.h, u.d0, u.j0, u.j1, nullptr, nullptr, sm, rc);
+  }
+}
+
+/* Capture into an fp8 page, one layer's keys, bounds phase
+ * (KVI__FP8_PH_BOUNDS): each unit's bounds (key_bounds) folded into its
+ * channels' low halves (the offset slots, x.koff) and high halves (x.khi),
+ * two channels' halves per 32-bit compare-and-swap, once per segment
+ * (base/fp8.h's kvi__fp8_fold_half: rounding to fp16 is monotone, so the
+ * fold of the bounds is the fold of every value). */
+template <typename C, int E, bool NEOX>
+__device__ inline void fp8_key_bounds(const Ctx &x, const kvi__xfer_args &a, unsigned rot, const C *kc,
+                                      const float *ks, const int64_t *s_coff) {
+  constexpr int W = E == 1 ? 2 : E; /* even: a unit's halves are whole 32-bit words (D even) */
+  const KeyUnit u0 = key_unit<W>(x, 0);
+  for (unsigned it0 = 0; it0 < u0.units * u0.S; it0 += THREADS) {
+    const KeyUnit u = key_unit<W>(x, it0 + threadIdx.x);
+    float mn[W], mx[W];
+    key_bounds<C, E, NEOX>(x, a, rot, kc, is_fp8<C>::value && u.mine ? ks[u.h] : 1.0f, s_coff, u, mn, mx);
+    if (!u.mine || u.s) continue;
+    const int64_t c = (int64_t)u.h * x.D + u.d0;
+    fold_words<W / 2>(reinterpret_cast<uint32_t *>(x.koff + c), [&](int i, uint32_t w) {
+      return (uint32_t)kvi__fp8_fold_half((uint16_t)w, mn[2 * i], 1) |
+             (uint32_t)kvi__fp8_fold_half((uint16_t)(w >> 16), mn[2 * i + 1], 1) << 16;
+    });
+    fold_words<W / 2>(reinterpret_cast<uint32_t *>(x.khi + c), [&](int i, uint32_t w) {
+      return (uint32_t)kvi__fp8_fold_half((uint16_t)w, mx[2 * i], 0) |
+             (uint32_t)kvi__fp8_fold_half((uint16_t)(w >> 16), mx[2 * i + 1], 0) << 16;
+    });
   }
 }
 

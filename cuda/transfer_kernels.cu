@@ -56,27 +56,18 @@ using kvi::to_f32;
 using kvi::Vec;
 
 /* Capture into an fp8 store (kernels.h, KVI__FP8_PH_*): n values of one
- * row. Keys come with their columns' offset slots ko (in the bounds phase,
- * the low bound halves) and high bound halves hi (base/fp8.h); values with
- * ko null. The bounds phase folds the keys' bounds (16-bit compare-and-swap)
- * or the values' amax into the slot (non-negative floats order as their
- * bits: atomicMax), the amax phase the keys' amax of |x - m|, the write
+ * row. Keys come with their columns' offsets ko (base/fp8.h), values with
+ * ko null. The bounds phase folds the values' amax into the slot
+ * (non-negative floats order as their bits: atomicMax; the keys' bounds
+ * are fp8_key_bounds'), the amax phase the keys' amax of |x - m|, the write
  * phase turns v into the quotients to store under the scale the slot's
  * amax gives. Returns whether the caller stores v (the write phase; other
  * page dtypes always). */
-template <typename G>
-__device__ inline bool to_store(float *v, int n, float *slot, int phase, const uint16_t *ko, uint16_t *hi) {
+template <typename G> __device__ inline bool to_store(float *v, int n, float *slot, int phase, const uint16_t *ko) {
   if constexpr (is_fp8<G>::value) {
     if (phase == KVI__FP8_PH_BOUNDS) {
-      if (ko) {
-        for (int i = 0; i < n; i++) {
-          kvi::fp8_fold_bound(const_cast<uint16_t *>(ko) + i, v[i], true);
-          kvi::fp8_fold_bound(hi + i, v[i], false);
-        }
-      } else {
-        const float m = kvi::finite_amax(v, n);
-        if (m > 0.0f) atomicMax(reinterpret_cast<unsigned *>(slot), __float_as_uint(m));
-      }
+      const float m = ko ? 0.0f : kvi::finite_amax(v, n);
+      if (m > 0.0f) atomicMax(reinterpret_cast<unsigned *>(slot), __float_as_uint(m));
       return false;
     }
     if (phase == KVI__FP8_PH_AMAX) {
@@ -273,8 +264,8 @@ __device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, cons
         rotate<E, NEOX, false>(v, c);
         if constexpr (is_fp8<G>::value) { /* keys: the two vectors' columns da.. and da + off_b.. */
           const int64_t c0 = (int64_t)h * x.D + da;
-          const bool put = to_store<G>(v, E, x.gs + h, x.phase, x.koff + c0, x.khi + c0);
-          to_store<G>(v + E, E, x.gs + h, x.phase, x.koff + c0 + off_b, x.khi + c0 + off_b);
+          const bool put = to_store<G>(v, E, x.gs + h, x.phase, x.koff + c0);
+          to_store<G>(v + E, E, x.gs + h, x.phase, x.koff + c0 + off_b);
           if (!put) continue;
         }
         st<G, E>(pg, v);
@@ -287,11 +278,11 @@ __device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, cons
 /* A converting copy of columns [col0, col0 + nl * E) of every (head, token)
  * row of one plane: K's pass-through tail [rot, D) (plane 0) or all of V
  * (plane 1). cscale: the cache's scales of the plane (fp8 caches); gs: the
- * page's scales of the plane, koff and khi (keys; values null) its key
- * offsets and high bound halves, [head][D] (fp8 stores). */
+ * page's scales of the plane, koff (keys; values null) its key offsets,
+ * [head][D] (fp8 stores). */
 template <typename G, typename C, int E, bool INJECT>
 __device__ inline void plain(const Ctx &x, G *page, C *cache, int64_t plane, unsigned col0, unsigned nl,
-                             const float *cscale, float *gs, uint16_t *koff, uint16_t *khi) {
+                             const float *cscale, float *gs, uint16_t *koff) {
   using S = typename std::conditional<INJECT, G, C>::type;
   /* equal dtypes without scales: the bits move as they are (as on the CPU) */
   constexpr bool RAW = std::is_same<G, C>::value && !is_fp8<G>::value;
@@ -339,8 +330,7 @@ __device__ inline void plain(const Ctx &x, G *page, C *cache, int64_t plane, uns
         st<C, E>(cache + coff + h * x.head_stride + dim_off<E>(x, d), f);
       } else {
         scale_from_cache<C>(f, E, is_fp8<C>::value ? sc[b] : 1.0f);
-        if (!to_store<G>(f, E, is_fp8<G>::value ? gs + h : nullptr, x.phase, koff ? koff + h * x.D + d : nullptr,
-                         khi ? khi + h * x.D + d : nullptr))
+        if (!to_store<G>(f, E, is_fp8<G>::value ? gs + h : nullptr, x.phase, koff ? koff + h * x.D + d : nullptr))
           continue;
         st<G, E>(page + x.page_row0 + plane + h * x.page_head + (int64_t)j * x.D + d, f);
       }
@@ -488,17 +478,25 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
                              q4_sole);
     } else { /* discarded for 4-bit pages: the vector walk has no 4-bit element type */
       set_plane<INJECT>(x, a, s_coff, 0);
-      if (rot) {
-        if (ly.style == 1)
-          rotated<G, C, E, INJECT, true>(x, page, kc, half, ks);
-        else
-          rotated<G, C, E, INJECT, false>(x, page, kc, half, ks);
+      bool keys_bounded = false; /* fp8 capture's bounds phase: the keys' bounds per unit */
+      if constexpr (is_fp8<G>::value && !INJECT) {
+        keys_bounded = a.phase == KVI__FP8_PH_BOUNDS;
+        if (keys_bounded && ly.style == 1) fp8_key_bounds<C, E, true>(x, a, rot, kc, ks, s_coff);
+        else if (keys_bounded) fp8_key_bounds<C, E, false>(x, a, rot, kc, ks, s_coff);
       }
-      if (rot < x.D) /* K's pass-through tail */
-        plain<G, C, E, INJECT>(x, page, kc, 0, rot, (x.D - rot) / E, ks, x.gs, x.koff, x.khi);
+      if (!keys_bounded) {
+        if (rot) {
+          if (ly.style == 1)
+            rotated<G, C, E, INJECT, true>(x, page, kc, half, ks);
+          else
+            rotated<G, C, E, INJECT, false>(x, page, kc, half, ks);
+        }
+        if (rot < x.D) /* K's pass-through tail */
+          plain<G, C, E, INJECT>(x, page, kc, 0, rot, (x.D - rot) / E, ks, x.gs, x.koff);
+      }
       set_plane<INJECT>(x, a, s_coff, 1);
       plain<G, C, E, INJECT>(x, page, vc, (int64_t)x.H * x.page_head, 0, x.D / E, vs, x.gs ? x.gs + x.H : nullptr,
-                             nullptr, nullptr);
+                             nullptr);
     }
   }
 }

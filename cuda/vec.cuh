@@ -249,21 +249,6 @@ template <int E> __device__ inline void fp8_offsets(float *m, const uint16_t *p)
   }
 }
 
-/* A capture's fold of x into a key channel's low (lo) or high bound half
- * (base/fp8.h: kvi__fp8_fold_half), one 16-bit compare-and-swap at a time.
- * Halves only move outward, so a stale first read only costs a retry. */
-__device__ inline void fp8_fold_bound(uint16_t *p, float x, bool lo) {
-  if (!(x - x == 0.0f)) return;
-  unsigned short old = *reinterpret_cast<volatile unsigned short *>(p);
-  for (;;) {
-    const unsigned short nw = kvi__fp8_fold_half(old, x, lo ? 1 : 0);
-    if (nw == old) return;
-    const unsigned short prev = atomicCAS(reinterpret_cast<unsigned short *>(p), old, nw);
-    if (prev == old) return;
-    old = prev;
-  }
-}
-
 } // namespace kvi
 
 #endif /* KVI_CUDA_VEC_CUH */
