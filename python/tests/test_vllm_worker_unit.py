@@ -237,12 +237,18 @@ def test_a_fact_whose_stored_token_ids_differ_from_the_prompts_fails_its_request
         InjectJob("differs", 1, [(1, 0, 3), (2, 3, 2)], [1], [11, 12, 13, 21, 99]),  # the last token
         InjectJob("none", 1, [(3, 0, 2)], [2], [1, 2]),                               # no ids stored
         InjectJob("count", 1, [(1, 0, 3)], [3], [11, 12]),                           # too few ids
+        # jobs with ids are checked by the library alone: these fail there, not in the worker
+        InjectJob("span", 1, [(1, 0, 4)], [4], [11, 12, 13, 21]),                    # a span past its fact
+        InjectJob("unknown", 1, [(1, 0, 3), (77, 3, 2)], [5], [11, 12, 13, 1, 2]),   # no fact 77
+        InjectJob("range", 1, [(1, 0, 3)], [NB + 3], [11, 12, 13]),                  # a block not in the cache
     ]
     rig.worker.start_load_kv(meta([bad[0], good] + bad[1:]))
-    assert rig.worker.get_block_ids_with_load_errors() == {1, 2, 3}
+    assert rig.worker.get_block_ids_with_load_errors() == {1, 2, 3, 4, 5, NB + 3}
     rig.untouched_except(rig.check_written(1, [1, 2], 0, [0]))
     errors = {e["req_id"]: e["message"] for e in rig.events("request_error")}
-    assert set(errors) == {"differs", "none", "count"}
+    assert set(errors) == {"differs", "none", "count", "span", "unknown", "range"}
+    assert "fact 1 of tenant 1 has 3 tokens; the prompt's span for it at token 0 has 4" in errors["span"]
+    assert "77" in errors["unknown"]
     assert "fact 2 of tenant 1: its token 1 (sequence slot 4) is 99 in expect_token_ids, 22 stored" in errors["differs"]
     assert "has no stored token ids" in errors["none"]
     # unchecked jobs (no expected ids) inject as before
