@@ -378,6 +378,34 @@ __device__ inline void set_plane(Ctx &x, const kvi__xfer_args &a, const int64_t 
   x.heads_inner = INJECT && (kv ? a.v_head_stride < a.v_token_stride : a.head_stride < a.token_stride);
 }
 
+/* One layer of a page of fp32, fp16, bf16 or fp8 elements: K (its rotated
+ * part, then its pass-through tail), then V; in an fp8 capture's bounds
+ * phase the keys go through fp8_key_bounds instead. */
+template <typename G, typename C, int E, bool INJECT>
+__device__ inline void vec_layer(Ctx &x, const kvi__xfer_args &a, G *page, int style, unsigned rot, C *kc, C *vc,
+                                 const float *ks, const float *vs, const int64_t *s_coff) {
+  const unsigned half = rot >> 1;
+  set_plane<INJECT>(x, a, s_coff, 0);
+  bool keys_bounded = false; /* fp8 capture's bounds phase: the keys' bounds per unit */
+  if constexpr (is_fp8<G>::value && !INJECT) {
+    keys_bounded = a.phase == KVI__FP8_PH_BOUNDS;
+    if (keys_bounded && style == 1) fp8_key_bounds<C, E, true>(x, a, rot, kc, ks, s_coff);
+    else if (keys_bounded) fp8_key_bounds<C, E, false>(x, a, rot, kc, ks, s_coff);
+  }
+  if (!keys_bounded) {
+    if (rot) {
+      if (style == 1)
+        rotated<G, C, E, INJECT, true>(x, page, kc, half, ks);
+      else
+        rotated<G, C, E, INJECT, false>(x, page, kc, half, ks);
+    }
+    if (rot < x.D) /* K's pass-through tail */
+      plain<G, C, E, INJECT>(x, page, kc, 0, rot, (x.D - rot) / E, ks, x.gs, x.koff);
+  }
+  set_plane<INJECT>(x, a, s_coff, 1);
+  plain<G, C, E, INJECT>(x, page, vc, (int64_t)x.H * x.page_head, 0, x.D / E, vs, x.gs ? x.gs + x.H : nullptr, nullptr);
+}
+
 template <typename G, typename C, int E, bool INJECT>
 __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ kvi__xfer_args a) {
   extern __shared__ float2 s_cs[]; /* [seg_tokens][half_max], then offsets and positions */
@@ -477,26 +505,7 @@ __global__ void __launch_bounds__(THREADS) xfer_kernel(const __grid_constant__ k
       q4_layer<C, E, INJECT>(x, a, reinterpret_cast<uint8_t *>(page), l, ly.style, rot, kc, vc, ks, vs, s_coff, sg.tok0,
                              q4_sole);
     } else { /* discarded for 4-bit pages: the vector walk has no 4-bit element type */
-      set_plane<INJECT>(x, a, s_coff, 0);
-      bool keys_bounded = false; /* fp8 capture's bounds phase: the keys' bounds per unit */
-      if constexpr (is_fp8<G>::value && !INJECT) {
-        keys_bounded = a.phase == KVI__FP8_PH_BOUNDS;
-        if (keys_bounded && ly.style == 1) fp8_key_bounds<C, E, true>(x, a, rot, kc, ks, s_coff);
-        else if (keys_bounded) fp8_key_bounds<C, E, false>(x, a, rot, kc, ks, s_coff);
-      }
-      if (!keys_bounded) {
-        if (rot) {
-          if (ly.style == 1)
-            rotated<G, C, E, INJECT, true>(x, page, kc, half, ks);
-          else
-            rotated<G, C, E, INJECT, false>(x, page, kc, half, ks);
-        }
-        if (rot < x.D) /* K's pass-through tail */
-          plain<G, C, E, INJECT>(x, page, kc, 0, rot, (x.D - rot) / E, ks, x.gs, x.koff);
-      }
-      set_plane<INJECT>(x, a, s_coff, 1);
-      plain<G, C, E, INJECT>(x, page, vc, (int64_t)x.H * x.page_head, 0, x.D / E, vs, x.gs ? x.gs + x.H : nullptr,
-                             nullptr);
+      vec_layer<G, C, E, INJECT>(x, a, page, ly.style, rot, kc, vc, ks, vs, s_coff);
     }
   }
 }

@@ -71,8 +71,8 @@
 #    6. tests/gpu/vllm_gpu.sh run --engines cold  carry []   about 3 min (an estimate; 40 users
 #       captured, 5 requests each; up to 4 GiB of tenant files in /tmp, removed at the end)
 #    7. tests/gpu/vllm_gpu.sh profile            carry []   1.6 min
-    8. tests/gpu/vllm_gpu.sh run --tput-users 64 --k 50 --concurrency 64   carry []   the throughput
-       with 64 users, each its own facts (and APC its own cached prefix): 64 more captures
+#    8. tests/gpu/vllm_gpu.sh run --tput-users 64 --k 50 --concurrency 64   carry []   the throughput
+#       with 64 users, each its own facts (and APC its own cached prefix): 64 more captures
 #   machine 2 (about 20 min): steps 1-3, then
 #    4. VLLM_GPU_MODEL=32b tests/gpu/vllm_gpu.sh run             10-12 min (an estimate), in two or
 #       three calls
