@@ -232,6 +232,7 @@ def test_a_fact_whose_stored_token_ids_differ_from_the_prompts_fails_its_request
     rig.put(1, 1, 3, token_ids=[11, 12, 13])
     rig.put(1, 2, 2, token_ids=[21, 22])
     rig.put(1, 3, 2)  # stored without token ids
+    rig.put(1, 4, 20, token_ids=list(range(100, 120)))
     good = InjectJob("good", 1, [(1, 0, 3), (2, 3, 2)], [0], [11, 12, 13, 21, 22])
     bad = [
         InjectJob("differs", 1, [(1, 0, 3), (2, 3, 2)], [1], [11, 12, 13, 21, 99]),  # the last token
@@ -241,12 +242,14 @@ def test_a_fact_whose_stored_token_ids_differ_from_the_prompts_fails_its_request
         InjectJob("span", 1, [(1, 0, 4)], [4], [11, 12, 13, 21]),                    # a span past its fact
         InjectJob("unknown", 1, [(1, 0, 3), (77, 3, 2)], [5], [11, 12, 13, 1, 2]),   # no fact 77
         InjectJob("range", 1, [(1, 0, 3)], [NB + 3], [11, 12, 13]),                  # a block not in the cache
+        InjectJob("blocks", 1, [(4, 0, 20)], [6], list(range(100, 120))),             # 20 tokens, one block
     ]
     rig.worker.start_load_kv(meta([bad[0], good] + bad[1:]))
-    assert rig.worker.get_block_ids_with_load_errors() == {1, 2, 3, 4, 5, NB + 3}
+    assert rig.worker.get_block_ids_with_load_errors() == {1, 2, 3, 4, 5, 6, NB + 3}
     rig.untouched_except(rig.check_written(1, [1, 2], 0, [0]))
     errors = {e["req_id"]: e["message"] for e in rig.events("request_error")}
-    assert set(errors) == {"differs", "none", "count", "span", "unknown", "range"}
+    assert set(errors) == {"differs", "none", "count", "span", "unknown", "range", "blocks"}
+    assert "the facts end at token 20; the request has 1 blocks of 16" in errors["blocks"]
     assert "fact 1 of tenant 1 has 3 tokens; the prompt's span for it at token 0 has 4" in errors["span"]
     assert "77" in errors["unknown"]
     assert "fact 2 of tenant 1: its token 1 (sequence slot 4) is 99 in expect_token_ids, 22 stored" in errors["differs"]
