@@ -346,6 +346,16 @@ class Workload:
 
 # ---------------------------------------------------------------- memory
 
+def users_store_mb(args, cfg, wl, k, users):
+    """MiB of store memory for `users` users' [header | k facts | pad] as the
+    store lays them out (each segment in whole pages of PAGE_TOKENS tokens in
+    the store's dtype), with a quarter more: 24-token facts take two 16-token
+    pages, 1.33 x their tokens."""
+    page = model_bytes(cfg)[1] // 2 * STORE_BYTES[args.store_dtype] * PAGE_TOKENS
+    pages = sum(-(-len(seg) // PAGE_TOKENS) for _, seg in wl.segments(k))
+    return max(1, -(-int(1.25 * users * pages * page) // (1 << 20)))
+
+
 def model_bytes(cfg):
     """(weight bytes, KV-cache bytes per token, activation bytes per batched token)
     of a dense decoder from its config.json: linear layers in fp8 when its
@@ -431,7 +441,7 @@ def run_engine(args):
     wl = Workload(args, cfg["vocab_size"], args.block_size)
     store_mb = args.store_mb
     if spec["connector"] and args.tput_users > 1:   # every user's [header | facts | pad] at the largest k
-        store_mb = max(store_mb, int(1.25 * args.tput_users * wl.prefix_len(kmax) * model_bytes(cfg)[1] / (1 << 20)))
+        store_mb = max(store_mb, users_store_mb(args, cfg, wl, kmax, args.tput_users))
     mem = fit(args, cfg, store_mb)
     mem["store_mb"] = store_mb
     res = {"engine": args.engine, "key": run_key(args), "args": vars(args), "memory": mem,
@@ -648,9 +658,7 @@ def cold_settings(args, cfg, wl, ks):
     os.makedirs(disk)
     mb = args.cold_store_mb
     if mb is None:
-        page = model_bytes(cfg)[1] // 2 * STORE_BYTES[args.store_dtype] * PAGE_TOKENS
-        pages = sum(-(-len(seg) // PAGE_TOKENS) for _, seg in wl.segments(max(ks)))
-        mb = max(1, -(-int(1.25 * pages * page) // (1 << 20)))
+        mb = users_store_mb(args, cfg, wl, max(ks), 1)
     log("cold engine: disk tier %s, store memory %d MiB, hybrid (disk_read_mb_s %g, prefill_tokens_s %g)"
         % (disk, mb, args.cold_read_mb_s, args.cold_prefill_tokens_s))
     return dict(disk_dir=disk, hybrid=True, store_budget_mb=mb, disk_read_mb_s=args.cold_read_mb_s,
