@@ -55,27 +55,41 @@ using kvi::st_raw;
 using kvi::to_f32;
 using kvi::Vec;
 
+/* Folds m into the fp32 amax slot: atomicMax on its bits (non-negative
+ * floats order as their bits), once per group of the warp's lanes here
+ * that share the slot (on sm_80 and later: their maximum, by the group's
+ * first lane). A page's slot is its head's, and capture walks a head's
+ * tokens in a row, so a warp's lanes mostly share one: one atomic where
+ * each lane's vector took one. */
+__device__ inline void slot_max(float *slot, float m) {
+  unsigned bits = m > 0.0f ? __float_as_uint(m) : 0u;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned peers = __match_any_sync(__activemask(), (unsigned long long)(uintptr_t)slot);
+  bits = __reduce_max_sync(peers, bits);
+  if ((threadIdx.x & 31u) != (unsigned)(__ffs(peers) - 1)) return;
+#endif
+  if (bits) atomicMax(reinterpret_cast<unsigned *>(slot), bits);
+}
+
 /* Capture into an fp8 store (kernels.h, KVI__FP8_PH_*): n values of one
  * row. Keys come with their columns' offsets ko (base/fp8.h), values with
  * ko null. The bounds phase folds the values' amax into the slot
- * (non-negative floats order as their bits: atomicMax; the keys' bounds
- * are fp8_key_bounds'), the amax phase the keys' amax of |x - m|, the write
+ * (slot_max; the keys' bounds are fp8_key_bounds'), the amax phase the
+ * keys' amax of |x - m|, the write
  * phase turns v into the quotients to store under the scale the slot's
  * amax gives. Returns whether the caller stores v (the write phase; other
  * page dtypes always). */
 template <typename G> __device__ inline bool to_store(float *v, int n, float *slot, int phase, const uint16_t *ko) {
   if constexpr (is_fp8<G>::value) {
     if (phase == KVI__FP8_PH_BOUNDS) {
-      const float m = ko ? 0.0f : kvi::finite_amax(v, n);
-      if (m > 0.0f) atomicMax(reinterpret_cast<unsigned *>(slot), __float_as_uint(m));
+      slot_max(slot, ko ? 0.0f : kvi::finite_amax(v, n));
       return false;
     }
     if (phase == KVI__FP8_PH_AMAX) {
-      if (ko) {
-        float m = 0.0f;
+      float m = 0.0f;
+      if (ko)
         for (int i = 0; i < n; i++) m = fmaxf(m, kvi__fp8_key_mag(v[i], kvi::fp8_offset(ko[i])));
-        if (m > 0.0f) atomicMax(reinterpret_cast<unsigned *>(slot), __float_as_uint(m));
-      }
+      slot_max(slot, m);
       return false;
     }
     const float sc = kvi::fp8_scale(*slot);
@@ -402,6 +416,8 @@ __device__ inline void vec_layer(Ctx &x, const kvi__xfer_args &a, G *page, int s
     if (rot < x.D) /* K's pass-through tail */
       plain<G, C, E, INJECT>(x, page, kc, 0, rot, (x.D - rot) / E, ks, x.gs, x.koff);
   }
+  if constexpr (is_fp8<G>::value && !INJECT)
+    if (a.phase == KVI__FP8_PH_AMAX) return; /* the keys' alone: the values' amax came with the bounds */
   set_plane<INJECT>(x, a, s_coff, 1);
   plain<G, C, E, INJECT>(x, page, vc, (int64_t)x.H * x.page_head, 0, x.D / E, vs, x.gs ? x.gs + x.H : nullptr, nullptr);
 }
@@ -556,8 +572,6 @@ template <typename G, typename C> int launch3(const kvi__xfer_args *a, cudaStrea
   if constexpr (is_q4<G>::value) { /* chunks of 8 columns (a 32-bit word of codes) or 2 (a byte) */
     return a->vec >= 8 ? launch4<G, C, 8>(a, s) : launch4<G, C, 1>(a, s);
   } else {
-    if constexpr (is_fp8<G>::value) /* 16 e4m3 bytes: one 16-byte load */
-      if (a->vec == 16) return launch4<G, C, 16>(a, s);
     return a->vec == 8 ? launch4<G, C, 8>(a, s) : launch4<G, C, 1>(a, s);
   }
 }

@@ -124,8 +124,8 @@ typedef struct kvi__xfer_args {
   int32_t seg_tokens;     /* no segment is longer */
   int32_t half_max;       /* largest rot/2 over the layers */
   int32_t inject;         /* 1: pages -> cache (rotate); 0: cache -> pages (un-rotate) */
-  int32_t vec;            /* 16 (fp8 stores only) or 8: vectors of that many elements
-                             (host checked alignment), else 1 */
+  int32_t vec;            /* 8: vectors of that many elements (host checked
+                             alignment), else 1 */
   int32_t phase;          /* capture into an fp8 store, six launches (KVI__FP8_PH_*):
                              0 empty the pages' amax slots and key bounds
                              (base/fp8.h), 1 fold the keys' bounds (16-bit

@@ -150,23 +150,6 @@ static bool vector_ok(const xfer *x) {
   return true;
 }
 
-/* fp8 stores read 16 e4m3 bytes (16 elements) per load: D % 16 == 0, rotated
- * widths in multiples of 32, and every cache row start 16-byte aligned
- * (16 cache elements are at least 16 bytes). */
-static bool vector16_ok(const xfer *x) {
-  const kvi__cache *c = &x->cache;
-  if (!x->store->fp8 || !x->vec_ok || c->D % 16) return false;
-  for (int32_t l = 0; l < c->L; l++) {
-    const kvi__rope *r = &x->store->rope[l];
-    if (r->style != KVI_ROPE_NONE && r->rotary_dim % 32) return false;
-  }
-  const int64_t es = (int64_t)kvi__dtype_size(c->dtype);
-  if (!plane_aligned(&c->ks, es, 16) || !plane_aligned(&c->vs, es, 16)) return false;
-  for (int32_t l = 0; l < c->L; l++)
-    if ((uintptr_t)c->k[l] % 16 || (uintptr_t)c->v[l] % 16) return false;
-  return true;
-}
-
 /* Whether V's block, token or head stride differs from K's (the kernel then
  * keeps V's per-token offsets too). */
 bool kvi__xfer_split_v(const xfer *x) {
@@ -175,7 +158,7 @@ bool kvi__xfer_split_v(const xfer *x) {
 }
 
 /* The kernel variant's vector width (kvi__xfer_args.vec). */
-int32_t kvi__xfer_vec(const xfer *x) { return x->vec16_ok ? 16 : x->vec_ok ? 8 : 1; }
+int32_t kvi__xfer_vec(const xfer *x) { return x->vec_ok ? 8 : 1; }
 
 static kvi_status xfer_create(xfer *x, kvi_store *store, const kvi_cache_layout *layout,
                               const kvi_transfer_options *opts, const char *fn) {
@@ -196,7 +179,6 @@ static kvi_status xfer_create(xfer *x, kvi_store *store, const kvi_cache_layout 
     if (store->rope[l].style != KVI_ROPE_NONE && kvi__rope_max_positions(&store->rope[l]) < x->max_pos)
       x->max_pos = kvi__rope_max_positions(&store->rope[l]);
   x->vec_ok = vector_ok(x);
-  x->vec16_ok = vector16_ok(x);
   x->half_max = 0;
   for (int32_t l = 0; l < store->geom.num_layers; l++)
     if (store->rope[l].style != KVI_ROPE_NONE && store->rope[l].rotary_dim / 2 > x->half_max)

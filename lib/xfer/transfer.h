@@ -50,7 +50,6 @@ typedef struct xfer {
   kvi_transfer_options lim;
   bool cuda;
   bool vec_ok;     /* the 8-element vector path is valid for this layout */
-  bool vec16_ok;   /* fp8 stores: 16-element vectors (16-byte page loads) are valid too */
   int32_t max_pos; /* positions must be below this for every rotated layer */
   int32_t seg_tokens; /* longest segment: bounds the kernel's shared memory */
   int32_t half_max;   /* largest rotary_dim / 2 over the layers */

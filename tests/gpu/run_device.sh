@@ -13,7 +13,10 @@
 # its own directory; the tests AB_TEST names (default test_gpu_transfer; a
 # space-separated list) run on each, then AB_ROUNDS (default 2) interleaved
 # rounds of each benchmark AB_BENCH names (default bench_inject; a list too),
-# so that drift of the machine hits every variant alike),
+# so that drift of the machine hits every variant alike; AB_NCU=REGEX then
+# times each launch of the kernels REGEX names in one pass of each variant's
+# first benchmark under Nsight Compute (KVI_BENCH_ITERS=1) and prints those
+# over AB_NCU_MIN_US (default 200) µs: tests/gpu/ncu_launches.py),
 # or repeat [BIN [RUNS [PARALLEL]]] (build, then tests/gpu/repeat.sh: one gpu
 # test binary many times under parallel load, default test_gpu_store 60 x 4).
 set -euo pipefail
@@ -81,6 +84,14 @@ if [ "$phase" = ab ]; then
       done
     done
   done
+  if [ -n "${AB_NCU:-}" ]; then
+    for i in "${!variants[@]}"; do
+      KVI_BENCH_ITERS=1 timeout 300 ncu --clock-control none --csv --metrics gpu__time_duration.sum \
+        -k "regex:$AB_NCU" /tmp/kvi-ab-$i/b/tests/bench/${benches[0]} >"$out/ab-ncu-$i.csv" 2>"$out/ab-ncu-$i.err"
+      echo "ab: ncu variant $i rc=$?"
+      python3 tests/gpu/ncu_launches.py "$out/ab-ncu-$i.csv" "${AB_NCU_MIN_US:-200}" | sed "s/^/v$i /"
+    done
+  fi
   exit 0
 fi
 rm -rf "$build"

@@ -100,7 +100,7 @@ static int32_t check_variant(const vcase *c) {
   const int32_t D = c->D;
   kvi_model *m = make_model(VL, VH, D, 0, 1);
   int32_t half_max = 0;
-  bool rot16 = true, rot32 = true;
+  bool rot16 = true;
   for (int l = 0; l < VL; l++) {
     kvi_rope_spec r = KVI_ROPE_SPEC_INIT;
     if (c->rot[l] < 0) {
@@ -110,7 +110,6 @@ static int32_t check_variant(const vcase *c) {
       const int32_t rd = c->rot[l] ? c->rot[l] : D;
       if (rd / 2 > half_max) half_max = rd / 2;
       rot16 = rot16 && rd % 16 == 0;
-      rot32 = rot32 && rd % 32 == 0;
     }
     assert_ok(kvi_model_set_rope(m, l, &r));
   }
@@ -152,8 +151,7 @@ static int32_t check_variant(const vcase *c) {
   /* the variant: the widest whose every access is valid for this layout */
   const size_t al8 = 8 * es < 16 ? 8 * es : 16;
   const bool ok8 = D % 8 == 0 && rot16 && ds == 1 && rows_aligned(k, v, bs, ts, hs, es, al8);
-  const bool ok16 = ok8 && c->store_dt == KVI_DTYPE_FP8_E4M3 && D % 16 == 0 && rot32 && rows_aligned(k, v, bs, ts, hs, es, 16);
-  const int32_t want = ok16 ? 16 : ok8 ? 8 : 1, got = kvi__injector_vec(inj);
+  const int32_t want = ok8 ? 8 : 1, got = kvi__injector_vec(inj);
   if (got != want)
     fail_msg("store %s cache %s D %d rot %d/%d/%d pad %d off %d dim stride %lld: vector width %d, expected %d",
              dtype_name(c->store_dt), dtype_name(c->cache_dt), D, c->rot[0], c->rot[1], c->rot[2], c->head_pad,
@@ -187,7 +185,7 @@ static void test_variant_selection(void **state) {
   static const int32_t offs[] = {0, 1, 2, 8, 16};
   rng r;
   rng_seed(&r, "test_variant_selection");
-  int64_t seen[17] = {0};
+  int64_t seen[9] = {0};
   for (size_t si = 0; si < 4; si++)
     for (size_t ci = 0; ci < 5; ci++)
       for (size_t di = 0; di < sizeof Ds / sizeof *Ds; di++)
@@ -211,9 +209,11 @@ static void test_variant_selection(void **state) {
           seen[check_variant(&c)]++;
         }
   /* the sweep reaches every variant */
-  assert_true(seen[1] > 0 && seen[8] > 0 && seen[16] > 0);
+  assert_true(seen[1] > 0 && seen[8] > 0);
+  /* fp8 pages take 8-element vectors too (16 left the injection at 225
+   * registers, the capture at 255 with spills) */
   vcase c = {KVI_DTYPE_FP8_E4M3, KVI_DTYPE_FP16, 64, {0, 32, -1}, 0, 0, 1, 16};
-  assert_int_equal(check_variant(&c), 16);
+  assert_int_equal(check_variant(&c), 8);
   c.store_dt = KVI_DTYPE_FP16;
   assert_int_equal(check_variant(&c), 8);
   c.head_pad = 1; /* rows two bytes off 16 */
