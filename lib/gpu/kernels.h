@@ -128,7 +128,7 @@ typedef struct kvi__xfer_args {
                              alignment), else 1 */
   int32_t phase;          /* capture into an fp8 store, six launches (KVI__FP8_PH_*):
                              0 empty the pages' amax slots and key bounds
-                             (base/fp8.h), 1 fold the keys' bounds (16-bit
+                             (base/fp8.h), 1 fold the keys' bounds (32-bit
                              compare-and-swap) and the values' amax (atomicMax),
                              2 turn the bounds into the key offsets, 3 fold the
                              keys' amax of |x - offset|, 4 write e4m3 bytes, 5
