@@ -44,13 +44,14 @@ typedef struct fact {
   size_t row; /* its row of the tenant's embedding matrix (stores with embeddings) */
   struct fact *prev, *next; /* the tenant's list */
   tenant *owner;
-  /* Tiered and disk-tier stores: facts with pages (every tier) are on the
-   * store's LRU list (most recently injected, put, captured, promoted
-   * or read back first); `pins` counts the leases
-   * (kvi__store_lease) of the call holding the lock: a pinned fact is not
-   * demoted. */
+  /* Tiered and disk-tier stores: facts with pages are on their tier's LRU
+   * list (lru_list: 0 the device tier, or a CPU store's memory; 1 the host
+   * tier), most recently injected, put, captured, promoted, demoted or read
+   * back first; `pins` counts the leases (kvi__store_lease) of the call
+   * holding the lock: a pinned fact is not demoted. */
   struct fact *lru_prev, *lru_next;
   bool in_lru;
+  uint8_t lru_list;
   uint32_t pins;
   /* A device-tier fact promoted from the host keeps its host pages as a
    * clean copy (facts never change in place): demoting it again copies
@@ -128,7 +129,10 @@ typedef struct kvi__store_index {
 
 /* The tiers of a tiered store (tiers.c). */
 typedef struct kvi__store_tier {
-  fact *lru_head, *lru_tail; /* facts with pages (every tier), most recently used first */
+  /* facts with pages, a list per tier (fact.lru_list), most recently used
+   * first: a tier's victims are found from its list's tail without walking
+   * the other tier's facts */
+  fact *lru_head[2], *lru_tail[2];
   uint64_t promotions, demotions;
   /* The last tier move: tracked event number move_seq (valid while
    * move_pending) recorded on copy_stream after its copies. Calls that read
@@ -339,9 +343,10 @@ kvi_status kvi__store_track(kvi_store *s, struct CUstream_st *stream, const char
 
 /* ---- tiers (tiered CUDA stores; tiers.c) -------------------------------- */
 
-/* The pages of the device-tier facts a tier move may demote now: those of
- * the device-tier facts on the LRU list that no lease pins. */
-uint64_t kvi__store_evictable(const kvi_store *s);
+/* The pages of the device-tier facts a tier move may demote now (those no
+ * lease pins), counted from the least recently used until they reach `cap`
+ * (the walk stops there: its cost is the victims', not the tier's). */
+uint64_t kvi__store_evictable(const kvi_store *s, uint64_t cap);
 
 /* The facts a tier move that needs `need` free device pages demotes: the
  * least recently used device-tier facts no lease pins, until their pages

@@ -12,28 +12,33 @@
 
 void kvi__tier_lru_remove(kvi_store *s, fact *f) {
   if (!f->in_lru) return;
+  const int q = f->lru_list;
   if (f->lru_prev) f->lru_prev->lru_next = f->lru_next;
-  else s->tier.lru_head = f->lru_next;
+  else s->tier.lru_head[q] = f->lru_next;
   if (f->lru_next) f->lru_next->lru_prev = f->lru_prev;
-  else s->tier.lru_tail = f->lru_prev;
+  else s->tier.lru_tail[q] = f->lru_prev;
   f->lru_prev = f->lru_next = NULL;
   f->in_lru = false;
 }
 
-/* Whether the store keeps an LRU list (a tiered or disk-tier store): one
- * list of every fact that has pages, whatever its tier. Demotions and drops
- * choose their victims on it from the tail, skipping the facts of other
- * tiers, so each tier gives up its least recently used facts first. */
+/* Whether the store keeps LRU lists (a tiered or disk-tier store): one per
+ * tier, of the facts with pages there. Demotions and drops choose their
+ * victims from a list's tail, so each tier gives up its least recently used
+ * facts first, and finding them walks only that tier's victims. */
 static bool lru_on(const kvi_store *s) { return s->pool.host.npages > 0 || s->disk.ops; }
 
+/* f to the front of its tier's list (moved there from the other tier's when
+ * its pages moved: a demoted fact is the host tier's most recent). */
 void kvi__store_touch(kvi_store *s, fact *f) {
   if (!lru_on(s) || !f->pages) return;
   kvi__tier_lru_remove(s, f);
+  const int q = fact_on_host(s, f) ? 1 : 0;
+  f->lru_list = (uint8_t)q;
   f->lru_prev = NULL;
-  f->lru_next = s->tier.lru_head;
-  if (s->tier.lru_head) s->tier.lru_head->lru_prev = f;
-  else s->tier.lru_tail = f;
-  s->tier.lru_head = f;
+  f->lru_next = s->tier.lru_head[q];
+  if (s->tier.lru_head[q]) s->tier.lru_head[q]->lru_prev = f;
+  else s->tier.lru_tail[q] = f;
+  s->tier.lru_head[q] = f;
   f->in_lru = true;
 }
 
@@ -67,10 +72,10 @@ static kvi_status host_room_copies(kvi_store *s, uint64_t need, const char *fn) 
   kvi_status st = kvi__pool_room(s, &s->pool.host, need, fn);
   if (st || s->pool.host.nfree >= need) return st;
   uint64_t have = (uint64_t)s->pool.host.nfree + kvi__pool_deferred(s, &s->pool.host), drop = 0;
-  for (fact *f = s->tier.lru_head; f && have + drop < need; f = f->lru_next)
+  for (fact *f = s->tier.lru_head[0]; f && have + drop < need; f = f->lru_next)
     if (f->hpages && !f->pins) drop += f->npages;
   if (have + drop < need) return KVI_OK;
-  for (fact *f = s->tier.lru_head; f && have < need; f = f->lru_next)
+  for (fact *f = s->tier.lru_head[0]; f && have < need; f = f->lru_next)
     if (f->hpages && !f->pins) {
       kvi__pool_release(s, f->hpages, f->npages); /* after any copy still reading them */
       have += f->npages;
@@ -102,11 +107,11 @@ static bool droppable(const kvi_store *s, const fact *f, const pool *p) {
 }
 
 /* The facts to drop from pool p for `need` free pages, least recently used
- * first (p's facts on the LRU list, from its tail); with drop false only
- * counted. Returns the pages they free (stopping at `want`). */
+ * first (from the tail of p's tier's list); with drop false only counted.
+ * Returns the pages they free (stopping at `want`). */
 static uint64_t drop_candidates(kvi_store *s, pool *p, uint64_t want, bool drop) {
   uint64_t got = 0;
-  for (fact *f = s->tier.lru_tail, *prev; f && got < want; f = prev) {
+  for (fact *f = s->tier.lru_tail[p == &s->pool.host ? 1 : 0], *prev; f && got < want; f = prev) {
     prev = f->lru_prev;
     if (!droppable(s, f, p)) continue;
     got += f->npages;
@@ -170,18 +175,18 @@ static kvi_status copy_tier(kvi_store *s, const uint32_t *dst, const uint32_t *s
   return st;
 }
 
-uint64_t kvi__store_evictable(const kvi_store *s) {
+uint64_t kvi__store_evictable(const kvi_store *s, uint64_t cap) {
   uint64_t n = 0;
-  for (const fact *f = s->tier.lru_tail; f; f = f->lru_prev)
-    if (!f->pins && !fact_on_host(s, f)) n += f->npages;
+  for (const fact *f = s->tier.lru_tail[0]; f && n < cap; f = f->lru_prev)
+    if (!f->pins) n += f->npages;
   return n;
 }
 
 size_t kvi__store_victims(const kvi_store *s, uint64_t need, fact **out) {
   uint64_t got = 0;
   size_t n = 0;
-  for (fact *f = s->tier.lru_tail; f && s->pool.dev.nfree + got < need; f = f->lru_prev)
-    if (!f->pins && !fact_on_host(s, f)) {
+  for (fact *f = s->tier.lru_tail[0]; f && s->pool.dev.nfree + got < need; f = f->lru_prev)
+    if (!f->pins) {
       got += f->npages;
       if (out) out[n] = f;
       n++;
@@ -197,7 +202,7 @@ kvi_status kvi__tier_move(kvi_store *s, fact *const *up, size_t nup, uint32_t ex
   kvi_status st = kvi__pool_room(s, &s->pool.dev, need, fn);
   if (st) return st;
   /* victims: device-tier facts the call does not use, least recently used first */
-  const uint64_t evictable = kvi__store_evictable(s);
+  const uint64_t evictable = s->pool.dev.nfree < need ? kvi__store_evictable(s, need - s->pool.dev.nfree) : 0;
   if (s->pool.dev.nfree + evictable < need)
     return kvi__fail(KVI_ERR_CAPACITY, fn,
                      "%llu pages must be on the device at once; the device tier has %u pages: %u free, %llu held by "
@@ -284,7 +289,8 @@ kvi_status kvi__tier_move(kvi_store *s, fact *const *up, size_t nup, uint32_t ex
       memcpy(f->pages, hdst + hj, f->npages * sizeof *hdst);
       hj += f->npages;
     }
-    f->pins--; /* it keeps its place on the LRU list: a host-tier fact now */
+    f->pins--;
+    kvi__store_touch(s, f); /* onto the host tier's list, its most recent (victims come least recent first) */
     s->tier.demotions++;
   }
   for (size_t i = 0; i < nup; i++) {
@@ -360,9 +366,11 @@ kvi_status kvi__store_prefetch(kvi_store *store, uint64_t tenant_id, const uint6
   if (st == KVI_OK && store->pool.host.npages > 0 && m > 0) {
     for (size_t i = 0; i < m; i++) list[i]->pins++; /* none of them moves down */
     /* the longest prefix that fits beside the facts it must not move down */
-    uint64_t room = (uint64_t)store->pool.dev.nfree + kvi__pool_deferred(store, &store->pool.dev) +
-                    kvi__store_evictable(store),
-             need = 0;
+    uint64_t want = 0, need = 0;
+    for (size_t i = 0; i < m; i++)
+      if (fact_on_host(store, list[i])) want += list[i]->npages;
+    const uint64_t have = (uint64_t)store->pool.dev.nfree + kvi__pool_deferred(store, &store->pool.dev);
+    const uint64_t room = have + (have < want ? kvi__store_evictable(store, want - have) : 0);
     for (size_t i = m; i-- > 0;) /* named facts already on the device become the most recent, the first first */
       kvi__store_touch(store, list[i]);
     size_t nup = 0;

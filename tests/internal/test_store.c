@@ -16,6 +16,7 @@
 #include "unit.h"
 
 #include "store/store.h"
+#include "store/store_impl.h" /* kvi__tier_lru_remove */
 
 #define L 2
 #define H 2
@@ -219,18 +220,32 @@ static void test_capacity_rolls_back(void **state) {
 
 #define NF 12
 
-/* The list from head to tail equals model[0..n) (most recent first), and
- * its back links, tail and in_lru flags agree. */
-static void check_lru(const kvi_store *s, fact *const *model, int n, const fact *all, int nall) {
-  const fact *prev = NULL, *f = s->tier.lru_head;
+/* Tier q's list from head to tail equals model[0..n) (most recent first),
+ * and its back links, tail, list marks and in_lru flags agree. */
+static void check_list(const kvi_store *s, int q, fact *const *model, int n) {
+  const fact *prev = NULL, *f = s->tier.lru_head[q];
   for (int i = 0; i < n; i++, prev = f, f = f->lru_next) {
-    if (f != model[i]) fail_msg("LRU position %d holds fact %lld, expected %lld", i, f ? (long long)f->id : -1LL,
-                                (long long)model[i]->id);
+    if (f != model[i]) fail_msg("tier %d's LRU position %d holds fact %lld, expected %lld", q, i,
+                                f ? (long long)f->id : -1LL, (long long)model[i]->id);
     assert_true(f->lru_prev == prev);
     assert_true(f->in_lru);
+    assert_int_equal(f->lru_list, q);
   }
   assert_null(f);
-  assert_true(s->tier.lru_tail == (n ? model[n - 1] : NULL));
+  assert_true(s->tier.lru_tail[q] == (n ? model[n - 1] : NULL));
+}
+
+/* Both tiers' lists against model[0..n) (every listed fact, most recent
+ * first, whatever its tier): each tier's list is the model's facts of that
+ * tier in the model's order; in_lru is set for the listed facts only. */
+static void check_lru(const kvi_store *s, fact *const *model, int n, const fact *all, int nall) {
+  for (int q = 0; q < 2; q++) {
+    fact *sub[64];
+    int k = 0;
+    for (int i = 0; i < n; i++)
+      if ((model[i]->pages[0] >= s->pool.dev.npages) == (q == 1)) sub[k++] = model[i];
+    check_list(s, q, sub, k);
+  }
   for (int i = 0; i < nall; i++) {
     bool listed = false;
     for (int j = 0; j < n; j++) listed |= model[j] == &all[i];
@@ -260,7 +275,7 @@ static void test_lru_order(void **state) {
   for (int step = 0; step < 2000; step++) {
     fact *x = &f[rng_range(&r, 0, NF - 1)];
     kvi__store_touch(s, x);
-    int at = 0; /* every tier: to the front (one list; victims skip other tiers' facts) */
+    int at = 0; /* to the front of the model (of its tier's list) */
     while (at < n && model[at] != x) at++;
     if (at == n) n++;
     memmove(model + 1, model, (size_t)at * sizeof *model);
@@ -268,12 +283,37 @@ static void test_lru_order(void **state) {
     check_lru(s, model, n, f, NF);
   }
   assert_int_equal(n, NF);
-  /* demotions take device-tier facts only, least recently used first */
+  /* demotions take device-tier facts only, least recently used first; the
+   * count stops at its cap */
   fact *v[NF];
-  assert_int_equal(kvi__store_evictable(s), NF - NF / 4);
+  assert_int_equal(kvi__store_evictable(s, UINT64_MAX), NF - NF / 4);
+  assert_int_equal(kvi__store_evictable(s, 3), 3);
+  assert_int_equal(kvi__store_evictable(s, 0), 0);
   assert_int_equal(kvi__store_victims(s, 1000, v), NF - NF / 4);
   for (int i = n - 1, k = 0; i >= 0; i--)
     if (model[i]->pages[0] < s->pool.dev.npages) assert_true(v[k++] == model[i]);
+  /* a demoted fact (its pages now on the host tier) moves to the front of
+   * the host tier's list when touched; a promoted one to the device's */
+  fact *moved = v[0];
+  uint32_t host_page = 140;
+  moved->pages = &host_page;
+  kvi__store_touch(s, moved);
+  int at = 0;
+  while (model[at] != moved) at++;
+  memmove(model + 1, model, (size_t)at * sizeof *model);
+  model[0] = moved;
+  check_lru(s, model, n, f, NF);
+  assert_true(s->tier.lru_head[1] == moved);
+  assert_int_equal(kvi__store_evictable(s, UINT64_MAX), NF - NF / 4 - 1);
+  uint32_t dev_page = 60;
+  moved->pages = &dev_page;
+  kvi__store_touch(s, moved);
+  check_lru(s, model, n, f, NF);
+  assert_true(s->tier.lru_head[0] == moved);
+  kvi__tier_lru_remove(s, moved);
+  assert_false(moved->in_lru);
+  memmove(model, model + 1, (size_t)(n - 1) * sizeof *model);
+  check_lru(s, model, n - 1, f, NF);
   /* a store without a host tier keeps no list */
   kvi_store *flat = calloc(1, sizeof *flat);
   assert_non_null(flat);
@@ -284,7 +324,7 @@ static void test_lru_order(void **state) {
   g.npages = 1;
   g.pages = &gp;
   kvi__store_touch(flat, &g);
-  assert_null(flat->tier.lru_head);
+  assert_null(flat->tier.lru_head[0]);
   assert_false(g.in_lru);
   free(flat);
   free(s);
@@ -401,15 +441,14 @@ typedef struct txn_snapshot {
   snapshot sn;
   uint64_t journal_bytes;
   int journal_puts;
-  const fact *lru_head, *lru_tail;
+  const fact *lru_head[2], *lru_tail[2];
 } txn_snapshot;
 
 static void txn_take(txn_snapshot *ts, const kvi_store *s, const char *path, const hook_probe *h) {
   take(&ts->sn, s);
   ts->journal_bytes = file_size(path);
   ts->journal_puts = h->passed;
-  ts->lru_head = s->tier.lru_head;
-  ts->lru_tail = s->tier.lru_tail;
+  for (int q = 0; q < 2; q++) ts->lru_head[q] = s->tier.lru_head[q], ts->lru_tail[q] = s->tier.lru_tail[q];
 }
 
 static void txn_check_same(const txn_snapshot *ts, const kvi_store *s, const char *path, const hook_probe *h,
@@ -419,7 +458,8 @@ static void txn_check_same(const txn_snapshot *ts, const kvi_store *s, const cha
     fail_msg("%s: the journal has %llu bytes, %llu before", what, (unsigned long long)file_size(path),
              (unsigned long long)ts->journal_bytes);
   assert_int_equal(h->passed, ts->journal_puts);
-  assert_true(s->tier.lru_head == ts->lru_head && s->tier.lru_tail == ts->lru_tail);
+  for (int q = 0; q < 2; q++)
+    assert_true(s->tier.lru_head[q] == ts->lru_head[q] && s->tier.lru_tail[q] == ts->lru_tail[q]);
   /* the stored facts keep their data, the new keys are absent, no empty tenant 7 stays */
   for (uint64_t i = 0; i < 6; i++)
     if (i != 1 && i != 4) check_one((kvi_store *)s, 1, i, 1 + (int32_t)i * 2, i);
@@ -580,7 +620,7 @@ static void test_lease_blocks_eviction(void **state) {
     kvi__store_touch(s, &f[i]); /* f[0] the least recently used */
   }
   fact *v[6];
-  assert_int_equal(kvi__store_evictable(s), 12);
+  assert_int_equal(kvi__store_evictable(s, UINT64_MAX), 12);
   assert_int_equal(kvi__store_victims(s, 4, v), 2);
   assert_true(v[0] == &f[0] && v[1] == &f[1]);
   /* a reader's lease on f[0] (named twice) and f[2] */
@@ -588,7 +628,7 @@ static void test_lease_blocks_eviction(void **state) {
   assert_ok(kvi__store_lease(s, lease, 3, false, NULL, "test"));
   assert_int_equal(f[0].pins, 2);
   assert_int_equal(f[2].pins, 1);
-  assert_int_equal(kvi__store_evictable(s), 8);
+  assert_int_equal(kvi__store_evictable(s, UINT64_MAX), 8);
   assert_int_equal(kvi__store_victims(s, 4, v), 2);
   assert_true(v[0] == &f[1] && v[1] == &f[3]);
   assert_int_equal(kvi__store_victims(s, 1000, v), 4); /* all it may take: never a leased fact */
@@ -597,17 +637,17 @@ static void test_lease_blocks_eviction(void **state) {
   kvi__store_unlease(s, lease, 3, true);
   assert_int_equal(f[0].pins, 0);
   assert_int_equal(f[2].pins, 0);
-  assert_int_equal(kvi__store_evictable(s), 12);
+  assert_int_equal(kvi__store_evictable(s, UINT64_MAX), 12);
   const int order[6] = {0, 2, 5, 4, 3, 1};
-  const fact *at = s->tier.lru_head;
+  const fact *at = s->tier.lru_head[0];
   for (int i = 0; i < 6; i++, at = at->lru_next) assert_true(at == &f[order[i]]);
   assert_null(at);
   /* a lease whose call failed: unpinned, the order kept */
   fact *one[1] = {&f[3]};
   assert_ok(kvi__store_lease(s, one, 1, false, NULL, "test"));
-  assert_int_equal(kvi__store_evictable(s), 10);
+  assert_int_equal(kvi__store_evictable(s, UINT64_MAX), 10);
   kvi__store_unlease(s, one, 1, false);
-  at = s->tier.lru_head;
+  at = s->tier.lru_head[0];
   for (int i = 0; i < 6; i++, at = at->lru_next) assert_true(at == &f[order[i]]);
   /* a store without a host tier leases nothing */
   kvi_store *flat = calloc(1, sizeof *flat);
