@@ -5,8 +5,9 @@
  * device views through a device budget of a few pages are dropped to disk
  * and read back (reads, injections, prefetches), captures are written
  * through to the tenant's file, fact tiers agree with the stats, errors
- * leave the store usable, and a tiered store drops its host-tier facts
- * least recently used first. Every test skips, and the binary exits 77,
+ * leave the store usable, a tiered store drops its host-tier facts
+ * least recently used first, and a capture larger than the staging writes
+ * through in rounds. Every test skips, and the binary exits 77,
  * where no CUDA device answers.
  * SPDX-License-Identifier: Apache-2.0
  */
@@ -482,6 +483,66 @@ static void t_disk_host_lru(void **state) {
   env_free(&e);
 }
 
+/* A capture of more pages than the staging holds (a fact of one page and
+ * CAPS - 1 of two: 299 pages, the staging 256) writes through to the
+ * tenant's file in two staging rounds, fact 128 split between them: the file
+ * loads into a CPU store with the bytes the CUDA store reads, for bf16,
+ * fp8 (its scales and key offsets in each record) and 4-bit. */
+static void run_capture_rounds(kvi_dtype dt) {
+  enum { CAPS = 150 };
+  env e;
+  env_make(&e, dt, false);
+  kvi_store_options so = KVI_STORE_OPTIONS_INIT;
+  so.backend = KVI_BACKEND_CUDA, so.device = 0, so.dtype = dt, so.page_tokens = P;
+  so.budget_bytes = 2 * CAPS * e.page_bytes + 16 * e.page_bytes;
+  so.disk_dir = e.dir, so.disk_owner = "rounds";
+  kvi_store *big = NULL;
+  CHECK_OK(kvi_store_create(&big, e.m, &so));
+  caches c;
+  caches_make(&c);
+  caches_fill(&c);
+  kvi_capture *cap = calloc(CAPS, sizeof *cap);
+  assert_non_null(cap);
+  for (int i = 0; i < CAPS; i++) { /* overlapping spans of the cache, 9 tokens then 17..32 */
+    kvi_capture_init(&cap[i], sizeof cap[i]);
+    cap[i].tenant = 3;
+    cap[i].fact_id = (uint64_t)i;
+    cap[i].block_table = c.table;
+    cap[i].block_table_len = NB;
+    cap[i].first_slot = (i * 5) % 900;
+    cap[i].num_tokens = i == 0 ? 9 : 17 + i % 16;
+    cap[i].start_position = (i * 5) % 900;
+  }
+  kvi_encoder *de;
+  CHECK_OK(kvi_encoder_create(&de, big, &c.dl, NULL));
+  CHECK_OK(kvi_encode(de, cap, CAPS, NULL));
+  kvi_encoder_destroy(de);
+  const kvi_store_stats st = stats_of(big);
+  assert_int_equal(st.facts, CAPS);
+  assert_int_equal(st.pages_used, 2 * CAPS - 1); /* all of them on the device, none dropped */
+  kvi_store *loaded = env_store(&e, KVI_BACKEND_CPU, "loaded");
+  CHECK_OK(kvi_store_prefetch(loaded, 3, NULL, 0, NULL));
+  size_t count = 0;
+  CHECK_OK(kvi_store_count(loaded, 3, &count));
+  assert_int_equal(count, CAPS);
+  for (uint64_t id = 0; id < CAPS; id++) expect_same_fact(big, loaded, 3, id);
+  kvi_store_destroy(loaded);
+  free(cap);
+  caches_free(&c);
+  kvi_store_destroy(big);
+  env_free(&e);
+}
+
+#define ROUNDS_TEST(name, dt)                                                                                     \
+  static void name(void **state) {                                                                              \
+    (void)state;                                                                                                \
+    if (g_devices == 0) skip();                                                                                 \
+    run_capture_rounds(dt);                                                                                     \
+  }
+ROUNDS_TEST(t_disk_rounds_bf16, KVI_DTYPE_BF16)
+ROUNDS_TEST(t_disk_rounds_fp8, KVI_DTYPE_FP8_E4M3)
+ROUNDS_TEST(t_disk_rounds_q4, KVI_DTYPE_Q4)
+
 #else /* no CUDA: every test skips */
 
 static void t_skip(void **state) {
@@ -495,6 +556,9 @@ static void t_skip(void **state) {
 #define t_disk_fp8_host t_skip
 #define t_disk_q4_host t_skip
 #define t_disk_host_lru t_skip
+#define t_disk_rounds_bf16 t_skip
+#define t_disk_rounds_fp8 t_skip
+#define t_disk_rounds_q4 t_skip
 
 #endif
 
@@ -504,7 +568,8 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(t_disk_bf16),      cmocka_unit_test(t_disk_fp8),      cmocka_unit_test(t_disk_q4),
       cmocka_unit_test(t_disk_bf16_host), cmocka_unit_test(t_disk_fp8_host), cmocka_unit_test(t_disk_q4_host),
-      cmocka_unit_test(t_disk_host_lru),
+      cmocka_unit_test(t_disk_host_lru),  cmocka_unit_test(t_disk_rounds_bf16), cmocka_unit_test(t_disk_rounds_fp8),
+      cmocka_unit_test(t_disk_rounds_q4),
   };
   int failed = cmocka_run_group_tests_name("gpu-disk", tests, NULL, NULL);
   if (failed) return 1;
