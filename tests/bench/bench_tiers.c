@@ -21,10 +21,14 @@
  *     its facts) has completed: its reads run on the store's I/O thread and a
  *     CUDA store publishes and promotes the finished ones at its next
  *     prefetch, so the benchmark prefetches again until kvi_store_fact_tier
- *     finds none on disk, then waits for the copies ("prefetch ms": all that).
+ *     finds none on disk, then waits for the copies ("prefetch ms": all that);
+ *   - capture and capture + disk: kvi_encode of k facts from the cache into
+ *     device pages, and into a store with a disk tier, which writes them
+ *     through to the tenant's file inside the call (the facts are removed
+ *     after each call, untimed).
  * Ceilings, in the same run: a device-to-device cudaMemcpyAsync of the bf16
  * bytes the injection writes (device, and a prefetched tenant found on the
- * device); a pinned host-to-device cudaMemcpyAsync of the store bytes the
+ * device) or the capture reads; a pinned host-to-device cudaMemcpyAsync of the store bytes the
  * call moves (host cases); the disk's sequential read rate, measured here on
  * a file of DISK_FILE_MB in the same directory (written, fdatasync'ed,
  * dropped from the page cache, read with 16 MiB O_DIRECT preads; buffered
@@ -323,6 +327,52 @@ static void before(void *p, int i, uint64_t *tenant, int *first) {
   }
 }
 
+/* Captures K facts of T tokens from the cache (kvi_encode) into a store with
+ * room for two sets on the device and no host tier, with a disk tier in `dir`
+ * (NULL: none): the median ms over the calls (CUDA events; a write-through
+ * completes inside the call), host ms too, and the disk bytes written a call.
+ * The facts are removed after each call, untimed. */
+static float capture_ms(const setup *su, const dtype_case *dc, const kvi_cache_layout *cl, const char *dir, float *hms,
+                        double *disk_bytes) {
+  kvi_store *store = make_store(su, dc, 2, 0, dir);
+  kvi_encoder *enc;
+  CK(kvi_encoder_create(&enc, store, cl, NULL));
+  kvi_capture *cap = calloc((size_t)K, sizeof *cap);
+  float t[ITERS], th[ITERS];
+  kvi_store_stats s0 = KVI_STORE_STATS_INIT, s1 = KVI_STORE_STATS_INIT;
+  CK(kvi_store_stats_get(store, &s0));
+  const int warm = bench_warm < 2 ? bench_warm : 2;
+  for (int i = -warm; i < bench_iters; i++) {
+    for (int f = 0; f < K; f++) {
+      kvi_capture_init(&cap[f], sizeof cap[f]);
+      cap[f].tenant = 1;
+      cap[f].fact_id = (uint64_t)f;
+      cap[f].block_table = su->table + ((i + warm) & 7) * 8;
+      cap[f].block_table_len = (int32_t)(su->NB - 64);
+      cap[f].first_slot = (int64_t)f * T;
+      cap[f].num_tokens = T;
+      cap[f].start_position = 100 + f * T;
+    }
+    CU(cudaDeviceSynchronize());
+    CU(cudaEventRecord(e0, 0));
+    const double h0 = now_ms();
+    CK(kvi_encode(enc, cap, K, NULL));
+    const double h1 = now_ms();
+    CU(cudaEventRecord(e1, 0));
+    CU(cudaEventSynchronize(e1));
+    if (i >= 0) CU(cudaEventElapsedTime(&t[i], e0, e1));
+    if (i >= 0) th[i] = (float)(h1 - h0);
+    for (int f = 0; f < K; f++) CK(kvi_store_remove(store, 1, (uint64_t)f));
+  }
+  CK(kvi_store_stats_get(store, &s1));
+  *disk_bytes = (double)(s1.disk_write_bytes - s0.disk_write_bytes) / calls_of(bench_iters);
+  *hms = median(th, bench_iters);
+  free(cap);
+  kvi_encoder_destroy(enc);
+  kvi_store_destroy(store);
+  return median(t, bench_iters);
+}
+
 static void run_dtype(const setup *su, const dtype_case *dc, const char *base) {
   char note[128];
   float ms, hms;
@@ -398,6 +448,20 @@ static void run_dtype(const setup *su, const dtype_case *dc, const char *base) {
   }
   kvi_injector_destroy(inj);
   kvi_store_destroy(store);
+  remove_dir(dir);
+
+  /* captures: into device pages, and written through to a disk tier as well */
+  snprintf(dir, sizeof dir, "%s/kvi-tiers-XXXXXX", base);
+  if (!mkdtemp(dir)) {
+    perror("mkdtemp");
+    exit(1);
+  }
+  double disk_bytes = 0;
+  const float cap_ms = capture_ms(su, dc, &cl, NULL, &hms, &disk_bytes);
+  row(dc->name, dc->P, "capture", bf16_bytes, cap_ms, hms, "D2D", su->d2d_ms, "bf16 bytes read");
+  ms = capture_ms(su, dc, &cl, dir, &hms, &disk_bytes);
+  snprintf(note, sizeof note, "%.1f MiB written a call; capture without the disk %.3f ms", disk_bytes / 1048576.0, cap_ms);
+  row(dc->name, dc->P, "capture + disk", bf16_bytes, ms, hms, "D2D", su->d2d_ms, note);
   remove_dir(dir);
 }
 
