@@ -9,11 +9,14 @@
  * a temporary directory, every put written through). Memory budget:
  * MEM_FRACTION of all the users' page bytes (the device on a CUDA store, with
  * HOST_FRACTION more as its pinned-host tier; a CPU store's pages are host
- * memory); the disk holds everyone. Users are put from random data (a
- * capture, simulated) when a session first meets them (POPULATE=touch, the
- * default: such sessions count as new users and are left out of the other
- * columns), or all of them before the trace (POPULATE=all; every put syncs
- * its tenant's file, so this takes a while at 100,000 users).
+ * memory); the disk holds everyone. Users' facts are random data: captured
+ * from a device cache of noise by one kvi_encode a user on a CUDA store
+ * (written through to the tenant's file together), put one kvi_store_put a
+ * fact from host memory on a CPU store; when a session first meets them
+ * (POPULATE=touch, the default: such sessions count as new users and are
+ * left out of the other columns), or all of them before the trace
+ * (POPULATE=all; every write syncs its tenant's file, so this takes a while
+ * at 100,000 users).
  * For each Zipf exponent s in 0.8, 1.0, 1.2: sessions pick a user by Zipf(s)
  * over a random ranking of the users, prefetch the user
  * (kvi_store_prefetch, all its facts: read on the store's I/O thread), and
@@ -130,11 +133,40 @@ typedef struct {
   unsigned char *stored; /* users put so far */
   uint64_t puts;
   double put_ms;
+  kvi_encoder *enc;       /* CUDA stores: users arrive by capture from src */
+  const int32_t *src_table;
+  int32_t src_blocks;
 } ctx;
 
-/* Puts user u's facts (a capture, simulated: bf16 noise at varying offsets). */
+static void sync_ctx(const ctx *c);
+
+/* Puts user u's facts: on a CUDA store one kvi_encode of all of them from a
+ * device cache of bf16 noise (a user's facts at varying slots; written
+ * through to the tenant's file together), else a kvi_store_put each of bf16
+ * noise at varying offsets. */
 static void put_user(ctx *c, uint64_t u) {
   const double t0 = now_ms();
+  if (c->enc) {
+    kvi_capture cap[50];
+    int64_t slot = (int64_t)(mix(u) % 64);
+    for (int f = 0; f < user_facts(u); f++) {
+      kvi_capture_init(&cap[f], sizeof cap[f]);
+      cap[f].tenant = u + 1;
+      cap[f].fact_id = (uint64_t)f;
+      cap[f].block_table = c->src_table;
+      cap[f].block_table_len = c->src_blocks;
+      cap[f].first_slot = slot;
+      cap[f].num_tokens = fact_tokens(u, f);
+      cap[f].start_position = (int32_t)slot;
+      slot += fact_tokens(u, f);
+    }
+    CK(kvi_encode(c->enc, cap, user_facts(u), NULL));
+    sync_ctx(c);
+    c->puts += (uint64_t)user_facts(u);
+    c->stored[u] = 1;
+    c->put_ms += now_ms() - t0;
+    return;
+  }
   for (int f = 0; f < user_facts(u); f++) {
     kvi_kv_view kv;
     const size_t off = (size_t)(mix(u * 64 + (uint64_t)f) % 4096);
@@ -358,6 +390,32 @@ int main(void) {
   ctx c = {0};
   c.store = store, c.cuda = cuda, c.K = K, c.R = R, c.L = L, c.H = H, c.D = D, c.noise = noise, c.fe = fe;
   c.stored = calloc((size_t)users, 1);
+  /* a CUDA store's users arrive by capture: a device cache of bf16 noise,
+   * room for a user's 50 facts of 20 tokens after a slot offset below 64 */
+  int32_t *src_table = NULL;
+#ifdef BENCH_WITH_CUDA
+  void *src_layers[64];
+  kvi_cache_layout src_cl;
+  if (L > 64) return 1;
+  if (cuda) {
+    const int32_t SB = (64 + 50 * 20) / 16 + 1;
+    const size_t src_bytes = (size_t)2 * SB * 16 * H * D * 2;
+    uint16_t *h = malloc(src_bytes);
+    for (size_t i = 0; i < src_bytes / 2; i++) h[i] = noise[(i * 7919) % (fe * 2 + 4096)];
+    for (int l = 0; l < L; l++) {
+      CU(cudaMalloc(&src_layers[l], src_bytes));
+      CU(cudaMemcpy(src_layers[l], h, src_bytes, cudaMemcpyHostToDevice));
+    }
+    free(h);
+    CK(kvi_cache_layout_preset(&src_cl, KVI_CACHE_VLLM_FLASH_ATTN, KVI_DTYPE_BF16, L, H, D, 16, SB, src_layers, NULL,
+                               NULL));
+    src_cl.memory = KVI_MEMORY_DEVICE;
+    CK(kvi_encoder_create(&c.enc, store, &src_cl, NULL));
+    src_table = malloc((size_t)SB * sizeof *src_table);
+    for (int32_t b = 0; b < SB; b++) src_table[b] = (b * 5) % SB;
+    c.src_table = src_table, c.src_blocks = SB;
+  }
+#endif
   if (all) {
     for (long u = 0; u < users; u++) put_user(&c, (uint64_t)u);
     kvi_store_stats st = KVI_STORE_STATS_INIT;
@@ -476,17 +534,20 @@ int main(void) {
          "{\"trace\": {%s}}\n", cuda ? "" : "; the CPU store's memory as the model's device tier", trace);
 
   kvi_injector_destroy(c.inj);
+  if (c.enc) kvi_encoder_destroy(c.enc);
   kvi_store_destroy(store);
   kvi_model_destroy(model);
   for (int l = 0; l < L; l++) {
 #ifdef BENCH_WITH_CUDA
     if (cuda) {
       cudaFree(layers[l]);
+      cudaFree(src_layers[l]);
       continue;
     }
 #endif
     free(layers[l]);
   }
+  free(src_table);
   remove_dir(dir);
   free(noise), free(cdf), free(rank), free(t.t_all), free(t.t_disk), free(c.table);
   return 0;
