@@ -71,33 +71,30 @@ __device__ inline void slot_max(float *slot, float m) {
   if (bits) atomicMax(reinterpret_cast<unsigned *>(slot), bits);
 }
 
-/* Capture into an fp8 store (kernels.h, KVI__FP8_PH_*): E values of one
- * row. Keys come with their columns' offsets ko (base/fp8.h; read as one
- * vector when E is 8), values with ko null. The bounds phase folds the
- * values' amax into the slot (slot_max; the keys' bounds are
- * fp8_key_bounds'), the amax phase the keys' amax of |x - m|, the write
+/* Capture into an fp8 store (kernels.h, KVI__FP8_PH_*): n values of one
+ * row. Keys come with their columns' offsets ko (base/fp8.h), values with
+ * ko null. The bounds phase folds the values' amax into the slot
+ * (slot_max; the keys' bounds are fp8_key_bounds'), the amax phase the
+ * keys' amax of |x - m|, the write
  * phase turns v into the quotients to store under the scale the slot's
  * amax gives. Returns whether the caller stores v (the write phase; other
  * page dtypes always). */
-template <typename G, int E> __device__ inline bool to_store(float *v, float *slot, int phase, const uint16_t *ko) {
+template <typename G> __device__ inline bool to_store(float *v, int n, float *slot, int phase, const uint16_t *ko) {
   if constexpr (is_fp8<G>::value) {
     if (phase == KVI__FP8_PH_BOUNDS) {
-      slot_max(slot, ko ? 0.0f : kvi::finite_amax(v, E));
+      slot_max(slot, ko ? 0.0f : kvi::finite_amax(v, n));
       return false;
     }
-    float m[E]; /* the keys' offsets, one load a vector */
-    if (ko) kvi::fp8_offsets<E>(m, ko);
     if (phase == KVI__FP8_PH_AMAX) {
-      float a = 0.0f;
+      float m = 0.0f;
       if (ko)
-#pragma unroll
-        for (int i = 0; i < E; i++) a = fmaxf(a, kvi__fp8_key_mag(v[i], m[i]));
-      slot_max(slot, a);
+        for (int i = 0; i < n; i++) m = fmaxf(m, kvi__fp8_key_mag(v[i], kvi::fp8_offset(ko[i])));
+      slot_max(slot, m);
       return false;
     }
     const float sc = kvi::fp8_scale(*slot);
-#pragma unroll
-    for (int i = 0; i < E; i++) v[i] = ko ? kvi__fp8_key_quotient(v[i], m[i], sc) : __fdiv_rn(v[i], sc);
+    for (int i = 0; i < n; i++)
+      v[i] = ko ? kvi__fp8_key_quotient(v[i], kvi::fp8_offset(ko[i]), sc) : __fdiv_rn(v[i], sc);
   }
   return true;
 }
@@ -281,8 +278,8 @@ __device__ inline void rotated(const Ctx &x, G *page, C *kc, unsigned half, cons
         rotate<E, NEOX, false>(v, c);
         if constexpr (is_fp8<G>::value) { /* keys: the two vectors' columns da.. and da + off_b.. */
           const int64_t c0 = (int64_t)h * x.D + da;
-          const bool put = to_store<G, E>(v, x.gs + h, x.phase, x.koff + c0);
-          to_store<G, E>(v + E, x.gs + h, x.phase, x.koff + c0 + off_b);
+          const bool put = to_store<G>(v, E, x.gs + h, x.phase, x.koff + c0);
+          to_store<G>(v + E, E, x.gs + h, x.phase, x.koff + c0 + off_b);
           if (!put) continue;
         }
         st<G, E>(pg, v);
@@ -347,7 +344,7 @@ __device__ inline void plain(const Ctx &x, G *page, C *cache, int64_t plane, uns
         st<C, E>(cache + coff + h * x.head_stride + dim_off<E>(x, d), f);
       } else {
         scale_from_cache<C>(f, E, is_fp8<C>::value ? sc[b] : 1.0f);
-        if (!to_store<G, E>(f, is_fp8<G>::value ? gs + h : nullptr, x.phase, koff ? koff + h * x.D + d : nullptr))
+        if (!to_store<G>(f, E, is_fp8<G>::value ? gs + h : nullptr, x.phase, koff ? koff + h * x.D + d : nullptr))
           continue;
         st<G, E>(page + x.page_row0 + plane + h * x.page_head + (int64_t)j * x.D + d, f);
       }

@@ -375,23 +375,19 @@ static kvi_status put_tenant(kvi__disk *d, const kvi__txn *t, int32_t from, dten
   unsigned char *entry = ENTRY_HDR + body <= SIZE_MAX ? malloc((size_t)(ENTRY_HDR + body)) : NULL;
   if (!entry)
     return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a %llu-byte entry", (unsigned long long)(ENTRY_HDR + body));
-  kvi__fact_copy *data = malloc((size_t)count * sizeof *data);
-  kvi_status st = data ? KVI_OK : kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "listing %u facts", count);
+  kvi_status st = KVI_OK;
   uint64_t at = ENTRY_HDR;
-  uint32_t k = 0;
   for (int32_t i = from; i < t->n && st == KVI_OK; i++) {
     const kvi__txn_fact *x = &t->facts[i];
     if (x->tenant != tn) continue;
-    kvi__persist_fill_put(s, entry + at, x->tenant, x->id, x->tokens, kvi__txn_pages(t, i), x->emb, x->ids, x->ctx,
-                          x->nctx, x->stale, &data[k++]);
+    st = kvi__persist_fill_put(s, entry + at, x->tenant, x->id, x->tokens, kvi__txn_pages(t, i), x->emb, x->ids, x->ctx,
+                               x->nctx, x->stale, fn);
     x->f->disk_entry = dt->j.end;
     x->f->disk_rec = dt->j.end + at;
     at += put_record_bytes(s, x->tokens, x->ids != NULL, x->nctx);
   }
   const uint64_t old_end = dt->j.end;
-  if (st == KVI_OK) st = kvi__store_read_pages(s, data, (int32_t)count, fn);
   if (st == KVI_OK) st = kvi__persist_journal_append(&dt->j, entry, body, count, fn);
-  free(data);
   free(entry);
   if (st) return st;
   s->disk.bytes += dt->j.end - old_end;

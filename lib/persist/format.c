@@ -110,9 +110,9 @@ void kvi__persist_entry_header(unsigned char *h, uint32_t kind, uint64_t file_id
 }
 
 /* Writes a PUT record for a fact whose data is in `pages` (store lock held). */
-void kvi__persist_fill_put(const kvi_store *s, unsigned char *rec, uint64_t tenant, uint64_t id, int32_t tokens,
-                           const uint32_t *pages, const float *emb, const int32_t *ids, const uint64_t *ctx, int32_t nctx,
-                           bool stale, kvi__fact_copy *data) {
+kvi_status kvi__persist_fill_put(const kvi_store *s, unsigned char *rec, uint64_t tenant, uint64_t id, int32_t tokens,
+                                 const uint32_t *pages, const float *emb, const int32_t *ids, const uint64_t *ctx,
+                                 int32_t nctx, bool stale, const char *fn) {
   const uint64_t payload = put_payload(s, tokens, ids != NULL, nctx);
   memset(rec, 0, (size_t)(REC_HDR + pad8(payload)));
   put32(rec, OP_PUT | (ids ? REC_TOKEN_IDS : 0u) | (nctx > 0 ? REC_CONTEXT : 0u));
@@ -125,12 +125,10 @@ void kvi__persist_fill_put(const kvi_store *s, unsigned char *rec, uint64_t tena
   p += (size_t)s->emb_dim * sizeof(float);
   const kvi__geom *g = &s->geom;
   const size_t plane = (size_t)tokens * (size_t)(token_bytes(s) / 2u);
-  data->pages = pages;
-  data->tokens = tokens;
-  kvi__kv_view_contiguous(&data->v, KVI_MEMORY_HOST, s->dtype, g->num_layers, tokens, g->local_heads, g->head_size, p,
+  kvi_kv_view v;
+  kvi__kv_view_contiguous(&v, KVI_MEMORY_HOST, s->dtype, g->num_layers, tokens, g->local_heads, g->head_size, p,
                          p + plane);
   const size_t sb = (size_t)scale_bytes((uint64_t)tokens, s->scale_bytes ? s->P : 0, s->scale_bytes);
-  data->raw = sb ? p + 2 * plane : NULL; /* after V; not float-aligned in general (copies use memcpy) */
   for (int32_t i = 0; ids && i < tokens; i++) put32(p + 2 * plane + sb + 4 * (size_t)i, (uint32_t)ids[i]);
   if (nctx > 0) {
     unsigned char *c = p + 2 * plane + sb + (ids ? 4 * (size_t)tokens : 0);
@@ -138,4 +136,11 @@ void kvi__persist_fill_put(const kvi_store *s, unsigned char *rec, uint64_t tena
     put32(c + 4, stale ? 1u : 0u);
     for (int32_t i = 0; i < nctx; i++) put64(c + 8 + 8 * (size_t)i, ctx[i]);
   }
+  if (!sb) return kvi__store_read_pages(s, pages, tokens, &v, NULL, fn);
+  unsigned char *scales = malloc(sb);
+  if (!scales) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu bytes of scales", sb);
+  const kvi_status st = kvi__store_read_pages(s, pages, tokens, &v, scales, fn);
+  if (st == KVI_OK) memcpy(p + 2 * plane, scales, sb); /* after V; not float-aligned in general */
+  free(scales);
+  return st;
 }

@@ -129,13 +129,10 @@ unsigned char *kvi__persist_make_header(const kvi_store *s, uint64_t file_id, si
 void kvi__persist_entry_header(unsigned char *h, uint32_t kind, uint64_t file_id, uint64_t seq, uint64_t body_bytes,
                                uint32_t count, uint32_t body_crc);
 /* A PUT record (put_record_bytes) of a fact whose data is in `pages`, with
- * its token ids (NULL: none) and its context (nctx ids, stale flag; 0: none):
- * all of it but the K and V data (and a quantized store's scales), whose
- * read *data describes. kvi__store_read_pages fills them: the records of one
- * write at once, each of a CUDA store's staging rounds with one wait. */
-void kvi__persist_fill_put(const kvi_store *s, unsigned char *rec, uint64_t tenant, uint64_t id, int32_t tokens,
-                           const uint32_t *pages, const float *emb, const int32_t *ids, const uint64_t *ctx, int32_t nctx,
-                           bool stale, kvi__fact_copy *data);
+ * its token ids (NULL: none) and its context (nctx ids, stale flag; 0: none). */
+kvi_status kvi__persist_fill_put(const kvi_store *s, unsigned char *rec, uint64_t tenant, uint64_t id, int32_t tokens,
+                                 const uint32_t *pages, const float *emb, const int32_t *ids, const uint64_t *ctx,
+                                 int32_t nctx, bool stale, const char *fn);
 
 /* ---- files (file.c) ----------------------------------------------------- */
 

@@ -170,18 +170,14 @@ static kvi_status journal_put(void *ctx, const kvi__txn *t) {
   if (!entry)
     return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a %llu-byte journal entry",
                      (unsigned long long)(ENTRY_HDR + body));
-  kvi__fact_copy *data = malloc((size_t)n * sizeof *data);
-  if (!data) st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "listing %d facts", (int)n);
   unsigned char *rec = entry + ENTRY_HDR;
   for (int32_t i = 0; i < n && st == KVI_OK; i++) {
     const kvi__txn_fact *x = &t->facts[i];
-    kvi__persist_fill_put(s, rec, x->tenant, x->id, x->tokens, kvi__txn_pages(t, i), x->emb, x->ids, x->ctx, x->nctx,
-                          x->stale, &data[i]);
+    st = kvi__persist_fill_put(s, rec, x->tenant, x->id, x->tokens, kvi__txn_pages(t, i), x->emb, x->ids, x->ctx,
+                               x->nctx, x->stale, fn);
     rec += put_record_bytes(s, x->tokens, x->ids != NULL, x->nctx);
   }
-  if (st == KVI_OK) st = kvi__store_read_pages(s, data, n, fn);
   if (st == KVI_OK) st = kvi__persist_journal_append(j, entry, body, (uint32_t)n, fn);
-  free(data);
   free(entry);
   return st;
 }

@@ -74,10 +74,8 @@ static kvi_status write_snapshot(const kvi_store *s, writer *w, uint64_t file_id
       st = kvi__persist_disk_record(s, f, buf + ENTRY_HDR, fn);
     } else {
       if (s->emb_dim > 0 && (st = kvi__store_fact_embedding(s, f, emb, fn))) break;
-      kvi__fact_copy data;
-      kvi__persist_fill_put(s, buf + ENTRY_HDR, f->tenant_id, f->id, f->tokens, f->pages, emb, f->token_ids, f->context,
-                            f->ncontext, f->stale, &data);
-      st = kvi__store_read_pages(s, &data, 1, fn);
+      st = kvi__persist_fill_put(s, buf + ENTRY_HDR, f->tenant_id, f->id, f->tokens, f->pages, emb, f->token_ids,
+                                 f->context, f->ncontext, f->stale, fn);
     }
     if (st) break;
     if (entry_off) entry_off[i] = fpos;

@@ -170,102 +170,61 @@ static kvi_status cuda_copy_device(const kvi_store *s, const kvi_kv_view *v, con
   return KVI_OK;
 }
 
-/* Host views <-> device pages through the pinned staging buffer, on the
- * store's copy stream; complete when this returns. The facts' pages go in
- * rounds of up to s->staging_pages pages, whole facts packed together and a
- * larger fact split, with one wait a round; runs of consecutive page ids
- * (across facts too) move as one copy. Every fact's pages are device pages. */
-static kvi_status cuda_copy_host(const kvi_store *s, const kvi__fact_copy *c, int32_t n, bool to_pages, const char *fn) {
+/* Host view <-> device pages through the pinned staging buffer, on the
+ * store's copy stream; complete when this returns. Runs of consecutive page
+ * ids move as one copy. */
+static kvi_status cuda_copy_host(const kvi_store *s, const kvi_kv_view *v, const uint32_t *pages,
+                                 int32_t tokens, bool to_pages, unsigned char *raw, const char *fn) {
+  const uint32_t npages = pages_for(s, tokens);
   char *stage[KVI__LAUNCH_PAGES];
-  uint32_t dev[KVI__LAUNCH_PAGES];
-  struct {
-    int32_t item;
-    uint32_t page, count, at; /* the fact's pages [page, page + count) at stage[at] */
-  } seg[KVI__LAUNCH_PAGES];
   kvi__ring_slot *sl = NULL; /* the ring's bookkeeping changes, not the store */
   kvi_status st = kvi__ring_acquire((kvi__ring *)&s->staging, (size_t)s->staging_pages * s->page_bytes, NULL, &sl, fn);
-  for (uint32_t i = 0; st == KVI_OK && i < s->staging_pages; i++) stage[i] = sl->host + (uint64_t)i * s->page_bytes;
-  int32_t item = 0;
-  uint32_t page = 0;
-  while (st == KVI_OK && item < n) {
-    uint32_t used = 0, nseg = 0;
-    while (item < n && used < s->staging_pages) { /* the round: the next pages, up to the staging's */
-      const uint32_t np = pages_for(s, c[item].tokens);
-      const uint32_t take = np - page < s->staging_pages - used ? np - page : s->staging_pages - used;
-      seg[nseg].item = item, seg[nseg].page = page, seg[nseg].count = take, seg[nseg].at = used;
-      for (uint32_t k = 0; k < take; k++) dev[used + k] = c[item].pages[page + k];
-      nseg++, used += take, page += take;
-      if (page == np) item++, page = 0;
-    }
-    for (uint32_t k = 0; k < nseg; k++) { /* a segment's tokens: from its first page to the fact's end or the segment's */
-      const kvi__fact_copy *x = &c[seg[k].item];
-      const int32_t tok0 = (int32_t)seg[k].page * s->P, cap = (int32_t)seg[k].count * s->P;
-      if (to_pages) cpu_copy(s, &x->v, tok0, x->tokens - tok0 < cap ? x->tokens - tok0 : cap, stage + seg[k].at, true, x->raw);
-    }
-    for (uint32_t i = 0; i < used && st == KVI_OK;) {
+  for (uint32_t p0 = 0; p0 < npages && st == KVI_OK; p0 += s->staging_pages) {
+    const uint32_t n = npages - p0 < s->staging_pages ? npages - p0 : s->staging_pages;
+    const int32_t tok0 = (int32_t)p0 * s->P;
+    const int32_t ntok = tokens - tok0 < (int32_t)n * s->P ? tokens - tok0 : (int32_t)n * s->P;
+    for (uint32_t i = 0; i < n; i++) stage[i] = sl->host + (uint64_t)i * s->page_bytes;
+    if (to_pages) cpu_copy(s, v, tok0, ntok, stage, true, raw);
+    for (uint32_t i = 0; i < n && st == KVI_OK;) {
       uint32_t run = 1;
-      while (i + run < used && dev[i + run] == dev[i] + run) run++;
-      char *d = page_addr(s, dev[i]);
-      const size_t bytes = (size_t)run * s->page_bytes;
-      st = to_pages ? kvi__cuda_h2d(d, stage[i], bytes, s->copy_stream, fn)
-                    : kvi__cuda_d2h(stage[i], d, bytes, s->copy_stream, fn);
+      while (i + run < n && pages[p0 + i + run] == pages[p0 + i] + run) run++;
+      char *dev = page_addr(s, pages[p0 + i]);
+      size_t bytes = (size_t)run * s->page_bytes;
+      st = to_pages ? kvi__cuda_h2d(dev, stage[i], bytes, s->copy_stream, fn)
+                    : kvi__cuda_d2h(stage[i], dev, bytes, s->copy_stream, fn);
       i += run;
     }
     kvi_status st2 = kvi__ring_record(sl, s->copy_stream, fn); /* staging is reused next round */
     if (st2 == KVI_OK) st2 = kvi__ring_wait(sl, fn);
     if (st == KVI_OK) st = st2;
-    for (uint32_t k = 0; k < nseg && st == KVI_OK && !to_pages; k++) {
-      const kvi__fact_copy *x = &c[seg[k].item];
-      const int32_t tok0 = (int32_t)seg[k].page * s->P, cap = (int32_t)seg[k].count * s->P;
-      cpu_copy(s, &x->v, tok0, x->tokens - tok0 < cap ? x->tokens - tok0 : cap, stage + seg[k].at, false, x->raw);
-    }
+    if (st == KVI_OK && !to_pages) cpu_copy(s, v, tok0, ntok, stage, false, raw);
   }
-  return st;
-}
-
-/* Host views <-> pages the CPU reaches: a CPU store's, or host-tier pages. */
-static kvi_status cpu_copy_fact(const kvi_store *s, const kvi__fact_copy *x, bool to_pages, const char *fn) {
-  if (s->backend == KVI_BACKEND_CUDA && !to_pages && kvi__tier_move_outstanding(s)) {
-    /* a demotion may still be writing these pages */
-    kvi_status st = kvi__events_sync((kvi__events *)&s->track, s->tier.move_seq, fn);
-    if (st) return st;
-  }
-  const uint32_t npages = pages_for(s, x->tokens);
-  char **addr = malloc(npages * sizeof *addr);
-  if (!addr) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %u page addresses", npages);
-  for (uint32_t i = 0; i < npages; i++) addr[i] = page_addr(s, x->pages[i]);
-  cpu_copy(s, &x->v, 0, x->tokens, addr, to_pages, x->raw);
-  free(addr);
-  return KVI_OK;
-}
-
-kvi_status kvi__store_copy_host(const kvi_store *s, const kvi__fact_copy *c, int32_t n, bool to_pages, const char *fn) {
-  kvi_status st = KVI_OK;
-  int32_t ndev = 0;
-  for (int32_t i = 0; i < n && st == KVI_OK; i++) {
-    if (s->backend == KVI_BACKEND_CUDA && !page_on_host_tier(s, c[i].pages[0])) ndev++;
-    else st = cpu_copy_fact(s, &c[i], to_pages, fn);
-  }
-  if (st || ndev == 0) return st;
-  if (ndev == n) return cuda_copy_host(s, c, n, to_pages, fn);
-  kvi__fact_copy *d = malloc((size_t)ndev * sizeof *d); /* mixed tiers: the device tier's facts */
-  if (!d) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "listing %d facts", (int)ndev);
-  ndev = 0;
-  for (int32_t i = 0; i < n; i++)
-    if (!page_on_host_tier(s, c[i].pages[0])) d[ndev++] = c[i];
-  st = cuda_copy_host(s, d, ndev, to_pages, fn);
-  free(d);
   return st;
 }
 
 kvi_status kvi__copy_fact(const kvi_store *s, const kvi_kv_view *v, const uint32_t *pages, int32_t tokens,
                           bool to_pages, unsigned char *raw, struct CUstream_st *stream, const char *fn) {
-  if (v->memory == KVI_MEMORY_DEVICE && s->backend == KVI_BACKEND_CUDA) {
+  const bool host_tier = s->backend == KVI_BACKEND_CUDA && page_on_host_tier(s, pages[0]);
+  if (host_tier && v->memory == KVI_MEMORY_HOST && !to_pages && kvi__tier_move_outstanding(s)) {
+    /* a demotion may still be writing these pages */
+    kvi_status st = kvi__events_sync((kvi__events *)&s->track, s->tier.move_seq, fn);
+    if (st) return st;
+  }
+  if (s->backend == KVI_BACKEND_CPU || (host_tier && v->memory == KVI_MEMORY_HOST)) {
+    /* host pages (a CPU store's, or a free or settled host-tier page): the CPU copies */
+    uint32_t npages = pages_for(s, tokens);
+    char **addr = malloc(npages * sizeof *addr);
+    if (!addr) return kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %u page addresses", npages);
+    for (uint32_t i = 0; i < npages; i++) addr[i] = page_addr(s, pages[i]);
+    cpu_copy(s, v, 0, tokens, addr, to_pages, raw);
+    free(addr);
+    return KVI_OK;
+  }
+  if (v->memory == KVI_MEMORY_DEVICE) {
     if (raw) return kvi__fail(KVI_ERR_INTERNAL, fn, "raw copies of quantized pages take host views");
     return cuda_copy_device(s, v, pages, tokens, to_pages, stream, fn);
   }
-  const kvi__fact_copy x = {pages, tokens, *v, raw};
-  return kvi__store_copy_host(s, &x, 1, to_pages, fn);
+  return cuda_copy_host(s, v, pages, tokens, to_pages, raw, fn);
 }
 
 kvi_status kvi__store_write_pages(kvi_store *s, const uint32_t *pages, const kvi_kv_view *v, const void *scales,
@@ -273,6 +232,7 @@ kvi_status kvi__store_write_pages(kvi_store *s, const uint32_t *pages, const kvi
   return kvi__copy_fact(s, v, pages, v->num_tokens, true, (unsigned char *)scales, stream, fn);
 }
 
-kvi_status kvi__store_read_pages(const kvi_store *s, const kvi__fact_copy *c, int32_t n, const char *fn) {
-  return kvi__store_copy_host(s, c, n, false, fn);
+kvi_status kvi__store_read_pages(const kvi_store *s, const uint32_t *pages, int32_t tokens, const kvi_kv_view *host,
+                                 void *scales, const char *fn) {
+  return kvi__copy_fact(s, host, pages, tokens, false, (unsigned char *)scales, NULL, fn);
 }

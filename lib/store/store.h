@@ -512,25 +512,14 @@ kvi_status kvi__store_write_pages(kvi_store *s, const uint32_t *pages, const kvi
 
 /* ---- reads for persist (the caller holds the store's lock) ------------- */
 
-/* One fact's copy between its pages and a host view: its first `tokens`
- * tokens; raw as for kvi__copy_fact. */
-typedef struct kvi__fact_copy {
-  const uint32_t *pages;
-  int32_t tokens;
-  kvi_kv_view v;
-  unsigned char *raw;
-} kvi__fact_copy;
-
-/* Reads c[0..n) (a fact's tokens of K and V from its pages into a host
- * view each), the device tier's facts of a CUDA store through the pinned
- * staging in rounds of whole pages with one wait a round; complete when this
- * returns. For a quantized store, each view has the store's dtype and
- * receives the stored elements as they are (q4: the view's strides count
- * 4-bit elements), and raw[ceil(tokens / P) * s->scale_bytes] (any
- * alignment) each page's scales as the page keeps them (fp8: [page][layer]
- * [K, V][head] fp32, then the keys' offsets; q4: base/q4.h); else raw is
- * NULL. */
-kvi_status kvi__store_read_pages(const kvi_store *s, const kvi__fact_copy *c, int32_t n, const char *fn);
+/* Reads `tokens` tokens of K and V from `pages` into a host view. For a
+ * quantized store, `host` has the store's dtype and receives the stored
+ * elements as they are (q4: the view's strides count 4-bit elements), and
+ * scales[ceil(tokens / P) * s->scale_bytes] each page's scales as the page
+ * keeps them (fp8: [page][layer][K, V][head] fp32; q4: base/q4.h); else
+ * scales is NULL. */
+kvi_status kvi__store_read_pages(const kvi_store *s, const uint32_t *pages, int32_t tokens, const kvi_kv_view *host,
+                                 void *scales, const char *fn);
 
 /* A stored fact's embedding as emb_dim fp32 values. */
 kvi_status kvi__store_fact_embedding(const kvi_store *s, const struct fact *f, float *out, const char *fn);

@@ -56,10 +56,6 @@ static inline kvi_status kvi__store_view_memory(const kvi_store *s, const kvi_kv
  * views only), or NULL. */
 kvi_status kvi__copy_fact(const kvi_store *s, const kvi_kv_view *v, const uint32_t *pages, int32_t tokens,
                           bool to_pages, unsigned char *raw, struct CUstream_st *stream, const char *fn);
-/* Copies c[0..n) between their host views and their pages (to_pages: into
- * them), as kvi__copy_fact does each; a CUDA store's device-tier facts go
- * together through the staging (kvi__store_read_pages). */
-kvi_status kvi__store_copy_host(const kvi_store *s, const kvi__fact_copy *c, int32_t n, bool to_pages, const char *fn);
 
 /* ---- embeddings (embeddings.c) -------------------------------------------- */
 
