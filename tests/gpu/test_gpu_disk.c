@@ -7,7 +7,7 @@
  * through to the tenant's file, fact tiers agree with the stats, errors
  * leave the store usable, a tiered store drops its host-tier facts
  * least recently used first, and a capture larger than the staging writes
- * through in rounds. Every test skips, and the binary exits 77,
+ * through whole. Every test skips, and the binary exits 77,
  * where no CUDA device answers.
  * SPDX-License-Identifier: Apache-2.0
  */
@@ -483,11 +483,11 @@ static void t_disk_host_lru(void **state) {
   env_free(&e);
 }
 
-/* A capture of more pages than the staging holds (a fact of one page and
- * CAPS - 1 of two: 299 pages, the staging 256) writes through to the
- * tenant's file in two staging rounds, fact 128 split between them: the file
- * loads into a CPU store with the bytes the CUDA store reads, for bf16,
- * fp8 (its scales and key offsets in each record) and 4-bit. */
+/* A capture of more pages than the store's pinned staging holds (a fact of
+ * one page and CAPS - 1 of two: 299 pages, the staging 256) writes through
+ * to the tenant's file whole: the file loads into a CPU store with the
+ * bytes the CUDA store reads, for bf16, fp8 (its scales and key offsets in
+ * each record) and 4-bit. */
 static void run_capture_rounds(kvi_dtype dt) {
   enum { CAPS = 150 };
   env e;
