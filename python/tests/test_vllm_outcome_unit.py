@@ -299,6 +299,23 @@ def test_stats_combine_ranks_as_one_engine_and_reduce_for_the_log():
     assert a.is_empty() and a.data == {}
 
 
+def test_stats_rebuilt_from_data_are_a_copy_that_aggregating_leaves_the_data_alone():
+    # vLLM hands the same data to its log line (which aggregates into the stats it
+    # rebuilds) and to Prometheus: the rebuilt stats must own every dict and list
+    import copy
+    from kvinject.vllm.stats import copy_data
+    data = rank_stats(0, requests_injected=1, facts_injected=3, fail=["not_found"], steps=[(4, 0.004)],
+                      store=(4096, 7, 2), hybrid={"inject": 2}).data
+    before = copy.deepcopy(data)
+    acc = KVInjectStats(data=copy_data(data))
+    acc.aggregate(rank_stats(0, requests_injected=2, fail=["not_found", "capture"], steps=[(5, 0.005)],
+                             store=(8192, 9, 3), hybrid={"inject": 1, "text": 4}))
+    assert data == before
+    r = acc.reduce()
+    assert (r["requests_injected"], r["failures"], r["inject_steps"], r["store_bytes_used"]) == (3, 3, 2, 8192)
+    assert copy_data(None) == {} and copy_data({}) == {}
+
+
 def test_stats_of_nothing():
     empty = KVInjectStats(data={})
     assert empty.is_empty()

@@ -11,6 +11,7 @@ Needs only the library (pytest runs it: tests/vllm/launch.py).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -33,15 +34,15 @@ BS = 4
 # --------------------------------------------------------------- vLLM fakes
 
 def chain_hasher(request):
-    """vLLM's block hasher, in small: the hashes of the full blocks not hashed
-    yet, each over its parent's hash and its tokens, the cache salt in the
-    first block's."""
+    """vLLM's block hasher, in small: the hashes (bytes) of the full blocks not
+    hashed yet, each over its parent's hash and its tokens, the cache salt in
+    the first block's."""
     out = []
     parent = request.block_hashes[-1] if request.block_hashes else None
     ids = request.prompt_token_ids
     for i in range(len(request.block_hashes), len(ids) // BS):
         extra = (request.cache_salt,) if i == 0 and request.cache_salt else ()
-        parent = hash((parent, tuple(ids[i * BS:(i + 1) * BS]), extra))
+        parent = hashlib.sha256(repr((parent, tuple(ids[i * BS:(i + 1) * BS]), extra)).encode()).digest()
         out.append(parent)
     return out
 

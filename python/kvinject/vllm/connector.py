@@ -80,7 +80,6 @@ kvinject.vllm.config; docs/guide/configuration.md):
 """
 from __future__ import annotations
 
-import copy
 from typing import Any, Dict, Optional, Set, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
@@ -91,7 +90,7 @@ from .config import KVInjectConfig, requires_piecewise
 from .metadata import CaptureJob, FailJob, InjectJob, KVInjectMetadata, RemoveJob
 from .results import KVInjectWorkerMeta
 from .scheduler import KVInjectScheduler
-from .stats import KVInjectPromMetrics, KVInjectStats
+from .stats import KVInjectPromMetrics, KVInjectStats, copy_data
 from .worker import KVInjectWorker
 
 __all__ = ["CaptureJob", "FailJob", "InjectJob", "KVInjectConnector", "KVInjectMetadata", "KVInjectStats",
@@ -126,7 +125,7 @@ class KVInjectConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> KVInjectStats:
         """The workers' statistics from their data (in vLLM's API-server process)."""
-        return KVInjectStats(data=copy.deepcopy(data) if data else {})
+        return KVInjectStats(data=copy_data(data))
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):

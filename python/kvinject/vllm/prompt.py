@@ -292,6 +292,7 @@ class RequestSpec:
 
 
 _U64 = (1 << 64) - 1
+_MAX_TOKEN = 1 << 31  # the largest start or length of a span
 
 
 def _uint(v, what: str, lo: int = 0, hi: int = _U64) -> int:
@@ -342,8 +343,14 @@ def parse_params(params: Any, prompt_len: int, embedding_dim: int = 0) -> Reques
     for i, s in enumerate(params.get("inject") or []):
         if not isinstance(s, (list, tuple)) or len(s) != 3:
             raise ValueError("inject[%d] must be [fact_id, start, length], got %r" % (i, s))
-        sp = Span(_uint(s[0], "inject[%d] fact_id" % i), _uint(s[1], "inject[%d] start" % i, hi=1 << 31),
-                  _uint(s[2], "inject[%d] length" % i, lo=1, hi=1 << 31))
+        fid, start, length = s
+        if not (type(fid) is int and type(start) is int and type(length) is int  # noqa: E721 (bool is not)
+                and 0 <= fid <= _U64 and 0 <= start <= _MAX_TOKEN and 1 <= length <= _MAX_TOKEN):
+            # the message names the first bad value (and takes int subclasses, as _uint does)
+            fid, start, length = (_uint(fid, "inject[%d] fact_id" % i),
+                                  _uint(start, "inject[%d] start" % i, hi=_MAX_TOKEN),
+                                  _uint(length, "inject[%d] length" % i, lo=1, hi=_MAX_TOKEN))
+        sp = Span(fid, start, length)
         if sp.start != pos:
             raise ValueError("inject[%d] starts at token %d; injected facts must lie back to back from token 0 "
                              "(expected %d)" % (i, sp.start, pos))
@@ -361,8 +368,8 @@ def parse_params(params: Any, prompt_len: int, embedding_dim: int = 0) -> Reques
         if extra:
             raise ValueError("capture[%d]: unknown keys %s" % (i, sorted(extra)))
         cs = CaptureSpec(_uint(c.get("fact_id"), "capture[%d] fact_id" % i),
-                         _uint(c.get("start"), "capture[%d] start" % i, hi=1 << 31),
-                         _uint(c.get("length"), "capture[%d] length" % i, lo=1, hi=1 << 31),
+                         _uint(c.get("start"), "capture[%d] start" % i, hi=_MAX_TOKEN),
+                         _uint(c.get("length"), "capture[%d] length" % i, lo=1, hi=_MAX_TOKEN),
                          c.get("embedding"), bool(c.get("replace", False)))
         if cs.start + cs.length > prompt_len:
             raise ValueError("capture[%d] spans tokens %d..%d of a %d-token prompt"

@@ -252,7 +252,8 @@ class KVInjectScheduler:
                 local = computed - st.external
                 planned = spec.inject[:plan.inject_count] if plan is not None else spec.inject
                 facts = [(f.fact_id, f.start, f.length) for f in planned if f.start + f.length > local]
-                expect = [t for _, a, n in facts for t in st.prompt[a:a + n]]
+                # the facts lie back to back (parse_params): their ids are one slice of the prompt
+                expect = st.prompt[facts[0][1]:facts[-1][1] + facts[-1][2]] if facts else []
                 meta.injects.append(InjectJob(rid, spec.tenant, facts, list(st.block_ids), expect))
                 st.external = 0
             done = computed + s.num_scheduled_tokens

@@ -78,6 +78,27 @@ def test_salt_changes_the_block_hashes_and_is_unique(connector, mp):
     assert plain.cache_salt is None
 
 
+def test_blocks_hashed_after_the_salt_chain_on_it(connector, mp):
+    # output tokens that fill two more blocks: hashed by vLLM's own hasher on
+    # the salted parents, never the plain request's hashes of the same tokens
+    plain, a = request("p", ids=mp.prompt_token_ids), request("a", mp)
+    connector.on_new_request(a)
+    n = len(a.block_hashes)
+    assert n == len(mp.prompt_token_ids) // BS and all(isinstance(h, bytes) for h in a.block_hashes)
+    for r in (plain, a):
+        r.append_output_token_ids([7] * (2 * BS))
+    assert len(a.block_hashes) == len(plain.block_hashes) == n + 2
+    assert not set(a.block_hashes) & set(plain.block_hashes)
+    # a prompt shorter than a block: nothing to salt yet; vLLM puts the salt in its first block's hash
+    short_mp = memory_prompt(9, [(1, [11, 12])], [41])
+    s, p2 = request("s", short_mp), request("p2", ids=short_mp.prompt_token_ids)
+    connector.on_new_request(s)
+    assert s.block_hashes == [] and s.cache_salt
+    for r in (s, p2):
+        r.append_output_token_ids([7] * BS)
+    assert len(s.block_hashes) == len(p2.block_hashes) == 1 and s.block_hashes != p2.block_hashes
+
+
 def test_claim_after_a_local_hit_injects_the_facts_past_it(connector, mp):
     r = request("r", mp)
     connector.on_new_request(r)
