@@ -334,7 +334,7 @@ def int_array(values, ctype, what: str, *, allow_device: bool = False, writable:
             raise ValueError("%s must be contiguous" % what)
         return a
     try:
-        seq = list(values)
+        seq = values if type(values) is list else list(values)  # noqa: E721 (a subclass may iterate otherwise)
     except TypeError:
         raise TypeError("%s: expected a sequence of ints, a buffer or a tensor, got %s"
                         % (what, type(values).__name__)) from None
