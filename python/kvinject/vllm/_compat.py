@@ -116,7 +116,7 @@ def set_cache_salt(request, salt: str) -> None:
     hash a request's full blocks when it is made, through the request's private
     ``_block_hasher`` (each hash over its parent's, so each names the whole
     prefix up to its block). Hashing them all again with the salt costs a hash
-    of every block's tokens (0.13 ms at 1,232 tokens, bench_host.py); the hashes are salted
+    of every block's tokens (0.13 ms at 1,232 tokens, bench_connector_host.py); the hashes are salted
     instead by hashing each one with the salt's digest, SHA-256(digest(salt) ‖ h):
     a name of the salt and the prefix, of one fixed small size, that no request
     of another salt has. Blocks hashed later (a prompt shorter than a block,

@@ -15,7 +15,7 @@ does (``build_kv_connector_stats``, ``aggregate``) and recorded in Prometheus
 ``tests/gpu/vllm_bench.py`` (32-token header, facts of 24 tokens, 32-token
 question): k facts and the header injected.
 
-    python3 launch.py bench_host.py [--k 0,5,10,20,50] [--reps 2000] [--out DIR]
+    python3 launch.py bench_connector_host.py [--k 0,5,10,20,50] [--reps 2000] [--out DIR]
 
 Prints a table of medians (µs per request) and writes DIR/host.md when --out
 is given. The worker's side (the library call and the job's arrays) is
