@@ -76,8 +76,8 @@ def _merge_rank(into: Dict[str, Any], other: Dict[str, Any]) -> None:
 
 def copy_data(data: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     """Stats data that aggregating into leaves ``data`` as it was (its dicts
-    and lists copied; a deep copy of this one shape, at a tenth of
-    copy.deepcopy's cost)."""
+    and lists copied: a deep copy of this one shape, in half copy.deepcopy's
+    time: 8.5 against 17.1 µs for one rank's step on the project's CPU VM)."""
     out: Dict[str, Any] = {}
     for rk, d in ((data or {}).get("ranks") or {}).items():
         _merge_rank(out.setdefault("ranks", {}).setdefault(rk, _rank_data()), d)
