@@ -191,6 +191,7 @@ def test_a_steps_requests_land_in_their_blocks_as_the_library_writes_them(rig):
     rig.worker.start_load_kv(m)
     cells = rig.check_written(1, [1, 2], 0, [4, 1]) | rig.check_written(2, [1], 3, [2, 5])
     rig.untouched_except(cells)
+    assert not rig.worker.layers_pending()  # all layers written: vLLM's per-layer hooks are skipped
     assert rig.worker.get_block_ids_with_load_errors() == set()
     (rec,) = rig.events("inject")
     assert (rec["requests"], rec["facts"], rec["tokens"], rec["layerwise"], rec["step"]) == (2, 3, 32, False, 1)
@@ -289,6 +290,7 @@ def test_layerwise_injection_writes_each_layer_when_vllm_reaches_it(layerwise_ri
     m = meta([InjectJob("a", 1, [(1, 0, 5), (2, 5, 20)], [3, 0]), InjectJob("bad", 1, [(9, 0, 4)], [1])])
     rig.worker.start_load_kv(m)
     assert rig.worker.get_block_ids_with_load_errors() == {1}
+    assert rig.worker.layers_pending()  # vLLM must call wait_for_layer_load at each layer
     layer0 = rig.check_written(1, [1, 2], 0, [3, 0], layers=[0])
     rig.untouched_except(layer0)  # layer 1 not yet
     rig.worker.wait_for_layer_load(layer_name(0))  # done before the forward
@@ -297,6 +299,7 @@ def test_layerwise_injection_writes_each_layer_when_vllm_reaches_it(layerwise_ri
     rig.worker.wait_for_layer_load(layer_name(1))
     rig.untouched_except(rig.check_written(1, [1, 2], 0, [3, 0]))
     rig.worker.wait_for_save(m)
+    assert not rig.worker.layers_pending()
     (rec,) = rig.events("inject_layers")
     assert (rec["layers"], rec["requests"], rec["step"]) == (L, 1, 1)
     assert rig.events("inject")[0]["layerwise"] is True

@@ -169,11 +169,12 @@ def scheduled_requests(scheduler_output) -> List[Scheduled]:
 # --------------------------------------------------------------------- worker
 
 def bound_metadata(connector) -> Any:
-    """The metadata vLLM bound to the connector for this step (through the base
-    class's private accessor), or None."""
-    if not connector.has_connector_metadata():
-        return None
-    return connector._get_connector_metadata()
+    """The metadata vLLM bound to the connector for this step (the base class's
+    private attribute, which bind_connector_metadata sets and
+    clear_connector_metadata empties), or None. Not through
+    has_connector_metadata, which the connector answers for vLLM's per-layer
+    hooks."""
+    return getattr(connector, "_connector_metadata", None)
 
 
 def attention_backend(vllm_config, layer_name: str, block_size: int) -> Tuple[str, Optional[str]]:

@@ -171,6 +171,15 @@ class KVInjectConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context, **kwargs) -> None:
         self.connector_worker.start_load_kv(_compat.bound_metadata(self))
 
+    def has_connector_metadata(self) -> bool:
+        """Whether vLLM calls wait_for_layer_load and save_kv_layer around each
+        attention layer of this step (the wrapper vLLM puts around attention
+        asks this, and nothing else does): only while a layer-by-layer injection
+        is pending. Every other step skips the two calls per layer; start_load_kv
+        and wait_for_save read the bound metadata themselves
+        (_compat.bound_metadata)."""
+        return self.connector_worker is not None and self.connector_worker.layers_pending()
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.connector_worker.wait_for_layer_load(layer_name)
 

@@ -402,6 +402,11 @@ class KVInjectWorker:
         rate = nbytes / seconds
         self._read_bytes_s = rate if self._read_bytes_s == 0 else 0.7 * self._read_bytes_s + 0.3 * rate
 
+    def layers_pending(self) -> bool:
+        """Whether this step's injection goes on layer by layer in wait_for_layer_load
+        (layerwise, after start_load_kv wrote layer 0)."""
+        return bool(self._pending)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._pending:
             return

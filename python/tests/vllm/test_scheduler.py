@@ -23,6 +23,7 @@ from vllm.v1.request import Request
 
 from kvinject.vllm import capture_prompt, Keep, memory_prompt
 from kvinject.vllm.connector import KVInjectConnector
+from kvinject.vllm.metadata import KVInjectMetadata
 
 BS = 4
 
@@ -140,6 +141,25 @@ def test_layerwise_injection_asks_vllm_for_piecewise_cuda_graphs():
     assert not KVInjectConnector.requires_piecewise_for_cudagraph({"layerwise": False})
     assert not KVInjectConnector.requires_piecewise_for_cudagraph({})
     assert not KVInjectConnector.requires_piecewise_for_cudagraph(None)
+
+
+def test_vllms_per_layer_hooks_run_only_while_layers_are_pending():
+    # vLLM's wrapper around each attention layer calls wait_for_layer_load and
+    # save_kv_layer only where has_connector_metadata() is true; the step's
+    # bound metadata stays readable for start_load_kv and wait_for_save
+    from kvinject.vllm import _compat
+    w = KVInjectConnector(config(), KVConnectorRole.WORKER, None)
+    assert not w.has_connector_metadata() and _compat.bound_metadata(w) is None
+    m = KVInjectMetadata()
+    w.bind_connector_metadata(m)
+    assert not w.has_connector_metadata() and _compat.bound_metadata(w) is m
+    w.connector_worker._pending = [("job", "request")]  # a layer-by-layer injection under way
+    assert w.has_connector_metadata()
+    w.connector_worker._pending = []
+    w.clear_connector_metadata()
+    assert _compat.bound_metadata(w) is None
+    s = KVInjectConnector(config(), KVConnectorRole.SCHEDULER, None)
+    assert not s.has_connector_metadata()
 
 
 def test_settings_are_checked():
