@@ -92,6 +92,10 @@
  *     reads a fact that is on disk back first, synchronously: its record read
  *     and its checksum checked, into pages (a tiered store's host tier, then
  *     promoted as usual; a CUDA store without one through pinned staging).
+ *     A checksum covers an entry (one call's records of a tenant), so a read
+ *     back reads its fact's whole entry; reads back under way at once share
+ *     one read of an entry (a prefetch of the facts one kvi_encode call
+ *     captured reads that entry once).
  *     A call whose facts do not fit in memory at once fails with
  *     KVI_ERR_CAPACITY. A disk-tier store keeps no device directory: fact ids
  *     in device memory (kvi_inject_batched) are KVI_ERR_UNSUPPORTED, and
@@ -747,7 +751,7 @@ typedef struct kvi_store_stats {
                                   memory tier now (only in their tenant's file) */
   uint64_t disk_bytes;         /* bytes of the tenant files the store wrote or read */
   uint64_t disk_reads;         /* facts read back from tenant files since creation */
-  uint64_t disk_read_bytes;    /* bytes read for them (whole entries) */
+  uint64_t disk_read_bytes;    /* bytes read for them (whole entries, each once for the reads back that share it) */
   uint64_t disk_writes;        /* entries appended to tenant files (and files rewritten) */
   uint64_t disk_write_bytes;   /* bytes written for them */
   uint64_t drops_to_disk;      /* facts dropped from memory (kept on disk) since creation */

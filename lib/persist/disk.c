@@ -46,6 +46,7 @@ typedef struct kvi__disk {
   kvi__map tenants; /* (tenant, 0) -> dtenant */
   struct dtenant *mru, *lru; /* the tenants whose files are open, most recently used first */
   size_t nopen;              /* how many; at most OPEN_MAX */
+  fact_entry *last;          /* the entry the last read back was of, while a read holds it */
 } kvi__disk;
 
 /* Tenant files a store keeps open at once (each write and read reopens a
@@ -491,8 +492,50 @@ static kvi_status open_for_read(kvi__disk *d, dtenant *dt, const char *fn) {
   return st;
 }
 
+/* The entry of a read of f's record (io->fd open, io->entry set): the one
+ * the last read was of when it is the same (same file, same offset, not
+ * failed), else a new one; a reference either way. */
+static kvi_status share_entry(kvi__disk *d, fact_io *io, const char *fn) {
+  struct stat sb;
+  if (fstat(io->fd, &sb) != 0) return kvi__persist_io_fail(fn, errno, "reading the identity of", io->path);
+  fact_entry *fe = d->last;
+  if (fe && fe->dev == sb.st_dev && fe->ino == sb.st_ino && fe->off == io->entry) {
+    pthread_mutex_lock(&fe->mu);
+    const bool failed = fe->done && fe->st != KVI_OK; /* read again */
+    pthread_mutex_unlock(&fe->mu);
+    if (!failed) {
+      fe->refs++;
+      io->e = fe;
+      return KVI_OK;
+    }
+  }
+  if (!(fe = calloc(1, sizeof *fe))) return oom(fn);
+  if (pthread_mutex_init(&fe->mu, NULL) != 0) {
+    free(fe);
+    return oom(fn);
+  }
+  fe->refs = 1;
+  fe->slot = &d->last;
+  fe->dev = sb.st_dev, fe->ino = sb.st_ino, fe->off = io->entry;
+  d->last = fe;
+  io->e = fe;
+  return KVI_OK;
+}
+
+/* Drops a read's reference to its entry (the store's lock held). */
+static void unshare_entry(fact_entry *fe) {
+  if (!fe || --fe->refs > 0) return;
+  if (*fe->slot == fe) *fe->slot = NULL;
+  pthread_mutex_destroy(&fe->mu);
+  free(fe->body);
+  free(fe);
+}
+
+static void disk_discard(void *vio);
+
 /* A read of f's record: the tenant file's fd duplicated (it stays valid
- * whatever happens to the tenant's state meanwhile), its path copied. */
+ * whatever happens to the tenant's state meanwhile), its path copied, its
+ * entry shared with the other reads of that entry (share_entry). */
 static kvi_status disk_prep(void *ctx, kvi_store *s, const fact *f, void **out, const char *fn) {
   (void)s;
   kvi__disk *d = ctx;
@@ -514,6 +557,10 @@ static kvi_status disk_prep(void *ctx, kvi_store *s, const fact *f, void **out, 
   }
   io->entry = f->disk_entry, io->rec = f->disk_rec;
   io->tenant = f->tenant_id, io->id = f->id, io->tokens = f->tokens;
+  if ((st = share_entry(d, io, fn))) {
+    disk_discard(io);
+    return st;
+  }
   *out = io;
   return KVI_OK;
 }
@@ -535,7 +582,7 @@ static void disk_discard(void *vio) {
   if (!io) return;
   close(io->fd);
   free(io->path);
-  free(io->body);
+  unshare_entry(io->e);
   free(io);
 }
 

@@ -20,6 +20,7 @@
 #ifndef KVI_PERSIST_INTERNAL_H
 #define KVI_PERSIST_INTERNAL_H
 
+#include <pthread.h>
 #include <string.h>
 #include <sys/types.h>
 
@@ -275,24 +276,46 @@ kvi_status kvi__persist_read_header(loader *ld, const kvi_model *model, const kv
  * number. */
 kvi_status kvi__persist_index_tenant(kvi_store *s, uint64_t tenant, int fd, const char *path, uint64_t *file_id,
                                      uint64_t *valid_end, uint64_t *next_seq, const char *fn);
+/* One entry of a tenant file, read and checked once for all the reads of
+ * its facts that overlap (an encode call's captures are one entry: a
+ * prefetch of them reads it once, not once a fact). refs, and the disk
+ * tier's pointer to it (*slot), change under the store's lock; mu orders
+ * the read, which may run without that lock. */
+typedef struct fact_entry {
+  pthread_mutex_t mu;
+  int refs;
+  bool done;                /* under mu: body, or st and msg, are final */
+  struct fact_entry **slot; /* the disk tier's pointer to the entry it read last, cleared when this goes */
+  dev_t dev;                /* the file (st_dev, st_ino) and the entry's offset in it */
+  ino_t ino;
+  uint64_t off;
+  unsigned char *body;      /* the entry's body, its checksum checked */
+  uint64_t body_len;
+  kvi_status st;            /* of the read, with its message */
+  char msg[512];
+} fact_entry;
+
 /* A read of one fact's record back from its tenant file: what it needs,
- * taken under the store's lock (fd, path: owned by whoever made it), then
- * kvi__persist_fact_io_read, which touches no state of the store but its
- * geometry (so it may run without the lock, on another thread), then
- * kvi__persist_fact_io_decode under the lock. */
+ * taken under the store's lock (fd, path: owned by whoever made it; the
+ * entry shared, one reference), then kvi__persist_fact_io_read, which
+ * touches no state of the store but its geometry (so it may run without the
+ * lock, on another thread), then kvi__persist_fact_io_decode under the
+ * lock. */
 typedef struct fact_io {
   int fd;
   char *path;
   uint64_t entry, rec; /* the fact's entry and record offsets */
   uint64_t tenant, id;
   int32_t tokens;
-  unsigned char *body; /* the entry's body, read and checked; owned */
-  uint64_t body_len, bytes;
+  fact_entry *e;       /* its entry; e->off == entry */
+  const unsigned char *body; /* e->body once read (not owned) */
+  uint64_t body_len, bytes;  /* bytes: what this read took from the file (0 when another read of the entry did) */
   kvi_status st;       /* of the read, with its message */
   char msg[512];
 } fact_io;
-/* Reads the fact's entry (its checksum checked) into io->body; sets io->st
- * and io->msg; adds the bytes read to io->bytes. */
+/* Reads the fact's entry (its checksum checked), unless a read of the same
+ * entry did: io->body; sets io->st and io->msg; adds the bytes read to
+ * io->bytes. */
 kvi_status kvi__persist_fact_io_read(const kvi_store *s, fact_io *io, const char *fn);
 /* The read's failure (for fn), or its record decoded: into `pages` (raw
  * NULL), or as the record's bytes (put_record_bytes) into raw, its stale

@@ -674,10 +674,11 @@ kvi_status kvi__persist_index_tenant(kvi_store *s, uint64_t tenant, int fd, cons
   return KVI_OK;
 }
 
-kvi_status kvi__persist_fact_io_read(const kvi_store *s, fact_io *io, const char *fn) {
+/* Reads and checks the entry at fe->off into fe (body, or st and msg). */
+static void read_entry(const kvi_store *s, const fact_io *io, fact_entry *fe, const char *fn) {
   loader ld;
   kvi_status st = tenant_loader(&ld, s, io->fd, io->path, fn);
-  const uint64_t eoff = io->entry;
+  const uint64_t eoff = fe->off;
   unsigned char h[ENTRY_HDR];
   entry e;
   char why[160];
@@ -689,20 +690,34 @@ kvi_status kvi__persist_fact_io_read(const kvi_store *s, fact_io *io, const char
   if (st == KVI_OK && (!entry_ok(&ld, h, eoff, get64(h + 16), &e, why, sizeof why, &hard) || e.kind != KIND_FACTS))
     st = kvi__persist_corrupt(&ld, eoff, "fact %llu of tenant %llu: %s", (unsigned long long)io->id,
                               (unsigned long long)io->tenant, e.kind != KIND_FACTS ? "not a facts entry" : why);
-  if (st == KVI_OK && !(io->body = malloc(e.body ? (size_t)e.body : 1)))
+  if (st == KVI_OK && !(fe->body = malloc(e.body ? (size_t)e.body : 1)))
     st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating a %llu-byte entry", (unsigned long long)e.body);
-  if (st == KVI_OK) st = kvi__persist_rd(&ld, eoff + ENTRY_HDR, io->body, (size_t)e.body);
+  if (st == KVI_OK) st = kvi__persist_rd(&ld, eoff + ENTRY_HDR, fe->body, (size_t)e.body);
   if (st == KVI_OK) {
-    io->body_len = e.body;
-    io->bytes += ENTRY_HDR + e.body;
-    const uint32_t crc = kvi__crc32c(0, io->body, (size_t)e.body);
+    fe->body_len = e.body;
+    const uint32_t crc = kvi__crc32c(0, fe->body, (size_t)e.body);
     if (!CRC_OK(e.body_crc, crc))
       st = kvi__persist_corrupt(&ld, eoff, "fact %llu of tenant %llu: body checksum mismatch (stored 0x%08x, computed 0x%08x)",
                                 (unsigned long long)io->id, (unsigned long long)io->tenant, e.body_crc, crc);
   }
-  io->st = st;
-  if (st) snprintf(io->msg, sizeof io->msg, "%s", kvi__last_error());
-  return st;
+  fe->st = st;
+  if (st) snprintf(fe->msg, sizeof fe->msg, "%s", kvi__last_error());
+}
+
+kvi_status kvi__persist_fact_io_read(const kvi_store *s, fact_io *io, const char *fn) {
+  fact_entry *fe = io->e;
+  pthread_mutex_lock(&fe->mu);
+  if (!fe->done) {
+    read_entry(s, io, fe, fn);
+    fe->done = true;
+    if (fe->body_len) io->bytes += ENTRY_HDR + fe->body_len;
+  }
+  pthread_mutex_unlock(&fe->mu);
+  io->body = fe->body;
+  io->body_len = fe->body_len;
+  io->st = fe->st;
+  if (io->st) snprintf(io->msg, sizeof io->msg, "%s", fe->msg);
+  return io->st;
 }
 
 kvi_status kvi__persist_fact_io_decode(const kvi_store *s, const fact_io *io, bool stale, const uint32_t *pages,

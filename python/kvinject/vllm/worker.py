@@ -26,7 +26,10 @@ scheduler's, and requests' ``prefetch`` parameter) run on a thread of the
 worker's, one after another, after the step's injections were started: the
 step does not wait for them (a whole-tenant prefetch indexes the tenant from
 its file synchronously; the library reads facts back on its own I/O thread).
-An injection of a tenant whose prefetch is still running waits for it.
+An injection of a tenant whose whole-tenant prefetch is still running waits
+for it (that prefetch may read the file anew, when another replica changed
+it); one of named facts does not hold injections up: the library waits for
+the read of a fact it is reading back, and injects the resident ones at once.
 
 No vLLM import here: what the worker needs of vLLM's internals (the attention
 backend, the tensor-parallel rank) comes through kvinject.vllm._compat.
@@ -275,7 +278,8 @@ class KVInjectWorker:
     def _start_prefetches(self, jobs: List[PrefetchJob]) -> None:
         for job in jobs:
             self._prefetch_q.put((job.tenant, job.fact_ids))
-            self._prefetching.add(job.tenant)
+            if job.fact_ids is None:  # only a whole tenant's may read its file anew (_load waits for those)
+                self._prefetching.add(job.tenant)
             self._events.write(event="prefetch", req_id=job.req_id, tenant=job.tenant,
                                facts="all" if job.fact_ids is None else len(job.fact_ids), step=self._step)
 
@@ -340,8 +344,8 @@ class KVInjectWorker:
         self._remove(meta.removes)
         t0 = time.perf_counter()
         if self._prefetching:
-            # an injection of a tenant being prefetched waits for it: a prefetch of a whole tenant
-            # may read its file (anew, when another replica changed it), and the injection must see that
+            # an injection of a tenant whose whole-tenant prefetch is running waits for it: that
+            # prefetch may read the file anew (another replica changed it), and the injection must see that
             if any(job.facts and job.tenant in self._prefetching for job in meta.injects):
                 self.wait_prefetches()
             if self._prefetch_q.unfinished_tasks == 0:
