@@ -661,6 +661,9 @@ def test_a_prefetch_of_named_facts_does_not_hold_up_an_injection_of_resident_one
         release.set()
         rig.worker.wait_prefetches()
         assert [rig.store.fact_tier(1, f) for f in down] == [kvi.Tier.HOST] * 2
+        done = rig.events("prefetch_done")
+        assert [(e["tenant"], e["facts"], e["error"]) for e in done] == [(1, 2, None)]
+        assert done[0]["prefetch_us"] > 0 and done[0]["wait_us"] >= 0
     finally:
         release.set()
         rig.worker.shutdown()

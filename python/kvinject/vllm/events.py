@@ -3,17 +3,22 @@ written where ``events_path`` asks for them, or nowhere."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Optional
 
 
 class Events:
-    """JSON lines to a file (or nothing), each stamped with its time ``t``."""
+    """JSON lines to a file (or nothing), each stamped with its time ``t``; from
+    several threads (a line at a time)."""
 
     def __init__(self, path: Optional[str]):
         self.f = open(path, "a", buffering=1) if path else None
+        self._lock = threading.Lock()
 
     def write(self, **rec) -> None:
         if self.f is not None:
             rec["t"] = time.time()
-            self.f.write(json.dumps(rec) + "\n")
+            line = json.dumps(rec) + "\n"
+            with self._lock:
+                self.f.write(line)

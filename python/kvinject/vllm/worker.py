@@ -264,15 +264,21 @@ class KVInjectWorker:
                 self._prefetch_q.task_done()
                 return
             tenant, ids = item
+            t0 = t1 = time.perf_counter()
+            err = None
             try:
                 self._store.prefetch(tenant, ids)
+                t1 = time.perf_counter()
                 # done once published: a CUDA store's reads stay "on disk" for the
                 # scheduler until a call publishes them
                 self._store.prefetch_wait()
-                self._prefetch_done.put((tenant, None))
             except (KviError, ValueError) as e:
-                self._prefetch_done.put((tenant, str(e)))
+                err = str(e)
             finally:
+                self._prefetch_done.put((tenant, err))
+                t2 = time.perf_counter()
+                self._events.write(event="prefetch_done", tenant=tenant, facts="all" if ids is None else len(ids),
+                                   prefetch_us=(t1 - t0) * 1e6, wait_us=(t2 - t1) * 1e6, error=err)
                 self._prefetch_q.task_done()
 
     def _start_prefetches(self, jobs: List[PrefetchJob]) -> None:
