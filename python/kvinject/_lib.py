@@ -571,6 +571,19 @@ def _candidates():
     yield "the dynamic loader", SONAME
 
 
+#: Functions called with the GIL kept (through ctypes.PyDLL) rather than released: they
+#: never wait on I/O nor on a lock a long call may hold, and releasing the GIL costs the
+#: caller a wait to take it back whenever another Python thread runs meanwhile (up to
+#: sys.getswitchinterval(), 5 ms by default; vLLM's engine core runs its scheduler and
+#: its model on two threads). The structs' _init functions and the error and version
+#: queries always; kvi_inject and kvi_inject_batched through their twins
+#: (``kvi_inject_gil``, ``kvi_inject_batched_gil``: :meth:`_Lib.fast`), which the
+#: injectors call on stores without a disk tier (whose injections may read facts back
+#: from disk and so keep releasing it).
+_KEEP_GIL = ("kvi_status_string", "kvi_last_error", "kvi_version_number", "kvi_version_string")
+_GIL_TWINS = ("kvi_inject", "kvi_inject_batched")
+
+
 class _Lib:
     """The loaded library: its ctypes functions as attributes, and its path."""
 
@@ -593,15 +606,21 @@ class _Lib:
                               "build) and set KVINJECT_LIBRARY to the build directory or the library file, or "
                               "install it (meson install -C build: pkg-config or the loader then finds it). "
                               "Tried: " + "; ".join(" ".join(e.split()) for e in errors))
+        pydll = ctypes.PyDLL(self.path)  # the same library, its calls keeping the GIL
         for name, (restype, argtypes) in _PROTOTYPES.items():
+            keep = name in _KEEP_GIL or name.endswith("_init")
             try:
-                fn = getattr(self.dll, name)
+                fn = getattr(pydll if keep else self.dll, name)
             except AttributeError:
                 raise ImportError("kvinject: %s (%s) does not export %s: it is not a libkvinject this binding "
                                   "supports" % (self.path, self.found_by, name)) from None
             fn.restype = restype
             fn.argtypes = argtypes
             setattr(self, name, fn)
+            if name in _GIL_TWINS:
+                twin = getattr(pydll, name)
+                twin.restype, twin.argtypes = restype, argtypes
+                setattr(self, name + "_gil", twin)
         major = self.kvi_version_number() // 10000
         if major != ABI_MAJOR:
             raise ImportError("kvinject: %s is libkvinject %s; this binding supports %d.x"
@@ -621,6 +640,10 @@ class _Lib:
         st = getattr(self, function)(*args)
         if st != 0:
             raise make_error(st, self.last_error(), function)
+
+    def fast(self, function: str, keep_gil: bool):
+        """``function`` (one of _GIL_TWINS), its twin that keeps the GIL when keep_gil."""
+        return getattr(self, function + "_gil" if keep_gil else function)
 
     def new(self, cls):
         """A struct initialized by the library's own _init function (the _INIT macro's

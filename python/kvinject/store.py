@@ -200,9 +200,12 @@ class Store(Handle):
         h = ctypes.c_void_p()
         lib().call("kvi_store_create", ctypes.byref(h), model.handle, ctypes.byref(o))
         self._adopt(h, model, comm)
+        self.has_disk_tier = disk_dir is not None
 
     def _adopt(self, h, model: Model, comm) -> None:
         self._h = h
+        #: whether its calls may read facts back from disk (injections then release the GIL)
+        self.has_disk_tier = False
         self._dependents = weakref.WeakSet()
         self.comm = comm  # the C store borrows it: it must stay alive
         self.num_layers = model.num_layers

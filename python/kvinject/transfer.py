@@ -273,8 +273,10 @@ class Injector(_Transfer):
         L = lib()
         o = L.new(InjectOptions)
         assign(o, layer_begin=layer_begin, layer_end=layer_end)
-        L.call("kvi_inject", self.handle, arr, fit(nreq, ctypes.c_int32, "num_requests"), ctypes.byref(o),
-               _buffers.stream_handle(stream))
+        st = L.fast("kvi_inject", not self.store.has_disk_tier)(
+            self.handle, arr, fit(nreq, ctypes.c_int32, "num_requests"), ctypes.byref(o), _buffers.stream_handle(stream))
+        if st != 0:
+            L.check(st, "kvi_inject")
         del keep
 
     def inject_batch(self, fact_ids, block_tables, *, fact_offsets=None, tenant: int = 0, tenants=None,
@@ -344,7 +346,8 @@ class Injector(_Transfer):
             for bd in last[6]:  # the host offsets' contents are read afresh
                 _buffers.check_csr(bd)
             L = lib()
-            st = L.kvi_inject_batched(self.handle, last[1], last[2], _buffers.stream_handle(stream))
+            st = L.fast("kvi_inject_batched", not self.store.has_disk_tier)(self.handle, last[1], last[2],
+                                                                          _buffers.stream_handle(stream))
             if st != 0:
                 L.check(st, "kvi_inject_batched")
             return
@@ -426,7 +429,8 @@ class Injector(_Transfer):
             assign(opts, layer_begin=layer_begin, layer_end=layer_end)
             opts = ctypes.byref(opts)
         L = lib()
-        st = L.kvi_inject_batched(self.handle, ctypes.byref(b), opts, _buffers.stream_handle(stream))
+        st = L.fast("kvi_inject_batched", not self.store.has_disk_tier)(self.handle, ctypes.byref(b), opts,
+                                                                      _buffers.stream_handle(stream))
         if st != 0:
             L.check(st, "kvi_inject_batched")
         # the struct, its options and what its pointers point into (the row
