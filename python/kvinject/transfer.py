@@ -256,6 +256,10 @@ class Injector(_Transfer):
     ``Injector(store, layout, max_tokens_per_call=None, max_requests_per_call=None,
     max_table_entries_per_call=None)``. Keeps the store and the layout (and so
     the cache tensors) alive. Usable from several threads (calls serialize).
+    :meth:`inject` and :meth:`inject_batch` keep the GIL on a store without a
+    disk tier (their C call never waits on I/O there, and a call that released
+    the GIL would wait to take it back behind any other Python thread) and
+    release it on a disk-tier store, whose injections may read facts back.
     close() (or garbage collection) frees the C handle, whose enqueued work must
     be complete (kvinject/inject.h): keep the injector until the stream has
     passed it.
