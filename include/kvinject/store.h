@@ -786,6 +786,26 @@ typedef enum kvi_tier {
 KVI_API kvi_status kvi_store_fact_tier(const kvi_store *store, uint64_t tenant, uint64_t fact_id, int32_t *out_tier);
 
 /*
+ * The tenants whose facts that are only on disk (KVI_TIER_DISK) changed
+ * since they were last taken: a fact dropped to disk, read back (published),
+ * indexed from a tenant file, or removed while on disk. The store keeps one
+ * list, oldest change first, each tenant on it once; this call takes the
+ * first min(capacity, listed) of them off it into tenants[] (host memory;
+ * NULL when capacity is 0) and sets *count (host memory) to that number.
+ * Call again while *count == capacity to drain it. A tenant may come back
+ * in a later call (it changed again) and one may be listed that has no
+ * facts left; a store without a disk tier lists none. Lets an engine keep
+ * its view of what is on disk (kvi_store_fact_tier for the facts of the
+ * tenants listed) without asking about every tenant after every change.
+ * Thread rules: as every store call (the store's lock); the callers of a
+ * store share its list. Errors: KVI_ERR_INVALID_ARGUMENT (NULL store or
+ * count, NULL tenants with capacity > 0), KVI_ERR_OUT_OF_MEMORY (the list
+ * could not be rebuilt after an allocation failed while noting a change:
+ * nothing taken, the next call tries again).
+ */
+KVI_API kvi_status kvi_store_disk_changes(kvi_store *store, uint64_t *tenants, size_t capacity, size_t *count);
+
+/*
  * Gives up this store's ownership lease of `tenant` (see "Disk tier"), so
  * that another replica sharing the directory may write the tenant at once.
  * The tenant's facts stay readable here (memory, or read back from its

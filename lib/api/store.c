@@ -122,3 +122,7 @@ KVI_API int32_t kvi_store_embedding_rank(uint64_t tenant, uint64_t fact_id, int3
 KVI_API kvi_status kvi_store_fact_tier(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, int32_t *out_tier) {
   return kvi__store_fact_tier(store, tenant_id, fact_id, out_tier, "kvi_store_fact_tier");
 }
+
+KVI_API kvi_status kvi_store_disk_changes(kvi_store *store, uint64_t *tenants, size_t capacity, size_t *count) {
+  return kvi__store_disk_changes(store, tenants, capacity, count, "kvi_store_disk_changes");
+}

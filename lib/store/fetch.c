@@ -54,6 +54,7 @@ static kvi_status publish_job(kvi_store *s, kvi__disk_job *j, bool keep, const c
   if (keep && st == KVI_OK) {
     f->pages = j->pages;
     f->owner->on_disk--, s->index.on_disk--;
+    kvi__disk_note(s, f->owner);
     s->index.pages_stored += f->npages;
     kvi__store_touch(s, f);
   } else {

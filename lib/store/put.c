@@ -17,7 +17,7 @@ static void unlink_fact(kvi_store *s, fact *f) {
   if (s->emb_dim > 0) kvi__emb_remove(s, t, f);
   t->count--;
   if (f->stale) t->stale--, s->index.stale--;
-  if (!f->pages) t->on_disk--, s->index.on_disk--;
+  if (!f->pages) t->on_disk--, s->index.on_disk--, kvi__disk_note(s, t);
   if (t->count == 0 && t->pending == 0) { /* a replace keeps the tenant: its new fact is pending */
     kvi__map_del(&s->index.tenants, t->id, 0);
     kvi__emb_free(s, t, true);
@@ -84,7 +84,7 @@ void kvi__fact_commit(kvi_store *s, fact *f, uint32_t *pages, uint32_t need, ten
   kvi__map_put(&s->index.facts, tenant_id, fact_id, f);
   s->index.tokens_stored += (uint64_t)tokens;
   if (pages) s->index.pages_stored += need;
-  else t->on_disk++, s->index.on_disk++; /* indexed from its tenant's file */
+  else t->on_disk++, s->index.on_disk++, kvi__disk_note(s, t); /* indexed from its tenant's file */
 }
 
 static int cmp_key(const void *a, const void *b) {

@@ -325,5 +325,6 @@ void kvi__store_destroy(kvi_store *store, bool device_ok) {
   free(store->rope);
   if (store->journal.ops) store->journal.ops->release(store->journal.ctx);
   if (store->disk.ops) store->disk.ops->release(store->disk.ctx);
+  free(store->disk.changed);
   free(store);
 }

@@ -97,6 +97,7 @@ struct tenant {
   int32_t max_tokens; /* the largest fact it has held (never lowered) */
   size_t stale;       /* its stale facts */
   size_t on_disk;     /* its facts on disk only (disk tier) */
+  bool disk_changed;  /* on the store's list of tenants whose disk-only facts changed (disk.changed) */
   /* The directory of a store with emb.dir_on (kernels.h, kvi__rquery): [cap] rows
    * of dir_stride words, in device memory, changed with the matrix. */
   uint32_t *dir;
@@ -255,6 +256,12 @@ struct kvi_store {
     pthread_cond_t qcv;
     pthread_t thread;
     bool thread_on, stop;
+    /* The tenants whose disk-only facts changed since kvi_store_disk_changes
+     * last took them (kvi__disk_note), oldest first; changed_all: a note
+     * found no memory, so the next call lists every tenant. */
+    uint64_t *changed;
+    size_t nchanged, cchanged;
+    bool changed_all;
   } disk;
   kvi__store_shard shard;
 };
@@ -574,6 +581,13 @@ typedef struct kvi__disk_ops {
   void (*discard)(void *io);
   void (*release)(void *ctx);
 } kvi__disk_ops;
+
+/* Puts tenant t on the list of tenants whose disk-only facts changed
+ * (kvi_store_disk_changes), once; the store's lock held. Called wherever
+ * t->on_disk changes. */
+void kvi__disk_note(kvi_store *s, tenant *t);
+kvi_status kvi__store_disk_changes(kvi_store *store, uint64_t *tenants, size_t capacity, size_t *count,
+                                   const char *fn);
 
 /* The disk tier's part of the store (tiers.c), the lock held: */
 /* claim (above) for a call that writes `tenant`; KVI_OK without a disk tier. */

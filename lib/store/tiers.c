@@ -97,6 +97,7 @@ static void drop_to_disk(kvi_store *s, fact *f) {
   f->pages = f->hpages = NULL;
   s->index.pages_stored -= f->npages;
   f->owner->on_disk++, s->index.on_disk++;
+  kvi__disk_note(s, f->owner);
   s->disk.drops++;
 }
 
@@ -139,6 +140,61 @@ kvi_status kvi__disk_room(kvi_store *s, pool *p, uint64_t need, const char *fn) 
                      p->nfree, p->npages);
   drop_candidates(s, p, need - have, true);
   return kvi__pool_room(s, p, need, fn);
+}
+
+void kvi__disk_note(kvi_store *s, tenant *t) {
+  if (!s->disk.ops || t->disk_changed || s->disk.changed_all) return;
+  if (s->disk.nchanged == s->disk.cchanged) {
+    const size_t cap = s->disk.cchanged ? 2 * s->disk.cchanged : 64;
+    uint64_t *p = realloc(s->disk.changed, cap * sizeof *p);
+    if (!p) { /* nothing lost: the next kvi_store_disk_changes lists every tenant */
+      s->disk.changed_all = true;
+      return;
+    }
+    s->disk.changed = p, s->disk.cchanged = cap;
+  }
+  s->disk.changed[s->disk.nchanged++] = t->id;
+  t->disk_changed = true;
+}
+
+kvi_status kvi__store_disk_changes(kvi_store *store, uint64_t *tenants, size_t capacity, size_t *count,
+                                   const char *fn) {
+  if (!store || !count)
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", !store ? "store" : "count");
+  if (capacity > 0 && !tenants) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "tenants is NULL and capacity is %zu", capacity);
+  kvi__store_lock(store);
+  kvi_status st = KVI_OK;
+  if (store->disk.changed_all) { /* every tenant, once */
+    const kvi__map *m = &store->index.tenants;
+    uint64_t *all = malloc((m->len ? m->len : 1) * sizeof *all);
+    if (!all) {
+      st = kvi__fail(KVI_ERR_OUT_OF_MEMORY, fn, "allocating %zu tenant ids", m->len);
+    } else {
+      size_t n = 0;
+      for (size_t i = 0; i < m->cap; i++) {
+        tenant *t = m->slots[i].val;
+        if (!t) continue;
+        all[n++] = t->id;
+        t->disk_changed = true;
+      }
+      free(store->disk.changed);
+      store->disk.changed = all, store->disk.nchanged = n, store->disk.cchanged = m->len ? m->len : 1;
+      store->disk.changed_all = false;
+    }
+  }
+  if (st == KVI_OK) {
+    const size_t n = store->disk.nchanged < capacity ? store->disk.nchanged : capacity;
+    for (size_t i = 0; i < n; i++) {
+      tenants[i] = store->disk.changed[i];
+      tenant *t = kvi__store_tenant(store, tenants[i]);
+      if (t) t->disk_changed = false;
+    }
+    memmove(store->disk.changed, store->disk.changed + n, (store->disk.nchanged - n) * sizeof *store->disk.changed);
+    store->disk.nchanged -= n;
+    *count = n;
+  }
+  kvi__store_unlock(store);
+  return st;
 }
 
 kvi_status kvi__disk_claim(kvi_store *s, uint64_t tenant, const char *fn) {

@@ -585,6 +585,20 @@ class Store(Handle):
                    ctypes.byref(t))
         return Tier(t.value)
 
+    def disk_changes(self) -> List[int]:
+        """kvi_store_disk_changes, drained: the tenants whose disk-only facts changed
+        (a fact dropped to disk, read back, indexed from its file, or removed while on
+        disk) since they were last taken, oldest change first, each once; [] without a
+        disk tier. The store keeps one list: the callers share it."""
+        out: List[int] = []
+        buf = (ctypes.c_uint64 * 256)()
+        n = ctypes.c_size_t()
+        while True:
+            lib().call("kvi_store_disk_changes", self.handle, buf, len(buf), ctypes.byref(n))
+            out.extend(buf[:n.value])
+            if n.value < len(buf):
+                return out
+
     def tenant_release(self, tenant: int) -> None:
         """kvi_store_tenant_release: gives up this store's ownership lease of ``tenant``
         (see the disk tier in the class docstring), so that another store sharing

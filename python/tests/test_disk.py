@@ -197,6 +197,23 @@ class TestDiskTier:
         assert (st.facts_on_disk_only, st.disk_bytes, st.disk_writes, st.drops_to_disk) == (0, 0, 0, 0)
         m.tenant_release(1)  # no disk tier: nothing to do
 
+    def test_disk_changes_lists_the_tenants_whose_disk_facts_changed(self):
+        s = self.store(2, self.dir)
+        assert s.disk_changes() == []
+        s.put(1, 0, *fact(0))
+        s.put(2, 0, *fact(1))
+        assert s.disk_changes() == []  # nothing on disk yet
+        s.put(3, 0, *fact(2))  # tenant 1's fact goes down
+        assert s.disk_changes() == [1]
+        assert s.disk_changes() == []  # taken
+        s.read(1, 0)  # back up, tenant 2's goes down
+        assert sorted(s.disk_changes()) == [1, 2]
+        for t in range(10, 300):  # more than one call's worth (256)
+            s.put(t, 0, *fact(t))
+        changed = s.disk_changes()
+        assert len(changed) == len(set(changed)) >= 288 and set(range(10, 298)) <= set(changed)
+        assert self.store(2).disk_changes() == []  # no disk tier
+
     def test_options_reach_the_library(self, tmp_path):
         with pytest.raises(kvi.IOError_, match="missing"):
             self.store(2, os.path.join(self.dir, "missing"))

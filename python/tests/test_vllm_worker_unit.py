@@ -625,6 +625,42 @@ def test_a_replica_loads_a_tenant_another_replica_wrote_to_the_shared_directory(
         b.worker.shutdown()
 
 
+def test_the_disk_report_asks_only_about_tenants_whose_disk_facts_changed(arrays, monkeypatch, tmp_path):
+    # before, a step with any drop or read back re-listed every tenant ever reported, a C call
+    # per fact (7 ms for 40 tenants of 28 facts on the project's VM, at every such step)
+    rig = disk_rig(arrays, monkeypatch, tmp_path, "a")
+    store = rig.worker._store
+    asked = []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def fact_tier(self, tenant, fid):
+            asked.append(tenant)
+            return store.fact_tier(tenant, fid)
+    try:
+        per = rig.store.stats().pages_total
+        for t in (1, 2):
+            rig.put(t, 0, BS)
+            m = KVInjectMetadata(prefetches=[PrefetchJob("p%d" % t, t, [0])])
+            rig.worker.start_load_kv(m)
+            rig.worker.wait_for_save(m)
+            rig.worker.wait_prefetches()
+            rig.worker.build_connector_worker_meta()  # both reported
+        rig.worker._store = Spy()
+        for fid in range(1, per):  # one more page than memory holds: tenant 1's oldest fact goes down
+            rig.put(1, fid, BS)
+        assert rig.store.fact_tier(2, 0) != kvi.Tier.DISK
+        wm = rig.worker.build_connector_worker_meta()
+        assert set(asked) == {1} and set(wm.disk_facts) == {1}
+        assert wm.disk_facts[1] == disk_only(rig.store, 1) and wm.disk_facts[1]
+        asked.clear()
+        assert rig.worker.build_connector_worker_meta() is None and asked == []  # nothing changed since
+    finally:
+        rig.worker.shutdown()
+
+
 def test_a_prefetch_of_named_facts_does_not_hold_up_an_injection_of_resident_ones(arrays, monkeypatch, tmp_path):
     # the scheduler prefetches a cold request's disk-only facts; the tenant's next request
     # injects what is resident without waiting for those reads (before, it waited for the

@@ -1046,6 +1046,80 @@ static void test_entry_read_once(void **state) {
   free(pool);
 }
 
+/* The tenants kvi_store_disk_changes lists, drained, sorted, as one number
+ * per tenant (tenant ids below 10) in a decimal string: "12" is tenants 1, 2. */
+static unsigned long long changes_of(kvi_store *s, size_t cap) {
+  uint64_t got[16];
+  size_t n = 0, total = 0;
+  do {
+    assert_ok(kvi_store_disk_changes(s, got + total, cap, &n));
+    total += n;
+  } while (n == cap && cap > 0 && total + cap <= 16);
+  unsigned long long out = 0;
+  for (uint64_t t = 0; t < 10; t++)
+    for (size_t i = 0; i < total; i++)
+      if (got[i] == t) {
+        out = out * 10 + t;
+        break;
+      }
+  return out;
+}
+
+/* kvi_store_disk_changes lists the tenants whose disk-only facts changed (a
+ * drop, a read back, a removal of a fact on disk, a tenant indexed from its
+ * file), each once, and takes them off: an engine asks about those, not
+ * about every tenant after every change (the vLLM worker re-listed every
+ * tenant it had reported, a C call a fact, at every step with a drop or a
+ * read back). */
+static void test_disk_changes(void **state) {
+  fx *f = *state;
+  kvi_store *s = mk_store(f, KVI_DTYPE_BF16, 3, f->dir, NULL, 0, 0);
+  size_t n = 99;
+  assert_ok(kvi_store_disk_changes(s, NULL, 0, &n));
+  assert_int_equal(n, 0);
+  for (uint64_t id = 0; id < 3; id++) assert_ok(put_tag(s, 1, id, 1, 0)); /* one page each: memory full */
+  assert_int_equal(changes_of(s, 4), 0);                                   /* nothing dropped yet */
+  assert_ok(put_tag(s, 2, 0, 1, 0)); /* drops tenant 1's oldest */
+  assert_int_equal(tier_of(s, 1, 0), KVI_TIER_DISK);
+  assert_ok(kvi_store_disk_changes(s, NULL, 0, &n)); /* capacity 0 takes nothing */
+  assert_int_equal(n, 0);
+  assert_int_equal(changes_of(s, 4), 1);
+  assert_int_equal(changes_of(s, 4), 0); /* taken */
+  size_t m = 0;
+  float *x = read_fact(s, 1, 0, &m); /* read back: drops tenant 1's fact 1 */
+  assert_non_null(x);
+  free(x);
+  assert_int_equal(tier_of(s, 1, 1), KVI_TIER_DISK);
+  assert_int_equal(changes_of(s, 4), 1); /* once, for two changes */
+  x = read_fact(s, 2, 0, &m);            /* in memory: nothing changes */
+  free(x);
+  assert_int_equal(changes_of(s, 4), 0);
+  assert_ok(put_tag(s, 3, 0, 1, 0));
+  assert_ok(put_tag(s, 4, 0, 1, 0)); /* drops two more, tenants 1 and 2's */
+  assert_int_equal(changes_of(s, 1), 12); /* one at a time */
+  assert_ok(kvi_store_remove(s, 1, 1)); /* a fact on disk */
+  assert_int_equal(changes_of(s, 4), 1);
+  kvi_store_destroy(s);
+  s = mk_store(f, KVI_DTYPE_BF16, 3, f->dir, NULL, 0, 0);
+  assert_ok(kvi_store_prefetch(s, 2, NULL, 0, NULL)); /* indexed from its file, then read back */
+  assert_ok(kvi_store_prefetch_wait(s));
+  assert_int_equal(changes_of(s, 4), 2);
+  /* errors change nothing */
+  uint64_t t[2];
+  assert_status(kvi_store_disk_changes(NULL, t, 2, &n), KVI_ERR_INVALID_ARGUMENT);
+  assert_last_error_has("kvi_store_disk_changes", "store is NULL");
+  assert_status(kvi_store_disk_changes(s, t, 2, NULL), KVI_ERR_INVALID_ARGUMENT);
+  assert_last_error_has("kvi_store_disk_changes", "count is NULL");
+  assert_status(kvi_store_disk_changes(s, NULL, 2, &n), KVI_ERR_INVALID_ARGUMENT);
+  assert_last_error_has("kvi_store_disk_changes", "tenants is NULL");
+  kvi_store_destroy(s);
+  kvi_store *mem = mk_store(f, KVI_DTYPE_BF16, 2, NULL, NULL, 0, 0); /* no disk tier: none, ever */
+  assert_ok(put_tag(mem, 1, 0, 1, 0));
+  assert_ok(put_tag(mem, 1, 1, 1, 0));
+  assert_int_equal(changes_of(mem, 4), 0);
+  kvi_store_destroy(mem);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_tier_moves_roundtrip, fx_setup, fx_teardown),
@@ -1067,6 +1141,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_async_threads, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_encode_writes_through, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_entry_read_once, fx_setup, fx_teardown),
+      cmocka_unit_test_setup_teardown(test_disk_changes, fx_setup, fx_teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -106,7 +106,6 @@ class KVInjectWorker:
         self._disk = config.disk_dir is not None
         self._touched: Set[int] = set()               # tenants of this step's jobs
         self._reported: Dict[int, List[int]] = {}     # tenant -> disk-only facts last reported
-        self._disk_counts = (0, 0)                    # (drops_to_disk, disk_reads) at the last report
         self._read_bytes_s = 0.0
         self._bytes_per_token = 0.0
         # background prefetches: (tenant, fact ids or None) in; tenants done (or failed: message) out
@@ -296,8 +295,10 @@ class KVInjectWorker:
 
     def _disk_report(self) -> Dict[int, List[int]]:
         """The tenants whose disk-only facts changed since the last report: those the
-        step's jobs or finished prefetches touched, and every tenant reported before
-        when facts were dropped to disk or read back since."""
+        step's jobs or finished prefetches touched, and the tenants reported before that
+        the store lists as changed (Store.disk_changes: a drop, a read back, a removal),
+        each listed once; not every tenant after every change, which cost a C call per
+        fact of every tenant ever reported at every step with a drop or a read back."""
         while True:
             try:
                 tenant, err = self._prefetch_done.get_nowait()
@@ -312,13 +313,8 @@ class KVInjectWorker:
         if not self._disk:
             self._touched.clear()
             return {}
-        st = self._store.stats()
-        counts = (st.drops_to_disk, st.disk_reads)
-        tenants = set(self._touched)
-        if counts != self._disk_counts:
-            tenants |= set(self._reported)
+        tenants = set(self._touched) | {t for t in self._store.disk_changes() if t in self._reported}
         self._touched.clear()
-        self._disk_counts = counts
         out = {}
         for t in sorted(tenants):
             disk = []
