@@ -577,12 +577,12 @@ def _candidates():
 #: caller a wait to take it back whenever another Python thread runs meanwhile (up to
 #: sys.getswitchinterval(), 5 ms by default; vLLM's engine core runs its scheduler and
 #: its model on two threads). The structs' _init functions and the error and version
-#: queries always; kvi_inject and kvi_inject_batched through their twins
-#: (``kvi_inject_gil``, ``kvi_inject_batched_gil``: :meth:`_Lib.fast`), which the
-#: injectors call on stores without a disk tier (whose injections may read facts back
-#: from disk and so keep releasing it).
+#: queries always; kvi_inject, kvi_inject_batched and kvi_inject_plan through their
+#: twins (``kvi_inject_gil``, ...: :meth:`_Lib.fast`), which the injectors call on
+#: stores without a disk tier (whose injections may read facts back from disk, and
+#: whose lock a prefetch may hold while it reads, so they keep releasing it there).
 _KEEP_GIL = ("kvi_status_string", "kvi_last_error", "kvi_version_number", "kvi_version_string")
-_GIL_TWINS = ("kvi_inject", "kvi_inject_batched")
+_GIL_TWINS = ("kvi_inject", "kvi_inject_batched", "kvi_inject_plan")
 
 
 class _Lib:

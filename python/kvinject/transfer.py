@@ -547,8 +547,12 @@ class Injector(_Transfer):
         """kvi_inject_plan: tokens the facts need in total (allocate blocks for them first)."""
         ids = _buffers.int_array(fact_ids, ctypes.c_uint64, "fact_ids")
         n = ctypes.c_int64()
-        lib().call("kvi_inject_plan", self.handle, fit(tenant, ctypes.c_uint64, "tenant"), ids.c_ptr(),
-                   fit(ids.numel, ctypes.c_int32, "num_facts"), ctypes.byref(n))
+        L = lib()
+        st = L.fast("kvi_inject_plan", not self.store.has_disk_tier)(
+            self.handle, fit(tenant, ctypes.c_uint64, "tenant"), ids.c_ptr(), fit(ids.numel, ctypes.c_int32, "num_facts"),
+            ctypes.byref(n))
+        if st != 0:
+            L.check(st, "kvi_inject_plan")
         return n.value
 
     def async_errors(self) -> int:

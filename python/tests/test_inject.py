@@ -809,13 +809,15 @@ class TestGil(InjectCase):
         from kvinject._lib import lib
         L_ = lib()
         seen = []
-        for name in ("kvi_inject", "kvi_inject_gil", "kvi_inject_batched", "kvi_inject_batched_gil"):
+        for name in ("kvi_inject", "kvi_inject_gil", "kvi_inject_batched", "kvi_inject_batched_gil", "kvi_inject_plan",
+                     "kvi_inject_plan_gil"):
             fn = getattr(L_, name)
             monkeypatch.setattr(L_, name, lambda *a, _fn=fn, _n=name: seen.append(_n) or _fn(*a))
         caches = [poisoned(2 * self.NB * self.BS * H * D, DType.BF16) for _ in range(L)]
         inj = kvi.Injector(store, kvi.CacheLayout.vllm(caches, shape=(2, self.NB, self.BS, H, D), dtype=DType.BF16))
         self.closing.append(inj)
         inj.inject(kvi.InjectRequest(1, [11], [5, 1, 7], first_slot=0, start_position=0))
+        assert inj.plan(1, [11]) == 9
         inj.inject_batch(array.array("Q", [11]), array.array("i", [5, 1, 7]), fact_offsets=array.array("i", [0, 1]),
                          block_table_offsets=array.array("i", [0, 3]), tenant=1)
         return seen, caches
@@ -825,7 +827,8 @@ class TestGil(InjectCase):
         from kvinject._lib import lib
         L_ = lib()
         keep = ctypes._FUNCFLAG_PYTHONAPI
-        for name in ("kvi_inject_gil", "kvi_inject_batched_gil", "kvi_inject_request_init", "kvi_last_error"):
+        for name in ("kvi_inject_gil", "kvi_inject_batched_gil", "kvi_inject_plan_gil", "kvi_inject_request_init",
+                     "kvi_last_error"):
             assert getattr(L_, name)._flags_ & keep, name
         for name in ("kvi_inject", "kvi_inject_batched", "kvi_store_prefetch", "kvi_encode", "kvi_store_put"):
             assert not getattr(L_, name)._flags_ & keep, name
@@ -833,7 +836,7 @@ class TestGil(InjectCase):
     def test_a_memory_store_keeps_it_a_disk_tier_store_releases_it(self, monkeypatch, tmp_path):
         facts = Facts(self, DType.BF16, seed=40)
         seen, caches = self.calls(monkeypatch, facts.store)
-        assert seen == ["kvi_inject_gil", "kvi_inject_batched_gil"]
+        assert seen == ["kvi_inject_gil", "kvi_inject_plan_gil", "kvi_inject_batched_gil"]
         assert any(bytes(c) != bytes(poisoned(2 * self.NB * self.BS * H * D, DType.BF16)) for c in caches)
         disk = kvi.Store(facts.model, 1 << 20, backend=kvi.Backend.CPU, dtype=DType.BF16, page_tokens=4,
                          disk_dir=str(tmp_path))
@@ -844,4 +847,4 @@ class TestGil(InjectCase):
         disk.put(1, 11, encode(k, DType.FP32), encode(v, DType.FP32))
         assert disk.has_disk_tier and not facts.store.has_disk_tier
         seen, _ = self.calls(monkeypatch, disk)
-        assert seen[-2:] == ["kvi_inject", "kvi_inject_batched"]
+        assert seen[-3:] == ["kvi_inject", "kvi_inject_plan", "kvi_inject_batched"]
