@@ -13,7 +13,7 @@ from ._lib import (CaptureC, EncodeBatchC, InjectBatchC, InjectOptions, InjectRe
                    TransferOptions, assign, fit, lib)
 from ._handle import Handle
 from .cache import CacheLayout
-from .enums import PUT_REPLACE, SEARCH_MAX_K, DType, Memory
+from .enums import PUT_REPLACE, SEARCH_MAX_K, Backend, DType, Memory
 from .store import Store, _check_embedding, _query_array
 
 
@@ -239,6 +239,12 @@ class _Transfer(Handle):
         self.layout = layout
         store._add_dependent(self)
 
+    def _enqueues_only(self) -> bool:
+        """Whether an injection's C call only enqueues device work (a CUDA store without
+        a disk tier): it then keeps the GIL (kvinject._lib: _GIL_TWINS), which a call
+        that does the copy itself (a CPU store) or may read from disk releases."""
+        return self.store.backend == Backend.CUDA and not self.store.has_disk_tier
+
     @property
     def handle(self) -> ctypes.c_void_p:
         """The C pointer; ValueError once closed, StaleLayoutError for a stale layout
@@ -256,10 +262,12 @@ class Injector(_Transfer):
     ``Injector(store, layout, max_tokens_per_call=None, max_requests_per_call=None,
     max_table_entries_per_call=None)``. Keeps the store and the layout (and so
     the cache tensors) alive. Usable from several threads (calls serialize).
-    :meth:`inject` and :meth:`inject_batch` keep the GIL on a store without a
-    disk tier (their C call never waits on I/O there, and a call that released
-    the GIL would wait to take it back behind any other Python thread) and
-    release it on a disk-tier store, whose injections may read facts back.
+    :meth:`inject` and :meth:`inject_batch` keep the GIL on a CUDA store without
+    a disk tier (their C call only enqueues device work, and a call that
+    released the GIL would wait to take it back behind any other Python thread)
+    and release it on a CPU store (the call does the copy) and on a disk-tier
+    store (the call may read facts back); :meth:`plan` keeps it on any store
+    without a disk tier.
     close() (or garbage collection) frees the C handle, whose enqueued work must
     be complete (kvinject/inject.h): keep the injector until the stream has
     passed it.
@@ -277,7 +285,7 @@ class Injector(_Transfer):
         L = lib()
         o = L.new(InjectOptions)
         assign(o, layer_begin=layer_begin, layer_end=layer_end)
-        st = L.fast("kvi_inject", not self.store.has_disk_tier)(
+        st = L.fast("kvi_inject", self._enqueues_only())(
             self.handle, arr, fit(nreq, ctypes.c_int32, "num_requests"), ctypes.byref(o), _buffers.stream_handle(stream))
         if st != 0:
             L.check(st, "kvi_inject")
@@ -350,7 +358,7 @@ class Injector(_Transfer):
             for bd in last[6]:  # the host offsets' contents are read afresh
                 _buffers.check_csr(bd)
             L = lib()
-            st = L.fast("kvi_inject_batched", not self.store.has_disk_tier)(self.handle, last[1], last[2],
+            st = L.fast("kvi_inject_batched", self._enqueues_only())(self.handle, last[1], last[2],
                                                                           _buffers.stream_handle(stream))
             if st != 0:
                 L.check(st, "kvi_inject_batched")
@@ -433,7 +441,7 @@ class Injector(_Transfer):
             assign(opts, layer_begin=layer_begin, layer_end=layer_end)
             opts = ctypes.byref(opts)
         L = lib()
-        st = L.fast("kvi_inject_batched", not self.store.has_disk_tier)(self.handle, ctypes.byref(b), opts,
+        st = L.fast("kvi_inject_batched", self._enqueues_only())(self.handle, ctypes.byref(b), opts,
                                                                       _buffers.stream_handle(stream))
         if st != 0:
             L.check(st, "kvi_inject_batched")

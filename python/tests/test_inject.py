@@ -797,15 +797,17 @@ if __name__ == "__main__":
 
 
 class TestGil(InjectCase):
-    """Injections of a store without a disk tier keep the GIL (ctypes.PyDLL): a call
-    that released it would wait, when it returns, for any other Python thread that
-    took it meanwhile (up to sys.getswitchinterval()); those of a disk-tier store,
-    which may read facts back from disk, release it. The structs' _init functions
-    and the error queries keep it always."""
+    """Injections of a CUDA store without a disk tier keep the GIL (ctypes.PyDLL): their
+    C call only enqueues device work, and a call that released the GIL would wait, when
+    it returns, for any other Python thread that took it meanwhile (up to
+    sys.getswitchinterval()). A CPU store's injections (the call does the copy) and a
+    disk-tier store's (the call may read from disk) release it; kvi_inject_plan keeps it
+    on any store without a disk tier. The structs' _init functions and the error queries
+    keep it always. (No CUDA here: a CPU store's injector is told it enqueues only.)"""
 
     NB, BS = 8, 4
 
-    def calls(self, monkeypatch, store):
+    def calls(self, monkeypatch, store, enqueues_only=None):
         from kvinject._lib import lib
         L_ = lib()
         seen = []
@@ -816,6 +818,8 @@ class TestGil(InjectCase):
         caches = [poisoned(2 * self.NB * self.BS * H * D, DType.BF16) for _ in range(L)]
         inj = kvi.Injector(store, kvi.CacheLayout.vllm(caches, shape=(2, self.NB, self.BS, H, D), dtype=DType.BF16))
         self.closing.append(inj)
+        if enqueues_only is not None:
+            monkeypatch.setattr(inj, "_enqueues_only", lambda: enqueues_only)
         inj.inject(kvi.InjectRequest(1, [11], [5, 1, 7], first_slot=0, start_position=0))
         assert inj.plan(1, [11]) == 9
         inj.inject_batch(array.array("Q", [11]), array.array("i", [5, 1, 7]), fact_offsets=array.array("i", [0, 1]),
@@ -830,14 +834,19 @@ class TestGil(InjectCase):
         for name in ("kvi_inject_gil", "kvi_inject_batched_gil", "kvi_inject_plan_gil", "kvi_inject_request_init",
                      "kvi_last_error"):
             assert getattr(L_, name)._flags_ & keep, name
-        for name in ("kvi_inject", "kvi_inject_batched", "kvi_store_prefetch", "kvi_encode", "kvi_store_put"):
+        for name in ("kvi_inject", "kvi_inject_batched", "kvi_inject_plan", "kvi_store_prefetch", "kvi_encode",
+                     "kvi_store_put"):
             assert not getattr(L_, name)._flags_ & keep, name
 
-    def test_a_memory_store_keeps_it_a_disk_tier_store_releases_it(self, monkeypatch, tmp_path):
+    def test_which_calls_keep_it(self, monkeypatch, tmp_path):
         facts = Facts(self, DType.BF16, seed=40)
-        seen, caches = self.calls(monkeypatch, facts.store)
+        blank = bytes(poisoned(2 * self.NB * self.BS * H * D, DType.BF16))
+        seen, caches = self.calls(monkeypatch, facts.store)  # a CPU store: the injections do the copy
+        assert seen == ["kvi_inject", "kvi_inject_plan_gil", "kvi_inject_batched"]
+        assert any(bytes(c) != blank for c in caches)
+        seen, caches = self.calls(monkeypatch, facts.store, enqueues_only=True)  # as a CUDA store's
         assert seen == ["kvi_inject_gil", "kvi_inject_plan_gil", "kvi_inject_batched_gil"]
-        assert any(bytes(c) != bytes(poisoned(2 * self.NB * self.BS * H * D, DType.BF16)) for c in caches)
+        assert any(bytes(c) != blank for c in caches)
         disk = kvi.Store(facts.model, 1 << 20, backend=kvi.Backend.CPU, dtype=DType.BF16, page_tokens=4,
                          disk_dir=str(tmp_path))
         self.closing.append(disk)
@@ -847,4 +856,4 @@ class TestGil(InjectCase):
         disk.put(1, 11, encode(k, DType.FP32), encode(v, DType.FP32))
         assert disk.has_disk_tier and not facts.store.has_disk_tier
         seen, _ = self.calls(monkeypatch, disk)
-        assert seen[-3:] == ["kvi_inject", "kvi_inject_plan", "kvi_inject_batched"]
+        assert seen == ["kvi_inject", "kvi_inject_plan", "kvi_inject_batched"]
