@@ -978,13 +978,19 @@ static void encode3(kvi_store *s, float *pool) {
   kvi_encoder_destroy(enc);
 }
 
-static void test_encode_writes_through(void **state) {
-  fx *f = *state;
+/* encode3's cache: 8 blocks of 4 tokens, random fp32 values (malloc'd). */
+static float *random_cache(const char *seed) {
   const size_t elems = (size_t)8 * L * 2 * H * 4 * D;
   float *pool = malloc(elems * sizeof *pool);
   rng r;
-  rng_seed(&r, __func__);
+  rng_seed(&r, seed);
   for (size_t i = 0; i < elems; i++) pool[i] = rand_float(&r);
+  return pool;
+}
+
+static void test_encode_writes_through(void **state) {
+  fx *f = *state;
+  float *pool = random_cache(__func__);
   kvi_store *s = mk_store(f, KVI_DTYPE_BF16, 3, f->dir, NULL, 0, 0), *ref = mk_store(f, KVI_DTYPE_BF16, 64, NULL, NULL, 0, 0);
   for (uint64_t id = 0; id < 3; id++) { /* memory full: the captures drop these */
     assert_ok(put_tag(s, 5, id, id, 0));
@@ -1012,11 +1018,7 @@ static void test_encode_writes_through(void **state) {
  * 8B model in vLLM). Then bytes equal to a memory-only store's. */
 static void test_entry_read_once(void **state) {
   fx *f = *state;
-  const size_t elems = (size_t)8 * L * 2 * H * 4 * D;
-  float *pool = malloc(elems * sizeof *pool);
-  rng r;
-  rng_seed(&r, __func__);
-  for (size_t i = 0; i < elems; i++) pool[i] = rand_float(&r);
+  float *pool = random_cache(__func__);
   kvi_store *s = mk_store(f, KVI_DTYPE_BF16, 3, f->dir, NULL, 0, 0), *ref = mk_store(f, KVI_DTYPE_BF16, 64, NULL, NULL, 0, 0);
   assert_ok(put_tag(s, 5, 99, 1, 0)); /* the tenant file exists: the call appends its entry alone */
   const uint64_t written = store_stats(s).disk_write_bytes;
