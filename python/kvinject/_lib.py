@@ -578,9 +578,10 @@ def _candidates():
 #: sys.getswitchinterval(), 5 ms by default; vLLM's engine core runs its scheduler and
 #: its model on two threads). The structs' _init functions and the error and version
 #: queries always; kvi_inject, kvi_inject_batched and kvi_inject_plan through their
-#: twins (``kvi_inject_gil``, ...: :meth:`_Lib.fast`), which the injectors call on
-#: stores without a disk tier (whose injections may read facts back from disk, and
-#: whose lock a prefetch may hold while it reads, so they keep releasing it there).
+#: twins (``kvi_inject_gil``, ...; ``call(..., keep_gil=True)``), which the injectors
+#: call where the call is short: injections of a CUDA store without a disk tier (they
+#: only enqueue device work; a CPU store's do the copy, a disk-tier store's may read
+#: back from disk) and plans of any store without a disk tier.
 _KEEP_GIL = ("kvi_status_string", "kvi_last_error", "kvi_version_number", "kvi_version_string")
 _GIL_TWINS = ("kvi_inject", "kvi_inject_batched", "kvi_inject_plan")
 
@@ -636,15 +637,12 @@ class _Lib:
         if status != 0:
             raise make_error(status, self.last_error(), function)
 
-    def call(self, function: str, *args) -> None:
-        """Calls a kvi_ function that returns a kvi_status and raises on failure."""
-        st = getattr(self, function)(*args)
+    def call(self, function: str, *args, keep_gil: bool = False) -> None:
+        """Calls a kvi_ function that returns a kvi_status and raises on failure;
+        keep_gil: through its twin that keeps the GIL (one of _GIL_TWINS)."""
+        st = getattr(self, function + "_gil" if keep_gil else function)(*args)
         if st != 0:
             raise make_error(st, self.last_error(), function)
-
-    def fast(self, function: str, keep_gil: bool):
-        """``function`` (one of _GIL_TWINS), its twin that keeps the GIL when keep_gil."""
-        return getattr(self, function + "_gil" if keep_gil else function)
 
     def new(self, cls):
         """A struct initialized by the library's own _init function (the _INIT macro's

@@ -285,10 +285,8 @@ class Injector(_Transfer):
         L = lib()
         o = L.new(InjectOptions)
         assign(o, layer_begin=layer_begin, layer_end=layer_end)
-        st = L.fast("kvi_inject", self._enqueues_only())(
-            self.handle, arr, fit(nreq, ctypes.c_int32, "num_requests"), ctypes.byref(o), _buffers.stream_handle(stream))
-        if st != 0:
-            L.check(st, "kvi_inject")
+        L.call("kvi_inject", self.handle, arr, fit(nreq, ctypes.c_int32, "num_requests"), ctypes.byref(o),
+               _buffers.stream_handle(stream), keep_gil=self._enqueues_only())
         del keep
 
     def inject_batch(self, fact_ids, block_tables, *, fact_offsets=None, tenant: int = 0, tenants=None,
@@ -357,11 +355,8 @@ class Injector(_Transfer):
         if key is not None and last is not None and last[0] == key:
             for bd in last[6]:  # the host offsets' contents are read afresh
                 _buffers.check_csr(bd)
-            L = lib()
-            st = L.fast("kvi_inject_batched", self._enqueues_only())(self.handle, last[1], last[2],
-                                                                          _buffers.stream_handle(stream))
-            if st != 0:
-                L.check(st, "kvi_inject_batched")
+            lib().call("kvi_inject_batched", self.handle, last[1], last[2], _buffers.stream_handle(stream),
+                       keep_gil=self._enqueues_only())
             return
         ids = index_array(fact_ids, ("u64", "i64"), "fact_ids", two_d=fact_offsets is None)
         b = InjectBatchC.from_buffer_copy(self._batch_template())
@@ -440,11 +435,8 @@ class Injector(_Transfer):
             opts = lib().new(InjectOptions)
             assign(opts, layer_begin=layer_begin, layer_end=layer_end)
             opts = ctypes.byref(opts)
-        L = lib()
-        st = L.fast("kvi_inject_batched", self._enqueues_only())(self.handle, ctypes.byref(b), opts,
-                                                                      _buffers.stream_handle(stream))
-        if st != 0:
-            L.check(st, "kvi_inject_batched")
+        lib().call("kvi_inject_batched", self.handle, ctypes.byref(b), opts, _buffers.stream_handle(stream),
+                   keep_gil=self._enqueues_only())
         # the struct, its options and what its pointers point into (the row
         # offsets array above is one) stay alive with the key
         self._batch_last = (key, ctypes.byref(b), opts, b, keep, index, bounds) if key is not None else None
@@ -555,12 +547,8 @@ class Injector(_Transfer):
         """kvi_inject_plan: tokens the facts need in total (allocate blocks for them first)."""
         ids = _buffers.int_array(fact_ids, ctypes.c_uint64, "fact_ids")
         n = ctypes.c_int64()
-        L = lib()
-        st = L.fast("kvi_inject_plan", not self.store.has_disk_tier)(
-            self.handle, fit(tenant, ctypes.c_uint64, "tenant"), ids.c_ptr(), fit(ids.numel, ctypes.c_int32, "num_facts"),
-            ctypes.byref(n))
-        if st != 0:
-            L.check(st, "kvi_inject_plan")
+        lib().call("kvi_inject_plan", self.handle, fit(tenant, ctypes.c_uint64, "tenant"), ids.c_ptr(),
+                   fit(ids.numel, ctypes.c_int32, "num_facts"), ctypes.byref(n), keep_gil=not self.store.has_disk_tier)
         return n.value
 
     def async_errors(self) -> int:
