@@ -499,17 +499,18 @@ static kvi_status share_entry(kvi__disk *d, fact_io *io, const char *fn) {
   struct stat sb;
   if (fstat(io->fd, &sb) != 0) return kvi__persist_io_fail(fn, errno, "reading the identity of", io->path);
   fact_entry *fe = d->last;
-  if (fe && fe->dev == sb.st_dev && fe->ino == sb.st_ino && fe->off == io->entry) {
-    pthread_mutex_lock(&fe->mu);
-    const bool failed = fe->done && fe->st != KVI_OK; /* read again */
-    pthread_mutex_unlock(&fe->mu);
-    if (!failed) {
-      fe->refs++;
-      io->e = fe;
-      return KVI_OK;
-    }
+  /* not fe->mu: the I/O thread holds it for the whole read of the entry, and
+   * this runs under the store's lock (a prefetch held every call of the
+   * store for the read of a 157 MiB entry). A read of the entry that is
+   * still running is shared; one that failed is read again. */
+  if (fe && fe->dev == sb.st_dev && fe->ino == sb.st_ino && fe->off == io->entry &&
+      !atomic_load_explicit(&fe->failed, memory_order_acquire)) {
+    fe->refs++;
+    io->e = fe;
+    return KVI_OK;
   }
   if (!(fe = calloc(1, sizeof *fe))) return oom(fn);
+  atomic_init(&fe->failed, false);
   if (pthread_mutex_init(&fe->mu, NULL) != 0) {
     free(fe);
     return oom(fn);

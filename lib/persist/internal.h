@@ -21,6 +21,7 @@
 #define KVI_PERSIST_INTERNAL_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <string.h>
 #include <sys/types.h>
 
@@ -280,11 +281,15 @@ kvi_status kvi__persist_index_tenant(kvi_store *s, uint64_t tenant, int fd, cons
  * its facts that overlap (an encode call's captures are one entry: a
  * prefetch of them reads it once, not once a fact). refs, and the disk
  * tier's pointer to it (*slot), change under the store's lock; mu orders
- * the read, which may run without that lock. */
+ * the read, which may run without that lock and holds mu while it reads:
+ * whoever holds the store's lock must not wait for mu (it would wait out the
+ * whole read, and every call of the store with it); `failed` says, without
+ * mu, that a finished read failed (a later read of the entry reads again). */
 typedef struct fact_entry {
   pthread_mutex_t mu;
   int refs;
   bool done;                /* under mu: body, or st and msg, are final */
+  _Atomic bool failed;      /* done, and st is not KVI_OK (set under mu, read without it) */
   struct fact_entry **slot; /* the disk tier's pointer to the entry it read last, cleared when this goes */
   dev_t dev;                /* the file (st_dev, st_ino) and the entry's offset in it */
   ino_t ino;

@@ -710,6 +710,7 @@ kvi_status kvi__persist_fact_io_read(const kvi_store *s, fact_io *io, const char
   if (!fe->done) {
     read_entry(s, io, fe, fn);
     fe->done = true;
+    atomic_store_explicit(&fe->failed, fe->st != KVI_OK, memory_order_release);
     if (fe->body_len) io->bytes += ENTRY_HDR + fe->body_len;
   }
   pthread_mutex_unlock(&fe->mu);
