@@ -180,6 +180,19 @@ def med(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
+def quartiles(xs):
+    """(25th, 75th) percentile of xs (linear between ranks), None without values."""
+    v = sorted(x for x in xs or [] if x is not None)
+    if not v:
+        return None
+
+    def at(q):
+        i = q * (len(v) - 1)
+        lo = int(i)
+        return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (i - lo)
+    return at(0.25), at(0.75)
+
+
 def log(*a):
     print("vllm_bench:", *a, flush=True)
 
@@ -1032,6 +1045,9 @@ def write_run_report(d, stem, parts):
              "prefill_ms": ms(c, "prefill", k), "inject_ms": ms(c, "inject", k), "apc_ms": ms(ap, "apc", k),
              "plain_ms": ms(pl, "prefill", k)}
         r["inject_over_apc"] = ratio(r["inject_ms"], r["apc_ms"])
+        for key, part, kind in (("prefill", c, "prefill"), ("inject", c, "inject"), ("apc", ap, "apc")):
+            row = ttft(part, kind, k)
+            r[key + "_iqr"] = quartiles(row["ms"]) if row else None
         r.update(prefill_core_ms=core(c, "prefill", k), inject_core_ms=core(c, "inject", k),
                  apc_core_ms=core(ap, "apc", k), plain_core_ms=core(pl, "prefill", k))
         r["inject_over_apc_core"] = ratio(r["inject_core_ms"], r["apc_core_ms"])
@@ -1084,6 +1100,7 @@ def write_run_report(d, stem, parts):
         f.write(md)
     print(md, flush=True)
     plot_ttft(merged, os.path.join(d, stem + ".png"))
+    plot_ttft_order(parts, ks, merged.get("versions") or {}, os.path.join(d, stem + "-order.png"))
 
 
 def cold_rows(part):
@@ -1161,6 +1178,42 @@ def plot_ttft(m, path):
     log("plot: %s" % path)
 
 
+def plot_ttft_order(parts, ks, v, path):
+    """Each timed request's TTFT in the order it was measured, one panel per k: the
+    engines ran one after the other, so a slow phase of the machine shows here as a
+    step in one engine's line and not in the other's (a PNG beside the table)."""
+    c, ap = parts.get("connector"), parts.get("apc")
+    series = [(c, "prefill", "re-prefill"), (ap, "apc", "APC, prefix cached"), (c, "inject", "injected")]
+    ks = [k for k in ks if any(((p or {}).get("ttft", {}).get(str(k)) or {}).get(kind) for p, kind, _ in series)]
+    if not ks:
+        return
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, len(ks), figsize=(2.2 * len(ks) + 1, 3.2), squeeze=False)
+    top = 0.0
+    for ax, k in zip(axes[0], ks):
+        for p, kind, label in series:
+            row = ((p or {}).get("ttft", {}).get(str(k)) or {}).get(kind)
+            if row and row.get("ms"):
+                ax.plot(range(1, len(row["ms"]) + 1), row["ms"], marker=".", linewidth=1, label=label)
+                top = max(top, max(row["ms"]))
+        ax.set_title("k = %d" % k, fontsize=9)
+        ax.set_xlabel("request, in order", fontsize=8)
+    for ax in axes[0]:
+        ax.set_ylim(0, top * 1.05)
+    axes[0][0].set_ylabel("TTFT ms")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle("vLLM %s, %s: each request's TTFT in measurement order (engines run one after the other)"
+                 % (v.get("vllm"), v.get("gpu")), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    log("plot: %s" % path)
+
+
 def report_md(m, engines):
     a, v = m["args"], m["versions"] or {}
     flo, fhi = lists(argparse.Namespace(**a))[3]
@@ -1188,6 +1241,13 @@ def report_md(m, engines):
             fmt(r["plain_ms"]), fmt(r["apc_ms"]), fmt(r["inject_ms"]), fmt(r["inject_over_apc"], "%.3f"),
             fmt(r["prefill_over_plain"], "%.3f"), fmt(None if r["inject_change"] is None else r["inject_change"] * 100,
                                                       "%+.0f%%"), r["agree_inject"], r["agree_apc"]))
+    if main and any(r.get("apc_iqr") or r.get("inject_iqr") for r in m["ttft"]):
+        L += ["", "Spread of the requests behind each median (25th to 75th percentile, ms): a ratio of medians "
+              "means little where these ranges are wide or apart from run to run", "",
+              "| k | re-prefill | APC | injected |", "|--:|--:|--:|--:|"]
+        for r in m["ttft"]:
+            L.append("| %d | %s | %s | %s |" % (r["k"], *["—" if not r.get(x) else "%.2f–%.2f" % tuple(r[x])
+                                                           for x in ("prefill_iqr", "apc_iqr", "inject_iqr")]))
     if any(r.get("inject_core_ms") is not None or r.get("apc_core_ms") is not None for r in m["ttft"]):
         L += ["", "Inside the engine core (vLLM's request metrics: scheduled to first token), and the rest of the "
               "TTFT above (input processing, the engine's queue and IPC, output):", "",
