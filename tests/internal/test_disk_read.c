@@ -10,51 +10,22 @@
  * worker's step waited ~200 ms for the prefetch of a 157 MiB entry).
  * SPDX-License-Identifier: Apache-2.0
  */
-#include <dirent.h>
 #include <pthread.h>
-#include <unistd.h>
 
-#include "unit.h"
+#include "unit_disk.h"
 
 #include "persist/internal.h" /* fact_io, fact_entry */
 #include "store/store.h"
 
 enum { L = 2, H = 2, D = 8, P = 4 };
 
-typedef struct fx {
-  char dir[512];
-  kvi_model *m;
-} fx;
-
 static int fx_setup(void **state) {
-  fx *f = calloc(1, sizeof *f);
-  const char *tmp = getenv("TMPDIR");
-  snprintf(f->dir, sizeof f->dir, "%s/kvi-diskread-XXXXXX", tmp && *tmp ? tmp : "/tmp");
-  if (!mkdtemp(f->dir)) return -1;
-  f->m = make_model(L, H, D, 0, 1);
-  kvi_rope_spec r = KVI_ROPE_SPEC_INIT;
-  r.theta = 10000.0;
-  if (kvi_model_set_rope(f->m, -1, &r) != KVI_OK) return -1;
-  *state = f;
-  return 0;
+  *state = disk_fx_new("diskread", L, H, D);
+  return *state ? 0 : -1;
 }
 
 static int fx_teardown(void **state) {
-  fx *f = *state;
-  DIR *d = opendir(f->dir);
-  if (d) {
-    struct dirent *e;
-    char p[800];
-    while ((e = readdir(d)))
-      if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
-        snprintf(p, sizeof p, "%s/%s", f->dir, e->d_name);
-        unlink(p);
-      }
-    closedir(d);
-  }
-  rmdir(f->dir);
-  kvi_model_destroy(f->m);
-  free(f);
+  disk_fx_free(*state);
   return 0;
 }
 
@@ -131,29 +102,6 @@ static void *prefetch_then_ask(void *arg) {
   return NULL;
 }
 
-/* Facts 10, 11, 12 of tenant 5: one kvi_encode, so one entry of its file. */
-static void encode3(kvi_store *s, float *pool) {
-  kvi_cache_layout cl;
-  assert_ok(kvi_cache_layout_preset(&cl, KVI_CACHE_TRTLLM, KVI_DTYPE_FP32, L, H, D, 4, 8, NULL, NULL, pool));
-  cl.memory = KVI_MEMORY_HOST;
-  kvi_encoder *enc = NULL;
-  assert_ok(kvi_encoder_create(&enc, s, &cl, NULL));
-  const int32_t table[] = {3, 1, 6, 0};
-  kvi_capture caps[3];
-  for (int i = 0; i < 3; i++) {
-    kvi_capture_init(&caps[i], sizeof caps[i]);
-    caps[i].tenant = 5;
-    caps[i].fact_id = 10 + (uint64_t)i;
-    caps[i].block_table = table;
-    caps[i].block_table_len = 4;
-    caps[i].first_slot = 3 * i + 1;
-    caps[i].num_tokens = 2 + i;
-    caps[i].start_position = 17 * i;
-  }
-  assert_ok(kvi_encode(enc, caps, 3, NULL));
-  kvi_encoder_destroy(enc);
-}
-
 static kvi_status put_one(kvi_store *s, uint64_t id, uint64_t tag) {
   kvbuf b;
   kvbuf_make(&b, LAYOUT_CONTIG, KVI_DTYPE_FP32, L, 4, H, D);
@@ -173,12 +121,8 @@ static int32_t tier_of(const kvi_store *s, uint64_t id) {
  * prefetch of the entry's other facts returns, and so do other calls; the
  * three facts then come back from that one read. */
 static void test_prefetch_beside_entry_read(void **state) {
-  fx *f = *state;
-  const size_t elems = (size_t)8 * L * 2 * H * 4 * D;
-  float *pool = malloc(elems * sizeof *pool);
-  rng r;
-  rng_seed(&r, __func__);
-  for (size_t i = 0; i < elems; i++) pool[i] = rand_float(&r);
+  disk_fx *f = *state;
+  float *pool = encode3_cache(f, __func__);
   kvi_store_options o = cpu_store_options(KVI_DTYPE_FP32, P, 1u << 20);
   kvi_store *probe = NULL;
   assert_ok(kvi_store_create(&probe, f->m, &o));
@@ -188,7 +132,7 @@ static void test_prefetch_beside_entry_read(void **state) {
   o.disk_dir = f->dir;
   kvi_store *s = NULL;
   assert_ok(kvi_store_create(&s, f->m, &o));
-  encode3(s, pool); /* 10, 11, 12: a page each */
+  encode3(f, s, pool); /* facts 10, 11, 12 of tenant 5, one entry: a page each */
   for (uint64_t id = 96; id < 100; id++) assert_ok(put_one(s, id, id)); /* 10..12 drop to disk */
   for (uint64_t id = 10; id < 13; id++) assert_int_equal(tier_of(s, id), KVI_TIER_DISK);
   const kvi_store_stats before = store_stats(s);
@@ -223,7 +167,7 @@ static void test_prefetch_beside_entry_read(void **state) {
   kvi_store_options ro = cpu_store_options(KVI_DTYPE_FP32, P, 64 * page);
   kvi_store *ref = NULL;
   assert_ok(kvi_store_create(&ref, f->m, &ro));
-  encode3(ref, pool);
+  encode3(f, ref, pool);
   for (uint64_t id = 10; id < 13; id++) {
     int32_t T = 0;
     assert_ok(kvi_store_fact_tokens(ref, 5, id, &T));

@@ -19,45 +19,19 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "unit.h"
+#include "unit_disk.h"
 
 enum { L = 2, H = 2, D = 8, P = 4 };
 
-typedef struct fx {
-  char dir[512];
-  kvi_model *m;
-} fx;
+typedef disk_fx fx;
 
 static int fx_setup(void **state) {
-  fx *f = calloc(1, sizeof *f);
-  const char *tmp = getenv("TMPDIR");
-  snprintf(f->dir, sizeof f->dir, "%s/kvi-disk-XXXXXX", tmp && *tmp ? tmp : "/tmp");
-  if (!mkdtemp(f->dir)) return -1;
-  f->m = make_model(L, H, D, 0, 1);
-  kvi_rope_spec r = KVI_ROPE_SPEC_INIT;
-  r.theta = 10000.0;
-  if (kvi_model_set_rope(f->m, -1, &r) != KVI_OK) return -1;
-  *state = f;
-  return 0;
+  *state = disk_fx_new("disk", L, H, D);
+  return *state ? 0 : -1;
 }
 
 static int fx_teardown(void **state) {
-  fx *f = *state;
-  chmod(f->dir, 0700);
-  DIR *d = opendir(f->dir);
-  if (d) {
-    struct dirent *e;
-    char p[800];
-    while ((e = readdir(d)))
-      if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
-        snprintf(p, sizeof p, "%s/%s", f->dir, e->d_name);
-        unlink(p);
-      }
-    closedir(d);
-  }
-  rmdir(f->dir);
-  kvi_model_destroy(f->m);
-  free(f);
+  disk_fx_free(*state);
   return 0;
 }
 
@@ -956,49 +930,17 @@ static void test_async_threads(void **state) {
 
 /* Captures (kvi_encode) write through like puts: after the store is gone,
  * another store reads them from the file as the memory-only store has them. */
-static void encode3(kvi_store *s, float *pool) {
-  kvi_cache_layout cl;
-  assert_ok(kvi_cache_layout_preset(&cl, KVI_CACHE_TRTLLM, KVI_DTYPE_FP32, L, H, D, 4, 8, NULL, NULL, pool));
-  cl.memory = KVI_MEMORY_HOST;
-  kvi_encoder *enc = NULL;
-  assert_ok(kvi_encoder_create(&enc, s, &cl, NULL));
-  const int32_t table[] = {3, 1, 6, 0};
-  kvi_capture caps[3];
-  for (int i = 0; i < 3; i++) {
-    kvi_capture_init(&caps[i], sizeof caps[i]);
-    caps[i].tenant = 5;
-    caps[i].fact_id = 10 + (uint64_t)i;
-    caps[i].block_table = table;
-    caps[i].block_table_len = 4;
-    caps[i].first_slot = 3 * i + 1;
-    caps[i].num_tokens = 2 + i;
-    caps[i].start_position = 17 * i;
-  }
-  assert_ok(kvi_encode(enc, caps, 3, NULL));
-  kvi_encoder_destroy(enc);
-}
-
-/* encode3's cache: 8 blocks of 4 tokens, random fp32 values (malloc'd). */
-static float *random_cache(const char *seed) {
-  const size_t elems = (size_t)8 * L * 2 * H * 4 * D;
-  float *pool = malloc(elems * sizeof *pool);
-  rng r;
-  rng_seed(&r, seed);
-  for (size_t i = 0; i < elems; i++) pool[i] = rand_float(&r);
-  return pool;
-}
-
 static void test_encode_writes_through(void **state) {
   fx *f = *state;
-  float *pool = random_cache(__func__);
+  float *pool = encode3_cache(f, __func__);
   kvi_store *s = mk_store(f, KVI_DTYPE_BF16, 3, f->dir, NULL, 0, 0), *ref = mk_store(f, KVI_DTYPE_BF16, 64, NULL, NULL, 0, 0);
   for (uint64_t id = 0; id < 3; id++) { /* memory full: the captures drop these */
     assert_ok(put_tag(s, 5, id, id, 0));
     assert_ok(put_tag(ref, 5, id, id, 0));
   }
   const uint64_t writes = store_stats(s).disk_writes;
-  encode3(s, pool);
-  encode3(ref, pool);
+  encode3(f, s, pool);
+  encode3(f, ref, pool);
   assert_int_equal(store_stats(s).disk_writes, writes + 1); /* one entry for the call */
   for (uint64_t id = 0; id < 3; id++) assert_true(same_fact(s, ref, 5, id));
   kvi_store_destroy(s);
@@ -1018,12 +960,12 @@ static void test_encode_writes_through(void **state) {
  * 8B model in vLLM). Then bytes equal to a memory-only store's. */
 static void test_entry_read_once(void **state) {
   fx *f = *state;
-  float *pool = random_cache(__func__);
+  float *pool = encode3_cache(f, __func__);
   kvi_store *s = mk_store(f, KVI_DTYPE_BF16, 3, f->dir, NULL, 0, 0), *ref = mk_store(f, KVI_DTYPE_BF16, 64, NULL, NULL, 0, 0);
   assert_ok(put_tag(s, 5, 99, 1, 0)); /* the tenant file exists: the call appends its entry alone */
   const uint64_t written = store_stats(s).disk_write_bytes;
-  encode3(s, pool);
-  encode3(ref, pool);
+  encode3(f, s, pool);
+  encode3(f, ref, pool);
   const uint64_t entry = store_stats(s).disk_write_bytes - written; /* one entry, three facts of a page each */
   for (uint64_t id = 0; id < 3; id++) assert_ok(put_tag(s, 5, id, 1, 0)); /* memory full: 10..12 drop */
   for (uint64_t id = 10; id < 13; id++) assert_int_equal(tier_of(s, 5, id), KVI_TIER_DISK);
