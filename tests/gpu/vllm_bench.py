@@ -113,17 +113,27 @@ per kind the host-side functions with most self and inclusive time per
 request, device time per request, and the GPU's idle gaps within requests by
 what the host was doing meanwhile.
 
+--rounds N: the engines run N times in turn (connector, apc, connector, apc,
+...), --reps requests of each kind every time. The engines run one after the
+other, and a GPU machine can have slow and fast phases lasting seconds: one
+engine's medians may come from a slow phase, the other's from a fast one. In
+rounds both meet them; the report pools each kind's requests over the rounds
+(medians, spread, the order plot) and gives each round's injected / APC.
+Throughput, the connector's share and the engine's start are round 1's.
+
 Results: each engine writes OUT/part-<engine>-<key>.json (or
-DIR/profile-<engine>-<key>.json) when it is done; key is a hash of the
+DIR/profile-<engine>-<key>.json; round r > 1: -<key>-r<r-1>.json) when it is done; key is a hash of the
 arguments that shape the figures. A part already there with the same key is
 not measured again (--redo: measure again), so a run cut off or split over
 several commands goes on where it stopped; --time-budget S starts no engine
 that would end past S seconds (by the longest engine run so far; exit 3:
 engines left, run the same command again). Every command writes
-OUT/vllm_bench.json and OUT/vllm_bench.md merged from the parts present.
+OUT/vllm_bench.json, OUT/vllm_bench.md merged from the parts present, and (where
+matplotlib is) OUT/vllm_bench.png (TTFT against k) and OUT/vllm_bench-order.png
+(each request's TTFT in the order measured, one panel per k).
 
     python3 tests/gpu/vllm_bench.py --model DIR --out DIR [--shape paper] [--dummy] [--eager]
-        [--engines connector,apc,plain,cold] [--cold-reps N] [--time-budget S] [--profile DIR]
+        [--engines connector,apc,plain,cold] [--rounds N] [--cold-reps N] [--time-budget S] [--profile DIR]
     python3 tests/gpu/vllm_bench.py --engine connector|apc|plain|cold ...   (one engine, in this process)
     python3 tests/gpu/vllm_bench.py --report DIR [--model DIR ...]     (merge the parts; no vLLM needed;
                    without the run's arguments, every run in DIR: vllm_bench-<key>.md when several)
@@ -167,7 +177,7 @@ KEY_ARGS = ("model", "shape", "k", "header_tokens", "fact_tokens", "question_tok
             "concurrency", "tput_tokens", "tput_users", "reps", "warmup", "tput_reps", "store_dtype", "store_mb", "gpu_mem",
             "max_model_len", "max_batched_tokens", "layerwise", "eager", "dummy", "device_timing", "seed",
             "profile", "profile_k", "profile_requests", "profile_stack", "cold_reps", "cold_store_mb",
-            "cold_read_mb_s", "cold_prefill_tokens_s", "cold_settle_ms", "cold_settle_prefetch")
+            "cold_read_mb_s", "cold_prefill_tokens_s", "cold_settle_ms", "cold_settle_prefetch", "rounds")
 TARGET_FLOOR = 1.05      # inject TTFT <= 1.05 x apc TTFT; connector's prefill <= 1.05 x plain's;
                          # a cold user's first request <= 1.05 x the re-prefill of its prompt
 COLD_TENANT = 100000     # the cold engine's users: tenants 100000, 100001, ... (one per k and rep)
@@ -208,6 +218,11 @@ def parse_args(argv=None):
                                                     "connector,apc with --profile)")
     ap.add_argument("--report", metavar="DIR", help="write DIR/vllm_bench.md from the parts in DIR and stop")
     ap.add_argument("--redo", action="store_true", help="measure again engines whose part is there")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the engines this many times in turn (connector, apc, connector, apc, ...), "
+                         "--reps requests each time; the report pools the rounds and gives each round's "
+                         "ratios (a machine's slow phases then fall on both engines)")
+    ap.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)   # the child's round
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)   # run by the driver: no report
     ap.add_argument("--time-budget", type=float, default=0, help="seconds; 0: no limit")
     ap.add_argument("--shape", default="fixed", choices=sorted(SHAPES))
@@ -268,6 +283,8 @@ def parse_args(argv=None):
             setattr(args, name, sh[key])
     if args.engines is None:
         args.engines = "connector,apc" if args.profile else "connector,apc,plain"
+    if args.rounds < 1 or not 0 <= args.round < args.rounds:
+        ap.error("--rounds must be at least 1")
     if args.model:
         args.model = os.path.abspath(args.model)
     if args.profile and "cold" in args.engines.split(",") or args.profile and args.engine == "cold":
@@ -291,10 +308,14 @@ def run_key(args):
     return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
 
 
-def part_path(args, engine):
+def part_path(args, engine, rnd=None):
+    """The engine's part of this run (of round rnd, default --round; round 0's
+    name has no round suffix)."""
+    rnd = args.round if rnd is None else rnd
+    suffix = "-r%d" % rnd if rnd else ""
     if args.profile:
-        return os.path.join(args.profile, "profile-%s-%s.json" % (engine, run_key(args)))
-    return os.path.join(args.out, "part-%s-%s.json" % (engine, run_key(args)))
+        return os.path.join(args.profile, "profile-%s-%s%s.json" % (engine, run_key(args), suffix))
+    return os.path.join(args.out, "part-%s-%s%s.json" % (engine, run_key(args), suffix))
 
 
 # ---------------------------------------------------------------- the requests
@@ -457,7 +478,7 @@ def run_engine(args):
         store_mb = max(store_mb, users_store_mb(args, cfg, wl, kmax, args.tput_users))
     mem = fit(args, cfg, store_mb)
     mem["store_mb"] = store_mb
-    res = {"engine": args.engine, "key": run_key(args), "args": vars(args), "memory": mem,
+    res = {"engine": args.engine, "key": run_key(args), "round": args.round, "args": vars(args), "memory": mem,
            "pads": {k: len(p) for k, p in wl.pads.items()},
            "prefix_tokens": {k: wl.prefix_len(k) for k in ks}}
     # .worker0.jsonl, .scheduler.jsonl; the cold engine's apart (same key as the connector engine's)
@@ -935,22 +956,24 @@ def drive(args):
     if bad:
         raise SystemExit("vllm_bench: unknown engines %s" % bad)
     left, failed, took = [], [], []
-    for e in engines:
-        path = part_path(args, e)
+    for rnd, e in [(r, e) for r in range(args.rounds) for e in engines]:
+        path = part_path(args, e, rnd)
+        e_label = e if args.rounds == 1 else "%s (round %d)" % (e, rnd + 1)
         if os.path.exists(path) and not args.redo:
             with open(path) as f:
                 took.append(json.load(f).get("duration_s", 0))
-            log("engine %s: its part is there (%s): not measured again (--redo measures)" % (e, path))
+            log("engine %s: its part is there (%s): not measured again (--redo measures)" % (e_label, path))
             continue
         remaining = args.time_budget - (time.time() - t0) if args.time_budget else None
         if remaining is not None and (remaining <= 30 or (took and max(took) > remaining)):
             log("engine %s: %.0f s left of the budget, the longest engine took %.0f s: run again to go on"
-                % (e, remaining, max(took or [0])))
-            left.append(e)
+                % (e_label, remaining, max(took or [0])))
+            left.append(e_label)
             continue
         wait_gpu_free()
-        cmd = [sys.executable, os.path.abspath(__file__)] + sys.argv[1:] + ["--engine", e, "--child"]
-        log("engine %s: %s" % (e, " ".join(cmd[1:])))
+        cmd = [sys.executable, os.path.abspath(__file__)] + sys.argv[1:] + ["--engine", e, "--child",
+                                                                      "--round", str(rnd)]
+        log("engine %s: %s" % (e_label, " ".join(cmd[1:])))
         t = time.time()
         p = subprocess.Popen(cmd, start_new_session=True)   # its own group: vLLM's engine core goes with it
         rc = None
@@ -968,13 +991,13 @@ def drive(args):
             p.wait()
         took.append(time.time() - t)
         if rc is None and os.path.exists(path):
-            log("engine %s: its part is written; stopped at the time budget while exiting" % e)
+            log("engine %s: its part is written; stopped at the time budget while exiting" % e_label)
         elif rc is None:
-            log("engine %s: stopped at the time budget after %.0f s" % (e, took[-1]))
-            left.append(e)
+            log("engine %s: stopped at the time budget after %.0f s" % (e_label, took[-1]))
+            left.append(e_label)
         elif rc != 0 or not os.path.exists(path):
-            log("engine %s: failed (exit %s) after %.0f s" % (e, rc, took[-1]))
-            failed.append(e)
+            log("engine %s: failed (exit %s) after %.0f s" % (e_label, rc, took[-1]))
+            failed.append(e_label)
     if args.profile:
         write_profile_report(args)
     else:
@@ -996,11 +1019,32 @@ def load_runs(args, d, prefix="part"):
             with open(os.path.join(d, name)) as f:
                 p = json.load(f)
             if key is None or p.get("key") == key:
-                runs.setdefault(p["key"], {})[p["engine"]] = p
+                runs.setdefault(p["key"], {}).setdefault(p["engine"], []).append(p)
     stem = "vllm_bench" if prefix == "part" else "profile"
     if not runs:
         log("no %s-*.json in %s for these arguments" % (prefix, d))
-    return [(stem if len(runs) == 1 else "%s-%s" % (stem, k), parts) for k, parts in sorted(runs.items())]
+    return [(stem if len(runs) == 1 else "%s-%s" % (stem, k), {e: pool_rounds(ps) for e, ps in parts.items()})
+            for k, parts in sorted(runs.items())]
+
+
+def pool_rounds(parts):
+    """One engine's parts of a run, one per round, as one part: each TTFT kind's
+    requests in round order with their medians over all of them; the other
+    figures (throughput, the connector's share, the engine's start) round 1's;
+    "rounds": every round's part as it was."""
+    parts = sorted(parts, key=lambda p: p.get("round", 0))
+    if len(parts) == 1:
+        return parts[0]
+    out = json.loads(json.dumps(parts[0]))   # a deep copy
+    for k, kinds in out.get("ttft", {}).items():
+        for kind, d in kinds.items():
+            for p in parts[1:]:
+                more = p.get("ttft", {}).get(k, {}).get(kind) or {}
+                for field in ("ms", "first", "cached", "core_ms", "queue_ms"):
+                    d[field] = d.get(field, []) + more.get(field, [])
+            medians(d)
+    out["rounds"] = parts
+    return out
 
 
 def fmt(x, f="%.2f"):
@@ -1064,6 +1108,10 @@ def write_run_report(d, stem, parts):
         if r["prefill_over_plain"] is not None:
             plain_ok.append(r["prefill_over_plain"] <= TARGET_FLOOR)
         rows.append(r)
+    by_round = []   # each round's injected / APC at each k (--rounds: the engines ran in turn)
+    for i, (cr, ar) in enumerate(zip((c or {}).get("rounds", []), (ap or {}).get("rounds", []))):
+        by_round.append({"round": i + 1, "inject_over_apc": {
+            str(k): ratio(ms(cr, "inject", k), ms(ar, "apc", k)) for k in ks}})
     tput = []
     for i, row in enumerate((c or ap or {}).get("throughput", [])):
         t = dict(k=row["k"], concurrent=row["concurrent"], output_tokens=row["output_tokens"],
@@ -1080,7 +1128,7 @@ def write_run_report(d, stem, parts):
     merged = {"args": a, "versions": any_part.get("versions"), "engines": {
         e: {k: p.get(k) for k in ("engine_start_s", "engine_config", "memory", "duration_s", "register",
                                   "scheduler_host_us_median")} for e, p in parts.items()},
-        "ttft": rows, "throughput": tput, "connector": (c or {}).get("connector", []),
+        "ttft": rows, "rounds": by_round, "throughput": tput, "connector": (c or {}).get("connector", []),
         "targets": {"inject_over_apc_all_k": all(floor_ok) if len(floor_ok) == len(ks) else None,
                     "prefill_over_plain_all_k": all(plain_ok) if len(plain_ok) == len(ks) else None}}
     cp = parts.get("cold")
@@ -1221,10 +1269,11 @@ def report_md(m, engines):
     L = ["## vLLM %s: the kvinject connector against re-prefill and vLLM's prefix cache (%s)" % (
         v.get("vllm"), v.get("gpu")), "",
          "model %s; shape %s: %d-token header, k facts of %s, %d-token question; block %d (%s); store %s; "
-         "TTFT median of %d, throughput median of %d; engines measured: %s" % (
+         "TTFT median of %s, throughput median of %d; engines measured: %s" % (
              os.path.basename(a["model"].rstrip("/")), a["shape"], a["header_tokens"], facts, a["question_tokens"],
              a["block_size"], "no pad" if a["no_align"] else "prefix padded to whole blocks", a["store_dtype"],
-             a["reps"], a["tput_reps"], ", ".join(engines)), ""]
+             "%d (%d rounds of %d)" % (a["reps"] * len(m["rounds"]), len(m["rounds"]), a["reps"])
+             if m.get("rounds") else a["reps"], a["tput_reps"], ", ".join(engines)), ""]
     for e, info in m["engines"].items():
         mem = info.get("memory") or {}
         L.append("- %s: start %s s, run %s s; %s; gpu_memory_utilization %s, KV cache ~%s GiB" % (
@@ -1248,6 +1297,14 @@ def report_md(m, engines):
         for r in m["ttft"]:
             L.append("| %d | %s | %s | %s |" % (r["k"], *["—" if not r.get(x) else "%.2f–%.2f" % tuple(r[x])
                                                            for x in ("prefill_iqr", "apc_iqr", "inject_iqr")]))
+    if m.get("rounds"):
+        L += ["", "Each round's injected / APC (the connector and apc engines ran in turn, %d rounds of --reps "
+              "requests each; the tables above pool the rounds' requests):" % len(m["rounds"]), "",
+              "| k | " + " | ".join("round %d" % r["round"] for r in m["rounds"]) + " |",
+              "|--:|" + "--:|" * len(m["rounds"])]
+        for r in m["ttft"]:
+            L.append("| %d | %s |" % (r["k"], " | ".join(fmt(x["inject_over_apc"].get(str(r["k"])), "%.3f")
+                                                       for x in m["rounds"])))
     if any(r.get("inject_core_ms") is not None or r.get("apc_core_ms") is not None for r in m["ttft"]):
         L += ["", "Inside the engine core (vLLM's request metrics: scheduled to first token), and the rest of the "
               "TTFT above (input processing, the engine's queue and IPC, output):", "",

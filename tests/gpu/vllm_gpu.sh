@@ -39,7 +39,7 @@
 #       call's time (VLLM_GPU_TIMEOUT, 570 s, less 30): exit 3, run the same
 #       command again. Every call copies vllm_bench.md / .json (merged from the
 #       parts there), the parts, the log and the connector's events into $OUT.
-#       ARGS go to vllm_bench.py (e.g. --shape paper, --eager, --reps 30,
+#       ARGS go to vllm_bench.py (e.g. --shape paper, --eager, --reps 30, --rounds 3,
 #       --engines apc,plain, --redo). --engines cold: the cold-user engine
 #       (not among the defaults): the connector with a disk tier under
 #       /tmp/kvi-vllm-bench and hybrid serving, 10 users per k captured until
