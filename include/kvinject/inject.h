@@ -115,9 +115,15 @@ typedef struct kvi_inject_request {
    * ids differ, or that was stored without ids, is KVI_ERR_TOKEN_MISMATCH
    * (checked on the host with the other checks: nothing is written). */
   const int32_t *expect_token_ids;
+  /* Experimental: entries in expect_token_ids, checked against the request's
+   * injected tokens (the sum of its facts' tokens, kvi_inject_plan) when > 0:
+   * a count that differs is KVI_ERR_INVALID_ARGUMENT, and the library reads
+   * no further than it. 0 (default) trusts expect_token_ids to hold one id
+   * per token. Must be >= 0, and 0 when expect_token_ids is NULL. */
+  int64_t num_expect_token_ids;
 } kvi_inject_request;
 
-#define KVI_INJECT_REQUEST_INIT {sizeof(kvi_inject_request), 0, NULL, 0, NULL, 0, KVI_MEMORY_HOST, 0, NULL, 0, 0, NULL}
+#define KVI_INJECT_REQUEST_INIT {sizeof(kvi_inject_request), 0, NULL, 0, NULL, 0, KVI_MEMORY_HOST, 0, NULL, 0, 0, NULL, 0}
 
 /* Fills *req with KVI_INJECT_REQUEST_INIT for a struct of `size` bytes (pass sizeof *req):
  * see "Size-versioned structs" in kvinject/common.h. */

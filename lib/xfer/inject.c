@@ -213,6 +213,11 @@ kvi_status kvi__request_of(const xfer *x, const kvi_inject_request *q, int32_t r
   out->num_facts = q->num_facts;
   out->num_positions = q->num_positions;
   out->expect_ids = q->expect_token_ids;
+  if (q->num_expect_token_ids < 0 || (q->num_expect_token_ids > 0 && !q->expect_token_ids))
+    return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "request %d: num_expect_token_ids is %lld with expect_token_ids %s",
+                     (int)r, (long long)q->num_expect_token_ids, q->expect_token_ids ? "given" : "NULL");
+  out->expect_sized = q->num_expect_token_ids > 0; /* else trusted to hold one id per token */
+  out->num_expect = q->num_expect_token_ids;
   out->j.table = q->block_table;
   out->j.table_len = q->block_table_len;
   out->j.table_on_host = q->block_table_memory == KVI_MEMORY_HOST;

@@ -232,6 +232,7 @@ class InjectRequestC(ctypes.Structure):
         ("start_position", c_int32),
         ("num_positions", c_int32),
         ("expect_token_ids", c_void_p),  # experimental
+        ("num_expect_token_ids", c_int64),  # experimental
     ]
 
 

@@ -142,10 +142,10 @@ def _two_d_table(bt, n: int, what: str) -> Tuple[int, int]:
     return fit(max(stride, bt.cols, 1), ctypes.c_int64, what), fit(bt.cols, ctypes.c_int32, what)
 
 
-def _request_array(requests, plan=None):
+def _request_array(requests):
     """kvi_inject_request structs of InjectRequests, and what must stay alive while
-    the C call reads them. plan: the injector's plan, which checks that
-    expect_token_ids hold one id per injected token (the library reads that many)."""
+    the C call reads them. A request's expect_token_ids go with their count
+    (num_expect_token_ids), which the library checks against the facts' tokens."""
     if isinstance(requests, InjectRequest):
         requests = [requests]
     requests = list(requests)
@@ -175,11 +175,11 @@ def _request_array(requests, plan=None):
             keep.append(pos)
         if r.expect_token_ids is not None:
             et = _buffers.int_array(r.expect_token_ids, ctypes.c_int32, "requests[%d].expect_token_ids" % i)
-            need = plan(r.tenant, ids) if plan is not None else et.numel
-            if et.numel != need:
-                raise ValueError("requests[%d].expect_token_ids has %d ids, its facts have %d tokens"
-                                 % (i, et.numel, need))
+            if et.numel == 0 and ids.numel > 0:
+                # a count of 0 would have the library trust the array to hold one id per token
+                raise ValueError("requests[%d].expect_token_ids is empty; give one id per token, or None" % i)
             c.expect_token_ids = et.ptr
+            c.num_expect_token_ids = et.numel
             keep.append(et)
         keep += [ids, bt]
         arr[i] = c
@@ -281,7 +281,7 @@ class Injector(_Transfer):
         layer_begin/layer_end: write layers [begin, end) (end 0 = all). stream:
         None (default stream), an int handle or a torch.cuda.Stream; host arrays
         may be reused when this returns."""
-        arr, nreq, keep = _request_array(requests, self.plan)
+        arr, nreq, keep = _request_array(requests)
         L = lib()
         o = L.new(InjectOptions)
         assign(o, layer_begin=layer_begin, layer_end=layer_end)
@@ -466,7 +466,7 @@ class Injector(_Transfer):
         returns a list of floats (host, the call waits); or a contiguous float32 tensor or
         buffer, host or on the store's device, with at least one entry per token, which
         the call fills (device: on ``stream``, no synchronization) and returns."""
-        arr, nreq, keep = _request_array(requests, self.plan)
+        arr, nreq, keep = _request_array(requests)
         L = lib()
         n = 0
         for r in requests if not isinstance(requests, InjectRequest) else [requests]:

@@ -211,6 +211,7 @@ int main(void) {
   FIELD(kvi_inject_request, start_position);
   FIELD(kvi_inject_request, num_positions);
   FIELD(kvi_inject_request, expect_token_ids);
+  FIELD(kvi_inject_request, num_expect_token_ids);
 
   SIZE(kvi_encode_batch);
   FIELD(kvi_encode_batch, struct_size);

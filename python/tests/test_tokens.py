@@ -77,8 +77,14 @@ class TestTokens:
             assert self.cache() == before
         with pytest.raises(kvi.TokenMismatchError, match="no stored token ids"):
             self.inj.inject(kvi.InjectRequest(1, [3], [1], expect_token_ids=[0, 0, 0, 0]))
-        with pytest.raises(ValueError):  # one id per injected token
-            self.inj.inject(kvi.InjectRequest(1, [1], [1], expect_token_ids=self.ids[1][:4]))
+        # one id per injected token: the count goes with the ids (num_expect_token_ids) and the
+        # library checks it, reading no further
+        for n in (4, 6):
+            ids = (self.ids[1] + [0])[:n]
+            with pytest.raises(kvi.InvalidArgumentError, match="%d expected token ids" % n):
+                self.inj.inject(kvi.InjectRequest(1, [1], [1], expect_token_ids=ids))
+        with pytest.raises(ValueError, match="expect_token_ids is empty"):
+            self.inj.inject(kvi.InjectRequest(1, [1], [1], expect_token_ids=[]))
         assert self.cache() == before
 
     def test_inject_batch_checked(self):

@@ -231,6 +231,47 @@ static void test_checked_inject(void **state) {
   assert_ok(kvi_inject(e->inj, &two[1], 1, NULL, NULL));
 }
 
+/* num_expect_token_ids: the count of expect_token_ids, checked against the
+ * facts' tokens; the library reads no further than it (a short array in its
+ * own allocation: the sanitizer build sees a read past it). */
+static void test_counted_expect(void **state) {
+  tenv *e = *state;
+  const uint64_t ids[2] = {1, 2};
+  int32_t want[8];
+  memcpy(want, e->ids1, sizeof e->ids1);
+  memcpy(want + 5, e->ids2, sizeof e->ids2);
+  kvi_inject_request q = req(e, ids, 2, 6, want);
+  q.num_expect_token_ids = 8;
+  assert_ok(kvi_inject(e->inj, &q, 1, NULL, NULL));
+  int32_t *seven = malloc(7 * sizeof *seven); /* one id short */
+  assert_non_null(seven);
+  memcpy(seven, want, 7 * sizeof *seven);
+  q = req(e, ids, 2, 6, seven);
+  q.num_expect_token_ids = 7;
+  REFUSED(e, q, KVI_ERR_INVALID_ARGUMENT, "request 0: 7 expected token ids, its facts have more tokens");
+  free(seven);
+  q = req(e, ids, 2, 6, want);
+  q.num_expect_token_ids = 9;
+  REFUSED(e, q, KVI_ERR_INVALID_ARGUMENT, "request 0: 9 expected token ids, its facts have 8 tokens");
+  q.num_expect_token_ids = -1;
+  REFUSED(e, q, KVI_ERR_INVALID_ARGUMENT, "request 0: num_expect_token_ids is -1 with expect_token_ids given");
+  q = req(e, ids, 2, 6, NULL);
+  q.num_expect_token_ids = 8;
+  REFUSED(e, q, KVI_ERR_INVALID_ARGUMENT, "num_expect_token_ids is 8 with expect_token_ids NULL");
+  /* a mismatch is still found with the count given */
+  int32_t bad[8];
+  memcpy(bad, want, sizeof bad);
+  bad[7] ^= 1;
+  q = req(e, ids, 2, 6, bad);
+  q.num_expect_token_ids = 8;
+  REFUSED(e, q, KVI_ERR_TOKEN_MISMATCH, "fact 2 of tenant 1: its token 2 (sequence slot 13)");
+  /* a struct from before the count: the ids are trusted to hold one per token, as before */
+  q = req(e, ids, 2, 6, want);
+  q.num_expect_token_ids = 7; /* past the struct: not read */
+  q.struct_size = offsetof(kvi_inject_request, num_expect_token_ids);
+  assert_ok(kvi_inject(e->inj, &q, 1, NULL, NULL));
+}
+
 static void test_capture_keeps_ids(void **state) {
   tenv *e = *state;
   /* capture fact 1's injected slots back as fact 11, with its ids; and as 12 without */
@@ -476,6 +517,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_put_read_back, tenv_setup, tenv_teardown),
       cmocka_unit_test_setup_teardown(test_replace_and_remove, tenv_setup, tenv_teardown),
       cmocka_unit_test_setup_teardown(test_checked_inject, tenv_setup, tenv_teardown),
+      cmocka_unit_test_setup_teardown(test_counted_expect, tenv_setup, tenv_teardown),
       cmocka_unit_test_setup_teardown(test_capture_keeps_ids, tenv_setup, tenv_teardown),
       cmocka_unit_test_setup_teardown(test_batched_inject_checked, tenv_setup, tenv_teardown),
       cmocka_unit_test_setup_teardown(test_files_keep_ids, tenv_setup, tenv_teardown),
