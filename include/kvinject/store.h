@@ -154,8 +154,9 @@
  *     facts_on_disk_only). kvi_store_destroy stops the thread.
  *   - Not with: a communicator (KVI_ERR_UNSUPPORTED), kvi_store_load
  *     (KVI_ERR_UNSUPPORTED: create the store and prefetch its tenants).
- *     kvi_store_fact_tier says where a fact is; kvi_store_stats counts the
- *     facts on disk only, file bytes, reads, writes and drops.
+ *     kvi_store_fact_tier says where a fact is, kvi_store_list_on_disk which
+ *     of a tenant's are on disk only; kvi_store_stats counts the facts on
+ *     disk only, file bytes, reads, writes and drops.
  *
  * fp8 storage (kvi_store_options.dtype = KVI_DTYPE_FP8_E4M3) about halves
  * the bytes of bf16. Every page keeps, beside its e4m3 elements, one fp32
@@ -795,8 +796,8 @@ KVI_API kvi_status kvi_store_fact_tier(const kvi_store *store, uint64_t tenant, 
  * Call again while *count == capacity to drain it. A tenant may come back
  * in a later call (it changed again) and one may be listed that has no
  * facts left; a store without a disk tier lists none. Lets an engine keep
- * its view of what is on disk (kvi_store_fact_tier for the facts of the
- * tenants listed) without asking about every tenant after every change.
+ * its view of what is on disk (kvi_store_list_on_disk of the tenants
+ * listed) without asking about every tenant after every change.
  * Thread rules: as every store call (the store's lock); the callers of a
  * store share its list. Errors: KVI_ERR_INVALID_ARGUMENT (NULL store or
  * count, NULL tenants with capacity > 0), KVI_ERR_OUT_OF_MEMORY (the list
@@ -804,6 +805,22 @@ KVI_API kvi_status kvi_store_fact_tier(const kvi_store *store, uint64_t tenant, 
  * nothing taken, the next call tries again).
  */
 KVI_API kvi_status kvi_store_disk_changes(kvi_store *store, uint64_t *tenants, size_t capacity, size_t *count);
+
+/*
+ * Lists `tenant`'s facts that are only on disk (kvi_store_fact_tier
+ * KVI_TIER_DISK: dropped to its tenant file, indexed from it, or being read
+ * back and not yet published) in ascending order, as kvi_store_list does:
+ * the first min(capacity, n) ids into ids (host memory; NULL when capacity
+ * is 0), n into *out_total (host memory). One call where asking
+ * kvi_store_fact_tier of each fact of kvi_store_list took one call a fact
+ * (the vLLM worker's report to its scheduler). A store without a disk tier,
+ * or a tenant it has never seen: 0. No device work, no file I/O; the answer
+ * may change at once under calls on other threads. Thread rules: as every
+ * store call. Errors: KVI_ERR_INVALID_ARGUMENT (NULL store or out_total,
+ * NULL ids with capacity > 0), KVI_ERR_OUT_OF_MEMORY.
+ */
+KVI_API kvi_status kvi_store_list_on_disk(const kvi_store *store, uint64_t tenant, uint64_t *ids, size_t capacity,
+                                          size_t *out_total);
 
 /*
  * Gives up this store's ownership lease of `tenant` (see "Disk tier"), so

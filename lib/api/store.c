@@ -111,6 +111,11 @@ KVI_API kvi_status kvi_store_list(const kvi_store *store, uint64_t tenant_id, ui
   return kvi__store_list(store, tenant_id, ids, capacity, out_total, "kvi_store_list");
 }
 
+KVI_API kvi_status kvi_store_list_on_disk(const kvi_store *store, uint64_t tenant_id, uint64_t *ids, size_t capacity,
+                                          size_t *out_total) {
+  return kvi__store_list_on_disk(store, tenant_id, ids, capacity, out_total, "kvi_store_list_on_disk");
+}
+
 KVI_API kvi_status kvi_store_stats_get(const kvi_store *store, kvi_store_stats *out) {
   return kvi__store_stats_get(store, out, "kvi_store_stats_get");
 }

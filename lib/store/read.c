@@ -90,17 +90,23 @@ static int cmp_u64(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
-/* The ids of a tenant's facts (stale_only: of its stale facts), ascending:
- * kvi_store_list and kvi_store_stale. */
-static kvi_status list_ids(const kvi_store *store, uint64_t tenant_id, bool stale_only, uint64_t *ids, size_t capacity,
-                           size_t *out_total, const char *fn) {
+enum list_which { LIST_ALL, LIST_STALE, LIST_ON_DISK };
+
+static bool listed(const fact *f, enum list_which which) {
+  return which == LIST_ALL || (which == LIST_STALE ? f->stale : !f->pages);
+}
+
+/* The ids of a tenant's facts (all, the stale ones, those only on disk),
+ * ascending: kvi_store_list, kvi_store_stale, kvi_store_list_on_disk. */
+static kvi_status list_ids(const kvi_store *store, uint64_t tenant_id, enum list_which which, uint64_t *ids,
+                           size_t capacity, size_t *out_total, const char *fn) {
   if (!store || !out_total)
     return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "%s is NULL", store ? "out_total" : "store");
   if (capacity > 0 && !ids) return kvi__fail(KVI_ERR_INVALID_ARGUMENT, fn, "ids is NULL and capacity is %zu", capacity);
   kvi_status st = KVI_OK;
   kvi__store_lock(store);
   const tenant *t = kvi__map_get(&store->index.tenants, tenant_id, 0);
-  const size_t n = !t ? 0 : stale_only ? t->stale : t->count;
+  const size_t n = !t ? 0 : which == LIST_ALL ? t->count : which == LIST_STALE ? t->stale : t->on_disk;
   if (capacity > 0 && n > 0) {
     uint64_t *all = malloc(n * sizeof *all);
     if (!all) {
@@ -108,7 +114,7 @@ static kvi_status list_ids(const kvi_store *store, uint64_t tenant_id, bool stal
     } else {
       size_t i = 0;
       for (const fact *f = t->head; f && i < n; f = f->next)
-        if (!stale_only || f->stale) all[i++] = f->id;
+        if (listed(f, which)) all[i++] = f->id;
       qsort(all, n, sizeof *all, cmp_u64);
       memcpy(ids, all, (capacity < n ? capacity : n) * sizeof *ids);
       free(all);
@@ -121,7 +127,12 @@ static kvi_status list_ids(const kvi_store *store, uint64_t tenant_id, bool stal
 
 kvi_status kvi__store_list(const kvi_store *store, uint64_t tenant_id, uint64_t *ids, size_t capacity,
                            size_t *out_total, const char *fn) {
-  return list_ids(store, tenant_id, false, ids, capacity, out_total, fn);
+  return list_ids(store, tenant_id, LIST_ALL, ids, capacity, out_total, fn);
+}
+
+kvi_status kvi__store_list_on_disk(const kvi_store *store, uint64_t tenant_id, uint64_t *ids, size_t capacity,
+                                   size_t *out_total, const char *fn) {
+  return list_ids(store, tenant_id, LIST_ON_DISK, ids, capacity, out_total, fn);
 }
 
 kvi_status kvi__store_stats_get(const kvi_store *store, kvi_store_stats *out, const char *fn) {
@@ -188,7 +199,7 @@ kvi_status kvi__store_fact_context(const kvi_store *store, uint64_t tenant_id, u
 
 kvi_status kvi__store_stale(const kvi_store *store, uint64_t tenant_id, uint64_t *ids, size_t capacity,
                             size_t *out_total, const char *fn) {
-  return list_ids(store, tenant_id, true, ids, capacity, out_total, fn);
+  return list_ids(store, tenant_id, LIST_STALE, ids, capacity, out_total, fn);
 }
 
 kvi_status kvi__store_stale_fail(const fact *f, int32_t r, const char *fn) {

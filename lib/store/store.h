@@ -707,6 +707,9 @@ kvi_status kvi__store_count(const kvi_store *store, uint64_t tenant_id, size_t *
 /* kvi_store_list (no device work) */
 kvi_status kvi__store_list(const kvi_store *store, uint64_t tenant_id, uint64_t *ids, size_t capacity,
                            size_t *out_total, const char *fn);
+/* kvi_store_list_on_disk (no device work, no file I/O) */
+kvi_status kvi__store_list_on_disk(const kvi_store *store, uint64_t tenant_id, uint64_t *ids, size_t capacity,
+                                   size_t *out_total, const char *fn);
 /* kvi_store_fact_tier (no device work) */
 kvi_status kvi__store_fact_tier(const kvi_store *store, uint64_t tenant_id, uint64_t fact_id, int32_t *out_tier,
                                 const char *fn);

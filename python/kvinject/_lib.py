@@ -443,6 +443,7 @@ _PROTOTYPES = {
     "kvi_store_stats_get": (c_int, [P, P]),
     "kvi_store_fact_tier": (c_int, [P, c_uint64, c_uint64, POINTER(c_int32)]),
     "kvi_store_disk_changes": (c_int, [P, P, c_size_t, POINTER(c_size_t)]),
+    "kvi_store_list_on_disk": (c_int, [P, c_uint64, P, c_size_t, POINTER(c_size_t)]),
     "kvi_store_tenant_release": (c_int, [P, c_uint64]),
     # search.h
     "kvi_search_options_init": (c_int, [P, c_size_t]),

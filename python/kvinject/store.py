@@ -538,14 +538,24 @@ class Store(Handle):
         computed with a fact in context that has since been removed. Injections and
         retrievals refuse them (:class:`StaleFactError`); put or capture them again
         with ``replace=True`` (and a context of fresh facts) or remove them."""
+        return self._ids("kvi_store_stale", tenant)
+
+    def list_on_disk(self, tenant: int) -> List[int]:
+        """kvi_store_list_on_disk: the tenant's facts that are only on disk (what
+        :meth:`fact_tier` reports as :attr:`Tier.DISK`), ascending, in one call; [] without
+        a disk tier."""
+        return self._ids("kvi_store_list_on_disk", tenant)
+
+    def _ids(self, fn: str, tenant: int) -> List[int]:
+        """A listing call's ids (kvi_store_list, _stale, _list_on_disk), sized by its total."""
         total = ctypes.c_size_t()
         cap = 0
         buf = None
         while True:
-            lib().call("kvi_store_stale", self.handle, fit(tenant, U64, "tenant"), buf, cap, ctypes.byref(total))
+            lib().call(fn, self.handle, fit(tenant, U64, "tenant"), buf, cap, ctypes.byref(total))
             if total.value <= cap:
                 return list(buf[:total.value]) if buf is not None else []
-            cap = total.value + 16
+            cap = total.value + 16  # facts may be added by other threads in between
             buf = (ctypes.c_uint64 * cap)()
 
     def prefetch(self, tenant: int, fact_ids: Optional[IntArrayLike] = None, stream: StreamLike = None) -> None:
@@ -617,15 +627,7 @@ class Store(Handle):
 
     def list(self, tenant: int) -> List[int]:
         """kvi_store_list: the tenant's fact ids, ascending."""
-        total = ctypes.c_size_t()
-        cap = 0
-        buf = None
-        while True:
-            lib().call("kvi_store_list", self.handle, fit(tenant, U64, "tenant"), buf, cap, ctypes.byref(total))
-            if total.value <= cap:
-                return list(buf[:total.value]) if buf is not None else []
-            cap = total.value + 16  # facts may be added by other threads in between
-            buf = (ctypes.c_uint64 * cap)()
+        return self._ids("kvi_store_list", tenant)
 
     def stats(self) -> StoreStats:
         """kvi_store_stats_get."""

@@ -186,13 +186,16 @@ class TestDiskTier:
         s.prefetch_wait()
         assert s.fact_tier(1, 1) == Tier.HOST
         assert tiers(s, 1, [0, 1, 2]).count(Tier.DISK) == 1 == s.stats().facts_on_disk_only
+        # list_on_disk: what fact_tier says of each, in one call
+        assert s.list_on_disk(1) == [i for i in s.list(1) if s.fact_tier(1, i) == Tier.DISK]
+        assert len(s.list_on_disk(1)) == 1 and s.list_on_disk(9) == []
         s.remove(1, 1)
         with pytest.raises(kvi.NotFoundError):
             s.fact_tier(1, 1)
         # without a disk tier: a CPU store's facts are HOST, the disk counters zero
         m = self.store(4)
         m.put(1, 0, *fact(0))
-        assert m.fact_tier(1, 0) == Tier.HOST
+        assert m.fact_tier(1, 0) == Tier.HOST and m.list_on_disk(1) == []
         st = m.stats()
         assert (st.facts_on_disk_only, st.disk_bytes, st.disk_writes, st.drops_to_disk) == (0, 0, 0, 0)
         m.tenant_release(1)  # no disk tier: nothing to do

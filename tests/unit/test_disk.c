@@ -1064,6 +1064,70 @@ static void test_disk_changes(void **state) {
   kvi_store_destroy(mem);
 }
 
+/* kvi_store_list_on_disk against kvi_store_fact_tier of every listed fact,
+ * as a decimal string of the ids (all below 10): "13" is facts 1 and 3. */
+static unsigned long long on_disk_of(const kvi_store *s, uint64_t tenant) {
+  uint64_t ids[16], all[16];
+  size_t n = 99, total = 0;
+  assert_ok(kvi_store_list_on_disk(s, tenant, ids, 16, &n));
+  assert_ok(kvi_store_list(s, tenant, all, 16, &total));
+  unsigned long long out = 0;
+  size_t k = 0;
+  for (size_t i = 0; i < total; i++) /* ascending, as kvi_store_list */
+    if (tier_of(s, tenant, all[i]) == KVI_TIER_DISK) {
+      assert_true(k < n && ids[k] == all[i]);
+      k++;
+      out = out * 10 + all[i];
+    }
+  assert_int_equal(k, n);
+  return out;
+}
+
+/* kvi_store_list_on_disk: one call for what fact_tier says fact by fact,
+ * through drops, reads back, a removal on disk and a store that indexes
+ * the tenant from its file; a short array gets the first ids and the total. */
+static void test_list_on_disk(void **state) {
+  fx *f = *state;
+  kvi_store *s = mk_store(f, KVI_DTYPE_BF16, 3, f->dir, NULL, 0, 0);
+  for (uint64_t id = 1; id <= 5; id++) assert_ok(put_tag(s, 1, id, 1, 0)); /* a page each: 1, 2 drop */
+  assert_int_equal(on_disk_of(s, 1), 12);
+  uint64_t one[1];
+  size_t n = 0;
+  assert_ok(kvi_store_list_on_disk(s, 1, one, 1, &n));
+  assert_int_equal(n, 2);
+  assert_int_equal(one[0], 1);
+  assert_ok(kvi_store_list_on_disk(s, 1, NULL, 0, &n)); /* sizing */
+  assert_int_equal(n, 2);
+  assert_true(same_fact(s, s, 1, 2)); /* read back: 3 drops */
+  assert_int_equal(on_disk_of(s, 1), 13);
+  assert_ok(kvi_store_remove(s, 1, 1)); /* removed while on disk */
+  assert_int_equal(on_disk_of(s, 1), 3);
+  assert_ok(kvi_store_list_on_disk(s, 9, one, 1, &n)); /* a tenant never seen */
+  assert_int_equal(n, 0);
+  kvi_store_destroy(s);
+  s = mk_store(f, KVI_DTYPE_BF16, 3, f->dir, NULL, 0, 0);
+  const uint64_t first[] = {2};
+  assert_ok(kvi_store_prefetch(s, 1, NULL, 0, NULL)); /* indexed from its file; as many as fit read back */
+  assert_ok(kvi_store_prefetch_wait(s));
+  assert_ok(kvi_store_prefetch(s, 1, first, 1, NULL));
+  assert_ok(kvi_store_prefetch_wait(s));
+  assert_int_not_equal(tier_of(s, 1, 2), KVI_TIER_DISK);
+  (void)on_disk_of(s, 1); /* whatever did not fit, as fact_tier says */
+  /* errors */
+  assert_status(kvi_store_list_on_disk(NULL, 1, one, 1, &n), KVI_ERR_INVALID_ARGUMENT);
+  assert_last_error_has("kvi_store_list_on_disk", "store is NULL");
+  assert_status(kvi_store_list_on_disk(s, 1, one, 1, NULL), KVI_ERR_INVALID_ARGUMENT);
+  assert_last_error_has("kvi_store_list_on_disk", "out_total is NULL");
+  assert_status(kvi_store_list_on_disk(s, 1, NULL, 1, &n), KVI_ERR_INVALID_ARGUMENT);
+  assert_last_error_has("kvi_store_list_on_disk", "ids is NULL");
+  kvi_store_destroy(s);
+  kvi_store *mem = mk_store(f, KVI_DTYPE_BF16, 2, NULL, NULL, 0, 0); /* no disk tier: none */
+  assert_ok(put_tag(mem, 1, 0, 1, 0));
+  assert_ok(kvi_store_list_on_disk(mem, 1, one, 1, &n));
+  assert_int_equal(n, 0);
+  kvi_store_destroy(mem);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_tier_moves_roundtrip, fx_setup, fx_teardown),
@@ -1086,6 +1150,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_encode_writes_through, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_entry_read_once, fx_setup, fx_teardown),
       cmocka_unit_test_setup_teardown(test_disk_changes, fx_setup, fx_teardown),
+      cmocka_unit_test_setup_teardown(test_list_on_disk, fx_setup, fx_teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -42,7 +42,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from ..enums import Backend, Memory, Tier
+from ..enums import Backend, Memory
 from ..errors import KviError, NotFoundError, StaleFactError, TokenMismatchError
 from ..store import Store
 from ..transfer import Capture, Encoder, InjectRequest, Injector
@@ -317,13 +317,7 @@ class KVInjectWorker:
         self._touched.clear()
         out = {}
         for t in sorted(tenants):
-            disk = []
-            for fid in self._store.list(t):
-                try:
-                    if self._store.fact_tier(t, fid) == Tier.DISK:
-                        disk.append(fid)
-                except NotFoundError:  # removed since the list
-                    continue
+            disk = self._store.list_on_disk(t)  # one call a tenant
             if self._reported.get(t) != disk:
                 self._reported[t] = out[t] = disk
         return out
