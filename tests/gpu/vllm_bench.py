@@ -192,15 +192,11 @@ def med(xs):
 
 def quartiles(xs):
     """(25th, 75th) percentile of xs (linear between ranks), None without values."""
-    v = sorted(x for x in xs or [] if x is not None)
-    if not v:
-        return None
-
-    def at(q):
-        i = q * (len(v) - 1)
-        lo = int(i)
-        return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (i - lo)
-    return at(0.25), at(0.75)
+    v = [x for x in xs or [] if x is not None]
+    if len(v) < 2:
+        return (v[0], v[0]) if v else None
+    q = statistics.quantiles(v, n=4, method="inclusive")
+    return q[0], q[2]
 
 
 def log(*a):

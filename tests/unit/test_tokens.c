@@ -171,12 +171,17 @@ static kvi_inject_request req(const tenv *e, const uint64_t *ids, int32_t n, int
     assert_true(ec_hash(&(e)->c) == before_);                                               \
   } while (0)
 
+/* The prompt's ids at facts 1 and 2 injected back to back: fact 1's 5, fact 2's 3. */
+static void ids_of_1_2(const tenv *e, int32_t want[8]) {
+  memcpy(want, e->ids1, sizeof e->ids1);
+  memcpy(want + 5, e->ids2, sizeof e->ids2);
+}
+
 static void test_checked_inject(void **state) {
   tenv *e = *state;
   const uint64_t ids[2] = {1, 2};
   int32_t want[8];
-  memcpy(want, e->ids1, sizeof e->ids1);
-  memcpy(want + 5, e->ids2, sizeof e->ids2);
+  ids_of_1_2(e, want);
   /* the right ids: the same bytes as an unchecked injection */
   unsigned char *keep[2 * EC_MAXL];
   for (int i = 0; i < e->c.nbuf; i++) {
@@ -238,8 +243,7 @@ static void test_counted_expect(void **state) {
   tenv *e = *state;
   const uint64_t ids[2] = {1, 2};
   int32_t want[8];
-  memcpy(want, e->ids1, sizeof e->ids1);
-  memcpy(want + 5, e->ids2, sizeof e->ids2);
+  ids_of_1_2(e, want);
   kvi_inject_request q = req(e, ids, 2, 6, want);
   q.num_expect_token_ids = 8;
   assert_ok(kvi_inject(e->inj, &q, 1, NULL, NULL));
