@@ -122,6 +122,19 @@ class TestArrays:
             B.int_array([0, 1, 1 << 31], ctypes.c_int32, "x")
         with pytest.raises(TypeError, match=r"x\[2\]"):
             B.int_array([0, 1, "2"], ctypes.c_int32, "x")
+        for n in (3, 64, 1232):  # below and from the length that packs through struct
+            for bad, err in ((1 << 31, OverflowError), ("2", TypeError), (1.5, TypeError)):
+                seq = list(range(n))
+                seq[n - 2] = bad
+                with pytest.raises(err, match=r"x\[%d\]" % (n - 2)):
+                    B.int_array(seq, ctypes.c_int32, "x")
+            seq = list(range(n))
+            seq[1] = -1
+            with pytest.raises(OverflowError, match=r"x\[1\]"):
+                B.int_array(seq, ctypes.c_uint64, "x")
+            seq[1] = _Index(7)  # what has __index__ packs as its value
+            r = B.int_array(seq, ctypes.c_uint64, "x")
+            assert list((ctypes.c_uint64 * n).from_address(r.ptr))[:3] == [0, 7, 2]
         r = B.int_array([], ctypes.c_int32, "x")
         assert r.numel == 0
 
@@ -144,6 +157,14 @@ class TestArrays:
             kvi.Model(1, 1, 8).rope_cos_sin(0, 1 << 31, 0)
         with pytest.raises(TypeError):
             kvi.Model(1.0, 1, 8)
+
+
+class _Index:
+    def __init__(self, v):
+        self.v = v
+
+    def __index__(self):
+        return self.v
 
 
 class TestTypes:
