@@ -16,8 +16,9 @@
  * (POPULATE=touch, the default: such sessions count as new users and are
  * left out of the other columns), or all of them before the trace
  * (POPULATE=all; every write syncs its tenant's file, so this takes a while
- * at 100,000 users).
- * For each Zipf exponent s in 0.8, 1.0, 1.2: sessions pick a user by Zipf(s)
+ * at 100,000 users on a disk; DIR=/dev/shm, tmpfs, takes the syncs' cost out
+ * where only the shares are wanted).
+ * For each Zipf exponent s in S (0.8, 1.0, 1.2): sessions pick a user by Zipf(s)
  * over a random ranking of the users, prefetch the user
  * (kvi_store_prefetch, all its facts: read on the store's I/O thread), and
  * make R requests, each injecting K distinct random facts of the user into a
@@ -43,7 +44,8 @@
  * lower bound, and DISK_GBPS puts a real one in.
  *
  * Environment (KVI_BENCH_*): USERS (100000), VISITS (10000 per s: sessions, each one user's run of requests), WARM
- * (VISITS / 2), R (4), K (10), LAYERS (2), HEADS (1), HEAD_SIZE (32),
+ * (VISITS / 2), S (Zipf exponents, comma-separated: 0.8,1.0,1.2; each runs after the
+ * ones before it, on the store as they left it), R (4), K (10), LAYERS (2), HEADS (1), HEAD_SIZE (32),
  * STORE_DTYPE (bf16, fp8, q4), PAGE_TOKENS (16), MEM_FRACTION (0.1),
  * HOST_FRACTION (0.48, CUDA stores: the capacity model's node, whose host
  * tier is 4.8x its GPU tier), POPULATE (touch, all), PREFILL_TOKENS_PER_S,
@@ -75,6 +77,25 @@ static long env_long(const char *name, long def) {
 static double env_double(const char *name, double def) {
   const char *e = getenv(name);
   return e && *e ? atof(e) : def;
+}
+
+/* KVI_BENCH_S: up to max comma-separated Zipf exponents in (0, 4] (default
+ * 0.8,1.0,1.2), into s; their count, or -1 (said on stderr) for a bad list. */
+static int zipf_exponents(double *s, int max) {
+  const char *e = getenv("KVI_BENCH_S");
+  if (!e || !*e) e = "0.8,1.0,1.2";
+  int n = 0;
+  for (const char *p = e;;) {
+    char *end;
+    const double v = strtod(p, &end);
+    if (end == p || !(v > 0 && v <= 4) || n == max || (*end && *end != ',')) {
+      fprintf(stderr, "KVI_BENCH_S is %s: up to %d comma-separated exponents in (0, 4]\n", e, max);
+      return -1;
+    }
+    s[n++] = v;
+    if (!*end) return n;
+    p = end + 1;
+  }
 }
 
 /* splitmix64: the users' shapes from their ids, and the trace's draws */
@@ -470,9 +491,11 @@ int main(void) {
          "| p99 ms, disk | to text |\n");
   printf("| --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: "
          "| --: | --: |\n");
-  const double ss[] = {0.8, 1.0, 1.2};
-  char trace[512] = "";
-  for (int si = 0; si < 3; si++) {
+  double ss[8];
+  const int ns = zipf_exponents(ss, 8);
+  if (ns < 0) return 1;
+  char trace[1024] = "";
+  for (int si = 0; si < ns; si++) {
     const double s = ss[si];
     double acc = 0;
     for (long i = 0; i < users; i++) acc += pow((double)(i + 1), -s), cdf[i] = acc;
