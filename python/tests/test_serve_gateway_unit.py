@@ -261,3 +261,154 @@ def test_a_failed_injection_distrusts_the_shared_file(gateway):
     assert fake.kinds(new) == ["prefetch", "chat", "capture", "chat"]
     assert metric(svc, "chat_retries_total", why="injection_failed") == 1
     assert not svc.clean(svc.db.user("fay"), svc.replicas.all[old])
+
+
+class SlowStream:
+    """A replica's stream whose first event comes after ``delay`` seconds."""
+
+    status = 200
+
+    def __init__(self, delay):
+        self.delay = delay
+
+    async def events(self):
+        await asyncio.sleep(self.delay)
+        yield {"choices": [{"index": 0, "text": "ok", "finish_reason": None}]}
+        await asyncio.sleep(self.delay)   # a later token: not the replica's time to first byte
+        yield {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}
+
+    async def close(self):
+        pass
+
+
+def test_overhead_is_the_chats_time_less_the_replicas(gateway):
+    """kvinject_gateway_overhead_seconds: a chat's time to its answer (or, streamed, to its
+    first chunk) less the answering replica's, through the real app. The replica takes
+    80 ms (to its first event when streamed, and 80 ms more to its next); the gateway's
+    own part is what is left, well below that (no session prefetch here: a waited-for
+    prefetch request would be the gateway's)."""
+    httpx = pytest.importorskip("httpx")
+    from kvinject.serve.app import create_app
+    svc, fake = gateway(session_idle_s=0.0)
+    add(svc, "ann", "likes tea", "has a cat")
+    delay = 0.08
+    inner = fake.complete
+
+    async def slow_complete(url, body):
+        await asyncio.sleep(delay)
+        return await inner(url, body)
+
+    async def slow_stream(url, body):
+        await inner(url, body)
+        return SlowStream(delay)
+
+    svc.replicas.complete, svc.replicas.stream = slow_complete, slow_stream
+
+    async def go():
+        tr = httpx.ASGITransport(app=create_app(svc))
+        async with httpx.AsyncClient(transport=tr, base_url="http://gw") as c:
+            msg = {"user": "ann", "messages": [{"role": "user", "content": "what?"}]}
+            t = time.perf_counter()
+            r = await c.post("/v1/chat/completions", json=msg)
+            plain_s = time.perf_counter() - t
+            assert r.status_code == 200, r.text
+            r = await c.post("/v1/chat/completions", json=dict(msg, stream=True))
+            assert r.status_code == 200 and "[DONE]" in r.text, r.text
+        return plain_s
+
+    plain_s = run(go())
+    for stream in ("false", "true"):
+        assert metric(svc, "overhead_seconds_count", stream=stream) == 1
+        over = metric(svc, "overhead_seconds_sum", stream=stream)
+        total = metric(svc, "chat_seconds_sum", stream=stream)
+        assert 0 <= over < delay / 2, (stream, over)
+        # the replica's part is all of its answer (non-streamed), its first event alone (streamed)
+        assert total - over >= (delay if stream == "false" else 2 * delay) - 0.005, (stream, total, over)
+    assert plain_s >= delay
+
+
+class CountingEmbedder:
+    """Embeds text i as a row of its length, slowly, counting calls; "boom" fails its call."""
+
+    def __init__(self, delay=0.05):
+        self.delay, self.calls = delay, []
+
+    def embed(self, texts):
+        self.calls.append(list(texts))
+        time.sleep(self.delay)
+        if "boom" in texts:
+            raise RuntimeError("the embedder broke")
+        return np.array([[float(len(t)), 1.0, 0.0, 0.0] for t in texts], dtype=np.float32)
+
+
+def test_queries_that_wait_for_the_embedder_go_together(gateway):
+    svc, _ = gateway()
+    emb = CountingEmbedder()
+    svc._embedq.embedder = emb
+    texts = ["a" * (i + 1) for i in range(9)]
+
+    async def go():
+        # the first call starts at once; the other eight arrive while it runs
+        first = asyncio.ensure_future(svc.embed([texts[0]], "query"))
+        await asyncio.sleep(0.01)
+        rest = [asyncio.ensure_future(svc.embed([t], "query")) for t in texts[1:5]]
+        rest.append(asyncio.ensure_future(svc.embed(texts[5:9], "facts")))   # a caller of several texts
+        return await first, await asyncio.gather(*rest)
+
+    one, rest = run(go())
+    assert emb.calls == [texts[:1], texts[1:9]]
+    assert one.shape == (1, 4) and one[0, 0] == 1
+    for i, r in enumerate(rest[:4]):
+        assert r.shape == (1, 4) and r[0, 0] == i + 2   # each caller gets its own rows
+    assert rest[4].shape == (4, 4) and list(rest[4][:, 0]) == [6, 7, 8, 9]
+
+
+def test_a_failed_embedder_call_fails_its_callers_only(gateway):
+    svc, _ = gateway()
+    emb = CountingEmbedder()
+    svc._embedq.embedder = emb
+
+    async def go():
+        first = asyncio.ensure_future(svc.embed(["x"], "query"))
+        await asyncio.sleep(0.01)
+        bad = [asyncio.ensure_future(svc.embed([t], "query")) for t in ("y", "boom")]
+        out = await asyncio.gather(first, *bad, return_exceptions=True)
+        return out, await svc.embed(["after"], "query")
+
+    (first, y, boom), after = run(go())
+    assert first[0, 0] == 1
+    for e in (y, boom):   # one call: both of its callers fail, with the gateway's error
+        assert isinstance(e, ApiError) and e.status == 502 and "the embedder broke" in e.message, e
+    assert after[0, 0] == 5 and len(emb.calls) == 3
+
+
+def test_a_streamed_chat_frees_the_user_once_its_first_event_is_there(gateway):
+    """The user's lock is held until the replica's first event, not through the answer:
+    a second chat of the same user is sent while the first still streams."""
+    svc, fake = gateway(session_idle_s=0.0)
+    add(svc, "ann", "likes tea")
+    inner = fake.complete
+    sent = []
+
+    async def slow_stream(url, body):
+        sent.append(time.perf_counter())
+        await inner(url, body)
+        return SlowStream(0.1)
+
+    svc.replicas.stream = slow_stream
+
+    async def one():
+        it = await svc.chat(parse_chat({"user": "ann", "stream": True,
+                                        "messages": [{"role": "user", "content": "what?"}]}, 5, 1000))
+        return [c async for c in it]
+
+    async def go():
+        t = time.perf_counter()
+        a, b = await asyncio.gather(one(), one())
+        return t, a, b
+
+    t, a, b = run(go())
+    assert a and b and len(sent) == 2
+    # the second was sent after the first's first event (0.1 s), before its end (0.2 s)
+    assert 0.09 <= sent[1] - t < 0.19, [x - t for x in sent]
+    assert not svc.lock(svc.db.user("ann").id).locked()

@@ -53,7 +53,7 @@ in the buckets, as Prometheus' histogram_quantile does). At each (target, k)
 the rates are tried in increasing order; once a rate's p99 TTFT exceeds
 --saturate times the threshold, higher rates are skipped (recorded as such).
 
-The gateway's own added latency, two ways (both in the report):
+The gateway's own added latency, three ways (all in the report):
   vs inject   gateway TTFT p50 / p99 less the inject target's at the same k
               and rate: the same client, the same replica, requests of the
               same shape sent straight to it; what remains is what the gateway
@@ -65,6 +65,10 @@ The gateway's own added latency, two ways (both in the report):
               20 ms apart from 20 to 100 ms, then 250, 500, 750 ms, 1 s: coarse
               around 200 ms); the replica's TTFT starts at its engine's
               arrival, so its own HTTP front end counts as the gateway's here.
+  own         the gateway's kvinject_gateway_overhead_seconds over the run:
+              each streamed chat's time to its first chunk less the time the
+              gateway waited for the replica's first event (p50 / p99 within
+              its buckets, 0.25 ms apart below 1 ms, 1 ms to 5 ms);
   The gateway's own histograms over the run add its mean embedding and
   retrieval time per call (kvinject_gateway_embedding_seconds,
   kvinject_gateway_retrieval_seconds), and the facts it injected per request.
@@ -147,9 +151,11 @@ DIRECT_TENANT = 1 << 32   # the inject target's tenants (the gateway numbers its
 HEADER_FACT = 0           # the header is each tenant's fact 0, as the gateway keeps it
 GATEWAY_USER = "bench-%03d"
 TTFT_HIST = "vllm:time_to_first_token_seconds"
+OVERHEAD_HIST = "kvinject_gateway_overhead_seconds"
+HISTOGRAMS = (TTFT_HIST, OVERHEAD_HIST)   # scraped with their buckets
 GATEWAY_METRICS = ("kvinject_gateway_injected_facts_total", "kvinject_gateway_embedding_seconds_sum",
                    "kvinject_gateway_embedding_seconds_count", "kvinject_gateway_retrieval_seconds_sum",
-                   "kvinject_gateway_retrieval_seconds_count")
+                   "kvinject_gateway_retrieval_seconds_count", OVERHEAD_HIST)
 
 # Mem0-style facts: "User's <kind> <subject> is <value><reason>."
 KINDS = ["favourite", "least favourite", "childhood favourite"]
@@ -217,7 +223,7 @@ def scrape(url, names=(TTFT_HIST, "kvinject:captures_stored_total", "kvinject:to
     text = httpx.get(url + "/metrics", timeout=30).text
     out = {}
     for name in names:
-        if name == TTFT_HIST:
+        if name in HISTOGRAMS:
             b = {}
             for m in re.finditer(r'^%s_bucket\{([^}]*)\} ([0-9.eE+-]+)$' % re.escape(name), text, re.M):
                 le = re.search(r'le="([^"]+)"', m.group(1)).group(1)
@@ -232,9 +238,9 @@ def scrape(url, names=(TTFT_HIST, "kvinject:captures_stored_total", "kvinject:to
     return out
 
 
-def hist_quantile(q, before, after):
+def hist_quantile(q, before, after, name=TTFT_HIST):
     """Prometheus' histogram_quantile over the buckets' increase (seconds)."""
-    b0, b1 = before.get(TTFT_HIST + "_bucket", {}), after.get(TTFT_HIST + "_bucket", {})
+    b0, b1 = before.get(name + "_bucket", {}), after.get(name + "_bucket", {})
     les = sorted(b1, key=lambda s: float("inf") if s == "+Inf" else float(s))
     cum = [(float("inf") if le == "+Inf" else float(le), b1[le] - b0.get(le, 0.0)) for le in les]
     if not cum or cum[-1][1] <= 0:
@@ -250,15 +256,23 @@ def hist_quantile(q, before, after):
     return lo_edge
 
 
-def replica_ttft(before, after):
-    n = after[TTFT_HIST + "_count"] - before[TTFT_HIST + "_count"]
+def hist_stats(before, after, name):
+    """A histogram's increase: its count, mean, p50 and p99 (ms; the quantiles
+    interpolated in the buckets), or {} when nothing was observed."""
+    n = after[name + "_count"] - before[name + "_count"]
     if n <= 0:
         return {}
-    out = {"requests": int(round(n)),
-           "mean_ms": 1e3 * (after[TTFT_HIST + "_sum"] - before[TTFT_HIST + "_sum"]) / n}
+    out = {"requests": int(round(n)), "mean_ms": 1e3 * (after[name + "_sum"] - before[name + "_sum"]) / n}
     for q in (0.5, 0.99):
-        v = hist_quantile(q, before, after)
+        v = hist_quantile(q, before, after, name)
         out["p%d_ms" % round(q * 100)] = None if v is None else 1e3 * v
+    return out
+
+
+def replica_ttft(before, after):
+    out = hist_stats(before, after, TTFT_HIST)
+    if not out:
+        return {}
     for name, key in (("kvinject:tokens_injected_total", "tokens_injected"),
                       ("vllm:prompt_tokens_total", "prompt_tokens"),
                       ("vllm:prefix_cache_hits_total", "prefix_cache_hits")):
@@ -540,8 +554,9 @@ class Bench:
             p["first_error"] = errs[0][:1000]
         p["replica_ttft"] = replica_ttft(before, after)
         if chat:
-            d = scrape(self.gateway_url, GATEWAY_METRICS)
-            d = {m: d[m] - gw_before[m] for m in GATEWAY_METRICS}
+            after_gw = scrape(self.gateway_url, GATEWAY_METRICS)
+            p["gateway_overhead"] = hist_stats(gw_before, after_gw, OVERHEAD_HIST)
+            d = {m: after_gw[m] - gw_before[m] for m in GATEWAY_METRICS if m != OVERHEAD_HIST}
             p["gateway_facts_per_request"] = d["kvinject_gateway_injected_facts_total"] / n
             for what in ("embedding", "retrieval"):
                 c = d["kvinject_gateway_%s_seconds_count" % what]
@@ -638,20 +653,25 @@ def report(data, out):
     gw = [p for p in pts if p["target"] == "gateway" and not p.get("skipped")]
     if gw:
         L += ["", "The gateway's added latency (ms): gateway TTFT less the inject target's at the same k and "
-              "rate (vs inject), and less the replica's own TTFT over the gateway's requests (vs replica: "
-              "mean exact, p50 / p99 within the histogram's buckets)", "",
+              "rate (vs inject), less the replica's own TTFT over the gateway's requests (vs replica: "
+              "mean exact, p50 / p99 within the histogram's buckets), and the gateway's own measure "
+              "(own: kvinject_gateway_overhead_seconds, each chat's time to its first chunk less the "
+              "replica's time to its first event as the gateway waited for it; p50 / p99 within the "
+              "buckets)", "",
               "| k | rate | vs inject p50 | vs inject p99 | vs replica mean | vs replica p50 | vs replica p99 | "
-              "facts injected per request | its embedding / retrieval ms (mean) |",
-              "|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+              "own mean | own p50 | own p99 | facts injected per request | its embedding / retrieval ms (mean) |",
+              "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
         for p in gw:
             inj = data["points"].get(key_of("inject", p["k"], p["rate"]))
             inj = None if inj is None or inj.get("skipped") else inj
             rt = p.get("replica_ttft") or {}
+            own = p.get("gateway_overhead") or {}
             sub = lambda a, b: None if a is None or b is None else a - b  # noqa: E731
-            L.append("| %d | %g | %s | %s | %s | %s | %s | %s | %s / %s |" % (
+            L.append("| %d | %g | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s / %s |" % (
                 p["k"], p["rate"], fmt(sub(p["p50_ttft_ms"], inj and inj["p50_ttft_ms"])),
                 fmt(sub(p["p99_ttft_ms"], inj and inj["p99_ttft_ms"])), fmt(sub(p["mean_ttft_ms"], rt.get("mean_ms"))),
                 fmt(sub(p["p50_ttft_ms"], rt.get("p50_ms"))), fmt(sub(p["p99_ttft_ms"], rt.get("p99_ms"))),
+                fmt(own.get("mean_ms"), "%.2f"), fmt(own.get("p50_ms"), "%.2f"), fmt(own.get("p99_ms"), "%.2f"),
                 fmt(p.get("gateway_facts_per_request")), fmt(p.get("gateway_embedding_ms_mean")),
                 fmt(p.get("gateway_retrieval_ms_mean"), "%.2f")))
     md = "\n".join(L) + "\n"

@@ -117,13 +117,20 @@ def create_app(service: Service) -> FastAPI:
         req = parse_chat(body, cfg.default_k, cfg.max_k)
         res = await service.chat(req)
         if not req.stream:
-            m.chat_seconds.labels("false").observe(time.perf_counter() - t0)
+            t = time.perf_counter() - t0
+            m.chat_seconds.labels("false").observe(t)
+            m.overhead_seconds.labels("false").observe(max(t - req.replica_s, 0.0))
             return JSONResponse(res)
 
         async def sse():
+            first = True
             try:
                 async for chunk in res:
-                    yield "data: %s\n\n" % json.dumps(chunk)
+                    data = "data: %s\n\n" % json.dumps(chunk)
+                    if first:
+                        first = False
+                        m.overhead_seconds.labels("true").observe(max(time.perf_counter() - t0 - req.replica_s, 0.0))
+                    yield data
                 yield "data: [DONE]\n\n"
             finally:
                 m.chat_seconds.labels("true").observe(time.perf_counter() - t0)

@@ -55,6 +55,9 @@ class ChatRequest:
     tokens_as_ids: bool
     upstream: Dict[str, Any]     # sampling fields for /v1/completions
     model: Optional[str]
+    # seconds the answering replica took to its first event (stream) or whole
+    # answer: set by the attempt that answered (the gateway's overhead is the rest)
+    replica_s: float = 0.0
 
 
 def _int(v, name, lo, hi) -> int:

@@ -7,7 +7,8 @@ user's facts at the user's current version (db.Placement "clean", same
 version, same replica epoch); otherwise the gateway captures the user's whole
 memory there first (the header and every fact, replace=true). Every
 operation on a user runs under the user's lock, so captures and chats of one
-user never interleave.
+user never interleave (a streamed chat holds it until the replica's first
+event: its facts are injected by then).
 
 Shared disk (``shared_disk``: the replicas' connectors share one ``disk_dir``,
 their stores' disk tier): every capture and removal is written through to the
@@ -33,7 +34,7 @@ import logging
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -49,6 +50,56 @@ from .replicas import Replica, ReplicaDown, Replicas
 log = logging.getLogger("kvinject.serve")
 
 
+class EmbedQueue:
+    """The embedder's calls, one at a time on its thread. Texts that arrive while a
+    call runs wait, and then go together in the next call (up to ``limit`` texts; a
+    caller's texts are never split): under load the queries of many chats cost one
+    call rather than one each (on the 2-core VM, all-MiniLM-L6-v2 embeds one query
+    in 11.5 ms, 16 in 37 ms). A call that fails fails each of its callers."""
+
+    def __init__(self, embedder, pool: ThreadPoolExecutor, limit: int = 64):
+        self.embedder, self.pool, self.limit = embedder, pool, limit
+        self.waiting: List[Tuple[List[str], asyncio.Future]] = []
+        self.busy = False
+        self.calls = 0   # embedder calls made (tests)
+
+    async def embed(self, texts: Sequence[str]) -> np.ndarray:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self.waiting.append((list(texts), fut))
+        if not self.busy:
+            self.busy = True
+            loop.create_task(self._run())
+        return await fut
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self.waiting:
+                take, n = [], 0
+                while self.waiting and (not take or n + len(self.waiting[0][0]) <= self.limit):
+                    take.append(self.waiting.pop(0))
+                    n += len(take[-1][0])
+                texts = [x for t, _ in take for x in t]
+                self.calls += 1
+                try:
+                    out = await loop.run_in_executor(self.pool, self.embedder.embed, texts)
+                    if len(out) != len(texts):
+                        raise ValueError("%d embeddings for %d texts" % (len(out), len(texts)))
+                except Exception as e:
+                    for _, f in take:
+                        if not f.done():   # a caller that went away is skipped
+                            f.set_exception(e)
+                    continue
+                i = 0
+                for t, f in take:
+                    if not f.done():
+                        f.set_result(out[i:i + len(t)])
+                    i += len(t)
+        finally:
+            self.busy = False
+
+
 class Service:
     def __init__(self, cfg: GatewayConfig, db: Database, layout: Layout, embedder, metrics: Metrics):
         self.cfg, self.db, self.layout, self.embedder, self.m = cfg, db, layout, embedder, metrics
@@ -56,6 +107,7 @@ class Service:
                                  request_timeout=cfg.request_timeout, on_change=self._replica_changed)
         self._locks: Dict[int, asyncio.Lock] = {}
         self._embed_pool = ThreadPoolExecutor(1, thread_name_prefix="kvinject-embed")
+        self._embedq = EmbedQueue(embedder, self._embed_pool)
         self.model_name = cfg.served_model_name or ""
         self._last_chat: Dict[int, float] = {}   # user -> time.monotonic() of its last chat
 
@@ -95,7 +147,7 @@ class Service:
     async def embed(self, texts: Sequence[str], what: str) -> np.ndarray:
         t0 = time.perf_counter()
         try:
-            out = await asyncio.get_running_loop().run_in_executor(self._embed_pool, self.embedder.embed, list(texts))
+            out = await self._embedq.embed(texts)
         except Exception as e:
             raise ApiError(502, "the embedder failed: %s: %s" % (type(e).__name__, e), "server_error",
                            "embedder_failed")
@@ -552,23 +604,17 @@ class Service:
                     self._distrust(u.id, rep)
                     continue
                 break
-        except BaseException:
+        finally:
+            # a stream's first event is there: the replica has injected the facts (they are in
+            # its engine's cache), so the user's other chats and memory writes need not wait
+            # for the rest of the answer
             lock.release()
-            raise
-        if req.stream:
-            return self._hold(res, lock)
-        lock.release()
         return res
 
-    async def _hold(self, it: AsyncIterator, lock: asyncio.Lock) -> AsyncIterator:
-        try:
-            async for x in it:
-                yield x
-        finally:
-            lock.release()
-
     async def _complete(self, rep: Replica, body, req: ChatRequest, got):
+        t = time.perf_counter()
         status, resp = await self._send(rep, body, "chat")
+        req.replica_s = time.perf_counter() - t
         if status == 200:
             oc = cap.outcome(resp)
             if got and oc is not None and oc.get("errors"):
@@ -588,6 +634,7 @@ class Service:
     async def _stream(self, rep: Replica, body, req: ChatRequest, got):
         if req.include_usage:
             body = dict(body, stream_options={"include_usage": True})
+        t = time.perf_counter()
         up = await self.replicas.stream(rep.url, body)
         self.m.replica_requests.labels(rep.url, "chat", str(up.status)).inc()
         if up.status != 200:
@@ -606,6 +653,7 @@ class Service:
             if ev.get("choices") or ev.get("usage") is not None:
                 first = ev
                 break
+        req.replica_s = time.perf_counter() - t
         self.m.injected_facts.inc(len(got))
         mem = self._memory_field(got, rep)
         self.m.injected_tokens.inc(mem["injected_tokens"])
