@@ -63,8 +63,8 @@ class FakeReplicas:
         self.sent = []  # (url, kind, params)
         self.shared = shared
 
-    def kind(self, p):
-        if p.get("prefetch"):
+    def kind(self, p, body):
+        if p.get("prefetch") and len(body["prompt"]) == 1:   # a request of its own (a chat may carry it too)
             return "prefetch"
         if p.get("capture"):
             return "capture"
@@ -74,7 +74,7 @@ class FakeReplicas:
 
     async def complete(self, url, body):
         p = body.get("kv_transfer_params", {}).get("kvinject", {})
-        self.sent.append((url, self.kind(p), p))
+        self.sent.append((url, self.kind(p, body), p))
         mem = self.memory[url]
         out = {"tenant": p.get("tenant"), "injected_facts": 0, "injected_tokens": 0, "captured": [], "removed": [],
                "errors": [], "pending": False}
@@ -158,22 +158,32 @@ def test_a_sessions_first_chat_asks_the_users_replica_to_prefetch(gateway):
     fake.sent.clear()
     res = run(chat(svc, "ann"))
     assert [f["fact_id"] for f in res["memory"]["facts"]] == [1, 2]
-    assert fake.kinds() == ["prefetch", "chat"]  # the prefetch first, waited for
-    (url, _, params), = [s for s in fake.sent if s[1] == "prefetch"]
-    assert url == own and params == {"tenant": tenant, "prefetch": True}
+    # one request: the chat carries the prefetch (no request of its own to wait for)
+    (url, kind, params), = fake.sent
+    assert kind == "chat" and url == own
+    assert params["tenant"] == tenant and params["prefetch"] is True and [s[0] for s in params["inject"]] == [0, 1, 2]
     assert metric(svc, "prefetches_total", why="session", status="ok") == 1
+
+    def prefetching():
+        return [p.get("prefetch", False) for _, _, p in fake.sent]
     run(chat(svc, "ann"))  # the same session: no prefetch
-    assert fake.kinds().count("prefetch") == 1
+    assert prefetching() == [True, False]
     svc._last_chat[tenant] -= 101  # idle for longer than session_idle_s: a new session
     run(chat(svc, "ann"))
-    assert fake.kinds().count("prefetch") == 2
+    assert prefetching() == [True, False, True]
     # a user without memories has nothing to prefetch; session_idle_s 0 never prefetches
     run(chat(svc, "nobody"))
-    assert fake.kinds().count("prefetch") == 2
+    assert prefetching() == [True, False, True, False]
+    # memory off: the session's prefetch still goes, with the chat's request alone
+    svc._last_chat[tenant] -= 101
+    run(svc.chat(parse_chat({"user": "ann", "memory": False, "messages": [{"role": "user", "content": "q"}]},
+                            5, 1000)))
+    assert fake.sent[-1][2] == {"tenant": tenant, "prefetch": True}
+    assert metric(svc, "prefetches_total", why="session", status="ok") == 3
     svc2, fake2 = gateway(session_idle_s=0.0)
     add(svc2, "ann", "likes tea")
     run(chat(svc2, "ann"))
-    assert "prefetch" not in fake2.kinds()
+    assert not any(p.get("prefetch") for _, _, p in fake2.sent)
 
 
 def test_explicit_prefetch_of_a_user(gateway):

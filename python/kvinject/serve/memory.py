@@ -23,9 +23,10 @@ hybrid policy, and an injection waits for the prefetch) and the placement
 there becomes clean. A failed injection distrusts the file: every placement of
 the user becomes unknown, and the next use captures the user again.
 
-Sessions: a chat after ``session_idle_s`` without one from the user first asks
-the user's replica to prefetch the user's memory (the request is waited for,
-the replica's reads are not), as ``POST /v1/memory/{user}/prefetch`` does.
+Sessions: a chat after ``session_idle_s`` without one from the user asks the
+user's replica to prefetch the user's memory (the ``prefetch`` parameter on
+the chat's own request: the connector starts it after the chat's injection),
+as ``POST /v1/memory/{user}/prefetch`` does with a request of its own.
 """
 from __future__ import annotations
 
@@ -574,11 +575,13 @@ class Service:
             route = uid if uid is not None else zlib.crc32(req.user.encode())
             rep = self.owner(route)
             self._check_length(rep, body, req)
-            if u is not None and self._new_session(u.id) and self.clean(u, rep):
-                # a session starts: the replica starts moving the user's memory up. The request is
-                # waited for (one engine step; the reads are not): sent alongside the chat, it would
-                # share the chat's batch, whose numerics then differ from a chat alone
-                await self.prefetch(rep, u.id, "session")
+            session = u is not None and self._new_session(u.id) and self.clean(u, rep)
+            if session:
+                # a session starts: the chat itself asks the replica to move the user's memory up
+                # (the connector starts the prefetch after the chat's own injection: the chat
+                # waits neither for the reads nor for a request of its own)
+                kv = body.setdefault("kv_transfer_params", {}).setdefault("kvinject", {"tenant": u.id})
+                kv["prefetch"] = True
             attempt = 0
             while True:
                 attempt += 1
@@ -604,6 +607,8 @@ class Service:
                     self._distrust(u.id, rep)
                     continue
                 break
+            if session:
+                self.m.prefetches.labels("session", "ok").inc()
         finally:
             # a stream's first event is there: the replica has injected the facts (they are in
             # its engine's cache), so the user's other chats and memory writes need not wait
