@@ -31,11 +31,12 @@ as ``POST /v1/memory/{user}/prefetch`` does with a request of its own.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -60,9 +61,8 @@ class EmbedQueue:
 
     def __init__(self, embedder, pool: ThreadPoolExecutor, limit: int = 64):
         self.embedder, self.pool, self.limit = embedder, pool, limit
-        self.waiting: List[Tuple[List[str], asyncio.Future]] = []
+        self.waiting: Deque[Tuple[List[str], asyncio.Future]] = collections.deque()
         self.busy = False
-        self.calls = 0   # embedder calls made (tests)
 
     async def embed(self, texts: Sequence[str]) -> np.ndarray:
         loop = asyncio.get_running_loop()
@@ -79,10 +79,9 @@ class EmbedQueue:
             while self.waiting:
                 take, n = [], 0
                 while self.waiting and (not take or n + len(self.waiting[0][0]) <= self.limit):
-                    take.append(self.waiting.pop(0))
+                    take.append(self.waiting.popleft())
                     n += len(take[-1][0])
                 texts = [x for t, _ in take for x in t]
-                self.calls += 1
                 try:
                     out = await loop.run_in_executor(self.pool, self.embedder.embed, texts)
                     if len(out) != len(texts):
