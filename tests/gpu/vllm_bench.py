@@ -254,6 +254,10 @@ def parse_args(argv=None):
     ap.add_argument("--profile-stack", action="store_true",
                     help="record Python frames too (names the host's functions, but slows the host several "
                          "times: the GPU then waits on it everywhere, and its idle gaps say little)")
+    ap.add_argument("--profile-timers", type=int, default=0, metavar="N",
+                    help="profile: N more requests of each kind, unprofiled, with a perf_counter around each "
+                         "of HOST_TIMERS' functions (vLLM's scheduler and model runner, the connector's "
+                         "hooks, the binding): their host time per request, in both engines")
     ap.add_argument("--cold-reps", type=int, default=10, help="cold engine: users per k (k = 0 left out)")
     ap.add_argument("--cold-store-mb", type=int, default=None,
                     help="cold engine: store_budget_mb (default: 1.25 users' facts at the largest k)")
@@ -846,6 +850,14 @@ def profile(args, spec, wl, gen, res, k):
         for kind in spec["ttft"]:
             ms[kind].append(gen([wl.request(kind, k, wl.question("ttft", k, r))])[0] * 1e3)
     res["profile"] = {"k": k, "prefix_tokens": wl.prefix_len(k), "kinds": {}}
+    timers = {}
+    if args.profile_timers:
+        with HostTimers() as ht:
+            for kind in spec["ttft"]:
+                ht.reset()
+                walls = [gen([wl.request(kind, k, wl.question("timers", k, i))])[0] * 1e3
+                         for i in range(args.profile_timers)]
+                timers[kind] = {"ttft_ms": med(walls), "rows": ht.rows(args.profile_timers)}
     for kind in spec["ttft"]:
         reqs = [wl.request(kind, k, wl.question("profile", k, i)) for i in range(args.profile_requests)]
         walls = []
@@ -862,10 +874,102 @@ def profile(args, spec, wl, gen, res, k):
         with open(base + ".ops.txt", "w") as f:
             f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
         summary.update(ttft_ms=med(ms[kind]), profiled_wall_ms=med(walls), requests=len(reqs),
-                       trace=os.path.basename(base) + ".trace.json.gz")
+                       trace=os.path.basename(base) + ".trace.json.gz", timers=timers.get(kind))
         res["profile"]["kinds"][kind] = summary
         log("profile %s %s k=%d: TTFT %.2f ms in-process (unprofiled), %.2f ms profiled; device %.2f ms/request"
             % (args.engine, kind, k, summary["ttft_ms"], summary["profiled_wall_ms"], summary["device_ms"]))
+
+
+#: (module, class or None for a module function, names): the host functions --profile-timers
+#: times. Inclusive times: a timed function inside another counts in both.
+HOST_TIMERS = [
+    ("vllm.v1.core.sched.scheduler", "Scheduler", ["add_request", "schedule", "update_from_output",
+                                                   "_build_kv_connector_meta", "_update_after_schedule"]),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", ["execute_model", "sample_tokens", "_update_states",
+                                                           "_prepare_inputs", "_model_forward", "_sample",
+                                                           "_bookkeeping_sync"]),
+    ("kvinject.vllm.connector", "KVInjectConnector",
+     ["on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+      "update_connector_output", "request_finished", "bind_connector_metadata", "clear_connector_metadata",
+      "start_load_kv", "wait_for_save", "get_finished", "get_block_ids_with_load_errors",
+      "build_connector_worker_meta", "get_kv_connector_stats", "has_connector_metadata"]),
+    ("kvinject.vllm.worker", "KVInjectWorker", ["_load", "_inject", "_request", "_start_prefetches",
+                                                "_count_injections"]),
+    ("kvinject.transfer", "Injector", ["inject"]),
+    ("kvinject.transfer", None, ["_request_array"]),
+    ("kvinject._lib", "_Lib", ["call", "new"]),
+    ("torch.cuda", None, ["current_stream"]),
+]
+
+
+class HostTimers:
+    """Wraps HOST_TIMERS' functions with perf_counter (in this process: the engine core
+    runs in it when profiling); totals per function name until reset()."""
+
+    def __init__(self):
+        self.t, self.undo, self.gc_t0 = {}, [], None
+
+    def _gc(self, phase, info):
+        """Python's garbage collections, per generation (gc.callbacks)."""
+        if phase == "start":
+            self.gc_t0 = time.perf_counter()
+        elif self.gc_t0 is not None:
+            e = self.t.setdefault("gc, generation %d" % info.get("generation", -1), [0, 0.0])
+            e[0] += 1
+            e[1] += time.perf_counter() - self.gc_t0
+            self.gc_t0 = None
+
+    def __enter__(self):
+        import gc
+        import importlib
+        gc.callbacks.append(self._gc)
+        for mod, cls, names in HOST_TIMERS:
+            try:
+                owner = importlib.import_module(mod)
+                owner = getattr(owner, cls) if cls else owner
+            except (ImportError, AttributeError):
+                continue
+            for name in names:
+                fn = owner.__dict__.get(name) if cls else getattr(owner, name, None)
+                if fn is None and cls:
+                    fn = getattr(owner, name, None)   # inherited: wrapped on this class
+                if fn is None or isinstance(fn, (staticmethod, classmethod, property)):
+                    continue
+                label = "%s.%s" % (cls or mod, name)
+                self.undo.append((owner, name, owner.__dict__.get(name) if cls else fn, cls is not None))
+                setattr(owner, name, self._wrap(fn, label))
+        return self
+
+    def _wrap(self, fn, label):
+        acc = self.t
+        pc = time.perf_counter
+
+        def timed(*a, **kw):
+            t0 = pc()
+            try:
+                return fn(*a, **kw)
+            finally:
+                e = acc.setdefault(label, [0, 0.0])
+                e[0] += 1
+                e[1] += pc() - t0
+        return timed
+
+    def __exit__(self, *exc):
+        import gc
+        gc.callbacks.remove(self._gc)
+        for owner, name, orig, on_class in reversed(self.undo):
+            if on_class and orig is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, orig)
+        self.undo = []
+
+    def reset(self):
+        self.t.clear()
+
+    def rows(self, n):
+        return [{"name": k, "calls": v[0] / n, "us": v[1] / n * 1e6}
+                for k, v in sorted(self.t.items(), key=lambda kv: -kv[1][1])]
 
 
 def summarize_trace(trace, n, top=20):
@@ -1371,6 +1475,11 @@ def write_profile_run(d, stem, parts):
                 L += ["| GPU idle ms / request | gaps | what the host was doing |", "|--:|--:|---|"]
                 L += ["| %.3f | %g | %s |" % (r["ms"], r["gaps"], r["name"].replace("|", "/"))
                       for r in s["gaps"]] + [""]
+            if s.get("timers"):
+                tm = s["timers"]
+                L += ["Host timers (--profile-timers, unprofiled requests: TTFT %.2f ms): inclusive µs per "
+                      "request" % tm["ttft_ms"], "", "| µs / request | calls | function |", "|--:|--:|---|"]
+                L += ["| %.1f | %g | %s |" % (r["us"], r["calls"], r["name"]) for r in tm["rows"]] + [""]
     with open(os.path.join(d, stem + ".md"), "w") as f:
         f.write("\n".join(L))
     log("profile summary: %s" % os.path.join(d, stem + ".md"))
