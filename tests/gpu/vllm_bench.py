@@ -111,7 +111,11 @@ DIR/<engine>-<kind>-k<k>.trace.json.gz (chrome://tracing, ui.perfetto.dev),
 DIR/<engine>-<kind>-k<k>.ops.txt (torch's operator table) and DIR/profile.md:
 per kind the host-side functions with most self and inclusive time per
 request, device time per request, and the GPU's idle gaps within requests by
-what the host was doing meanwhile.
+what the host was doing meanwhile. --profile-timers N first times N more
+requests of each kind without the profiler, with a perf_counter around each
+function HOST_TIMERS names (vLLM's scheduler and model runner, the connector's
+hooks, the binding) and Python's garbage collections: host µs per request,
+function by function, the same functions in both engines.
 
 --rounds N: the engines run N times in turn (connector, apc, connector, apc,
 ...), --reps requests of each kind every time. The engines run one after the
