@@ -610,6 +610,7 @@ class _Lib:
                               "build) and set KVINJECT_LIBRARY to the build directory or the library file, or "
                               "install it (meson install -C build: pkg-config or the loader then finds it). "
                               "Tried: " + "; ".join(" ".join(e.split()) for e in errors))
+        self._templates = {}  # struct type -> its initialized value (new)
         pydll = ctypes.PyDLL(self.path)  # the same library, its calls keeping the GIL
         for name, (restype, argtypes) in _PROTOTYPES.items():
             keep = name in _KEEP_GIL or name.endswith("_init")
@@ -652,14 +653,18 @@ class _Lib:
         structs. The library writes no more than that size (a newer library with a
         larger struct fills only the fields this binding knows), and struct_size is the
         binding's own size, which every library version accepts."""
-        size = ctypes.sizeof(cls)
-        s = cls()
-        fn = _INIT_FUNCTIONS.get(cls)
-        if fn is None:
-            s.struct_size = size
-            return s
-        self.call(fn, ctypes.byref(s), size)
-        return s
+        t = self._templates.get(cls)
+        if t is None:
+            t = cls()
+            fn = _INIT_FUNCTIONS.get(cls)
+            if fn is None:
+                t.struct_size = ctypes.sizeof(cls)
+            else:
+                self.call(fn, ctypes.byref(t), ctypes.sizeof(cls))
+            self._templates[cls] = t
+        # a copy of the library's initialized struct, made once per type: a hot path
+        # (an injection per engine step) makes no C call for it
+        return cls.from_buffer_copy(t)
 
 
 def assign(s, **fields) -> None:

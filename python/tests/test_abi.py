@@ -131,6 +131,22 @@ class TestInitPath:
         for cls in _lib.STRUCTS.values():
             assert L.new(cls).struct_size == ctypes.sizeof(cls), cls.__name__
 
+    def test_each_new_struct_is_a_fresh_copy_of_the_init_values(self):
+        # new() copies a struct the init function filled once: changing one struct
+        # must not reach the next, and every copy must hold the init values
+        L = _lib.lib()
+        for cls, fn in _lib._INIT_FUNCTIONS.items():
+            ref = cls()
+            L.call(fn, ctypes.byref(ref), ctypes.sizeof(cls))
+            a = L.new(cls)
+            assert bytes(a) == bytes(ref), cls.__name__
+            ctypes.memset(ctypes.addressof(a), 0x5A, ctypes.sizeof(cls))
+            b = L.new(cls)
+            assert bytes(b) == bytes(ref) and ctypes.addressof(b) != ctypes.addressof(a), cls.__name__
+        o = L.new(_lib.InjectOptions)
+        o.layer_begin = 3
+        assert L.new(_lib.InjectOptions).layer_begin == 0
+
     def test_init_writes_no_more_than_the_size_given(self):
         L = _lib.lib()
         for cls, fn in _lib._INIT_FUNCTIONS.items():
