@@ -563,3 +563,19 @@ class TestTorchCUDA(TorchCase):
 if __name__ == "__main__":
     from kvi_testutil import run_pytest
     sys.exit(run_pytest(__file__, sys.argv[1:]))
+
+
+def test_the_connectors_raw_stream_is_torchs_current_stream():
+    # kvinject.vllm.worker.raw_stream_getter gives the library the stream vLLM's
+    # forward runs on: torch's current stream, also inside a `with torch.cuda.stream`
+    why = cuda_ready()
+    if why:
+        skip_or_fail(why)
+    from kvinject.vllm.worker import raw_stream_getter
+    dev = torch.cuda.current_device()
+    get = raw_stream_getter(dev)
+    assert get() == torch.cuda.current_stream(dev).cuda_stream
+    s = torch.cuda.Stream(dev)
+    with torch.cuda.stream(s):
+        assert get() == s.cuda_stream
+    assert get() == torch.cuda.current_stream(dev).cuda_stream

@@ -194,12 +194,27 @@ def test_a_steps_requests_land_in_their_blocks_as_the_library_writes_them(rig):
     rig.untouched_except(cells)
     assert not rig.worker.layers_pending()  # all layers written: vLLM's per-layer hooks are skipped
     assert rig.worker.get_block_ids_with_load_errors() == set()
+    # the step's record is written when the step ends (after vLLM enqueued the forward)
+    assert rig.events("inject") == []
+    rig.worker.wait_for_save(m)
     (rec,) = rig.events("inject")
     assert (rec["requests"], rec["facts"], rec["tokens"], rec["layerwise"], rec["step"]) == (2, 3, 32, False, 1)
     # the same metadata is gone with the step: a step without it writes nothing more
-    rig.worker.wait_for_save(m)
     rig.worker.start_load_kv(None)
     assert len(rig.events("inject")) == 1
+
+
+def test_a_step_without_wait_for_save_still_writes_its_record(rig):
+    # vLLM's no-forward path calls start_load_kv but not wait_for_save: the record
+    # comes out with the next step's start, or at shutdown
+    rig.put(1, 1, 5)
+    rig.worker.start_load_kv(meta([InjectJob("a", 1, [(1, 0, 5)], [4])]))
+    assert rig.events("inject") == []
+    rig.worker.start_load_kv(None)
+    assert [r["requests"] for r in rig.events("inject")] == [1]
+    rig.worker.start_load_kv(meta([InjectJob("b", 1, [(1, 0, 5)], [3])]))
+    rig.worker.shutdown()
+    assert [r["step"] for r in rig.events("inject")] == [1, 2]
 
 
 def test_failures_are_isolated_per_request(rig):
@@ -745,3 +760,23 @@ def test_an_injection_waits_for_its_tenants_prefetch_and_a_release_frees_the_lea
     finally:
         a.worker.shutdown()
         b.worker.shutdown()
+
+
+def test_the_raw_stream_getter_asks_torch_for_the_handle(monkeypatch):
+    # torch's accessor of the current stream's raw handle where torch has one (no
+    # Stream object per step), else the handle of torch.cuda.current_stream
+    from kvinject.vllm.worker import raw_stream_getter
+    calls = []
+    fake_c = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda d: calls.append(d) or 1000 + d)
+    fake = types.SimpleNamespace(_C=fake_c, cuda=types.SimpleNamespace(current_stream=None))
+    monkeypatch.setitem(__import__("sys").modules, "torch", fake)
+    get = raw_stream_getter(3)
+    assert (get(), get()) == (1003, 1003) and calls == [3, 3]
+    streams = {2: types.SimpleNamespace(cuda_stream=77)}
+    fake = types.SimpleNamespace(_C=types.SimpleNamespace(),
+                                 cuda=types.SimpleNamespace(current_stream=lambda d: streams[d]))
+    monkeypatch.setitem(__import__("sys").modules, "torch", fake)
+    get = raw_stream_getter(2)
+    assert get() == 77
+    streams[2] = types.SimpleNamespace(cuda_stream=78)  # the current stream changed: the getter follows
+    assert get() == 78

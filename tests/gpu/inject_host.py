@@ -48,7 +48,7 @@ def main():
     lens = [16] + [rnd.randint(10, 20) for _ in range(50)]
     ids = []
     for f, n in enumerate(lens):
-        k = torch.randn(L * n * H * D, dtype=torch.float32)
+        k = torch.randn(L, n, H, D, dtype=torch.float32)
         tok = [rnd.randrange(50000) for _ in range(n)]
         st.put(7, f, k, k, token_ids=tok)
         ids += tok
