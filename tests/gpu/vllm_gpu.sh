@@ -53,7 +53,9 @@
 #       torch.profiler (Python frames only with --profile-stack: they slow the
 #       host several times); traces (.trace.json.gz), operator tables and
 #       profile.md (top host-side functions per request kind, and the GPU's idle
-#       gaps by what the host was doing) into $OUT/profile. Only the profile's
+#       gaps by what the host was doing; with --profile-timers N, the host µs per
+#       request of vLLM's scheduler and model runner, the connector's hooks and the
+#       binding, function by function, unprofiled) into $OUT/profile. Only the profile's
 #       small files come back with it (the call's file count is limited): copy
 #       a trace into $OUT in a call of its own right after.
 #
