@@ -1,6 +1,6 @@
 """The memory gateway with ``--shared-disk true`` in front of two ``vllm serve``
 replicas whose connectors share one ``disk_dir`` (docs/guide/serve.md, "Shared disk
-and sessions"), real processes on 127.0.0.1.
+and prefetch after idle"), real processes on 127.0.0.1.
 
     launch.py test_gateway_shared_disk.py [--keep DIR]
 
