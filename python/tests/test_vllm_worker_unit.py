@@ -217,6 +217,32 @@ def test_a_step_without_wait_for_save_still_writes_its_record(rig):
     assert [r["step"] for r in rig.events("inject")] == [1, 2]
 
 
+def test_without_an_events_file_a_step_builds_no_record(arrays, monkeypatch, tmp_path):
+    # the step's record is built only for an events file: without one the hot path
+    # skips it (and the injection still lands)
+    r = Rig(arrays, monkeypatch, tmp_path, extra={"events_path": None})
+    try:
+        assert not r.worker._events.enabled
+        r.put(1, 1, 5)
+        m = meta([InjectJob("a", 1, [(1, 0, 5)], [4])])
+        r.worker.start_load_kv(m)
+        assert r.worker._step_record is None and r.worker._timing is None
+        r.check_written(1, [1], 0, [4])
+        r.worker.wait_for_save(m)
+        assert not os.path.exists(r.events_path + ".worker0.jsonl")
+    finally:
+        r.worker.shutdown()
+    # with one, the step leaves its record to write
+    (tmp_path / "with").mkdir()
+    r = Rig(arrays, monkeypatch, tmp_path / "with")
+    try:
+        r.put(1, 1, 5)
+        r.worker.start_load_kv(meta([InjectJob("a", 1, [(1, 0, 5)], [4])]))
+        assert r.worker._step_record is not None
+    finally:
+        r.worker.shutdown()
+
+
 def test_failures_are_isolated_per_request(rig):
     rig.put(1, 1, 5)
     rig.put(1, 2, 20)

@@ -16,6 +16,11 @@ class Events:
         self.f = open(path, "a", buffering=1) if path else None
         self._lock = threading.Lock()
 
+    @property
+    def enabled(self) -> bool:
+        """Whether lines go anywhere (a record not written need not be built)."""
+        return self.f is not None
+
     def write(self, **rec) -> None:
         if self.f is not None:
             rec["t"] = time.time()

@@ -408,6 +408,8 @@ class KVInjectWorker:
         t2 = time.perf_counter()
         self._step_jobs = [j for j, _ in jobs]
         self._inject_s = t2 - t0
+        if not (timing or self._events.enabled):
+            return  # no events file: the step's record would go nowhere
         rec = dict(event="inject", step=self._step, requests=len(jobs), facts=sum(len(j.facts) for j, _ in jobs),
                    tokens=sum(n for j, _ in jobs for _, _, n in j.facts), layerwise=self._layerwise,
                    check_us=(t1 - t0) * 1e6, kvi_us=kvi_s * 1e6, host_us=(t2 - t0) * 1e6)
