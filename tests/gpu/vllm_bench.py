@@ -18,6 +18,11 @@ engines do not share a GPU cleanly, and a killed run leaves nothing behind):
   plain      no connector, prefix caching off. Serves
              prefill   as the connector engine's: does loading the connector
                        slow requests without memory (target: within 5%)?
+  shared     (not among the defaults: --engines shared) the connector loaded,
+             prefix caching on. Serves apc and inject as above, in one engine
+             process: injected / APC without the engines' process-to-process
+             differences, and whether the connector slows a request vLLM's
+             prefix cache serves (against the apc engine's).
   cold       (not among the defaults: --engines cold, or added to the list)
              the connector with a disk tier (disk_dir: OUT/cold-disk-<key>,
              made fresh at the start, removed at the end) and hybrid serving,
@@ -171,6 +176,9 @@ ENGINES = {  # engine kind: its vLLM settings and the request kinds it serves
     "connector": dict(connector=True, prefix_caching=False, ttft=("prefill", "inject"), tput=("prefill", "inject")),
     "apc": dict(connector=False, prefix_caching=True, ttft=("apc",), tput=("apc",)),
     "plain": dict(connector=False, prefix_caching=False, ttft=("prefill",), tput=()),
+    # the connector with vLLM's prefix cache on: injected and APC requests of the same
+    # prompt in one engine process (not among the defaults: --engines shared)
+    "shared": dict(connector=True, prefix_caching=True, ttft=("apc", "inject"), tput=()),
     # not among the defaults: --engines cold (or added to the list)
     "cold": dict(connector=True, prefix_caching=False, cold=True, ttft=(), tput=()),
 }
@@ -1153,6 +1161,26 @@ def pool_rounds(parts):
     return out
 
 
+def shared_md(m):
+    """The shared engine's table: injected and APC requests of the same prompt in one
+    engine (the connector loaded, vLLM's prefix cache on), each round's ratio."""
+    rounds = m.get("shared_rounds") or []
+    L = ["", "In one engine (the connector with vLLM's prefix cache on: the APC requests are the injected "
+         "requests' prompts without the kvinject parameters, [header | facts | pad] cached first):", "",
+         "| k | APC ms | injected ms | injected / APC | per round | core ms: APC, injected | rest ms: APC, "
+         "injected | first tokens agree |", "|--:|--:|--:|--:|---|---|---|--:|"]
+    for r in m["ttft"]:
+        rest = [None if x is None or y is None else x - y
+                for x, y in ((r["shared_apc_ms"], r["shared_apc_core_ms"]),
+                             (r["shared_inject_ms"], r["shared_inject_core_ms"]))]
+        per = ", ".join(fmt(x["inject_over_apc"].get(str(r["k"])), "%.3f") for x in rounds) or "—"
+        L.append("| %d | %s | %s | %s | %s | %s, %s | %s, %s | %s |" % (
+            r["k"], fmt(r["shared_apc_ms"]), fmt(r["shared_inject_ms"]), fmt(r["shared_inject_over_apc"], "%.3f"),
+            per, fmt(r["shared_apc_core_ms"]), fmt(r["shared_inject_core_ms"]), fmt(rest[0]), fmt(rest[1]),
+            r["shared_agree"]))
+    return L
+
+
 def fmt(x, f="%.2f"):
     return "—" if x is None or x != x else f % x
 
@@ -1214,10 +1242,20 @@ def write_run_report(d, stem, parts):
         if r["prefill_over_plain"] is not None:
             plain_ok.append(r["prefill_over_plain"] <= TARGET_FLOOR)
         rows.append(r)
+    sh = parts.get("shared")   # injected and APC in one engine (the connector, prefix caching on)
+    for r in rows:
+        k = r["k"]
+        r.update(shared_apc_ms=ms(sh, "apc", k), shared_inject_ms=ms(sh, "inject", k),
+                 shared_apc_core_ms=core(sh, "apc", k), shared_inject_core_ms=core(sh, "inject", k))
+        r["shared_inject_over_apc"] = ratio(r["shared_inject_ms"], r["shared_apc_ms"])
+        r["shared_agree"] = agree(sh, "inject", sh, "apc", k)
     by_round = []   # each round's injected / APC at each k (--rounds: the engines ran in turn)
     for i, (cr, ar) in enumerate(zip((c or {}).get("rounds", []), (ap or {}).get("rounds", []))):
         by_round.append({"round": i + 1, "inject_over_apc": {
             str(k): ratio(ms(cr, "inject", k), ms(ar, "apc", k)) for k in ks}})
+    shared_rounds = [{"round": i + 1, "inject_over_apc": {str(k): ratio(ms(sr, "inject", k), ms(sr, "apc", k))
+                                                          for k in ks}}
+                     for i, sr in enumerate((sh or {}).get("rounds", []))]
     tput = []
     for i, row in enumerate((c or ap or {}).get("throughput", [])):
         t = dict(k=row["k"], concurrent=row["concurrent"], output_tokens=row["output_tokens"],
@@ -1234,7 +1272,7 @@ def write_run_report(d, stem, parts):
     merged = {"args": a, "versions": any_part.get("versions"), "engines": {
         e: {k: p.get(k) for k in ("engine_start_s", "engine_config", "memory", "duration_s", "register",
                                   "scheduler_host_us_median")} for e, p in parts.items()},
-        "ttft": rows, "rounds": by_round, "throughput": tput, "connector": (c or {}).get("connector", []),
+        "ttft": rows, "rounds": by_round, "shared_rounds": shared_rounds, "throughput": tput, "connector": (c or {}).get("connector", []),
         "targets": {"inject_over_apc_all_k": all(floor_ok) if len(floor_ok) == len(ks) else None,
                     "prefill_over_plain_all_k": all(plain_ok) if len(plain_ok) == len(ks) else None}}
     cp = parts.get("cold")
@@ -1422,6 +1460,8 @@ def report_md(m, engines):
             L.append("| %d | %s | %s | %s | %s | %s | %s | %s |" % (
                 r["k"], fmt(r["prefill_core_ms"]), fmt(r["plain_core_ms"]), fmt(r["apc_core_ms"]),
                 fmt(r["inject_core_ms"]), fmt(r["inject_over_apc_core"], "%.3f"), fmt(rest[0]), fmt(rest[1])))
+    if any(r.get("shared_inject_ms") is not None for r in m["ttft"]):
+        L += shared_md(m)
     if m.get("cold"):
         L += cold_md(m)
     if m["throughput"]:

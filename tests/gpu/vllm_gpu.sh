@@ -40,7 +40,9 @@
 #       command again. Every call copies vllm_bench.md / .json (merged from the
 #       parts there), the parts, the log and the connector's events into $OUT.
 #       ARGS go to vllm_bench.py (e.g. --shape paper, --eager, --reps 30, --rounds 3,
-#       --engines apc,plain, --redo). --engines cold: the cold-user engine
+#       --engines apc,plain, --redo). --engines shared: the connector with
+#       vLLM's prefix cache on, injected and APC requests in one engine.
+#       --engines cold: the cold-user engine
 #       (not among the defaults): the connector with a disk tier under
 #       /tmp/kvi-vllm-bench and hybrid serving, 10 users per k captured until
 #       their facts are only on disk, then each user's first request (the facts
