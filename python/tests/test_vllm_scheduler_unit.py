@@ -369,12 +369,62 @@ def test_the_event_file_records_the_steps_and_the_errors(tmp_path, mp):
     s.on_new_request(bad)
     claim(s, r, blocks=[1, 2, 3])
     s.build_connector_meta(output())  # nothing to send: no record
+    # the records are queued (a writer thread writes them); they are in the file
+    # once the step's output comes back (vLLM's update_connector_output)
+    s.update_connector_output(None)
     with open(tmp_path / "ev.scheduler.jsonl") as f:
         recs = [json.loads(line) for line in f]
     assert [e["event"] for e in recs] == ["request_error", "schedule"]
     assert recs[0]["req_id"] == "b" and "need a tenant" in recs[0]["message"]
     assert (recs[1]["injects"], recs[1]["captures"], recs[1]["failures"]) == (1, 0, 0)
     assert recs[1]["host_us"] >= 0 and "t" in recs[1]
+
+
+def test_events_are_serialized_off_the_callers_thread_and_flushed_in_order(tmp_path, monkeypatch):
+    import threading
+    from kvinject.vllm import events as ev_mod
+    threads = set()
+    real = ev_mod.json.dumps
+
+    def dumps(obj, **kw):
+        threads.add(threading.current_thread().name)
+        return real(obj, **kw)
+    monkeypatch.setattr(ev_mod.json, "dumps", dumps)
+    path = tmp_path / "e.jsonl"
+    ev = ev_mod.Events(str(path))
+    assert ev.enabled and not ev_mod.Events(None).enabled
+    ev.write(event="a", n=1)
+    ev.write(event="b", obj=object())  # not JSON: written as its str, the writer goes on
+
+    def many(tag):
+        for i in range(200):
+            ev.write(event=tag, i=i)
+    ts = [threading.Thread(target=many, args=("t%d" % j,)) for j in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert ev.flush(timeout=10.0)
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert threading.current_thread().name not in threads and threads == {"kvinject-events"}
+    assert [r["event"] for r in recs[:2]] == ["a", "b"] and recs[0]["n"] == 1 and "t" in recs[0]
+    for j in range(3):  # every thread's records, each in its order
+        assert [r["i"] for r in recs if r["event"] == "t%d" % j] == list(range(200))
+    ev.write(event="last")
+    ev.close()
+    assert json.loads(path.read_text().splitlines()[-1])["event"] == "last"
+    ev.write(event="after close")  # goes nowhere, raises nothing
+    assert "after close" not in path.read_text()
+
+
+def test_an_event_file_that_fails_loses_lines_not_the_engine(tmp_path):
+    from kvinject.vllm.events import Events
+    ev = Events(str(tmp_path / "e.jsonl"))
+    ev.f.close()  # every write now raises ValueError in the writer
+    ev.write(event="x")
+    assert ev.flush(timeout=10.0)
+    ev.write(event="y")
+    assert ev.flush(timeout=10.0)
 
 
 # ------------------------------------------------------------------- config

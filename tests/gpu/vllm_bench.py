@@ -895,6 +895,12 @@ def profile(args, spec, wl, gen, res, k):
 #: (module, class or None for a module function, names): the host functions --profile-timers
 #: times. Inclusive times: a timed function inside another counts in both.
 HOST_TIMERS = [
+    # the request's way in and out around the engine core (in this process when profiling)
+    ("vllm.entrypoints.llm", "LLM", ["generate"]),
+    ("vllm.v1.engine.llm_engine", "LLMEngine", ["add_request", "step"]),
+    ("vllm.v1.engine.input_processor", "InputProcessor", ["process_inputs"]),
+    ("vllm.v1.engine.output_processor", "OutputProcessor", ["add_request", "process_outputs"]),
+    ("vllm.v1.engine.core", "EngineCore", ["add_request", "preprocess_add_request"]),
     ("vllm.v1.core.sched.scheduler", "Scheduler", ["add_request", "schedule", "update_from_output",
                                                    "_build_kv_connector_meta", "_update_after_schedule"]),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", ["execute_model", "sample_tokens", "_update_states",

@@ -283,6 +283,7 @@ class KVInjectScheduler:
         combined): each request's outcome. A request whose injection failed is
         never injected again, and the captures its failed step skipped are
         taken again once vLLM has recomputed its prefill."""
+        self._events.flush()   # the step's records (queued before its forward) in the file
         meta = _compat.worker_meta(connector_output)
         if not isinstance(meta, KVInjectWorkerMeta):
             return
@@ -303,6 +304,7 @@ class KVInjectScheduler:
 
     def request_finished(self, request, block_ids):
         """Forgets the request; its outcome goes into its output's kv_transfer_params."""
+        self._events.flush()
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None

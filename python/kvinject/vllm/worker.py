@@ -172,6 +172,7 @@ class KVInjectWorker:
         self._events.write(event="register", backend=backend, isa=isa, layers=len(names),
                            local_heads=model.local_heads, head_size=model.head_size, block_size=layout.block_size,
                            num_blocks=layout.num_blocks, dtype=layout.dtype.name, tp_rank=tp_rank, tp_size=tp_size)
+        self._events.flush()
         self._stats = StatsRecorder(tp_rank)
         st = self._store.stats()
         self._stats.store(st.bytes_used, st.facts, st.tenants)
@@ -301,6 +302,7 @@ class KVInjectWorker:
                 t2 = time.perf_counter()
                 self._events.write(event="prefetch_done", tenant=tenant, facts="all" if ids is None else len(ids),
                                    prefetch_us=(t1 - t0) * 1e6, wait_us=(t2 - t1) * 1e6, error=err)
+                self._events.flush()   # this thread's: the record is in the file when the prefetch counts done
                 self._prefetch_q.task_done()
 
     def _start_prefetches(self, jobs: List[PrefetchJob]) -> None:
@@ -479,6 +481,9 @@ class KVInjectWorker:
             st = self._store.stats()
             self._stats.store(st.bytes_used, st.facts, st.tenants)
             self._store_changed = False
+        # the step's records in the file before vLLM has its output (the writer
+        # thread ran while the forward did: on a GPU this rarely waits)
+        self._events.flush()
 
     def _count_injections(self) -> None:
         """The step's injections, once every layer is done: the requests that did
@@ -583,6 +588,7 @@ class KVInjectWorker:
 
     def shutdown(self) -> None:
         self._write_step_record()
+        self._events.close()
         if self._prefetch_thread is not None:
             self._prefetch_q.put(None)
             self._prefetch_thread.join()
