@@ -114,6 +114,9 @@ class KVInjectConnector(KVConnectorBase_V1):
                 config, prefix_caching=bool(getattr(cache, "enable_prefix_caching", True)))
         else:
             self.connector_worker = KVInjectWorker(vllm_config, config)
+            # vLLM asks has_connector_metadata around every attention layer of every
+            # step run outside a full CUDA graph: the worker's check, one call, not two
+            self.has_connector_metadata = self.connector_worker.layers_pending
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
