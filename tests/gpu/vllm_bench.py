@@ -1361,7 +1361,8 @@ def plot_ttft(m, path):
     ks = [r["k"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for key, label in (("prefill_ms", "re-prefill (connector loaded)"), ("plain_ms", "re-prefill, no connector"),
-                       ("apc_ms", "vLLM prefix cache, prefix cached (floor)"), ("inject_ms", "injected")):
+                       ("apc_ms", "vLLM prefix cache, prefix cached (floor)"), ("inject_ms", "injected"),
+                       ("shared_apc_ms", "one engine: vLLM prefix cache"), ("shared_inject_ms", "one engine: injected")):
         pts = [(k, r[key]) for k, r in zip(ks, rows) if r.get(key) is not None]
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
@@ -1380,8 +1381,9 @@ def plot_ttft_order(parts, ks, v, path):
     """Each timed request's TTFT in the order it was measured, one panel per k: the
     engines ran one after the other, so a slow phase of the machine shows here as a
     step in one engine's line and not in the other's (a PNG beside the table)."""
-    c, ap = parts.get("connector"), parts.get("apc")
-    series = [(c, "prefill", "re-prefill"), (ap, "apc", "APC, prefix cached"), (c, "inject", "injected")]
+    c, ap, sh = parts.get("connector"), parts.get("apc"), parts.get("shared")
+    series = [(c, "prefill", "re-prefill"), (ap, "apc", "APC, prefix cached"), (c, "inject", "injected"),
+              (sh, "apc", "one engine: APC"), (sh, "inject", "one engine: injected")]
     ks = [k for k in ks if any(((p or {}).get("ttft", {}).get(str(k)) or {}).get(kind) for p, kind, _ in series)]
     if not ks:
         return
