@@ -417,6 +417,34 @@ def test_events_are_serialized_off_the_callers_thread_and_flushed_in_order(tmp_p
     assert "after close" not in path.read_text()
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_writes_its_own_events(tmp_path):
+    # the parent's writer thread does not exist in a forked child: the child's
+    # events still reach the file, and its flush does not wait for a thread that is not there
+    import warnings
+    from kvinject.vllm.events import Events
+    path = tmp_path / "e.jsonl"
+    ev = Events(str(path))
+    ev.write(event="parent")
+    assert ev.flush(timeout=10.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running
+        pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            ev.write(event="child")
+            code = 0 if ev.flush(timeout=10.0) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    ev.write(event="parent again")
+    ev.close()
+    assert [json.loads(line)["event"] for line in path.read_text().splitlines()] == ["parent", "child",
+                                                                                     "parent again"]
+
+
 def test_an_event_file_that_fails_loses_lines_not_the_engine(tmp_path):
     from kvinject.vllm.events import Events
     ev = Events(str(tmp_path / "e.jsonl"))

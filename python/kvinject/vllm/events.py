@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import json
+import os
 import queue
 import threading
 import time
@@ -21,6 +22,16 @@ def _flush_all() -> None:
         ev.flush(timeout=5.0)
 
 
+def _after_fork_in_child() -> None:
+    """A forked child has no writer thread (nor may the parent's locks be free):
+    each event file starts over, its lines queued in the parent left to the parent."""
+    for ev in list(_LIVE):
+        ev._reset()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Events:
     """JSON lines to a file (or nothing), each stamped with its time ``t`` when
     ``write`` is called. ``write`` only queues the record: a writer thread
@@ -35,6 +46,11 @@ class Events:
 
     def __init__(self, path: Optional[str]):
         self.f = open(path, "a", buffering=1) if path else None
+        self._reset()
+        if self.f is not None:
+            _LIVE.add(self)
+
+    def _reset(self) -> None:
         self._q: "queue.SimpleQueue" = queue.SimpleQueue()
         self._queued = itertools.count(1)   # next(): the number of records queued so far (atomic)
         self._last_queued = 0
@@ -42,8 +58,6 @@ class Events:
         self._done = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         self._start_lock = threading.Lock()
-        if self.f is not None:
-            _LIVE.add(self)
 
     @property
     def enabled(self) -> bool:
