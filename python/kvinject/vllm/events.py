@@ -3,7 +3,6 @@ written where ``events_path`` asks for them, or nowhere."""
 from __future__ import annotations
 
 import atexit
-import itertools
 import json
 import os
 import queue
@@ -29,7 +28,8 @@ def _after_fork_in_child() -> None:
         ev._reset()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Events:
@@ -52,8 +52,8 @@ class Events:
 
     def _reset(self) -> None:
         self._q: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._queued = itertools.count(1)   # next(): the number of records queued so far (atomic)
-        self._last_queued = 0
+        self._queued = 0   # records queued so far; counted and queued under _lock: the queue's order
+        self._lock = threading.Lock()
         self._written = 0
         self._done = threading.Condition()
         self._thread: Optional[threading.Thread] = None
@@ -70,8 +70,9 @@ class Events:
         rec["t"] = time.time()
         if self._thread is None:
             self._start()
-        self._last_queued = next(self._queued)
-        self._q.put(rec)
+        with self._lock:
+            self._queued += 1
+            self._q.put(rec)
 
     def _start(self) -> None:
         with self._start_lock:
@@ -107,7 +108,8 @@ class Events:
         ``timeout`` seconds passed first."""
         if self._thread is None:
             return True
-        target = self._last_queued
+        with self._lock:
+            target = self._queued
         with self._done:
             return self._done.wait_for(lambda: self._written >= target, timeout)
 
