@@ -40,7 +40,7 @@ INPUTS = {
         "facts_per_user": 200,
         "tokens_per_fact": 20,
         "k": 50,                   # facts injected per request
-        "requests_per_session": 4, # a session loads the user once, then R - 1 requests find the user up
+        "requests_per_visit": 4, # a visit loads the user once, then R - 1 requests find the user up
         "zipf_s": [0.8, 1.0, 1.2],
         "spill_factor": 10,        # users at 10x what the GPU tier holds
     },
@@ -263,7 +263,7 @@ def zipf_top(n, N, s):
 
 def placement_hits(N, n_dev, n_host, s, R):
     """Per-request tier shares when the n_dev most popular users sit on the device, the next
-    n_host on the host, the rest on disk, and a session of R requests loads its user once
+    n_host on the host, the rest on disk, and a visit of R requests loads its user once
     (the first request pays the tier, the next R - 1 find it on the device)."""
     dev = zipf_top(n_dev, N, s)
     host = zipf_top(n_dev + n_host, N, s) - dev
@@ -281,7 +281,7 @@ def spill(inp, m, dtype, P, s):
     N = max(1, up["device"]) * w["spill_factor"]
     n_host = min(up["host"], N - up["device"])
     trace = inp.get("trace", {}).get("%.1f" % s) or inp.get("trace", {}).get(str(s))
-    hits = trace or placement_hits(N, up["device"], n_host, s, w["requests_per_session"])
+    hits = trace or placement_hits(N, up["device"], n_host, s, w["requests_per_visit"])
     rc = request_cost(inp, m, dtype, P)
     load = sum(hits[t] * rc["t_" + t] for t in TIERS)
     best_disk = min(rc["t_disk"], rc["t_prefill"], rc["t_hybrid"])
@@ -385,7 +385,7 @@ def markdown(inp, over=None):
     out.append("Tier shares per request (%s), expected load ms per request, the same with disk requests served "
                "the fastest way (load, hybrid or re-prefill), re-prefilling every request, and the requests/s "
                "the disk sustains.\n" % ("the trace run's where given, else popularity-ordered placement with "
-                                         "sessions of %d requests" % w["requests_per_session"]))
+                                         "visits of %d requests" % w["requests_per_visit"]))
     out.append("| model | dtype | P | s | users | device | host | disk | load ms | best ms | prefill ms | disk-bound req/s |")
     out.append("| --- | --- | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: |")
     for name, m in inp["models"].items():

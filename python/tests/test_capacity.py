@@ -126,7 +126,7 @@ def test_zipf():
     assert math.isclose(cap.harmonic(10**6, 1.0), 14.392726722865723, rel_tol=1e-12)
     assert math.isclose(cap.zipf_top(1, 10, 1.0), 2520 / 7381)
     assert cap.zipf_top(0, 10, 1.0) == 0.0 and cap.zipf_top(10, 10, 1.0) == 1.0
-    # one session request in four pays its tier: device 3/4 + 1/4 x 2520/7381
+    # one visit request in four pays its tier: device 3/4 + 1/4 x 2520/7381
     h = cap.placement_hits(10, 1, 2, 1.0, 4)
     assert math.isclose(h["device"], 0.75 + 0.25 * 2520 / 7381)
     assert math.isclose(h["host"], 0.25 * (1 + 1 / 2 + 1 / 3 - 1) * 2520 / 7381)

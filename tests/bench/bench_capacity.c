@@ -12,27 +12,27 @@
  * memory); the disk holds everyone. Users' facts are random data: captured
  * from a device cache of noise by one kvi_encode a user on a CUDA store
  * (written through to the tenant's file together), put one kvi_store_put a
- * fact from host memory on a CPU store; when a session first meets them
- * (POPULATE=touch, the default: such sessions count as new users and are
+ * fact from host memory on a CPU store; when a visit first meets them
+ * (POPULATE=touch, the default: such visits count as new users and are
  * left out of the other columns), or all of them before the trace
  * (POPULATE=all; every write syncs its tenant's file, so this takes a while
  * at 100,000 users on a disk; DIR=/dev/shm, tmpfs, takes the syncs' cost out
  * where only the shares are wanted).
- * For each Zipf exponent s in S (0.8, 1.0, 1.2): sessions pick a user by Zipf(s)
+ * For each Zipf exponent s in S (0.8, 1.0, 1.2): visits pick a user by Zipf(s)
  * over a random ranking of the users, prefetch the user
  * (kvi_store_prefetch, all its facts: read on the store's I/O thread), and
  * make R requests, each injecting K distinct random facts of the user into a
  * small paged cache (host memory on a CPU store, device memory on a CUDA
  * store); after the first request the benchmark waits, untimed, until the
- * prefetch has completed (a user's next request comes seconds later). WARM sessions first (not
+ * prefetch has completed (a user's next request comes seconds later). WARM visits first (not
  * counted), then VISITS measured ones. Per request, before anything
  * moves, kvi_store_fact_tier says where each requested fact is: the shares
  * of facts on the device, the host and only on disk are the trace's tier
- * hit rates. Timed per request: from the session's prefetch (first request)
+ * hit rates. Timed per request: from the visit's prefetch (first request)
  * or the request's start to kvi_inject's return (CUDA: the stream's
  * completion): load + inject, p50 and p99, over all requests and over those
  * that found a fact only on disk. Bytes from disk, drops to disk and
- * promotions are the store's counters over the measured sessions.
+ * promotions are the store's counters over the measured visits.
  * Text fallback: a request whose disk-only facts would take longer to load
  * (their bytes at the disk-load rate of the warm-up's requests, or
  * DISK_GBPS) than prefilling their tokens at PREFILL_TOKENS_PER_S would be
@@ -43,7 +43,7 @@
  * costs that an 8B model's 2.6 MB facts amortize: the measured rate is a
  * lower bound, and DISK_GBPS puts a real one in.
  *
- * Environment (KVI_BENCH_*): USERS (100000), VISITS (10000 per s: sessions, each one user's run of requests), WARM
+ * Environment (KVI_BENCH_*): USERS (100000), VISITS (10000 per s: visits, each one user's run of requests), WARM
  * (VISITS / 2), S (Zipf exponents, comma-separated: 0.8,1.0,1.2; each runs after the
  * ones before it, on the store as they left it), R (4), K (10), LAYERS (2), HEADS (1), HEAD_SIZE (32),
  * STORE_DTYPE (bf16, fp8, q4), PAGE_TOKENS (16), MEM_FRACTION (0.1),
@@ -198,8 +198,8 @@ static void put_user(ctx *c, uint64_t u) {
 }
 
 typedef struct {
-  uint64_t sessions, new_users, requests, facts, on[3], disk_requests, fallbacks, tokens;
-  uint64_t all_facts, all_on[3]; /* new users' sessions too, their first request as from disk */
+  uint64_t visits, new_users, requests, facts, on[3], disk_requests, fallbacks, tokens;
+  uint64_t all_facts, all_on[3]; /* new users' visits too, their first request as from disk */
   size_t n_all, n_disk, n_first;
   double disk_load_ms, disk_load_bytes; /* requests with disk facts: time and bytes read */
   double *t_all, *t_disk, *t_first;     /* kept by reset(); t_first: each visit's first request */
@@ -219,7 +219,7 @@ static void sync_ctx(const ctx *c) {
 #endif
 }
 
-/* Waits (at most 2 s) until no fact of the user is left on disk: the session's
+/* Waits (at most 2 s) until no fact of the user is left on disk: the visit's
  * prefetch reads on the store's I/O thread; a CPU store's thread publishes the
  * facts it read, a CUDA store's next prefetch does. */
 static void wait_prefetched(const ctx *c, uint64_t u) {
@@ -237,14 +237,14 @@ static void wait_prefetched(const ctx *c, uint64_t u) {
   }
 }
 
-/* One session of user u (tenant u + 1): prefetch, then R requests. A user
- * met for the first time is put first (captured); such a session's requests
+/* One visit of user u (tenant u + 1): prefetch, then R requests. A user
+ * met for the first time is put first (captured); such a visit's requests
  * run but count only as a new user's. */
-static void session(ctx *c, uint64_t u, tally *t) {
+static void visit(ctx *c, uint64_t u, tally *t) {
   const uint64_t tenant = u + 1;
   const int nf = user_facts(u);
   uint64_t ids[64];
-  t->sessions++;
+  t->visits++;
   const int fresh = !c->stored[u];
   if (fresh) put_user(c, u), t->new_users++;
   double t0 = now_ms();
@@ -307,8 +307,8 @@ static void session(ctx *c, uint64_t u, tally *t) {
 int main(void) {
   setvbuf(stdout, NULL, _IOLBF, 0); /* progress as it comes, also into a file */
   const long users = env_long("KVI_BENCH_USERS", 100000);
-  const long sessions = env_long("KVI_BENCH_VISITS", 10000);
-  const long warm = env_long("KVI_BENCH_WARM", sessions / 2);
+  const long visits = env_long("KVI_BENCH_VISITS", 10000);
+  const long warm = env_long("KVI_BENCH_WARM", visits / 2);
   const int R = (int)env_long("KVI_BENCH_R", 4), K = (int)env_long("KVI_BENCH_K", 10);
   const int L = (int)env_long("KVI_BENCH_LAYERS", 2), H = (int)env_long("KVI_BENCH_HEADS", 1),
             D = (int)env_long("KVI_BENCH_HEAD_SIZE", 32), P = (int)env_long("KVI_BENCH_PAGE_TOKENS", 16);
@@ -320,7 +320,7 @@ int main(void) {
     fprintf(stderr, "KVI_BENCH_POPULATE is %s: touch or all\n", pop);
     return 1;
   }
-  if (users < 1 || sessions < 1 || R < 1 || K < 1 || K > 20 || L < 1 || L > 64 || H < 1 || D < 2 || P < 1) {
+  if (users < 1 || visits < 1 || R < 1 || K < 1 || K > 20 || L < 1 || L > 64 || H < 1 || D < 2 || P < 1) {
     fprintf(stderr, "bench_capacity: bad KVI_BENCH_* values (K is 1..20, LAYERS 1..64)\n");
     return 1;
   }
@@ -478,15 +478,15 @@ int main(void) {
     rank[i] = rank[j], rank[j] = x;
   }
   tally t;
-  t.t_all = malloc((size_t)(sessions + warm) * R * sizeof(double));
-  t.t_disk = malloc((size_t)(sessions + warm) * R * sizeof(double));
-  t.t_first = malloc((size_t)(sessions + warm) * sizeof(double));
+  t.t_all = malloc((size_t)(visits + warm) * R * sizeof(double));
+  t.t_disk = malloc((size_t)(visits + warm) * R * sizeof(double));
+  t.t_first = malloc((size_t)(visits + warm) * sizeof(double));
   if (!t.t_all || !t.t_disk || !t.t_first) {
     fprintf(stderr, "bench_capacity: out of memory\n");
     return 1;
   }
 
-  printf("| s | sessions | new users | requests | facts | device | host | disk only | requests with disk | MB from disk "
+  printf("| s | visits | new users | requests | facts | device | host | disk only | requests with disk | MB from disk "
          "| disk reads | drops to disk | promotions | p50 ms | p99 ms | p50 ms, first | p99 ms, first | p50 ms, disk "
          "| p99 ms, disk | to text |\n");
   printf("| --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: "
@@ -500,7 +500,7 @@ int main(void) {
     double acc = 0;
     for (long i = 0; i < users; i++) acc += pow((double)(i + 1), -s), cdf[i] = acc;
     for (int phase = 0; phase < 2; phase++) {
-      const long n = phase ? sessions : warm;
+      const long n = phase ? visits : warm;
       reset(&t);
       kvi_store_stats a = KVI_STORE_STATS_INIT, b = KVI_STORE_STATS_INIT;
       CK(kvi_store_stats_get(store, &a));
@@ -512,7 +512,7 @@ int main(void) {
           if (cdf[mid] < x) lo = mid + 1;
           else hi = mid;
         }
-        session(&c, rank[lo], &t);
+        visit(&c, rank[lo], &t);
       }
       CK(kvi_store_stats_get(store, &b));
       if (!phase) {
@@ -538,17 +538,17 @@ int main(void) {
                t.all_on[2] / A);
     }
   }
-  printf("\nnew users: sessions that met their user first and put (captured) its facts; their requests are left\n"
+  printf("\nnew users: visits that met their user first and put (captured) its facts; their requests are left\n"
          "out of the other columns. device / host / disk only: where each requested fact was when its request came\n"
          "(kvi_store_fact_tier; a CPU store's memory is its host tier). Times: load + inject per request (the\n"
-         "first of a session: its prefetch, then the injection, which waits for its own facts' reads; \"first\":\n"
+         "first of a visit: its prefetch, then the injection, which waits for its own facts' reads; \"first\":\n"
          "those first requests alone). to text:\n"
          "requests whose disk-only facts would load slower (at %.2f GB/s) than prefilling their tokens at %.0f\n"
-         "tokens/s. Counters over the measured sessions.\n",
+         "tokens/s. Counters over the measured visits.\n",
          c.disk_s_per_byte > 0 ? 1e-9 / c.disk_s_per_byte : 0.0, c.prefill_tps);
-  /* as the model's placement counts them: every session, a new user's first request from disk; a CPU
+  /* as the model's placement counts them: every visit, a new user's first request from disk; a CPU
    * store's memory is the top tier, the model's "device" */
-  printf("\ncapacity model input (new users' sessions included, their first request as from disk%s):\n"
+  printf("\ncapacity model input (new users' visits included, their first request as from disk%s):\n"
          "{\"trace\": {%s}}\n", cuda ? "" : "; the CPU store's memory as the model's device tier", trace);
 
   kvi_injector_destroy(c.inj);

@@ -56,8 +56,7 @@ class Events:
         self._lock = threading.Lock()
         self._written = 0
         self._done = threading.Condition()
-        self._thread: Optional[threading.Thread] = None
-        self._start_lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None   # started by the first write
 
     @property
     def enabled(self) -> bool:
@@ -68,18 +67,12 @@ class Events:
         if self.f is None:
             return
         rec["t"] = time.time()
-        if self._thread is None:
-            self._start()
         with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvinject-events", daemon=True)
+                self._thread.start()
             self._queued += 1
             self._q.put(rec)
-
-    def _start(self) -> None:
-        with self._start_lock:
-            if self._thread is None:
-                t = threading.Thread(target=self._run, name="kvinject-events", daemon=True)
-                t.start()
-                self._thread = t
 
     def _run(self) -> None:
         f = self.f
