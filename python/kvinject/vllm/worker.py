@@ -588,11 +588,11 @@ class KVInjectWorker:
 
     def shutdown(self) -> None:
         self._write_step_record()
-        self._events.close()
         if self._prefetch_thread is not None:
             self._prefetch_q.put(None)
             self._prefetch_thread.join()
             self._prefetch_thread = None
+        self._events.close()  # after the prefetch thread's last records
         if self._store is not None:
             self._store.close()
             self._store = None
