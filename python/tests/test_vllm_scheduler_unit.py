@@ -22,6 +22,7 @@ import types
 import pytest
 
 from kvinject.vllm import Keep, capture_prompt, memory_prompt, prefetch_prompt, remove_prompt
+from kvinject.vllm import _compat
 from kvinject.vllm.config import KNOWN, KVInjectConfig, requires_piecewise
 from kvinject.vllm.metadata import CaptureJob, FailJob, InjectJob, KVInjectMetadata, PrefetchJob
 from kvinject.vllm.prompt import PARAMS_KEY, parse_params
@@ -234,6 +235,19 @@ def test_an_injecting_request_gets_a_salt_of_its_own_and_its_blocks_new_hashes(s
     # two engines never give the same request id the same salt
     other = KVInjectScheduler(KVInjectConfig.from_extra({}, BS))
     assert other.salt("a") != sched.salt("a")
+
+
+def test_a_salted_block_hash_is_the_hash_xor_the_salts_digest_of_its_length():
+    salt = "kvinject:nonce:r1"
+    for width in (32, 16, 8):  # vLLM's sha256 hashes, and shorter ones
+        hashes = [hashlib.sha256(b"%d" % i).digest()[:width] for i in range(40)]
+        tag = hashlib.shake_256(salt.encode()).digest(width)
+        want = [bytes(a ^ b for a, b in zip(h, tag)) for h in hashes]
+        assert _compat.salted_block_hashes(hashes, salt) == want
+        assert _compat.salted_block_hashes(hashes, salt + "x") != want  # another salt, other names
+    mixed = [b"\x01" * 32, b"", b"\x02" * 16]
+    tag = hashlib.shake_256(salt.encode()).digest(32)
+    assert _compat.salted_block_hashes(mixed, salt) == [bytes(a ^ b for a, b in zip(h, tag)) for h in mixed]
 
 
 def test_without_the_prefix_cache_no_request_is_salted(mp):

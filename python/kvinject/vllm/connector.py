@@ -171,7 +171,17 @@ class KVInjectConnector(KVConnectorBase_V1):
         """This worker's store (after register_kv_caches)."""
         return self.connector_worker.store
 
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        """vLLM's first call of a worker's step (vLLM 0.23 and 0.32 make it before they
+        prepare the step's inputs): the step starts here, so its injection is on the
+        stream while the host prepares the forward, and its device time is not added
+        to the step's. Nothing here is about preemption: a preempted request's blocks
+        hold nothing the connector must save."""
+        if self.connector_worker is not None:
+            self.connector_worker.start_load_kv(kv_connector_metadata, early=True)
+
     def start_load_kv(self, forward_context, **kwargs) -> None:
+        """Starts the step, unless handle_preemptions did."""
         self.connector_worker.start_load_kv(_compat.bound_metadata(self))
 
     def has_connector_metadata(self) -> bool:

@@ -3,7 +3,10 @@ worker holding this rank's KV heads; the cache layout derived from the tensors
 register_kv_caches receives and the attention backend (kvinject.vllm.layout);
 per step, the removals first, then one kvi_inject for all requests (or one
 per layer when ``layerwise``), and after the forward one kvi_encode for all
-captures.
+captures. The step starts at vLLM's first worker call that carries its
+metadata, handle_preemptions, before vLLM prepares the step's inputs: the
+injection is on the stream while the host builds the forward, not in front
+of it (start_load_kv starts it where a vLLM does not make that call).
 
 A request whose facts cannot be injected (unknown fact, another tenant's
 fact, a span whose length is not the fact's) fails alone: its blocks are
@@ -112,6 +115,7 @@ class KVInjectWorker:
         self._step_record: Optional[Dict[str, Any]] = None
         self._events = Events(None)
         self._step = 0
+        self._started: Optional[KVInjectMetadata] = None  # the metadata whose step start_load_kv started
         self._layers_done = 0
         self._stats = StatsRecorder(0)
         self._results: Dict[str, RequestResult] = {}  # this step's, per request (sent to the scheduler)
@@ -347,7 +351,17 @@ class KVInjectWorker:
                 self._reported[t] = out[t] = disk
         return out
 
-    def start_load_kv(self, meta: Optional[KVInjectMetadata]) -> None:
+    def start_load_kv(self, meta: Optional[KVInjectMetadata], early: bool = False) -> None:
+        """Starts the step of ``meta``: its removals, failures and injections (see
+        the module docstring). The connector calls it first from vLLM's earliest
+        call of a worker's step, handle_preemptions (``early``: before vLLM
+        prepares the step's inputs, so the GPU copies the facts while the host
+        prepares the forward), then from start_load_kv, which finds the step
+        started and does nothing; a vLLM that makes only the second call starts
+        the step there."""
+        if meta is not None and meta is self._started:
+            return
+        self._started = meta
         self._write_step_record()  # a step vLLM ended without wait_for_save (no forward)
         if not isinstance(meta, KVInjectMetadata):
             return
@@ -358,11 +372,11 @@ class KVInjectWorker:
         for decision, n in meta.hybrid.items():
             self._stats.hybrid(decision, n)
         try:
-            self._load(meta)
+            self._load(meta, early)
         finally:
             self._start_prefetches(meta.prefetches)
 
-    def _load(self, meta: KVInjectMetadata) -> None:
+    def _load(self, meta: KVInjectMetadata, early: bool) -> None:
         self._remove(meta.removes)
         t0 = time.perf_counter()
         if self._prefetching:
@@ -413,7 +427,7 @@ class KVInjectWorker:
         if not (timing or self._events.enabled):
             return  # no events file: the step's record would go nowhere
         rec = dict(event="inject", step=self._step, requests=len(jobs), facts=sum(len(j.facts) for j, _ in jobs),
-                   tokens=sum(n for j, _ in jobs for _, _, n in j.facts), layerwise=self._layerwise,
+                   tokens=sum(n for j, _ in jobs for _, _, n in j.facts), layerwise=self._layerwise, early=early,
                    check_us=(t1 - t0) * 1e6, kvi_us=kvi_s * 1e6, host_us=(t2 - t0) * 1e6)
         if timing:
             end.record(self._stream())
@@ -455,6 +469,7 @@ class KVInjectWorker:
             self._events.write(**rec)
 
     def wait_for_save(self, meta: Optional[KVInjectMetadata]) -> None:
+        self._started = None
         self._write_step_record()
         if self._pending:
             self._events.write(event="inject_layers", step=self._step, layers=self._layers_done,

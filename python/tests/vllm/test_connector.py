@@ -182,6 +182,11 @@ def test_tenants_one_kvi_inject_for_the_8_requests(tenants):
     assert inj and inj[0]["requests"] == 8, "inject steps %s" % [(e["requests"], e["facts"]) for e in inj]
 
 
+def test_tenants_the_injection_starts_before_vllm_prepares_the_steps_inputs(tenants):
+    # vLLM's first worker call of the step (handle_preemptions) started it; start_load_kv found it started
+    assert tenants.injects and all(e["early"] for e in tenants.injects), tenants.injects
+
+
 def test_tenants_answers_differ_between_tenants(tenants):
     assert len({tuple(r["tokens"]) for r in tenants.recs}) >= 4
 
