@@ -210,19 +210,20 @@ def test_a_step_started_early_is_not_started_again_by_start_load_kv(rig):
     # before it prepares the inputs), then vLLM's start_load_kv binds the same metadata
     rig.put(1, 1, 5)
     m = meta([InjectJob("a", 1, [(1, 0, 5)], [4])])
-    rig.worker.start_load_kv(m, early=True)
+    rig.worker.start_load_kv(m, hook="handle_preemptions")
     cells = rig.check_written(1, [1], 0, [4])
     rig.worker.start_load_kv(m)
     rig.untouched_except(cells)
     rig.worker.wait_for_save(m)
-    assert [(r["step"], r["early"]) for r in rig.events("inject")] == [(1, True)]
+    assert [(r["step"], r["hook"]) for r in rig.events("inject")] == [(1, "handle_preemptions")]
     assert rig.worker.build_connector_worker_meta().results["a"].injected_facts == 1
     assert rig.worker.get_kv_connector_stats().data["ranks"]["0"]["facts_injected"] == 1  # counted once
     # a vLLM without the early call: start_load_kv starts the next step
     m2 = meta([InjectJob("b", 1, [(1, 0, 5)], [3])])
     rig.worker.start_load_kv(m2)
     rig.worker.wait_for_save(m2)
-    assert [(r["step"], r["early"]) for r in rig.events("inject")] == [(1, True), (2, False)]
+    assert [(r["step"], r["hook"]) for r in rig.events("inject")] == [(1, "handle_preemptions"),
+                                                                       (2, "start_load_kv")]
 
 
 def test_a_step_without_wait_for_save_still_writes_its_record(rig):

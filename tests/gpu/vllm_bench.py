@@ -187,7 +187,8 @@ SHAPES = {"fixed": dict(header=32, fact="24", question=32, k="0,5,10,20,50"),
 # the arguments that shape the figures: a part is reused only when they are the same
 KEY_ARGS = ("model", "shape", "k", "header_tokens", "fact_tokens", "question_tokens", "no_align", "block_size",
             "concurrency", "tput_tokens", "tput_users", "reps", "warmup", "tput_reps", "store_dtype", "store_mb", "gpu_mem",
-            "max_model_len", "max_batched_tokens", "layerwise", "eager", "dummy", "device_timing", "seed",
+            "max_model_len", "max_batched_tokens", "layerwise", "model_runner", "eager", "dummy", "device_timing",
+            "seed",
             "profile", "profile_k", "profile_requests", "profile_stack", "cold_reps", "cold_store_mb",
             "cold_read_mb_s", "cold_prefill_tokens_s", "cold_settle_ms", "cold_settle_prefetch", "rounds")
 TARGET_FLOOR = 1.05      # inject TTFT <= 1.05 x apc TTFT; connector's prefill <= 1.05 x plain's;
@@ -255,6 +256,10 @@ def parse_args(argv=None):
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-batched-tokens", type=int, default=None, help="max_num_batched_tokens (vLLM's default)")
     ap.add_argument("--layerwise", action="store_true")
+    ap.add_argument("--model-runner", choices=("default", "v1", "v2"), default="default",
+                    help="vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER): its first calls the connector's "
+                         "handle_preemptions before it prepares a step's inputs, its second (vLLM 0.23's "
+                         "default for Llama models) right before start_load_kv")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs, no torch.compile)")
     ap.add_argument("--dummy", action="store_true", help="load_format='dummy' (the model directory holds a config)")
     ap.add_argument("--device-timing", action="store_true",
@@ -475,6 +480,8 @@ def fit(args, cfg, store_mb):
 
 def run_engine(args):
     spec = ENGINES[args.engine]
+    if args.model_runner != "default":
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.model_runner == "v2" else "0"
     if args.profile:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # the engine core in this process, for the profiler
         os.makedirs(args.profile, exist_ok=True)

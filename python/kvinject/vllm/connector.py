@@ -172,13 +172,14 @@ class KVInjectConnector(KVConnectorBase_V1):
         return self.connector_worker.store
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
-        """vLLM's first call of a worker's step (vLLM 0.23 and 0.32 make it before they
-        prepare the step's inputs): the step starts here, so its injection is on the
+        """vLLM's first worker call of a step that carries the step's metadata; its
+        first model runner makes it before it prepares the step's inputs (its second,
+        right before start_load_kv). The step starts here, so its injection is on the
         stream while the host prepares the forward, and its device time is not added
         to the step's. Nothing here is about preemption: a preempted request's blocks
         hold nothing the connector must save."""
         if self.connector_worker is not None:
-            self.connector_worker.start_load_kv(kv_connector_metadata, early=True)
+            self.connector_worker.start_load_kv(kv_connector_metadata, hook="handle_preemptions")
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         """Starts the step, unless handle_preemptions did."""

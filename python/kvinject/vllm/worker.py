@@ -4,9 +4,11 @@ register_kv_caches receives and the attention backend (kvinject.vllm.layout);
 per step, the removals first, then one kvi_inject for all requests (or one
 per layer when ``layerwise``), and after the forward one kvi_encode for all
 captures. The step starts at vLLM's first worker call that carries its
-metadata, handle_preemptions, before vLLM prepares the step's inputs: the
-injection is on the stream while the host builds the forward, not in front
-of it (start_load_kv starts it where a vLLM does not make that call).
+metadata, handle_preemptions: vLLM's first model runner (vLLM 0.32's CPU
+build, and vLLM 0.23 with VLLM_USE_V2_MODEL_RUNNER=0) makes it before it
+prepares the step's inputs, so the injection is on the stream while the host
+builds the forward, not in front of it; its second (vLLM 0.23's for Llama
+models) right before start_load_kv, where it changes nothing.
 
 A request whose facts cannot be injected (unknown fact, another tenant's
 fact, a span whose length is not the fact's) fails alone: its blocks are
@@ -351,14 +353,13 @@ class KVInjectWorker:
                 self._reported[t] = out[t] = disk
         return out
 
-    def start_load_kv(self, meta: Optional[KVInjectMetadata], early: bool = False) -> None:
+    def start_load_kv(self, meta: Optional[KVInjectMetadata], hook: str = "start_load_kv") -> None:
         """Starts the step of ``meta``: its removals, failures and injections (see
-        the module docstring). The connector calls it first from vLLM's earliest
-        call of a worker's step, handle_preemptions (``early``: before vLLM
-        prepares the step's inputs, so the GPU copies the facts while the host
-        prepares the forward), then from start_load_kv, which finds the step
-        started and does nothing; a vLLM that makes only the second call starts
-        the step there."""
+        the module docstring). The connector calls it from vLLM's first worker
+        call of the step that carries the metadata, handle_preemptions (``hook``,
+        written in the step's event record), then from start_load_kv, which finds
+        the step started and does nothing; a vLLM without the first call starts
+        the step in the second."""
         if meta is not None and meta is self._started:
             return
         self._started = meta
@@ -372,11 +373,11 @@ class KVInjectWorker:
         for decision, n in meta.hybrid.items():
             self._stats.hybrid(decision, n)
         try:
-            self._load(meta, early)
+            self._load(meta, hook)
         finally:
             self._start_prefetches(meta.prefetches)
 
-    def _load(self, meta: KVInjectMetadata, early: bool) -> None:
+    def _load(self, meta: KVInjectMetadata, hook: str) -> None:
         self._remove(meta.removes)
         t0 = time.perf_counter()
         if self._prefetching:
@@ -427,7 +428,7 @@ class KVInjectWorker:
         if not (timing or self._events.enabled):
             return  # no events file: the step's record would go nowhere
         rec = dict(event="inject", step=self._step, requests=len(jobs), facts=sum(len(j.facts) for j, _ in jobs),
-                   tokens=sum(n for j, _ in jobs for _, _, n in j.facts), layerwise=self._layerwise, early=early,
+                   tokens=sum(n for j, _ in jobs for _, _, n in j.facts), layerwise=self._layerwise, hook=hook,
                    check_us=(t1 - t0) * 1e6, kvi_us=kvi_s * 1e6, host_us=(t2 - t0) * 1e6)
         if timing:
             end.record(self._stream())

@@ -183,8 +183,9 @@ def test_tenants_one_kvi_inject_for_the_8_requests(tenants):
 
 
 def test_tenants_the_injection_starts_before_vllm_prepares_the_steps_inputs(tenants):
-    # vLLM's first worker call of the step (handle_preemptions) started it; start_load_kv found it started
-    assert tenants.injects and all(e["early"] for e in tenants.injects), tenants.injects
+    # vLLM's first worker call of the step (handle_preemptions, which this vLLM's model runner makes
+    # before it prepares the inputs) started it; start_load_kv found it started
+    assert tenants.injects and all(e["hook"] == "handle_preemptions" for e in tenants.injects), tenants.injects
 
 
 def test_tenants_answers_differ_between_tenants(tenants):
