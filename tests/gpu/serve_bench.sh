@@ -8,10 +8,15 @@
 #   tests/gpu/serve_bench.sh pack   (here) .stage/servebench.NN: the gateway's
 #       embedder (all-MiniLM-L6-v2 from KVI_EMBEDDER, default the vllm suite's
 #       copy, its weights stored in fp16 to fit one part; the gateway computes
-#       in fp32) through tests/gpu/stage.sh; one part of about 45 MiB.
+#       in fp32) and the wheels `vllm serve` needs beyond vllm_gpu.sh's
+#       (tests/gpu/serve_bench.requirements) through tests/gpu/stage.sh; one
+#       part of about 46 MiB.
 #   tests/gpu/serve_bench.sh run [ARGS]   (there, after vllm_gpu.sh setup)
-#       takes the carried embedder part (the first call) and opens it into
-#       /tmp/kvi-embedder, then runs serve_bench.py --device gpu on the staged
+#       takes the carried part (the first call), opens it into /tmp/kvi-embedder,
+#       installs its wheels --no-deps into vllm_gpu.sh's /tmp/vllm-site and
+#       imports vLLM's server modules (tests/gpu/vllm_deps.py --import-check
+#       serve: every missing module named at once), then runs serve_bench.py
+#       --device gpu on the staged
 #       model with ARGS (--targets, --k, --rates, ...), stopping itself before
 #       SERVE_BENCH_TIMEOUT (default 540 s; the script gets --time-budget 60 s
 #       less and starts no point it cannot finish). The points accumulate in
@@ -52,6 +57,8 @@ results=/tmp/kvi-serve-bench
 out=${OUT:-/tmp/kvi-out}
 
 die() { echo "serve_bench.sh: $*" >&2; exit 1; }
+# pip_download DEST SPEC-OR-ARGS...
+. tests/gpu/pip_download.sh
 
 cmd=${1:-}
 [ $# -gt 0 ] && shift
@@ -73,7 +80,10 @@ for f in os.listdir(src):
                   os.path.join(dst, f), metadata={"format": "pt"})
 EOF
     du -sh .servebench/embedder
-    (cd .servebench && ../tests/gpu/stage.sh pack servebench embedder >/dev/null)
+    mkdir -p .servebench/wheels
+    pip_download .servebench/wheels -r tests/gpu/serve_bench.requirements
+    du -sh .servebench/wheels
+    (cd .servebench && ../tests/gpu/stage.sh pack servebench embedder wheels >/dev/null)
     mkdir -p .stage && rm -rf .stage/servebench.[0-9][0-9]
     mv .servebench/.stage/servebench.* .stage/
     rm -rf .servebench
@@ -90,6 +100,13 @@ EOF
       tests/gpu/stage.sh take
       tests/gpu/stage.sh open servebench /tmp/kvi-embedder \
         || die "the embedder's part has not arrived (carry .stage/servebench.00)"
+    fi
+    if [ ! -f "$site/.kvi-serve-wheels" ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+        /tmp/kvi-embedder/wheels/*.whl 2>&1 | grep -v "^WARNING: Target directory" || true
+      PYTHONPATH=$site python3 tests/gpu/vllm_deps.py --import-check serve \
+        || die "vLLM's server does not import (above: the missing modules; add their wheels to tests/gpu/serve_bench.requirements)"
+      touch "$site/.kvi-serve-wheels"
     fi
     mkdir -p "$out" "$results" /tmp/kvi-bin
     if [ ! -f "$results/serve_bench.json" ] && [ -f .serve-bench/serve_bench.json ]; then

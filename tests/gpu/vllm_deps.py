@@ -9,6 +9,11 @@
     vllm_deps.py --import-check  (there) imports vLLM's offline engine path and
                                  reports each module that fails and why (the
                                  missing module's name); exit 1 if any fails
+    vllm_deps.py --import-check serve
+                                 (there) imports `vllm serve`'s and `vllm bench
+                                 serve`'s modules, standing a placeholder in for
+                                 each missing module so that one run names them
+                                 all; exit 1 if any is missing
 """
 import re
 import sys
@@ -49,6 +54,10 @@ ENGINE_MODULES = [
     "vllm.distributed.kv_transfer.kv_connector.v1.base", "vllm.distributed.kv_transfer.kv_connector.factory",
     "vllm.tokenizers", "vllm._C", "vllm.vllm_flash_attn.flash_attn_interface",
 ]
+
+# `vllm serve` and `vllm bench serve` (tests/gpu/serve_bench.sh), beyond the engine's
+SERVE_MODULES = ["vllm.entrypoints.cli.main", "vllm.entrypoints.cli.serve", "vllm.entrypoints.openai.api_server",
+                 "vllm.benchmarks.serve", "vllm.benchmarks.lib.endpoint_request_func"]
 
 
 def norm(name):
@@ -147,11 +156,68 @@ def import_check():
     return 1 if bad else 0
 
 
+def serve_import_check():
+    """Imports SERVE_MODULES; each module that is not there is noted and replaced
+    by a placeholder (any attribute a class), and the import tried again, so one
+    run names every missing module rather than the first."""
+    import importlib
+    import importlib.abc
+    import importlib.machinery
+    import types
+
+    missing = []
+
+    class Placeholder(types.ModuleType):
+        def __getattr__(self, k):
+            if k.startswith("__"):
+                raise AttributeError(k)
+            return type(k, (object,), {})
+
+    class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        """Placeholders for the submodules of a missing package."""
+        def find_spec(self, name, path, target=None):
+            if name.split(".")[0] in {m.split(".")[0] for m in missing}:
+                return importlib.machinery.ModuleSpec(name, self, is_package=True)
+            return None
+
+        def create_module(self, spec):
+            mod = Placeholder(spec.name)
+            mod.__path__ = []
+            return mod
+
+        def exec_module(self, module):
+            return None
+
+    sys.meta_path.append(Finder())
+    bad = 0
+    for m in SERVE_MODULES:
+        for _ in range(50):
+            try:
+                importlib.import_module(m)
+                break
+            except ModuleNotFoundError as e:
+                if not e.name or e.name in missing:
+                    print("vllm_deps.py: FAIL import %s: %s" % (m, e))
+                    bad += 1
+                    break
+                missing.append(e.name)
+                print("vllm_deps.py: missing module %s (imported under %s)" % (e.name, m))
+            except BaseException as e:  # report every one
+                print("vllm_deps.py: FAIL import %s: %s: %s" % (m, type(e).__name__, str(e)[:300]))
+                bad += 1
+                break
+    print("vllm_deps.py: vLLM's server modules: %s" % (
+        "all imported" if not missing and not bad else "missing %s" % (", ".join(missing) or "none")))
+    return 1 if missing or bad else 0
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--versions"]:
         sys.exit(versions())
     if sys.argv[1:] == ["--import-check"]:
         sys.exit(import_check())
+    if sys.argv[1:] == ["--import-check", "serve"]:
+        sys.exit(serve_import_check())
     if len(sys.argv) < 2:
         print(__doc__)
         sys.exit(2)

@@ -129,14 +129,8 @@ model_dir() {  # /dev/shm when it has 24 GiB free (the model is 15 GiB), else /t
   if [ "${kb:-0}" -gt $((24 << 20)) ]; then echo /dev/shm/kvi-model; else echo /tmp/kvi-model; fi
 }
 
-pip_download() {  # pip_download DEST SPEC-OR-ARGS...: cp312 manylinux x86_64 wheels, no dependencies
-  local dest=$1; shift
-  nice python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
-    --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_5_x86_64 \
-    --platform manylinux1_x86_64 --platform any -d "$dest" "$@"
-}
+# pip_download DEST SPEC-OR-ARGS...
+. tests/gpu/pip_download.sh
 
 cmd=${1:-}
 [ $# -gt 0 ] && shift
