@@ -31,10 +31,12 @@
 # estimate until measured):
 #   1. tests/gpu/vllm_gpu.sh stage                     carry [".stage/vllmgpu.00"]   1-2 min start + < 1 min
 #   2. tests/gpu/vllm_gpu.sh stage                     carry [".stage/vllmgpu.01"]   < 1 min
-#   3. VLLM_GPU_DUMMY=1 tests/gpu/vllm_gpu.sh setup    carry [".stage/vllmgpu.02"]   3-4 min
+#   3. tests/gpu/vllm_gpu.sh setup                     carry [".stage/vllmgpu.02"]   76-96 s on an H100
+#      (VLLM_GPU_DUMMY=1: the 8B as a config only, vLLM drawing its weights)
 #   4. tests/gpu/serve_bench.sh run --targets reprefill,inject --k 5,10,20,50
 #                                                      carry [".stage/servebench.00"]   9 min
-#      engine start 2-3 min (torch.compile, CUDA graphs), captures seconds, then about a minute per
+#      engine start 2-3 min (torch.compile, CUDA graphs; 99 s on an H100, 51f5c64), captures seconds
+#      (1,632 facts in 1.2 s), then about a minute per
 #      (target, k) at the default rates 4..64 req/s (8 s of arrivals, 50 requests at least; less where
 #      a target saturates); exit 3 with points left
 #   5. the same command, carry []: 4-9 min (the engine starts in about a minute from vLLM's compile
