@@ -174,10 +174,10 @@ class KVInjectConnector(KVConnectorBase_V1):
     def handle_preemptions(self, kv_connector_metadata) -> None:
         """vLLM's first worker call of a step that carries the step's metadata; its
         first model runner makes it before it prepares the step's inputs (its second,
-        right before start_load_kv). The step starts here, so its injection is on the
-        stream while the host prepares the forward, and its device time is not added
-        to the step's. Nothing here is about preemption: a preempted request's blocks
-        hold nothing the connector must save."""
+        right before start_load_kv). The step starts here, so that its injection can run
+        on the GPU while the host prepares the forward rather than in front of it. Nothing
+        here is about preemption: a preempted request's blocks hold nothing the
+        connector must save."""
         if self.connector_worker is not None:
             self.connector_worker.start_load_kv(kv_connector_metadata, hook="handle_preemptions")
 
