@@ -203,6 +203,21 @@ def med(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
+def paired_ratio(a, b, boots=4000, seed=0):
+    """The median of b[i] / a[i] over pairs of requests measured one right after the
+    other (a kind's request i, then the other kind's with the same question), with its
+    95% bootstrap interval (pairs drawn with replacement, percentile bounds): a drift of
+    the machine between stretches of requests moves both of a pair and cancels in
+    it. (median, low, high), or None with fewer than 5 pairs."""
+    r = sorted(y / x for x, y in zip(a or [], b or []) if x and y)
+    if len(r) < 5:
+        return None
+    rnd = random.Random(seed)
+    n = len(r)
+    bs = sorted(statistics.median([r[rnd.randrange(n)] for _ in range(n)]) for _ in range(boots))
+    return statistics.median(r), bs[int(0.025 * boots)], bs[int(0.975 * boots) - 1]
+
+
 def quartiles(xs):
     """(25th, 75th) percentile of xs (linear between ranks), None without values."""
     v = [x for x in xs or [] if x is not None]
@@ -1174,23 +1189,39 @@ def pool_rounds(parts):
     return out
 
 
+def paired_verdict(intervals):
+    """True: every interval's high bound <= TARGET_FLOOR; False: some low bound above
+    it; None: neither, or one missing."""
+    if not intervals or None in intervals:
+        return None
+    if any(lo > TARGET_FLOOR for _, lo, _ in intervals):
+        return False
+    return True if all(hi <= TARGET_FLOOR for _, _, hi in intervals) else None
+
+
 def shared_md(m):
     """The shared engine's table: injected and APC requests of the same prompt in one
     engine (the connector loaded, vLLM's prefix cache on), each round's ratio."""
     rounds = m.get("shared_rounds") or []
     L = ["", "In one engine (the connector with vLLM's prefix cache on: the APC requests are the injected "
          "requests' prompts without the kvinject parameters, [header | facts | pad] cached first):", "",
-         "| k | APC ms | injected ms | injected / APC | per round | core ms: APC, injected | rest ms: APC, "
-         "injected | first tokens agree |", "|--:|--:|--:|--:|---|---|---|--:|"]
+         "| k | APC ms | injected ms | injected / APC | paired: median [95% interval] | per round | core ms: APC, "
+         "injected | rest ms: APC, injected | first tokens agree |", "|--:|--:|--:|--:|---|---|---|---|--:|"]
     for r in m["ttft"]:
         rest = [None if x is None or y is None else x - y
                 for x, y in ((r["shared_apc_ms"], r["shared_apc_core_ms"]),
                              (r["shared_inject_ms"], r["shared_inject_core_ms"]))]
         per = ", ".join(fmt(x["inject_over_apc"].get(str(r["k"])), "%.3f") for x in rounds) or "—"
-        L.append("| %d | %s | %s | %s | %s | %s, %s | %s, %s | %s |" % (
+        pr = r.get("shared_paired")
+        paired = "%.3f [%.3f, %.3f]" % tuple(pr) if pr else "—"
+        L.append("| %d | %s | %s | %s | %s | %s | %s, %s | %s, %s | %s |" % (
             r["k"], fmt(r["shared_apc_ms"]), fmt(r["shared_inject_ms"]), fmt(r["shared_inject_over_apc"], "%.3f"),
-            per, fmt(r["shared_apc_core_ms"]), fmt(r["shared_inject_core_ms"]), fmt(rest[0]), fmt(rest[1]),
+            paired, per, fmt(r["shared_apc_core_ms"]), fmt(r["shared_inject_core_ms"]), fmt(rest[0]), fmt(rest[1]),
             r["shared_agree"]))
+    v = m.get("targets", {}).get("shared_paired_all_k")
+    L += ["", "In one engine, injected / APC <= %.2f at every k by the paired ratios' intervals: %s" % (
+        TARGET_FLOOR, {True: "met", False: "NOT met (an interval lies above it)"}.get(v, "undecided (an interval "
+                                                                                       "spans it, or none)"))]
     return L
 
 
@@ -1261,6 +1292,8 @@ def write_run_report(d, stem, parts):
         r.update(shared_apc_ms=ms(sh, "apc", k), shared_inject_ms=ms(sh, "inject", k),
                  shared_apc_core_ms=core(sh, "apc", k), shared_inject_core_ms=core(sh, "inject", k))
         r["shared_inject_over_apc"] = ratio(r["shared_inject_ms"], r["shared_apc_ms"])
+        a_row, i_row = ttft(sh, "apc", k), ttft(sh, "inject", k)
+        r["shared_paired"] = paired_ratio(a_row["ms"], i_row["ms"]) if a_row and i_row else None
         r["shared_agree"] = agree(sh, "inject", sh, "apc", k)
     by_round = []   # each round's injected / APC at each k (--rounds: the engines ran in turn)
     for i, (cr, ar) in enumerate(zip((c or {}).get("rounds", []), (ap or {}).get("rounds", []))):
@@ -1287,6 +1320,9 @@ def write_run_report(d, stem, parts):
                                   "scheduler_host_us_median")} for e, p in parts.items()},
         "ttft": rows, "rounds": by_round, "shared_rounds": shared_rounds, "throughput": tput, "connector": (c or {}).get("connector", []),
         "targets": {"inject_over_apc_all_k": all(floor_ok) if len(floor_ok) == len(ks) else None,
+                    # in one engine, by the paired ratios: met where the interval lies at or below
+                    # the target, not met where it lies above, else undecided (None)
+                    "shared_paired_all_k": paired_verdict([r.get("shared_paired") for r in rows]),
                     "prefill_over_plain_all_k": all(plain_ok) if len(plain_ok) == len(ks) else None}}
     cp = parts.get("cold")
     merged["cold"] = cold_rows(cp)
