@@ -77,8 +77,10 @@
 #    7. tests/gpu/vllm_gpu.sh profile            carry []   1.6 min
 #    8. tests/gpu/vllm_gpu.sh run --tput-users 64 --k 50 --concurrency 64   carry []   the throughput
 #       with 64 users, each its own facts (and APC its own cached prefix): 64 more captures
-#    9. tests/gpu/vllm_gpu.sh run --shape paper --engines shared,apc --concurrency 1 --rounds 2
-#       carry []   4.5 min with setup in the same call (2026-12-07): injected / APC in one engine
+#    9. tests/gpu/vllm_gpu.sh run --shape paper --k 0,5,10,20,50 --engines shared --concurrency 1
+#       --rounds 2   carry []   2.7 min (H100, 2026-12-07; 1.9 min with --model-runner v1):
+#       injected / APC in one engine, 40 pairs per k (their paired ratios' 95% intervals about
+#       ±0.02; --reps 50 for 100 pairs). Add apc to --engines for the cross-engine spread (4.5 min).
 #       (move /tmp/kvi-vllm-bench aside first if step 5 wrote there)
 #   machine 2 (about 20 min): steps 1-3, then
 #    4. VLLM_GPU_MODEL=32b tests/gpu/vllm_gpu.sh run             10-12 min (an estimate), in two or
