@@ -1,4 +1,4 @@
-"""The memory gateway's session prefetch and shared-disk moves (kvinject.serve.memory)
+"""The memory gateway's prefetch after idle and shared-disk moves (kvinject.serve.memory)
 without vLLM: the Service with a real database and fakes of the layout, the embedder
 and the replicas. Each fake replica keeps what its connector's store would hold per
 tenant, over one "shared disk" of tenant files: captures and removals write through
@@ -114,9 +114,9 @@ A, B = "http://a:1", "http://b:1"
 def gateway(tmp_path):
     made = []
 
-    def make(shared_disk=True, session_idle_s=300.0, urls=(A, B)):
+    def make(shared_disk=True, idle_prefetch_s=300.0, urls=(A, B)):
         cfg = GatewayConfig(model="m", replicas=list(urls), db=str(tmp_path / ("g%d.db" % len(made))),
-                            shared_disk=shared_disk, session_idle_s=session_idle_s)
+                            shared_disk=shared_disk, idle_prefetch_s=idle_prefetch_s)
         svc = Service(cfg, Database(cfg.db), FakeLayout(), FakeEmbedder(), Metrics())
         fake = FakeReplicas(urls, shared=shared_disk)
         for r in svc.replicas.all.values():
@@ -150,8 +150,8 @@ def add(svc, user, *facts):
     return run(svc.add(user, list(facts), "facts"))
 
 
-def test_a_sessions_first_chat_asks_the_users_replica_to_prefetch(gateway):
-    svc, fake = gateway(session_idle_s=100.0)
+def test_a_users_first_chat_after_idle_asks_the_users_replica_to_prefetch(gateway):
+    svc, fake = gateway(idle_prefetch_s=100.0)
     add(svc, "ann", "likes tea", "has a cat")
     own = owner_of(svc, "ann")
     tenant = svc.db.user("ann").id
@@ -162,25 +162,25 @@ def test_a_sessions_first_chat_asks_the_users_replica_to_prefetch(gateway):
     (url, kind, params), = fake.sent
     assert kind == "chat" and url == own
     assert params["tenant"] == tenant and params["prefetch"] is True and [s[0] for s in params["inject"]] == [0, 1, 2]
-    assert metric(svc, "prefetches_total", why="session", status="ok") == 1
+    assert metric(svc, "prefetches_total", why="idle", status="ok") == 1
 
     def prefetching():
         return [p.get("prefetch", False) for _, _, p in fake.sent]
-    run(chat(svc, "ann"))  # the same session: no prefetch
+    run(chat(svc, "ann"))  # not idle: no prefetch
     assert prefetching() == [True, False]
-    svc._last_chat[tenant] -= 101  # idle for longer than session_idle_s: a new session
+    svc._last_chat[tenant] -= 101  # idle for longer than idle_prefetch_s: back from idle
     run(chat(svc, "ann"))
     assert prefetching() == [True, False, True]
-    # a user without memories has nothing to prefetch; session_idle_s 0 never prefetches
+    # a user without memories has nothing to prefetch; idle_prefetch_s 0 never prefetches
     run(chat(svc, "nobody"))
     assert prefetching() == [True, False, True, False]
-    # memory off: the session's prefetch still goes, with the chat's request alone
+    # memory off: the prefetch after idle still goes, with the chat's request alone
     svc._last_chat[tenant] -= 101
     run(svc.chat(parse_chat({"user": "ann", "memory": False, "messages": [{"role": "user", "content": "q"}]},
                             5, 1000)))
     assert fake.sent[-1][2] == {"tenant": tenant, "prefetch": True}
-    assert metric(svc, "prefetches_total", why="session", status="ok") == 3
-    svc2, fake2 = gateway(session_idle_s=0.0)
+    assert metric(svc, "prefetches_total", why="idle", status="ok") == 3
+    svc2, fake2 = gateway(idle_prefetch_s=0.0)
     add(svc2, "ann", "likes tea")
     run(chat(svc2, "ann"))
     assert not any(p.get("prefetch") for _, _, p in fake2.sent)
@@ -295,11 +295,11 @@ def test_overhead_is_the_chats_time_less_the_replicas(gateway):
     """kvinject_gateway_overhead_seconds: a chat's time to its answer (or, streamed, to its
     first chunk) less the answering replica's, through the real app. The replica takes
     80 ms (to its first event when streamed, and 80 ms more to its next); the gateway's
-    own part is what is left, well below that (no session prefetch here: a waited-for
+    own part is what is left, well below that (no prefetch after idle here: a waited-for
     prefetch request would be the gateway's)."""
     httpx = pytest.importorskip("httpx")
     from kvinject.serve.app import create_app
-    svc, fake = gateway(session_idle_s=0.0)
+    svc, fake = gateway(idle_prefetch_s=0.0)
     add(svc, "ann", "likes tea", "has a cat")
     delay = 0.08
     inner = fake.complete
@@ -395,7 +395,7 @@ def test_a_failed_embedder_call_fails_its_callers_only(gateway):
 def test_a_streamed_chat_frees_the_user_once_its_first_event_is_there(gateway):
     """The user's lock is held until the replica's first event, not through the answer:
     a second chat of the same user is sent while the first still streams."""
-    svc, fake = gateway(session_idle_s=0.0)
+    svc, fake = gateway(idle_prefetch_s=0.0)
     add(svc, "ann", "likes tea")
     inner = fake.complete
     sent = []

@@ -234,10 +234,10 @@ def test_settings_flags_env_and_checks(tmp_path):
                        environ={}).embedder_is_url
     # the disk tier's settings: a boolean flag parsed as the environment's are
     cfg = config.load(base + ["--replica", "http://a:1"], environ={})
-    assert (cfg.shared_disk, cfg.session_idle_s) == (False, 300.0)
-    cfg = config.load(base + ["--replica", "http://a:1", "--shared-disk", "true", "--session-idle-s", "0"],
+    assert (cfg.shared_disk, cfg.idle_prefetch_s) == (False, 300.0)
+    cfg = config.load(base + ["--replica", "http://a:1", "--shared-disk", "true", "--idle-prefetch-s", "0"],
                       environ={})
-    assert (cfg.shared_disk, cfg.session_idle_s) == (True, 0.0)
+    assert (cfg.shared_disk, cfg.idle_prefetch_s) == (True, 0.0)
     assert config.load(base + ["--replica", "http://a:1", "--shared-disk", "no"],
                        environ={"KVINJECT_GATEWAY_SHARED_DISK": "1"}).shared_disk is False   # flag > env
     assert config.load(base + ["--replica", "http://a:1"], environ={"KVINJECT_GATEWAY_SHARED_DISK": "yes"}).shared_disk

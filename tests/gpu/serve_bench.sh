@@ -43,8 +43,8 @@
 #      cache), again while it exits 3
 #   6. tests/gpu/serve_bench.sh run --targets gateway --k 5,10,20,50    carry []   6-9 min
 #   7. (optional) tests/gpu/serve_bench.sh run --targets plain --k 5,10,20,50    carry []   6-9 min
-# About 30-35 min in all: past the session's device time, go on in a fresh
-# session from step 1, with the last serve_bench.json in .serve-bench/ carried
+# About 30-35 min in all, more than one machine's 30 min: go on with a fresh
+# machine from step 1, with the last serve_bench.json in .serve-bench/ carried
 # in step 4 (carry [".stage/servebench.00", ".serve-bench"]). Then here:
 #   /tmp/mpl/venv/bin/python tests/gpu/serve_bench.py --plot DIR     (DIR holding serve_bench.json)
 set -euo pipefail

@@ -44,8 +44,8 @@ _ROWS = [
     ("capture_tokens", int, 0, 0, 1000000, None,
      "the most tokens of one capture prompt (0: each replica's max_model_len less 8)"),
     ("log_level", str, "info", None, None, ("debug", "info", "warning", "error"), "log level"),
-    ("session_idle_s", float, 300.0, 0.0, 1e9, None,
-     "a chat after this many seconds without one from the user starts a session: the user's replica is asked "
+    ("idle_prefetch_s", float, 300.0, 0.0, 1e9, None,
+     "a user's first chat, or the first after this many seconds without one, asks the user's replica "
      "to prefetch the user's memory (0: never)"),
     ("shared_disk", bool, False, None, None, None,
      "the replicas' connectors share one disk_dir: a user moved to another replica loads its memory from the "
@@ -74,7 +74,7 @@ class GatewayConfig:
     request_timeout: float = 600.0
     capture_tokens: int = 0
     log_level: str = "info"
-    session_idle_s: float = 300.0
+    idle_prefetch_s: float = 300.0
     shared_disk: bool = False
 
     @property

@@ -23,7 +23,7 @@ hybrid policy, and an injection waits for the prefetch) and the placement
 there becomes clean. A failed injection distrusts the file: every placement of
 the user becomes unknown, and the next use captures the user again.
 
-Sessions: a chat after ``session_idle_s`` without one from the user asks the
+After idle: a chat after ``idle_prefetch_s`` without one from the user asks the
 user's replica to prefetch the user's memory (the ``prefetch`` parameter on
 the chat's own request: the connector starts it after the chat's injection),
 as ``POST /v1/memory/{user}/prefetch`` does with a request of its own.
@@ -304,13 +304,13 @@ class Service:
         await self.full_capture(u, rep)
         return "captured"
 
-    def _new_session(self, uid: int) -> bool:
-        """Notes a chat of the user; True when it starts a session (the first chat, or
-        the first after session_idle_s without one)."""
+    def _back_from_idle(self, uid: int) -> bool:
+        """Notes a chat of the user; True when it is the user's first (the first chat, or
+        the first after idle_prefetch_s without one)."""
         now = time.monotonic()
         last = self._last_chat.get(uid)
         self._last_chat[uid] = now
-        idle = self.cfg.session_idle_s
+        idle = self.cfg.idle_prefetch_s
         return idle > 0 and (last is None or now - last >= idle)
 
     async def prefetch_user(self, name: str) -> Dict[str, Any]:
@@ -574,9 +574,9 @@ class Service:
             route = uid if uid is not None else zlib.crc32(req.user.encode())
             rep = self.owner(route)
             self._check_length(rep, body, req)
-            session = u is not None and self._new_session(u.id) and self.clean(u, rep)
-            if session:
-                # a session starts: the chat itself asks the replica to move the user's memory up
+            after_idle = u is not None and self._back_from_idle(u.id) and self.clean(u, rep)
+            if after_idle:
+                # the user is back: the chat itself asks the replica to move the user's memory up
                 # (the connector starts the prefetch after the chat's own injection: the chat
                 # waits neither for the reads nor for a request of its own)
                 kv = body.setdefault("kv_transfer_params", {}).setdefault("kvinject", {"tenant": u.id})
@@ -606,8 +606,8 @@ class Service:
                     self._distrust(u.id, rep)
                     continue
                 break
-            if session:
-                self.m.prefetches.labels("session", "ok").inc()
+            if after_idle:
+                self.m.prefetches.labels("idle", "ok").inc()
         finally:
             # a stream's first event is there: the replica has injected the facts (they are in
             # its engine's cache), so the user's other chats and memory writes need not wait

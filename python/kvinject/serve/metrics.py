@@ -40,8 +40,8 @@ class Metrics:
         self.chat_retries = Counter(p + "chat_retries", "chats retried after a failed injection or a replica "
                                     "that stopped answering", ["why"], registry=r)
         self.removals = Counter(p + "removals", "remove requests sent to replicas", ["status"], registry=r)
-        self.prefetches = Counter(p + "prefetches", "prefetch requests sent to replicas, by why (session: a "
-                                  "session's first chat; explicit: POST /v1/memory/{user}/prefetch; shared: a user "
+        self.prefetches = Counter(p + "prefetches", "prefetch requests sent to replicas, by why (idle: a "
+                                  "user's first chat after idle_prefetch_s; explicit: POST /v1/memory/{user}/prefetch; shared: a user "
                                   "moved to a replica that loads its memory from the shared disk) and status",
                                   ["why", "status"], registry=r)
         self.facts = Gauge(p + "facts", "memories in the database", registry=r)
