@@ -14,8 +14,8 @@
 #   tests/gpu/serve_bench.sh run [ARGS]   (there, after vllm_gpu.sh setup)
 #       takes the carried part (the first call), opens it into /tmp/kvi-embedder,
 #       installs its wheels --no-deps into vllm_gpu.sh's /tmp/vllm-site and
-#       imports vLLM's server modules (tests/gpu/vllm_deps.py --import-check
-#       serve: every missing module named at once), then runs serve_bench.py
+#       imports vLLM's server modules and the gateway's (tests/gpu/vllm_deps.py
+#       --import-check serve: every missing module named at once), then runs serve_bench.py
 #       --device gpu on the staged
 #       model with ARGS (--targets, --k, --rates, ...), stopping itself before
 #       SERVE_BENCH_TIMEOUT (default 540 s; the script gets --time-budget 60 s
@@ -106,7 +106,7 @@ EOF
     if [ ! -f "$site/.kvi-serve-wheels" ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
         /tmp/kvi-embedder/wheels/*.whl 2>&1 | grep -v "^WARNING: Target directory" || true
-      PYTHONPATH=$site python3 tests/gpu/vllm_deps.py --import-check serve \
+      PYTHONPATH=$site:$PWD/python python3 tests/gpu/vllm_deps.py --import-check serve \
         || die "vLLM's server does not import (above: the missing modules; add their wheels to tests/gpu/serve_bench.requirements)"
       touch "$site/.kvi-serve-wheels"
     fi

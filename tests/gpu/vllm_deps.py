@@ -55,9 +55,11 @@ ENGINE_MODULES = [
     "vllm.tokenizers", "vllm._C", "vllm.vllm_flash_attn.flash_attn_interface",
 ]
 
-# `vllm serve` and `vllm bench serve` (tests/gpu/serve_bench.sh), beyond the engine's
+# `vllm serve`, `vllm bench serve` and the memory gateway in front of them
+# (tests/gpu/serve_bench.sh), beyond the engine's
 SERVE_MODULES = ["vllm.entrypoints.cli.main", "vllm.entrypoints.cli.serve", "vllm.entrypoints.openai.api_server",
-                 "vllm.benchmarks.serve", "vllm.benchmarks.lib.endpoint_request_func"]
+                 "vllm.benchmarks.serve", "vllm.benchmarks.lib.endpoint_request_func",
+                 "kvinject.serve.app", "uvicorn", "httpx", "transformers"]
 
 
 def norm(name):
