@@ -188,7 +188,7 @@ SHAPES = {"fixed": dict(header=32, fact="24", question=32, k="0,5,10,20,50"),
 KEY_ARGS = ("model", "shape", "k", "header_tokens", "fact_tokens", "question_tokens", "no_align", "block_size",
             "concurrency", "tput_tokens", "tput_users", "reps", "warmup", "tput_reps", "store_dtype", "store_mb", "gpu_mem",
             "max_model_len", "max_batched_tokens", "layerwise", "model_runner", "eager", "dummy", "device_timing",
-            "seed",
+            "no_events", "seed",
             "profile", "profile_k", "profile_requests", "profile_stack", "cold_reps", "cold_store_mb",
             "cold_read_mb_s", "cold_prefill_tokens_s", "cold_settle_ms", "cold_settle_prefetch", "rounds")
 TARGET_FLOOR = 1.05      # inject TTFT <= 1.05 x apc TTFT; connector's prefill <= 1.05 x plain's;
@@ -280,6 +280,11 @@ def parse_args(argv=None):
     ap.add_argument("--device-timing", action="store_true",
                     help="the connector times each injecting step on the GPU (time_device: an event "
                          "synchronize per step, so TTFT is measured without it)")
+    ap.add_argument("--no-events", action="store_true",
+                    help="the connector's engines without an event file, as a production engine runs them (the "
+                         "event records and their writer thread cost host time in every injecting step and at "
+                         "each request's end): captures are checked by the requests' outcomes, and the "
+                         "connector's share of the host time is not reported; not with the cold engine")
     ap.add_argument("--profile", metavar="DIR", default=None, help="profile instead of the sweep (see above)")
     ap.add_argument("--profile-k", type=int, default=None, help="k of the profiled requests (default: the largest)")
     ap.add_argument("--profile-requests", type=int, default=5)
@@ -321,6 +326,8 @@ def parse_args(argv=None):
         args.model = os.path.abspath(args.model)
     if args.profile and "cold" in args.engines.split(",") or args.profile and args.engine == "cold":
         ap.error("--profile profiles the connector, apc and plain engines, not cold")
+    if args.no_events and ("cold" in args.engines.split(",") or args.engine == "cold"):
+        ap.error("--no-events: the cold engine's outcomes are read from its events")
     if args.profile_k is not None and args.profile_k not in lists(args)[0]:
         ap.error("--profile-k %d is none of --k %s" % (args.profile_k, args.k))
     return args
@@ -537,8 +544,10 @@ def run_engine(args):
                   max_num_seqs=max(64, max(concs)), enforce_eager=args.eager, block_size=args.block_size,
                   disable_log_stats=False)  # RequestOutput.metrics: the engine core's own timestamps
     if spec["connector"]:
-        extra = dict(store_dtype=args.store_dtype, store_budget_mb=store_mb, events_path=ev_path,
-                     layerwise=args.layerwise, time_device=args.device_timing)
+        extra = dict(store_dtype=args.store_dtype, store_budget_mb=store_mb, layerwise=args.layerwise,
+                     time_device=args.device_timing)
+        if not args.no_events:
+            extra["events_path"] = ev_path
         if spec.get("cold"):
             extra.update(cold_settings(args, cfg, wl, ks))
             res["cold_settings"] = extra
@@ -585,7 +594,7 @@ def run_engine(args):
         return dt, outs
 
     if spec["connector"] and not spec.get("cold"):
-        capture(gen, events, wl, ks, res, args.tput_users if spec["tput"] else 1)
+        capture(gen, None if args.no_events else events, wl, ks, res, args.tput_users if spec["tput"] else 1)
 
     windows = []  # (label, t0, t1) in time.time(), to assign the connector's events
 
@@ -603,7 +612,7 @@ def run_engine(args):
         res["ttft"] = ttft_sweep(args, spec, wl, gen, timed, ks)
         res["throughput"] = throughput(args, spec, wl, timed, kmax, concs, tput_tokens)
         windows[:] = [w for w in windows if "-inject-" in w[0]]
-        if spec["connector"]:
+        if spec["connector"] and not args.no_events:
             res["connector"] = connector_share(events(), windows)
             res["scheduler_host_us_median"] = med([e["host_us"] for e in events("scheduler")
                                                    if e.get("event") == "schedule"])
@@ -682,33 +691,44 @@ def throughput(args, spec, wl, timed, kmax, concs, tput_tokens):
     return out
 
 
+def captured(outs):
+    """Facts the requests' outcomes say were captured (kv_transfer_params' "captured"; a
+    request that ends in the step of its capture has the result still pending: the capture
+    requests ask for two tokens)."""
+    from kvinject.vllm import PARAMS_KEY
+    return sum(len(((o.kv_transfer_params or {}).get(PARAMS_KEY) or {}).get("captured") or []) for o in outs)
+
+
 def capture(gen, events, wl, ks, res, users=1):
     """Header and every fact from one prefill; then each k's pad after [header | k facts];
-    users 1 .. users - 1: header, facts and the largest k's pad from one prefill each."""
+    users 1 .. users - 1: header, facts and the largest k's pad from one prefill each.
+    events: the worker's event records (a function), or None (no event file): the
+    facts stored are then counted from the requests' outcomes."""
     import kvinject.vllm as kv
     kmax = max(ks)
     cp = kv.capture_prompt(TENANT, [kv.Keep(HEADER_ID, wl.header)]
                            + [kv.Keep(i, f) for i, f in zip(wl.fact_ids, wl.facts)] + [wl.question("capture")])
-    gen([(cp.prompt, cp.sampling_params(temperature=0.0, max_tokens=1))])
+    outs = gen([(cp.prompt, cp.sampling_params(temperature=0.0, max_tokens=2, ignore_eos=True))])[1]
     pads = []
     for k in ks:
         if wl.pads[k]:
             segs = [seg for _, seg in wl.segments(k)[:-1]]
             pads.append(kv.capture_prompt(TENANT, segs + [kv.Keep(PAD_ID + k, wl.pads[k]), wl.question("pad", k)]))
     if pads:
-        gen([(p.prompt, p.sampling_params(temperature=0.0, max_tokens=1)) for p in pads])
+        outs += gen([(p.prompt, p.sampling_params(temperature=0.0, max_tokens=2, ignore_eos=True)) for p in pads])[1]
     more = []
     for u in range(1, users):
         segs = [kv.Keep(i, seg) for i, seg in wl.segments(kmax, u)]
         more.append(kv.capture_prompt(TENANT + u, segs + [wl.question("capture", u)]))
     for i in range(0, len(more), 16):
-        gen([(p.prompt, p.sampling_params(temperature=0.0, max_tokens=1)) for p in more[i:i + 16]])
+        outs += gen([(p.prompt, p.sampling_params(temperature=0.0, max_tokens=2, ignore_eos=True)) for p in more[i:i + 16]])[1]
     want = kmax + 1 + len(pads) + (users - 1) * len(wl.segments(kmax))
-    stored = sum(e["stored"] for e in events() if e["event"] == "capture")
+    stored = (sum(e["stored"] for e in events() if e["event"] == "capture") if events is not None
+              else captured(outs))
     if stored != want:
         raise SystemExit("vllm_bench: the captures stored %d facts, expected %d (header, %d facts, %d pads; "
                          "%d more users)" % (stored, want, kmax, len(pads), users - 1))
-    reg = [e for e in events() if e["event"] == "register"]
+    reg = [e for e in events() if e["event"] == "register"] if events is not None else []
     res["register"] = reg[-1] if reg else None
     log("captured %d facts and %d pads; cache %s" % (kmax + 1, len(pads), res["register"] or "?"))
 
