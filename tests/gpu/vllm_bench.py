@@ -105,6 +105,11 @@ Measured, per engine:
               step; with --device-timing (the connector's time_device: an
               event synchronize per step, which costs TTFT) also the
               injection's device time and the step's device time.
+              With --no-events the connector's engines run without an event
+              file, as a production engine does (every injecting step then
+              builds and queues no records, and no request's end waits for
+              their writer): captures are checked by the requests' outcomes,
+              and there is no connector share.
 
 --profile DIR: instead of the sweep, each engine (default connector, apc)
 runs its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
