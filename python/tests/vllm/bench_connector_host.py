@@ -16,6 +16,12 @@ does (``build_kv_connector_stats``, ``aggregate``) and recorded in Prometheus
 question): k facts and the header injected.
 
     python3 launch.py bench_connector_host.py [--k 0,5,10,20,50] [--reps 2000] [--out DIR]
+                                              [--events PATH]
+
+--events PATH gives the connector an event file (``events_path``), as
+``tests/gpu/vllm_bench.py``'s engines have unless --no-events: each step's
+records are queued for the writer thread and ``request_finished`` waits for
+them to be written; without it the connector runs as a production engine does.
 
 Prints a table of medians (µs per request) and writes DIR/host.md when --out
 is given. The worker's side (the library call and the job's arrays) is
@@ -40,6 +46,7 @@ def parse_args(argv=None):
     ap.add_argument("--k", default="0,5,10,20,50")
     ap.add_argument("--reps", type=int, default=2000)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--events", default=None, metavar="PATH", help="the connector's events_path")
     return ap.parse_args(argv)
 
 
@@ -59,7 +66,8 @@ def main(argv=None) -> int:
 
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BS, sha256)
-    ktc = types.SimpleNamespace(kv_connector_extra_config={}, is_kv_producer=True)
+    ktc = types.SimpleNamespace(kv_connector_extra_config={"events_path": args.events} if args.events else {},
+                                is_kv_producer=True)
     vc = types.SimpleNamespace(kv_transfer_config=ktc, cache_config=types.SimpleNamespace(block_size=BS,
                                                                                          enable_prefix_caching=True))
     conn = KVInjectConnector(vc, KVConnectorRole.SCHEDULER, None)
