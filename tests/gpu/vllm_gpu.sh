@@ -81,7 +81,8 @@
 #       --rounds 2   carry []   2.7 min (H100, 2026-12-07; 1.9 min with --model-runner v1):
 #       injected / APC in one engine, 40 pairs per k (their paired ratios' 95% intervals about
 #       ±0.02; --reps 50 for 100 pairs). Add apc to --engines for the cross-engine spread (4.5 min).
-#       (move /tmp/kvi-vllm-bench aside first if step 5 wrote there)
+#       (move /tmp/kvi-vllm-bench aside first if step 5 wrote there). The same with --no-events:
+#       the engine without an event file, as in production (about the same time).
 #   machine 2 (about 20 min): steps 1-3, then
 #    4. VLLM_GPU_MODEL=32b tests/gpu/vllm_gpu.sh run             10-12 min (an estimate), in two or
 #       three calls
