@@ -383,8 +383,8 @@ def test_the_event_file_records_the_steps_and_the_errors(tmp_path, mp):
     s.on_new_request(bad)
     claim(s, r, blocks=[1, 2, 3])
     s.build_connector_meta(output())  # nothing to send: no record
-    # the records are queued (a writer thread writes them); they are in the file
-    # once the step's output comes back (vLLM's update_connector_output)
+    # the records are queued; they are in the file once the step's output comes
+    # back (vLLM's update_connector_output flushes them)
     s.update_connector_output(None)
     with open(tmp_path / "ev.scheduler.jsonl") as f:
         recs = [json.loads(line) for line in f]
@@ -434,8 +434,9 @@ def test_events_are_serialized_at_flush_not_at_write_and_in_order(tmp_path, monk
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
 def test_a_forked_child_writes_its_own_events(tmp_path):
-    # the parent's writer thread does not exist in a forked child: the child's
-    # events still reach the file, and its flush does not wait for a thread that is not there
+    # a forked child starts its event file over (a lock a parent's thread held at
+    # the fork would never be let go): its events still reach the file, and the
+    # records the parent had queued are written once, by the parent
     import warnings
     from kvinject.vllm.events import Events
     path = tmp_path / "e.jsonl"

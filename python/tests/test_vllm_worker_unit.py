@@ -150,7 +150,7 @@ class Rig:
                         assert np.isnan(k).all() and np.isnan(v).all(), "cell %s changed" % ((layer, b, t),)
 
     def events(self, kind=None):
-        self.worker._events.flush()  # a reader in the engine's process waits for the writer thread
+        self.worker._events.flush()  # the records queued since the worker's last flush
         with open(self.events_path + ".worker%d.jsonl" % self.tp_rank) as f:
             recs = [json.loads(line) for line in f]
         return [e for e in recs if kind is None or e["event"] == kind]

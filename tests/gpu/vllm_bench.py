@@ -287,9 +287,9 @@ def parse_args(argv=None):
                          "synchronize per step, so TTFT is measured without it)")
     ap.add_argument("--no-events", action="store_true",
                     help="the connector's engines without an event file, as a production engine runs them (the "
-                         "event records and their writer thread cost host time in every injecting step and at "
-                         "each request's end): captures are checked by the requests' outcomes, and the "
-                         "connector's share of the host time is not reported; not with the cold engine")
+                         "event records cost host time in every injecting step and at each request's end): "
+                         "captures are checked by the requests' outcomes, and the connector's share of the "
+                         "host time is not reported; not with the cold engine")
     ap.add_argument("--profile", metavar="DIR", default=None, help="profile instead of the sweep (see above)")
     ap.add_argument("--profile-k", type=int, default=None, help="k of the profiled requests (default: the largest)")
     ap.add_argument("--profile-requests", type=int, default=5)

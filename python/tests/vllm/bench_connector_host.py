@@ -20,8 +20,8 @@ question): k facts and the header injected.
 
 --events PATH gives the connector an event file (``events_path``), as
 ``tests/gpu/vllm_bench.py``'s engines have unless --no-events: each step's
-records are queued for the writer thread and ``request_finished`` waits for
-them to be written; without it the connector runs as a production engine does.
+records are queued and written at the flushes (``update_connector_output``,
+``request_finished``); without it the connector runs as a production engine does.
 
 Prints a table of medians (µs per request) and writes DIR/host.md when --out
 is given. The worker's side (the library call and the job's arrays) is
@@ -54,7 +54,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import prometheus_client as prom
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
