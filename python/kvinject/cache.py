@@ -127,7 +127,6 @@ class CacheLayout:
         # elements from a plane's first to its last, both included
         kext = 1 + sum((n - 1) * st for n, st in zip(counts, ks))
         vext = 1 + sum((n - 1) * st for n, st in zip(counts, vs))
-        last = (L - 1) * c.layer_stride
 
         def fits(name: str, plane: str, layer: int, end: int) -> None:
             a = given.get(name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import array
 import ctypes
 import dataclasses
-from typing import Any, Optional, Tuple
+from typing import Optional, Tuple
 
 from ._types import FloatArrayLike
 from . import _buffers

@@ -21,7 +21,7 @@ import os
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..enums import Backend
-from ..hf.config import STORE_DTYPES, store_model, store_rope_fields
+from ..hf.config import STORE_DTYPES, store_model
 from ..store import Store
 from .prompt import MemoryPrompt, Tokens, memory_prompt
 

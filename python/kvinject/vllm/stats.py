@@ -20,7 +20,7 @@ see :data:`METRICS` and docs/guide/observability.md.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from ._compat import KVConnectorPromMetrics, KVConnectorStats
 
