@@ -43,6 +43,9 @@
 #      cache), again while it exits 3
 #   6. tests/gpu/serve_bench.sh run --targets gateway --k 5,10,20,50    carry []   6-9 min
 #   7. (optional) tests/gpu/serve_bench.sh run --targets plain --k 5,10,20,50    carry []   6-9 min
+# The shortest sweep that gives every figure once: step 4 as
+#   tests/gpu/serve_bench.sh run --targets reprefill,inject,gateway --k 50
+# (one replica and gateway start for the three targets, about 6-8 min with its repeat).
 # About 30-35 min in all, more than one machine's 30 min: go on with a fresh
 # machine from step 1, with the last serve_bench.json in .serve-bench/ carried
 # in step 4 (carry [".stage/servebench.00", ".serve-bench"]). Then here:
